@@ -1,0 +1,80 @@
+"""Input validation, run before any launch. Each error names the offending argument."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _tensor(name: str, t: Any) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    return t
+
+
+def check_tensor(name: str, t: Any, *, dtype=None, dtypes=None, shape=None, device=None) -> torch.Tensor:
+    """Type, dtype, rank/shape (``None`` entries are free), device and contiguity of ``t``."""
+    t = _tensor(name, t)
+    if dtype is not None and t.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise TypeError(f"{name} must have one of dtypes {dtypes}, got {t.dtype}")
+    if shape is not None:
+        if t.dim() != len(shape):
+            raise ValueError(f"{name} must be {len(shape)}-D with shape {_fmt(shape)}, got {tuple(t.shape)}")
+        for want, got in zip(shape, t.shape):
+            if want is not None and want != got:
+                raise ValueError(f"{name} must have shape {_fmt(shape)}, got {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name} is on {t.device}, but the layer runs on {device}")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous (got strides {t.stride()})")
+    return t
+
+
+def _fmt(shape) -> str:
+    return "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+
+
+def check_routing(cfg, x: torch.Tensor, topk_ids: Any, topk_weights: Any, device: torch.device,
+                  *, check_values: bool) -> None:
+    """``x [T, H]``, ``topk_ids [T, K]`` int32/int64 in ``[0, E)``, ``topk_weights [T, K]`` float32."""
+    check_tensor("x", x, dtype=cfg.dtype, shape=(None, cfg.hidden), device=device)
+    T = x.shape[0]
+    if T > cfg.max_tokens_per_rank:
+        raise ValueError(f"x has {T} tokens, more than max_tokens_per_rank={cfg.max_tokens_per_rank}")
+    ids = _tensor("topk_ids", topk_ids)
+    if ids.dim() == 2 and ids.shape[0] == T and ids.shape[1] != cfg.top_k:
+        raise ValueError(f"topk_ids has {ids.shape[1]} columns but the layer's top_k is {cfg.top_k}")
+    check_tensor("topk_ids", ids, dtypes=INDEX_DTYPES, shape=(T, cfg.top_k), device=device)
+    w = _tensor("topk_weights", topk_weights)
+    if w.dim() == 2 and w.shape[0] == T and w.shape[1] != cfg.top_k:
+        raise ValueError(f"topk_weights has {w.shape[1]} columns but the layer's top_k is {cfg.top_k}")
+    check_tensor("topk_weights", w, dtype=torch.float32, shape=(T, cfg.top_k), device=device)
+    if check_values and T > 0:
+        # one fused reduction, one host sync; skipped under CUDA-graph capture (kernels guard)
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= cfg.num_experts:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"topk_ids holds expert id {bad}, outside [0, {cfg.num_experts})")
+        if not bool(torch.isfinite(w).all()):
+            raise ValueError("topk_weights holds a non-finite value (NaN or inf)")
+
+
+def check_weights(cfg, e_local: int, w13: Any, w2: Any, device: torch.device) -> None:
+    """``w13 [E_local, w13_rows, H]`` and ``w2 [E_local, H, I]`` in the layer dtype."""
+    for name, t, shape in (("w13", w13, (e_local, cfg.w13_rows, cfg.hidden)),
+                           ("w2", w2, (e_local, cfg.hidden, cfg.intermediate))):
+        t = _tensor(name, t)
+        if t.dim() == 3 and t.shape[0] != e_local:
+            raise ValueError(f"{name} holds {t.shape[0]} experts, but this rank owns {e_local} local "
+                             f"experts (num_experts / EP world size)")
+        check_tensor(name, t, dtype=cfg.dtype, shape=shape, device=device)
+
+
+def check_out(cfg, out: Any, T: int, device: torch.device) -> None:
+    if out is not None:
+        check_tensor("out", out, dtype=cfg.dtype, shape=(T, cfg.hidden), device=device)

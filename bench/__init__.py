@@ -1,0 +1,1 @@
+"""Benchmarks: ``python -m moe_ep.bench [layer|gemm]`` (see ``--help``)."""

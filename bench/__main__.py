@@ -1,0 +1,151 @@
+"""``python -m moe_ep.bench`` — time an MoE layer on the best available backend.
+
+Default job: a Qwen3-30B-A3B-shaped layer (H 2048, I 768, E 128, top-8) with 8192 tokens per rank
+on the best available backend, next to the reference backend. Without a GPU it runs the reference
+backend on a small token count and says so. Under ``torchrun --nproc_per_node=N`` it runs expert
+parallelism over N ranks (FLOPs per GPU = 6·T·K·H·I with T tokens per rank).
+
+Sub-commands: ``layer`` (default) and ``gemm`` (SM90 grouped GEMM vs torch._grouped_mm).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+
+from moe_ep.api import EPGroup, MoEConfig, MoELayer, init_distributed
+from moe_ep.backends import available
+
+from .models import MODELS
+
+
+def make_inputs(cfg: MoEConfig, T: int, group: EPGroup, device, seed: int, skew: bool = False):
+    """Random tokens, softmax router weights over top-k of random logits, per-rank weights drawn
+    from one global generator (so every EP size sees the same global experts)."""
+    g = torch.Generator().manual_seed(seed)
+    E, K, H, I = cfg.num_experts, cfg.top_k, cfg.hidden, cfg.intermediate
+    El = E // group.world_size
+    logits = torch.randn(group.world_size, T, E, generator=g)[group.rank]
+    if skew:
+        logits[:, 0] += 4.0
+    vals, ids = logits.topk(K, dim=-1)
+    w = torch.softmax(vals, dim=-1)
+    x = torch.randn(T, H, generator=g).to(cfg.dtype)
+    lo = group.rank * El
+    gw = torch.Generator().manual_seed(seed + 1)
+    w13 = torch.empty(El, cfg.w13_rows, H)
+    w2 = torch.empty(El, H, I)
+    for e in range(E):  # global expert e's weights are the same for every EP size
+        a = torch.randn(cfg.w13_rows, H, generator=gw) * H ** -0.5
+        b = torch.randn(H, I, generator=gw) * I ** -0.5
+        if lo <= e < lo + El:
+            w13[e - lo], w2[e - lo] = a, b
+    return (x.to(device), ids.to(torch.int32).to(device), w.float().to(device),
+            w13.to(cfg.dtype).to(device), w2.to(cfg.dtype).to(device))
+
+
+def _sync(group: EPGroup, device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    if group.world_size > 1:
+        import torch.distributed as dist
+
+        dist.barrier(group=group.pg)
+
+
+def time_layer(layer: MoELayer, inputs, iters: int, warmup: int) -> float:
+    """Median milliseconds of one forward (per-iteration barrier; CUDA events on GPU)."""
+    x, ids, w, w13, w2 = inputs
+    out = torch.empty_like(x)
+    for _ in range(warmup):
+        layer.forward(x, ids, w, w13, w2, out=out)
+    times = []
+    for _ in range(iters):
+        _sync(layer.group, layer.device)
+        if layer.device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            layer.forward(x, ids, w, w13, w2, out=out)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            layer.forward(x, ids, w, w13, w2, out=out)
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def run_layer(args) -> int:
+    group = init_distributed()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    m = MODELS[args.model]
+    T = args.tokens if args.tokens is not None else (8192 if cuda else 64)
+    cfg = MoEConfig(num_experts=m["num_experts"], hidden=m["hidden"], intermediate=m["intermediate"],
+                    top_k=m["top_k"], max_tokens_per_rank=max(T, 1), activation="swiglu")
+    names = args.backend or ["auto"]
+    if "reference" not in names and not args.no_reference:
+        names = names + ["reference"]
+    say = print if group.rank == 0 else (lambda *a, **k: None)
+    if not cuda:
+        say(f"moe_ep.bench: no CUDA GPU here: running the reference backend on CPU with {T} tokens/rank "
+            "(numbers are for smoke-testing, not performance)")
+    inputs = make_inputs(cfg, T, group, device, seed=args.seed, skew=args.skew)
+    rows = []
+    for name in names:
+        layer = MoELayer(cfg, group, backend=name, device=device)
+        if name == "auto" and layer.backend_name == "reference" and "reference" in names:
+            layer.destroy()
+            continue
+        layer.warmup(progress=not args.quiet)
+        ms = time_layer(layer, inputs, args.iters, args.warmup)
+        if group.world_size > 1:  # the slowest rank's median
+            import torch.distributed as dist
+
+            t = torch.tensor([ms], device=group.comm_device)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group.pg)
+            ms = float(t.item())
+        tflops = cfg.flops(T) / (ms * 1e-3) / 1e12
+        rows.append((layer.backend_name, m["name"], T, group.world_size, ms, tflops))
+        layer.destroy()
+    say(f"\nbackends registered: {available()}; device: {torch.cuda.get_device_name() if cuda else 'cpu'}")
+    say(f"{'backend':<22}{'shape':<26}{'tokens/rank':>12}{'EP':>4}{'ms':>10}{'TFLOP/s':>10}")
+    for b, shape, t, ep, ms, tf in rows:
+        say(f"{b:<22}{shape:<26}{t:>12}{ep:>4}{ms:>10.3f}{tf:>10.1f}")
+    if group.world_size > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m moe_ep.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("job", nargs="?", default="layer", choices=["layer", "gemm"])
+    p.add_argument("--model", default="qwen3", choices=sorted(MODELS))
+    p.add_argument("--tokens", type=int, default=None, help="tokens per rank (default 8192 on GPU, 64 on CPU)")
+    p.add_argument("--backend", action="append", help="backend name (repeatable; default: auto)")
+    p.add_argument("--no-reference", action="store_true", help="do not also time the reference backend")
+    p.add_argument("--skew", action="store_true", help="skewed routing (expert 0 favoured)")
+    p.add_argument("--iters", type=int, default=None)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quiet", action="store_true")
+    args = p.parse_args(argv)
+    if args.iters is None:
+        args.iters = 30 if torch.cuda.is_available() else 3
+    if args.job == "gemm":
+        from .gemm import run_gemm
+
+        return run_gemm(args)
+    return run_layer(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

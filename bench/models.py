@@ -1,0 +1,7 @@
+"""Model shapes used by the benchmarks and tests."""
+
+MODELS = {
+    "qwen3": dict(name="Qwen3-30B-A3B", hidden=2048, intermediate=768, num_experts=128, top_k=8),
+    "mixtral": dict(name="Mixtral-8x7B", hidden=4096, intermediate=14336, num_experts=8, top_k=2),
+    "dsv3_shard": dict(name="DeepSeek-V3 local shard", hidden=7168, intermediate=2048, num_experts=32, top_k=8),
+}

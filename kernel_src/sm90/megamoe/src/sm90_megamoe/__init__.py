@@ -1,0 +1,1 @@
+DROP_VERSION = 1

@@ -1,0 +1,31 @@
+"""moe_ep.shim: the only code that imports kernel drops.
+
+Public surface (``__all__``) used by :mod:`moe_ep.backends`:
+
+* drop path setup with a collision guard (:func:`register_drop`, :func:`drop_src`);
+* the compile cache (:data:`COMPILE_CACHE`, :func:`ensure_not_capturing`);
+* mirrored ABI constants (:class:`MirroredConstants`) and per-drop contracts
+  (:class:`DropContract`, :func:`drop_contracts`);
+* NVSHMEM bootstrap (:func:`nvshmem_acquire`) and the pre-launch counter contract
+  (:class:`CounterContract`, :func:`zero_counter_regions`);
+* per-drop wrappers (``sm90_megamoe_*``).
+"""
+
+from .cache import COMPILE_CACHE, CompileCache, ensure_not_capturing, is_capturing
+from .constants import MirroredConstants
+from .contract import CallableUse, DropContract, ImportUse
+from .drops import drop_contracts
+from .errors import (CaptureError, ConstantDriftError, DeviceStallError, DropCollisionError,
+                     NvshmemOwnershipError, ShimError)
+from .nvshmem_boot import CounterContract, NvshmemRuntime, zero_counter_regions
+from .nvshmem_boot import acquire as nvshmem_acquire
+from .nvshmem_boot import current as nvshmem_current
+from .paths import drop_src, kernel_src_root, register_drop
+
+__all__ = [
+    "COMPILE_CACHE", "CallableUse", "CaptureError", "CompileCache", "ConstantDriftError",
+    "CounterContract", "DeviceStallError", "DropCollisionError", "DropContract", "ImportUse",
+    "MirroredConstants", "NvshmemOwnershipError", "NvshmemRuntime", "ShimError", "drop_contracts",
+    "drop_src", "ensure_not_capturing", "is_capturing", "kernel_src_root", "nvshmem_acquire",
+    "nvshmem_current", "register_drop", "zero_counter_regions",
+]

@@ -1,0 +1,173 @@
+"""The layer rules, checked by parsing sources with :mod:`ast` (shared by the tests and the audit).
+
+moe_ep's layers import only downwards::
+
+    api/ -> backends/ -> shim/ -> kernel_src/<arch>/<drop>/src (drops)
+
+* a drop never imports ``moe_ep``;
+* only ``shim/`` imports drop code (any top-level name a drop's ``src/`` provides);
+* ``backends/`` may import only the names ``moe_ep.shim`` exports in ``__all__``
+  (``moe_ep.shim.<submodule>`` is an internal);
+* ``api/`` (and downstream code in this repository: ``bench/``) imports neither ``shim`` nor drops;
+* lower layers never import upper ones (shim -> backends/api, backends -> api).
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+PKG = "moe_ep"
+LAYERS = ("api", "backends", "shim", "kernel_src", "bench")
+SKIP_DIRS = {"__pycache__", ".git", ".device", ".whl", "build", "dist", "tests", ".ci", "docs"}
+
+
+@dataclass(frozen=True)
+class Violation:
+    file: str  # path relative to the checked root
+    line: int
+    rule: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}: [{self.rule}] {self.message}"
+
+
+def drop_src_dirs(root: Path) -> list[Path]:
+    return sorted(p for p in (root / "kernel_src").glob("*/*/src") if p.is_dir())
+
+
+def drop_top_names(root: Path) -> dict[str, Path]:
+    """Top-level name -> drop src folder, for every drop under ``root/kernel_src``."""
+    out: dict[str, Path] = {}
+    for src in drop_src_dirs(root):
+        for p in sorted(src.iterdir()):
+            if p.is_dir() and (p / "__init__.py").is_file():
+                out.setdefault(p.name, src)
+            elif p.suffix == ".py":
+                out.setdefault(p.stem, src)
+    return out
+
+
+def shim_public_names(root: Path) -> set[str]:
+    """Names in ``shim/__init__.py``'s ``__all__`` (parsed, not imported)."""
+    init = root / "shim" / "__init__.py"
+    if not init.is_file():
+        return set()
+    tree = ast.parse(init.read_text(), str(init))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            try:
+                return set(ast.literal_eval(node.value))
+            except ValueError:
+                return set()
+    return set()
+
+
+def layer_of(rel: Path) -> str:
+    parts = rel.parts
+    if parts[0] == "kernel_src":
+        return "drop" if "src" in parts[1:] else "kernel_src"
+    return parts[0] if parts[0] in LAYERS else "root"
+
+
+def _module_of(rel: Path) -> list[str]:
+    """Dotted package path of a file as installed (``moe_ep.backends.reference.backend``)."""
+    parts = list(rel.with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return [PKG, *parts]
+
+
+def iter_imports(path: Path, rel: Path) -> Iterator[tuple[int, str, tuple[str, ...]]]:
+    """Yield ``(line, absolute_module, imported_names)`` for every import in a file."""
+    tree = ast.parse(path.read_text(), str(path))
+    is_pkg = path.name == "__init__.py"
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for a in node.names:
+                yield node.lineno, a.name, ()
+        elif isinstance(node, ast.ImportFrom):
+            names = tuple(a.name for a in node.names)
+            if node.level:
+                base = _module_of(rel)
+                if not is_pkg:
+                    base = base[:-1]
+                up = node.level - 1
+                base = base[: len(base) - up] if up else base
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            yield node.lineno, mod, names
+
+
+def _files(root: Path) -> Iterator[Path]:
+    for p in sorted(root.rglob("*.py")):
+        rel = p.relative_to(root)
+        if any(part in SKIP_DIRS for part in rel.parts[:-1]) or rel.parts[0] in SKIP_DIRS:
+            continue
+        yield p
+
+
+def check_layers(root: Path) -> list[Violation]:
+    """Every layer-rule violation under ``root`` (a moe_ep checkout), naming file and line."""
+    root = Path(root).resolve()
+    drops = drop_top_names(root)
+    public = shim_public_names(root)
+    out: list[Violation] = []
+    for path in _files(root):
+        rel = path.relative_to(root)
+        layer = layer_of(rel)
+        try:
+            imports = list(iter_imports(path, rel))
+        except SyntaxError as e:
+            out.append(Violation(str(rel), e.lineno or 0, "syntax", f"cannot parse: {e.msg}"))
+            continue
+        own_drop_src = next((s for s in drop_src_dirs(root) if s in path.parents), None)
+        for line, mod, names in imports:
+            top = mod.split(".")[0]
+            sub = mod.split(".")[1] if mod.count(".") >= 1 and top == PKG else None
+            v = lambda rule, msg: out.append(Violation(str(rel), line, rule, msg))  # noqa: E731
+            if layer == "drop":
+                if top == PKG:
+                    v("drop-imports-moe_ep", f"drop code imports {mod!r}; drops must be standalone")
+                elif top in drops and drops[top] != own_drop_src:
+                    v("drop-imports-drop", f"drop imports another drop's package {top!r}")
+                continue
+            if top in drops and layer != "shim":
+                v("drop-import-outside-shim", f"{layer}/ imports drop code {mod!r}; only shim/ may")
+            if top != PKG:
+                continue
+            if mod == PKG and names:  # `from moe_ep import shim`
+                for n in names:
+                    _check_target(layer, n, f"{PKG}.{n}", v, public)
+                continue
+            _check_target(layer, sub, mod, v, public, names=names)
+    return out
+
+
+def _check_target(layer, sub, mod, v, public, names=()):
+    target = sub
+    if target is None:
+        return
+    if target == "kernel_src" and layer != "shim":
+        v("kernel_src-outside-shim", f"{layer}/ imports {mod or 'moe_ep.kernel_src'!r}; only shim/ may")
+    if target == "shim":
+        if layer in ("api", "bench", "root", "drop"):
+            v("shim-from-" + layer, f"{layer}/ imports moe_ep.shim ({mod or 'moe_ep.shim'}); "
+              "go through moe_ep.backends")
+        elif layer == "backends":
+            deeper = mod is not None and mod.count(".") >= 2
+            if deeper:
+                v("shim-internal", f"backends/ imports shim internal module {mod!r}; "
+                  "import only names in moe_ep.shim.__all__")
+            else:
+                bad = [n for n in names if n not in public]
+                if bad:
+                    v("shim-internal", f"backends/ imports {bad} from moe_ep.shim, not in its __all__")
+    if target in ("backends", "api") and layer in ("shim", "kernel_src"):
+        v("upward-import", f"{layer}/ imports moe_ep.{target} (layers import only downwards)")
+    if target == "api" and layer == "backends":
+        v("upward-import", "backends/ imports moe_ep.api (layers import only downwards)")
