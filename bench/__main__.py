@@ -116,7 +116,7 @@ def run_layer(args) -> int:
     say(f"\nbackends registered: {available()}; device: {torch.cuda.get_device_name() if cuda else 'cpu'}")
     say(f"{'backend':<22}{'shape':<26}{'tokens/rank':>12}{'EP':>4}{'ms':>10}{'TFLOP/s':>10}")
     for b, shape, t, ep, ms, tf in rows:
-        say(f"{b:<22}{shape:<26}{t:>12}{ep:>4}{ms:>10.3f}{tf:>10.1f}")
+        say(f"{b:<22}{shape:<26}{t:>12}{ep:>4}{ms:>10.3f}{tf:>10.4g}")
     if group.world_size > 1:
         import torch.distributed as dist
 

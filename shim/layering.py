@@ -78,6 +78,8 @@ def _module_of(rel: Path) -> list[str]:
     parts = list(rel.with_suffix("").parts)
     if parts[-1] == "__init__":
         parts = parts[:-1]
+    if layer_of(rel) == "drop":  # drops are imported by their own top-level names
+        return parts[parts.index("src", 1) + 1:]
     return [PKG, *parts]
 
 

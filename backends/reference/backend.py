@@ -74,8 +74,9 @@ def _a2a_rows(group: Any, send: torch.Tensor, send_splits: list[int], recv_split
     import torch.distributed as dist
 
     row_shape = send.shape[1:]
+    row_bytes = send.element_size() * max(1, int(torch.Size(row_shape).numel()))
     dev = group.comm_device
-    sb = send.contiguous().view(torch.uint8).reshape(send.shape[0], -1).to(dev)
+    sb = send.contiguous().view(torch.uint8).reshape(send.shape[0], row_bytes).to(dev)
     rb = torch.empty(sum(recv_splits), sb.shape[1], dtype=torch.uint8, device=dev)
     dist.all_to_all_single(rb, sb, recv_splits, send_splits, group=group.pg)
     return rb.to(send.device).view(send.dtype).reshape(sum(recv_splits), *row_shape)
@@ -141,7 +142,7 @@ class ReferenceBackend(BackendImpl):
             back = _a2a_rows(self.group, back, state.recv_splits, state.send_splits)
         pair_rows = torch.empty(T * K, expert_out.shape[1], dtype=torch.float32, device=expert_out.device)
         pair_rows[state.pair_order] = back.float()
-        weighted = pair_rows.view(T, K, -1) * state.topk_weights.unsqueeze(-1)
+        weighted = pair_rows.view(T, K, expert_out.shape[1]) * state.topk_weights.unsqueeze(-1)
         acc = weighted[:, 0].clone()
         for k in range(1, K):  # fixed k order: bit-deterministic
             acc += weighted[:, k]

@@ -1,1 +1,0 @@
-DROP_VERSION = 1

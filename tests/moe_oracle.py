@@ -1,0 +1,53 @@
+"""Test helpers: random MoE problems and an independent float64 oracle (per token, per expert)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def make_problem(E, H, I, K, T, *, gated=True, skew=False, seed=0, dtype=torch.bfloat16):
+    """Global problem: x [T,H], ids [T,K] int64 (distinct per row), w [T,K] f32, w13 [E,rows,H], w2 [E,H,I].
+
+    skew: expert 0 takes (about) half of all (token, k) slots; experts E//2.. get none."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(dtype)
+    logits = torch.randn(T, E, generator=g)
+    if skew:
+        logits[:, E // 2:] = -1e9 if E // 2 >= K else logits[:, E // 2:]
+        logits[: (T * K) // 2 if K == 1 else T, 0] += 1e4 if K > 1 else 0.0
+        if K == 1:
+            logits[: T // 2, 0] += 1e4
+    vals, ids = logits.topk(K, dim=-1)
+    w = torch.softmax(torch.randn(T, K, generator=g), dim=-1).float()
+    rows = 2 * I if gated else I
+    w13 = (torch.randn(E, rows, H, generator=g) * H ** -0.5).to(dtype)
+    w2 = (torch.randn(E, H, I, generator=g) * I ** -0.5).to(dtype)
+    return x, ids, w, w13, w2
+
+
+def oracle_f64(x, ids, w, w13, w2, activation, intermediate):
+    """out[t] = sum_k w[t,k] * W2_e · act(W13_e · x[t]) in float64, one token-expert pair at a time."""
+    T, H = x.shape
+    out = torch.zeros(T, H, dtype=torch.float64)
+    xd, w13d, w2d = x.double(), w13.double(), w2.double()
+    for t in range(T):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            h = w13d[e] @ xd[t]
+            if activation == "swiglu":
+                g, u = h[:intermediate], h[intermediate:]
+                a = g / (1 + torch.exp(-g)) * u
+            elif activation == "gelu_glu":
+                g, u = h[:intermediate], h[intermediate:]
+                a = 0.5 * g * (1 + torch.erf(g / math.sqrt(2))) * u
+            else:
+                a = torch.clamp(h, min=0) ** 2
+            out[t] += float(w[t, k]) * (w2d[e] @ a)
+    return out
+
+
+def rel_err(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))

@@ -1,0 +1,74 @@
+"""The import rules, enforced by parsing every module (moe_ep.shim.layering)."""
+
+import textwrap
+
+from moe_ep.shim.layering import check_layers
+
+
+def test_repository_obeys_layer_rules(repo_root):
+    bad = check_layers(repo_root)
+    assert not bad, "layer-rule violations:\n" + "\n".join(map(str, bad))
+
+
+def _tree(tmp_path, files):
+    for rel, text in files.items():
+        p = tmp_path / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(textwrap.dedent(text))
+    return tmp_path
+
+
+BASE = {
+    "__init__.py": "",
+    "api/__init__.py": "from ..backends import get\n",
+    "backends/__init__.py": "from moe_ep.shim import COMPILE_CACHE\n",
+    "shim/__init__.py": "from .cache import COMPILE_CACHE\n__all__ = ['COMPILE_CACHE']\n",
+    "shim/cache.py": "COMPILE_CACHE = {}\n",
+    "shim/drops/d.py": "import dropk.kernel\n",
+    "kernel_src/sm90/d/src/dropk/__init__.py": "from . import kernel\n",
+    "kernel_src/sm90/d/src/dropk/kernel.py": "import math\nfrom dropk import kernel\n",
+}
+
+
+def test_clean_synthetic_tree(tmp_path):
+    assert check_layers(_tree(tmp_path, BASE)) == []
+
+
+def _violations(tmp_path, extra):
+    files = dict(BASE)
+    files.update(extra)
+    return check_layers(_tree(tmp_path, files))
+
+
+def test_drop_importing_moe_ep(tmp_path):
+    v = _violations(tmp_path, {"kernel_src/sm90/d/src/dropk/kernel.py": "import os\nfrom moe_ep.shim import x\n"})
+    assert [(x.file, x.line, x.rule) for x in v] == [("kernel_src/sm90/d/src/dropk/kernel.py", 2, "drop-imports-moe_ep")]
+
+
+def test_backend_importing_drop(tmp_path):
+    v = _violations(tmp_path, {"backends/x.py": "\n\nimport dropk\n"})
+    assert [(x.file, x.line, x.rule) for x in v] == [("backends/x.py", 3, "drop-import-outside-shim")]
+
+
+def test_api_importing_shim_and_drop(tmp_path):
+    v = _violations(tmp_path, {"api/x.py": "from ..shim import cache\nfrom dropk.kernel import k\n"})
+    rules = sorted((x.line, x.rule) for x in v)
+    assert rules == [(1, "shim-from-api"), (2, "drop-import-outside-shim")]
+
+
+def test_backend_importing_shim_internal(tmp_path):
+    v = _violations(tmp_path, {"backends/y.py": "from moe_ep.shim.cache import COMPILE_CACHE\n"
+                                                "from moe_ep.shim import cache\nimport moe_ep.shim.paths\n"})
+    assert [(x.line, x.rule) for x in v] == [(1, "shim-internal"), (2, "shim-internal"), (3, "shim-internal")]
+    assert "backends/y.py:1:" in str(v[0])
+
+
+def test_upward_imports(tmp_path):
+    v = _violations(tmp_path, {"shim/z.py": "from moe_ep.backends import get\n",
+                               "backends/w.py": "from ..api import MoELayer\n"})
+    assert sorted((x.file, x.rule) for x in v) == [("backends/w.py", "upward-import"), ("shim/z.py", "upward-import")]
+
+
+def test_bench_must_not_touch_shim(tmp_path):
+    v = _violations(tmp_path, {"bench/b.py": "from moe_ep import shim\n"})
+    assert [(x.file, x.rule) for x in v] == [("bench/b.py", "shim-from-bench")]

@@ -1,0 +1,26 @@
+"""EP over 2 and 4 CPU ranks (gloo, torchrun in a subprocess) equals EP=1."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+
+
+def torchrun(n: int, script: Path, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
+           str(script), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.mark.multirank
+@pytest.mark.parametrize("n", [2, 4])
+def test_ep_matches_ep1(n):
+    p = torchrun(n, HERE / "mr_worker.py")
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    for r in range(n):
+        assert f"rank {r}/{n}: OK" in p.stdout

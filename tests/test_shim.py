@@ -1,0 +1,197 @@
+"""Shim: drop paths and collisions, compile cache, mirrored constants, NVSHMEM runtime logic,
+counter contract. GPU-free: NVSHMEM is driven through a fake ops object."""
+
+import sys
+import types
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+from moe_ep.shim import (COMPILE_CACHE, CaptureError, CompileCache, ConstantDriftError, CounterContract,
+                         DropCollisionError, MirroredConstants, NvshmemOwnershipError, register_drop,
+                         zero_counter_regions)
+from moe_ep.shim import cache as shim_cache
+from moe_ep.shim import nvshmem_boot
+
+
+def _mkdrop(root, pkg, body="X = 1\n"):
+    src = root / "src"
+    (src / pkg).mkdir(parents=True)
+    (src / pkg / "__init__.py").write_text(body)
+    return src
+
+
+def test_register_drop_idempotent_and_importable(tmp_path):
+    src = _mkdrop(tmp_path / "a", "shimtest_pkg_a", "VALUE = 41 + 1\n")
+    assert register_drop(src) == ("shimtest_pkg_a",)
+    n = sys.path.count(str(src.resolve()))
+    register_drop(src)
+    assert sys.path.count(str(src.resolve())) == n == 1
+    import shimtest_pkg_a
+
+    assert shimtest_pkg_a.VALUE == 42
+
+
+def test_register_drop_collision_names_both_trees(tmp_path):
+    a = _mkdrop(tmp_path / "a", "shimtest_clash")
+    b = _mkdrop(tmp_path / "b", "shimtest_clash")
+    register_drop(a)
+    with pytest.raises(DropCollisionError) as ei:
+        register_drop(b)
+    assert str(a.resolve()) in str(ei.value) and str(b.resolve()) in str(ei.value)
+
+
+def test_register_drop_collision_with_imported_module(tmp_path):
+    src = _mkdrop(tmp_path / "c", "json")  # 'json' is already imported from the stdlib
+    import json  # noqa: F401
+
+    with pytest.raises(DropCollisionError, match="already imported from"):
+        register_drop(src)
+
+
+@dataclass(frozen=True)
+class Key:
+    kernel: str
+    n: int
+
+
+@dataclass
+class MutableKey:
+    kernel: str
+
+
+def test_compile_cache_hits_misses():
+    c = CompileCache()
+    calls = []
+    f = lambda: calls.append(1) or object()  # noqa: E731
+    a = c.get_or_compile(Key("fc1", 128), f)
+    b = c.get_or_compile(Key("fc1", 128), f)
+    d = c.get_or_compile(Key("fc1", 256), f)
+    assert a is b and a is not d and len(calls) == 2
+    assert c.stats() == {"entries": 2, "hits": 1, "misses": 2}
+    with pytest.raises(TypeError, match="frozen dataclass"):
+        c.get_or_compile(("fc1", 1), f)
+    with pytest.raises(TypeError, match="frozen"):
+        c.get_or_compile(MutableKey("x"), f)
+    assert isinstance(COMPILE_CACHE, CompileCache)
+
+
+def test_no_compile_during_capture(monkeypatch):
+    monkeypatch.setattr(shim_cache, "is_capturing", lambda: True)
+    c = CompileCache()
+    with pytest.raises(CaptureError, match="warmup"):
+        c.get_or_compile(Key("fc2", 1), lambda: 1)
+    assert len(c) == 0
+
+
+def test_mirrored_constants_drift():
+    mod = types.SimpleNamespace(TILE_M=128, ALIGN=8)
+    ok = MirroredConstants("d", {"m": {"TILE_M": 128, "ALIGN": 8}})
+    ok.ensure_checked(lambda name: mod)
+    bad = MirroredConstants("d", {"m": {"TILE_M": 64, "GONE": 1}})
+    assert bad.drift(lambda name: mod) == [("m", "TILE_M", 64, 128), ("m", "GONE", 1, "<missing>")]
+    with pytest.raises(ConstantDriftError, match=r"m.TILE_M: shim mirrors 64, drop has 128"):
+        bad.ensure_checked(lambda name: mod)
+
+
+class FakeOps:
+    def __init__(self, initialized=False):
+        self.initialized = initialized
+        self.log = []
+
+    def status_initialized(self):
+        return self.initialized
+
+    def make_uid(self, root):
+        return b"ROOTUID!" if root else b"\0" * 8
+
+    def uid_to_bytes(self, uid):
+        return uid
+
+    def uid_from_bytes(self, raw):
+        return raw
+
+    def init(self, dev, uid, rank, nranks):
+        self.log.append(("init", dev, uid, rank, nranks))
+
+    def finalize(self):
+        self.log.append(("finalize",))
+
+    def tensor(self, shape, dtype):
+        return torch.zeros(shape, dtype=dtype)
+
+    def free(self, t):
+        self.log.append(("free", tuple(t.shape)))
+
+    def peer(self, t, pe):
+        return ("peer", pe)
+
+    def barrier(self, stream):
+        self.log.append(("barrier",))
+
+
+@pytest.fixture(autouse=False)
+def clean_runtime():
+    assert nvshmem_boot.current() is None
+    yield
+    nvshmem_boot._RUNTIME = None
+
+
+def test_nvshmem_refcount_uid_broadcast_finalize(clean_runtime):
+    ops = FakeOps()
+    seen = []
+
+    def exchange(raw, size):  # rank 1: receives rank 0's uid
+        seen.append((raw, size))
+        return b"ROOTUID!"
+
+    rt = nvshmem_boot.acquire(ops=ops, group_info=(1, [4, 5]), uid_exchange=exchange, device_index=1)
+    assert seen == [(None, 8)]
+    assert ops.log == [("init", 1, b"ROOTUID!", 1, 2)]
+    rt2 = nvshmem_boot.acquire(ops=ops, group_info=(1, [4, 5]), uid_exchange=exchange)
+    assert rt2 is rt and rt.refs == 2 and len(seen) == 1
+    t = rt.tensor((3, 4), torch.float32)
+    assert rt.peers(t)[1] is t and rt.peers(t)[0] == ("peer", 0)
+    with pytest.raises(NvshmemOwnershipError, match="second group"):
+        nvshmem_boot.acquire(ops=ops, group_info=(0, [0, 1]), uid_exchange=exchange)
+    rt.release()
+    assert ("finalize",) not in ops.log
+    rt.release()
+    assert ops.log[-2:] == [("free", (3, 4)), ("finalize",)]
+    assert nvshmem_boot.current() is None
+    with pytest.raises(RuntimeError, match="finalised"):
+        rt.tensor((1,), torch.float32)
+    with pytest.raises(RuntimeError, match="released more often"):
+        rt.release()
+
+
+def test_nvshmem_refuses_foreign_runtime(clean_runtime):
+    with pytest.raises(NvshmemOwnershipError, match="another library"):
+        nvshmem_boot.acquire(ops=FakeOps(initialized=True), group_info=(0, [0]), uid_exchange=lambda r, s: r)
+
+
+def test_nvshmem_no_alloc_during_capture(clean_runtime, monkeypatch):
+    rt = nvshmem_boot.acquire(ops=FakeOps(), group_info=(0, [0]), uid_exchange=lambda r, s: r)
+    monkeypatch.setattr(shim_cache, "is_capturing", lambda: True)
+    with pytest.raises(CaptureError):
+        rt.tensor((2,), torch.int32)
+    monkeypatch.undo()
+    rt.release()
+
+
+def test_counter_contract():
+    bufs = {"counts": torch.randint(1, 9, (4, 8), dtype=torch.int32), "flags": torch.ones(3, dtype=torch.int64),
+            "data": torch.ones(5)}
+    CounterContract("k", tail_clean=False, regions=("counts", "flags")).prepare(bufs)
+    assert (bufs["counts"] == 0).all() and (bufs["flags"] == 0).all() and (bufs["data"] == 1).all()
+    CounterContract("k", tail_clean=True).prepare({"x": torch.ones(1)})
+    with pytest.raises(ValueError, match="must list"):
+        CounterContract("k", tail_clean=False)
+    with pytest.raises(ValueError, match="no regions"):
+        CounterContract("k", tail_clean=True, regions=("a",))
+    with pytest.raises(KeyError, match="missing|not among"):
+        CounterContract("k", tail_clean=False, regions=("nope",)).prepare(bufs)
+    t = torch.arange(1, 5)
+    zero_counter_regions([t])
+    assert (t == 0).all()

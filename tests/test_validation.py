@@ -1,0 +1,136 @@
+"""Bad input raises a clear TypeError/ValueError naming the argument, before any launch."""
+
+import pytest
+import torch
+from moe_oracle import make_problem, oracle_f64, rel_err
+
+from moe_ep.api import EPGroup, MoEConfig, MoELayer
+from moe_ep.backends import UnsupportedBackendError
+
+E, H, I, K, T = 8, 32, 16, 2, 10
+
+
+@pytest.fixture
+def setup():
+    cfg = MoEConfig(num_experts=E, hidden=H, intermediate=I, top_k=K, max_tokens_per_rank=16)
+    layer = MoELayer(cfg, EPGroup.single(), backend="reference", device="cpu")
+    x, ids, w, w13, w2 = make_problem(E, H, I, K, T, seed=5)
+    return layer, [x, ids.to(torch.int32), w, w13, w2]
+
+
+BAD = [  # (argument index, mutate, exception, message fragment)
+    (0, lambda t: t.float(), TypeError, "x must have dtype"),
+    (0, lambda t: t[:, :-1].contiguous(), ValueError, "x must have shape"),
+    (0, lambda t: t.t().contiguous().t(), ValueError, "x must be contiguous"),
+    (0, lambda t: t.unsqueeze(0), ValueError, "x must be 2-D"),
+    (0, lambda t: t.tolist(), TypeError, "x must be a torch.Tensor"),
+    (1, lambda t: t.float(), TypeError, "topk_ids must have one of dtypes"),
+    (1, lambda t: t[:, :1].contiguous(), ValueError, "top_k is 2"),
+    (1, lambda t: t[:-1].contiguous(), ValueError, "topk_ids must have shape"),
+    (1, lambda t: torch.where(t == t[0, 0], torch.full_like(t, E), t), ValueError, "outside [0, 8)"),
+    (1, lambda t: torch.where(t == t[0, 0], torch.full_like(t, -1), t), ValueError, "expert id -1"),
+    (2, lambda t: t.double(), TypeError, "topk_weights must have dtype"),
+    (2, lambda t: torch.cat([t, t], 1), ValueError, "topk_weights has 4 columns"),
+    (2, lambda t: torch.where(t == t[0, 0], torch.full_like(t, float("nan")), t), ValueError, "non-finite"),
+    (3, lambda t: t[:4].contiguous(), ValueError, "w13 holds 4 experts"),
+    (3, lambda t: t[:, :I].contiguous(), ValueError, "w13 must have shape"),
+    (3, lambda t: t.float(), TypeError, "w13 must have dtype"),
+    (4, lambda t: t.transpose(1, 2).contiguous(), ValueError, "w2 must have shape"),
+    (4, lambda t: t.transpose(1, 2), ValueError, "w2 must"),
+]
+
+
+@pytest.mark.parametrize("idx,mutate,exc,frag", BAD)
+def test_bad_forward_inputs(setup, idx, mutate, exc, frag):
+    layer, args = setup
+    args = list(args)
+    args[idx] = mutate(args[idx])
+    with pytest.raises(exc) as ei:
+        layer.forward(*args)
+    assert frag in str(ei.value)
+
+
+def test_too_many_tokens(setup):
+    layer, (x, ids, w, w13, w2) = setup
+    x2, ids2, w_2, _, _ = make_problem(E, H, I, K, 17, seed=1)
+    with pytest.raises(ValueError, match="max_tokens_per_rank=16"):
+        layer.forward(x2, ids2, w_2, w13, w2)
+
+
+def test_out_checked_and_untouched_on_error(setup):
+    layer, (x, ids, w, w13, w2) = setup
+    out = torch.full((T, H), 7.0, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="out must have shape"):
+        layer.forward(x, ids, w, w13, w2, out=torch.empty(T + 1, H, dtype=torch.bfloat16))
+    bad_ids = ids.clone()
+    bad_ids[3, 1] = 99
+    with pytest.raises(ValueError, match="expert id 99"):
+        layer.forward(x, bad_ids, w, w13, w2, out=out)
+    assert (out == 7.0).all()  # nothing written
+    # and the layer still works afterwards
+    got = layer.forward(x, ids, w, w13, w2, out=out)
+    assert rel_err(got, oracle_f64(x, ids, w, w13, w2, "swiglu", I)) < 1e-2
+
+
+def test_device_mismatch_named():
+    cfg = MoEConfig(num_experts=E, hidden=H, intermediate=I, top_k=K, max_tokens_per_rank=16)
+    layer = MoELayer(cfg, EPGroup.single(), backend="reference", device="meta")
+    x, ids, w, w13, w2 = make_problem(E, H, I, K, T, seed=5)
+    with pytest.raises(ValueError, match="x is on cpu"):
+        layer.forward(x, ids, w, w13, w2)
+
+
+def test_combine_validation(setup):
+    layer, (x, ids, w, w13, w2) = setup
+    recv, offs, h = layer.dispatch(x, ids, w)
+    with pytest.raises(ValueError, match="expert_out must have shape"):
+        layer.combine(recv[:-1].contiguous(), h)
+    with pytest.raises(TypeError, match="expert_out must have dtype"):
+        layer.combine(recv.float(), h)
+    with pytest.raises(TypeError, match="DispatchHandle"):
+        layer.combine(recv, object())
+    other = MoELayer(layer.config, EPGroup.single(), backend="reference", device="cpu")
+    with pytest.raises(ValueError, match="another MoELayer"):
+        other.combine(recv, h)
+
+
+def test_backend_errors():
+    cfg = MoEConfig(num_experts=E, hidden=H, intermediate=I, top_k=K, max_tokens_per_rank=16)
+    with pytest.raises(ValueError, match=r"unknown moe_ep backend 'nope'; available: \[.*'reference'"):
+        MoELayer(cfg, EPGroup.single(), backend="nope", device="cpu")
+    with pytest.raises(TypeError):
+        MoELayer(cfg, EPGroup.single(), backend=3, device="cpu")
+    with pytest.raises(TypeError, match="config must be a MoEConfig"):
+        MoELayer({"num_experts": 8}, EPGroup.single())
+
+
+def test_destroyed_layer_refuses(setup):
+    layer, args = setup
+    layer.destroy()
+    layer.destroy()  # idempotent
+    with pytest.raises(RuntimeError, match="destroyed"):
+        layer.forward(*args)
+
+
+@pytest.mark.parametrize("kw,exc,frag", [
+    (dict(num_experts=0), ValueError, "num_experts must be >= 1"),
+    (dict(top_k=9), ValueError, "top_k (9) must be <= num_experts"),
+    (dict(hidden=2.0), TypeError, "hidden must be an int"),
+    (dict(dtype=torch.float16), ValueError, "not supported"),
+    (dict(dtype="bf16"), TypeError, "dtype must be a torch.dtype"),
+    (dict(activation="relu"), ValueError, "activation 'relu'"),
+    (dict(max_tokens_per_rank=True), TypeError, "max_tokens_per_rank must be an int"),
+])
+def test_config_validation(kw, exc, frag):
+    base = dict(num_experts=8, hidden=32, intermediate=16, top_k=2, max_tokens_per_rank=4)
+    base.update(kw)
+    with pytest.raises(exc) as ei:
+        MoEConfig(**base)
+    assert frag in str(ei.value)
+
+
+def test_experts_not_divisible_by_world():
+    cfg = MoEConfig(num_experts=6, hidden=32, intermediate=16, top_k=2, max_tokens_per_rank=4)
+    with pytest.raises(ValueError, match="multiple of the EP world size"):
+        cfg.local_experts(4)
+    assert isinstance(UnsupportedBackendError("x"), ValueError)

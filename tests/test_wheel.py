@@ -1,0 +1,35 @@
+"""A built wheel carries every drop source byte-identical, and no tests."""
+
+import hashlib
+import subprocess
+import sys
+import zipfile
+
+import pytest
+
+
+@pytest.mark.slow
+def test_wheel_contents(repo_root, tmp_path):
+    p = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                        "-w", str(tmp_path), str(repo_root)], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    wheels = list(tmp_path.glob("moe_ep-*.whl"))
+    assert len(wheels) == 1
+    with zipfile.ZipFile(wheels[0]) as z:
+        names = set(z.namelist())
+        tracked = subprocess.run(["git", "ls-files", "kernel_src"], cwd=repo_root, capture_output=True, text=True)
+        if tracked.returncode == 0 and tracked.stdout.strip():  # what a clean clone has
+            drop_files = [repo_root / f for f in tracked.stdout.split() if "/src/" in f]
+        else:
+            drop_files = [f for f in (repo_root / "kernel_src").glob("*/*/src/**/*")
+                          if f.is_file() and "__pycache__" not in f.parts and f.suffix in (".py", ".md", ".json", ".txt")]
+        for f in drop_files:
+            arc = "moe_ep/" + f.relative_to(repo_root).as_posix()
+            assert arc in names, f"{arc} missing from the wheel"
+            assert hashlib.sha256(z.read(arc)).digest() == hashlib.sha256(f.read_bytes()).digest(), arc
+        for must in ("moe_ep/__init__.py", "moe_ep/api/__init__.py", "moe_ep/backends/reference/backend.py",
+                     "moe_ep/shim/layering.py", "moe_ep/bench/__main__.py", "moe_ep/kernel_src/__init__.py"):
+            assert must in names
+        assert not [n for n in names if n.startswith(("tests/", "moe_ep/tests/"))]
+        assert not [n for n in names if n.endswith(".pyc")]
+        assert not [n for n in names if not n.startswith(("moe_ep/", "moe_ep-"))], "stray top-level names"
