@@ -6,6 +6,7 @@ backend can run a configuration and raises :class:`UnsupportedBackendError` with
 """
 
 from . import reference as _reference
+from .sm90 import bf16_cutedsl as _sm90_bf16
 from .registry import (BackendImpl, BackendSpec, UnsupportedBackendError, available, get, register,
                        select, unregister)
 
@@ -15,6 +16,13 @@ register(BackendSpec(
     priority=0,
     check=_reference.check,
     factory=lambda cfg, group, device: _reference.ReferenceBackend(cfg, group, device),
+))
+register(BackendSpec(
+    name="sm90_bf16_cutedsl",
+    description="SM90 BF16: CuTeDSL TMA+WGMMA varlen-M grouped GEMMs with fused activation / router weights",
+    priority=100,
+    check=_sm90_bf16.check,
+    factory=lambda cfg, group, device: _sm90_bf16.Sm90CuteDSLBackend(cfg, group, device),
 ))
 
 __all__ = ["BackendImpl", "BackendSpec", "UnsupportedBackendError", "available", "get", "register",

@@ -113,6 +113,28 @@ def run_layer(args) -> int:
         tflops = cfg.flops(T) / (ms * 1e-3) / 1e12
         rows.append((layer.backend_name, m["name"], T, group.world_size, ms, tflops))
         layer.destroy()
+    if args.peer == "liger":
+        from .peers import run_liger
+
+        if group.world_size > 1:
+            import torch.distributed as dist
+
+            dist.barrier(group=group.pg)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if group.rank == 0:
+            res = run_liger(args.model, T, group.world_size, args.iters, args.peer_script)
+            if "error" in res:
+                say(f"LigerCute peer failed: {res['error']}")
+            else:
+                say(f"LigerCute raw result: {res}")
+                lig = res.get("liger") or {}
+                ms = lig.get("median_ms") or lig.get("ms")
+                if ms:
+                    rows.append(("LigerCute 0.8.5 (peer)", m["name"], T, group.world_size, ms,
+                                 cfg.flops(T) / (ms * 1e-3) / 1e12))
+        if group.world_size > 1:
+            dist.barrier(group=group.pg)
     say(f"\nbackends registered: {available()}; device: {torch.cuda.get_device_name() if cuda else 'cpu'}")
     say(f"{'backend':<22}{'shape':<26}{'tokens/rank':>12}{'EP':>4}{'ms':>10}{'TFLOP/s':>10}")
     for b, shape, t, ep, ms, tf in rows:
@@ -137,6 +159,9 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--peer", choices=["liger"], default=None,
+                   help="also run a peer library in its own process on the same shape")
+    p.add_argument("--peer-script", default=None, help="path to shared/peers/liger_bench.py")
     args = p.parse_args(argv)
     if args.iters is None:
         args.iters = 30 if torch.cuda.is_available() else 3

@@ -15,6 +15,10 @@ from .cache import COMPILE_CACHE, CompileCache, ensure_not_capturing, is_capturi
 from .constants import MirroredConstants
 from .contract import CallableUse, DropContract, ImportUse
 from .drops import drop_contracts
+from .drops.sm90_megamoe import CONSTANTS as SM90_MEGAMOE_CONSTANTS
+from .drops.sm90_megamoe import check_gemm_shapes as sm90_check_gemm_shapes
+from .drops.sm90_megamoe import compile_gemm_ptx as sm90_compile_gemm_ptx
+from .drops.sm90_megamoe import grouped_gemm as sm90_grouped_gemm
 from .errors import (CaptureError, ConstantDriftError, DeviceStallError, DropCollisionError,
                      NvshmemOwnershipError, ShimError)
 from .nvshmem_boot import CounterContract, NvshmemRuntime, zero_counter_regions
@@ -28,4 +32,5 @@ __all__ = [
     "MirroredConstants", "NvshmemOwnershipError", "NvshmemRuntime", "ShimError", "drop_contracts",
     "drop_src", "ensure_not_capturing", "is_capturing", "kernel_src_root", "nvshmem_acquire",
     "nvshmem_current", "register_drop", "zero_counter_regions",
+    "SM90_MEGAMOE_CONSTANTS", "sm90_check_gemm_shapes", "sm90_compile_gemm_ptx", "sm90_grouped_gemm",
 ]

@@ -12,7 +12,7 @@ import importlib
 import threading
 from dataclasses import dataclass, field
 from types import ModuleType
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from .errors import ConstantDriftError
 
@@ -26,6 +26,8 @@ class MirroredConstants:
 
     drop: str
     table: Mapping[str, Mapping[str, Any]]
+    #: called before the drop's modules are resolved (puts the drop on sys.path)
+    activate: Callable[[], None] | None = None
     _checked: bool = field(default=False, init=False, repr=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
@@ -36,7 +38,10 @@ class MirroredConstants:
         """``(module, name, mirrored, found)`` for every mismatch; ``found`` is ``"<missing>"``
         when the drop no longer defines the name. ``resolve(module_name) -> module`` defaults
         to :func:`importlib.import_module`."""
-        resolve = resolve or importlib.import_module
+        if resolve is None:
+            if self.activate is not None:
+                self.activate()
+            resolve = importlib.import_module
         out = []
         for modname, consts in self.table.items():
             mod: ModuleType = resolve(modname)

@@ -1,0 +1,1 @@
+"""SM90 (Hopper) backends."""

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from ..contract import DropContract
+from . import sm90_megamoe
 
 
 def drop_contracts() -> list[DropContract]:
     """Every drop contract the shim declares (one per vendored drop)."""
-    return []
+    return [sm90_megamoe.CONTRACT]

@@ -1,0 +1,678 @@
+"""Varlen-M grouped GEMM for MoE experts on SM90 (H100/H200), written in CuTeDSL.
+
+One kernel computes, for every expert ``e`` with rows ``[offsets[e], offsets[e+1])`` of A::
+
+    identity      C[rows]      = A[rows] @ B[e]^T
+    squared_relu  C[rows]      = relu(A[rows] @ B[e]^T) ** 2
+    swiglu        C[rows, :I]  = silu(A[rows] @ B[e, :I]^T) * (A[rows] @ B[e, I:]^T)
+    (scale_rows)  C[m, :]     *= row_scale[m]                 (after the activation)
+
+BF16 in, FP32 accumulate, BF16 out. The routing histogram (``offsets``) lives in device memory
+and is walked by the tile scheduler inside the kernel, so one compiled kernel serves every
+histogram: no host sync, no recompile.
+
+Design
+------
+* Persistent grid of ``max_active_ctas`` CTAs (normally one per SM). Each CTA reads ``offsets``
+  once into shared memory and builds the prefix sum of per-expert m-tile counts (one warp, shuffle
+  scan). Linear tile id ``t`` -> (global m-tile ``t // n_tiles``, n-tile ``t % n_tiles``); the
+  n-tile is the fast index so the CTAs running at the same time share one A row block and sweep
+  the weights of one or two experts (both stay L2 resident).
+* A is read through ONE TMA descriptor over the whole ragged ``[M_total, K]`` tensor; a tile starts
+  at row ``offsets[e] + m_tile * tile_m`` (``cute.domain_offset``). Rows past ``M_total`` are
+  zero-filled by TMA; rows of the next expert that fall in the tile are computed but never stored.
+* B is read through a TMA descriptor over ``[E, N, K]`` with the expert as the third coordinate.
+* Warp specialization: warpgroup 0 = producer (one warp issues TMA into a ``num_stages`` deep
+  ``PipelineTmaAsync``), warpgroups 1 and 2 = consumers, 64 rows each, WGMMA 64 x tile_n x 16
+  with fp32 accumulators in registers; setmaxnreg 40 / 232.
+* swiglu mapping: an output tile covers columns ``[n0, n0+bn)`` of C. Every pipeline stage holds
+  one A box (tile_m x tile_k) and TWO B boxes: w13 rows ``[n0, n0+bn)`` (gate) in B slot
+  ``2*stage`` and rows ``[I+n0, I+n0+bn)`` (up) in slot ``2*stage+1``. Each consumer keeps two
+  accumulators (gate, up) with identical register layouts, so the epilogue pairs element ``i`` of
+  one with element ``i`` of the other. Requires ``I % tile_n == 0``.
+* Epilogue: activation and row scale in fp32 registers, convert to bf16, stage 64-column chunks
+  through a padded smem buffer (conflict-free 32-bit writes), then predicated, coalesced 16-byte
+  global stores (row < expert end, col < N_out); a warp writes whole 128-byte row segments.
+  (``epilogue="direct"`` stores 32-bit pairs straight from registers: ~25% slower at K=768.)
+  The producer warp keeps prefetching the next tile's stages meanwhile.
+
+Tensors (torch view; all contiguous, 16-byte aligned base pointers)
+-------------------------------------------------------------------
+    mA        [M_total, K]      bf16   rows grouped by expert, M_total dynamic (>= 0)
+    mB        [E, N, K]         bf16   per-expert nn.Linear weight; swiglu: N = 2*I, gate rows first
+    mC        [M_total, N_out]  bf16   N_out = N (identity, squared_relu) or I = N // 2 (swiglu)
+    mOffsets  [E + 1]           int32  device memory, offsets[0] = 0, offsets[E] = M_total
+    mRowScale [M_total]         fp32   read only when scale_rows=True (else any fp32 tensor)
+    max_active_ctas             int32  grid size (persistent CTAs)
+Static (compile key): K, N, E, activation, tile sizes, scale_rows. Requirements: K % 8 == 0,
+N_out % 8 == 0, swiglu: I % tile_n == 0.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Tuple
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from .constants import (
+    ACTIVATIONS,
+    ALIGN_K_ELEMS,
+    ALIGN_N_ELEMS,
+    DEFAULT_TILE_K,
+    DEFAULT_TILE_M,
+    DEFAULT_TILE_N,
+    MAX_EXPERTS,
+)
+
+try:  # newer location; the old one still works but warns
+    from cutlass.tensor_utils import LayoutEnum
+except Exception:  # pragma: no cover
+    from cutlass.utils import LayoutEnum
+
+try:
+    from cutlass.memory import get_smem_capacity_in_bytes
+except Exception:  # pragma: no cover
+    from cutlass.utils import get_smem_capacity_in_bytes
+
+_LOG2E = 1.4426950408889634
+
+
+class GroupedGemmSm90:
+    """Varlen-M grouped GEMM (see module docstring for semantics and layouts).
+
+    :param activation: "identity", "swiglu" or "squared_relu" (compile time).
+    :param tile_n: output tile width (accumulator width is 2*tile_n for swiglu). 64..256, %16.
+    :param scale_rows: multiply output row m by row_scale[m] (fp32) in the epilogue.
+    :param tile_m: 128 (two consumer warpgroups of 64 rows).
+    :param tile_k: 64 (one 128-byte swizzle atom of bf16).
+    :param num_stages: smem pipeline depth; None = as many as fit.
+    :param epilogue: "smem" (default; stage through smem, coalesced 16-byte stores) or "direct"
+        (predicated 32-bit stores straight from the accumulator registers, no smem).
+    """
+
+    def __init__(
+        self,
+        activation: str,
+        tile_n: Optional[int] = None,
+        scale_rows: bool = False,
+        tile_m: int = DEFAULT_TILE_M,
+        tile_k: int = DEFAULT_TILE_K,
+        num_stages: Optional[int] = None,
+        epilogue: str = "smem",
+    ):
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        if tile_n is None:
+            tile_n = DEFAULT_TILE_N[activation]
+        if tile_m != 128:
+            raise ValueError("tile_m must be 128 (2 consumer warpgroups x 64 rows)")
+        if tile_k != 64:
+            raise ValueError("tile_k must be 64")
+        # one WGMMA N per accumulator: <= 256 and a multiple of 16 (8 works but wastes issue slots)
+        if tile_n % 16 != 0 or not (16 <= tile_n <= 256):
+            raise ValueError("tile_n must be a multiple of 16 in [16, 256]")
+        self.activation = activation
+        self.tile_m = tile_m
+        self.tile_n = tile_n
+        self.tile_k = tile_k
+        self.scale_rows = bool(scale_rows)
+        self.num_stages_override = num_stages
+        if epilogue not in ("smem", "direct"):
+            raise ValueError("epilogue must be 'smem' (staged, coalesced 16 B stores) or 'direct'")
+        self.epilogue = epilogue
+        # B boxes (and accumulators) per stage: swiglu keeps gate and up side by side
+        self.num_b = 2 if activation == "swiglu" else 1
+
+        self.acc_dtype = cutlass.Float32
+        self.ab_dtype = cutlass.BFloat16
+        self.c_dtype = cutlass.BFloat16
+        self.atom_layout_mnk = (2, 1, 1)
+        self.num_mma_wg = 2
+        self.threads_per_wg = 128
+        self.threads_per_cta = (1 + self.num_mma_wg) * self.threads_per_wg
+        self.num_mma_warps = self.num_mma_wg * 4
+        self.load_regs = 40
+        self.mma_regs = 232
+        self.smem_capacity = get_smem_capacity_in_bytes("sm_90")
+        # epilogue staging: the 128 x tile_n output tile goes through smem in column chunks of
+        # epi_n so that global stores are full 16-byte vectors covering whole 128-byte lines
+        self.epi_n = 64 if tile_n % 64 == 0 else tile_n
+        self.epi_pad = 8  # row pitch epi_n + 8 elements: conflict-free 32-bit fragment writes
+        self.epi_smem_elems = self.tile_m * (self.epi_n + self.epi_pad)
+
+    # ------------------------------------------------------------------ host helpers
+    def static_shapes(self, n: int, k: int) -> Tuple[int, int]:
+        """(N_out, n_tiles) for a weight with N rows and K columns; validates alignment."""
+        if k % ALIGN_K_ELEMS != 0:
+            raise ValueError(f"K={k} must be a multiple of {ALIGN_K_ELEMS}")
+        if self.activation == "swiglu":
+            if n % 2 != 0:
+                raise ValueError("swiglu needs an even N (= 2 * I)")
+            n_out = n // 2
+            if n_out % self.tile_n != 0:
+                raise ValueError(f"swiglu needs I={n_out} to be a multiple of tile_n={self.tile_n}")
+            n_tiles = n_out // self.tile_n
+        else:
+            n_out = n
+            n_tiles = (n + self.tile_n - 1) // self.tile_n
+        if n_out % ALIGN_N_ELEMS != 0:
+            raise ValueError(f"N_out={n_out} must be a multiple of {ALIGN_N_ELEMS}")
+        return n_out, n_tiles
+
+    def _num_stages(self, num_experts: int) -> int:
+        per_stage = (self.tile_m + self.num_b * self.tile_n) * self.tile_k * 2
+        reserved = 1024 + 8 * (num_experts + 2) + 1024  # mbarriers, scheduler arrays, slack
+        reserved += self.epi_smem_elems * 2
+        stages = (self.smem_capacity - reserved) // per_stage
+        stages = min(stages, 8)
+        if self.num_stages_override is not None:
+            stages = min(stages, self.num_stages_override)
+        if stages < 2:
+            raise ValueError("tile too large: fewer than 2 pipeline stages fit in shared memory")
+        return stages
+
+    # ------------------------------------------------------------------ host (jit) side
+    @cute.jit
+    def __call__(
+        self,
+        mA: cute.Tensor,
+        mB: cute.Tensor,
+        mC: cute.Tensor,
+        mOffsets: cute.Tensor,
+        mRowScale: cute.Tensor,
+        max_active_ctas: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        if cutlass.const_expr(mA.element_type != cutlass.BFloat16 or mB.element_type != cutlass.BFloat16):
+            raise TypeError("A and B must be bfloat16")
+        if cutlass.const_expr(mC.element_type != cutlass.BFloat16):
+            raise TypeError("C must be bfloat16")
+        if cutlass.const_expr(mOffsets.element_type != cutlass.Int32):
+            raise TypeError("offsets must be int32")
+        num_experts = cute.size(mOffsets, mode=[0]) - 1
+        n_rows_b = cute.size(mB, mode=[1])
+        k_size = cute.size(mB, mode=[2])
+        if cutlass.const_expr(num_experts > MAX_EXPERTS):
+            raise ValueError(f"at most {MAX_EXPERTS} experts")
+        n_out, n_tiles = self.static_shapes(n_rows_b, k_size)
+        self.num_experts = num_experts
+        self.n_out = n_out
+        self.n_tiles = n_tiles
+        self.k_tiles = (k_size + self.tile_k - 1) // self.tile_k
+        self.n_out_divisible = n_out % self.tile_n == 0
+        self.num_stages = self._num_stages(num_experts)
+
+        # B as (N, K, E): expert becomes the batch (third) TMA coordinate
+        mB_nke = cute.make_tensor(mB.iterator, cute.select(mB.layout, mode=[1, 2, 0]))
+
+        a_layout = LayoutEnum.from_tensor(mA)
+        b_layout = LayoutEnum.from_tensor(mB_nke)
+        tile_mnk = (self.tile_m, self.tile_n, self.tile_k)
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype,
+            self.ab_dtype,
+            a_layout.sm90_mma_major_mode(),
+            b_layout.sm90_mma_major_mode(),
+            self.acc_dtype,
+            self.atom_layout_mnk,
+            tiler_mn=(64, self.tile_n),
+        )
+        # same WGMMA C layout restricted to one epi_n-wide chunk (partitions the staging buffer)
+        tiled_mma_epi = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype,
+            self.ab_dtype,
+            a_layout.sm90_mma_major_mode(),
+            b_layout.sm90_mma_major_mode(),
+            self.acc_dtype,
+            self.atom_layout_mnk,
+            tiler_mn=(64, self.epi_n),
+        )
+        a_smem_layout = sm90_utils.make_smem_layout_a(a_layout, tile_mnk, self.ab_dtype, self.num_stages)
+        # swiglu: slots 2s (gate) and 2s+1 (up) belong to stage s
+        b_smem_layout = sm90_utils.make_smem_layout_b(
+            b_layout, tile_mnk, self.ab_dtype, self.num_stages * self.num_b
+        )
+
+        tma_atom_a, tma_tensor_a = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(),
+            mA,
+            cute.slice_(a_smem_layout, (None, None, 0)),
+            (self.tile_m, self.tile_k),
+        )
+        tma_atom_b, tma_tensor_b = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(),
+            mB_nke,
+            cute.slice_(b_smem_layout, (None, None, 0)),
+            (self.tile_n, self.tile_k),
+        )
+
+        @cute.struct
+        class SharedStorage:
+            mbar: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
+            # offsets[0..E] and inclusive prefix sum of m-tiles per expert
+            sched_off: cute.struct.MemRange[cutlass.Int32, num_experts + 1]
+            sched_cum: cute.struct.MemRange[cutlass.Int32, num_experts + 1]
+            sA: cute.struct.Align[
+                cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem_layout)], 1024
+            ]
+            sB: cute.struct.Align[
+                cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem_layout)], 1024
+            ]
+            sC: cute.struct.Align[cute.struct.MemRange[self.c_dtype, self.epi_smem_elems], 128]
+
+        self.shared_storage = SharedStorage
+
+        self.kernel(
+            tma_atom_a,
+            tma_tensor_a,
+            tma_atom_b,
+            tma_tensor_b,
+            mC,
+            mOffsets,
+            mRowScale,
+            tiled_mma,
+            tiled_mma_epi,
+            a_smem_layout,
+            b_smem_layout,
+        ).launch(
+            grid=[max_active_ctas, 1, 1],
+            block=[self.threads_per_cta, 1, 1],
+            cluster=[1, 1, 1],
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    # ------------------------------------------------------------------ scheduler helper
+    @cute.jit
+    def _locate(
+        self,
+        sOff: cute.Tensor,
+        sCum: cute.Tensor,
+        m_tile_global: cutlass.Int32,
+        expert: cutlass.Int32,
+    ):
+        """Advance ``expert`` (monotonic per CTA) until it owns global m-tile ``m_tile_global``.
+
+        Returns (expert, first row of the tile, end row of the expert)."""
+        e = expert
+        while sCum[e + 1] <= m_tile_global:
+            e = e + 1
+        row0 = sOff[e] + (m_tile_global - sCum[e]) * self.tile_m
+        return e, row0, sOff[e + 1]
+
+    # ------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom_a: cute.CopyAtom,
+        mA_tma: cute.Tensor,
+        tma_atom_b: cute.CopyAtom,
+        mB_tma: cute.Tensor,
+        mC: cute.Tensor,
+        mOffsets: cute.Tensor,
+        mRowScale: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        tiled_mma_epi: cute.TiledMma,
+        a_smem_layout: cute.ComposedLayout,
+        b_smem_layout: cute.ComposedLayout,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = tidx % 32
+
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_atom_a)
+            cpasync.prefetch_descriptor(tma_atom_b)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        num_experts = self.num_experts
+        sOff = storage.sched_off.get_tensor(cute.make_layout(num_experts + 1))
+        sCum = storage.sched_cum.get_tensor(cute.make_layout(num_experts + 1))
+
+        # ---- scheduler prologue: warp 1 scans per-expert m-tile counts (warp 0 inits mbarriers)
+        if warp_idx == 1:
+            carry = cutlass.Int32(0)
+            if lane == 0:
+                sCum[0] = cutlass.Int32(0)
+            for chunk in cutlass.range_constexpr((num_experts + 31) // 32):
+                e = chunk * 32 + lane
+                cnt = cutlass.Int32(0)
+                if e < num_experts:
+                    lo = mOffsets[e]
+                    hi = mOffsets[e + 1]
+                    sOff[e] = lo
+                    cnt = (hi - lo + (self.tile_m - 1)) // self.tile_m
+                    if e == num_experts - 1:
+                        sOff[e + 1] = hi
+                # inclusive warp scan (Hillis-Steele over shuffles)
+                for s in cutlass.range_constexpr(5):
+                    v = cute.arch.shuffle_sync_up(cnt, 1 << s)
+                    if lane >= (1 << s):
+                        cnt = cnt + v
+                cnt = cnt + carry
+                if e < num_experts:
+                    sCum[e + 1] = cnt
+                carry = cute.arch.shuffle_sync(cnt, 31)
+
+        # ---- mainloop pipeline (its create() ends with a CTA barrier that also publishes sOff/sCum)
+        a_smem_one = cute.slice_(a_smem_layout, (None, None, 0))
+        b_smem_one = cute.slice_(b_smem_layout, (None, None, 0))
+        tma_bytes = cute.size_in_bytes(self.ab_dtype, a_smem_one) + self.num_b * cute.size_in_bytes(
+            self.ab_dtype, b_smem_one
+        )
+        ab_pipeline = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar.data_ptr(),
+            num_stages=self.num_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_warps),
+            tx_count=tma_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+        )
+        cute.arch.sync_threads()
+
+        sA = storage.sA.get_tensor(a_smem_layout.outer, swizzle=a_smem_layout.inner)
+        sB = storage.sB.get_tensor(b_smem_layout.outer, swizzle=b_smem_layout.inner)
+
+        n_tiles = self.n_tiles
+        total_tiles = sCum[num_experts] * n_tiles
+        k_tiles = self.k_tiles
+        warp_group_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
+
+        # =========================================================== producer warpgroup
+        if warp_group_idx == 0:
+            cute.arch.warpgroup_reg_dealloc(self.load_regs)
+            if warp_idx == 0:
+                prod_state = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Producer, self.num_stages
+                )
+                # (TMA, slot) views of the staged smem buffers
+                tAsA = cute.group_modes(sA, 0, 2)
+                tBsB = cute.group_modes(sB, 0, 2)
+                expert = cutlass.Int32(0)
+                tile_id = bidx
+                while tile_id < total_tiles:
+                    m_tile_global = tile_id // n_tiles
+                    n_tile = tile_id % n_tiles
+                    expert, row0, row_end = self._locate(sOff, sCum, m_tile_global, expert)
+
+                    # A rows [row0, row0 + tile_m): (bM, bK, RestK)
+                    gA = cute.local_tile(
+                        cute.domain_offset((row0, 0), mA_tma),
+                        (self.tile_m, self.tile_k),
+                        (0, None),
+                    )
+                    tAsA_p, tAgA = cpasync.tma_partition(
+                        tma_atom_a, 0, cute.make_layout(1), tAsA, cute.group_modes(gA, 0, 2)
+                    )
+                    # B of this expert: (bN, bK, RestN, RestK)
+                    gB = cute.local_tile(
+                        mB_tma, (self.tile_n, self.tile_k), (None, None, expert)
+                    )
+                    tBsB_p, tBgB = cpasync.tma_partition(
+                        tma_atom_b, 0, cute.make_layout(1), tBsB, cute.group_modes(gB, 0, 2)
+                    )
+                    for k_tile in range(k_tiles):
+                        ab_pipeline.producer_acquire(prod_state)
+                        bar = ab_pipeline.producer_get_barrier(prod_state)
+                        cute.copy(
+                            tma_atom_a,
+                            tAgA[(None, k_tile)],
+                            tAsA_p[(None, prod_state.index)],
+                            tma_bar_ptr=bar,
+                        )
+                        for h in cutlass.range_constexpr(self.num_b):
+                            # swiglu: h=0 gate rows [n0, n0+bn), h=1 up rows [I+n0, I+n0+bn)
+                            cute.copy(
+                                tma_atom_b,
+                                tBgB[(None, n_tile + h * n_tiles, k_tile)],
+                                tBsB_p[(None, prod_state.index * self.num_b + h)],
+                                tma_bar_ptr=bar,
+                            )
+                        ab_pipeline.producer_commit(prod_state)
+                        prod_state.advance()
+                    tile_id = tile_id + gdim
+                ab_pipeline.producer_tail(prod_state)
+
+        # =========================================================== consumer warpgroups
+        if warp_group_idx > 0:
+            cute.arch.warpgroup_reg_alloc(self.mma_regs)
+            mma_tidx = tidx - self.threads_per_wg
+            thr_mma = tiled_mma.get_slice(mma_tidx)
+            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+            num_k_blocks = cute.size(tCrA, mode=[2])
+
+            acc_shape = tiled_mma.partition_shape_C((self.tile_m, self.tile_n))
+            # the chunked epilogue relies on the WGMMA accumulator layout ((2, 2, N/8), 1, 1)
+            assert (
+                cute.size(acc_shape[0][2]) == self.tile_n // 8
+                and cute.size(acc_shape[1]) == 1
+                and cute.size(acc_shape[2]) == 1
+            ), f"unexpected accumulator shape {acc_shape}"
+            accs = [cute.make_rmem_tensor(acc_shape, self.acc_dtype) for _ in range(self.num_b)]
+            # (row, col) of every accumulator element inside the CTA tile
+            tCcC = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+            n_elems = cute.size(accs[0])
+            # epilogue staging buffer (tile_m, epi_n), pitch epi_n + pad, and this thread's slots
+            sC = storage.sC.get_tensor(
+                cute.make_layout((self.tile_m, self.epi_n), stride=(self.epi_n + self.epi_pad, 1))
+            )
+            tCsC = tiled_mma_epi.get_slice(mma_tidx).partition_C(sC)
+            epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_mma_wg * 128)
+
+            read_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, self.num_stages
+            )
+            release_state = pipeline.make_pipeline_state(
+                pipeline.PipelineUserType.Consumer, self.num_stages
+            )
+            expert = cutlass.Int32(0)
+            tile_id = bidx
+            while tile_id < total_tiles:
+                m_tile_global = tile_id // n_tiles
+                n_tile = tile_id % n_tiles
+                expert, row0, row_end = self._locate(sOff, sCum, m_tile_global, expert)
+
+                # ---------------- mainloop: keep one WGMMA batch in flight
+                for h in cutlass.range_constexpr(self.num_b):
+                    accs[h].fill(0.0)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                warpgroup.fence()
+                ab_pipeline.consumer_wait(read_state)
+                for kb in cutlass.range_constexpr(num_k_blocks):
+                    for h in cutlass.range_constexpr(self.num_b):
+                        cute.gemm(
+                            tiled_mma,
+                            accs[h],
+                            tCrA[(None, None, kb, read_state.index)],
+                            tCrB[(None, None, kb, read_state.index * self.num_b + h)],
+                            accs[h],
+                        )
+                warpgroup.commit_group()
+                read_state.advance()
+                for k_tile in range(1, k_tiles):
+                    ab_pipeline.consumer_wait(read_state)
+                    for kb in cutlass.range_constexpr(num_k_blocks):
+                        for h in cutlass.range_constexpr(self.num_b):
+                            cute.gemm(
+                                tiled_mma,
+                                accs[h],
+                                tCrA[(None, None, kb, read_state.index)],
+                                tCrB[(None, None, kb, read_state.index * self.num_b + h)],
+                                accs[h],
+                            )
+                    warpgroup.commit_group()
+                    # the previous stage's WGMMAs are done -> hand its buffers back to TMA
+                    warpgroup.wait_group(1)
+                    ab_pipeline.consumer_release(release_state)
+                    release_state.advance()
+                    read_state.advance()
+                warpgroup.wait_group(0)
+                ab_pipeline.consumer_release(release_state)
+                release_state.advance()
+
+                # ---------------- epilogue: activation, row scale, masked bf16 stores
+                rows_left = row_end - row0
+                col0 = n_tile * self.tile_n
+                if cutlass.const_expr(self.epilogue == "smem"):
+                    self._epilogue(
+                        accs, tCcC, tCsC, sC, mC, mRowScale, row0, rows_left, col0, n_elems,
+                        mma_tidx, epi_barrier,
+                    )
+                else:
+                    gC = cute.local_tile(
+                        cute.domain_offset((row0, col0), mC), (self.tile_m, self.tile_n), (0, 0)
+                    )
+                    self._epilogue_direct(
+                        accs, thr_mma.partition_C(gC), tCcC, mRowScale, row0, rows_left, col0,
+                        n_elems,
+                    )
+                tile_id = tile_id + gdim
+
+    @cute.jit
+    def _epilogue(
+        self,
+        accs,
+        tCcC: cute.Tensor,
+        tCsC: cute.Tensor,
+        sC: cute.Tensor,
+        mC: cute.Tensor,
+        mRowScale: cute.Tensor,
+        row0: cutlass.Int32,
+        rows_left: cutlass.Int32,
+        col0: cutlass.Int32,
+        n_elems: cutlass.Constexpr,
+        mma_tidx: cutlass.Int32,
+        epi_barrier,
+    ):
+        acc0 = accs[0]
+        # activation in fp32 registers, in place in acc0
+        for i in cutlass.range_constexpr(n_elems):
+            x = acc0[i]
+            if cutlass.const_expr(self.activation == "swiglu"):
+                g = x
+                u = accs[1][i]
+                # silu(g) = g / (1 + 2^(-g*log2(e)))
+                den = cutlass.Float32(1.0) + cute.math.exp2(-g * _LOG2E, fastmath=True)
+                x = g * cute.arch.rcp_approx(den) * u
+            elif cutlass.const_expr(self.activation == "squared_relu"):
+                r = cute.arch.fmax(x, cutlass.Float32(0.0))
+                x = r * r
+            acc0[i] = x
+        if cutlass.const_expr(self.scale_rows):
+            # A thread owns only a few distinct rows; clamping keeps every load in bounds and
+            # branch free, so the compiler merges the loads of one row (no stores in between).
+            for i in cutlass.range_constexpr(n_elems):
+                r = cutlass.min(tCcC[i][0], rows_left - 1)
+                acc0[i] = acc0[i] * mRowScale[row0 + r]
+        rC = cute.make_rmem_tensor(acc0.shape, self.c_dtype)
+        rC.store(acc0.load().to(self.c_dtype))
+        # WGMMA accumulators hold column pairs (2j, 2j+1) in elements (2j, 2j+1) and the n-blocks
+        # of 8 columns are the slowest mode, so chunk c of epi_n columns is the contiguous pair
+        # range [c * ppc, (c + 1) * ppc) of the 32-bit view.
+        rC32 = cute.recast_tensor(rC, cutlass.Int32)
+        sC32 = cute.recast_tensor(tCsC, cutlass.Int32)
+        p32 = cute.make_ptr(
+            cutlass.Int32, sC32.iterator.toint(), cute.AddressSpace.smem, assumed_align=4
+        )
+        sC32 = cute.make_tensor(p32, sC32.layout)
+        n_chunks = self.tile_n // self.epi_n
+        ppc = cute.size(sC32)
+        pitch = self.epi_n + self.epi_pad
+        vec_per_row = self.epi_n // 8
+        n_threads = self.num_mma_wg * 128
+        vec_per_thread = self.tile_m * vec_per_row // n_threads
+        n_out = self.n_out
+        s_base = sC.iterator.toint()
+        g_base = mC.iterator.toint()
+        for c in cutlass.range_constexpr(n_chunks):
+            for j in cutlass.range_constexpr(ppc):
+                sC32[j] = rC32[c * ppc + j]
+            epi_barrier.arrive_and_wait()
+            # each thread moves 16-byte vectors; a warp covers whole 128-byte row segments
+            for it in cutlass.range_constexpr(vec_per_thread):
+                v = it * n_threads + mma_tidx
+                row = v // vec_per_row
+                cv = v % vec_per_row
+                col = col0 + c * self.epi_n + cv * 8
+                pred = row < rows_left
+                if cutlass.const_expr(not self.n_out_divisible):
+                    pred = pred and col < n_out
+                if pred:
+                    s_ptr = cute.make_ptr(
+                        self.c_dtype,
+                        s_base + (row * pitch + cv * 8) * 2,
+                        cute.AddressSpace.smem,
+                        assumed_align=16,
+                    )
+                    g_off = (cutlass.Int64(row0 + row) * n_out + col) * 2
+                    g_ptr = cute.make_ptr(
+                        self.c_dtype, g_base + g_off, cute.AddressSpace.gmem, assumed_align=16
+                    )
+                    src = cute.make_tensor(s_ptr, cute.make_layout(8))
+                    dst = cute.make_tensor(g_ptr, cute.make_layout(8))
+                    dst.store(src.load())
+            epi_barrier.arrive_and_wait()
+
+    @cute.jit
+    def _epilogue_direct(
+        self,
+        accs,
+        tCgC: cute.Tensor,
+        tCcC: cute.Tensor,
+        mRowScale: cute.Tensor,
+        row0: cutlass.Int32,
+        rows_left: cutlass.Int32,
+        col0: cutlass.Int32,
+        n_elems: cutlass.Constexpr,
+    ):
+        acc0 = accs[0]
+        # activation in fp32 registers, in place in acc0
+        for i in cutlass.range_constexpr(n_elems):
+            x = acc0[i]
+            if cutlass.const_expr(self.activation == "swiglu"):
+                g = x
+                u = accs[1][i]
+                # silu(g) = g / (1 + 2^(-g*log2(e)))
+                den = cutlass.Float32(1.0) + cute.math.exp2(-g * _LOG2E, fastmath=True)
+                x = g * cute.arch.rcp_approx(den) * u
+            elif cutlass.const_expr(self.activation == "squared_relu"):
+                r = cute.arch.fmax(x, cutlass.Float32(0.0))
+                x = r * r
+            acc0[i] = x
+        if cutlass.const_expr(self.scale_rows):
+            # A thread owns only a few distinct rows; clamping keeps every load in bounds and
+            # branch free, so the compiler merges the loads of one row (no stores in between).
+            for i in cutlass.range_constexpr(n_elems):
+                r = cutlass.min(tCcC[i][0], rows_left - 1)
+                acc0[i] = acc0[i] * mRowScale[row0 + r]
+        rC = cute.make_rmem_tensor(acc0.shape, self.c_dtype)
+        rC.store(acc0.load().to(self.c_dtype))
+        # WGMMA accumulators hold column pairs (2j, 2j+1) in elements (2j, 2j+1): store them as
+        # one 32-bit word (N_out and col0 are even, so the address is 4-byte aligned).
+        rC32 = cute.recast_tensor(rC, cutlass.Int32)
+        tCgC32 = cute.recast_tensor(tCgC, cutlass.Int32)
+        # re-type the base pointer as 4-byte aligned, else the store is split into two b16
+        p32 = cute.make_ptr(
+            cutlass.Int32, tCgC32.iterator.toint(), cute.AddressSpace.gmem, assumed_align=4
+        )
+        tCgC32 = cute.make_tensor(p32, tCgC32.layout)
+        cols_left = self.n_out - col0
+        for j in cutlass.range_constexpr(n_elems // 2):
+            rc = tCcC[2 * j]
+            if cutlass.const_expr(self.n_out_divisible):
+                if rc[0] < rows_left:
+                    tCgC32[j] = rC32[j]
+            else:
+                if rc[0] < rows_left and rc[1] < cols_left:
+                    tCgC32[j] = rC32[j]

@@ -1,0 +1,197 @@
+"""Correctness + benchmark runner for the varlen-M grouped GEMM (needs an SM90 GPU).
+
+    python -m sm90_megamoe.grouped_gemm_runner --m-total 65536 --n 1536 --k 2048 --experts 128 \
+        --activation swiglu --routing uniform --bench
+    python -m sm90_megamoe.grouped_gemm_runner --suite          # everything in one process
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from .launch import CompiledGroupedGemm, get_grouped_gemm, to_cute_args
+from .reference import grouped_gemm_reference
+
+
+def make_offsets(m_total: int, experts: int, routing: str, gen: torch.Generator) -> torch.Tensor:
+    """[E+1] int32 CPU offsets. uniform: near-equal counts; skewed: Zipf-like with empty experts."""
+    if routing == "uniform":
+        base = torch.full((experts,), m_total // experts, dtype=torch.int64)
+        base[: m_total - int(base.sum())] += 1
+        counts = base
+    elif routing == "skewed":
+        w = 1.0 / torch.arange(1, experts + 1, dtype=torch.float64) ** 1.2
+        w = w[torch.randperm(experts, generator=gen)]
+        w[torch.randperm(experts, generator=gen)[: max(1, experts // 8)]] = 0.0  # empty experts
+        if float(w.sum()) == 0.0:
+            w[0] = 1.0
+        counts = torch.multinomial(w / w.sum(), m_total, replacement=True, generator=gen).bincount(
+            minlength=experts
+        ) if m_total > 0 else torch.zeros(experts, dtype=torch.int64)
+    else:
+        raise ValueError(routing)
+    offs = torch.zeros(experts + 1, dtype=torch.int64)
+    offs[1:] = torch.cumsum(counts, 0)
+    assert int(offs[-1]) == m_total
+    return offs.to(torch.int32)
+
+
+def make_inputs(m_total, n, k, experts, activation, routing, scale_rows, seed=0, device="cuda"):
+    gen = torch.Generator().manual_seed(seed)
+    a = (torch.randn(m_total, k, generator=gen) * 0.5).to(torch.bfloat16).to(device)
+    b = (torch.randn(experts, n, k, generator=gen) * (1.0 / k**0.5)).to(torch.bfloat16).to(device)
+    offs = make_offsets(m_total, experts, routing, gen).to(device)
+    rs = torch.rand(m_total, generator=gen).to(device) if scale_rows else None
+    return a, b, offs, rs
+
+
+def check(fn: CompiledGroupedGemm, m_total, n, k, experts, activation, routing, scale_rows, seed=0):
+    a, b, offs, rs = make_inputs(m_total, n, k, experts, activation, routing, scale_rows, seed)
+    n_out = n // 2 if activation == "swiglu" else n
+    out = torch.full((m_total, n_out), float("nan"), dtype=torch.bfloat16, device="cuda")
+    fn(a, b, offs, out=out, row_scale=rs)
+    torch.cuda.synchronize()
+    ref = grouped_gemm_reference(a, b, offs, activation, rs)
+    nan = bool(torch.isnan(out).any()) if m_total else False
+    denom = ref.norm().item()
+    rel = (out.float() - ref).norm().item() / denom if denom > 0 else (out.float().norm().item())
+    ok = (not nan) and rel < 1e-2
+    print(
+        f"[check] {activation:12s} scale={int(scale_rows)} M={m_total:6d} N={n} K={k} E={experts} "
+        f"routing={routing:7s} rel_err={rel:.3e} nan={nan} -> {'PASS' if ok else 'FAIL'}",
+        flush=True,
+    )
+    return ok
+
+
+def bench(fn: CompiledGroupedGemm, m_total, n, k, experts, activation, routing, scale_rows,
+          iters=20, rotate=3):
+    sets = [make_inputs(m_total, n, k, experts, activation, routing, scale_rows, seed=s)
+            for s in range(rotate)]
+    n_out = n // 2 if activation == "swiglu" else n
+    outs = [torch.empty(m_total, n_out, dtype=torch.bfloat16, device="cuda") for _ in sets]
+    dummy = torch.zeros(1, dtype=torch.float32, device="cuda")
+    conv = [to_cute_args(a, b, o, offs, rs if rs is not None else dummy)
+            for (a, b, offs, rs), o in zip(sets, outs)]
+    flops = 2.0 * m_total * n * k
+
+    def timed(run):
+        for i in range(3):
+            run(i % rotate)
+        torch.cuda.synchronize()
+        ts = []
+        for i in range(iters):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            run(i % rotate)
+            e.record()
+            ts.append((s, e))
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) for s, e in ts) * 1e-3
+
+    t_ours = timed(lambda i: fn.launch_converted(conv[i]))
+    bt = [b.transpose(1, 2) for (_, b, _, _) in sets]  # [E, K, N] view, K contiguous
+    ends = [offs[1:].contiguous() for (_, _, offs, _) in sets]
+    t_torch = timed(lambda i: torch._grouped_mm(sets[i][0], bt[i], offs=ends[i]))
+    print(
+        f"[bench] {activation:12s} scale={int(scale_rows)} M={m_total} N={n} K={k} E={experts} "
+        f"routing={routing}: ours {t_ours*1e3:.3f} ms {flops/t_ours/1e12:.1f} TFLOP/s | "
+        f"torch._grouped_mm {t_torch*1e3:.3f} ms {flops/t_torch/1e12:.1f} TFLOP/s | "
+        f"ratio {t_torch/t_ours:.3f}x",
+        flush=True,
+    )
+    return t_ours, t_torch
+
+
+def suite(args):
+    ok = True
+    t0 = time.time()
+    fns = {}
+
+    def get(act, n, k, e, sr, tile_n=None, epilogue="smem"):
+        key = (act, n, k, e, sr, tile_n, epilogue)
+        if key not in fns:
+            t = time.time()
+            fns[key] = get_grouped_gemm(act, n, k, e, scale_rows=sr, tile_n=tile_n,
+                                        epilogue=epilogue)
+            print(f"[compile] {key} {time.time()-t:.2f}s", flush=True)
+        return fns[key]
+
+    H, I, E = 2048, 768, 128
+    f1 = get("swiglu", 2 * I, H, E, False)
+    f2 = get("identity", H, I, E, True)
+    f2n = get("identity", H, I, E, False)
+    fsq = get("squared_relu", 2 * I, H, E, False)
+    small = [
+        (f1, 4133, 2 * I, H, E, "swiglu", "uniform", False),
+        (f1, 4133, 2 * I, H, E, "swiglu", "skewed", False),
+        (f1, 1, 2 * I, H, E, "swiglu", "skewed", False),
+        (fsq, 3001, 2 * I, H, E, "squared_relu", "skewed", False),
+        (f2, 4133, H, I, E, "identity", "skewed", True),
+        (f2, 1, H, I, E, "identity", "uniform", True),
+        (f2n, 777, H, I, E, "identity", "uniform", False),
+    ]
+    for fn, m, n, k, e, act, routing, sr in small:
+        ok &= check(fn, m, n, k, e, act, routing, sr)
+    # odd shapes: N not a multiple of tile_n, K tail, few experts
+    f_odd = get("identity", 1000, 200, 5, False)
+    ok &= check(f_odd, 997, 1000, 200, 5, "identity", "skewed", False)
+    f_odd2 = get("swiglu", 2 * 256, 520, 3, True)
+    ok &= check(f_odd2, 300, 512, 520, 3, "swiglu", "skewed", True)
+    # full Qwen3-30B-A3B shape
+    ok &= check(f1, 65536, 2 * I, H, E, "swiglu", "uniform", False)
+    ok &= check(f2, 65536, H, I, E, "identity", "skewed", True)
+    print(f"[suite] correctness {'PASS' if ok else 'FAIL'} ({time.time()-t0:.1f}s)", flush=True)
+    if args.bench:
+        bench(f1, 65536, 2 * I, H, E, "swiglu", "uniform", False)
+        bench(f2n, 65536, H, I, E, "identity", "uniform", False)
+        bench(f2, 65536, H, I, E, "identity", "uniform", True)
+        bench(f1, 65536, 2 * I, H, E, "swiglu", "skewed", False)
+        print("[bench] variants: direct-store epilogue, identity tile_n=128", flush=True)
+        fd1 = get("swiglu", 2 * I, H, E, False, epilogue="direct")
+        ok &= check(fd1, 4133, 2 * I, H, E, "swiglu", "skewed", False)
+        bench(fd1, 65536, 2 * I, H, E, "swiglu", "uniform", False)
+        fd2 = get("identity", H, I, E, False, epilogue="direct")
+        bench(fd2, 65536, H, I, E, "identity", "uniform", False)
+        f2t = get("identity", H, I, E, False, tile_n=128)
+        ok &= check(f2t, 4133, H, I, E, "identity", "skewed", False)
+        bench(f2t, 65536, H, I, E, "identity", "uniform", False)
+    return ok
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--m-total", type=int, default=65536)
+    p.add_argument("--n", type=int, default=1536)
+    p.add_argument("--k", type=int, default=2048)
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--activation", default="swiglu")
+    p.add_argument("--routing", default="uniform", choices=["uniform", "skewed"])
+    p.add_argument("--scale-rows", action="store_true")
+    p.add_argument("--tile-n", type=int, default=None)
+    p.add_argument("--num-stages", type=int, default=None)
+    p.add_argument("--epilogue", default="smem", choices=["smem", "direct"])
+    p.add_argument("--bench", action="store_true")
+    p.add_argument("--suite", action="store_true")
+    args = p.parse_args()
+    print(f"device: {torch.cuda.get_device_name()}", flush=True)
+    if args.suite:
+        raise SystemExit(0 if suite(args) else 1)
+    t = time.time()
+    fn = get_grouped_gemm(args.activation, args.n, args.k, args.experts, scale_rows=args.scale_rows,
+                          tile_n=args.tile_n, num_stages=args.num_stages, epilogue=args.epilogue)
+    print(f"[compile] {time.time()-t:.2f}s", flush=True)
+    ok = check(fn, args.m_total, args.n, args.k, args.experts, args.activation, args.routing,
+               args.scale_rows)
+    if args.bench:
+        bench(fn, args.m_total, args.n, args.k, args.experts, args.activation, args.routing,
+              args.scale_rows)
+    raise SystemExit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()

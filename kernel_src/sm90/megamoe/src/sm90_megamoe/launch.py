@@ -1,0 +1,124 @@
+"""Host side: compile cache, torch -> CuTe conversion, launch. No host sync on the launch path."""
+
+from __future__ import annotations
+
+from typing import Dict, Optional, Tuple
+
+import torch
+
+import cutlass
+import cutlass.cute as cute
+from cutlass.cute.runtime import from_dlpack
+import cuda.bindings.driver as cuda
+
+from . import DROP_VERSION
+from .constants import ABI_VERSION, H200_NUM_SMS
+from .grouped_gemm import GroupedGemmSm90
+
+_CACHE: Dict[tuple, "CompiledGroupedGemm"] = {}
+
+
+def _num_sms() -> int:
+    try:
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+    except Exception:
+        return H200_NUM_SMS
+
+
+def to_cute_args(a, b, c, offsets, row_scale):
+    """Convert contiguous torch tensors to CuTe tensors whose static/dynamic structure matches
+    ``compile_check.fake_args``: M_total dynamic, everything else static."""
+    mA = from_dlpack(a, assumed_align=16).mark_compact_shape_dynamic(mode=0, stride_order=(0, 1))
+    mB = from_dlpack(b, assumed_align=16)
+    mC = from_dlpack(c, assumed_align=16).mark_compact_shape_dynamic(mode=0, stride_order=(0, 1))
+    mOff = from_dlpack(offsets, assumed_align=4)
+    mScale = from_dlpack(row_scale, assumed_align=4).mark_compact_shape_dynamic(mode=0)
+    return mA, mB, mC, mOff, mScale
+
+
+class CompiledGroupedGemm:
+    """One compiled kernel for (activation, N, K, E, tile_n, scale_rows); any routing/M_total."""
+
+    def __init__(self, activation: str, n: int, k: int, num_experts: int, scale_rows: bool,
+                 tile_n: Optional[int] = None, num_stages: Optional[int] = None,
+                 epilogue: str = "smem", example: Optional[Tuple[torch.Tensor, ...]] = None):
+        from .compile_check import fake_args
+
+        self.kernel = GroupedGemmSm90(activation, tile_n=tile_n, scale_rows=scale_rows,
+                                      num_stages=num_stages, epilogue=epilogue)
+        self.activation = activation
+        self.n, self.k, self.num_experts = n, k, num_experts
+        self.n_out, self.n_tiles = self.kernel.static_shapes(n, k)
+        self.scale_rows = scale_rows
+        if example is None:
+            args = fake_args(self.kernel, num_experts, n, k)
+        else:  # compile from real tensors (fallback / debugging)
+            args = (*to_cute_args(*example), cutlass.Int32(_num_sms()),
+                    cuda.CUstream(torch.cuda.current_stream().cuda_stream))
+        self.compiled = cute.compile(self.kernel, *args, options="--gpu-arch sm_90a")
+        self._dummy_scale = None
+        self._verified = False
+
+    def __call__(self, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
+                 out: Optional[torch.Tensor] = None, row_scale: Optional[torch.Tensor] = None,
+                 max_active_ctas: Optional[int] = None, stream=None) -> torch.Tensor:
+        """
+        a:         [M_total, K]      bf16, contiguous, CUDA
+        b:         [E, N, K]         bf16, contiguous
+        offsets:   [E + 1]           int32, CUDA (device memory; never read by the host)
+        out:       [M_total, N_out]  bf16 or None (allocated)
+        row_scale: [M_total]         fp32, required iff scale_rows
+        """
+        m_total = a.shape[0]
+        if out is None:
+            out = torch.empty(m_total, self.n_out, dtype=torch.bfloat16, device=a.device)
+        if m_total == 0:
+            return out
+        if self.scale_rows:
+            assert row_scale is not None and row_scale.dtype == torch.float32
+        else:
+            if self._dummy_scale is None or self._dummy_scale.device != a.device:
+                self._dummy_scale = torch.zeros(1, dtype=torch.float32, device=a.device)
+            row_scale = self._dummy_scale
+        args = to_cute_args(a, b, out, offsets, row_scale)
+        self.launch_converted(args, max_active_ctas, stream)
+        return out
+
+    def launch_converted(self, args, max_active_ctas: Optional[int] = None, stream=None):
+        """Launch with pre-converted CuTe tensors (fast path for benchmarks)."""
+        if stream is None:
+            stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+        ctas = max_active_ctas if max_active_ctas is not None else _num_sms()
+        if self._verified:
+            self.compiled(*args, cutlass.Int32(ctas), stream)
+            return
+        try:
+            self.compiled(*args, cutlass.Int32(ctas), stream)
+        except Exception as exc:  # fake-tensor signature mismatch: recompile from real tensors
+            print(f"[sm90_megamoe] fake-compiled kernel rejected real args ({exc!r}); recompiling")
+            self.compiled = cute.compile(self.kernel, *args, cutlass.Int32(ctas), stream,
+                                         options="--gpu-arch sm_90a")
+            self.compiled(*args, cutlass.Int32(ctas), stream)
+        self._verified = True
+
+
+def get_grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
+                     tile_n: Optional[int] = None, num_stages: Optional[int] = None,
+                     epilogue: str = "smem") -> CompiledGroupedGemm:
+    """Cached compile. Key: everything static; routing and M_total are runtime."""
+    key = (ABI_VERSION, DROP_VERSION, cutlass.__version__ if hasattr(cutlass, "__version__") else "",
+           activation, n, k, num_experts, bool(scale_rows), tile_n, num_stages, epilogue, "sm_90a")
+    fn = _CACHE.get(key)
+    if fn is None:
+        fn = CompiledGroupedGemm(activation, n, k, num_experts, scale_rows, tile_n, num_stages,
+                                 epilogue)
+        _CACHE[key] = fn
+    return fn
+
+
+def grouped_gemm(a, b, offsets, activation: str, out=None, row_scale=None,
+                 max_active_ctas: Optional[int] = None, tile_n: Optional[int] = None):
+    """Functional entry point: C = act(A_e @ B_e^T) (* row_scale) for every expert segment."""
+    fn = get_grouped_gemm(activation, b.shape[1], b.shape[2], b.shape[0],
+                          scale_rows=row_scale is not None, tile_n=tile_n)
+    return fn(a, b, offsets, out=out, row_scale=row_scale, max_active_ctas=max_active_ctas)

@@ -1,0 +1,43 @@
+"""float32 torch reference of exactly what GroupedGemmSm90 computes (loop over experts)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def grouped_gemm_reference(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offsets: torch.Tensor,
+    activation: str,
+    row_scale: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """
+    a:         [M_total, K]      bf16 (any float dtype)
+    b:         [E, N, K]         bf16; swiglu: N = 2*I, gate rows [0, I), up rows [I, 2I)
+    offsets:   [E + 1]           int (any device), offsets[0] = 0, offsets[E] = M_total
+    row_scale: [M_total]         fp32 or None
+    returns:   [M_total, N_out]  float32, N_out = I for swiglu else N
+    """
+    offs = [int(x) for x in offsets.tolist()]
+    num_experts, n, _ = b.shape
+    n_out = n // 2 if activation == "swiglu" else n
+    out = torch.zeros(a.shape[0], n_out, dtype=torch.float32, device=a.device)
+    for e in range(num_experts):
+        lo, hi = offs[e], offs[e + 1]
+        if hi <= lo:
+            continue
+        y = a[lo:hi].float() @ b[e].float().t()
+        if activation == "swiglu":
+            g, u = y[:, : n // 2], y[:, n // 2 :]
+            y = torch.nn.functional.silu(g) * u
+        elif activation == "squared_relu":
+            y = torch.relu(y).square()
+        elif activation != "identity":
+            raise ValueError(activation)
+        out[lo:hi] = y
+    if row_scale is not None:
+        out = out * row_scale.float()[:, None]
+    return out

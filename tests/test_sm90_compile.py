@@ -1,0 +1,45 @@
+"""CPU: the SM90 drop compiles for sm_90a through the shim, with WGMMA and TMA in the PTX;
+mirrored-constant drift is caught."""
+
+import importlib
+
+import pytest
+
+pytest.importorskip("cutlass")
+
+from moe_ep.shim import SM90_MEGAMOE_CONSTANTS, ConstantDriftError, sm90_check_gemm_shapes, sm90_compile_gemm_ptx
+
+
+@pytest.mark.parametrize("act,n,k,scale", [
+    ("swiglu", 1536, 2048, False),       # Qwen3 FC1: w13 [E, 2·768, 2048]
+    ("squared_relu", 768, 2048, False),  # non-gated FC1
+    ("identity", 2048, 768, True),       # Qwen3 FC2 with router weights in the epilogue
+])
+def test_compiles_with_wgmma_and_tma(act, n, k, scale, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the drop may keep PTX files in the working directory
+    ptx = sm90_compile_gemm_ptx(act, n, k, scale, arch="sm_90a")
+    assert "wgmma.mma_async" in ptx
+    assert "cp.async.bulk.tensor" in ptx
+    assert ".target sm_90a" in ptx
+
+
+def test_constant_drift_detected(monkeypatch):
+    SM90_MEGAMOE_CONSTANTS.check()  # in sync now
+    consts = importlib.import_module("sm90_megamoe.constants")
+    monkeypatch.setattr(consts, "ALIGN_K_ELEMS", 16)
+    with pytest.raises(ConstantDriftError, match=r"ALIGN_K_ELEMS: shim mirrors 8, drop has 16"):
+        SM90_MEGAMOE_CONSTANTS.check()
+
+
+@pytest.mark.parametrize("act,n,k,e,frag", [
+    ("swiglu", 1536, 2044, 8, "K=2044 must be a multiple of 8"),
+    ("swiglu", 2 * 100, 2048, 8, "I=100 to be a multiple of the output tile 128"),
+    ("swiglu", 1537, 2048, 8, "even w13 row count"),
+    ("identity", 2050, 768, 8, "N=2050 must be a multiple of 8"),
+    ("identity", 2048, 768, 5000, "at most 1024"),
+    ("gelu_glu", 2048, 768, 8, "activation 'gelu_glu'"),
+])
+def test_shape_validation(act, n, k, e, frag):
+    with pytest.raises(ValueError) as ei:
+        sm90_check_gemm_shapes(act, n, k, e)
+    assert frag in str(ei.value)
