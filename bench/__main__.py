@@ -110,6 +110,16 @@ def run_layer(args) -> int:
             t = torch.tensor([ms], device=group.comm_device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group.pg)
             ms = float(t.item())
+        if args.profile and device.type == "cuda" and group.rank == 0:
+            from torch.profiler import ProfilerActivity, profile
+
+            x, ids, w, w13, w2 = inputs
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(5):
+                    layer.forward(x, ids, w, w13, w2)
+                torch.cuda.synchronize()
+            say(f"profile of 5 forwards on {layer.backend_name}:")
+            say(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
         tflops = cfg.flops(T) / (ms * 1e-3) / 1e12
         rows.append((layer.backend_name, m["name"], T, group.world_size, ms, tflops))
         layer.destroy()
@@ -159,6 +169,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--profile", action="store_true", help="print a torch.profiler kernel table per backend")
     p.add_argument("--peer", choices=["liger"], default=None,
                    help="also run a peer library in its own process on the same shape")
     p.add_argument("--peer-script", default=None, help="path to shared/peers/liger_bench.py")

@@ -89,7 +89,7 @@ class Sm90CuteDSLBackend(BackendImpl):
             "yg": torch.empty(M, cfg.hidden, dtype=bf, device=dev),
             "ws": torch.empty(M, dtype=torch.float32, device=dev),
             "counts": torch.empty(E, dtype=torch.int32, device=dev),
-            "offsets": torch.empty(E + 1, dtype=torch.int32, device=dev),
+            "offsets": torch.zeros(E + 1, dtype=torch.int32, device=dev),
             "ones": torch.ones(M, dtype=torch.int32, device=dev),
             "arange": torch.arange(M, dtype=torch.int64, device=dev),
             "inv": torch.empty(M, dtype=torch.int64, device=dev),
@@ -119,8 +119,7 @@ class Sm90CuteDSLBackend(BackendImpl):
         perm = torch.sort(flat, stable=True).indices
         counts = b["counts"].zero_()
         counts.scatter_add_(0, flat.long(), b["ones"][:M])
-        offsets = b["offsets"]
-        offsets[0] = 0
+        offsets = b["offsets"]  # offsets[0] was zeroed at allocation and is never written
         torch.cumsum(counts, 0, out=offsets[1:])
         inv = b["inv"][:M]
         inv.scatter_(0, perm, b["arange"][:M])
