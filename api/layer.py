@@ -51,11 +51,15 @@ class MoELayer:
             backend whose capability checks pass here; ``backend_name`` says which).
         device: where inputs live (default: the current CUDA device if CUDA is available, else CPU).
         check_values: check expert ids and router weights on the host before each launch (one
-            host sync; skipped automatically during CUDA-graph capture).
+            host sync; skipped automatically during CUDA-graph capture). With it off, kernels
+            treat an out-of-range expert id as a dropped choice (nothing is corrupted).
+        timeout_s: bound on every device-side wait for a peer rank (kernel backends); a stall
+            sets an error that :meth:`check_errors` raises as ``DeviceStallError``.
     """
 
     def __init__(self, config: MoEConfig, group: EPGroup | None = None, backend: str = "auto", *,
-                 device: torch.device | str | None = None, check_values: bool = True) -> None:
+                 device: torch.device | str | None = None, check_values: bool = True,
+                 timeout_s: float = 10.0) -> None:
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
         if group is None:
@@ -76,7 +80,9 @@ class MoELayer:
         self.e_local = config.local_experts(group.world_size)
         spec = _backends.select(backend, config, group, device)
         self.backend_name = spec.name
-        self._impl = spec.factory(config, group, device)
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self._impl = spec.factory(config, group, device, timeout_s=float(timeout_s))
         self._warm = False
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -100,6 +106,18 @@ class MoELayer:
         self._warm = True
         say("warmup: done")
         return self
+
+    def check_errors(self) -> None:
+        """Raise if a device-side error was recorded (a peer rank stalled past ``timeout_s``:
+        ``moe_ep.shim`` ``DeviceStallError`` naming that rank; receive capacity exceeded:
+        ``ValueError``). Synchronises the host; forward itself never does."""
+        self._alive()
+        self._impl.check()
+
+    def reset_error_state(self) -> None:
+        """Collective: after an error, clear every rank's flags and counters so forwards can go on."""
+        self._alive()
+        self._impl.reset_error_state()
 
     def destroy(self) -> None:
         """Free the layer's buffers (collective for backends with symmetric memory). Idempotent."""

@@ -15,14 +15,14 @@ register(BackendSpec(
     description="pure torch: all_to_all_single + per-expert matmul / torch._grouped_mm",
     priority=0,
     check=_reference.check,
-    factory=lambda cfg, group, device: _reference.ReferenceBackend(cfg, group, device),
+    factory=lambda cfg, group, device, **opts: _reference.ReferenceBackend(cfg, group, device),
 ))
 register(BackendSpec(
     name="sm90_bf16_cutedsl",
-    description="SM90 BF16: CuTeDSL TMA+WGMMA varlen-M grouped GEMMs with fused activation / router weights",
+    description="SM90 BF16: NVLink peer-pointer dispatch/combine + CuTeDSL TMA/WGMMA varlen-M grouped GEMMs",
     priority=100,
     check=_sm90_bf16.check,
-    factory=lambda cfg, group, device: _sm90_bf16.Sm90CuteDSLBackend(cfg, group, device),
+    factory=lambda cfg, group, device, **opts: _sm90_bf16.Sm90CuteDSLBackend(cfg, group, device, **opts),
 ))
 
 __all__ = ["BackendImpl", "BackendSpec", "UnsupportedBackendError", "available", "get", "register",

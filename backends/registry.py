@@ -45,13 +45,20 @@ class BackendImpl(ABC):
     def destroy(self) -> None:  # noqa: B027 - optional
         """Free buffers (collective where they are symmetric)."""
 
+    def check(self) -> None:  # noqa: B027 - optional
+        """Raise if the device recorded an error (host sync)."""
+
+    def reset_error_state(self) -> None:  # noqa: B027 - optional
+        """Collective: clear device-side error/flag state after an error."""
+
 
 @dataclass(frozen=True)
 class BackendSpec:
     """A registered backend.
 
     ``check(config, group, device)`` raises :class:`UnsupportedBackendError` (with the reason) when
-    the backend cannot run that configuration; ``factory(config, group, device)`` builds the impl.
+    the backend cannot run that configuration; ``factory(config, group, device, **options)`` builds
+    the impl (options: ``timeout_s``).
     Higher ``priority`` wins under ``"auto"``.
     """
 
@@ -59,7 +66,7 @@ class BackendSpec:
     description: str
     priority: int
     check: Callable[[Any, Any, Any], None]
-    factory: Callable[[Any, Any, Any], BackendImpl]
+    factory: Callable[..., BackendImpl]
 
 
 _LOCK = threading.Lock()

@@ -97,8 +97,10 @@ def run_layer(args) -> int:
             "(numbers are for smoke-testing, not performance)")
     inputs = make_inputs(cfg, T, group, device, seed=args.seed, skew=args.skew)
     rows = []
+    comm = []
     for name in names:
-        layer = MoELayer(cfg, group, backend=name, device=device)
+        # value checks cost a host sync per forward; benchmark inputs are valid by construction
+        layer = MoELayer(cfg, group, backend=name, device=device, check_values=False)
         if name == "auto" and layer.backend_name == "reference" and "reference" in names:
             layer.destroy()
             continue
@@ -122,6 +124,10 @@ def run_layer(args) -> int:
             say(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
         tflops = cfg.flops(T) / (ms * 1e-3) / 1e12
         rows.append((layer.backend_name, m["name"], T, group.world_size, ms, tflops))
+        if device.type == "cuda" and group.world_size > 1 and not args.no_comm and hasattr(layer._impl, "comm_ops"):
+            from .ep import comm_table
+
+            comm, sent = comm_table(layer, inputs, group, args.iters)
         layer.destroy()
     if args.peer == "liger":
         from .peers import run_liger
@@ -149,6 +155,25 @@ def run_layer(args) -> int:
     say(f"{'backend':<22}{'shape':<26}{'tokens/rank':>12}{'EP':>4}{'ms':>10}{'TFLOP/s':>10}")
     for b, shape, t, ep, ms, tf in rows:
         say(f"{b:<22}{shape:<26}{t:>12}{ep:>4}{ms:>10.3f}{tf:>10.4g}")
+    if comm:
+        say(f"\ndispatch/combine, {T} tokens/rank: {sent / 1e6:.1f} MB per rank cross NVLink per direction "
+            "(one bf16 row per token and remote destination rank); slowest rank's median")
+        say(f"{'operation':<26}{'ms':>10}{'GB/s per rank':>15}")
+        for op, ms, gbs in comm:
+            say(f"{op:<26}{ms:>10.3f}{gbs:>15.1f}")
+    if device.type == "cuda" and not args.no_decode:
+        from .ep import decode_table
+
+        dcfg = MoEConfig(num_experts=cfg.num_experts, hidden=cfg.hidden, intermediate=cfg.intermediate,
+                         top_k=cfg.top_k, max_tokens_per_rank=256, activation=cfg.activation)
+        best = rows[0][0]
+        drows = decode_table(lambda: MoELayer(dcfg, group, backend=best, device=device, check_values=False),
+                             lambda t: make_inputs(dcfg, t, group, device, seed=args.seed + t),
+                             dcfg, group, device, args.iters)
+        say(f"\ndecode regime, {best}, max_tokens_per_rank=256, EP={group.world_size}: median ms")
+        say(f"{'tokens/rank':>12}{'eager ms':>10}{'graph ms':>10}")
+        for t, e, gms in drows:
+            say(f"{t:>12}{e:>10.3f}{gms:>10.3f}")
     if group.world_size > 1:
         import torch.distributed as dist
 
@@ -169,6 +194,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--no-comm", action="store_true", help="skip the dispatch/combine GB/s table (EP > 1)")
+    p.add_argument("--no-decode", action="store_true", help="skip the decode-latency sweep (GPU)")
     p.add_argument("--profile", action="store_true", help="print a torch.profiler kernel table per backend")
     p.add_argument("--peer", choices=["liger"], default=None,
                    help="also run a peer library in its own process on the same shape")

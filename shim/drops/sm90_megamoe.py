@@ -7,8 +7,14 @@ What moe_ep relies on, declared as data (:data:`CONTRACT`), plus thin wrappers:
   every contract-relevant value (never by routing: M_total and expert offsets are runtime);
 * :func:`compile_gemm_ptx` — compile for an arch without a GPU (CPU tests inspect the PTX).
 
-Counter contract: the grouped GEMM keeps no state between launches (its tile scheduler reads the
-device-side offsets afresh every launch), so there is nothing to zero.
+Counter contract (:data:`GEMM_COUNTERS`, :data:`EP_COUNTERS`): the grouped GEMM keeps no state
+between launches (its tile scheduler reads the device-side offsets afresh every launch). The EP
+kernels are tail-clean: their flags carry a per-forward epoch that only moves forward (a receiver
+waits for ``flag == epoch``, so stale flags never match), and the only counters that return to a
+value, the local CTA-arrival counters ``ctrl[1]``/``ctrl[2]``, are reset to 0 by the last CTA of
+their kernel. Nothing is zeroed before a launch; ``tests/test_ep_gpu*.py`` prove it with 100
+consecutive forwards on changing routing. After a device-side error (timeout, capacity) every
+rank resets its EP state (:meth:`EpSession.reset`) between two barriers.
 """
 
 from __future__ import annotations
@@ -17,14 +23,16 @@ import importlib
 from dataclasses import dataclass
 from typing import Any
 
-from ..cache import COMPILE_CACHE
+from ..cache import COMPILE_CACHE, ensure_not_capturing
 from ..constants import MirroredConstants
 from ..contract import CallableUse, DropContract, ImportUse
+from ..errors import DeviceStallError
+from ..nvshmem_boot import CounterContract
 
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 1},
+    "sm90_megamoe": {"DROP_VERSION": 2},
     "sm90_megamoe.constants": {
         "ABI_VERSION": 1,
         "ACTIVATIONS": ("identity", "swiglu", "squared_relu"),
@@ -33,10 +41,21 @@ CONSTANTS = MirroredConstants("sm90/megamoe", {
         "DEFAULT_TILE_N": {"identity": 256, "squared_relu": 256, "swiglu": 128},
         "MAX_EXPERTS": 1024,
     },
+    "sm90_megamoe.ep_constants": {
+        "EP_ABI_VERSION": 1,
+        "EP_NUM_PEER_BUFS": 6,
+        "EP_CTRL_LEN": 4,
+        "EP_ERR_LEN": 4,
+        "ERR_CODE": 0, "ERR_PEER": 1, "ERR_WHERE": 2, "ERR_AUX": 3,
+        "ERR_NONE": 0, "ERR_TIMEOUT": 1, "ERR_CAPACITY": 2,
+        "EP_MAX_WORLD": 32,
+        "EP_MAX_TOPK": 32,
+        "EP_ALIGN_H_ELEMS": 8,
+    },
 })
 
 CONTRACT = DropContract(
-    arch="sm90", drop="megamoe", version=1, packages=(PKG,), constants=CONSTANTS,
+    arch="sm90", drop="megamoe", version=2, packages=(PKG,), constants=CONSTANTS,
     callables=(
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.__init__",
                     ("activation", "n", "k", "num_experts", "scale_rows", "tile_n")),
@@ -44,8 +63,24 @@ CONTRACT = DropContract(
                     ("a", "b", "offsets", "out", "row_scale")),
         CallableUse("sm90_megamoe.compile_check:compile_for_arch",
                     ("activation", "n", "k", "scale_rows", "arch", "num_experts", "tile_n")),
+        CallableUse("sm90_megamoe.ep_launch:EpConfig.__init__",
+                    ("hidden", "topk", "world", "max_tokens", "num_experts")),
+        CallableUse("sm90_megamoe.ep_launch:EpBuffers.allocate", ("cfg", "device", "symmetric_alloc")),
+        CallableUse("sm90_megamoe.ep_launch:build_peer_table", ("peer_buffers", "device")),
+        CallableUse("sm90_megamoe.ep_launch:get_kernel", ("kind", "cfg")),
+        CallableUse("sm90_megamoe.ep_launch:EpRank.__init__",
+                    ("cfg", "rank", "bufs", "peer_table", "num_ctas", "timeout_ns")),
+        CallableUse("sm90_megamoe.ep_launch:EpRank.dispatch", ("x", "topk_ids", "topk_w")),
+        CallableUse("sm90_megamoe.ep_launch:EpRank.wait", ()),
+        CallableUse("sm90_megamoe.ep_launch:EpRank.gather", ("src", "idx", "count", "out")),
+        CallableUse("sm90_megamoe.ep_launch:EpRank.combine_send", ("y", "pos")),
+        CallableUse("sm90_megamoe.ep_launch:EpRank.combine_reduce", ("topk_ids", "out")),
+        CallableUse("sm90_megamoe.ep_launch:EpRank.read_err", ()),
+        CallableUse("sm90_megamoe.ep_launch:EpRank.reset_state", ()),
     ),
     imports=(
+        ImportUse("sm90_megamoe.ep_launch", "EpRank", "shim/drops/sm90_megamoe.py"),
+        ImportUse("sm90_megamoe.ep_launch", "KINDS", "shim/drops/sm90_megamoe.py"),
         ImportUse("sm90_megamoe.launch", "CompiledGroupedGemm", "shim/drops/sm90_megamoe.py"),
         ImportUse("sm90_megamoe.compile_check", "compile_for_arch", "shim/drops/sm90_megamoe.py"),
     ),
@@ -142,3 +177,104 @@ def compile_gemm_ptx(activation: str, n: int, k: int, scale_rows: bool, arch: st
     compiled = cc.compile_for_arch(activation=activation, n=n, k=k, scale_rows=scale_rows, arch=arch,
                                    num_experts=num_experts, tile_n=None)
     return compiled.__ptx__
+
+
+GEMM_COUNTERS = CounterContract("sm90_megamoe grouped GEMM", tail_clean=True)
+EP_COUNTERS = CounterContract("sm90_megamoe EP dispatch/combine", tail_clean=True)
+_E = CONSTANTS.table["sm90_megamoe.ep_constants"]
+_WHERE = {1: "dispatch", 2: "dispatch wait", 3: "combine send", 4: "combine reduce"}
+
+
+@dataclass(frozen=True)
+class EpKey:
+    """Every value the compiled EP kernels depend on."""
+
+    drop_version: int
+    ep_abi_version: int
+    cutlass_version: str
+    arch: str
+    hidden: int
+    topk: int
+    world: int
+    max_tokens: int
+    num_experts: int
+
+
+def check_ep_shapes(hidden: int, topk: int, world: int, num_experts: int) -> None:
+    if hidden % _E["EP_ALIGN_H_ELEMS"]:
+        raise ValueError(f"sm90 EP: hidden={hidden} must be a multiple of {_E['EP_ALIGN_H_ELEMS']}")
+    if not 1 <= topk <= _E["EP_MAX_TOPK"]:
+        raise ValueError(f"sm90 EP: top_k={topk} must be in [1, {_E['EP_MAX_TOPK']}]")
+    if not 1 <= world <= _E["EP_MAX_WORLD"]:
+        raise ValueError(f"sm90 EP: world size {world} must be in [1, {_E['EP_MAX_WORLD']}]")
+    if num_experts % world:
+        raise ValueError(f"sm90 EP: num_experts={num_experts} must be a multiple of the world size {world}")
+
+
+class EpSession:
+    """One rank's EP state on the SM90 drop: symmetric buffers, peer table, compiled kernels.
+
+    Buffers (S = W·T_max slots): ``recv_x [S, H]`` bf16, ``recv_ids [S, K]`` int32, ``recv_w
+    [S, K]`` f32, ``recv_count [W]`` int32, ``flags [2W]`` int64, ``comb [S, H]`` bf16 — symmetric
+    (NVSHMEM for W > 1, plain device memory for W == 1); ``ctrl``/``err`` local.
+    Launch methods (``dispatch``, ``wait``, ``gather``, ``combine_send``, ``combine_reduce``) never
+    synchronise the host; :meth:`check` does (it reads the error word).
+    """
+
+    def __init__(self, hidden: int, topk: int, world: int, max_tokens: int, num_experts: int,
+                 rank: int, device: Any, runtime: Any = None, global_ranks: tuple = (),
+                 num_ctas: int | None = None, timeout_ns: int | None = None) -> None:
+        check_ep_shapes(hidden, topk, world, num_experts)
+        if world > 1 and runtime is None:
+            raise ValueError("sm90 EP over more than one rank needs an NVSHMEM runtime")
+        ensure_not_capturing("EP buffer allocation")
+        el = _load("sm90_megamoe.ep_launch")
+        cfg = el.EpConfig(hidden=hidden, topk=topk, world=world, max_tokens=max_tokens, num_experts=num_experts)
+        key = EpKey(CONSTANTS.value(PKG, "DROP_VERSION"), _E["EP_ABI_VERSION"], _cutlass_version(), "sm_90a",
+                    hidden, topk, world, max_tokens, num_experts)
+        COMPILE_CACHE.get_or_compile(key, lambda: {k: el.get_kernel(kind=k, cfg=cfg) for k in el.KINDS})
+        self.world, self.rank, self.runtime = world, rank, runtime
+        self.global_ranks = tuple(global_ranks) or tuple(range(world))
+        alloc = None if runtime is None else (lambda shape, dtype: runtime.tensor(shape, dtype))
+        self.bufs = el.EpBuffers.allocate(cfg=cfg, device=device, symmetric_alloc=alloc)
+        if runtime is None:
+            views = [self.bufs]
+        else:
+            sym = self.bufs.symmetric()
+            views = [{n: (t if r == rank else runtime.ops.peer(t, r)) for n, t in sym.items()} for r in range(world)]
+        self.peer_table = el.build_peer_table(peer_buffers=views, device=device)
+        kw = {}
+        if timeout_ns is not None:
+            kw["timeout_ns"] = int(timeout_ns)
+        self.ep = el.EpRank(cfg=cfg, rank=rank, bufs=self.bufs, peer_table=self.peer_table, num_ctas=num_ctas, **kw)
+        self.dispatch = self.ep.dispatch
+        self.wait = self.ep.wait
+        self.gather = self.ep.gather
+        self.combine_send = self.ep.combine_send
+        self.combine_reduce = self.ep.combine_reduce
+
+    def check(self) -> None:
+        """Raise :class:`DeviceStallError` (timeout) or ``ValueError`` (capacity) if a kernel of
+        this rank set its error word. Synchronises the host."""
+        code, peer, where, aux = self.ep.read_err()
+        if code == _E["ERR_TIMEOUT"]:
+            g = self.global_ranks[peer] if 0 <= peer < len(self.global_ranks) else peer
+            raise DeviceStallError(
+                f"EP rank {self.rank}: timed out in {_WHERE.get(where, where)} waiting for rank {peer} "
+                f"(global rank {g}) at forward {aux}; that rank stalled or did not call forward. "
+                "Every rank must call reset_error_state() (collective) before the next forward")
+        if code == _E["ERR_CAPACITY"]:
+            raise ValueError(f"EP rank {self.rank}: {aux} tokens exceed the receive capacity "
+                             f"(max_tokens_per_rank); nothing was written")
+        if code:
+            raise RuntimeError(f"EP rank {self.rank}: device error word {(code, peer, where, aux)}")
+
+    def reset(self) -> None:
+        """Zero this rank's flags, counters and error word (collective: barrier before and after)."""
+        self.ep.reset_state()
+
+    def free(self) -> None:
+        if self.runtime is not None and self.runtime.alive:
+            for t in reversed(list(self.bufs.symmetric().values())):
+                self.runtime.free(t)
+        self.bufs = self.ep = None

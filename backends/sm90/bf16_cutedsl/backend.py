@@ -1,15 +1,23 @@
-"""SM90 (H100/H200) BF16 backend on the CuTeDSL varlen-M grouped GEMM (drop ``sm90/megamoe``).
+"""SM90 (H100/H200) BF16 backend on the CuTeDSL drop ``sm90/megamoe`` — any EP size on one host.
 
-EP=1 forward (T tokens, K choices, M = T·K routed rows), all on the device, no host sync:
+Forward of one rank (W ranks, S = W·T_max receive slots, P = S·K pair capacity), all on the
+device, no host sync, no allocation (buffers come from ``warmup``), CUDA-graph capturable:
 
-1. sort the M (token, k) pairs by expert (stable) -> ``perm``; per-expert counts by an integer
-   scatter-add and a cumulative sum -> ``expert_offsets [E+1]`` int32 in device memory;
-2. gather token rows into expert order: ``xs [M, H] = x[perm // K]``;
-3. FC1 + activation in the GEMM epilogue: ``h [M, I]``;
-4. FC2 with the router weight of each row applied in the epilogue: ``y [M, H]``;
-5. combine: ``out[t] = sum_k y[inv[t·K + k]]`` summed in float32 in k order, cast to bf16.
+1. ``dispatch`` kernel: each token row goes once to every rank that owns one of its experts
+   (peer stores into that rank's symmetric ``recv_x`` at slot ``my_rank·T_max + t``), with its
+   local expert ids and router weights; an epoch flag publishes it (W == 1: the same kernels on
+   local memory, no NVSHMEM);
+2. ``wait`` kernel: until every source's flag carries this forward's epoch (bounded by
+   ``%globaltimer``; a stall sets an error word that :meth:`check` turns into an exception);
+3. expert layout (torch, device): valid (slot, k) pairs stably sorted by local expert ->
+   ``expert_offsets``, row -> slot index, row weights, (slot, k) -> row positions;
+4. ``gather`` kernel: ``xs[r] = recv_x[idx[r]]`` for the ``offsets[E_l]`` valid rows;
+5. FC1 + activation, FC2 with the router weight per row in the epilogue (varlen-M grouped GEMMs);
+6. ``combine_send`` kernel: per received token, its ≤K weighted expert rows summed in float32 in
+   k order -> one bf16 row back to the source rank (peer store), then an epoch flag;
+7. ``combine_reduce`` kernel: the ≤W partial rows of each token summed in float32 in rank order.
 
-Large intermediates live in buffers allocated at warmup for ``max_tokens_per_rank``.
+No floating-point atomics: outputs are bit-deterministic.
 """
 
 from __future__ import annotations
@@ -19,17 +27,20 @@ from typing import Any
 
 import torch
 
-from moe_ep.shim import sm90_check_gemm_shapes, sm90_grouped_gemm
+from moe_ep.shim import (Sm90EpSession, nvshmem_acquire, sm90_check_gemm_shapes, sm90_grouped_gemm)
 
 from ...registry import BackendImpl, UnsupportedBackendError
+from .layout import LayoutBuffers, expert_layout
 
 ACTIVATION_MAP = {"swiglu": "swiglu", "squared_relu": "squared_relu"}
+#: bytes kept free on top of the symmetric buffers when sizing NVSHMEM's heap
+_HEAP_SLACK = 256 << 20
 
 
 def check(config: Any, group: Any, device: torch.device) -> None:
     """Refuse, with the reason, anything this backend cannot run here."""
     if device.type != "cuda" or not torch.cuda.is_available():
-        raise UnsupportedBackendError("sm90_bf16_cutedsl needs a CUDA device (got %s)" % device)
+        raise UnsupportedBackendError(f"sm90_bf16_cutedsl needs a CUDA device (got {device})")
     cc = torch.cuda.get_device_capability(device)
     if cc != (9, 0):
         raise UnsupportedBackendError(f"sm90_bf16_cutedsl needs an SM90 GPU (H100/H200); this GPU is "
@@ -39,9 +50,9 @@ def check(config: Any, group: Any, device: torch.device) -> None:
     if config.activation not in ACTIVATION_MAP:
         raise UnsupportedBackendError(f"sm90_bf16_cutedsl: activation {config.activation!r} is not "
                                       f"supported (supported: {sorted(ACTIVATION_MAP)})")
-    if group.world_size != 1:
-        raise UnsupportedBackendError("sm90_bf16_cutedsl: expert parallelism over >1 rank is not "
-                                      "available in this version (EP=1 only)")
+    if group.world_size > 1 and group.dist_backend != "nccl":
+        raise UnsupportedBackendError("sm90_bf16_cutedsl over several ranks bootstraps NVSHMEM over an "
+                                      f"NCCL process group (got {group.dist_backend!r})")
     try:
         import cutlass  # noqa: F401
     except ImportError as e:
@@ -57,116 +68,169 @@ def check(config: Any, group: Any, device: torch.device) -> None:
 @dataclass
 class Sm90HandleState:
     num_tokens: int
-    top_k: int
-    inv: torch.Tensor  # [T·K] int64: grouped row of pair t·K + k
-    topk_weights: torch.Tensor  # [T, K] float32
+    topk_ids: torch.Tensor  # [T, K] int32 (the layer's persistent copy)
 
 
 class Sm90CuteDSLBackend(BackendImpl):
     name = "sm90_bf16_cutedsl"
 
-    def __init__(self, config: Any, group: Any, device: torch.device) -> None:
+    def __init__(self, config: Any, group: Any, device: torch.device, *, timeout_s: float = 10.0) -> None:
         self.cfg = config
         self.group = group
         self.device = device
-        self.E = config.local_experts(group.world_size)
-        self._fc1 = self._fc2 = None
-        self._bufs: dict[str, torch.Tensor] = {}
+        self.W = group.world_size
+        self.E = config.local_experts(self.W)
+        self.timeout_ns = int(timeout_s * 1e9)
+        self.ep = None
+        self.runtime = None
 
     # ---- set-up ------------------------------------------------------------------------------
     def _ensure(self) -> None:
-        if self._fc1 is not None:
+        if self.ep is not None:
             return
-        cfg, E = self.cfg, self.E
+        cfg, W, E, dev = self.cfg, self.W, self.E, self.device
         self._fc1 = sm90_grouped_gemm(ACTIVATION_MAP[cfg.activation], cfg.w13_rows, cfg.hidden, E)
         self._fc2 = sm90_grouped_gemm("identity", cfg.hidden, cfg.intermediate, E, scale_rows=True)
-        M = cfg.max_tokens_per_rank * cfg.top_k
-        dev, bf = self.device, torch.bfloat16
-        self._bufs = {
-            "xs": torch.empty(M, cfg.hidden, dtype=bf, device=dev),
-            "h": torch.empty(M, cfg.intermediate, dtype=bf, device=dev),
-            "y": torch.empty(M, cfg.hidden, dtype=bf, device=dev),
-            "yg": torch.empty(M, cfg.hidden, dtype=bf, device=dev),
-            "ws": torch.empty(M, dtype=torch.float32, device=dev),
-            "counts": torch.empty(E, dtype=torch.int32, device=dev),
-            "offsets": torch.zeros(E + 1, dtype=torch.int32, device=dev),
-            "ones": torch.ones(M, dtype=torch.int32, device=dev),
-            "arange": torch.arange(M, dtype=torch.int64, device=dev),
-            "inv": torch.empty(M, dtype=torch.int64, device=dev),
-        }
+        Tm, K, H = cfg.max_tokens_per_rank, cfg.top_k, cfg.hidden
+        S = W * Tm
+        P = S * K
+        global_ranks = (0,)
+        if W > 1:
+            import os
+
+            import torch.distributed as dist
+
+            # symmetric heap: recv_x + comb + ids/weights + flags, with slack (set before init)
+            need = 2 * S * H * 2 + S * K * 8 + 64 * W + _HEAP_SLACK
+            os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(need))
+            self.runtime = nvshmem_acquire(self.group.pg, device_index=dev.index)
+            global_ranks = tuple(dist.get_process_group_ranks(self.group.pg))
+        self.ep = Sm90EpSession(H, K, W, Tm, cfg.num_experts, self.group.rank, dev, runtime=self.runtime,
+                                global_ranks=global_ranks, timeout_ns=self.timeout_ns)
+        if self.runtime is not None:
+            self.runtime.barrier(torch.cuda.current_stream(dev))  # peers' flags are zero before use
+        bf = torch.bfloat16
+        self._xs = torch.empty(P, H, dtype=bf, device=dev)
+        self._h = torch.empty(P, cfg.intermediate, dtype=bf, device=dev)
+        self._y = torch.empty(P, H, dtype=bf, device=dev)
+        self._ids = torch.empty(Tm, K, dtype=torch.int32, device=dev)
+        self._lb = LayoutBuffers.allocate(W, Tm, K, E, dev)
 
     def warmup(self, progress):
-        progress("compiling FC1 (%s) and FC2 grouped GEMMs for sm_90a" % self.cfg.activation)
+        progress(f"compiling FC1 ({self.cfg.activation}), FC2 and EP kernels for sm_90a"
+                 + (f"; NVSHMEM over {self.W} ranks" if self.W > 1 else ""))
         self._ensure()
         progress("running once")
         cfg = self.cfg
         T = min(cfg.max_tokens_per_rank, 64)
-        g = torch.Generator(device=self.device).manual_seed(0)
+        g = torch.Generator(device=self.device).manual_seed(1234 + self.group.rank)
         x = torch.randn(T, cfg.hidden, device=self.device, generator=g).to(torch.bfloat16)
-        ids = torch.randint(0, self.E, (T, cfg.top_k), device=self.device, generator=g, dtype=torch.int32)
+        ids = torch.randint(0, cfg.num_experts, (T, cfg.top_k), device=self.device, generator=g, dtype=torch.int32)
         w = torch.rand(T, cfg.top_k, device=self.device, generator=g)
         w13 = torch.randn(self.E, cfg.w13_rows, cfg.hidden, device=self.device, generator=g).to(torch.bfloat16)
         w2 = torch.randn(self.E, cfg.hidden, cfg.intermediate, device=self.device, generator=g).to(torch.bfloat16)
         self.forward(x, ids, w, w13, w2)
         torch.cuda.synchronize(self.device)
+        self.check()
 
-    # ---- the pieces --------------------------------------------------------------------------
-    def _route(self, topk_ids: torch.Tensor):
-        """-> (perm [M] int64 pairs in expert order, offsets [E+1] int32, inv [M] int64)."""
-        b = self._bufs
-        M = topk_ids.numel()
-        flat = topk_ids.reshape(-1)
-        perm = torch.sort(flat, stable=True).indices
-        counts = b["counts"].zero_()
-        counts.scatter_add_(0, flat.long(), b["ones"][:M])
-        offsets = b["offsets"]  # offsets[0] was zeroed at allocation and is never written
-        torch.cumsum(counts, 0, out=offsets[1:])
-        inv = b["inv"][:M]
-        inv.scatter_(0, perm, b["arange"][:M])
-        return perm, offsets, inv
-
-    def dispatch(self, x, topk_ids, topk_weights):
-        self._ensure()
-        T, K = topk_ids.shape
-        M = T * K
-        perm, offsets, inv = self._route(topk_ids)
-        xs = torch.index_select(x, 0, perm // K, out=self._bufs["xs"][:M])
-        # the handle owns its copies: the caller may dispatch again before combining
-        state = Sm90HandleState(T, K, inv.clone(), topk_weights)
-        return xs, offsets.clone(), state
-
-    def combine(self, expert_out, state: Sm90HandleState, out=None):
-        T, K = state.num_tokens, state.top_k
-        H = expert_out.shape[1]
-        g = expert_out.index_select(0, state.inv).view(T, K, H).float()
-        res = (g * state.topk_weights.unsqueeze(-1)).sum(1)
-        res = res.to(torch.bfloat16)
-        if out is not None:
-            return out.copy_(res)
-        return res
+    # ---- forward -----------------------------------------------------------------------------
+    def _send_and_layout(self, x, topk_ids, topk_weights):
+        T = x.shape[0]
+        ids = self._ids[:T]
+        ids.copy_(topk_ids)  # int64 -> int32 as needed, into a persistent buffer
+        ep, b = self.ep, self.ep.bufs
+        ep.dispatch(x, ids, topk_weights)
+        ep.wait()
+        expert_layout(self._lb, b.recv_ids, b.recv_w, b.recv_count, self.E)
+        lb = self._lb
+        ep.gather(b.recv_x, lb.idx, lb.offsets[self.E:], self._xs)
+        return ids
 
     def forward(self, x, topk_ids, topk_weights, w13, w2, out=None):
         self._ensure()
-        b = self._bufs
-        T, K = topk_ids.shape
-        H = x.shape[1]
-        M = T * K
+        T = x.shape[0]
         if out is None:
-            out = torch.empty(T, H, dtype=x.dtype, device=x.device)
-        if T == 0:
-            return out
-        perm, offsets, inv = self._route(topk_ids)
-        xs = torch.index_select(x, 0, perm // K, out=b["xs"][:M])
-        ws = torch.index_select(topk_weights.reshape(-1), 0, perm, out=b["ws"][:M])
-        h = self._fc1(xs, w13, offsets, out=b["h"][:M])
-        y = self._fc2(h, w2, offsets, out=b["y"][:M], row_scale=ws)
-        yg = torch.index_select(y, 0, inv, out=b["yg"][:M])
-        out.copy_(torch.sum(yg.view(T, K, H), dim=1, dtype=torch.float32))
+            out = torch.empty(T, self.cfg.hidden, dtype=x.dtype, device=x.device)
+        ids = self._send_and_layout(x, topk_ids, topk_weights)
+        lb = self._lb
+        self._fc1(self._xs, w13, lb.offsets, out=self._h)
+        self._fc2(self._h, w2, lb.offsets, out=self._y, row_scale=lb.ws)
+        self.ep.combine_send(self._y, lb.pos)
+        self.ep.combine_reduce(ids, out)
         return out
 
+    # ---- the split pair ------------------------------------------------------------------------
+    def dispatch(self, x, topk_ids, topk_weights):
+        """Returns exactly R rows: reading R is this path's one host sync."""
+        self._ensure()
+        ids = self._send_and_layout(x, topk_ids, topk_weights)
+        R = int(self._lb.offsets[self.E])
+        return self._xs[:R], self._lb.offsets.clone(), Sm90HandleState(x.shape[0], ids)
+
+    def combine(self, expert_out, state: Sm90HandleState, out=None):
+        T = state.num_tokens
+        if out is None:
+            out = torch.empty(T, self.cfg.hidden, dtype=expert_out.dtype, device=expert_out.device)
+        R = expert_out.shape[0]
+        y = self._y[:max(R, 1)]
+        if R:
+            torch.mul(expert_out, self._lb.ws[:R].unsqueeze(1), out=y)  # router weights, as FC2 would
+        self.ep.combine_send(y, self._lb.pos)
+        self.ep.combine_reduce(state.topk_ids, out)
+        return out
+
+    # ---- benchmark hooks -------------------------------------------------------------------------
+    def comm_ops(self, x, topk_ids, topk_weights):
+        """For benchmarks: ``(dispatch, combine)`` callables that run only the communication
+        kernels of a forward on these inputs (dispatch + wait; combine send + reduce). Run one
+        full forward first so the expert layout is valid for ``combine``."""
+        self._ensure()
+        T = x.shape[0]
+        ids = self._ids[:T]
+        ids.copy_(topk_ids)
+        out = torch.empty(T, self.cfg.hidden, dtype=torch.bfloat16, device=self.device)
+
+        def dispatch():
+            self.ep.dispatch(x, ids, topk_weights)
+            self.ep.wait()
+
+        def combine():
+            self.ep.combine_send(self._y, self._lb.pos)
+            self.ep.combine_reduce(ids, out)
+
+        return dispatch, combine
+
+    # ---- errors and teardown ---------------------------------------------------------------------
+    def check(self) -> None:
+        """Raise if a device-side wait timed out or capacity overflowed (host sync)."""
+        if self.ep is not None:
+            self.ep.check()
+
+    def reset_error_state(self) -> None:
+        """Collective: clear every rank's EP flags/counters after an error."""
+        if self.ep is None:
+            return
+        torch.cuda.synchronize(self.device)
+        if self.W > 1:
+            import torch.distributed as dist
+
+            dist.barrier(group=self.group.pg)
+        self.ep.reset()
+        torch.cuda.synchronize(self.device)
+        if self.W > 1:
+            dist.barrier(group=self.group.pg)
+
     def destroy(self):
-        self._bufs = {}
-        self._fc1 = self._fc2 = None
+        if self.ep is not None:
+            torch.cuda.synchronize(self.device)
+            if self.runtime is not None:
+                self.runtime.barrier(torch.cuda.current_stream(self.device))
+                torch.cuda.synchronize(self.device)
+            self.ep.free()
+            self.ep = None
+        if self.runtime is not None:
+            self.runtime.release()
+            self.runtime = None
 
 
 def grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False):

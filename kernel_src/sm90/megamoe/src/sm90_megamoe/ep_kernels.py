@@ -1,0 +1,686 @@
+"""Intranode expert-parallel (EP) communication kernels for SM90, written in CuTeDSL.
+
+W ranks on one host exchange tokens through peer pointers (NVSHMEM symmetric tensors mapped
+with ``nvshmem.core.get_peer_tensor`` on real GPUs, or plain buffers of one GPU for "virtual
+ranks"). E experts, E_l = E / W local experts per rank (rank r owns global experts
+[r*E_l, (r+1)*E_l)); each rank has T <= T_max tokens routed top-K.
+
+Symmetric buffers of every rank (slot s = src_rank * T_max + t):
+
+    recv_x     [W*T_max, H] bf16    dispatched token rows (one copy per destination rank)
+    recv_ids   [W*T_max, K] int32   local expert id of choice k if it lives here, else -1
+    recv_w     [W*T_max, K] float32 router weights of the slot (all K)
+    recv_count [W]          int32   T of each source (slots t >= recv_count[src] are stale)
+    comb       [W*T_max, H] bf16    on the SOURCE rank: partial rows returned by destination d
+                                    at slot d*T_max + t
+    flags      [2*W]        int64   flags[s]: dispatch epoch from source s,
+                                    flags[W+d]: combine epoch from destination d
+
+Local (per rank, never touched by peers):
+
+    ctrl       [4]          int64   ctrl[0] epoch, ctrl[1]/ctrl[2] CTA-arrival counters
+    err        [4]          int32   (code, peer, where, aux); see ep_constants
+
+Protocol (epoch scheme, nothing is zeroed between forwards):
+    * ``EpDispatch`` reads e = ctrl[0] + 1, copies rows / ids / weights to the destinations, and
+      the LAST CTA to finish (atom.add.acq_rel.gpu on ctrl[1]) executes fence.acq_rel.sys, stores
+      recv_count[my_rank] = T on every peer, release-stores (st.release.sys) flags[my_rank] = e
+      on every peer, then stores ctrl[0] = e and resets ctrl[1] = 0.
+    * ``EpWait`` (1 warp) acquire-spins (ld.acquire.sys) until flags[s] == ctrl[0] for every
+      source s, bounded by %globaltimer; on timeout err = (1, s, WHERE_WAIT, epoch).
+    * ``CombineSend`` sends partial rows to each source q and its last CTA release-stores
+      flags[W + my_rank] = ctrl[0] on every peer, resets ctrl[2] = 0.
+    * ``CombineReduce`` acquire-spins until flags[W + d] == ctrl[0] for every d (bounded), then
+      reduces. Flags only ever move forward (epoch + 1 per forward), so the buffers are
+      tail-clean: no flag or counter region must be zeroed between launches. The only counters
+      that return to a value are the local CTA-arrival counters ctrl[1], ctrl[2], which the last
+      CTA of the kernel resets to 0 before it exits.
+    * Buffer reuse is safe with one forward in flight per rank and the per-rank stream order
+      dispatch -> wait -> (gather, experts) -> combine_send -> combine_reduce: rank r writes
+      peer d's recv_* for forward i+1 only after its combine_reduce(i) saw d's combine flag of
+      forward i, which d set after it had consumed recv_* of forward i; d writes r's comb for
+      i+1 only after its wait(i+1) saw r's dispatch flag, set after r's combine_reduce(i).
+
+All kernels are deterministic (no float atomics): fp32 sums in a fixed order (k order in
+CombineSend, rank order 0..W-1 in CombineReduce), rounded to bf16 once per stage.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import BFloat16, Float32, Int32, Int64
+from cutlass._mlir import ir
+
+from .ep_constants import (
+    CTRL_COMBINE_ARRIVE,
+    CTRL_DISPATCH_ARRIVE,
+    CTRL_EPOCH,
+    EP_MAX_TOPK,
+    EP_MAX_WORLD,
+    EP_THREADS,
+    EP_UNROLL,
+    EP_VEC_BYTES,
+    EP_WAIT_THREADS,
+    ERR_AUX,
+    ERR_CAPACITY,
+    ERR_CODE,
+    ERR_PEER,
+    ERR_TIMEOUT,
+    ERR_WHERE,
+    PEER_COMB,
+    PEER_FLAGS,
+    PEER_RECV_COUNT,
+    PEER_RECV_IDS,
+    PEER_RECV_W,
+    PEER_RECV_X,
+    WHERE_COMBINE_REDUCE,
+    WHERE_DISPATCH,
+    WHERE_WAIT,
+)
+
+_BF16_PER_VEC = EP_VEC_BYTES // 2  # 8
+
+
+# =============================================================================================
+# Small device helpers (emit IR at trace time)
+# =============================================================================================
+
+
+def _gptr(dtype, addr, align: int):
+    """Global-memory pointer from a runtime Int64 byte address (own or peer memory)."""
+    return cute.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align)
+
+
+def _addr(t: cute.Tensor) -> Int64:
+    """Byte address of a tensor's first element."""
+    return t.iterator.toint()
+
+
+def _v4i32():
+    return ir.VectorType.get([4], Int32.mlir_type)
+
+
+def _v8bf16():
+    return ir.VectorType.get([_BF16_PER_VEC], BFloat16.mlir_type)
+
+
+def _ld_vec(addr: Int64):
+    """16-byte vector load (ld.global.v4.b32)."""
+    return cute.arch.load(_gptr(Int32, addr, 16), _v4i32())
+
+
+def _st_vec(addr: Int64, v):
+    """16-byte vector store (st.global.v4.b32); ``addr`` may be a peer address."""
+    cute.arch.store(_gptr(Int32, addr, 16), v)
+
+
+def _ld_bf16x8_f32(addr: Int64):
+    """Load 8 bf16 (16 bytes) and widen to a float32 TensorSSA of shape (8,)."""
+    v = cute.arch.load(_gptr(BFloat16, addr, 16), _v8bf16())
+    return cute.TensorSSA(v, (_BF16_PER_VEC,), BFloat16).to(Float32)
+
+
+def _ld_i64(addr: Int64, acquire_sys: bool = False) -> Int64:
+    if acquire_sys:
+        return cute.arch.load(_gptr(Int64, addr, 8), Int64, sem="acquire", scope="sys")
+    return cute.arch.load(_gptr(Int64, addr, 8), Int64)
+
+
+def _ld_i32_relaxed_gpu(addr: Int64) -> Int32:
+    return cute.arch.load(_gptr(Int32, addr, 4), Int32, sem="relaxed", scope="gpu")
+
+
+class _RowPlan:
+    """Static plan of one warp moving one H-wide bf16 row as 16-byte vectors.
+
+    Lane ``l`` handles vectors ``c*32*U + u*32 + l`` for chunk c and unroll slot u: each chunk
+    issues U independent 16-byte loads per lane before any store (U*16 B in flight per lane).
+    """
+
+    def __init__(self, hidden: int, unroll: int = EP_UNROLL):
+        assert hidden % _BF16_PER_VEC == 0, "H must be a multiple of 8"
+        self.nvec = hidden // _BF16_PER_VEC
+        self.unroll = max(1, min(unroll, (self.nvec + 31) // 32))
+        self.chunks = (self.nvec + 32 * self.unroll - 1) // (32 * self.unroll)
+        self.row_bytes = hidden * 2
+
+    def slots(self, c: int):
+        """Static (u, vbase, needs_predicate) triples of chunk c (slots beyond H skipped)."""
+        out = []
+        for u in range(self.unroll):
+            vbase = c * 32 * self.unroll + u * 32
+            if vbase < self.nvec:
+                out.append((u, vbase, vbase + 32 > self.nvec))
+        return out
+
+
+@cute.jit
+def _report_error(err_addr: Int64, code: Int32, peer: Int32, where: Int32, aux: Int32):
+    """First error wins: CAS err[0] 0 -> code, then fill (peer, where, aux)."""
+    old = cute.arch.atomic_cas(_gptr(Int32, err_addr, 4), cmp=Int32(0), val=code,
+                               sem="relaxed", scope="gpu")
+    if old == Int32(0):
+        cute.arch.store(_gptr(Int32, err_addr + 4 * ERR_PEER, 4), peer)
+        cute.arch.store(_gptr(Int32, err_addr + 4 * ERR_WHERE, 4), where)
+        cute.arch.store(_gptr(Int32, err_addr + 4 * ERR_AUX, 4), aux)
+
+
+@cute.jit
+def _spin_wait_eq(flag_addr: Int64, expected: Int64, timeout_ns: Int64) -> Int32:
+    """Acquire-spin (ld.acquire.sys) until *flag == expected. Returns 1 (arrived) or 2 (timed
+    out after ``timeout_ns`` of %globaltimer wall clock)."""
+    t0 = cute.arch.globaltimer()
+    state = Int32(0)
+    while state == Int32(0):
+        v = _ld_i64(flag_addr, acquire_sys=True)
+        if v == expected:
+            state = Int32(1)
+        else:
+            if cute.arch.globaltimer() - t0 > timeout_ns:
+                state = Int32(2)
+    return state
+
+
+# =============================================================================================
+# 1. EpDispatch
+# =============================================================================================
+
+
+class EpDispatch:
+    """Dispatch: send every token row once to each destination rank that owns >= 1 of its experts.
+
+    Static (compile time): hidden H, top-K, world W, T_max, num_experts E, threads per CTA.
+
+    Arguments of ``__call__`` (CuTe tensors, L = this rank):
+        mX        [T_rows, H] bf16, row-major, 16-B aligned; rows >= num_tokens ignored (T_rows
+                  dynamic, >= max(num_tokens, 1))
+        mTopkIds  [T_rows, K] int32 global expert ids; ids outside [0, E) are dropped choices
+        mTopkW    [T_rows, K] float32 router weights
+        mPeers    [6, W]      int64 peer address table (ep_constants.PEER_*), column r = rank r
+        mCtrl     [4]         int64 local control word (ctrl[0] epoch, ctrl[1] arrival counter)
+        mErr      [4]         int32 local error word
+        my_rank   Int32       this rank (0 <= my_rank < W)
+        num_tokens Int32      T; T > T_max sets err = (2, my_rank, WHERE_DISPATCH, T) and the
+                              kernel writes nothing (peers then time out naming this rank)
+        num_ctas  Int32       grid size (virtual ranks: small enough that all ranks co-reside)
+        stream    CUstream
+
+    Writes on every peer d (addresses from mPeers): for each token t with a choice on d,
+    recv_x[my_rank*T_max + t] = x[t]; for EVERY d and t: recv_ids[my_rank*T_max + t, k] =
+    id_k - d*E_l if id_k lives on d else -1, recv_w[...] = w_k; then (last CTA)
+    recv_count[my_rank] = T, fence.acq_rel.sys, flags[my_rank] = epoch + 1 (st.release.sys).
+    Locally: ctrl[0] = epoch + 1, ctrl[1] = 0 (tail-clean).
+    """
+
+    def __init__(self, hidden: int, topk: int, world: int, max_tokens: int, num_experts: int,
+                 threads: int = EP_THREADS):
+        assert 1 <= world <= EP_MAX_WORLD and 1 <= topk <= EP_MAX_TOPK
+        assert num_experts % world == 0, "E must be divisible by W"
+        assert threads % 32 == 0 and threads >= 32
+        self.H, self.K, self.W, self.T_max, self.E = hidden, topk, world, max_tokens, num_experts
+        self.E_l = num_experts // world
+        self.threads = threads
+        self.plan = _RowPlan(hidden)
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mTopkIds: cute.Tensor, mTopkW: cute.Tensor,
+                 mPeers: cute.Tensor, mCtrl: cute.Tensor, mErr: cute.Tensor,
+                 my_rank: Int32, num_tokens: Int32, num_ctas: Int32, stream: cuda.CUstream):
+        self.kernel(mX, mTopkIds, mTopkW, mPeers, mCtrl, mErr, my_rank, num_tokens).launch(
+            grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mTopkIds: cute.Tensor, mTopkW: cute.Tensor,
+               mPeers: cute.Tensor, mCtrl: cute.Tensor, mErr: cute.Tensor,
+               my_rank: Int32, num_tokens: Int32):
+        W, K, T_max, E, E_l = self.W, self.K, self.T_max, self.E, self.E_l
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        warps_per_cta = self.threads // 32
+        gwarp = bidx * warps_per_cta + warp
+        nwarps = gdim * warps_per_cta
+
+        ctrl_addr = _addr(mCtrl)
+        err_addr = _addr(mErr)
+        x_addr = _addr(mX)
+        err0 = mErr[ERR_CODE]
+        new_epoch = mCtrl[CTRL_EPOCH] + Int64(1)
+
+        if num_tokens > Int32(T_max):
+            if (bidx == 0) & (tidx == 0):
+                _report_error(err_addr, Int32(ERR_CAPACITY), my_rank, Int32(WHERE_DISPATCH),
+                              num_tokens)
+        if (num_tokens <= Int32(T_max)) & (err0 == Int32(0)):
+            # Peer base addresses (registers, W static).
+            px = [mPeers[PEER_RECV_X, d] for d in range(W)]
+            pids = [mPeers[PEER_RECV_IDS, d] for d in range(W)]
+            pw = [mPeers[PEER_RECV_W, d] for d in range(W)]
+            slot0 = my_rank * T_max
+
+            for t in cutlass.range(gwarp, num_tokens, nwarps):
+                # Lane k < K holds choice k; destination mask by warp OR-reduction.
+                gid = Int32(-1)
+                wk = Float32(0.0)
+                if lane < K:
+                    gid = mTopkIds[t, lane]
+                    wk = mTopkW[t, lane]
+                valid = (gid >= Int32(0)) & (gid < Int32(E))
+                dst = Int32(-1)
+                if valid:
+                    dst = gid // Int32(E_l)
+                bit = Int32(0)
+                if valid:
+                    bit = Int32(1) << dst
+                mask = cute.arch.warp_redux_sync(bit, "or")
+
+                slot = slot0 + t
+                # recv_ids / recv_w rows on every destination (-1 where not local to d).
+                if lane < K:
+                    for d in cutlass.range_constexpr(W):
+                        lid = Int32(-1)
+                        if dst == Int32(d):
+                            lid = gid - Int32(d * E_l)
+                        eoff = (Int64(slot) * K + Int64(lane)) * 4
+                        cute.arch.store(_gptr(Int32, pids[d] + eoff, 4), lid)
+                        cute.arch.store(_gptr(Float32, pw[d] + eoff, 4), wk)
+
+                # Row copy: load each chunk once, store it to every destination in the mask.
+                src_row = x_addr + Int64(t) * self.plan.row_bytes
+                dst_row_off = Int64(slot) * self.plan.row_bytes
+                for c in cutlass.range_constexpr(self.plan.chunks):
+                    slots = self.plan.slots(c)
+                    offs = []
+                    vals = []
+                    for u, vbase, pred in slots:
+                        vi = lane + vbase
+                        if cutlass.const_expr(pred):
+                            vi = cutlass.min(vi, Int32(self.plan.nvec - 1))
+                        off = Int64(vi) * EP_VEC_BYTES
+                        offs.append(off)
+                        vals.append(_ld_vec(src_row + off))
+                    for d in cutlass.range_constexpr(W):
+                        if ((mask >> d) & 1) != 0:
+                            for j in cutlass.range_constexpr(len(slots)):
+                                u, vbase, pred = slots[j]
+                                if cutlass.const_expr(pred):
+                                    if lane + vbase < self.plan.nvec:
+                                        _st_vec(px[d] + dst_row_off + offs[j], vals[j])
+                                else:
+                                    _st_vec(px[d] + dst_row_off + offs[j], vals[j])
+
+            # Grid completion: the last CTA publishes count + flag on every peer.
+            cute.arch.sync_threads()
+            if tidx == 0:
+                cute.arch.fence_acq_rel_sys()
+                arrived = cute.arch.atomic_add(
+                    _gptr(Int64, ctrl_addr + 8 * CTRL_DISPATCH_ARRIVE, 8), Int64(1),
+                    sem="acq_rel", scope="gpu")
+                if arrived == Int64(gdim - 1):
+                    cute.arch.fence_acq_rel_sys()
+                    for d in cutlass.range_constexpr(W):
+                        cnt_addr = mPeers[PEER_RECV_COUNT, d] + Int64(my_rank) * 4
+                        cute.arch.store(_gptr(Int32, cnt_addr, 4), num_tokens)
+                    for d in cutlass.range_constexpr(W):
+                        flag_addr = mPeers[PEER_FLAGS, d] + Int64(my_rank) * 8
+                        cute.arch.store(_gptr(Int64, flag_addr, 8), new_epoch,
+                                        sem="release", scope="sys")
+                    cute.arch.store(_gptr(Int64, ctrl_addr + 8 * CTRL_DISPATCH_ARRIVE, 8),
+                                    Int64(0))
+                    cute.arch.store(_gptr(Int64, ctrl_addr + 8 * CTRL_EPOCH, 8), new_epoch)
+
+
+# =============================================================================================
+# 2. EpWait
+# =============================================================================================
+
+
+class EpWait:
+    """Wait until every source's dispatch of the current epoch has arrived (1 CTA, 1 warp).
+
+    Static: world W.
+
+    Arguments of ``__call__``:
+        mFlags     [2*W] int64 this rank's flags (flags[s] = dispatch epoch from source s)
+        mCtrl      [4]   int64 local control word; expected epoch = ctrl[0] (set by EpDispatch)
+        mErr       [4]   int32 local error word; no-op if err[0] != 0 on entry
+        timeout_ns Int64 wall-clock bound (%globaltimer) per wait
+        stream     CUstream
+
+    Lane s < W acquire-spins (ld.acquire.sys) on flags[s] == ctrl[0]. On timeout:
+    err = (1, s, WHERE_WAIT, epoch) and exit. Kernels launched after it on the same stream see
+    every source's recv_x / recv_ids / recv_w / recv_count of this epoch.
+    """
+
+    def __init__(self, world: int):
+        assert 1 <= world <= EP_WAIT_THREADS
+        self.W = world
+
+    @cute.jit
+    def __call__(self, mFlags: cute.Tensor, mCtrl: cute.Tensor, mErr: cute.Tensor,
+                 timeout_ns: Int64, stream: cuda.CUstream):
+        self.kernel(mFlags, mCtrl, mErr, timeout_ns).launch(
+            grid=(1, 1, 1), block=(EP_WAIT_THREADS, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, mFlags: cute.Tensor, mCtrl: cute.Tensor, mErr: cute.Tensor,
+               timeout_ns: Int64):
+        tidx, _, _ = cute.arch.thread_idx()
+        if mErr[ERR_CODE] == Int32(0):
+            expected = mCtrl[CTRL_EPOCH]
+            if tidx < self.W:
+                state = _spin_wait_eq(_addr(mFlags) + Int64(tidx) * 8, expected, timeout_ns)
+                if state == Int32(2):
+                    _report_error(_addr(mErr), Int32(ERR_TIMEOUT), tidx, Int32(WHERE_WAIT),
+                                  Int32(expected))
+
+
+# =============================================================================================
+# 3. GatherRows
+# =============================================================================================
+
+
+class GatherRows:
+    """out[i] = src[idx[i]] for i < n, n = min(count[0], cap) read from DEVICE memory.
+
+    Static: hidden H, threads per CTA.
+
+    Arguments of ``__call__``:
+        mSrc   [R, H]   bf16 row-major, 16-B aligned (R dynamic), e.g. recv_x [W*T_max, H]
+        mIdx   [cap]    int32 source row of each output row (cap dynamic); idx outside [0, R)
+                        writes a zero row
+        mCount [1]      int32 number of valid output rows n (device memory, e.g. a view of the
+                        last element of the expert offsets); n is clamped to cap
+        mOut   [cap, H] bf16 row-major, 16-B aligned; rows >= n are not touched
+        num_ctas Int32, stream CUstream
+
+    One warp per output row, grid-stride, 16-byte vectors, U vectors in flight per lane.
+    """
+
+    def __init__(self, hidden: int, threads: int = EP_THREADS):
+        self.H = hidden
+        self.threads = threads
+        self.plan = _RowPlan(hidden)
+
+    @cute.jit
+    def __call__(self, mSrc: cute.Tensor, mIdx: cute.Tensor, mCount: cute.Tensor,
+                 mOut: cute.Tensor, num_ctas: Int32, stream: cuda.CUstream):
+        self.kernel(mSrc, mIdx, mCount, mOut).launch(
+            grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, mSrc: cute.Tensor, mIdx: cute.Tensor, mCount: cute.Tensor,
+               mOut: cute.Tensor):
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        warps_per_cta = self.threads // 32
+        gwarp = bidx * warps_per_cta + warp
+        nwarps = gdim * warps_per_cta
+
+        src_addr = _addr(mSrc)
+        out_addr = _addr(mOut)
+        n_src = mSrc.shape[0]
+        n = cutlass.min(mCount[0], mIdx.shape[0])
+        zero = cute.full((4,), 0, Int32)
+
+        for i in cutlass.range(gwarp, n, nwarps):
+            r = mIdx[i]
+            out_row = out_addr + Int64(i) * self.plan.row_bytes
+            if (r >= Int32(0)) & (r < n_src):
+                src_row = src_addr + Int64(r) * self.plan.row_bytes
+                for c in cutlass.range_constexpr(self.plan.chunks):
+                    slots = self.plan.slots(c)
+                    offs = []
+                    vals = []
+                    for u, vbase, pred in slots:
+                        vi = lane + vbase
+                        if cutlass.const_expr(pred):
+                            vi = cutlass.min(vi, Int32(self.plan.nvec - 1))
+                        off = Int64(vi) * EP_VEC_BYTES
+                        offs.append(off)
+                        vals.append(_ld_vec(src_row + off))
+                    for j in cutlass.range_constexpr(len(slots)):
+                        u, vbase, pred = slots[j]
+                        if cutlass.const_expr(pred):
+                            if lane + vbase < self.plan.nvec:
+                                _st_vec(out_row + offs[j], vals[j])
+                        else:
+                            _st_vec(out_row + offs[j], vals[j])
+            else:
+                for c in cutlass.range_constexpr(self.plan.chunks):
+                    for u, vbase, pred in self.plan.slots(c):
+                        if lane + vbase < self.plan.nvec:
+                            _st_vec(out_row + Int64(lane + vbase) * EP_VEC_BYTES,
+                                    zero.ir_value())
+
+
+# =============================================================================================
+# 4. CombineSend
+# =============================================================================================
+
+
+class CombineSend:
+    """Expert side of combine: reduce each received slot's K expert rows and send it home.
+
+    Static: hidden H, top-K, world W, T_max, threads per CTA.
+
+    Arguments of ``__call__``:
+        mY          [R, H]       bf16 expert outputs ALREADY multiplied by the router weights,
+                                 grouped by expert (R dynamic)
+        mPos        [W*T_max, K] int32 grouped row of choice k of slot s, or -1
+        mRecvCount  [W]          int32 this rank's recv_count (written by the sources' dispatch)
+        mPeers      [6, W]       int64 peer address table
+        mCtrl       [4]          int64 local control word (ctrl[0] = current epoch,
+                                 ctrl[2] arrival counter)
+        mErr        [4]          int32 local error word; no-op (no flags sent) if err[0] != 0
+        my_rank     Int32
+        num_ctas    Int32, stream CUstream
+
+    For every slot s = q*T_max + t with t < recv_count[q] and at least one pos[s, k] >= 0:
+    acc = sum_k y[pos[s, k]] in fp32 in k order -> bf16 -> peer q's comb[my_rank*T_max + t].
+    Then the last CTA executes fence.acq_rel.sys and release-stores flags[W + my_rank] =
+    ctrl[0] on every peer (also peers that received nothing), and resets ctrl[2] = 0.
+    """
+
+    def __init__(self, hidden: int, topk: int, world: int, max_tokens: int,
+                 threads: int = EP_THREADS):
+        self.H, self.K, self.W, self.T_max = hidden, topk, world, max_tokens
+        self.threads = threads
+        self.plan = _RowPlan(hidden)
+
+    @cute.jit
+    def __call__(self, mY: cute.Tensor, mPos: cute.Tensor, mRecvCount: cute.Tensor,
+                 mPeers: cute.Tensor, mCtrl: cute.Tensor, mErr: cute.Tensor, my_rank: Int32,
+                 num_ctas: Int32, stream: cuda.CUstream):
+        self.kernel(mY, mPos, mRecvCount, mPeers, mCtrl, mErr, my_rank).launch(
+            grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, mY: cute.Tensor, mPos: cute.Tensor, mRecvCount: cute.Tensor,
+               mPeers: cute.Tensor, mCtrl: cute.Tensor, mErr: cute.Tensor, my_rank: Int32):
+        W, K, T_max = self.W, self.K, self.T_max
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        warps_per_cta = self.threads // 32
+        gwarp = bidx * warps_per_cta + warp
+        nwarps = gdim * warps_per_cta
+
+        ctrl_addr = _addr(mCtrl)
+        y_addr = _addr(mY)
+        n_y = mY.shape[0]
+        epoch = mCtrl[CTRL_EPOCH]
+
+        if mErr[ERR_CODE] == Int32(0):
+            accs = [cute.make_rmem_tensor((_BF16_PER_VEC,), Float32)
+                    for _ in range(self.plan.unroll)]
+            for s in cutlass.range(gwarp, W * T_max, nwarps):
+                q = s // Int32(T_max)
+                t = s - q * Int32(T_max)
+                if t < mRecvCount[q]:
+                    p_lane = Int32(-1)
+                    if lane < K:
+                        p_lane = mPos[s, lane]
+                    ok_lane = (p_lane >= Int32(0)) & (p_lane < n_y)
+                    any_mask = cute.arch.vote_ballot_sync(ok_lane)
+                    if any_mask != Int32(0):
+                        dst_row = mPeers[PEER_COMB, q] + (
+                            Int64(my_rank) * T_max + Int64(t)) * self.plan.row_bytes
+                        for c in cutlass.range_constexpr(self.plan.chunks):
+                            slots = self.plan.slots(c)
+                            for j in cutlass.range_constexpr(len(slots)):
+                                accs[j].fill(0.0)
+                            for k in cutlass.range_constexpr(K):
+                                p = cute.arch.shuffle_sync(p_lane, k)
+                                if ((any_mask >> k) & 1) != 0:
+                                    row = y_addr + Int64(p) * self.plan.row_bytes
+                                    for j in cutlass.range_constexpr(len(slots)):
+                                        u, vbase, pred = slots[j]
+                                        vi = lane + vbase
+                                        if cutlass.const_expr(pred):
+                                            vi = cutlass.min(vi, Int32(self.plan.nvec - 1))
+                                        v = _ld_bf16x8_f32(row + Int64(vi) * EP_VEC_BYTES)
+                                        accs[j].store(accs[j].load() + v)
+                            for j in cutlass.range_constexpr(len(slots)):
+                                u, vbase, pred = slots[j]
+                                o = accs[j].load().to(BFloat16)
+                                off = Int64(lane + vbase) * EP_VEC_BYTES
+                                if cutlass.const_expr(pred):
+                                    if lane + vbase < self.plan.nvec:
+                                        cute.arch.store(_gptr(BFloat16, dst_row + off, 16),
+                                                        o.ir_value())
+                                else:
+                                    cute.arch.store(_gptr(BFloat16, dst_row + off, 16),
+                                                    o.ir_value())
+
+            cute.arch.sync_threads()
+            if tidx == 0:
+                cute.arch.fence_acq_rel_sys()
+                arrived = cute.arch.atomic_add(
+                    _gptr(Int64, ctrl_addr + 8 * CTRL_COMBINE_ARRIVE, 8), Int64(1),
+                    sem="acq_rel", scope="gpu")
+                if arrived == Int64(gdim - 1):
+                    cute.arch.fence_acq_rel_sys()
+                    for d in cutlass.range_constexpr(W):
+                        flag_addr = mPeers[PEER_FLAGS, d] + Int64(W + my_rank) * 8
+                        cute.arch.store(_gptr(Int64, flag_addr, 8), epoch,
+                                        sem="release", scope="sys")
+                    cute.arch.store(_gptr(Int64, ctrl_addr + 8 * CTRL_COMBINE_ARRIVE, 8),
+                                    Int64(0))
+
+
+# =============================================================================================
+# 5. CombineReduce
+# =============================================================================================
+
+
+class CombineReduce:
+    """Source side of combine: wait for all destinations, then sum their partial rows.
+
+    Static: hidden H, top-K, world W, T_max, num_experts E, threads per CTA.
+
+    Arguments of ``__call__``:
+        mTopkIds   [T_rows, K]  int32 global expert ids of this rank's tokens (same as dispatch)
+        mComb      [W*T_max, H] bf16 this rank's comb buffer
+        mFlags     [2*W]        int64 this rank's flags (flags[W + d] = combine epoch from d)
+        mCtrl      [4]          int64 local control word (ctrl[0] = current epoch)
+        mErr       [4]          int32 local error word; no-op if err[0] != 0 on entry
+        mOut       [T_rows, H]  bf16 output, rows < num_tokens written
+        num_tokens Int32        T (clamped to T_max)
+        timeout_ns Int64        wall-clock bound of the wait
+        num_ctas   Int32, stream CUstream
+
+    Every CTA: warp 0 lane d < W acquire-spins (ld.acquire.sys) on flags[W + d] == ctrl[0];
+    on timeout err = (1, d, WHERE_COMBINE_REDUCE, epoch) and the CTA exits. Then
+    out[t] = sum over d = 0..W-1 with a choice of token t on d of comb[d*T_max + t], fp32 in
+    rank order -> bf16 (zero row if the token has no valid choice).
+    """
+
+    def __init__(self, hidden: int, topk: int, world: int, max_tokens: int, num_experts: int,
+                 threads: int = EP_THREADS):
+        assert num_experts % world == 0
+        self.H, self.K, self.W, self.T_max, self.E = hidden, topk, world, max_tokens, num_experts
+        self.E_l = num_experts // world
+        self.threads = threads
+        self.plan = _RowPlan(hidden)
+
+    @cute.jit
+    def __call__(self, mTopkIds: cute.Tensor, mComb: cute.Tensor, mFlags: cute.Tensor,
+                 mCtrl: cute.Tensor, mErr: cute.Tensor, mOut: cute.Tensor, num_tokens: Int32,
+                 timeout_ns: Int64, num_ctas: Int32, stream: cuda.CUstream):
+        self.kernel(mTopkIds, mComb, mFlags, mCtrl, mErr, mOut, num_tokens, timeout_ns).launch(
+            grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, mTopkIds: cute.Tensor, mComb: cute.Tensor, mFlags: cute.Tensor,
+               mCtrl: cute.Tensor, mErr: cute.Tensor, mOut: cute.Tensor, num_tokens: Int32,
+               timeout_ns: Int64):
+        W, K, T_max, E, E_l = self.W, self.K, self.T_max, self.E, self.E_l
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        warps_per_cta = self.threads // 32
+        gwarp = bidx * warps_per_cta + warp
+        nwarps = gdim * warps_per_cta
+
+        err_addr = _addr(mErr)
+        comb_addr = _addr(mComb)
+        out_addr = _addr(mOut)
+
+        if mErr[ERR_CODE] == Int32(0):
+            epoch = mCtrl[CTRL_EPOCH]
+            if tidx < W:
+                state = _spin_wait_eq(_addr(mFlags) + Int64(W + tidx) * 8, epoch, timeout_ns)
+                if state == Int32(2):
+                    _report_error(err_addr, Int32(ERR_TIMEOUT), tidx,
+                                  Int32(WHERE_COMBINE_REDUCE), Int32(epoch))
+            cute.arch.sync_threads()
+            if _ld_i32_relaxed_gpu(err_addr) == Int32(0):
+                T = cutlass.min(num_tokens, Int32(T_max))
+                accs = [cute.make_rmem_tensor((_BF16_PER_VEC,), Float32)
+                        for _ in range(self.plan.unroll)]
+                for t in cutlass.range(gwarp, T, nwarps):
+                    gid = Int32(-1)
+                    if lane < K:
+                        gid = mTopkIds[t, lane]
+                    valid = (gid >= Int32(0)) & (gid < Int32(E))
+                    bit = Int32(0)
+                    if valid:
+                        bit = Int32(1) << (gid // Int32(E_l))
+                    mask = cute.arch.warp_redux_sync(bit, "or")
+                    out_row = out_addr + Int64(t) * self.plan.row_bytes
+                    for c in cutlass.range_constexpr(self.plan.chunks):
+                        slots = self.plan.slots(c)
+                        for j in cutlass.range_constexpr(len(slots)):
+                            accs[j].fill(0.0)
+                        for d in cutlass.range_constexpr(W):
+                            if ((mask >> d) & 1) != 0:
+                                row = comb_addr + (Int64(d) * T_max + Int64(t)) * self.plan.row_bytes
+                                for j in cutlass.range_constexpr(len(slots)):
+                                    u, vbase, pred = slots[j]
+                                    vi = lane + vbase
+                                    if cutlass.const_expr(pred):
+                                        vi = cutlass.min(vi, Int32(self.plan.nvec - 1))
+                                    v = _ld_bf16x8_f32(row + Int64(vi) * EP_VEC_BYTES)
+                                    accs[j].store(accs[j].load() + v)
+                        for j in cutlass.range_constexpr(len(slots)):
+                            u, vbase, pred = slots[j]
+                            o = accs[j].load().to(BFloat16)
+                            off = Int64(lane + vbase) * EP_VEC_BYTES
+                            if cutlass.const_expr(pred):
+                                if lane + vbase < self.plan.nvec:
+                                    cute.arch.store(_gptr(BFloat16, out_row + off, 16),
+                                                    o.ir_value())
+                            else:
+                                cute.arch.store(_gptr(BFloat16, out_row + off, 16),
+                                                o.ir_value())
