@@ -60,7 +60,7 @@ CONTRACT = DropContract(
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.__init__",
                     ("activation", "n", "k", "num_experts", "scale_rows", "tile_n")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.__call__",
-                    ("a", "b", "offsets", "out", "row_scale")),
+                    ("a", "b", "offsets", "out", "row_scale", "max_active_ctas")),
         CallableUse("sm90_megamoe.compile_check:compile_for_arch",
                     ("activation", "n", "k", "scale_rows", "arch", "num_experts", "tile_n")),
         CallableUse("sm90_megamoe.ep_launch:EpConfig.__init__",
@@ -223,30 +223,47 @@ class EpSession:
 
     def __init__(self, hidden: int, topk: int, world: int, max_tokens: int, num_experts: int,
                  rank: int, device: Any, runtime: Any = None, global_ranks: tuple = (),
-                 num_ctas: int | None = None, timeout_ns: int | None = None) -> None:
+                 num_ctas: int | None = None, timeout_ns: int | None = None, virtual: bool = False) -> None:
+        """``runtime``: the NVSHMEM runtime (W > 1 on real GPUs). ``virtual=True``: one of W
+        virtual ranks in this process (plain device buffers); call :meth:`connect` with every
+        virtual rank's session once all are built."""
         check_ep_shapes(hidden, topk, world, num_experts)
-        if world > 1 and runtime is None:
-            raise ValueError("sm90 EP over more than one rank needs an NVSHMEM runtime")
+        if world > 1 and runtime is None and not virtual:
+            raise ValueError("sm90 EP over more than one rank needs an NVSHMEM runtime (or virtual=True)")
         ensure_not_capturing("EP buffer allocation")
-        el = _load("sm90_megamoe.ep_launch")
-        cfg = el.EpConfig(hidden=hidden, topk=topk, world=world, max_tokens=max_tokens, num_experts=num_experts)
+        el = self._el = _load("sm90_megamoe.ep_launch")
+        cfg = self.cfg = el.EpConfig(hidden=hidden, topk=topk, world=world, max_tokens=max_tokens,
+                                     num_experts=num_experts)
         key = EpKey(CONSTANTS.value(PKG, "DROP_VERSION"), _E["EP_ABI_VERSION"], _cutlass_version(), "sm_90a",
                     hidden, topk, world, max_tokens, num_experts)
         COMPILE_CACHE.get_or_compile(key, lambda: {k: el.get_kernel(kind=k, cfg=cfg) for k in el.KINDS})
-        self.world, self.rank, self.runtime = world, rank, runtime
+        self.world, self.rank, self.runtime, self.device = world, rank, runtime, device
         self.global_ranks = tuple(global_ranks) or tuple(range(world))
+        self._num_ctas, self._timeout_ns = num_ctas, timeout_ns
         alloc = None if runtime is None else (lambda shape, dtype: runtime.tensor(shape, dtype))
         self.bufs = el.EpBuffers.allocate(cfg=cfg, device=device, symmetric_alloc=alloc)
-        if runtime is None:
-            views = [self.bufs]
-        else:
+        self.ep = None
+        if runtime is not None:
             sym = self.bufs.symmetric()
-            views = [{n: (t if r == rank else runtime.ops.peer(t, r)) for n, t in sym.items()} for r in range(world)]
-        self.peer_table = el.build_peer_table(peer_buffers=views, device=device)
+            self._connect([{n: (t if r == rank else runtime.ops.peer(t, r)) for n, t in sym.items()}
+                           for r in range(world)])
+        elif world == 1:
+            self._connect([self.bufs])
+
+    def connect(self, sessions: list) -> None:
+        """Virtual ranks: build the peer table from every virtual rank's buffers (index = rank)."""
+        if len(sessions) != self.world:
+            raise ValueError(f"connect() needs {self.world} sessions, got {len(sessions)}")
+        self._connect([s.bufs for s in sessions])
+
+    def _connect(self, views: list) -> None:
+        el = self._el
+        self.peer_table = el.build_peer_table(peer_buffers=views, device=self.device)
         kw = {}
-        if timeout_ns is not None:
-            kw["timeout_ns"] = int(timeout_ns)
-        self.ep = el.EpRank(cfg=cfg, rank=rank, bufs=self.bufs, peer_table=self.peer_table, num_ctas=num_ctas, **kw)
+        if self._timeout_ns is not None:
+            kw["timeout_ns"] = int(self._timeout_ns)
+        self.ep = el.EpRank(cfg=self.cfg, rank=self.rank, bufs=self.bufs, peer_table=self.peer_table,
+                            num_ctas=self._num_ctas, **kw)
         self.dispatch = self.ep.dispatch
         self.wait = self.ep.wait
         self.gather = self.ep.gather

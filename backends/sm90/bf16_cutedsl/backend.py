@@ -74,7 +74,12 @@ class Sm90HandleState:
 class Sm90CuteDSLBackend(BackendImpl):
     name = "sm90_bf16_cutedsl"
 
-    def __init__(self, config: Any, group: Any, device: torch.device, *, timeout_s: float = 10.0) -> None:
+    def __init__(self, config: Any, group: Any, device: torch.device, *, timeout_s: float = 10.0,
+                 num_ctas: int | None = None, virtual: bool = False) -> None:
+        """``num_ctas``: grid of every kernel (default: all SMs). ``virtual``: one of W virtual
+        ranks in this process (see :mod:`.virtual`), for testing EP on one GPU."""
+        self.num_ctas = num_ctas
+        self.virtual = virtual
         self.cfg = config
         self.group = group
         self.device = device
@@ -95,7 +100,7 @@ class Sm90CuteDSLBackend(BackendImpl):
         S = W * Tm
         P = S * K
         global_ranks = (0,)
-        if W > 1:
+        if W > 1 and not self.virtual:
             import os
 
             import torch.distributed as dist
@@ -106,7 +111,8 @@ class Sm90CuteDSLBackend(BackendImpl):
             self.runtime = nvshmem_acquire(self.group.pg, device_index=dev.index)
             global_ranks = tuple(dist.get_process_group_ranks(self.group.pg))
         self.ep = Sm90EpSession(H, K, W, Tm, cfg.num_experts, self.group.rank, dev, runtime=self.runtime,
-                                global_ranks=global_ranks, timeout_ns=self.timeout_ns)
+                                global_ranks=global_ranks, timeout_ns=self.timeout_ns, num_ctas=self.num_ctas,
+                                virtual=self.virtual)
         if self.runtime is not None:
             self.runtime.barrier(torch.cuda.current_stream(dev))  # peers' flags are zero before use
         bf = torch.bfloat16
@@ -153,8 +159,8 @@ class Sm90CuteDSLBackend(BackendImpl):
             out = torch.empty(T, self.cfg.hidden, dtype=x.dtype, device=x.device)
         ids = self._send_and_layout(x, topk_ids, topk_weights)
         lb = self._lb
-        self._fc1(self._xs, w13, lb.offsets, out=self._h)
-        self._fc2(self._h, w2, lb.offsets, out=self._y, row_scale=lb.ws)
+        self._fc1(self._xs, w13, lb.offsets, out=self._h, max_active_ctas=self.num_ctas)
+        self._fc2(self._h, w2, lb.offsets, out=self._y, row_scale=lb.ws, max_active_ctas=self.num_ctas)
         self.ep.combine_send(self._y, lb.pos)
         self.ep.combine_reduce(ids, out)
         return out
