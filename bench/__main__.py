@@ -123,7 +123,12 @@ def run_layer(args) -> int:
             say(f"profile of 5 forwards on {layer.backend_name}:")
             say(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
         tflops = cfg.flops(T) / (ms * 1e-3) / 1e12
-        rows.append((layer.backend_name, m["name"], T, group.world_size, ms, tflops))
+        gms = float("nan")
+        if device.type == "cuda" and layer.backend_name != "reference":
+            from .ep import graph_ms
+
+            gms = graph_ms(layer, inputs, group, args.iters)
+        rows.append((layer.backend_name, m["name"], T, group.world_size, ms, tflops, gms))
         if device.type == "cuda" and group.world_size > 1 and not args.no_comm and hasattr(layer._impl, "comm_ops"):
             from .ep import comm_table
 
@@ -148,13 +153,16 @@ def run_layer(args) -> int:
                 ms = lig.get("median_ms") or lig.get("ms")
                 if ms:
                     rows.append(("LigerCute 0.8.5 (peer)", m["name"], T, group.world_size, ms,
-                                 cfg.flops(T) / (ms * 1e-3) / 1e12))
+                                 cfg.flops(T) / (ms * 1e-3) / 1e12, float("nan")))
         if group.world_size > 1:
             dist.barrier(group=group.pg)
     say(f"\nbackends registered: {available()}; device: {torch.cuda.get_device_name() if cuda else 'cpu'}")
-    say(f"{'backend':<22}{'shape':<26}{'tokens/rank':>12}{'EP':>4}{'ms':>10}{'TFLOP/s':>10}")
-    for b, shape, t, ep, ms, tf in rows:
-        say(f"{b:<22}{shape:<26}{t:>12}{ep:>4}{ms:>10.3f}{tf:>10.4g}")
+    say(f"{'backend':<24}{'shape':<16}{'tokens/rank':>12}{'EP':>4}{'ms':>9}{'TFLOP/s':>9}"
+        f"{'graph ms':>10}{'TFLOP/s':>9}")
+    for b, shape, t, ep, ms, tf, gms in rows:
+        gtf = cfg.flops(t) / (gms * 1e-3) / 1e12 if gms == gms else float("nan")
+        say(f"{b:<24}{shape:<16}{t:>12}{ep:>4}{ms:>9.3f}{tf:>9.4g}{gms:>10.3f}{gtf:>9.4g}")
+    say("(ms: eager forward, median, slowest rank; graph ms: the same forward replayed from a CUDA graph)")
     if comm:
         say(f"\ndispatch/combine, {T} tokens/rank: {sent / 1e6:.1f} MB per rank cross NVLink per direction "
             "(one bf16 row per token and remote destination rank); slowest rank's median")

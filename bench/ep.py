@@ -34,6 +34,27 @@ def _time(fn, group, iters: int, barrier: bool = True) -> float:
     return float(t.item())
 
 
+def graph_ms(layer, inputs, group, iters: int) -> float:
+    """Median ms of the layer's forward replayed from a CUDA graph (captured after warm-up)."""
+    x, ids, w, w13, w2 = inputs
+    out = torch.empty_like(x)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        layer.forward(x, ids, w, w13, w2, out=out)
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    if group.world_size > 1:
+        dist.barrier(group=group.pg)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        layer.forward(x, ids, w, w13, w2, out=out)
+    torch.cuda.synchronize()
+    ms = _time(g.replay, group, iters)
+    del g
+    return ms
+
+
 def remote_rows(ids: torch.Tensor, e_local: int, rank: int, world: int) -> torch.Tensor:
     """[W] rows this rank sends to each rank: tokens with ≥1 expert there (self excluded)."""
     dest = (ids.long() // e_local)

@@ -134,8 +134,7 @@ def test_virtual_ep_many_forwards_determinism_stall():
         torch.cuda.synchronize()
         assert all(torch.equal(p, q) for p, q in zip(a, b)), f"not bit-identical with rank {delayed} delayed"
     # stall: rank 1 never runs its forward
-    with torch.cuda.stream(vep.streams[0]):
-        vep.ranks[0].forward(*(t[0] for t in args))
+    vep.forward(*args, ranks=[0])
     torch.cuda.synchronize()
     with pytest.raises(DeviceStallError, match="waiting for rank 1"):
         vep.ranks[0].check()

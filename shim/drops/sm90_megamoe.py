@@ -61,6 +61,8 @@ CONTRACT = DropContract(
                     ("activation", "n", "k", "num_experts", "scale_rows", "tile_n")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.__call__",
                     ("a", "b", "offsets", "out", "row_scale", "max_active_ctas")),
+        CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_converted", ("args", "max_active_ctas")),
+        CallableUse("sm90_megamoe.launch:to_cute_args", ("a", "b", "c", "offsets", "row_scale")),
         CallableUse("sm90_megamoe.compile_check:compile_for_arch",
                     ("activation", "n", "k", "scale_rows", "arch", "num_experts", "tile_n")),
         CallableUse("sm90_megamoe.ep_launch:EpConfig.__init__",
@@ -163,10 +165,51 @@ def grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: 
 
     def build():
         launch = _load("sm90_megamoe.launch")
-        return launch.CompiledGroupedGemm(activation=activation, n=n, k=k, num_experts=num_experts,
-                                          scale_rows=bool(scale_rows), tile_n=tile)
+        return GemmRunner(launch.CompiledGroupedGemm(activation=activation, n=n, k=k, num_experts=num_experts,
+                                                     scale_rows=bool(scale_rows), tile_n=tile), launch.to_cute_args)
 
     return COMPILE_CACHE.get_or_compile(key, build)
+
+
+class GemmRunner:
+    """A compiled grouped GEMM plus a small cache of converted (CuTe) arguments.
+
+    Converting five torch tensors costs ~100 µs of host time per launch; layers pass the same
+    persistent buffers every forward, so the conversion is looked up by (pointer, shape) instead.
+    The cache keeps the last few argument sets alive (the DLPack capsules hold references), so a
+    cached address cannot be recycled while it is cached.
+    """
+
+    _MAX = 16
+
+    def __init__(self, compiled: Any, to_cute_args: Any) -> None:
+        self.compiled = compiled
+        self.scale_rows = compiled.scale_rows
+        self._to = to_cute_args
+        self._args: dict = {}
+        self._dummy = None
+
+    def __call__(self, a, b, offsets, out=None, row_scale=None, max_active_ctas=None):
+        if out is None or a.shape[0] == 0:
+            return self.compiled(a, b, offsets, out=out, row_scale=row_scale, max_active_ctas=max_active_ctas)
+        if self.scale_rows:
+            if row_scale is None:
+                raise ValueError("this grouped GEMM was compiled with scale_rows=True: pass row_scale")
+        else:
+            if self._dummy is None or self._dummy.device != a.device:
+                import torch
+
+                self._dummy = torch.zeros(1, dtype=torch.float32, device=a.device)
+            row_scale = self._dummy
+        ts = (a, b, out, offsets, row_scale)
+        key = tuple((t.data_ptr(), tuple(t.shape), t.dtype) for t in ts)
+        args = self._args.get(key)
+        if args is None:
+            if len(self._args) >= self._MAX:
+                self._args.pop(next(iter(self._args)))
+            args = self._args[key] = self._to(a=a, b=b, c=out, offsets=offsets, row_scale=row_scale)
+        self.compiled.launch_converted(args=args, max_active_ctas=max_active_ctas)
+        return out
 
 
 def compile_gemm_ptx(activation: str, n: int, k: int, scale_rows: bool, arch: str = "sm_90a",

@@ -140,28 +140,33 @@ class Sm90CuteDSLBackend(BackendImpl):
         self.check()
 
     # ---- forward -----------------------------------------------------------------------------
-    def _send_and_layout(self, x, topk_ids, topk_weights):
-        T = x.shape[0]
-        ids = self._ids[:T]
+    # The forward in four steps, so that virtual ranks in one process can interleave them by
+    # phase (every rank's dispatch is enqueued before any rank's wait, and so on).
+    def _step_dispatch(self, x, topk_ids, topk_weights):
+        ids = self._ids[:x.shape[0]]
         ids.copy_(topk_ids)  # int64 -> int32 as needed, into a persistent buffer
-        ep, b = self.ep, self.ep.bufs
-        ep.dispatch(x, ids, topk_weights)
-        ep.wait()
-        expert_layout(self._lb, b.recv_ids, b.recv_w, b.recv_count, self.E)
-        lb = self._lb
-        ep.gather(b.recv_x, lb.idx, lb.offsets[self.E:], self._xs)
+        self.ep.dispatch(x, ids, topk_weights)
         return ids
 
-    def forward(self, x, topk_ids, topk_weights, w13, w2, out=None):
-        self._ensure()
-        T = x.shape[0]
-        if out is None:
-            out = torch.empty(T, self.cfg.hidden, dtype=x.dtype, device=x.device)
-        ids = self._send_and_layout(x, topk_ids, topk_weights)
+    def _step_layout(self):
+        b, lb = self.ep.bufs, self._lb
+        self.ep.wait()
+        expert_layout(lb, b.recv_ids, b.recv_w, b.recv_count, self.E)
+        self.ep.gather(b.recv_x, lb.idx, lb.offsets[self.E:], self._xs)
+
+    def _step_experts(self, w13, w2):
         lb = self._lb
         self._fc1(self._xs, w13, lb.offsets, out=self._h, max_active_ctas=self.num_ctas)
         self._fc2(self._h, w2, lb.offsets, out=self._y, row_scale=lb.ws, max_active_ctas=self.num_ctas)
-        self.ep.combine_send(self._y, lb.pos)
+
+    def forward(self, x, topk_ids, topk_weights, w13, w2, out=None):
+        self._ensure()
+        if out is None:
+            out = torch.empty(x.shape[0], self.cfg.hidden, dtype=x.dtype, device=x.device)
+        ids = self._step_dispatch(x, topk_ids, topk_weights)
+        self._step_layout()
+        self._step_experts(w13, w2)
+        self.ep.combine_send(self._y, self._lb.pos)
         self.ep.combine_reduce(ids, out)
         return out
 
@@ -169,7 +174,8 @@ class Sm90CuteDSLBackend(BackendImpl):
     def dispatch(self, x, topk_ids, topk_weights):
         """Returns exactly R rows: reading R is this path's one host sync."""
         self._ensure()
-        ids = self._send_and_layout(x, topk_ids, topk_weights)
+        ids = self._step_dispatch(x, topk_ids, topk_weights)
+        self._step_layout()
         R = int(self._lb.offsets[self.E])
         return self._xs[:R], self._lb.offsets.clone(), Sm90HandleState(x.shape[0], ids)
 

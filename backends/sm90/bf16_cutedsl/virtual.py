@@ -44,21 +44,45 @@ class VirtualEP:
             s.connect(sessions)
         self.streams = [torch.cuda.Stream(self.device) for _ in range(world)]
 
-    def forward(self, xs, ids, ws, w13s, w2s, outs=None, delay_rank: int | None = None):
-        """Launch every rank's forward on its own stream (no host sync inside); returns outputs."""
-        outs = outs or [None] * self.world
-        res = []
+    def forward(self, xs, ids, ws, w13s, w2s, outs=None, delay_rank: int | None = None, ranks=None):
+        """Enqueue every rank's forward on its own stream, phase by phase across ranks (all
+        dispatches, then all waits + layouts, ...), no host sync; returns the outputs.
+
+        Phase order matters in one process: CUDA loads a kernel's module lazily at its first
+        launch and that load waits for the device, so a rank must never spin on a peer whose
+        step has not been enqueued yet. ``ranks``: which ranks take part (default all)."""
+        W = self.world
+        live = list(range(W)) if ranks is None else list(ranks)
+        outs = list(outs) if outs is not None else [None] * W
+        for r in live:
+            if outs[r] is None:
+                outs[r] = torch.empty(xs[r].shape[0], xs[r].shape[1], dtype=xs[r].dtype, device=self.device)
         cur = torch.cuda.current_stream(self.device)
-        for r, b in enumerate(self.ranks):
-            s = self.streams[r]
-            s.wait_stream(cur)
-            with torch.cuda.stream(s):
-                if delay_rank == r:
-                    torch.cuda._sleep(100_000_000)
-                res.append(b.forward(xs[r], ids[r], ws[r], w13s[r], w2s[r], outs[r]))
-        for s in self.streams:
-            cur.wait_stream(s)
-        return res
+        for r in live:
+            self.streams[r].wait_stream(cur)
+        ids32 = [None] * W
+
+        def on(r, fn):
+            with torch.cuda.stream(self.streams[r]):
+                return fn()
+
+        for r in live:
+            if delay_rank == r:
+                on(r, lambda: torch.cuda._sleep(100_000_000))
+            ids32[r] = on(r, lambda r=r: self.ranks[r]._step_dispatch(xs[r], ids[r], ws[r]))
+        for r in live:
+            on(r, self.ranks[r]._step_layout)
+        for r in live:
+            on(r, lambda r=r: self.ranks[r]._step_experts(w13s[r], w2s[r]))
+        for r in live:
+            b = self.ranks[r]
+            on(r, lambda b=b: b.ep.combine_send(b._y, b._lb.pos))
+        for r in live:
+            b = self.ranks[r]
+            on(r, lambda b=b, r=r: b.ep.combine_reduce(ids32[r], outs[r]))
+        for r in live:
+            cur.wait_stream(self.streams[r])
+        return outs
 
     def check(self) -> None:
         for b in self.ranks:
