@@ -18,7 +18,7 @@ def torchrun(n: int, script: Path, *args: str, timeout: int = 300) -> subprocess
 
 
 @pytest.mark.multirank
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, 4, 8])
 def test_ep_matches_ep1(n):
     p = torchrun(n, HERE / "mr_worker.py")
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
