@@ -43,3 +43,23 @@ def test_shape_validation(act, n, k, e, frag):
     with pytest.raises(ValueError) as ei:
         sm90_check_gemm_shapes(act, n, k, e)
     assert frag in str(ei.value)
+
+
+@pytest.mark.parametrize("kind,needles", [
+    ("dispatch", ("st.release.sys", "fence.acq_rel.sys", "ld.global.v4")),
+    ("wait", ("ld.acquire.sys", "globaltimer")),
+    ("gather", ("ld.global.v4", "st.global.v4")),
+    ("combine_send", ("st.release.sys",)),
+    ("combine_reduce", ("ld.acquire.sys", "globaltimer")),
+])
+def test_ep_kernels_compile(kind, needles, tmp_path, monkeypatch):
+    """EP kernels for W=2 (Qwen3 shape): system-scope release/acquire flags, bounded waits,
+    16-byte vector copies, no float atomics and no local-memory spills."""
+    from moe_ep.shim import sm90_compile_ep_ptx
+
+    monkeypatch.chdir(tmp_path)
+    ptx = sm90_compile_ep_ptx(kind, hidden=2048, topk=8, world=2, max_tokens=1024, num_experts=128)
+    for n in needles:
+        assert n in ptx, f"{kind}: {n!r} missing from the PTX"
+    assert "atom.global.add.f32" not in ptx and "red.global.add.f32" not in ptx
+    assert "ld.local" not in ptx and "st.local" not in ptx

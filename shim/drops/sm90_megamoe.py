@@ -70,6 +70,8 @@ CONTRACT = DropContract(
         CallableUse("sm90_megamoe.ep_launch:EpBuffers.allocate", ("cfg", "device", "symmetric_alloc")),
         CallableUse("sm90_megamoe.ep_launch:build_peer_table", ("peer_buffers", "device")),
         CallableUse("sm90_megamoe.ep_launch:get_kernel", ("kind", "cfg")),
+        CallableUse("sm90_megamoe.ep_launch:make_kernel", ("kind", "cfg")),
+        CallableUse("sm90_megamoe.ep_launch:fake_args", ("kind", "cfg")),
         CallableUse("sm90_megamoe.ep_launch:EpRank.__init__",
                     ("cfg", "rank", "bufs", "peer_table", "num_ctas", "timeout_ns")),
         CallableUse("sm90_megamoe.ep_launch:EpRank.dispatch", ("x", "topk_ids", "topk_w")),
@@ -338,3 +340,17 @@ class EpSession:
             for t in reversed(list(self.bufs.symmetric().values())):
                 self.runtime.free(t)
         self.bufs = self.ep = None
+
+
+def compile_ep_ptx(kind: str, hidden: int, topk: int, world: int, max_tokens: int, num_experts: int,
+                   arch: str = "sm_90a") -> str:
+    """Compile one EP kernel (``dispatch``, ``wait``, ``gather``, ``combine_send``,
+    ``combine_reduce``) without a GPU and return its PTX (writes PTX files into the cwd)."""
+    check_ep_shapes(hidden, topk, world, num_experts)
+    el = _load("sm90_megamoe.ep_launch")
+    import cutlass.cute as cute
+
+    cfg = el.EpConfig(hidden=hidden, topk=topk, world=world, max_tokens=max_tokens, num_experts=num_experts)
+    compiled = cute.compile(el.make_kernel(kind, cfg), *el.fake_args(kind, cfg),
+                            options=f"--gpu-arch {arch} --keep-ptx")
+    return compiled.__ptx__
