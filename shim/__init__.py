@@ -18,6 +18,7 @@ from .drops import drop_contracts
 from .drops.sm90_megamoe import CONSTANTS as SM90_MEGAMOE_CONSTANTS
 from .drops.sm90_megamoe import EP_COUNTERS as SM90_EP_COUNTERS
 from .drops.sm90_megamoe import EpSession as Sm90EpSession
+from .drops.sm90_megamoe import LayoutSession as Sm90LayoutSession
 from .drops.sm90_megamoe import check_gemm_shapes as sm90_check_gemm_shapes
 from .drops.sm90_megamoe import compile_ep_ptx as sm90_compile_ep_ptx
 from .drops.sm90_megamoe import compile_gemm_ptx as sm90_compile_gemm_ptx
@@ -35,5 +36,5 @@ __all__ = [
     "MirroredConstants", "NvshmemOwnershipError", "NvshmemRuntime", "ShimError", "drop_contracts",
     "drop_src", "ensure_not_capturing", "is_capturing", "kernel_src_root", "nvshmem_acquire",
     "nvshmem_current", "register_drop", "zero_counter_regions",
-    "SM90_EP_COUNTERS", "SM90_MEGAMOE_CONSTANTS", "Sm90EpSession", "sm90_check_gemm_shapes", "sm90_compile_ep_ptx", "sm90_compile_gemm_ptx", "sm90_grouped_gemm",
+    "SM90_EP_COUNTERS", "SM90_MEGAMOE_CONSTANTS", "Sm90EpSession", "Sm90LayoutSession", "sm90_check_gemm_shapes", "sm90_compile_ep_ptx", "sm90_compile_gemm_ptx", "sm90_grouped_gemm",
 ]

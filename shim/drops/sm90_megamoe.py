@@ -32,7 +32,7 @@ from ..nvshmem_boot import CounterContract
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 2},
+    "sm90_megamoe": {"DROP_VERSION": 3},
     "sm90_megamoe.constants": {
         "ABI_VERSION": 1,
         "ACTIVATIONS": ("identity", "swiglu", "squared_relu"),
@@ -55,7 +55,7 @@ CONSTANTS = MirroredConstants("sm90/megamoe", {
 })
 
 CONTRACT = DropContract(
-    arch="sm90", drop="megamoe", version=2, packages=(PKG,), constants=CONSTANTS,
+    arch="sm90", drop="megamoe", version=3, packages=(PKG,), constants=CONSTANTS,
     callables=(
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.__init__",
                     ("activation", "n", "k", "num_experts", "scale_rows", "tile_n")),
@@ -79,6 +79,11 @@ CONTRACT = DropContract(
         CallableUse("sm90_megamoe.ep_launch:EpRank.gather", ("src", "idx", "count", "out")),
         CallableUse("sm90_megamoe.ep_launch:EpRank.combine_send", ("y", "pos")),
         CallableUse("sm90_megamoe.ep_launch:EpRank.combine_reduce", ("topk_ids", "out")),
+        CallableUse("sm90_megamoe.layout_launch:LayoutConfig.__init__",
+                    ("hidden", "topk", "world", "max_tokens", "local_experts")),
+        CallableUse("sm90_megamoe.layout_launch:Layout.__init__", ("cfg", "device", "num_ctas", "count_ctas")),
+        CallableUse("sm90_megamoe.layout_launch:Layout.__call__",
+                    ("recv_ids", "recv_w", "recv_count", "recv_x", "offsets", "idx", "ws", "pos", "xs", "check")),
         CallableUse("sm90_megamoe.ep_launch:EpRank.read_err", ()),
         CallableUse("sm90_megamoe.ep_launch:EpRank.reset_state", ()),
     ),
@@ -354,3 +359,45 @@ def compile_ep_ptx(kind: str, hidden: int, topk: int, world: int, max_tokens: in
     compiled = cute.compile(el.make_kernel(kind, cfg), *el.fake_args(kind, cfg),
                             options=f"--gpu-arch {arch} --keep-ptx")
     return compiled.__ptx__
+
+
+@dataclass(frozen=True)
+class LayoutKey:
+    """Every value the compiled expert-layout kernels depend on."""
+
+    drop_version: int
+    cutlass_version: str
+    arch: str
+    hidden: int
+    topk: int
+    world: int
+    max_tokens: int
+    local_experts: int
+
+
+class LayoutSession:
+    """Receiver-side expert layout in two launches (count+scan, place+gather), owning its
+    scratch. Tail-clean: the count kernel's last CTA returns counts and its arrival counter to 0;
+    cursors are rewritten every call before use. Calls must be ordered on one stream.
+
+    ``__call__(recv_ids [S,K] i32, recv_w [S,K] f32, recv_count [W] i32, recv_x [S,H] bf16,
+    offsets [E_l+1] i32, idx [S·K] i32, ws [S·K] f32, pos [S,K] i32, xs [S·K,H] bf16)``.
+    """
+
+    def __init__(self, hidden: int, topk: int, world: int, max_tokens: int, local_experts: int, device: Any,
+                 num_ctas: int | None = None) -> None:
+        ensure_not_capturing("layout scratch allocation")
+        ll = _load("sm90_megamoe.layout_launch")
+        cfg = ll.LayoutConfig(hidden=hidden, topk=topk, world=world, max_tokens=max_tokens,
+                              local_experts=local_experts)
+        key = LayoutKey(CONSTANTS.value(PKG, "DROP_VERSION"), _cutlass_version(), "sm_90a", hidden, topk, world,
+                        max_tokens, local_experts)
+        self._layout = COMPILE_CACHE.get_or_compile(
+            key, lambda: ll.Layout(cfg=cfg, device=device, num_ctas=num_ctas, count_ctas=num_ctas))
+        self._checked = False
+
+    def __call__(self, recv_ids, recv_w, recv_count, recv_x, offsets, idx, ws, pos, xs) -> None:
+        # argument checks on the first call only (they cost host time)
+        self._layout(recv_ids=recv_ids, recv_w=recv_w, recv_count=recv_count, recv_x=recv_x, offsets=offsets,
+                     idx=idx, ws=ws, pos=pos, xs=xs, check=not self._checked)
+        self._checked = True

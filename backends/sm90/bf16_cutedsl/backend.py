@@ -9,13 +9,14 @@ device, no host sync, no allocation (buffers come from ``warmup``), CUDA-graph c
    local memory, no NVSHMEM);
 2. ``wait`` kernel: until every source's flag carries this forward's epoch (bounded by
    ``%globaltimer``; a stall sets an error word that :meth:`check` turns into an exception);
-3. expert layout (torch, device): valid (slot, k) pairs stably sorted by local expert ->
-   ``expert_offsets``, row -> slot index, row weights, (slot, k) -> row positions;
-4. ``gather`` kernel: ``xs[r] = recv_x[idx[r]]`` for the ``offsets[E_l]`` valid rows;
-5. FC1 + activation, FC2 with the router weight per row in the epilogue (varlen-M grouped GEMMs);
-6. ``combine_send`` kernel: per received token, its ≤K weighted expert rows summed in float32 in
+3. expert layout, two kernels: count valid (slot, k) pairs per local expert and scan them into
+   ``expert_offsets``; place each pair at its row (integer atomic cursors: row order within an
+   expert is arbitrary, which changes no value) writing row -> slot, row weight, (slot, k) -> row,
+   and copy the token row once per valid choice into the grouped GEMM input ``xs``;
+4. FC1 + activation, FC2 with the router weight per row in the epilogue (varlen-M grouped GEMMs);
+5. ``combine_send`` kernel: per received token, its ≤K weighted expert rows summed in float32 in
    k order -> one bf16 row back to the source rank (peer store), then an epoch flag;
-7. ``combine_reduce`` kernel: the ≤W partial rows of each token summed in float32 in rank order.
+6. ``combine_reduce`` kernel: the ≤W partial rows of each token summed in float32 in rank order.
 
 No floating-point atomics: outputs are bit-deterministic.
 """
@@ -27,7 +28,8 @@ from typing import Any
 
 import torch
 
-from moe_ep.shim import (Sm90EpSession, nvshmem_acquire, sm90_check_gemm_shapes, sm90_grouped_gemm)
+from moe_ep.shim import (Sm90EpSession, Sm90LayoutSession, nvshmem_acquire, sm90_check_gemm_shapes,
+                         sm90_grouped_gemm)
 
 from ...registry import BackendImpl, UnsupportedBackendError
 from .layout import LayoutBuffers, expert_layout
@@ -75,9 +77,12 @@ class Sm90CuteDSLBackend(BackendImpl):
     name = "sm90_bf16_cutedsl"
 
     def __init__(self, config: Any, group: Any, device: torch.device, *, timeout_s: float = 10.0,
-                 num_ctas: int | None = None, virtual: bool = False) -> None:
+                 num_ctas: int | None = None, virtual: bool = False, layout_kernel: bool = True) -> None:
         """``num_ctas``: grid of every kernel (default: all SMs). ``virtual``: one of W virtual
-        ranks in this process (see :mod:`.virtual`), for testing EP on one GPU."""
+        ranks in this process (see :mod:`.virtual`), for testing EP on one GPU.
+        ``layout_kernel=False`` builds the expert layout with torch ops instead of the drop's
+        two layout kernels (slower on the host; same results up to row order within an expert)."""
+        self.layout_kernel = layout_kernel
         self.num_ctas = num_ctas
         self.virtual = virtual
         self.cfg = config
@@ -121,6 +126,8 @@ class Sm90CuteDSLBackend(BackendImpl):
         self._y = torch.empty(P, H, dtype=bf, device=dev)
         self._ids = torch.empty(Tm, K, dtype=torch.int32, device=dev)
         self._lb = LayoutBuffers.allocate(W, Tm, K, E, dev)
+        self._layout = (Sm90LayoutSession(H, K, W, Tm, E, dev, num_ctas=self.num_ctas)
+                        if self.layout_kernel else None)
 
     def warmup(self, progress):
         progress(f"compiling FC1 ({self.cfg.activation}), FC2 and EP kernels for sm_90a"
@@ -151,8 +158,11 @@ class Sm90CuteDSLBackend(BackendImpl):
     def _step_layout(self):
         b, lb = self.ep.bufs, self._lb
         self.ep.wait()
-        expert_layout(lb, b.recv_ids, b.recv_w, b.recv_count, self.E)
-        self.ep.gather(b.recv_x, lb.idx, lb.offsets[self.E:], self._xs)
+        if self._layout is not None:  # two launches: count + scan, place + row gather
+            self._layout(b.recv_ids, b.recv_w, b.recv_count, b.recv_x, lb.offsets, lb.idx, lb.ws, lb.pos, self._xs)
+        else:  # ~16 torch ops + the gather kernel (kept as the readable reference path)
+            expert_layout(lb, b.recv_ids, b.recv_w, b.recv_count, self.E)
+            self.ep.gather(b.recv_x, lb.idx, lb.offsets[self.E:], self._xs)
 
     def _step_experts(self, w13, w2):
         lb = self._lb
