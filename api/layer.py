@@ -55,11 +55,15 @@ class MoELayer:
             treat an out-of-range expert id as a dropped choice (nothing is corrupted).
         timeout_s: bound on every device-side wait for a peer rank (kernel backends); a stall
             sets an error that :meth:`check_errors` raises as ``DeviceStallError``.
+        deterministic: bit-identical outputs for identical inputs, whatever the timing of the
+            ranks (default). ``False`` lets a backend trade that for speed (sm90: expert layout by
+            two kernels with atomic row placement instead of a stable sort; outputs then agree
+            to rounding, not bit for bit).
     """
 
     def __init__(self, config: MoEConfig, group: EPGroup | None = None, backend: str = "auto", *,
                  device: torch.device | str | None = None, check_values: bool = True,
-                 timeout_s: float = 10.0) -> None:
+                 timeout_s: float = 10.0, deterministic: bool = True) -> None:
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
         if group is None:
@@ -82,7 +86,9 @@ class MoELayer:
         self.backend_name = spec.name
         if not timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        self._impl = spec.factory(config, group, device, timeout_s=float(timeout_s))
+        self.deterministic = bool(deterministic)
+        self._impl = spec.factory(config, group, device, timeout_s=float(timeout_s),
+                                  deterministic=self.deterministic)
         self._warm = False
 
     # ---- lifecycle -------------------------------------------------------------------------

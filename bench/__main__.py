@@ -100,7 +100,8 @@ def run_layer(args) -> int:
     comm = []
     for name in names:
         # value checks cost a host sync per forward; benchmark inputs are valid by construction
-        layer = MoELayer(cfg, group, backend=name, device=device, check_values=False)
+        layer = MoELayer(cfg, group, backend=name, device=device, check_values=False,
+                         deterministic=not args.nondeterministic)
         if name == "auto" and layer.backend_name == "reference" and "reference" in names:
             layer.destroy()
             continue
@@ -202,6 +203,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--nondeterministic", action="store_true",
+                   help="MoELayer(deterministic=False): faster layout, outputs not bit-stable")
     p.add_argument("--no-comm", action="store_true", help="skip the dispatch/combine GB/s table (EP > 1)")
     p.add_argument("--no-decode", action="store_true", help="skip the decode-latency sweep (GPU)")
     p.add_argument("--profile", action="store_true", help="print a torch.profiler kernel table per backend")

@@ -63,3 +63,19 @@ def test_ep_kernels_compile(kind, needles, tmp_path, monkeypatch):
         assert n in ptx, f"{kind}: {n!r} missing from the PTX"
     assert "atom.global.add.f32" not in ptx and "red.global.add.f32" not in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx
+
+
+@pytest.mark.slow
+def test_layout_kernels_compile(tmp_path):
+    """The drop's own CPU compile check of the expert-layout kernels (sm_90a, no spills, no
+    float atomics, fake/real signatures agree)."""
+    import os
+    import subprocess
+    import sys
+
+    from moe_ep.shim import drop_src
+
+    env = dict(os.environ, PYTHONPATH=str(drop_src("sm90", "megamoe")) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-m", "sm90_megamoe.layout_compile_check"], capture_output=True,
+                       text=True, timeout=600, env=env, cwd=tmp_path)
+    assert p.returncode == 0 and "ALL OK" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]

@@ -30,13 +30,15 @@ class VirtualEP:
     w13 ``[E/W, w13_rows, H]``, w2 ``[E/W, H, I]``; returns the W outputs ``[T_r, H]`` bf16.
     """
 
-    def __init__(self, config, world: int, device=None, timeout_s: float = 10.0, num_ctas: int | None = None):
+    def __init__(self, config, world: int, device=None, timeout_s: float = 10.0, num_ctas: int | None = None,
+                 deterministic: bool = True):
         self.device = torch.device(device or "cuda")
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.num_ctas = num_ctas or max(1, sms // (2 * world))
         self.world = world
         self.ranks = [Sm90CuteDSLBackend(config, VirtualGroup(r, world), self.device, timeout_s=timeout_s,
-                                         num_ctas=self.num_ctas, virtual=True) for r in range(world)]
+                                         num_ctas=self.num_ctas, virtual=True, deterministic=deterministic)
+                      for r in range(world)]
         for b in self.ranks:
             b._ensure()
         sessions = [b.ep for b in self.ranks]
