@@ -57,8 +57,8 @@ class MoELayer:
             sets an error that :meth:`check_errors` raises as ``DeviceStallError``.
         deterministic: bit-identical outputs for identical inputs, whatever the timing of the
             ranks (default). ``False`` lets a backend trade that for speed (sm90: expert layout by
-            two kernels with atomic row placement instead of a stable sort; outputs then agree
-            to rounding, not bit for bit).
+            two kernels with atomic row placement instead of a stable sort; experimental, outputs
+            are not bit-stable).
     """
 
     def __init__(self, config: MoEConfig, group: EPGroup | None = None, backend: str = "auto", *,

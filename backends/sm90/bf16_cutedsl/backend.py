@@ -82,8 +82,9 @@ class Sm90CuteDSLBackend(BackendImpl):
         ranks in this process (see :mod:`.virtual`), for testing EP on one GPU.
         ``deterministic=False`` builds the expert layout with the drop's two layout kernels
         (atomic row placement: ~0.35 ms less host time per eager forward on the Qwen3 shape) instead
-        of ~16 torch ops around a stable sort; outputs then agree to rounding but not bit for bit
-        (measured on the H200: repeats differ in the last bits)."""
+        of ~16 torch ops around a stable sort. Experimental: outputs are then not bit-stable
+        (seen on the H200; they passed the bf16-tolerance oracles, cause under investigation —
+        docs/PERFORMANCE.md)."""
         self.layout_kernel = not deterministic
         self.num_ctas = num_ctas
         self.virtual = virtual
