@@ -99,23 +99,10 @@ def decode_table(make_layer, make_inputs, cfg, group, device, iters: int, sizes=
     layer = make_layer()
     layer.warmup(progress=False)
     for T in sizes:
-        x, ids, w, w13, w2 = make_inputs(T)
+        inputs = make_inputs(T)
+        x, ids, w, w13, w2 = inputs
         out = torch.empty_like(x)
         eager = _time(lambda: layer.forward(x, ids, w, w13, w2, out=out), group, iters)
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            layer.forward(x, ids, w, w13, w2, out=out)
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        if group.world_size > 1:
-            dist.barrier(group=group.pg)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            layer.forward(x, ids, w, w13, w2, out=out)
-        torch.cuda.synchronize()
-        graph = _time(g.replay, group, iters)
-        del g
-        out_rows.append((T, eager, graph))
+        out_rows.append((T, eager, graph_ms(layer, inputs, group, iters)))
     layer.destroy()
     return out_rows
