@@ -7,6 +7,10 @@ rank calls ``nvshmem.core.init(..., initializer_method="uid")``) and hands out a
 runtime allocated and finalises NVSHMEM. moe_ep refuses to share an NVSHMEM runtime that somebody
 else initialised (their finalize would pull our symmetric heap away), and refuses a second group.
 
+Re-initialising NVSHMEM after a finalize is not supported by every NVSHMEM version: a process
+that creates and destroys layers repeatedly should hold one reference of its own
+(``acquire(...)`` at start, ``release()`` at exit) so the runtime is initialised once.
+
 All real NVSHMEM calls go through a small ops object, so the ownership and reference-counting
 logic is unit-tested on machines without a GPU (tests pass a fake ops object).
 """

@@ -77,8 +77,14 @@ def check_oracle(cfg, T_per_rank, seed, skew, tol=1e-2):
 
 def main():
     global G
+    os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(2 << 30))
     G = init_distributed()
     W, r = G.world_size, G.rank
+    # Layers come and go below; one reference held for the whole run keeps NVSHMEM initialised
+    # once (re-initialising after finalize is not supported by every NVSHMEM version).
+    from moe_ep.shim import nvshmem_acquire
+
+    keepalive = nvshmem_acquire(G.pg, device_index=torch.cuda.current_device())
     which = sys.argv[1:] or ["oracle", "graph", "many", "determinism", "bad", "stall"]
     qwen = dict(num_experts=128, hidden=2048, intermediate=768)
     if "oracle" in which:
@@ -200,6 +206,7 @@ def main():
             assert torch.isfinite(out).all()
         log("stall -> DeviceStallError, recovery: OK")
     dist.barrier()
+    keepalive.release()  # the last reference: frees leftovers, finalises NVSHMEM
     log("ALL OK")
     dist.destroy_process_group()
 
