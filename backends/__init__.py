@@ -25,5 +25,25 @@ register(BackendSpec(
     factory=lambda cfg, group, device, **opts: _sm90_bf16.Sm90CuteDSLBackend(cfg, group, device, **opts),
 ))
 
-__all__ = ["BackendImpl", "BackendSpec", "UnsupportedBackendError", "available", "get", "register",
+
+
+class _NoRuntime:
+    def release(self) -> None:
+        pass
+
+
+def retain_runtime(group, device_index: int | None = None):
+    """Hold the process's NVSHMEM runtime for ``group`` (collective; a no-op handle for a single
+    rank or a non-NCCL group). Layers share it by reference count and the last release finalises
+    it; re-initialising NVSHMEM after a finalize is not supported by every NVSHMEM version, so a
+    process that creates and destroys layers repeatedly holds one reference of its own and calls
+    ``release()`` at the end."""
+    if getattr(group, "world_size", 1) <= 1 or getattr(group, "dist_backend", "") != "nccl":
+        return _NoRuntime()
+    from moe_ep.shim import nvshmem_acquire
+
+    return nvshmem_acquire(group.pg, device_index=device_index)
+
+
+__all__ = ["retain_runtime", "BackendImpl", "BackendSpec", "UnsupportedBackendError", "available", "get", "register",
            "select", "unregister"]

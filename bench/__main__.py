@@ -18,7 +18,7 @@ import time
 import torch
 
 from moe_ep.api import EPGroup, MoEConfig, MoELayer, init_distributed
-from moe_ep.backends import available
+from moe_ep.backends import available, retain_runtime
 
 from .models import MODELS
 
@@ -96,6 +96,8 @@ def run_layer(args) -> int:
         say(f"moe_ep.bench: no CUDA GPU here: running the reference backend on CPU with {T} tokens/rank "
             "(numbers are for smoke-testing, not performance)")
     inputs = make_inputs(cfg, T, group, device, seed=args.seed, skew=args.skew)
+    # layers come and go below: keep NVSHMEM initialised once for the whole run
+    runtime = retain_runtime(group, device.index if device.type == "cuda" else None)
     rows = []
     comm = []
     for name in names:
@@ -183,6 +185,7 @@ def run_layer(args) -> int:
         say(f"{'tokens/rank':>12}{'eager ms':>10}{'graph ms':>10}")
         for t, e, gms in drows:
             say(f"{t:>12}{e:>10.3f}{gms:>10.3f}")
+    runtime.release()
     if group.world_size > 1:
         import torch.distributed as dist
 
