@@ -14,8 +14,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords and ngpu < 1:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU"))
-        if "gpu_2" in item.keywords and ngpu < 2:
-            item.add_marker(pytest.mark.skip(reason="needs 2 CUDA GPUs"))
+        for n in (2, 4, 8):
+            if f"gpu_{n}" in item.keywords and ngpu < n:
+                item.add_marker(pytest.mark.skip(reason=f"needs {n} CUDA GPUs"))
 
 
 @pytest.fixture

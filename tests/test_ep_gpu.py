@@ -31,11 +31,17 @@ def test_virtual_ranks_suite():
     assert "FAIL" not in p.stdout.split("suite summary")[-1]
 
 
-@pytest.mark.gpu_2
-@pytest.mark.parametrize("part", ["oracle", "graph many determinism bad stall"])
-def test_two_gpus(part):
+PARTS = ["oracle", "graph many determinism bad stall"]
+
+
+@pytest.mark.parametrize("n,part", [
+    *[pytest.param(2, p, marks=pytest.mark.gpu_2) for p in PARTS],
+    *[pytest.param(4, p, marks=pytest.mark.gpu_4) for p in PARTS],
+    *[pytest.param(8, p, marks=pytest.mark.gpu_8) for p in PARTS],
+])
+def test_multi_gpu(n, part):
+    """The EP layer over n GPUs of one host (torchrun, NCCL, NVSHMEM peer pointers over NVLink)."""
     _sm90()
-    n = 2
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
            str(HERE / "ep_gpu_worker.py"), *part.split()]
     env = dict(os.environ, NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
