@@ -18,6 +18,13 @@ device, no host sync, no allocation (buffers come from ``warmup``), CUDA-graph c
    k order -> one bf16 row back to the source rank (peer store), then an epoch flag;
 6. ``combine_reduce`` kernel: the ≤W partial rows of each token summed in float32 in rank order.
 
+Capacity (no per-expert capacity, nothing dropped): a source sends each token at most once to each
+destination, into its own slot range, so a rank receives at most ``S = W·T_max`` token rows
+(``recv_x``/``comb``: S × H bf16 each, symmetric) and at most ``P = S·K`` (token, local expert)
+rows for the grouped GEMMs (``xs``/``y``: P × H, ``h``: P × I, local). ``T > T_max`` is refused by
+the API before launch; the dispatch kernel also sets a capacity error instead of writing out of
+bounds.
+
 No floating-point atomics: with ``deterministic=True`` (the default) outputs are bit-deterministic.
 """
 
