@@ -106,7 +106,7 @@ class ReferenceBackend(BackendImpl):
         self.e_local = config.local_experts(group.world_size)
 
     def dispatch(self, x, topk_ids, topk_weights):
-        cfg, W, El = self.cfg, self.group.world_size, self.e_local
+        W, El = self.group.world_size, self.e_local
         T, K = topk_ids.shape
         ids = topk_ids.reshape(-1).to(torch.int64)
         pair_order = torch.sort(ids, stable=True).indices  # by (dest rank, local expert)
