@@ -4,14 +4,20 @@
 * :class:`EPGroup` — the expert-parallel ranks (``EPGroup.single()`` or from a process group);
 * :class:`MoELayer` — ``warmup()``, ``forward()``, the ``dispatch()``/``combine()`` pair with
   :class:`DispatchHandle`, ``destroy()``;
-* :func:`init_distributed` — torch.distributed bootstrap helper for torchrun launches.
+* :func:`init_distributed` — torch.distributed bootstrap helper for torchrun launches;
+* the errors, all subclasses of :class:`MoEError` (see ``moe_ep.shim.errors`` for the tree).
 """
 
-from ..backends import UnsupportedBackendError, available as available_backends
+from ..backends import (BackendWarning, BootstrapError, CapacityError, CaptureError, DeviceStallError, MoEError,
+                        RoutingValueError, ShimError, StaleHandleError, SymmetricHeapError, UnsupportedBackendError)
+from ..backends import available as available_backends
 from .config import ACTIVATIONS, MoEConfig
 from .group import EPGroup
 from .layer import DispatchHandle, MoELayer
 from .runtime import init_distributed
 
-__all__ = ["ACTIVATIONS", "DispatchHandle", "EPGroup", "MoEConfig", "MoELayer", "UnsupportedBackendError",
-           "available_backends", "init_distributed"]
+__all__ = ["ACTIVATIONS", "DispatchHandle", "EPGroup", "MoEConfig", "MoELayer", "available_backends",
+           "init_distributed",
+           # errors (one hierarchy, base MoEError)
+           "MoEError", "UnsupportedBackendError", "CapacityError", "RoutingValueError", "StaleHandleError",
+           "DeviceStallError", "ShimError", "CaptureError", "SymmetricHeapError", "BootstrapError", "BackendWarning"]

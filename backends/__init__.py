@@ -5,6 +5,9 @@ name raises naming the registered ones), ``select(name, config, group, device)``
 backend can run a configuration and raises :class:`UnsupportedBackendError` with the reason.
 """
 
+from moe_ep.shim import (BackendWarning, BootstrapError, CapacityError, CaptureError, DeviceStallError, MoEError,
+                         RoutingValueError, ShimError, StaleHandleError, SymmetricHeapError)
+
 from . import reference as _reference
 from .sm90 import bf16_cutedsl as _sm90_bf16
 from .registry import (BackendImpl, BackendSpec, UnsupportedBackendError, available, get, register,
@@ -45,5 +48,8 @@ def retain_runtime(group, device_index: int | None = None):
     return nvshmem_acquire(group.pg, device_index=device_index)
 
 
-__all__ = ["retain_runtime", "BackendImpl", "BackendSpec", "UnsupportedBackendError", "available", "get", "register",
+ERRORS = ("MoEError", "UnsupportedBackendError", "CapacityError", "RoutingValueError", "StaleHandleError",
+          "DeviceStallError", "ShimError", "CaptureError", "SymmetricHeapError", "BootstrapError", "BackendWarning")
+
+__all__ = [*ERRORS, "retain_runtime", "BackendImpl", "BackendSpec", "UnsupportedBackendError", "available", "get", "register",
            "select", "unregister"]

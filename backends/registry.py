@@ -14,8 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 
-class UnsupportedBackendError(ValueError):
-    """The requested backend cannot run this configuration here (the message says why)."""
+from moe_ep.shim import UnsupportedBackendError  # noqa: E402  (defined in the lowest layer)
 
 
 class BackendImpl(ABC):

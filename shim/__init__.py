@@ -23,14 +23,17 @@ from .drops.sm90_megamoe import check_gemm_shapes as sm90_check_gemm_shapes
 from .drops.sm90_megamoe import compile_ep_ptx as sm90_compile_ep_ptx
 from .drops.sm90_megamoe import compile_gemm_ptx as sm90_compile_gemm_ptx
 from .drops.sm90_megamoe import grouped_gemm as sm90_grouped_gemm
-from .errors import (CaptureError, ConstantDriftError, DeviceStallError, DropCollisionError,
-                     NvshmemOwnershipError, ShimError)
+from .errors import (BackendWarning, BootstrapError, CapacityError, CaptureError, ConstantDriftError,
+                     DeviceStallError, DropCollisionError, MoEError, NvshmemOwnershipError, RoutingValueError,
+                     ShimError, StaleHandleError, SymmetricHeapError, UnsupportedBackendError)
 from .nvshmem_boot import CounterContract, NvshmemRuntime, zero_counter_regions
 from .nvshmem_boot import acquire as nvshmem_acquire
 from .nvshmem_boot import current as nvshmem_current
 from .paths import drop_src, kernel_src_root, register_drop
 
 __all__ = [
+    "BackendWarning", "BootstrapError", "CapacityError", "MoEError", "RoutingValueError", "StaleHandleError",
+    "SymmetricHeapError", "UnsupportedBackendError",
     "COMPILE_CACHE", "CallableUse", "CaptureError", "CompileCache", "ConstantDriftError",
     "CounterContract", "DeviceStallError", "DropCollisionError", "DropContract", "ImportUse",
     "MirroredConstants", "NvshmemOwnershipError", "NvshmemRuntime", "ShimError", "drop_contracts",

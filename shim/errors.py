@@ -1,8 +1,63 @@
-"""Exceptions raised by the shim (re-exported by :mod:`moe_ep.shim`)."""
+"""moe_ep's exceptions. Users catch them from :mod:`moe_ep.api` (re-exported there through
+:mod:`moe_ep.backends`); they are defined here, in the lowest layer, so every layer can raise them.
+
+Hierarchy::
+
+    MoEError                              every moe_ep error
+    ├── UnsupportedBackendError (ValueError)   a backend cannot run this configuration here
+    ├── CapacityError (ValueError)             more tokens than the layer was sized for
+    ├── RoutingValueError (ValueError)         bad expert id / router weight seen by the kernels
+    ├── StaleHandleError (ValueError)          combine() with a handle of an older dispatch
+    ├── DeviceStallError (RuntimeError)        a peer rank did not arrive within timeout_s
+    └── ShimError (RuntimeError)               kernel plumbing: collisions, drift, capture, NVSHMEM
+        ├── DropCollisionError, ConstantDriftError, CaptureError
+        └── NvshmemOwnershipError, SymmetricHeapError, BootstrapError
+"""
+
+from __future__ import annotations
 
 
-class ShimError(RuntimeError):
-    """Base class for shim failures."""
+class MoEError(Exception):
+    """Base class of every error moe_ep raises on purpose."""
+
+
+class UnsupportedBackendError(MoEError, ValueError):
+    """The requested backend cannot run this configuration here (the message says why)."""
+
+
+class CapacityError(MoEError, ValueError):
+    """More tokens than ``max_tokens_per_rank`` (raised before launch, or by ``check_errors()``
+    when only the device saw it); nothing was written out of bounds."""
+
+
+class RoutingValueError(MoEError, ValueError):
+    """An expert id outside ``[0, num_experts)`` or a non-finite router weight reached the kernels.
+
+    The kernels dropped that choice (it contributed nothing) and recorded the first offender:
+    ``argument`` (``"topk_ids"`` or ``"topk_weights"``), ``token``, ``k`` and ``value``.
+    """
+
+    def __init__(self, message: str, argument: str = "", token: int = -1, k: int = -1, value=None):
+        super().__init__(message)
+        self.argument, self.token, self.k, self.value = argument, token, k, value
+
+
+class StaleHandleError(MoEError, ValueError):
+    """``combine()`` got a handle whose dispatch was followed by another dispatch/forward on the
+    same workspace (its receive buffers have been overwritten)."""
+
+
+class ShimError(MoEError, RuntimeError):
+    """Base class for failures of the kernel plumbing (moe_ep.shim)."""
+
+
+class DeviceStallError(ShimError):
+    """A device-side wait for a peer rank ran past its time bound; the kernel set an error word
+    and exited. ``rank`` is the peer waited for (group rank), ``global_rank`` its global rank."""
+
+    def __init__(self, message: str, rank: int = -1, global_rank: int = -1, where: str = ""):
+        super().__init__(message)
+        self.rank, self.global_rank, self.where = rank, global_rank, where
 
 
 class DropCollisionError(ShimError):
@@ -14,12 +69,21 @@ class ConstantDriftError(ShimError):
 
 
 class CaptureError(ShimError):
-    """A compile or a symmetric allocation was attempted during CUDA-graph capture."""
+    """A compile or an allocation was attempted during CUDA-graph capture."""
 
 
 class NvshmemOwnershipError(ShimError):
     """NVSHMEM was initialised by somebody other than moe_ep (or with another group)."""
 
 
-class DeviceStallError(ShimError):
-    """A device-side wait ran past its time bound (the kernel set an error code and exited)."""
+class SymmetricHeapError(ShimError):
+    """The NVSHMEM symmetric heap is too small for what a layer needs (raise
+    ``NVSHMEM_SYMMETRIC_SIZE`` before the first layer is built)."""
+
+
+class BootstrapError(ShimError):
+    """A collective set-up step failed on at least one rank (every rank raises the same error)."""
+
+
+class BackendWarning(UserWarning):
+    """``backend="auto"`` passed over a faster backend (the message says why)."""
