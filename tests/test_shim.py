@@ -132,10 +132,20 @@ class FakeOps:
 
 
 @pytest.fixture(autouse=False)
-def clean_runtime():
+def clean_runtime(monkeypatch):
     assert nvshmem_boot.current() is None
+    monkeypatch.setenv(nvshmem_boot.SIZE_ENV, "0")  # recorded, so acquire's setting is undone too
+    monkeypatch.delenv(nvshmem_boot.SIZE_ENV)
     yield
     nvshmem_boot._RUNTIME = None
+    nvshmem_boot._BUSY = False
+
+
+def peers_agree(nranks):
+    """Verdict exchange for one simulated rank of ``nranks``: the others answer like this one."""
+    import dataclasses
+
+    return lambda v: [v if r == v.rank else dataclasses.replace(v, rank=r) for r in range(nranks)]
 
 
 def test_nvshmem_refcount_uid_broadcast_finalize(clean_runtime):
@@ -146,15 +156,16 @@ def test_nvshmem_refcount_uid_broadcast_finalize(clean_runtime):
         seen.append((raw, size))
         return b"ROOTUID!"
 
-    rt = nvshmem_boot.acquire(ops=ops, group_info=(1, [4, 5]), uid_exchange=exchange, device_index=1)
+    rt = nvshmem_boot.acquire(ops=ops, group_info=(1, [4, 5]), uid_exchange=exchange, device_index=1,
+                              agree=peers_agree(2))
     assert seen == [(None, 8)]
     assert ops.log == [("init", 1, b"ROOTUID!", 1, 2)]
-    rt2 = nvshmem_boot.acquire(ops=ops, group_info=(1, [4, 5]), uid_exchange=exchange)
+    rt2 = nvshmem_boot.acquire(ops=ops, group_info=(1, [4, 5]), uid_exchange=exchange, agree=peers_agree(2))
     assert rt2 is rt and rt.refs == 2 and len(seen) == 1
     t = rt.tensor((3, 4), torch.float32)
     assert rt.peers(t)[1] is t and rt.peers(t)[0] == ("peer", 0)
     with pytest.raises(NvshmemOwnershipError, match="second group"):
-        nvshmem_boot.acquire(ops=ops, group_info=(0, [0, 1]), uid_exchange=exchange)
+        nvshmem_boot.acquire(ops=ops, group_info=(0, [0, 1]), uid_exchange=exchange, agree=peers_agree(2))
     rt.release()
     assert ("finalize",) not in ops.log
     rt.release()
