@@ -19,13 +19,20 @@ from .group import EPGroup
 class DispatchHandle:
     """What :meth:`MoELayer.combine` needs to send expert outputs back; returned by dispatch.
 
+    Valid until the next ``dispatch``/``forward`` of ANY layer sharing this layer's workspace
+    (kernel backends: all layers of one EP group and device); ``combine`` with an older handle
+    raises :class:`~moe_ep.api.StaleHandleError`.
+
     Attributes:
         num_tokens: T, tokens this rank dispatched.
-        num_recv_rows: R, rows this rank received (``recv_x.shape[0]``); ``expert_out`` given to
-            combine must be ``[R, H]`` with rows in ``recv_x``'s order.
+        num_recv_rows: rows of the ``recv_x`` that dispatch returned (kernel backends: the
+            capacity W·T_max·K, of which the first ``expert_offsets[-1]`` are valid); the
+            ``expert_out`` given to combine must be ``[num_recv_rows, H]``, rows in ``recv_x``'s
+            order.
         expert_offsets: ``[E_local + 1]`` int32 on the layer device; local expert e owns rows
             ``[expert_offsets[e], expert_offsets[e+1])`` of ``recv_x``.
         backend: name of the backend that made it; ``state`` is that backend's private data.
+        epoch: the layer's dispatch count when it was made.
     """
 
     num_tokens: int
@@ -34,6 +41,7 @@ class DispatchHandle:
     backend: str
     state: Any
     layer_id: int
+    epoch: int = 0
 
 
 def _is_capturing() -> bool:
@@ -50,20 +58,22 @@ class MoELayer:
         backend: a name from ``moe_ep.backends.available()`` or ``"auto"`` (the best registered
             backend whose capability checks pass here; ``backend_name`` says which).
         device: where inputs live (default: the current CUDA device if CUDA is available, else CPU).
-        check_values: check expert ids and router weights on the host before each launch (one
-            host sync; skipped automatically during CUDA-graph capture). With it off, kernels
-            treat an out-of-range expert id as a dropped choice (nothing is corrupted).
+        check_values: debugging aid, off by default: check expert ids and router weights on the
+            host before each launch (one host sync per call; skipped during CUDA-graph capture).
+            Without it the kernels check them: a choice whose expert id is outside ``[0, E)`` or
+            whose router weight is not finite is dropped (it contributes nothing; never wrapped,
+            never read or written out of bounds) and :meth:`check_errors` raises
+            :class:`~moe_ep.api.RoutingValueError` naming the first one.
         timeout_s: bound on every device-side wait for a peer rank (kernel backends); a stall
-            sets an error that :meth:`check_errors` raises as ``DeviceStallError``.
-        deterministic: bit-identical outputs for identical inputs, whatever the timing of the
-            ranks (default). ``False`` lets a backend trade that for speed (sm90: expert layout by
-            two kernels with atomic row placement instead of a stable sort; experimental, outputs
-            are not bit-stable).
+            sets an error that :meth:`check_errors` raises as :class:`~moe_ep.api.DeviceStallError`.
+
+    Outputs are bit-identical for identical inputs, whatever the timing of the ranks (no float
+    atomics; every sum has a fixed order).
     """
 
     def __init__(self, config: MoEConfig, group: EPGroup | None = None, backend: str = "auto", *,
-                 device: torch.device | str | None = None, check_values: bool = True,
-                 timeout_s: float = 10.0, deterministic: bool = True) -> None:
+                 device: torch.device | str | None = None, check_values: bool = False,
+                 timeout_s: float = 10.0) -> None:
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
         if group is None:
@@ -80,16 +90,15 @@ class MoELayer:
         self.config = config
         self.group = group
         self.device = device
-        self.check_values = check_values
+        self.check_values = bool(check_values)
         self.e_local = config.local_experts(group.world_size)
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ValueError(f"timeout_s must be a number > 0, got {timeout_s!r}")
         spec = _backends.select(backend, config, group, device)
         self.backend_name = spec.name
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
-        self.deterministic = bool(deterministic)
-        self._impl = spec.factory(config, group, device, timeout_s=float(timeout_s),
-                                  deterministic=self.deterministic)
+        self._impl = spec.factory(config, group, device, timeout_s=float(timeout_s))
         self._warm = False
+        self._epoch = 0  # dispatch/forward calls of this layer (handles remember theirs)
 
     # ---- lifecycle -------------------------------------------------------------------------
     def warmup(self, progress: bool | Callable[[str], None] = True) -> "MoELayer":
@@ -114,9 +123,18 @@ class MoELayer:
         return self
 
     def check_errors(self) -> None:
-        """Raise if a device-side error was recorded (a peer rank stalled past ``timeout_s``:
-        ``moe_ep.shim`` ``DeviceStallError`` naming that rank; receive capacity exceeded:
-        ``ValueError``). Synchronises the host; forward itself never does."""
+        """Raise what the device recorded since the last check. Synchronises the host (forward,
+        dispatch and combine never do), so call it when it is cheap, e.g. once per step:
+
+        * :class:`~moe_ep.api.DeviceStallError` -- a peer rank did not arrive within
+          ``timeout_s`` (``.rank`` names it); every layer of the group stops until
+          :meth:`reset_error_state` (collective);
+        * :class:`~moe_ep.api.CapacityError` -- more tokens than ``max_tokens_per_rank``;
+        * :class:`~moe_ep.api.RoutingValueError` (a ``ValueError``) -- an expert id outside
+          ``[0, E)`` or a non-finite router weight was dropped; names ``topk_ids`` or
+          ``topk_weights``, the token, k and the value (``.argument``, ``.token``, ``.k``,
+          ``.value``). Reported once; the layer keeps working.
+        """
         self._alive()
         self._impl.check()
 
@@ -126,7 +144,8 @@ class MoELayer:
         self._impl.reset_error_state()
 
     def destroy(self) -> None:
-        """Free the layer's buffers (collective for backends with symmetric memory). Idempotent."""
+        """Release the layer's buffers (collective for backends with symmetric memory; the last
+        layer of a shared workspace frees it). Idempotent."""
         if self._impl is not None:
             self._impl.destroy()
             self._impl = None
@@ -152,9 +171,14 @@ class MoELayer:
             topk_weights: ``[T, K]`` float32 router weights.
             w13: ``[E_local, 2·I, H]`` (gated activations; gate rows first) or ``[E_local, I, H]``.
             w2: ``[E_local, H, I]``.
-            out: optional ``[T, H]`` config.dtype output buffer.
+            out: optional ``[T, H]`` config.dtype output buffer; without it the output is the
+                forward's one allocation.
         Returns:
-            ``[T, H]`` config.dtype: ``sum_k w[t,k] · MLP_{ids[t,k]}(x[t])`` (sum in float32).
+            ``[T, H]`` config.dtype: ``sum_k w[t,k] · MLP_{ids[t,k]}(x[t])`` (sum in float32)
+            over the valid choices (see ``check_values``).
+
+        Kernel backends neither synchronise the host nor allocate (with ``out``), so forward can
+        be called back to back and captured in a CUDA graph after :meth:`warmup`.
         """
         self._alive()
         cfg = self.config
@@ -162,6 +186,7 @@ class MoELayer:
                         check_values=self.check_values and not _is_capturing())
         V.check_weights(cfg, self.e_local, w13, w2, self.device)
         V.check_out(cfg, out, x.shape[0], self.device)
+        self._epoch += 1
         return self._impl.forward(x, topk_ids, topk_weights, w13, w2, out)
 
     __call__ = forward
@@ -173,16 +198,22 @@ class MoELayer:
 
         Args: ``x [T, H]``, ``topk_ids [T, K]`` int32/int64, ``topk_weights [T, K]`` float32.
         Returns:
-            recv_x: ``[R, H]`` config.dtype, one row per (token, local expert) pair received by
-                this rank, grouped by local expert (expert 0's rows first);
+            recv_x: ``[R, H]`` config.dtype, one row per valid (token, local expert) pair
+                received by this rank, grouped by local expert (expert 0's rows first). Kernel
+                backends return their fixed-capacity buffer (R = W·T_max·K, no host sync): rows
+                at and beyond ``expert_offsets[-1]`` are padding with unspecified content;
             expert_offsets: ``[E_local + 1]`` int32 (device), expert e owns ``[off[e], off[e+1])``;
             handle: :class:`DispatchHandle` for :meth:`combine`.
+        ``recv_x`` and ``expert_offsets`` are the layer's (workspace's) buffers: valid until the
+        next ``dispatch``/``forward`` on the workspace, like the handle.
         """
         self._alive()
         V.check_routing(self.config, x, topk_ids, topk_weights, self.device,
                         check_values=self.check_values and not _is_capturing())
+        self._epoch += 1
         recv_x, offsets, state = self._impl.dispatch(x, topk_ids, topk_weights)
-        handle = DispatchHandle(x.shape[0], recv_x.shape[0], offsets, self.backend_name, state, id(self))
+        handle = DispatchHandle(x.shape[0], recv_x.shape[0], offsets, self.backend_name, state, id(self),
+                                self._epoch)
         return recv_x, offsets, handle
 
     def combine(self, expert_out: torch.Tensor, handle: DispatchHandle,
@@ -190,8 +221,10 @@ class MoELayer:
         """Return expert outputs to their tokens and reduce them with the router weights.
 
         Args:
-            expert_out: ``[R, H]`` config.dtype, row i is the expert output for ``recv_x[i]``.
-            handle: from this layer's :meth:`dispatch`.
+            expert_out: ``[handle.num_recv_rows, H]`` config.dtype, row i is the expert output
+                for ``recv_x[i]`` (padding rows are never read).
+            handle: from this layer's latest :meth:`dispatch` (an older one raises
+                :class:`~moe_ep.api.StaleHandleError`).
             out: optional ``[T, H]`` config.dtype.
         Returns:
             ``[T, H]`` config.dtype, ``sum_k w[t,k] · expert_out[row of (t,k)]`` in float32.
@@ -201,7 +234,23 @@ class MoELayer:
             raise TypeError(f"handle must be a DispatchHandle, got {type(handle).__name__}")
         if handle.layer_id != id(self) or handle.backend != self.backend_name:
             raise ValueError("handle was made by another MoELayer's dispatch")
+        if handle.epoch != self._epoch:
+            raise _backends.StaleHandleError(
+                f"handle is stale: it comes from this layer's dispatch #{handle.epoch}, but the layer has "
+                f"run {self._epoch - handle.epoch} dispatch/forward call(s) since, which overwrote its "
+                "buffers; combine the latest dispatch")
         V.check_tensor("expert_out", expert_out, dtype=self.config.dtype,
                        shape=(handle.num_recv_rows, self.config.hidden), device=self.device)
         V.check_out(self.config, out, handle.num_tokens, self.device)
         return self._impl.combine(expert_out, handle.state, out)
+
+    # ---- sizing ----------------------------------------------------------------------------
+    @staticmethod
+    def workspace_bytes(config: MoEConfig, world_size: int = 1, backend: str = "sm90_bf16_cutedsl") -> int:
+        """Device bytes per rank of the workspace a layer of ``config`` needs on ``backend``
+        (layers of one group and device share one workspace sized for the largest of them: 48
+        Qwen3 layers need one layer's bytes). The formula is in
+        ``moe_ep.backends.sm90.bf16_cutedsl.workspace.workspace_bytes``."""
+        if not isinstance(config, MoEConfig):
+            raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
+        return _backends.workspace_bytes(backend, config, int(world_size))

@@ -6,7 +6,8 @@ Public surface (``__all__``) used by :mod:`moe_ep.backends`:
 * the compile cache (:data:`COMPILE_CACHE`, :func:`ensure_not_capturing`);
 * mirrored ABI constants (:class:`MirroredConstants`) and per-drop contracts
   (:class:`DropContract`, :func:`drop_contracts`);
-* NVSHMEM bootstrap (:func:`nvshmem_acquire`) and the pre-launch counter contract
+* NVSHMEM bootstrap (:func:`nvshmem_acquire`, :func:`parse_size` for ``NVSHMEM_SYMMETRIC_SIZE``)
+  and the pre-launch counter contract
   (:class:`CounterContract`, :func:`zero_counter_regions`);
 * per-drop wrappers (``sm90_megamoe_*``).
 """
@@ -18,7 +19,13 @@ from .drops import drop_contracts
 from .drops.sm90_megamoe import CONSTANTS as SM90_MEGAMOE_CONSTANTS
 from .drops.sm90_megamoe import EP_COUNTERS as SM90_EP_COUNTERS
 from .drops.sm90_megamoe import EpSession as Sm90EpSession
+from .drops.sm90_megamoe import LAYOUT_MAX_CHUNKS as SM90_LAYOUT_MAX_CHUNKS
+from .drops.sm90_megamoe import BufferSpec
+from .drops.sm90_megamoe import GroupedGemm as Sm90GroupedGemm
 from .drops.sm90_megamoe import LayoutSession as Sm90LayoutSession
+from .drops.sm90_megamoe import ep_buffer_specs as sm90_ep_buffer_specs
+from .drops.sm90_megamoe import layout_counts_len as sm90_layout_counts_len
+from .drops.sm90_megamoe import new_verr as sm90_new_verr
 from .drops.sm90_megamoe import check_gemm_shapes as sm90_check_gemm_shapes
 from .drops.sm90_megamoe import compile_ep_ptx as sm90_compile_ep_ptx
 from .drops.sm90_megamoe import compile_gemm_ptx as sm90_compile_gemm_ptx
@@ -26,7 +33,7 @@ from .drops.sm90_megamoe import grouped_gemm as sm90_grouped_gemm
 from .errors import (BackendWarning, BootstrapError, CapacityError, CaptureError, ConstantDriftError,
                      DeviceStallError, DropCollisionError, MoEError, NvshmemOwnershipError, RoutingValueError,
                      ShimError, StaleHandleError, SymmetricHeapError, UnsupportedBackendError)
-from .nvshmem_boot import CounterContract, NvshmemRuntime, zero_counter_regions
+from .nvshmem_boot import CounterContract, NvshmemRuntime, parse_size, zero_counter_regions
 from .nvshmem_boot import acquire as nvshmem_acquire
 from .nvshmem_boot import current as nvshmem_current
 from .paths import drop_src, kernel_src_root, register_drop
@@ -38,6 +45,9 @@ __all__ = [
     "CounterContract", "DeviceStallError", "DropCollisionError", "DropContract", "ImportUse",
     "MirroredConstants", "NvshmemOwnershipError", "NvshmemRuntime", "ShimError", "drop_contracts",
     "drop_src", "ensure_not_capturing", "is_capturing", "kernel_src_root", "nvshmem_acquire",
-    "nvshmem_current", "register_drop", "zero_counter_regions",
-    "SM90_EP_COUNTERS", "SM90_MEGAMOE_CONSTANTS", "Sm90EpSession", "Sm90LayoutSession", "sm90_check_gemm_shapes", "sm90_compile_ep_ptx", "sm90_compile_gemm_ptx", "sm90_grouped_gemm",
+    "nvshmem_current", "parse_size", "register_drop", "zero_counter_regions",
+    "BufferSpec", "SM90_EP_COUNTERS", "SM90_LAYOUT_MAX_CHUNKS", "SM90_MEGAMOE_CONSTANTS", "Sm90EpSession",
+    "Sm90GroupedGemm", "Sm90LayoutSession", "sm90_check_gemm_shapes", "sm90_compile_ep_ptx",
+    "sm90_compile_gemm_ptx", "sm90_ep_buffer_specs", "sm90_grouped_gemm", "sm90_layout_counts_len",
+    "sm90_new_verr",
 ]

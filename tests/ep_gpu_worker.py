@@ -3,8 +3,9 @@
 Checks, on the sm90_bf16_cutedsl backend against the reference backend (same global inputs):
 oracle for several shapes/routings/top_k/uneven T (incl. 0); CUDA-graph capture + lockstep
 replay bit-identical to eager, then new inputs; 100 consecutive forwards with changing routing;
-bit-determinism (repeat, and with one rank delayed); bad input rejected on every rank; a forced
-stall raising DeviceStallError naming the stalled rank, then recovery.
+bit-determinism (repeat, and with one rank delayed); bad input rejected on every rank, bad values
+dropped and reported by the rank that sent them; layers of two shapes sharing one workspace,
+interleaved; a forced stall raising DeviceStallError naming the stalled rank, then recovery.
 """
 
 import os
@@ -85,7 +86,7 @@ def main():
     from moe_ep.shim import nvshmem_acquire
 
     keepalive = nvshmem_acquire(G.pg, device_index=torch.cuda.current_device())
-    which = sys.argv[1:] or ["oracle", "graph", "many", "determinism", "bad", "stall"]
+    which = sys.argv[1:] or ["oracle", "graph", "many", "determinism", "bad", "layers", "stall"]
     qwen = dict(num_experts=128, hidden=2048, intermediate=768)
     if "oracle" in which:
         for K, Ts, skew in ((8, [512] * W, False), (8, [0] + [700] * (W - 1), True), (2, [300 + 17 * i for i in range(W)], False),
@@ -164,11 +165,9 @@ def main():
         log("determinism: OK")
     if "bad" in which:
         x, ids, w, w13, w2 = problem(cfg, [64] * W, seed=41)
-        with MoELayer(cfg, G, backend="sm90_bf16_cutedsl") as layer:
+        with MoELayer(cfg, G, backend="sm90_bf16_cutedsl") as layer, MoELayer(cfg, G, backend="reference") as ref:
             layer.warmup(progress=False)
-            bad = ids.clone()
-            bad[0, 0] = cfg.num_experts
-            for args, exc in (((x, bad, w, w13, w2), ValueError), ((x.float(), ids, w, w13, w2), TypeError),
+            for args, exc in (((x.float(), ids, w, w13, w2), TypeError),
                               ((x, ids, w, w13[:-1].contiguous(), w2), ValueError)):
                 try:
                     layer.forward(*args)
@@ -176,11 +175,42 @@ def main():
                     pass
                 else:
                     raise AssertionError(f"bad input not rejected: {exc}")
+            # bad values only the GPU sees: dropped, reported by check_errors on the rank that sent them
+            bad, bw = ids.clone(), w.clone()
+            if r == 0:
+                bad[3, 1] = cfg.num_experts + 5
+            bw[7, 2] = float("nan")
+            got = layer.forward(x, bad, bw, w13, w2)
+            want = ref.forward(x, bad, bw, w13, w2)
+            assert torch.isfinite(got).all() and rel(got, want) < 1e-2
+            from moe_ep.api import RoutingValueError
+
+            try:
+                layer.check_errors()
+            except RoutingValueError as e:
+                assert (e.argument, e.token, e.k) == (("topk_ids", 3, 1) if r == 0 else ("topk_weights", 7, 2)), str(e)
+            else:
+                raise AssertionError("bad values not reported")
+            layer.check_errors()
             # the layer still works afterwards on every rank
             layer.forward(x, ids, w, w13, w2)
             torch.cuda.synchronize()
             layer.check_errors()
         log("bad inputs: OK")
+    if "layers" in which:
+        small = MoEConfig(top_k=8, max_tokens_per_rank=256, **qwen)
+        ls = [MoELayer(c, G, backend="sm90_bf16_cutedsl") for c in (small, cfg, cfg, small)]
+        for layer in ls:
+            layer.warmup(progress=False)
+        with MoELayer(cfg, G, backend="reference") as ref:
+            probs = [problem(c, [200 + 13 * q for q in range(W)], seed=61 + i) for i, c in enumerate((small, cfg))]
+            for li, pi in ((0, 0), (1, 1), (3, 0), (2, 1), (0, 0)):
+                x, ids, w, w13, w2 = probs[pi]
+                assert rel(ls[li].forward(x, ids, w, w13, w2), ref.forward(x, ids, w, w13, w2)) < 1e-2
+        for layer in ls:
+            layer.check_errors()
+            layer.destroy()
+        log("layers sharing one workspace: OK")
     if "stall" in which:
         x, ids, w, w13, w2 = problem(cfg, [128] * W, seed=51)
         with MoELayer(cfg, G, backend="sm90_bf16_cutedsl", timeout_s=0.5) as layer:

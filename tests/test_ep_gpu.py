@@ -31,7 +31,20 @@ def test_virtual_ranks_suite():
     assert "FAIL" not in p.stdout.split("suite summary")[-1]
 
 
-PARTS = ["oracle", "graph many determinism bad stall"]
+@pytest.mark.gpu
+def test_layout_runner():
+    """The drop's own layout checks: exact (expert, slot, k) order for many W / K / E_l / chunk
+    counts, stale scratch, repeat bit-identical, the wait timeout."""
+    _sm90()
+    from moe_ep.shim import drop_src
+
+    env = dict(os.environ, PYTHONPATH=str(drop_src("sm90", "megamoe")) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-m", "sm90_megamoe.layout_runner", "--no-timing"], capture_output=True,
+                       text=True, timeout=600, env=env)
+    assert p.returncode == 0 and "ALL OK" in p.stdout, p.stdout[-4000:] + p.stderr[-3000:]
+
+
+PARTS = ["oracle", "graph many determinism bad layers stall"]
 
 
 @pytest.mark.parametrize("n,part", [

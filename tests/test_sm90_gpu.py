@@ -1,7 +1,9 @@
-"""GPU (H200): the SM90 grouped GEMMs and the EP=1 layer against float32 references.
+"""GPU (H200): the SM90 grouped GEMMs against float32 references (the layer: test_layer_gpu.py).
 
 Run on the GPU machine: ``pytest -m gpu tests/test_sm90_gpu.py``.
 """
+
+import zlib
 
 import pytest
 import torch
@@ -63,7 +65,7 @@ def rel(a, b):
 def run_case(act, n, k, E, M, routing, gen, scale=False):
     from moe_ep.shim import sm90_grouped_gemm
 
-    fn = sm90_grouped_gemm(act, n, k, E, scale_rows=scale)
+    fn = sm90_grouped_gemm(act, n, k, E, scale_rows=scale, device="cuda")
     dev = "cuda"
     a = (torch.randn(M, k, generator=gen) ).to(torch.bfloat16).to(dev)
     b = (torch.randn(E, n, k, generator=gen) * k ** -0.5).to(torch.bfloat16).to(dev)
@@ -85,7 +87,7 @@ def run_case(act, n, k, E, M, routing, gen, scale=False):
 def test_fc1_fc2_models(model, routing):
     _sm90()
     H, I, E = SHAPES[model]
-    gen = torch.Generator().manual_seed(hash((model, routing)) % 2**31)
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{model}/{routing}".encode()))
     M = 16384 if model == "qwen3" else 4096
     run_case("swiglu", 2 * I, H, E, M, routing, gen)
     run_case("identity", H, I, E, M, routing, gen, scale=True)
@@ -118,7 +120,7 @@ def test_back_to_back_histograms():
 
     H, I, E = SHAPES["qwen3"]
     gen = torch.Generator().manual_seed(9)
-    fn = sm90_grouped_gemm("swiglu", 2 * I, H, E)
+    fn = sm90_grouped_gemm("swiglu", 2 * I, H, E, device="cuda")
     M = 8192
     a = torch.randn(M, H, generator=gen).to(torch.bfloat16).cuda()
     b = (torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5).to(torch.bfloat16).cuda()
@@ -130,86 +132,3 @@ def test_back_to_back_histograms():
     torch.cuda.synchronize()
     for h, o in zip(hists, outs):
         assert rel(o, ref_gemm(a, b, h, "swiglu")) < 1e-2
-
-
-@pytest.mark.parametrize("routing,T,deterministic", [
-    ("uniform", 1, True), ("skewed", 1, True), ("uniform", 333, True), ("skewed", 333, True),
-    ("uniform", 4096, True), ("skewed", 4096, True), ("skewed", 4096, False), ("uniform", 333, False),
-])
-def test_layer_ep1_matches_reference(routing, T, deterministic):
-    _sm90()
-    from moe_ep.api import EPGroup, MoEConfig, MoELayer
-
-    H, I, E = SHAPES["qwen3"]
-    cfg = MoEConfig(num_experts=E, hidden=H, intermediate=I, top_k=8, max_tokens_per_rank=4096)
-    gen = torch.Generator().manual_seed(T)
-    x = torch.randn(T, H, generator=gen).to(torch.bfloat16).cuda()
-    logits = torch.randn(T, E, generator=gen)
-    if routing == "skewed":
-        logits[:, :4] += 3.0
-    ids = logits.topk(8, dim=-1).indices.to(torch.int32).cuda()
-    w = torch.softmax(torch.randn(T, 8, generator=gen), -1).cuda()
-    w13 = (torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5).to(torch.bfloat16).cuda()
-    w2 = (torch.randn(E, H, I, generator=gen) * I ** -0.5).to(torch.bfloat16).cuda()
-    g = EPGroup.single()
-    with MoELayer(cfg, g, backend="auto", deterministic=deterministic) as fast, \
-            MoELayer(cfg, g, backend="reference") as ref:
-        assert fast.backend_name == "sm90_bf16_cutedsl"
-        fast.warmup(progress=False)
-        out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device="cuda")
-        got = fast.forward(x, ids, w, w13, w2, out=out)
-        want = ref.forward(x, ids, w, w13, w2)
-        assert torch.isfinite(got).all()
-        assert rel(got, want) < 1e-2
-        # split pair: dispatch -> reference expert MLP -> combine == forward
-        recv, offs, h = fast.dispatch(x, ids, w)
-        from moe_ep.backends.reference import expert_mlp
-
-        y = expert_mlp(recv, offs, w13, w2, "swiglu", I)
-        assert rel(fast.combine(y, h), want) < 1e-2
-
-
-def test_layer_ep1_cuda_graph_bit_identical():
-    """warmup -> capture -> replay equals eager bit for bit; new inputs copied into the captured
-    buffers give the new (correct) result."""
-    _sm90()
-    from moe_ep.api import EPGroup, MoEConfig, MoELayer
-
-    H, I, E, K, T = 2048, 768, 128, 8, 1024
-    cfg = MoEConfig(num_experts=E, hidden=H, intermediate=I, top_k=K, max_tokens_per_rank=T)
-    gen = torch.Generator().manual_seed(1)
-
-    def inputs():
-        x = torch.randn(T, H, generator=gen).to(torch.bfloat16).cuda()
-        ids = torch.randn(T, E, generator=gen).topk(K, -1).indices.to(torch.int32).cuda()
-        w = torch.softmax(torch.randn(T, K, generator=gen), -1).cuda()
-        return x, ids, w
-
-    w13 = (torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5).to(torch.bfloat16).cuda()
-    w2 = (torch.randn(E, H, I, generator=gen) * I ** -0.5).to(torch.bfloat16).cuda()
-    layer = MoELayer(cfg, EPGroup.single(), backend="sm90_bf16_cutedsl")
-    layer.warmup(progress=False)
-    x, ids, w = inputs()
-    out = torch.empty(T, H, dtype=torch.bfloat16, device="cuda")
-    eager = layer.forward(x, ids, w, w13, w2).clone()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        layer.forward(x, ids, w, w13, w2, out=out)  # side-stream warm-up, as torch recommends
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        layer.forward(x, ids, w, w13, w2, out=out)
-    for _ in range(3):
-        out.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, eager)
-    x2, ids2, w2_ = inputs()
-    x.copy_(x2), ids.copy_(ids2), w.copy_(w2_)
-    g.replay()
-    want = layer.forward(x2, ids2, w2_, w13, w2)
-    torch.cuda.synchronize()
-    assert torch.equal(out, want)
-    assert not torch.equal(want, eager)
-    layer.destroy()

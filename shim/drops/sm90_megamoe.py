@@ -1,38 +1,46 @@
-"""Shim for the SM90 drop ``kernel_src/sm90/megamoe`` (package ``sm90_megamoe``).
+"""Shim for the SM90 drop ``kernel_src/sm90/megamoe`` (package ``sm90_megamoe``), drop version 4.
 
 What moe_ep relies on, declared as data (:data:`CONTRACT`), plus thin wrappers:
 
-* :func:`check_gemm_shapes` — validation with clear errors before anything compiles;
-* :func:`grouped_gemm` — the compiled varlen-M grouped GEMM from :data:`COMPILE_CACHE`, keyed by
-  every contract-relevant value (never by routing: M_total and expert offsets are runtime);
-* :func:`compile_gemm_ptx` — compile for an arch without a GPU (CPU tests inspect the PTX).
+* :func:`check_gemm_shapes` -- validation with clear errors before anything compiles;
+* :func:`grouped_gemm` -- a per-caller :class:`GroupedGemm` launcher around the compiled varlen-M
+  grouped GEMM (the compiled code comes from :data:`COMPILE_CACHE`, keyed by every
+  contract-relevant value, never by routing);
+* :class:`EpSession` -- one layer's EP kernels on caller-provided buffers (a workspace);
+* :class:`LayoutSession` -- one layer's expert-layout kernels on a caller-provided scratch;
+* :func:`compile_gemm_ptx` / :func:`compile_ep_ptx` -- compile for an arch without a GPU.
 
-Counter contract (:data:`GEMM_COUNTERS`, :data:`EP_COUNTERS`): the grouped GEMM keeps no state
-between launches (its tile scheduler reads the device-side offsets afresh every launch). The EP
-kernels are tail-clean: their flags carry a per-forward epoch that only moves forward (a receiver
-waits for ``flag == epoch``, so stale flags never match), and the only counters that return to a
-value, the local CTA-arrival counters ``ctrl[1]``/``ctrl[2]``, are reset to 0 by the last CTA of
-their kernel. Nothing is zeroed before a launch; ``tests/test_ep_gpu*.py`` prove it with 100
-consecutive forwards on changing routing. After a device-side error (timeout, capacity) every
-rank resets its EP state (:meth:`EpSession.reset`) between two barriers.
+The compile cache holds compiled kernels only. Everything that holds device memory or converted
+arguments (launchers, sessions) belongs to its caller and dies with it.
+
+Counter contract (:data:`GEMM_COUNTERS`, :data:`EP_COUNTERS`, :data:`LAYOUT_COUNTERS`): the grouped
+GEMM keeps no state between launches (its tile scheduler reads the device-side offsets afresh).
+The EP kernels are tail-clean: their flags carry a per-forward epoch that only moves forward (a
+receiver waits for ``flag == epoch``, so stale flags never match), and the only counters that
+return to a value, the local CTA-arrival counters ``ctrl[1]``/``ctrl[2]``, are reset to 0 by the
+last CTA of their kernel. The layout kernels are stateless: LayoutCount rewrites the whole counts
+scratch before LayoutPlace reads it. Nothing is zeroed before a launch; the GPU tests prove it
+with 100 consecutive forwards on changing routing. After a device-side error (timeout, capacity)
+every rank resets its EP state (:meth:`EpSession.reset`) between two barriers.
 """
 
 from __future__ import annotations
 
 import importlib
+import tempfile
 from dataclasses import dataclass
 from typing import Any
 
 from ..cache import COMPILE_CACHE, ensure_not_capturing
 from ..constants import MirroredConstants
 from ..contract import CallableUse, DropContract, ImportUse
-from ..errors import DeviceStallError
+from ..errors import CapacityError, DeviceStallError
 from ..nvshmem_boot import CounterContract
 
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 3},
+    "sm90_megamoe": {"DROP_VERSION": 4},
     "sm90_megamoe.constants": {
         "ABI_VERSION": 1,
         "ACTIVATIONS": ("identity", "swiglu", "squared_relu"),
@@ -42,56 +50,70 @@ CONSTANTS = MirroredConstants("sm90/megamoe", {
         "MAX_EXPERTS": 1024,
     },
     "sm90_megamoe.ep_constants": {
-        "EP_ABI_VERSION": 1,
+        "EP_ABI_VERSION": 2,
         "EP_NUM_PEER_BUFS": 6,
         "EP_CTRL_LEN": 4,
         "EP_ERR_LEN": 4,
+        "EP_VERR_LEN": 8,
         "ERR_CODE": 0, "ERR_PEER": 1, "ERR_WHERE": 2, "ERR_AUX": 3,
         "ERR_NONE": 0, "ERR_TIMEOUT": 1, "ERR_CAPACITY": 2,
+        "VERR_RESET": (0, 2**63 - 1, 0, 0, 2**63 - 1, 0, 0, 0),
         "EP_MAX_WORLD": 32,
         "EP_MAX_TOPK": 32,
         "EP_ALIGN_H_ELEMS": 8,
     },
+    "sm90_megamoe.layout_kernels": {
+        "LAYOUT_ABI_VERSION": 2,
+        "LAYOUT_MAX_LOCAL_EXPERTS": 1024,
+        "LAYOUT_MAX_WORLD": 32,
+    },
 })
 
 CONTRACT = DropContract(
-    arch="sm90", drop="megamoe", version=3, packages=(PKG,), constants=CONSTANTS,
+    arch="sm90", drop="megamoe", version=4, packages=(PKG,), constants=CONSTANTS,
     callables=(
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.__init__",
                     ("activation", "n", "k", "num_experts", "scale_rows", "tile_n")),
-        CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.__call__",
-                    ("a", "b", "offsets", "out", "row_scale", "max_active_ctas")),
-        CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_converted", ("args", "max_active_ctas")),
+        CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_converted",
+                    ("args", "max_active_ctas", "stream")),
         CallableUse("sm90_megamoe.launch:to_cute_args", ("a", "b", "c", "offsets", "row_scale")),
         CallableUse("sm90_megamoe.compile_check:compile_for_arch",
-                    ("activation", "n", "k", "scale_rows", "arch", "num_experts", "tile_n")),
+                    ("activation", "n", "k", "scale_rows", "arch", "num_experts", "tile_n",
+                     "extra_options")),
         CallableUse("sm90_megamoe.ep_launch:EpConfig.__init__",
                     ("hidden", "topk", "world", "max_tokens", "num_experts")),
-        CallableUse("sm90_megamoe.ep_launch:EpBuffers.allocate", ("cfg", "device", "symmetric_alloc")),
+        CallableUse("sm90_megamoe.ep_launch:EpBuffers.__init__",
+                    ("recv_x", "recv_ids", "recv_w", "recv_count", "flags", "comb", "ctrl", "err",
+                     "verr", "dmask")),
         CallableUse("sm90_megamoe.ep_launch:build_peer_table", ("peer_buffers", "device")),
         CallableUse("sm90_megamoe.ep_launch:get_kernel", ("kind", "cfg")),
-        CallableUse("sm90_megamoe.ep_launch:make_kernel", ("kind", "cfg")),
-        CallableUse("sm90_megamoe.ep_launch:fake_args", ("kind", "cfg")),
+        CallableUse("sm90_megamoe.ep_launch:compile_kernel", ("kind", "cfg", "options")),
         CallableUse("sm90_megamoe.ep_launch:EpRank.__init__",
                     ("cfg", "rank", "bufs", "peer_table", "num_ctas", "timeout_ns")),
         CallableUse("sm90_megamoe.ep_launch:EpRank.dispatch", ("x", "topk_ids", "topk_w")),
         CallableUse("sm90_megamoe.ep_launch:EpRank.wait", ()),
-        CallableUse("sm90_megamoe.ep_launch:EpRank.gather", ("src", "idx", "count", "out")),
-        CallableUse("sm90_megamoe.ep_launch:EpRank.combine_send", ("y", "pos")),
-        CallableUse("sm90_megamoe.ep_launch:EpRank.combine_reduce", ("topk_ids", "out")),
+        CallableUse("sm90_megamoe.ep_launch:EpRank.combine_send", ("y", "pos", "stream", "num_ctas",
+                                                                   "weighted")),
+        CallableUse("sm90_megamoe.ep_launch:EpRank.combine_reduce", ("out",)),
+        CallableUse("sm90_megamoe.ep_launch:EpRank.read_err", ()),
+        CallableUse("sm90_megamoe.ep_launch:EpRank.read_verr", ()),
+        CallableUse("sm90_megamoe.ep_launch:EpRank.reset_verr", ()),
+        CallableUse("sm90_megamoe.ep_launch:EpRank.reset_state", ()),
         CallableUse("sm90_megamoe.layout_launch:LayoutConfig.__init__",
                     ("hidden", "topk", "world", "max_tokens", "local_experts")),
-        CallableUse("sm90_megamoe.layout_launch:Layout.__init__", ("cfg", "device", "num_ctas", "count_ctas")),
+        CallableUse("sm90_megamoe.layout_launch:Layout.__init__",
+                    ("cfg", "device", "num_chunks", "counts", "timeout_ns")),
         CallableUse("sm90_megamoe.layout_launch:Layout.__call__",
-                    ("recv_ids", "recv_w", "recv_count", "recv_x", "offsets", "idx", "ws", "pos", "xs", "check")),
-        CallableUse("sm90_megamoe.ep_launch:EpRank.read_err", ()),
-        CallableUse("sm90_megamoe.ep_launch:EpRank.reset_state", ()),
+                    ("bufs", "offsets", "idx", "ws", "pos", "xs", "stream", "check")),
+        CallableUse("sm90_megamoe.layout_kernels:counts_len", ("num_chunks", "local_experts")),
     ),
     imports=(
-        ImportUse("sm90_megamoe.ep_launch", "EpRank", "shim/drops/sm90_megamoe.py"),
-        ImportUse("sm90_megamoe.ep_launch", "KINDS", "shim/drops/sm90_megamoe.py"),
         ImportUse("sm90_megamoe.launch", "CompiledGroupedGemm", "shim/drops/sm90_megamoe.py"),
         ImportUse("sm90_megamoe.compile_check", "compile_for_arch", "shim/drops/sm90_megamoe.py"),
+        ImportUse("sm90_megamoe.ep_launch", "EpRank", "shim/drops/sm90_megamoe.py"),
+        ImportUse("sm90_megamoe.ep_launch", "KINDS", "shim/drops/sm90_megamoe.py"),
+        ImportUse("sm90_megamoe.layout_launch", "Layout", "shim/drops/sm90_megamoe.py"),
+        ImportUse("sm90_megamoe.layout_launch", "KINDS", "shim/drops/sm90_megamoe.py"),
     ),
     consumers=("shim/drops/sm90_megamoe.py",),
 )
@@ -100,13 +122,40 @@ CONSTANTS.activate = CONTRACT.activate
 
 # mirrored values the validation below uses (checked against the drop at first compile)
 _C = CONSTANTS.table["sm90_megamoe.constants"]
+_E = CONSTANTS.table["sm90_megamoe.ep_constants"]
+_L = CONSTANTS.table["sm90_megamoe.layout_kernels"]
 GEMM_ACTIVATIONS = _C["ACTIVATIONS"]
+#: chunk count bound of the layout kernels' counts scratch (one chunk per SM by default)
+LAYOUT_MAX_CHUNKS = 1024
 
 
 def _load(module: str) -> Any:
     CONTRACT.activate()
     CONSTANTS.ensure_checked()
     return importlib.import_module(module)
+
+
+def _cutlass_version() -> str:
+    """The installed nvidia-cutlass-dsl version (part of every compile key). Raises when it
+    cannot be determined: a compile key with an unknown version could serve stale code."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("nvidia-cutlass-dsl")
+    except PackageNotFoundError as e:
+        raise RuntimeError("moe_ep: cannot determine the nvidia-cutlass-dsl version (is it installed "
+                           "as a package?); it is part of every compile key") from e
+
+
+def _num_sms(device: Any) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+# =============================================================================================
+# Grouped GEMM
+# =============================================================================================
 
 
 def check_gemm_shapes(activation: str, n: int, k: int, num_experts: int, tile_n: int | None = None) -> None:
@@ -148,23 +197,51 @@ class GemmKey:
     tile_n: int
 
 
-def _cutlass_version() -> str:
-    try:
-        from importlib.metadata import version
+class GroupedGemm:
+    """A launcher of the compiled grouped GEMM, owned by one caller (a layer).
 
-        return version("nvidia-cutlass-dsl")
-    except Exception:  # pragma: no cover
-        return "unknown"
-
-
-def grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
-                 tile_n: int | None = None) -> Any:
-    """The compiled grouped GEMM (cached). Call it as ``fn(a, b, offsets, out=..., row_scale=...)``:
-
-    a ``[M_total, k]`` bf16, b ``[num_experts, n, k]`` bf16, offsets ``[num_experts+1]`` int32
-    (device), out ``[M_total, n_out]`` bf16 (``n_out`` = n/2 for swiglu), row_scale ``[M_total]``
-    float32 when ``scale_rows``.
+    ``gemm(a [M, k] bf16, b [E, n, k] bf16, offsets [E+1] int32 (device), out [M, n_out] bf16,
+    row_scale [M] f32 (only when compiled with scale_rows))``; ``n_out`` = n/2 for swiglu. The
+    converted (CuTe) arguments of the last call of each role are kept, so a layer passing the
+    same persistent buffers converts nothing per forward; they die with the launcher.
     """
+
+    def __init__(self, compiled: Any, to_cute_args: Any, device: Any) -> None:
+        import torch
+
+        self.compiled = compiled
+        self.scale_rows = compiled.scale_rows
+        self.n_out = compiled.n_out
+        self._to = to_cute_args
+        self._last: tuple | None = None
+        self._dummy_scale = torch.zeros(1, dtype=torch.float32, device=device)
+        self._ctas = _num_sms(device)
+
+    def __call__(self, a, b, offsets, out, row_scale=None, max_active_ctas=None, stream=None):
+        if a.shape[0] == 0:
+            return out
+        if self.scale_rows:
+            if row_scale is None:
+                raise ValueError("this grouped GEMM was compiled with scale_rows=True: pass row_scale")
+        else:
+            row_scale = self._dummy_scale
+        ts = (a, b, out, offsets, row_scale)
+        key = tuple((t.data_ptr(), tuple(t.shape), t.dtype) for t in ts)
+        if self._last is None or self._last[0] != key:
+            self._last = (key, self._to(a=a, b=b, c=out, offsets=offsets, row_scale=row_scale), ts)
+        self.compiled.launch_converted(args=self._last[1], max_active_ctas=max_active_ctas or self._ctas,
+                                       stream=stream)
+        return out
+
+    def release(self) -> None:
+        """Drop the cached converted arguments (they keep the last tensors alive, e.g. the
+        throw-away weights of a warm-up); the next call converts again."""
+        self._last = None
+
+
+def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
+                          tile_n: int | None = None) -> Any:
+    """The compiled grouped GEMM from the compile cache (compiled code only, no buffers)."""
     check_gemm_shapes(activation, n, k, num_experts, tile_n)
     tile = tile_n or _C["DEFAULT_TILE_N"][activation]
     key = GemmKey(CONSTANTS.value(PKG, "DROP_VERSION"), _C["ABI_VERSION"], _cutlass_version(), "sm_90a",
@@ -172,66 +249,43 @@ def grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: 
 
     def build():
         launch = _load("sm90_megamoe.launch")
-        return GemmRunner(launch.CompiledGroupedGemm(activation=activation, n=n, k=k, num_experts=num_experts,
-                                                     scale_rows=bool(scale_rows), tile_n=tile), launch.to_cute_args)
+        return launch.CompiledGroupedGemm(activation=activation, n=n, k=k, num_experts=num_experts,
+                                          scale_rows=bool(scale_rows), tile_n=tile)
 
     return COMPILE_CACHE.get_or_compile(key, build)
 
 
-class GemmRunner:
-    """A compiled grouped GEMM plus a small cache of converted (CuTe) arguments.
+def grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
+                 tile_n: int | None = None, device: Any = None) -> GroupedGemm:
+    """A new :class:`GroupedGemm` launcher for ``device`` (default: the current CUDA device)."""
+    import torch
 
-    Converting five torch tensors costs ~100 µs of host time per launch; layers pass the same
-    persistent buffers every forward, so the conversion is looked up by (pointer, shape) instead.
-    The cache keeps the last few argument sets alive (the DLPack capsules hold references), so a
-    cached address cannot be recycled while it is cached.
-    """
-
-    _MAX = 16
-
-    def __init__(self, compiled: Any, to_cute_args: Any) -> None:
-        self.compiled = compiled
-        self.scale_rows = compiled.scale_rows
-        self._to = to_cute_args
-        self._args: dict = {}
-        self._dummy = None
-
-    def __call__(self, a, b, offsets, out=None, row_scale=None, max_active_ctas=None):
-        if out is None or a.shape[0] == 0:
-            return self.compiled(a, b, offsets, out=out, row_scale=row_scale, max_active_ctas=max_active_ctas)
-        if self.scale_rows:
-            if row_scale is None:
-                raise ValueError("this grouped GEMM was compiled with scale_rows=True: pass row_scale")
-        else:
-            if self._dummy is None or self._dummy.device != a.device:
-                import torch
-
-                self._dummy = torch.zeros(1, dtype=torch.float32, device=a.device)
-            row_scale = self._dummy
-        ts = (a, b, out, offsets, row_scale)
-        key = tuple((t.data_ptr(), tuple(t.shape), t.dtype) for t in ts)
-        args = self._args.get(key)
-        if args is None:
-            if len(self._args) >= self._MAX:
-                self._args.pop(next(iter(self._args)))
-            args = self._args[key] = self._to(a=a, b=b, c=out, offsets=offsets, row_scale=row_scale)
-        self.compiled.launch_converted(args=args, max_active_ctas=max_active_ctas)
-        return out
+    compiled = compiled_grouped_gemm(activation, n, k, num_experts, scale_rows, tile_n)
+    launch = _load("sm90_megamoe.launch")
+    dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    return GroupedGemm(compiled, launch.to_cute_args, dev)
 
 
 def compile_gemm_ptx(activation: str, n: int, k: int, scale_rows: bool, arch: str = "sm_90a",
                      num_experts: int = 128) -> str:
-    """Compile without a GPU (fake tensors, dynamic M_total) and return the PTX text."""
+    """Compile without a GPU (fake tensors, dynamic M_total) and return the PTX text (compiler
+    artifacts go to a temporary folder, never the working directory)."""
     check_gemm_shapes(activation, n, k, num_experts)
     cc = _load("sm90_megamoe.compile_check")
-    compiled = cc.compile_for_arch(activation=activation, n=n, k=k, scale_rows=scale_rows, arch=arch,
-                                   num_experts=num_experts, tile_n=None)
-    return compiled.__ptx__
+    with tempfile.TemporaryDirectory(prefix="moe_ep_ptx_") as d:
+        compiled = cc.compile_for_arch(activation=activation, n=n, k=k, scale_rows=scale_rows, arch=arch,
+                                       num_experts=num_experts, tile_n=None, extra_options=f"--dump-dir={d}")
+        return compiled.__ptx__
 
 
 GEMM_COUNTERS = CounterContract("sm90_megamoe grouped GEMM", tail_clean=True)
 EP_COUNTERS = CounterContract("sm90_megamoe EP dispatch/combine", tail_clean=True)
-_E = CONSTANTS.table["sm90_megamoe.ep_constants"]
+LAYOUT_COUNTERS = CounterContract("sm90_megamoe expert layout (stateless)", tail_clean=True)
+
+# =============================================================================================
+# EP dispatch / combine
+# =============================================================================================
+
 _WHERE = {1: "dispatch", 2: "dispatch wait", 3: "combine send", 4: "combine reduce"}
 
 
@@ -259,44 +313,81 @@ def check_ep_shapes(hidden: int, topk: int, world: int, num_experts: int) -> Non
         raise ValueError(f"sm90 EP: world size {world} must be in [1, {_E['EP_MAX_WORLD']}]")
     if num_experts % world:
         raise ValueError(f"sm90 EP: num_experts={num_experts} must be a multiple of the world size {world}")
+    if num_experts // world > _L["LAYOUT_MAX_LOCAL_EXPERTS"]:
+        raise ValueError(f"sm90 EP: {num_experts // world} local experts, at most {_L['LAYOUT_MAX_LOCAL_EXPERTS']}")
+
+
+@dataclass(frozen=True)
+class BufferSpec:
+    """One buffer the EP kernels use: ``shape``/``dtype``; ``symmetric`` = peers write it;
+    ``fixed`` = its place must be the same for every layer sharing a workspace (protocol state);
+    ``init``: ``"zero"`` or ``"verr"`` (ep_constants.VERR_RESET) at allocation, ``None``: any."""
+
+    name: str
+    shape: tuple
+    dtype: Any
+    symmetric: bool
+    fixed: bool
+    init: str | None
+
+
+def ep_buffer_specs(hidden: int, topk: int, world: int, max_tokens: int) -> list[BufferSpec]:
+    """The drop's EP buffers (``ep_launch.EpBuffers``) for one configuration, fixed ones first.
+    ``verr`` (a layer's record of bad inputs) is per layer and not listed."""
+    import torch
+
+    S, H, K, W = world * max_tokens, hidden, topk, world
+    return [
+        BufferSpec("flags", (2 * W,), torch.int64, True, True, "zero"),
+        BufferSpec("recv_count", (W,), torch.int32, True, True, "zero"),
+        BufferSpec("recv_ids", (S, K), torch.int32, True, False, None),
+        BufferSpec("recv_w", (S, K), torch.float32, True, False, None),
+        BufferSpec("recv_x", (S, H), torch.bfloat16, True, False, None),
+        BufferSpec("comb", (S, H), torch.bfloat16, True, False, None),
+        BufferSpec("ctrl", (_E["EP_CTRL_LEN"],), torch.int64, False, True, "zero"),
+        BufferSpec("err", (_E["EP_ERR_LEN"],), torch.int32, False, True, "zero"),
+        BufferSpec("dmask", (max_tokens,), torch.int32, False, False, None),
+    ]
+
+
+SYMMETRIC = ("recv_x", "recv_ids", "recv_w", "recv_count", "flags", "comb")
+
+
+def new_verr(device: Any):
+    """A fresh per-layer record of bad inputs (int64 [8] = VERR_RESET)."""
+    import torch
+
+    return torch.tensor(_E["VERR_RESET"], dtype=torch.int64, device=device)
 
 
 class EpSession:
-    """One rank's EP state on the SM90 drop: symmetric buffers, peer table, compiled kernels.
+    """One layer's EP kernels on one rank, on buffers the caller owns.
 
-    Buffers (S = W·T_max slots): ``recv_x [S, H]`` bf16, ``recv_ids [S, K]`` int32, ``recv_w
-    [S, K]`` f32, ``recv_count [W]`` int32, ``flags [2W]`` int64, ``comb [S, H]`` bf16 — symmetric
-    (NVSHMEM for W > 1, plain device memory for W == 1); ``ctrl``/``err`` local.
-    Launch methods (``dispatch``, ``wait``, ``gather``, ``combine_send``, ``combine_reduce``) never
-    synchronise the host; :meth:`check` does (it reads the error word).
+    ``buffers``: every :func:`ep_buffer_specs` name plus ``verr`` -> tensor of that shape/dtype
+    (views into a workspace). ``peers`` (W > 1 on real GPUs): ``peers[r]`` maps each symmetric
+    buffer name to rank r's buffer as addressable from this rank (``peers[rank]`` = own). Virtual
+    ranks pass ``peers=None`` and call :meth:`connect`. W == 1 needs neither.
+    Launch methods never synchronise the host; :meth:`check` and :meth:`read_input_errors` do.
     """
 
     def __init__(self, hidden: int, topk: int, world: int, max_tokens: int, num_experts: int,
-                 rank: int, device: Any, runtime: Any = None, global_ranks: tuple = (),
-                 num_ctas: int | None = None, timeout_ns: int | None = None, virtual: bool = False) -> None:
-        """``runtime``: the NVSHMEM runtime (W > 1 on real GPUs). ``virtual=True``: one of W
-        virtual ranks in this process (plain device buffers); call :meth:`connect` with every
-        virtual rank's session once all are built."""
+                 rank: int, device: Any, buffers: dict, peers: list | None = None,
+                 global_ranks: tuple = (), num_ctas: int | None = None, timeout_ns: int | None = None) -> None:
         check_ep_shapes(hidden, topk, world, num_experts)
-        if world > 1 and runtime is None and not virtual:
-            raise ValueError("sm90 EP over more than one rank needs an NVSHMEM runtime (or virtual=True)")
-        ensure_not_capturing("EP buffer allocation")
+        ensure_not_capturing("EP session set-up")
         el = self._el = _load("sm90_megamoe.ep_launch")
         cfg = self.cfg = el.EpConfig(hidden=hidden, topk=topk, world=world, max_tokens=max_tokens,
                                      num_experts=num_experts)
         key = EpKey(CONSTANTS.value(PKG, "DROP_VERSION"), _E["EP_ABI_VERSION"], _cutlass_version(), "sm_90a",
                     hidden, topk, world, max_tokens, num_experts)
         COMPILE_CACHE.get_or_compile(key, lambda: {k: el.get_kernel(kind=k, cfg=cfg) for k in el.KINDS})
-        self.world, self.rank, self.runtime, self.device = world, rank, runtime, device
+        self.world, self.rank, self.device = world, rank, device
         self.global_ranks = tuple(global_ranks) or tuple(range(world))
         self._num_ctas, self._timeout_ns = num_ctas, timeout_ns
-        alloc = None if runtime is None else (lambda shape, dtype: runtime.tensor(shape, dtype))
-        self.bufs = el.EpBuffers.allocate(cfg=cfg, device=device, symmetric_alloc=alloc)
+        self.bufs = el.EpBuffers(**{n: buffers[n] for n in (*SYMMETRIC, "ctrl", "err", "verr", "dmask")})
         self.ep = None
-        if runtime is not None:
-            sym = self.bufs.symmetric()
-            self._connect([{n: (t if r == rank else runtime.ops.peer(t, r)) for n, t in sym.items()}
-                           for r in range(world)])
+        if peers is not None:
+            self._connect(peers)
         elif world == 1:
             self._connect([self.bufs])
 
@@ -309,56 +400,66 @@ class EpSession:
     def _connect(self, views: list) -> None:
         el = self._el
         self.peer_table = el.build_peer_table(peer_buffers=views, device=self.device)
-        kw = {}
-        if self._timeout_ns is not None:
-            kw["timeout_ns"] = int(self._timeout_ns)
+        kw = {} if self._timeout_ns is None else {"timeout_ns": int(self._timeout_ns)}
         self.ep = el.EpRank(cfg=self.cfg, rank=self.rank, bufs=self.bufs, peer_table=self.peer_table,
                             num_ctas=self._num_ctas, **kw)
         self.dispatch = self.ep.dispatch
         self.wait = self.ep.wait
-        self.gather = self.ep.gather
         self.combine_send = self.ep.combine_send
         self.combine_reduce = self.ep.combine_reduce
 
     def check(self) -> None:
-        """Raise :class:`DeviceStallError` (timeout) or ``ValueError`` (capacity) if a kernel of
-        this rank set its error word. Synchronises the host."""
+        """Raise :class:`DeviceStallError` (timeout) or :class:`CapacityError` if a kernel of this
+        rank set its error word. Synchronises the host."""
         code, peer, where, aux = self.ep.read_err()
         if code == _E["ERR_TIMEOUT"]:
             g = self.global_ranks[peer] if 0 <= peer < len(self.global_ranks) else peer
             raise DeviceStallError(
                 f"EP rank {self.rank}: timed out in {_WHERE.get(where, where)} waiting for rank {peer} "
                 f"(global rank {g}) at forward {aux}; that rank stalled or did not call forward. "
-                "Every rank must call reset_error_state() (collective) before the next forward")
+                "Every rank must call reset_error_state() (collective) before the next forward",
+                rank=peer, global_rank=g, where=_WHERE.get(where, str(where)))
         if code == _E["ERR_CAPACITY"]:
-            raise ValueError(f"EP rank {self.rank}: {aux} tokens exceed the receive capacity "
-                             f"(max_tokens_per_rank); nothing was written")
+            raise CapacityError(f"EP rank {self.rank}: {aux} tokens exceed the receive capacity "
+                                f"(max_tokens_per_rank); nothing was written")
         if code:
             raise RuntimeError(f"EP rank {self.rank}: device error word {(code, peer, where, aux)}")
+
+    def read_input_errors(self) -> dict:
+        """``{"topk_ids": (forward, token, k, id) | None, "topk_weights": (forward, token, k,
+        value) | None}``: the first dropped choice of each kind since the last reset (host sync)."""
+        return self.ep.read_verr()
+
+    def reset_input_errors(self) -> None:
+        self.ep.reset_verr()
 
     def reset(self) -> None:
         """Zero this rank's flags, counters and error word (collective: barrier before and after)."""
         self.ep.reset_state()
 
-    def free(self) -> None:
-        if self.runtime is not None and self.runtime.alive:
-            for t in reversed(list(self.bufs.symmetric().values())):
-                self.runtime.free(t)
-        self.bufs = self.ep = None
-
 
 def compile_ep_ptx(kind: str, hidden: int, topk: int, world: int, max_tokens: int, num_experts: int,
                    arch: str = "sm_90a") -> str:
-    """Compile one EP kernel (``dispatch``, ``wait``, ``gather``, ``combine_send``,
-    ``combine_reduce``) without a GPU and return its PTX (writes PTX files into the cwd)."""
+    """Compile one EP kernel (``dispatch``, ``dispatch_i64``, ``wait``, ``gather``,
+    ``combine_send``, ``combine_send_weighted``, ``combine_reduce``) or layout kernel
+    (``layout_count``, ``layout_place``) without a GPU and return its PTX (artifacts go to a
+    temporary folder)."""
     check_ep_shapes(hidden, topk, world, num_experts)
-    el = _load("sm90_megamoe.ep_launch")
-    import cutlass.cute as cute
+    with tempfile.TemporaryDirectory(prefix="moe_ep_ptx_") as d:
+        opts = f"--gpu-arch {arch} --keep-ptx --dump-dir={d}"
+        if kind.startswith("layout_"):
+            ll = _load("sm90_megamoe.layout_launch")
+            cfg = ll.LayoutConfig(hidden=hidden, topk=topk, world=world, max_tokens=max_tokens,
+                                  local_experts=num_experts // world)
+            return ll.compile_kernel(kind[len("layout_"):], cfg, options=opts).__ptx__
+        el = _load("sm90_megamoe.ep_launch")
+        cfg = el.EpConfig(hidden=hidden, topk=topk, world=world, max_tokens=max_tokens, num_experts=num_experts)
+        return el.compile_kernel(kind=kind, cfg=cfg, options=opts).__ptx__
 
-    cfg = el.EpConfig(hidden=hidden, topk=topk, world=world, max_tokens=max_tokens, num_experts=num_experts)
-    compiled = cute.compile(el.make_kernel(kind, cfg), *el.fake_args(kind, cfg),
-                            options=f"--gpu-arch {arch} --keep-ptx")
-    return compiled.__ptx__
+
+# =============================================================================================
+# Expert layout
+# =============================================================================================
 
 
 @dataclass(frozen=True)
@@ -366,6 +467,7 @@ class LayoutKey:
     """Every value the compiled expert-layout kernels depend on."""
 
     drop_version: int
+    layout_abi_version: int
     cutlass_version: str
     arch: str
     hidden: int
@@ -375,29 +477,36 @@ class LayoutKey:
     local_experts: int
 
 
-class LayoutSession:
-    """Receiver-side expert layout in two launches (count+scan, place+gather), owning its
-    scratch. Tail-clean: the count kernel's last CTA returns counts and its arrival counter to 0;
-    cursors are rewritten every call before use. Calls must be ordered on one stream.
+def layout_counts_len(num_chunks: int, local_experts: int) -> int:
+    """int32 elements of the layout scratch for ``num_chunks`` chunks."""
+    return num_chunks * local_experts
 
-    ``__call__(recv_ids [S,K] i32, recv_w [S,K] f32, recv_count [W] i32, recv_x [S,H] bf16,
-    offsets [E_l+1] i32, idx [S·K] i32, ws [S·K] f32, pos [S,K] i32, xs [S·K,H] bf16)``.
+
+class LayoutSession:
+    """One layer's expert layout (wait + count, place + row gather: 2 launches, deterministic
+    (expert, slot, k) row order) on a caller-owned ``counts`` scratch (int32, >= num_chunks · E_l).
+
+    ``__call__(ep_session, offsets [E_l+1] i32, idx [S·K] i32, ws [S·K] f32, pos [S,K] i32,
+    xs [S·K,H] bf16 or None)``. Calls sharing one scratch must be stream-ordered.
     """
 
     def __init__(self, hidden: int, topk: int, world: int, max_tokens: int, local_experts: int, device: Any,
-                 num_ctas: int | None = None) -> None:
-        ensure_not_capturing("layout scratch allocation")
+                 counts: Any, num_chunks: int | None = None, timeout_ns: int | None = None) -> None:
+        ensure_not_capturing("layout set-up")
         ll = _load("sm90_megamoe.layout_launch")
         cfg = ll.LayoutConfig(hidden=hidden, topk=topk, world=world, max_tokens=max_tokens,
                               local_experts=local_experts)
-        key = LayoutKey(CONSTANTS.value(PKG, "DROP_VERSION"), _cutlass_version(), "sm_90a", hidden, topk, world,
-                        max_tokens, local_experts)
-        self._layout = COMPILE_CACHE.get_or_compile(
-            key, lambda: ll.Layout(cfg=cfg, device=device, num_ctas=num_ctas, count_ctas=num_ctas))
+        key = LayoutKey(CONSTANTS.value(PKG, "DROP_VERSION"), _L["LAYOUT_ABI_VERSION"], _cutlass_version(),
+                        "sm_90a", hidden, topk, world, max_tokens, local_experts)
+        COMPILE_CACHE.get_or_compile(key, lambda: {k: ll.get_kernel(k, cfg) for k in ll.KINDS})
+        # one chunk per SM (or the caller's grid), never more chunks than receive slots
+        C = max(1, min(num_chunks or _num_sms(device), LAYOUT_MAX_CHUNKS, world * max_tokens))
+        kw = {} if timeout_ns is None else {"timeout_ns": int(timeout_ns)}
+        self._layout = ll.Layout(cfg=cfg, device=device, num_chunks=C, counts=counts, **kw)
         self._checked = False
 
-    def __call__(self, recv_ids, recv_w, recv_count, recv_x, offsets, idx, ws, pos, xs) -> None:
+    def __call__(self, ep: EpSession, offsets, idx, ws, pos, xs) -> None:
         # argument checks on the first call only (they cost host time)
-        self._layout(recv_ids=recv_ids, recv_w=recv_w, recv_count=recv_count, recv_x=recv_x, offsets=offsets,
-                     idx=idx, ws=ws, pos=pos, xs=xs, check=not self._checked)
+        self._layout(bufs=ep.bufs, offsets=offsets, idx=idx, ws=ws, pos=pos, xs=xs, stream=None,
+                     check=not self._checked)
         self._checked = True

@@ -1,31 +1,25 @@
-"""SM90 (H100/H200) BF16 backend on the CuTeDSL drop ``sm90/megamoe`` — any EP size on one host.
+"""SM90 (H100/H200) BF16 backend on the CuTeDSL drop ``sm90/megamoe`` -- any EP size on one host.
 
-Forward of one rank (W ranks, S = W·T_max receive slots, P = S·K pair capacity), all on the
-device, no host sync, no allocation (buffers come from ``warmup``), CUDA-graph capturable:
+The forward of one rank, all on the device: no host sync, no allocation when ``out`` is given
+(buffers come from the shared :mod:`.workspace`), CUDA-graph capturable, bit-deterministic:
 
-1. ``dispatch`` kernel: each token row goes once to every rank that owns one of its experts
-   (peer stores into that rank's symmetric ``recv_x`` at slot ``my_rank·T_max + t``), with its
-   local expert ids and router weights; an epoch flag publishes it (W == 1: the same kernels on
-   local memory, no NVSHMEM);
-2. ``wait`` kernel: until every source's flag carries this forward's epoch (bounded by
-   ``%globaltimer``; a stall sets an error word that :meth:`check` turns into an exception);
-3. expert layout: valid (slot, k) pairs stably sorted by local expert (torch ops on the device) ->
-   ``expert_offsets``, row -> slot, row weights, (slot, k) -> row; then the ``gather`` kernel
-   copies ``xs[r] = recv_x[slot of r]``. With ``deterministic=False`` two drop kernels do all of
-   it (count + scan, place + gather) with atomic row placement: fewer launches, not bit-stable;
-4. FC1 + activation, FC2 with the router weight per row in the epilogue (varlen-M grouped GEMMs);
-5. ``combine_send`` kernel: per received token, its ≤K weighted expert rows summed in float32 in
-   k order -> one bf16 row back to the source rank (peer store), then an epoch flag;
-6. ``combine_reduce`` kernel: the ≤W partial rows of each token summed in float32 in rank order.
+1. **dispatch** -- each token row goes once to every rank that owns one of its experts (peer
+   stores into that rank's ``recv_x`` at slot ``my_rank·T_max + t``) with its local expert ids
+   and router weights; an epoch flag publishes it. A choice whose expert id is outside
+   ``[0, E)`` or whose weight is not finite is dropped and recorded (``check()`` raises it);
+2. **expert layout** -- wait (bounded) for every source's flag, then group the valid
+   (slot, k) pairs by local expert in (slot, k) order: ``offsets``, ``idx``/``ws`` per grouped
+   row, ``pos`` per pair, and the rows gathered into ``xs`` (2 launches);
+3. **FC1 + activation** -- varlen-M grouped GEMM ``h = act(xs · w13ᵀ)``;
+4. **FC2 + router weight** -- ``y = ws · (h · w2ᵀ)`` (``y`` overwrites ``xs``);
+5. **combine** -- per received token, its <= K weighted rows summed in float32 in k order go
+   back to the source rank (peer store, then a flag); each source sums its <= W partial rows
+   in float32 in rank order.
 
-Capacity (no per-expert capacity, nothing dropped): a source sends each token at most once to each
-destination, into its own slot range, so a rank receives at most ``S = W·T_max`` token rows
-(``recv_x``/``comb``: S × H bf16 each, symmetric) and at most ``P = S·K`` (token, local expert)
-rows for the grouped GEMMs (``xs``/``y``: P × H, ``h``: P × I, local). ``T > T_max`` is refused by
-the API before launch; the dispatch kernel also sets a capacity error instead of writing out of
-bounds.
-
-No floating-point atomics: with ``deterministic=True`` (the default) outputs are bit-deterministic.
+Capacity (nothing dropped for load): a source sends each token at most once to each destination,
+into its own slot range, so a rank receives at most ``S = W·T_max`` token rows and at most
+``P = S·K`` grouped rows. ``T > T_max`` is refused by the API before launch; the dispatch kernel
+also flags it instead of writing out of bounds.
 """
 
 from __future__ import annotations
@@ -35,15 +29,13 @@ from typing import Any
 
 import torch
 
-from moe_ep.shim import (Sm90EpSession, Sm90LayoutSession, nvshmem_acquire, sm90_check_gemm_shapes,
-                         sm90_grouped_gemm)
+from moe_ep.shim import (RoutingValueError, Sm90EpSession, Sm90LayoutSession, StaleHandleError,
+                         sm90_check_gemm_shapes, sm90_grouped_gemm, sm90_new_verr)
 
 from ...registry import BackendImpl, UnsupportedBackendError
-from .layout import LayoutBuffers, expert_layout
+from .workspace import Dims, get_workspace
 
 ACTIVATION_MAP = {"swiglu": "swiglu", "squared_relu": "squared_relu"}
-#: bytes kept free on top of the symmetric buffers when sizing NVSHMEM's heap
-_HEAP_SLACK = 256 << 20
 
 
 def check(config: Any, group: Any, device: torch.device) -> None:
@@ -59,7 +51,7 @@ def check(config: Any, group: Any, device: torch.device) -> None:
     if config.activation not in ACTIVATION_MAP:
         raise UnsupportedBackendError(f"sm90_bf16_cutedsl: activation {config.activation!r} is not "
                                       f"supported (supported: {sorted(ACTIVATION_MAP)})")
-    if group.world_size > 1 and group.dist_backend != "nccl":
+    if group.world_size > 1 and group.dist_backend not in ("nccl", "virtual"):
         raise UnsupportedBackendError("sm90_bf16_cutedsl over several ranks bootstraps NVSHMEM over an "
                                       f"NCCL process group (got {group.dist_backend!r})")
     try:
@@ -76,72 +68,74 @@ def check(config: Any, group: Any, device: torch.device) -> None:
 
 @dataclass
 class Sm90HandleState:
+    """What ``combine`` needs from a ``dispatch``: token count and the workspace sequence
+    number of that dispatch (a later dispatch/forward on the workspace overwrote its buffers)."""
+
     num_tokens: int
-    topk_ids: torch.Tensor  # [T, K] int32 (the layer's persistent copy)
+    seq: int
 
 
 class Sm90CuteDSLBackend(BackendImpl):
     name = "sm90_bf16_cutedsl"
 
     def __init__(self, config: Any, group: Any, device: torch.device, *, timeout_s: float = 10.0,
-                 num_ctas: int | None = None, virtual: bool = False, deterministic: bool = True) -> None:
-        """``num_ctas``: grid of every kernel (default: all SMs). ``virtual``: one of W virtual
-        ranks in this process (see :mod:`.virtual`), for testing EP on one GPU.
-        ``deterministic=False`` builds the expert layout with the drop's two layout kernels
-        (atomic row placement: ~0.35 ms less host time per eager forward on the Qwen3 shape) instead
-        of ~16 torch ops around a stable sort. Experimental: outputs are then not bit-stable
-        (seen on the H200; they passed the bf16-tolerance oracles, cause under investigation —
-        docs/PERFORMANCE.md)."""
-        self.layout_kernel = not deterministic
-        self.num_ctas = num_ctas
-        self.virtual = virtual
-        self.cfg = config
-        self.group = group
-        self.device = device
+                 num_ctas: int | None = None, virtual: bool = False) -> None:
+        """``num_ctas``: grid of every EP and layout kernel (default: all SMs). ``virtual``: one of
+        W virtual ranks in this process (see :mod:`.virtual`), for testing EP on one GPU."""
+        self.cfg, self.group, self.device = config, group, device
         self.W = group.world_size
         self.E = config.local_experts(self.W)
+        self.dims = Dims.of(config, self.W)
         self.timeout_ns = int(timeout_s * 1e9)
+        self.num_ctas = num_ctas
+        self.virtual = virtual
+        self.ws = get_workspace(group, device)
+        self.ws.register(self, self.dims)
         self.ep = None
-        self.runtime = None
+        self.verr = None
 
     # ---- set-up ------------------------------------------------------------------------------
     def _ensure(self) -> None:
+        """Collective on first use: size the shared workspace, then bind this layer to it."""
         if self.ep is not None:
             return
-        cfg, W, E, dev = self.cfg, self.W, self.E, self.device
-        self._fc1 = sm90_grouped_gemm(ACTIVATION_MAP[cfg.activation], cfg.w13_rows, cfg.hidden, E)
-        self._fc2 = sm90_grouped_gemm("identity", cfg.hidden, cfg.intermediate, E, scale_rows=True)
-        Tm, K, H = cfg.max_tokens_per_rank, cfg.top_k, cfg.hidden
-        S = W * Tm
-        P = S * K
-        global_ranks = (0,)
-        if W > 1 and not self.virtual:
-            import os
+        if self.ws.reserve():
+            self.ws.rebind_others(self)
+        self._bind()
 
+    def _bind(self) -> None:
+        """Views into the workspace, EP + layout sessions and GEMM launchers of this layer."""
+        cfg, d, dev = self.cfg, self.dims, self.device
+        v = self.ws.views(d)
+        if self.verr is None:
+            self.verr = sm90_new_verr(dev)
+        peers, global_ranks = None, ()
+        if self.W > 1 and not self.virtual:
             import torch.distributed as dist
 
-            # symmetric heap: recv_x + comb + ids/weights + flags, with slack (set before init)
-            need = 2 * S * H * 2 + S * K * 8 + 64 * W + _HEAP_SLACK
-            os.environ.setdefault("NVSHMEM_SYMMETRIC_SIZE", str(need))
-            self.runtime = nvshmem_acquire(self.group.pg, device_index=dev.index)
+            peers = self.ws.peer_views(d)
             global_ranks = tuple(dist.get_process_group_ranks(self.group.pg))
-        self.ep = Sm90EpSession(H, K, W, Tm, cfg.num_experts, self.group.rank, dev, runtime=self.runtime,
-                                global_ranks=global_ranks, timeout_ns=self.timeout_ns, num_ctas=self.num_ctas,
-                                virtual=self.virtual)
-        if self.runtime is not None:
-            self.runtime.barrier(torch.cuda.current_stream(dev))  # peers' flags are zero before use
-        bf = torch.bfloat16
-        self._xs = torch.empty(P, H, dtype=bf, device=dev)
-        self._h = torch.empty(P, cfg.intermediate, dtype=bf, device=dev)
-        self._y = torch.empty(P, H, dtype=bf, device=dev)
-        self._ids = torch.empty(Tm, K, dtype=torch.int32, device=dev)
-        self._lb = LayoutBuffers.allocate(W, Tm, K, E, dev)
-        self._layout = (Sm90LayoutSession(H, K, W, Tm, E, dev, num_ctas=self.num_ctas)
-                        if self.layout_kernel else None)
+        self.ep = Sm90EpSession(d.hidden, d.topk, self.W, d.max_tokens, cfg.num_experts, self.group.rank, dev,
+                                {**v, "verr": self.verr}, peers=peers, global_ranks=global_ranks,
+                                num_ctas=self.num_ctas, timeout_ns=self.timeout_ns)
+        self.layout = Sm90LayoutSession(d.hidden, d.topk, self.W, d.max_tokens, self.E, dev, v["counts"],
+                                        num_chunks=self.num_ctas, timeout_ns=self.timeout_ns)
+        self.fc1 = sm90_grouped_gemm(ACTIVATION_MAP[cfg.activation], cfg.w13_rows, cfg.hidden, self.E, device=dev)
+        self.fc2 = sm90_grouped_gemm("identity", cfg.hidden, cfg.intermediate, self.E, scale_rows=True,
+                                     device=dev)
+        self.xs, self.h = v["xs"], v["h"]
+        self.y = v["xs"]  # FC2's output overwrites FC1's input, dead by then
+        self.offsets, self.idx, self.ws_rows, self.pos = v["offsets"], v["idx"], v["ws"], v["pos"]
+        if not self.virtual:  # a VirtualEP binds itself instead (it re-connects all its ranks)
+            self.ws.bind(self)
+
+    def _rebind(self) -> None:
+        """The workspace grew: carve the new pools again."""
+        self._bind()
 
     def warmup(self, progress):
-        progress(f"compiling FC1 ({self.cfg.activation}), FC2 and EP kernels for sm_90a"
-                 + (f"; NVSHMEM over {self.W} ranks" if self.W > 1 else ""))
+        progress(f"compiling FC1 ({self.cfg.activation}), FC2, EP and layout kernels for sm_90a"
+                 + (f"; NVSHMEM over {self.W} ranks" if self.W > 1 and not self.virtual else ""))
         self._ensure()
         progress("running once")
         cfg = self.cfg
@@ -154,61 +148,63 @@ class Sm90CuteDSLBackend(BackendImpl):
         w2 = torch.randn(self.E, cfg.hidden, cfg.intermediate, device=self.device, generator=g).to(torch.bfloat16)
         self.forward(x, ids, w, w13, w2)
         torch.cuda.synchronize(self.device)
+        self.fc1.release(), self.fc2.release()  # do not keep the throw-away weights alive
         self.check()
 
-    # ---- forward -----------------------------------------------------------------------------
-    # The forward in four steps, so that virtual ranks in one process can interleave them by
-    # phase (every rank's dispatch is enqueued before any rank's wait, and so on).
-    def _step_dispatch(self, x, topk_ids, topk_weights):
-        ids = self._ids[:x.shape[0]]
-        ids.copy_(topk_ids)  # int64 -> int32 as needed, into a persistent buffer
-        self.ep.dispatch(x, ids, topk_weights)
-        return ids
+    # ---- forward: the numbered steps of the module docstring ----------------------------------
+    # (separate methods so that virtual ranks in one process can interleave them by phase)
+    def _step1_dispatch(self, x, topk_ids, topk_weights) -> None:
+        self.ws.seq += 1
+        self.ep.dispatch(x, topk_ids, topk_weights)
 
-    def _step_layout(self):
-        b, lb = self.ep.bufs, self._lb
-        self.ep.wait()
-        if self._layout is not None:  # two launches: count + scan, place + row gather
-            self._layout(b.recv_ids, b.recv_w, b.recv_count, b.recv_x, lb.offsets, lb.idx, lb.ws, lb.pos, self._xs)
-        else:  # stable sort: (expert, slot, k) row order, bit-deterministic
-            expert_layout(lb, b.recv_ids, b.recv_w, b.recv_count, self.E)
-            self.ep.gather(b.recv_x, lb.idx, lb.offsets[self.E:], self._xs)
+    def _step2_layout(self) -> None:
+        self.layout(self.ep, self.offsets, self.idx, self.ws_rows, self.pos, self.xs)
 
-    def _step_experts(self, w13, w2):
-        lb = self._lb
-        self._fc1(self._xs, w13, lb.offsets, out=self._h, max_active_ctas=self.num_ctas)
-        self._fc2(self._h, w2, lb.offsets, out=self._y, row_scale=lb.ws, max_active_ctas=self.num_ctas)
+    def _step34_experts(self, w13, w2) -> None:
+        self.fc1(self.xs, w13, self.offsets, out=self.h, max_active_ctas=self.num_ctas)
+        self.fc2(self.h, w2, self.offsets, out=self.y, row_scale=self.ws_rows, max_active_ctas=self.num_ctas)
+
+    def _step5_combine_send(self) -> None:
+        self.ep.combine_send(self.y, self.pos)
+
+    def _step5_combine_reduce(self, out) -> None:
+        self.ep.combine_reduce(out)
 
     def forward(self, x, topk_ids, topk_weights, w13, w2, out=None):
         self._ensure()
-        if out is None:
+        if out is None:  # the one allocation of a forward without ``out``
             out = torch.empty(x.shape[0], self.cfg.hidden, dtype=x.dtype, device=x.device)
-        ids = self._step_dispatch(x, topk_ids, topk_weights)
-        self._step_layout()
-        self._step_experts(w13, w2)
-        self.ep.combine_send(self._y, self._lb.pos)
-        self.ep.combine_reduce(ids, out)
+        self._step1_dispatch(x, topk_ids, topk_weights)
+        self._step2_layout()
+        self._step34_experts(w13, w2)
+        self._step5_combine_send()
+        self._step5_combine_reduce(out)
         return out
 
     # ---- the split pair ------------------------------------------------------------------------
+    def recv_capacity(self) -> int:
+        return self.W * self.cfg.max_tokens_per_rank * self.cfg.top_k
+
     def dispatch(self, x, topk_ids, topk_weights):
-        """Returns exactly R rows: reading R is this path's one host sync."""
+        """Steps 1-2. Returns the workspace's ``xs`` [P, H] (rows < offsets[E_l] valid) and
+        ``offsets`` [E_l+1]: both valid until the next dispatch/forward on this workspace."""
         self._ensure()
-        ids = self._step_dispatch(x, topk_ids, topk_weights)
-        self._step_layout()
-        R = int(self._lb.offsets[self.E])
-        return self._xs[:R], self._lb.offsets.clone(), Sm90HandleState(x.shape[0], ids)
+        self._step1_dispatch(x, topk_ids, topk_weights)
+        self._step2_layout()
+        return self.xs, self.offsets, Sm90HandleState(x.shape[0], self.ws.seq)
 
     def combine(self, expert_out, state: Sm90HandleState, out=None):
-        T = state.num_tokens
+        """Step 5 with the router weights applied here (fp32): ``expert_out`` [P, H] rows in
+        ``xs`` order (rows >= offsets[E_l] are never read)."""
+        if state.seq != self.ws.seq:
+            raise StaleHandleError(
+                f"combine(): this handle's dispatch was followed by {self.ws.seq - state.seq} other "
+                "dispatch/forward call(s) on the same workspace (all layers of one group and device "
+                "share it), which overwrote its buffers; call combine before the next dispatch/forward")
         if out is None:
-            out = torch.empty(T, self.cfg.hidden, dtype=expert_out.dtype, device=expert_out.device)
-        R = expert_out.shape[0]
-        y = self._y[:max(R, 1)]
-        if R:
-            torch.mul(expert_out, self._lb.ws[:R].unsqueeze(1), out=y)  # router weights, as FC2 would
-        self.ep.combine_send(y, self._lb.pos)
-        self.ep.combine_reduce(state.topk_ids, out)
+            out = torch.empty(state.num_tokens, self.cfg.hidden, dtype=expert_out.dtype, device=expert_out.device)
+        self.ep.combine_send(expert_out, self.pos, weighted=True)
+        self.ep.combine_reduce(out)
         return out
 
     # ---- benchmark hooks -------------------------------------------------------------------------
@@ -217,56 +213,72 @@ class Sm90CuteDSLBackend(BackendImpl):
         kernels of a forward on these inputs (dispatch + wait; combine send + reduce). Run one
         full forward first so the expert layout is valid for ``combine``."""
         self._ensure()
-        T = x.shape[0]
-        ids = self._ids[:T]
-        ids.copy_(topk_ids)
-        out = torch.empty(T, self.cfg.hidden, dtype=torch.bfloat16, device=self.device)
+        out = torch.empty(x.shape[0], self.cfg.hidden, dtype=torch.bfloat16, device=self.device)
 
         def dispatch():
-            self.ep.dispatch(x, ids, topk_weights)
+            self.ep.dispatch(x, topk_ids, topk_weights)
             self.ep.wait()
 
         def combine():
-            self.ep.combine_send(self._y, self._lb.pos)
-            self.ep.combine_reduce(ids, out)
+            self.ep.combine_send(self.y, self.pos)
+            self.ep.combine_reduce(out)
 
         return dispatch, combine
 
     # ---- errors and teardown ---------------------------------------------------------------------
     def check(self) -> None:
-        """Raise if a device-side wait timed out or capacity overflowed (host sync)."""
-        if self.ep is not None:
-            self.ep.check()
+        """Raise if a device-side wait timed out, capacity overflowed (both fatal for every layer
+        of the workspace until ``reset_error_state``), or if this layer's kernels dropped a bad
+        expert id / router weight (reported once). Synchronises the host."""
+        if self.ep is None:
+            return
+        self.ep.check()
+        bad = self.ep.read_input_errors()
+        if bad["topk_ids"] is None and bad["topk_weights"] is None:
+            return
+        self.ep.reset_input_errors()
+        E = self.cfg.num_experts
+        parts = []
+        if bad["topk_ids"] is not None:
+            _, t, k, v = bad["topk_ids"]
+            parts.append(("topk_ids", t, k, v, f"topk_ids[{t}, {k}] = {v} is outside [0, {E})"))
+        if bad["topk_weights"] is not None:
+            _, t, k, v = bad["topk_weights"]
+            parts.append(("topk_weights", t, k, v, f"topk_weights[{t}, {k}] = {v} is not finite"))
+        arg, t, k, v, _ = parts[0]
+        raise RoutingValueError("; ".join(p[4] for p in parts) + ": that choice was dropped (it "
+                                "contributed nothing); the first such choice since the last check",
+                                argument=arg, token=t, k=k, value=v)
 
     def reset_error_state(self) -> None:
-        """Collective: clear every rank's EP flags/counters after an error."""
+        """Collective: clear every rank's EP flags/counters (shared by the workspace's layers)."""
         if self.ep is None:
             return
         torch.cuda.synchronize(self.device)
-        if self.W > 1:
+        if self.W > 1 and not self.virtual:
             import torch.distributed as dist
 
             dist.barrier(group=self.group.pg)
         self.ep.reset()
+        self.ep.reset_input_errors()
         torch.cuda.synchronize(self.device)
-        if self.W > 1:
+        if self.W > 1 and not self.virtual:
             dist.barrier(group=self.group.pg)
 
     def destroy(self):
-        if self.ep is not None:
-            torch.cuda.synchronize(self.device)
-            if self.runtime is not None:
-                self.runtime.barrier(torch.cuda.current_stream(self.device))
-                torch.cuda.synchronize(self.device)
-            self.ep.free()
-            self.ep = None
-        if self.runtime is not None:
-            self.runtime.release()
-            self.runtime = None
+        """Collective for W > 1: detach from the workspace (the last layer frees it)."""
+        if self.ws is None:
+            return
+        torch.cuda.synchronize(self.device)
+        self.ep = self.layout = self.fc1 = self.fc2 = None
+        self.xs = self.h = self.y = self.offsets = self.idx = self.ws_rows = self.pos = self.verr = None
+        self.ws.detach(self)
+        self.ws = None
 
 
-def grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False):
-    """The compiled SM90 varlen-M grouped GEMM (for benchmarks and engines with their own MoE
-    plumbing): ``fn(a [M,k] bf16, b [E,n,k] bf16, offsets [E+1] int32 (device), out=[M,n_out]
+def grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
+                 device: Any = None):
+    """A launcher of the SM90 varlen-M grouped GEMM (for benchmarks and engines with their own
+    MoE plumbing): ``fn(a [M,k] bf16, b [E,n,k] bf16, offsets [E+1] int32 (device), out=[M,n_out]
     bf16, row_scale=[M] f32)``; ``n_out`` = n/2 for swiglu."""
-    return sm90_grouped_gemm(activation, n, k, num_experts, scale_rows=scale_rows)
+    return sm90_grouped_gemm(activation, n, k, num_experts, scale_rows=scale_rows, device=device)

@@ -1,9 +1,10 @@
 """W virtual EP ranks of the SM90 backend in one process on one GPU (testing and development).
 
-Each virtual rank is a full :class:`Sm90CuteDSLBackend` with its own buffers and CUDA stream;
+Each virtual rank is a full :class:`Sm90CuteDSLBackend` with its own workspace (shared by every
+``VirtualEP`` of the same W on that device, as real ranks share theirs) and its own CUDA stream;
 peer pointers are the other virtual ranks' plain device buffers, so the same dispatch / combine
-kernels run as on W GPUs, with all traffic on one GPU's memory. Every kernel's grid is limited to
-``#SMs / (2·W)`` CTAs so that all ranks' CTAs co-reside and flag waits cannot deadlock.
+kernels run as on W GPUs, with all traffic on one GPU's memory. Every kernel's grid is limited
+to ``#SMs / (2·W)`` CTAs so that all ranks' CTAs co-reside and flag waits cannot deadlock.
 """
 
 from __future__ import annotations
@@ -26,29 +27,47 @@ class VirtualGroup:
 class VirtualEP:
     """``forward(xs, ids, ws, w13s, w2s)`` with one list entry per virtual rank.
 
-    Shapes per rank r: x ``[T_r, H]`` bf16, ids ``[T_r, K]`` int32, w ``[T_r, K]`` float32,
+    Shapes per rank r: x ``[T_r, H]`` bf16, ids ``[T_r, K]`` int32/int64, w ``[T_r, K]`` float32,
     w13 ``[E/W, w13_rows, H]``, w2 ``[E/W, H, I]``; returns the W outputs ``[T_r, H]`` bf16.
+    Several VirtualEPs (layers) of one W share the per-rank workspaces; run them one after
+    another (each forward joins its rank streams back into the current stream).
     """
 
-    def __init__(self, config, world: int, device=None, timeout_s: float = 10.0, num_ctas: int | None = None,
-                 deterministic: bool = True):
+    def __init__(self, config, world: int, device=None, timeout_s: float = 10.0, num_ctas: int | None = None):
         self.device = torch.device(device or "cuda")
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.num_ctas = num_ctas or max(1, sms // (2 * world))
         self.world = world
         self.ranks = [Sm90CuteDSLBackend(config, VirtualGroup(r, world), self.device, timeout_s=timeout_s,
-                                         num_ctas=self.num_ctas, virtual=True, deterministic=deterministic)
+                                         num_ctas=self.num_ctas, virtual=True)
                       for r in range(world)]
+        grew = [b.ws.reserve() for b in self.ranks]  # every rank's pools first, then bind
+        if any(grew):
+            for b in self.ranks:
+                b.ws.rebind_others(b)
+        self._connect()
+        self.streams = [torch.cuda.Stream(self.device) for _ in range(world)]
+
+    def _connect(self) -> None:
         for b in self.ranks:
-            b._ensure()
+            b._bind()
+            b.ws.bind(self)  # a growth by another VirtualEP re-binds this one (see _rebind)
         sessions = [b.ep for b in self.ranks]
         for s in sessions:
             s.connect(sessions)
-        self.streams = [torch.cuda.Stream(self.device) for _ in range(world)]
+
+    def _rebind(self) -> None:
+        self._connect()
+
+    @property
+    def layers(self):
+        return self.ranks
 
     def forward(self, xs, ids, ws, w13s, w2s, outs=None, delay_rank: int | None = None, ranks=None):
         """Enqueue every rank's forward on its own stream, phase by phase across ranks (all
-        dispatches, then all waits + layouts, ...), no host sync; returns the outputs.
+        dispatches, then all layouts, ...), no host sync; returns the outputs.
 
         Phase order matters in one process: CUDA loads a kernel's module lazily at its first
         launch and that load waits for the device, so a rank must never spin on a peer whose
@@ -62,7 +81,6 @@ class VirtualEP:
         cur = torch.cuda.current_stream(self.device)
         for r in live:
             self.streams[r].wait_stream(cur)
-        ids32 = [None] * W
 
         def on(r, fn):
             with torch.cuda.stream(self.streams[r]):
@@ -71,17 +89,15 @@ class VirtualEP:
         for r in live:
             if delay_rank == r:
                 on(r, lambda: torch.cuda._sleep(100_000_000))
-            ids32[r] = on(r, lambda r=r: self.ranks[r]._step_dispatch(xs[r], ids[r], ws[r]))
+            on(r, lambda r=r: self.ranks[r]._step1_dispatch(xs[r], ids[r], ws[r]))
         for r in live:
-            on(r, self.ranks[r]._step_layout)
+            on(r, self.ranks[r]._step2_layout)
         for r in live:
-            on(r, lambda r=r: self.ranks[r]._step_experts(w13s[r], w2s[r]))
+            on(r, lambda r=r: self.ranks[r]._step34_experts(w13s[r], w2s[r]))
         for r in live:
-            b = self.ranks[r]
-            on(r, lambda b=b: b.ep.combine_send(b._y, b._lb.pos))
+            on(r, self.ranks[r]._step5_combine_send)
         for r in live:
-            b = self.ranks[r]
-            on(r, lambda b=b, r=r: b.ep.combine_reduce(ids32[r], outs[r]))
+            on(r, lambda r=r: self.ranks[r]._step5_combine_reduce(outs[r]))
         for r in live:
             cur.wait_stream(self.streams[r])
         return outs
@@ -94,8 +110,11 @@ class VirtualEP:
         torch.cuda.synchronize(self.device)
         for b in self.ranks:
             b.ep.reset()
+            b.ep.reset_input_errors()
         torch.cuda.synchronize(self.device)
 
     def destroy(self) -> None:
         for b in self.ranks:
+            if b.ws is not None:
+                b.ws.detach(self)
             b.destroy()

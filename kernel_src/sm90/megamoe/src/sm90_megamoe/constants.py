@@ -29,6 +29,3 @@ MAX_EXPERTS = 1024
 
 # Threads per CTA: 1 producer warpgroup (TMA) + 2 consumer warpgroups (WGMMA, 64 rows each).
 THREADS_PER_CTA = 384
-
-# SM90 H100/H200 SM count, the usual value of max_active_ctas (one persistent CTA per SM).
-H200_NUM_SMS = 132

@@ -27,7 +27,8 @@ from .ep_launch import KINDS, EpBuffers, EpConfig, _real, fake_args, make_kernel
 
 EXPECT = {
     "dispatch": ["st.release.sys.global.b64", "fence.acq_rel.sys", "atom.global.acq_rel.add.u64",
-                 "ld.global.v4.b32", "st.global.v4.b32", "redux.sync.or.b32", "bar.sync"],
+                 "ld.global.v4.b32", "st.global.v4.b32", "redux.sync.or.b32", "bar.sync",
+                 "atom.global.cas.b64", "atom.global.min.s64"],   # the first-bad-input record
     "wait": ["ld.acquire.sys.global.b64", "%globaltimer", "atom.global.cas.b32"],
     "gather": ["ld.global.v4.b32", "st.global.v4.b32"],
     "combine_send": ["st.release.sys.global.b64", "fence.acq_rel.sys",
@@ -36,6 +37,8 @@ EXPECT = {
     "combine_reduce": ["ld.acquire.sys.global.b64", "%globaltimer", "ld.relaxed.gpu",
                        "ld.global.v4.b32", "st.global.v4.b32", "cvt.rn.bf16x2.f32", "bar.sync"],
 }
+EXPECT["dispatch_i64"] = EXPECT["dispatch"]
+EXPECT["combine_send_weighted"] = EXPECT["combine_send"] + ["fma.rn.f32"]  # w_k * y + acc
 FORBID = ["ld.local", "st.local", "atom.global.add.f", "red.global.add.f"]  # spills / float atomics
 
 
@@ -71,13 +74,15 @@ def real_cpu_args(kind: str, cfg: EpConfig):
     tab = torch.zeros(6, W, dtype=torch.int64)
     T = 37
     x = torch.zeros(T, H, dtype=torch.bfloat16)
-    ids = torch.zeros(T, K, dtype=torch.int32)
     w = torch.zeros(T, K, dtype=torch.float32)
     st = make_fake_stream()
     i32, i64 = cutlass.Int32, cutlass.Int64
-    if kind == "dispatch":
-        return (_real(x, 16, True), _real(ids, 4, True), _real(w, 4, True), _real(tab, 8, False),
-                _real(b.ctrl, 8, False), _real(b.err, 4, False), i32(0), i32(T), i32(3), st)
+    if kind in ("dispatch", "dispatch_i64"):
+        wide = kind == "dispatch_i64"
+        ids = torch.zeros(T, K, dtype=torch.int64 if wide else torch.int32)
+        return (_real(x, 16, True), _real(ids, 8 if wide else 4, True), _real(w, 4, True),
+                _real(tab, 8, False), _real(b.ctrl, 8, False), _real(b.err, 4, False),
+                _real(b.verr, 8, False), _real(b.dmask, 4, False), i32(0), i32(T), i32(3), st)
     if kind == "wait":
         return (_real(b.flags, 8, False), _real(b.ctrl, 8, False), _real(b.err, 4, False),
                 i64(5), st)
@@ -86,13 +91,13 @@ def real_cpu_args(kind: str, cfg: EpConfig):
                 _real(torch.zeros(77, dtype=torch.int32), 4, True),
                 _real(torch.zeros(9, dtype=torch.int32)[8:].view(1), 4, False),
                 _real(torch.zeros(77, H, dtype=torch.bfloat16), 16, True), i32(3), st)
-    if kind == "combine_send":
+    if kind in ("combine_send", "combine_send_weighted"):
         return (_real(torch.zeros(99, H, dtype=torch.bfloat16), 16, True),
                 _real(torch.zeros(S, K, dtype=torch.int32), 4, False),
-                _real(b.recv_count, 4, False), _real(tab, 8, False), _real(b.ctrl, 8, False),
-                _real(b.err, 4, False), i32(0), i32(3), st)
+                _real(b.recv_count, 4, False), _real(b.recv_w, 4, False), _real(tab, 8, False),
+                _real(b.ctrl, 8, False), _real(b.err, 4, False), i32(0), i32(3), st)
     if kind == "combine_reduce":
-        return (_real(ids, 4, True), _real(b.comb, 16, False), _real(b.flags, 8, False),
+        return (_real(b.dmask, 4, False), _real(b.comb, 16, False), _real(b.flags, 8, False),
                 _real(b.ctrl, 8, False), _real(b.err, 4, False), _real(x, 16, True), i32(T),
                 i64(5), i32(3), st)
     raise ValueError(kind)

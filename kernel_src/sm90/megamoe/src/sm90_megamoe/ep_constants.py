@@ -4,7 +4,7 @@ The host integration mirrors these values. Bump ``EP_ABI_VERSION`` whenever the 
 buffer layouts, peer-table rows, control-word layout or flag protocol of an EP kernel changes.
 """
 
-EP_ABI_VERSION = 1
+EP_ABI_VERSION = 2  # 2: value-checking dispatch (verr word, destination mask), combine by mask
 
 # ---------------------------------------------------------------------------------------------
 # Peer address table: int64 tensor [EP_NUM_PEER_BUFS, W], row = buffer kind, column = rank.
@@ -61,6 +61,30 @@ WHERE_COMBINE_SEND = 3
 WHERE_COMBINE_REDUCE = 4
 
 # ---------------------------------------------------------------------------------------------
+# Local input-value error record: int64 tensor [EP_VERR_LEN] per rank. EpDispatch checks every
+# (token, k) choice: an expert id outside [0, E) or a non-finite router weight is DROPPED (routed
+# nowhere, never wrapped) and recorded here -- unlike err, this never stops a kernel. Per kind,
+# the record holds the FIRST offender: the earliest forward (epoch) with one, and in it the
+# smallest key t*K + k (atomic min), plus the offending value (filled by the last CTA).
+# Reset value: VERR_RESET. The host reads it when it chooses to (a sync) and resets it.
+# ---------------------------------------------------------------------------------------------
+VERR_ID_EPOCH = 0    # epoch of the first forward with a bad expert id (0 = none)
+VERR_ID_KEY = 1      # min t*K + k in that forward (VERR_NO_KEY = none)
+VERR_ID_VALUE = 2    # the id (int64)
+VERR_W_EPOCH = 3     # same for non-finite router weights
+VERR_W_KEY = 4
+VERR_W_VALUE = 5     # the weight's float32 bits (low 32 bits)
+EP_VERR_LEN = 8      # [6], [7] reserved
+VERR_NO_KEY = 2**63 - 1
+VERR_RESET = (0, VERR_NO_KEY, 0, 0, VERR_NO_KEY, 0, 0, 0)
+
+# ---------------------------------------------------------------------------------------------
+# Local destination mask: int32 tensor [T_max] per rank. EpDispatch stores, per token t, the
+# bit set of destination ranks that received it (after dropping invalid choices); CombineReduce
+# sums exactly those ranks' partial rows. Written before read in every forward: no reset.
+# ---------------------------------------------------------------------------------------------
+
+# ---------------------------------------------------------------------------------------------
 # Launch shape.
 # ---------------------------------------------------------------------------------------------
 EP_THREADS = 256            # threads per CTA of the row kernels (8 warps, one row per warp)
@@ -69,5 +93,6 @@ EP_MAX_WORLD = 32           # destination masks are 32-bit
 EP_MAX_TOPK = 32            # lane k holds choice k
 EP_VEC_BYTES = 16           # one vector access = 16 bytes = 8 bf16
 EP_UNROLL = 8               # 16-byte vectors in flight per lane (128 B/lane, 4 KiB/warp)
+F32_EXP_MASK = 0x7F800000   # a float32 is non-finite iff all exponent bits are set
 
 DEFAULT_TIMEOUT_NS = 5_000_000_000  # 5 s wall clock (%globaltimer) before a wait gives up

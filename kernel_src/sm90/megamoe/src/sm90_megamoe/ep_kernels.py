@@ -19,7 +19,15 @@ Symmetric buffers of every rank (slot s = src_rank * T_max + t):
 Local (per rank, never touched by peers):
 
     ctrl       [4]          int64   ctrl[0] epoch, ctrl[1]/ctrl[2] CTA-arrival counters
-    err        [4]          int32   (code, peer, where, aux); see ep_constants
+    err        [4]          int32   (code, peer, where, aux); see ep_constants. Fatal: every
+                                    kernel is a no-op while it is set
+    verr       [8]          int64   first bad expert id / non-finite weight (ep_constants.VERR_*);
+                                    informational: the choice was dropped, nothing stops
+    dmask      [T_max]      int32   per token, the destination ranks EpDispatch sent it to
+
+Input values: EpDispatch drops a (token, k) choice whose expert id is outside [0, E) or whose
+router weight is not finite (routed nowhere: never wrapped, never read or written out of bounds)
+and records the first such choice in verr; CombineReduce sums exactly the ranks in dmask.
 
 Protocol (epoch scheme, nothing is zeroed between forwards):
     * ``EpDispatch`` reads e = ctrl[0] + 1, copies rows / ids / weights to the destinations, and
@@ -27,7 +35,8 @@ Protocol (epoch scheme, nothing is zeroed between forwards):
       recv_count[my_rank] = T on every peer, release-stores (st.release.sys) flags[my_rank] = e
       on every peer, then stores ctrl[0] = e and resets ctrl[1] = 0.
     * ``EpWait`` (1 warp) acquire-spins (ld.acquire.sys) until flags[s] == ctrl[0] for every
-      source s, bounded by %globaltimer; on timeout err = (1, s, WHERE_WAIT, epoch).
+      source s, bounded by %globaltimer; on timeout err = (1, s, WHERE_WAIT, epoch). (The
+      expert-layout kernel ``LayoutCount`` performs the same wait itself, saving a launch.)
     * ``CombineSend`` sends partial rows to each source q and its last CTA release-stores
       flags[W + my_rank] = ctrl[0] on every peer, resets ctrl[2] = 0.
     * ``CombineReduce`` acquire-spins until flags[W + d] == ctrl[0] for every d (bounded), then
@@ -63,6 +72,13 @@ from .ep_constants import (
     EP_UNROLL,
     EP_VEC_BYTES,
     EP_WAIT_THREADS,
+    F32_EXP_MASK,
+    VERR_ID_EPOCH,
+    VERR_ID_KEY,
+    VERR_ID_VALUE,
+    VERR_W_EPOCH,
+    VERR_W_KEY,
+    VERR_W_VALUE,
     ERR_AUX,
     ERR_CAPACITY,
     ERR_CODE,
@@ -132,6 +148,10 @@ def _ld_i32_relaxed_gpu(addr: Int64) -> Int32:
     return cute.arch.load(_gptr(Int32, addr, 4), Int32, sem="relaxed", scope="gpu")
 
 
+def _ld_i64_relaxed_gpu(addr: Int64) -> Int64:
+    return cute.arch.load(_gptr(Int64, addr, 8), Int64, sem="relaxed", scope="gpu")
+
+
 class _RowPlan:
     """Static plan of one warp moving one H-wide bf16 row as 16-byte vectors.
 
@@ -168,6 +188,16 @@ def _report_error(err_addr: Int64, code: Int32, peer: Int32, where: Int32, aux: 
 
 
 @cute.jit
+def _record_bad_value(epoch_addr: Int64, key_addr: Int64, epoch: Int64, key: Int64):
+    """Keep the first bad input: the earliest forward claims the record (CAS 0 -> epoch), and
+    within it the smallest key wins (atomic min). Later forwards leave it alone."""
+    old = cute.arch.atomic_cas(_gptr(Int64, epoch_addr, 8), cmp=Int64(0), val=epoch,
+                               sem="relaxed", scope="gpu")
+    if (old == Int64(0)) | (old == epoch):
+        cute.arch.atomic_min(_gptr(Int64, key_addr, 8), key, sem="relaxed", scope="gpu")
+
+
+@cute.jit
 def _spin_wait_eq(flag_addr: Int64, expected: Int64, timeout_ns: Int64) -> Int32:
     """Acquire-spin (ld.acquire.sys) until *flag == expected. Returns 1 (arrived) or 2 (timed
     out after ``timeout_ns`` of %globaltimer wall clock)."""
@@ -189,29 +219,35 @@ def _spin_wait_eq(flag_addr: Int64, expected: Int64, timeout_ns: Int64) -> Int32
 
 
 class EpDispatch:
-    """Dispatch: send every token row once to each destination rank that owns >= 1 of its experts.
+    """Dispatch: send every token row once to each destination rank that owns >= 1 of its experts,
+    dropping (and recording) invalid choices.
 
     Static (compile time): hidden H, top-K, world W, T_max, num_experts E, threads per CTA.
 
     Arguments of ``__call__`` (CuTe tensors, L = this rank):
         mX        [T_rows, H] bf16, row-major, 16-B aligned; rows >= num_tokens ignored (T_rows
                   dynamic, >= max(num_tokens, 1))
-        mTopkIds  [T_rows, K] int32 global expert ids; ids outside [0, E) are dropped choices
+        mTopkIds  [T_rows, K] int32 or int64 global expert ids (the dtype is compiled in)
         mTopkW    [T_rows, K] float32 router weights
         mPeers    [6, W]      int64 peer address table (ep_constants.PEER_*), column r = rank r
         mCtrl     [4]         int64 local control word (ctrl[0] epoch, ctrl[1] arrival counter)
-        mErr      [4]         int32 local error word
+        mErr      [4]         int32 local error word (fatal errors; kernel is a no-op if set)
+        mVerr     [8]         int64 local input-value record (ep_constants.VERR_*)
+        mDestMask [T_max]     int32 local: per token, the set of destination ranks it went to
         my_rank   Int32       this rank (0 <= my_rank < W)
         num_tokens Int32      T; T > T_max sets err = (2, my_rank, WHERE_DISPATCH, T) and the
                               kernel writes nothing (peers then time out naming this rank)
         num_ctas  Int32       grid size (virtual ranks: small enough that all ranks co-reside)
         stream    CUstream
 
-    Writes on every peer d (addresses from mPeers): for each token t with a choice on d,
+    A choice (t, k) is VALID iff 0 <= id < E and its weight is finite. Invalid choices are routed
+    nowhere (never wrapped); the first of each kind is recorded in mVerr (earliest forward, then
+    smallest t*K + k, then its value), which never stops any kernel.
+    Writes on every peer d (addresses from mPeers): for each token t with a valid choice on d,
     recv_x[my_rank*T_max + t] = x[t]; for EVERY d and t: recv_ids[my_rank*T_max + t, k] =
-    id_k - d*E_l if id_k lives on d else -1, recv_w[...] = w_k; then (last CTA)
+    id_k - d*E_l if choice k is valid and lives on d else -1, recv_w[...] = w_k; then (last CTA)
     recv_count[my_rank] = T, fence.acq_rel.sys, flags[my_rank] = epoch + 1 (st.release.sys).
-    Locally: ctrl[0] = epoch + 1, ctrl[1] = 0 (tail-clean).
+    Locally: mDestMask[t], ctrl[0] = epoch + 1, ctrl[1] = 0 (tail-clean).
     """
 
     def __init__(self, hidden: int, topk: int, world: int, max_tokens: int, num_experts: int,
@@ -226,15 +262,17 @@ class EpDispatch:
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mTopkIds: cute.Tensor, mTopkW: cute.Tensor,
-                 mPeers: cute.Tensor, mCtrl: cute.Tensor, mErr: cute.Tensor,
-                 my_rank: Int32, num_tokens: Int32, num_ctas: Int32, stream: cuda.CUstream):
-        self.kernel(mX, mTopkIds, mTopkW, mPeers, mCtrl, mErr, my_rank, num_tokens).launch(
-            grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), stream=stream)
+                 mPeers: cute.Tensor, mCtrl: cute.Tensor, mErr: cute.Tensor, mVerr: cute.Tensor,
+                 mDestMask: cute.Tensor, my_rank: Int32, num_tokens: Int32, num_ctas: Int32,
+                 stream: cuda.CUstream):
+        self.kernel(mX, mTopkIds, mTopkW, mPeers, mCtrl, mErr, mVerr, mDestMask, my_rank,
+                    num_tokens).launch(grid=(num_ctas, 1, 1), block=(self.threads, 1, 1),
+                                       stream=stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mTopkIds: cute.Tensor, mTopkW: cute.Tensor,
-               mPeers: cute.Tensor, mCtrl: cute.Tensor, mErr: cute.Tensor,
-               my_rank: Int32, num_tokens: Int32):
+               mPeers: cute.Tensor, mCtrl: cute.Tensor, mErr: cute.Tensor, mVerr: cute.Tensor,
+               mDestMask: cute.Tensor, my_rank: Int32, num_tokens: Int32):
         W, K, T_max, E, E_l = self.W, self.K, self.T_max, self.E, self.E_l
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -247,7 +285,9 @@ class EpDispatch:
 
         ctrl_addr = _addr(mCtrl)
         err_addr = _addr(mErr)
+        verr_addr = _addr(mVerr)
         x_addr = _addr(mX)
+        w_addr = _addr(mTopkW)
         err0 = mErr[ERR_CODE]
         new_epoch = mCtrl[CTRL_EPOCH] + Int64(1)
 
@@ -263,20 +303,35 @@ class EpDispatch:
             slot0 = my_rank * T_max
 
             for t in cutlass.range(gwarp, num_tokens, nwarps):
-                # Lane k < K holds choice k; destination mask by warp OR-reduction.
-                gid = Int32(-1)
+                # Lane k < K holds choice k; ids are compared in 64 bits before any narrowing.
+                gid = Int64(-1)
                 wk = Float32(0.0)
+                wbits = Int32(0)
                 if lane < K:
-                    gid = mTopkIds[t, lane]
+                    gid = Int64(mTopkIds[t, lane])
                     wk = mTopkW[t, lane]
-                valid = (gid >= Int32(0)) & (gid < Int32(E))
+                    wbits = cute.arch.load(
+                        _gptr(Int32, w_addr + (Int64(t) * K + Int64(lane)) * 4, 4), Int32)
+                id_ok = (gid >= Int64(0)) & (gid < Int64(E))
+                w_bad = (wbits & Int32(F32_EXP_MASK)) == Int32(F32_EXP_MASK)
+                key = Int64(t) * K + Int64(lane)
+                if (lane < K) & ((gid < Int64(0)) | (gid >= Int64(E))):
+                    _record_bad_value(verr_addr + 8 * VERR_ID_EPOCH, verr_addr + 8 * VERR_ID_KEY,
+                                      new_epoch, key)
+                if (lane < K) & id_ok & w_bad:
+                    _record_bad_value(verr_addr + 8 * VERR_W_EPOCH, verr_addr + 8 * VERR_W_KEY,
+                                      new_epoch, key)
+                w_ok = (wbits & Int32(F32_EXP_MASK)) != Int32(F32_EXP_MASK)
+                valid = (lane < K) & id_ok & w_ok
                 dst = Int32(-1)
                 if valid:
-                    dst = gid // Int32(E_l)
+                    dst = Int32(gid // Int64(E_l))
                 bit = Int32(0)
                 if valid:
                     bit = Int32(1) << dst
                 mask = cute.arch.warp_redux_sync(bit, "or")
+                if lane == 0:
+                    mDestMask[t] = mask
 
                 slot = slot0 + t
                 # recv_ids / recv_w rows on every destination (-1 where not local to d).
@@ -284,7 +339,7 @@ class EpDispatch:
                     for d in cutlass.range_constexpr(W):
                         lid = Int32(-1)
                         if dst == Int32(d):
-                            lid = gid - Int32(d * E_l)
+                            lid = Int32(gid) - Int32(d * E_l)
                         eoff = (Int64(slot) * K + Int64(lane)) * 4
                         cute.arch.store(_gptr(Int32, pids[d] + eoff, 4), lid)
                         cute.arch.store(_gptr(Float32, pw[d] + eoff, 4), wk)
@@ -322,6 +377,16 @@ class EpDispatch:
                     sem="acq_rel", scope="gpu")
                 if arrived == Int64(gdim - 1):
                     cute.arch.fence_acq_rel_sys()
+                    # The first bad value of this forward (every CTA's atomics are visible now):
+                    # store the value itself beside its key.
+                    if _ld_i64_relaxed_gpu(verr_addr + 8 * VERR_ID_EPOCH) == new_epoch:
+                        kid = _ld_i64_relaxed_gpu(verr_addr + 8 * VERR_ID_KEY)
+                        tk = Int32(kid // Int64(K))
+                        mVerr[VERR_ID_VALUE] = Int64(mTopkIds[tk, Int32(kid - Int64(tk) * K)])
+                    if _ld_i64_relaxed_gpu(verr_addr + 8 * VERR_W_EPOCH) == new_epoch:
+                        kw = _ld_i64_relaxed_gpu(verr_addr + 8 * VERR_W_KEY)
+                        bits = cute.arch.load(_gptr(Int32, w_addr + kw * 4, 4), Int32)
+                        mVerr[VERR_W_VALUE] = Int64(bits)
                     for d in cutlass.range_constexpr(W):
                         cnt_addr = mPeers[PEER_RECV_COUNT, d] + Int64(my_rank) * 4
                         cute.arch.store(_gptr(Int32, cnt_addr, 4), num_tokens)
@@ -470,11 +535,15 @@ class CombineSend:
 
     Static: hidden H, top-K, world W, T_max, threads per CTA.
 
+    Static ``weighted``: False (the forward) -- y rows are already multiplied by the router
+    weights (FC2's epilogue); True (the split dispatch/combine pair) -- row k is multiplied by
+    recv_w[s, k] in fp32 before the sum.
+
     Arguments of ``__call__``:
-        mY          [R, H]       bf16 expert outputs ALREADY multiplied by the router weights,
-                                 grouped by expert (R dynamic)
+        mY          [R, H]       bf16 expert outputs grouped by expert (R dynamic)
         mPos        [W*T_max, K] int32 grouped row of choice k of slot s, or -1
         mRecvCount  [W]          int32 this rank's recv_count (written by the sources' dispatch)
+        mRecvW      [W*T_max, K] float32 this rank's recv_w (read only when ``weighted``)
         mPeers      [6, W]       int64 peer address table
         mCtrl       [4]          int64 local control word (ctrl[0] = current epoch,
                                  ctrl[2] arrival counter)
@@ -483,27 +552,29 @@ class CombineSend:
         num_ctas    Int32, stream CUstream
 
     For every slot s = q*T_max + t with t < recv_count[q] and at least one pos[s, k] >= 0:
-    acc = sum_k y[pos[s, k]] in fp32 in k order -> bf16 -> peer q's comb[my_rank*T_max + t].
+    acc = sum_k (w_sk *) y[pos[s, k]] in fp32 in k order -> bf16 -> peer q's comb[my_rank*T_max + t].
     Then the last CTA executes fence.acq_rel.sys and release-stores flags[W + my_rank] =
     ctrl[0] on every peer (also peers that received nothing), and resets ctrl[2] = 0.
     """
 
     def __init__(self, hidden: int, topk: int, world: int, max_tokens: int,
-                 threads: int = EP_THREADS):
+                 threads: int = EP_THREADS, weighted: bool = False):
         self.H, self.K, self.W, self.T_max = hidden, topk, world, max_tokens
         self.threads = threads
+        self.weighted = bool(weighted)
         self.plan = _RowPlan(hidden)
 
     @cute.jit
     def __call__(self, mY: cute.Tensor, mPos: cute.Tensor, mRecvCount: cute.Tensor,
-                 mPeers: cute.Tensor, mCtrl: cute.Tensor, mErr: cute.Tensor, my_rank: Int32,
-                 num_ctas: Int32, stream: cuda.CUstream):
-        self.kernel(mY, mPos, mRecvCount, mPeers, mCtrl, mErr, my_rank).launch(
+                 mRecvW: cute.Tensor, mPeers: cute.Tensor, mCtrl: cute.Tensor, mErr: cute.Tensor,
+                 my_rank: Int32, num_ctas: Int32, stream: cuda.CUstream):
+        self.kernel(mY, mPos, mRecvCount, mRecvW, mPeers, mCtrl, mErr, my_rank).launch(
             grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, mY: cute.Tensor, mPos: cute.Tensor, mRecvCount: cute.Tensor,
-               mPeers: cute.Tensor, mCtrl: cute.Tensor, mErr: cute.Tensor, my_rank: Int32):
+               mRecvW: cute.Tensor, mPeers: cute.Tensor, mCtrl: cute.Tensor, mErr: cute.Tensor,
+               my_rank: Int32):
         W, K, T_max = self.W, self.K, self.T_max
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -527,8 +598,11 @@ class CombineSend:
                 t = s - q * Int32(T_max)
                 if t < mRecvCount[q]:
                     p_lane = Int32(-1)
+                    w_lane = Float32(1.0)
                     if lane < K:
                         p_lane = mPos[s, lane]
+                        if cutlass.const_expr(self.weighted):
+                            w_lane = mRecvW[s, lane]
                     ok_lane = (p_lane >= Int32(0)) & (p_lane < n_y)
                     any_mask = cute.arch.vote_ballot_sync(ok_lane)
                     if any_mask != Int32(0):
@@ -540,6 +614,9 @@ class CombineSend:
                                 accs[j].fill(0.0)
                             for k in cutlass.range_constexpr(K):
                                 p = cute.arch.shuffle_sync(p_lane, k)
+                                wk = Float32(1.0)
+                                if cutlass.const_expr(self.weighted):
+                                    wk = cute.arch.shuffle_sync(w_lane, k)
                                 if ((any_mask >> k) & 1) != 0:
                                     row = y_addr + Int64(p) * self.plan.row_bytes
                                     for j in cutlass.range_constexpr(len(slots)):
@@ -548,6 +625,8 @@ class CombineSend:
                                         if cutlass.const_expr(pred):
                                             vi = cutlass.min(vi, Int32(self.plan.nvec - 1))
                                         v = _ld_bf16x8_f32(row + Int64(vi) * EP_VEC_BYTES)
+                                        if cutlass.const_expr(self.weighted):
+                                            v = v * wk
                                         accs[j].store(accs[j].load() + v)
                             for j in cutlass.range_constexpr(len(slots)):
                                 u, vbase, pred = slots[j]
@@ -588,7 +667,7 @@ class CombineReduce:
     Static: hidden H, top-K, world W, T_max, num_experts E, threads per CTA.
 
     Arguments of ``__call__``:
-        mTopkIds   [T_rows, K]  int32 global expert ids of this rank's tokens (same as dispatch)
+        mDestMask  [T_max]      int32 per token, the destination ranks EpDispatch sent it to
         mComb      [W*T_max, H] bf16 this rank's comb buffer
         mFlags     [2*W]        int64 this rank's flags (flags[W + d] = combine epoch from d)
         mCtrl      [4]          int64 local control word (ctrl[0] = current epoch)
@@ -600,8 +679,8 @@ class CombineReduce:
 
     Every CTA: warp 0 lane d < W acquire-spins (ld.acquire.sys) on flags[W + d] == ctrl[0];
     on timeout err = (1, d, WHERE_COMBINE_REDUCE, epoch) and the CTA exits. Then
-    out[t] = sum over d = 0..W-1 with a choice of token t on d of comb[d*T_max + t], fp32 in
-    rank order -> bf16 (zero row if the token has no valid choice).
+    out[t] = sum over the ranks d = 0..W-1 in mDestMask[t] of comb[d*T_max + t], fp32 in rank
+    order -> bf16 (zero row if the token has no valid choice).
     """
 
     def __init__(self, hidden: int, topk: int, world: int, max_tokens: int, num_experts: int,
@@ -613,17 +692,17 @@ class CombineReduce:
         self.plan = _RowPlan(hidden)
 
     @cute.jit
-    def __call__(self, mTopkIds: cute.Tensor, mComb: cute.Tensor, mFlags: cute.Tensor,
+    def __call__(self, mDestMask: cute.Tensor, mComb: cute.Tensor, mFlags: cute.Tensor,
                  mCtrl: cute.Tensor, mErr: cute.Tensor, mOut: cute.Tensor, num_tokens: Int32,
                  timeout_ns: Int64, num_ctas: Int32, stream: cuda.CUstream):
-        self.kernel(mTopkIds, mComb, mFlags, mCtrl, mErr, mOut, num_tokens, timeout_ns).launch(
+        self.kernel(mDestMask, mComb, mFlags, mCtrl, mErr, mOut, num_tokens, timeout_ns).launch(
             grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), stream=stream)
 
     @cute.kernel
-    def kernel(self, mTopkIds: cute.Tensor, mComb: cute.Tensor, mFlags: cute.Tensor,
+    def kernel(self, mDestMask: cute.Tensor, mComb: cute.Tensor, mFlags: cute.Tensor,
                mCtrl: cute.Tensor, mErr: cute.Tensor, mOut: cute.Tensor, num_tokens: Int32,
                timeout_ns: Int64):
-        W, K, T_max, E, E_l = self.W, self.K, self.T_max, self.E, self.E_l
+        W, T_max = self.W, self.T_max
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
@@ -650,14 +729,7 @@ class CombineReduce:
                 accs = [cute.make_rmem_tensor((_BF16_PER_VEC,), Float32)
                         for _ in range(self.plan.unroll)]
                 for t in cutlass.range(gwarp, T, nwarps):
-                    gid = Int32(-1)
-                    if lane < K:
-                        gid = mTopkIds[t, lane]
-                    valid = (gid >= Int32(0)) & (gid < Int32(E))
-                    bit = Int32(0)
-                    if valid:
-                        bit = Int32(1) << (gid // Int32(E_l))
-                    mask = cute.arch.warp_redux_sync(bit, "or")
+                    mask = mDestMask[t]
                     out_row = out_addr + Int64(t) * self.plan.row_bytes
                     for c in cutlass.range_constexpr(self.plan.chunks):
                         slots = self.plan.slots(c)

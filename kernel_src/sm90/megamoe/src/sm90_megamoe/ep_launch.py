@@ -12,14 +12,16 @@ from ``nvshmem.core.get_peer_tensor``; virtual ranks: plain torch buffers of one
     bufs  = EpBuffers.allocate(cfg, device)                       # zero-initialised
     table = build_peer_table([peer_view_of_rank_r for r in range(W)], device)
     ep    = EpRank(cfg, my_rank, bufs, table)
-    ep.dispatch(x, topk_ids, topk_w); ep.wait()
-    ...   ep.gather(bufs.recv_x, idx, count, xg)  -> grouped GEMMs -> y (weighted)
-    ep.combine_send(y, pos); ep.combine_reduce(topk_ids, out)
+    ep.dispatch(x, topk_ids, topk_w)     # ids int32 or int64; bad ids / weights dropped + recorded
+    ...   layout_launch.Layout (waits, groups rows)  -> grouped GEMMs -> y (weighted)
+    ep.combine_send(y, pos); ep.combine_reduce(out)
+    ep.read_verr()                       # host sync: the first bad input, if any
 """
 
 from __future__ import annotations
 
 import dataclasses
+import struct
 from typing import Callable, Dict, Mapping, Optional, Sequence
 
 import torch
@@ -40,6 +42,15 @@ from .ep_constants import (
     EP_MAX_WORLD,
     EP_NUM_PEER_BUFS,
     EP_THREADS,
+    EP_VERR_LEN,
+    VERR_ID_EPOCH,
+    VERR_ID_KEY,
+    VERR_ID_VALUE,
+    VERR_NO_KEY,
+    VERR_RESET,
+    VERR_W_EPOCH,
+    VERR_W_KEY,
+    VERR_W_VALUE,
     PEER_COMB,
     PEER_FLAGS,
     PEER_RECV_COUNT,
@@ -50,7 +61,6 @@ from .ep_constants import (
 from .ep_kernels import CombineReduce, CombineSend, EpDispatch, EpWait, GatherRows
 
 ARCH = "sm_90a"
-H200_NUM_SMS = 132
 
 # Symmetric buffer names in peer-table row order.
 SYMMETRIC_BUFFERS = {
@@ -114,6 +124,11 @@ class EpBuffers:
     Local:
         ctrl       [4]          int64   zero at allocation (ctrl[0] = epoch)
         err        [4]          int32   zero at allocation
+        verr       [8]          int64   VERR_RESET at allocation (first bad input value)
+        dmask      [T_max]      int32   any content (written by dispatch before it is read)
+
+    Callers with their own memory (a workspace) may build ``EpBuffers(...)`` from views
+    directly; they must then zero flags / recv_count / ctrl / err and set verr = VERR_RESET.
     """
 
     recv_x: torch.Tensor
@@ -124,6 +139,8 @@ class EpBuffers:
     comb: torch.Tensor
     ctrl: torch.Tensor
     err: torch.Tensor
+    verr: torch.Tensor
+    dmask: torch.Tensor
 
     @classmethod
     def allocate(cls, cfg: EpConfig, device,
@@ -144,6 +161,8 @@ class EpBuffers:
             comb=symmetric_alloc((S, H), torch.bfloat16),
             ctrl=torch.zeros(EP_CTRL_LEN, dtype=torch.int64, device=device),
             err=torch.zeros(EP_ERR_LEN, dtype=torch.int32, device=device),
+            verr=torch.tensor(VERR_RESET, dtype=torch.int64, device=device),
+            dmask=torch.zeros(cfg.max_tokens, dtype=torch.int32, device=device),
         )
         b.flags.zero_()
         b.recv_count.zero_()
@@ -197,27 +216,30 @@ def _real(t: torch.Tensor, align: int, dynamic_rows: bool):
 def fake_args(kind: str, cfg: EpConfig, use_tvm_ffi: bool = False):
     """Fake ``__call__`` arguments of kernel ``kind`` whose static/dynamic structure matches
     what ``EpRank`` passes (token / row modes dynamic, everything else static)."""
-    H, K, W, S = cfg.hidden, cfg.topk, cfg.world, cfg.slots
+    H, K, W, S, T = cfg.hidden, cfg.topk, cfg.world, cfg.slots, cfg.max_tokens
     bf16, i32, i64, f32 = cutlass.BFloat16, cutlass.Int32, cutlass.Int64, cutlass.Float32
     stream = make_fake_stream(use_tvm_ffi_env_stream=use_tvm_ffi)
     peers = _fake(i64, (EP_NUM_PEER_BUFS, W), 8)
     ctrl = _fake(i64, (EP_CTRL_LEN,), 8)
     err = _fake(i32, (EP_ERR_LEN,), 4)
+    verr = _fake(i64, (EP_VERR_LEN,), 8)
+    dmask = _fake(i32, (T,), 4)
     flags = _fake(i64, (2 * W,), 8)
     n = cutlass.Int32(1)
-    if kind == "dispatch":
-        return (_fake(bf16, (None, H), 16), _fake(i32, (None, K), 4), _fake(f32, (None, K), 4),
-                peers, ctrl, err, cutlass.Int32(0), n, n, stream)
+    if kind in ("dispatch", "dispatch_i64"):
+        ids = _fake(i64 if kind == "dispatch_i64" else i32, (None, K), 8 if kind == "dispatch_i64" else 4)
+        return (_fake(bf16, (None, H), 16), ids, _fake(f32, (None, K), 4),
+                peers, ctrl, err, verr, dmask, cutlass.Int32(0), n, n, stream)
     if kind == "wait":
         return (flags, ctrl, err, cutlass.Int64(1), stream)
     if kind == "gather":
         return (_fake(bf16, (None, H), 16), _fake(i32, (None,), 4), _fake(i32, (1,), 4),
                 _fake(bf16, (None, H), 16), n, stream)
-    if kind == "combine_send":
-        return (_fake(bf16, (None, H), 16), _fake(i32, (S, K), 4), _fake(i32, (W,), 4), peers,
-                ctrl, err, cutlass.Int32(0), n, stream)
+    if kind in ("combine_send", "combine_send_weighted"):
+        return (_fake(bf16, (None, H), 16), _fake(i32, (S, K), 4), _fake(i32, (W,), 4),
+                _fake(f32, (S, K), 4), peers, ctrl, err, cutlass.Int32(0), n, stream)
     if kind == "combine_reduce":
-        return (_fake(i32, (None, K), 4), _fake(bf16, (S, H), 16), flags, ctrl, err,
+        return (dmask, _fake(bf16, (S, H), 16), flags, ctrl, err,
                 _fake(bf16, (None, H), 16), n, cutlass.Int64(1), n, stream)
     raise ValueError(kind)
 
@@ -225,20 +247,23 @@ def fake_args(kind: str, cfg: EpConfig, use_tvm_ffi: bool = False):
 def make_kernel(kind: str, cfg: EpConfig):
     H, K, W, T, E, th = (cfg.hidden, cfg.topk, cfg.world, cfg.max_tokens, cfg.num_experts,
                          cfg.threads)
-    if kind == "dispatch":
+    if kind in ("dispatch", "dispatch_i64"):
         return EpDispatch(H, K, W, T, E, th)
     if kind == "wait":
         return EpWait(W)
     if kind == "gather":
         return GatherRows(H, th)
-    if kind == "combine_send":
-        return CombineSend(H, K, W, T, th)
+    if kind in ("combine_send", "combine_send_weighted"):
+        return CombineSend(H, K, W, T, th, weighted=(kind == "combine_send_weighted"))
     if kind == "combine_reduce":
         return CombineReduce(H, K, W, T, E, th)
     raise ValueError(kind)
 
 
-KINDS = ("dispatch", "wait", "gather", "combine_send", "combine_reduce")
+# dispatch_i64: the same kernel for int64 expert ids (read and range-checked in 64 bits);
+# combine_send_weighted: the split dispatch/combine pair (router weights applied in combine).
+KINDS = ("dispatch", "dispatch_i64", "wait", "gather", "combine_send", "combine_send_weighted",
+         "combine_reduce")
 
 
 def cache_key(kind: str, cfg: EpConfig) -> tuple:
@@ -247,43 +272,26 @@ def cache_key(kind: str, cfg: EpConfig) -> tuple:
         static = (cfg.world,)
     elif kind == "gather":
         static = (cfg.hidden, cfg.threads)
+    # dispatch vs dispatch_i64, combine_send vs combine_send_weighted: ``kind`` tells them apart
     return (EP_ABI_VERSION, DROP_VERSION, getattr(cutlass, "__version__", ""), ARCH, kind, static)
 
 
-class _Compiled:
-    """A compiled kernel; recompiles from the first real arguments if the fake-compiled
-    signature is rejected (safety net, logged once)."""
-
-    def __init__(self, kind: str, cfg: EpConfig, options: str = f"--gpu-arch {ARCH}"):
-        self.kind = kind
-        self.kernel = make_kernel(kind, cfg)
-        self.options = options
-        self.fn = cute.compile(self.kernel, *fake_args(kind, cfg), options=options)
-        self._verified = False
-
-    def __call__(self, *args):
-        if self._verified:
-            self.fn(*args)
-            return
-        try:
-            self.fn(*args)
-        except Exception as exc:  # noqa: BLE001
-            print(f"[sm90_megamoe.ep] fake-compiled {self.kind} rejected real args ({exc!r}); "
-                  "recompiling from real arguments")
-            self.fn = cute.compile(self.kernel, *args, options=self.options)
-            self.fn(*args)
-        self._verified = True
+def compile_kernel(kind: str, cfg: EpConfig, options: str = f"--gpu-arch {ARCH}"):
+    """Compile one EP kernel from fake tensors (no GPU needed); no caching."""
+    return cute.compile(make_kernel(kind, cfg), *fake_args(kind, cfg), options=options)
 
 
-_CACHE: Dict[tuple, _Compiled] = {}
+_CACHE: Dict[tuple, object] = {}
 
 
-def get_kernel(kind: str, cfg: EpConfig) -> _Compiled:
+def get_kernel(kind: str, cfg: EpConfig):
+    """The compiled kernel (process-wide cache of compiled code only; no buffers). A real
+    argument that does not match the fake-compiled signature raises at launch: the fake
+    arguments ARE the ABI, nothing is silently recompiled."""
     key = cache_key(kind, cfg)
     k = _CACHE.get(key)
     if k is None:
-        k = _Compiled(kind, cfg)
-        _CACHE[key] = k
+        k = _CACHE[key] = compile_kernel(kind, cfg)
     return k
 
 
@@ -305,11 +313,13 @@ def _stream(stream) -> cuda.CUstream:
     return s
 
 
-def default_num_ctas() -> int:
-    try:
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    except Exception:  # noqa: BLE001
-        return H200_NUM_SMS
+def device_num_sms(device=None) -> int:
+    """SM count of ``device`` (default: the current CUDA device). Raises without CUDA: a grid
+    size is never guessed."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("sm90_megamoe: no CUDA device to size the grid for; pass num_ctas")
+    dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
+    return torch.cuda.get_device_properties(dev).multi_processor_count
 
 
 # =============================================================================================
@@ -318,31 +328,36 @@ def default_num_ctas() -> int:
 
 
 class EpRank:
-    """Launches the EP kernels of one rank. No method syncs the host (except ``read_err`` and
-    ``reset_state``, which are for tests / error recovery).
+    """Launches the EP kernels of one rank. No method syncs the host (except ``read_err``,
+    ``read_verr``, ``reset_state`` and ``reset_verr``, which are for error reporting / recovery).
 
-    num_ctas: grid of the row kernels (default: #SMs). With virtual ranks on one GPU it must be
-    small enough that the CTAs of all W ranks' kernels co-reside (e.g. <= #SMs / W / 2), because
-    CombineReduce / EpWait spin on flags written by the other ranks' kernels.
+    num_ctas: grid of the row kernels (default: #SMs of the buffers' device). With virtual ranks
+    on one GPU it must be small enough that the CTAs of all W ranks' kernels co-reside (e.g.
+    <= #SMs / W / 2), because CombineReduce / EpWait spin on flags written by other ranks.
     """
 
     def __init__(self, cfg: EpConfig, rank: int, bufs: EpBuffers, peer_table: torch.Tensor,
                  num_ctas: Optional[int] = None, timeout_ns: int = DEFAULT_TIMEOUT_NS):
-        assert 0 <= rank < cfg.world
-        assert peer_table.shape == (EP_NUM_PEER_BUFS, cfg.world)
-        assert peer_table.dtype == torch.int64 and peer_table.is_cuda
+        if not 0 <= rank < cfg.world:
+            raise ValueError(f"rank {rank} outside [0, {cfg.world})")
+        if tuple(peer_table.shape) != (EP_NUM_PEER_BUFS, cfg.world) or \
+                peer_table.dtype != torch.int64 or not peer_table.is_cuda:
+            raise ValueError(f"peer_table must be int64 [{EP_NUM_PEER_BUFS}, {cfg.world}] on CUDA")
         self.cfg, self.rank, self.bufs, self.peer_table = cfg, rank, bufs, peer_table
-        self.num_ctas = num_ctas or default_num_ctas()
+        dev = bufs.recv_x.device
+        self.num_ctas = num_ctas or device_num_sms(dev)
         self.timeout_ns = int(timeout_ns)
         self._timeout_key, self._timeout = None, None
         self.k = {kind: get_kernel(kind, cfg) for kind in KINDS}
-        dev = bufs.recv_x.device
         # Persistent conversions (static layouts).
         self._peers = _real(peer_table, 8, False)
         self._ctrl = _real(bufs.ctrl, 8, False)
         self._err = _real(bufs.err, 4, False)
+        self._verr = _real(bufs.verr, 8, False)
+        self._dmask = _real(bufs.dmask, 4, False)
         self._flags = _real(bufs.flags, 8, False)
         self._recv_count = _real(bufs.recv_count, 4, False)
+        self._recv_w = _real(bufs.recv_w, 4, False)
         self._comb = _real(bufs.comb, 16, False)
         self._rank = cutlass.Int32(rank)
         # 1-row dummies used when a rank has T == 0 tokens (no 0-row tensors are converted).
@@ -383,42 +398,53 @@ class EpRank:
             c = self._i32[v] = cutlass.Int32(v)
         return c
 
-    # -- forward ------------------------------------------------------------------------------
-
-    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
-                 stream=None, num_ctas: Optional[int] = None):
-        """x [T, H] bf16, topk_ids [T, K] int32 (global ids, <0 = dropped), topk_w [T, K] f32."""
-        cfg = self.cfg
-        T = x.shape[0]
-        if T > cfg.max_tokens:
-            raise ValueError(f"T={T} > T_max={cfg.max_tokens}")
-        assert x.dtype == torch.bfloat16 and x.shape[1] == cfg.hidden and x.is_contiguous()
-        assert topk_ids.dtype == torch.int32 and topk_ids.shape == (T, cfg.topk)
-        assert topk_w.dtype == torch.float32 and topk_w.shape == (T, cfg.topk)
-        if T == 0:
-            mX, mI, mW = self._dummy_x, self._dummy_ids, self._dummy_w
-        else:
-            mX = self._cv("x", x, 16, True)
-            mI = self._cv("topk_ids", topk_ids, 4, True)
-            mW = self._cv("topk_w", topk_w, 4, True)
-        self.k["dispatch"](mX, mI, mW, self._peers, self._ctrl, self._err, self._rank,
-                           self._int32(T), self._int32(num_ctas or self.num_ctas),
-                           _stream(stream))
-
-    def wait(self, stream=None, timeout_ns: Optional[int] = None):
-        """Block the stream (not the host) until all W dispatches of this epoch arrived."""
+    def _timeout_arg(self, timeout_ns: Optional[int]):
         if timeout_ns is None:
             timeout_ns = self.timeout_ns
         if self._timeout_key != timeout_ns:
             self._timeout_key, self._timeout = timeout_ns, cutlass.Int64(timeout_ns)
-        self.k["wait"](self._flags, self._ctrl, self._err, self._timeout, _stream(stream))
+        return self._timeout
+
+    # -- forward ------------------------------------------------------------------------------
+
+    def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
+                 stream=None, num_ctas: Optional[int] = None):
+        """x [T, H] bf16, topk_ids [T, K] int32 or int64 (global ids; a choice whose id is outside
+        [0, E) or whose weight is not finite is dropped and recorded in verr), topk_w [T, K] f32."""
+        cfg = self.cfg
+        T = x.shape[0]
+        if T > cfg.max_tokens:
+            raise ValueError(f"T={T} > T_max={cfg.max_tokens}")
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != cfg.hidden:
+            raise ValueError(f"x must be bf16 [T, {cfg.hidden}]")
+        if topk_ids.dtype not in (torch.int32, torch.int64) or tuple(topk_ids.shape) != (T, cfg.topk):
+            raise ValueError(f"topk_ids must be int32/int64 [{T}, {cfg.topk}]")
+        if topk_w.dtype != torch.float32 or tuple(topk_w.shape) != (T, cfg.topk):
+            raise ValueError(f"topk_w must be float32 [{T}, {cfg.topk}]")
+        wide = topk_ids.dtype == torch.int64
+        if T == 0:  # the kernel still publishes T = 0 and the epoch flag
+            mX, mI, mW, wide = self._dummy_x, self._dummy_ids, self._dummy_w, False
+        else:
+            mX = self._cv("x", x, 16, True)
+            mI = self._cv("topk_ids", topk_ids, 8 if wide else 4, True)
+            mW = self._cv("topk_w", topk_w, 4, True)
+        self.k["dispatch_i64" if wide else "dispatch"](
+            mX, mI, mW, self._peers, self._ctrl, self._err, self._verr, self._dmask, self._rank,
+            self._int32(T), self._int32(num_ctas or self.num_ctas), _stream(stream))
+
+    def wait(self, stream=None, timeout_ns: Optional[int] = None):
+        """Block the stream (not the host) until all W dispatches of this epoch arrived."""
+        self.k["wait"](self._flags, self._ctrl, self._err, self._timeout_arg(timeout_ns),
+                       _stream(stream))
 
     def gather(self, src: torch.Tensor, idx: torch.Tensor, count: torch.Tensor,
                out: torch.Tensor, stream=None, num_ctas: Optional[int] = None):
         """out[i] = src[idx[i]] for i < min(count[0], len(idx)); count: int32 device tensor with
         one element (a view is fine). src [R, H], out [cap, H] bf16; idx [cap] int32."""
-        assert idx.dtype == torch.int32 and count.dtype == torch.int32 and count.numel() == 1
-        assert out.shape[0] >= idx.shape[0] and src.shape[1] == out.shape[1] == self.cfg.hidden
+        if idx.dtype != torch.int32 or count.dtype != torch.int32 or count.numel() != 1:
+            raise ValueError("gather: idx and count must be int32, count one element")
+        if out.shape[0] < idx.shape[0] or not src.shape[1] == out.shape[1] == self.cfg.hidden:
+            raise ValueError("gather: out must have >= len(idx) rows of H")
         if idx.shape[0] == 0 or src.shape[0] == 0:
             return
         self.k["gather"](self._cv("g_src", src, 16, True), self._cv("g_idx", idx, 4, True),
@@ -427,37 +453,58 @@ class EpRank:
                          self._int32(num_ctas or self.num_ctas), _stream(stream))
 
     def combine_send(self, y: torch.Tensor, pos: torch.Tensor, stream=None,
-                     num_ctas: Optional[int] = None):
-        """y [R, H] bf16 (weighted expert outputs, grouped), pos [W*T_max, K] int32 (-1 = none)."""
+                     num_ctas: Optional[int] = None, weighted: bool = False):
+        """y [R, H] bf16 expert outputs, grouped; pos [W*T_max, K] int32 (-1 = none).
+        ``weighted=False``: y already carries the router weights (FC2 epilogue);
+        ``weighted=True``: row k of slot s is multiplied by recv_w[s, k] here (fp32)."""
         cfg = self.cfg
-        assert pos.dtype == torch.int32 and pos.shape == (cfg.slots, cfg.topk)
-        assert y.dtype == torch.bfloat16 and y.shape[1] == cfg.hidden and y.shape[0] >= 1
-        self.k["combine_send"](self._cv("y", y, 16, True), self._cv("pos", pos, 4, False),
-                               self._recv_count, self._peers, self._ctrl, self._err, self._rank,
-                               self._int32(num_ctas or self.num_ctas), _stream(stream))
+        if pos.dtype != torch.int32 or tuple(pos.shape) != (cfg.slots, cfg.topk):
+            raise ValueError(f"pos must be int32 [{cfg.slots}, {cfg.topk}]")
+        if y.dtype != torch.bfloat16 or y.dim() != 2 or y.shape[1] != cfg.hidden or y.shape[0] < 1:
+            raise ValueError(f"y must be bf16 [R >= 1, {cfg.hidden}]")
+        self.k["combine_send_weighted" if weighted else "combine_send"](
+            self._cv("y", y, 16, True), self._cv("pos", pos, 4, False), self._recv_count,
+            self._recv_w, self._peers, self._ctrl, self._err, self._rank,
+            self._int32(num_ctas or self.num_ctas), _stream(stream))
 
-    def combine_reduce(self, topk_ids: torch.Tensor, out: torch.Tensor, stream=None,
-                       num_ctas: Optional[int] = None, timeout_ns: Optional[int] = None):
-        """out [T, H] bf16 = sum over destinations of the returned partial rows."""
-        T = topk_ids.shape[0]
-        assert out.shape == (T, self.cfg.hidden) and out.dtype == torch.bfloat16
-        if T == 0:
-            mI, mO = self._dummy_ids, self._dummy_out
-        else:
-            mI, mO = self._cv("c_topk_ids", topk_ids, 4, True), self._cv("c_out", out, 16, True)
-        if timeout_ns is None:
-            timeout_ns = self.timeout_ns
-        if self._timeout_key != timeout_ns:
-            self._timeout_key, self._timeout = timeout_ns, cutlass.Int64(timeout_ns)
-        self.k["combine_reduce"](mI, self._comb, self._flags, self._ctrl, self._err, mO,
-                                 self._int32(T), self._timeout,
+    def combine_reduce(self, out: torch.Tensor, stream=None, num_ctas: Optional[int] = None,
+                       timeout_ns: Optional[int] = None):
+        """out [T, H] bf16 = sum over the destinations of each token (dmask, written by this
+        rank's dispatch of the same forward) of the returned partial rows."""
+        T = out.shape[0]
+        if out.dtype != torch.bfloat16 or out.dim() != 2 or out.shape[1] != self.cfg.hidden \
+                or T > self.cfg.max_tokens:
+            raise ValueError(f"out must be bf16 [T <= {self.cfg.max_tokens}, {self.cfg.hidden}]")
+        mO = self._dummy_out if T == 0 else self._cv("c_out", out, 16, True)
+        self.k["combine_reduce"](self._dmask, self._comb, self._flags, self._ctrl, self._err, mO,
+                                 self._int32(T), self._timeout_arg(timeout_ns),
                                  self._int32(num_ctas or self.num_ctas), _stream(stream))
 
     # -- diagnostics / recovery (host-synchronizing) --------------------------------------------
 
     def read_err(self):
-        """(code, peer, where, aux) — synchronizes the host."""
+        """(code, peer, where, aux) -- synchronizes the host."""
         return tuple(int(v) for v in self.bufs.err.cpu())
+
+    def read_verr(self):
+        """The first bad input values recorded by dispatch (synchronizes the host):
+        ``{"topk_ids": (epoch, token, k, id) or None, "topk_weights": (epoch, token, k,
+        float value) or None}``."""
+        v = [int(x) for x in self.bufs.verr.cpu()]
+        K = self.cfg.topk
+        out = {"topk_ids": None, "topk_weights": None}
+        if v[VERR_ID_EPOCH] and v[VERR_ID_KEY] != VERR_NO_KEY:
+            t, k = divmod(v[VERR_ID_KEY], K)
+            out["topk_ids"] = (v[VERR_ID_EPOCH], t, k, v[VERR_ID_VALUE])
+        if v[VERR_W_EPOCH] and v[VERR_W_KEY] != VERR_NO_KEY:
+            t, k = divmod(v[VERR_W_KEY], K)
+            value = struct.unpack("<f", struct.pack("<I", v[VERR_W_VALUE] & 0xFFFFFFFF))[0]
+            out["topk_weights"] = (v[VERR_W_EPOCH], t, k, value)
+        return out
+
+    def reset_verr(self):
+        """Forget the recorded bad inputs (stream-ordered, no sync)."""
+        self.bufs.verr.copy_(torch.tensor(VERR_RESET, dtype=torch.int64), non_blocking=False)
 
     def epoch(self) -> int:
         return int(self.bufs.ctrl[0].item())

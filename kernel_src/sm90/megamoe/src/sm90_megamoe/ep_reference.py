@@ -5,7 +5,7 @@ one bf16 rounding per stage), so results can be compared bitwise (``torch.equal`
 
 Conventions (see ep_kernels): W ranks, T_max tokens per rank, E experts, E_l = E // W local
 experts per rank, K choices; slot s = src_rank * T_max + t. An expert id outside [0, E) is a
-dropped choice (routed nowhere).
+dropped choice (routed nowhere), and so is a choice whose router weight is not finite.
 """
 
 from __future__ import annotations
@@ -26,6 +26,32 @@ def expert_scaled(x: torch.Tensor, expert: torch.Tensor, weight: torch.Tensor,
     """y = bf16((x * scale[expert]) * weight): x [n, H] bf16, expert [n] global ids (valid),
     weight [n] f32, scale [E] f32. scale == 1 is the identity expert (times the router weight)."""
     return (x.float() * scale[expert].unsqueeze(-1) * weight.unsqueeze(-1)).to(torch.bfloat16)
+
+
+def valid_choices(topk_ids: torch.Tensor, topk_w: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """[T, K] bool: the choices EpDispatch routes (0 <= id < E and a finite weight)."""
+    g = topk_ids.long()
+    return (g >= 0) & (g < num_experts) & torch.isfinite(topk_w)
+
+
+def first_bad_values(topk_ids: torch.Tensor, topk_w: torch.Tensor, num_experts: int):
+    """What EpDispatch records in verr for one forward: {"topk_ids": (t, k, id) or None,
+    "topk_weights": (t, k, w) or None}, the smallest t*K + k of each kind (a weight counts only
+    where the id is valid)."""
+    g = topk_ids.long()
+    bad_id = (g < 0) | (g >= num_experts)
+    bad_w = ~bad_id & ~torch.isfinite(topk_w)
+    out = {}
+    for name, bad, vals in (("topk_ids", bad_id, g), ("topk_weights", bad_w, topk_w)):
+        hit = torch.nonzero(bad.flatten()).flatten()
+        if hit.numel() == 0:
+            out[name] = None
+        else:
+            key = int(hit[0])
+            t, k = divmod(key, topk_ids.shape[1])
+            v = vals[t, k]
+            out[name] = (t, k, int(v) if name == "topk_ids" else float(v))
+    return out
 
 
 # =============================================================================================
@@ -64,7 +90,7 @@ def ref_dispatch(xs: Sequence[torch.Tensor], ids: Sequence[torch.Tensor],
             if T == 0:
                 continue
             g = ids[s].long()
-            ok = (g >= 0) & (g < num_experts)
+            ok = valid_choices(ids[s], ws[s], num_experts)
             on_d = ok & (torch.div(g.clamp(min=0), E_l, rounding_mode="floor") == d)
             lo = s * T_max
             rid[lo:lo + T] = torch.where(on_d, g - d * E_l, torch.full_like(g, -1)).int()
@@ -100,17 +126,23 @@ def ref_combine_send_partials(y: torch.Tensor, pos: torch.Tensor) -> torch.Tenso
     return acc.to(torch.bfloat16)
 
 
-def ref_combine_reduce(topk_ids: torch.Tensor, comb: torch.Tensor, W: int, T_max: int,
-                       num_experts: int) -> torch.Tensor:
-    """out [T, H]: sum over d = 0..W-1 (routed) of comb[d*T_max + t], fp32 -> bf16."""
-    T = topk_ids.shape[0]
+def dest_mask(topk_ids: torch.Tensor, topk_w: torch.Tensor, W: int, num_experts: int) -> torch.Tensor:
+    """[T] int32: what EpDispatch stores in dmask -- bit d set iff a valid choice lives on d."""
     E_l = num_experts // W
-    g = topk_ids.long()
-    ok = (g >= 0) & (g < num_experts)
-    dest = torch.div(g.clamp(min=0), E_l, rounding_mode="floor")
+    ok = valid_choices(topk_ids, topk_w, num_experts)
+    dest = torch.div(topk_ids.long().clamp(min=0), E_l, rounding_mode="floor")
+    m = torch.zeros(topk_ids.shape[0], dtype=torch.int64, device=topk_ids.device)
+    for d in range(W):
+        m |= (ok & (dest == d)).any(dim=1).long() << d
+    return m.int()
+
+
+def ref_combine_reduce(dmask: torch.Tensor, comb: torch.Tensor, W: int, T_max: int) -> torch.Tensor:
+    """out [T, H]: sum over the ranks d in dmask[t] (d order) of comb[d*T_max + t], fp32 -> bf16."""
+    T = dmask.shape[0]
     acc = torch.zeros(T, comb.shape[1], dtype=torch.float32, device=comb.device)
     for d in range(W):
-        routed = (ok & (dest == d)).any(dim=1)
+        routed = ((dmask.long() >> d) & 1).bool()
         rows = comb[d * T_max: d * T_max + T].float()
         acc = acc + torch.where(routed.unsqueeze(-1), rows, torch.zeros((), device=comb.device))
     return acc.to(torch.bfloat16)
@@ -183,7 +215,7 @@ def ref_forward(xs: Sequence[torch.Tensor], ids: Sequence[torch.Tensor],
         if T == 0:
             outs.append(torch.empty(0, H, dtype=torch.bfloat16, device=x.device))
             continue
-        ok = (g >= 0) & (g < num_experts)
+        ok = valid_choices(ids[s], w, num_experts)
         dest = torch.div(g.clamp(min=0), E_l, rounding_mode="floor")
         zero = torch.zeros((), device=x.device)
         acc = torch.zeros(T, H, dtype=torch.float32, device=x.device)
@@ -191,7 +223,7 @@ def ref_forward(xs: Sequence[torch.Tensor], ids: Sequence[torch.Tensor],
             part = torch.zeros(T, H, dtype=torch.float32, device=x.device)
             for k in range(K):
                 m = ok[:, k] & (dest[:, k] == d)
-                y = expert_scaled(x, g[:, k].clamp(0, num_experts - 1), w[:, k], scale)
+                y = expert_scaled(x, g[:, k].clamp(0, num_experts - 1), w[:, k].nan_to_num(0.0, 0.0, 0.0), scale)
                 part = part + torch.where(m.unsqueeze(-1), y.float(), zero)
             routed = (ok & (dest == d)).any(dim=1)
             acc = acc + torch.where(routed.unsqueeze(-1), part.to(torch.bfloat16).float(), zero)

@@ -9,13 +9,16 @@ spin-waits cannot deadlock.
     python -m sm90_megamoe.ep_runner --world 4 --uneven --forwards 4        # T per rank incl. 0
     python -m sm90_megamoe.ep_runner --world 2 --stall 1                    # must report err 1
     python -m sm90_megamoe.ep_runner --world 2 --sim                        # torch model, CPU ok
+    python -m sm90_megamoe.ep_runner --world 2 --bad-prob 0.01 --ids64      # bad ids / weights
     python -m sm90_megamoe.ep_runner --suite                                # all GPU checks
 
 Per forward, phase by phase over the ranks (each rank on its own stream, no host sync):
-    dispatch -> wait -> expert layout (torch) -> GatherRows -> expert (torch, weighted)
+    dispatch -> Layout (wait + count, place + row gather) -> expert (torch, weighted)
     -> CombineSend -> CombineReduce
 Checks (after a device sync, outside the forward): err == 0, received buffers == ref_dispatch,
-outputs == ref_forward bitwise, epochs / flags advanced by one, arrival counters back at 0.
+the layout == layout_reference.ref_layout exactly (deterministic row order), outputs ==
+ref_forward bitwise, epochs / flags advanced by one, arrival counters back at 0, and the
+recorded bad inputs (verr) == ep_reference.first_bad_values.
 """
 
 from __future__ import annotations
@@ -36,14 +39,18 @@ from .ep_constants import (
     WHERE_WAIT,
 )
 from .ep_reference import (
+    dest_mask,
     expert_layout,
     expert_scaled,
+    first_bad_values,
     ref_combine_reduce,
     ref_combine_send_partials,
     ref_dispatch,
     ref_forward,
     ref_gather,
+    valid_choices,
 )
+from .layout_reference import ref_layout
 
 
 # =============================================================================================
@@ -70,7 +77,7 @@ class SimRank:
         T, E_l = x.shape[0], cfg.local_experts
         e = int(self.bufs.ctrl[CTRL_EPOCH]) + 1
         g = topk_ids.long()
-        ok = (g >= 0) & (g < cfg.num_experts)
+        ok = valid_choices(topk_ids, topk_w, cfg.num_experts)
         dest = torch.div(g.clamp(min=0), E_l, rounding_mode="floor")
         lo = r * cfg.max_tokens
         for d, b in enumerate(self.all):
@@ -80,6 +87,16 @@ class SimRank:
             m = on_d.any(dim=1)
             rows = torch.nonzero(m).flatten()
             b.recv_x[lo + rows] = x[rows]
+        self.bufs.dmask[:T] = dest_mask(topk_ids, topk_w, cfg.world, cfg.num_experts)
+        bad = first_bad_values(topk_ids, topk_w, cfg.num_experts)
+        for (ep_i, key_i, val_i), name in (((0, 1, 2), "topk_ids"), ((3, 4, 5), "topk_weights")):
+            if bad[name] is not None and int(self.bufs.verr[ep_i]) in (0, e):
+                t, k, v = bad[name]
+                if t * cfg.topk + k < int(self.bufs.verr[key_i]):
+                    self.bufs.verr[ep_i] = e
+                    self.bufs.verr[key_i] = t * cfg.topk + k
+                    self.bufs.verr[val_i] = (v if name == "topk_ids" else
+                                             int(torch.tensor([v]).view(torch.int32)[0]))
         for b in self.all:
             b.recv_count[r] = T
             b.flags[r] = e
@@ -98,7 +115,7 @@ class SimRank:
         n = min(int(count.view(-1)[0]), idx.shape[0])
         out[:n] = ref_gather(src, idx, n)
 
-    def combine_send(self, y, pos, stream=None):
+    def combine_send(self, y, pos, stream=None, weighted=False):
         cfg, r = self.cfg, self.rank
         if int(self.bufs.err[0]) != 0:
             return
@@ -113,7 +130,7 @@ class SimRank:
         for b in self.all:
             b.flags[cfg.world + r] = e
 
-    def combine_reduce(self, topk_ids, out, stream=None):
+    def combine_reduce(self, out, stream=None):
         cfg = self.cfg
         if int(self.bufs.err[0]) != 0:
             return
@@ -122,11 +139,19 @@ class SimRank:
             if int(self.bufs.flags[cfg.world + d]) != e:
                 self._err(ERR_TIMEOUT, d, 4, e)
                 return
-        out.copy_(ref_combine_reduce(topk_ids, self.bufs.comb, cfg.world, cfg.max_tokens,
-                                     cfg.num_experts))
+        T = out.shape[0]
+        out.copy_(ref_combine_reduce(self.bufs.dmask[:T], self.bufs.comb, cfg.world, cfg.max_tokens))
 
     def read_err(self):
         return tuple(int(v) for v in self.bufs.err.cpu())
+
+    def read_verr(self):
+        from .ep_launch import EpRank
+        return EpRank.read_verr(self)
+
+    def reset_verr(self):
+        from .ep_constants import VERR_RESET
+        self.bufs.verr.copy_(torch.tensor(VERR_RESET, dtype=torch.int64))
 
     def reset_state(self):
         for t in (self.bufs.flags, self.bufs.recv_count, self.bufs.ctrl, self.bufs.err):
@@ -153,12 +178,21 @@ class VirtualEP:
             t0 = time.time()
             self.ranks = [EpRank(cfg, r, self.bufs[r], table, num_ctas=num_ctas,
                                  timeout_ns=timeout_ns) for r in range(W)]
-            print(f"compiled / loaded EP kernels in {time.time() - t0:.2f}s")
+            from .layout_launch import Layout, LayoutConfig
+            lcfg = LayoutConfig(H, K, W, cfg.max_tokens, cfg.local_experts)
+            self.layout_k = [Layout(lcfg, device, num_chunks=num_ctas, timeout_ns=timeout_ns)
+                             for _ in range(W)]
+            print(f"compiled / loaded EP + layout kernels in {time.time() - t0:.2f}s")
             self.streams = [torch.cuda.Stream(device=device) for _ in range(W)]
+        i32 = torch.int32
+        self.lay_bufs = [dict(offsets=torch.zeros(cfg.local_experts + 1, dtype=i32, device=device),
+                              idx=torch.zeros(S * K, dtype=i32, device=device),
+                              ws=torch.zeros(S * K, dtype=torch.float32, device=device),
+                              pos=torch.full((S, K), -1, dtype=i32, device=device))
+                         for _ in range(W)]
         self.xg = [torch.empty(S * K, H, dtype=torch.bfloat16, device=device) for _ in range(W)]
         self.out = [torch.empty(cfg.max_tokens, H, dtype=torch.bfloat16, device=device)
                     for _ in range(W)]
-        self.layouts = [None] * W
 
     def _ctx(self, r):
         s = self.streams[r]
@@ -189,20 +223,26 @@ class VirtualEP:
                 if ev is not None:
                     ev["d0"][r].record()
                 self.ranks[r].dispatch(xs[r], ids[r], ws[r], stream=self.streams[r])
-        for r in live:  # (separate loop only so that the torch model --sim sees all dispatches)
+        ys = [None] * W
+        for r in live:  # phase 2: wait + expert layout (+ row gather), expert
             with self._ctx(r):
-                self.ranks[r].wait(stream=self.streams[r])
+                b, lb = self.bufs[r], self.lay_bufs[r]
+                if self.sim:  # torch model: wait, stable-sort layout, gather
+                    self.ranks[r].wait(stream=self.streams[r])
+                    lay = expert_layout(b.recv_ids, b.recv_count, b.recv_w, cfg.max_tokens, E_l, r)
+                    lb["offsets"].copy_(lay["offsets"])
+                    lb["idx"].copy_(lay["idx"])
+                    lb["ws"].copy_(lay["weight"])
+                    lb["pos"].copy_(lay["pos"])
+                    self.ranks[r].gather(b.recv_x, lb["idx"], lb["offsets"][E_l:], self.xg[r])
+                else:
+                    self.layout_k[r](b, lb["offsets"], lb["idx"], lb["ws"], lb["pos"], self.xg[r],
+                                     stream=self.streams[r])
                 if ev is not None:
                     ev["d1"][r].record()
-        ys = [None] * W
-        for r in live:  # phase 2: layout, gather, expert
-            with self._ctx(r):
-                b = self.bufs[r]
-                lay = expert_layout(b.recv_ids, b.recv_count, b.recv_w, cfg.max_tokens, E_l, r)
-                self.layouts[r] = lay
-                self.ranks[r].gather(b.recv_x, lay["idx"], lay["offsets"][E_l:], self.xg[r],
-                                     stream=self.streams[r])
-                ys[r] = expert_scaled(self.xg[r], lay["expert"], lay["weight"], scale)
+                rows = torch.arange(lb["idx"].shape[0], dtype=torch.int32, device=self.device)
+                expert = torch.searchsorted(lb["offsets"][1:], rows, right=True).clamp(max=E_l - 1)
+                ys[r] = expert_scaled(self.xg[r], expert + r * E_l, lb["ws"], scale)
         if join and not self.sim:
             evs = []
             for r in live:
@@ -216,11 +256,11 @@ class VirtualEP:
             with self._ctx(r):
                 if ev is not None:
                     ev["c0"][r].record()
-                self.ranks[r].combine_send(ys[r], self.layouts[r]["pos"], stream=self.streams[r])
+                self.ranks[r].combine_send(ys[r], self.lay_bufs[r]["pos"], stream=self.streams[r])
         for r in live:
             with self._ctx(r):
                 T = xs[r].shape[0]
-                self.ranks[r].combine_reduce(ids[r], self.out[r][:T], stream=self.streams[r])
+                self.ranks[r].combine_reduce(self.out[r][:T], stream=self.streams[r])
                 if ev is not None:
                     ev["c1"][r].record()
         if not self.sim:
@@ -243,16 +283,27 @@ class _nullctx:
 # =============================================================================================
 
 
-def make_inputs(W, Ts, H, E, K, seed, drop_prob, device):
+def make_inputs(W, Ts, H, E, K, seed, drop_prob, device, bad_prob=0.0, ids64=False):
+    """Random tokens and routing; ``drop_prob`` of the choices get id -1; ``bad_prob`` of them
+    get an out-of-range id (E, E + 5, a huge int64 / int32 value, a negative one) or a NaN / inf
+    weight."""
     g = torch.Generator(device="cpu").manual_seed(seed)
     xs, ids, ws = [], [], []
     for r in range(W):
         T = Ts[r]
         x = torch.randn(T, H, generator=g).to(torch.bfloat16)
-        i = torch.rand(T, E, generator=g).topk(K, dim=1).indices.int()
+        i = torch.rand(T, E, generator=g).topk(K, dim=1).indices.to(torch.int64 if ids64 else torch.int32)
         if drop_prob > 0:
             i[torch.rand(T, K, generator=g) < drop_prob] = -1
         w = torch.softmax(torch.randn(T, K, generator=g), dim=1).float()
+        if bad_prob > 0:
+            huge = 2**40 + 3 if ids64 else 2**31 - 1
+            pick = torch.rand(T, K, generator=g)
+            choice = torch.randint(0, 6, (T, K), generator=g)
+            bad_ids = torch.tensor([E, E + 5, huge, -7], dtype=i.dtype)[choice.clamp(max=3)]
+            i = torch.where((pick < bad_prob) & (choice < 4), bad_ids, i)
+            w = torch.where((pick < bad_prob) & (choice == 4), torch.full_like(w, float("nan")), w)
+            w = torch.where((pick < bad_prob) & (choice == 5), torch.full_like(w, float("inf")), w)
         xs.append(x.to(device))
         ids.append(i.to(device).contiguous())
         ws.append(w.to(device).contiguous())
@@ -319,6 +370,32 @@ def check_forward(vep, xs, ids, ws, scale, outs, epoch) -> List[str]:
             bad.append(f"rank {d}: ctrl {ctrl} (expected epoch {epoch}, counters 0)")
         if any(f != epoch for f in flags):
             bad.append(f"rank {d}: flags {flags} != {epoch}")
+    for d in range(W):  # the layout: exactly the stable (expert, slot, k) order
+        b, lb = vep.bufs[d], vep.lay_bufs[d]
+        ref = ref_layout(b.recv_ids, b.recv_w, b.recv_count, T_max, cfg.local_experts, b.recv_x)
+        n = ref["n"]
+        slot_ok = exp[d]["slot_valid"]
+        if not torch.equal(lb["offsets"], ref["offsets"]):
+            bad.append(f"rank {d}: layout offsets differ")
+            continue
+        for name in ("idx", "ws"):
+            if not _eq(lb[name][:n], ref[name]):
+                bad.append(f"rank {d}: layout {name} differs from the stable order")
+        if not torch.equal(lb["pos"][slot_ok], ref["pos"][slot_ok]):
+            bad.append(f"rank {d}: layout pos differs on valid slots")
+        if not _eq(vep.xg[d][:n], ref["xs"]):
+            bad.append(f"rank {d}: gathered rows differ")
+    for r in range(W):  # first bad input of this forward, then forget it
+        got = vep.ranks[r].read_verr()
+        want = first_bad_values(ids[r], ws[r], E) if xs[r].shape[0] else {"topk_ids": None, "topk_weights": None}
+        for name in ("topk_ids", "topk_weights"):
+            g, w = got[name], want[name]
+            same = (g is None and w is None) or (g is not None and w is not None and g[0] == epoch
+                                                 and g[1:3] == w[:2] and
+                                                 (g[3] == w[2] or (g[3] != g[3] and w[2] != w[2])))
+            if not same:
+                bad.append(f"rank {r}: verr {name} = {g}, expected {w} at epoch {epoch}")
+        vep.ranks[r].reset_verr()
     ref = ref_forward(xs, ids, ws, E, scale)
     for r in range(W):
         if not _eq(outs[r], ref[r]):
@@ -339,6 +416,9 @@ def main(argv=None):
     p.add_argument("--forwards", type=int, default=3, help="checked consecutive forwards")
     p.add_argument("--uneven", action="store_true", help="vary T per rank, including 0")
     p.add_argument("--drop-prob", type=float, default=0.02, help="fraction of choices set to -1")
+    p.add_argument("--bad-prob", type=float, default=0.0,
+                   help="fraction of choices with an out-of-range id or a NaN / inf weight")
+    p.add_argument("--ids64", action="store_true", help="int64 expert ids")
     p.add_argument("--expert", choices=("identity", "scaled"), default="scaled")
     p.add_argument("--ctas", type=int, default=0, help="CTAs per kernel (0: #SMs / W / 2)")
     p.add_argument("--timeout-ms", type=float, default=5000.0)
@@ -370,7 +450,7 @@ def main(argv=None):
     for f in range(a.forwards):
         Ts = token_counts(W, a.tokens, f, a.uneven)
         xs, ids, ws = make_inputs(W, Ts, a.hidden, a.experts, a.topk, a.seed + f, a.drop_prob,
-                                  device)
+                                  device, a.bad_prob, a.ids64)
         vep.poison()
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -415,13 +495,13 @@ def main(argv=None):
         tot = sum(b[0] for b in nb)
         rem = sum(b[1] for b in nb)
         print(f"timing (median of {a.iters}, all {W} ranks concurrently on ONE GPU):")
-        print(f"  dispatch+wait  {dm * 1e3:8.1f} us  payload {tot / 1e6:.1f} MB "
+        print(f"  dispatch+layout{dm * 1e3:8.1f} us  payload {tot / 1e6:.1f} MB "
               f"({rem / 1e6:.1f} MB to other ranks) -> {tot / dm / 1e6:.1f} GB/s aggregate, "
               f"{tot / W / dm / 1e6:.1f} GB/s per rank")
         print(f"  combine        {cm * 1e3:8.1f} us  payload {tot / 1e6:.1f} MB "
               f"-> {tot / cm / 1e6:.1f} GB/s aggregate, {tot / W / cm / 1e6:.1f} GB/s per rank")
-        print(f"  host enqueue of one forward (all ranks, incl. torch layout/expert ops): "
-              f"{t_host * 1e6:.0f} us; {W * 5} EP kernel launches")
+        print(f"  host enqueue of one forward (all ranks, incl. torch expert ops): "
+              f"{t_host * 1e6:.0f} us; {W * 5} EP + layout kernel launches")
         print("  (one GPU: 'bandwidth' is HBM copy bandwidth shared by all virtual ranks)")
 
     if a.stall >= 0:
@@ -476,6 +556,10 @@ SUITE = [
      "--uneven --forwards 8 --iters 0"),
     ("EP=2 identity experts, 30% dropped choices",
      "--world 2 --tokens 128 --expert identity --drop-prob 0.3 --forwards 4 --iters 0"),
+    ("EP=2 bad ids / NaN / inf weights, int32 ids",
+     "--world 2 --tokens 300 --uneven --bad-prob 0.01 --forwards 4 --iters 0"),
+    ("EP=4 bad values, int64 ids (huge ids must not wrap)",
+     "--world 4 --tokens 200 --bad-prob 0.02 --ids64 --forwards 4 --iters 0"),
 ]
 
 

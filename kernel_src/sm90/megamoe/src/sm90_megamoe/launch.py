@@ -12,17 +12,18 @@ from cutlass.cute.runtime import from_dlpack
 import cuda.bindings.driver as cuda
 
 from . import DROP_VERSION
-from .constants import ABI_VERSION, H200_NUM_SMS
+from .constants import ABI_VERSION
 from .grouped_gemm import GroupedGemmSm90
 
 _CACHE: Dict[tuple, "CompiledGroupedGemm"] = {}
 
 
-def _num_sms() -> int:
-    try:
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    except Exception:
-        return H200_NUM_SMS
+def _num_sms(device=None) -> int:
+    """SM count of the device (default: current). Raises without CUDA: never guessed."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("sm90_megamoe: no CUDA device to size the grid for; pass max_active_ctas")
+    dev = device if device is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_properties(dev).multi_processor_count
 
 
 def to_cute_args(a, b, c, offsets, row_scale):
@@ -52,12 +53,11 @@ class CompiledGroupedGemm:
         self.scale_rows = scale_rows
         if example is None:
             args = fake_args(self.kernel, num_experts, n, k)
-        else:  # compile from real tensors (fallback / debugging)
-            args = (*to_cute_args(*example), cutlass.Int32(_num_sms()),
+        else:  # compile from real tensors (debugging)
+            args = (*to_cute_args(*example), cutlass.Int32(_num_sms(example[0].device)),
                     cuda.CUstream(torch.cuda.current_stream().cuda_stream))
         self.compiled = cute.compile(self.kernel, *args, options="--gpu-arch sm_90a")
         self._dummy_scale = None
-        self._verified = False
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
                  out: Optional[torch.Tensor] = None, row_scale: Optional[torch.Tensor] = None,
@@ -85,21 +85,12 @@ class CompiledGroupedGemm:
         return out
 
     def launch_converted(self, args, max_active_ctas: Optional[int] = None, stream=None):
-        """Launch with pre-converted CuTe tensors (fast path for benchmarks)."""
+        """Launch with pre-converted CuTe tensors. Arguments that do not match the fake-compiled
+        signature raise (the fake arguments are the ABI; nothing is silently recompiled)."""
         if stream is None:
             stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
         ctas = max_active_ctas if max_active_ctas is not None else _num_sms()
-        if self._verified:
-            self.compiled(*args, cutlass.Int32(ctas), stream)
-            return
-        try:
-            self.compiled(*args, cutlass.Int32(ctas), stream)
-        except Exception as exc:  # fake-tensor signature mismatch: recompile from real tensors
-            print(f"[sm90_megamoe] fake-compiled kernel rejected real args ({exc!r}); recompiling")
-            self.compiled = cute.compile(self.kernel, *args, cutlass.Int32(ctas), stream,
-                                         options="--gpu-arch sm_90a")
-            self.compiled(*args, cutlass.Int32(ctas), stream)
-        self._verified = True
+        self.compiled(*args, cutlass.Int32(ctas), stream)
 
 
 def get_grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,

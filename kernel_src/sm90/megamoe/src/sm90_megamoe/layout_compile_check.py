@@ -3,8 +3,9 @@
     python -m sm90_megamoe.layout_compile_check            # Qwen3 W=1/2, Mixtral, extras
     python -m sm90_megamoe.layout_compile_check --quick    # Qwen3 W=2 only
 
-Per kernel: the instructions the design relies on are present (shared-memory histogram atomics,
-acq_rel arrival, atom.exch read-and-reset, warp scan, 16-byte vectors in the fused gather),
+Per kernel: the instructions the design relies on are present (the bounded acquire wait,
+shared-memory histogram atomics, match.any ranking, warp scans, 16-byte vectors in the fused
+gather), no global atomic at all (rows are never placed by an atomic),
 no local-memory spills (ld.local / st.local in the PTX; and, if a ptxas is installed,
 0 bytes of spill / stack in ``ptxas -v``), no float atomics, and the fake-tensor signature
 equals the one built from real (CPU) torch tensors by layout_launch's converters.
@@ -29,17 +30,19 @@ from cutlass.cute.runtime import make_fake_stream
 
 from .ep_compile_check import same_signature
 from .ep_launch import _real
-from .layout_kernels import scratch_len
+from .layout_kernels import counts_len
 from .layout_launch import KINDS, LayoutConfig, fake_args, make_kernel
 
 EXPECT = {
-    "count": ["atom.shared.add", "atom.global.add", "atom.global.acq_rel.add",
-              "atom.global.exch.b32", "shfl.sync.up.b32", "fence.acq_rel.gpu", "bar.sync"],
-    "place": ["atom.global.add", "vote.sync.ballot.b32", "shfl.sync.idx.b32",
-              "ld.global.v4.b32", "st.global.v4.b32"],
-    "place_nogather": ["atom.global.add"],
+    "count": ["atom.shared.add", "ld.acquire.sys.global.b64", "%globaltimer", "shfl.sync.up.b32",
+              "bar.sync"],
+    "place": ["match.any.sync.b32", "popc.b32", "shfl.sync.up.b32", "vote.sync.ballot.b32",
+              "shfl.sync.idx.b32", "ld.global.v4.b32", "st.global.v4.b32", "bar.sync"],
+    "place_nogather": ["match.any.sync.b32", "popc.b32"],
 }
-ABSENT = {"place_nogather": ["ld.global.v4.b32", "st.global.v4.b32"]}
+ABSENT = {"place_nogather": ["ld.global.v4.b32", "st.global.v4.b32"],
+          # no atomic decides a row: the only atomics are the shared-memory histogram's
+          "place": ["atom.global"], "count": ["atom.global.add"]}
 FORBID = ["ld.local", "st.local", "atom.global.add.f", "red.global.add.f"]
 
 
@@ -80,13 +83,17 @@ def real_cpu_args(kind: str, cfg: LayoutConfig):
     st = make_fake_stream()
     ids = _real(torch.zeros(S, K, dtype=i32), 4, False)
     cnt = _real(torch.zeros(W, dtype=i32), 4, False)
-    scr = _real(torch.zeros(scratch_len(E_l), dtype=i32), 4, False)
+    err = _real(torch.zeros(4, dtype=i32), 4, False)
+    counts = _real(torch.zeros(counts_len(5, E_l), dtype=i32), 4, True)
     n = cutlass.Int32(3)
     if kind == "count":
-        return (ids, cnt, scr, _real(torch.zeros(E_l + 1, dtype=i32), 4, False), n, st)
+        return (ids, cnt, _real(torch.zeros(2 * W, dtype=torch.int64), 8, False),
+                _real(torch.zeros(4, dtype=torch.int64), 8, False), err, counts,
+                cutlass.Int64(9), n, st)
     R = 37
-    return (ids, _real(torch.zeros(S, K, dtype=f32), 4, False), cnt, scr,
+    return (ids, _real(torch.zeros(S, K, dtype=f32), 4, False), cnt, err, counts,
             _real(torch.zeros(R, H, dtype=bf), 16, True),
+            _real(torch.zeros(E_l + 1, dtype=i32), 4, False),
             _real(torch.zeros(R + 5, dtype=i32), 4, True),
             _real(torch.zeros(R + 6, dtype=f32), 4, True),
             _real(torch.zeros(S, K, dtype=i32), 4, False),
@@ -147,7 +154,8 @@ def main(argv=None):
                  LayoutConfig(4096, 2, 1, 8192, 8),               # Mixtral-8x7B EP=1
                  LayoutConfig(7168, 8, 8, 4096, 32),              # DeepSeek-V3 width, EP=8
                  LayoutConfig(264, 6, 4, 300, 16),                # H % 256 != 0 path
-                 LayoutConfig(128, 32, 1, 64, 33)]                # K = 32, E_l % 32 != 0
+                 LayoutConfig(128, 32, 1, 64, 33),                # K = 32, E_l % 32 != 0
+                 LayoutConfig(256, 8, 2, 64, 1024)]               # E_l = 1024: 256 threads
     failures = []
     t0 = time.time()
     for cfg in cases:

@@ -1,7 +1,6 @@
-"""Receiver-side expert layout of the EP drop in CuTeDSL: 2 kernel launches instead of ~16 torch
-ops + GatherRows.
+"""Receiver-side expert layout of the EP drop in CuTeDSL: 2 launches, bit-deterministic.
 
-Inputs (this rank's symmetric receive buffers, filled by EpDispatch; S = W*T_max slots, slot
+Inputs (this rank's receive buffers, filled by EpDispatch; S = W*T_max slots, slot
 s = src*T_max + t is valid iff t < recv_count[src]):
 
     recv_ids   [S, K]  int32   local expert id of choice k of slot s, or -1 (ids outside
@@ -9,6 +8,8 @@ s = src*T_max + t is valid iff t < recv_count[src]):
     recv_w     [S, K]  float32 router weight of choice k
     recv_count [W]     int32   tokens sent by each source rank
     recv_x     [S, H]  bf16    token rows (only with the fused gather)
+    flags, ctrl, err           the EP protocol words (ep_kernels): LayoutCount first waits for
+                               every source's dispatch of the current epoch, as EpWait does
 
 Outputs (preallocated, P = S*K):
 
@@ -16,43 +17,34 @@ Outputs (preallocated, P = S*K):
                                [offsets[e], offsets[e+1]); offsets[E_l] = number of valid pairs n
     idx     [>= P]     int32   slot of grouped row r (r < n; rows >= n untouched)
     ws      [>= P]     float32 router weight of grouped row r (r < n)
-    pos     [S, K]     int32   grouped row of (slot, k), or -1 -- ALL S*K entries written
+    pos     [S, K]     int32   grouped row of (slot, k), or -1; written for the VALID slots
+                               (t < recv_count[src]) only -- readers check recv_count first
     xs      [>= P, H]  bf16    xs[r] = recv_x[idx[r]] (r < n; fused gather, optional)
 
-Row order INSIDE an expert is the order of integer atomic cursor increments (not deterministic);
-which rows belong to which expert, and every (idx, ws, pos, xs) association, is. Downstream
-results stay bitwise deterministic: the grouped GEMM computes every row independently and
-CombineSend sums by pos in k order. No float atomics.
+Row order (the contract): the rows of expert e are its valid (slot, k) pairs in increasing
+(slot, k) order -- exactly a stable sort of the valid pairs by expert. No atomic decides a
+position, so the layout (and everything computed from it) is bit-deterministic whatever the
+timing of the ranks.
 
-Kernels (same stream, in this order):
+How. The V valid slots (sources' token ranges, back to back in slot order) are cut into C
+contiguous chunks, one per CTA; C is the grid size of BOTH kernels.
 
-    1. LayoutCount (grid-stride, one thread per (slot, k) pair): valid pairs -> shared-memory
-       histogram (atom.shared.add) -> one global atom.add per nonzero expert per CTA into
-       scratch.counts. Then the CTA arrives on scratch.arrive (atom.acq_rel.gpu); the LAST CTA
-       reads every count with atom.exch(count, 0) (which also resets it), computes the
-       exclusive prefix with a warp scan, writes offsets[0..E_l] and the same bases into
-       scratch.cursor[e], and stores scratch.arrive = 0.
-    2. LayoutPlace (grid-stride, one warp per slot; lane k < K = choice k): valid pair ->
-       row = atom.add(scratch.cursor[e], 1) (cursor starts at offsets[e], so the old value is
-       the absolute grouped row); pos[s, k] = row, idx[row] = s, ws[row] = w; invalid pairs
-       (stale slot, id -1 / out of range) write pos[s, k] = -1. With the fused gather the warp
-       loads recv_x[s] once (16-byte vectors, U in flight per lane) and stores it to xs[row_k]
-       for every valid k (one read, up to K writes; GatherRows would read it K times).
+    1. LayoutCount, CTA c: wait (bounded) for every source's dispatch flag of this epoch; count
+       chunk c's valid pairs per expert in a shared-memory histogram (integer atomics: the
+       counts do not depend on their order); store the row counts[c, 0:E_l] (zeros too).
+    2. LayoutPlace, CTA c: from counts[0:C, :] compute tot[e] (all chunks) and pre[e] (chunks
+       before c); offsets = exclusive scan of tot (CTA 0 stores them); the CTA's first row of
+       expert e is offsets[e] + pre[e]. It then walks its chunk in tiles of TS = threads // K
+       slots, one thread per (slot, k) pair in (slot, k) order: match.any groups a warp's lanes
+       by expert (rank = number of lower lanes with the same expert), a [warps, E_l] shared
+       table scanned per expert in warp order gives each warp its base, and the expert's cursor
+       advances by the tile's count. It writes pos / idx / ws, then copies each slot's row once
+       from recv_x to its <= K grouped rows.
 
-Scratch (int32 [scratch_len(E_l)], owned by the launcher, ZEROED ONCE at allocation):
-    [0, E_l)        counts  -- must be 0 when LayoutCount starts
-    [E_l, 2E_l)     cursor  -- any value when LayoutCount starts (overwritten by its last CTA)
-    [2E_l]          arrive  -- must be 0 when LayoutCount starts
-
-Tail-clean argument (no host memset between calls): LayoutCount is the only kernel that
-accumulates into counts/arrive, and its last CTA (the one whose arrival returns gdim - 1, i.e.
-every other CTA has already added its counts, made them visible with fence.acq_rel.gpu + the
-acq_rel arrival) atomically exchanges every count with 0 and stores arrive = 0 before exiting.
-So after every LayoutCount, counts == 0 and arrive == 0 again. The cursors are never reset:
-LayoutCount's last CTA overwrites all E_l of them with the bases before LayoutPlace (stream
-order) increments them; what LayoutPlace leaves there (offsets[e+1]) is dead. Requirement: the
-calls using one scratch are stream-ordered (one Layout object per stream / layer; two
-concurrent Count launches on the same scratch would race).
+Scratch: counts [>= C * E_l] int32, owned by the caller. LayoutCount rewrites all C*E_l entries
+before LayoutPlace reads them, so nothing carries over between calls: no reset, no tail-clean
+protocol. Calls sharing one scratch must be stream-ordered (one scratch per stream). No float
+atomics, no global atomics at all.
 """
 
 from __future__ import annotations
@@ -60,149 +52,156 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64
+from cutlass import Float32, Int32, Int64, Uint32
 
-from .ep_constants import EP_VEC_BYTES
-from .ep_kernels import _RowPlan, _addr, _gptr, _ld_vec, _st_vec
+from .ep_constants import (
+    CTRL_EPOCH,
+    EP_VEC_BYTES,
+    ERR_CODE,
+    ERR_TIMEOUT,
+    WHERE_WAIT,
+)
+from .ep_kernels import (
+    _RowPlan,
+    _addr,
+    _gptr,
+    _ld_i32_relaxed_gpu,
+    _ld_vec,
+    _report_error,
+    _spin_wait_eq,
+    _st_vec,
+)
 
-LAYOUT_ABI_VERSION = 1
-LAYOUT_THREADS = 256        # threads per CTA of both kernels
+LAYOUT_ABI_VERSION = 2      # 2: deterministic rows, stateless scratch, wait fused into LayoutCount
 LAYOUT_MAX_LOCAL_EXPERTS = 1024
-LAYOUT_MAX_TOPK = 32        # lane k holds choice k in LayoutPlace
+LAYOUT_MAX_TOPK = 32        # one warp holds the K choices of one slot in the gather
+LAYOUT_MAX_WORLD = 32       # warp 0 scans the W source counts
 
 
-def scratch_len(local_experts: int) -> int:
-    """int32 elements of the launcher-owned scratch: counts[E_l], cursor[E_l], arrive, pad."""
-    return 2 * local_experts + 4
+def layout_threads(local_experts: int) -> int:
+    """Threads per CTA of both kernels: 512 (16 warps) while the [warps, E_l] int32 table of
+    LayoutPlace fits static shared memory next to the rest (E_l <= 512), else 256."""
+    return 512 if local_experts <= 512 else 256
 
 
-def scr_counts(local_experts: int) -> int:
-    return 0
+def counts_len(num_chunks: int, local_experts: int) -> int:
+    """int32 elements of the caller-owned scratch for ``num_chunks`` chunks."""
+    return num_chunks * local_experts
 
 
-def scr_cursor(local_experts: int) -> int:
-    return local_experts
+@cute.jit
+def _scan_sources(mRecvCount: cute.Tensor, sCum: cute.Tensor, lane: Int32, W: cutlass.Constexpr,
+                  T_max: cutlass.Constexpr):
+    """Warp 0: sCum[q] = valid slots of sources < q (q = 0..W); recv_count clamped to [0, T_max]."""
+    c = Int32(0)
+    if lane < W:
+        c = cutlass.max(cutlass.min(mRecvCount[lane], Int32(T_max)), Int32(0))
+    incl = c
+    for d in cutlass.range_constexpr(5):
+        y = cute.arch.shuffle_sync_up(incl, 1 << d)
+        if lane >= Int32(1 << d):
+            incl = incl + y
+    if lane < W:
+        sCum[lane] = incl - c
+    if lane == W - 1:
+        sCum[W] = incl
 
 
-def scr_arrive(local_experts: int) -> int:
-    return 2 * local_experts
+@cute.jit
+def _slot_of(v: Int32, sCum: cute.Tensor, W: cutlass.Constexpr, T_max: cutlass.Constexpr) -> Int32:
+    """Slot of the v-th valid slot: source q = last q with sCum[q] <= v (empty sources skipped)."""
+    q = Int32(0)
+    for j in cutlass.range_constexpr(1, W):
+        if v >= sCum[j]:
+            q = Int32(j)
+    return q * T_max + (v - sCum[q])
 
 
 # =============================================================================================
-# 1. LayoutCount (+ scan by the last CTA)
+# 1. LayoutCount (+ the dispatch wait)
 # =============================================================================================
 
 
 class LayoutCount:
-    """Count valid pairs per local expert; the last CTA turns the counts into offsets/cursors.
+    """Wait for the sources' dispatch, then count each chunk's valid pairs per local expert.
 
     Static: top-K, world W, T_max, local experts E_l, threads per CTA.
 
     Arguments of ``__call__``:
-        mIds        [S, K]         int32 recv_ids
-        mRecvCount  [W]            int32 recv_count
-        mScratch    [2*E_l + 4]    int32 counts / cursor / arrive (see module docstring)
-        mOffsets    [E_l + 1]      int32 output offsets
-        num_ctas    Int32          grid size (>= 1)
+        mIds        [S, K]       int32 recv_ids
+        mRecvCount  [W]          int32 recv_count
+        mFlags      [2W]         int64 this rank's flags (flags[s] = dispatch epoch of source s)
+        mCtrl       [4]          int64 local control word (ctrl[0] = epoch set by EpDispatch)
+        mErr        [4]          int32 local error word; on timeout err = (1, s, WHERE_WAIT,
+                                 epoch); while set, the kernel only stores zero counts
+        mCounts     [>= C*E_l]   int32 output: counts[c*E_l + e] (dynamic length)
+        timeout_ns  Int64        wall-clock bound of the wait (%globaltimer)
+        num_chunks  Int32        C = grid size (must equal LayoutPlace's)
         stream      CUstream
     """
 
-    def __init__(self, topk: int, world: int, max_tokens: int, local_experts: int,
-                 threads: int = LAYOUT_THREADS):
-        assert 1 <= topk <= LAYOUT_MAX_TOPK and world >= 1 and max_tokens >= 1
+    def __init__(self, topk: int, world: int, max_tokens: int, local_experts: int, threads: int):
+        assert 1 <= topk <= LAYOUT_MAX_TOPK and 1 <= world <= LAYOUT_MAX_WORLD and max_tokens >= 1
         assert 1 <= local_experts <= LAYOUT_MAX_LOCAL_EXPERTS
-        assert threads % 32 == 0 and threads >= 32
+        assert threads % 32 == 0 and 32 <= threads <= 1024
         assert world * max_tokens * topk < 2**31
         self.K, self.W, self.T_max, self.E_l = topk, world, max_tokens, local_experts
         self.threads = threads
-        self.C = (local_experts + 31) // 32  # experts per lane in the scan
 
     @cute.jit
-    def __call__(self, mIds: cute.Tensor, mRecvCount: cute.Tensor, mScratch: cute.Tensor,
-                 mOffsets: cute.Tensor, num_ctas: Int32, stream: cuda.CUstream):
-        self.kernel(mIds, mRecvCount, mScratch, mOffsets).launch(
-            grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), stream=stream)
+    def __call__(self, mIds: cute.Tensor, mRecvCount: cute.Tensor, mFlags: cute.Tensor,
+                 mCtrl: cute.Tensor, mErr: cute.Tensor, mCounts: cute.Tensor, timeout_ns: Int64,
+                 num_chunks: Int32, stream: cuda.CUstream):
+        self.kernel(mIds, mRecvCount, mFlags, mCtrl, mErr, mCounts, timeout_ns).launch(
+            grid=(num_chunks, 1, 1), block=(self.threads, 1, 1), stream=stream)
 
     @cute.kernel
-    def kernel(self, mIds: cute.Tensor, mRecvCount: cute.Tensor, mScratch: cute.Tensor,
-               mOffsets: cute.Tensor):
-        K, T_max, E_l, C = self.K, self.T_max, self.E_l, self.C
-        P = self.W * T_max * K
+    def kernel(self, mIds: cute.Tensor, mRecvCount: cute.Tensor, mFlags: cute.Tensor,
+               mCtrl: cute.Tensor, mErr: cute.Tensor, mCounts: cute.Tensor, timeout_ns: Int64):
+        K, W, T_max, E_l, NT = self.K, self.W, self.T_max, self.E_l, self.threads
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
-
-        scr = _addr(mScratch)
-        cnt_addr = scr + 4 * scr_counts(E_l)
-        cur_addr = scr + 4 * scr_cursor(E_l)
-        arr_addr = scr + 4 * scr_arrive(E_l)
-        off_addr = _addr(mOffsets)
+        err_addr = _addr(mErr)
         ids_addr = _addr(mIds)
 
         sp = cute.arch.alloc_smem(Int32, E_l)
         sH = cute.make_tensor(sp, cute.make_layout(E_l))
-        for e in cutlass.range(tidx, E_l, self.threads):
+        sCum = cute.make_tensor(cute.arch.alloc_smem(Int32, W + 1), cute.make_layout(W + 1))
+        for e in cutlass.range(tidx, E_l, NT):
             sH[e] = Int32(0)
-        cute.arch.sync_threads()
 
-        for p in cutlass.range(bidx * self.threads + tidx, P, gdim * self.threads):
-            s = p // Int32(K)
-            q = s // Int32(T_max)
-            t = s - q * Int32(T_max)
-            # Both loads issue back to back (p < P always: ids in bounds for stale slots too).
-            e = cute.arch.load(_gptr(Int32, ids_addr + Int64(p) * 4, 4), Int32)
-            if (t < mRecvCount[q]) & (e >= Int32(0)) & (e < Int32(E_l)):
-                cute.arch.atomic_add(sp + e, Int32(1))
+        # 1. every CTA waits for all W dispatch flags of this epoch (warp 0, lane s = source s)
+        if mErr[ERR_CODE] == Int32(0):
+            epoch = mCtrl[CTRL_EPOCH]
+            if tidx < W:
+                state = _spin_wait_eq(_addr(mFlags) + Int64(tidx) * 8, epoch, timeout_ns)
+                if state == Int32(2):
+                    _report_error(err_addr, Int32(ERR_TIMEOUT), tidx, Int32(WHERE_WAIT),
+                                  Int32(epoch))
         cute.arch.sync_threads()
-
-        for e in cutlass.range(tidx, E_l, self.threads):
-            h = sH[e]
-            if h != Int32(0):
-                cute.arch.atomic_add(_gptr(Int32, cnt_addr + Int64(e) * 4, 4), h,
-                                     sem="relaxed", scope="gpu")
-        # Every thread that added publishes before the CTA arrives.
-        cute.arch.fence_acq_rel_gpu()
-        cute.arch.sync_threads()
-
         if warp == 0:
-            arrived = Int32(0)
-            if lane == 0:
-                arrived = cute.arch.atomic_add(_gptr(Int32, arr_addr, 4), Int32(1),
-                                               sem="acq_rel", scope="gpu")
-            arrived = cute.arch.shuffle_sync(arrived, 0)
-            if arrived == gdim - 1:
-                # Last CTA: all counts are final. Read-and-reset them (atomics act at L2, so
-                # they see every other CTA's adds), scan, write offsets and cursor bases.
-                cute.arch.sync_warp()
-                cute.arch.fence_acq_rel_gpu()
-                vals = []
-                local = Int32(0)
-                for j in cutlass.range_constexpr(C):
-                    e = lane * C + j
-                    v = Int32(0)
-                    if e < Int32(E_l):
-                        v = cute.arch.atomic_exch(_gptr(Int32, cnt_addr + Int64(e) * 4, 4),
-                                                  Int32(0), sem="relaxed", scope="gpu")
-                    vals.append(v)
-                    local = local + v
-                incl = local
-                for d in cutlass.range_constexpr(5):
-                    y = cute.arch.shuffle_sync_up(incl, 1 << d)
-                    if lane >= Int32(1 << d):
-                        incl = incl + y
-                run = incl - local
-                for j in cutlass.range_constexpr(C):
-                    e = lane * C + j
-                    if e < Int32(E_l):
-                        cute.arch.store(_gptr(Int32, off_addr + Int64(e) * 4, 4), run)
-                        cute.arch.store(_gptr(Int32, cur_addr + Int64(e) * 4, 4), run)
-                    run = run + vals[j]
-                if lane == 31:
-                    cute.arch.store(_gptr(Int32, off_addr + 4 * E_l, 4), incl)
-                if lane == 0:
-                    cute.arch.store(_gptr(Int32, arr_addr, 4), Int32(0))
+            _scan_sources(mRecvCount, sCum, lane, W, T_max)
+        cute.arch.sync_threads()
+
+        # 2. histogram of chunk c's valid pairs
+        if _ld_i32_relaxed_gpu(err_addr) == Int32(0):
+            V = sCum[W]
+            L = (V + gdim - 1) // gdim
+            v0 = cutlass.min(bidx * L, V)
+            v1 = cutlass.min(v0 + L, V)
+            for p in cutlass.range(v0 * K + tidx, v1 * K, NT):
+                v = p // Int32(K)
+                k = p - v * Int32(K)
+                s = _slot_of(v, sCum, W, T_max)
+                e = cute.arch.load(_gptr(Int32, ids_addr + (Int64(s) * K + Int64(k)) * 4, 4), Int32)
+                if (e >= Int32(0)) & (e < Int32(E_l)):
+                    cute.arch.atomic_add(sp + e, Int32(1))
+        cute.arch.sync_threads()
+        for e in cutlass.range(tidx, E_l, NT):
+            mCounts[bidx * E_l + e] = sH[e]
 
 
 # =============================================================================================
@@ -211,7 +210,8 @@ class LayoutCount:
 
 
 class LayoutPlace:
-    """Give every valid pair its grouped row; write idx / ws / pos (and xs rows if ``gather``).
+    """Give every valid pair its grouped row in (expert, slot, k) order; write offsets / idx / ws /
+    pos and, if ``gather``, the xs rows.
 
     Static: hidden H, top-K, world W, T_max, local experts E_l, threads per CTA, gather.
 
@@ -219,112 +219,208 @@ class LayoutPlace:
         mIds        [S, K]      int32 recv_ids
         mW          [S, K]      float32 recv_w
         mRecvCount  [W]         int32 recv_count
-        mScratch    [2*E_l + 4] int32 (cursor[e] = offsets[e], set by LayoutCount)
+        mErr        [4]         int32 local error word; while set nothing is placed (offsets
+                                are still written: all zero, since LayoutCount stored zeros)
+        mCounts     [>= C*E_l]  int32 LayoutCount's output (same C)
         mX          [R, H]      bf16 recv_x (R dynamic; slots >= R are not copied); ignored
                                 (any 1-row tensor) when gather is False
+        mOffsets    [E_l + 1]   int32 output (written by CTA 0)
         mIdx        [cap]       int32 output (cap dynamic; rows >= cap are dropped)
         mWs         [cap]       float32 output
-        mPos        [S, K]      int32 output, fully written
+        mPos        [S, K]      int32 output (valid slots)
         mXs         [capx, H]   bf16 output rows (capx dynamic); ignored when gather is False
-        num_ctas    Int32, stream CUstream
+        num_chunks  Int32       C = grid size (must equal LayoutCount's)
+        stream      CUstream
     """
 
     def __init__(self, hidden: int, topk: int, world: int, max_tokens: int, local_experts: int,
-                 threads: int = LAYOUT_THREADS, gather: bool = True):
-        assert 1 <= topk <= LAYOUT_MAX_TOPK and world >= 1 and max_tokens >= 1
+                 threads: int, gather: bool = True):
+        assert 1 <= topk <= LAYOUT_MAX_TOPK and 1 <= world <= LAYOUT_MAX_WORLD and max_tokens >= 1
         assert 1 <= local_experts <= LAYOUT_MAX_LOCAL_EXPERTS
-        assert threads % 32 == 0 and threads >= 32
+        assert threads % 32 == 0 and 32 <= threads <= 1024 and threads >= topk
         assert world * max_tokens * topk < 2**31
         self.H, self.K, self.W, self.T_max, self.E_l = hidden, topk, world, max_tokens, local_experts
         self.threads = threads
+        self.NW = threads // 32
+        self.TS = threads // topk                  # slots per tile (one thread per pair)
+        self.G = max(1, threads // local_experts)  # thread groups splitting the chunk-count scan
+        self.CPL = (local_experts + 31) // 32      # experts per lane in the offsets scan
         self.gather = bool(gather)
         self.plan = _RowPlan(hidden)
+        smem = 4 * (2 * self.G * local_experts + local_experts + self.NW * local_experts
+                    + self.TS * topk + world + 1)
+        assert smem <= 48 * 1024, f"LayoutPlace needs {smem} B of static shared memory"
 
     @cute.jit
     def __call__(self, mIds: cute.Tensor, mW: cute.Tensor, mRecvCount: cute.Tensor,
-                 mScratch: cute.Tensor, mX: cute.Tensor, mIdx: cute.Tensor, mWs: cute.Tensor,
-                 mPos: cute.Tensor, mXs: cute.Tensor, num_ctas: Int32, stream: cuda.CUstream):
-        self.kernel(mIds, mW, mRecvCount, mScratch, mX, mIdx, mWs, mPos, mXs).launch(
-            grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), stream=stream)
+                 mErr: cute.Tensor, mCounts: cute.Tensor, mX: cute.Tensor, mOffsets: cute.Tensor,
+                 mIdx: cute.Tensor, mWs: cute.Tensor, mPos: cute.Tensor, mXs: cute.Tensor,
+                 num_chunks: Int32, stream: cuda.CUstream):
+        self.kernel(mIds, mW, mRecvCount, mErr, mCounts, mX, mOffsets, mIdx, mWs, mPos,
+                    mXs).launch(grid=(num_chunks, 1, 1), block=(self.threads, 1, 1),
+                                stream=stream)
 
     @cute.kernel
     def kernel(self, mIds: cute.Tensor, mW: cute.Tensor, mRecvCount: cute.Tensor,
-               mScratch: cute.Tensor, mX: cute.Tensor, mIdx: cute.Tensor, mWs: cute.Tensor,
-               mPos: cute.Tensor, mXs: cute.Tensor):
-        K, T_max, E_l = self.K, self.T_max, self.E_l
-        S = self.W * T_max
+               mErr: cute.Tensor, mCounts: cute.Tensor, mX: cute.Tensor, mOffsets: cute.Tensor,
+               mIdx: cute.Tensor, mWs: cute.Tensor, mPos: cute.Tensor, mXs: cute.Tensor):
+        K, W, T_max, E_l = self.K, self.W, self.T_max, self.E_l
+        NT, NW, TS, G, CPL = self.threads, self.NW, self.TS, self.G, self.CPL
+        tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
         lane = cute.arch.lane_idx()
         warp = cute.arch.warp_idx()
-        warps_per_cta = self.threads // 32
-        gwarp = bidx * warps_per_cta + warp
-        nwarps = gdim * warps_per_cta
 
-        cur_addr = _addr(mScratch) + 4 * scr_cursor(E_l)
+        def smem(n):
+            return cute.make_tensor(cute.arch.alloc_smem(Int32, n), cute.make_layout(n))
+
+        sCum = smem(W + 1)
+        sPre = smem(G * E_l)
+        sTot = smem(G * E_l)
+        sCur = smem(E_l)
+        sHist = smem(NW * E_l)
+        sRow = smem(TS * K)
+
+        if warp == 0:
+            _scan_sources(mRecvCount, sCum, lane, W, T_max)
+
+        # A. per expert: rows of all chunks (tot) and of the chunks before this one (pre)
+        for j in cutlass.range(tidx, G * E_l, NT):
+            e = j % E_l
+            g = j // E_l
+            pre = Int32(0)
+            tot = Int32(0)
+            for cc in cutlass.range(g, gdim, G, unroll=8):
+                v = mCounts[cc * E_l + e]
+                tot = tot + v
+                if cc < bidx:
+                    pre = pre + v
+            sPre[j] = pre
+            sTot[j] = tot
+        cute.arch.sync_threads()
+
+        # B. offsets = exclusive scan of tot over experts (warp 0); cursor = offsets + pre
+        if warp == 0:
+            vals = []
+            local = Int32(0)
+            for jj in cutlass.range_constexpr(CPL):
+                e = lane * CPL + jj
+                v = Int32(0)
+                if e < Int32(E_l):
+                    for g in cutlass.range_constexpr(G):
+                        v = v + sTot[g * E_l + e]
+                vals.append(v)
+                local = local + v
+            incl = local
+            for d in cutlass.range_constexpr(5):
+                y = cute.arch.shuffle_sync_up(incl, 1 << d)
+                if lane >= Int32(1 << d):
+                    incl = incl + y
+            run = incl - local
+            for jj in cutlass.range_constexpr(CPL):
+                e = lane * CPL + jj
+                if e < Int32(E_l):
+                    pre_e = Int32(0)
+                    for g in cutlass.range_constexpr(G):
+                        pre_e = pre_e + sPre[g * E_l + e]
+                    sCur[e] = run + pre_e
+                    if bidx == 0:
+                        mOffsets[e] = run
+                run = run + vals[jj]
+            if (lane == 31) & (bidx == 0):
+                mOffsets[E_l] = incl
+        cute.arch.sync_threads()
+
+        # C. place the chunk's pairs, tile by tile (uniform trip count inside the CTA)
         cap = cutlass.min(mIdx.shape[0], mWs.shape[0])
+        cap_x = mXs.shape[0]
+        n_x = mX.shape[0]
         x_addr = _addr(mX)
         xs_addr = _addr(mXs)
-        n_x = mX.shape[0]
-        cap_x = mXs.shape[0]
         rb = self.plan.row_bytes
-        # registers holding the first chunk of the row, loaded before the cursor atomic
-        bufs0 = [cute.make_rmem_tensor((4,), Int32) for _ in self.plan.slots(0)]
+        lt = cute.arch.lanemask_lt()
+        if mErr[ERR_CODE] == Int32(0):
+            V = sCum[W]
+            L = (V + gdim - 1) // gdim
+            v0 = cutlass.min(bidx * L, V)
+            v1 = cutlass.min(v0 + L, V)
+            for tb in cutlass.range(v0, v1, TS):
+                ls = tidx // Int32(K)
+                k = tidx - ls * Int32(K)
+                v = tb + ls
+                inb = (tidx < Int32(TS * K)) & (v < v1)
+                s = Int32(0)
+                e = Int32(-1)
+                w = Float32(0.0)
+                if inb:
+                    s = _slot_of(v, sCum, W, T_max)
+                    e = mIds[s, k]
+                    w = mW[s, k]
+                valid = inb & (e >= Int32(0)) & (e < Int32(E_l))
+                key = Int32(E_l)
+                if valid:
+                    key = e
+                peers = cute.arch.match_sync(cute.arch.FULL_MASK, key, "any")
+                below = Int32(cute.arch.popc(peers & lt))
+                for j in cutlass.range(tidx, NW * E_l, NT):
+                    sHist[j] = Int32(0)
+                cute.arch.sync_threads()
+                if valid & (below == Int32(0)):  # the lowest lane of each expert group
+                    sHist[warp * E_l + e] = Int32(cute.arch.popc(peers))
+                cute.arch.sync_threads()
+                for e2 in cutlass.range(tidx, E_l, NT):
+                    run = sCur[e2]
+                    for w2 in cutlass.range_constexpr(NW):
+                        h = sHist[w2 * E_l + e2]
+                        sHist[w2 * E_l + e2] = run
+                        run = run + h
+                    sCur[e2] = run
+                cute.arch.sync_threads()
+                row = Int32(-1)
+                if valid:
+                    row = sHist[warp * E_l + e] + below
+                if tidx < Int32(TS * K):
+                    sRow[tidx] = row
+                if inb:
+                    mPos[s, k] = row
+                    if valid & (row < cap):
+                        mIdx[row] = s
+                        mWs[row] = w
+                if cutlass.const_expr(self.gather):
+                    cute.arch.sync_threads()
+                    self._gather_tile(tb, v1, sRow, sCum, mX, n_x, x_addr, xs_addr, cap_x, rb,
+                                      lane, warp)
 
-        for s in cutlass.range(gwarp, S, nwarps):
-            q = s // Int32(T_max)
-            t = s - q * Int32(T_max)
-            e = Int32(-1)
-            w = Float32(0.0)
-            if lane < K:  # loaded also for stale slots (in bounds), so both loads overlap
-                e = mIds[s, lane]
-                w = mW[s, lane]
-            ok = (t < mRecvCount[q]) & (e >= Int32(0)) & (e < Int32(E_l))
-
-            # Fused gather, part 1: issue the loads of the row's first chunk BEFORE the cursor
-            # atomic so that their latencies overlap.
-            mask = Int32(0)
-            if cutlass.const_expr(self.gather):
-                mask = cute.arch.vote_ballot_sync(ok & (s < n_x))
-                if mask != Int32(0):
-                    src_row = x_addr + Int64(s) * rb
-                    for j, (u, vbase, pred) in enumerate(self.plan.slots(0)):
-                        vi = lane + vbase
-                        if cutlass.const_expr(pred):
-                            vi = cutlass.min(vi, Int32(self.plan.nvec - 1))
-                        bufs0[j].store(cute.TensorSSA(_ld_vec(src_row + Int64(vi) * EP_VEC_BYTES),
-                                                      (4,), Int32))
-
-            row = Int32(-1)
-            if ok:
-                row = cute.arch.atomic_add(_gptr(Int32, cur_addr + Int64(e) * 4, 4), Int32(1),
-                                           sem="relaxed", scope="gpu")
-            if lane < K:
-                mPos[s, lane] = row
-            if ok & (row < cap):
-                mIdx[row] = s
-                mWs[row] = w
-
-            if cutlass.const_expr(self.gather):
-                if mask != Int32(0):
-                    # rows >= cap_x are dropped (the host guarantees cap_x >= S*K)
-                    mask = mask & cute.arch.vote_ballot_sync(ok & (row < cap_x))
-                    rows = [cute.arch.shuffle_sync(row, k) for k in range(K)]
+    @cute.jit
+    def _gather_tile(self, tb: Int32, v1: Int32, sRow: cute.Tensor, sCum: cute.Tensor,
+                     mX: cute.Tensor, n_x: Int32, x_addr: Int64, xs_addr: Int64, cap_x: Int32,
+                     rb: cutlass.Constexpr, lane: Int32, warp: Int32):
+        """One warp per slot of the tile: load the slot's row once (16-byte vectors, U in flight
+        per lane) and store it to each of its valid grouped rows."""
+        K, W, T_max, NW, TS = self.K, self.W, self.T_max, self.NW, self.TS
+        for ls in cutlass.range(warp, TS, NW):
+            v = tb + ls
+            if v < v1:
+                s = _slot_of(v, sCum, W, T_max)
+                r_lane = Int32(-1)
+                if lane < K:
+                    r_lane = sRow[ls * K + lane]
+                mask = cute.arch.vote_ballot_sync((r_lane >= Int32(0)) & (r_lane < cap_x))
+                if (mask != Int32(0)) & (s < n_x):
+                    rows = [cute.arch.shuffle_sync(r_lane, k) for k in range(K)]
                     src_row = x_addr + Int64(s) * rb
                     for c in cutlass.range_constexpr(self.plan.chunks):
                         slots = self.plan.slots(c)
                         offs = []
                         vals = []
-                        for j, (u, vbase, pred) in enumerate(slots):
+                        for u, vbase, pred in slots:
                             vi = lane + vbase
                             if cutlass.const_expr(pred):
                                 vi = cutlass.min(vi, Int32(self.plan.nvec - 1))
                             off = Int64(vi) * EP_VEC_BYTES
                             offs.append(off)
-                            if cutlass.const_expr(c == 0):
-                                vals.append(bufs0[j].load().ir_value())
-                            else:
-                                vals.append(_ld_vec(src_row + off))
+                            vals.append(_ld_vec(src_row + off))
                         for k in cutlass.range_constexpr(K):
                             if ((mask >> k) & 1) != 0:
                                 dst_row = xs_addr + Int64(rows[k]) * rb

@@ -1,0 +1,276 @@
+"""GPU (H200): the default MoELayer on sm90_bf16_cutedsl -- results against the reference backend,
+and the hot-path properties: no host sync, no allocation, bit-determinism, CUDA graphs, bad
+values dropped and reported, stale handles refused, memory freed, one workspace for many layers.
+
+Run on the GPU machine: ``pytest -m gpu tests/test_layer_gpu.py``.
+"""
+
+import gc
+import zlib
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+QWEN = dict(num_experts=128, hidden=2048, intermediate=768, top_k=8)
+
+
+def _sm90():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+
+def rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def seed_of(*parts) -> int:
+    return zlib.crc32("/".join(map(str, parts)).encode())
+
+
+def problem(T, seed, E=128, H=2048, I=768, K=8, skew=False, ids_dtype=torch.int32, weights=True):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16).cuda()
+    logits = torch.randn(T, E, generator=g)
+    if skew:
+        logits[:, :4] += 3.0
+    ids = logits.topk(K, dim=-1).indices.to(ids_dtype).cuda()
+    w = torch.softmax(torch.randn(T, K, generator=g), -1).cuda()
+    if not weights:
+        return x, ids, w
+    w13 = (torch.randn(E, 2 * I, H, generator=g) * H ** -0.5).to(torch.bfloat16).cuda()
+    w2 = (torch.randn(E, H, I, generator=g) * I ** -0.5).to(torch.bfloat16).cuda()
+    return x, ids, w, w13, w2
+
+
+def layers(cfg, *names):
+    from moe_ep.api import EPGroup, MoELayer
+
+    return [MoELayer(cfg, EPGroup.single(), backend=n) for n in names]
+
+
+@pytest.mark.parametrize("routing,T,ids_dtype", [
+    ("uniform", 1, torch.int32), ("skewed", 1, torch.int64), ("uniform", 333, torch.int64),
+    ("skewed", 333, torch.int32), ("uniform", 4096, torch.int32), ("skewed", 4096, torch.int64),
+])
+def test_layer_matches_reference(routing, T, ids_dtype):
+    _sm90()
+    from moe_ep.api import MoEConfig
+    from moe_ep.backends.reference import expert_mlp
+
+    cfg = MoEConfig(max_tokens_per_rank=4096, **QWEN)
+    x, ids, w, w13, w2 = problem(T, seed_of(routing, T), skew=routing == "skewed", ids_dtype=ids_dtype)
+    fast, ref = layers(cfg, "auto", "reference")
+    assert fast.backend_name == "sm90_bf16_cutedsl"
+    fast.warmup(progress=False)
+    out = torch.full((T, cfg.hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
+    got = fast.forward(x, ids, w, w13, w2, out=out)
+    want = ref.forward(x, ids, w, w13, w2)
+    fast.check_errors()
+    assert got.data_ptr() == out.data_ptr() and torch.isfinite(got).all()
+    assert rel(got, want) < 1e-2
+    # the split pair: fixed-capacity recv_x, valid rows below offsets[-1]
+    recv, offs, h = fast.dispatch(x, ids, w)
+    assert recv.shape[0] == cfg.max_tokens_per_rank * cfg.top_k == h.num_recv_rows
+    R = int(offs[-1])
+    assert R == T * cfg.top_k
+    y = torch.full_like(recv, float("nan"))  # padding rows must never be read
+    y[:R] = expert_mlp(recv[:R], offs, w13, w2, "swiglu", cfg.intermediate)
+    assert rel(fast.combine(y, h), want) < 1e-2
+    fast.destroy(), ref.destroy()
+
+
+def test_bad_values_dropped_and_reported():
+    """Out-of-range ids (int32 and int64, incl. values that would wrap) and NaN/inf weights are
+    dropped, never computed by another expert; check_errors names the first one, once."""
+    _sm90()
+    from moe_ep.api import MoEConfig, RoutingValueError
+
+    cfg = MoEConfig(max_tokens_per_rank=512, **QWEN)
+    fast, ref = layers(cfg, "sm90_bf16_cutedsl", "reference")
+    fast.warmup(progress=False)
+    x, ids, w, w13, w2 = problem(300, 7)
+    for dtype, bad_vals in ((torch.int32, (128, 1000, -3, 2**31 - 1)), (torch.int64, (128, 2**40 + 5, -1, 2**32 + 3))):
+        bad = ids.to(dtype).clone()
+        for j, v in enumerate(bad_vals):
+            bad[10 + 37 * j, j % 8] = v
+        got = fast.forward(x, bad, w, w13, w2)
+        want = ref.forward(x, bad, w, w13, w2)
+        assert torch.isfinite(got).all()
+        assert rel(got, want) < 1e-2
+        # the dropped choices really contribute nothing: same as weight 0 on a valid expert
+        clean, w0 = ids.to(dtype).clone(), w.clone()
+        for j in range(len(bad_vals)):
+            w0[10 + 37 * j, j % 8] = 0.0
+        assert rel(got, ref.forward(x, clean, w0, w13, w2)) < 1e-2
+        with pytest.raises(RoutingValueError, match=r"topk_ids\[10, 0\] = 128 is outside \[0, 128\)") as ei:
+            fast.check_errors()
+        assert (ei.value.argument, ei.value.token, ei.value.k, ei.value.value) == ("topk_ids", 10, 0, 128)
+        assert isinstance(ei.value, ValueError)
+        fast.check_errors()  # reported once
+    for v in (float("nan"), float("inf")):
+        bw = w.clone()
+        bw[5, 3] = v
+        bw[200, 1] = -v
+        got = fast.forward(x, ids, bw, w13, w2)
+        assert torch.isfinite(got).all()
+        w0 = w.clone()
+        w0[5, 3] = w0[200, 1] = 0.0
+        assert rel(got, ref.forward(x, ids, w0, w13, w2)) < 1e-2
+        with pytest.raises(RoutingValueError, match=r"topk_weights\[5, 3\] = (nan|inf) is not finite"):
+            fast.check_errors()
+    fast.destroy(), ref.destroy()
+
+
+def test_forward_no_host_sync_no_allocation():
+    """Ten default forwards (and dispatch/combine pairs) under torch's sync debug mode "error",
+    and the caching allocator's allocation count does not move."""
+    _sm90()
+    from moe_ep.api import MoEConfig
+
+    cfg = MoEConfig(max_tokens_per_rank=2048, **QWEN)
+    (layer,) = layers(cfg, "sm90_bf16_cutedsl")
+    layer.warmup(progress=False)
+    x, ids, w, w13, w2 = problem(2048, 3)
+    out = torch.empty_like(x)
+    out2 = torch.empty_like(x)
+    layer.forward(x, ids, w, w13, w2, out=out)
+    recv, offs, h = layer.dispatch(x, ids, w)
+    layer.combine(recv, h, out=out2)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(10):
+            layer.forward(x, ids, w, w13, w2, out=out)
+        for _ in range(3):
+            recv, offs, h = layer.dispatch(x, ids, w)
+            layer.combine(recv, h, out=out2)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
+    layer.check_errors()
+    layer.destroy()
+
+
+def test_bit_identical_repeats_and_cuda_graph():
+    """30 repeats are bit-identical; warmup -> capture -> replay equals eager bit for bit; new
+    inputs copied into the captured buffers give the new result."""
+    _sm90()
+    from moe_ep.api import MoEConfig
+
+    cfg = MoEConfig(max_tokens_per_rank=1024, **QWEN)
+    (layer,) = layers(cfg, "sm90_bf16_cutedsl")
+    layer.warmup(progress=False)
+    x, ids, w, w13, w2 = problem(1024, 1, skew=True)
+    eager = layer.forward(x, ids, w, w13, w2).clone()
+    for _ in range(30):
+        assert torch.equal(layer.forward(x, ids, w, w13, w2), eager)
+    out = torch.empty_like(x)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        layer.forward(x, ids, w, w13, w2, out=out)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        layer.forward(x, ids, w, w13, w2, out=out)
+    for _ in range(3):
+        out.fill_(float("nan"))
+        g.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
+    x2, ids2, w_2 = problem(1024, 2, weights=False)
+    x.copy_(x2), ids.copy_(ids2), w.copy_(w_2)
+    g.replay()
+    want = layer.forward(x2, ids2, w_2, w13, w2)
+    torch.cuda.synchronize()
+    assert torch.equal(out, want) and not torch.equal(want, eager)
+    del g
+    layer.destroy()
+
+
+def test_stale_handles_raise():
+    _sm90()
+    from moe_ep.api import MoEConfig, StaleHandleError
+
+    cfg = MoEConfig(max_tokens_per_rank=256, **QWEN)
+    a, b = layers(cfg, "sm90_bf16_cutedsl", "sm90_bf16_cutedsl")
+    a.warmup(progress=False), b.warmup(progress=False)
+    x, ids, w, w13, w2 = problem(200, 4)
+    recv1, _, h1 = a.dispatch(x, ids, w)
+    recv2, _, h2 = a.dispatch(x, ids, w)
+    with pytest.raises(StaleHandleError, match="stale"):
+        a.combine(recv1, h1)
+    a.combine(recv2, h2)
+    _, _, h3 = a.dispatch(x, ids, w)
+    b.forward(x, ids, w, w13, w2)  # another layer on the same workspace overwrites a's buffers
+    with pytest.raises(StaleHandleError, match="workspace"):
+        a.combine(recv2, h3)
+    a.destroy(), b.destroy()
+
+
+def _mem():
+    gc.collect()
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
+
+
+def test_destroy_frees_memory():
+    _sm90()
+    from moe_ep.api import MoEConfig
+
+    cfg = MoEConfig(max_tokens_per_rank=8192, **QWEN)
+    x, ids, w, w13, w2 = problem(4096, 5)
+    (warm,) = layers(cfg, "sm90_bf16_cutedsl")  # compile caches filled once
+    warm.warmup(progress=False)
+    warm.forward(x, ids, w, w13, w2)
+    warm.destroy()
+    del warm
+    base = _mem()
+    (layer,) = layers(cfg, "sm90_bf16_cutedsl")
+    layer.warmup(progress=False)
+    layer.forward(x, ids, w, w13, w2)
+    held = _mem() - base
+    assert held >= layer.workspace_bytes(cfg, 1)
+    layer.destroy()
+    del layer
+    assert _mem() == base
+
+
+def test_one_workspace_for_48_layers():
+    """48 Qwen3 layers (8192 tokens) take about one layer's memory; interleaved forwards of
+    different layers (different weights, one with a smaller shape, one that grows the
+    workspace after the others were warmed up) match the reference."""
+    _sm90()
+    from moe_ep.api import EPGroup, MoEConfig, MoELayer
+
+    cfg = MoEConfig(max_tokens_per_rank=8192, **QWEN)
+    small = MoEConfig(max_tokens_per_rank=512, **QWEN)
+    base = _mem()
+    first = [MoELayer(small, EPGroup.single(), backend="sm90_bf16_cutedsl")]
+    first[0].warmup(progress=False)
+    one_small = _mem() - base
+    ls = first + [MoELayer(cfg, EPGroup.single(), backend="sm90_bf16_cutedsl") for _ in range(48)]
+    for layer in ls[1:]:
+        layer.warmup(progress=False)  # the first of them grows the workspace: ls[0] is re-bound
+    held = _mem() - base
+    need = MoELayer.workspace_bytes(cfg, 1)
+    assert one_small < need
+    assert held <= need + 49 * (1 << 20), f"49 layers hold {held / 2**30:.2f} GiB; one needs {need / 2**30:.2f}"
+    (ref,) = layers(cfg, "reference")
+    problems = [problem(T, seed_of("ws", i)) for i, T in enumerate((4096, 300, 8192, 512))]
+    order = [(1, 0), (17, 1), (0, 3), (48, 2), (1, 1), (0, 3), (30, 0)]
+    for li, pi in order:
+        x, ids, w, w13, w2 = problems[pi]
+        got = ls[li].forward(x, ids, w, w13, w2)
+        assert rel(got, ref.forward(x, ids, w, w13, w2)) < 1e-2, f"layer {li} problem {pi}"
+    for layer in ls:
+        layer.check_errors()
+        layer.destroy()
+    ref.destroy()
+    del problems, x, ids, w, w13, w2, got, ls, first, layer
+    assert _mem() - base < (1 << 20)
