@@ -1,10 +1,15 @@
-"""Input validation, run before any launch. Each error names the offending argument."""
+"""Input validation, run before any launch. Each error names the offending argument.
+
+Too many tokens raises :class:`~moe_ep.backends.CapacityError` (a ``ValueError``); bad types raise
+``TypeError`` and bad shapes, devices or (with ``check_values``) values a plain ``ValueError``."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+
+from ..backends import CapacityError
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -45,7 +50,8 @@ def check_routing(cfg, x: torch.Tensor, topk_ids: Any, topk_weights: Any, device
     check_tensor("x", x, dtype=cfg.dtype, shape=(None, cfg.hidden), device=device)
     T = x.shape[0]
     if T > cfg.max_tokens_per_rank:
-        raise ValueError(f"x has {T} tokens, more than max_tokens_per_rank={cfg.max_tokens_per_rank}")
+        raise CapacityError(f"x has {T} tokens, more than max_tokens_per_rank={cfg.max_tokens_per_rank} "
+                            "(the layer's buffers are sized for that many tokens per rank)")
     ids = _tensor("topk_ids", topk_ids)
     if ids.dim() == 2 and ids.shape[0] == T and ids.shape[1] != cfg.top_k:
         raise ValueError(f"topk_ids has {ids.shape[1]} columns but the layer's top_k is {cfg.top_k}")
@@ -55,7 +61,8 @@ def check_routing(cfg, x: torch.Tensor, topk_ids: Any, topk_weights: Any, device
         raise ValueError(f"topk_weights has {w.shape[1]} columns but the layer's top_k is {cfg.top_k}")
     check_tensor("topk_weights", w, dtype=torch.float32, shape=(T, cfg.top_k), device=device)
     if check_values and T > 0:
-        # one fused reduction, one host sync; skipped under CUDA-graph capture (kernels guard)
+        # debugging opt-in: one fused reduction, one host sync; skipped under CUDA-graph capture.
+        # Without it the backends drop such choices and check_errors() raises RoutingValueError.
         lo, hi = int(ids.min()), int(ids.max())
         if lo < 0 or hi >= cfg.num_experts:
             bad = lo if lo < 0 else hi

@@ -2,7 +2,9 @@
 
 ``available()`` lists the registered backends (best first), ``get(name)`` returns one (an unknown
 name raises naming the registered ones), ``select(name, config, group, device)`` checks that a
-backend can run a configuration and raises :class:`UnsupportedBackendError` with the reason.
+backend can run a configuration and raises :class:`UnsupportedBackendError` with the reason
+(``"auto"`` warns with :class:`BackendWarning` when it passes over a faster backend), and
+``explain(config, group, device)`` returns every backend's :class:`Verdict`, best first.
 """
 
 from moe_ep.shim import (BackendWarning, BootstrapError, CapacityError, CaptureError, DeviceStallError, MoEError,
@@ -10,8 +12,8 @@ from moe_ep.shim import (BackendWarning, BootstrapError, CapacityError, CaptureE
 
 from . import reference as _reference
 from .sm90 import bf16_cutedsl as _sm90_bf16
-from .registry import (BackendImpl, BackendSpec, UnsupportedBackendError, available, get, register,
-                       select, unregister)
+from .registry import (BackendImpl, BackendSpec, UnsupportedBackendError, Verdict, available, explain, get,
+                       register, select, unregister)
 
 register(BackendSpec(
     name="reference",
@@ -51,5 +53,14 @@ def retain_runtime(group, device_index: int | None = None):
 ERRORS = ("MoEError", "UnsupportedBackendError", "CapacityError", "RoutingValueError", "StaleHandleError",
           "DeviceStallError", "ShimError", "CaptureError", "SymmetricHeapError", "BootstrapError", "BackendWarning")
 
-__all__ = [*ERRORS, "retain_runtime", "BackendImpl", "BackendSpec", "UnsupportedBackendError", "available", "get", "register",
-           "select", "unregister"]
+__all__ = [*ERRORS, "retain_runtime", "workspace_bytes", "BackendImpl", "BackendSpec", "UnsupportedBackendError", "Verdict",
+           "available", "explain", "get", "register", "select", "unregister"]
+
+
+def workspace_bytes(name: str, config, world_size: int) -> int:
+    """Device bytes per rank of the workspace a layer of ``config`` needs on backend ``name``
+    (0 for backends that allocate per call, such as ``reference``)."""
+    get(name)  # unknown names raise, naming the registered ones
+    if name == "sm90_bf16_cutedsl":
+        return _sm90_bf16.workspace_bytes(config, world_size)
+    return 0

@@ -3,18 +3,21 @@
 ``get(name)`` raises with the list of registered names for an unknown one; ``select`` checks a
 backend's capabilities (arch, dtype, activation, world size, shapes) and raises
 :class:`UnsupportedBackendError` with the reason. There is no silent fallback: ``"auto"`` is the
-documented choice of the highest-priority backend whose checks pass, and the layer reports which.
+documented choice of the highest-priority backend whose checks pass, and the layer reports which;
+when it passes over a higher-priority backend it says why (:class:`BackendWarning`, once per
+backend and reason). ``explain`` lists every backend's verdict for a configuration.
 """
 
 from __future__ import annotations
 
+import sys
 import threading
+import warnings
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable
 
-
-from moe_ep.shim import UnsupportedBackendError  # noqa: E402  (defined in the lowest layer)
+from moe_ep.shim import BackendWarning, UnsupportedBackendError  # defined in the lowest layer
 
 
 class BackendImpl(ABC):
@@ -90,8 +93,7 @@ def unregister(name: str) -> None:
 
 def available() -> list[str]:
     """Names of all registered backends, best first."""
-    with _LOCK:
-        return [s.name for s in sorted(_REGISTRY.values(), key=lambda s: -s.priority)]
+    return [s.name for s in _specs()]
 
 
 def get(name: str) -> BackendSpec:
@@ -103,22 +105,87 @@ def get(name: str) -> BackendSpec:
     return spec
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """Whether backend ``name`` can run a configuration (``explain``): ``reason`` is the
+    :class:`UnsupportedBackendError` message when ``ok`` is false, ``""`` otherwise."""
+
+    name: str
+    priority: int
+    ok: bool
+    reason: str = ""
+
+
+def _verdict(spec: BackendSpec, config: Any, group: Any, device: Any) -> Verdict:
+    try:
+        spec.check(config, group, device)
+    except UnsupportedBackendError as e:
+        return Verdict(spec.name, spec.priority, False, str(e))
+    return Verdict(spec.name, spec.priority, True)
+
+
+def _specs() -> list[BackendSpec]:
+    """Registered backends, best first (ties keep registration order)."""
+    with _LOCK:
+        return sorted(_REGISTRY.values(), key=lambda s: -s.priority)
+
+
+def explain(config: Any, group: Any, device: Any) -> list[Verdict]:
+    """Every registered backend, best first, with whether it can run ``config`` on ``group`` and
+    ``device`` and, if not, why. ``select("auto", ...)`` takes the first ``ok`` one."""
+    return [_verdict(spec, config, group, device) for spec in _specs()]
+
+
+_WARNED: set[tuple[str, str]] = set()  # (passed-over backend, reason) already warned about
+
+
+def reset_warnings() -> None:
+    """Forget which passed-over backends ``select("auto", ...)`` has warned about (for tests)."""
+    with _LOCK:
+        _WARNED.clear()
+
+
+def _caller_stacklevel() -> int:
+    """``warnings.warn`` stacklevel (seen from the caller of this function) of the first frame
+    outside moe_ep, so that the warning points at the user's code (e.g. its ``MoELayer(...)``)."""
+    f, level = sys._getframe(1), 1
+    while f.f_back is not None and f.f_globals.get("__name__", "").startswith("moe_ep."):
+        f, level = f.f_back, level + 1
+    return level
+
+
+def _warn_passed_over(chosen: str, refused: list[Verdict]) -> None:
+    stacklevel = _caller_stacklevel()
+    for v in refused:
+        key = (v.name, v.reason)
+        with _LOCK:
+            if key in _WARNED:
+                continue
+            _WARNED.add(key)
+        warnings.warn(f'moe_ep backend="auto" chose {chosen!r}, passing over the higher-priority '
+                      f'{v.name!r}: {v.reason}', BackendWarning, stacklevel=stacklevel)
+
+
 def select(name: str, config: Any, group: Any, device: Any) -> BackendSpec:
     """Resolve ``name`` (or ``"auto"``) to a backend that supports this configuration.
 
-    A named backend that cannot run it raises :class:`UnsupportedBackendError`; ``"auto"``
-    takes the best backend whose checks pass and raises listing every refusal if none does.
+    A named backend that cannot run it raises :class:`UnsupportedBackendError` (it never warns);
+    ``"auto"`` takes the best backend whose checks pass, warns (:class:`BackendWarning`, once per
+    distinct backend and reason in this process) about each higher-priority backend it passed
+    over, and raises listing every refusal if none passes.
     """
     if name != "auto":
         spec = get(name)
         spec.check(config, group, device)
         return spec
-    reasons = []
-    for n in available():
-        spec = get(n)
-        try:
-            spec.check(config, group, device)
+    refused: list[Verdict] = []
+    for spec in _specs():
+        v = _verdict(spec, config, group, device)
+        if v.ok:
+            _warn_passed_over(spec.name, refused)
             return spec
-        except UnsupportedBackendError as e:
-            reasons.append(f"{n}: {e}")
-    raise UnsupportedBackendError("no registered backend supports this configuration: " + "; ".join(reasons))
+        refused.append(v)
+    if not refused:
+        raise UnsupportedBackendError("no moe_ep backend is registered")
+    raise UnsupportedBackendError("no registered backend supports this configuration: "
+                                  + "; ".join(f"{v.name}: {v.reason}" for v in refused))

@@ -1,21 +1,35 @@
-"""Bad input raises a clear TypeError/ValueError naming the argument, before any launch."""
+"""Bad input raises a clear TypeError/ValueError naming the argument, before any launch.
+
+Bad values (expert ids outside [0, E), non-finite router weights) are checked on the host only
+with ``check_values=True``; without it the backend drops them and ``check_errors()`` reports them
+(tests/test_reference.py)."""
 
 import pytest
 import torch
 from moe_oracle import make_problem, oracle_f64, rel_err
 
 from moe_ep.api import EPGroup, MoEConfig, MoELayer
-from moe_ep.backends import UnsupportedBackendError
+from moe_ep.backends import CapacityError, MoEError, RoutingValueError, UnsupportedBackendError
 
 E, H, I, K, T = 8, 32, 16, 2, 10
 
 
-@pytest.fixture
-def setup():
+def _setup(check_values):
     cfg = MoEConfig(num_experts=E, hidden=H, intermediate=I, top_k=K, max_tokens_per_rank=16)
-    layer = MoELayer(cfg, EPGroup.single(), backend="reference", device="cpu")
+    layer = MoELayer(cfg, EPGroup.single(), backend="reference", device="cpu", check_values=check_values)
     x, ids, w, w13, w2 = make_problem(E, H, I, K, T, seed=5)
     return layer, [x, ids.to(torch.int32), w, w13, w2]
+
+
+@pytest.fixture
+def setup():
+    return _setup(check_values=False)
+
+
+@pytest.fixture
+def checked():
+    """A layer with the host-side value checks (the debugging opt-in)."""
+    return _setup(check_values=True)
 
 
 BAD = [  # (argument index, mutate, exception, message fragment)
@@ -27,11 +41,8 @@ BAD = [  # (argument index, mutate, exception, message fragment)
     (1, lambda t: t.float(), TypeError, "topk_ids must have one of dtypes"),
     (1, lambda t: t[:, :1].contiguous(), ValueError, "top_k is 2"),
     (1, lambda t: t[:-1].contiguous(), ValueError, "topk_ids must have shape"),
-    (1, lambda t: torch.where(t == t[0, 0], torch.full_like(t, E), t), ValueError, "outside [0, 8)"),
-    (1, lambda t: torch.where(t == t[0, 0], torch.full_like(t, -1), t), ValueError, "expert id -1"),
     (2, lambda t: t.double(), TypeError, "topk_weights must have dtype"),
     (2, lambda t: torch.cat([t, t], 1), ValueError, "topk_weights has 4 columns"),
-    (2, lambda t: torch.where(t == t[0, 0], torch.full_like(t, float("nan")), t), ValueError, "non-finite"),
     (3, lambda t: t[:4].contiguous(), ValueError, "w13 holds 4 experts"),
     (3, lambda t: t[:, :I].contiguous(), ValueError, "w13 must have shape"),
     (3, lambda t: t.float(), TypeError, "w13 must have dtype"),
@@ -40,25 +51,64 @@ BAD = [  # (argument index, mutate, exception, message fragment)
 ]
 
 
+BAD_VALUES = [  # check_values=True: (argument index, mutate, message fragment)
+    (1, lambda t: torch.where(t == t[0, 0], torch.full_like(t, E), t), "outside [0, 8)"),
+    (1, lambda t: torch.where(t == t[0, 0], torch.full_like(t, -1), t), "expert id -1"),
+    (2, lambda t: torch.where(t == t[0, 0], torch.full_like(t, float("nan")), t), "non-finite"),
+    (2, lambda t: torch.where(t == t[0, 0], torch.full_like(t, float("-inf")), t), "non-finite"),
+]
+
+
 @pytest.mark.parametrize("idx,mutate,exc,frag", BAD)
-def test_bad_forward_inputs(setup, idx, mutate, exc, frag):
-    layer, args = setup
+@pytest.mark.parametrize("check_values", [False, True])
+def test_bad_forward_inputs(idx, mutate, exc, frag, check_values):
+    layer, args = _setup(check_values)
     args = list(args)
     args[idx] = mutate(args[idx])
     with pytest.raises(exc) as ei:
         layer.forward(*args)
     assert frag in str(ei.value)
+    assert not isinstance(ei.value, MoEError)  # plain TypeError/ValueError
 
 
-def test_too_many_tokens(setup):
-    layer, (x, ids, w, w13, w2) = setup
+@pytest.mark.parametrize("idx,mutate,frag", BAD_VALUES)
+def test_bad_values_checked_on_host_when_asked(checked, idx, mutate, frag):
+    layer, args = checked
+    args = list(args)
+    args[idx] = mutate(args[idx])
+    arg = ("topk_ids", "topk_weights")[idx - 1]
+    for call in (lambda: layer.forward(*args), lambda: layer.dispatch(*args[:3])):
+        with pytest.raises(ValueError) as ei:
+            call()
+        assert type(ei.value) is ValueError  # raised before launch, not a backend's RoutingValueError
+        assert frag in str(ei.value) and arg in str(ei.value)
+    layer.check_errors()  # nothing reached the backend
+
+
+@pytest.mark.parametrize("idx,mutate,frag", BAD_VALUES)
+def test_bad_values_without_host_check_reach_the_backend(setup, idx, mutate, frag):
+    layer, args = setup
+    args = list(args)
+    args[idx] = mutate(args[idx])
+    layer.forward(*args)  # no host sync, no raise: the backend drops the choice
+    with pytest.raises(RoutingValueError) as ei:
+        layer.check_errors()
+    assert ei.value.argument == ("topk_ids", "topk_weights")[idx - 1]
+
+
+@pytest.mark.parametrize("check_values", [False, True])
+def test_too_many_tokens(check_values):
+    layer, (x, ids, w, w13, w2) = _setup(check_values)
     x2, ids2, w_2, _, _ = make_problem(E, H, I, K, 17, seed=1)
-    with pytest.raises(ValueError, match="max_tokens_per_rank=16"):
-        layer.forward(x2, ids2, w_2, w13, w2)
+    for call in (lambda: layer.forward(x2, ids2, w_2, w13, w2), lambda: layer.dispatch(x2, ids2, w_2)):
+        with pytest.raises(CapacityError, match="max_tokens_per_rank=16") as ei:
+            call()
+        assert isinstance(ei.value, ValueError)
+        assert "x has 17 tokens" in str(ei.value)
 
 
-def test_out_checked_and_untouched_on_error(setup):
-    layer, (x, ids, w, w13, w2) = setup
+def test_out_checked_and_untouched_on_error(checked):
+    layer, (x, ids, w, w13, w2) = checked
     out = torch.full((T, H), 7.0, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="out must have shape"):
         layer.forward(x, ids, w, w13, w2, out=torch.empty(T + 1, H, dtype=torch.bfloat16))

@@ -3,8 +3,11 @@
 Per forward on each of W ranks (E_local = E/W experts per rank, local experts of rank r are
 ``[r·E_local, (r+1)·E_local)``):
 
-1. every (token, k) pair is one row; pairs are stably sorted by global expert id, which groups
-   them by destination rank and, inside a rank, by local expert;
+1. every valid (token, k) pair is one row; pairs are stably sorted by global expert id, which
+   groups them by destination rank and, inside a rank, by local expert. A choice whose expert id
+   is outside ``[0, E)`` or whose router weight is not finite is dropped, as the kernels do: it
+   is neither sent nor computed and contributes nothing; the first one of each kind is recorded
+   and :meth:`ReferenceBackend.check` raises it as :class:`RoutingValueError` (once);
 2. per-destination counts and the rows (bytes) are exchanged with ``all_to_all_single``;
 3. received rows are stably grouped by local expert -> ``recv_x [R, H]``, ``expert_offsets``;
 4. expert MLP: FC1 (``w13``), activation in float32, rounded to the layer dtype, FC2 (``w2``) —
@@ -22,6 +25,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from moe_ep.shim import RoutingValueError
 
 from ..registry import BackendImpl, UnsupportedBackendError
 
@@ -88,11 +93,11 @@ class ReferenceHandleState:
 
     num_tokens: int
     top_k: int
-    pair_order: torch.Tensor  # [T*K] int64: send row i is pair pair_order[i]
+    pair_order: torch.Tensor  # [N] int64: send row i is pair pair_order[i] (N valid pairs)
     send_splits: list[int]
     recv_splits: list[int]
     group_perm: torch.Tensor  # [R] int64: grouped row j is received row group_perm[j]
-    topk_weights: torch.Tensor  # [T, K] float32
+    topk_weights: torch.Tensor  # [T, K] float32, 0 for dropped choices
     out_dtype: torch.dtype
 
 
@@ -104,22 +109,48 @@ class ReferenceBackend(BackendImpl):
         self.group = group
         self.device = device
         self.e_local = config.local_experts(group.world_size)
+        # first dropped choice of each kind since the last report: (token, k, value) or None
+        self._bad_id: tuple[int, int, int] | None = None
+        self._bad_weight: tuple[int, int, float] | None = None
+
+    def _valid_pairs(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> ``(ids [T*K] int64, valid [T*K] bool)``; records the first bad choice of each kind.
+
+        Like the kernels: an id outside ``[0, E)`` is a ``topk_ids`` error; a non-finite weight of
+        a choice with a valid id is a ``topk_weights`` error. The earliest call since the last
+        report keeps the record; within a call the smallest (token, k) wins."""
+        K = topk_ids.shape[1]
+        ids = topk_ids.reshape(-1).to(torch.int64)
+        id_ok = (ids >= 0) & (ids < self.cfg.num_experts)
+        w_ok = torch.isfinite(topk_weights.reshape(-1))
+        valid = id_ok & w_ok
+        if ids.numel() and not bool(valid.all()):  # host sync: fine for the reference
+            if self._bad_id is None and not bool(id_ok.all()):
+                i = int(torch.nonzero(~id_ok)[0, 0])
+                self._bad_id = (i // K, i % K, int(ids[i]))
+            w_bad = id_ok & ~w_ok
+            if self._bad_weight is None and bool(w_bad.any()):
+                i = int(torch.nonzero(w_bad)[0, 0])
+                self._bad_weight = (i // K, i % K, float(topk_weights.reshape(-1)[i]))
+        return ids, valid
 
     def dispatch(self, x, topk_ids, topk_weights):
         W, El = self.group.world_size, self.e_local
         T, K = topk_ids.shape
-        ids = topk_ids.reshape(-1).to(torch.int64)
-        pair_order = torch.sort(ids, stable=True).indices  # by (dest rank, local expert)
+        ids, valid = self._valid_pairs(topk_ids, topk_weights)
+        pairs = torch.nonzero(valid).flatten()  # valid pairs in (token, k) order
+        pair_order = pairs[torch.sort(ids[pairs], stable=True).indices]  # by (dest rank, local expert)
         send_x = x[pair_order // K]
-        send_le = (ids[pair_order] % El).to(torch.int32)
-        dest = ids // El
-        send_counts = torch.bincount(dest, minlength=W).to(torch.int64)
+        send_ids = ids[pair_order]
+        send_le = (send_ids % El).to(torch.int32)
         if W == 1:
-            send_splits = recv_splits = [T * K]
+            send_splits = recv_splits = [int(pair_order.numel())]
             recv_x, recv_le = send_x, send_le
         else:
             import torch.distributed as dist
 
+            send_counts = torch.bincount(send_ids // El, minlength=W).to(torch.int64)
             sc = send_counts.to(self.group.comm_device)
             rc = torch.empty_like(sc)
             dist.all_to_all_single(rc, sc, group=self.group.pg)
@@ -130,8 +161,9 @@ class ReferenceBackend(BackendImpl):
         counts = torch.bincount(recv_le.to(torch.int64), minlength=El)
         offsets = torch.zeros(El + 1, dtype=torch.int32, device=x.device)
         offsets[1:] = torch.cumsum(counts, 0).to(torch.int32)
+        weights = torch.where(valid.view(T, K), topk_weights, torch.zeros_like(topk_weights))
         state = ReferenceHandleState(T, K, pair_order, send_splits, recv_splits, group_perm,
-                                     topk_weights, x.dtype)
+                                     weights, x.dtype)
         return recv_x[group_perm].contiguous(), offsets, state
 
     def combine(self, expert_out, state: ReferenceHandleState, out=None):
@@ -140,7 +172,8 @@ class ReferenceBackend(BackendImpl):
         back[state.group_perm] = expert_out
         if self.group.world_size > 1:
             back = _a2a_rows(self.group, back, state.recv_splits, state.send_splits)
-        pair_rows = torch.empty(T * K, expert_out.shape[1], dtype=torch.float32, device=expert_out.device)
+        # dropped pairs keep a zero row (and a zero weight)
+        pair_rows = torch.zeros(T * K, expert_out.shape[1], dtype=torch.float32, device=expert_out.device)
         pair_rows[state.pair_order] = back.float()
         weighted = pair_rows.view(T, K, expert_out.shape[1]) * state.topk_weights.unsqueeze(-1)
         acc = weighted[:, 0].clone()
@@ -156,6 +189,30 @@ class ReferenceBackend(BackendImpl):
         recv_x, offsets, state = self.dispatch(x, topk_ids, topk_weights)
         y = expert_mlp(recv_x, offsets, w13, w2, self.cfg.activation, self.cfg.intermediate)
         return self.combine(y, state, out)
+
+    def check(self) -> None:
+        """Raise :class:`RoutingValueError` for the first dropped choice recorded since the last
+        report (``topk_ids`` before ``topk_weights``; both named when both occurred), then forget
+        it: the error is reported once and the layer keeps working."""
+        bad_id, bad_w = self._bad_id, self._bad_weight
+        if bad_id is None and bad_w is None:
+            return
+        self._bad_id = self._bad_weight = None
+        parts = []
+        if bad_id is not None:
+            t, k, v = bad_id
+            parts.append(("topk_ids", t, k, v,
+                          f"topk_ids[{t}, {k}] = {v} is outside [0, {self.cfg.num_experts})"))
+        if bad_w is not None:
+            t, k, v = bad_w
+            parts.append(("topk_weights", t, k, v, f"topk_weights[{t}, {k}] = {v} is not finite"))
+        arg, t, k, v, _ = parts[0]
+        raise RoutingValueError("; ".join(p[4] for p in parts) + ": that choice was dropped (it "
+                                "contributed nothing); the first such choice since the last check",
+                                argument=arg, token=t, k=k, value=v)
+
+    def reset_error_state(self) -> None:
+        self._bad_id = self._bad_weight = None
 
     def warmup(self, progress):
         progress("reference backend: nothing to compile")
