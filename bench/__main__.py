@@ -1,9 +1,16 @@
-"""``python -m moe_ep.bench`` — time an MoE layer on the best available backend.
+"""``python -m moe_ep.bench`` — time an MoE layer, as users get it, on the best available backend.
 
-Default job: a Qwen3-30B-A3B-shaped layer (H 2048, I 768, E 128, top-8) with 8192 tokens per rank
-on the best available backend, next to the reference backend. Without a GPU it runs the reference
-backend on a small token count and says so. Under ``torchrun --nproc_per_node=N`` it runs expert
-parallelism over N ranks (FLOPs per GPU = 6·T·K·H·I with T tokens per rank).
+Default job: a Qwen3-30B-A3B-shaped layer (H 2048, I 768, E 128, top-8) with 8192 tokens per rank,
+``MoELayer(cfg, group, backend=..., device=...)`` with its default settings, on the best available
+backend next to the reference backend. Each backend gets three numbers (see ``bench/report.py``):
+per-call eager (sync before each call), back-to-back eager (an engine loop: no sync between calls)
+and CUDA-graph replay, each with TFLOP/s per GPU (FLOPs = 6·T·K·H·I with T tokens per rank), and
+the ratio of back-to-back to graph throughput. ``--model qwen3,mixtral`` runs several models in
+one process; ``--peer flashinfer,liger`` also runs those libraries (each in its own ``torchrun``)
+on the same shapes; ``--csv PATH`` writes the rows. Under ``torchrun --nproc_per_node=N`` it runs
+expert parallelism over N ranks (then also dispatch/combine GB/s). On GPU a decode-regime sweep
+(1–256 tokens per rank) follows. Without a GPU it runs the reference backend on a few tokens and
+says so (back-to-back and graph columns are n/a).
 
 Sub-commands: ``layer`` (default) and ``gemm`` (SM90 grouped GEMM vs torch._grouped_mm).
 """
@@ -11,9 +18,11 @@ Sub-commands: ``layer`` (default) and ``gemm`` (SM90 grouped GEMM vs torch._grou
 from __future__ import annotations
 
 import argparse
-import statistics
+import os
+import subprocess
 import sys
-import time
+import traceback
+from pathlib import Path
 
 import torch
 
@@ -21,11 +30,14 @@ from moe_ep.api import EPGroup, MoEConfig, MoELayer, init_distributed
 from moe_ep.backends import available, retain_runtime
 
 from .models import MODELS
+from .report import LEGEND, Row, env_line, format_tables, make_row, write_csv
+from .timing import back_to_back_ms, per_call_ms
 
 
-def make_inputs(cfg: MoEConfig, T: int, group: EPGroup, device, seed: int, skew: bool = False):
-    """Random tokens, softmax router weights over top-k of random logits, per-rank weights drawn
-    from one global generator (so every EP size sees the same global experts)."""
+def make_inputs(cfg: MoEConfig, T: int, group: EPGroup, device, seed: int, skew: bool = False, weights=None):
+    """Random tokens, softmax router weights over top-k of random logits, and this rank's expert
+    weights: global expert e drawn from its own seed on ``device``, so every EP size sees the same
+    global experts (for one device type). ``weights=(w13, w2)`` reuses weights made before."""
     g = torch.Generator().manual_seed(seed)
     E, K, H, I = cfg.num_experts, cfg.top_k, cfg.hidden, cfg.intermediate
     El = E // group.world_size
@@ -35,192 +47,311 @@ def make_inputs(cfg: MoEConfig, T: int, group: EPGroup, device, seed: int, skew:
     vals, ids = logits.topk(K, dim=-1)
     w = torch.softmax(vals, dim=-1)
     x = torch.randn(T, H, generator=g).to(cfg.dtype)
-    lo = group.rank * El
-    gw = torch.Generator().manual_seed(seed + 1)
-    w13 = torch.empty(El, cfg.w13_rows, H)
-    w2 = torch.empty(El, H, I)
-    for e in range(E):  # global expert e's weights are the same for every EP size
-        a = torch.randn(cfg.w13_rows, H, generator=gw) * H ** -0.5
-        b = torch.randn(H, I, generator=gw) * I ** -0.5
-        if lo <= e < lo + El:
-            w13[e - lo], w2[e - lo] = a, b
-    return (x.to(device), ids.to(torch.int32).to(device), w.float().to(device),
-            w13.to(cfg.dtype).to(device), w2.to(cfg.dtype).to(device))
+    if weights is None:
+        lo = group.rank * El
+        w13 = torch.empty(El, cfg.w13_rows, H, dtype=cfg.dtype, device=device)
+        w2 = torch.empty(El, H, I, dtype=cfg.dtype, device=device)
+        gw = torch.Generator(device=device)
+        for e in range(El):
+            gw.manual_seed((seed + 1) * 1_000_003 + lo + e)
+            w13[e].copy_(torch.randn(cfg.w13_rows, H, generator=gw, device=device).mul_(H ** -0.5))
+            w2[e].copy_(torch.randn(H, I, generator=gw, device=device).mul_(I ** -0.5))
+    else:
+        w13, w2 = weights
+    return (x.to(device), ids.to(torch.int32).to(device), w.float().to(device), w13, w2)
 
 
-def _sync(group: EPGroup, device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+def environment(cuda: bool) -> dict:
+    """GPU name, torch version (+ CUDA), moe_ep commit (``MOE_EP_COMMIT`` or ``git rev-parse``)."""
+    gpu = torch.cuda.get_device_name() if cuda else "cpu (no CUDA GPU)"
+    tv = torch.__version__ + (f" (CUDA {torch.version.cuda})" if cuda and torch.version.cuda else "")
+    commit = os.environ.get("MOE_EP_COMMIT", "")
+    if not commit:
+        for d in (Path(__file__).resolve().parents[1], Path.cwd()):
+            try:
+                r = subprocess.run(["git", "-C", str(d), "rev-parse", "--short", "HEAD"], capture_output=True,
+                                   text=True, timeout=10)
+                if r.returncode == 0 and r.stdout.strip():
+                    commit = r.stdout.strip()
+                    s = subprocess.run(["git", "-C", str(d), "status", "--porcelain", "--untracked-files=no"],
+                                       capture_output=True, text=True, timeout=20)
+                    if s.returncode == 0 and s.stdout.strip():
+                        commit += "-dirty"
+                    break
+            except (OSError, subprocess.SubprocessError):
+                pass
+    return dict(gpu=gpu, torch=tv, commit=commit or "n/a")
+
+
+def model_config(key: str, T: int) -> MoEConfig:
+    m = MODELS[key]
+    return MoEConfig(num_experts=m["num_experts"], hidden=m["hidden"], intermediate=m["intermediate"],
+                     top_k=m["top_k"], max_tokens_per_rank=max(T, 1), activation="swiglu")
+
+
+def model_info(key: str, cfg: MoEConfig, T: int) -> str:
+    m = MODELS[key]
+    return (f"(H {m['hidden']}, I {m['intermediate']}, E {m['num_experts']}, top-{m['top_k']}; "
+            f"{cfg.flops(T) / 1e12:.3f} TFLOP per rank per forward)")
+
+
+def layer_kwargs(args) -> dict:
+    """The layer's defaults: the bench measures what users get."""
+    return {}
+
+
+def _barrier(group: EPGroup) -> None:
     if group.world_size > 1:
         import torch.distributed as dist
 
         dist.barrier(group=group.pg)
 
 
-def time_layer(layer: MoELayer, inputs, iters: int, warmup: int) -> float:
-    """Median milliseconds of one forward (per-iteration barrier; CUDA events on GPU)."""
-    x, ids, w, w13, w2 = inputs
-    out = torch.empty_like(x)
-    for _ in range(warmup):
-        layer.forward(x, ids, w, w13, w2, out=out)
-    times = []
-    for _ in range(iters):
-        _sync(layer.group, layer.device)
-        if layer.device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            layer.forward(x, ids, w, w13, w2, out=out)
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            layer.forward(x, ids, w, w13, w2, out=out)
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+def bench_backends(args, key: str, cfg: MoEConfig, T: int, group: EPGroup, device, env: dict, say):
+    """moe_ep's backends on one model: rows, EP comm-table rows, decode rows, failures."""
+    cuda = device.type == "cuda"
+    names = args.backend or ["auto"]
+    if "reference" not in names and not args.no_reference:
+        names = names + ["reference"]
+    inputs = make_inputs(cfg, T, group, device, seed=args.seed, skew=args.skew)
+    rows: list[Row] = []
+    comm, sent, failed = [], 0, 0
+    kw = layer_kwargs(args)
+    suffix = " deterministic=False" if kw.get("deterministic") is False else ""
+    for name in names:
+        layer = None
+        try:
+            layer = MoELayer(cfg, group, backend=name, device=device, **kw)
+            if name == "auto" and layer.backend_name == "reference" and "reference" in names:
+                continue
+            layer.warmup(progress=not args.quiet)
+            pc = per_call_ms(layer, inputs, args.iters, args.warmup)
+            b2b = back_to_back_ms(layer, inputs, args.iters, args.b2b_runs) if cuda else None
+            gms, note = None, ""
+            if cuda and layer.backend_name != "reference":  # the reference backend syncs the host
+                from .ep import graph_ms
+
+                try:
+                    gms = graph_ms(layer, inputs, group, args.iters)
+                except Exception as e:  # noqa: BLE001
+                    if group.world_size > 1:
+                        raise
+                    note = f"CUDA-graph capture/replay failed: {type(e).__name__}: {str(e)[:160]}"
+                    say(f"moe_ep.bench: {layer.backend_name} on {MODELS[key]['name']}: {note}")
+            rows.append(make_row(MODELS[key]["name"], layer.backend_name + suffix, "moe_ep", T, group.world_size,
+                                 cfg.flops(T), pc, b2b, gms, env, note=note))
+            if args.profile and cuda and group.rank == 0:
+                from torch.profiler import ProfilerActivity, profile
+
+                x, ids, w, w13, w2 = inputs
+                with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(5):
+                        layer.forward(x, ids, w, w13, w2)
+                    torch.cuda.synchronize()
+                say(f"profile of 5 forwards on {layer.backend_name}, {MODELS[key]['name']}:")
+                say(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+            if (cuda and group.world_size > 1 and not args.no_comm and layer.backend_name != "reference"
+                    and hasattr(layer._impl, "comm_ops")):
+                from .ep import comm_table
+
+                res = comm_table(layer, inputs, group, args.iters)
+                if res:
+                    comm, sent = res
+        except Exception as e:  # noqa: BLE001
+            if group.world_size > 1:
+                raise  # the other ranks would wait forever
+            failed += 1
+            say(f"moe_ep.bench: backend {name!r} on {MODELS[key]['name']} FAILED: {type(e).__name__}: {e}")
+            say("".join(traceback.format_exc().splitlines(True)[-15:]))
+            rows.append(make_row(MODELS[key]["name"], (layer.backend_name if layer else name) + suffix, "moe_ep",
+                                 T, group.world_size, cfg.flops(T), env=env,
+                                 note=f"FAILED: {type(e).__name__}: {str(e)[:160]}"))
+        finally:
+            if layer is not None:
+                layer.destroy()
+    decode = []
+    best = next((r.backend.split(" ")[0] for r in rows if not r.note.startswith("FAILED")), None)
+    if cuda and not args.no_decode and best is not None:
+        dcfg = MoEConfig(num_experts=cfg.num_experts, hidden=cfg.hidden, intermediate=cfg.intermediate,
+                         top_k=cfg.top_k, max_tokens_per_rank=256, activation=cfg.activation)
+        from .ep import decode_table
+
+        weights = inputs[3:]
+        del inputs
+        try:
+            decode = [(best, decode_table(lambda: MoELayer(dcfg, group, backend=best, device=device, **kw),
+                                          lambda t: make_inputs(dcfg, t, group, device, seed=args.seed + t,
+                                                                weights=weights),
+                                          dcfg, group, device, args.iters, graph=best != "reference"))]
+        except Exception as e:  # noqa: BLE001
+            if group.world_size > 1:
+                raise
+            failed += 1
+            say(f"moe_ep.bench: decode sweep of {best} on {MODELS[key]['name']} FAILED: {type(e).__name__}: {e}")
+    return rows, (comm, sent), decode, failed
+
+
+def bench_peers(args, key: str, cfg: MoEConfig, T: int, group: EPGroup, device, env: dict, say) -> list[Row]:
+    """Each requested peer on one model, in its own torchrun started by rank 0."""
+    from .peers import run_peer
+
+    rows: list[Row] = []
+    _barrier(group)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+    if group.rank == 0:
+        nproc = args.peer_nproc or group.world_size
+        for peer in args.peer:
+            script = args.peer_script if peer == "liger" else args.peer_script_fi
+            res = run_peer(peer, key, MODELS[key], T, nproc, args.iters, script=script, timeout=args.peer_timeout,
+                           log_dir=args.peer_log_dir, say=say)
+            if "error" in res:
+                say(f"peer {peer} on {MODELS[key]['name']} FAILED: {res['error']}")
+                if res.get("tail"):
+                    say("  | " + res["tail"].replace("\n", "\n  | "))
+                rows.append(make_row(MODELS[key]["name"], f"{peer} (peer)", "peer", T, nproc, cfg.flops(T), env=env,
+                                     note=f"FAILED: {res['error'][:160]}"))
+                continue
+            rows.append(make_row(MODELS[key]["name"], res["label"], "peer", T, nproc, cfg.flops(T),
+                                 res.get("per_call_ms"), res.get("b2b_ms"), res.get("graph_ms"), env,
+                                 note=res.get("note", "")))
+            r = rows[-1]
+            say(f"peer {peer} on {MODELS[key]['name']}: per-call {r.per_call_ms} ms, b2b {r.b2b_ms} ms, "
+                f"graph {r.graph_ms} ms")
+    _barrier(group)
+    return rows
 
 
 def run_layer(args) -> int:
     group = init_distributed()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    m = MODELS[args.model]
     T = args.tokens if args.tokens is not None else (8192 if cuda else 64)
-    cfg = MoEConfig(num_experts=m["num_experts"], hidden=m["hidden"], intermediate=m["intermediate"],
-                    top_k=m["top_k"], max_tokens_per_rank=max(T, 1), activation="swiglu")
-    names = args.backend or ["auto"]
-    if "reference" not in names and not args.no_reference:
-        names = names + ["reference"]
     say = print if group.rank == 0 else (lambda *a, **k: None)
     if not cuda:
         say(f"moe_ep.bench: no CUDA GPU here: running the reference backend on CPU with {T} tokens/rank "
-            "(numbers are for smoke-testing, not performance)")
-    inputs = make_inputs(cfg, T, group, device, seed=args.seed, skew=args.skew)
+            "(numbers are for smoke-testing, not performance; back-to-back and graph columns are n/a)")
+    env = environment(cuda)
+    peers = args.peer if cuda else []
+    if args.peer and not cuda:
+        say(f"moe_ep.bench: peers {args.peer} need a CUDA GPU: skipped")
     # layers come and go below: keep NVSHMEM initialised once for the whole run
-    runtime = retain_runtime(group, device.index if device.type == "cuda" else None)
-    rows = []
-    comm = []
-    for name in names:
-        # value checks cost a host sync per forward; benchmark inputs are valid by construction
-        layer = MoELayer(cfg, group, backend=name, device=device, check_values=False,
-                         deterministic=not args.nondeterministic)
-        if name == "auto" and layer.backend_name == "reference" and "reference" in names:
-            layer.destroy()
-            continue
-        layer.warmup(progress=not args.quiet)
-        ms = time_layer(layer, inputs, args.iters, args.warmup)
-        if group.world_size > 1:  # the slowest rank's median
-            import torch.distributed as dist
-
-            t = torch.tensor([ms], device=group.comm_device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group.pg)
-            ms = float(t.item())
-        if args.profile and device.type == "cuda" and group.rank == 0:
-            from torch.profiler import ProfilerActivity, profile
-
-            x, ids, w, w13, w2 = inputs
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                for _ in range(5):
-                    layer.forward(x, ids, w, w13, w2)
-                torch.cuda.synchronize()
-            say(f"profile of 5 forwards on {layer.backend_name}:")
-            say(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
-        tflops = cfg.flops(T) / (ms * 1e-3) / 1e12
-        gms = float("nan")
-        if device.type == "cuda" and layer.backend_name != "reference":
-            from .ep import graph_ms
-
-            gms = graph_ms(layer, inputs, group, args.iters)
-        rows.append((layer.backend_name, m["name"], T, group.world_size, ms, tflops, gms))
-        if device.type == "cuda" and group.world_size > 1 and not args.no_comm and hasattr(layer._impl, "comm_ops"):
-            from .ep import comm_table
-
-            comm, sent = comm_table(layer, inputs, group, args.iters)
-        layer.destroy()
-    if args.peer == "liger":
-        from .peers import run_liger
-
-        if group.world_size > 1:
-            import torch.distributed as dist
-
-            dist.barrier(group=group.pg)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        if group.rank == 0:
-            res = run_liger(args.model, T, group.world_size, args.iters, args.peer_script)
-            if "error" in res:
-                say(f"LigerCute peer failed: {res['error']}")
-            else:
-                say(f"LigerCute raw result: {res}")
-                lig = res.get("liger") or {}
-                ms = lig.get("median_ms") or lig.get("ms")
-                if ms:
-                    rows.append(("LigerCute 0.8.5 (peer)", m["name"], T, group.world_size, ms,
-                                 cfg.flops(T) / (ms * 1e-3) / 1e12, float("nan")))
-        if group.world_size > 1:
-            dist.barrier(group=group.pg)
-    say(f"\nbackends registered: {available()}; device: {torch.cuda.get_device_name() if cuda else 'cpu'}")
-    say(f"{'backend':<24}{'shape':<16}{'tokens/rank':>12}{'EP':>4}{'ms':>9}{'TFLOP/s':>9}"
-        f"{'graph ms':>10}{'TFLOP/s':>9}")
-    for b, shape, t, ep, ms, tf, gms in rows:
-        gtf = cfg.flops(t) / (gms * 1e-3) / 1e12 if gms == gms else float("nan")
-        say(f"{b:<24}{shape:<16}{t:>12}{ep:>4}{ms:>9.3f}{tf:>9.4g}{gms:>10.3f}{gtf:>9.4g}")
-    say("(ms: eager forward, median, slowest rank; graph ms: the same forward replayed from a CUDA graph)")
-    if comm:
-        say(f"\ndispatch/combine, {T} tokens/rank: {sent / 1e6:.1f} MB per rank cross NVLink per direction "
+    runtime = None if args.peers_only else retain_runtime(group, device.index if cuda else None)
+    rows: list[Row] = []
+    infos, comms, decodes = {}, [], []
+    failed = 0
+    for key in args.model:
+        cfg = model_config(key, T)
+        infos[MODELS[key]["name"]] = model_info(key, cfg, T)
+        if not args.peers_only:
+            r, comm, dec, f = bench_backends(args, key, cfg, T, group, device, env, say)
+            rows += r
+            failed += f
+            if comm[0]:
+                comms.append((MODELS[key]["name"], comm))
+            decodes += [(MODELS[key]["name"], best, d) for best, d in dec]
+            if cuda:
+                torch.cuda.empty_cache()
+        if peers:
+            rows += bench_peers(args, key, cfg, T, group, device, env, say)
+        if args.csv and group.rank == 0:
+            write_csv(args.csv, rows)  # after every model: a later failure keeps the earlier rows
+    say(f"\nbackends registered: {available()}")
+    for line in format_tables(rows, infos):
+        say(line)
+    say("")
+    say(env_line(env))
+    say(LEGEND)
+    if args.csv and group.rank == 0:
+        write_csv(args.csv, rows)
+        say(f"rows written to {args.csv}")
+    for name, (comm, sent) in comms:
+        say(f"\n{name}: dispatch/combine, {T} tokens/rank: {sent / 1e6:.1f} MB per rank cross NVLink per direction "
             "(one bf16 row per token and remote destination rank); slowest rank's median")
         say(f"{'operation':<26}{'ms':>10}{'GB/s per rank':>15}")
         for op, ms, gbs in comm:
             say(f"{op:<26}{ms:>10.3f}{gbs:>15.1f}")
-    if device.type == "cuda" and not args.no_decode:
-        from .ep import decode_table
-
-        dcfg = MoEConfig(num_experts=cfg.num_experts, hidden=cfg.hidden, intermediate=cfg.intermediate,
-                         top_k=cfg.top_k, max_tokens_per_rank=256, activation=cfg.activation)
-        best = rows[0][0]
-        drows = decode_table(lambda: MoELayer(dcfg, group, backend=best, device=device, check_values=False),
-                             lambda t: make_inputs(dcfg, t, group, device, seed=args.seed + t),
-                             dcfg, group, device, args.iters)
-        say(f"\ndecode regime, {best}, max_tokens_per_rank=256, EP={group.world_size}: median ms")
+    for name, best, drows in decodes:
+        say(f"\n{name}: decode regime, {best}, max_tokens_per_rank=256, EP={group.world_size}: per-call median ms")
         say(f"{'tokens/rank':>12}{'eager ms':>10}{'graph ms':>10}")
         for t, e, gms in drows:
             say(f"{t:>12}{e:>10.3f}{gms:>10.3f}")
-    runtime.release()
+    if runtime is not None:
+        runtime.release()
     if group.world_size > 1:
         import torch.distributed as dist
 
         dist.destroy_process_group()
-    return 0
+    return 1 if failed else 0
+
+
+def _split_list(values, allowed, aliases=None, what="value"):
+    out = []
+    for v in values or []:
+        for item in v.split(","):
+            item = item.strip().lower()
+            if not item:
+                continue
+            item = (aliases or {}).get(item, item)
+            if item not in allowed:
+                raise ValueError(f"unknown {what} {item!r}; choose from {', '.join(sorted(set(allowed)))}")
+            if item not in out:
+                out.append(item)
+    return out
 
 
 def main(argv=None) -> int:
+    from .peers import ALIASES as PEER_ALIASES, PEERS
+
     p = argparse.ArgumentParser(prog="python -m moe_ep.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("job", nargs="?", default="layer", choices=["layer", "gemm"])
-    p.add_argument("--model", default="qwen3", choices=sorted(MODELS))
+    p.add_argument("--model", default="qwen3",
+                   help=f"model(s), comma-separated, run in turn: {', '.join(sorted(MODELS))} (default qwen3)")
     p.add_argument("--tokens", type=int, default=None, help="tokens per rank (default 8192 on GPU, 64 on CPU)")
     p.add_argument("--backend", action="append", help="backend name (repeatable; default: auto)")
     p.add_argument("--no-reference", action="store_true", help="do not also time the reference backend")
     p.add_argument("--skew", action="store_true", help="skewed routing (expert 0 favoured)")
-    p.add_argument("--iters", type=int, default=None)
+    p.add_argument("--iters", type=int, default=None,
+                   help="timed iterations per-call / forwards per back-to-back run (default 30 on GPU, 3 on CPU)")
+    p.add_argument("--b2b-runs", type=int, default=5, help="back-to-back runs (median of their per-forward averages)")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true")
-    p.add_argument("--nondeterministic", action="store_true",
-                   help="MoELayer(deterministic=False): faster layout, outputs not bit-stable")
     p.add_argument("--no-comm", action="store_true", help="skip the dispatch/combine GB/s table (EP > 1)")
     p.add_argument("--no-decode", action="store_true", help="skip the decode-latency sweep (GPU)")
     p.add_argument("--profile", action="store_true", help="print a torch.profiler kernel table per backend")
-    p.add_argument("--peer", choices=["liger"], default=None,
-                   help="also run a peer library in its own process on the same shape")
-    p.add_argument("--peer-script", default=None, help="path to shared/peers/liger_bench.py")
+    p.add_argument("--csv", default=None, metavar="PATH", help="also write the table's rows to PATH as CSV")
+    p.add_argument("--peer", action="append", default=None, metavar="NAME[,NAME]",
+                   help=f"also run a peer library in its own process on the same shape: {', '.join(PEERS)} "
+                        "(repeatable or comma-separated; its environment must be set up by the caller)")
+    p.add_argument("--peers-only", action="store_true", help="run only the --peer libraries, not moe_ep")
+    p.add_argument("--peer-script", default=None, help="path to LigerCute's liger_bench.py")
+    p.add_argument("--peer-script-fi", default=None, help="path to FlashInfer's bench_fi.py")
+    p.add_argument("--peer-nproc", type=int, default=None, help="GPUs per peer run (default: this run's EP size)")
+    p.add_argument("--peer-timeout", type=int, default=900, help="seconds per peer run")
+    p.add_argument("--peer-log-dir", default=None, help="save each peer run's whole output in this folder")
     args = p.parse_args(argv)
+    try:
+        args.model = _split_list([args.model], MODELS, what="model")
+        args.peer = _split_list(args.peer, PEERS, PEER_ALIASES, what="peer")
+    except ValueError as e:
+        p.error(str(e))
+    if not args.model:
+        p.error("--model: no model given")
+    if args.peers_only and not args.peer:
+        p.error("--peers-only needs --peer")
     if args.iters is None:
         args.iters = 30 if torch.cuda.is_available() else 3
     if args.job == "gemm":
         from .gemm import run_gemm
 
-        return run_gemm(args)
+        rc = 0
+        for key in args.model:
+            args_one = argparse.Namespace(**{**vars(args), "model": key})
+            rc = run_gemm(args_one) or rc
+        return rc
     return run_layer(args)
 
 

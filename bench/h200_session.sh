@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# One H200 benchmark session: moe_ep next to its peers, same shapes, logs and CSVs under ${OUT:-/tmp/out}.
+# Run on the GPU host from the repository root, after the environment is set up:
+#
+#   source .device/b/env.sh && bash bench/h200_session.sh          # moe_ep, then FlashInfer (carry .device/b, .device/fi)
+#   source .device/b/env.sh && bash bench/h200_session.sh liger    # LigerCute only (carry .device/liger: it does
+#                                                                  #  not fit in one transfer with .device/b)
+#   ... bash bench/h200_session.sh moe | fi                        # one part only
+#
+# all (default): 1. python -m moe_ep.bench --model $MODELS --tokens $TOKENS --csv $OUT/bench.csv (default layers:
+#                   per-call, back-to-back and CUDA-graph ms + TFLOP/s, decode sweep), log $OUT/bench.log;
+#                2. FlashInfer moe_ep BF16 on the same models, in its own process (a subshell sources
+#                   .device/fi/pkg/setup.sh, so its environment does not leak): $OUT/fi.csv, $OUT/fi.log,
+#                   $OUT/peer_flashinfer_*.log;
+#                3. the rows of every $OUT/*.csv as one table.
+# liger:         [bash .device/liger/stage.sh if /tmp/lsite/.ok is missing], then in a subshell
+#                `source .device/liger/env.sh` and LigerCute on the same models: $OUT/liger.csv, $OUT/liger.log.
+# Knobs (environment): MODELS (qwen3,mixtral), TOKENS (8192), ITERS (30), N (GPUs = EP size, 1),
+#   STEP_TIMEOUT (s per part, 420), PEER_TIMEOUT (s per peer run, 240), BENCH_ARGS (extra moe_ep.bench args),
+#   MOE_EP_COMMIT (the commit to print when the copy on the host has no .git).
+set -uo pipefail
+mode=${1:-all}
+case $mode in all|moe|fi|liger) ;; *) echo "usage: bash bench/h200_session.sh [all|moe|fi|liger]" >&2; exit 2 ;; esac
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+MODELS=${MODELS:-qwen3,mixtral} TOKENS=${TOKENS:-8192} ITERS=${ITERS:-30} N=${N:-1}
+STEP_TIMEOUT=${STEP_TIMEOUT:-420} PEER_TIMEOUT=${PEER_TIMEOUT:-240}
+mkdir -p "$OUT"
+# moe_ep must be importable: .device/b/env.sh installs this checkout into /tmp/proj; without it (a peer-only
+# call on a fresh host) import the checkout itself through a link named moe_ep (the repo root is the package)
+if ! python3 -c "import moe_ep.bench.report" 2>/dev/null; then
+  if [ -d /tmp/proj/moe_ep ]; then
+    export PYTHONPATH=/tmp/proj${PYTHONPATH:+:$PYTHONPATH}
+  else
+    mkdir -p /tmp/moe_ep_src && ln -sfn "$PWD" /tmp/moe_ep_src/moe_ep && export PYTHONPATH=/tmp/moe_ep_src${PYTHONPATH:+:$PYTHONPATH}
+  fi
+fi
+python3 -c "import moe_ep.bench.report" || { echo "h200_session: moe_ep not importable; source .device/b/env.sh first" >&2; exit 3; }
+echo "h200_session: mode=$mode models=$MODELS tokens=$TOKENS iters=$ITERS N=$N out=$OUT"
+nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader 2>/dev/null | head -n "$N"
+common=(--model "$MODELS" --tokens "$TOKENS" --iters "$ITERS")
+peer_args=(--peers-only --peer-nproc "$N" --peer-timeout "$PEER_TIMEOUT" --peer-log-dir "$OUT")
+status=()
+step() {  # step NAME LOG -- command...: run with a timeout, tee the log, remember the exit code
+  local name=$1 log=$2; shift 3
+  echo "===== $name ($(date +%T)) -> $log"
+  timeout -k 20 "$STEP_TIMEOUT" "$@" 2>&1 | tee "$log"
+  local rc=${PIPESTATUS[0]}
+  status+=("$name: exit $rc$([ "$rc" = 124 ] && echo " (timed out after ${STEP_TIMEOUT}s)")")
+}
+if [ "$N" -gt 1 ]; then bench=(torchrun --standalone --nproc_per_node="$N" -m moe_ep.bench); else bench=(python3 -m moe_ep.bench); fi
+
+if [ "$mode" = all ] || [ "$mode" = moe ]; then
+  # shellcheck disable=SC2086
+  step "moe_ep bench" "$OUT/bench.log" -- "${bench[@]}" "${common[@]}" --csv "$OUT/bench.csv" ${BENCH_ARGS:-}
+fi
+if [ "$mode" = all ] || [ "$mode" = fi ]; then
+  step "FlashInfer peer" "$OUT/fi.log" -- bash -c '
+    source .device/fi/pkg/setup.sh || { echo "h200_session: .device/fi/pkg/setup.sh failed" >&2; exit 3; }
+    exec python3 -m moe_ep.bench "$@"' fi "${common[@]}" "${peer_args[@]}" --peer flashinfer \
+      --peer-script-fi .device/fi/bench_fi.py --csv "$OUT/fi.csv"
+fi
+if [ "$mode" = liger ]; then
+  lscript=(); [ -f .device/liger/liger_bench.py ] && lscript=(--peer-script .device/liger/liger_bench.py)
+  step "LigerCute peer" "$OUT/liger.log" -- bash -c '
+    if [ ! -f /tmp/lsite/.ok ]; then bash .device/liger/stage.sh || exit 3; fi
+    source .device/liger/env.sh || exit 3
+    exec python3 -m moe_ep.bench "$@"' liger "${common[@]}" "${peer_args[@]}" --peer liger "${lscript[@]}" \
+      --csv "$OUT/liger.csv"
+fi
+
+echo "===== summary ($(date +%T))"
+printf '  %s\n' "${status[@]}"
+csvs=$(ls "$OUT"/bench.csv "$OUT"/fi.csv "$OUT"/liger.csv 2>/dev/null)
+# shellcheck disable=SC2086
+[ -n "$csvs" ] && python3 -m moe_ep.bench.report $csvs
+for s in "${status[@]}"; do [[ $s == *": exit 0" ]] || exit 1; done
+exit 0

@@ -1,0 +1,83 @@
+"""How ``python -m moe_ep.bench`` times a layer's forward (CUDA graphs: ``ep.graph_ms``).
+
+* :func:`per_call_ms` -- device sync (+ group barrier when EP > 1) before each call, CUDA events
+  around ONE forward, median over ``iters``: the latency of an isolated call;
+* :func:`back_to_back_ms` -- ``iters`` forwards enqueued with no sync between them (the way an
+  engine loop calls the layer), one event pair around all of them, time / ``iters``; the median
+  of ``runs`` such averages: the throughput an eager engine gets, host overheads included.
+
+Both return the slowest rank's value (all-reduce MAX over the group). On CPU, per-call uses the
+wall clock; back-to-back returns NaN (no asynchronous queue to measure).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def sync(group, device) -> None:
+    """Device sync, then a group barrier when the group has more than one rank."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    if group.world_size > 1:
+        import torch.distributed as dist
+
+        dist.barrier(group=group.pg)
+
+
+def slowest(value: float, group) -> float:
+    """The group's maximum of ``value`` (itself for one rank)."""
+    if group.world_size <= 1:
+        return float(value)
+    import torch.distributed as dist
+
+    t = torch.tensor([value], dtype=torch.float64, device=group.comm_device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group.pg)
+    return float(t.item())
+
+
+def per_call_ms(layer, inputs, iters: int, warmup: int) -> float:
+    """Median ms of one forward, each call after a sync + barrier; slowest rank."""
+    x, ids, w, w13, w2 = inputs
+    out = torch.empty_like(x)
+    for _ in range(warmup):
+        layer.forward(x, ids, w, w13, w2, out=out)
+    times = []
+    for _ in range(iters):
+        sync(layer.group, layer.device)
+        if layer.device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            layer.forward(x, ids, w, w13, w2, out=out)
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            layer.forward(x, ids, w, w13, w2, out=out)
+            times.append((time.perf_counter() - t0) * 1e3)
+    return slowest(statistics.median(times), layer.group)
+
+
+def back_to_back_ms(layer, inputs, iters: int, runs: int = 5) -> float:
+    """Median over ``runs`` of (time of ``iters`` forwards enqueued back to back) / ``iters``;
+    slowest rank. NaN on CPU."""
+    if layer.device.type != "cuda":
+        return float("nan")
+    x, ids, w, w13, w2 = inputs
+    out = torch.empty_like(x)
+    n = max(1, iters)
+    avgs = []
+    for _ in range(max(1, runs)):
+        sync(layer.group, layer.device)
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(n):
+            layer.forward(x, ids, w, w13, w2, out=out)
+        b.record()
+        b.synchronize()
+        avgs.append(a.elapsed_time(b) / n)
+    return slowest(statistics.median(avgs), layer.group)
