@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from moe_ep.shim import BackendWarning, UnsupportedBackendError  # defined in the lowest layer
+from moe_ep.shim import BackendWarning, RoutingValueError, UnsupportedBackendError  # defined in the lowest layer
 
 
 class BackendImpl(ABC):
@@ -189,3 +189,19 @@ def select(name: str, config: Any, group: Any, device: Any) -> BackendSpec:
         raise UnsupportedBackendError("no moe_ep backend is registered")
     raise UnsupportedBackendError("no registered backend supports this configuration: "
                                   + "; ".join(f"{v.name}: {v.reason}" for v in refused))
+
+
+def routing_value_error(num_experts: int, bad_id: tuple | None, bad_weight: tuple | None) -> RoutingValueError:
+    """The error every backend's ``check()`` raises for dropped choices: ``bad_id`` / ``bad_weight``
+    are the first ``(token, k, value)`` of each kind (or None); ``topk_ids`` is named first."""
+    parts = []
+    if bad_id is not None:
+        t, k, v = bad_id
+        parts.append(("topk_ids", t, k, v, f"topk_ids[{t}, {k}] = {v} is outside [0, {num_experts})"))
+    if bad_weight is not None:
+        t, k, v = bad_weight
+        parts.append(("topk_weights", t, k, v, f"topk_weights[{t}, {k}] = {v} is not finite"))
+    arg, t, k, v, _ = parts[0]
+    return RoutingValueError("; ".join(p[4] for p in parts) + ": that choice was dropped (it contributed "
+                             "nothing); the first such choice since the last check",
+                             argument=arg, token=t, k=k, value=v)

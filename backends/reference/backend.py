@@ -26,9 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from moe_ep.shim import RoutingValueError
-
-from ..registry import BackendImpl, UnsupportedBackendError
+from ..registry import BackendImpl, UnsupportedBackendError, routing_value_error
 
 
 def activate(h: torch.Tensor, activation: str, intermediate: int) -> torch.Tensor:
@@ -198,18 +196,7 @@ class ReferenceBackend(BackendImpl):
         if bad_id is None and bad_w is None:
             return
         self._bad_id = self._bad_weight = None
-        parts = []
-        if bad_id is not None:
-            t, k, v = bad_id
-            parts.append(("topk_ids", t, k, v,
-                          f"topk_ids[{t}, {k}] = {v} is outside [0, {self.cfg.num_experts})"))
-        if bad_w is not None:
-            t, k, v = bad_w
-            parts.append(("topk_weights", t, k, v, f"topk_weights[{t}, {k}] = {v} is not finite"))
-        arg, t, k, v, _ = parts[0]
-        raise RoutingValueError("; ".join(p[4] for p in parts) + ": that choice was dropped (it "
-                                "contributed nothing); the first such choice since the last check",
-                                argument=arg, token=t, k=k, value=v)
+        raise routing_value_error(self.cfg.num_experts, bad_id, bad_w)
 
     def reset_error_state(self) -> None:
         self._bad_id = self._bad_weight = None

@@ -29,10 +29,10 @@ from typing import Any
 
 import torch
 
-from moe_ep.shim import (RoutingValueError, Sm90EpSession, Sm90LayoutSession, StaleHandleError,
+from moe_ep.shim import (Sm90EpSession, Sm90LayoutSession, StaleHandleError,
                          sm90_check_gemm_shapes, sm90_grouped_gemm, sm90_new_verr)
 
-from ...registry import BackendImpl, UnsupportedBackendError
+from ...registry import BackendImpl, UnsupportedBackendError, routing_value_error
 from .workspace import Dims, get_workspace
 
 ACTIVATION_MAP = {"swiglu": "swiglu", "squared_relu": "squared_relu"}
@@ -237,18 +237,8 @@ class Sm90CuteDSLBackend(BackendImpl):
         if bad["topk_ids"] is None and bad["topk_weights"] is None:
             return
         self.ep.reset_input_errors()
-        E = self.cfg.num_experts
-        parts = []
-        if bad["topk_ids"] is not None:
-            _, t, k, v = bad["topk_ids"]
-            parts.append(("topk_ids", t, k, v, f"topk_ids[{t}, {k}] = {v} is outside [0, {E})"))
-        if bad["topk_weights"] is not None:
-            _, t, k, v = bad["topk_weights"]
-            parts.append(("topk_weights", t, k, v, f"topk_weights[{t}, {k}] = {v} is not finite"))
-        arg, t, k, v, _ = parts[0]
-        raise RoutingValueError("; ".join(p[4] for p in parts) + ": that choice was dropped (it "
-                                "contributed nothing); the first such choice since the last check",
-                                argument=arg, token=t, k=k, value=v)
+        raise routing_value_error(self.cfg.num_experts, *(None if bad[n] is None else bad[n][1:]
+                                                          for n in ("topk_ids", "topk_weights")))
 
     def reset_error_state(self) -> None:
         """Collective: clear every rank's EP flags/counters (shared by the workspace's layers)."""
