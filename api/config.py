@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-ACTIVATIONS = ("swiglu", "squared_relu", "gelu_glu")
-GATED = ("swiglu", "gelu_glu")
+ACTIVATIONS = ("swiglu", "squared_relu", "gelu_glu", "clamped_swiglu")
+GATED = ("swiglu", "gelu_glu", "clamped_swiglu")
 SUPPORTED_DTYPES = (torch.bfloat16,)
 
 
@@ -22,13 +23,23 @@ class MoEConfig:
         top_k: K, experts chosen per token (1 <= K <= E).
         max_tokens_per_rank: upper bound on T, tokens a rank passes to one forward; sizes buffers.
         dtype: activation and weight dtype (``torch.bfloat16``).
-        activation: ``"swiglu"`` (silu(gate)·up), ``"gelu_glu"`` (gelu(gate)·up, erf form) or
-            ``"squared_relu"`` (relu(h)²). Weights per rank ``r`` (local experts
-            ``[r·E/W, (r+1)·E/W)``):
+        activation: ``"swiglu"`` (silu(gate)·up), ``"gelu_glu"`` (gelu(gate)·up, erf form),
+            ``"clamped_swiglu"`` (gpt-oss: ``g = min(gate, limit)``, ``u = clamp(up, -limit,
+            limit)``, ``(u + 1) · g · sigmoid(alpha · g)``) or ``"squared_relu"`` (relu(h)²).
+            Weights per rank ``r`` (local experts ``[r·E/W, (r+1)·E/W)``):
 
             * ``w13`` ``[E_local, 2·I, H]`` for the gated activations (gate rows ``[0, I)``
               first, then up rows ``[I, 2I)``), ``[E_local, I, H]`` for ``squared_relu``;
             * ``w2`` ``[E_local, H, I]``.
+        swiglu_alpha: ``alpha`` of ``"clamped_swiglu"`` (a finite number; default 1.702, gpt-oss).
+            Unused by the other activations.
+        swiglu_limit: ``limit`` of ``"clamped_swiglu"`` (a finite number > 0; default 7.0,
+            gpt-oss). Unused by the other activations.
+        bias_dtype: ``None`` (default): the experts have no biases. ``torch.float32`` or the layer
+            dtype (``torch.bfloat16``): every forward takes per-expert biases of that dtype,
+            ``b13 [E_local, w13_rows]`` added to FC1's float32 result before the activation and
+            ``b2 [E_local, H]`` added to FC2's float32 result before the router weight:
+            ``out[t] = sum_k w[t,k] · (act(x[t]·w13[e]ᵀ + b13[e])·w2[e]ᵀ + b2[e])``.
     """
 
     num_experts: int
@@ -38,6 +49,9 @@ class MoEConfig:
     max_tokens_per_rank: int
     dtype: torch.dtype = torch.bfloat16
     activation: str = "swiglu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    bias_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "hidden", "intermediate", "top_k", "max_tokens_per_rank"):
@@ -54,10 +68,32 @@ class MoEConfig:
             raise ValueError(f"MoEConfig.dtype {self.dtype} is not supported; supported: {SUPPORTED_DTYPES}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"MoEConfig.activation {self.activation!r} is not one of {ACTIVATIONS}")
+        for name in ("swiglu_alpha", "swiglu_limit"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise TypeError(f"MoEConfig.{name} must be a float, got {type(v).__name__}")
+            if not math.isfinite(v):
+                raise ValueError(f"MoEConfig.{name} must be finite, got {v}")
+            object.__setattr__(self, name, float(v))  # frozen: normalise ints to float
+        if not self.swiglu_limit > 0:
+            raise ValueError(f"MoEConfig.swiglu_limit must be > 0, got {self.swiglu_limit}")
+        if self.bias_dtype is not None:
+            if not isinstance(self.bias_dtype, torch.dtype):
+                raise TypeError(f"MoEConfig.bias_dtype must be None or a torch.dtype, got "
+                                f"{type(self.bias_dtype).__name__}")
+            allowed = tuple(dict.fromkeys((torch.float32, self.dtype)))
+            if self.bias_dtype not in allowed:
+                raise ValueError(f"MoEConfig.bias_dtype {self.bias_dtype} is not supported; use None (no "
+                                 f"biases), torch.float32 or the layer dtype {self.dtype}")
 
     @property
     def gated(self) -> bool:
         return self.activation in GATED
+
+    @property
+    def has_bias(self) -> bool:
+        """Whether forward takes per-expert biases ``b13``/``b2`` (``bias_dtype`` is set)."""
+        return self.bias_dtype is not None
 
     @property
     def w13_rows(self) -> int:

@@ -162,7 +162,8 @@ class MoELayer:
 
     # ---- the fused forward -----------------------------------------------------------------
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
-                w13: torch.Tensor, w2: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+                w13: torch.Tensor, w2: torch.Tensor, out: torch.Tensor | None = None, *,
+                b13: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> torch.Tensor:
         """MoE expert MLP with expert parallelism.
 
         Args:
@@ -173,9 +174,16 @@ class MoELayer:
             w2: ``[E_local, H, I]``.
             out: optional ``[T, H]`` config.dtype output buffer; without it the output is the
                 forward's one allocation.
+            b13: per-expert FC1 bias ``[E_local, w13_rows]`` (``w13_rows`` = 2·I for the gated
+                activations, gate entries first, else I), dtype exactly ``config.bias_dtype``,
+                contiguous, on the layer's device. Required when ``config.bias_dtype`` is set,
+                refused (``ValueError``) when it is None.
+            b2: per-expert FC2 bias ``[E_local, H]``, same rules as ``b13``.
         Returns:
             ``[T, H]`` config.dtype: ``sum_k w[t,k] · MLP_{ids[t,k]}(x[t])`` (sum in float32)
-            over the valid choices (see ``check_values``).
+            over the valid choices (see ``check_values``), where ``MLP_e(x) =
+            act(x·w13[e]ᵀ + b13[e])·w2[e]ᵀ + b2[e]`` (biases only with ``config.bias_dtype``;
+            added in float32, FC1's before the activation, FC2's before the router weight).
 
         Kernel backends neither synchronise the host nor allocate (with ``out``), so forward can
         be called back to back and captured in a CUDA graph after :meth:`warmup`.
@@ -185,9 +193,10 @@ class MoELayer:
         V.check_routing(cfg, x, topk_ids, topk_weights, self.device,
                         check_values=self.check_values and not _is_capturing())
         V.check_weights(cfg, self.e_local, w13, w2, self.device)
+        V.check_biases(cfg, self.e_local, b13, b2, self.device)
         V.check_out(cfg, out, x.shape[0], self.device)
         self._epoch += 1
-        return self._impl.forward(x, topk_ids, topk_weights, w13, w2, out)
+        return self._impl.forward(x, topk_ids, topk_weights, w13, w2, out, b13=b13, b2=b2)
 
     __call__ = forward
 

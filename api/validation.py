@@ -85,3 +85,25 @@ def check_weights(cfg, e_local: int, w13: Any, w2: Any, device: torch.device) ->
 def check_out(cfg, out: Any, T: int, device: torch.device) -> None:
     if out is not None:
         check_tensor("out", out, dtype=cfg.dtype, shape=(T, cfg.hidden), device=device)
+
+
+def check_biases(cfg, e_local: int, b13: Any, b2: Any, device: torch.device) -> None:
+    """With ``cfg.bias_dtype`` set: ``b13 [E_local, w13_rows]`` and ``b2 [E_local, H]`` of exactly
+    that dtype, contiguous, on the layer's device, both required. Without it: neither may be given."""
+    if cfg.bias_dtype is None:
+        for name, t in (("b13", b13), ("b2", b2)):
+            if t is not None:
+                raise ValueError(f"{name} was given, but this layer has no biases (MoEConfig.bias_dtype is "
+                                 f"None): set MoEConfig.bias_dtype (torch.float32 or {cfg.dtype}) to use "
+                                 "per-expert biases")
+        return
+    for name, t, shape in (("b13", b13, (e_local, cfg.w13_rows)), ("b2", b2, (e_local, cfg.hidden))):
+        if t is None:
+            raise ValueError(f"{name} is required: config.bias_dtype is set ({cfg.bias_dtype}), so forward "
+                             f"takes per-expert biases b13 [E_local, w13_rows] and b2 [E_local, H] "
+                             f"({name} must be {_fmt(shape)} {cfg.bias_dtype})")
+        t = _tensor(name, t)
+        if t.dim() == 2 and t.shape[0] != e_local:
+            raise ValueError(f"{name} holds {t.shape[0]} experts, but this rank owns {e_local} local "
+                             f"experts (num_experts / EP world size)")
+        check_tensor(name, t, dtype=cfg.bias_dtype, shape=shape, device=device)

@@ -1,7 +1,7 @@
 """Backend registry: every MoE implementation registers a :class:`BackendSpec` by name.
 
 ``get(name)`` raises with the list of registered names for an unknown one; ``select`` checks a
-backend's capabilities (arch, dtype, activation, world size, shapes) and raises
+backend's capabilities (arch, dtype, activation, biases, world size, shapes) and raises
 :class:`UnsupportedBackendError` with the reason. There is no silent fallback: ``"auto"`` is the
 documented choice of the highest-priority backend whose checks pass, and the layer reports which;
 when it passes over a higher-priority backend it says why (:class:`BackendWarning`, once per
@@ -25,8 +25,12 @@ class BackendImpl(ABC):
 
     Tensor contracts (``T`` tokens on this rank, ``R`` rows received by this rank):
         x ``[T, H]`` dtype; topk_ids ``[T, K]`` int32/int64; topk_weights ``[T, K]`` float32;
-        w13 ``[E_local, w13_rows, H]``; w2 ``[E_local, H, I]``; out ``[T, H]`` dtype.
-    Inputs arrive validated (moe_ep.api does that before any launch).
+        w13 ``[E_local, w13_rows, H]``; w2 ``[E_local, H, I]``; out ``[T, H]`` dtype or None;
+        b13 ``[E_local, w13_rows]`` and b2 ``[E_local, H]`` of ``config.bias_dtype`` when that is
+        set, both None otherwise.
+    Inputs arrive validated (moe_ep.api does that before any launch). A backend sees only the
+    configurations its :attr:`BackendSpec.check` accepted: one that cannot run an activation or
+    biases (``config.activation``, ``config.bias_dtype``) must refuse them there.
     """
 
     name: str = "?"
@@ -35,7 +39,9 @@ class BackendImpl(ABC):
         """Collective: compile, allocate and run once."""
 
     @abstractmethod
-    def forward(self, x, topk_ids, topk_weights, w13, w2, out): ...
+    def forward(self, x, topk_ids, topk_weights, w13, w2, out, b13=None, b2=None):
+        """``out[t] = sum_k w[t,k] · (act(x[t]·w13[e]ᵀ + b13[e])·w2[e]ᵀ + b2[e])``, ``e = ids[t,k]``
+        (the layer passes ``b13``/``b2`` by keyword, None without ``config.bias_dtype``)."""
 
     @abstractmethod
     def dispatch(self, x, topk_ids, topk_weights) -> tuple[Any, Any, Any]:
@@ -59,8 +65,10 @@ class BackendSpec:
     """A registered backend.
 
     ``check(config, group, device)`` raises :class:`UnsupportedBackendError` (with the reason) when
-    the backend cannot run that configuration; ``factory(config, group, device, **options)`` builds
-    the impl (options: ``timeout_s``).
+    the backend cannot run that configuration -- every field counts, including ``activation``,
+    ``swiglu_alpha``/``swiglu_limit`` and ``bias_dtype`` (a backend without biases refuses a
+    config whose ``bias_dtype`` is set); ``factory(config, group, device, **options)`` builds the
+    impl (options: ``timeout_s``).
     Higher ``priority`` wins under ``"auto"``.
     """
 

@@ -86,7 +86,8 @@ def environment(cuda: bool) -> dict:
 def model_config(key: str, T: int) -> MoEConfig:
     m = MODELS[key]
     return MoEConfig(num_experts=m["num_experts"], hidden=m["hidden"], intermediate=m["intermediate"],
-                     top_k=m["top_k"], max_tokens_per_rank=max(T, 1), activation="swiglu")
+                     top_k=m["top_k"], max_tokens_per_rank=max(T, 1),
+                     activation=m.get("activation", "swiglu"))
 
 
 def model_info(key: str, cfg: MoEConfig, T: int) -> str:

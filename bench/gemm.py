@@ -61,7 +61,8 @@ def run_gemm(args) -> int:
     xs = [torch.randn(M, H, generator=gen).to(torch.bfloat16).to(dev) for _ in range(nsets)]
     hs = [torch.randn(M, I, generator=gen).to(torch.bfloat16).to(dev) for _ in range(nsets)]
     rs = [torch.rand(M, generator=gen).to(dev) for _ in range(nsets)]
-    fc1 = grouped_gemm("swiglu", 2 * I, H, E)
+    act = m.get("activation", "swiglu")
+    fc1 = grouped_gemm(act, 2 * I, H, E)
     fc2 = grouped_gemm("identity", H, I, E, scale_rows=True)
     out1 = torch.empty(M, I, dtype=torch.bfloat16, device=dev)
     out2 = torch.empty(M, H, dtype=torch.bfloat16, device=dev)
@@ -82,6 +83,6 @@ def run_gemm(args) -> int:
         r = "skewed" if skew else "uniform"
         for name, o, t, f in (("FC1", ours1, theirs1, f1), ("FC2", ours2, theirs2, f2)):
             print(f"{name:<6}{r:<9}{o:>10.3f}{f / o / 1e9:>9.1f}{t:>10.3f}{f / t / 1e9:>9.1f}{t / o:>7.2f}")
-    print("(FC1 = grouped GEMM with the swiglu epilogue vs torch's plain [M, 2I] GEMM; FC2 = with "
+    print(f"(FC1 = grouped GEMM with the {act} epilogue vs torch's plain [M, 2I] GEMM; FC2 = with "
           "router-weight row scaling vs torch's plain GEMM. FLOPs count the GEMM only.)")
     return 0

@@ -4,4 +4,7 @@ MODELS = {
     "qwen3": dict(name="Qwen3-30B-A3B", hidden=2048, intermediate=768, num_experts=128, top_k=8),
     "mixtral": dict(name="Mixtral-8x7B", hidden=4096, intermediate=14336, num_experts=8, top_k=2),
     "dsv3_shard": dict(name="DeepSeek-V3 local shard", hidden=7168, intermediate=2048, num_experts=32, top_k=8),
+    # gpt-oss-120b: I = 2880 is 22.5 tiles of 128 (ragged), clamped SwiGLU (alpha 1.702, limit 7)
+    "gpt_oss": dict(name="gpt-oss-120b", hidden=2880, intermediate=2880, num_experts=128, top_k=4,
+                    activation="clamped_swiglu"),
 }

@@ -27,25 +27,52 @@ def make_problem(E, H, I, K, T, *, gated=True, skew=False, seed=0, dtype=torch.b
     return x, ids, w, w13, w2
 
 
-def oracle_f64(x, ids, w, w13, w2, activation, intermediate):
-    """out[t] = sum_k w[t,k] * W2_e · act(W13_e · x[t]) in float64, one token-expert pair at a time."""
+def oracle_f64(x, ids, w, w13, w2, activation, intermediate, *, b13=None, b2=None, alpha=1.702, limit=7.0):
+    """out[t] = sum_k w[t,k] * (W2_e · act(W13_e · x[t] + b13_e) + b2_e) in float64, one
+    token-expert pair at a time (b13 [E, rows], b2 [E, H] optional; alpha/limit: clamped_swiglu)."""
     T, H = x.shape
     out = torch.zeros(T, H, dtype=torch.float64)
     xd, w13d, w2d = x.double(), w13.double(), w2.double()
+    b13d = None if b13 is None else b13.double()
+    b2d = None if b2 is None else b2.double()
     for t in range(T):
         for k in range(ids.shape[1]):
             e = int(ids[t, k])
             h = w13d[e] @ xd[t]
+            if b13d is not None:
+                h = h + b13d[e]
             if activation == "swiglu":
                 g, u = h[:intermediate], h[intermediate:]
                 a = g / (1 + torch.exp(-g)) * u
             elif activation == "gelu_glu":
                 g, u = h[:intermediate], h[intermediate:]
                 a = 0.5 * g * (1 + torch.erf(g / math.sqrt(2))) * u
-            else:
+            elif activation == "clamped_swiglu":
+                g = torch.where(h[:intermediate] > limit, torch.full_like(h[:intermediate], limit), h[:intermediate])
+                u = torch.maximum(torch.minimum(h[intermediate:], torch.tensor(limit, dtype=torch.float64)),
+                                  torch.tensor(-limit, dtype=torch.float64))
+                a = g / (1 + torch.exp(-alpha * g)) * (u + 1)
+            elif activation == "squared_relu":
                 a = torch.clamp(h, min=0) ** 2
-            out[t] += float(w[t, k]) * (w2d[e] @ a)
+            else:
+                raise ValueError(activation)
+            y = w2d[e] @ a
+            if b2d is not None:
+                y = y + b2d[e]
+            out[t] += float(w[t, k]) * y
     return out
+
+
+def fc1_f64(x, ids, w13, b13=None):
+    """Every pair's FC1 output (bias included) in float64: ``[T*K, rows]`` (to see what an
+    activation's input looks like, e.g. that a clamp triggers)."""
+    hs = []
+    for t in range(x.shape[0]):
+        for k in range(ids.shape[1]):
+            e = int(ids[t, k])
+            h = w13[e].double() @ x[t].double()
+            hs.append(h if b13 is None else h + b13[e].double())
+    return torch.stack(hs) if hs else torch.zeros(0, w13.shape[1], dtype=torch.float64)
 
 
 def rel_err(a, b) -> float:

@@ -1,7 +1,8 @@
 """Multi-rank worker (CPU, gloo), launched by test_multirank.py through torchrun.
 
 Every rank builds the same global problem, runs its slice on the EP=W layer and compares with the
-EP=1 layer on the whole problem (computed locally), then checks the split dispatch/combine pair.
+EP=1 layer on the whole problem (computed locally), then checks the split dispatch/combine pair;
+then every activation with and without per-expert biases against EP=1 and the float64 oracle.
 """
 
 import os
@@ -11,9 +12,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from moe_oracle import make_problem, rel_err  # noqa: E402
+from moe_oracle import make_problem, oracle_f64, rel_err  # noqa: E402
 
-from moe_ep.api import EPGroup, MoEConfig, MoELayer, init_distributed  # noqa: E402
+from moe_ep.api import ACTIVATIONS, EPGroup, MoEConfig, MoELayer, init_distributed  # noqa: E402
 
 
 def split_tokens(T, W, case):
@@ -63,6 +64,38 @@ def main():
             assert rel_err(y, ref) < 5e-3
         ep.destroy()
         dist.barrier()
+    # every activation x biases (none, float32, bf16): EP=W equals EP=1 and the float64 oracle
+    for i, act in enumerate(ACTIVATIONS):
+        for j, bias_dtype in enumerate((None, torch.float32, torch.bfloat16)):
+            E, H, I, K, T = 8, 32, 24, 2, 20
+            cfg = MoEConfig(num_experts=E, hidden=H, intermediate=I, top_k=K, max_tokens_per_rank=T,
+                            activation=act, bias_dtype=bias_dtype)
+            x, ids, w, w13, w2 = make_problem(E, H, I, K, T, gated=cfg.gated, seed=1000 + 10 * i + j)
+            if act == "clamped_swiglu":
+                w13 = (w13.float() * 5).bfloat16()  # |FC1| beyond the limit 7 for some elements
+            g = torch.Generator().manual_seed(2000 + 10 * i + j)
+            b13 = b2 = None
+            if bias_dtype is not None:
+                b13 = torch.randn(E, cfg.w13_rows, generator=g).to(bias_dtype)
+                b2 = torch.randn(E, H, generator=g).to(bias_dtype)
+            El = E // W
+            sizes = split_tokens(T, W, "uneven" if j % 2 else "even")
+            lo = sum(sizes[:r])
+            sl, es = slice(lo, lo + sizes[r]), slice(r * El, (r + 1) * El)
+            mine_b = {} if b13 is None else dict(b13=b13[es].contiguous(), b2=b2[es].contiguous())
+            all_b = {} if b13 is None else dict(b13=b13, b2=b2)
+            with MoELayer(cfg, group, backend="reference", device="cpu") as ep, \
+                    MoELayer(cfg, EPGroup.single(), backend="reference", device="cpu") as one:
+                full = one.forward(x, ids, w, w13, w2, **all_b)
+                mine = ep.forward(x[sl].contiguous(), ids[sl].contiguous(), w[sl].contiguous(),
+                                  w13[es].contiguous(), w2[es].contiguous(), **mine_b)
+            if sizes[r]:
+                e = rel_err(mine, full[sl])
+                assert e < 2e-3, f"rank {r}: EP={W} vs EP=1 rel err {e} ({act=} {bias_dtype=})"
+                ref = oracle_f64(x[sl], ids[sl], w[sl], w13, w2, act, I, b13=b13, b2=b2)
+                e = rel_err(mine, ref)
+                assert e < 6e-3, f"rank {r}: EP={W} vs float64 oracle rel err {e} ({act=} {bias_dtype=})"
+            dist.barrier()
     print(f"rank {r}/{W}: OK", flush=True)
     dist.destroy_process_group()
 

@@ -274,3 +274,100 @@ def test_one_workspace_for_48_layers():
     ref.destroy()
     del problems, x, ids, w, w13, w2, got, ls, first, layer
     assert _mem() - base < (1 << 20)
+
+
+def _oracle_f64_gpu(x, ids, w, w13, w2, cfg, b13=None, b2=None):
+    """float64 on the GPU, one expert at a time over its (token, k) pairs, summed per token."""
+    T, H = x.shape
+    I, lim, alpha = cfg.intermediate, cfg.swiglu_limit, cfg.swiglu_alpha
+    out = torch.zeros(T, H, dtype=torch.float64, device=x.device)
+    xd = x.double()
+    for e in torch.unique(ids).tolist():
+        t, k = (ids == e).nonzero(as_tuple=True)
+        h = xd[t] @ w13[e].double().t()
+        if b13 is not None:
+            h = h + b13[e].double()
+        if cfg.activation == "squared_relu":
+            a = h.clamp(min=0) ** 2
+        else:
+            g, u = h[:, :I], h[:, I:]
+            if cfg.activation == "swiglu":
+                a = g * torch.sigmoid(g) * u
+            elif cfg.activation == "gelu_glu":
+                a = 0.5 * g * (1 + torch.erf(g * 2 ** -0.5)) * u
+            else:
+                g = g.clamp(max=lim)
+                a = (u.clamp(-lim, lim) + 1) * g * torch.sigmoid(alpha * g)
+        y = a @ w2[e].double().t()
+        if b2 is not None:
+            y = y + b2[e].double()
+        out.index_add_(0, t, y * w[t, k].double()[:, None])
+    return out
+
+
+@pytest.mark.parametrize("shape,activation,bias_dtype", [
+    ("gpt_oss", "clamped_swiglu", torch.bfloat16), ("gpt_oss", "clamped_swiglu", None),
+    ("gpt_oss", "gelu_glu", torch.float32), ("qwen3", "swiglu", torch.float32),
+    ("qwen3", "squared_relu", torch.bfloat16),
+])
+def test_activations_biases_on_the_fast_backend(shape, activation, bias_dtype):
+    """gpt-oss widths (H = I = 2880, ragged against the 128 tile) and Qwen3 widths: every
+    activation, with and without per-expert biases, on sm90_bf16_cutedsl (chosen by "auto")
+    against float64; skewed routing."""
+    _sm90()
+    from moe_ep.api import EPGroup, MoEConfig, MoELayer
+
+    E, H, I, K = (16, 2880, 2880, 4) if shape == "gpt_oss" else (128, 2048, 768, 8)
+    cfg = MoEConfig(num_experts=E, hidden=H, intermediate=I, top_k=K, max_tokens_per_rank=512,
+                    activation=activation, bias_dtype=bias_dtype)
+    T = 300
+    g = torch.Generator().manual_seed(seed_of(shape, activation, bias_dtype))
+    amp = 4.0 if activation == "clamped_swiglu" else 1.0
+    x = (torch.randn(T, H, generator=g) * amp).to(torch.bfloat16).cuda()
+    logits = torch.randn(T, E, generator=g)
+    logits[:, :2] += 2.0
+    ids = logits.topk(K, dim=-1).indices.to(torch.int32).cuda()
+    w = torch.softmax(torch.randn(T, K, generator=g), -1).cuda()
+    w13 = (torch.randn(E, cfg.w13_rows, H, generator=g) * H ** -0.5).to(torch.bfloat16).cuda()
+    w2 = (torch.randn(E, H, I, generator=g) * I ** -0.5).to(torch.bfloat16).cuda()
+    b13 = b2 = None
+    if bias_dtype is not None:
+        b13 = (torch.randn(E, cfg.w13_rows, generator=g) * amp).to(bias_dtype).cuda()
+        b2 = torch.randn(E, H, generator=g).to(bias_dtype).cuda()
+    with MoELayer(cfg, EPGroup.single(), backend="auto") as layer:
+        assert layer.backend_name == "sm90_bf16_cutedsl"
+        layer.warmup(progress=False)
+        out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+        layer.forward(x, ids, w, w13, w2, out=out, b13=b13, b2=b2)
+        layer.check_errors()
+    want = _oracle_f64_gpu(x, ids, w, w13, w2, cfg, b13, b2)
+    assert torch.isfinite(out).all()
+    assert rel(out, want) < 1e-2, rel(out, want)
+    if bias_dtype is not None:  # the biases matter at this size: leaving them out is far off
+        assert rel(_oracle_f64_gpu(x, ids, w, w13, w2, cfg), want) > 0.05
+
+
+def test_odd_hidden_refused_up_front_and_reference_computes_it():
+    """hidden 511 (vLLM's MoE tests): the fast backend refuses it by name before any launch, and
+    "auto" runs it on the reference backend, which computes it (no _grouped_mm stride error)."""
+    _sm90()
+    from moe_ep.api import EPGroup, MoEConfig, MoELayer, UnsupportedBackendError
+
+    cfg = MoEConfig(num_experts=8, hidden=511, intermediate=256, top_k=2, max_tokens_per_rank=64)
+    with pytest.raises(UnsupportedBackendError, match="511"):
+        MoELayer(cfg, EPGroup.single(), backend="sm90_bf16_cutedsl")
+    g = torch.Generator().manual_seed(511)
+    x = torch.randn(64, 511, generator=g).to(torch.bfloat16).cuda()
+    ids = torch.randn(64, 8, generator=g).topk(2, -1).indices.to(torch.int32).cuda()
+    w = torch.rand(64, 2, generator=g).cuda()
+    w13 = (torch.randn(8, 512, 511, generator=g) * 511 ** -0.5).to(torch.bfloat16).cuda()
+    w2 = (torch.randn(8, 511, 256, generator=g) * 256 ** -0.5).to(torch.bfloat16).cuda()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        layer = MoELayer(cfg, EPGroup.single(), backend="auto")
+    assert layer.backend_name == "reference"
+    got = layer.forward(x, ids, w, w13, w2)
+    assert rel(got, _oracle_f64_gpu(x, ids, w, w13, w2, cfg)) < 1e-2
+    layer.destroy()

@@ -18,6 +18,7 @@ CASES = [  # E, H, I, K, T, activation, skew
     (16, 128, 64, 8, 40, "swiglu", True),
     (4, 32, 48, 2, 19, "squared_relu", False),
     (6, 48, 16, 3, 25, "gelu_glu", True),
+    (8, 64, 32, 2, 30, "clamped_swiglu", False),  # with biases and a triggered clamp: test_activations_bias.py
     (8, 64, 32, 2, 0, "swiglu", False),
 ]
 

@@ -10,17 +10,35 @@ pytest.importorskip("cutlass")
 from moe_ep.shim import SM90_MEGAMOE_CONSTANTS, ConstantDriftError, sm90_check_gemm_shapes, sm90_compile_gemm_ptx
 
 
-@pytest.mark.parametrize("act,n,k,scale", [
-    ("swiglu", 1536, 2048, False),       # Qwen3 FC1: w13 [E, 2·768, 2048]
-    ("squared_relu", 768, 2048, False),  # non-gated FC1
-    ("identity", 2048, 768, True),       # Qwen3 FC2 with router weights in the epilogue
+@pytest.mark.parametrize("act,n,k,scale,bias,needles", [
+    ("swiglu", 1536, 2048, False, None, ("ex2.approx",)),        # Qwen3 FC1: w13 [E, 2·768, 2048]
+    ("squared_relu", 768, 2048, False, None, ()),                # non-gated FC1
+    ("identity", 2048, 768, True, None, ()),                     # Qwen3 FC2, router weights in the epilogue
+    ("gelu_glu", 1536, 2048, False, "bfloat16", ()),             # erf gelu, bf16 bias
+    ("clamped_swiglu", 5760, 2880, False, "float32", ("min.f32", "max.f32")),  # gpt-oss FC1, I = 22.5 tiles
+    ("identity", 2880, 2880, True, "float32", ()),               # gpt-oss FC2 with b2
 ])
-def test_compiles_with_wgmma_and_tma(act, n, k, scale, tmp_path, monkeypatch):
+def test_compiles_with_wgmma_and_tma(act, n, k, scale, bias, needles, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the drop may keep PTX files in the working directory
-    ptx = sm90_compile_gemm_ptx(act, n, k, scale, arch="sm_90a")
+    ptx = sm90_compile_gemm_ptx(act, n, k, scale, arch="sm_90a", bias_dtype=bias)
     assert "wgmma.mma_async" in ptx
     assert "cp.async.bulk.tensor" in ptx
     assert ".target sm_90a" in ptx
+    assert "ld.local" not in ptx and "st.local" not in ptx, "register spills"
+    for needle in needles:
+        assert needle in ptx, f"{needle!r} missing from the PTX"
+    if bias == "bfloat16":
+        assert "ld.global.b16" in ptx or "ld.global.u16" in ptx or "ld.global.nc.b16" in ptx or "cvt.f32.bf16" in ptx
+
+
+def test_raster_choice_by_k():
+    """The shim's tile raster: 16 m-tiles per group while 16 A blocks fit the L2 budget, fewer
+    for very long K (Mixtral FC2: K = 14336 -> 6), never 0."""
+    from moe_ep.shim import sm90_pick_raster_m
+
+    assert sm90_pick_raster_m(2048) == 16 and sm90_pick_raster_m(4096) == 16
+    assert sm90_pick_raster_m(14336) == 6
+    assert sm90_pick_raster_m(10**7) == 1
 
 
 def test_constant_drift_detected(monkeypatch):
@@ -33,11 +51,11 @@ def test_constant_drift_detected(monkeypatch):
 
 @pytest.mark.parametrize("act,n,k,e,frag", [
     ("swiglu", 1536, 2044, 8, "K=2044 must be a multiple of 8"),
-    ("swiglu", 2 * 100, 2048, 8, "I=100 to be a multiple of the output tile 128"),
-    ("swiglu", 1537, 2048, 8, "even w13 row count"),
+    ("swiglu", 2 * 100, 2048, 8, "I=100 must be a multiple of 8"),
+    ("clamped_swiglu", 1537, 2048, 8, "even w13 row count"),
     ("identity", 2050, 768, 8, "N=2050 must be a multiple of 8"),
     ("identity", 2048, 768, 5000, "at most 1024"),
-    ("gelu_glu", 2048, 768, 8, "activation 'gelu_glu'"),
+    ("silu", 2048, 768, 8, "activation 'silu'"),
 ])
 def test_shape_validation(act, n, k, e, frag):
     with pytest.raises(ValueError) as ei:

@@ -40,21 +40,33 @@ def histogram(M, E, routing, gen):
     return offs
 
 
-def ref_gemm(a, b, offs, activation, row_scale=None):
-    """float32 per-expert reference: act(A_e · B_eᵀ) (· row_scale)."""
+GATED = ("swiglu", "gelu_glu", "clamped_swiglu")
+
+
+def ref_gemm(a, b, offs, activation, row_scale=None, bias=None, alpha=1.702, limit=7.0, dtype=torch.float32):
+    """Per-expert reference in ``dtype``: act(A_e · B_eᵀ + bias_e) (· row_scale)."""
     out = []
     o = offs.tolist()
     for e in range(b.shape[0]):
-        h = a[o[e]:o[e + 1]].float() @ b[e].float().t()
-        if activation == "swiglu":
+        h = a[o[e]:o[e + 1]].to(dtype) @ b[e].to(dtype).t()
+        if bias is not None:
+            h = h + bias[e].to(dtype)
+        if activation in GATED:
             i = h.shape[1] // 2
-            h = torch.nn.functional.silu(h[:, :i]) * h[:, i:]
+            g, u = h[:, :i], h[:, i:]
+        if activation == "swiglu":
+            h = torch.nn.functional.silu(g) * u
+        elif activation == "gelu_glu":
+            h = 0.5 * g * (1 + torch.erf(g / 2 ** 0.5)) * u
+        elif activation == "clamped_swiglu":
+            g = g.clamp(max=limit)
+            h = (u.clamp(-limit, limit) + 1) * g * torch.sigmoid(alpha * g)
         elif activation == "squared_relu":
             h = torch.relu(h).square()
         out.append(h)
     r = torch.cat(out) if out else torch.zeros(0, 1)
     if row_scale is not None:
-        r = r * row_scale[:, None]
+        r = r * row_scale[:, None].to(r.dtype)
     return r
 
 
@@ -71,7 +83,7 @@ def run_case(act, n, k, E, M, routing, gen, scale=False):
     b = (torch.randn(E, n, k, generator=gen) * k ** -0.5).to(torch.bfloat16).to(dev)
     offs = histogram(M, E, routing, gen)
     rs = torch.rand(M, generator=gen).to(dev) if scale else None
-    n_out = n // 2 if act == "swiglu" else n
+    n_out = n // 2 if act in GATED else n
     out = torch.full((M, n_out), float("nan"), dtype=torch.bfloat16, device=dev)  # poison
     fn(a, b, offs.to(dev), out=out, row_scale=rs)
     torch.cuda.synchronize()
@@ -132,3 +144,75 @@ def test_back_to_back_histograms():
     torch.cuda.synchronize()
     for h, o in zip(hists, outs):
         assert rel(o, ref_gemm(a, b, h, "swiglu")) < 1e-2
+
+
+@pytest.mark.parametrize("act,bias", [("clamped_swiglu", torch.float32), ("gelu_glu", torch.bfloat16),
+                                      ("swiglu", torch.float32), ("swiglu", None),
+                                      ("squared_relu", torch.bfloat16), ("identity", torch.float32)])
+def test_activations_bias_ragged_intermediate(act, bias):
+    """gpt-oss-120b widths (H = I = 2880: 22.5 output tiles of 128), every epilogue activation with
+    and without per-expert biases, skewed routing, against float64; the clamp of clamped_swiglu
+    must actually bite on these inputs."""
+    _sm90()
+    from moe_ep.shim import sm90_grouped_gemm
+
+    H = I = 2880
+    E, M = 16, 5003
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{act}/{bias}".encode()))
+    n = 2 * I if act in GATED else I
+    n_out = I
+    amp = 4.0 if act == "clamped_swiglu" else 1.0
+    fn = sm90_grouped_gemm(act, n, H, E, device="cuda", bias_dtype=bias)
+    a = (torch.randn(M, H, generator=gen) * amp).to(torch.bfloat16).cuda()
+    b = (torch.randn(E, n, H, generator=gen) * H ** -0.5).to(torch.bfloat16).cuda()
+    bb = None if bias is None else (torch.randn(E, n, generator=gen) * amp).to(bias).cuda()
+    offs = histogram(M, E, "skewed", gen)
+    out = torch.full((M, n_out), float("nan"), dtype=torch.bfloat16, device="cuda")
+    fn(a, b, offs.cuda(), out=out, bias=bb)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all(), "unwritten (NaN) or non-finite output rows"
+    ref = ref_gemm(a, b, offs, act, bias=bb, dtype=torch.float64)
+    e = rel(out, ref)
+    assert e < 1e-2, f"{act} bias={bias}: rel err {e:.3e}"
+    if act == "clamped_swiglu":
+        h = ref_gemm(a, b, offs, "identity", bias=bb, dtype=torch.float64)
+        assert (h[:, :I] > 7.0).float().mean() > 0.05 and (h[:, I:].abs() > 7.0).float().mean() > 0.05
+
+
+@pytest.mark.parametrize("raster", [1, 3, 16])
+def test_raster_orders_agree(raster):
+    """The tile raster only reorders work: raster groups that do not divide an expert's m-tiles,
+    empty experts, one huge expert -- same values as the float32 reference for every order."""
+    _sm90()
+    from moe_ep.shim import sm90_grouped_gemm
+
+    H, I, E = 1024, 1408, 8
+    gen = torch.Generator().manual_seed(100 + raster)
+    fn = sm90_grouped_gemm("swiglu", 2 * I, H, E, device="cuda", raster_m=raster)
+    M = 9000
+    a = torch.randn(M, H, generator=gen).to(torch.bfloat16).cuda()
+    b = (torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5).to(torch.bfloat16).cuda()
+    for offs in (histogram(M, E, "skewed", gen),
+                 torch.tensor([0, 0, 0, M, M, M, M, M, M], dtype=torch.int32)):
+        out = torch.full((M, I), float("nan"), dtype=torch.bfloat16, device="cuda")
+        fn(a, b, offs.cuda(), out=out)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all()
+        assert rel(out, ref_gemm(a, b, offs, "swiglu")) < 1e-2
+
+
+def test_bias_argument_contract():
+    """A bias kernel needs its bias; a no-bias kernel refuses one (before any launch)."""
+    _sm90()
+    from moe_ep.shim import sm90_grouped_gemm
+
+    fb = sm90_grouped_gemm("identity", 256, 128, 2, device="cuda", bias_dtype=torch.float32)
+    fn = sm90_grouped_gemm("identity", 256, 128, 2, device="cuda")
+    a = torch.randn(10, 128, device="cuda").to(torch.bfloat16)
+    b = torch.randn(2, 256, 128, device="cuda").to(torch.bfloat16)
+    offs = torch.tensor([0, 4, 10], dtype=torch.int32, device="cuda")
+    out = torch.empty(10, 256, dtype=torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="bias"):
+        fb(a, b, offs, out=out)
+    with pytest.raises(ValueError, match="bias"):
+        fn(a, b, offs, out=out, bias=torch.zeros(2, 256, device="cuda"))

@@ -10,8 +10,10 @@ Per forward on each of W ranks (E_local = E/W experts per rank, local experts of
    and :meth:`ReferenceBackend.check` raises it as :class:`RoutingValueError` (once);
 2. per-destination counts and the rows (bytes) are exchanged with ``all_to_all_single``;
 3. received rows are stably grouped by local expert -> ``recv_x [R, H]``, ``expert_offsets``;
-4. expert MLP: FC1 (``w13``), activation in float32, rounded to the layer dtype, FC2 (``w2``) —
-   a per-expert matmul loop on CPU, ``torch._grouped_mm`` on CUDA;
+4. expert MLP: FC1 (``w13``) plus the bias ``b13`` in float32, activation in float32, rounded to
+   the layer dtype, FC2 (``w2``) plus the bias ``b2`` in float32, rounded to the layer dtype —
+   ``torch._grouped_mm`` on CUDA when it can take the shapes (16-byte aligned strides: H, I and
+   w13_rows multiples of 8 in bf16), else (CPU, or any other shape) a per-expert matmul loop;
 5. rows go back with the reverse ``all_to_all_single``; each token's K rows are weighted by the
    router weights and summed in float32 in k order (deterministic), then cast to the layer dtype.
 
@@ -29,46 +31,104 @@ import torch.nn.functional as F
 from ..registry import BackendImpl, UnsupportedBackendError, routing_value_error
 
 
-def activate(h: torch.Tensor, activation: str, intermediate: int) -> torch.Tensor:
-    """FC1 output ``[M, w13_rows]`` (float32) -> activation ``[M, I]`` (float32)."""
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # gpt-oss; MoEConfig's defaults
+
+
+def activate(h: torch.Tensor, activation: str, intermediate: int, *, swiglu_alpha: float = SWIGLU_ALPHA,
+             swiglu_limit: float = SWIGLU_LIMIT) -> torch.Tensor:
+    """FC1 output ``[M, w13_rows]`` (float32, bias included) -> activation ``[M, I]`` (float32).
+
+    Gated activations read the gate from columns ``[0, I)`` and the up projection from ``[I, 2I)``;
+    ``swiglu_alpha``/``swiglu_limit`` are used by ``"clamped_swiglu"`` only (pass the config's)."""
     if activation == "swiglu":
         return F.silu(h[:, :intermediate]) * h[:, intermediate:]
     if activation == "gelu_glu":
         return F.gelu(h[:, :intermediate]) * h[:, intermediate:]
+    if activation == "clamped_swiglu":
+        g = h[:, :intermediate].clamp(max=swiglu_limit)
+        u = h[:, intermediate:].clamp(min=-swiglu_limit, max=swiglu_limit)
+        return (u + 1) * g * torch.sigmoid(swiglu_alpha * g)
     if activation == "squared_relu":
         return torch.relu(h).square()
     raise ValueError(f"unknown activation {activation!r}")
 
 
+def grouped_mm_fits(recv_x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -> bool:
+    """Whether ``torch._grouped_mm`` takes the expert MLP's operands (``recv_x [R, H]``, ``w13ᵀ``,
+    ``w2ᵀ``) and products (``[R, w13_rows]``, ``[R, I]``, ``[R, H]``, row-major): it needs every
+    non-unit stride a multiple of 16 bytes and 16-byte aligned data (for bf16: H, I and w13_rows
+    multiples of 8) and fails with "strides should be multiple of 16 bytes" otherwise."""
+    es = recv_x.element_size()
+    if any((n * es) % 16 for n in (recv_x.shape[1], w13.shape[1], w2.shape[2])):
+        return False
+    for t in (recv_x, w13.transpose(1, 2), w2.transpose(1, 2)):
+        if t.data_ptr() % 16 or any(st != 1 and (st * t.element_size()) % 16 for st in t.stride()):
+            return False
+    return True
+
+
 def expert_mlp(recv_x: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-               activation: str, intermediate: int) -> torch.Tensor:
+               activation: str, intermediate: int, *, b13: torch.Tensor | None = None,
+               b2: torch.Tensor | None = None, swiglu_alpha: float = SWIGLU_ALPHA,
+               swiglu_limit: float = SWIGLU_LIMIT, grouped: bool | None = None) -> torch.Tensor:
     """Grouped expert MLP.
 
     Args:
         recv_x: ``[R, H]`` rows grouped by local expert (dtype = layer dtype).
         offsets: ``[E_local + 1]`` int32, expert e owns rows ``[offsets[e], offsets[e+1])``.
         w13: ``[E_local, w13_rows, H]``; w2: ``[E_local, H, I]``.
+        b13: optional ``[E_local, w13_rows]`` (float32 or the layer dtype), added to FC1's float32
+            result before the activation; b2: optional ``[E_local, H]``, added to FC2's float32
+            result before it is rounded to the layer dtype.
+        swiglu_alpha, swiglu_limit: the ``"clamped_swiglu"`` parameters (the config's).
+        grouped: ``None`` (default): ``torch._grouped_mm`` on CUDA when it can take the shapes
+            (:func:`grouped_mm_fits`), else a per-expert matmul loop in float32; ``True``:
+            ``torch._grouped_mm`` wherever it can take the shapes (CPU too); ``False``: the loop.
     Returns:
         ``[R, H]`` in recv_x's dtype; the activation is rounded to that dtype before FC2, as the
-        kernels do.
+        kernels do. ``torch._grouped_mm`` returns its products in the input dtype (it has no
+        float32 output), so on that path FC1's and FC2's products are rounded to the layer dtype
+        before the biases are added in float32.
     """
     R, H = recv_x.shape
     out = torch.empty(R, H, dtype=recv_x.dtype, device=recv_x.device)
     if R == 0:
         return out
-    if recv_x.is_cuda and hasattr(torch, "_grouped_mm"):
+
+    def act(h: torch.Tensor) -> torch.Tensor:
+        return activate(h, activation, intermediate, swiglu_alpha=swiglu_alpha,
+                        swiglu_limit=swiglu_limit).to(recv_x.dtype)
+
+    if grouped is None:
+        grouped = recv_x.is_cuda
+    grouped = grouped and hasattr(torch, "_grouped_mm") and grouped_mm_fits(recv_x, w13, w2)
+    if grouped:
         ends = offsets[1:].to(torch.int32)
-        h = torch._grouped_mm(recv_x, w13.transpose(1, 2), offs=ends)
-        a = activate(h.float(), activation, intermediate).to(recv_x.dtype)
-        return torch._grouped_mm(a, w2.transpose(1, 2), offs=ends).to(recv_x.dtype)
+        row_expert = None
+        if b13 is not None or b2 is not None:  # local expert of each row (rows past the end: the last)
+            rows = torch.arange(R, dtype=offsets.dtype, device=offsets.device)
+            row_expert = torch.searchsorted(offsets[1:].contiguous(), rows, right=True)
+            row_expert.clamp_(max=w13.shape[0] - 1)
+        h = torch._grouped_mm(recv_x, w13.transpose(1, 2), offs=ends).float()
+        if b13 is not None:
+            h += b13.float()[row_expert]
+        a = act(h)
+        y = torch._grouped_mm(a, w2.transpose(1, 2), offs=ends)
+        if b2 is not None:
+            y = y.float() + b2.float()[row_expert]
+        return y.to(recv_x.dtype)
     offs = offsets.tolist()
     for e in range(w13.shape[0]):
         lo, hi = offs[e], offs[e + 1]
         if hi == lo:
             continue
         h = recv_x[lo:hi].float() @ w13[e].float().t()
-        a = activate(h, activation, intermediate).to(recv_x.dtype)
-        out[lo:hi] = (a.float() @ w2[e].float().t()).to(recv_x.dtype)
+        if b13 is not None:
+            h += b13[e].float()
+        y = act(h).float() @ w2[e].float().t()
+        if b2 is not None:
+            y += b2[e].float()
+        out[lo:hi] = y.to(recv_x.dtype)
     return out
 
 
@@ -183,9 +243,11 @@ class ReferenceBackend(BackendImpl):
             return out
         return res
 
-    def forward(self, x, topk_ids, topk_weights, w13, w2, out=None):
+    def forward(self, x, topk_ids, topk_weights, w13, w2, out=None, b13=None, b2=None):
         recv_x, offsets, state = self.dispatch(x, topk_ids, topk_weights)
-        y = expert_mlp(recv_x, offsets, w13, w2, self.cfg.activation, self.cfg.intermediate)
+        cfg = self.cfg
+        y = expert_mlp(recv_x, offsets, w13, w2, cfg.activation, cfg.intermediate, b13=b13, b2=b2,
+                       swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit)
         return self.combine(y, state, out)
 
     def check(self) -> None:

@@ -1,4 +1,4 @@
-"""Shim for the SM90 drop ``kernel_src/sm90/megamoe`` (package ``sm90_megamoe``), drop version 4.
+"""Shim for the SM90 drop ``kernel_src/sm90/megamoe`` (package ``sm90_megamoe``), drop version 5.
 
 What moe_ep relies on, declared as data (:data:`CONTRACT`), plus thin wrappers:
 
@@ -40,14 +40,17 @@ from ..nvshmem_boot import CounterContract
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 4},
+    "sm90_megamoe": {"DROP_VERSION": 5},
     "sm90_megamoe.constants": {
-        "ABI_VERSION": 1,
-        "ACTIVATIONS": ("identity", "swiglu", "squared_relu"),
+        "ABI_VERSION": 2,
+        "ACTIVATIONS": ("identity", "swiglu", "squared_relu", "gelu_glu", "clamped_swiglu"),
+        "GATED_ACTIVATIONS": ("swiglu", "gelu_glu", "clamped_swiglu"),
         "ALIGN_K_ELEMS": 8,
         "ALIGN_N_ELEMS": 8,
-        "DEFAULT_TILE_N": {"identity": 256, "squared_relu": 256, "swiglu": 128},
+        "DEFAULT_TILE_N": {"identity": 256, "squared_relu": 256, "swiglu": 128, "gelu_glu": 128,
+                           "clamped_swiglu": 128},
         "MAX_EXPERTS": 1024,
+        "MAX_RASTER_M": 64,
     },
     "sm90_megamoe.ep_constants": {
         "EP_ABI_VERSION": 2,
@@ -70,16 +73,19 @@ CONSTANTS = MirroredConstants("sm90/megamoe", {
 })
 
 CONTRACT = DropContract(
-    arch="sm90", drop="megamoe", version=4, packages=(PKG,), constants=CONSTANTS,
+    arch="sm90", drop="megamoe", version=5, packages=(PKG,), constants=CONSTANTS,
     callables=(
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.__init__",
-                    ("activation", "n", "k", "num_experts", "scale_rows", "tile_n")),
+                    ("activation", "n", "k", "num_experts", "scale_rows", "tile_n", "bias_dtype",
+                     "raster_m", "swiglu_alpha", "swiglu_limit")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_converted",
                     ("args", "max_active_ctas", "stream")),
-        CallableUse("sm90_megamoe.launch:to_cute_args", ("a", "b", "c", "offsets", "row_scale")),
+        CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.placeholders", ("device",)),
+        CallableUse("sm90_megamoe.launch:to_cute_args",
+                    ("a", "b", "c", "offsets", "row_scale", "bias")),
         CallableUse("sm90_megamoe.compile_check:compile_for_arch",
                     ("activation", "n", "k", "scale_rows", "arch", "num_experts", "tile_n",
-                     "extra_options")),
+                     "extra_options", "bias_dtype", "raster_m", "swiglu_alpha", "swiglu_limit")),
         CallableUse("sm90_megamoe.ep_launch:EpConfig.__init__",
                     ("hidden", "topk", "world", "max_tokens", "num_experts")),
         CallableUse("sm90_megamoe.ep_launch:EpBuffers.__init__",
@@ -125,6 +131,9 @@ _C = CONSTANTS.table["sm90_megamoe.constants"]
 _E = CONSTANTS.table["sm90_megamoe.ep_constants"]
 _L = CONSTANTS.table["sm90_megamoe.layout_kernels"]
 GEMM_ACTIVATIONS = _C["ACTIVATIONS"]
+GEMM_GATED = _C["GATED_ACTIVATIONS"]
+#: bias dtypes the grouped GEMM epilogue reads (torch dtype name -> the drop's name)
+GEMM_BIAS_DTYPES = ("float32", "bfloat16")
 #: chunk count bound of the layout kernels' counts scratch (one chunk per SM by default)
 LAYOUT_MAX_CHUNKS = 1024
 
@@ -169,15 +178,27 @@ def check_gemm_shapes(activation: str, n: int, k: int, num_experts: int, tile_n:
         raise ValueError(f"sm90 grouped GEMM: K={k} must be a multiple of {_C['ALIGN_K_ELEMS']} (16-byte TMA rows)")
     if num_experts > _C["MAX_EXPERTS"]:
         raise ValueError(f"sm90 grouped GEMM: {num_experts} experts per launch, at most {_C['MAX_EXPERTS']}")
-    tile = tile_n or _C["DEFAULT_TILE_N"][activation]
-    if activation == "swiglu":
+    if activation in GEMM_GATED:
         if n % 2:
-            raise ValueError(f"sm90 grouped GEMM: swiglu needs an even w13 row count (2·I), got {n}")
-        if (n // 2) % tile:
-            raise ValueError(f"sm90 grouped GEMM: swiglu needs intermediate I={n // 2} to be a multiple of "
-                             f"the output tile {tile} (gate and up tiles meet in one CTA)")
+            raise ValueError(f"sm90 grouped GEMM: {activation} needs an even w13 row count (2·I), got {n}")
+        if (n // 2) % _C["ALIGN_N_ELEMS"]:
+            raise ValueError(f"sm90 grouped GEMM: intermediate I={n // 2} must be a multiple of "
+                             f"{_C['ALIGN_N_ELEMS']} (16-byte output rows)")
     elif n % _C["ALIGN_N_ELEMS"]:
         raise ValueError(f"sm90 grouped GEMM: N={n} must be a multiple of {_C['ALIGN_N_ELEMS']}")
+
+
+#: L2 bytes the raster's A row groups may take (about half of an H100/H200's 50 MB L2)
+RASTER_L2_BUDGET = 24 << 20
+
+
+def pick_raster_m(k: int) -> int:
+    """m-tiles per raster group for reduction size ``k``: as many 128-row A blocks (128·k·2 bytes)
+    as fit in :data:`RASTER_L2_BUDGET`, at most 16. The CTAs running at the same time then sweep
+    the weight N-panels of one expert with the group's A rows resident in L2, so every weight
+    byte comes from DRAM once per group (Mixtral FC1: once instead of once per m-tile). Depends on
+    K only: one compiled kernel serves every routing."""
+    return max(1, min(16, RASTER_L2_BUDGET // (128 * k * 2)))
 
 
 @dataclass(frozen=True)
@@ -195,29 +216,33 @@ class GemmKey:
     num_experts: int
     scale_rows: bool
     tile_n: int
+    bias_dtype: str | None
+    raster_m: int
+    swiglu_alpha: float
+    swiglu_limit: float
 
 
 class GroupedGemm:
     """A launcher of the compiled grouped GEMM, owned by one caller (a layer).
 
     ``gemm(a [M, k] bf16, b [E, n, k] bf16, offsets [E+1] int32 (device), out [M, n_out] bf16,
-    row_scale [M] f32 (only when compiled with scale_rows))``; ``n_out`` = n/2 for swiglu. The
-    converted (CuTe) arguments of the last call of each role are kept, so a layer passing the
-    same persistent buffers converts nothing per forward; they die with the launcher.
+    row_scale [M] f32 (only when compiled with scale_rows), bias [E, n] (only when compiled with
+    a bias dtype, of that dtype))``; ``n_out`` = n/2 for the gated activations. The converted
+    (CuTe) arguments of the last call of each role are kept, so a layer passing the same
+    persistent buffers converts nothing per forward; they die with the launcher.
     """
 
     def __init__(self, compiled: Any, to_cute_args: Any, device: Any) -> None:
-        import torch
-
         self.compiled = compiled
         self.scale_rows = compiled.scale_rows
+        self.bias_dtype = compiled.bias_dtype
         self.n_out = compiled.n_out
         self._to = to_cute_args
         self._last: tuple | None = None
-        self._dummy_scale = torch.zeros(1, dtype=torch.float32, device=device)
+        self._dummy_scale, self._dummy_bias = compiled.placeholders(device=device)
         self._ctas = _num_sms(device)
 
-    def __call__(self, a, b, offsets, out, row_scale=None, max_active_ctas=None, stream=None):
+    def __call__(self, a, b, offsets, out, row_scale=None, max_active_ctas=None, stream=None, bias=None):
         if a.shape[0] == 0:
             return out
         if self.scale_rows:
@@ -225,10 +250,17 @@ class GroupedGemm:
                 raise ValueError("this grouped GEMM was compiled with scale_rows=True: pass row_scale")
         else:
             row_scale = self._dummy_scale
-        ts = (a, b, out, offsets, row_scale)
+        if self.bias_dtype is not None:
+            if bias is None:
+                raise ValueError(f"this grouped GEMM was compiled with a {self.bias_dtype} bias: pass bias")
+        elif bias is not None:
+            raise ValueError("this grouped GEMM was compiled without a bias: bias must be None")
+        else:
+            bias = self._dummy_bias
+        ts = (a, b, out, offsets, row_scale, bias)
         key = tuple((t.data_ptr(), tuple(t.shape), t.dtype) for t in ts)
         if self._last is None or self._last[0] != key:
-            self._last = (key, self._to(a=a, b=b, c=out, offsets=offsets, row_scale=row_scale), ts)
+            self._last = (key, self._to(a=a, b=b, c=out, offsets=offsets, row_scale=row_scale, bias=bias), ts)
         self.compiled.launch_converted(args=self._last[1], max_active_ctas=max_active_ctas or self._ctas,
                                        stream=stream)
         return out
@@ -239,42 +271,68 @@ class GroupedGemm:
         self._last = None
 
 
+def _bias_name(bias_dtype: Any) -> str | None:
+    """None / torch dtype / name -> the drop's bias dtype name (or ValueError)."""
+    if bias_dtype is None:
+        return None
+    name = str(bias_dtype).replace("torch.", "")
+    if name not in GEMM_BIAS_DTYPES:
+        raise ValueError(f"sm90 grouped GEMM: bias dtype {bias_dtype} not in {GEMM_BIAS_DTYPES}")
+    return name
+
+
 def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
-                          tile_n: int | None = None) -> Any:
+                          tile_n: int | None = None, bias_dtype: Any = None, raster_m: int | None = None,
+                          swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0) -> Any:
     """The compiled grouped GEMM from the compile cache (compiled code only, no buffers)."""
     check_gemm_shapes(activation, n, k, num_experts, tile_n)
     tile = tile_n or _C["DEFAULT_TILE_N"][activation]
+    bias = _bias_name(bias_dtype)
+    raster = pick_raster_m(k) if raster_m is None else int(raster_m)
+    if not 1 <= raster <= _C["MAX_RASTER_M"]:
+        raise ValueError(f"sm90 grouped GEMM: raster_m={raster} not in [1, {_C['MAX_RASTER_M']}]")
+    alpha, limit = (float(swiglu_alpha), float(swiglu_limit)) if activation == "clamped_swiglu" else (0.0, 0.0)
     key = GemmKey(CONSTANTS.value(PKG, "DROP_VERSION"), _C["ABI_VERSION"], _cutlass_version(), "sm_90a",
-                  "bf16", activation, n, k, num_experts, bool(scale_rows), tile)
+                  "bf16", activation, n, k, num_experts, bool(scale_rows), tile, bias, raster, alpha, limit)
 
     def build():
         launch = _load("sm90_megamoe.launch")
+        kw = {"swiglu_alpha": alpha, "swiglu_limit": limit} if activation == "clamped_swiglu" else {}
         return launch.CompiledGroupedGemm(activation=activation, n=n, k=k, num_experts=num_experts,
-                                          scale_rows=bool(scale_rows), tile_n=tile)
+                                          scale_rows=bool(scale_rows), tile_n=tile, bias_dtype=bias,
+                                          raster_m=raster, **kw)
 
     return COMPILE_CACHE.get_or_compile(key, build)
 
 
 def grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
-                 tile_n: int | None = None, device: Any = None) -> GroupedGemm:
-    """A new :class:`GroupedGemm` launcher for ``device`` (default: the current CUDA device)."""
+                 tile_n: int | None = None, device: Any = None, bias_dtype: Any = None,
+                 raster_m: int | None = None, swiglu_alpha: float = 1.702,
+                 swiglu_limit: float = 7.0) -> GroupedGemm:
+    """A new :class:`GroupedGemm` launcher for ``device`` (default: the current CUDA device).
+
+    ``bias_dtype``: None or torch.float32/bfloat16 (the variant adds ``bias [E, n]``);
+    ``raster_m``: None = :func:`pick_raster_m` (k); ``swiglu_*``: clamped_swiglu's constants."""
     import torch
 
-    compiled = compiled_grouped_gemm(activation, n, k, num_experts, scale_rows, tile_n)
+    compiled = compiled_grouped_gemm(activation, n, k, num_experts, scale_rows, tile_n, bias_dtype,
+                                     raster_m, swiglu_alpha, swiglu_limit)
     launch = _load("sm90_megamoe.launch")
     dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
     return GroupedGemm(compiled, launch.to_cute_args, dev)
 
 
 def compile_gemm_ptx(activation: str, n: int, k: int, scale_rows: bool, arch: str = "sm_90a",
-                     num_experts: int = 128) -> str:
+                     num_experts: int = 128, bias_dtype: Any = None, raster_m: int | None = None) -> str:
     """Compile without a GPU (fake tensors, dynamic M_total) and return the PTX text (compiler
     artifacts go to a temporary folder, never the working directory)."""
     check_gemm_shapes(activation, n, k, num_experts)
     cc = _load("sm90_megamoe.compile_check")
+    raster = pick_raster_m(k) if raster_m is None else int(raster_m)
     with tempfile.TemporaryDirectory(prefix="moe_ep_ptx_") as d:
         compiled = cc.compile_for_arch(activation=activation, n=n, k=k, scale_rows=scale_rows, arch=arch,
-                                       num_experts=num_experts, tile_n=None, extra_options=f"--dump-dir={d}")
+                                       num_experts=num_experts, tile_n=None, extra_options=f"--dump-dir={d}",
+                                       bias_dtype=_bias_name(bias_dtype), raster_m=raster)
         return compiled.__ptx__
 
 

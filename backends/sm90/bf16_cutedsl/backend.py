@@ -10,8 +10,8 @@ The forward of one rank, all on the device: no host sync, no allocation when ``o
 2. **expert layout** -- wait (bounded) for every source's flag, then group the valid
    (slot, k) pairs by local expert in (slot, k) order: ``offsets``, ``idx``/``ws`` per grouped
    row, ``pos`` per pair, and the rows gathered into ``xs`` (2 launches);
-3. **FC1 + activation** -- varlen-M grouped GEMM ``h = act(xs · w13ᵀ)``;
-4. **FC2 + router weight** -- ``y = ws · (h · w2ᵀ)`` (``y`` overwrites ``xs``);
+3. **FC1 + activation** -- varlen-M grouped GEMM ``h = act(xs · w13ᵀ (+ b13))``;
+4. **FC2 + router weight** -- ``y = ws · (h · w2ᵀ (+ b2))`` (``y`` overwrites ``xs``);
 5. **combine** -- per received token, its <= K weighted rows summed in float32 in k order go
    back to the source rank (peer store, then a flag); each source sums its <= W partial rows
    in float32 in rank order.
@@ -35,7 +35,10 @@ from moe_ep.shim import (Sm90EpSession, Sm90LayoutSession, StaleHandleError,
 from ...registry import BackendImpl, UnsupportedBackendError, routing_value_error
 from .workspace import Dims, get_workspace
 
-ACTIVATION_MAP = {"swiglu": "swiglu", "squared_relu": "squared_relu"}
+# MoEConfig.activation -> the drop's FC1 epilogue
+ACTIVATION_MAP = {"swiglu": "swiglu", "squared_relu": "squared_relu", "gelu_glu": "gelu_glu",
+                  "clamped_swiglu": "clamped_swiglu"}
+BIAS_DTYPES = (None, torch.float32, torch.bfloat16)
 
 
 def check(config: Any, group: Any, device: torch.device) -> None:
@@ -51,6 +54,10 @@ def check(config: Any, group: Any, device: torch.device) -> None:
     if config.activation not in ACTIVATION_MAP:
         raise UnsupportedBackendError(f"sm90_bf16_cutedsl: activation {config.activation!r} is not "
                                       f"supported (supported: {sorted(ACTIVATION_MAP)})")
+    bias_dtype = getattr(config, "bias_dtype", None)
+    if bias_dtype not in BIAS_DTYPES:
+        raise UnsupportedBackendError(f"sm90_bf16_cutedsl: bias_dtype {bias_dtype} is not supported "
+                                      "(None, torch.float32, torch.bfloat16)")
     if group.world_size > 1 and group.dist_backend not in ("nccl", "virtual"):
         raise UnsupportedBackendError("sm90_bf16_cutedsl over several ranks bootstraps NVSHMEM over an "
                                       f"NCCL process group (got {group.dist_backend!r})")
@@ -120,9 +127,14 @@ class Sm90CuteDSLBackend(BackendImpl):
                                 num_ctas=self.num_ctas, timeout_ns=self.timeout_ns)
         self.layout = Sm90LayoutSession(d.hidden, d.topk, self.W, d.max_tokens, self.E, dev, v["counts"],
                                         num_chunks=self.num_ctas, timeout_ns=self.timeout_ns)
-        self.fc1 = sm90_grouped_gemm(ACTIVATION_MAP[cfg.activation], cfg.w13_rows, cfg.hidden, self.E, device=dev)
+        bias_dtype = getattr(cfg, "bias_dtype", None)
+        act_consts = {}
+        if cfg.activation == "clamped_swiglu":
+            act_consts = {"swiglu_alpha": cfg.swiglu_alpha, "swiglu_limit": cfg.swiglu_limit}
+        self.fc1 = sm90_grouped_gemm(ACTIVATION_MAP[cfg.activation], cfg.w13_rows, cfg.hidden, self.E, device=dev,
+                                     bias_dtype=bias_dtype, **act_consts)
         self.fc2 = sm90_grouped_gemm("identity", cfg.hidden, cfg.intermediate, self.E, scale_rows=True,
-                                     device=dev)
+                                     device=dev, bias_dtype=bias_dtype)
         self.xs, self.h = v["xs"], v["h"]
         self.y = v["xs"]  # FC2's output overwrites FC1's input, dead by then
         self.offsets, self.idx, self.ws_rows, self.pos = v["offsets"], v["idx"], v["ws"], v["pos"]
@@ -146,7 +158,11 @@ class Sm90CuteDSLBackend(BackendImpl):
         w = torch.rand(T, cfg.top_k, device=self.device, generator=g)
         w13 = torch.randn(self.E, cfg.w13_rows, cfg.hidden, device=self.device, generator=g).to(torch.bfloat16)
         w2 = torch.randn(self.E, cfg.hidden, cfg.intermediate, device=self.device, generator=g).to(torch.bfloat16)
-        self.forward(x, ids, w, w13, w2)
+        b13 = b2 = None
+        if getattr(cfg, "bias_dtype", None) is not None:
+            b13 = torch.randn(self.E, cfg.w13_rows, device=self.device, generator=g).to(cfg.bias_dtype)
+            b2 = torch.randn(self.E, cfg.hidden, device=self.device, generator=g).to(cfg.bias_dtype)
+        self.forward(x, ids, w, w13, w2, b13=b13, b2=b2)
         torch.cuda.synchronize(self.device)
         self.fc1.release(), self.fc2.release()  # do not keep the throw-away weights alive
         self.check()
@@ -160,9 +176,10 @@ class Sm90CuteDSLBackend(BackendImpl):
     def _step2_layout(self) -> None:
         self.layout(self.ep, self.offsets, self.idx, self.ws_rows, self.pos, self.xs)
 
-    def _step34_experts(self, w13, w2) -> None:
-        self.fc1(self.xs, w13, self.offsets, out=self.h, max_active_ctas=self.num_ctas)
-        self.fc2(self.h, w2, self.offsets, out=self.y, row_scale=self.ws_rows, max_active_ctas=self.num_ctas)
+    def _step34_experts(self, w13, w2, b13=None, b2=None) -> None:
+        self.fc1(self.xs, w13, self.offsets, out=self.h, max_active_ctas=self.num_ctas, bias=b13)
+        self.fc2(self.h, w2, self.offsets, out=self.y, row_scale=self.ws_rows, max_active_ctas=self.num_ctas,
+                 bias=b2)
 
     def _step5_combine_send(self) -> None:
         self.ep.combine_send(self.y, self.pos)
@@ -170,13 +187,13 @@ class Sm90CuteDSLBackend(BackendImpl):
     def _step5_combine_reduce(self, out) -> None:
         self.ep.combine_reduce(out)
 
-    def forward(self, x, topk_ids, topk_weights, w13, w2, out=None):
+    def forward(self, x, topk_ids, topk_weights, w13, w2, out=None, b13=None, b2=None):
         self._ensure()
         if out is None:  # the one allocation of a forward without ``out``
             out = torch.empty(x.shape[0], self.cfg.hidden, dtype=x.dtype, device=x.device)
         self._step1_dispatch(x, topk_ids, topk_weights)
         self._step2_layout()
-        self._step34_experts(w13, w2)
+        self._step34_experts(w13, w2, b13, b2)
         self._step5_combine_send()
         self._step5_combine_reduce(out)
         return out
@@ -267,8 +284,10 @@ class Sm90CuteDSLBackend(BackendImpl):
 
 
 def grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
-                 device: Any = None):
+                 device: Any = None, bias_dtype: Any = None, raster_m: int | None = None):
     """A launcher of the SM90 varlen-M grouped GEMM (for benchmarks and engines with their own
     MoE plumbing): ``fn(a [M,k] bf16, b [E,n,k] bf16, offsets [E+1] int32 (device), out=[M,n_out]
-    bf16, row_scale=[M] f32)``; ``n_out`` = n/2 for swiglu."""
-    return sm90_grouped_gemm(activation, n, k, num_experts, scale_rows=scale_rows, device=device)
+    bf16, row_scale=[M] f32, bias=[E,n] bias_dtype)``; ``n_out`` = n/2 for the gated activations.
+    ``raster_m`` None: the shim's choice for this K."""
+    return sm90_grouped_gemm(activation, n, k, num_experts, scale_rows=scale_rows, device=device,
+                             bias_dtype=bias_dtype, raster_m=raster_m)

@@ -65,13 +65,15 @@ class VirtualEP:
     def layers(self):
         return self.ranks
 
-    def forward(self, xs, ids, ws, w13s, w2s, outs=None, delay_rank: int | None = None, ranks=None):
+    def forward(self, xs, ids, ws, w13s, w2s, outs=None, delay_rank: int | None = None, ranks=None,
+                b13s=None, b2s=None):
         """Enqueue every rank's forward on its own stream, phase by phase across ranks (all
         dispatches, then all layouts, ...), no host sync; returns the outputs.
 
         Phase order matters in one process: CUDA loads a kernel's module lazily at its first
         launch and that load waits for the device, so a rank must never spin on a peer whose
-        step has not been enqueued yet. ``ranks``: which ranks take part (default all)."""
+        step has not been enqueued yet. ``ranks``: which ranks take part (default all). ``b13s``/``b2s``:
+        per-rank biases when the config has a ``bias_dtype``."""
         W = self.world
         live = list(range(W)) if ranks is None else list(ranks)
         outs = list(outs) if outs is not None else [None] * W
@@ -93,7 +95,8 @@ class VirtualEP:
         for r in live:
             on(r, self.ranks[r]._step2_layout)
         for r in live:
-            on(r, lambda r=r: self.ranks[r]._step34_experts(w13s[r], w2s[r]))
+            on(r, lambda r=r: self.ranks[r]._step34_experts(w13s[r], w2s[r], None if b13s is None else b13s[r],
+                                                             None if b2s is None else b2s[r]))
         for r in live:
             on(r, self.ranks[r]._step5_combine_send)
         for r in live:

@@ -14,10 +14,15 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 from .grouped_gemm import GroupedGemmSm90
 
 
-def fake_args(kernel: GroupedGemmSm90, num_experts: int, n: int, k: int, use_tvm_ffi: bool = False):
-    """Fake (mA, mB, mC, mOffsets, mRowScale, max_active_ctas, stream) with dynamic M_total.
+_BIAS_DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16}
 
-    Layouts match what ``launch.to_cute_args`` produces from contiguous torch tensors."""
+
+def fake_args(kernel: GroupedGemmSm90, num_experts: int, n: int, k: int, use_tvm_ffi: bool = False,
+              bias_dtype: str = "float32"):
+    """Fake (mA, mB, mC, mOffsets, mRowScale, mBias, max_active_ctas, stream), dynamic M_total.
+
+    Layouts match what ``launch.to_cute_args`` produces from contiguous torch tensors. ``bias_dtype``
+    ("float32" or "bfloat16") is part of the compiled signature even without ``has_bias``."""
     n_out, _ = kernel.static_shapes(n, k)
     m = cute.sym_int()
     mA = make_fake_compact_tensor(cutlass.BFloat16, (m, k), stride_order=(1, 0), assumed_align=16)
@@ -27,8 +32,14 @@ def fake_args(kernel: GroupedGemmSm90, num_experts: int, n: int, k: int, use_tvm
     mC = make_fake_compact_tensor(cutlass.BFloat16, (m, n_out), stride_order=(1, 0), assumed_align=16)
     mOff = make_fake_compact_tensor(cutlass.Int32, (num_experts + 1,), assumed_align=4)
     mScale = make_fake_compact_tensor(cutlass.Float32, (cute.sym_int(),), assumed_align=4)
+    if kernel.has_bias:
+        mBias = make_fake_compact_tensor(_BIAS_DTYPES[bias_dtype], (num_experts, n), stride_order=(1, 0),
+                                         assumed_align=4)
+    else:  # an unread placeholder of any length
+        mBias = make_fake_compact_tensor(cutlass.Float32, (1, cute.sym_int()), stride_order=(1, 0),
+                                         assumed_align=4)
     stream = make_fake_stream(use_tvm_ffi_env_stream=use_tvm_ffi)
-    return mA, mB, mC, mOff, mScale, cutlass.Int32(132), stream
+    return mA, mB, mC, mOff, mScale, mBias, cutlass.Int32(132), stream
 
 
 def compile_for_arch(
@@ -41,27 +52,41 @@ def compile_for_arch(
     tile_n=None,
     extra_options: str = "",
     epilogue: str = "smem",
+    bias_dtype=None,
+    raster_m: int = 1,
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
 ):
-    kernel = GroupedGemmSm90(activation, tile_n=tile_n, scale_rows=scale_rows, epilogue=epilogue)
-    args = fake_args(kernel, num_experts, n, k)
+    """Compile one variant for ``arch`` from fake tensors. ``bias_dtype``: None (no bias),
+    "float32" or "bfloat16"."""
+    kernel = GroupedGemmSm90(activation, tile_n=tile_n, scale_rows=scale_rows, epilogue=epilogue,
+                             has_bias=bias_dtype is not None, raster_m=raster_m,
+                             swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
+    args = fake_args(kernel, num_experts, n, k, bias_dtype=bias_dtype or "float32")
     opts = f"--gpu-arch {arch} --keep-ptx {extra_options}".strip()
     return cute.compile(kernel, *args, options=opts)
 
 
 def main():
+    # (activation, N, K, scale_rows, bias dtype, raster_m): Qwen3-30B-A3B, Mixtral, gpt-oss shapes
     cases = [
-        ("swiglu", 1536, 2048, False),
-        ("squared_relu", 1536, 2048, False),
-        ("identity", 2048, 768, True),
-        ("identity", 2048, 768, False),
+        ("swiglu", 1536, 2048, False, None, 1),
+        ("squared_relu", 1536, 2048, False, None, 1),
+        ("identity", 2048, 768, True, None, 1),
+        ("identity", 2048, 768, False, None, 1),
+        ("swiglu", 28672, 4096, False, None, 16),
+        ("gelu_glu", 1536, 2048, False, None, 4),
+        ("clamped_swiglu", 5760, 2880, False, "float32", 8),
+        ("identity", 2880, 2880, True, "bfloat16", 8),
     ]
-    for act, n, k, sr in cases:
+    for act, n, k, sr, bias, raster in cases:
         t0 = time.time()
-        c = compile_for_arch(act, n, k, sr)
+        c = compile_for_arch(act, n, k, sr, bias_dtype=bias, raster_m=raster)
         dt = time.time() - t0
         ptx = c.__ptx__
         ok = "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
-        print(f"{act:13s} N={n} K={k} scale_rows={sr}: compile {dt:.2f}s  wgmma+tma in PTX: {ok}")
+        print(f"{act:15s} N={n} K={k} scale_rows={sr} bias={bias} raster_m={raster}: "
+              f"compile {dt:.2f}s  wgmma+tma in PTX: {ok}")
         assert ok
 
 

@@ -3,26 +3,40 @@
 Bump ``ABI_VERSION`` whenever the argument list, tensor layouts or semantics of a kernel change.
 """
 
-ABI_VERSION = 1
+ABI_VERSION = 2  # 2: the bias argument, gated activations with I % tile_n != 0, tile raster
 
-# Activations the grouped GEMM epilogue can apply (compile-time choice).
-ACTIVATIONS = ("identity", "swiglu", "squared_relu")
+# Activations the grouped GEMM epilogue can apply (compile-time choice). The gated ones (GATED)
+# read gate rows [0, I) and up rows [I, 2I) of w13:
+#   swiglu          silu(g) * u
+#   gelu_glu        gelu(g) * u                               (erf form)
+#   clamped_swiglu  (clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g'),  g' = min(g, limit)
+#                   (gpt-oss; alpha and limit are compile-time values)
+ACTIVATIONS = ("identity", "swiglu", "squared_relu", "gelu_glu", "clamped_swiglu")
+GATED_ACTIVATIONS = ("swiglu", "gelu_glu", "clamped_swiglu")
 
 # Default CTA tiles. TILE_N is the width of the *output* tile; for swiglu the accumulator is
 # 2 * TILE_N wide (gate half + up half), so swiglu defaults to 128 and the others to 256.
 DEFAULT_TILE_M = 128
 DEFAULT_TILE_K = 64
-DEFAULT_TILE_N = {"identity": 256, "squared_relu": 256, "swiglu": 128}
+DEFAULT_TILE_N = {"identity": 256, "squared_relu": 256, "swiglu": 128, "gelu_glu": 128,
+                  "clamped_swiglu": 128}
+
+# Tile raster inside one expert: the m-tiles of an expert are walked in groups of RASTER_M; inside
+# a group the m-tile is the fast index and the n-tile the slow one, so the CTAs running at the same
+# time share one weight N-panel (read from DRAM once per group) and the group's A rows (L2 resident).
+# RASTER_M = 1 is the plain n-fast order. Compile-time; the host picks it from K.
+DEFAULT_RASTER_M = 1
+MAX_RASTER_M = 64
 
 # TMA needs 16-byte aligned row strides: K (A and B) and the output width must be multiples of
 # 8 bf16 elements. Base pointers of A, B, C must be 16-byte aligned (torch allocations are).
 ALIGN_K_ELEMS = 8
 ALIGN_N_ELEMS = 8
 
-# swiglu: the intermediate size I = N // 2 (N = rows of w13) must be a multiple of the output
-# tile width, because gate rows [n0, n0+bn) and up rows [I+n0, I+n0+bn) are loaded as two whole
-# TMA boxes into one stage. With the default tile (128) that means I % 128 == 0.
-SWIGLU_I_MULTIPLE_OF_TILE_N = True
+# Gated activations: I = N // 2 may be any multiple of ALIGN_N_ELEMS. Gate rows [n0, n0+bn) and
+# up rows [I+n0, I+n0+bn) are two TMA boxes at element coordinates; the last tile's columns past I
+# are computed and never stored (TMA zero-fills rows past 2I).
+SWIGLU_I_MULTIPLE_OF_TILE_N = False
 
 # Experts per launch: the tile scheduler keeps offsets and a prefix sum in shared memory.
 MAX_EXPERTS = 1024

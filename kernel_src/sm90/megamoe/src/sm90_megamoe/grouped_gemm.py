@@ -2,10 +2,12 @@
 
 One kernel computes, for every expert ``e`` with rows ``[offsets[e], offsets[e+1])`` of A::
 
-    identity      C[rows]      = A[rows] @ B[e]^T
-    squared_relu  C[rows]      = relu(A[rows] @ B[e]^T) ** 2
-    swiglu        C[rows, :I]  = silu(A[rows] @ B[e, :I]^T) * (A[rows] @ B[e, I:]^T)
-    (scale_rows)  C[m, :]     *= row_scale[m]                 (after the activation)
+    identity        C[rows]      = H                        H = A[rows] @ B[e]^T (+ bias[e])
+    squared_relu    C[rows]      = relu(H) ** 2
+    swiglu          C[rows, :I]  = silu(G) * U              G = H[:, :I], U = H[:, I:]
+    gelu_glu        C[rows, :I]  = gelu(G) * U              (erf form)
+    clamped_swiglu  C[rows, :I]  = (clamp(U, -l, l) + 1) * G' * sigmoid(alpha * G'),  G' = min(G, l)
+    (scale_rows)    C[m, :]     *= row_scale[m]             (after the activation)
 
 BF16 in, FP32 accumulate, BF16 out. The routing histogram (``offsets``) lives in device memory
 and is walked by the tile scheduler inside the kernel, so one compiled kernel serves every
@@ -15,9 +17,11 @@ Design
 ------
 * Persistent grid of ``max_active_ctas`` CTAs (normally one per SM). Each CTA reads ``offsets``
   once into shared memory and builds the prefix sum of per-expert m-tile counts (one warp, shuffle
-  scan). Linear tile id ``t`` -> (global m-tile ``t // n_tiles``, n-tile ``t % n_tiles``); the
-  n-tile is the fast index so the CTAs running at the same time share one A row block and sweep
-  the weights of one or two experts (both stay L2 resident).
+  scan). Expert ``e`` owns the linear tiles ``[cum[e] * n_tiles, cum[e+1] * n_tiles)``; inside it
+  the m-tiles go in groups of ``raster_m`` with the m-tile as the fast index, so the CTAs running
+  at the same time share a weight N-panel (read from DRAM once per group instead of once per
+  m-tile; Mixtral FC1 reads its 235 MB expert weights once, not 16 times) and the group's A rows
+  stay in L2 while the n-tiles sweep past. ``raster_m = 1`` is the plain n-fast order.
 * A is read through ONE TMA descriptor over the whole ragged ``[M_total, K]`` tensor; a tile starts
   at row ``offsets[e] + m_tile * tile_m`` (``cute.domain_offset``). Rows past ``M_total`` are
   zero-filled by TMA; rows of the next expert that fall in the tile are computed but never stored.
@@ -25,12 +29,14 @@ Design
 * Warp specialization: warpgroup 0 = producer (one warp issues TMA into a ``num_stages`` deep
   ``PipelineTmaAsync``), warpgroups 1 and 2 = consumers, 64 rows each, WGMMA 64 x tile_n x 16
   with fp32 accumulators in registers; setmaxnreg 40 / 232.
-* swiglu mapping: an output tile covers columns ``[n0, n0+bn)`` of C. Every pipeline stage holds
-  one A box (tile_m x tile_k) and TWO B boxes: w13 rows ``[n0, n0+bn)`` (gate) in B slot
-  ``2*stage`` and rows ``[I+n0, I+n0+bn)`` (up) in slot ``2*stage+1``. Each consumer keeps two
+* Gated mapping (swiglu, gelu_glu, clamped_swiglu): an output tile covers columns ``[n0, n0+bn)``
+  of C. Every pipeline stage holds one A box (tile_m x tile_k) and TWO B boxes: w13 rows
+  ``[n0, n0+bn)`` (gate) in B slot ``2*stage`` and rows ``[I+n0, I+n0+bn)`` (up, an element
+  coordinate: I need not be a multiple of the tile) in slot ``2*stage+1``. Each consumer keeps two
   accumulators (gate, up) with identical register layouts, so the epilogue pairs element ``i`` of
-  one with element ``i`` of the other. Requires ``I % tile_n == 0``.
-* Epilogue: activation and row scale in fp32 registers, convert to bf16, stage 64-column chunks
+  one with element ``i`` of the other. In the last tile of a ragged I, gate columns past I hold up
+  rows and up columns past 2I are TMA zero fill: computed, never stored.
+* Epilogue: bias, activation and row scale in fp32 registers, convert to bf16, stage 64-column chunks
   through a padded smem buffer (conflict-free 32-bit writes), then predicated, coalesced 16-byte
   global stores (row < expert end, col < N_out); a warp writes whole 128-byte row segments.
   (``epilogue="direct"`` stores 32-bit pairs straight from registers: ~25% slower at K=768.)
@@ -43,9 +49,12 @@ Tensors (torch view; all contiguous, 16-byte aligned base pointers)
     mC        [M_total, N_out]  bf16   N_out = N (identity, squared_relu) or I = N // 2 (swiglu)
     mOffsets  [E + 1]           int32  device memory, offsets[0] = 0, offsets[E] = M_total
     mRowScale [M_total]         fp32   read only when scale_rows=True (else any fp32 tensor)
+    mBias     [E, N]            fp32 or bf16, read only when has_bias=True (else any such tensor);
+                                       added to A @ B[e]^T before the activation (gated: gate
+                                       bias in columns [0, I), up bias in [I, 2I))
     max_active_ctas             int32  grid size (persistent CTAs)
-Static (compile key): K, N, E, activation, tile sizes, scale_rows. Requirements: K % 8 == 0,
-N_out % 8 == 0, swiglu: I % tile_n == 0.
+Static (compile key): K, N, E, activation (+ alpha, limit), tile sizes, raster_m, scale_rows,
+has_bias and the bias dtype. Requirements: K % 8 == 0, N_out % 8 == 0.
 """
 
 from __future__ import annotations
@@ -63,6 +72,9 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from .constants import (
     ACTIVATIONS,
+    GATED_ACTIVATIONS,
+    MAX_RASTER_M,
+    DEFAULT_RASTER_M,
     ALIGN_K_ELEMS,
     ALIGN_N_ELEMS,
     DEFAULT_TILE_K,
@@ -82,14 +94,18 @@ except Exception:  # pragma: no cover
     from cutlass.utils import get_smem_capacity_in_bytes
 
 _LOG2E = 1.4426950408889634
+_RSQRT2 = 0.7071067811865476
 
 
 class GroupedGemmSm90:
     """Varlen-M grouped GEMM (see module docstring for semantics and layouts).
 
-    :param activation: "identity", "swiglu" or "squared_relu" (compile time).
-    :param tile_n: output tile width (accumulator width is 2*tile_n for swiglu). 64..256, %16.
+    :param activation: one of ``ACTIVATIONS`` (compile time).
+    :param tile_n: output tile width (accumulator width is 2*tile_n when gated). 16..256, %16.
     :param scale_rows: multiply output row m by row_scale[m] (fp32) in the epilogue.
+    :param has_bias: add bias[e, col] (fp32 or bf16, from the tensor) before the activation.
+    :param raster_m: m-tiles per raster group inside an expert (see the module docstring).
+    :param swiglu_alpha, swiglu_limit: clamped_swiglu's constants (gpt-oss: 1.702, 7.0).
     :param tile_m: 128 (two consumer warpgroups of 64 rows).
     :param tile_k: 64 (one 128-byte swizzle atom of bf16).
     :param num_stages: smem pipeline depth; None = as many as fit.
@@ -102,6 +118,10 @@ class GroupedGemmSm90:
         activation: str,
         tile_n: Optional[int] = None,
         scale_rows: bool = False,
+        has_bias: bool = False,
+        raster_m: int = DEFAULT_RASTER_M,
+        swiglu_alpha: float = 1.702,
+        swiglu_limit: float = 7.0,
         tile_m: int = DEFAULT_TILE_M,
         tile_k: int = DEFAULT_TILE_K,
         num_stages: Optional[int] = None,
@@ -118,7 +138,17 @@ class GroupedGemmSm90:
         # one WGMMA N per accumulator: <= 256 and a multiple of 16 (8 works but wastes issue slots)
         if tile_n % 16 != 0 or not (16 <= tile_n <= 256):
             raise ValueError("tile_n must be a multiple of 16 in [16, 256]")
+        if not (1 <= int(raster_m) <= MAX_RASTER_M):
+            raise ValueError(f"raster_m must be in [1, {MAX_RASTER_M}], got {raster_m}")
+        if activation == "clamped_swiglu" and not (float(swiglu_limit) > 0.0 and math.isfinite(swiglu_limit)
+                                                   and math.isfinite(swiglu_alpha)):
+            raise ValueError("clamped_swiglu needs a finite swiglu_limit > 0 and a finite swiglu_alpha")
         self.activation = activation
+        self.gated = activation in GATED_ACTIVATIONS
+        self.has_bias = bool(has_bias)
+        self.raster_m = int(raster_m)
+        self.swiglu_alpha = float(swiglu_alpha)
+        self.swiglu_limit = float(swiglu_limit)
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.tile_k = tile_k
@@ -127,8 +157,8 @@ class GroupedGemmSm90:
         if epilogue not in ("smem", "direct"):
             raise ValueError("epilogue must be 'smem' (staged, coalesced 16 B stores) or 'direct'")
         self.epilogue = epilogue
-        # B boxes (and accumulators) per stage: swiglu keeps gate and up side by side
-        self.num_b = 2 if activation == "swiglu" else 1
+        # B boxes (and accumulators) per stage: gated activations keep gate and up side by side
+        self.num_b = 2 if self.gated else 1
 
         self.acc_dtype = cutlass.Float32
         self.ab_dtype = cutlass.BFloat16
@@ -152,16 +182,13 @@ class GroupedGemmSm90:
         """(N_out, n_tiles) for a weight with N rows and K columns; validates alignment."""
         if k % ALIGN_K_ELEMS != 0:
             raise ValueError(f"K={k} must be a multiple of {ALIGN_K_ELEMS}")
-        if self.activation == "swiglu":
+        if self.gated:
             if n % 2 != 0:
-                raise ValueError("swiglu needs an even N (= 2 * I)")
+                raise ValueError(f"{self.activation} needs an even N (= 2 * I)")
             n_out = n // 2
-            if n_out % self.tile_n != 0:
-                raise ValueError(f"swiglu needs I={n_out} to be a multiple of tile_n={self.tile_n}")
-            n_tiles = n_out // self.tile_n
         else:
             n_out = n
-            n_tiles = (n + self.tile_n - 1) // self.tile_n
+        n_tiles = (n_out + self.tile_n - 1) // self.tile_n
         if n_out % ALIGN_N_ELEMS != 0:
             raise ValueError(f"N_out={n_out} must be a multiple of {ALIGN_N_ELEMS}")
         return n_out, n_tiles
@@ -187,6 +214,7 @@ class GroupedGemmSm90:
         mC: cute.Tensor,
         mOffsets: cute.Tensor,
         mRowScale: cute.Tensor,
+        mBias: cute.Tensor,
         max_active_ctas: cutlass.Int32,
         stream: cuda.CUstream,
     ):
@@ -196,6 +224,8 @@ class GroupedGemmSm90:
             raise TypeError("C must be bfloat16")
         if cutlass.const_expr(mOffsets.element_type != cutlass.Int32):
             raise TypeError("offsets must be int32")
+        if cutlass.const_expr(mBias.element_type not in (cutlass.Float32, cutlass.BFloat16)):
+            raise TypeError("bias must be float32 or bfloat16")
         num_experts = cute.size(mOffsets, mode=[0]) - 1
         n_rows_b = cute.size(mB, mode=[1])
         k_size = cute.size(mB, mode=[2])
@@ -277,6 +307,7 @@ class GroupedGemmSm90:
             mC,
             mOffsets,
             mRowScale,
+            mBias,
             tiled_mma,
             tiled_mma_epi,
             a_smem_layout,
@@ -295,17 +326,31 @@ class GroupedGemmSm90:
         self,
         sOff: cute.Tensor,
         sCum: cute.Tensor,
-        m_tile_global: cutlass.Int32,
+        tile_id: cutlass.Int32,
         expert: cutlass.Int32,
     ):
-        """Advance ``expert`` (monotonic per CTA) until it owns global m-tile ``m_tile_global``.
+        """Map linear tile ``tile_id`` to its expert (advancing ``expert``, monotonic per CTA),
+        m-tile and n-tile in the grouped raster.
 
-        Returns (expert, first row of the tile, end row of the expert)."""
+        Returns (expert, first row of the tile, end row of the expert, n-tile)."""
+        n_tiles = self.n_tiles
+        m_tile_global = tile_id // n_tiles
         e = expert
         while sCum[e + 1] <= m_tile_global:
             e = e + 1
-        row0 = sOff[e] + (m_tile_global - sCum[e]) * self.tile_m
-        return e, row0, sOff[e + 1]
+        m_tiles_e = sCum[e + 1] - sCum[e]
+        local = tile_id - sCum[e] * n_tiles
+        m_local = m_tile_global - sCum[e]
+        n_tile = tile_id % n_tiles
+        if cutlass.const_expr(self.raster_m > 1):
+            group_tiles = self.raster_m * n_tiles
+            g = local // group_tiles
+            g_rows = cutlass.min(self.raster_m, m_tiles_e - g * self.raster_m)
+            r = local - g * group_tiles
+            m_local = g * self.raster_m + r % g_rows
+            n_tile = r // g_rows
+        row0 = sOff[e] + m_local * self.tile_m
+        return e, row0, sOff[e + 1], n_tile
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
@@ -318,6 +363,7 @@ class GroupedGemmSm90:
         mC: cute.Tensor,
         mOffsets: cute.Tensor,
         mRowScale: cute.Tensor,
+        mBias: cute.Tensor,
         tiled_mma: cute.TiledMma,
         tiled_mma_epi: cute.TiledMma,
         a_smem_layout: cute.ComposedLayout,
@@ -401,9 +447,7 @@ class GroupedGemmSm90:
                 expert = cutlass.Int32(0)
                 tile_id = bidx
                 while tile_id < total_tiles:
-                    m_tile_global = tile_id // n_tiles
-                    n_tile = tile_id % n_tiles
-                    expert, row0, row_end = self._locate(sOff, sCum, m_tile_global, expert)
+                    expert, row0, row_end, n_tile = self._locate(sOff, sCum, tile_id, expert)
 
                     # A rows [row0, row0 + tile_m): (bM, bK, RestK)
                     gA = cute.local_tile(
@@ -414,13 +458,20 @@ class GroupedGemmSm90:
                     tAsA_p, tAgA = cpasync.tma_partition(
                         tma_atom_a, 0, cute.make_layout(1), tAsA, cute.group_modes(gA, 0, 2)
                     )
-                    # B of this expert: (bN, bK, RestN, RestK)
-                    gB = cute.local_tile(
-                        mB_tma, (self.tile_n, self.tile_k), (None, None, expert)
-                    )
-                    tBsB_p, tBgB = cpasync.tma_partition(
-                        tma_atom_b, 0, cute.make_layout(1), tBsB, cute.group_modes(gB, 0, 2)
-                    )
+                    # B of this expert, rows [n0, n0 + bn) (gated: + up rows [I + n0, I + n0 + bn),
+                    # an element offset, so I need not be a multiple of the tile): (bN, bK, RestK)
+                    n0 = n_tile * self.tile_n
+                    tBgBs = []
+                    for h in cutlass.range_constexpr(self.num_b):
+                        gB = cute.local_tile(
+                            cute.domain_offset((n0 + h * self.n_out, 0, 0), mB_tma),
+                            (self.tile_n, self.tile_k),
+                            (0, None, expert),
+                        )
+                        tBsB_p, tBgB = cpasync.tma_partition(
+                            tma_atom_b, 0, cute.make_layout(1), tBsB, cute.group_modes(gB, 0, 2)
+                        )
+                        tBgBs.append(tBgB)
                     for k_tile in range(k_tiles):
                         ab_pipeline.producer_acquire(prod_state)
                         bar = ab_pipeline.producer_get_barrier(prod_state)
@@ -431,10 +482,10 @@ class GroupedGemmSm90:
                             tma_bar_ptr=bar,
                         )
                         for h in cutlass.range_constexpr(self.num_b):
-                            # swiglu: h=0 gate rows [n0, n0+bn), h=1 up rows [I+n0, I+n0+bn)
+                            # gated: h=0 gate rows [n0, n0+bn), h=1 up rows [I+n0, I+n0+bn)
                             cute.copy(
                                 tma_atom_b,
-                                tBgB[(None, n_tile + h * n_tiles, k_tile)],
+                                tBgBs[h][(None, k_tile)],
                                 tBsB_p[(None, prod_state.index * self.num_b + h)],
                                 tma_bar_ptr=bar,
                             )
@@ -479,9 +530,7 @@ class GroupedGemmSm90:
             expert = cutlass.Int32(0)
             tile_id = bidx
             while tile_id < total_tiles:
-                m_tile_global = tile_id // n_tiles
-                n_tile = tile_id % n_tiles
-                expert, row0, row_end = self._locate(sOff, sCum, m_tile_global, expert)
+                expert, row0, row_end, n_tile = self._locate(sOff, sCum, tile_id, expert)
 
                 # ---------------- mainloop: keep one WGMMA batch in flight
                 for h in cutlass.range_constexpr(self.num_b):
@@ -521,42 +570,47 @@ class GroupedGemmSm90:
                 ab_pipeline.consumer_release(release_state)
                 release_state.advance()
 
-                # ---------------- epilogue: activation, row scale, masked bf16 stores
+                # ---------------- epilogue: bias, activation, row scale, masked bf16 stores
                 rows_left = row_end - row0
                 col0 = n_tile * self.tile_n
+                self._activate(accs, tCcC, mRowScale, mBias, expert, row0, rows_left, col0, n_elems)
                 if cutlass.const_expr(self.epilogue == "smem"):
                     self._epilogue(
-                        accs, tCcC, tCsC, sC, mC, mRowScale, row0, rows_left, col0, n_elems,
-                        mma_tidx, epi_barrier,
+                        accs, tCsC, sC, mC, row0, rows_left, col0, mma_tidx, epi_barrier,
                     )
                 else:
                     gC = cute.local_tile(
                         cute.domain_offset((row0, col0), mC), (self.tile_m, self.tile_n), (0, 0)
                     )
                     self._epilogue_direct(
-                        accs, thr_mma.partition_C(gC), tCcC, mRowScale, row0, rows_left, col0,
-                        n_elems,
+                        accs, thr_mma.partition_C(gC), tCcC, rows_left, col0, n_elems,
                     )
                 tile_id = tile_id + gdim
 
     @cute.jit
-    def _epilogue(
+    def _activate(
         self,
         accs,
         tCcC: cute.Tensor,
-        tCsC: cute.Tensor,
-        sC: cute.Tensor,
-        mC: cute.Tensor,
         mRowScale: cute.Tensor,
+        mBias: cute.Tensor,
+        expert: cutlass.Int32,
         row0: cutlass.Int32,
         rows_left: cutlass.Int32,
         col0: cutlass.Int32,
         n_elems: cutlass.Constexpr,
-        mma_tidx: cutlass.Int32,
-        epi_barrier,
     ):
+        """acc0 <- act(acc0 + bias (, acc1 + up bias)) * row_scale, in fp32 registers."""
         acc0 = accs[0]
-        # activation in fp32 registers, in place in acc0
+        if cutlass.const_expr(self.has_bias):
+            # clamp the column so the ragged last tile's loads stay in bounds (those columns are
+            # never stored); a thread's columns repeat over its rows, so loads merge
+            last_col = self.n_out - 1
+            for i in cutlass.range_constexpr(n_elems):
+                c = cutlass.min(col0 + tCcC[i][1], last_col)
+                acc0[i] = acc0[i] + mBias[expert, c].to(cutlass.Float32)
+                if cutlass.const_expr(self.gated):
+                    accs[1][i] = accs[1][i] + mBias[expert, c + self.n_out].to(cutlass.Float32)
         for i in cutlass.range_constexpr(n_elems):
             x = acc0[i]
             if cutlass.const_expr(self.activation == "swiglu"):
@@ -565,6 +619,18 @@ class GroupedGemmSm90:
                 # silu(g) = g / (1 + 2^(-g*log2(e)))
                 den = cutlass.Float32(1.0) + cute.math.exp2(-g * _LOG2E, fastmath=True)
                 x = g * cute.arch.rcp_approx(den) * u
+            elif cutlass.const_expr(self.activation == "gelu_glu"):
+                u = accs[1][i]
+                x = cutlass.Float32(0.5) * x * (cutlass.Float32(1.0) + cute.math.erf(x * _RSQRT2)) * u
+            elif cutlass.const_expr(self.activation == "clamped_swiglu"):
+                lim = cutlass.Float32(self.swiglu_limit)
+                g = cute.arch.fmin(x, lim)
+                u = cute.arch.fmax(cute.arch.fmin(accs[1][i], lim), -lim)
+                # g * sigmoid(alpha * g) = g / (1 + 2^(-alpha*g*log2(e)))
+                den = cutlass.Float32(1.0) + cute.math.exp2(
+                    g * cutlass.Float32(-self.swiglu_alpha * _LOG2E), fastmath=True
+                )
+                x = (u + cutlass.Float32(1.0)) * g * cute.arch.rcp_approx(den)
             elif cutlass.const_expr(self.activation == "squared_relu"):
                 r = cute.arch.fmax(x, cutlass.Float32(0.0))
                 x = r * r
@@ -575,6 +641,21 @@ class GroupedGemmSm90:
             for i in cutlass.range_constexpr(n_elems):
                 r = cutlass.min(tCcC[i][0], rows_left - 1)
                 acc0[i] = acc0[i] * mRowScale[row0 + r]
+
+    @cute.jit
+    def _epilogue(
+        self,
+        accs,
+        tCsC: cute.Tensor,
+        sC: cute.Tensor,
+        mC: cute.Tensor,
+        row0: cutlass.Int32,
+        rows_left: cutlass.Int32,
+        col0: cutlass.Int32,
+        mma_tidx: cutlass.Int32,
+        epi_barrier,
+    ):
+        acc0 = accs[0]
         rC = cute.make_rmem_tensor(acc0.shape, self.c_dtype)
         rC.store(acc0.load().to(self.c_dtype))
         # WGMMA accumulators hold column pairs (2j, 2j+1) in elements (2j, 2j+1) and the n-blocks
@@ -630,32 +711,11 @@ class GroupedGemmSm90:
         accs,
         tCgC: cute.Tensor,
         tCcC: cute.Tensor,
-        mRowScale: cute.Tensor,
-        row0: cutlass.Int32,
         rows_left: cutlass.Int32,
         col0: cutlass.Int32,
         n_elems: cutlass.Constexpr,
     ):
         acc0 = accs[0]
-        # activation in fp32 registers, in place in acc0
-        for i in cutlass.range_constexpr(n_elems):
-            x = acc0[i]
-            if cutlass.const_expr(self.activation == "swiglu"):
-                g = x
-                u = accs[1][i]
-                # silu(g) = g / (1 + 2^(-g*log2(e)))
-                den = cutlass.Float32(1.0) + cute.math.exp2(-g * _LOG2E, fastmath=True)
-                x = g * cute.arch.rcp_approx(den) * u
-            elif cutlass.const_expr(self.activation == "squared_relu"):
-                r = cute.arch.fmax(x, cutlass.Float32(0.0))
-                x = r * r
-            acc0[i] = x
-        if cutlass.const_expr(self.scale_rows):
-            # A thread owns only a few distinct rows; clamping keeps every load in bounds and
-            # branch free, so the compiler merges the loads of one row (no stores in between).
-            for i in cutlass.range_constexpr(n_elems):
-                r = cutlass.min(tCcC[i][0], rows_left - 1)
-                acc0[i] = acc0[i] * mRowScale[row0 + r]
         rC = cute.make_rmem_tensor(acc0.shape, self.c_dtype)
         rC.store(acc0.load().to(self.c_dtype))
         # WGMMA accumulators hold column pairs (2j, 2j+1) in elements (2j, 2j+1): store them as

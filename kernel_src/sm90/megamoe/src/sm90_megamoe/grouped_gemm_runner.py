@@ -13,7 +13,8 @@ import time
 
 import torch
 
-from .launch import CompiledGroupedGemm, get_grouped_gemm, to_cute_args
+from .constants import GATED_ACTIVATIONS
+from .launch import _TORCH_BIAS, CompiledGroupedGemm, get_grouped_gemm, to_cute_args
 from .reference import grouped_gemm_reference
 
 
@@ -40,29 +41,37 @@ def make_offsets(m_total: int, experts: int, routing: str, gen: torch.Generator)
     return offs.to(torch.int32)
 
 
-def make_inputs(m_total, n, k, experts, activation, routing, scale_rows, seed=0, device="cuda"):
+def make_inputs(m_total, n, k, experts, activation, routing, scale_rows, seed=0, device="cuda",
+                bias_dtype=None):
+    """Fresh random (a, b, offsets, row_scale, bias). clamped_swiglu gets inputs 8x larger so that
+    the clamp at the limit (7.0) triggers for a good share of the elements."""
     gen = torch.Generator().manual_seed(seed)
-    a = (torch.randn(m_total, k, generator=gen) * 0.5).to(torch.bfloat16).to(device)
+    amp = 4.0 if activation == "clamped_swiglu" else 0.5
+    a = (torch.randn(m_total, k, generator=gen) * amp).to(torch.bfloat16).to(device)
     b = (torch.randn(experts, n, k, generator=gen) * (1.0 / k**0.5)).to(torch.bfloat16).to(device)
     offs = make_offsets(m_total, experts, routing, gen).to(device)
     rs = torch.rand(m_total, generator=gen).to(device) if scale_rows else None
-    return a, b, offs, rs
+    bias = None
+    if bias_dtype is not None:
+        bias = (torch.randn(experts, n, generator=gen) * amp).to(_TORCH_BIAS[bias_dtype]).to(device)
+    return a, b, offs, rs, bias
 
 
 def check(fn: CompiledGroupedGemm, m_total, n, k, experts, activation, routing, scale_rows, seed=0):
-    a, b, offs, rs = make_inputs(m_total, n, k, experts, activation, routing, scale_rows, seed)
-    n_out = n // 2 if activation == "swiglu" else n
+    a, b, offs, rs, bias = make_inputs(m_total, n, k, experts, activation, routing, scale_rows, seed,
+                                       bias_dtype=fn.bias_dtype)
+    n_out = n // 2 if activation in GATED_ACTIVATIONS else n
     out = torch.full((m_total, n_out), float("nan"), dtype=torch.bfloat16, device="cuda")
-    fn(a, b, offs, out=out, row_scale=rs)
+    fn(a, b, offs, out=out, row_scale=rs, bias=bias)
     torch.cuda.synchronize()
-    ref = grouped_gemm_reference(a, b, offs, activation, rs)
+    ref = grouped_gemm_reference(a, b, offs, activation, rs, bias=bias)
     nan = bool(torch.isnan(out).any()) if m_total else False
     denom = ref.norm().item()
     rel = (out.float() - ref).norm().item() / denom if denom > 0 else (out.float().norm().item())
     ok = (not nan) and rel < 1e-2
     print(
-        f"[check] {activation:12s} scale={int(scale_rows)} M={m_total:6d} N={n} K={k} E={experts} "
-        f"routing={routing:7s} rel_err={rel:.3e} nan={nan} -> {'PASS' if ok else 'FAIL'}",
+        f"[check] {activation:14s} scale={int(scale_rows)} bias={fn.bias_dtype} raster={fn.raster_m} "
+        f"M={m_total:6d} N={n} K={k} E={experts} routing={routing:7s} rel_err={rel:.3e} nan={nan} -> {'PASS' if ok else 'FAIL'}",
         flush=True,
     )
     return ok
@@ -70,13 +79,14 @@ def check(fn: CompiledGroupedGemm, m_total, n, k, experts, activation, routing, 
 
 def bench(fn: CompiledGroupedGemm, m_total, n, k, experts, activation, routing, scale_rows,
           iters=20, rotate=3):
-    sets = [make_inputs(m_total, n, k, experts, activation, routing, scale_rows, seed=s)
-            for s in range(rotate)]
-    n_out = n // 2 if activation == "swiglu" else n
+    sets = [make_inputs(m_total, n, k, experts, activation, routing, scale_rows, seed=s,
+                        bias_dtype=fn.bias_dtype) for s in range(rotate)]
+    n_out = n // 2 if activation in GATED_ACTIVATIONS else n
     outs = [torch.empty(m_total, n_out, dtype=torch.bfloat16, device="cuda") for _ in sets]
-    dummy = torch.zeros(1, dtype=torch.float32, device="cuda")
-    conv = [to_cute_args(a, b, o, offs, rs if rs is not None else dummy)
-            for (a, b, offs, rs), o in zip(sets, outs)]
+    d_scale, d_bias = fn.placeholders("cuda")
+    conv = [to_cute_args(a, b, o, offs, rs if rs is not None else d_scale,
+                         bias if bias is not None else d_bias)
+            for (a, b, offs, rs, bias), o in zip(sets, outs)]
     flops = 2.0 * m_total * n * k
 
     def timed(run):
@@ -94,11 +104,11 @@ def bench(fn: CompiledGroupedGemm, m_total, n, k, experts, activation, routing, 
         return statistics.median(s.elapsed_time(e) for s, e in ts) * 1e-3
 
     t_ours = timed(lambda i: fn.launch_converted(conv[i]))
-    bt = [b.transpose(1, 2) for (_, b, _, _) in sets]  # [E, K, N] view, K contiguous
-    ends = [offs[1:].contiguous() for (_, _, offs, _) in sets]
+    bt = [st[1].transpose(1, 2) for st in sets]  # [E, K, N] view, K contiguous
+    ends = [st[2][1:].contiguous() for st in sets]
     t_torch = timed(lambda i: torch._grouped_mm(sets[i][0], bt[i], offs=ends[i]))
     print(
-        f"[bench] {activation:12s} scale={int(scale_rows)} M={m_total} N={n} K={k} E={experts} "
+        f"[bench] {activation:14s} scale={int(scale_rows)} raster={fn.raster_m} M={m_total} N={n} K={k} E={experts} "
         f"routing={routing}: ours {t_ours*1e3:.3f} ms {flops/t_ours/1e12:.1f} TFLOP/s | "
         f"torch._grouped_mm {t_torch*1e3:.3f} ms {flops/t_torch/1e12:.1f} TFLOP/s | "
         f"ratio {t_torch/t_ours:.3f}x",
@@ -112,12 +122,12 @@ def suite(args):
     t0 = time.time()
     fns = {}
 
-    def get(act, n, k, e, sr, tile_n=None, epilogue="smem"):
-        key = (act, n, k, e, sr, tile_n, epilogue)
+    def get(act, n, k, e, sr, tile_n=None, epilogue="smem", bias_dtype=None, raster_m=None):
+        key = (act, n, k, e, sr, tile_n, epilogue, bias_dtype, raster_m)
         if key not in fns:
             t = time.time()
             fns[key] = get_grouped_gemm(act, n, k, e, scale_rows=sr, tile_n=tile_n,
-                                        epilogue=epilogue)
+                                        epilogue=epilogue, bias_dtype=bias_dtype, raster_m=raster_m)
             print(f"[compile] {key} {time.time()-t:.2f}s", flush=True)
         return fns[key]
 
@@ -142,6 +152,20 @@ def suite(args):
     ok &= check(f_odd, 997, 1000, 200, 5, "identity", "skewed", False)
     f_odd2 = get("swiglu", 2 * 256, 520, 3, True)
     ok &= check(f_odd2, 300, 512, 520, 3, "swiglu", "skewed", True)
+    # gated with I not a multiple of the tile (gpt-oss I = 2880 = 22.5 tiles), every activation,
+    # biases of both dtypes, raster groups that do not divide the m-tiles of an expert
+    for act, bias, raster in (("clamped_swiglu", "float32", 3), ("gelu_glu", "bfloat16", 1),
+                              ("swiglu", None, 5), ("squared_relu", "float32", 2)):
+        n_odd = 2 * 2880 if act in GATED_ACTIVATIONS else 2880
+        f = get(act, n_odd, 2880, 8, False, bias_dtype=bias, raster_m=raster)
+        ok &= check(f, 5003, n_odd, 2880, 8, act, "skewed", False)
+    f2b = get("identity", 2880, 2880, 8, True, bias_dtype="bfloat16", raster_m=4)
+    ok &= check(f2b, 5003, 2880, 2880, 8, "identity", "skewed", True)
+    f_i104 = get("swiglu", 208, 264, 4, False, bias_dtype="float32")
+    ok &= check(f_i104, 999, 208, 264, 4, "swiglu", "uniform", False)
+    # Mixtral FC1 shape with the L2 raster (16 m-tiles per expert)
+    fmx = get("swiglu", 28672, 4096, 8, False)
+    ok &= check(fmx, 16384, 28672, 4096, 8, "swiglu", "uniform", False)
     # full Qwen3-30B-A3B shape
     ok &= check(f1, 65536, 2 * I, H, E, "swiglu", "uniform", False)
     ok &= check(f2, 65536, H, I, E, "identity", "skewed", True)
@@ -151,6 +175,15 @@ def suite(args):
         bench(f2n, 65536, H, I, E, "identity", "uniform", False)
         bench(f2, 65536, H, I, E, "identity", "uniform", True)
         bench(f1, 65536, 2 * I, H, E, "swiglu", "skewed", False)
+        print("[bench] raster: Mixtral FC1/FC2 and DeepSeek-V3 shard, raster_m=1 vs the default",
+              flush=True)
+        for (nn, kk, ee, act, sr, mm) in ((28672, 4096, 8, "swiglu", False, 16384),
+                                          (4096, 14336, 8, "identity", True, 16384),
+                                          (4096, 7168, 32, "swiglu", False, 65536),
+                                          (7168, 2048, 32, "identity", True, 65536)):
+            for r in (1, None):
+                f = get(act, nn, kk, ee, sr, raster_m=r)
+                bench(f, mm, nn, kk, ee, act, "uniform", sr, iters=10)
         print("[bench] variants: direct-store epilogue, identity tile_n=128", flush=True)
         fd1 = get("swiglu", 2 * I, H, E, False, epilogue="direct")
         ok &= check(fd1, 4133, 2 * I, H, E, "swiglu", "skewed", False)
@@ -175,6 +208,8 @@ def main():
     p.add_argument("--tile-n", type=int, default=None)
     p.add_argument("--num-stages", type=int, default=None)
     p.add_argument("--epilogue", default="smem", choices=["smem", "direct"])
+    p.add_argument("--bias", default=None, choices=["float32", "bfloat16"])
+    p.add_argument("--raster-m", type=int, default=None)
     p.add_argument("--bench", action="store_true")
     p.add_argument("--suite", action="store_true")
     args = p.parse_args()
@@ -183,7 +218,8 @@ def main():
         raise SystemExit(0 if suite(args) else 1)
     t = time.time()
     fn = get_grouped_gemm(args.activation, args.n, args.k, args.experts, scale_rows=args.scale_rows,
-                          tile_n=args.tile_n, num_stages=args.num_stages, epilogue=args.epilogue)
+                          tile_n=args.tile_n, num_stages=args.num_stages, epilogue=args.epilogue,
+                          bias_dtype=args.bias, raster_m=args.raster_m)
     print(f"[compile] {time.time()-t:.2f}s", flush=True)
     ok = check(fn, args.m_total, args.n, args.k, args.experts, args.activation, args.routing,
                args.scale_rows)

@@ -26,61 +26,99 @@ def _num_sms(device=None) -> int:
     return torch.cuda.get_device_properties(dev).multi_processor_count
 
 
-def to_cute_args(a, b, c, offsets, row_scale):
+def to_cute_args(a, b, c, offsets, row_scale, bias):
     """Convert contiguous torch tensors to CuTe tensors whose static/dynamic structure matches
-    ``compile_check.fake_args``: M_total dynamic, everything else static."""
+    ``compile_check.fake_args``: M_total dynamic, everything else static. ``bias``: ``[E, N]``
+    (fp32/bf16) for a has_bias kernel, else any ``[1, L]`` fp32 placeholder."""
     mA = from_dlpack(a, assumed_align=16).mark_compact_shape_dynamic(mode=0, stride_order=(0, 1))
     mB = from_dlpack(b, assumed_align=16)
     mC = from_dlpack(c, assumed_align=16).mark_compact_shape_dynamic(mode=0, stride_order=(0, 1))
     mOff = from_dlpack(offsets, assumed_align=4)
     mScale = from_dlpack(row_scale, assumed_align=4).mark_compact_shape_dynamic(mode=0)
-    return mA, mB, mC, mOff, mScale
+    mBias = from_dlpack(bias, assumed_align=4)
+    if bias.shape[0] == 1:  # the placeholder's length is dynamic
+        mBias = mBias.mark_compact_shape_dynamic(mode=1, stride_order=(0, 1))
+    return mA, mB, mC, mOff, mScale, mBias
+
+
+_TORCH_BIAS = {None: None, "float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def pick_raster_m(k: int, l2_budget_bytes: int = 24 << 20) -> int:
+    """m-tiles per raster group: as many 128-row A blocks of width K as fit in ``l2_budget_bytes``
+    (about half of the H200's 50 MB L2), at most 16."""
+    return max(1, min(16, l2_budget_bytes // (128 * k * 2)))
 
 
 class CompiledGroupedGemm:
-    """One compiled kernel for (activation, N, K, E, tile_n, scale_rows); any routing/M_total."""
+    """One compiled kernel for (activation, N, K, E, tile_n, scale_rows, bias dtype, raster_m);
+    any routing and M_total."""
 
     def __init__(self, activation: str, n: int, k: int, num_experts: int, scale_rows: bool,
                  tile_n: Optional[int] = None, num_stages: Optional[int] = None,
-                 epilogue: str = "smem", example: Optional[Tuple[torch.Tensor, ...]] = None):
+                 epilogue: str = "smem", example: Optional[Tuple[torch.Tensor, ...]] = None,
+                 bias_dtype: Optional[str] = None, raster_m: Optional[int] = None,
+                 swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0):
         from .compile_check import fake_args
 
+        if bias_dtype not in _TORCH_BIAS:
+            raise ValueError(f"bias_dtype must be None, 'float32' or 'bfloat16', got {bias_dtype!r}")
+        if raster_m is None:
+            raster_m = pick_raster_m(k)
         self.kernel = GroupedGemmSm90(activation, tile_n=tile_n, scale_rows=scale_rows,
-                                      num_stages=num_stages, epilogue=epilogue)
+                                      num_stages=num_stages, epilogue=epilogue,
+                                      has_bias=bias_dtype is not None, raster_m=raster_m,
+                                      swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
         self.activation = activation
         self.n, self.k, self.num_experts = n, k, num_experts
         self.n_out, self.n_tiles = self.kernel.static_shapes(n, k)
         self.scale_rows = scale_rows
+        self.bias_dtype = bias_dtype
+        self.raster_m = raster_m
         if example is None:
-            args = fake_args(self.kernel, num_experts, n, k)
+            args = fake_args(self.kernel, num_experts, n, k, bias_dtype=bias_dtype or "float32")
         else:  # compile from real tensors (debugging)
             args = (*to_cute_args(*example), cutlass.Int32(_num_sms(example[0].device)),
                     cuda.CUstream(torch.cuda.current_stream().cuda_stream))
         self.compiled = cute.compile(self.kernel, *args, options="--gpu-arch sm_90a")
         self._dummy_scale = None
+        self._dummy_bias = None
+
+    def placeholders(self, device) -> Tuple[torch.Tensor, torch.Tensor]:
+        """(row_scale, bias) placeholders for the arguments this variant never reads."""
+        if self._dummy_scale is None or self._dummy_scale.device != torch.device(device):
+            self._dummy_scale = torch.zeros(1, dtype=torch.float32, device=device)
+            self._dummy_bias = torch.zeros(1, 8, dtype=torch.float32, device=device)
+        return self._dummy_scale, self._dummy_bias
 
     def __call__(self, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
                  out: Optional[torch.Tensor] = None, row_scale: Optional[torch.Tensor] = None,
-                 max_active_ctas: Optional[int] = None, stream=None) -> torch.Tensor:
+                 max_active_ctas: Optional[int] = None, stream=None,
+                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """
         a:         [M_total, K]      bf16, contiguous, CUDA
         b:         [E, N, K]         bf16, contiguous
         offsets:   [E + 1]           int32, CUDA (device memory; never read by the host)
         out:       [M_total, N_out]  bf16 or None (allocated)
         row_scale: [M_total]         fp32, required iff scale_rows
+        bias:      [E, N]            fp32/bf16 (this variant's bias dtype), required iff bias_dtype
         """
         m_total = a.shape[0]
         if out is None:
             out = torch.empty(m_total, self.n_out, dtype=torch.bfloat16, device=a.device)
         if m_total == 0:
             return out
+        dummy_scale, dummy_bias = self.placeholders(a.device)
         if self.scale_rows:
             assert row_scale is not None and row_scale.dtype == torch.float32
         else:
-            if self._dummy_scale is None or self._dummy_scale.device != a.device:
-                self._dummy_scale = torch.zeros(1, dtype=torch.float32, device=a.device)
-            row_scale = self._dummy_scale
-        args = to_cute_args(a, b, out, offsets, row_scale)
+            row_scale = dummy_scale
+        if self.bias_dtype is not None:
+            assert bias is not None and bias.dtype == _TORCH_BIAS[self.bias_dtype]
+            assert tuple(bias.shape) == (self.num_experts, self.n) and bias.is_contiguous()
+        else:
+            bias = dummy_bias
+        args = to_cute_args(a, b, out, offsets, row_scale, bias)
         self.launch_converted(args, max_active_ctas, stream)
         return out
 
@@ -95,21 +133,29 @@ class CompiledGroupedGemm:
 
 def get_grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
                      tile_n: Optional[int] = None, num_stages: Optional[int] = None,
-                     epilogue: str = "smem") -> CompiledGroupedGemm:
+                     epilogue: str = "smem", bias_dtype: Optional[str] = None,
+                     raster_m: Optional[int] = None, swiglu_alpha: float = 1.702,
+                     swiglu_limit: float = 7.0) -> CompiledGroupedGemm:
     """Cached compile. Key: everything static; routing and M_total are runtime."""
+    if raster_m is None:
+        raster_m = pick_raster_m(k)
     key = (ABI_VERSION, DROP_VERSION, cutlass.__version__ if hasattr(cutlass, "__version__") else "",
-           activation, n, k, num_experts, bool(scale_rows), tile_n, num_stages, epilogue, "sm_90a")
+           activation, n, k, num_experts, bool(scale_rows), tile_n, num_stages, epilogue, bias_dtype,
+           raster_m, float(swiglu_alpha), float(swiglu_limit), "sm_90a")
     fn = _CACHE.get(key)
     if fn is None:
         fn = CompiledGroupedGemm(activation, n, k, num_experts, scale_rows, tile_n, num_stages,
-                                 epilogue)
+                                 epilogue, bias_dtype=bias_dtype, raster_m=raster_m,
+                                 swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
         _CACHE[key] = fn
     return fn
 
 
 def grouped_gemm(a, b, offsets, activation: str, out=None, row_scale=None,
-                 max_active_ctas: Optional[int] = None, tile_n: Optional[int] = None):
-    """Functional entry point: C = act(A_e @ B_e^T) (* row_scale) for every expert segment."""
+                 max_active_ctas: Optional[int] = None, tile_n: Optional[int] = None, bias=None):
+    """Functional entry point: C = act(A_e @ B_e^T + bias[e]) (* row_scale) per expert segment."""
+    bias_dtype = None if bias is None else str(bias.dtype).replace("torch.", "")
     fn = get_grouped_gemm(activation, b.shape[1], b.shape[2], b.shape[0],
-                          scale_rows=row_scale is not None, tile_n=tile_n)
-    return fn(a, b, offsets, out=out, row_scale=row_scale, max_active_ctas=max_active_ctas)
+                          scale_rows=row_scale is not None, tile_n=tile_n, bias_dtype=bias_dtype)
+    return fn(a, b, offsets, out=out, row_scale=row_scale, max_active_ctas=max_active_ctas,
+              bias=bias)

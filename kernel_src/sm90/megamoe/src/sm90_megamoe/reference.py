@@ -13,26 +13,40 @@ def grouped_gemm_reference(
     offsets: torch.Tensor,
     activation: str,
     row_scale: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
 ) -> torch.Tensor:
     """
     a:         [M_total, K]      bf16 (any float dtype)
-    b:         [E, N, K]         bf16; swiglu: N = 2*I, gate rows [0, I), up rows [I, 2I)
+    b:         [E, N, K]         bf16; gated: N = 2*I, gate rows [0, I), up rows [I, 2I)
     offsets:   [E + 1]           int (any device), offsets[0] = 0, offsets[E] = M_total
     row_scale: [M_total]         fp32 or None
-    returns:   [M_total, N_out]  float32, N_out = I for swiglu else N
+    bias:      [E, N]            fp32/bf16 or None, added before the activation
+    returns:   [M_total, N_out]  float32, N_out = I for the gated activations else N
     """
     offs = [int(x) for x in offsets.tolist()]
     num_experts, n, _ = b.shape
-    n_out = n // 2 if activation == "swiglu" else n
+    gated = activation in ("swiglu", "gelu_glu", "clamped_swiglu")
+    n_out = n // 2 if gated else n
     out = torch.zeros(a.shape[0], n_out, dtype=torch.float32, device=a.device)
     for e in range(num_experts):
         lo, hi = offs[e], offs[e + 1]
         if hi <= lo:
             continue
         y = a[lo:hi].float() @ b[e].float().t()
-        if activation == "swiglu":
+        if bias is not None:
+            y = y + bias[e].float()
+        if gated:
             g, u = y[:, : n // 2], y[:, n // 2 :]
+        if activation == "swiglu":
             y = torch.nn.functional.silu(g) * u
+        elif activation == "gelu_glu":
+            y = torch.nn.functional.gelu(g) * u
+        elif activation == "clamped_swiglu":
+            g = g.clamp(max=swiglu_limit)
+            u = u.clamp(-swiglu_limit, swiglu_limit)
+            y = (u + 1) * g * torch.sigmoid(swiglu_alpha * g)
         elif activation == "squared_relu":
             y = torch.relu(y).square()
         elif activation != "identity":
