@@ -31,6 +31,7 @@ from .drops.sm90_megamoe import compile_ep_ptx as sm90_compile_ep_ptx
 from .drops.sm90_megamoe import compile_gemm_ptx as sm90_compile_gemm_ptx
 from .drops.sm90_megamoe import grouped_gemm as sm90_grouped_gemm
 from .drops.sm90_megamoe import pick_raster_m as sm90_pick_raster_m
+from .drops.sm90_megamoe import pick_schedule as sm90_pick_schedule
 from .errors import (BackendWarning, BootstrapError, CapacityError, CaptureError, ConstantDriftError,
                      DeviceStallError, DropCollisionError, MoEError, NvshmemOwnershipError, RoutingValueError,
                      ShimError, StaleHandleError, SymmetricHeapError, UnsupportedBackendError)
@@ -50,5 +51,5 @@ __all__ = [
     "BufferSpec", "SM90_EP_COUNTERS", "SM90_LAYOUT_MAX_CHUNKS", "SM90_MEGAMOE_CONSTANTS", "Sm90EpSession",
     "Sm90GroupedGemm", "Sm90LayoutSession", "sm90_check_gemm_shapes", "sm90_compile_ep_ptx",
     "sm90_compile_gemm_ptx", "sm90_ep_buffer_specs", "sm90_grouped_gemm", "sm90_layout_counts_len",
-    "sm90_new_verr", "sm90_pick_raster_m",
+    "sm90_new_verr", "sm90_pick_raster_m", "sm90_pick_schedule",
 ]

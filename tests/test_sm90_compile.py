@@ -31,6 +31,25 @@ def test_compiles_with_wgmma_and_tma(act, n, k, scale, bias, needles, tmp_path, 
         assert "ld.global.b16" in ptx or "ld.global.u16" in ptx or "ld.global.nc.b16" in ptx or "cvt.f32.bf16" in ptx
 
 
+@pytest.mark.parametrize("act,n,k,scale,tile_n", [
+    ("identity", 2048, 768, True, 128),   # FC2 of Qwen3 on the pingpong schedule
+    ("swiglu", 1536, 2048, False, 64),    # a gated FC1: 2 x 64-wide accumulators per warpgroup
+])
+def test_pingpong_schedule_compiles(act, n, k, scale, tile_n, tmp_path):
+    """The pingpong schedule compiles for sm_90a without spills and orders its two consumer
+    warpgroups with named barriers (bar.arrive + bar.sync); too-wide accumulators are refused."""
+    SM90_MEGAMOE_CONSTANTS.check()  # puts the drop on the path (and checks the mirror)
+    cc = importlib.import_module("sm90_megamoe.compile_check")
+    gg = importlib.import_module("sm90_megamoe.grouped_gemm")
+    compiled = cc.compile_for_arch(act, n, k, scale, tile_n=tile_n, schedule="pingpong",
+                                   extra_options=f"--dump-dir={tmp_path}")
+    ptx = compiled.__ptx__
+    assert "wgmma.mma_async" in ptx and "bar.arrive" in ptx
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    with pytest.raises(ValueError, match="pingpong needs"):
+        gg.GroupedGemmSm90("swiglu", tile_n=128, schedule="pingpong")
+
+
 def test_raster_choice_by_k():
     """The shim's tile raster: 16 m-tiles per group while 16 A blocks fit the L2 budget, fewer
     for very long K (Mixtral FC2: K = 14336 -> 6), never 0."""
@@ -39,6 +58,15 @@ def test_raster_choice_by_k():
     assert sm90_pick_raster_m(2048) == 16 and sm90_pick_raster_m(4096) == 16
     assert sm90_pick_raster_m(14336) == 6
     assert sm90_pick_raster_m(10**7) == 1
+
+
+def test_schedule_choice():
+    """Measured on the H200 (see docs/PERFORMANCE.md): pingpong with 128-wide tiles is no faster
+    than the cooperative 128 x 256 tiles on any model's FC2, so the shim picks cooperative."""
+    from moe_ep.shim import sm90_pick_schedule
+
+    for act, k in (("identity", 768), ("identity", 2048), ("swiglu", 2048), ("clamped_swiglu", 2880)):
+        assert sm90_pick_schedule(act, k)[0] == "cooperative"
 
 
 def test_constant_drift_detected(monkeypatch):

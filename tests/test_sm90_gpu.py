@@ -74,10 +74,10 @@ def rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
-def run_case(act, n, k, E, M, routing, gen, scale=False):
+def run_case(act, n, k, E, M, routing, gen, scale=False, **gemm_kw):
     from moe_ep.shim import sm90_grouped_gemm
 
-    fn = sm90_grouped_gemm(act, n, k, E, scale_rows=scale, device="cuda")
+    fn = sm90_grouped_gemm(act, n, k, E, scale_rows=scale, device="cuda", **gemm_kw)
     dev = "cuda"
     a = (torch.randn(M, k, generator=gen) ).to(torch.bfloat16).to(dev)
     b = (torch.randn(E, n, k, generator=gen) * k ** -0.5).to(torch.bfloat16).to(dev)
@@ -216,3 +216,19 @@ def test_bias_argument_contract():
         fb(a, b, offs, out=out)
     with pytest.raises(ValueError, match="bias"):
         fn(a, b, offs, out=out, bias=torch.zeros(2, 256, device="cuda"))
+
+
+@pytest.mark.parametrize("schedule,tile_n", [("pingpong", 128), ("cooperative", 128), ("cooperative", 256)])
+def test_schedules_agree(schedule, tile_n):
+    """Both schedules and tile widths on FC2 (identity + row scale) of Qwen3 and the DeepSeek-V3
+    shard, and pingpong on a gated FC1 with 64-wide tiles: 1 row, skewed, odd counts (a CTA whose
+    second warpgroup gets no tile, experts with one m-tile)."""
+    _sm90()
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{schedule}/{tile_n}".encode()))
+    for model in ("qwen3", "dsv3_shard"):
+        H, I, E = SHAPES[model]
+        for M, routing in ((1, "uniform"), (777, "skewed"), (20000, "uniform")):
+            run_case("identity", H, I, E, M, routing, gen, scale=True, schedule=schedule, tile_n=tile_n)
+    if schedule == "pingpong":
+        H, I, E = SHAPES["qwen3"]
+        run_case("swiglu", 2 * I, H, E, 4133, "skewed", gen, schedule="pingpong", tile_n=64)

@@ -77,7 +77,7 @@ CONTRACT = DropContract(
     callables=(
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.__init__",
                     ("activation", "n", "k", "num_experts", "scale_rows", "tile_n", "bias_dtype",
-                     "raster_m", "swiglu_alpha", "swiglu_limit")),
+                     "raster_m", "swiglu_alpha", "swiglu_limit", "schedule")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_converted",
                     ("args", "max_active_ctas", "stream")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.placeholders", ("device",)),
@@ -85,7 +85,8 @@ CONTRACT = DropContract(
                     ("a", "b", "c", "offsets", "row_scale", "bias")),
         CallableUse("sm90_megamoe.compile_check:compile_for_arch",
                     ("activation", "n", "k", "scale_rows", "arch", "num_experts", "tile_n",
-                     "extra_options", "bias_dtype", "raster_m", "swiglu_alpha", "swiglu_limit")),
+                     "extra_options", "bias_dtype", "raster_m", "swiglu_alpha", "swiglu_limit",
+                     "schedule")),
         CallableUse("sm90_megamoe.ep_launch:EpConfig.__init__",
                     ("hidden", "topk", "world", "max_tokens", "num_experts")),
         CallableUse("sm90_megamoe.ep_launch:EpBuffers.__init__",
@@ -201,6 +202,19 @@ def pick_raster_m(k: int) -> int:
     return max(1, min(16, RASTER_L2_BUDGET // (128 * k * 2)))
 
 
+#: reduction sizes up to which the non-gated GEMM (FC2) runs the pingpong schedule
+PINGPONG_MAX_K = 0
+
+
+def pick_schedule(activation: str, k: int) -> tuple[str, int]:
+    """(schedule, tile_n) for a GEMM: ``pingpong`` with 128-wide tiles for the non-gated GEMMs with
+    K <= :data:`PINGPONG_MAX_K` (short mainloops, where overlapping one warpgroup's epilogue with
+    the other's mainloop pays), else ``cooperative`` with the drop's default tile."""
+    if activation not in GEMM_GATED and k <= PINGPONG_MAX_K:
+        return "pingpong", 128
+    return "cooperative", _C["DEFAULT_TILE_N"][activation]
+
+
 @dataclass(frozen=True)
 class GemmKey:
     """Every value the compiled grouped GEMM depends on."""
@@ -220,6 +234,7 @@ class GemmKey:
     raster_m: int
     swiglu_alpha: float
     swiglu_limit: float
+    schedule: str
 
 
 class GroupedGemm:
@@ -283,24 +298,31 @@ def _bias_name(bias_dtype: Any) -> str | None:
 
 def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
                           tile_n: int | None = None, bias_dtype: Any = None, raster_m: int | None = None,
-                          swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0) -> Any:
-    """The compiled grouped GEMM from the compile cache (compiled code only, no buffers)."""
+                          swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
+                          schedule: str | None = None) -> Any:
+    """The compiled grouped GEMM from the compile cache (compiled code only, no buffers).
+    ``schedule``/``tile_n`` None: :func:`pick_schedule`."""
     check_gemm_shapes(activation, n, k, num_experts, tile_n)
-    tile = tile_n or _C["DEFAULT_TILE_N"][activation]
+    if schedule is None:
+        schedule, picked_tile = pick_schedule(activation, k)
+        tile = tile_n or picked_tile
+    else:
+        tile = tile_n or (128 if schedule == "pingpong" else _C["DEFAULT_TILE_N"][activation])
     bias = _bias_name(bias_dtype)
     raster = pick_raster_m(k) if raster_m is None else int(raster_m)
     if not 1 <= raster <= _C["MAX_RASTER_M"]:
         raise ValueError(f"sm90 grouped GEMM: raster_m={raster} not in [1, {_C['MAX_RASTER_M']}]")
     alpha, limit = (float(swiglu_alpha), float(swiglu_limit)) if activation == "clamped_swiglu" else (0.0, 0.0)
     key = GemmKey(CONSTANTS.value(PKG, "DROP_VERSION"), _C["ABI_VERSION"], _cutlass_version(), "sm_90a",
-                  "bf16", activation, n, k, num_experts, bool(scale_rows), tile, bias, raster, alpha, limit)
+                  "bf16", activation, n, k, num_experts, bool(scale_rows), tile, bias, raster, alpha, limit,
+                  schedule)
 
     def build():
         launch = _load("sm90_megamoe.launch")
         kw = {"swiglu_alpha": alpha, "swiglu_limit": limit} if activation == "clamped_swiglu" else {}
         return launch.CompiledGroupedGemm(activation=activation, n=n, k=k, num_experts=num_experts,
                                           scale_rows=bool(scale_rows), tile_n=tile, bias_dtype=bias,
-                                          raster_m=raster, **kw)
+                                          raster_m=raster, schedule=schedule, **kw)
 
     return COMPILE_CACHE.get_or_compile(key, build)
 
@@ -308,15 +330,16 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
 def grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
                  tile_n: int | None = None, device: Any = None, bias_dtype: Any = None,
                  raster_m: int | None = None, swiglu_alpha: float = 1.702,
-                 swiglu_limit: float = 7.0) -> GroupedGemm:
+                 swiglu_limit: float = 7.0, schedule: str | None = None) -> GroupedGemm:
     """A new :class:`GroupedGemm` launcher for ``device`` (default: the current CUDA device).
 
     ``bias_dtype``: None or torch.float32/bfloat16 (the variant adds ``bias [E, n]``);
-    ``raster_m``: None = :func:`pick_raster_m` (k); ``swiglu_*``: clamped_swiglu's constants."""
+    ``raster_m``: None = :func:`pick_raster_m` (k); ``swiglu_*``: clamped_swiglu's constants;
+    ``schedule``: "cooperative", "pingpong" or None = :func:`pick_schedule`."""
     import torch
 
     compiled = compiled_grouped_gemm(activation, n, k, num_experts, scale_rows, tile_n, bias_dtype,
-                                     raster_m, swiglu_alpha, swiglu_limit)
+                                     raster_m, swiglu_alpha, swiglu_limit, schedule)
     launch = _load("sm90_megamoe.launch")
     dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
     return GroupedGemm(compiled, launch.to_cute_args, dev)

@@ -56,12 +56,13 @@ def compile_for_arch(
     raster_m: int = 1,
     swiglu_alpha: float = 1.702,
     swiglu_limit: float = 7.0,
+    schedule: str = "cooperative",
 ):
     """Compile one variant for ``arch`` from fake tensors. ``bias_dtype``: None (no bias),
     "float32" or "bfloat16"."""
     kernel = GroupedGemmSm90(activation, tile_n=tile_n, scale_rows=scale_rows, epilogue=epilogue,
                              has_bias=bias_dtype is not None, raster_m=raster_m,
-                             swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
+                             swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, schedule=schedule)
     args = fake_args(kernel, num_experts, n, k, bias_dtype=bias_dtype or "float32")
     opts = f"--gpu-arch {arch} --keep-ptx {extra_options}".strip()
     return cute.compile(kernel, *args, options=opts)
@@ -86,6 +87,16 @@ def main():
         ptx = c.__ptx__
         ok = "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
         print(f"{act:15s} N={n} K={k} scale_rows={sr} bias={bias} raster_m={raster}: "
+              f"compile {dt:.2f}s  wgmma+tma in PTX: {ok}")
+        assert ok
+    # the pingpong schedule: FC2 (identity, tile_n 128) and a gated FC1 with tile_n 64
+    for act, n, k, sr, tn in (("identity", 2048, 768, True, 128), ("swiglu", 1536, 2048, False, 64)):
+        t0 = time.time()
+        c = compile_for_arch(act, n, k, sr, tile_n=tn, schedule="pingpong")
+        dt = time.time() - t0
+        ptx = c.__ptx__
+        ok = "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+        print(f"{act:15s} N={n} K={k} scale_rows={sr} pingpong tile_n={tn}: "
               f"compile {dt:.2f}s  wgmma+tma in PTX: {ok}")
         assert ok
 

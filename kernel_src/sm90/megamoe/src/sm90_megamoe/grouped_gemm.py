@@ -27,8 +27,13 @@ Design
   zero-filled by TMA; rows of the next expert that fall in the tile are computed but never stored.
 * B is read through a TMA descriptor over ``[E, N, K]`` with the expert as the third coordinate.
 * Warp specialization: warpgroup 0 = producer (one warp issues TMA into a ``num_stages`` deep
-  ``PipelineTmaAsync``), warpgroups 1 and 2 = consumers, 64 rows each, WGMMA 64 x tile_n x 16
-  with fp32 accumulators in registers; setmaxnreg 40 / 232.
+  ``PipelineTmaAsync``), warpgroups 1 and 2 = consumers with fp32 accumulators in registers;
+  setmaxnreg 40 / 232. Two schedules (compile time):
+  ``cooperative`` -- both consumers work on one 128-row tile, 64 rows each (WGMMA 64 x tile_n);
+  ``pingpong`` -- each consumer owns every other tile of the CTA (all 128 rows, two 64-row
+  WGMMAs) and consumes only that tile's pipeline stages. The producer fills stages in tile order,
+  so one consumer's mainloop runs while the other's epilogue stores its tile: the tensor cores do
+  not idle through epilogues, which pays most when K is short (FC2, K = I).
 * Gated mapping (swiglu, gelu_glu, clamped_swiglu): an output tile covers columns ``[n0, n0+bn)``
   of C. Every pipeline stage holds one A box (tile_m x tile_k) and TWO B boxes: w13 rows
   ``[n0, n0+bn)`` (gate) in B slot ``2*stage`` and rows ``[I+n0, I+n0+bn)`` (up, an element
@@ -126,6 +131,7 @@ class GroupedGemmSm90:
         tile_k: int = DEFAULT_TILE_K,
         num_stages: Optional[int] = None,
         epilogue: str = "smem",
+        schedule: str = "cooperative",
     ):
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
@@ -159,15 +165,27 @@ class GroupedGemmSm90:
         self.epilogue = epilogue
         # B boxes (and accumulators) per stage: gated activations keep gate and up side by side
         self.num_b = 2 if self.gated else 1
+        if schedule not in ("cooperative", "pingpong"):
+            raise ValueError("schedule must be 'cooperative' or 'pingpong'")
+        self.pingpong = schedule == "pingpong"
+        self.schedule = schedule
+        if self.pingpong and self.num_b * tile_n > 128:
+            # one warpgroup holds the whole 128 x (num_b * tile_n) accumulator: 128 fp32 regs max
+            raise ValueError(f"pingpong needs num_b * tile_n <= 128 (accumulator registers), got "
+                             f"{self.num_b} x {tile_n}")
 
         self.acc_dtype = cutlass.Float32
         self.ab_dtype = cutlass.BFloat16
         self.c_dtype = cutlass.BFloat16
-        self.atom_layout_mnk = (2, 1, 1)
+        # cooperative: the two consumer warpgroups split a tile's rows; pingpong: one per tile
+        self.atom_layout_mnk = (1, 1, 1) if self.pingpong else (2, 1, 1)
         self.num_mma_wg = 2
+        self.tile_threads = 128 if self.pingpong else 256  # threads that own one output tile
+        self.num_epi_bufs = 2 if self.pingpong else 1
         self.threads_per_wg = 128
         self.threads_per_cta = (1 + self.num_mma_wg) * self.threads_per_wg
         self.num_mma_warps = self.num_mma_wg * 4
+        self.stage_consumer_warps = self.tile_threads // 32  # warps that release each stage
         self.load_regs = 40
         self.mma_regs = 232
         self.smem_capacity = get_smem_capacity_in_bytes("sm_90")
@@ -196,7 +214,7 @@ class GroupedGemmSm90:
     def _num_stages(self, num_experts: int) -> int:
         per_stage = (self.tile_m + self.num_b * self.tile_n) * self.tile_k * 2
         reserved = 1024 + 8 * (num_experts + 2) + 1024  # mbarriers, scheduler arrays, slack
-        reserved += self.epi_smem_elems * 2
+        reserved += self.epi_smem_elems * 2 * self.num_epi_bufs
         stages = (self.smem_capacity - reserved) // per_stage
         stages = min(stages, 8)
         if self.num_stages_override is not None:
@@ -295,7 +313,9 @@ class GroupedGemmSm90:
             sB: cute.struct.Align[
                 cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem_layout)], 1024
             ]
-            sC: cute.struct.Align[cute.struct.MemRange[self.c_dtype, self.epi_smem_elems], 128]
+            sC: cute.struct.Align[
+                cute.struct.MemRange[self.c_dtype, self.epi_smem_elems * self.num_epi_bufs], 128
+            ]
 
         self.shared_storage = SharedStorage
 
@@ -420,7 +440,9 @@ class GroupedGemmSm90:
             barrier_storage=storage.mbar.data_ptr(),
             num_stages=self.num_stages,
             producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.num_mma_warps),
+            consumer_group=pipeline.CooperativeGroup(
+                pipeline.Agent.Thread, self.stage_consumer_warps
+            ),
             tx_count=tma_bytes,
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
         )
@@ -497,29 +519,44 @@ class GroupedGemmSm90:
         # =========================================================== consumer warpgroups
         if warp_group_idx > 0:
             cute.arch.warpgroup_reg_alloc(self.mma_regs)
+            # pingpong: consumer ``wg`` owns the CTA's tiles wg, wg + 2, ...; cooperative: wg = 0
+            wg = cutlass.Int32(0)
             mma_tidx = tidx - self.threads_per_wg
+            if cutlass.const_expr(self.pingpong):
+                wg = warp_group_idx - 1
+                mma_tidx = tidx % self.threads_per_wg
             thr_mma = tiled_mma.get_slice(mma_tidx)
             tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
             tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
             num_k_blocks = cute.size(tCrA, mode=[2])
 
             acc_shape = tiled_mma.partition_shape_C((self.tile_m, self.tile_n))
-            # the chunked epilogue relies on the WGMMA accumulator layout ((2, 2, N/8), 1, 1)
+            # the chunked epilogue relies on the WGMMA accumulator layout ((2, 2, N/8), M_rep, 1)
+            # with M_rep = 1 (cooperative) or 2 (pingpong: two 64-row WGMMAs per warpgroup)
             assert (
                 cute.size(acc_shape[0][2]) == self.tile_n // 8
-                and cute.size(acc_shape[1]) == 1
+                and cute.size(acc_shape[1]) == (2 if self.pingpong else 1)
                 and cute.size(acc_shape[2]) == 1
             ), f"unexpected accumulator shape {acc_shape}"
             accs = [cute.make_rmem_tensor(acc_shape, self.acc_dtype) for _ in range(self.num_b)]
             # (row, col) of every accumulator element inside the CTA tile
             tCcC = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
             n_elems = cute.size(accs[0])
-            # epilogue staging buffer (tile_m, epi_n), pitch epi_n + pad, and this thread's slots
-            sC = storage.sC.get_tensor(
-                cute.make_layout((self.tile_m, self.epi_n), stride=(self.epi_n + self.epi_pad, 1))
+            # epilogue staging buffer (tile_m, epi_n), pitch epi_n + pad (one per warpgroup in
+            # pingpong), and this thread's slots in it
+            sC_all = storage.sC.get_tensor(cute.make_layout(self.epi_smem_elems * self.num_epi_bufs))
+            sC = cute.make_tensor(
+                sC_all.iterator + wg * self.epi_smem_elems,
+                cute.make_layout((self.tile_m, self.epi_n), stride=(self.epi_n + self.epi_pad, 1)),
             )
             tCsC = tiled_mma_epi.get_slice(mma_tidx).partition_C(sC)
-            epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.num_mma_wg * 128)
+            epi_barrier = pipeline.NamedBarrier(barrier_id=1 + wg, num_threads=self.tile_threads)
+            # pingpong order: the mainloops of the two warpgroups alternate. A warpgroup waits on
+            # barrier 3 + wg before its mainloop and, once it has waited for all its stages,
+            # arrives on the other's barrier. Besides the overlap this keeps every waiter within
+            # one lap of the stage ring (mbarrier parity cannot tell lap n from lap n + 2).
+            order_mine = pipeline.NamedBarrier(barrier_id=3 + wg, num_threads=2 * self.threads_per_wg)
+            order_next = pipeline.NamedBarrier(barrier_id=4 - wg, num_threads=2 * self.threads_per_wg)
 
             read_state = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Consumer, self.num_stages
@@ -529,10 +566,21 @@ class GroupedGemmSm90:
             )
             expert = cutlass.Int32(0)
             tile_id = bidx
+            tile_step = gdim
+            if cutlass.const_expr(self.pingpong):
+                # skip the stages of the other warpgroup's tiles (the producer loads every tile)
+                tile_id = bidx + wg * gdim
+                tile_step = 2 * gdim
+                for _ in range(wg * k_tiles):
+                    read_state.advance()
+                    release_state.advance()
             while tile_id < total_tiles:
                 expert, row0, row_end, n_tile = self._locate(sOff, sCum, tile_id, expert)
 
                 # ---------------- mainloop: keep one WGMMA batch in flight
+                if cutlass.const_expr(self.pingpong):
+                    if tile_id != bidx:  # all but warpgroup 0's first tile wait for their turn
+                        order_mine.arrive_and_wait()
                 for h in cutlass.range_constexpr(self.num_b):
                     accs[h].fill(0.0)
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
@@ -566,6 +614,9 @@ class GroupedGemmSm90:
                     ab_pipeline.consumer_release(release_state)
                     release_state.advance()
                     read_state.advance()
+                if cutlass.const_expr(self.pingpong):
+                    if tile_id + gdim < total_tiles:  # the other warpgroup has the next tile
+                        order_next.arrive()
                 warpgroup.wait_group(0)
                 ab_pipeline.consumer_release(release_state)
                 release_state.advance()
@@ -585,7 +636,11 @@ class GroupedGemmSm90:
                     self._epilogue_direct(
                         accs, thr_mma.partition_C(gC), tCcC, rows_left, col0, n_elems,
                     )
-                tile_id = tile_id + gdim
+                if cutlass.const_expr(self.pingpong):
+                    for _ in range(k_tiles):
+                        read_state.advance()
+                        release_state.advance()
+                tile_id = tile_id + tile_step
 
     @cute.jit
     def _activate(
@@ -658,9 +713,9 @@ class GroupedGemmSm90:
         acc0 = accs[0]
         rC = cute.make_rmem_tensor(acc0.shape, self.c_dtype)
         rC.store(acc0.load().to(self.c_dtype))
-        # WGMMA accumulators hold column pairs (2j, 2j+1) in elements (2j, 2j+1) and the n-blocks
-        # of 8 columns are the slowest mode, so chunk c of epi_n columns is the contiguous pair
-        # range [c * ppc, (c + 1) * ppc) of the 32-bit view.
+        # WGMMA accumulators hold column pairs (2j, 2j+1) in elements (2j, 2j+1); in the 32-bit
+        # view, pair p of n-block j (8 columns) of 64-row block m is element p + 2 j + 2 (N/8) m,
+        # so chunk c of epi_n columns is, per m, the contiguous range of its e8 = epi_n/8 n-blocks.
         rC32 = cute.recast_tensor(rC, cutlass.Int32)
         sC32 = cute.recast_tensor(tCsC, cutlass.Int32)
         p32 = cute.make_ptr(
@@ -668,17 +723,20 @@ class GroupedGemmSm90:
         )
         sC32 = cute.make_tensor(p32, sC32.layout)
         n_chunks = self.tile_n // self.epi_n
-        ppc = cute.size(sC32)
+        m_rep = cute.size(rC32, mode=[1])
+        ppc = cute.size(sC32) // m_rep  # 32-bit pairs of one chunk per 64-row block
+        n8 = self.tile_n // 8
         pitch = self.epi_n + self.epi_pad
         vec_per_row = self.epi_n // 8
-        n_threads = self.num_mma_wg * 128
+        n_threads = self.tile_threads
         vec_per_thread = self.tile_m * vec_per_row // n_threads
         n_out = self.n_out
         s_base = sC.iterator.toint()
         g_base = mC.iterator.toint()
         for c in cutlass.range_constexpr(n_chunks):
-            for j in cutlass.range_constexpr(ppc):
-                sC32[j] = rC32[c * ppc + j]
+            for m in cutlass.range_constexpr(m_rep):
+                for j in cutlass.range_constexpr(ppc):
+                    sC32[j + ppc * m] = rC32[c * ppc + j + 2 * n8 * m]
             epi_barrier.arrive_and_wait()
             # each thread moves 16-byte vectors; a warp covers whole 128-byte row segments
             for it in cutlass.range_constexpr(vec_per_thread):

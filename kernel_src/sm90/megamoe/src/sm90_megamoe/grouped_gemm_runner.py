@@ -45,15 +45,16 @@ def make_inputs(m_total, n, k, experts, activation, routing, scale_rows, seed=0,
                 bias_dtype=None):
     """Fresh random (a, b, offsets, row_scale, bias). clamped_swiglu gets inputs 8x larger so that
     the clamp at the limit (7.0) triggers for a good share of the elements."""
-    gen = torch.Generator().manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)  # routing (CPU)
+    dgen = torch.Generator(device=device).manual_seed(seed)  # data, drawn where it lives
     amp = 4.0 if activation == "clamped_swiglu" else 0.5
-    a = (torch.randn(m_total, k, generator=gen) * amp).to(torch.bfloat16).to(device)
-    b = (torch.randn(experts, n, k, generator=gen) * (1.0 / k**0.5)).to(torch.bfloat16).to(device)
+    a = (torch.randn(m_total, k, generator=dgen, device=device) * amp).to(torch.bfloat16)
+    b = (torch.randn(experts, n, k, generator=dgen, device=device) * (1.0 / k**0.5)).to(torch.bfloat16)
     offs = make_offsets(m_total, experts, routing, gen).to(device)
-    rs = torch.rand(m_total, generator=gen).to(device) if scale_rows else None
+    rs = torch.rand(m_total, generator=dgen, device=device) if scale_rows else None
     bias = None
     if bias_dtype is not None:
-        bias = (torch.randn(experts, n, generator=gen) * amp).to(_TORCH_BIAS[bias_dtype]).to(device)
+        bias = (torch.randn(experts, n, generator=dgen, device=device) * amp).to(_TORCH_BIAS[bias_dtype])
     return a, b, offs, rs, bias
 
 
@@ -108,7 +109,7 @@ def bench(fn: CompiledGroupedGemm, m_total, n, k, experts, activation, routing, 
     ends = [st[2][1:].contiguous() for st in sets]
     t_torch = timed(lambda i: torch._grouped_mm(sets[i][0], bt[i], offs=ends[i]))
     print(
-        f"[bench] {activation:14s} scale={int(scale_rows)} raster={fn.raster_m} M={m_total} N={n} K={k} E={experts} "
+        f"[bench] {activation:14s} scale={int(scale_rows)} raster={fn.raster_m} {fn.schedule} M={m_total} N={n} K={k} E={experts} "
         f"routing={routing}: ours {t_ours*1e3:.3f} ms {flops/t_ours/1e12:.1f} TFLOP/s | "
         f"torch._grouped_mm {t_torch*1e3:.3f} ms {flops/t_torch/1e12:.1f} TFLOP/s | "
         f"ratio {t_torch/t_ours:.3f}x",
@@ -122,12 +123,14 @@ def suite(args):
     t0 = time.time()
     fns = {}
 
-    def get(act, n, k, e, sr, tile_n=None, epilogue="smem", bias_dtype=None, raster_m=None):
-        key = (act, n, k, e, sr, tile_n, epilogue, bias_dtype, raster_m)
+    def get(act, n, k, e, sr, tile_n=None, epilogue="smem", bias_dtype=None, raster_m=None,
+            schedule="cooperative"):
+        key = (act, n, k, e, sr, tile_n, epilogue, bias_dtype, raster_m, schedule)
         if key not in fns:
             t = time.time()
             fns[key] = get_grouped_gemm(act, n, k, e, scale_rows=sr, tile_n=tile_n,
-                                        epilogue=epilogue, bias_dtype=bias_dtype, raster_m=raster_m)
+                                        epilogue=epilogue, bias_dtype=bias_dtype, raster_m=raster_m,
+                                        schedule=schedule)
             print(f"[compile] {key} {time.time()-t:.2f}s", flush=True)
         return fns[key]
 
@@ -163,6 +166,14 @@ def suite(args):
     ok &= check(f2b, 5003, 2880, 2880, 8, "identity", "skewed", True)
     f_i104 = get("swiglu", 208, 264, 4, False, bias_dtype="float32")
     ok &= check(f_i104, 999, 208, 264, 4, "swiglu", "uniform", False)
+    # the pingpong schedule: FC2 (identity, row scale, bias) and a gated FC1 with 64-wide tiles
+    fpp2 = get("identity", H, I, E, True, tile_n=128, schedule="pingpong")
+    for m_, r_ in ((4133, "skewed"), (1, "uniform"), (65536, "uniform")):
+        ok &= check(fpp2, m_, H, I, E, "identity", r_, True)
+    fpp1 = get("swiglu", 2 * I, H, E, False, tile_n=64, schedule="pingpong")
+    ok &= check(fpp1, 4133, 2 * I, H, E, "swiglu", "skewed", False)
+    fppb = get("identity", 2880, 2880, 8, True, tile_n=128, schedule="pingpong", bias_dtype="float32")
+    ok &= check(fppb, 5003, 2880, 2880, 8, "identity", "skewed", True)
     # Mixtral FC1 shape with the L2 raster (16 m-tiles per expert)
     fmx = get("swiglu", 28672, 4096, 8, False)
     ok &= check(fmx, 16384, 28672, 4096, 8, "swiglu", "uniform", False)
@@ -175,15 +186,26 @@ def suite(args):
         bench(f2n, 65536, H, I, E, "identity", "uniform", False)
         bench(f2, 65536, H, I, E, "identity", "uniform", True)
         bench(f1, 65536, 2 * I, H, E, "swiglu", "skewed", False)
-        print("[bench] raster: Mixtral FC1/FC2 and DeepSeek-V3 shard, raster_m=1 vs the default",
-              flush=True)
-        for (nn, kk, ee, act, sr, mm) in ((28672, 4096, 8, "swiglu", False, 16384),
-                                          (4096, 14336, 8, "identity", True, 16384),
-                                          (4096, 7168, 32, "swiglu", False, 65536),
-                                          (7168, 2048, 32, "identity", True, 65536)):
-            for r in (1, None):
-                f = get(act, nn, kk, ee, sr, raster_m=r)
-                bench(f, mm, nn, kk, ee, act, "uniform", sr, iters=10)
+        print("[bench] schedules: cooperative vs pingpong (FC2 of Qwen3, DeepSeek-V3 shard, Mixtral; "
+              "Qwen3 FC1 with 64-wide pingpong tiles)", flush=True)
+        for (nn, kk, ee, act, sr, mm, tn) in ((2048, 768, 128, "identity", True, 65536, 128),
+                                              (7168, 2048, 32, "identity", True, 65536, 128),
+                                              (4096, 14336, 8, "identity", True, 16384, 128),
+                                              (1536, 2048, 128, "swiglu", False, 65536, 64)):
+            bench(get(act, nn, kk, ee, sr), mm, nn, kk, ee, act, "uniform", sr, iters=10)
+            fpp = get(act, nn, kk, ee, sr, tile_n=tn, schedule="pingpong")
+            ok &= check(fpp, 3001, nn, kk, ee, act, "skewed", sr)
+            bench(fpp, mm, nn, kk, ee, act, "uniform", sr, iters=10)
+        if args.raster_bench:
+            print("[bench] raster: Mixtral FC1/FC2 and DeepSeek-V3 shard, raster_m=1 vs the default",
+                  flush=True)
+            for (nn, kk, ee, act, sr, mm) in ((28672, 4096, 8, "swiglu", False, 16384),
+                                              (4096, 14336, 8, "identity", True, 16384),
+                                              (4096, 7168, 32, "swiglu", False, 65536),
+                                              (7168, 2048, 32, "identity", True, 65536)):
+                for r in (1, None):
+                    f = get(act, nn, kk, ee, sr, raster_m=r)
+                    bench(f, mm, nn, kk, ee, act, "uniform", sr, iters=10)
         print("[bench] variants: direct-store epilogue, identity tile_n=128", flush=True)
         fd1 = get("swiglu", 2 * I, H, E, False, epilogue="direct")
         ok &= check(fd1, 4133, 2 * I, H, E, "swiglu", "skewed", False)
@@ -210,6 +232,8 @@ def main():
     p.add_argument("--epilogue", default="smem", choices=["smem", "direct"])
     p.add_argument("--bias", default=None, choices=["float32", "bfloat16"])
     p.add_argument("--raster-m", type=int, default=None)
+    p.add_argument("--schedule", default="cooperative", choices=["cooperative", "pingpong"])
+    p.add_argument("--raster-bench", action="store_true", help="--suite --bench: also raster_m=1 vs default")
     p.add_argument("--bench", action="store_true")
     p.add_argument("--suite", action="store_true")
     args = p.parse_args()
@@ -219,7 +243,7 @@ def main():
     t = time.time()
     fn = get_grouped_gemm(args.activation, args.n, args.k, args.experts, scale_rows=args.scale_rows,
                           tile_n=args.tile_n, num_stages=args.num_stages, epilogue=args.epilogue,
-                          bias_dtype=args.bias, raster_m=args.raster_m)
+                          bias_dtype=args.bias, raster_m=args.raster_m, schedule=args.schedule)
     print(f"[compile] {time.time()-t:.2f}s", flush=True)
     ok = check(fn, args.m_total, args.n, args.k, args.experts, args.activation, args.routing,
                args.scale_rows)

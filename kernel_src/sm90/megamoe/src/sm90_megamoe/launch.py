@@ -58,7 +58,8 @@ class CompiledGroupedGemm:
                  tile_n: Optional[int] = None, num_stages: Optional[int] = None,
                  epilogue: str = "smem", example: Optional[Tuple[torch.Tensor, ...]] = None,
                  bias_dtype: Optional[str] = None, raster_m: Optional[int] = None,
-                 swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0):
+                 swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
+                 schedule: str = "cooperative"):
         from .compile_check import fake_args
 
         if bias_dtype not in _TORCH_BIAS:
@@ -68,8 +69,10 @@ class CompiledGroupedGemm:
         self.kernel = GroupedGemmSm90(activation, tile_n=tile_n, scale_rows=scale_rows,
                                       num_stages=num_stages, epilogue=epilogue,
                                       has_bias=bias_dtype is not None, raster_m=raster_m,
-                                      swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
+                                      swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
+                                      schedule=schedule)
         self.activation = activation
+        self.schedule = schedule
         self.n, self.k, self.num_experts = n, k, num_experts
         self.n_out, self.n_tiles = self.kernel.static_shapes(n, k)
         self.scale_rows = scale_rows
@@ -135,18 +138,19 @@ def get_grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_ro
                      tile_n: Optional[int] = None, num_stages: Optional[int] = None,
                      epilogue: str = "smem", bias_dtype: Optional[str] = None,
                      raster_m: Optional[int] = None, swiglu_alpha: float = 1.702,
-                     swiglu_limit: float = 7.0) -> CompiledGroupedGemm:
+                     swiglu_limit: float = 7.0, schedule: str = "cooperative") -> CompiledGroupedGemm:
     """Cached compile. Key: everything static; routing and M_total are runtime."""
     if raster_m is None:
         raster_m = pick_raster_m(k)
     key = (ABI_VERSION, DROP_VERSION, cutlass.__version__ if hasattr(cutlass, "__version__") else "",
            activation, n, k, num_experts, bool(scale_rows), tile_n, num_stages, epilogue, bias_dtype,
-           raster_m, float(swiglu_alpha), float(swiglu_limit), "sm_90a")
+           raster_m, float(swiglu_alpha), float(swiglu_limit), schedule, "sm_90a")
     fn = _CACHE.get(key)
     if fn is None:
         fn = CompiledGroupedGemm(activation, n, k, num_experts, scale_rows, tile_n, num_stages,
                                  epilogue, bias_dtype=bias_dtype, raster_m=raster_m,
-                                 swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
+                                 swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
+                                 schedule=schedule)
         _CACHE[key] = fn
     return fn
 

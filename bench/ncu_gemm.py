@@ -1,0 +1,68 @@
+"""One FC1 and one FC2 launch of a model's grouped GEMMs between cudaProfilerStart/Stop, for
+Nsight Compute (8192 tokens, uniform routing, fresh random inputs):
+
+    ncu --profile-from-start off --clock-control none --section SpeedOfLight \\
+        --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \\
+        python -m moe_ep.bench.ncu_gemm --model mixtral [--raster-m 1] [--torch]
+
+``--torch`` profiles ``torch._grouped_mm`` on the same inputs instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from .models import MODELS
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", default="qwen3", choices=sorted(MODELS))
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--raster-m", type=int, default=None)
+    p.add_argument("--torch", action="store_true", help="profile torch._grouped_mm instead")
+    args = p.parse_args()
+    from moe_ep.backends.sm90.bf16_cutedsl import grouped_gemm
+
+    m = MODELS[args.model]
+    H, I, E, K = m["hidden"], m["intermediate"], m["num_experts"], m["top_k"]
+    M = args.tokens * K
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(M, H, device="cuda", generator=g).to(torch.bfloat16)
+    w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) * H ** -0.5).to(torch.bfloat16)
+    w2 = (torch.randn(E, H, I, device="cuda", generator=g) * I ** -0.5).to(torch.bfloat16)
+    h = torch.randn(M, I, device="cuda", generator=g).to(torch.bfloat16)
+    rs = torch.rand(M, device="cuda", generator=g)
+    counts = torch.full((E,), M // E, dtype=torch.int64)
+    counts[: M - int(counts.sum())] += 1
+    offs = torch.zeros(E + 1, dtype=torch.int32)
+    offs[1:] = counts.cumsum(0)
+    offs = offs.cuda()
+    out1 = torch.empty(M, I, dtype=torch.bfloat16, device="cuda")
+    out2 = torch.empty(M, H, dtype=torch.bfloat16, device="cuda")
+    act = m.get("activation", "swiglu")
+    fc1 = grouped_gemm(act, 2 * I, H, E, raster_m=args.raster_m)
+    fc2 = grouped_gemm("identity", H, I, E, scale_rows=True, raster_m=args.raster_m)
+    ends = offs[1:].contiguous()
+    for _ in range(2):  # compile, load modules, warm the clocks
+        fc1(x, w13, offs, out=out1)
+        fc2(h, w2, offs, out=out2, row_scale=rs)
+        torch._grouped_mm(x, w13.transpose(1, 2), offs=ends)
+        torch._grouped_mm(h, w2.transpose(1, 2), offs=ends)
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    if args.torch:
+        torch._grouped_mm(x, w13.transpose(1, 2), offs=ends)
+        torch._grouped_mm(h, w2.transpose(1, 2), offs=ends)
+    else:
+        fc1(x, w13, offs, out=out1)
+        fc2(h, w2, offs, out=out2, row_scale=rs)
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
