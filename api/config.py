@@ -10,6 +10,8 @@ import torch
 ACTIVATIONS = ("swiglu", "squared_relu", "gelu_glu", "clamped_swiglu")
 GATED = ("swiglu", "gelu_glu", "clamped_swiglu")
 SUPPORTED_DTYPES = (torch.bfloat16,)
+#: weight formats (``MoEConfig.quant``) -> the block size along K (see :mod:`moe_ep.api.quant`)
+QUANT_FORMATS = {"nvfp4_w4a16": 16, "mxfp8": 32, "fp8_block128": 1}
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,22 @@ class MoEConfig:
             ``b13 [E_local, w13_rows]`` added to FC1's float32 result before the activation and
             ``b2 [E_local, H]`` added to FC2's float32 result before the router weight:
             ``out[t] = sum_k w[t,k] · (act(x[t]·w13[e]ᵀ + b13[e])·w2[e]ᵀ + b2[e])``.
+        quant: ``None`` (default): ``w13``/``w2`` are tensors in the layer dtype. Block-scaled
+            weight formats (:mod:`moe_ep.api.quant`; H and I must be multiples of the block):
+
+            * ``"nvfp4_w4a16"`` -- ``w13``/``w2`` are :class:`~moe_ep.api.quant.NVFP4Weight`
+              (:func:`~moe_ep.api.quant.quantize_nvfp4`); the experts compute with
+              ``bf16(dequant(w))`` and BF16 activations (Blackwell W4A16);
+            * ``"mxfp8"`` -- ``w13``/``w2`` are :class:`~moe_ep.api.quant.MXFP8Tensor`
+              (:func:`~moe_ep.api.quant.quantize_mxfp8`); FC1's input rows and FC2's input (the
+              activation) are MXFP8-quantised the same way before each GEMM;
+            * ``"fp8_block128"`` -- ``w13``/``w2`` are ``torch.float8_e4m3fn`` tensors with
+              ``w13_scale [E_local, ceil(w13_rows/128), ceil(H/128)]`` and ``w2_scale [E_local,
+              ceil(H/128), ceil(I/128)]`` float32 passed to ``forward`` (DeepSeek-V3 / Qwen3-FP8
+              checkpoints; or a :class:`~moe_ep.api.quant.FP8Block128Weight` from
+              :func:`~moe_ep.api.quant.quantize_fp8_block128`); every row of FC1's input and of
+              FC2's input is quantised to E4M3 with one float32 scale per 128 values
+              (amax / 448); the GEMMs accumulate ``dequant(x) · dequant(w)`` in float32.
     """
 
     num_experts: int
@@ -52,6 +70,7 @@ class MoEConfig:
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
     bias_dtype: torch.dtype | None = None
+    quant: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "hidden", "intermediate", "top_k", "max_tokens_per_rank"):
@@ -85,6 +104,14 @@ class MoEConfig:
             if self.bias_dtype not in allowed:
                 raise ValueError(f"MoEConfig.bias_dtype {self.bias_dtype} is not supported; use None (no "
                                  f"biases), torch.float32 or the layer dtype {self.dtype}")
+        if self.quant is not None:
+            if self.quant not in QUANT_FORMATS:
+                raise ValueError(f"MoEConfig.quant {self.quant!r} is not one of None, {sorted(QUANT_FORMATS)}")
+            block = QUANT_FORMATS[self.quant]
+            for name in ("hidden", "intermediate"):
+                if getattr(self, name) % block:
+                    raise ValueError(f"MoEConfig.quant={self.quant!r} quantises along K in blocks of {block}: "
+                                     f"MoEConfig.{name} ({getattr(self, name)}) must be a multiple of {block}")
 
     @property
     def gated(self) -> bool:

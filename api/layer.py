@@ -163,14 +163,17 @@ class MoELayer:
     # ---- the fused forward -----------------------------------------------------------------
     def forward(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor,
                 w13: torch.Tensor, w2: torch.Tensor, out: torch.Tensor | None = None, *,
-                b13: torch.Tensor | None = None, b2: torch.Tensor | None = None) -> torch.Tensor:
+                b13: torch.Tensor | None = None, b2: torch.Tensor | None = None,
+                w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None) -> torch.Tensor:
         """MoE expert MLP with expert parallelism.
 
         Args:
             x: ``[T, H]`` config.dtype, this rank's tokens (T <= max_tokens_per_rank; T may be 0).
             topk_ids: ``[T, K]`` int32 or int64, global expert ids in ``[0, E)``.
             topk_weights: ``[T, K]`` float32 router weights.
-            w13: ``[E_local, 2·I, H]`` (gated activations; gate rows first) or ``[E_local, I, H]``.
+            w13: ``[E_local, 2·I, H]`` (gated activations; gate rows first) or ``[E_local, I, H]``;
+                with ``config.quant`` the block-scaled container of that logical shape
+                (:mod:`moe_ep.api.quant`; the same for ``w2``).
             w2: ``[E_local, H, I]``.
             out: optional ``[T, H]`` config.dtype output buffer; without it the output is the
                 forward's one allocation.
@@ -179,6 +182,9 @@ class MoELayer:
                 contiguous, on the layer's device. Required when ``config.bias_dtype`` is set,
                 refused (``ValueError``) when it is None.
             b2: per-expert FC2 bias ``[E_local, H]``, same rules as ``b13``.
+            w13_scale, w2_scale: with ``config.quant="fp8_block128"`` and ``torch.float8_e4m3fn``
+                weights: float32 ``[E_local, ceil(w13_rows/128), ceil(H/128)]`` and
+                ``[E_local, ceil(H/128), ceil(I/128)]`` (one per 128x128 block); refused otherwise.
         Returns:
             ``[T, H]`` config.dtype: ``sum_k w[t,k] · MLP_{ids[t,k]}(x[t])`` (sum in float32)
             over the valid choices (see ``check_values``), where ``MLP_e(x) =
@@ -192,6 +198,7 @@ class MoELayer:
         cfg = self.config
         V.check_routing(cfg, x, topk_ids, topk_weights, self.device,
                         check_values=self.check_values and not _is_capturing())
+        w13, w2 = V.pack_fp8_block128(cfg, w13, w2, w13_scale, w2_scale)
         V.check_weights(cfg, self.e_local, w13, w2, self.device)
         V.check_biases(cfg, self.e_local, b13, b2, self.device)
         V.check_out(cfg, out, x.shape[0], self.device)

@@ -71,8 +71,86 @@ def check_routing(cfg, x: torch.Tensor, topk_ids: Any, topk_weights: Any, device
             raise ValueError("topk_weights holds a non-finite value (NaN or inf)")
 
 
+def _check_quantized(cfg, name: str, w: Any, shape: tuple, device: torch.device) -> None:
+    """A block-scaled weight of ``cfg.quant``'s container type, logical ``shape``, on ``device``."""
+    from .quant import FP8Block128Weight, MXFP8Tensor, NVFP4Weight  # noqa: PLC0415 - public home of the formats
+
+    want, maker = {"nvfp4_w4a16": (NVFP4Weight, "quantize_nvfp4"), "mxfp8": (MXFP8Tensor, "quantize_mxfp8"),
+                   "fp8_block128": (FP8Block128Weight, "quantize_fp8_block128")}[cfg.quant]
+    if not isinstance(w, want):
+        extra = (f" or a torch.float8_e4m3fn tensor with {name}_scale" if want is FP8Block128Weight else "")
+        raise TypeError(f"{name} must be a moe_ep.api.quant.{want.__name__}{extra} (MoEConfig.quant="
+                        f"{cfg.quant!r}; make one with {maker}), got {type(w).__name__}")
+    if tuple(w.shape) != shape:
+        raise ValueError(f"{name} has logical shape {_fmt(w.shape)}, expected {_fmt(shape)}")
+    if want is NVFP4Weight:
+        e, n, k = shape
+        if (w.values.dtype != torch.uint8 or w.block_scale.dtype != torch.float8_e4m3fn
+                or tuple(w.block_scale.shape) != (e, n, k // 16) or tuple(w.global_scale.shape) != (e,)):
+            raise TypeError(f"{name}: NVFP4Weight parts must be values uint8 [E, N, K/2], block_scale "
+                            "float8_e4m3fn [E, N, K/16], global_scale float32 [E]")
+    elif want is MXFP8Tensor:
+        if (w.values.dtype != torch.float8_e4m3fn or w.scale.dtype != torch.float8_e8m0fnu
+                or tuple(w.scale.shape) != (*shape[:-1], shape[-1] // 32)):
+            raise TypeError(f"{name}: MXFP8Tensor parts must be values float8_e4m3fn [..., K], scale "
+                            "float8_e8m0fnu [..., K/32]")
+    else:
+        e, n, k = shape
+        sshape = (e, -(-n // 128), -(-k // 128))
+        if w.values.dtype != torch.float8_e4m3fn:
+            raise TypeError(f"{name} must be torch.float8_e4m3fn (MoEConfig.quant='fp8_block128'), got "
+                            f"{w.values.dtype}")
+        if w.scale.dtype != torch.float32:
+            raise TypeError(f"{name}_scale must be float32, got {w.scale.dtype}")
+        if tuple(w.scale.shape) != sshape:
+            raise ValueError(f"{name}_scale has shape {_fmt(w.scale.shape)}, expected {_fmt(sshape)} "
+                             "(one float32 per 128x128 block of the weight)")
+    parts = ((w.values, w.block_scale, w.global_scale) if want is NVFP4Weight else (w.values, w.scale))
+    for p in parts:
+        if p.device != device:
+            raise ValueError(f"{name} is on {p.device}, the layer runs on {device}")
+        if not p.is_contiguous():
+            raise ValueError(f"{name}: every part of the quantised weight must be contiguous")
+
+
+def pack_fp8_block128(cfg, w13: Any, w2: Any, w13_scale: Any, w2_scale: Any) -> tuple[Any, Any]:
+    """``forward``'s FP8 block-128 weights as :class:`~moe_ep.api.quant.FP8Block128Weight`: raw
+    ``float8_e4m3fn`` tensors need their ``*_scale``; containers must come without one. Scales
+    given for any other ``cfg.quant`` raise."""
+    from .quant import FP8Block128Weight  # noqa: PLC0415
+
+    if getattr(cfg, "quant", None) != "fp8_block128":
+        for name, s in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
+            if s is not None:
+                raise ValueError(f"{name} was given, but MoEConfig.quant is {getattr(cfg, 'quant', None)!r}; "
+                                 "weight scales go with quant='fp8_block128'")
+        return w13, w2
+    out = []
+    for name, w, s in (("w13", w13, w13_scale), ("w2", w2, w2_scale)):
+        if isinstance(w, FP8Block128Weight):
+            if s is not None:
+                raise ValueError(f"{name} is an FP8Block128Weight (it carries its scale): do not pass {name}_scale")
+            out.append(w)
+            continue
+        if isinstance(w, torch.Tensor):
+            if s is None:
+                raise ValueError(f"{name}_scale is required: MoEConfig.quant='fp8_block128' takes {name} as "
+                                 f"torch.float8_e4m3fn with {name}_scale [E_local, ceil(rows/128), "
+                                 "ceil(cols/128)] float32")
+            s = _tensor(f"{name}_scale", s)
+            out.append(FP8Block128Weight(w, s))
+            continue
+        out.append(w)  # _check_quantized names the type
+    return out[0], out[1]
+
+
 def check_weights(cfg, e_local: int, w13: Any, w2: Any, device: torch.device) -> None:
-    """``w13 [E_local, w13_rows, H]`` and ``w2 [E_local, H, I]`` in the layer dtype."""
+    """``w13 [E_local, w13_rows, H]`` and ``w2 [E_local, H, I]`` in the layer dtype (or, with
+    ``cfg.quant``, the matching block-scaled container of that logical shape)."""
+    if getattr(cfg, "quant", None) is not None:
+        _check_quantized(cfg, "w13", w13, (e_local, cfg.w13_rows, cfg.hidden), device)
+        _check_quantized(cfg, "w2", w2, (e_local, cfg.hidden, cfg.intermediate), device)
+        return
     for name, t, shape in (("w13", w13, (e_local, cfg.w13_rows, cfg.hidden)),
                            ("w2", w2, (e_local, cfg.hidden, cfg.intermediate))):
         t = _tensor(name, t)

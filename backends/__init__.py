@@ -7,8 +7,10 @@ backend can run a configuration and raises :class:`UnsupportedBackendError` with
 ``explain(config, group, device)`` returns every backend's :class:`Verdict`, best first.
 """
 
-from moe_ep.shim import (BackendWarning, BootstrapError, CapacityError, CaptureError, DeviceStallError, MoEError,
-                         RoutingValueError, ShimError, StaleHandleError, SymmetricHeapError)
+from moe_ep.shim import (BackendWarning, BootstrapError, CapacityError, CaptureError, CompileCacheWarning,
+                         DeviceStallError, MoEError, RoutingValueError, ShimError, StaleHandleError,
+                         SymmetricHeapError, COMPILE_EVENTS, compile_cache_root, list_cache_entries,
+                         set_compile_cache_dir, verify_cache_entry)
 
 from . import reference as _reference
 from .sm90 import bf16_cutedsl as _sm90_bf16
@@ -51,10 +53,23 @@ def retain_runtime(group, device_index: int | None = None):
 
 
 ERRORS = ("MoEError", "UnsupportedBackendError", "CapacityError", "RoutingValueError", "StaleHandleError",
-          "DeviceStallError", "ShimError", "CaptureError", "SymmetricHeapError", "BootstrapError", "BackendWarning")
+          "DeviceStallError", "ShimError", "CaptureError", "SymmetricHeapError", "BootstrapError", "BackendWarning",
+          "CompileCacheWarning")
 
 __all__ = [*ERRORS, "retain_runtime", "workspace_bytes", "BackendImpl", "BackendSpec", "UnsupportedBackendError", "Verdict",
-           "available", "explain", "get", "register", "select", "unregister"]
+           "available", "explain", "get", "register", "select", "unregister", "prebuild", "compile_cache_root",
+           "list_cache_entries", "set_compile_cache_dir", "verify_cache_entry", "PREBUILD_ARCHES", "COMPILE_EVENTS"]
+
+#: arch -> backend whose kernels ``prebuild`` compiles for it
+PREBUILD_ARCHES = {"sm_90a": "sm90_bf16_cutedsl"}
+
+
+def prebuild(config, world_size: int = 1, arch: str = "sm_90a", kernels: tuple = ("fc1", "fc2", "ep", "layout")) -> None:
+    """Compile every kernel a layer of ``config`` on ``world_size`` ranks needs for ``arch``
+    into the disk compile cache (no GPU needed). Unknown arches raise naming the known ones."""
+    if arch not in PREBUILD_ARCHES:
+        raise ValueError(f"prebuild: arch {arch!r} is not supported; supported: {sorted(PREBUILD_ARCHES)}")
+    _sm90_bf16.prebuild(config, world_size, kernels)
 
 
 def workspace_bytes(name: str, config, world_size: int) -> int:

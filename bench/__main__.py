@@ -12,7 +12,9 @@ expert parallelism over N ranks (then also dispatch/combine GB/s). On GPU a deco
 (1–256 tokens per rank) follows. Without a GPU it runs the reference backend on a few tokens and
 says so (back-to-back and graph columns are n/a).
 
-Sub-commands: ``layer`` (default) and ``gemm`` (SM90 grouped GEMM vs torch._grouped_mm).
+Sub-commands: ``layer`` (default), ``gemm`` (SM90 grouped GEMM vs torch._grouped_mm) and
+``startup`` (``warmup()`` cold vs warm compile cache, each in a fresh process, and the host time
+of one eager forward).
 """
 
 from __future__ import annotations
@@ -307,7 +309,7 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m moe_ep.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("job", nargs="?", default="layer", choices=["layer", "gemm"])
+    p.add_argument("job", nargs="?", default="layer", choices=["layer", "gemm", "startup"])
     p.add_argument("--model", default="qwen3",
                    help=f"model(s), comma-separated, run in turn: {', '.join(sorted(MODELS))} (default qwen3)")
     p.add_argument("--tokens", type=int, default=None, help="tokens per rank (default 8192 on GPU, 64 on CPU)")
@@ -345,6 +347,10 @@ def main(argv=None) -> int:
         p.error("--peers-only needs --peer")
     if args.iters is None:
         args.iters = 30 if torch.cuda.is_available() else 3
+    if args.job == "startup":
+        from .startup import run_startup
+
+        return run_startup(args)
     if args.job == "gemm":
         from .gemm import run_gemm
 

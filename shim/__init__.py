@@ -9,11 +9,19 @@ Public surface (``__all__``) used by :mod:`moe_ep.backends`:
 * NVSHMEM bootstrap (:func:`nvshmem_acquire`, :func:`parse_size` for ``NVSHMEM_SYMMETRIC_SIZE``)
   and the pre-launch counter contract
   (:class:`CounterContract`, :func:`zero_counter_regions`);
-* per-drop wrappers (``sm90_megamoe_*``).
+* the disk compile cache (:func:`set_compile_cache_dir`, :data:`COMPILE_EVENTS`, ...; see
+  :mod:`moe_ep.shim.disk_cache`);
+* per-drop wrappers (``sm90_*``).
 """
 
 from .cache import COMPILE_CACHE, CompileCache, ensure_not_capturing, is_capturing
 from .constants import MirroredConstants
+from .disk_cache import EVENTS as COMPILE_EVENTS
+from .disk_cache import CacheEvent, CompileCacheWarning
+from .disk_cache import cache_root as compile_cache_root
+from .disk_cache import list_entries as list_cache_entries
+from .disk_cache import set_cache_dir as set_compile_cache_dir
+from .disk_cache import verify_entry as verify_cache_entry
 from .contract import CallableUse, DropContract, ImportUse
 from .drops import drop_contracts
 from .drops.sm90_megamoe import CONSTANTS as SM90_MEGAMOE_CONSTANTS
@@ -32,6 +40,10 @@ from .drops.sm90_megamoe import compile_gemm_ptx as sm90_compile_gemm_ptx
 from .drops.sm90_megamoe import grouped_gemm as sm90_grouped_gemm
 from .drops.sm90_megamoe import pick_raster_m as sm90_pick_raster_m
 from .drops.sm90_megamoe import pick_schedule as sm90_pick_schedule
+from .drops.sm90_megamoe import cache_namespace as sm90_cache_namespace
+from .drops.sm90_megamoe import compiled_grouped_gemm as sm90_compiled_grouped_gemm
+from .drops.sm90_megamoe import prebuild_ep as sm90_prebuild_ep
+from .drops.sm90_megamoe import prebuild_layout as sm90_prebuild_layout
 from .errors import (BackendWarning, BootstrapError, CapacityError, CaptureError, ConstantDriftError,
                      DeviceStallError, DropCollisionError, MoEError, NvshmemOwnershipError, RoutingValueError,
                      ShimError, StaleHandleError, SymmetricHeapError, UnsupportedBackendError)
@@ -52,4 +64,7 @@ __all__ = [
     "Sm90GroupedGemm", "Sm90LayoutSession", "sm90_check_gemm_shapes", "sm90_compile_ep_ptx",
     "sm90_compile_gemm_ptx", "sm90_ep_buffer_specs", "sm90_grouped_gemm", "sm90_layout_counts_len",
     "sm90_new_verr", "sm90_pick_raster_m", "sm90_pick_schedule",
+    "COMPILE_EVENTS", "CacheEvent", "CompileCacheWarning", "compile_cache_root", "list_cache_entries",
+    "set_compile_cache_dir", "verify_cache_entry", "sm90_cache_namespace", "sm90_compiled_grouped_gemm",
+    "sm90_prebuild_ep", "sm90_prebuild_layout",
 ]

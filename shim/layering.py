@@ -8,7 +8,8 @@ moe_ep's layers import only downwards::
 * only ``shim/`` imports drop code (any top-level name a drop's ``src/`` provides);
 * ``backends/`` may import only the names ``moe_ep.shim`` exports in ``__all__``
   (``moe_ep.shim.<submodule>`` is an internal);
-* ``api/`` (and downstream code in this repository: ``bench/``) imports neither ``shim`` nor drops;
+* ``api/`` (and downstream code in this repository: ``bench/``, ``aot/``) imports neither ``shim``
+  nor drops;
 * lower layers never import upper ones (shim -> backends/api, backends -> api).
 """
 
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Iterator
 
 PKG = "moe_ep"
-LAYERS = ("api", "backends", "shim", "kernel_src", "bench")
+LAYERS = ("api", "backends", "shim", "kernel_src", "bench", "aot")
 SKIP_DIRS = {"__pycache__", ".git", ".device", ".whl", "build", "dist", "tests", ".ci", "docs"}
 
 
@@ -157,7 +158,7 @@ def _check_target(layer, sub, mod, v, public, names=()):
     if target == "kernel_src" and layer != "shim":
         v("kernel_src-outside-shim", f"{layer}/ imports {mod or 'moe_ep.kernel_src'!r}; only shim/ may")
     if target == "shim":
-        if layer in ("api", "bench", "root", "drop"):
+        if layer in ("api", "bench", "aot", "root", "drop"):
             v("shim-from-" + layer, f"{layer}/ imports moe_ep.shim ({mod or 'moe_ep.shim'}); "
               "go through moe_ep.backends")
         elif layer == "backends":

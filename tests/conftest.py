@@ -13,6 +13,8 @@ REPO = Path(__file__).resolve().parent.parent
 _SCRATCH = Path(tempfile.mkdtemp(prefix="moe_ep_tests_"))
 (_SCRATCH / "cute_dsl_dump").mkdir()  # CuTeDSL does not create it (the PTX would silently be empty)
 os.environ.setdefault("CUTE_DSL_DUMP_DIR", str(_SCRATCH / "cute_dsl_dump"))  # subprocesses inherit it
+# the disk compile cache of the tests' kernels lives (and dies) with the test session, never in ~/.cache
+os.environ.setdefault("MOE_EP_CACHE_DIR", str(_SCRATCH / "compile_cache"))
 
 import hypothesis  # noqa: E402
 import hypothesis.configuration  # noqa: E402

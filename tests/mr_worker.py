@@ -96,6 +96,27 @@ def main():
                 e = rel_err(mine, ref)
                 assert e < 6e-3, f"rank {r}: EP={W} vs float64 oracle rel err {e} ({act=} {bias_dtype=})"
             dist.barrier()
+    # block-scaled weight formats: each rank quantises its own experts; EP=W equals EP=1
+    from moe_ep.api.quant import quantize_fp8_block128, quantize_mxfp8, quantize_nvfp4
+
+    for i, (quant, qf) in enumerate((("nvfp4_w4a16", quantize_nvfp4), ("mxfp8", quantize_mxfp8),
+                                     ("fp8_block128", quantize_fp8_block128))):
+        E, H, I, K, T = 8, 64, 32, 2, 24
+        cfg = MoEConfig(num_experts=E, hidden=H, intermediate=I, top_k=K, max_tokens_per_rank=T, quant=quant)
+        x, ids, w, w13, w2 = make_problem(E, H, I, K, T, seed=3000 + i)
+        El = E // W
+        sizes = split_tokens(T, W, "uneven" if i % 2 else "even")
+        lo = sum(sizes[:r])
+        sl, es = slice(lo, lo + sizes[r]), slice(r * El, (r + 1) * El)
+        with MoELayer(cfg, group, backend="reference", device="cpu") as ep, \
+                MoELayer(cfg, EPGroup.single(), backend="reference", device="cpu") as one:
+            full = one.forward(x, ids, w, qf(w13), qf(w2))
+            mine = ep.forward(x[sl].contiguous(), ids[sl].contiguous(), w[sl].contiguous(),
+                              qf(w13[es].contiguous()), qf(w2[es].contiguous()))
+        if sizes[r]:  # every scale is per expert or per block: a rank's slice quantises identically
+            e = rel_err(mine, full[sl])
+            assert e < 2e-3, f"rank {r}: EP={W} vs EP=1 rel err {e} ({quant=})"
+        dist.barrier()
     print(f"rank {r}/{W}: OK", flush=True)
     dist.destroy_process_group()
 

@@ -371,3 +371,32 @@ def test_odd_hidden_refused_up_front_and_reference_computes_it():
     got = layer.forward(x, ids, w, w13, w2)
     assert rel(got, _oracle_f64_gpu(x, ids, w, w13, w2, cfg)) < 1e-2
     layer.destroy()
+
+
+@pytest.mark.parametrize("quant", ["fp8_block128", "mxfp8", "nvfp4_w4a16"])
+def test_quantised_configs_refused_by_the_bf16_backend(quant):
+    """The SM90 BF16 backend refuses block-scaled weights by name; "auto" runs them on the
+    reference backend (on the GPU) and matches a float32 computation of the quantised model."""
+    _sm90()
+    import warnings
+
+    from moe_ep.api import EPGroup, MoEConfig, MoELayer, UnsupportedBackendError
+    from moe_ep.api.quant import (dequantize_fp8_block128, dequantize_mxfp8, dequantize_nvfp4,
+                                  quantize_fp8_block128, quantize_mxfp8, quantize_nvfp4)
+
+    cfg = MoEConfig(num_experts=8, hidden=256, intermediate=128, top_k=2, max_tokens_per_rank=64, quant=quant)
+    with pytest.raises(UnsupportedBackendError, match=quant):
+        MoELayer(cfg, EPGroup.single(), backend="sm90_bf16_cutedsl")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        layer = MoELayer(cfg, EPGroup.single(), backend="auto")
+    assert layer.backend_name == "reference"
+    q, dq = {"fp8_block128": (quantize_fp8_block128, dequantize_fp8_block128),
+             "mxfp8": (quantize_mxfp8, dequantize_mxfp8), "nvfp4_w4a16": (quantize_nvfp4, dequantize_nvfp4)}[quant]
+    x, ids, w, w13, w2 = problem(64, seed_of("quant", quant), E=8, H=256, I=128, K=2)
+    out = layer.forward(x, ids, w, q(w13), q(w2))
+    plain = MoELayer(MoEConfig(num_experts=8, hidden=256, intermediate=128, top_k=2, max_tokens_per_rank=64),
+                     EPGroup.single(), backend="reference")
+    want = plain.forward(x, ids, w, dq(q(w13)).to(torch.bfloat16), dq(q(w2)).to(torch.bfloat16))
+    assert torch.isfinite(out).all() and rel(out, want) < 0.05  # activation quantisation on top
+    layer.destroy(), plain.destroy()

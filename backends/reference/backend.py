@@ -70,7 +70,8 @@ def grouped_mm_fits(recv_x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor) -
 def expert_mlp(recv_x: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                activation: str, intermediate: int, *, b13: torch.Tensor | None = None,
                b2: torch.Tensor | None = None, swiglu_alpha: float = SWIGLU_ALPHA,
-               swiglu_limit: float = SWIGLU_LIMIT, grouped: bool | None = None) -> torch.Tensor:
+               swiglu_limit: float = SWIGLU_LIMIT, grouped: bool | None = None,
+               act_quant: Any = None) -> torch.Tensor:
     """Grouped expert MLP.
 
     Args:
@@ -84,6 +85,10 @@ def expert_mlp(recv_x: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor, w
         grouped: ``None`` (default): ``torch._grouped_mm`` on CUDA when it can take the shapes
             (:func:`grouped_mm_fits`), else a per-expert matmul loop in float32; ``True``:
             ``torch._grouped_mm`` wherever it can take the shapes (CPU too); ``False``: the loop.
+        act_quant: optional ``f(t [M, K] float) -> [M, K]`` applied to FC1's input rows and to the
+            float32 activation (instead of rounding it to the layer dtype) before FC2: the
+            quantise-dequantise of an activation format such as MXFP8; its results must be exact
+            in the layer dtype.
     Returns:
         ``[R, H]`` in recv_x's dtype; the activation is rounded to that dtype before FC2, as the
         kernels do. ``torch._grouped_mm`` returns its products in the input dtype (it has no
@@ -96,8 +101,12 @@ def expert_mlp(recv_x: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor, w
         return out
 
     def act(h: torch.Tensor) -> torch.Tensor:
-        return activate(h, activation, intermediate, swiglu_alpha=swiglu_alpha,
-                        swiglu_limit=swiglu_limit).to(recv_x.dtype)
+        a = activate(h, activation, intermediate, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
+        return a.to(out.dtype) if act_quant is None else act_quant(a)
+
+    if act_quant is not None:  # quantised activations: float32 values of the format, per-expert loop
+        recv_x = act_quant(recv_x)
+        grouped = False
 
     if grouped is None:
         grouped = recv_x.is_cuda
@@ -128,8 +137,32 @@ def expert_mlp(recv_x: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor, w
         y = act(h).float() @ w2[e].float().t()
         if b2 is not None:
             y += b2[e].float()
-        out[lo:hi] = y.to(recv_x.dtype)
+        out[lo:hi] = y.to(out.dtype)
     return out
+
+
+def dequantized_weights(cfg: Any, w13: Any, w2: Any) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """Semantics of the block-scaled formats (``cfg.quant``): ``(w13, w2, act_quant)`` in the layer
+    dtype for :func:`expert_mlp`. ``nvfp4_w4a16``: ``dtype(dequant(w))``, BF16 activations;
+    ``mxfp8``: ``dequant(w)`` (exact in bf16) and MXFP8 quantise-dequantise of both GEMM inputs;
+    ``fp8_block128``: float32 ``dequant(w)`` and per-row 128-group FP8 quantise-dequantise of both
+    GEMM inputs (the products accumulate in float32, as block-scaled FP8 GEMMs do)."""
+    from ..quant import (dequantize_fp8_block128, dequantize_fp8_rows128, dequantize_mxfp8, dequantize_nvfp4,
+                         quantize_fp8_rows128, quantize_mxfp8)
+
+    if cfg.quant == "fp8_block128":
+        def act_quant_fp8(t: torch.Tensor) -> torch.Tensor:
+            return dequantize_fp8_rows128(*quantize_fp8_rows128(t))
+
+        return dequantize_fp8_block128(w13), dequantize_fp8_block128(w2), act_quant_fp8
+    if cfg.quant == "nvfp4_w4a16":
+        return dequantize_nvfp4(w13).to(cfg.dtype), dequantize_nvfp4(w2).to(cfg.dtype), None
+    if cfg.quant == "mxfp8":
+        def act_quant(t: torch.Tensor) -> torch.Tensor:
+            return dequantize_mxfp8(quantize_mxfp8(t))
+
+        return dequantize_mxfp8(w13).to(cfg.dtype), dequantize_mxfp8(w2).to(cfg.dtype), act_quant
+    raise ValueError(f"unknown quant format {cfg.quant!r}")
 
 
 def _a2a_rows(group: Any, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
@@ -246,8 +279,11 @@ class ReferenceBackend(BackendImpl):
     def forward(self, x, topk_ids, topk_weights, w13, w2, out=None, b13=None, b2=None):
         recv_x, offsets, state = self.dispatch(x, topk_ids, topk_weights)
         cfg = self.cfg
+        act_quant = None
+        if getattr(cfg, "quant", None) is not None:
+            w13, w2, act_quant = dequantized_weights(cfg, w13, w2)
         y = expert_mlp(recv_x, offsets, w13, w2, cfg.activation, cfg.intermediate, b13=b13, b2=b2,
-                       swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit)
+                       swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit, act_quant=act_quant)
         return self.combine(y, state, out)
 
     def check(self) -> None:

@@ -1,4 +1,4 @@
-"""Shim for the SM90 drop ``kernel_src/sm90/megamoe`` (package ``sm90_megamoe``), drop version 5.
+"""Shim for the SM90 drop ``kernel_src/sm90/megamoe`` (package ``sm90_megamoe``), drop version 6.
 
 What moe_ep relies on, declared as data (:data:`CONTRACT`), plus thin wrappers:
 
@@ -8,7 +8,10 @@ What moe_ep relies on, declared as data (:data:`CONTRACT`), plus thin wrappers:
   contract-relevant value, never by routing);
 * :class:`EpSession` -- one layer's EP kernels on caller-provided buffers (a workspace);
 * :class:`LayoutSession` -- one layer's expert-layout kernels on a caller-provided scratch;
-* :func:`compile_gemm_ptx` / :func:`compile_ep_ptx` -- compile for an arch without a GPU.
+* :func:`compile_gemm_ptx` / :func:`compile_ep_ptx` -- compile for an arch without a GPU;
+* :func:`prebuild_ep` / :func:`prebuild_layout` (and :func:`compiled_grouped_gemm`) -- obtain the
+  compiled kernels without a GPU, through the disk cache (:mod:`moe_ep.shim.disk_cache`): every
+  compiled kernel is exported there and loaded back by later processes.
 
 The compile cache holds compiled kernels only. Everything that holds device memory or converted
 arguments (launchers, sessions) belongs to its caller and dies with it.
@@ -31,16 +34,18 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
+from .. import disk_cache
 from ..cache import COMPILE_CACHE, ensure_not_capturing
 from ..constants import MirroredConstants
 from ..contract import CallableUse, DropContract, ImportUse
 from ..errors import CapacityError, DeviceStallError
 from ..nvshmem_boot import CounterContract
+from ..paths import drop_src
 
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 5},
+    "sm90_megamoe": {"DROP_VERSION": 6},
     "sm90_megamoe.constants": {
         "ABI_VERSION": 2,
         "ACTIVATIONS": ("identity", "swiglu", "squared_relu", "gelu_glu", "clamped_swiglu"),
@@ -73,11 +78,11 @@ CONSTANTS = MirroredConstants("sm90/megamoe", {
 })
 
 CONTRACT = DropContract(
-    arch="sm90", drop="megamoe", version=5, packages=(PKG,), constants=CONSTANTS,
+    arch="sm90", drop="megamoe", version=6, packages=(PKG,), constants=CONSTANTS,
     callables=(
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.__init__",
                     ("activation", "n", "k", "num_experts", "scale_rows", "tile_n", "bias_dtype",
-                     "raster_m", "swiglu_alpha", "swiglu_limit", "schedule")),
+                     "raster_m", "swiglu_alpha", "swiglu_limit", "schedule", "compiled")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_converted",
                     ("args", "max_active_ctas", "stream")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.placeholders", ("device",)),
@@ -95,6 +100,9 @@ CONTRACT = DropContract(
         CallableUse("sm90_megamoe.ep_launch:build_peer_table", ("peer_buffers", "device")),
         CallableUse("sm90_megamoe.ep_launch:get_kernel", ("kind", "cfg")),
         CallableUse("sm90_megamoe.ep_launch:compile_kernel", ("kind", "cfg", "options")),
+        CallableUse("sm90_megamoe.ep_launch:put_kernel", ("kind", "cfg", "compiled")),
+        CallableUse("sm90_megamoe.layout_launch:compile_kernel", ("kind", "cfg", "options")),
+        CallableUse("sm90_megamoe.layout_launch:put_kernel", ("kind", "cfg", "compiled")),
         CallableUse("sm90_megamoe.ep_launch:EpRank.__init__",
                     ("cfg", "rank", "bufs", "peer_table", "num_ctas", "timeout_ns")),
         CallableUse("sm90_megamoe.ep_launch:EpRank.dispatch", ("x", "topk_ids", "topk_w")),
@@ -143,6 +151,20 @@ def _load(module: str) -> Any:
     CONTRACT.activate()
     CONSTANTS.ensure_checked()
     return importlib.import_module(module)
+
+
+_NAMESPACE: str | None = None
+
+
+def cache_namespace() -> str:
+    """Disk-cache folder of this drop's kernels: drop, version, a fingerprint of its sources,
+    the cutlass-dsl version and the arch (see :mod:`moe_ep.shim.disk_cache`)."""
+    global _NAMESPACE
+    if _NAMESPACE is None:
+        fp = disk_cache.source_fingerprint(drop_src("sm90", "megamoe"))[:16]
+        _NAMESPACE = (f"sm90-megamoe-v{CONSTANTS.value(PKG, 'DROP_VERSION')}-{fp}/"
+                      f"cutlass-dsl-{_cutlass_version()}/sm_90a")
+    return _NAMESPACE
 
 
 def _cutlass_version() -> str:
@@ -319,10 +341,13 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
 
     def build():
         launch = _load("sm90_megamoe.launch")
-        kw = {"swiglu_alpha": alpha, "swiglu_limit": limit} if activation == "clamped_swiglu" else {}
-        return launch.CompiledGroupedGemm(activation=activation, n=n, k=k, num_experts=num_experts,
-                                          scale_rows=bool(scale_rows), tile_n=tile, bias_dtype=bias,
-                                          raster_m=raster, schedule=schedule, **kw)
+        kw = dict(activation=activation, n=n, k=k, num_experts=num_experts, scale_rows=bool(scale_rows),
+                  tile_n=tile, bias_dtype=bias, raster_m=raster, schedule=schedule)
+        if activation == "clamped_swiglu":
+            kw.update(swiglu_alpha=alpha, swiglu_limit=limit)
+        fn = disk_cache.get_or_build(cache_namespace(), f"gemm_{activation}", key,
+                                     lambda: launch.CompiledGroupedGemm(**kw).compiled)
+        return launch.CompiledGroupedGemm(**kw, compiled=fn)
 
     return COMPILE_CACHE.get_or_compile(key, build)
 
@@ -441,6 +466,26 @@ def new_verr(device: Any):
     return torch.tensor(_E["VERR_RESET"], dtype=torch.int64, device=device)
 
 
+def prebuild_ep(hidden: int, topk: int, world: int, max_tokens: int, num_experts: int) -> None:
+    """Compile (or load from the disk cache) every EP kernel for these static values; no GPU
+    needed. Sessions call it; so does ``python -m moe_ep.aot``."""
+    check_ep_shapes(hidden, topk, world, num_experts)
+    el = _load("sm90_megamoe.ep_launch")
+    cfg = el.EpConfig(hidden=hidden, topk=topk, world=world, max_tokens=max_tokens, num_experts=num_experts)
+    key = EpKey(CONSTANTS.value(PKG, "DROP_VERSION"), _E["EP_ABI_VERSION"], _cutlass_version(), "sm_90a",
+                hidden, topk, world, max_tokens, num_experts)
+
+    def build():
+        kernels = {}
+        for k in el.KINDS:
+            kernels[k] = disk_cache.get_or_build(cache_namespace(), f"ep_{k}", (key, k),
+                                                 lambda k=k: el.compile_kernel(kind=k, cfg=cfg))
+            el.put_kernel(kind=k, cfg=cfg, compiled=kernels[k])
+        return kernels
+
+    COMPILE_CACHE.get_or_compile(key, build)
+
+
 class EpSession:
     """One layer's EP kernels on one rank, on buffers the caller owns.
 
@@ -459,9 +504,7 @@ class EpSession:
         el = self._el = _load("sm90_megamoe.ep_launch")
         cfg = self.cfg = el.EpConfig(hidden=hidden, topk=topk, world=world, max_tokens=max_tokens,
                                      num_experts=num_experts)
-        key = EpKey(CONSTANTS.value(PKG, "DROP_VERSION"), _E["EP_ABI_VERSION"], _cutlass_version(), "sm_90a",
-                    hidden, topk, world, max_tokens, num_experts)
-        COMPILE_CACHE.get_or_compile(key, lambda: {k: el.get_kernel(kind=k, cfg=cfg) for k in el.KINDS})
+        prebuild_ep(hidden, topk, world, max_tokens, num_experts)
         self.world, self.rank, self.device = world, rank, device
         self.global_ranks = tuple(global_ranks) or tuple(range(world))
         self._num_ctas, self._timeout_ns = num_ctas, timeout_ns
@@ -563,6 +606,25 @@ def layout_counts_len(num_chunks: int, local_experts: int) -> int:
     return num_chunks * local_experts
 
 
+def prebuild_layout(hidden: int, topk: int, world: int, max_tokens: int, local_experts: int) -> None:
+    """Compile (or load from the disk cache) every expert-layout kernel; no GPU needed."""
+    ll = _load("sm90_megamoe.layout_launch")
+    cfg = ll.LayoutConfig(hidden=hidden, topk=topk, world=world, max_tokens=max_tokens,
+                          local_experts=local_experts)
+    key = LayoutKey(CONSTANTS.value(PKG, "DROP_VERSION"), _L["LAYOUT_ABI_VERSION"], _cutlass_version(),
+                    "sm_90a", hidden, topk, world, max_tokens, local_experts)
+
+    def build():
+        kernels = {}
+        for k in ll.KINDS:
+            kernels[k] = disk_cache.get_or_build(cache_namespace(), f"layout_{k}", (key, k),
+                                                 lambda k=k: ll.compile_kernel(k, cfg))
+            ll.put_kernel(kind=k, cfg=cfg, compiled=kernels[k])
+        return kernels
+
+    COMPILE_CACHE.get_or_compile(key, build)
+
+
 class LayoutSession:
     """One layer's expert layout (wait + count, place + row gather: 2 launches, deterministic
     (expert, slot, k) row order) on a caller-owned ``counts`` scratch (int32, >= num_chunks · E_l).
@@ -577,9 +639,7 @@ class LayoutSession:
         ll = _load("sm90_megamoe.layout_launch")
         cfg = ll.LayoutConfig(hidden=hidden, topk=topk, world=world, max_tokens=max_tokens,
                               local_experts=local_experts)
-        key = LayoutKey(CONSTANTS.value(PKG, "DROP_VERSION"), _L["LAYOUT_ABI_VERSION"], _cutlass_version(),
-                        "sm_90a", hidden, topk, world, max_tokens, local_experts)
-        COMPILE_CACHE.get_or_compile(key, lambda: {k: ll.get_kernel(k, cfg) for k in ll.KINDS})
+        prebuild_layout(hidden, topk, world, max_tokens, local_experts)
         # one chunk per SM (or the caller's grid), never more chunks than receive slots
         C = max(1, min(num_chunks or _num_sms(device), LAYOUT_MAX_CHUNKS, world * max_tokens))
         kw = {} if timeout_ns is None else {"timeout_ns": int(timeout_ns)}

@@ -1,6 +1,6 @@
 """SM90 BF16 CuTeDSL backend (drop sm90/megamoe)."""
 
-from .backend import Sm90CuteDSLBackend, check, grouped_gemm
+from .backend import Sm90CuteDSLBackend, check, grouped_gemm, prebuild
 from .workspace import workspace_bytes
 
-__all__ = ["Sm90CuteDSLBackend", "check", "grouped_gemm", "workspace_bytes"]
+__all__ = ["Sm90CuteDSLBackend", "check", "grouped_gemm", "prebuild", "workspace_bytes"]

@@ -29,8 +29,9 @@ from typing import Any
 
 import torch
 
-from moe_ep.shim import (Sm90EpSession, Sm90LayoutSession, StaleHandleError,
-                         sm90_check_gemm_shapes, sm90_grouped_gemm, sm90_new_verr)
+from moe_ep.shim import (COMPILE_EVENTS, Sm90EpSession, Sm90LayoutSession, StaleHandleError,
+                         sm90_check_gemm_shapes, sm90_compiled_grouped_gemm, sm90_grouped_gemm, sm90_new_verr,
+                         sm90_prebuild_ep, sm90_prebuild_layout)
 
 from ...registry import BackendImpl, UnsupportedBackendError, routing_value_error
 from .workspace import Dims, get_workspace
@@ -54,6 +55,12 @@ def check(config: Any, group: Any, device: torch.device) -> None:
     if config.activation not in ACTIVATION_MAP:
         raise UnsupportedBackendError(f"sm90_bf16_cutedsl: activation {config.activation!r} is not "
                                       f"supported (supported: {sorted(ACTIVATION_MAP)})")
+    quant = getattr(config, "quant", None)
+    if quant is not None:
+        need = {"nvfp4_w4a16": "an SM100 (B200/GB200) W4A16 backend", "mxfp8": "an SM120 MXFP8 backend",
+                "fp8_block128": "the SM90 FP8 block-scaled kernels (not built yet; the reference backend runs it)"}
+        raise UnsupportedBackendError(f"sm90_bf16_cutedsl runs BF16 weights; quant={quant!r} needs "
+                                      f"{need.get(quant, 'another backend')}")
     bias_dtype = getattr(config, "bias_dtype", None)
     if bias_dtype not in BIAS_DTYPES:
         raise UnsupportedBackendError(f"sm90_bf16_cutedsl: bias_dtype {bias_dtype} is not supported "
@@ -71,6 +78,39 @@ def check(config: Any, group: Any, device: torch.device) -> None:
         sm90_check_gemm_shapes("identity", config.hidden, config.intermediate, e_local)
     except ValueError as e:
         raise UnsupportedBackendError(str(e)) from e
+
+
+def _gemm_specs(cfg: Any, e_local: int) -> dict:
+    """The FC1 and FC2 grouped GEMMs of a layer: shim arguments (one place, so a prebuild and a
+    layer ask for exactly the same kernels)."""
+    bias_dtype = getattr(cfg, "bias_dtype", None)
+    act_consts = {}
+    if cfg.activation == "clamped_swiglu":
+        act_consts = {"swiglu_alpha": cfg.swiglu_alpha, "swiglu_limit": cfg.swiglu_limit}
+    return {
+        "fc1": dict(activation=ACTIVATION_MAP[cfg.activation], n=cfg.w13_rows, k=cfg.hidden, num_experts=e_local,
+                    bias_dtype=bias_dtype, **act_consts),
+        "fc2": dict(activation="identity", n=cfg.hidden, k=cfg.intermediate, num_experts=e_local, scale_rows=True,
+                    bias_dtype=bias_dtype),
+    }
+
+
+def prebuild(config: Any, world_size: int, kernels: tuple = ("fc1", "fc2", "ep", "layout")) -> None:
+    """Compile (or load from the disk compile cache) every kernel a layer of ``config`` on
+    ``world_size`` ranks needs, without a GPU: FC1, FC2, the EP kernels and the layout kernels
+    (``kernels`` picks a subset). ``python -m moe_ep.aot build`` calls it."""
+    d = Dims.of(config, world_size)
+    e_local = config.local_experts(world_size)
+    specs = _gemm_specs(config, e_local)
+    for name in kernels:
+        if name in specs:
+            sm90_compiled_grouped_gemm(**specs[name])
+        elif name == "ep":
+            sm90_prebuild_ep(d.hidden, d.topk, world_size, d.max_tokens, config.num_experts)
+        elif name == "layout":
+            sm90_prebuild_layout(d.hidden, d.topk, world_size, d.max_tokens, e_local)
+        else:
+            raise ValueError(f"unknown kernel group {name!r} (fc1, fc2, ep, layout)")
 
 
 @dataclass
@@ -127,14 +167,9 @@ class Sm90CuteDSLBackend(BackendImpl):
                                 num_ctas=self.num_ctas, timeout_ns=self.timeout_ns)
         self.layout = Sm90LayoutSession(d.hidden, d.topk, self.W, d.max_tokens, self.E, dev, v["counts"],
                                         num_chunks=self.num_ctas, timeout_ns=self.timeout_ns)
-        bias_dtype = getattr(cfg, "bias_dtype", None)
-        act_consts = {}
-        if cfg.activation == "clamped_swiglu":
-            act_consts = {"swiglu_alpha": cfg.swiglu_alpha, "swiglu_limit": cfg.swiglu_limit}
-        self.fc1 = sm90_grouped_gemm(ACTIVATION_MAP[cfg.activation], cfg.w13_rows, cfg.hidden, self.E, device=dev,
-                                     bias_dtype=bias_dtype, **act_consts)
-        self.fc2 = sm90_grouped_gemm("identity", cfg.hidden, cfg.intermediate, self.E, scale_rows=True,
-                                     device=dev, bias_dtype=bias_dtype)
+        specs = _gemm_specs(cfg, self.E)
+        self.fc1 = sm90_grouped_gemm(**specs["fc1"], device=dev)
+        self.fc2 = sm90_grouped_gemm(**specs["fc2"], device=dev)
         self.xs, self.h = v["xs"], v["h"]
         self.y = v["xs"]  # FC2's output overwrites FC1's input, dead by then
         self.offsets, self.idx, self.ws_rows, self.pos = v["offsets"], v["idx"], v["ws"], v["pos"]
@@ -146,9 +181,12 @@ class Sm90CuteDSLBackend(BackendImpl):
         self._bind()
 
     def warmup(self, progress):
-        progress(f"compiling FC1 ({self.cfg.activation}), FC2, EP and layout kernels for sm_90a"
+        progress(f"FC1 ({self.cfg.activation}), FC2, EP and layout kernels for sm_90a"
                  + (f"; NVSHMEM over {self.W} ranks" if self.W > 1 and not self.virtual else ""))
+        seen = len(COMPILE_EVENTS)
         self._ensure()
+        for ev in COMPILE_EVENTS[seen:]:  # what this warm-up compiled or loaded from the disk cache
+            progress(f"  {ev.name}: {ev.action} in {ev.seconds:.2f} s")
         progress("running once")
         cfg = self.cfg
         T = min(cfg.max_tokens_per_rank, 64)

@@ -295,6 +295,14 @@ def get_kernel(kind: str, cfg: EpConfig):
     return k
 
 
+def put_kernel(kind: str, cfg: EpConfig, compiled) -> None:
+    """Seed the process-wide cache with ``kind``'s kernel for ``cfg`` compiled elsewhere (e.g.
+    loaded from an exported object file); launches then use it instead of compiling."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown kernel kind {kind!r} (kinds: {KINDS})")
+    _CACHE[cache_key(kind, cfg)] = compiled
+
+
 _STREAMS: Dict[int, cuda.CUstream] = {}
 
 

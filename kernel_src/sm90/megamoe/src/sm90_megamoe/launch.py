@@ -59,7 +59,9 @@ class CompiledGroupedGemm:
                  epilogue: str = "smem", example: Optional[Tuple[torch.Tensor, ...]] = None,
                  bias_dtype: Optional[str] = None, raster_m: Optional[int] = None,
                  swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
-                 schedule: str = "cooperative"):
+                 schedule: str = "cooperative", compiled=None):
+        """``compiled``: this variant's kernel compiled earlier (e.g. loaded from an exported
+        object file, ``cute.runtime.load_module``); None compiles it here (sm_90a)."""
         from .compile_check import fake_args
 
         if bias_dtype not in _TORCH_BIAS:
@@ -78,12 +80,15 @@ class CompiledGroupedGemm:
         self.scale_rows = scale_rows
         self.bias_dtype = bias_dtype
         self.raster_m = raster_m
-        if example is None:
-            args = fake_args(self.kernel, num_experts, n, k, bias_dtype=bias_dtype or "float32")
-        else:  # compile from real tensors (debugging)
-            args = (*to_cute_args(*example), cutlass.Int32(_num_sms(example[0].device)),
-                    cuda.CUstream(torch.cuda.current_stream().cuda_stream))
-        self.compiled = cute.compile(self.kernel, *args, options="--gpu-arch sm_90a")
+        if compiled is not None:
+            self.compiled = compiled
+        else:
+            if example is None:
+                args = fake_args(self.kernel, num_experts, n, k, bias_dtype=bias_dtype or "float32")
+            else:  # compile from real tensors (debugging)
+                args = (*to_cute_args(*example), cutlass.Int32(_num_sms(example[0].device)),
+                        cuda.CUstream(torch.cuda.current_stream().cuda_stream))
+            self.compiled = cute.compile(self.kernel, *args, options="--gpu-arch sm_90a")
         self._dummy_scale = None
         self._dummy_bias = None
 

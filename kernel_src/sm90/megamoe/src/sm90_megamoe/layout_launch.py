@@ -135,6 +135,14 @@ def get_kernel(kind: str, cfg: LayoutConfig):
     return k
 
 
+def put_kernel(kind: str, cfg: LayoutConfig, compiled) -> None:
+    """Seed the process-wide cache with ``kind``'s kernel for ``cfg`` compiled elsewhere (e.g.
+    loaded from an exported object file); launches then use it instead of compiling."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown kernel kind {kind!r} (kinds: {KINDS})")
+    _CACHE[cache_key(kind, cfg)] = compiled
+
+
 def default_num_chunks(cfg: LayoutConfig, device) -> int:
     """One chunk per SM of ``device`` (never more chunks than slots)."""
     return max(1, min(device_num_sms(device), cfg.slots))

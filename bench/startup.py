@@ -1,0 +1,89 @@
+"""``python -m moe_ep.bench startup`` — how long a layer takes to become ready: ``warmup()`` in a
+fresh process with an empty compile cache (cold: every kernel compiled) and again in a second fresh
+process on the same cache (warm: every kernel loaded), plus the host time of one eager ``forward``.
+
+Each measurement is a separate Python process (as a serving engine's start is), so nothing of the
+first run stays in memory; the cache lives in a temporary folder unless ``--cache-dir`` is given.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+_CHILD = r"""
+import json, sys, time
+t_import = time.perf_counter()
+import torch
+from moe_ep.api import EPGroup, MoEConfig, MoELayer
+from moe_ep.bench.models import MODELS
+t_import = time.perf_counter() - t_import
+m = MODELS[sys.argv[1]]
+T = int(sys.argv[2])
+cfg = MoEConfig(num_experts=m["num_experts"], hidden=m["hidden"], intermediate=m["intermediate"], top_k=m["top_k"],
+                max_tokens_per_rank=T, activation=m.get("activation", "swiglu"))
+events = []
+t0 = time.perf_counter()
+layer = MoELayer(cfg, EPGroup.single(), backend=sys.argv[3])
+layer.warmup(progress=events.append)
+torch.cuda.synchronize()
+t_warmup = time.perf_counter() - t0
+g = torch.Generator(device="cuda").manual_seed(0)
+x = torch.randn(T, cfg.hidden, device="cuda", generator=g).to(torch.bfloat16)
+ids = torch.randn(T, cfg.num_experts, device="cuda", generator=g).topk(cfg.top_k, -1).indices.to(torch.int32)
+w = torch.softmax(torch.randn(T, cfg.top_k, device="cuda", generator=g), -1)
+w13 = (torch.randn(cfg.num_experts, cfg.w13_rows, cfg.hidden, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+w2 = (torch.randn(cfg.num_experts, cfg.hidden, cfg.intermediate, device="cuda", generator=g) * 0.03).to(torch.bfloat16)
+out = torch.empty(T, cfg.hidden, dtype=torch.bfloat16, device="cuda")
+host = []
+for i in range(25):
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    layer.forward(x, ids, w, w13, w2, out=out)
+    host.append(time.perf_counter() - t)
+torch.cuda.synchronize()
+layer.destroy()
+host.sort()
+print("RESULT " + json.dumps({"import_s": t_import, "warmup_s": t_warmup, "forward_host_us": host[len(host) // 2] * 1e6,
+                              "events": [e for e in events if ":" in e]}))
+"""
+
+
+def _child(model: str, tokens: int, backend: str, cache: str) -> dict:
+    env = dict(os.environ, MOE_EP_CACHE_DIR=cache)
+    t0 = time.perf_counter()
+    p = subprocess.run([sys.executable, "-c", _CHILD, model, str(tokens), backend], capture_output=True,
+                       text=True, env=env, timeout=900)
+    wall = time.perf_counter() - t0
+    if p.returncode != 0:
+        raise RuntimeError(f"startup child failed:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
+    line = next(ln for ln in p.stdout.splitlines() if ln.startswith("RESULT "))
+    res = json.loads(line[len("RESULT "):])
+    res["process_s"] = wall
+    return res
+
+
+def run_startup(args) -> int:
+    import torch
+
+    if not torch.cuda.is_available():
+        print("moe_ep.bench startup: needs a CUDA GPU (it times warmup() and forward); nothing to do here")
+        return 0
+    backend = (args.backend or ["auto"])[0]
+    T = args.tokens if args.tokens is not None else 8192
+    for model in args.model:
+        with tempfile.TemporaryDirectory(prefix="moe_ep_startup_") as tmp:
+            cache = getattr(args, "cache_dir", None) or tmp
+            cold = _child(model, T, backend, cache)
+            warm = _child(model, T, backend, cache)
+        print(f"\nstart-up, {model} ({T} tokens, backend {backend}), each in a fresh process:")
+        print(f"{'':<6}{'import s':>10}{'warmup s':>10}{'process s':>11}{'forward host us':>17}")
+        for name, r in (("cold", cold), ("warm", warm)):
+            print(f"{name:<6}{r['import_s']:>10.2f}{r['warmup_s']:>10.2f}{r['process_s']:>11.2f}"
+                  f"{r['forward_host_us']:>17.1f}")
+        print("warm warm-up, per kernel: " + "; ".join(e.strip() for e in warm["events"]))
+    return 0
