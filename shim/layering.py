@@ -9,7 +9,7 @@ moe_ep's layers import only downwards::
 * ``backends/`` may import only the names ``moe_ep.shim`` exports in ``__all__``
   (``moe_ep.shim.<submodule>`` is an internal);
 * ``api/`` (and downstream code in this repository: ``bench/``, ``aot/``) imports neither ``shim``
-  nor drops;
+  nor drops; ``integrations/`` (adapters for other libraries) imports ``moe_ep.api`` only;
 * lower layers never import upper ones (shim -> backends/api, backends -> api).
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Iterator
 
 PKG = "moe_ep"
-LAYERS = ("api", "backends", "shim", "kernel_src", "bench", "aot")
+LAYERS = ("api", "backends", "shim", "kernel_src", "bench", "aot", "integrations")
 SKIP_DIRS = {"__pycache__", ".git", ".device", ".whl", "build", "dist", "tests", ".ci", "docs"}
 
 
@@ -158,7 +158,7 @@ def _check_target(layer, sub, mod, v, public, names=()):
     if target == "kernel_src" and layer != "shim":
         v("kernel_src-outside-shim", f"{layer}/ imports {mod or 'moe_ep.kernel_src'!r}; only shim/ may")
     if target == "shim":
-        if layer in ("api", "bench", "aot", "root", "drop"):
+        if layer in ("api", "bench", "aot", "integrations", "root", "drop"):
             v("shim-from-" + layer, f"{layer}/ imports moe_ep.shim ({mod or 'moe_ep.shim'}); "
               "go through moe_ep.backends")
         elif layer == "backends":
@@ -172,5 +172,8 @@ def _check_target(layer, sub, mod, v, public, names=()):
                     v("shim-internal", f"backends/ imports {bad} from moe_ep.shim, not in its __all__")
     if target in ("backends", "api") and layer in ("shim", "kernel_src"):
         v("upward-import", f"{layer}/ imports moe_ep.{target} (layers import only downwards)")
+    if target == "backends" and layer == "integrations":
+        v("backends-from-integrations", f"integrations/ imports {mod or 'moe_ep.backends'!r}; "
+          "adapters use moe_ep.api only")
     if target == "api" and layer == "backends":
         v("upward-import", "backends/ imports moe_ep.api (layers import only downwards)")

@@ -72,3 +72,9 @@ def test_upward_imports(tmp_path):
 def test_bench_must_not_touch_shim(tmp_path):
     v = _violations(tmp_path, {"bench/b.py": "from moe_ep import shim\n"})
     assert [(x.file, x.rule) for x in v] == [("bench/b.py", "shim-from-bench")]
+
+
+def test_integrations_use_the_api_only(tmp_path):
+    v = _violations(tmp_path, {"integrations/t.py": "from moe_ep.api import MoELayer\nfrom moe_ep.backends import get\n"
+                                                     "from moe_ep import shim\n"})
+    assert sorted((x.line, x.rule) for x in v) == [(2, "backends-from-integrations"), (3, "shim-from-integrations")]

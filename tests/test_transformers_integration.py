@@ -1,0 +1,193 @@
+"""moe_ep as a Hugging Face transformers experts implementation: small random models built from
+their configs (no downloads), forward with ``experts_implementation="moe_ep"`` against transformers'
+own ``"eager"`` experts and against a float64 oracle of one experts block; refusals."""
+
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers.integrations.moe")
+
+import moe_ep.integrations.transformers as moe_ep_hf  # noqa: E402
+
+from moe_oracle import oracle_f64, rel_err  # noqa: E402
+
+NAME = moe_ep_hf.register()  # "moe_ep", backend "auto" (the reference backend on CPU)
+
+
+def _models(layers=2):
+    from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    common = dict(vocab_size=96, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64)
+    return {
+        "mixtral": (MixtralForCausalLM, MixtralConfig(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2,
+                                                      **common)),
+        "qwen3_moe": (Qwen3MoeForCausalLM, Qwen3MoeConfig(moe_intermediate_size=32, intermediate_size=48,
+                                                          num_experts=8, num_experts_per_tok=3,
+                                                          decoder_sparse_step=1, **common)),
+    }
+
+
+def build(key, impl, seed=0, layers=2):
+    cls, cfg = _models(layers)[key]
+    torch.manual_seed(seed)
+    model = cls._from_config(cfg, experts_implementation=impl, dtype=torch.bfloat16).eval()
+    for mod in model.modules():  # random experts of a realistic scale (init may leave them tiny)
+        if hasattr(mod, "gate_up_proj"):
+            with torch.no_grad():
+                mod.gate_up_proj.normal_(0, mod.gate_up_proj.shape[-1] ** -0.5)
+                mod.down_proj.normal_(0, mod.down_proj.shape[-1] ** -0.5)
+    return model
+
+
+def experts_modules(model):
+    return [m for m in model.modules() if hasattr(m, "gate_up_proj") and hasattr(m, "down_proj")]
+
+
+@pytest.mark.parametrize("key", ["mixtral", "qwen3_moe"])
+def test_logits_match_transformers_eager(key):
+    """One decoder layer (with two, a bf16 rounding difference in layer 1 can flip a near-tie in
+    layer 2's top-k for a token -- seen with Qwen3-MoE -- and both answers are right): logits and
+    the layer's output agree with transformers' own eager experts; a two-layer model agrees after
+    its first layer, where routing is identical."""
+    ids = torch.randint(0, 96, (3, 11), generator=torch.Generator().manual_seed(1))
+    for layers in (1, 2):
+        ours = build(key, NAME, layers=layers)
+        ref = build(key, "eager", layers=layers)
+        ref.load_state_dict(ours.state_dict())  # same weights
+        with torch.no_grad():
+            a = ours(ids, output_hidden_states=True)
+            b = ref(ids, output_hidden_states=True)
+        assert torch.isfinite(a.logits).all()
+        assert rel_err(a.hidden_states[1].float(), b.hidden_states[1].float()) < 1e-2
+        if layers == 1:
+            assert rel_err(a.logits.float(), b.logits.float()) < 2e-2, rel_err(a.logits.float(), b.logits.float())
+    layers = [getattr(m, "_moe_ep_layer", None) for m in experts_modules(ours)]
+    assert all(la is not None and la.backend_name == "reference" for la in layers), layers
+    assert moe_ep_hf.release(ours) == len(layers)
+
+
+def test_experts_block_against_float64():
+    """One experts module called as transformers calls it, against float64 math."""
+    model = build("qwen3_moe", NAME, seed=3)
+    mod = experts_modules(model)[0]
+    g = torch.Generator().manual_seed(4)
+    T, H, K, E = 37, 64, 3, mod.num_experts
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    idx = torch.randn(T, E, generator=g).topk(K, -1).indices
+    w = torch.softmax(torch.randn(T, K, generator=g), -1)
+    with torch.no_grad():
+        got = mod(x, idx, w)
+    want = oracle_f64(x, idx, w, mod.gate_up_proj.detach(), mod.down_proj.detach(), "swiglu",
+                      mod.down_proj.shape[-1])
+    assert got.shape == (T, H) and got.dtype == torch.bfloat16
+    assert rel_err(got, want) < 1e-2
+
+
+def test_longer_batch_grows_the_layer_once():
+    model = build("mixtral", NAME)
+    mod = experts_modules(model)[0]
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        mod(torch.randn(8, 64, generator=g).to(torch.bfloat16), torch.randint(0, 8, (8, 2), generator=g),
+            torch.rand(8, 2, generator=g))
+        first = mod._moe_ep_layer
+        assert first.config.max_tokens_per_rank == 256
+        with pytest.warns(UserWarning, match="rebuilding the layer"):
+            out = mod(torch.randn(300, 64, generator=g).to(torch.bfloat16), torch.randint(0, 8, (300, 2), generator=g),
+                      torch.rand(300, 2, generator=g))
+        assert out.shape == (300, 64) and mod._moe_ep_layer.config.max_tokens_per_rank == 512
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no rebuild for a batch that fits
+            mod(torch.randn(5, 64, generator=g).to(torch.bfloat16), torch.randint(0, 8, (5, 2), generator=g),
+                torch.rand(5, 2, generator=g))
+
+
+def test_expert_parallel_sentinel_contributes_nothing():
+    model = build("mixtral", NAME)
+    mod = experts_modules(model)[0]
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(9, 64, generator=g).to(torch.bfloat16)
+    idx = torch.randint(0, 8, (9, 2), generator=g)
+    w = torch.rand(9, 2, generator=g)
+    masked = idx.clone()
+    masked[::2, 1] = mod.num_experts  # owned by another rank
+    mod._is_expert_parallel = True
+    with torch.no_grad():
+        got = mod(x, masked, w)
+        w0 = w.clone()
+        w0[::2, 1] = 0.0
+        mod._is_expert_parallel = False
+        want = mod(x, idx, w0)
+    assert torch.equal(got, want)
+    mod._moe_ep_layer.check_errors()  # nothing recorded as a bad routing value
+
+
+def test_refusals():
+    model = build("mixtral", NAME)
+    ids = torch.randint(0, 96, (1, 4))
+    with pytest.raises(RuntimeError, match="autograd"):
+        model(ids)  # grad enabled, parameters require grad
+    mod = experts_modules(model)[0]
+    mod.is_transposed = True
+    with torch.no_grad(), pytest.raises(ValueError, match="is_transposed"):
+        model(ids)
+    mod.is_transposed = False
+    model.config.hidden_act = "relu"
+    for m in experts_modules(model):
+        m.config.hidden_act = "relu"
+    with torch.no_grad(), pytest.raises(ValueError, match="hidden_act 'relu'"):
+        model(ids)
+    f32 = _models()["mixtral"][0]._from_config(_models()["mixtral"][1], experts_implementation=NAME,
+                                               dtype=torch.float32).eval()
+    with torch.no_grad(), pytest.raises(TypeError, match="dtype=torch.bfloat16"):
+        f32(ids)
+
+
+def test_importing_moe_ep_does_not_import_transformers():
+    code = ("import sys, moe_ep, moe_ep.api, moe_ep.backends, moe_ep.integrations; "
+            "assert 'transformers' not in sys.modules, 'transformers imported'")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr[-2000:]
+
+
+@pytest.mark.gpu
+def test_qwen3_moe_block_on_the_h200():
+    """A Qwen3-30B-A3B-shaped experts block (H 2048, I 768, 128 experts, top-8) through
+    transformers' registry on sm90_bf16_cutedsl, against transformers' grouped_mm experts and
+    float64; 512 then 1000 tokens (the layer grows once)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    name = moe_ep_hf.register("moe_ep_sm90", backend="sm90_bf16_cutedsl", min_tokens=512)
+    cfg = Qwen3MoeConfig(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8)
+    cfg._experts_implementation = name
+    mod = Qwen3MoeExperts(cfg).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        mod.gate_up_proj.normal_(0, 2048 ** -0.5)
+        mod.down_proj.normal_(0, 768 ** -0.5)
+    g = torch.Generator(device="cuda").manual_seed(7)
+    for T in (512, 1000):
+        x = torch.randn(T, 2048, device="cuda", generator=g).to(torch.bfloat16)
+        idx = torch.randn(T, 128, device="cuda", generator=g).topk(8, -1).indices
+        w = torch.softmax(torch.randn(T, 8, device="cuda", generator=g), -1).to(torch.bfloat16)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = mod(x, idx, w)
+            cfg._experts_implementation = "grouped_mm"
+            ref = mod(x, idx, w)
+            cfg._experts_implementation = name
+        assert mod._moe_ep_layer.backend_name == "sm90_bf16_cutedsl"
+        assert rel_err(got, ref) < 1e-2
+        if T == 512:  # float64 on the first 64 tokens (a per-pair loop on the CPU)
+            want = oracle_f64(x[:64].cpu(), idx[:64].cpu(), w[:64].float().cpu(), mod.gate_up_proj.detach().cpu(),
+                              mod.down_proj.detach().cpu(), "swiglu", 768)
+            assert rel_err(got[:64].cpu(), want) < 1e-2
+    moe_ep_hf.release(mod)
