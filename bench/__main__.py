@@ -14,7 +14,8 @@ says so (back-to-back and graph columns are n/a).
 
 Sub-commands: ``layer`` (default), ``gemm`` (SM90 grouped GEMM vs torch._grouped_mm) and
 ``startup`` (``warmup()`` cold vs warm compile cache, each in a fresh process, and the host time
-of one eager forward).
+of one eager forward) and ``hf`` (a Qwen3-MoE block through transformers' experts registry: moe_ep
+vs grouped_mm, eager and CUDA graph).
 """
 
 from __future__ import annotations
@@ -175,8 +176,9 @@ def bench_backends(args, key: str, cfg: MoEConfig, T: int, group: EPGroup, devic
     decode = []
     best = next((r.backend.split(" ")[0] for r in rows if not r.note.startswith("FAILED")), None)
     if cuda and not args.no_decode and best is not None:
+        sizes = tuple(args.decode_tokens)
         dcfg = MoEConfig(num_experts=cfg.num_experts, hidden=cfg.hidden, intermediate=cfg.intermediate,
-                         top_k=cfg.top_k, max_tokens_per_rank=256, activation=cfg.activation)
+                         top_k=cfg.top_k, max_tokens_per_rank=max(sizes), activation=cfg.activation)
         from .ep import decode_table
 
         weights = inputs[3:]
@@ -185,7 +187,8 @@ def bench_backends(args, key: str, cfg: MoEConfig, T: int, group: EPGroup, devic
             decode = [(best, decode_table(lambda: MoELayer(dcfg, group, backend=best, device=device, **kw),
                                           lambda t: make_inputs(dcfg, t, group, device, seed=args.seed + t,
                                                                 weights=weights),
-                                          dcfg, group, device, args.iters, graph=best != "reference"))]
+                                          dcfg, group, device, args.iters, sizes=sizes,
+                                          graph=best != "reference"), dcfg)]
         except Exception as e:  # noqa: BLE001
             if group.world_size > 1:
                 raise
@@ -253,7 +256,7 @@ def run_layer(args) -> int:
             failed += f
             if comm[0]:
                 comms.append((MODELS[key]["name"], comm))
-            decodes += [(MODELS[key]["name"], best, d) for best, d in dec]
+            decodes += [(MODELS[key]["name"], best, d, dcfg) for best, d, dcfg in dec]
             if cuda:
                 torch.cuda.empty_cache()
         if peers:
@@ -275,11 +278,27 @@ def run_layer(args) -> int:
         say(f"{'operation':<26}{'ms':>10}{'GB/s per rank':>15}")
         for op, ms, gbs in comm:
             say(f"{op:<26}{ms:>10.3f}{gbs:>15.1f}")
-    for name, best, drows in decodes:
-        say(f"\n{name}: decode regime, {best}, max_tokens_per_rank=256, EP={group.world_size}: per-call median ms")
-        say(f"{'tokens/rank':>12}{'eager ms':>10}{'graph ms':>10}")
-        for t, e, gms in drows:
-            say(f"{t:>12}{e:>10.3f}{gms:>10.3f}")
+    from .decode import make_row as decode_row
+    from .decode import plot as decode_plot
+    from .decode import write_csv as decode_csv
+
+    sweep = []
+    for name, best, drows, dcfg in decodes:
+        say(f"\n{name}: decode regime, {best}, max_tokens_per_rank={dcfg.max_tokens_per_rank}, "
+            f"EP={group.world_size}: per-call median ms; weight GB/s = bytes of the experts hit / time")
+        say(f"{'tokens/rank':>12}{'eager ms':>10}{'graph ms':>10}{'experts hit':>13}{'eager GB/s':>12}{'graph GB/s':>12}")
+        for t, e, gms, ids in drows:
+            r = decode_row(name, best, group.world_size, dcfg, ids, e, gms)
+            sweep.append(r)
+            say(f"{t:>12}{e:>10.3f}{gms:>10.3f}{r.experts_hit:>13}{r.eager_weight_gbps:>12.0f}"
+                f"{r.graph_weight_gbps:>12.0f}")
+    if sweep and group.rank == 0:
+        if args.decode_csv:
+            decode_csv(args.decode_csv, sweep)
+            say(f"decode sweep written to {args.decode_csv}")
+        if args.plot:
+            say(f"decode plot written to {args.plot}" if decode_plot(args.plot, sweep)
+                else "--plot: matplotlib is not installed (pip install 'moe_ep[bench]'); no plot")
     if runtime is not None:
         runtime.release()
     if group.world_size > 1:
@@ -309,7 +328,7 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m moe_ep.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("job", nargs="?", default="layer", choices=["layer", "gemm", "startup"])
+    p.add_argument("job", nargs="?", default="layer", choices=["layer", "gemm", "startup", "hf"])
     p.add_argument("--model", default="qwen3",
                    help=f"model(s), comma-separated, run in turn: {', '.join(sorted(MODELS))} (default qwen3)")
     p.add_argument("--tokens", type=int, default=None, help="tokens per rank (default 8192 on GPU, 64 on CPU)")
@@ -324,6 +343,10 @@ def main(argv=None) -> int:
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--no-comm", action="store_true", help="skip the dispatch/combine GB/s table (EP > 1)")
     p.add_argument("--no-decode", action="store_true", help="skip the decode-latency sweep (GPU)")
+    p.add_argument("--decode-tokens", default="1,2,4,8,16,32,64,128,256",
+                   help="tokens per rank of the decode sweep (comma-separated; default 1,2,4,...,256)")
+    p.add_argument("--decode-csv", default=None, metavar="PATH", help="write the decode sweep to PATH as CSV")
+    p.add_argument("--plot", default=None, metavar="PNG", help="plot the decode sweep (needs matplotlib)")
     p.add_argument("--profile", action="store_true", help="print a torch.profiler kernel table per backend")
     p.add_argument("--csv", default=None, metavar="PATH", help="also write the table's rows to PATH as CSV")
     p.add_argument("--peer", action="append", default=None, metavar="NAME[,NAME]",
@@ -347,6 +370,16 @@ def main(argv=None) -> int:
         p.error("--peers-only needs --peer")
     if args.iters is None:
         args.iters = 30 if torch.cuda.is_available() else 3
+    try:
+        args.decode_tokens = sorted({int(t) for t in str(args.decode_tokens).split(",") if t.strip()})
+    except ValueError:
+        p.error(f"--decode-tokens: comma-separated integers, got {args.decode_tokens!r}")
+    if not args.decode_tokens or args.decode_tokens[0] < 1:
+        p.error("--decode-tokens: at least one token count, each >= 1")
+    if args.job == "hf":
+        from .hf_block import run_hf
+
+        return run_hf(args)
     if args.job == "startup":
         from .startup import run_startup
 

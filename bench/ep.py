@@ -95,7 +95,8 @@ def comm_table(layer, inputs, group, iters: int):
 
 def decode_table(make_layer, make_inputs, cfg, group, device, iters: int, sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256),
                  graph: bool = True):
-    """Rows: (tokens/rank, eager ms, graph ms or NaN without ``graph``) for the fused forward."""
+    """Rows: (tokens/rank, eager ms, graph ms or NaN without ``graph``, this rank's topk_ids) for
+    the fused forward."""
     out_rows = []
     layer = make_layer()
     layer.warmup(progress=False)
@@ -104,6 +105,6 @@ def decode_table(make_layer, make_inputs, cfg, group, device, iters: int, sizes=
         x, ids, w, w13, w2 = inputs
         out = torch.empty_like(x)
         eager = _time(lambda: layer.forward(x, ids, w, w13, w2, out=out), group, iters)
-        out_rows.append((T, eager, graph_ms(layer, inputs, group, iters) if graph else float("nan")))
+        out_rows.append((T, eager, graph_ms(layer, inputs, group, iters) if graph else float("nan"), ids))
     layer.destroy()
     return out_rows

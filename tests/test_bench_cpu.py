@@ -325,3 +325,32 @@ def test_run_peer_in_its_own_torchrun(tmp_path, monkeypatch, fail):
     else:
         assert "error" not in res, res
         assert (res["per_call_ms"], res["b2b_ms"], res["graph_ms"]) == (1.745, 1.690, 1.672)
+
+
+def test_decode_sweep_csv_bandwidth_and_plot(tmp_path):
+    """The decode sweep's weight-read bandwidth, CSV round trip and PNG plot (synthetic timings)."""
+    import torch
+
+    from moe_ep.api import MoEConfig
+    from moe_ep.bench.decode import expert_weight_bytes, make_row, plot, read_csv, write_csv
+
+    cfg = MoEConfig(num_experts=128, hidden=2048, intermediate=768, top_k=8, max_tokens_per_rank=256)
+    assert expert_weight_bytes(cfg) == (1536 * 2048 + 2048 * 768) * 2
+    rows = []
+    for T, eager, graph in ((1, 0.5, 0.04), (8, 0.55, 0.1), (128, 0.6, 0.3)):
+        ids = torch.stack([torch.randperm(128)[:8] for _ in range(T)])
+        r = make_row("Qwen3-30B-A3B", "sm90_bf16_cutedsl", 1, cfg, ids, eager, graph)
+        assert r.experts_hit == int(torch.unique(ids).numel()) and (T > 1 or r.experts_hit == 8)
+        assert abs(r.graph_weight_gbps - r.weight_bytes / (graph * 1e-3) / 1e9) < 1e-6
+        rows.append(r)
+    rows.append(make_row("Qwen3-30B-A3B", "reference", 1, cfg, ids, 2.0, float("nan")))
+    assert rows[-1].graph_weight_gbps != rows[-1].graph_weight_gbps  # NaN without a graph time
+    write_csv(tmp_path / "d.csv", rows)
+    back = read_csv(tmp_path / "d.csv")
+    assert [(b.tokens, b.experts_hit, b.weight_bytes) for b in back] == [(r.tokens, r.experts_hit, r.weight_bytes)
+                                                                          for r in rows]
+    assert back[0].graph_ms == rows[0].graph_ms and back[0].backend == rows[0].backend
+    pytest.importorskip("matplotlib")
+    assert plot(str(tmp_path / "d.png"), rows)
+    png = (tmp_path / "d.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000

@@ -191,3 +191,48 @@ def test_qwen3_moe_block_on_the_h200():
                               mod.down_proj.detach().cpu(), "swiglu", 768)
             assert rel_err(got[:64].cpu(), want) < 1e-2
     moe_ep_hf.release(mod)
+
+
+# other MoE families whose experts modules go through transformers' registry (one decoder layer,
+# tiny widths); each model is built from its config, no download
+BASE = dict(vocab_size=96, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=64)
+FAMILIES = {
+    "qwen2_moe": dict(intermediate_size=48, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                      num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1),
+    "olmoe": dict(intermediate_size=32, num_experts=8, num_experts_per_tok=2),
+    "deepseek_v3": dict(intermediate_size=48, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                        n_shared_experts=1, first_k_dense_replace=0, q_lora_rank=None, kv_lora_rank=16,
+                        qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, n_group=2, topk_group=1,
+                        num_key_value_heads=4),
+    "glm4_moe": dict(intermediate_size=48, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                     n_shared_experts=1, first_k_dense_replace=0, n_group=1, topk_group=1),
+    "phimoe": dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2),
+    "minimax": dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2),
+    "granitemoe": dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_other_moe_families(family):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    def build(impl):
+        torch.manual_seed(0)
+        cfg = AutoConfig.for_model(family, **{**BASE, **FAMILIES[family]})  # one config per model
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16, experts_implementation=impl).eval()
+        for mod in experts_modules(model):
+            with torch.no_grad():
+                mod.gate_up_proj.normal_(0, mod.gate_up_proj.shape[-1] ** -0.5)
+                mod.down_proj.normal_(0, mod.down_proj.shape[-1] ** -0.5)
+        return model
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ours, ref = build(NAME), build("eager")
+        ref.load_state_dict(ours.state_dict())
+        ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            a, b = ours(ids).logits.float(), ref(ids).logits.float()
+    assert sum("_moe_ep_layer" in m.__dict__ for m in ours.modules()) >= 1, "moe_ep was not called"
+    assert torch.isfinite(a).all() and rel_err(a, b) < 2e-2, rel_err(a, b)
