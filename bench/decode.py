@@ -95,3 +95,24 @@ def plot(path: str, rows: list[DecodeRow]) -> bool:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return True
+
+
+def main(argv=None) -> int:
+    """``python -m moe_ep.bench.decode SWEEP.csv [MORE.csv ...] OUT.png``: plot sweeps written on a
+    host without matplotlib (e.g. the GPU machine) on one that has it."""
+    import sys
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) < 2:
+        print("usage: python -m moe_ep.bench.decode SWEEP.csv [MORE.csv ...] OUT.png", file=sys.stderr)
+        return 2
+    rows = [r for p in args[:-1] for r in read_csv(p)]
+    if not plot(args[-1], rows):
+        print("matplotlib is not installed (pip install 'moe_ep[bench]')", file=sys.stderr)
+        return 1
+    print(f"{len(rows)} rows plotted to {args[-1]}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

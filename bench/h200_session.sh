@@ -6,6 +6,7 @@
 #   source .device/b/env.sh && bash bench/h200_session.sh liger    # LigerCute only (carry .device/liger: it does
 #                                                                  #  not fit in one transfer with .device/b)
 #   ... bash bench/h200_session.sh moe | fi                        # one part only
+#   source .device/b/env.sh && bash bench/h200_session.sh extra    # start-up, transformers block, decode sweep
 #
 # all (default): 1. python -m moe_ep.bench --model $MODELS --tokens $TOKENS --csv $OUT/bench.csv (default layers:
 #                   per-call, back-to-back and CUDA-graph ms + TFLOP/s, decode sweep), log $OUT/bench.log;
@@ -15,12 +16,15 @@
 #                3. the rows of every $OUT/*.csv as one table.
 # liger:         [bash .device/liger/stage.sh if /tmp/lsite/.ok is missing], then in a subshell
 #                `source .device/liger/env.sh` and LigerCute on the same models: $OUT/liger.csv, $OUT/liger.log.
+# extra:         python -m moe_ep.bench startup (warmup cold/warm, forward host time) -> $OUT/startup.log;
+#                python -m moe_ep.bench hf (Qwen3-MoE block via transformers, needs transformers) -> $OUT/hf.log;
+#                the decode sweep of $MODELS with --decode-csv $OUT/decode.csv --plot $OUT/decode.png.
 # Knobs (environment): MODELS (qwen3,mixtral), TOKENS (8192), ITERS (30), N (GPUs = EP size, 1),
 #   STEP_TIMEOUT (s per part, 420), PEER_TIMEOUT (s per peer run, 240), BENCH_ARGS (extra moe_ep.bench args),
 #   MOE_EP_COMMIT (the commit to print when the copy on the host has no .git).
 set -uo pipefail
 mode=${1:-all}
-case $mode in all|moe|fi|liger) ;; *) echo "usage: bash bench/h200_session.sh [all|moe|fi|liger]" >&2; exit 2 ;; esac
+case $mode in all|moe|fi|liger|extra) ;; *) echo "usage: bash bench/h200_session.sh [all|moe|fi|liger|extra]" >&2; exit 2 ;; esac
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 MODELS=${MODELS:-qwen3,mixtral} TOKENS=${TOKENS:-8192} ITERS=${ITERS:-30} N=${N:-1}
@@ -59,6 +63,12 @@ if [ "$mode" = all ] || [ "$mode" = fi ]; then
     source .device/fi/pkg/setup.sh || { echo "h200_session: .device/fi/pkg/setup.sh failed" >&2; exit 3; }
     exec python3 -m moe_ep.bench "$@"' fi "${common[@]}" "${peer_args[@]}" --peer flashinfer \
       --peer-script-fi .device/fi/bench_fi.py --csv "$OUT/fi.csv"
+fi
+if [ "$mode" = extra ]; then
+  step "moe_ep start-up" "$OUT/startup.log" -- python3 -m moe_ep.bench startup --model "$MODELS"
+  step "transformers block" "$OUT/hf.log" -- python3 -m moe_ep.bench hf --iters "$ITERS"
+  step "decode sweep" "$OUT/decode.log" -- python3 -m moe_ep.bench --model "$MODELS" --tokens 128 --iters "$ITERS" \
+      --no-reference --decode-csv "$OUT/decode.csv" --plot "$OUT/decode.png"
 fi
 if [ "$mode" = liger ]; then
   lscript=(); [ -f .device/liger/liger_bench.py ] && lscript=(--peer-script .device/liger/liger_bench.py)

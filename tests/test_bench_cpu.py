@@ -354,3 +354,7 @@ def test_decode_sweep_csv_bandwidth_and_plot(tmp_path):
     assert plot(str(tmp_path / "d.png"), rows)
     png = (tmp_path / "d.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+    from moe_ep.bench.decode import main as decode_main  # plot a CSV written elsewhere
+
+    assert decode_main([str(tmp_path / "d.csv"), str(tmp_path / "e.png")]) == 0
+    assert (tmp_path / "e.png").read_bytes()[:4] == b"\x89PNG"
