@@ -27,14 +27,6 @@ def _models():
     return MODELS
 
 
-def _config(key: str, max_tokens: int):
-    from moe_ep.api import MoEConfig
-
-    m = _models()[key]
-    return MoEConfig(num_experts=m["num_experts"], hidden=m["hidden"], intermediate=m["intermediate"],
-                     top_k=m["top_k"], max_tokens_per_rank=max_tokens, activation=m.get("activation", "swiglu"))
-
-
 def build(args) -> int:
     from moe_ep.backends import COMPILE_EVENTS, compile_cache_root, prebuild, set_compile_cache_dir
 
@@ -53,7 +45,9 @@ def build(args) -> int:
     t_all = time.perf_counter()
     for key in models:
         for ep in args.ep:
-            cfg = _config(key, args.max_tokens)
+            from moe_ep.bench.models import model_config
+
+            cfg = model_config(key, args.max_tokens)
             seen = len(COMPILE_EVENTS)
             t0 = time.perf_counter()
             try:

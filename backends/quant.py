@@ -82,13 +82,8 @@ class NVFP4Weight:
 
 
 @dataclass(frozen=True)
-class MXFP8Tensor:
-    """MXFP8 values of any ``[..., K]`` tensor.
-
-    Attributes:
-        values: ``[..., K]`` ``torch.float8_e4m3fn``.
-        scale: ``[..., K/32]`` ``torch.float8_e8m0fnu`` (a power of two per 32 values).
-    """
+class _ScaledValues:
+    """``values`` plus one ``scale`` tensor; the logical shape and device are the values'."""
 
     values: torch.Tensor
     scale: torch.Tensor
@@ -100,6 +95,16 @@ class MXFP8Tensor:
     @property
     def device(self) -> torch.device:
         return self.values.device
+
+
+@dataclass(frozen=True)
+class MXFP8Tensor(_ScaledValues):
+    """MXFP8 values of any ``[..., K]`` tensor.
+
+    Attributes:
+        values: ``[..., K]`` ``torch.float8_e4m3fn``.
+        scale: ``[..., K/32]`` ``torch.float8_e8m0fnu`` (a power of two per 32 values).
+    """
 
 
 def _check_float(name: str, w: torch.Tensor, block: int, min_dim: int) -> None:
@@ -176,24 +181,13 @@ def dequantize_mxfp8(q: MXFP8Tensor) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class FP8Block128Weight:
+class FP8Block128Weight(_ScaledValues):
     """FP8 block-128 weights of E experts.
 
     Attributes:
         values: ``[E, N, K]`` ``torch.float8_e4m3fn``.
         scale: ``[E, ceil(N/128), ceil(K/128)]`` float32: ``w ≈ values · scale[e, n//128, k//128]``.
     """
-
-    values: torch.Tensor
-    scale: torch.Tensor
-
-    @property
-    def shape(self) -> torch.Size:
-        return self.values.shape
-
-    @property
-    def device(self) -> torch.device:
-        return self.values.device
 
 
 def _blocks128(n: int) -> int:

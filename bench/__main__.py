@@ -32,7 +32,7 @@ import torch
 from moe_ep.api import EPGroup, MoEConfig, MoELayer, init_distributed
 from moe_ep.backends import available, retain_runtime
 
-from .models import MODELS
+from .models import MODELS, model_config
 from .report import LEGEND, Row, env_line, format_tables, make_row, write_csv
 from .timing import back_to_back_ms, per_call_ms
 
@@ -84,13 +84,6 @@ def environment(cuda: bool) -> dict:
             except (OSError, subprocess.SubprocessError):
                 pass
     return dict(gpu=gpu, torch=tv, commit=commit or "n/a")
-
-
-def model_config(key: str, T: int) -> MoEConfig:
-    m = MODELS[key]
-    return MoEConfig(num_experts=m["num_experts"], hidden=m["hidden"], intermediate=m["intermediate"],
-                     top_k=m["top_k"], max_tokens_per_rank=max(T, 1),
-                     activation=m.get("activation", "swiglu"))
 
 
 def model_info(key: str, cfg: MoEConfig, T: int) -> str:

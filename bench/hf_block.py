@@ -7,37 +7,29 @@ with the ratio to ``grouped_mm`` measured in the same run.
 
 from __future__ import annotations
 
-import statistics
 import warnings
 
 
 def _time_ms(fn, iters: int, graph: bool) -> float:
+    """Median ms of ``fn`` (eager) or of its CUDA-graph replay (captured after a warm-up)."""
     import torch
 
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
+    from moe_ep.api import EPGroup
+
+    from .ep import _time
+
     if graph:
-        g = torch.cuda.CUDAGraph()
+        fn()
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
             fn()
         torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             fn()
-        run = g.replay
-    else:
-        run = fn
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+        fn = g.replay
+    return _time(fn, EPGroup.single(), iters)
 
 
 def run_hf(args) -> int:

@@ -1,5 +1,7 @@
 """Model shapes used by the benchmarks and tests."""
 
+from moe_ep.api import MoEConfig
+
 MODELS = {
     "qwen3": dict(name="Qwen3-30B-A3B", hidden=2048, intermediate=768, num_experts=128, top_k=8),
     "mixtral": dict(name="Mixtral-8x7B", hidden=4096, intermediate=14336, num_experts=8, top_k=2),
@@ -8,3 +10,11 @@ MODELS = {
     "gpt_oss": dict(name="gpt-oss-120b", hidden=2880, intermediate=2880, num_experts=128, top_k=4,
                     activation="clamped_swiglu"),
 }
+
+
+def model_config(key: str, max_tokens: int) -> MoEConfig:
+    """The MoEConfig of model ``key`` for ``max_tokens`` tokens per rank."""
+    m = MODELS[key]
+    return MoEConfig(num_experts=m["num_experts"], hidden=m["hidden"], intermediate=m["intermediate"],
+                     top_k=m["top_k"], max_tokens_per_rank=max(max_tokens, 1),
+                     activation=m.get("activation", "swiglu"))

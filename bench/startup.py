@@ -19,13 +19,11 @@ _CHILD = r"""
 import json, sys, time
 t_import = time.perf_counter()
 import torch
-from moe_ep.api import EPGroup, MoEConfig, MoELayer
-from moe_ep.bench.models import MODELS
+from moe_ep.api import EPGroup, MoELayer
+from moe_ep.bench.models import model_config
 t_import = time.perf_counter() - t_import
-m = MODELS[sys.argv[1]]
 T = int(sys.argv[2])
-cfg = MoEConfig(num_experts=m["num_experts"], hidden=m["hidden"], intermediate=m["intermediate"], top_k=m["top_k"],
-                max_tokens_per_rank=T, activation=m.get("activation", "swiglu"))
+cfg = model_config(sys.argv[1], T)
 events = []
 t0 = time.perf_counter()
 layer = MoELayer(cfg, EPGroup.single(), backend=sys.argv[3])

@@ -85,7 +85,6 @@ CONTRACT = DropContract(
                      "raster_m", "swiglu_alpha", "swiglu_limit", "schedule", "compiled")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_converted",
                     ("args", "max_active_ctas", "stream")),
-        CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.placeholders", ("device",)),
         CallableUse("sm90_megamoe.launch:to_cute_args",
                     ("a", "b", "c", "offsets", "row_scale", "bias")),
         CallableUse("sm90_megamoe.compile_check:compile_for_arch",
@@ -270,13 +269,18 @@ class GroupedGemm:
     """
 
     def __init__(self, compiled: Any, to_cute_args: Any, device: Any) -> None:
+        import torch
+
         self.compiled = compiled
         self.scale_rows = compiled.scale_rows
         self.bias_dtype = compiled.bias_dtype
         self.n_out = compiled.n_out
         self._to = to_cute_args
         self._last: tuple | None = None
-        self._dummy_scale, self._dummy_bias = compiled.placeholders(device=device)
+        # unread arguments of variants without a row scale / bias (the drop's signature: fp32
+        # [L] and fp32 [1, L]); owned here, never by the compile cache
+        self._dummy_scale = torch.zeros(1, dtype=torch.float32, device=device)
+        self._dummy_bias = torch.zeros(1, 8, dtype=torch.float32, device=device)
         self._ctas = _num_sms(device)
 
     def __call__(self, a, b, offsets, out, row_scale=None, max_active_ctas=None, stream=None, bias=None):
