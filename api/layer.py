@@ -48,6 +48,22 @@ def _is_capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+def _inference_only(**tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    """The tensors, detached: the kernels have no backward, so autograd is refused by name (with
+    grad enabled) and parameters that merely require grad (``nn.Parameter`` under
+    ``torch.no_grad()``) are passed as plain views (DLPack refuses tensors that require grad)."""
+    grad_on = torch.is_grad_enabled()
+    out = []
+    for name, t in tensors.items():
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            if grad_on:
+                raise RuntimeError(f"MoELayer.forward has no backward: {name} requires grad; call it under "
+                                   "torch.no_grad() / torch.inference_mode() (training is not supported)")
+            t = t.detach()
+        out.append(t)
+    return tuple(out)
+
+
 class MoELayer:
     """An expert-parallel MoE layer (router outside, expert MLP + token exchange inside).
 
@@ -196,6 +212,8 @@ class MoELayer:
         """
         self._alive()
         cfg = self.config
+        x, topk_weights, w13, w2, b13, b2 = _inference_only(
+            x=x, topk_weights=topk_weights, w13=w13, w2=w2, b13=b13, b2=b2)
         V.check_routing(cfg, x, topk_ids, topk_weights, self.device,
                         check_values=self.check_values and not _is_capturing())
         w13, w2 = V.pack_fp8_block128(cfg, w13, w2, w13_scale, w2_scale)

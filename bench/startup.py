@@ -1,6 +1,7 @@
 """``python -m moe_ep.bench startup`` — how long a layer takes to become ready: ``warmup()`` in a
 fresh process with an empty compile cache (cold: every kernel compiled) and again in a second fresh
 process on the same cache (warm: every kernel loaded), plus the host time of one eager ``forward``.
+CUDA context creation and ``MoELayer(...)`` construction are timed apart from ``warmup()``.
 
 Each measurement is a separate Python process (as a serving engine's start is), so nothing of the
 first run stays in memory; the cache lives in a temporary folder unless ``--cache-dir`` is given.
@@ -25,11 +26,17 @@ t_import = time.perf_counter() - t_import
 T = int(sys.argv[2])
 cfg = model_config(sys.argv[1], T)
 events = []
+t_cuda = time.perf_counter()
+torch.zeros(1, device="cuda")  # CUDA context: an engine has one before it builds layers
+torch.cuda.synchronize()
+t_cuda = time.perf_counter() - t_cuda
 t0 = time.perf_counter()
 layer = MoELayer(cfg, EPGroup.single(), backend=sys.argv[3])
-layer.warmup(progress=events.append)
+t_layer = time.perf_counter() - t0
+t1 = time.perf_counter()
+layer.warmup(progress=lambda m: events.append(f"{m.strip()} (+{time.perf_counter() - t1:.2f} s)"))
 torch.cuda.synchronize()
-t_warmup = time.perf_counter() - t0
+t_warmup = time.perf_counter() - t1
 g = torch.Generator(device="cuda").manual_seed(0)
 x = torch.randn(T, cfg.hidden, device="cuda", generator=g).to(torch.bfloat16)
 ids = torch.randn(T, cfg.num_experts, device="cuda", generator=g).topk(cfg.top_k, -1).indices.to(torch.int32)
@@ -46,8 +53,8 @@ for i in range(25):
 torch.cuda.synchronize()
 layer.destroy()
 host.sort()
-print("RESULT " + json.dumps({"import_s": t_import, "warmup_s": t_warmup, "forward_host_us": host[len(host) // 2] * 1e6,
-                              "events": [e for e in events if ":" in e]}))
+print("RESULT " + json.dumps({"import_s": t_import, "cuda_s": t_cuda, "layer_s": t_layer, "warmup_s": t_warmup, "forward_host_us": host[len(host) // 2] * 1e6,
+                              "events": events}))
 """
 
 
@@ -79,9 +86,10 @@ def run_startup(args) -> int:
             cold = _child(model, T, backend, cache)
             warm = _child(model, T, backend, cache)
         print(f"\nstart-up, {model} ({T} tokens, backend {backend}), each in a fresh process:")
-        print(f"{'':<6}{'import s':>10}{'warmup s':>10}{'process s':>11}{'forward host us':>17}")
+        print(f"{'':<6}{'import s':>10}{'CUDA init s':>13}{'MoELayer() s':>14}{'warmup() s':>12}{'process s':>11}"
+              f"{'forward host us':>17}")
         for name, r in (("cold", cold), ("warm", warm)):
-            print(f"{name:<6}{r['import_s']:>10.2f}{r['warmup_s']:>10.2f}{r['process_s']:>11.2f}"
-                  f"{r['forward_host_us']:>17.1f}")
-        print("warm warm-up, per kernel: " + "; ".join(e.strip() for e in warm["events"]))
+            print(f"{name:<6}{r['import_s']:>10.2f}{r['cuda_s']:>13.2f}{r['layer_s']:>14.2f}{r['warmup_s']:>12.2f}"
+                  f"{r['process_s']:>11.2f}{r['forward_host_us']:>17.1f}")
+        print("warm warmup(), steps (time since its start): " + "; ".join(warm["events"]))
     return 0

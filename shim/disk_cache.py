@@ -120,23 +120,24 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
-_RUNTIME_LOADED = False
+_RUNTIME_LOADED: bool | None = None
 
 
-def _load_cute_runtime() -> None:
+def _load_cute_runtime(tvm_ffi: bool = False) -> None:
     """Exported objects call CuTeDSL's runtime wrappers (``_cudaLaunchKernelEx``, ...), which
     live in its ``libcute_dsl_runtime.so``. Export resolves them in this process, so load that
     library globally first; it needs no GPU, which is what lets a CPU machine prebuild."""
     global _RUNTIME_LOADED
-    if _RUNTIME_LOADED:
+    if _RUNTIME_LOADED is True or _RUNTIME_LOADED == tvm_ffi:
         return
     import ctypes
 
     from cutlass.runtime import find_runtime_libraries
 
-    for lib in find_runtime_libraries(enable_tvm_ffi=False):
+    for lib in find_runtime_libraries(enable_tvm_ffi=tvm_ffi):
         ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
-    _RUNTIME_LOADED = True
+    # True: everything (TVM-FFI's library too) is loaded; False: CuTeDSL's runtime only
+    _RUNTIME_LOADED = True if tvm_ffi else False
 
 
 def _record(name: str, action: str, seconds: float, path: Path | None) -> None:
@@ -166,23 +167,32 @@ def _try_load(obj: Path, meta: Path, namespace: str, key: Any, prefix: str) -> t
     if _sha256_file(obj) != m.get("sha256"):
         return None, "object file checksum mismatch (corrupt)"
     try:
-        import cutlass.cute as cute
-
-        _load_cute_runtime()
-        return cute.runtime.load_module(str(obj))[prefix], None
+        return _load_object(obj, prefix, bool(m.get("tvm_ffi", False))), None
     except Exception as e:  # noqa: BLE001 - any failure to load means: rebuild
         return None, f"failed to load ({type(e).__name__}: {e})"
 
 
-def _store(fn: Any, obj: Path, meta: Path, namespace: str, key: Any, prefix: str, seconds: float) -> None:
+def _load_object(obj: Path, prefix: str, tvm_ffi: bool) -> Any:
+    """The kernel exported as ``prefix`` in ``obj`` (a ``tvm_ffi.Function`` for TVM-FFI kernels)."""
+    import cutlass.cute as cute
+
+    _load_cute_runtime(tvm_ffi)
+    return cute.runtime.load_module(str(obj), enable_tvm_ffi=tvm_ffi)[prefix]
+
+
+def _store(fn: Any, obj: Path, meta: Path, namespace: str, key: Any, prefix: str, seconds: float,
+           tvm_ffi: bool) -> None:
     """Export ``fn`` and move it into place atomically (object first, metadata last)."""
-    _load_cute_runtime()
+    _load_cute_runtime(tvm_ffi)
     obj.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=obj.parent))
     try:
-        fn.export_to_c(str(tmp), prefix, function_prefix=prefix)
         tobj = tmp / f"{prefix}.o"
-        m = {"format": FORMAT, "namespace": namespace, "key": repr(key), "prefix": prefix,
+        if tvm_ffi:  # TVM-FFI functions export to an object path under a function name
+            fn.export_to_c(str(tobj), prefix)
+        else:
+            fn.export_to_c(str(tmp), prefix, function_prefix=prefix)
+        m = {"format": FORMAT, "namespace": namespace, "key": repr(key), "prefix": prefix, "tvm_ffi": tvm_ffi,
              "sha256": _sha256_file(tobj), "bytes": tobj.stat().st_size, "compile_seconds": round(seconds, 3),
              "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "pid": os.getpid()}
         (tmp / "meta.json").write_text(json.dumps(m, indent=1))
@@ -192,10 +202,12 @@ def _store(fn: Any, obj: Path, meta: Path, namespace: str, key: Any, prefix: str
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def get_or_build(namespace: str, name: str, key: Any, build: Callable[[], Any]) -> Any:
+def get_or_build(namespace: str, name: str, key: Any, build: Callable[[], Any], tvm_ffi: bool = False) -> Any:
     """The compiled kernel for ``key``: from the disk cache when it holds a valid entry, else
     ``build()`` (a ``cute.compile`` result), stored for next time. Without a cache directory this
-    is ``build()``. ``name`` (a short label such as ``gemm_swiglu``) names the files and events."""
+    is ``build()``. ``name`` (a short label such as ``gemm_swiglu``) names the files and events.
+    ``tvm_ffi``: ``build()`` compiles with ``--enable-tvm-ffi`` (exported and loaded as such; a
+    loaded entry is a ``tvm_ffi.Function``). It must be part of ``key``."""
     root = cache_root()
     if root is None:
         t0 = time.perf_counter()
@@ -218,7 +230,7 @@ def get_or_build(namespace: str, name: str, key: Any, build: Callable[[], Any]) 
         t0 = time.perf_counter()
         fn = build()
         seconds = time.perf_counter() - t0
-        _store(fn, obj, meta, namespace, key, prefix, seconds)
+        _store(fn, obj, meta, namespace, key, prefix, seconds, tvm_ffi)
         _record(name, "rebuilt" if why is not None else "compiled", seconds, obj)
         return fn
 
@@ -250,10 +262,7 @@ def verify_entry(entry: dict) -> str | None:
     if _sha256_file(obj) != entry.get("sha256"):
         return "object file checksum mismatch (corrupt)"
     try:
-        import cutlass.cute as cute
-
-        _load_cute_runtime()
-        cute.runtime.load_module(str(obj))[entry["prefix"]]
+        _load_object(obj, entry["prefix"], bool(entry.get("tvm_ffi", False)))
     except Exception as e:  # noqa: BLE001
         return f"failed to load ({type(e).__name__}: {e})"
     return None

@@ -131,6 +131,23 @@ def test_disabled_cache_writes_nothing(tmp_path):
     assert compile_cache_root() == Path(os.environ["MOE_EP_CACHE_DIR"]).expanduser()
 
 
+def test_launch_mode_is_part_of_the_key(tmp_path):
+    """TVM-FFI (default with apache-tvm-ffi installed) and classic kernels are different objects:
+    separate entries, each marked, each loading back as what it is."""
+    pytest.importorskip("tvm_ffi")
+    import json
+
+    ffi = events(aot("build", *SMALL, "--kernels", "layout", "--out", str(tmp_path)))
+    classic = events(aot("build", *SMALL, "--kernels", "layout", "--out", str(tmp_path),
+                         env_extra={"MOE_EP_TVM_FFI": "0"}))
+    assert [a for _, a, _ in ffi] == [a for _, a, _ in classic] == ["compiled"] * 3
+    metas = [json.loads(p.read_text()) for p in tmp_path.rglob("layout_*.json")]
+    assert sorted(m["tvm_ffi"] for m in metas) == [False] * 3 + [True] * 3
+    assert aot("verify", "--dir", str(tmp_path)).returncode == 0
+    bad = aot("build", *SMALL, "--kernels", "layout", "--out", str(tmp_path), env_extra={"MOE_EP_TVM_FFI": "2"})
+    assert bad.returncode != 0 and "MOE_EP_TVM_FFI" in bad.stderr
+
+
 def test_unknown_arch_and_model_refused(tmp_path):
     p = aot("build", "--arch", "sm_80", *SMALL, "--out", str(tmp_path))
     assert p.returncode == 2 and "sm_80" in p.stderr and "sm_90a" in p.stderr
@@ -166,8 +183,9 @@ torch.save(out.cpu(), sys.argv[1])
 print("\n".join(msgs))
 """
     res = {}
-    for name, cache in (("loaded", tmp_path / "cache"), ("fresh", "off")):
-        env = dict(os.environ, MOE_EP_CACHE_DIR=str(cache))
+    for name, cache, ffi in (("loaded", tmp_path / "cache", "auto"), ("fresh", "off", "auto"),
+                             ("classic", "off", "0")):
+        env = dict(os.environ, MOE_EP_CACHE_DIR=str(cache), MOE_EP_TVM_FFI=ffi)
         p = subprocess.run([sys.executable, "-c", script, str(tmp_path / f"{name}.pt")], capture_output=True,
                            text=True, timeout=600, env=env)
         assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
@@ -176,3 +194,6 @@ print("\n".join(msgs))
     assert res["fresh"].count("compiled in") == 12
     a, b = torch.load(tmp_path / "loaded.pt"), torch.load(tmp_path / "fresh.pt")
     assert torch.equal(a, b)
+    # the classic launch path (CuTe tensors, explicit stream) computes the same bits as TVM-FFI
+    assert torch.equal(a, torch.load(tmp_path / "classic.pt"))
+    assert torch.isfinite(a.float()).all() and a.float().abs().sum() > 0

@@ -400,3 +400,52 @@ def test_quantised_configs_refused_by_the_bf16_backend(quant):
     want = plain.forward(x, ids, w, dq(q(w13)).to(torch.bfloat16), dq(q(w2)).to(torch.bfloat16))
     assert torch.isfinite(out).all() and rel(out, want) < 0.05  # activation quantisation on top
     layer.destroy(), plain.destroy()
+
+
+def _moe_f64(x, ids, w, w13, w2, I):
+    """float64 MoE (swiglu), grouped by expert: sum_k w[t,k] * W2_e · (silu(G) * U)."""
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64, device=x.device)
+    for e in ids.unique().tolist():
+        t, k = (ids == e).nonzero(as_tuple=True)
+        h = x[t].double() @ w13[e].double().T
+        a = torch.nn.functional.silu(h[:, :I]) * h[:, I:]
+        out.index_add_(0, t, (a @ w2[e].double().T) * w[t, k].double()[:, None])
+    return out
+
+
+@pytest.mark.parametrize("model", ["qwen3", "mixtral"])
+def test_decode_layer_against_float64(model):
+    """Decode-sized layers (max_tokens_per_rank 256) run the swap-AB GEMMs (Mixtral's 256-token
+    calls the 128-row ones); T = 0 ... 256 tokens, uniform and all-to-one-expert routing, against
+    float64, outputs poisoned with NaN first."""
+    _sm90()
+    from moe_ep.api import MoEConfig
+
+    dims = QWEN if model == "qwen3" else dict(num_experts=8, hidden=4096, intermediate=14336, top_k=2)
+    E, H, I, K = dims["num_experts"], dims["hidden"], dims["intermediate"], dims["top_k"]
+    cfg = MoEConfig(max_tokens_per_rank=256, **dims)
+    (fast,) = layers(cfg, "auto")
+    fast.warmup(progress=False)
+    impl = fast._impl  # Qwen3 at 256 tokens: decode kernels only; Mixtral: both paths (T <= 128 decode)
+    decode = (impl.fc1_decode or impl.fc1, impl.fc2_decode or impl.fc2)
+    assert [g.compiled.schedule for g in decode] == ["swapab", "swapab"]
+    assert (impl.fc1_decode is None) == (model == "qwen3")
+    g = torch.Generator().manual_seed(seed_of("decode", model))
+    w13 = (torch.randn(E, 2 * I, H, generator=g) * H ** -0.5).to(torch.bfloat16).cuda()
+    w2 = (torch.randn(E, H, I, generator=g) * I ** -0.5).to(torch.bfloat16).cuda()
+    for T in (0, 1, 7, 64, 256):
+        for one_expert in (False, True):
+            x, ids, w = problem(T, seed_of(model, T, one_expert), E=E, H=H, I=I, K=K, weights=False)
+            if one_expert and T:
+                hot = int(ids[0, 0])  # every token picks expert `hot` first (others keep their choices)
+                ids = torch.where(ids == hot, ids[:, :1], ids)
+                ids[:, 0] = hot
+            out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+            got = fast.forward(x, ids, w, w13, w2, out=out)
+            fast.check_errors()
+            assert got.shape == (T, H)
+            if T == 0:
+                continue
+            assert torch.isfinite(got).all(), (model, T, one_expert)
+            assert rel(got, _moe_f64(x, ids, w, w13, w2, I)) < 1e-2, (model, T, one_expert)
+    fast.destroy()

@@ -206,3 +206,27 @@ def test_counter_contract():
     t = torch.arange(1, 5)
     zero_counter_regions([t])
     assert (t == 0).all()
+
+
+def test_decode_kernels_are_a_static_per_shape_choice():
+    """The shim picks swap-AB (decode) GEMMs from the mean rows per expert a layer expects, never
+    from routing; a large-capacity layer also gets decode variants, chosen per call from T."""
+    import torch
+
+    from moe_ep.api import MoEConfig
+    from moe_ep.backends.sm90.bf16_cutedsl.backend import _gemm_specs
+    from moe_ep.shim import SM90_DECODE_MAX_ROWS_PER_EXPERT, sm90_pick_schedule
+
+    assert SM90_DECODE_MAX_ROWS_PER_EXPERT == 32
+    assert sm90_pick_schedule("swiglu", 2048, 0.06) == ("swapab", 8)
+    assert sm90_pick_schedule("swiglu", 2048, 8) == ("swapab", 16)
+    assert sm90_pick_schedule("identity", 768, 32) == ("swapab", 64)
+    assert sm90_pick_schedule("swiglu", 2048, 33)[0] == "cooperative"
+    assert sm90_pick_schedule("identity", 768, None)[0] == "cooperative"
+    qwen = dict(num_experts=128, hidden=2048, intermediate=768, top_k=8, dtype=torch.bfloat16)
+    small = _gemm_specs(MoEConfig(max_tokens_per_rank=256, **qwen), 128)
+    assert set(small) == {"fc1", "fc2"} and small["fc1"]["rows_per_expert"] == 16
+    big = _gemm_specs(MoEConfig(max_tokens_per_rank=8192, **qwen), 64, world=2)
+    assert set(big) == {"fc1", "fc2", "fc1_decode", "fc2_decode"}
+    assert big["fc1"]["rows_per_expert"] == 1024 and big["fc2_decode"]["rows_per_expert"] == 32
+    assert big["fc1_decode"]["num_experts"] == 64 and big["fc2_decode"]["scale_rows"]

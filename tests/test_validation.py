@@ -184,3 +184,18 @@ def test_experts_not_divisible_by_world():
     with pytest.raises(ValueError, match="multiple of the EP world size"):
         cfg.local_experts(4)
     assert isinstance(UnsupportedBackendError("x"), ValueError)
+
+
+def test_autograd_refused_and_parameters_accepted_under_no_grad(setup):
+    """Weights held as nn.Parameter (requires_grad) are what engines and transformers pass: under
+    no_grad they are used as plain tensors (the kernel backends hand them to DLPack, which refuses
+    tensors that require grad); with grad enabled there is no backward, so forward refuses."""
+    layer, (x, ids, w, w13, w2) = setup
+    p13, p2 = torch.nn.Parameter(w13.clone()), torch.nn.Parameter(w2.clone())
+    with pytest.raises(RuntimeError, match="w13 requires grad"):
+        layer.forward(x, ids, w, p13, p2)
+    with torch.no_grad():
+        y = layer.forward(x, ids, w, p13, p2)
+    assert not y.requires_grad
+    ref = oracle_f64(x, ids, w, w13, w2, "swiglu", I)
+    assert rel_err(y, ref) < 1e-2

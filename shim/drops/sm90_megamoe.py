@@ -1,4 +1,4 @@
-"""Shim for the SM90 drop ``kernel_src/sm90/megamoe`` (package ``sm90_megamoe``), drop version 6.
+"""Shim for the SM90 drop ``kernel_src/sm90/megamoe`` (package ``sm90_megamoe``), drop version 7.
 
 What moe_ep relies on, declared as data (:data:`CONTRACT`), plus thin wrappers:
 
@@ -12,6 +12,11 @@ What moe_ep relies on, declared as data (:data:`CONTRACT`), plus thin wrappers:
 * :func:`prebuild_ep` / :func:`prebuild_layout` (and :func:`compiled_grouped_gemm`) -- obtain the
   compiled kernels without a GPU, through the disk cache (:mod:`moe_ep.shim.disk_cache`): every
   compiled kernel is exported there and loaded back by later processes.
+
+Launches go through TVM-FFI when apache-tvm-ffi is installed (:func:`moe_ep.shim.launch_mode.use_tvm_ffi`;
+``MOE_EP_TVM_FFI=0`` turns it off): kernels are then called with torch tensors on torch's current
+stream, ~4 us per launch and nothing converted; otherwise with converted CuTe tensors cached per
+argument role (~18 us per launch).
 
 The compile cache holds compiled kernels only. Everything that holds device memory or converted
 arguments (launchers, sessions) belongs to its caller and dies with it.
@@ -39,13 +44,14 @@ from ..cache import COMPILE_CACHE, ensure_not_capturing
 from ..constants import MirroredConstants
 from ..contract import CallableUse, DropContract, ImportUse
 from ..errors import CapacityError, DeviceStallError
+from ..launch_mode import use_tvm_ffi
 from ..nvshmem_boot import CounterContract
 from ..paths import drop_src
 
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 6},
+    "sm90_megamoe": {"DROP_VERSION": 7},
     "sm90_megamoe.constants": {
         "ABI_VERSION": 2,
         "ACTIVATIONS": ("identity", "swiglu", "squared_relu", "gelu_glu", "clamped_swiglu"),
@@ -78,13 +84,15 @@ CONSTANTS = MirroredConstants("sm90/megamoe", {
 })
 
 CONTRACT = DropContract(
-    arch="sm90", drop="megamoe", version=6, packages=(PKG,), constants=CONSTANTS,
+    arch="sm90", drop="megamoe", version=7, packages=(PKG,), constants=CONSTANTS,
     callables=(
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.__init__",
                     ("activation", "n", "k", "num_experts", "scale_rows", "tile_n", "bias_dtype",
-                     "raster_m", "swiglu_alpha", "swiglu_limit", "schedule", "compiled")),
+                     "raster_m", "swiglu_alpha", "swiglu_limit", "schedule", "compiled", "tvm_ffi")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_converted",
                     ("args", "max_active_ctas", "stream")),
+        CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_tensors",
+                    ("a", "b", "c", "offsets", "row_scale", "bias", "max_active_ctas", "stream")),
         CallableUse("sm90_megamoe.launch:to_cute_args",
                     ("a", "b", "c", "offsets", "row_scale", "bias")),
         CallableUse("sm90_megamoe.compile_check:compile_for_arch",
@@ -97,13 +105,13 @@ CONTRACT = DropContract(
                     ("recv_x", "recv_ids", "recv_w", "recv_count", "flags", "comb", "ctrl", "err",
                      "verr", "dmask")),
         CallableUse("sm90_megamoe.ep_launch:build_peer_table", ("peer_buffers", "device")),
-        CallableUse("sm90_megamoe.ep_launch:get_kernel", ("kind", "cfg")),
-        CallableUse("sm90_megamoe.ep_launch:compile_kernel", ("kind", "cfg", "options")),
-        CallableUse("sm90_megamoe.ep_launch:put_kernel", ("kind", "cfg", "compiled")),
-        CallableUse("sm90_megamoe.layout_launch:compile_kernel", ("kind", "cfg", "options")),
-        CallableUse("sm90_megamoe.layout_launch:put_kernel", ("kind", "cfg", "compiled")),
+        CallableUse("sm90_megamoe.ep_launch:get_kernel", ("kind", "cfg", "tvm_ffi")),
+        CallableUse("sm90_megamoe.ep_launch:compile_kernel", ("kind", "cfg", "options", "tvm_ffi")),
+        CallableUse("sm90_megamoe.ep_launch:put_kernel", ("kind", "cfg", "compiled", "tvm_ffi")),
+        CallableUse("sm90_megamoe.layout_launch:compile_kernel", ("kind", "cfg", "options", "tvm_ffi")),
+        CallableUse("sm90_megamoe.layout_launch:put_kernel", ("kind", "cfg", "compiled", "tvm_ffi")),
         CallableUse("sm90_megamoe.ep_launch:EpRank.__init__",
-                    ("cfg", "rank", "bufs", "peer_table", "num_ctas", "timeout_ns")),
+                    ("cfg", "rank", "bufs", "peer_table", "num_ctas", "timeout_ns", "tvm_ffi")),
         CallableUse("sm90_megamoe.ep_launch:EpRank.dispatch", ("x", "topk_ids", "topk_w")),
         CallableUse("sm90_megamoe.ep_launch:EpRank.wait", ()),
         CallableUse("sm90_megamoe.ep_launch:EpRank.combine_send", ("y", "pos", "stream", "num_ctas",
@@ -116,7 +124,7 @@ CONTRACT = DropContract(
         CallableUse("sm90_megamoe.layout_launch:LayoutConfig.__init__",
                     ("hidden", "topk", "world", "max_tokens", "local_experts")),
         CallableUse("sm90_megamoe.layout_launch:Layout.__init__",
-                    ("cfg", "device", "num_chunks", "counts", "timeout_ns")),
+                    ("cfg", "device", "num_chunks", "counts", "timeout_ns", "tvm_ffi")),
         CallableUse("sm90_megamoe.layout_launch:Layout.__call__",
                     ("bufs", "offsets", "idx", "ws", "pos", "xs", "stream", "check")),
         CallableUse("sm90_megamoe.layout_kernels:counts_len", ("num_chunks", "local_experts")),
@@ -140,6 +148,8 @@ _E = CONSTANTS.table["sm90_megamoe.ep_constants"]
 _L = CONSTANTS.table["sm90_megamoe.layout_kernels"]
 GEMM_ACTIVATIONS = _C["ACTIVATIONS"]
 GEMM_GATED = _C["GATED_ACTIVATIONS"]
+#: the grouped GEMM's schedules (``swapab``: the decode kernel, weights on the WGMMA's M side)
+SCHEDULES = ("cooperative", "pingpong", "swapab")
 #: bias dtypes the grouped GEMM epilogue reads (torch dtype name -> the drop's name)
 GEMM_BIAS_DTYPES = ("float32", "bfloat16")
 #: chunk count bound of the layout kernels' counts scratch (one chunk per SM by default)
@@ -225,12 +235,28 @@ def pick_raster_m(k: int) -> int:
 
 #: reduction sizes up to which the non-gated GEMM (FC2) runs the pingpong schedule
 PINGPONG_MAX_K = 0
+#: mean rows per expert (at the layer's capacity, uniform routing) up to which a GEMM runs the
+#: swap-AB kernel: the weight rows fill the 64-row WGMMA side and the few tokens sit in N, so
+#: decode streams weights instead of padding 128-row tiles (H200, both GEMMs of Qwen3 and
+#: Mixtral: 1.05-1.8x the 128-row kernel from 1 to 32 rows per expert; at 64 rows per expert
+#: (Mixtral, 256 tokens) it is 0.79x, so the 128-row kernel takes over there)
+SWAPAB_MAX_ROWS_PER_EXPERT = 32
+#: the swap-AB kernel's token tiles (its WGMMA N)
+SWAPAB_TILE_T = (8, 16, 32, 64)
 
 
-def pick_schedule(activation: str, k: int) -> tuple[str, int]:
-    """(schedule, tile_n) for a GEMM: ``pingpong`` with 128-wide tiles for the non-gated GEMMs with
-    K <= :data:`PINGPONG_MAX_K` (short mainloops, where overlapping one warpgroup's epilogue with
-    the other's mainloop pays), else ``cooperative`` with the drop's default tile."""
+def pick_schedule(activation: str, k: int, rows_per_expert: float | None = None) -> tuple[str, int]:
+    """(schedule, tile) for a GEMM, from static values only (never from routing):
+
+    * ``swapab`` when ``rows_per_expert`` (the mean rows per expert at the layer's capacity) is at
+      most :data:`SWAPAB_MAX_ROWS_PER_EXPERT`; its token tile is the smallest of
+      :data:`SWAPAB_TILE_T` holding twice the mean, so most experts need one tile;
+    * ``pingpong`` with 128-wide tiles for the non-gated GEMMs with K <= :data:`PINGPONG_MAX_K`
+      (short mainloops, where overlapping one warpgroup's epilogue with the other's mainloop pays);
+    * else ``cooperative`` with the drop's default tile."""
+    if rows_per_expert is not None and rows_per_expert <= SWAPAB_MAX_ROWS_PER_EXPERT:
+        tile_t = next((t for t in SWAPAB_TILE_T if t >= 2 * rows_per_expert), SWAPAB_TILE_T[-1])
+        return "swapab", tile_t
     if activation not in GEMM_GATED and k <= PINGPONG_MAX_K:
         return "pingpong", 128
     return "cooperative", _C["DEFAULT_TILE_N"][activation]
@@ -256,6 +282,7 @@ class GemmKey:
     swiglu_alpha: float
     swiglu_limit: float
     schedule: str
+    tvm_ffi: bool
 
 
 class GroupedGemm:
@@ -263,9 +290,10 @@ class GroupedGemm:
 
     ``gemm(a [M, k] bf16, b [E, n, k] bf16, offsets [E+1] int32 (device), out [M, n_out] bf16,
     row_scale [M] f32 (only when compiled with scale_rows), bias [E, n] (only when compiled with
-    a bias dtype, of that dtype))``; ``n_out`` = n/2 for the gated activations. The converted
-    (CuTe) arguments of the last call of each role are kept, so a layer passing the same
-    persistent buffers converts nothing per forward; they die with the launcher.
+    a bias dtype, of that dtype))``; ``n_out`` = n/2 for the gated activations. TVM-FFI kernels
+    take the torch tensors as they are; on the classic path the converted (CuTe) arguments of
+    the last call are kept, so a layer passing the same persistent buffers converts nothing per
+    forward (they die with the launcher).
     """
 
     def __init__(self, compiled: Any, to_cute_args: Any, device: Any) -> None:
@@ -275,6 +303,7 @@ class GroupedGemm:
         self.scale_rows = compiled.scale_rows
         self.bias_dtype = compiled.bias_dtype
         self.n_out = compiled.n_out
+        self.tvm_ffi = compiled.tvm_ffi
         self._to = to_cute_args
         self._last: tuple | None = None
         # unread arguments of variants without a row scale / bias (the drop's signature: fp32
@@ -298,6 +327,10 @@ class GroupedGemm:
             raise ValueError("this grouped GEMM was compiled without a bias: bias must be None")
         else:
             bias = self._dummy_bias
+        if self.tvm_ffi:
+            self.compiled.launch_tensors(a=a, b=b, c=out, offsets=offsets, row_scale=row_scale, bias=bias,
+                                         max_active_ctas=max_active_ctas or self._ctas, stream=stream)
+            return out
         ts = (a, b, out, offsets, row_scale, bias)
         key = tuple((t.data_ptr(), tuple(t.shape), t.dtype) for t in ts)
         if self._last is None or self._last[0] != key:
@@ -325,32 +358,36 @@ def _bias_name(bias_dtype: Any) -> str | None:
 def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
                           tile_n: int | None = None, bias_dtype: Any = None, raster_m: int | None = None,
                           swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
-                          schedule: str | None = None) -> Any:
+                          schedule: str | None = None, rows_per_expert: float | None = None) -> Any:
     """The compiled grouped GEMM from the compile cache (compiled code only, no buffers).
-    ``schedule``/``tile_n`` None: :func:`pick_schedule`."""
+    ``schedule``/``tile_n`` None: :func:`pick_schedule` (``rows_per_expert``: the mean rows per
+    expert the caller expects at capacity; None = many, the prefill kernels)."""
     check_gemm_shapes(activation, n, k, num_experts, tile_n)
     if schedule is None:
-        schedule, picked_tile = pick_schedule(activation, k)
+        schedule, picked_tile = pick_schedule(activation, k, rows_per_expert)
         tile = tile_n or picked_tile
+    elif schedule not in SCHEDULES:
+        raise ValueError(f"sm90 grouped GEMM: schedule {schedule!r} not in {SCHEDULES}")
     else:
-        tile = tile_n or (128 if schedule == "pingpong" else _C["DEFAULT_TILE_N"][activation])
+        tile = tile_n or {"pingpong": 128, "swapab": 32}.get(schedule, _C["DEFAULT_TILE_N"][activation])
     bias = _bias_name(bias_dtype)
     raster = pick_raster_m(k) if raster_m is None else int(raster_m)
     if not 1 <= raster <= _C["MAX_RASTER_M"]:
         raise ValueError(f"sm90 grouped GEMM: raster_m={raster} not in [1, {_C['MAX_RASTER_M']}]")
     alpha, limit = (float(swiglu_alpha), float(swiglu_limit)) if activation == "clamped_swiglu" else (0.0, 0.0)
+    ffi = use_tvm_ffi()
     key = GemmKey(CONSTANTS.value(PKG, "DROP_VERSION"), _C["ABI_VERSION"], _cutlass_version(), "sm_90a",
                   "bf16", activation, n, k, num_experts, bool(scale_rows), tile, bias, raster, alpha, limit,
-                  schedule)
+                  schedule, ffi)
 
     def build():
         launch = _load("sm90_megamoe.launch")
         kw = dict(activation=activation, n=n, k=k, num_experts=num_experts, scale_rows=bool(scale_rows),
-                  tile_n=tile, bias_dtype=bias, raster_m=raster, schedule=schedule)
+                  tile_n=tile, bias_dtype=bias, raster_m=raster, schedule=schedule, tvm_ffi=ffi)
         if activation == "clamped_swiglu":
             kw.update(swiglu_alpha=alpha, swiglu_limit=limit)
         fn = disk_cache.get_or_build(cache_namespace(), f"gemm_{activation}", key,
-                                     lambda: launch.CompiledGroupedGemm(**kw).compiled)
+                                     lambda: launch.CompiledGroupedGemm(**kw).compiled, tvm_ffi=ffi)
         return launch.CompiledGroupedGemm(**kw, compiled=fn)
 
     return COMPILE_CACHE.get_or_compile(key, build)
@@ -359,16 +396,18 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
 def grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
                  tile_n: int | None = None, device: Any = None, bias_dtype: Any = None,
                  raster_m: int | None = None, swiglu_alpha: float = 1.702,
-                 swiglu_limit: float = 7.0, schedule: str | None = None) -> GroupedGemm:
+                 swiglu_limit: float = 7.0, schedule: str | None = None,
+                 rows_per_expert: float | None = None) -> GroupedGemm:
     """A new :class:`GroupedGemm` launcher for ``device`` (default: the current CUDA device).
 
     ``bias_dtype``: None or torch.float32/bfloat16 (the variant adds ``bias [E, n]``);
     ``raster_m``: None = :func:`pick_raster_m` (k); ``swiglu_*``: clamped_swiglu's constants;
-    ``schedule``: "cooperative", "pingpong" or None = :func:`pick_schedule`."""
+    ``schedule``: "cooperative", "pingpong", "swapab" or None = :func:`pick_schedule` (with
+    ``rows_per_expert``, the mean rows per expert expected at capacity)."""
     import torch
 
     compiled = compiled_grouped_gemm(activation, n, k, num_experts, scale_rows, tile_n, bias_dtype,
-                                     raster_m, swiglu_alpha, swiglu_limit, schedule)
+                                     raster_m, swiglu_alpha, swiglu_limit, schedule, rows_per_expert)
     launch = _load("sm90_megamoe.launch")
     dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
     return GroupedGemm(compiled, launch.to_cute_args, dev)
@@ -412,6 +451,7 @@ class EpKey:
     world: int
     max_tokens: int
     num_experts: int
+    tvm_ffi: bool
 
 
 def check_ep_shapes(hidden: int, topk: int, world: int, num_experts: int) -> None:
@@ -476,15 +516,17 @@ def prebuild_ep(hidden: int, topk: int, world: int, max_tokens: int, num_experts
     check_ep_shapes(hidden, topk, world, num_experts)
     el = _load("sm90_megamoe.ep_launch")
     cfg = el.EpConfig(hidden=hidden, topk=topk, world=world, max_tokens=max_tokens, num_experts=num_experts)
+    ffi = use_tvm_ffi()
     key = EpKey(CONSTANTS.value(PKG, "DROP_VERSION"), _E["EP_ABI_VERSION"], _cutlass_version(), "sm_90a",
-                hidden, topk, world, max_tokens, num_experts)
+                hidden, topk, world, max_tokens, num_experts, ffi)
 
     def build():
         kernels = {}
         for k in el.KINDS:
             kernels[k] = disk_cache.get_or_build(cache_namespace(), f"ep_{k}", (key, k),
-                                                 lambda k=k: el.compile_kernel(kind=k, cfg=cfg))
-            el.put_kernel(kind=k, cfg=cfg, compiled=kernels[k])
+                                                 lambda k=k: el.compile_kernel(kind=k, cfg=cfg, tvm_ffi=ffi),
+                                                 tvm_ffi=ffi)
+            el.put_kernel(kind=k, cfg=cfg, compiled=kernels[k], tvm_ffi=ffi)
         return kernels
 
     COMPILE_CACHE.get_or_compile(key, build)
@@ -530,7 +572,7 @@ class EpSession:
         self.peer_table = el.build_peer_table(peer_buffers=views, device=self.device)
         kw = {} if self._timeout_ns is None else {"timeout_ns": int(self._timeout_ns)}
         self.ep = el.EpRank(cfg=self.cfg, rank=self.rank, bufs=self.bufs, peer_table=self.peer_table,
-                            num_ctas=self._num_ctas, **kw)
+                            num_ctas=self._num_ctas, tvm_ffi=use_tvm_ffi(), **kw)
         self.dispatch = self.ep.dispatch
         self.wait = self.ep.wait
         self.combine_send = self.ep.combine_send
@@ -603,6 +645,7 @@ class LayoutKey:
     world: int
     max_tokens: int
     local_experts: int
+    tvm_ffi: bool
 
 
 def layout_counts_len(num_chunks: int, local_experts: int) -> int:
@@ -615,15 +658,17 @@ def prebuild_layout(hidden: int, topk: int, world: int, max_tokens: int, local_e
     ll = _load("sm90_megamoe.layout_launch")
     cfg = ll.LayoutConfig(hidden=hidden, topk=topk, world=world, max_tokens=max_tokens,
                           local_experts=local_experts)
+    ffi = use_tvm_ffi()
     key = LayoutKey(CONSTANTS.value(PKG, "DROP_VERSION"), _L["LAYOUT_ABI_VERSION"], _cutlass_version(),
-                    "sm_90a", hidden, topk, world, max_tokens, local_experts)
+                    "sm_90a", hidden, topk, world, max_tokens, local_experts, ffi)
 
     def build():
         kernels = {}
         for k in ll.KINDS:
             kernels[k] = disk_cache.get_or_build(cache_namespace(), f"layout_{k}", (key, k),
-                                                 lambda k=k: ll.compile_kernel(k, cfg))
-            ll.put_kernel(kind=k, cfg=cfg, compiled=kernels[k])
+                                                 lambda k=k: ll.compile_kernel(kind=k, cfg=cfg, tvm_ffi=ffi),
+                                                 tvm_ffi=ffi)
+            ll.put_kernel(kind=k, cfg=cfg, compiled=kernels[k], tvm_ffi=ffi)
         return kernels
 
     COMPILE_CACHE.get_or_compile(key, build)
@@ -647,7 +692,7 @@ class LayoutSession:
         # one chunk per SM (or the caller's grid), never more chunks than receive slots
         C = max(1, min(num_chunks or _num_sms(device), LAYOUT_MAX_CHUNKS, world * max_tokens))
         kw = {} if timeout_ns is None else {"timeout_ns": int(timeout_ns)}
-        self._layout = ll.Layout(cfg=cfg, device=device, num_chunks=C, counts=counts, **kw)
+        self._layout = ll.Layout(cfg=cfg, device=device, num_chunks=C, counts=counts, tvm_ffi=use_tvm_ffi(), **kw)
         self._checked = False
 
     def __call__(self, ep: EpSession, offsets, idx, ws, pos, xs) -> None:

@@ -10,7 +10,10 @@ The forward of one rank, all on the device: no host sync, no allocation when ``o
 2. **expert layout** -- wait (bounded) for every source's flag, then group the valid
    (slot, k) pairs by local expert in (slot, k) order: ``offsets``, ``idx``/``ws`` per grouped
    row, ``pos`` per pair, and the rows gathered into ``xs`` (2 launches);
-3. **FC1 + activation** -- varlen-M grouped GEMM ``h = act(xs · w13ᵀ (+ b13))``;
+3. **FC1 + activation** -- varlen-M grouped GEMM ``h = act(xs · w13ᵀ (+ b13))``: 128-row tiles, or
+   for a call with few tokens (at most ``SM90_DECODE_MAX_ROWS_PER_EXPERT`` rows per expert on
+   average, judged from the host-known token count) the swap-AB decode kernel, whose 64-row
+   WGMMA side is the weight and whose N side is the expert's few tokens;
 4. **FC2 + router weight** -- ``y = ws · (h · w2ᵀ (+ b2))`` (``y`` overwrites ``xs``);
 5. **combine** -- per received token, its <= K weighted rows summed in float32 in k order go
    back to the source rank (peer store, then a flag); each source sums its <= W partial rows
@@ -29,7 +32,7 @@ from typing import Any
 
 import torch
 
-from moe_ep.shim import (COMPILE_EVENTS, Sm90EpSession, Sm90LayoutSession, StaleHandleError,
+from moe_ep.shim import (COMPILE_EVENTS, SM90_DECODE_MAX_ROWS_PER_EXPERT, Sm90EpSession, Sm90LayoutSession, StaleHandleError,
                          sm90_check_gemm_shapes, sm90_compiled_grouped_gemm, sm90_grouped_gemm, sm90_new_verr,
                          sm90_prebuild_ep, sm90_prebuild_layout)
 
@@ -80,31 +83,48 @@ def check(config: Any, group: Any, device: torch.device) -> None:
         raise UnsupportedBackendError(str(e)) from e
 
 
-def _gemm_specs(cfg: Any, e_local: int) -> dict:
-    """The FC1 and FC2 grouped GEMMs of a layer: shim arguments (one place, so a prebuild and a
-    layer ask for exactly the same kernels)."""
+def rows_per_expert(cfg: Any, world: int, tokens: int) -> float:
+    """Mean rows an expert receives when every rank sends ``tokens`` tokens (uniform routing)."""
+    return world * tokens * cfg.top_k / cfg.num_experts
+
+
+def _gemm_specs(cfg: Any, e_local: int, world: int = 1) -> dict:
+    """The grouped GEMMs of a layer: shim arguments (one place, so a prebuild and a layer ask for
+    exactly the same kernels). ``fc1``/``fc2`` are picked by the shim for the mean rows per expert
+    at capacity (``max_tokens_per_rank``): the decode (swap-AB) kernels when that is small, else
+    the 128-row kernels. A layer whose capacity is large also gets ``fc1_decode``/``fc2_decode``
+    (swap-AB, sized for :data:`SM90_DECODE_MAX_ROWS_PER_EXPERT`) for calls with few tokens; the
+    choice between the two is made per call from the host-known token count, never from routing."""
     bias_dtype = getattr(cfg, "bias_dtype", None)
+    rows = rows_per_expert(cfg, world, cfg.max_tokens_per_rank)
     act_consts = {}
     if cfg.activation == "clamped_swiglu":
         act_consts = {"swiglu_alpha": cfg.swiglu_alpha, "swiglu_limit": cfg.swiglu_limit}
-    return {
+    specs = {
         "fc1": dict(activation=ACTIVATION_MAP[cfg.activation], n=cfg.w13_rows, k=cfg.hidden, num_experts=e_local,
-                    bias_dtype=bias_dtype, **act_consts),
+                    bias_dtype=bias_dtype, rows_per_expert=rows, **act_consts),
         "fc2": dict(activation="identity", n=cfg.hidden, k=cfg.intermediate, num_experts=e_local, scale_rows=True,
-                    bias_dtype=bias_dtype),
+                    bias_dtype=bias_dtype, rows_per_expert=rows),
     }
+    if rows > SM90_DECODE_MAX_ROWS_PER_EXPERT:
+        for name in ("fc1", "fc2"):
+            specs[f"{name}_decode"] = dict(specs[name], rows_per_expert=SM90_DECODE_MAX_ROWS_PER_EXPERT)
+    return specs
 
 
 def prebuild(config: Any, world_size: int, kernels: tuple = ("fc1", "fc2", "ep", "layout")) -> None:
     """Compile (or load from the disk compile cache) every kernel a layer of ``config`` on
     ``world_size`` ranks needs, without a GPU: FC1, FC2, the EP kernels and the layout kernels
-    (``kernels`` picks a subset). ``python -m moe_ep.aot build`` calls it."""
+    (``kernels`` picks a subset; "fc1"/"fc2" include their decode variants). ``python -m moe_ep.aot
+    build`` calls it."""
     d = Dims.of(config, world_size)
     e_local = config.local_experts(world_size)
-    specs = _gemm_specs(config, e_local)
+    specs = _gemm_specs(config, e_local, world_size)
     for name in kernels:
         if name in specs:
             sm90_compiled_grouped_gemm(**specs[name])
+            if f"{name}_decode" in specs:
+                sm90_compiled_grouped_gemm(**specs[f"{name}_decode"])
         elif name == "ep":
             sm90_prebuild_ep(d.hidden, d.topk, world_size, d.max_tokens, config.num_experts)
         elif name == "layout":
@@ -167,9 +187,16 @@ class Sm90CuteDSLBackend(BackendImpl):
                                 num_ctas=self.num_ctas, timeout_ns=self.timeout_ns)
         self.layout = Sm90LayoutSession(d.hidden, d.topk, self.W, d.max_tokens, self.E, dev, v["counts"],
                                         num_chunks=self.num_ctas, timeout_ns=self.timeout_ns)
-        specs = _gemm_specs(cfg, self.E)
+        specs = _gemm_specs(cfg, self.E, self.W)
         self.fc1 = sm90_grouped_gemm(**specs["fc1"], device=dev)
         self.fc2 = sm90_grouped_gemm(**specs["fc2"], device=dev)
+        # decode (swap-AB) GEMMs for calls with few tokens, when fc1/fc2 are the 128-row kernels
+        self.fc1_decode = self.fc2_decode = None
+        if "fc1_decode" in specs:
+            self.fc1_decode = sm90_grouped_gemm(**specs["fc1_decode"], device=dev)
+            self.fc2_decode = sm90_grouped_gemm(**specs["fc2_decode"], device=dev)
+        self._decode_max_tokens = int(SM90_DECODE_MAX_ROWS_PER_EXPERT * cfg.num_experts / (self.W * cfg.top_k))
+        self._gemms = (self.fc1, self.fc2)
         self.xs, self.h = v["xs"], v["h"]
         self.y = v["xs"]  # FC2's output overwrites FC1's input, dead by then
         self.offsets, self.idx, self.ws_rows, self.pos = v["offsets"], v["idx"], v["ws"], v["pos"]
@@ -187,9 +214,23 @@ class Sm90CuteDSLBackend(BackendImpl):
         self._ensure()
         for ev in COMPILE_EVENTS[seen:]:  # what this warm-up compiled or loaded from the disk cache
             progress(f"  {ev.name}: {ev.action} in {ev.seconds:.2f} s")
-        progress("running once")
         cfg = self.cfg
-        T = min(cfg.max_tokens_per_rank, 64)
+        # one forward per GEMM path (the decode path for few tokens, the 128-row one above), so
+        # every kernel has run before a CUDA graph captures it
+        sizes = [min(cfg.max_tokens_per_rank, 64)]
+        if self.fc1_decode is not None:
+            sizes = [min(64, self._decode_max_tokens), self._decode_max_tokens + 1]
+        progress("running once" + (" per GEMM path (decode, prefill)" if len(sizes) > 1 else ""))
+        for T in sizes:
+            self._warm_forward(T)
+        for gemm in (self.fc1, self.fc2, self.fc1_decode, self.fc2_decode):
+            if gemm is not None:
+                gemm.release()  # do not keep the throw-away weights alive
+        self.check()
+
+    def _warm_forward(self, T: int) -> None:
+        """One forward of ``T`` random tokens on random weights."""
+        cfg = self.cfg
         g = torch.Generator(device=self.device).manual_seed(1234 + self.group.rank)
         x = torch.randn(T, cfg.hidden, device=self.device, generator=g).to(torch.bfloat16)
         ids = torch.randint(0, cfg.num_experts, (T, cfg.top_k), device=self.device, generator=g, dtype=torch.int32)
@@ -202,12 +243,13 @@ class Sm90CuteDSLBackend(BackendImpl):
             b2 = torch.randn(self.E, cfg.hidden, device=self.device, generator=g).to(cfg.bias_dtype)
         self.forward(x, ids, w, w13, w2, b13=b13, b2=b2)
         torch.cuda.synchronize(self.device)
-        self.fc1.release(), self.fc2.release()  # do not keep the throw-away weights alive
-        self.check()
 
     # ---- forward: the numbered steps of the module docstring ----------------------------------
     # (separate methods so that virtual ranks in one process can interleave them by phase)
     def _step1_dispatch(self, x, topk_ids, topk_weights) -> None:
+        # the GEMM path of this call, from its (host-known) token count: swap-AB for few tokens
+        decode = self.fc1_decode is not None and x.shape[0] <= self._decode_max_tokens
+        self._gemms = (self.fc1_decode, self.fc2_decode) if decode else (self.fc1, self.fc2)
         self.ws.seq += 1
         self.ep.dispatch(x, topk_ids, topk_weights)
 
@@ -215,9 +257,9 @@ class Sm90CuteDSLBackend(BackendImpl):
         self.layout(self.ep, self.offsets, self.idx, self.ws_rows, self.pos, self.xs)
 
     def _step34_experts(self, w13, w2, b13=None, b2=None) -> None:
-        self.fc1(self.xs, w13, self.offsets, out=self.h, max_active_ctas=self.num_ctas, bias=b13)
-        self.fc2(self.h, w2, self.offsets, out=self.y, row_scale=self.ws_rows, max_active_ctas=self.num_ctas,
-                 bias=b2)
+        fc1, fc2 = self._gemms
+        fc1(self.xs, w13, self.offsets, out=self.h, max_active_ctas=self.num_ctas, bias=b13)
+        fc2(self.h, w2, self.offsets, out=self.y, row_scale=self.ws_rows, max_active_ctas=self.num_ctas, bias=b2)
 
     def _step5_combine_send(self) -> None:
         self.ep.combine_send(self.y, self.pos)

@@ -4,6 +4,8 @@ Nothing on the launch path synchronizes the host with the device. Every kernel i
 per static configuration from FAKE tensors (no GPU needed to compile) and cached; the
 per-forward tensors (x, topk ids/weights, outputs) are converted with ``from_dlpack`` +
 ``mark_compact_shape_dynamic`` on the token mode only, persistent buffers are converted once.
+With ``tvm_ffi=True`` (``--enable-tvm-ffi``, needs apache-tvm-ffi) nothing is converted: the
+kernels are called with torch tensors and Python ints on torch's current stream.
 
 Typical use for one rank (real GPUs: ``symmetric_alloc=nvshmem.core.tensor`` and the peer table
 from ``nvshmem.core.get_peer_tensor``; virtual ranks: plain torch buffers of one GPU):
@@ -59,6 +61,7 @@ from .ep_constants import (
     PEER_RECV_X,
 )
 from .ep_kernels import CombineReduce, CombineSend, EpDispatch, EpWait, GatherRows
+from .launch import call_on_stream, ffi_function
 
 ARCH = "sm_90a"
 
@@ -266,41 +269,45 @@ KINDS = ("dispatch", "dispatch_i64", "wait", "gather", "combine_send", "combine_
          "combine_reduce")
 
 
-def cache_key(kind: str, cfg: EpConfig) -> tuple:
+def cache_key(kind: str, cfg: EpConfig, tvm_ffi: bool = False) -> tuple:
     static = dataclasses.astuple(cfg)
     if kind == "wait":
         static = (cfg.world,)
     elif kind == "gather":
         static = (cfg.hidden, cfg.threads)
     # dispatch vs dispatch_i64, combine_send vs combine_send_weighted: ``kind`` tells them apart
-    return (EP_ABI_VERSION, DROP_VERSION, getattr(cutlass, "__version__", ""), ARCH, kind, static)
+    return (EP_ABI_VERSION, DROP_VERSION, getattr(cutlass, "__version__", ""), ARCH, kind, static,
+            bool(tvm_ffi))
 
 
-def compile_kernel(kind: str, cfg: EpConfig, options: str = f"--gpu-arch {ARCH}"):
-    """Compile one EP kernel from fake tensors (no GPU needed); no caching."""
-    return cute.compile(make_kernel(kind, cfg), *fake_args(kind, cfg), options=options)
+def compile_kernel(kind: str, cfg: EpConfig, options: str = f"--gpu-arch {ARCH}", tvm_ffi: bool = False):
+    """Compile one EP kernel from fake tensors (no GPU needed); no caching. ``tvm_ffi``: for
+    TVM-FFI launches (adds ``--enable-tvm-ffi``; the stream argument becomes torch's current one)."""
+    if tvm_ffi:
+        options = f"{options} --enable-tvm-ffi"
+    return cute.compile(make_kernel(kind, cfg), *fake_args(kind, cfg, use_tvm_ffi=tvm_ffi), options=options)
 
 
 _CACHE: Dict[tuple, object] = {}
 
 
-def get_kernel(kind: str, cfg: EpConfig):
+def get_kernel(kind: str, cfg: EpConfig, tvm_ffi: bool = False):
     """The compiled kernel (process-wide cache of compiled code only; no buffers). A real
     argument that does not match the fake-compiled signature raises at launch: the fake
     arguments ARE the ABI, nothing is silently recompiled."""
-    key = cache_key(kind, cfg)
+    key = cache_key(kind, cfg, tvm_ffi)
     k = _CACHE.get(key)
     if k is None:
-        k = _CACHE[key] = compile_kernel(kind, cfg)
+        k = _CACHE[key] = compile_kernel(kind, cfg, tvm_ffi=tvm_ffi)
     return k
 
 
-def put_kernel(kind: str, cfg: EpConfig, compiled) -> None:
+def put_kernel(kind: str, cfg: EpConfig, compiled, tvm_ffi: bool = False) -> None:
     """Seed the process-wide cache with ``kind``'s kernel for ``cfg`` compiled elsewhere (e.g.
     loaded from an exported object file); launches then use it instead of compiling."""
     if kind not in KINDS:
         raise ValueError(f"unknown kernel kind {kind!r} (kinds: {KINDS})")
-    _CACHE[cache_key(kind, cfg)] = compiled
+    _CACHE[cache_key(kind, cfg, tvm_ffi)] = compiled
 
 
 _STREAMS: Dict[int, cuda.CUstream] = {}
@@ -342,10 +349,13 @@ class EpRank:
     num_ctas: grid of the row kernels (default: #SMs of the buffers' device). With virtual ranks
     on one GPU it must be small enough that the CTAs of all W ranks' kernels co-reside (e.g.
     <= #SMs / W / 2), because CombineReduce / EpWait spin on flags written by other ranks.
+    tvm_ffi: launch kernels compiled for TVM-FFI with torch tensors (``stream`` arguments are then
+    ``torch.cuda.Stream`` or None); else the classic path with converted CuTe tensors.
     """
 
     def __init__(self, cfg: EpConfig, rank: int, bufs: EpBuffers, peer_table: torch.Tensor,
-                 num_ctas: Optional[int] = None, timeout_ns: int = DEFAULT_TIMEOUT_NS):
+                 num_ctas: Optional[int] = None, timeout_ns: int = DEFAULT_TIMEOUT_NS,
+                 tvm_ffi: bool = False):
         if not 0 <= rank < cfg.world:
             raise ValueError(f"rank {rank} outside [0, {cfg.world})")
         if tuple(peer_table.shape) != (EP_NUM_PEER_BUFS, cfg.world) or \
@@ -356,18 +366,22 @@ class EpRank:
         self.num_ctas = num_ctas or device_num_sms(dev)
         self.timeout_ns = int(timeout_ns)
         self._timeout_key, self._timeout = None, None
-        self.k = {kind: get_kernel(kind, cfg) for kind in KINDS}
+        self.ffi = bool(tvm_ffi)
+        self.k = {kind: get_kernel(kind, cfg, self.ffi) for kind in KINDS}
+        if self.ffi:
+            self.k = {kind: ffi_function(k) for kind, k in self.k.items()}
         # Persistent conversions (static layouts).
-        self._peers = _real(peer_table, 8, False)
-        self._ctrl = _real(bufs.ctrl, 8, False)
-        self._err = _real(bufs.err, 4, False)
-        self._verr = _real(bufs.verr, 8, False)
-        self._dmask = _real(bufs.dmask, 4, False)
-        self._flags = _real(bufs.flags, 8, False)
-        self._recv_count = _real(bufs.recv_count, 4, False)
-        self._recv_w = _real(bufs.recv_w, 4, False)
-        self._comb = _real(bufs.comb, 16, False)
-        self._rank = cutlass.Int32(rank)
+        cv = self._persistent
+        self._peers = cv(peer_table, 8, False)
+        self._ctrl = cv(bufs.ctrl, 8, False)
+        self._err = cv(bufs.err, 4, False)
+        self._verr = cv(bufs.verr, 8, False)
+        self._dmask = cv(bufs.dmask, 4, False)
+        self._flags = cv(bufs.flags, 8, False)
+        self._recv_count = cv(bufs.recv_count, 4, False)
+        self._recv_w = cv(bufs.recv_w, 4, False)
+        self._comb = cv(bufs.comb, 16, False)
+        self._rank = rank if self.ffi else cutlass.Int32(rank)
         # 1-row dummies used when a rank has T == 0 tokens (no 0-row tensors are converted).
         H, K = cfg.hidden, cfg.topk
         self._conv: Dict[str, tuple] = {}
@@ -376,12 +390,23 @@ class EpRank:
                       torch.full((1, K), -1, dtype=torch.int32, device=dev),
                       torch.zeros(1, K, dtype=torch.float32, device=dev),
                       torch.zeros(1, H, dtype=torch.bfloat16, device=dev)]
-        self._dummy_x = _real(self._keep[0], 16, True)
-        self._dummy_ids = _real(self._keep[1], 4, True)
-        self._dummy_w = _real(self._keep[2], 4, True)
-        self._dummy_out = _real(self._keep[3], 16, True)
+        self._dummy_x = cv(self._keep[0], 16, True)
+        self._dummy_ids = cv(self._keep[1], 4, True)
+        self._dummy_w = cv(self._keep[2], 4, True)
+        self._dummy_out = cv(self._keep[3], 16, True)
 
     # -- argument conversion (host overhead) ----------------------------------------------------
+
+    def _persistent(self, t: torch.Tensor, align: int, dynamic_rows: bool):
+        """A buffer that lives as long as this launcher: converted once (TVM-FFI: as is)."""
+        return t if self.ffi else _real(t, align, dynamic_rows)
+
+    def _launch(self, kind: str, *args, stream=None):
+        """Launch ``kind`` on ``stream`` (default: torch's current stream)."""
+        if self.ffi:
+            call_on_stream(self.k[kind], args, stream)
+        else:
+            self.k[kind](*args, _stream(stream))
 
     def _cv(self, role: str, t: torch.Tensor, align: int, dynamic_rows: bool):
         """Convert with a one-entry cache per argument role: a call with the same tensor
@@ -390,6 +415,8 @@ class EpRank:
         DLPack capsule holds a reference), so a cached address can never be recycled."""
         if not t.is_contiguous():
             raise ValueError(f"{role} must be contiguous")
+        if self.ffi:  # the call takes torch tensors (and checks them)
+            return t
         key = (t.data_ptr(), tuple(t.shape), t.dtype)
         hit = self._conv.get(role)
         if hit is not None and hit[0] == key:
@@ -399,6 +426,8 @@ class EpRank:
         return ct
 
     def _int32(self, v: int):
+        if self.ffi:
+            return int(v)
         c = self._i32.get(v)
         if c is None:
             if len(self._i32) > 4096:
@@ -409,6 +438,8 @@ class EpRank:
     def _timeout_arg(self, timeout_ns: Optional[int]):
         if timeout_ns is None:
             timeout_ns = self.timeout_ns
+        if self.ffi:
+            return int(timeout_ns)
         if self._timeout_key != timeout_ns:
             self._timeout_key, self._timeout = timeout_ns, cutlass.Int64(timeout_ns)
         return self._timeout
@@ -436,14 +467,14 @@ class EpRank:
             mX = self._cv("x", x, 16, True)
             mI = self._cv("topk_ids", topk_ids, 8 if wide else 4, True)
             mW = self._cv("topk_w", topk_w, 4, True)
-        self.k["dispatch_i64" if wide else "dispatch"](
-            mX, mI, mW, self._peers, self._ctrl, self._err, self._verr, self._dmask, self._rank,
-            self._int32(T), self._int32(num_ctas or self.num_ctas), _stream(stream))
+        self._launch("dispatch_i64" if wide else "dispatch",
+                     mX, mI, mW, self._peers, self._ctrl, self._err, self._verr, self._dmask, self._rank,
+                     self._int32(T), self._int32(num_ctas or self.num_ctas), stream=stream)
 
     def wait(self, stream=None, timeout_ns: Optional[int] = None):
         """Block the stream (not the host) until all W dispatches of this epoch arrived."""
-        self.k["wait"](self._flags, self._ctrl, self._err, self._timeout_arg(timeout_ns),
-                       _stream(stream))
+        self._launch("wait", self._flags, self._ctrl, self._err, self._timeout_arg(timeout_ns),
+                     stream=stream)
 
     def gather(self, src: torch.Tensor, idx: torch.Tensor, count: torch.Tensor,
                out: torch.Tensor, stream=None, num_ctas: Optional[int] = None):
@@ -455,10 +486,10 @@ class EpRank:
             raise ValueError("gather: out must have >= len(idx) rows of H")
         if idx.shape[0] == 0 or src.shape[0] == 0:
             return
-        self.k["gather"](self._cv("g_src", src, 16, True), self._cv("g_idx", idx, 4, True),
-                         self._cv("g_count", count.view(1), 4, False),
-                         self._cv("g_out", out, 16, True),
-                         self._int32(num_ctas or self.num_ctas), _stream(stream))
+        self._launch("gather", self._cv("g_src", src, 16, True), self._cv("g_idx", idx, 4, True),
+                     self._cv("g_count", count.view(1), 4, False),
+                     self._cv("g_out", out, 16, True),
+                     self._int32(num_ctas or self.num_ctas), stream=stream)
 
     def combine_send(self, y: torch.Tensor, pos: torch.Tensor, stream=None,
                      num_ctas: Optional[int] = None, weighted: bool = False):
@@ -470,10 +501,10 @@ class EpRank:
             raise ValueError(f"pos must be int32 [{cfg.slots}, {cfg.topk}]")
         if y.dtype != torch.bfloat16 or y.dim() != 2 or y.shape[1] != cfg.hidden or y.shape[0] < 1:
             raise ValueError(f"y must be bf16 [R >= 1, {cfg.hidden}]")
-        self.k["combine_send_weighted" if weighted else "combine_send"](
-            self._cv("y", y, 16, True), self._cv("pos", pos, 4, False), self._recv_count,
-            self._recv_w, self._peers, self._ctrl, self._err, self._rank,
-            self._int32(num_ctas or self.num_ctas), _stream(stream))
+        self._launch("combine_send_weighted" if weighted else "combine_send",
+                     self._cv("y", y, 16, True), self._cv("pos", pos, 4, False), self._recv_count,
+                     self._recv_w, self._peers, self._ctrl, self._err, self._rank,
+                     self._int32(num_ctas or self.num_ctas), stream=stream)
 
     def combine_reduce(self, out: torch.Tensor, stream=None, num_ctas: Optional[int] = None,
                        timeout_ns: Optional[int] = None):
@@ -484,9 +515,9 @@ class EpRank:
                 or T > self.cfg.max_tokens:
             raise ValueError(f"out must be bf16 [T <= {self.cfg.max_tokens}, {self.cfg.hidden}]")
         mO = self._dummy_out if T == 0 else self._cv("c_out", out, 16, True)
-        self.k["combine_reduce"](self._dmask, self._comb, self._flags, self._ctrl, self._err, mO,
-                                 self._int32(T), self._timeout_arg(timeout_ns),
-                                 self._int32(num_ctas or self.num_ctas), _stream(stream))
+        self._launch("combine_reduce", self._dmask, self._comb, self._flags, self._ctrl, self._err, mO,
+                     self._int32(T), self._timeout_arg(timeout_ns),
+                     self._int32(num_ctas or self.num_ctas), stream=stream)
 
     # -- diagnostics / recovery (host-synchronizing) --------------------------------------------
 

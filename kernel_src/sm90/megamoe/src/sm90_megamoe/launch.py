@@ -1,4 +1,12 @@
-"""Host side: compile cache, torch -> CuTe conversion, launch. No host sync on the launch path."""
+"""Host side: compile cache, torch -> CuTe conversion, launch. No host sync on the launch path.
+
+Two launch paths, chosen per compiled kernel (``tvm_ffi``):
+* TVM-FFI (``--enable-tvm-ffi``, needs apache-tvm-ffi): the kernel is called with torch tensors and
+  Python ints on torch's current stream (~4 us per launch on an H200 host, nothing to convert or
+  cache; shapes, dtypes, alignment and device are checked by the call itself);
+* classic: CuTe tensors converted with ``from_dlpack`` (``to_cute_args``, ~60 us for six tensors,
+  so callers cache them) and an explicit ``CUstream`` (~18 us per launch).
+"""
 
 from __future__ import annotations
 
@@ -41,6 +49,24 @@ def to_cute_args(a, b, c, offsets, row_scale, bias):
     return mA, mB, mC, mOff, mScale, mBias
 
 
+def ffi_function(compiled):
+    """The fast callable of a TVM-FFI kernel: the ``tvm_ffi.Function`` behind a freshly compiled
+    object, or the object itself (already a ``tvm_ffi.Function`` when loaded from an exported
+    object file with ``cute.runtime.load_module(..., enable_tvm_ffi=True)``)."""
+    get = getattr(compiled, "__tvm_ffi_object__", None)
+    fn = get() if callable(get) else None
+    return fn if fn is not None else compiled
+
+
+def call_on_stream(fn, args, stream=None):
+    """Call a TVM-FFI kernel on ``stream`` (a ``torch.cuda.Stream``; None: the current stream,
+    which the kernel reads from torch itself)."""
+    if stream is None:
+        return fn(*args)
+    with torch.cuda.stream(stream):
+        return fn(*args)
+
+
 _TORCH_BIAS = {None: None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -59,20 +85,32 @@ class CompiledGroupedGemm:
                  epilogue: str = "smem", example: Optional[Tuple[torch.Tensor, ...]] = None,
                  bias_dtype: Optional[str] = None, raster_m: Optional[int] = None,
                  swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
-                 schedule: str = "cooperative", compiled=None):
+                 schedule: str = "cooperative", compiled=None, tvm_ffi: bool = False):
         """``compiled``: this variant's kernel compiled earlier (e.g. loaded from an exported
-        object file, ``cute.runtime.load_module``); None compiles it here (sm_90a)."""
+        object file, ``cute.runtime.load_module``); None compiles it here (sm_90a).
+        ``tvm_ffi``: compile for (and launch through) TVM-FFI: :meth:`launch_tensors`.
+        ``schedule``: "cooperative" / "pingpong" (:class:`GroupedGemmSm90`, ``tile_n`` = output
+        columns per tile) or "swapab" (:class:`~.swapab_gemm.SwapABGroupedGemmSm90`, for a few
+        rows per expert; ``tile_n`` is then its token tile ``tile_t``). Same arguments either way."""
         from .compile_check import fake_args
 
         if bias_dtype not in _TORCH_BIAS:
             raise ValueError(f"bias_dtype must be None, 'float32' or 'bfloat16', got {bias_dtype!r}")
         if raster_m is None:
             raster_m = pick_raster_m(k)
-        self.kernel = GroupedGemmSm90(activation, tile_n=tile_n, scale_rows=scale_rows,
-                                      num_stages=num_stages, epilogue=epilogue,
-                                      has_bias=bias_dtype is not None, raster_m=raster_m,
-                                      swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
-                                      schedule=schedule)
+        if schedule == "swapab":
+            from .swapab_gemm import SwapABGroupedGemmSm90
+
+            self.kernel = SwapABGroupedGemmSm90(activation, scale_rows=scale_rows,
+                                                has_bias=bias_dtype is not None, tile_t=tile_n or 32,
+                                                num_stages=num_stages, swiglu_alpha=swiglu_alpha,
+                                                swiglu_limit=swiglu_limit)
+        else:
+            self.kernel = GroupedGemmSm90(activation, tile_n=tile_n, scale_rows=scale_rows,
+                                          num_stages=num_stages, epilogue=epilogue,
+                                          has_bias=bias_dtype is not None, raster_m=raster_m,
+                                          swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
+                                          schedule=schedule)
         self.activation = activation
         self.schedule = schedule
         self.n, self.k, self.num_experts = n, k, num_experts
@@ -80,15 +118,21 @@ class CompiledGroupedGemm:
         self.scale_rows = scale_rows
         self.bias_dtype = bias_dtype
         self.raster_m = raster_m
+        self.tvm_ffi = bool(tvm_ffi)
         if compiled is not None:
             self.compiled = compiled
         else:
             if example is None:
-                args = fake_args(self.kernel, num_experts, n, k, bias_dtype=bias_dtype or "float32")
+                args = fake_args(self.kernel, num_experts, n, k, bias_dtype=bias_dtype or "float32",
+                                 use_tvm_ffi=self.tvm_ffi)
+            elif self.tvm_ffi:
+                raise ValueError("compiling from example tensors is for the classic path (tvm_ffi=False)")
             else:  # compile from real tensors (debugging)
                 args = (*to_cute_args(*example), cutlass.Int32(_num_sms(example[0].device)),
                         cuda.CUstream(torch.cuda.current_stream().cuda_stream))
-            self.compiled = cute.compile(self.kernel, *args, options="--gpu-arch sm_90a")
+            opts = "--gpu-arch sm_90a" + (" --enable-tvm-ffi" if self.tvm_ffi else "")
+            self.compiled = cute.compile(self.kernel, *args, options=opts)
+        self._fn = ffi_function(self.compiled) if self.tvm_ffi else None
         self._dummy_scale = None
         self._dummy_bias = None
 
@@ -126,13 +170,29 @@ class CompiledGroupedGemm:
             assert tuple(bias.shape) == (self.num_experts, self.n) and bias.is_contiguous()
         else:
             bias = dummy_bias
-        args = to_cute_args(a, b, out, offsets, row_scale, bias)
-        self.launch_converted(args, max_active_ctas, stream)
+        if self.tvm_ffi:
+            self.launch_tensors(a, b, out, offsets, row_scale, bias, max_active_ctas, stream)
+        else:
+            self.launch_converted(to_cute_args(a, b, out, offsets, row_scale, bias), max_active_ctas, stream)
         return out
 
+    def launch_tensors(self, a, b, c, offsets, row_scale, bias, max_active_ctas: Optional[int] = None,
+                       stream=None):
+        """TVM-FFI launch (``tvm_ffi=True`` only) with torch tensors, in ``to_cute_args`` order:
+        a [M, K], b [E, N, K], c [M, N_out] bf16; offsets [E+1] int32; row_scale [>= 1] fp32;
+        bias [E, N] (or the [1, L] fp32 placeholder). ``stream``: a torch.cuda.Stream or None
+        (current). A tensor that does not match the compiled signature raises."""
+        if not self.tvm_ffi:
+            raise RuntimeError("launch_tensors needs a kernel compiled with tvm_ffi=True")
+        ctas = max_active_ctas if max_active_ctas is not None else _num_sms()
+        call_on_stream(self._fn, (a, b, c, offsets, row_scale, bias, ctas), stream)
+
     def launch_converted(self, args, max_active_ctas: Optional[int] = None, stream=None):
-        """Launch with pre-converted CuTe tensors. Arguments that do not match the fake-compiled
-        signature raise (the fake arguments are the ABI; nothing is silently recompiled)."""
+        """Launch with pre-converted CuTe tensors (classic path). Arguments that do not match the
+        fake-compiled signature raise (the fake arguments are the ABI; nothing is silently
+        recompiled)."""
+        if self.tvm_ffi:
+            raise RuntimeError("this kernel was compiled for TVM-FFI: use launch_tensors")
         if stream is None:
             stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
         ctas = max_active_ctas if max_active_ctas is not None else _num_sms()
@@ -143,19 +203,20 @@ def get_grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_ro
                      tile_n: Optional[int] = None, num_stages: Optional[int] = None,
                      epilogue: str = "smem", bias_dtype: Optional[str] = None,
                      raster_m: Optional[int] = None, swiglu_alpha: float = 1.702,
-                     swiglu_limit: float = 7.0, schedule: str = "cooperative") -> CompiledGroupedGemm:
+                     swiglu_limit: float = 7.0, schedule: str = "cooperative",
+                     tvm_ffi: bool = False) -> CompiledGroupedGemm:
     """Cached compile. Key: everything static; routing and M_total are runtime."""
     if raster_m is None:
         raster_m = pick_raster_m(k)
     key = (ABI_VERSION, DROP_VERSION, cutlass.__version__ if hasattr(cutlass, "__version__") else "",
            activation, n, k, num_experts, bool(scale_rows), tile_n, num_stages, epilogue, bias_dtype,
-           raster_m, float(swiglu_alpha), float(swiglu_limit), schedule, "sm_90a")
+           raster_m, float(swiglu_alpha), float(swiglu_limit), schedule, bool(tvm_ffi), "sm_90a")
     fn = _CACHE.get(key)
     if fn is None:
         fn = CompiledGroupedGemm(activation, n, k, num_experts, scale_rows, tile_n, num_stages,
                                  epilogue, bias_dtype=bias_dtype, raster_m=raster_m,
                                  swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
-                                 schedule=schedule)
+                                 schedule=schedule, tvm_ffi=tvm_ffi)
         _CACHE[key] = fn
     return fn
 

@@ -28,6 +28,7 @@ from cutlass.cute.runtime import make_fake_stream
 from . import DROP_VERSION
 from .ep_constants import DEFAULT_TIMEOUT_NS, EP_ALIGN_H_ELEMS
 from .ep_launch import ARCH, _fake, _real, _stream, device_num_sms
+from .launch import call_on_stream, ffi_function
 from .layout_kernels import (
     LAYOUT_ABI_VERSION,
     LAYOUT_MAX_LOCAL_EXPERTS,
@@ -78,11 +79,11 @@ class LayoutConfig:
         return self.world * self.max_tokens * self.topk
 
 
-def fake_args(kind: str, cfg: LayoutConfig):
+def fake_args(kind: str, cfg: LayoutConfig, use_tvm_ffi: bool = False):
     """Fake ``__call__`` arguments with the static/dynamic structure ``Layout`` passes."""
     H, K, W, S, E_l = cfg.hidden, cfg.topk, cfg.world, cfg.slots, cfg.local_experts
     bf16, i32, i64, f32 = cutlass.BFloat16, cutlass.Int32, cutlass.Int64, cutlass.Float32
-    stream = make_fake_stream()
+    stream = make_fake_stream(use_tvm_ffi_env_stream=use_tvm_ffi)
     n = cutlass.Int32(1)
     ids = _fake(i32, (S, K), 4)
     cnt = _fake(i32, (W,), 4)
@@ -110,37 +111,41 @@ def make_kernel(kind: str, cfg: LayoutConfig):
     raise ValueError(kind)
 
 
-def cache_key(kind: str, cfg: LayoutConfig) -> tuple:
+def cache_key(kind: str, cfg: LayoutConfig, tvm_ffi: bool = False) -> tuple:
     static = dataclasses.astuple(cfg)
     if kind == "count":  # H does not matter
         static = (cfg.topk, cfg.world, cfg.max_tokens, cfg.local_experts)
     return (LAYOUT_ABI_VERSION, DROP_VERSION, getattr(cutlass, "__version__", ""), ARCH, kind,
-            static)
+            static, bool(tvm_ffi))
 
 
-def compile_kernel(kind: str, cfg: LayoutConfig, options: str = f"--gpu-arch {ARCH}"):
-    """Compile one layout kernel from fake tensors (no GPU needed); no caching."""
-    return cute.compile(make_kernel(kind, cfg), *fake_args(kind, cfg), options=options)
+def compile_kernel(kind: str, cfg: LayoutConfig, options: str = f"--gpu-arch {ARCH}",
+                   tvm_ffi: bool = False):
+    """Compile one layout kernel from fake tensors (no GPU needed); no caching. ``tvm_ffi``: for
+    TVM-FFI launches (adds ``--enable-tvm-ffi``; the stream becomes torch's current one)."""
+    if tvm_ffi:
+        options = f"{options} --enable-tvm-ffi"
+    return cute.compile(make_kernel(kind, cfg), *fake_args(kind, cfg, use_tvm_ffi=tvm_ffi), options=options)
 
 
 _CACHE: Dict[tuple, object] = {}
 
 
-def get_kernel(kind: str, cfg: LayoutConfig):
+def get_kernel(kind: str, cfg: LayoutConfig, tvm_ffi: bool = False):
     """The compiled kernel (process-wide cache of compiled code only; no buffers)."""
-    key = cache_key(kind, cfg)
+    key = cache_key(kind, cfg, tvm_ffi)
     k = _CACHE.get(key)
     if k is None:
-        k = _CACHE[key] = compile_kernel(kind, cfg)
+        k = _CACHE[key] = compile_kernel(kind, cfg, tvm_ffi=tvm_ffi)
     return k
 
 
-def put_kernel(kind: str, cfg: LayoutConfig, compiled) -> None:
+def put_kernel(kind: str, cfg: LayoutConfig, compiled, tvm_ffi: bool = False) -> None:
     """Seed the process-wide cache with ``kind``'s kernel for ``cfg`` compiled elsewhere (e.g.
     loaded from an exported object file); launches then use it instead of compiling."""
     if kind not in KINDS:
         raise ValueError(f"unknown kernel kind {kind!r} (kinds: {KINDS})")
-    _CACHE[cache_key(kind, cfg)] = compiled
+    _CACHE[cache_key(kind, cfg, tvm_ffi)] = compiled
 
 
 def default_num_chunks(cfg: LayoutConfig, device) -> int:
@@ -157,10 +162,13 @@ class Layout:
     counts:     optional caller-owned int32 scratch of >= C * E_l elements (e.g. a view into a
                 workspace); allocated here otherwise. Calls sharing one scratch must be
                 stream-ordered.
+    tvm_ffi:    launch kernels compiled for TVM-FFI with torch tensors (``stream``: a
+                torch.cuda.Stream or None); else the classic path with converted CuTe tensors.
     """
 
     def __init__(self, cfg: LayoutConfig, device, num_chunks: Optional[int] = None,
-                 counts: Optional[torch.Tensor] = None, timeout_ns: int = DEFAULT_TIMEOUT_NS):
+                 counts: Optional[torch.Tensor] = None, timeout_ns: int = DEFAULT_TIMEOUT_NS,
+                 tvm_ffi: bool = False):
         self.cfg = cfg
         self.device = torch.device(device)
         C = num_chunks or default_num_chunks(cfg, self.device)
@@ -175,26 +183,35 @@ class Layout:
             raise ValueError(f"counts must be a contiguous int32 vector of >= {need} elements")
         self.counts = counts[:need]
         self.timeout_ns = int(timeout_ns)
-        self.k_count = get_kernel("count", cfg)
-        self.k_place = {True: get_kernel("place", cfg), False: get_kernel("place_nogather", cfg)}
-        self._cnt = _real(self.counts, 4, True)
-        self._C = cutlass.Int32(C)
-        self._timeout = cutlass.Int64(self.timeout_ns)
+        self.ffi = bool(tvm_ffi)
+        fast = ffi_function if self.ffi else (lambda k: k)
+        self.k_count = fast(get_kernel("count", cfg, self.ffi))
+        self.k_place = {True: fast(get_kernel("place", cfg, self.ffi)),
+                        False: fast(get_kernel("place_nogather", cfg, self.ffi))}
         self._conv: Dict[str, tuple] = {}
         self._dummy = torch.zeros(1, cfg.hidden, dtype=torch.bfloat16, device=self.device)
-        self._dummy_x = _real(self._dummy, 16, True)
+        if self.ffi:  # torch tensors and Python ints go straight into the call
+            self._cnt, self._C, self._timeout, self._dummy_x = self.counts, C, self.timeout_ns, self._dummy
+        else:
+            self._cnt = _real(self.counts, 4, True)
+            self._C = cutlass.Int32(C)
+            self._timeout = cutlass.Int64(self.timeout_ns)
+            self._dummy_x = _real(self._dummy, 16, True)
 
     def _cv(self, role: str, t: torch.Tensor, align: int, dynamic_rows: bool):
         """One-entry conversion cache per argument role (keeps the last tensor alive, so a
-        cached address cannot be recycled)."""
-        key = (t.data_ptr(), tuple(t.shape), t.dtype)
-        hit = self._conv.get(role)
-        if hit is not None and hit[0] == key:
-            return hit[1]
+        cached address cannot be recycled). TVM-FFI: the tensor itself."""
+        if not self.ffi:
+            key = (t.data_ptr(), tuple(t.shape), t.dtype)
+            hit = self._conv.get(role)
+            if hit is not None and hit[0] == key:
+                return hit[1]
         if not t.is_contiguous():
             raise ValueError(f"{role} must be contiguous")
         if t.data_ptr() % align:
             raise ValueError(f"{role} must be {align}-byte aligned")
+        if self.ffi:
+            return t
         ct = _real(t, align, dynamic_rows)
         self._conv[role] = (key, ct)
         return ct
@@ -228,19 +245,25 @@ class Layout:
         r < offsets[E_l]. No host sync."""
         if check:
             self._check(bufs, offsets, idx, ws, pos, xs)
-        st = _stream(stream)
+        if self.ffi:
+            def launch(fn, *args):
+                call_on_stream(fn, args, stream)
+        else:
+            st = _stream(stream)
+
+            def launch(fn, *args):
+                fn(*args, st)
         mIds = self._cv("recv_ids", bufs.recv_ids, 4, False)
         mCnt = self._cv("recv_count", bufs.recv_count, 4, False)
         mErr = self._cv("err", bufs.err, 4, False)
-        self.k_count(mIds, mCnt, self._cv("flags", bufs.flags, 8, False),
-                     self._cv("ctrl", bufs.ctrl, 8, False), mErr, self._cnt, self._timeout,
-                     self._C, st)
+        launch(self.k_count, mIds, mCnt, self._cv("flags", bufs.flags, 8, False),
+               self._cv("ctrl", bufs.ctrl, 8, False), mErr, self._cnt, self._timeout, self._C)
         gather = xs is not None
         if gather:
             mX, mXs = self._cv("recv_x", bufs.recv_x, 16, True), self._cv("xs", xs, 16, True)
         else:
             mX = mXs = self._dummy_x
-        self.k_place[gather](mIds, self._cv("recv_w", bufs.recv_w, 4, False), mCnt, mErr,
-                             self._cnt, mX, self._cv("offsets", offsets, 4, False),
-                             self._cv("idx", idx, 4, True), self._cv("ws", ws, 4, True),
-                             self._cv("pos", pos, 4, False), mXs, self._C, st)
+        launch(self.k_place[gather], mIds, self._cv("recv_w", bufs.recv_w, 4, False), mCnt, mErr,
+               self._cnt, mX, self._cv("offsets", offsets, 4, False),
+               self._cv("idx", idx, 4, True), self._cv("ws", ws, 4, True),
+               self._cv("pos", pos, 4, False), mXs, self._C)
