@@ -1,6 +1,8 @@
 """Prebuilt kernels: ``python -m moe_ep.aot build|list|verify``.
 
     python -m moe_ep.aot build --arch sm_90a --model qwen3 [--max-tokens 8192] [--ep 1] --out DIR
+    python -m moe_ep.aot build --arch sm_100a --model nemotron --out DIR   # NVFP4 W4A16 layers (B200)
+    python -m moe_ep.aot build --arch sm_120a --model qwen3 --out DIR      # MXFP8 layers (RTX PRO 6000)
     python -m moe_ep.aot list   [--dir DIR]
     python -m moe_ep.aot verify [--dir DIR]
 
@@ -19,6 +21,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+
+
+#: the weight format each Blackwell arch's backend runs (sm_90a: BF16)
+ARCH_QUANT = {"sm_100a": "nvfp4_w4a16", "sm_120a": "mxfp8"}
 
 
 def _models():
@@ -47,7 +53,7 @@ def build(args) -> int:
         for ep in args.ep:
             from moe_ep.bench.models import model_config
 
-            cfg = model_config(key, args.max_tokens)
+            cfg = model_config(key, args.max_tokens, quant=ARCH_QUANT.get(args.arch))
             seen = len(COMPILE_EVENTS)
             t0 = time.perf_counter()
             try:

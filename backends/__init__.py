@@ -14,6 +14,8 @@ from moe_ep.shim import (BackendWarning, BootstrapError, CapacityError, CaptureE
 
 from . import reference as _reference
 from .sm90 import bf16_cutedsl as _sm90_bf16
+from .sm100 import w4a16_cutedsl as _sm100_w4a16
+from .sm120 import mxfp8_cutedsl as _sm120_mxfp8
 from .registry import (BackendImpl, BackendSpec, UnsupportedBackendError, Verdict, available, explain, get,
                        register, select, unregister)
 
@@ -30,6 +32,25 @@ register(BackendSpec(
     priority=100,
     check=_sm90_bf16.check,
     factory=lambda cfg, group, device, **opts: _sm90_bf16.Sm90CuteDSLBackend(cfg, group, device, **opts),
+    quant_formats=(None,),
+))
+register(BackendSpec(
+    name="sm100_w4a16_cutedsl",
+    description="SM100 W4A16 (NVFP4 weights): tcgen05 grouped GEMMs, weights dequantised in shared memory; "
+                "compiled and host-tested, not yet run on Blackwell hardware",
+    priority=100,
+    check=_sm100_w4a16.check,
+    factory=lambda cfg, group, device, **opts: _sm100_w4a16.Sm100W4A16Backend(cfg, group, device, **opts),
+    quant_formats=("nvfp4_w4a16",),
+))
+register(BackendSpec(
+    name="sm120_mxfp8_cutedsl",
+    description="SM120 MXFP8: swap-AB block-scaled mma.sync grouped GEMMs; compiled and host-tested, "
+                "not yet run on Blackwell hardware",
+    priority=100,
+    check=_sm120_mxfp8.check,
+    factory=lambda cfg, group, device, **opts: _sm120_mxfp8.Sm120Mxfp8Backend(cfg, group, device, **opts),
+    quant_formats=("mxfp8",),
 ))
 
 
@@ -61,21 +82,41 @@ __all__ = [*ERRORS, "retain_runtime", "workspace_bytes", "BackendImpl", "Backend
            "list_cache_entries", "set_compile_cache_dir", "verify_cache_entry", "PREBUILD_ARCHES", "COMPILE_EVENTS"]
 
 #: arch -> backend whose kernels ``prebuild`` compiles for it
-PREBUILD_ARCHES = {"sm_90a": "sm90_bf16_cutedsl"}
+PREBUILD_ARCHES = {"sm_90a": "sm90_bf16_cutedsl", "sm_100a": "sm100_w4a16_cutedsl", "sm_120a": "sm120_mxfp8_cutedsl"}
+_PREBUILD = {"sm_90a": _sm90_bf16.prebuild, "sm_100a": _sm100_w4a16.prebuild, "sm_120a": _sm120_mxfp8.prebuild}
 
 
 def prebuild(config, world_size: int = 1, arch: str = "sm_90a", kernels: tuple = ("fc1", "fc2", "ep", "layout")) -> None:
     """Compile every kernel a layer of ``config`` on ``world_size`` ranks needs for ``arch``
-    into the disk compile cache (no GPU needed). Unknown arches raise naming the known ones."""
+    into the disk compile cache (no GPU needed), with the backend :data:`PREBUILD_ARCHES` names for
+    that arch (``sm_100a``: NVFP4 W4A16 layers, ``sm_120a``: MXFP8 layers). Unknown arches, and
+    configurations that backend refuses, raise naming the reason."""
     if arch not in PREBUILD_ARCHES:
         raise ValueError(f"prebuild: arch {arch!r} is not supported; supported: {sorted(PREBUILD_ARCHES)}")
-    _sm90_bf16.prebuild(config, world_size, kernels)
+    if arch != "sm_90a":
+        from .registry import get as _get_spec
+
+        backend = {"sm_100a": _sm100_w4a16, "sm_120a": _sm120_mxfp8}[arch]
+        _get_spec(PREBUILD_ARCHES[arch])  # registered
+        backend.check_config(config, _PrebuildGroup(world_size))
+    _PREBUILD[arch](config, world_size, kernels)
+
+
+class _PrebuildGroup:
+    """The group facts a backend's config check reads, for a prebuild without processes."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.dist_backend = "nccl" if world_size > 1 else "none"
 
 
 def workspace_bytes(name: str, config, world_size: int) -> int:
     """Device bytes per rank of the workspace a layer of ``config`` needs on backend ``name``
     (0 for backends that allocate per call, such as ``reference``)."""
     get(name)  # unknown names raise, naming the registered ones
-    if name == "sm90_bf16_cutedsl":
+    if name in ("sm90_bf16_cutedsl", "sm100_w4a16_cutedsl"):
         return _sm90_bf16.workspace_bytes(config, world_size)
+    if name == "sm120_mxfp8_cutedsl":  # + MXFP8 copies of the grouped rows and of FC1's output
+        P = world_size * config.max_tokens_per_rank * config.top_k
+        return _sm90_bf16.workspace_bytes(config, world_size) + P * (config.hidden + config.intermediate) * 33 // 32
     return 0

@@ -69,7 +69,9 @@ class BackendSpec:
     ``swiglu_alpha``/``swiglu_limit`` and ``bias_dtype`` (a backend without biases refuses a
     config whose ``bias_dtype`` is set); ``factory(config, group, device, **options)`` builds the
     impl (options: ``timeout_s``).
-    Higher ``priority`` wins under ``"auto"``.
+    Higher ``priority`` wins under ``"auto"``. ``quant_formats``: the ``MoEConfig.quant`` values
+    the backend is built for (None: any); ``"auto"`` only warns about passing over a backend built
+    for the config's weight format (a BF16 layer is not told that an NVFP4 backend was skipped).
     """
 
     name: str
@@ -77,6 +79,11 @@ class BackendSpec:
     priority: int
     check: Callable[[Any, Any, Any], None]
     factory: Callable[..., BackendImpl]
+    quant_formats: tuple | None = None
+
+    def serves(self, config: Any) -> bool:
+        """Whether the backend is built for ``config``'s weight format."""
+        return self.quant_formats is None or getattr(config, "quant", None) in self.quant_formats
 
 
 _LOCK = threading.Lock()
@@ -187,12 +194,15 @@ def select(name: str, config: Any, group: Any, device: Any) -> BackendSpec:
         spec.check(config, group, device)
         return spec
     refused: list[Verdict] = []
+    alternatives: list[Verdict] = []  # refused backends built for this weight format
     for spec in _specs():
         v = _verdict(spec, config, group, device)
         if v.ok:
-            _warn_passed_over(spec.name, refused)
+            _warn_passed_over(spec.name, alternatives)
             return spec
         refused.append(v)
+        if spec.serves(config):
+            alternatives.append(v)
     if not refused:
         raise UnsupportedBackendError("no moe_ep backend is registered")
     raise UnsupportedBackendError("no registered backend supports this configuration: "

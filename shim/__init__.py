@@ -22,7 +22,7 @@ from .disk_cache import cache_root as compile_cache_root
 from .disk_cache import list_entries as list_cache_entries
 from .disk_cache import set_cache_dir as set_compile_cache_dir
 from .disk_cache import verify_entry as verify_cache_entry
-from .contract import CallableUse, DropContract, ImportUse
+from .contract import AttributeUse, CallableUse, DropContract, ImportUse
 from .drops import drop_contracts
 from .drops.sm90_megamoe import CONSTANTS as SM90_MEGAMOE_CONSTANTS
 from .drops.sm90_megamoe import EP_COUNTERS as SM90_EP_COUNTERS
@@ -45,6 +45,19 @@ from .drops.sm90_megamoe import cache_namespace as sm90_cache_namespace
 from .drops.sm90_megamoe import compiled_grouped_gemm as sm90_compiled_grouped_gemm
 from .drops.sm90_megamoe import prebuild_ep as sm90_prebuild_ep
 from .drops.sm90_megamoe import prebuild_layout as sm90_prebuild_layout
+from .drops.sm90_megamoe import EP_ARCHS as SM90_EP_ARCHS
+from .drops.sm100_w4a16 import check_gemm as sm100_check_w4a16_gemm
+from .drops.sm100_w4a16 import compile_gemm_ptx as sm100_compile_w4a16_ptx
+from .drops.sm100_w4a16 import compiled_w4a16_gemm as sm100_compiled_w4a16_gemm
+from .drops.sm100_w4a16 import w4a16_gemm as sm100_w4a16_gemm
+from .drops.sm120_mxfp8 import check_gemm as sm120_check_mxfp8_gemm
+from .drops.sm120_mxfp8 import check_quantize as sm120_check_mxfp8_quantize
+from .drops.sm120_mxfp8 import compile_gemm_ptx as sm120_compile_mxfp8_ptx
+from .drops.sm120_mxfp8 import compiled_mxfp8_gemm as sm120_compiled_mxfp8_gemm
+from .drops.sm120_mxfp8 import compiled_quantize_rows as sm120_compiled_quantize_rows
+from .drops.sm120_mxfp8 import mxfp8_gemm as sm120_mxfp8_gemm
+from .drops.sm120_mxfp8 import pick_tile_tokens as sm120_pick_tile_tokens
+from .drops.sm120_mxfp8 import quantize_rows as sm120_quantize_rows
 from .errors import (BackendWarning, BootstrapError, CapacityError, CaptureError, ConstantDriftError,
                      DeviceStallError, DropCollisionError, MoEError, NvshmemOwnershipError, RoutingValueError,
                      ShimError, StaleHandleError, SymmetricHeapError, UnsupportedBackendError)
@@ -56,7 +69,7 @@ from .paths import drop_src, kernel_src_root, register_drop
 __all__ = [
     "BackendWarning", "BootstrapError", "CapacityError", "MoEError", "RoutingValueError", "StaleHandleError",
     "SymmetricHeapError", "UnsupportedBackendError",
-    "COMPILE_CACHE", "CallableUse", "CaptureError", "CompileCache", "ConstantDriftError",
+    "AttributeUse", "COMPILE_CACHE", "CallableUse", "CaptureError", "CompileCache", "ConstantDriftError",
     "CounterContract", "DeviceStallError", "DropCollisionError", "DropContract", "ImportUse",
     "MirroredConstants", "NvshmemOwnershipError", "NvshmemRuntime", "ShimError", "drop_contracts",
     "drop_src", "ensure_not_capturing", "is_capturing", "kernel_src_root", "nvshmem_acquire",
@@ -67,5 +80,9 @@ __all__ = [
     "sm90_new_verr", "sm90_pick_raster_m", "sm90_pick_schedule", "SM90_DECODE_MAX_ROWS_PER_EXPERT",
     "COMPILE_EVENTS", "CacheEvent", "CompileCacheWarning", "compile_cache_root", "list_cache_entries",
     "set_compile_cache_dir", "verify_cache_entry", "sm90_cache_namespace", "sm90_compiled_grouped_gemm",
-    "sm90_prebuild_ep", "sm90_prebuild_layout",
+    "sm90_prebuild_ep", "sm90_prebuild_layout", "SM90_EP_ARCHS",
+    "sm100_check_w4a16_gemm", "sm100_compile_w4a16_ptx", "sm100_compiled_w4a16_gemm", "sm100_w4a16_gemm",
+    "sm120_check_mxfp8_gemm", "sm120_check_mxfp8_quantize", "sm120_compile_mxfp8_ptx",
+    "sm120_compiled_mxfp8_gemm", "sm120_compiled_quantize_rows", "sm120_mxfp8_gemm", "sm120_pick_tile_tokens",
+    "sm120_quantize_rows",
 ]

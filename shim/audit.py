@@ -17,7 +17,22 @@ Checks, for the checkout ``--root`` (default: this repository):
 * **top-level names** -- no two drops (and no drop and an installed module) share a name.
 * **shim imports** -- every ``import``/``from ... import`` of drop code in ``shim/`` names a file
   that exists in the drop's ``src/`` and (for ``from``) a name defined at its top level (static,
-  with :mod:`ast`); ``--imports`` prints that table (shim import -> src file).
+  with :mod:`ast`).
+* **string loads** -- every ``_load("pkg.mod")`` / ``importlib.import_module("pkg.mod")`` with a
+  literal string in ``shim/`` (how the shim really imports drops: lazily, by name) names a module
+  file that exists in some drop's ``src/``. ``--imports`` prints both kinds (shim import -> src
+  file, with the names read through each load).
+* **declared attributes** -- every :class:`~moe_ep.shim.contract.AttributeUse` still exists, read
+  statically from the drop's files: ``"pkg.mod:Class"`` attributes assigned as ``self.<attr>`` in a
+  method of the class (or of a base class in the drop), class-level fields/annotations, methods,
+  properties; ``"pkg.mod"`` names bound at the module's top level. A renamed field reads
+  ``<drop file>:<class line>: missing attribute: <Class>.<attr> read by the shim: ...``.
+* **attribute reads** -- every attribute the shim reads off a string-loaded module (``x =
+  _load("m")`` then ``x.Name``, also via ``self.<a> = _load("m")``) or off an instance it builds
+  from one (``x.Class(...).attr``, ``obj = x.Class(...)`` / ``self.obj = ...`` then ``obj.attr``)
+  exists in the drop and is declared in an ``AttributeUse`` (``undeclared drop attribute read by
+  the shim``, at the shim's line). Reads through other objects (e.g. a compiled object passed in
+  as a parameter) are not traced: declare them by hand. See :mod:`moe_ep.shim.audit_seam`.
 
 Content hash of a drop (recorded in VENDOR.md as ``hash: sha256:<hex>``): the files under ``src/``
 minus :data:`JUNK` (bytecode, compiler outputs), sorted by ``/``-separated relative path; the hash
@@ -27,8 +42,9 @@ i.e. exactly what ``sha256sum`` prints, so it can be checked by hand (see VENDOR
 Contracts are read from the audited checkout itself: the checks that import code run in a fresh
 interpreter (:mod:`moe_ep.shim.audit_probe`) that loads ``<root>`` as package ``moe_ep``, so a
 ``--root`` audit sees that checkout's shim and drops, and nothing leaks into the caller's
-``sys.modules``/``sys.path``. The static checks (hashes, layers, names, shim imports) use this
-module's rules on ``<root>``'s files.
+``sys.modules``/``sys.path``. The static checks (hashes, layers, names, shim imports, string
+loads, attributes) use this module's rules on ``<root>``'s files; the probe only reports the
+declared ``AttributeUse``s as data, never imports a module to check them.
 """
 
 from __future__ import annotations
@@ -46,9 +62,10 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable
 
-from .layering import check_layers, drop_src_dirs, iter_imports
+from .audit_seam import (Finding, SeamRead, ShimImport, _targets, _walk_top, check_attributes, check_reads,
+                         scan_shim_imports, scan_string_loads)
+from .layering import check_layers, drop_src_dirs
 from .paths import top_level_names
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -58,21 +75,6 @@ JUNK_DIRS = ("__pycache__", ".pytest_cache", ".mypy_cache", "*.egg-info")
 JUNK = ("*.pyc", "*.pyo", "*.ptx", "*.cubin", "*.sass", "*.fatbin", ".DS_Store")
 RECORD_FENCE = "vendor-record"  # info string of the machine-read block in VENDOR.md
 SHORT = 12  # hex digits of a per-file hash recorded in VENDOR.md
-
-
-@dataclass(frozen=True, order=True)
-class Finding:
-    """One problem: where (``file``, path relative to the root, and ``line``), what, both sides."""
-
-    file: str
-    what: str
-    expected: str
-    found: str
-    line: int | None = None
-
-    def __str__(self) -> str:
-        loc = f"{self.file}:{self.line}" if self.line else self.file
-        return f"{loc}: {self.what}: expected {self.expected}; found {self.found}"
 
 
 # --------------------------------------------------------------------------- content hash
@@ -296,122 +298,6 @@ def check_names(root: Path, owners: dict[str, list[Path]]) -> list[Finding]:
     return out
 
 
-def _walk_top(stmts: Iterable[ast.stmt]) -> Iterable[ast.stmt]:
-    """Module-level statements, descending into if/try/with/for blocks but not into defs."""
-    for s in stmts:
-        yield s
-        if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            continue
-        for attr in ("body", "orelse", "finalbody"):
-            yield from _walk_top(getattr(s, attr, []) or [])
-        for h in getattr(s, "handlers", []) or []:
-            yield from _walk_top(h.body)
-
-
-def _targets(t: ast.expr) -> Iterable[str]:
-    if isinstance(t, ast.Name):
-        yield t.id
-    elif isinstance(t, (ast.Tuple, ast.List)):
-        for e in t.elts:
-            yield from _targets(e)
-    elif isinstance(t, ast.Starred):
-        yield from _targets(t.value)
-
-
-def module_file(src: Path, mod: str) -> Path | None:
-    """The file defining dotted module ``mod`` inside a drop ``src`` folder, or None."""
-    base = src.joinpath(*mod.split("."))
-    for cand in (base.with_suffix(".py"), base / "__init__.py"):
-        if cand.is_file():
-            return cand
-    return None
-
-
-def top_level_defs(src: Path, path: Path, _seen: set | None = None) -> dict[str, int] | None:
-    """``name -> line`` for every name a module binds at top level; None if unknowable statically
-    (a module ``__getattr__`` or a ``*`` import from outside the drop)."""
-    seen = _seen if _seen is not None else set()
-    if path in seen:
-        return {}
-    seen.add(path)
-    tree = ast.parse(path.read_text(), str(path))
-    pkg = path.relative_to(src).parent.parts
-    names: dict[str, int] = {}
-    for s in _walk_top(tree.body):
-        found: list[str] = []
-        if isinstance(s, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            found = [s.name]
-            if s.name == "__getattr__":
-                return None
-        elif isinstance(s, ast.Assign):
-            found = [n for t in s.targets for n in _targets(t)]
-        elif isinstance(s, (ast.AnnAssign, ast.AugAssign)):
-            found = list(_targets(s.target))
-        elif isinstance(s, ast.Import):
-            found = [a.asname or a.name.split(".")[0] for a in s.names]
-        elif isinstance(s, ast.ImportFrom):
-            found = [a.asname or a.name for a in s.names if a.name != "*"]
-            if any(a.name == "*" for a in s.names):
-                base = list(pkg[: len(pkg) - (s.level - 1)]) if s.level else []
-                target = module_file(src, ".".join(base + ([s.module] if s.module else [])))
-                sub = top_level_defs(src, target, seen) if target else None
-                if sub is None:
-                    return None
-                for n in sub:
-                    names.setdefault(n, s.lineno)
-        for n in found:
-            names.setdefault(n, s.lineno)
-    return names
-
-
-@dataclass
-class ShimImport:
-    shim_file: str
-    line: int
-    module: str
-    names: tuple[str, ...]
-    src_file: str | None  # relative to root; None when the module is gone
-
-
-def scan_shim_imports(root: Path, owners: dict[str, list[Path]]) -> tuple[list[ShimImport], list[Finding]]:
-    """Every static import of drop code under ``<root>/shim`` and whether its target still exists."""
-    rows: list[ShimImport] = []
-    out: list[Finding] = []
-    for path in sorted((root / "shim").rglob("*.py")):
-        rel = path.relative_to(root)
-        if "__pycache__" in rel.parts:
-            continue
-        try:
-            imports = list(iter_imports(path, rel))
-        except SyntaxError:
-            continue  # check_layers reports it
-        for line, mod, names in imports:
-            top = mod.split(".")[0]
-            if top not in owners:
-                continue
-            # with colliding drops (reported apart) take the first that has the module
-            src = next((s for s in owners[top] if module_file(s, mod)), owners[top][0])
-            target = module_file(src, mod)
-            here = rel.as_posix()
-            rows.append(ShimImport(here, line, mod, names,
-                                   target.relative_to(root).as_posix() if target else None))
-            if target is None:
-                want = src.relative_to(root).joinpath(*mod.split(".")).as_posix()
-                out.append(Finding(here, "shim import names a module the drop no longer has",
-                                   f"module {mod!r} at {want}.py or {want}/__init__.py", "no such file", line))
-                continue
-            wanted = [n for n in names if n != "*" and not module_file(src, f"{mod}.{n}")]  # not submodules
-            defs = top_level_defs(src, target) if wanted else {}
-            if defs is None:
-                continue  # module __getattr__ or a foreign *-import: cannot tell statically
-            for n in wanted:
-                if n not in defs:
-                    out.append(Finding(here, "shim import names a symbol the drop no longer has",
-                                       f"{n!r} defined at top level of {target.relative_to(root).as_posix()}",
-                                       "no such name", line))
-    return rows, out
-
-
 # --------------------------------------------------------------------------- contracts (via the probe)
 
 
@@ -550,7 +436,8 @@ class Report:
     root: Path
     findings: list[Finding] = field(default_factory=list)
     facts: dict = field(default_factory=dict)
-    shim_imports: list[ShimImport] = field(default_factory=list)
+    shim_imports: list[ShimImport] = field(default_factory=list)  # static imports and string loads
+    seam_reads: list[SeamRead] = field(default_factory=list)
     n_drops: int = 0
 
     @property
@@ -562,10 +449,14 @@ class Report:
         n_call = sum(len(c["callables"]) for c in cs)
         n_const = sum(c["n_constants"] for c in cs)
         n_imp = sum(len(c["imports"]) for c in cs)
+        n_attr = sum(len(u["attrs"]) for c in cs for u in c.get("attributes", []))
+        n_load = sum(r.via != "import" for r in self.shim_imports)
+        n_reads = len({(r.module, r.name, r.attr) for r in self.seam_reads})
         return (f"moe-ep audit: clean ({self.root}): {self.n_drops} drop(s) match VENDOR.md; "
                 f"{len(cs)} contract(s): {n_call} signature(s), {n_const} mirrored constant(s), "
-                f"{n_imp} declared import(s); {len(self.shim_imports)} shim import(s) of drop code; "
-                "layer rules and top-level names OK")
+                f"{n_imp} declared import(s), {n_attr} declared attribute(s); "
+                f"{len(self.shim_imports) - n_load} shim import(s) and {n_load} string load(s) of drop code, "
+                f"{n_reads} attribute(s) read through them; layer rules and top-level names OK")
 
 
 def audit(root: Path | str = REPO_ROOT, facts: dict | None = None) -> Report:
@@ -583,6 +474,13 @@ def audit(root: Path | str = REPO_ROOT, facts: dict | None = None) -> Report:
     rep.findings += check_names(root, owners)
     rep.shim_imports, bad = scan_shim_imports(root, owners)
     rep.findings += bad
+    loads, rep.seam_reads, bad = scan_string_loads(root, owners)
+    rep.shim_imports = sorted(rep.shim_imports + loads, key=lambda r: (r.shim_file, r.line))
+    rep.findings += bad
+    contracts = [c for c in rep.facts.get("contracts", []) if "fatal" not in c]
+    rep.findings += check_attributes(root, contracts)
+    # undeclared reads are judged only when the contracts loaded (else: existence only)
+    rep.findings += check_reads(root, owners, rep.seam_reads, None if rep.facts.get("error") else contracts)
     return rep
 
 
@@ -593,7 +491,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--print-record", nargs="?", const="", metavar="ARCH/DROP",
                     help="print the VENDOR.md section of each drop on disk (or just ARCH/DROP) and exit 0")
     ap.add_argument("--imports", action="store_true",
-                    help="print the table 'shim import -> src file' before the findings")
+                    help="print the table 'shim import -> src file' (static imports and string loads, "
+                         "with the names read through each load) before the findings")
     args = ap.parse_args(argv)
     root = args.root.resolve()
     if not (root / "shim").is_dir() and not (root / "kernel_src").is_dir():
@@ -611,8 +510,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.imports:
         print("shim import -> src file")
         for r in rep.shim_imports:
-            what = f"from {r.module} import {', '.join(r.names)}" if r.names else f"import {r.module}"
-            print(f"  {r.shim_file}:{r.line}  {what}  ->  {r.src_file or 'MISSING'}")
+            print(f"  {r.shim_file}:{r.line}  {r.describe()}")
         print()
     for f in rep.findings:
         print(f)

@@ -5,7 +5,8 @@ which loads the checkout ``ROOT`` as the package ``moe_ep`` (whatever ``moe_ep``
 ignored), reads the contracts that checkout's shim declares (``moe_ep.shim.drops.drop_contracts()``),
 puts each contract's drop ``src/`` on ``sys.path``, imports the drop modules the contract names
 (importing a real drop imports CuTeDSL; nothing is compiled) and writes plain facts as JSON:
-signatures, constant drift, whether declared imports resolve. The audit judges those facts.
+signatures, constant drift, whether declared imports resolve, and the declared attribute uses
+(as data: the audit checks those statically). The audit judges those facts.
 
 Why a subprocess: importing drops and a second ``moe_ep`` must not pollute the caller's
 ``sys.path``/``sys.modules``, and ``--root`` must see *that* checkout's shim, not ours.
@@ -111,7 +112,10 @@ def probe_contract(c: Any, root: Path) -> dict:
                  "version": getattr(c, "version", None), "packages": list(getattr(c, "packages", ())),
                  "consumers": list(getattr(c, "consumers", ())), "src": str(src), "src_exists": src.is_dir(),
                  "callables": [], "drift": [], "constants_errors": [], "constant_files": {},
-                 "n_constants": 0, "imports": []}
+                 "n_constants": 0, "imports": [],
+                 # declarations only: the audit checks them statically (audit_seam), never by import
+                 "attributes": [{"target": u.target, "attrs": [u.attrs] if isinstance(u.attrs, str) else list(u.attrs)}
+                                for u in getattr(c, "attributes", ())]}
     if not src.is_dir():
         return rec
     if str(src) not in sys.path:

@@ -2,7 +2,8 @@
 
 Each drop's shim module declares one :class:`DropContract`: where the drop lives, its top-level
 packages, its version, the constants the shim mirrors, the callables it calls with the parameter
-names it passes, and the symbols it imports. The first compile checks the constants; the audit
+names it passes, the symbols it imports and the attributes it reads off drop modules and objects
+(:class:`AttributeUse`). The first compile checks the constants; the audit
 (``python -m moe_ep.shim.audit``) checks all of it statically, so a drop refresh that changes a
 signature fails loudly before anything runs.
 """
@@ -43,6 +44,38 @@ class ImportUse:
 
 
 @dataclass(frozen=True)
+class AttributeUse:
+    """Attributes the shim reads off drop objects.
+
+    ``target`` ``"pkg.module:Class"``: attributes read from instances (or the class itself); each
+    must be assigned as ``self.<attr> = ...`` / ``self.<attr>: T = ...`` in a method of the class
+    (or of a base class defined in the drop), or be a class-level field/annotation (dataclass
+    fields), a method, a property or a nested class. ``target`` ``"pkg.module"``: module-level
+    names (assigned, imported or defined at the module's top level, or a submodule). The audit
+    checks them statically (``python -m moe_ep.shim.audit``), and requires every attribute the shim
+    reads off a string-loaded drop module (``x = _load("m")`` then ``x.Name``) or off an instance it
+    constructs from one to be listed here."""
+
+    target: str
+    attrs: tuple[str, ...]
+
+    def __post_init__(self) -> None:
+        if isinstance(self.attrs, str):  # ("x") instead of ("x",)
+            object.__setattr__(self, "attrs", (self.attrs,))
+        else:
+            object.__setattr__(self, "attrs", tuple(self.attrs))
+
+    @property
+    def module(self) -> str:
+        return self.target.split(":")[0]
+
+    @property
+    def qualname(self) -> str | None:
+        """The class (``"Class"`` or ``"Outer.Inner"``), None for module-level names."""
+        return self.target.split(":")[1] if ":" in self.target else None
+
+
+@dataclass(frozen=True)
 class DropContract:
     arch: str
     drop: str
@@ -52,6 +85,7 @@ class DropContract:
     callables: tuple[CallableUse, ...] = ()
     imports: tuple[ImportUse, ...] = ()
     consumers: tuple[str, ...] = field(default=())
+    attributes: tuple[AttributeUse, ...] = ()
 
     @property
     def key(self) -> str:

@@ -331,3 +331,242 @@ def test_real_repository_audit_clean():
                        text=True, timeout=120)
     assert p.returncode == 0, p.stdout + p.stderr
     assert p.stdout.strip().splitlines()[-1].startswith("moe-ep audit: clean")
+
+
+# --------------------------------------------------------------------------- the seam (AttributeUse, string loads)
+
+SEAM = '''
+
+import importlib
+
+
+def _load(module):
+    CONTRACT.activate()
+    return importlib.import_module(module)
+
+
+class Runner:
+    def __init__(self):
+        k = self._k = _load("{pkg}.kernel")
+        self.kern = k.ToyKernel("identity")
+
+    def tile(self):
+        return self.kern.tile_m, self._k.helper
+
+
+def version():
+    return _load("{pkg}").VERSION
+'''
+
+SEAM_ATTRS = '''    attributes=(
+        AttributeUse("{pkg}.kernel", ("ToyKernel", "helper")),
+        AttributeUse("{pkg}.kernel:ToyKernel", ("activation", "tile_m", "__call__")),
+        AttributeUse("{pkg}", ("VERSION",)),
+    ),
+    consumers=("shim/drops/toy.py",),'''
+
+
+@pytest.fixture
+def seam(checkout):
+    """The toy checkout whose shim also loads drop modules by name and declares what it reads."""
+    root, pkg, d = checkout
+    toy = root / "shim/drops/toy.py"
+    _edit(toy, "import CallableUse, DropContract, ImportUse",
+          "import AttributeUse, CallableUse, DropContract, ImportUse")
+    _edit(toy, '    consumers=("shim/drops/toy.py",),', SEAM_ATTRS.format(pkg=pkg))
+    toy.write_text(toy.read_text() + SEAM.format(pkg=pkg))
+    return root, pkg, d, toy
+
+
+def _line(path: Path, needle: str) -> int:
+    return next(i for i, ln in enumerate(path.read_text().splitlines(), 1) if needle in ln)
+
+
+def test_attribute_use_declaration():
+    from moe_ep.shim.contract import AttributeUse, DropContract
+
+    u = AttributeUse("pkg.mod:Cls", ["a", "b"])
+    assert u.attrs == ("a", "b") and u.module == "pkg.mod" and u.qualname == "Cls"
+    m = AttributeUse("pkg.mod", "KINDS")  # a bare string is one name, not its letters
+    assert m.attrs == ("KINDS",) and m.qualname is None
+    assert DropContract.__dataclass_fields__["attributes"].default == ()
+
+
+def test_seam_clean_and_imports_table_lists_string_loads(seam, capsys):
+    root, pkg, d, toy = seam
+    rc, out = run_audit(capsys, root, "--imports")
+    assert rc == 0, out
+    assert "6 declared attribute(s)" in out[-1] and "2 string load(s)" in out[-1], out[-1]
+    src = f"kernel_src/sm90/toy/src/{pkg}"
+    table = "\n".join(out)
+    assert (f'shim/drops/toy.py:{_line(toy, "k = self._k")}  _load("{pkg}.kernel")  ->  {src}/kernel.py  '
+            "(reads ToyKernel, ToyKernel().tile_m, helper)") in table
+    assert f'_load("{pkg}")  ->  {src}/__init__.py  (reads VERSION)' in table
+
+
+def test_seam_renamed_instance_attribute(seam, capsys):
+    root, pkg, d, toy = seam
+    _edit(d / "kernel.py", "self.activation, self.tile_m = activation, tile_m",
+          "self.activation, self.tile_rows = activation, tile_m")
+    record(capsys, root)
+    rc, out = run_audit(capsys, root)
+    assert rc == 1
+    assert out == [f"kernel_src/sm90/toy/src/{pkg}/kernel.py:6: missing attribute: ToyKernel.tile_m read by the shim: "
+                   "expected 'tile_m' assigned as self.tile_m in a method of ToyKernel (or of a base class in the "
+                   "drop), or a class-level field, method or property; found no such attribute (similar: tile_rows)"]
+
+
+def test_seam_instance_attribute_from_a_base_class_and_dataclass_field(seam, capsys):
+    root, pkg, d, toy = seam
+    _write(d, "base.py", "from dataclasses import dataclass\n\n\n@dataclass\nclass Base:\n    tile_m: int = 128\n")
+    _edit(d / "kernel.py", "class ToyKernel:", "from .base import Base\n\n\nclass ToyKernel(Base):")
+    _edit(d / "kernel.py", "self.activation, self.tile_m = activation, tile_m", "self.activation = activation")
+    record(capsys, root)
+    rc, out = run_audit(capsys, root)
+    assert rc == 0, out  # tile_m: a dataclass field of a base class defined in the drop
+    _edit(d / "base.py", "tile_m: int = 128", "tile_n: int = 128")
+    record(capsys, root)
+    rc, out = run_audit(capsys, root)
+    assert rc == 1 and len(out) == 1 and "missing attribute: ToyKernel.tile_m read by the shim" in out[0], out
+
+
+def test_seam_module_name_removed(seam, capsys):
+    root, pkg, d, toy = seam
+    _edit(d / "__init__.py", "VERSION = 3", "DROP_VERSION = 3")
+    _edit(d / "kernel.py", "def helper(x):", "def helper_v2(x):")
+    record(capsys, root)
+    rc, out = run_audit(capsys, root)
+    assert rc == 1 and len(out) == 3, out
+    src = f"kernel_src/sm90/toy/src/{pkg}"
+    assert f"{src}/__init__.py: missing attribute: {pkg}.VERSION read by the shim: expected 'VERSION' bound at " \
+           f"top level of {pkg} (assigned, imported or defined); found no such name (similar: DROP_VERSION)" in out
+    assert f"{src}/kernel.py: missing attribute: {pkg}.kernel.helper read by the shim: expected 'helper' bound at " \
+           f"top level of {pkg}.kernel (assigned, imported or defined); found no such name (similar: helper_v2)" in out
+    assert _only(out, "shim import names a symbol the drop no longer has: expected 'helper'")  # the static import
+
+
+def test_seam_undeclared_reads(seam, capsys):
+    root, pkg, d, toy = seam
+    toy.write_text(toy.read_text() + f'''
+
+def launch_it(a, b):
+    kmod = _load("{pkg}.kernel")
+    return kmod.launch(kmod.ToyKernel("identity"), a, b), kmod.ToyKernel("swiglu").activation_v2
+''')
+    rc, out = run_audit(capsys, root)
+    assert rc == 1
+    n = _line(toy, "return kmod.launch")
+    assert sorted(out) == sorted([
+        f"shim/drops/toy.py:{n}: undeclared drop attribute read by the shim ({pkg}.kernel.launch): expected "
+        f"'launch' listed in an AttributeUse('{pkg}.kernel', ...) of the drop's DropContract; found not declared",
+        f"shim/drops/toy.py:{n}: undeclared drop attribute read by the shim (ToyKernel.activation_v2): expected "
+        f"'activation_v2' listed in an AttributeUse('{pkg}.kernel:ToyKernel', ...) of the drop's DropContract; "
+        "found not declared; and no such attribute on class ToyKernel "
+        f"(kernel_src/sm90/toy/src/{pkg}/kernel.py:6) (similar: activation)",
+    ])
+
+
+def test_seam_string_load_of_a_missing_module(seam, capsys):
+    root, pkg, d, toy = seam
+    toy.write_text(toy.read_text() + f'''
+
+def gone():
+    return _load("{pkg}.gone"), importlib.import_module("{pkg}.also_gone"), _load("nodrop_{pkg}.x")
+''')
+    rc, out = run_audit(capsys, root, "--imports")
+    assert rc == 1
+    n, src = _line(toy, "def gone") + 1, f"kernel_src/sm90/toy/src/{pkg}"
+    assert f'  shim/drops/toy.py:{n}  _load("{pkg}.gone")  ->  MISSING' in out
+    assert f'  shim/drops/toy.py:{n}  importlib.import_module("{pkg}.also_gone")  ->  MISSING' in out
+    found = [ln for ln in out if ln.startswith("shim/drops/toy.py:")]
+    assert sorted(found) == sorted([
+        f"shim/drops/toy.py:{n}: shim string load names a module the drop no longer has: expected module "
+        f"'{pkg}.gone' at {src}/gone.py or {src}/gone/__init__.py; found no such file",
+        f"shim/drops/toy.py:{n}: shim string load names a module the drop no longer has: expected module "
+        f"'{pkg}.also_gone' at {src}/also_gone.py or {src}/also_gone/__init__.py; found no such file",
+        f"shim/drops/toy.py:{n}: shim string load names no drop's module (_load): expected a module of a drop "
+        f"under kernel_src/*/*/src (top-level names: {pkg}); found 'nodrop_{pkg}.x': no drop provides 'nodrop_{pkg}'",
+    ])
+
+
+def test_seam_declared_class_gone(seam, capsys):
+    root, pkg, d, toy = seam
+    _edit(root / "shim/drops/toy.py", f'AttributeUse("{pkg}", ("VERSION",)),',
+          f'AttributeUse("{pkg}", ("VERSION",)), AttributeUse("{pkg}.kernel:ToyKernal", ("tile_m",)),')
+    rc, out = run_audit(capsys, root)
+    assert rc == 1 and len(out) == 1, out
+    assert out[0] == (f"kernel_src/sm90/toy/src/{pkg}/kernel.py: class the shim reads attributes from is gone "
+                      f"({pkg}.kernel:ToyKernal): expected class ToyKernal defined in (or imported into) {pkg}.kernel "
+                      "(the shim reads tile_m); found no such name (similar: ToyKernel)")
+
+
+# the real SM90 drop, copied: its contract's declared seam against mutated sources (no probe, no imports)
+
+
+@pytest.fixture
+def sm90_copy(tmp_path):
+    from moe_ep.shim.drops.sm90_megamoe import CONTRACT
+
+    root = tmp_path / "sm90_checkout"
+    shutil.copytree(REPO / "kernel_src/sm90/megamoe/src", root / "kernel_src/sm90/megamoe/src",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    _write(root, "shim/drops/sm90_megamoe.py", (REPO / "shim/drops/sm90_megamoe.py").read_text())
+    src = root / "kernel_src/sm90/megamoe/src"
+    contracts = [{"key": CONTRACT.key, "src": str(src), "src_exists": True,
+                  "attributes": [{"target": u.target, "attrs": list(u.attrs)} for u in CONTRACT.attributes]}]
+    return root.resolve(), src / "sm90_megamoe", contracts
+
+
+def _seam_findings(root: Path, contracts: list[dict]) -> list[str]:
+    from moe_ep.shim import audit_seam
+
+    owners = audit.drop_owners(root)
+    rows, reads, bad = audit_seam.scan_string_loads(root, owners)
+    assert rows and reads
+    return [str(f) for f in bad + audit_seam.check_attributes(root, contracts)
+            + audit_seam.check_reads(root, owners, reads, contracts)]
+
+
+def test_sm90_seam_declared_and_clean(sm90_copy):
+    root, pkg, contracts = sm90_copy
+    assert _seam_findings(root, contracts) == []
+    declared = {(u["target"], a) for u in contracts[0]["attributes"] for a in u["attrs"]}
+    for want in [("sm90_megamoe.launch:CompiledGroupedGemm", "n_out"), ("sm90_megamoe.launch:CompiledGroupedGemm",
+                                                                        "schedule"),
+                 ("sm90_megamoe.ep_launch:EpRank", "read_err"), ("sm90_megamoe.ep_launch:EpBuffers", "recv_x"),
+                 ("sm90_megamoe.ep_launch", "KINDS"), ("sm90_megamoe.layout_launch", "KINDS")]:
+        assert want in declared, want
+
+
+def test_sm90_seam_renamed_field_and_module_name(sm90_copy):
+    root, pkg, contracts = sm90_copy
+    _edit(pkg / "launch.py", "self.n_out, self.n_tiles =", "self.n_cols, self.n_tiles =")
+    _edit(pkg / "ep_launch.py", "    def read_err(self", "    def read_error(self")
+    _edit(pkg / "ep_launch.py", "\nKINDS = (", "\nEP_KINDS = (")
+    out = _seam_findings(root, contracts)
+    src = "kernel_src/sm90/megamoe/src/sm90_megamoe"
+    assert _only(out, f"{src}/launch.py:{_line(pkg / 'launch.py', 'class CompiledGroupedGemm')}: missing attribute: "
+                      "CompiledGroupedGemm.n_out read by the shim: expected 'n_out' assigned as self.n_out")
+    assert _only(out, f"{src}/ep_launch.py:{_line(pkg / 'ep_launch.py', 'class EpRank')}: missing attribute: "
+                      "EpRank.read_err read by the shim")
+    assert _only(out, f"{src}/ep_launch.py: missing attribute: sm90_megamoe.ep_launch.KINDS read by the shim: "
+                      "expected 'KINDS' bound at top level of sm90_megamoe.ep_launch")
+    assert len(out) == 3, out  # the shim's reads are declared: each rename is reported once, at the drop
+
+
+def test_real_repository_seam_clean_for_sm90():
+    """This repository's shim reads only declared, existing attributes of the SM90 drop (other
+    drops still being integrated may have findings of their own)."""
+    from moe_ep.shim import audit_seam
+
+    facts = audit.run_probe(REPO)
+    assert not facts["error"], facts["error"]
+    contracts = [c for c in facts["contracts"] if "fatal" not in c]
+    assert any(c["key"] == "sm90/megamoe" and c["attributes"] for c in contracts)
+    owners = audit.drop_owners(REPO)
+    rows, reads, bad = audit_seam.scan_string_loads(REPO, owners)
+    found = bad + audit_seam.check_attributes(REPO, contracts) + audit_seam.check_reads(REPO, owners, reads, contracts)
+    assert [str(f) for f in found if "sm90" in f.file] == []
+    loads = {(r.module, r.names) for r in rows if r.shim_file == "shim/drops/sm90_megamoe.py"}
+    assert any(m == "sm90_megamoe.ep_launch" and "EpRank().read_err" in names for m, names in loads), loads
+    assert any(m == "sm90_megamoe.launch" and "CompiledGroupedGemm().compiled" in names for m, names in loads)

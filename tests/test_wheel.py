@@ -39,3 +39,20 @@ def test_wheel_contents(repo_root, tmp_path):
         assert not [n for n in names if n.startswith(("tests/", "moe_ep/tests/"))]
         assert not [n for n in names if n.endswith(".pyc")]
         assert not [n for n in names if not n.startswith(("moe_ep/", "moe_ep-"))], "stray top-level names"
+
+
+def test_every_python_package_is_listed_in_pyproject(repo_root):
+    """setuptools installs only the packages pyproject names: a new folder (e.g. a new backend)
+    that is not listed works in an editable checkout and is missing from a real install."""
+    import tomllib
+
+    listed = set(tomllib.loads((repo_root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    skip = ("tests", ".device", "build", "dist", ".git", "docs", ".ci")
+    found = {"moe_ep"}
+    for init in repo_root.rglob("__init__.py"):
+        rel = init.parent.relative_to(repo_root)
+        if not rel.parts or rel.parts[0] in skip or "src" in rel.parts or "__pycache__" in rel.parts \
+                or any(p.endswith(".egg-info") for p in rel.parts):
+            continue
+        found.add("moe_ep." + ".".join(rel.parts))
+    assert found - listed == set(), f"packages missing from pyproject.toml [tool.setuptools] packages: {found - listed}"

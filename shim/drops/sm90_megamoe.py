@@ -1,4 +1,4 @@
-"""Shim for the SM90 drop ``kernel_src/sm90/megamoe`` (package ``sm90_megamoe``), drop version 7.
+"""Shim for the SM90 drop ``kernel_src/sm90/megamoe`` (package ``sm90_megamoe``), drop version 8.
 
 What moe_ep relies on, declared as data (:data:`CONTRACT`), plus thin wrappers:
 
@@ -42,7 +42,7 @@ from typing import Any
 from .. import disk_cache
 from ..cache import COMPILE_CACHE, ensure_not_capturing
 from ..constants import MirroredConstants
-from ..contract import CallableUse, DropContract, ImportUse
+from ..contract import AttributeUse, CallableUse, DropContract, ImportUse
 from ..errors import CapacityError, DeviceStallError
 from ..launch_mode import use_tvm_ffi
 from ..nvshmem_boot import CounterContract
@@ -51,7 +51,7 @@ from ..paths import drop_src
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 7},
+    "sm90_megamoe": {"DROP_VERSION": 8},
     "sm90_megamoe.constants": {
         "ABI_VERSION": 2,
         "ACTIVATIONS": ("identity", "swiglu", "squared_relu", "gelu_glu", "clamped_swiglu"),
@@ -84,7 +84,7 @@ CONSTANTS = MirroredConstants("sm90/megamoe", {
 })
 
 CONTRACT = DropContract(
-    arch="sm90", drop="megamoe", version=7, packages=(PKG,), constants=CONSTANTS,
+    arch="sm90", drop="megamoe", version=8, packages=(PKG,), constants=CONSTANTS,
     callables=(
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.__init__",
                     ("activation", "n", "k", "num_experts", "scale_rows", "tile_n", "bias_dtype",
@@ -106,12 +106,12 @@ CONTRACT = DropContract(
                      "verr", "dmask")),
         CallableUse("sm90_megamoe.ep_launch:build_peer_table", ("peer_buffers", "device")),
         CallableUse("sm90_megamoe.ep_launch:get_kernel", ("kind", "cfg", "tvm_ffi")),
-        CallableUse("sm90_megamoe.ep_launch:compile_kernel", ("kind", "cfg", "options", "tvm_ffi")),
-        CallableUse("sm90_megamoe.ep_launch:put_kernel", ("kind", "cfg", "compiled", "tvm_ffi")),
-        CallableUse("sm90_megamoe.layout_launch:compile_kernel", ("kind", "cfg", "options", "tvm_ffi")),
-        CallableUse("sm90_megamoe.layout_launch:put_kernel", ("kind", "cfg", "compiled", "tvm_ffi")),
+        CallableUse("sm90_megamoe.ep_launch:compile_kernel", ("kind", "cfg", "options", "tvm_ffi", "arch")),
+        CallableUse("sm90_megamoe.ep_launch:put_kernel", ("kind", "cfg", "compiled", "tvm_ffi", "arch")),
+        CallableUse("sm90_megamoe.layout_launch:compile_kernel", ("kind", "cfg", "options", "tvm_ffi", "arch")),
+        CallableUse("sm90_megamoe.layout_launch:put_kernel", ("kind", "cfg", "compiled", "tvm_ffi", "arch")),
         CallableUse("sm90_megamoe.ep_launch:EpRank.__init__",
-                    ("cfg", "rank", "bufs", "peer_table", "num_ctas", "timeout_ns", "tvm_ffi")),
+                    ("cfg", "rank", "bufs", "peer_table", "num_ctas", "timeout_ns", "tvm_ffi", "arch")),
         CallableUse("sm90_megamoe.ep_launch:EpRank.dispatch", ("x", "topk_ids", "topk_w")),
         CallableUse("sm90_megamoe.ep_launch:EpRank.wait", ()),
         CallableUse("sm90_megamoe.ep_launch:EpRank.combine_send", ("y", "pos", "stream", "num_ctas",
@@ -124,7 +124,7 @@ CONTRACT = DropContract(
         CallableUse("sm90_megamoe.layout_launch:LayoutConfig.__init__",
                     ("hidden", "topk", "world", "max_tokens", "local_experts")),
         CallableUse("sm90_megamoe.layout_launch:Layout.__init__",
-                    ("cfg", "device", "num_chunks", "counts", "timeout_ns", "tvm_ffi")),
+                    ("cfg", "device", "num_chunks", "counts", "timeout_ns", "tvm_ffi", "arch")),
         CallableUse("sm90_megamoe.layout_launch:Layout.__call__",
                     ("bufs", "offsets", "idx", "ws", "pos", "xs", "stream", "check")),
         CallableUse("sm90_megamoe.layout_kernels:counts_len", ("num_chunks", "local_experts")),
@@ -138,6 +138,26 @@ CONTRACT = DropContract(
         ImportUse("sm90_megamoe.layout_launch", "KINDS", "shim/drops/sm90_megamoe.py"),
     ),
     consumers=("shim/drops/sm90_megamoe.py",),
+    # every attribute the shim (and, through GroupedGemm.compiled / EpSession.bufs, its callers)
+    # reads off drop modules and objects; the audit checks each statically against the drop
+    attributes=(
+        AttributeUse("sm90_megamoe.launch", ("CompiledGroupedGemm", "to_cute_args")),
+        AttributeUse("sm90_megamoe.compile_check", ("compile_for_arch",)),
+        AttributeUse("sm90_megamoe.ep_launch", ("EpConfig", "EpBuffers", "EpRank", "KINDS", "build_peer_table",
+                                                "compile_kernel", "put_kernel")),
+        AttributeUse("sm90_megamoe.layout_launch", ("LayoutConfig", "Layout", "KINDS", "compile_kernel",
+                                                    "put_kernel")),
+        AttributeUse("sm90_megamoe.launch:CompiledGroupedGemm",
+                     ("compiled", "scale_rows", "bias_dtype", "n_out", "tvm_ffi", "schedule", "launch_tensors",
+                      "launch_converted")),
+        AttributeUse("sm90_megamoe.ep_launch:EpRank",
+                     ("dispatch", "wait", "combine_send", "combine_reduce", "read_err", "read_verr", "reset_verr",
+                      "reset_state")),
+        AttributeUse("sm90_megamoe.ep_launch:EpBuffers",
+                     ("recv_x", "recv_ids", "recv_w", "recv_count", "flags", "comb", "ctrl", "err", "verr",
+                      "dmask")),
+        AttributeUse("sm90_megamoe.layout_launch:Layout", ("__call__",)),
+    ),
 )
 
 CONSTANTS.activate = CONTRACT.activate
@@ -162,18 +182,25 @@ def _load(module: str) -> Any:
     return importlib.import_module(module)
 
 
-_NAMESPACE: str | None = None
+_FINGERPRINT: str | None = None
+#: targets the drop's EP and expert-layout kernels build for (loads, stores, atomics, fences,
+#: shuffles only): the Blackwell backends reuse them rather than carry copies
+EP_ARCHS = ("sm_90a", "sm_100a", "sm_120a")
 
 
-def cache_namespace() -> str:
-    """Disk-cache folder of this drop's kernels: drop, version, a fingerprint of its sources,
-    the cutlass-dsl version and the arch (see :mod:`moe_ep.shim.disk_cache`)."""
-    global _NAMESPACE
-    if _NAMESPACE is None:
-        fp = disk_cache.source_fingerprint(drop_src("sm90", "megamoe"))[:16]
-        _NAMESPACE = (f"sm90-megamoe-v{CONSTANTS.value(PKG, 'DROP_VERSION')}-{fp}/"
-                      f"cutlass-dsl-{_cutlass_version()}/sm_90a")
-    return _NAMESPACE
+def cache_namespace(arch: str = "sm_90a") -> str:
+    """Disk-cache folder of this drop's kernels for ``arch``: drop, version, a fingerprint of its
+    sources, the cutlass-dsl version and the arch (see :mod:`moe_ep.shim.disk_cache`)."""
+    global _FINGERPRINT
+    if _FINGERPRINT is None:
+        _FINGERPRINT = disk_cache.source_fingerprint(drop_src("sm90", "megamoe"))[:16]
+    return (f"sm90-megamoe-v{CONSTANTS.value(PKG, 'DROP_VERSION')}-{_FINGERPRINT}/"
+            f"cutlass-dsl-{_cutlass_version()}/{arch}")
+
+
+def _check_ep_arch(arch: str) -> None:
+    if arch not in EP_ARCHS:
+        raise ValueError(f"sm90_megamoe EP/layout kernels: arch {arch!r} not in {EP_ARCHS}")
 
 
 def _cutlass_version() -> str:
@@ -510,23 +537,25 @@ def new_verr(device: Any):
     return torch.tensor(_E["VERR_RESET"], dtype=torch.int64, device=device)
 
 
-def prebuild_ep(hidden: int, topk: int, world: int, max_tokens: int, num_experts: int) -> None:
-    """Compile (or load from the disk cache) every EP kernel for these static values; no GPU
-    needed. Sessions call it; so does ``python -m moe_ep.aot``."""
+def prebuild_ep(hidden: int, topk: int, world: int, max_tokens: int, num_experts: int,
+                arch: str = "sm_90a") -> None:
+    """Compile (or load from the disk cache) every EP kernel for these static values and ``arch``
+    (:data:`EP_ARCHS`); no GPU needed. Sessions call it; so does ``python -m moe_ep.aot``."""
     check_ep_shapes(hidden, topk, world, num_experts)
+    _check_ep_arch(arch)
     el = _load("sm90_megamoe.ep_launch")
     cfg = el.EpConfig(hidden=hidden, topk=topk, world=world, max_tokens=max_tokens, num_experts=num_experts)
     ffi = use_tvm_ffi()
-    key = EpKey(CONSTANTS.value(PKG, "DROP_VERSION"), _E["EP_ABI_VERSION"], _cutlass_version(), "sm_90a",
+    key = EpKey(CONSTANTS.value(PKG, "DROP_VERSION"), _E["EP_ABI_VERSION"], _cutlass_version(), arch,
                 hidden, topk, world, max_tokens, num_experts, ffi)
 
     def build():
         kernels = {}
         for k in el.KINDS:
-            kernels[k] = disk_cache.get_or_build(cache_namespace(), f"ep_{k}", (key, k),
-                                                 lambda k=k: el.compile_kernel(kind=k, cfg=cfg, tvm_ffi=ffi),
-                                                 tvm_ffi=ffi)
-            el.put_kernel(kind=k, cfg=cfg, compiled=kernels[k], tvm_ffi=ffi)
+            kernels[k] = disk_cache.get_or_build(
+                cache_namespace(arch), f"ep_{k}", (key, k),
+                lambda k=k: el.compile_kernel(kind=k, cfg=cfg, tvm_ffi=ffi, arch=arch), tvm_ffi=ffi)
+            el.put_kernel(kind=k, cfg=cfg, compiled=kernels[k], tvm_ffi=ffi, arch=arch)
         return kernels
 
     COMPILE_CACHE.get_or_compile(key, build)
@@ -544,13 +573,15 @@ class EpSession:
 
     def __init__(self, hidden: int, topk: int, world: int, max_tokens: int, num_experts: int,
                  rank: int, device: Any, buffers: dict, peers: list | None = None,
-                 global_ranks: tuple = (), num_ctas: int | None = None, timeout_ns: int | None = None) -> None:
+                 global_ranks: tuple = (), num_ctas: int | None = None, timeout_ns: int | None = None,
+                 arch: str = "sm_90a") -> None:
         check_ep_shapes(hidden, topk, world, num_experts)
         ensure_not_capturing("EP session set-up")
         el = self._el = _load("sm90_megamoe.ep_launch")
         cfg = self.cfg = el.EpConfig(hidden=hidden, topk=topk, world=world, max_tokens=max_tokens,
                                      num_experts=num_experts)
-        prebuild_ep(hidden, topk, world, max_tokens, num_experts)
+        prebuild_ep(hidden, topk, world, max_tokens, num_experts, arch)
+        self.arch = arch
         self.world, self.rank, self.device = world, rank, device
         self.global_ranks = tuple(global_ranks) or tuple(range(world))
         self._num_ctas, self._timeout_ns = num_ctas, timeout_ns
@@ -572,7 +603,7 @@ class EpSession:
         self.peer_table = el.build_peer_table(peer_buffers=views, device=self.device)
         kw = {} if self._timeout_ns is None else {"timeout_ns": int(self._timeout_ns)}
         self.ep = el.EpRank(cfg=self.cfg, rank=self.rank, bufs=self.bufs, peer_table=self.peer_table,
-                            num_ctas=self._num_ctas, tvm_ffi=use_tvm_ffi(), **kw)
+                            num_ctas=self._num_ctas, tvm_ffi=use_tvm_ffi(), arch=self.arch, **kw)
         self.dispatch = self.ep.dispatch
         self.wait = self.ep.wait
         self.combine_send = self.ep.combine_send
@@ -653,22 +684,24 @@ def layout_counts_len(num_chunks: int, local_experts: int) -> int:
     return num_chunks * local_experts
 
 
-def prebuild_layout(hidden: int, topk: int, world: int, max_tokens: int, local_experts: int) -> None:
-    """Compile (or load from the disk cache) every expert-layout kernel; no GPU needed."""
+def prebuild_layout(hidden: int, topk: int, world: int, max_tokens: int, local_experts: int,
+                    arch: str = "sm_90a") -> None:
+    """Compile (or load from the disk cache) every expert-layout kernel for ``arch``; no GPU needed."""
+    _check_ep_arch(arch)
     ll = _load("sm90_megamoe.layout_launch")
     cfg = ll.LayoutConfig(hidden=hidden, topk=topk, world=world, max_tokens=max_tokens,
                           local_experts=local_experts)
     ffi = use_tvm_ffi()
     key = LayoutKey(CONSTANTS.value(PKG, "DROP_VERSION"), _L["LAYOUT_ABI_VERSION"], _cutlass_version(),
-                    "sm_90a", hidden, topk, world, max_tokens, local_experts, ffi)
+                    arch, hidden, topk, world, max_tokens, local_experts, ffi)
 
     def build():
         kernels = {}
         for k in ll.KINDS:
-            kernels[k] = disk_cache.get_or_build(cache_namespace(), f"layout_{k}", (key, k),
-                                                 lambda k=k: ll.compile_kernel(kind=k, cfg=cfg, tvm_ffi=ffi),
-                                                 tvm_ffi=ffi)
-            ll.put_kernel(kind=k, cfg=cfg, compiled=kernels[k], tvm_ffi=ffi)
+            kernels[k] = disk_cache.get_or_build(
+                cache_namespace(arch), f"layout_{k}", (key, k),
+                lambda k=k: ll.compile_kernel(kind=k, cfg=cfg, tvm_ffi=ffi, arch=arch), tvm_ffi=ffi)
+            ll.put_kernel(kind=k, cfg=cfg, compiled=kernels[k], tvm_ffi=ffi, arch=arch)
         return kernels
 
     COMPILE_CACHE.get_or_compile(key, build)
@@ -683,16 +716,18 @@ class LayoutSession:
     """
 
     def __init__(self, hidden: int, topk: int, world: int, max_tokens: int, local_experts: int, device: Any,
-                 counts: Any, num_chunks: int | None = None, timeout_ns: int | None = None) -> None:
+                 counts: Any, num_chunks: int | None = None, timeout_ns: int | None = None,
+                 arch: str = "sm_90a") -> None:
         ensure_not_capturing("layout set-up")
         ll = _load("sm90_megamoe.layout_launch")
         cfg = ll.LayoutConfig(hidden=hidden, topk=topk, world=world, max_tokens=max_tokens,
                               local_experts=local_experts)
-        prebuild_layout(hidden, topk, world, max_tokens, local_experts)
+        prebuild_layout(hidden, topk, world, max_tokens, local_experts, arch)
         # one chunk per SM (or the caller's grid), never more chunks than receive slots
         C = max(1, min(num_chunks or _num_sms(device), LAYOUT_MAX_CHUNKS, world * max_tokens))
         kw = {} if timeout_ns is None else {"timeout_ns": int(timeout_ns)}
-        self._layout = ll.Layout(cfg=cfg, device=device, num_chunks=C, counts=counts, tvm_ffi=use_tvm_ffi(), **kw)
+        self._layout = ll.Layout(cfg=cfg, device=device, num_chunks=C, counts=counts, tvm_ffi=use_tvm_ffi(),
+                                 arch=arch, **kw)
         self._checked = False
 
     def __call__(self, ep: EpSession, offsets, idx, ws, pos, xs) -> None:

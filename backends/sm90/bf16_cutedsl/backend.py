@@ -144,6 +144,8 @@ class Sm90HandleState:
 
 class Sm90CuteDSLBackend(BackendImpl):
     name = "sm90_bf16_cutedsl"
+    #: target of the EP and layout kernels (arch-neutral; the Blackwell backends subclass this one)
+    arch = "sm_90a"
 
     def __init__(self, config: Any, group: Any, device: torch.device, *, timeout_s: float = 10.0,
                  num_ctas: int | None = None, virtual: bool = False) -> None:
@@ -184,9 +186,19 @@ class Sm90CuteDSLBackend(BackendImpl):
             global_ranks = tuple(dist.get_process_group_ranks(self.group.pg))
         self.ep = Sm90EpSession(d.hidden, d.topk, self.W, d.max_tokens, cfg.num_experts, self.group.rank, dev,
                                 {**v, "verr": self.verr}, peers=peers, global_ranks=global_ranks,
-                                num_ctas=self.num_ctas, timeout_ns=self.timeout_ns)
+                                num_ctas=self.num_ctas, timeout_ns=self.timeout_ns, arch=self.arch)
         self.layout = Sm90LayoutSession(d.hidden, d.topk, self.W, d.max_tokens, self.E, dev, v["counts"],
-                                        num_chunks=self.num_ctas, timeout_ns=self.timeout_ns)
+                                        num_chunks=self.num_ctas, timeout_ns=self.timeout_ns, arch=self.arch)
+        self._bind_gemms(v)
+        self.xs, self.h = v["xs"], v["h"]
+        self.y = v["xs"]  # FC2's output overwrites FC1's input, dead by then
+        self.offsets, self.idx, self.ws_rows, self.pos = v["offsets"], v["idx"], v["ws"], v["pos"]
+        if not self.virtual:  # a VirtualEP binds itself instead (it re-connects all its ranks)
+            self.ws.bind(self)
+
+    def _bind_gemms(self, views: dict) -> None:
+        """FC1/FC2 launchers (and the decode pair when the layer's capacity is large)."""
+        cfg, dev = self.cfg, self.device
         specs = _gemm_specs(cfg, self.E, self.W)
         self.fc1 = sm90_grouped_gemm(**specs["fc1"], device=dev)
         self.fc2 = sm90_grouped_gemm(**specs["fc2"], device=dev)
@@ -197,18 +209,13 @@ class Sm90CuteDSLBackend(BackendImpl):
             self.fc2_decode = sm90_grouped_gemm(**specs["fc2_decode"], device=dev)
         self._decode_max_tokens = int(SM90_DECODE_MAX_ROWS_PER_EXPERT * cfg.num_experts / (self.W * cfg.top_k))
         self._gemms = (self.fc1, self.fc2)
-        self.xs, self.h = v["xs"], v["h"]
-        self.y = v["xs"]  # FC2's output overwrites FC1's input, dead by then
-        self.offsets, self.idx, self.ws_rows, self.pos = v["offsets"], v["idx"], v["ws"], v["pos"]
-        if not self.virtual:  # a VirtualEP binds itself instead (it re-connects all its ranks)
-            self.ws.bind(self)
 
     def _rebind(self) -> None:
         """The workspace grew: carve the new pools again."""
         self._bind()
 
     def warmup(self, progress):
-        progress(f"FC1 ({self.cfg.activation}), FC2, EP and layout kernels for sm_90a"
+        progress(f"FC1 ({self.cfg.activation}), FC2, EP and layout kernels for {self.arch}"
                  + (f"; NVSHMEM over {self.W} ranks" if self.W > 1 and not self.virtual else ""))
         seen = len(COMPILE_EVENTS)
         self._ensure()
@@ -224,7 +231,7 @@ class Sm90CuteDSLBackend(BackendImpl):
         for T in sizes:
             self._warm_forward(T)
         for gemm in (self.fc1, self.fc2, self.fc1_decode, self.fc2_decode):
-            if gemm is not None:
+            if gemm is not None and hasattr(gemm, "release"):
                 gemm.release()  # do not keep the throw-away weights alive
         self.check()
 
@@ -235,14 +242,20 @@ class Sm90CuteDSLBackend(BackendImpl):
         x = torch.randn(T, cfg.hidden, device=self.device, generator=g).to(torch.bfloat16)
         ids = torch.randint(0, cfg.num_experts, (T, cfg.top_k), device=self.device, generator=g, dtype=torch.int32)
         w = torch.rand(T, cfg.top_k, device=self.device, generator=g)
-        w13 = torch.randn(self.E, cfg.w13_rows, cfg.hidden, device=self.device, generator=g).to(torch.bfloat16)
-        w2 = torch.randn(self.E, cfg.hidden, cfg.intermediate, device=self.device, generator=g).to(torch.bfloat16)
+        w13, w2 = self._warm_weights(g)
         b13 = b2 = None
         if getattr(cfg, "bias_dtype", None) is not None:
             b13 = torch.randn(self.E, cfg.w13_rows, device=self.device, generator=g).to(cfg.bias_dtype)
             b2 = torch.randn(self.E, cfg.hidden, device=self.device, generator=g).to(cfg.bias_dtype)
         self.forward(x, ids, w, w13, w2, b13=b13, b2=b2)
         torch.cuda.synchronize(self.device)
+
+    def _warm_weights(self, g: torch.Generator) -> tuple:
+        """Random (w13, w2) in the format ``forward`` takes (bf16 here)."""
+        cfg = self.cfg
+        w13 = torch.randn(self.E, cfg.w13_rows, cfg.hidden, device=self.device, generator=g).to(torch.bfloat16)
+        w2 = torch.randn(self.E, cfg.hidden, cfg.intermediate, device=self.device, generator=g).to(torch.bfloat16)
+        return w13, w2
 
     # ---- forward: the numbered steps of the module docstring ----------------------------------
     # (separate methods so that virtual ranks in one process can interleave them by phase)

@@ -269,20 +269,25 @@ KINDS = ("dispatch", "dispatch_i64", "wait", "gather", "combine_send", "combine_
          "combine_reduce")
 
 
-def cache_key(kind: str, cfg: EpConfig, tvm_ffi: bool = False) -> tuple:
+def cache_key(kind: str, cfg: EpConfig, tvm_ffi: bool = False, arch: str = ARCH) -> tuple:
     static = dataclasses.astuple(cfg)
     if kind == "wait":
         static = (cfg.world,)
     elif kind == "gather":
         static = (cfg.hidden, cfg.threads)
     # dispatch vs dispatch_i64, combine_send vs combine_send_weighted: ``kind`` tells them apart
-    return (EP_ABI_VERSION, DROP_VERSION, getattr(cutlass, "__version__", ""), ARCH, kind, static,
+    return (EP_ABI_VERSION, DROP_VERSION, getattr(cutlass, "__version__", ""), arch, kind, static,
             bool(tvm_ffi))
 
 
-def compile_kernel(kind: str, cfg: EpConfig, options: str = f"--gpu-arch {ARCH}", tvm_ffi: bool = False):
+def compile_kernel(kind: str, cfg: EpConfig, options: Optional[str] = None, tvm_ffi: bool = False,
+                   arch: str = ARCH):
     """Compile one EP kernel from fake tensors (no GPU needed); no caching. ``tvm_ffi``: for
-    TVM-FFI launches (adds ``--enable-tvm-ffi``; the stream argument becomes torch's current one)."""
+    TVM-FFI launches (adds ``--enable-tvm-ffi``; the stream argument becomes torch's current one).
+    ``arch``: the target (the EP kernels use only loads, stores, atomics and fences, so they build
+    for sm_90a, sm_100a and sm_120a alike); ``options`` None = ``--gpu-arch <arch>``."""
+    if options is None:
+        options = f"--gpu-arch {arch}"
     if tvm_ffi:
         options = f"{options} --enable-tvm-ffi"
     return cute.compile(make_kernel(kind, cfg), *fake_args(kind, cfg, use_tvm_ffi=tvm_ffi), options=options)
@@ -291,23 +296,23 @@ def compile_kernel(kind: str, cfg: EpConfig, options: str = f"--gpu-arch {ARCH}"
 _CACHE: Dict[tuple, object] = {}
 
 
-def get_kernel(kind: str, cfg: EpConfig, tvm_ffi: bool = False):
+def get_kernel(kind: str, cfg: EpConfig, tvm_ffi: bool = False, arch: str = ARCH):
     """The compiled kernel (process-wide cache of compiled code only; no buffers). A real
     argument that does not match the fake-compiled signature raises at launch: the fake
     arguments ARE the ABI, nothing is silently recompiled."""
-    key = cache_key(kind, cfg, tvm_ffi)
+    key = cache_key(kind, cfg, tvm_ffi, arch)
     k = _CACHE.get(key)
     if k is None:
-        k = _CACHE[key] = compile_kernel(kind, cfg, tvm_ffi=tvm_ffi)
+        k = _CACHE[key] = compile_kernel(kind, cfg, tvm_ffi=tvm_ffi, arch=arch)
     return k
 
 
-def put_kernel(kind: str, cfg: EpConfig, compiled, tvm_ffi: bool = False) -> None:
+def put_kernel(kind: str, cfg: EpConfig, compiled, tvm_ffi: bool = False, arch: str = ARCH) -> None:
     """Seed the process-wide cache with ``kind``'s kernel for ``cfg`` compiled elsewhere (e.g.
     loaded from an exported object file); launches then use it instead of compiling."""
     if kind not in KINDS:
         raise ValueError(f"unknown kernel kind {kind!r} (kinds: {KINDS})")
-    _CACHE[cache_key(kind, cfg, tvm_ffi)] = compiled
+    _CACHE[cache_key(kind, cfg, tvm_ffi, arch)] = compiled
 
 
 _STREAMS: Dict[int, cuda.CUstream] = {}
@@ -351,11 +356,12 @@ class EpRank:
     <= #SMs / W / 2), because CombineReduce / EpWait spin on flags written by other ranks.
     tvm_ffi: launch kernels compiled for TVM-FFI with torch tensors (``stream`` arguments are then
     ``torch.cuda.Stream`` or None); else the classic path with converted CuTe tensors.
+    arch: the GPU's target (``sm_90a``, ``sm_100a``, ``sm_120a``): the kernels are arch-neutral.
     """
 
     def __init__(self, cfg: EpConfig, rank: int, bufs: EpBuffers, peer_table: torch.Tensor,
                  num_ctas: Optional[int] = None, timeout_ns: int = DEFAULT_TIMEOUT_NS,
-                 tvm_ffi: bool = False):
+                 tvm_ffi: bool = False, arch: str = ARCH):
         if not 0 <= rank < cfg.world:
             raise ValueError(f"rank {rank} outside [0, {cfg.world})")
         if tuple(peer_table.shape) != (EP_NUM_PEER_BUFS, cfg.world) or \
@@ -367,7 +373,7 @@ class EpRank:
         self.timeout_ns = int(timeout_ns)
         self._timeout_key, self._timeout = None, None
         self.ffi = bool(tvm_ffi)
-        self.k = {kind: get_kernel(kind, cfg, self.ffi) for kind in KINDS}
+        self.k = {kind: get_kernel(kind, cfg, self.ffi, arch) for kind in KINDS}
         if self.ffi:
             self.k = {kind: ffi_function(k) for kind, k in self.k.items()}
         # Persistent conversions (static layouts).

@@ -111,18 +111,22 @@ def make_kernel(kind: str, cfg: LayoutConfig):
     raise ValueError(kind)
 
 
-def cache_key(kind: str, cfg: LayoutConfig, tvm_ffi: bool = False) -> tuple:
+def cache_key(kind: str, cfg: LayoutConfig, tvm_ffi: bool = False, arch: str = ARCH) -> tuple:
     static = dataclasses.astuple(cfg)
     if kind == "count":  # H does not matter
         static = (cfg.topk, cfg.world, cfg.max_tokens, cfg.local_experts)
-    return (LAYOUT_ABI_VERSION, DROP_VERSION, getattr(cutlass, "__version__", ""), ARCH, kind,
+    return (LAYOUT_ABI_VERSION, DROP_VERSION, getattr(cutlass, "__version__", ""), arch, kind,
             static, bool(tvm_ffi))
 
 
-def compile_kernel(kind: str, cfg: LayoutConfig, options: str = f"--gpu-arch {ARCH}",
-                   tvm_ffi: bool = False):
+def compile_kernel(kind: str, cfg: LayoutConfig, options: Optional[str] = None,
+                   tvm_ffi: bool = False, arch: str = ARCH):
     """Compile one layout kernel from fake tensors (no GPU needed); no caching. ``tvm_ffi``: for
-    TVM-FFI launches (adds ``--enable-tvm-ffi``; the stream becomes torch's current one)."""
+    TVM-FFI launches (adds ``--enable-tvm-ffi``; the stream becomes torch's current one).
+    ``arch``: the target (sm_90a, sm_100a or sm_120a: no arch-specific instruction);
+    ``options`` None = ``--gpu-arch <arch>``."""
+    if options is None:
+        options = f"--gpu-arch {arch}"
     if tvm_ffi:
         options = f"{options} --enable-tvm-ffi"
     return cute.compile(make_kernel(kind, cfg), *fake_args(kind, cfg, use_tvm_ffi=tvm_ffi), options=options)
@@ -131,21 +135,21 @@ def compile_kernel(kind: str, cfg: LayoutConfig, options: str = f"--gpu-arch {AR
 _CACHE: Dict[tuple, object] = {}
 
 
-def get_kernel(kind: str, cfg: LayoutConfig, tvm_ffi: bool = False):
+def get_kernel(kind: str, cfg: LayoutConfig, tvm_ffi: bool = False, arch: str = ARCH):
     """The compiled kernel (process-wide cache of compiled code only; no buffers)."""
-    key = cache_key(kind, cfg, tvm_ffi)
+    key = cache_key(kind, cfg, tvm_ffi, arch)
     k = _CACHE.get(key)
     if k is None:
-        k = _CACHE[key] = compile_kernel(kind, cfg, tvm_ffi=tvm_ffi)
+        k = _CACHE[key] = compile_kernel(kind, cfg, tvm_ffi=tvm_ffi, arch=arch)
     return k
 
 
-def put_kernel(kind: str, cfg: LayoutConfig, compiled, tvm_ffi: bool = False) -> None:
+def put_kernel(kind: str, cfg: LayoutConfig, compiled, tvm_ffi: bool = False, arch: str = ARCH) -> None:
     """Seed the process-wide cache with ``kind``'s kernel for ``cfg`` compiled elsewhere (e.g.
     loaded from an exported object file); launches then use it instead of compiling."""
     if kind not in KINDS:
         raise ValueError(f"unknown kernel kind {kind!r} (kinds: {KINDS})")
-    _CACHE[cache_key(kind, cfg, tvm_ffi)] = compiled
+    _CACHE[cache_key(kind, cfg, tvm_ffi, arch)] = compiled
 
 
 def default_num_chunks(cfg: LayoutConfig, device) -> int:
@@ -164,11 +168,12 @@ class Layout:
                 stream-ordered.
     tvm_ffi:    launch kernels compiled for TVM-FFI with torch tensors (``stream``: a
                 torch.cuda.Stream or None); else the classic path with converted CuTe tensors.
+    arch:       the GPU's target (``sm_90a``, ``sm_100a``, ``sm_120a``): the kernels are arch-neutral.
     """
 
     def __init__(self, cfg: LayoutConfig, device, num_chunks: Optional[int] = None,
                  counts: Optional[torch.Tensor] = None, timeout_ns: int = DEFAULT_TIMEOUT_NS,
-                 tvm_ffi: bool = False):
+                 tvm_ffi: bool = False, arch: str = ARCH):
         self.cfg = cfg
         self.device = torch.device(device)
         C = num_chunks or default_num_chunks(cfg, self.device)
@@ -185,9 +190,9 @@ class Layout:
         self.timeout_ns = int(timeout_ns)
         self.ffi = bool(tvm_ffi)
         fast = ffi_function if self.ffi else (lambda k: k)
-        self.k_count = fast(get_kernel("count", cfg, self.ffi))
-        self.k_place = {True: fast(get_kernel("place", cfg, self.ffi)),
-                        False: fast(get_kernel("place_nogather", cfg, self.ffi))}
+        self.k_count = fast(get_kernel("count", cfg, self.ffi, arch))
+        self.k_place = {True: fast(get_kernel("place", cfg, self.ffi, arch)),
+                        False: fast(get_kernel("place_nogather", cfg, self.ffi, arch))}
         self._conv: Dict[str, tuple] = {}
         self._dummy = torch.zeros(1, cfg.hidden, dtype=torch.bfloat16, device=self.device)
         if self.ffi:  # torch tensors and Python ints go straight into the call

@@ -1,0 +1,1 @@
+"""SM100 (Blackwell datacenter: B200/GB200) backends."""

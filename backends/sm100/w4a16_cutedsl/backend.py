@@ -1,0 +1,119 @@
+"""SM100 (B200/GB200) W4A16 backend: NVFP4 expert weights, BF16 activations, on the drop
+``sm100/w4a16`` -- **compiled and host-tested, not yet run on Blackwell hardware**.
+
+The forward is the SM90 backend's (:mod:`moe_ep.backends.sm90.bf16_cutedsl`), with its EP and
+expert-layout kernels built for sm_100a (they are arch-neutral), and steps 3-4 replaced:
+
+1. **dispatch** and 2. **expert layout** -- as on SM90 (BF16 rows, grouped by local expert);
+3. **FC1 + activation** -- W4A16 grouped GEMM ``h = act(xs · dequant(w13)ᵀ)`` (tcgen05 UMMA; the
+   NVFP4 weight tile is dequantised to BF16 in shared memory; ``squared_relu`` or ``swiglu``);
+4. **FC2 + router weight** -- ``y = ws · (h · dequant(w2)ᵀ)``;
+5. **combine** -- as on SM90.
+
+Weights: ``MoEConfig.quant = "nvfp4_w4a16"`` and :class:`moe_ep.api.quant.NVFP4Weight` for ``w13``
+``[E_local, w13_rows, H]`` and ``w2`` ``[E_local, H, I]`` (values ``[E, N, K/2]`` uint8, block scales
+``[E, N, K/16]`` e4m3, global scales ``[E]`` float32). No biases.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from moe_ep.shim import (SM90_EP_ARCHS, sm90_prebuild_ep, sm90_prebuild_layout,
+                         sm100_check_w4a16_gemm, sm100_compiled_w4a16_gemm, sm100_w4a16_gemm)
+
+from ...quant import quantize_nvfp4
+from ...registry import UnsupportedBackendError
+from ...sm90.bf16_cutedsl.backend import Sm90CuteDSLBackend
+from ...sm90.bf16_cutedsl.workspace import Dims
+
+NAME = "sm100_w4a16_cutedsl"
+ARCH = "sm_100a"
+#: MoEConfig.activation -> the drop's FC1 epilogue
+ACTIVATION_MAP = {"squared_relu": "squared_relu", "swiglu": "swiglu"}
+
+
+def _gemm_specs(cfg: Any, e_local: int) -> dict:
+    return {"fc1": (ACTIVATION_MAP[cfg.activation], cfg.w13_rows, cfg.hidden, e_local),
+            "fc2": ("row_scale", cfg.hidden, cfg.intermediate, e_local)}
+
+
+def check_config(config: Any, group: Any) -> None:
+    """What this backend refuses on any machine (shapes, formats), with the reason."""
+    if getattr(config, "quant", None) != "nvfp4_w4a16":
+        raise UnsupportedBackendError(f"{NAME} runs MoEConfig.quant='nvfp4_w4a16' weights, not "
+                                      f"quant={getattr(config, 'quant', None)!r}")
+    if config.dtype != torch.bfloat16:
+        raise UnsupportedBackendError(f"{NAME} runs bf16 activations only, not {config.dtype}")
+    if config.activation not in ACTIVATION_MAP:
+        raise UnsupportedBackendError(f"{NAME}: activation {config.activation!r} is not supported "
+                                      f"(supported: {sorted(ACTIVATION_MAP)})")
+    if getattr(config, "bias_dtype", None) is not None:
+        raise UnsupportedBackendError(f"{NAME}: per-expert biases are not supported")
+    if group.world_size > 1 and group.dist_backend not in ("nccl", "virtual"):
+        raise UnsupportedBackendError(f"{NAME} over several ranks bootstraps NVSHMEM over an NCCL process group")
+    e_local = config.local_experts(group.world_size)
+    try:
+        for spec in _gemm_specs(config, e_local).values():
+            sm100_check_w4a16_gemm(*spec)
+    except ValueError as e:
+        raise UnsupportedBackendError(f"{NAME}: {e}") from e
+
+
+def check(config: Any, group: Any, device: torch.device) -> None:
+    """Refuse, with the reason, anything this backend cannot run here (on an H200: the arch)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise UnsupportedBackendError(f"{NAME} needs a CUDA device (got {device})")
+    cc = torch.cuda.get_device_capability(device)
+    if cc[0] != 10:
+        raise UnsupportedBackendError(f"{NAME} needs an SM100 GPU (B200/GB200, compute capability 10.x); this "
+                                      f"GPU is sm_{cc[0]}{cc[1]} ({torch.cuda.get_device_name(device)})")
+    check_config(config, group)
+
+
+def prebuild(config: Any, world_size: int, kernels: tuple = ("fc1", "fc2", "ep", "layout")) -> None:
+    """Compile (or load from the disk compile cache) every kernel a layer needs, for sm_100a,
+    without a GPU (``python -m moe_ep.aot build --arch sm_100a``)."""
+    assert ARCH in SM90_EP_ARCHS
+    d = Dims.of(config, world_size)
+    e_local = config.local_experts(world_size)
+    specs = _gemm_specs(config, e_local)
+    for name in kernels:
+        if name in specs:
+            sm100_compiled_w4a16_gemm(*specs[name])
+        elif name == "ep":
+            sm90_prebuild_ep(d.hidden, d.topk, world_size, d.max_tokens, config.num_experts, ARCH)
+        elif name == "layout":
+            sm90_prebuild_layout(d.hidden, d.topk, world_size, d.max_tokens, e_local, ARCH)
+        else:
+            raise ValueError(f"unknown kernel group {name!r} (fc1, fc2, ep, layout)")
+
+
+class Sm100W4A16Backend(Sm90CuteDSLBackend):
+    """The SM90 backend's dispatch/layout/combine (built for sm_100a) around W4A16 GEMMs."""
+
+    name = NAME
+    arch = ARCH
+
+    def _bind_gemms(self, views: dict) -> None:
+        specs = _gemm_specs(self.cfg, self.E)
+        self.fc1 = sm100_w4a16_gemm(*specs["fc1"])
+        self.fc2 = sm100_w4a16_gemm(*specs["fc2"])
+        self.fc1_decode = self.fc2_decode = None
+        self._decode_max_tokens = 0
+        self._gemms = (self.fc1, self.fc2)
+
+    def _warm_weights(self, g: torch.Generator) -> tuple:
+        cfg = self.cfg
+        w13 = torch.randn(self.E, cfg.w13_rows, cfg.hidden, device=self.device, generator=g) * cfg.hidden ** -0.5
+        w2 = torch.randn(self.E, cfg.hidden, cfg.intermediate, device=self.device, generator=g) * cfg.intermediate ** -0.5
+        return quantize_nvfp4(w13), quantize_nvfp4(w2)
+
+    def _step34_experts(self, w13, w2, b13=None, b2=None) -> None:
+        fc1, fc2 = self._gemms
+        fc1(self.xs, w13.values, w13.block_scale, w13.global_scale, self.offsets, out=self.h,
+            max_active_ctas=self.num_ctas)
+        fc2(self.h, w2.values, w2.block_scale, w2.global_scale, self.offsets, row_scale=self.ws_rows,
+            out=self.y, max_active_ctas=self.num_ctas)

@@ -1,0 +1,1 @@
+"""SM120 (Blackwell workstation: RTX PRO 6000 class) backends."""

@@ -1,0 +1,140 @@
+"""SM120 (RTX PRO 6000 class) MXFP8 backend on the drop ``sm120/mxfp8`` -- **compiled and
+host-tested, not yet run on Blackwell hardware**.
+
+The forward is the SM90 backend's (:mod:`moe_ep.backends.sm90.bf16_cutedsl`), with its EP and
+expert-layout kernels built for sm_120a (they are arch-neutral), and steps 3-4 replaced:
+
+1. **dispatch** and 2. **expert layout** -- as on SM90 (BF16 rows, grouped by local expert);
+3. **FC1 + SwiGLU** -- the grouped rows are quantised to MXFP8 (E4M3 + an E8M0 scale per 32,
+   the rule of :func:`moe_ep.api.quant.quantize_mxfp8`), then the swap-AB block-scaled grouped
+   GEMM ``h = swiglu(xq · wq13ᵀ)`` (``mma.sync ... kind::mxf8f6f4.block_scale``);
+4. **FC2 + router weight** -- ``h`` quantised to MXFP8 the same way, ``y = ws · (hq · wq2ᵀ)``;
+5. **combine** -- as on SM90.
+
+Weights: ``MoEConfig.quant = "mxfp8"`` and :class:`moe_ep.api.quant.MXFP8Tensor` for ``w13``
+``[E_local, 2I, H]`` and ``w2`` ``[E_local, H, I]`` (values e4m3, scales ``[..., K/32]`` e8m0).
+The quantised activations live in buffers of this layer, allocated when it binds (never in
+``forward``). No biases.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from moe_ep.shim import (SM90_EP_ARCHS, sm90_prebuild_ep, sm90_prebuild_layout, sm120_check_mxfp8_gemm,
+                         sm120_check_mxfp8_quantize, sm120_compiled_mxfp8_gemm, sm120_compiled_quantize_rows,
+                         sm120_mxfp8_gemm, sm120_pick_tile_tokens, sm120_quantize_rows)
+
+from ...quant import MXFP8_BLOCK, quantize_mxfp8
+from ...registry import UnsupportedBackendError
+from ...sm90.bf16_cutedsl.backend import Sm90CuteDSLBackend, rows_per_expert
+from ...sm90.bf16_cutedsl.workspace import Dims
+
+NAME = "sm120_mxfp8_cutedsl"
+ARCH = "sm_120a"
+
+
+def _gemm_specs(cfg: Any, e_local: int, world: int) -> dict:
+    """(epilogue, n, k, E_local, token tile) of FC1 and FC2; the token tile from the mean rows
+    per expert at capacity (static)."""
+    tile = sm120_pick_tile_tokens(rows_per_expert(cfg, world, cfg.max_tokens_per_rank))
+    return {"fc1": ("swiglu", cfg.w13_rows, cfg.hidden, e_local, tile),
+            "fc2": ("row_scale", cfg.hidden, cfg.intermediate, e_local, tile)}
+
+
+def check_config(config: Any, group: Any) -> None:
+    """What this backend refuses on any machine (shapes, formats), with the reason."""
+    if getattr(config, "quant", None) != "mxfp8":
+        raise UnsupportedBackendError(f"{NAME} runs MoEConfig.quant='mxfp8', not "
+                                      f"quant={getattr(config, 'quant', None)!r}")
+    if config.dtype != torch.bfloat16:
+        raise UnsupportedBackendError(f"{NAME} runs bf16 layer inputs only, not {config.dtype}")
+    if config.activation != "swiglu":
+        raise UnsupportedBackendError(f"{NAME}: activation {config.activation!r} is not supported (swiglu)")
+    if getattr(config, "bias_dtype", None) is not None:
+        raise UnsupportedBackendError(f"{NAME}: per-expert biases are not supported")
+    if group.world_size > 1 and group.dist_backend not in ("nccl", "virtual"):
+        raise UnsupportedBackendError(f"{NAME} over several ranks bootstraps NVSHMEM over an NCCL process group")
+    try:
+        for spec in _gemm_specs(config, config.local_experts(group.world_size), group.world_size).values():
+            sm120_check_mxfp8_gemm(*spec)
+        sm120_check_mxfp8_quantize(config.hidden)
+        sm120_check_mxfp8_quantize(config.intermediate)
+    except ValueError as e:
+        raise UnsupportedBackendError(f"{NAME}: {e}") from e
+
+
+def check(config: Any, group: Any, device: torch.device) -> None:
+    """Refuse, with the reason, anything this backend cannot run here (on an H200: the arch)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise UnsupportedBackendError(f"{NAME} needs a CUDA device (got {device})")
+    cc = torch.cuda.get_device_capability(device)
+    if cc[0] != 12:
+        raise UnsupportedBackendError(f"{NAME} needs an SM120 GPU (RTX PRO 6000 class, compute capability "
+                                      f"12.x); this GPU is sm_{cc[0]}{cc[1]} ({torch.cuda.get_device_name(device)})")
+    check_config(config, group)
+
+
+def prebuild(config: Any, world_size: int, kernels: tuple = ("fc1", "fc2", "ep", "layout")) -> None:
+    """Compile (or load from the disk compile cache) every kernel a layer needs, for sm_120a,
+    without a GPU (``python -m moe_ep.aot build --arch sm_120a``); "fc1"/"fc2" include the
+    row quantiser for their input width."""
+    assert ARCH in SM90_EP_ARCHS
+    d = Dims.of(config, world_size)
+    e_local = config.local_experts(world_size)
+    specs = _gemm_specs(config, e_local, world_size)
+    for name in kernels:
+        if name in specs:
+            sm120_compiled_mxfp8_gemm(*specs[name])
+            sm120_compiled_quantize_rows(specs[name][2])
+        elif name == "ep":
+            sm90_prebuild_ep(d.hidden, d.topk, world_size, d.max_tokens, config.num_experts, ARCH)
+        elif name == "layout":
+            sm90_prebuild_layout(d.hidden, d.topk, world_size, d.max_tokens, e_local, ARCH)
+        else:
+            raise ValueError(f"unknown kernel group {name!r} (fc1, fc2, ep, layout)")
+
+
+class Sm120Mxfp8Backend(Sm90CuteDSLBackend):
+    """The SM90 backend's dispatch/layout/combine (built for sm_120a) around MXFP8 GEMMs."""
+
+    name = NAME
+    arch = ARCH
+
+    def _bind_gemms(self, views: dict) -> None:
+        cfg = self.cfg
+        specs = _gemm_specs(cfg, self.E, self.W)
+        self.fc1, self.fc2 = sm120_mxfp8_gemm(*specs["fc1"]), sm120_mxfp8_gemm(*specs["fc2"])
+        self.quant_x, self.quant_h = sm120_quantize_rows(cfg.hidden), sm120_quantize_rows(cfg.intermediate)
+        self.fc1_decode = self.fc2_decode = None
+        self._decode_max_tokens = 0
+        self._gemms = (self.fc1, self.fc2)
+        P = views["xs"].shape[0]  # grouped-row capacity
+        dev = self.device
+        if getattr(self, "xq", None) is None or self.xq.shape[0] != P:
+            self.xq = torch.empty(P, cfg.hidden, dtype=torch.float8_e4m3fn, device=dev)
+            self.xq_scale = torch.empty(P, cfg.hidden // MXFP8_BLOCK, dtype=torch.float8_e8m0fnu, device=dev)
+            self.hq = torch.empty(P, cfg.intermediate, dtype=torch.float8_e4m3fn, device=dev)
+            self.hq_scale = torch.empty(P, cfg.intermediate // MXFP8_BLOCK, dtype=torch.float8_e8m0fnu, device=dev)
+
+    def _warm_weights(self, g: torch.Generator) -> tuple:
+        cfg = self.cfg
+        w13 = torch.randn(self.E, cfg.w13_rows, cfg.hidden, device=self.device, generator=g) * cfg.hidden ** -0.5
+        w2 = torch.randn(self.E, cfg.hidden, cfg.intermediate, device=self.device, generator=g) * cfg.intermediate ** -0.5
+        return quantize_mxfp8(w13), quantize_mxfp8(w2)
+
+    def _step34_experts(self, w13, w2, b13=None, b2=None) -> None:
+        fc1, fc2 = self._gemms
+        # every capacity row is quantised (rows past offsets[-1] are never read by the GEMMs):
+        # the valid count lives on the device, and reading it would sync the host
+        self.quant_x(self.xs, self.xq, self.xq_scale)
+        fc1(self.xq, self.xq_scale, w13.values, w13.scale, self.offsets, out=self.h, max_active_ctas=self.num_ctas)
+        self.quant_h(self.h, self.hq, self.hq_scale)
+        fc2(self.hq, self.hq_scale, w2.values, w2.scale, self.offsets, out=self.y, row_scale=self.ws_rows,
+            max_active_ctas=self.num_ctas)
+
+    def destroy(self):
+        self.xq = self.xq_scale = self.hq = self.hq_scale = None
+        super().destroy()

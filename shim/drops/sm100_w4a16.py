@@ -1,0 +1,154 @@
+"""Shim for the SM100 drop ``kernel_src/sm100/w4a16`` (package ``sm100_w4a16``), drop version 1.
+
+The drop is a W4A16 grouped GEMM for Blackwell datacenter GPUs (B200/GB200): NVFP4 expert weights
+(E2M1 values, an E4M3 scale per 16 along K, a float32 scale per expert) dequantised to BF16 in
+shared memory, BF16 activations, tcgen05 UMMA with TMEM accumulators, device-side expert offsets.
+What it verifies here: it compiles for sm_100a and assembles with ptxas; it has **not run on
+Blackwell hardware** (none on our machines).
+
+* :func:`check_gemm` -- the drop's own ``can_implement`` reason, raised as ``ValueError``;
+* :func:`compiled_w4a16_gemm` -- the compiled code (compile cache + disk cache, no GPU needed);
+* :func:`w4a16_gemm` -- a caller-owned launcher (``CompiledW4A16Gemm``: validates metadata, no sync);
+* :func:`compile_gemm_ptx` -- PTX for tests.
+
+Counter contract: the GEMM keeps no state between launches (:data:`GEMM_COUNTERS`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+from .. import disk_cache
+from ..cache import COMPILE_CACHE
+from ..constants import MirroredConstants
+from ..contract import AttributeUse, CallableUse, DropContract, ImportUse
+from ..nvshmem_boot import CounterContract
+from ..paths import drop_src
+
+PKG = "sm100_w4a16"
+ARCH = "sm_100a"
+
+CONSTANTS = MirroredConstants("sm100/w4a16", {
+    "sm100_w4a16": {"DROP_VERSION": 1},
+    "sm100_w4a16.constants": {
+        "ABI_VERSION": 1,
+        "EPILOGUES": ("identity", "squared_relu", "row_scale", "swiglu"),
+        "GATED_EPILOGUES": ("swiglu",),
+        "SF_BLOCK": 16,
+        "TILE_K": 64,
+        "ALIGN_K_ELEMS": 64,
+        "ALIGN_N_ELEMS": 8,
+        "MAX_EXPERTS": 1024,
+    },
+})
+
+CONTRACT = DropContract(
+    arch="sm100", drop="w4a16", version=1, packages=(PKG,), constants=CONSTANTS,
+    callables=(
+        CallableUse("sm100_w4a16.grouped_gemm:can_implement", ("epilogue", "n", "k", "num_experts", "tile_n")),
+        CallableUse("sm100_w4a16.launch:compile_w4a16_gemm",
+                    ("epilogue", "n", "k", "num_experts", "tile_n", "raster_m", "num_stages", "arch",
+                     "extra_options")),
+        CallableUse("sm100_w4a16.launch:CompiledW4A16Gemm.__init__",
+                    ("epilogue", "n", "k", "num_experts", "tile_n", "raster_m", "num_stages", "arch",
+                     "compiled")),
+        CallableUse("sm100_w4a16.launch:CompiledW4A16Gemm.__call__",
+                    ("a", "values", "block_scale", "global_scale", "offsets", "row_scale", "out",
+                     "max_active_ctas", "stream")),
+    ),
+    imports=(
+        ImportUse("sm100_w4a16.grouped_gemm", "can_implement", "shim/drops/sm100_w4a16.py"),
+        ImportUse("sm100_w4a16.launch", "CompiledW4A16Gemm", "shim/drops/sm100_w4a16.py"),
+        ImportUse("sm100_w4a16.launch", "compile_w4a16_gemm", "shim/drops/sm100_w4a16.py"),
+    ),
+    attributes=(
+        AttributeUse("sm100_w4a16.grouped_gemm", ("can_implement",)),
+        AttributeUse("sm100_w4a16.launch", ("compile_w4a16_gemm", "CompiledW4A16Gemm")),
+        AttributeUse("sm100_w4a16.launch:CompiledW4A16Gemm", ("n_out", "compiled", "__call__")),
+    ),
+    consumers=("shim/drops/sm100_w4a16.py",),
+)
+
+CONSTANTS.activate = CONTRACT.activate
+_C = CONSTANTS.table["sm100_w4a16.constants"]
+EPILOGUES = _C["EPILOGUES"]
+GEMM_COUNTERS = CounterContract("sm100_w4a16 grouped GEMM", tail_clean=True)
+
+
+def _load(module: str) -> Any:
+    CONTRACT.activate()
+    CONSTANTS.ensure_checked()
+    return importlib.import_module(module)
+
+
+def _cutlass_version() -> str:
+    from .sm90_megamoe import _cutlass_version as v
+
+    return v()
+
+
+def check_gemm(epilogue: str, n: int, k: int, num_experts: int) -> None:
+    """Raise ``ValueError`` with the drop's reason when the kernel cannot take these shapes."""
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"sm100 W4A16 GEMM: epilogue {epilogue!r} not in {EPILOGUES}")
+    reason = _load("sm100_w4a16.grouped_gemm").can_implement(epilogue=epilogue, n=n, k=k, num_experts=num_experts,
+                                                             tile_n=None)
+    if reason is not None:
+        raise ValueError(f"sm100 W4A16 GEMM: {reason}")
+
+
+@dataclass(frozen=True)
+class W4A16Key:
+    """Every value the compiled W4A16 GEMM depends on."""
+
+    drop_version: int
+    abi_version: int
+    cutlass_version: str
+    arch: str
+    epilogue: str
+    n: int
+    k: int
+    num_experts: int
+
+
+def cache_namespace() -> str:
+    fp = disk_cache.source_fingerprint(drop_src("sm100", "w4a16"))[:16]
+    return f"sm100-w4a16-v{CONSTANTS.value(PKG, 'DROP_VERSION')}-{fp}/cutlass-dsl-{_cutlass_version()}/{ARCH}"
+
+
+def compiled_w4a16_gemm(epilogue: str, n: int, k: int, num_experts: int) -> Any:
+    """The compiled kernel (code only) for these static values: compiled once per process and
+    exported to / loaded from the disk compile cache; no GPU needed."""
+    check_gemm(epilogue, n, k, num_experts)
+    key = W4A16Key(CONSTANTS.value(PKG, "DROP_VERSION"), _C["ABI_VERSION"], _cutlass_version(), ARCH,
+                   epilogue, n, k, num_experts)
+
+    def build():
+        launch = _load("sm100_w4a16.launch")
+        return disk_cache.get_or_build(
+            cache_namespace(), f"w4a16_{epilogue}", key,
+            lambda: launch.compile_w4a16_gemm(epilogue=epilogue, n=n, k=k, num_experts=num_experts, tile_n=None,
+                                              raster_m=8, num_stages=None, arch=ARCH, extra_options=""))
+
+    return COMPILE_CACHE.get_or_compile(key, build)
+
+
+def w4a16_gemm(epilogue: str, n: int, k: int, num_experts: int) -> Any:
+    """A launcher owned by the caller (the drop's ``CompiledW4A16Gemm`` around the cached code):
+    ``gemm(a [M, k] bf16, values [E, n, k/2] u8, block_scale [E, n, k/16] e4m3, global_scale [E]
+    f32, offsets [E+1] i32, row_scale=[M] f32 (row_scale epilogue), out=[M, n_out] bf16)``."""
+    compiled = compiled_w4a16_gemm(epilogue, n, k, num_experts)
+    return _load("sm100_w4a16.launch").CompiledW4A16Gemm(epilogue=epilogue, n=n, k=k, num_experts=num_experts,
+                                                         tile_n=None, raster_m=8, num_stages=None, arch=ARCH,
+                                                         compiled=compiled)
+
+
+def compile_gemm_ptx(epilogue: str, n: int, k: int, num_experts: int) -> str:
+    """Compile for sm_100a without a GPU and return the PTX (the drop keeps its compiler
+    artifacts in a temporary folder)."""
+    check_gemm(epilogue, n, k, num_experts)
+    launch = _load("sm100_w4a16.launch")
+    return launch.compile_w4a16_gemm(epilogue=epilogue, n=n, k=k, num_experts=num_experts, tile_n=None,
+                                     raster_m=8, num_stages=None, arch=ARCH, extra_options="").__ptx__

@@ -1,0 +1,208 @@
+"""Shim for the SM120 drop ``kernel_src/sm120/mxfp8`` (package ``sm120_mxfp8``), drop version 1.
+
+The drop is an MXFP8 MoE GEMM for Blackwell workstation GPUs (RTX PRO 6000 class): E4M3 values
+with an E8M0 scale per 32 along K for weights and activations, the warp-level block-scaled MMA
+(``mma.sync ... kind::mxf8f6f4.block_scale``), swap-AB (weight rows on the MMA's M side, an
+expert's tokens on N), SwiGLU / router-weight epilogues, plus a BF16 -> MXFP8 row quantiser.
+What it verifies here: it compiles for sm_120a and assembles with ptxas; it has **not run on
+Blackwell hardware** (none on our machines).
+
+* :func:`check_gemm` / :func:`check_quantize` -- the drop's own ``can_implement`` reasons as ``ValueError``;
+* :func:`compiled_mxfp8_gemm` / :func:`compiled_quantize_rows` -- compiled code (compile cache +
+  disk cache, no GPU needed);
+* :func:`mxfp8_gemm` / :func:`quantize_rows` -- caller-owned launchers;
+* :func:`compile_gemm_ptx` -- PTX for tests.
+
+Counter contract: neither kernel keeps state between launches (:data:`GEMM_COUNTERS`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any
+
+from .. import disk_cache
+from ..cache import COMPILE_CACHE
+from ..constants import MirroredConstants
+from ..contract import AttributeUse, CallableUse, DropContract, ImportUse
+from ..launch_mode import use_tvm_ffi
+from ..nvshmem_boot import CounterContract
+from ..paths import drop_src
+
+PKG = "sm120_mxfp8"
+ARCH = "sm_120a"
+
+CONSTANTS = MirroredConstants("sm120/mxfp8", {
+    "sm120_mxfp8": {"DROP_VERSION": 1},
+    "sm120_mxfp8.constants": {
+        "ABI_VERSION": 1,
+        "MX_BLOCK": 32,
+        "EPILOGUES": ("swiglu", "row_scale", "identity"),
+        "TILE_TOKENS": (8, 16, 32, 64, 128),
+        "ALIGN_K": 128,
+        "ALIGN_N": 8,
+        "MAX_EXPERTS": 1024,
+    },
+})
+
+CONTRACT = DropContract(
+    arch="sm120", drop="mxfp8", version=1, packages=(PKG,), constants=CONSTANTS,
+    callables=(
+        CallableUse("sm120_mxfp8.grouped_gemm:can_implement",
+                    ("epilogue", "n", "k", "num_experts", "tile_tokens", "num_stages")),
+        CallableUse("sm120_mxfp8.quantize:quantize_can_implement", ("k",)),
+        CallableUse("sm120_mxfp8.launch:compile_mxfp8_gemm",
+                    ("epilogue", "n", "k", "num_experts", "tile_tokens", "num_stages", "arch", "extra_options",
+                     "return_kernel", "tvm_ffi")),
+        CallableUse("sm120_mxfp8.launch:compile_quantize_rows", ("k", "arch", "extra_options", "tvm_ffi")),
+        CallableUse("sm120_mxfp8.launch:CompiledMxfp8Gemm.__init__",
+                    ("epilogue", "n", "k", "num_experts", "tile_tokens", "num_stages", "arch", "compiled",
+                     "tvm_ffi")),
+        CallableUse("sm120_mxfp8.launch:CompiledMxfp8Gemm.__call__",
+                    ("x", "x_scale", "w", "w_scale", "offsets", "out", "row_scale", "max_active_ctas", "stream")),
+        CallableUse("sm120_mxfp8.launch:CompiledQuantizeRows.__init__", ("k", "arch", "compiled", "tvm_ffi")),
+        CallableUse("sm120_mxfp8.launch:CompiledQuantizeRows.__call__", ("x", "values", "scale", "stream")),
+    ),
+    imports=(
+        ImportUse("sm120_mxfp8.grouped_gemm", "can_implement", "shim/drops/sm120_mxfp8.py"),
+        ImportUse("sm120_mxfp8.quantize", "quantize_can_implement", "shim/drops/sm120_mxfp8.py"),
+        ImportUse("sm120_mxfp8.launch", "CompiledMxfp8Gemm", "shim/drops/sm120_mxfp8.py"),
+        ImportUse("sm120_mxfp8.launch", "CompiledQuantizeRows", "shim/drops/sm120_mxfp8.py"),
+    ),
+    attributes=(
+        AttributeUse("sm120_mxfp8.grouped_gemm", ("can_implement",)),
+        AttributeUse("sm120_mxfp8.quantize", ("quantize_can_implement",)),
+        AttributeUse("sm120_mxfp8.launch", ("compile_mxfp8_gemm", "compile_quantize_rows", "CompiledMxfp8Gemm",
+                                            "CompiledQuantizeRows")),
+        AttributeUse("sm120_mxfp8.launch:CompiledMxfp8Gemm", ("n_out", "compiled", "tvm_ffi", "__call__")),
+        AttributeUse("sm120_mxfp8.launch:CompiledQuantizeRows", ("compiled", "tvm_ffi", "__call__")),
+    ),
+    consumers=("shim/drops/sm120_mxfp8.py",),
+)
+
+CONSTANTS.activate = CONTRACT.activate
+_C = CONSTANTS.table["sm120_mxfp8.constants"]
+EPILOGUES = _C["EPILOGUES"]
+TILE_TOKENS = _C["TILE_TOKENS"]
+GEMM_COUNTERS = CounterContract("sm120_mxfp8 grouped GEMM and row quantiser", tail_clean=True)
+
+
+def _load(module: str) -> Any:
+    CONTRACT.activate()
+    CONSTANTS.ensure_checked()
+    return importlib.import_module(module)
+
+
+def _cutlass_version() -> str:
+    from .sm90_megamoe import _cutlass_version as v
+
+    return v()
+
+
+def pick_tile_tokens(rows_per_expert: float) -> int:
+    """Token tile for a layer expecting ``rows_per_expert`` rows per expert on average at
+    capacity: the smallest tile holding twice the mean (most experts then need one tile), at most
+    64 (a static choice, never a routing one)."""
+    return next((t for t in TILE_TOKENS if t >= 2 * rows_per_expert and t <= 64), 64)
+
+
+def check_gemm(epilogue: str, n: int, k: int, num_experts: int, tile_tokens: int = 16) -> None:
+    """Raise ``ValueError`` with the drop's reason when the GEMM cannot take these shapes."""
+    if epilogue not in EPILOGUES:
+        raise ValueError(f"sm120 MXFP8 GEMM: epilogue {epilogue!r} not in {EPILOGUES}")
+    reason = _load("sm120_mxfp8.grouped_gemm").can_implement(epilogue=epilogue, n=n, k=k, num_experts=num_experts,
+                                                             tile_tokens=tile_tokens, num_stages=None)
+    if reason is not None:
+        raise ValueError(f"sm120 MXFP8 GEMM: {reason}")
+
+
+def check_quantize(k: int) -> None:
+    reason = _load("sm120_mxfp8.quantize").quantize_can_implement(k=k)
+    if reason is not None:
+        raise ValueError(f"sm120 MXFP8 row quantiser: {reason}")
+
+
+@dataclass(frozen=True)
+class Mxfp8Key:
+    """Every value a compiled kernel of this drop depends on (``kind``: gemm or quantize)."""
+
+    drop_version: int
+    abi_version: int
+    cutlass_version: str
+    arch: str
+    kind: str
+    epilogue: str
+    n: int
+    k: int
+    num_experts: int
+    tile_tokens: int
+    tvm_ffi: bool
+
+
+def cache_namespace() -> str:
+    fp = disk_cache.source_fingerprint(drop_src("sm120", "mxfp8"))[:16]
+    return f"sm120-mxfp8-v{CONSTANTS.value(PKG, 'DROP_VERSION')}-{fp}/cutlass-dsl-{_cutlass_version()}/{ARCH}"
+
+
+def _key(kind: str, epilogue: str, n: int, k: int, num_experts: int, tile_tokens: int) -> Mxfp8Key:
+    return Mxfp8Key(CONSTANTS.value(PKG, "DROP_VERSION"), _C["ABI_VERSION"], _cutlass_version(), ARCH, kind,
+                    epilogue, n, k, num_experts, tile_tokens, use_tvm_ffi())
+
+
+def compiled_mxfp8_gemm(epilogue: str, n: int, k: int, num_experts: int, tile_tokens: int = 16) -> Any:
+    """Compiled code of the MXFP8 grouped GEMM (compile cache + disk cache; no GPU needed)."""
+    check_gemm(epilogue, n, k, num_experts, tile_tokens)
+    key = _key("gemm", epilogue, n, k, num_experts, tile_tokens)
+
+    def build():
+        launch = _load("sm120_mxfp8.launch")
+        return disk_cache.get_or_build(
+            cache_namespace(), f"mxfp8_{epilogue}", key,
+            lambda: launch.compile_mxfp8_gemm(epilogue=epilogue, n=n, k=k, num_experts=num_experts,
+                                              tile_tokens=tile_tokens, num_stages=None, arch=ARCH,
+                                              extra_options="", return_kernel=False, tvm_ffi=key.tvm_ffi),
+            tvm_ffi=key.tvm_ffi)
+
+    return COMPILE_CACHE.get_or_compile(key, build)
+
+
+def compiled_quantize_rows(k: int) -> Any:
+    """Compiled code of the BF16 -> MXFP8 row quantiser for rows of ``k`` values."""
+    check_quantize(k)
+    key = _key("quantize", "", 0, k, 0, 0)
+
+    def build():
+        launch = _load("sm120_mxfp8.launch")
+        return disk_cache.get_or_build(
+            cache_namespace(), "mxfp8_quantize_rows", key,
+            lambda: launch.compile_quantize_rows(k=k, arch=ARCH, extra_options="", tvm_ffi=key.tvm_ffi),
+            tvm_ffi=key.tvm_ffi)
+
+    return COMPILE_CACHE.get_or_compile(key, build)
+
+
+def mxfp8_gemm(epilogue: str, n: int, k: int, num_experts: int, tile_tokens: int = 16) -> Any:
+    """A caller-owned launcher: ``gemm(x [M, k] e4m3, x_scale [M, k/32] e8m0, w [E, n, k] e4m3,
+    w_scale [E, n, k/32] e8m0, offsets [E+1] i32, out=[M, n_out] bf16, row_scale=[M] f32)``."""
+    compiled = compiled_mxfp8_gemm(epilogue, n, k, num_experts, tile_tokens)
+    return _load("sm120_mxfp8.launch").CompiledMxfp8Gemm(
+        epilogue=epilogue, n=n, k=k, num_experts=num_experts, tile_tokens=tile_tokens, num_stages=None,
+        arch=ARCH, compiled=compiled, tvm_ffi=use_tvm_ffi())
+
+
+def quantize_rows(k: int) -> Any:
+    """A caller-owned row quantiser: ``q(x [M, k] bf16, values=[M, k] e4m3, scale=[M, k/32] e8m0)``."""
+    compiled = compiled_quantize_rows(k)
+    return _load("sm120_mxfp8.launch").CompiledQuantizeRows(k=k, arch=ARCH, compiled=compiled,
+                                                            tvm_ffi=use_tvm_ffi())
+
+
+def compile_gemm_ptx(epilogue: str, n: int, k: int, num_experts: int, tile_tokens: int = 16) -> str:
+    """Compile for sm_120a without a GPU and return the PTX."""
+    check_gemm(epilogue, n, k, num_experts, tile_tokens)
+    launch = _load("sm120_mxfp8.launch")
+    compiled = launch.compile_mxfp8_gemm(epilogue=epilogue, n=n, k=k, num_experts=num_experts,
+                                         tile_tokens=tile_tokens, num_stages=None, arch=ARCH,
+                                         extra_options="--keep-ptx", return_kernel=False, tvm_ffi=False)
+    return compiled.__ptx__

@@ -1,0 +1,161 @@
+"""The SM100 (W4A16 NVFP4) and SM120 (MXFP8) drops as moe_ep sees them, on CPU: three drop trees in
+one process, the collision guard between them, the shim's compile keys and mirrored constants,
+the backends' refusals (never a crash) and the AOT prebuild for sm_100a / sm_120a (no GPU needed).
+Kernel numerics of the drops themselves: tests/test_sm100_w4a16_drop.py, test_sm120_mxfp8_drop.py.
+On an H200 the GPU test checks that both backends refuse with UnsupportedBackendError naming the
+arch they need."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass")
+
+from moe_ep.api import EPGroup, MoEConfig, MoELayer  # noqa: E402
+from moe_ep.backends import UnsupportedBackendError, explain  # noqa: E402
+
+NEMOTRON = dict(num_experts=128, hidden=2688, intermediate=1856, top_k=6, max_tokens_per_rank=128)
+QWEN = dict(num_experts=128, hidden=2048, intermediate=768, top_k=8, max_tokens_per_rank=128)
+
+
+def test_three_drops_import_in_one_process():
+    """Each drop has its own top-level package; all three load side by side (a fresh interpreter,
+    so nothing this test process imported earlier hides a clash)."""
+    code = (
+        "from moe_ep.shim import drop_contracts\n"
+        "import importlib\n"
+        "cs = drop_contracts()\n"
+        "for c in cs:\n"
+        "    c.activate(); c.constants.ensure_checked()\n"
+        "    for p in c.packages: importlib.import_module(p)\n"
+        "import sm90_megamoe, sm100_w4a16, sm120_mxfp8\n"
+        "print(sorted(c.key for c in cs), sm90_megamoe.DROP_VERSION, sm100_w4a16.DROP_VERSION,"
+        " sm120_mxfp8.DROP_VERSION)\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "['sm100/w4a16', 'sm120/mxfp8', 'sm90/megamoe'] 8 1 1" in p.stdout
+
+
+def test_a_fourth_drop_reusing_a_name_trips_the_guard(tmp_path):
+    """A synthetic drop tree whose top-level package is named like a real drop's is refused,
+    naming both trees."""
+    code = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from moe_ep.shim import DropCollisionError, drop_contracts, register_drop\n"
+        "for c in drop_contracts(): c.activate()\n"
+        f"fake = Path({str(tmp_path)!r}) / 'src'\n"
+        "(fake / 'sm120_mxfp8').mkdir(parents=True)\n"
+        "(fake / 'sm120_mxfp8' / '__init__.py').write_text('DROP_VERSION = 99')\n"
+        "try:\n"
+        "    register_drop(fake)\n"
+        "except DropCollisionError as e:\n"
+        "    print('REFUSED', e)\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "REFUSED" in p.stdout and "sm120_mxfp8" in p.stdout and "kernel_src/sm120/mxfp8/src" in p.stdout
+
+
+def test_mirrored_constants_match_the_blackwell_drops():
+    from moe_ep.shim.drops import sm100_w4a16, sm120_mxfp8
+
+    for mod in (sm100_w4a16, sm120_mxfp8):
+        mod.CONTRACT.activate()
+        assert mod.CONSTANTS.drift() == []
+
+
+def test_compile_keys_carry_every_static_value():
+    from moe_ep.shim.drops import sm100_w4a16, sm120_mxfp8
+
+    k = sm120_mxfp8._key("gemm", "swiglu", 1536, 2048, 128, 16)
+    assert (k.arch, k.epilogue, k.n, k.k, k.num_experts, k.tile_tokens, k.drop_version) == \
+        ("sm_120a", "swiglu", 1536, 2048, 128, 16, 1)
+    assert k != sm120_mxfp8._key("gemm", "swiglu", 1536, 2048, 128, 32)
+    fields = set(sm100_w4a16.W4A16Key.__dataclass_fields__)
+    assert {"drop_version", "abi_version", "cutlass_version", "arch", "epilogue", "n", "k", "num_experts"} <= fields
+
+
+@pytest.mark.parametrize("quant,backend", [("nvfp4_w4a16", "sm100_w4a16_cutedsl"), ("mxfp8", "sm120_mxfp8_cutedsl")])
+def test_backends_refuse_without_their_gpu(quant, backend):
+    cfg = MoEConfig(activation="squared_relu" if quant == "nvfp4_w4a16" else "swiglu", quant=quant,
+                    **(NEMOTRON if quant == "nvfp4_w4a16" else QWEN))
+    with pytest.raises(UnsupportedBackendError, match="needs a CUDA device"):
+        MoELayer(cfg, EPGroup.single(), backend=backend, device="cpu")
+    verdicts = {v.name: v for v in explain(cfg, EPGroup.single(), torch.device("cpu"))}
+    assert not verdicts[backend].ok and verdicts["reference"].ok
+
+
+def test_backends_refuse_configs_by_name():
+    from moe_ep.backends.sm100.w4a16_cutedsl import check_config as check100
+    from moe_ep.backends.sm120.mxfp8_cutedsl import check_config as check120
+
+    single = EPGroup.single()
+    with pytest.raises(UnsupportedBackendError, match="quant='nvfp4_w4a16'"):
+        check100(MoEConfig(**NEMOTRON), single)
+    with pytest.raises(UnsupportedBackendError, match="gelu_glu"):
+        check100(MoEConfig(activation="gelu_glu", quant="nvfp4_w4a16", **NEMOTRON), single)
+    with pytest.raises(UnsupportedBackendError, match="multiple of 64"):
+        check100(MoEConfig(activation="squared_relu", quant="nvfp4_w4a16",
+                           **dict(NEMOTRON, hidden=2688 + 16)), single)
+    check100(MoEConfig(activation="squared_relu", quant="nvfp4_w4a16", **NEMOTRON), single)
+    with pytest.raises(UnsupportedBackendError, match="quant='mxfp8'"):
+        check120(MoEConfig(quant="nvfp4_w4a16", **QWEN), single)
+    with pytest.raises(UnsupportedBackendError, match="squared_relu"):
+        check120(MoEConfig(activation="squared_relu", quant="mxfp8", **QWEN), single)
+    with pytest.raises(UnsupportedBackendError, match="multiple of 128"):  # gpt-oss K = 2880
+        check120(MoEConfig(num_experts=128, hidden=2880, intermediate=2880, top_k=4, max_tokens_per_rank=64,
+                           quant="mxfp8"), single)
+    check120(MoEConfig(quant="mxfp8", **QWEN), single)
+
+
+def test_ep_and_layout_kernels_build_for_blackwell():
+    """The arch-neutral EP/layout kernels of sm90/megamoe compile for sm_100a and sm_120a (no copy
+    in the Blackwell drops), keyed by arch."""
+    from moe_ep.shim import sm90_compile_ep_ptx
+
+    for arch in ("sm_100a", "sm_120a"):
+        ptx = sm90_compile_ep_ptx("combine_reduce", 2688, 6, 2, 128, 128, arch=arch)
+        assert f".target {arch}" in ptx
+        ptx = sm90_compile_ep_ptx("layout_place", 2048, 8, 2, 128, 128, arch=arch)
+        assert f".target {arch}" in ptx
+
+
+@pytest.mark.parametrize("arch,model,kernels", [("sm_100a", "nemotron", 12), ("sm_120a", "qwen3", 14)])
+def test_aot_prebuild_for_blackwell(tmp_path, arch, model, kernels):
+    """``python -m moe_ep.aot build --arch sm_100a|sm_120a`` compiles a whole layer's kernels on
+    this CPU machine, and a second build loads them all."""
+    env = dict(os.environ, MOE_EP_CACHE_DIR=str(tmp_path))
+    args = [sys.executable, "-m", "moe_ep.aot", "build", "--arch", arch, "--model", model, "--max-tokens", "64"]
+    for want in (f"({kernels} compiled, 0 loaded", f"(0 compiled, {kernels} loaded"):
+        p = subprocess.run(args, capture_output=True, text=True, timeout=900, env=env)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+        assert f"{kernels} kernels {want}" in p.stdout, p.stdout
+    p = subprocess.run([sys.executable, "-m", "moe_ep.aot", "build", "--arch", "sm_120a", "--model", "gpt_oss",
+                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 2 and "clamped_swiglu" in p.stderr
+
+
+def test_gemm_ptx_through_the_shim():
+    from moe_ep.shim import sm100_compile_w4a16_ptx, sm120_compile_mxfp8_ptx
+
+    assert "tcgen05.mma" in sm100_compile_w4a16_ptx("squared_relu", 1856, 2688, 128)
+    assert "kind::mxf8f6f4.block_scale" in sm120_compile_mxfp8_ptx("swiglu", 1536, 2048, 128, 16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quant,backend,need", [("nvfp4_w4a16", "sm100_w4a16_cutedsl", "SM100"),
+                                                ("mxfp8", "sm120_mxfp8_cutedsl", "SM120")])
+def test_blackwell_backends_refuse_on_the_h200(quant, backend, need):
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] in (10, 12):
+        pytest.skip("needs a non-Blackwell CUDA GPU")
+    cfg = MoEConfig(activation="squared_relu" if quant == "nvfp4_w4a16" else "swiglu", quant=quant,
+                    **(NEMOTRON if quant == "nvfp4_w4a16" else QWEN))
+    with pytest.raises(UnsupportedBackendError, match=need):
+        MoELayer(cfg, EPGroup.single(), backend=backend)
+    with pytest.warns(Warning):  # auto passes over the refused fast backends, to the reference backend
+        layer = MoELayer(cfg, EPGroup.single(), backend="auto")
+    assert layer.backend_name == "reference"
+    layer.destroy()

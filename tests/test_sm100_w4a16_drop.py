@@ -1,0 +1,196 @@
+"""CPU tests of the sm100_w4a16 kernel drop (kernel_src/sm100/w4a16/src/sm100_w4a16).
+
+(a) every epilogue compiles for sm_100a from fake tensors; the PTX holds tcgen05.mma and the
+    dequant path; ptxas (if installed) assembles it with no spills, and the shared memory the
+    launch asks for fits in 227 KB;
+(b) the torch reference agrees with an independent float64 computation (arithmetic bit decode of
+    E2M1 and E4M3, float64 matmul) on ragged routing with an empty expert;
+(c) can_implement / the constructor refuse unsupported problems with a reason.
+
+The drop is imported by its own top-level name with its ``src/`` folder on sys.path (the shim
+integration comes later); nothing here imports moe_ep.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+_SRC = Path(__file__).resolve().parents[1] / "kernel_src" / "sm100" / "w4a16" / "src"
+if str(_SRC) not in sys.path:
+    sys.path.insert(0, str(_SRC))
+
+cute = pytest.importorskip("cutlass.cute")
+
+import sm100_w4a16  # noqa: E402
+from sm100_w4a16 import W4A16GroupedGemmSm100, can_implement  # noqa: E402
+from sm100_w4a16.compile_check import check_ptx, find_ptxas, ptxas_info, same_signature_as_torch  # noqa: E402
+from sm100_w4a16.constants import SMEM_CAPACITY_BYTES  # noqa: E402
+from sm100_w4a16.grouped_gemm_runner import make_nvfp4_weights  # noqa: E402
+from sm100_w4a16.launch import compile_w4a16_gemm  # noqa: E402
+from sm100_w4a16.reference import dequant_nvfp4, w4a16_grouped_gemm_reference  # noqa: E402
+
+
+# --------------------------------------------------------------------------- (a) compile
+@pytest.mark.parametrize("epilogue,n,k", [
+    ("squared_relu", 1856, 2688),   # Nemotron FC1
+    ("row_scale", 2688, 1856),      # Nemotron FC2
+    ("swiglu", 2 * 1856, 2688),
+    ("identity", 200, 256),         # N not a multiple of the tile
+])
+def test_compiles_for_sm100a(epilogue, n, k):
+    compiled, kernel = compile_w4a16_gemm(epilogue, n, k, num_experts=128, return_kernel=True)
+    ptx = compiled.__ptx__
+    assert ".target sm_100a" in ptx
+    assert "tcgen05.mma" in ptx
+    assert "cvt.rn.f16x2.e2m1x2" in ptx and "mul.rn.f16x2" in ptx  # the dequant path
+    assert check_ptx(ptx) == []
+    assert kernel.smem_size <= SMEM_CAPACITY_BYTES
+    if find_ptxas() is None:
+        pytest.skip("ptxas not installed: PTX checks only")
+    regs, spill, static_smem = ptxas_info(ptx, "sm_100a")
+    assert 0 < regs <= 168  # 320 threads: 10 warps, 3 on one SM sub-partition
+    assert spill == 0
+    assert kernel.smem_size + static_smem <= 227 * 1024
+
+
+def test_fake_signature_matches_torch_tensors():
+    assert same_signature_as_torch("row_scale", 384, 512, 4)
+
+
+# --------------------------------------------------------------------------- (b) reference
+def _decode_e2m1_f64(packed: np.ndarray) -> np.ndarray:
+    """uint8 [..., K/2] -> float64 [..., K] by the E2M1 bit fields (s, e1e0, m), bias 1."""
+    codes = np.empty(packed.shape[:-1] + (2 * packed.shape[-1],), dtype=np.int64)
+    codes[..., 0::2] = packed & 0xF
+    codes[..., 1::2] = packed >> 4
+    sign = np.where(codes & 8, -1.0, 1.0)
+    e = (codes >> 1) & 3
+    m = codes & 1
+    mag = np.where(e == 0, 0.5 * m, np.ldexp(1.0 + 0.5 * m, e - 1))
+    return sign * mag
+
+
+def _decode_e4m3_f64(raw: np.ndarray) -> np.ndarray:
+    """uint8 e4m3fn bytes -> float64 by the bit fields (s, eeee, mmm), bias 7, no infinities."""
+    raw = raw.astype(np.int64)
+    sign = np.where(raw & 0x80, -1.0, 1.0)
+    e = (raw >> 3) & 0xF
+    m = raw & 7
+    mag = np.where(e == 0, np.ldexp(m / 8.0, -6), np.ldexp(1.0 + m / 8.0, e - 7))
+    mag = np.where((e == 15) & (m == 7), np.nan, mag)
+    return sign * mag
+
+
+def _independent_f64(a, values, block_scale, global_scale, offsets, epilogue, row_scale):
+    w = _decode_e2m1_f64(values.numpy()) * np.repeat(
+        _decode_e4m3_f64(block_scale.view(torch.uint8).numpy()), 16, axis=-1)
+    a64 = a.double().numpy()
+    e_count, n, _ = w.shape
+    n_out = n // 2 if epilogue == "swiglu" else n
+    out = np.zeros((a.shape[0], n_out))
+    offs = offsets.tolist()
+    for e in range(e_count):
+        lo, hi = offs[e], offs[e + 1]
+        y = a64[lo:hi] @ w[e].T * float(global_scale[e])
+        if epilogue == "squared_relu":
+            y = np.maximum(y, 0.0) ** 2
+        elif epilogue == "row_scale":
+            y = y * row_scale.double().numpy()[lo:hi, None]
+        elif epilogue == "swiglu":
+            g, u = y[:, :n_out], y[:, n_out:]
+            y = g / (1.0 + np.exp(-g)) * u
+        out[lo:hi] = y
+    return out
+
+
+@pytest.mark.parametrize("epilogue", ["squared_relu", "row_scale", "swiglu", "identity"])
+def test_reference_matches_float64(epilogue):
+    gen = torch.Generator().manual_seed(7)
+    e_count, n, k = 5, 48, 128
+    counts = [37, 0, 129, 1, 64]  # an empty expert, a partial tile, a single row
+    offsets = torch.tensor([0] + list(np.cumsum(counts)), dtype=torch.int32)
+    m_total = int(offsets[-1])
+    a = torch.randn(m_total, k, generator=gen).to(torch.bfloat16)
+    values, block_scale, global_scale = make_nvfp4_weights(e_count, n, k, gen)
+    row_scale = torch.rand(m_total, generator=gen)
+    got = w4a16_grouped_gemm_reference(a, values, block_scale, global_scale, offsets, epilogue,
+                                       row_scale if epilogue == "row_scale" else None)
+    want = _independent_f64(a, values, block_scale, global_scale, offsets, epilogue, row_scale)
+    assert got.dtype == torch.float32 and tuple(got.shape) == want.shape
+    assert np.isfinite(want).all()
+    err = np.abs(got.double().numpy() - want).max()
+    assert err <= 1e-5 * np.abs(want).max(), err
+    # the expert with no rows contributes nothing and the reference covers every routed row
+    assert (got[37:37].numel() == 0) and torch.isfinite(got).all()
+
+
+def test_dequant_covers_every_code():
+    """All 16 E2M1 codes and both nibble positions decode as in moe_ep's NVFP4 table."""
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8).reshape(1, 16, 16)  # [E, N, K/2]
+    scale = torch.ones(1, 16, 2, dtype=torch.float32).to(torch.float8_e4m3fn)
+    w = dequant_nvfp4(codes, scale)
+    table = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    for byte in range(256):
+        lo, hi = byte & 0xF, byte >> 4
+        exp = [(-1.0 if c & 8 else 1.0) * table[c & 7] for c in (lo, hi)]
+        got = w[0, byte // 16, 2 * (byte % 16): 2 * (byte % 16) + 2].tolist()
+        assert got == exp, (byte, got, exp)
+
+
+# --------------------------------------------------------------------------- (c) refusals
+def test_can_implement_reasons():
+    assert can_implement("squared_relu", 1856, 2688, 128) is None
+    assert can_implement("row_scale", 2688, 1856, 128) is None
+    assert can_implement("swiglu", 2 * 1856, 2688, 128) is None
+    r = can_implement("squared_relu", 1856, 2688 + 32, 128)
+    assert r is not None and "K=2720" in r and "64" in r
+    r = can_implement("squared_relu", 1852, 2688, 128)
+    assert r is not None and "N_out=1852" in r and "8" in r
+    r = can_implement("swiglu", 2 * 1856 + 1, 2688, 128)
+    assert r is not None and "even N" in r
+    r = can_implement("swiglu", 2 * 1856, 2688, 128, tile_n=256)
+    assert r is not None and "tile_n" in r
+    assert "experts" in can_implement("row_scale", 2688, 1856, 0)
+    assert "epilogue" in can_implement("gelu", 2688, 1856, 8)
+
+
+def test_constructor_refusals():
+    with pytest.raises(NotImplementedError, match="gelu"):
+        W4A16GroupedGemmSm100("gelu")
+    with pytest.raises(ValueError, match="tile_n"):
+        W4A16GroupedGemmSm100("squared_relu", tile_n=96)
+    k = W4A16GroupedGemmSm100("squared_relu")
+    with pytest.raises(ValueError, match="K=100"):
+        k.static_shapes(1856, 100)
+    with pytest.raises(ValueError, match="K=2700"):
+        compile_w4a16_gemm("squared_relu", 1856, 2700, 8)
+    assert k.static_shapes(1856, 2688) == (1856, 15)
+    assert W4A16GroupedGemmSm100("swiglu").static_shapes(2 * 1856, 2688) == (1856, 15)
+
+
+def test_drop_metadata():
+    assert sm100_w4a16.DROP_VERSION == 1
+    assert set(sm100_w4a16.EPILOGUES) >= {"squared_relu", "row_scale", "swiglu"}
+    assert sm100_w4a16.SF_BLOCK == 16 and sm100_w4a16.TILE_K == 64
+
+
+def test_launcher_validates_without_launching():
+    """The torch launcher checks shapes / dtypes on the host and returns at once for M_total = 0
+    (no GPU needed for either; a real launch needs an SM100 GPU)."""
+    from sm100_w4a16.launch import CompiledW4A16Gemm
+
+    fn = CompiledW4A16Gemm("squared_relu", 256, 128, 3, compiled=object())  # no compile
+    gen = torch.Generator().manual_seed(0)
+    values, block_scale, global_scale = make_nvfp4_weights(3, 256, 128, gen)
+    offsets = torch.zeros(4, dtype=torch.int32)
+    out = fn(torch.zeros(0, 128, dtype=torch.bfloat16), values, block_scale, global_scale, offsets)
+    assert tuple(out.shape) == (0, 256) and out.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match="values"):
+        fn(torch.zeros(0, 128, dtype=torch.bfloat16), values[:, :128], block_scale, global_scale, offsets)
+    with pytest.raises(ValueError, match="offsets"):
+        fn(torch.zeros(0, 128, dtype=torch.bfloat16), values, block_scale, global_scale, offsets[:3])
