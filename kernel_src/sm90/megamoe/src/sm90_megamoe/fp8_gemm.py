@@ -1,0 +1,487 @@
+"""FP8 block-scaled varlen-M grouped GEMM for MoE experts on SM90 (DeepSeek-V3 / Qwen3-FP8 format).
+
+Requirements (checked by :func:`can_implement`, which returns a reason string or None)
+-----------------------------------------------------------------------------------
+* activation in ("identity", "swiglu")
+* K % 128 == 0 (one activation scale and one weight scale per 128-wide k-tile), K >= 128
+* N % 128 == 0 (whole 128-row weight-scale blocks); swiglu: N = 2 * I with I % 128 == 0
+* tile_n in (64, 128); swiglu: tile_n == 64 (gate + up accumulators, each with a partial
+  accumulator for the promotion: 4 x 32 fp32 registers per thread; tile_n = 128 would need 256)
+* E <= MAX_EXPERTS; all tensors contiguous, base pointers 16-byte aligned (scales 4-byte)
+
+Semantics, for every expert ``e`` with rows ``[offsets[e], offsets[e+1])``::
+
+    H[m, n] = sum_kb a_scale[m, kb] * w_scale[e, n // 128, kb] * sum_{k in kb} A[m, k] * B[e, n, k]
+    identity  C[m, :]   = H[m, :]              (* row_scale[m] when scale_rows)
+    swiglu    C[m, :I]  = silu(H[m, :I]) * H[m, I:]   (* row_scale[m])
+
+FP8 (e4m3) in, FP32 accumulate, BF16 out.
+
+Tensors (torch view; contiguous)
+--------------------------------
+    mA        [M_total, K]            float8_e4m3fn  rows grouped by expert, M_total dynamic
+                                                     (A and B may be given as uint8 views)
+    mAScale   [M_total, K / 128]      float32        one scale per 128 consecutive K of a row
+    mB        [E, N, K]               float8_e4m3fn  per-expert weight (swiglu: gate rows first)
+    mBScale   [E, N / 128, K / 128]   float32        one scale per 128 x 128 block
+    mC        [M_total, N_out]        bfloat16       N_out = N (identity) or N / 2 (swiglu)
+    mOffsets  [E + 1]                 int32          device memory
+    mRowScale [M_total]               float32        read only when scale_rows (else any fp32)
+
+Design (differences from :mod:`.grouped_gemm`, whose scheduler and smem epilogue are inherited)
+-----------------------------------------------------------------------------------------------
+* tile 128 x tile_n x 128: a k-tile is exactly one scale block along K, so each k-tile needs one
+  A scale per accumulator row and one B scale per accumulator (tile_n <= 128 lies inside one
+  128-row weight block; gated: gate rows ``[n0, n0+bn)`` and up rows ``[I+n0, I+n0+bn)`` are
+  two blocks with their own scales).
+* FP8 WGMMA (``wgmma.mma_async.sync.aligned.m64n{tile_n}k32.f32.e4m3.e4m3``: m64n128k32 for
+  identity, m64n64k32 for swiglu; K-major A and B from 128-byte-swizzled smem), four
+  instructions per k-tile and accumulator, into a fresh partial accumulator (scale-d = 0 on the
+  first). After ``wgmma.wait_group 0`` the stage is released to the producer and the consumer
+  promotes in registers (DeepGEMM style): ``main += partial * (a_scale[row, kt] * b_scale)``.
+  The WGMMA's own fp32 accumulation over 128 K values is short enough that the tensor core's
+  reduced-precision accumulation of FP8 products does not build up over K.
+* Scales are read by the consumer threads from global memory (L2): a thread's 64-row half of the
+  WGMMA accumulator covers 2 rows (``r`` and ``r + 8``), so 2 A-scale loads and 1 (gated: 2)
+  broadcast B-scale load per k-tile, issued right after the WGMMAs so their latency hides
+  behind the tensor-core work. Row indices are clamped to the expert's last row (rows of the
+  next expert inside the tile are computed with some scale and never stored).
+* Both consumer warpgroups (cooperative, 64 rows each) wait for their own WGMMAs every k-tile;
+  while one promotes the other's WGMMAs keep the tensor core busy.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.pipeline as pipeline
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from .constants import MAX_EXPERTS
+from .grouped_gemm import GroupedGemmSm90, LayoutEnum, get_smem_capacity_in_bytes
+
+FP8_BLOCK = 128
+FP8_ACTIVATIONS = ("identity", "swiglu")
+_LOG2E = 1.4426950408889634
+
+
+def default_tile_n(activation: str) -> int:
+    return 64 if activation == "swiglu" else 128
+
+
+def can_implement(activation: str, n: int, k: int, num_experts: int,
+                  tile_n: Optional[int] = None) -> Optional[str]:
+    """None if the kernel supports (activation, N, K, E, tile_n), else the reason."""
+    if activation not in FP8_ACTIVATIONS:
+        return f"activation must be one of {FP8_ACTIVATIONS}, got {activation!r}"
+    if tile_n is None:
+        tile_n = default_tile_n(activation)
+    if tile_n not in (64, 128):
+        return f"tile_n must be 64 or 128, got {tile_n}"
+    if activation == "swiglu" and tile_n != 64:
+        return "swiglu needs tile_n == 64 (gate + up + two partial accumulators in registers)"
+    if k <= 0 or k % FP8_BLOCK != 0:
+        return f"K={k} must be a positive multiple of {FP8_BLOCK}"
+    if n <= 0 or n % FP8_BLOCK != 0:
+        return f"N={n} must be a positive multiple of {FP8_BLOCK}"
+    if activation == "swiglu" and (n // 2) % FP8_BLOCK != 0:
+        return f"swiglu needs I = N/2 = {n // 2} to be a multiple of {FP8_BLOCK}"
+    if not (1 <= num_experts <= MAX_EXPERTS):
+        return f"num_experts={num_experts} must be in [1, {MAX_EXPERTS}]"
+    return None
+
+
+class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
+    """FP8 block-scaled varlen-M grouped GEMM (see the module docstring).
+
+    :param activation: "identity" or "swiglu" (compile time).
+    :param scale_rows: multiply output row m by row_scale[m] after the activation.
+    :param tile_n: output columns per tile; None = 128 (identity) / 64 (swiglu).
+    :param num_stages: smem pipeline depth; None = as many as fit (at most 8).
+    :param raster_m: m-tiles per raster group inside an expert (as in :class:`GroupedGemmSm90`).
+
+    Only :meth:`_locate` and :meth:`_epilogue` are inherited; they read ``tile_m``, ``tile_n``,
+    ``n_tiles``, ``raster_m``, ``n_out``, ``n_out_divisible``, ``c_dtype``, ``epi_n``,
+    ``epi_pad``, ``tile_threads``, which this class sets itself.
+    """
+
+    def __init__(self, activation: str, scale_rows: bool = False, tile_n: Optional[int] = None,
+                 num_stages: Optional[int] = None, raster_m: int = 1):
+        if tile_n is None:
+            tile_n = default_tile_n(activation)
+        reason = can_implement(activation, 2 * FP8_BLOCK, FP8_BLOCK, 1, tile_n)
+        if reason is not None:
+            raise ValueError(reason)
+        self.activation = activation
+        self.gated = activation == "swiglu"
+        self.scale_rows = bool(scale_rows)
+        self.has_bias = False
+        self.raster_m = int(raster_m)
+        self.tile_m = 128
+        self.tile_n = tile_n
+        self.tile_k = FP8_BLOCK
+        self.num_stages_override = num_stages
+        self.num_b = 2 if self.gated else 1
+        self.pingpong = False
+        self.acc_dtype = cutlass.Float32
+        self.ab_dtype = cutlass.Float8E4M3FN
+        self.c_dtype = cutlass.BFloat16
+        self.atom_layout_mnk = (2, 1, 1)
+        self.num_mma_wg = 2
+        self.tile_threads = 256
+        self.num_epi_bufs = 1
+        self.threads_per_wg = 128
+        self.threads_per_cta = 3 * 128
+        self.stage_consumer_warps = 8
+        self.load_regs = 40
+        self.mma_regs = 232
+        self.smem_capacity = get_smem_capacity_in_bytes("sm_90")
+        self.epi_n = 64
+        self.epi_pad = 8
+        self.epi_smem_elems = self.tile_m * (self.epi_n + self.epi_pad)
+
+    # ------------------------------------------------------------------ host helpers
+    def static_shapes(self, n: int, k: int):
+        reason = can_implement(self.activation, n, k, 1, self.tile_n)
+        if reason is not None:
+            raise ValueError(reason)
+        n_out = n // 2 if self.gated else n
+        return n_out, n_out // self.tile_n
+
+    def _num_stages(self, num_experts: int) -> int:
+        per_stage = (self.tile_m + self.num_b * self.tile_n) * self.tile_k  # 1 byte per element
+        reserved = 1024 + 8 * (num_experts + 2) + 1024
+        reserved += self.epi_smem_elems * 2 * self.num_epi_bufs
+        stages = min((self.smem_capacity - reserved) // per_stage, 8)
+        if self.num_stages_override is not None:
+            stages = min(stages, self.num_stages_override)
+        if stages < 2:
+            raise ValueError("fewer than 2 pipeline stages fit in shared memory")
+        return stages
+
+    # ------------------------------------------------------------------ host (jit) side
+    @cute.jit
+    def __call__(
+        self,
+        mA: cute.Tensor,
+        mAScale: cute.Tensor,
+        mB: cute.Tensor,
+        mBScale: cute.Tensor,
+        mC: cute.Tensor,
+        mOffsets: cute.Tensor,
+        mRowScale: cute.Tensor,
+        max_active_ctas: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        # fp8 operands may also come as their uint8 bit views (torch builds without fp8 DLPack)
+        if cutlass.const_expr(mA.element_type == cutlass.Uint8):
+            mA = cute.make_tensor(cute.recast_ptr(mA.iterator, dtype=cutlass.Float8E4M3FN), mA.layout)
+        if cutlass.const_expr(mB.element_type == cutlass.Uint8):
+            mB = cute.make_tensor(cute.recast_ptr(mB.iterator, dtype=cutlass.Float8E4M3FN), mB.layout)
+        if cutlass.const_expr(mA.element_type != cutlass.Float8E4M3FN
+                              or mB.element_type != cutlass.Float8E4M3FN):
+            raise TypeError("A and B must be float8_e4m3fn (or its uint8 view)")
+        if cutlass.const_expr(mAScale.element_type != cutlass.Float32
+                              or mBScale.element_type != cutlass.Float32):
+            raise TypeError("scales must be float32")
+        if cutlass.const_expr(mC.element_type != cutlass.BFloat16):
+            raise TypeError("C must be bfloat16")
+        if cutlass.const_expr(mOffsets.element_type != cutlass.Int32):
+            raise TypeError("offsets must be int32")
+        num_experts = cute.size(mOffsets, mode=[0]) - 1
+        n_rows_b = cute.size(mB, mode=[1])
+        k_size = cute.size(mB, mode=[2])
+        reason = can_implement(self.activation, n_rows_b, k_size, num_experts, self.tile_n)
+        if cutlass.const_expr(reason is not None):
+            raise ValueError(reason)
+        if cutlass.const_expr(cute.size(mBScale, mode=[1]) != n_rows_b // FP8_BLOCK
+                              or cute.size(mBScale, mode=[2]) != k_size // FP8_BLOCK
+                              or cute.size(mAScale, mode=[1]) != k_size // FP8_BLOCK):
+            raise ValueError("scale shapes must be [M, K/128] and [E, N/128, K/128]")
+        n_out, n_tiles = self.static_shapes(n_rows_b, k_size)
+        self.num_experts = num_experts
+        self.n_out = n_out
+        self.n_tiles = n_tiles
+        self.k_tiles = k_size // self.tile_k
+        self.n_out_divisible = True
+        self.num_stages = self._num_stages(num_experts)
+
+        mB_nke = cute.make_tensor(mB.iterator, cute.select(mB.layout, mode=[1, 2, 0]))
+        a_layout = LayoutEnum.from_tensor(mA)
+        b_layout = LayoutEnum.from_tensor(mB_nke)
+        tile_mnk = (self.tile_m, self.tile_n, self.tile_k)
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype,
+            a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
+            self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.tile_n),
+        )
+        # the C layout restricted to one epi_n-wide chunk (partitions the epilogue staging buffer;
+        # any WGMMA of the same M and N gives the same C layout)
+        tiled_mma_epi = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype,
+            a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
+            self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.epi_n),
+        )
+        a_smem_layout = sm90_utils.make_smem_layout_a(a_layout, tile_mnk, self.ab_dtype, self.num_stages)
+        b_smem_layout = sm90_utils.make_smem_layout_b(
+            b_layout, tile_mnk, self.ab_dtype, self.num_stages * self.num_b
+        )
+        tma_atom_a, tma_tensor_a = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mA,
+            cute.slice_(a_smem_layout, (None, None, 0)), (self.tile_m, self.tile_k),
+        )
+        tma_atom_b, tma_tensor_b = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mB_nke,
+            cute.slice_(b_smem_layout, (None, None, 0)), (self.tile_n, self.tile_k),
+        )
+
+        @cute.struct
+        class SharedStorage:
+            mbar: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
+            sched_off: cute.struct.MemRange[cutlass.Int32, num_experts + 1]
+            sched_cum: cute.struct.MemRange[cutlass.Int32, num_experts + 1]
+            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem_layout)], 1024]
+            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem_layout)], 1024]
+            sC: cute.struct.Align[
+                cute.struct.MemRange[self.c_dtype, self.epi_smem_elems * self.num_epi_bufs], 128
+            ]
+
+        self.shared_storage = SharedStorage
+        self.kernel(
+            tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, mAScale, mBScale, mC, mOffsets,
+            mRowScale, tiled_mma, tiled_mma_epi, a_smem_layout, b_smem_layout,
+        ).launch(
+            grid=[max_active_ctas, 1, 1],
+            block=[self.threads_per_cta, 1, 1],
+            cluster=[1, 1, 1],
+            min_blocks_per_mp=1,
+            stream=stream,
+        )
+
+    # ------------------------------------------------------------------ device side
+    @cute.kernel
+    def kernel(
+        self,
+        tma_atom_a: cute.CopyAtom,
+        mA_tma: cute.Tensor,
+        tma_atom_b: cute.CopyAtom,
+        mB_tma: cute.Tensor,
+        mAScale: cute.Tensor,
+        mBScale: cute.Tensor,
+        mC: cute.Tensor,
+        mOffsets: cute.Tensor,
+        mRowScale: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        tiled_mma_epi: cute.TiledMma,
+        a_smem_layout: cute.ComposedLayout,
+        b_smem_layout: cute.ComposedLayout,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = tidx % 32
+
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_atom_a)
+            cpasync.prefetch_descriptor(tma_atom_b)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        num_experts = self.num_experts
+        sOff = storage.sched_off.get_tensor(cute.make_layout(num_experts + 1))
+        sCum = storage.sched_cum.get_tensor(cute.make_layout(num_experts + 1))
+
+        # ---- scheduler prologue: warp 1 scans per-expert m-tile counts (as in grouped_gemm)
+        if warp_idx == 1:
+            carry = cutlass.Int32(0)
+            if lane == 0:
+                sCum[0] = cutlass.Int32(0)
+            for chunk in cutlass.range_constexpr((num_experts + 31) // 32):
+                e = chunk * 32 + lane
+                cnt = cutlass.Int32(0)
+                if e < num_experts:
+                    lo = mOffsets[e]
+                    hi = mOffsets[e + 1]
+                    sOff[e] = lo
+                    cnt = (hi - lo + (self.tile_m - 1)) // self.tile_m
+                    if e == num_experts - 1:
+                        sOff[e + 1] = hi
+                for s in cutlass.range_constexpr(5):
+                    v = cute.arch.shuffle_sync_up(cnt, 1 << s)
+                    if lane >= (1 << s):
+                        cnt = cnt + v
+                cnt = cnt + carry
+                if e < num_experts:
+                    sCum[e + 1] = cnt
+                carry = cute.arch.shuffle_sync(cnt, 31)
+
+        a_smem_one = cute.slice_(a_smem_layout, (None, None, 0))
+        b_smem_one = cute.slice_(b_smem_layout, (None, None, 0))
+        tma_bytes = cute.size_in_bytes(self.ab_dtype, a_smem_one) + self.num_b * cute.size_in_bytes(
+            self.ab_dtype, b_smem_one
+        )
+        ab_pipeline = pipeline.PipelineTmaAsync.create(
+            barrier_storage=storage.mbar.data_ptr(),
+            num_stages=self.num_stages,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.stage_consumer_warps),
+            tx_count=tma_bytes,
+            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+        )
+        cute.arch.sync_threads()
+
+        sA = storage.sA.get_tensor(a_smem_layout.outer, swizzle=a_smem_layout.inner)
+        sB = storage.sB.get_tensor(b_smem_layout.outer, swizzle=b_smem_layout.inner)
+
+        n_tiles = self.n_tiles
+        total_tiles = sCum[num_experts] * n_tiles
+        k_tiles = self.k_tiles
+        warp_group_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
+
+        # =========================================================== producer warpgroup
+        if warp_group_idx == 0:
+            cute.arch.warpgroup_reg_dealloc(self.load_regs)
+            if warp_idx == 0:
+                prod_state = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Producer, self.num_stages
+                )
+                tAsA = cute.group_modes(sA, 0, 2)
+                tBsB = cute.group_modes(sB, 0, 2)
+                expert = cutlass.Int32(0)
+                tile_id = bidx
+                while tile_id < total_tiles:
+                    expert, row0, row_end, n_tile = self._locate(sOff, sCum, tile_id, expert)
+                    gA = cute.local_tile(
+                        cute.domain_offset((row0, 0), mA_tma), (self.tile_m, self.tile_k), (0, None)
+                    )
+                    tAsA_p, tAgA = cpasync.tma_partition(
+                        tma_atom_a, 0, cute.make_layout(1), tAsA, cute.group_modes(gA, 0, 2)
+                    )
+                    n0 = n_tile * self.tile_n
+                    tBgBs = []
+                    for h in cutlass.range_constexpr(self.num_b):
+                        gB = cute.local_tile(
+                            cute.domain_offset((n0 + h * self.n_out, 0, 0), mB_tma),
+                            (self.tile_n, self.tile_k),
+                            (0, None, expert),
+                        )
+                        tBsB_p, tBgB = cpasync.tma_partition(
+                            tma_atom_b, 0, cute.make_layout(1), tBsB, cute.group_modes(gB, 0, 2)
+                        )
+                        tBgBs.append(tBgB)
+                    for k_tile in range(k_tiles):
+                        ab_pipeline.producer_acquire(prod_state)
+                        bar = ab_pipeline.producer_get_barrier(prod_state)
+                        cute.copy(tma_atom_a, tAgA[(None, k_tile)], tAsA_p[(None, prod_state.index)],
+                                  tma_bar_ptr=bar)
+                        for h in cutlass.range_constexpr(self.num_b):
+                            cute.copy(
+                                tma_atom_b,
+                                tBgBs[h][(None, k_tile)],
+                                tBsB_p[(None, prod_state.index * self.num_b + h)],
+                                tma_bar_ptr=bar,
+                            )
+                        ab_pipeline.producer_commit(prod_state)
+                        prod_state.advance()
+                    tile_id = tile_id + gdim
+                ab_pipeline.producer_tail(prod_state)
+
+        # =========================================================== consumer warpgroups
+        if warp_group_idx > 0:
+            cute.arch.warpgroup_reg_alloc(self.mma_regs)
+            mma_tidx = tidx - self.threads_per_wg
+            thr_mma = tiled_mma.get_slice(mma_tidx)
+            tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
+            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+            num_k_blocks = cute.size(tCrA, mode=[2])  # WGMMAs (K = 32) per k-tile: 4
+
+            acc_shape = tiled_mma.partition_shape_C((self.tile_m, self.tile_n))
+            # accumulator layout ((2, 2, N/8), 1, 1): element i sits in row r0 + 8 * ((i // 2) % 2)
+            assert (
+                cute.size(acc_shape[0][0]) == 2 and cute.size(acc_shape[0][1]) == 2
+                and cute.size(acc_shape[0][2]) == self.tile_n // 8
+                and cute.size(acc_shape[1]) == 1 and cute.size(acc_shape[2]) == 1
+            ), f"unexpected accumulator shape {acc_shape}"
+            accs = [cute.make_rmem_tensor(acc_shape, self.acc_dtype) for _ in range(self.num_b)]
+            parts = [cute.make_rmem_tensor(acc_shape, self.acc_dtype) for _ in range(self.num_b)]
+            tCcC = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+            n_elems = cute.size(accs[0])
+            sC = storage.sC.get_tensor(
+                cute.make_layout((self.tile_m, self.epi_n), stride=(self.epi_n + self.epi_pad, 1))
+            )
+            tCsC = tiled_mma_epi.get_slice(mma_tidx).partition_C(sC)
+            epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.tile_threads)
+
+            state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+            # this thread's two accumulator rows inside the tile
+            r_lo = tCcC[0][0]
+            r_hi = tCcC[2][0]
+            expert = cutlass.Int32(0)
+            tile_id = bidx
+            while tile_id < total_tiles:
+                expert, row0, row_end, n_tile = self._locate(sOff, sCum, tile_id, expert)
+                rows_left = row_end - row0
+                # clamp to the expert's last row: always in bounds, never stored when clamped
+                ra_lo = row0 + cutlass.min(r_lo, rows_left - 1)
+                ra_hi = row0 + cutlass.min(r_hi, rows_left - 1)
+                n0 = n_tile * self.tile_n
+                for h in cutlass.range_constexpr(self.num_b):
+                    accs[h].fill(0.0)
+
+                for k_tile in range(k_tiles):
+                    ab_pipeline.consumer_wait(state)
+                    warpgroup.fence()
+                    for h in cutlass.range_constexpr(self.num_b):
+                        tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+                        for kb in cutlass.range_constexpr(num_k_blocks):
+                            cute.gemm(
+                                tiled_mma,
+                                parts[h],
+                                tCrA[(None, None, kb, state.index)],
+                                tCrB[(None, None, kb, state.index * self.num_b + h)],
+                                parts[h],
+                            )
+                            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                    warpgroup.commit_group()
+                    # scales of this k-tile: loaded while the WGMMAs run
+                    sa_lo = mAScale[ra_lo, k_tile]
+                    sa_hi = mAScale[ra_hi, k_tile]
+                    sbs = []
+                    for h in cutlass.range_constexpr(self.num_b):
+                        sbs.append(mBScale[expert, (n0 + h * self.n_out) // FP8_BLOCK, k_tile])
+                    warpgroup.wait_group(0)
+                    ab_pipeline.consumer_release(state)
+                    state.advance()
+                    # promotion: main += partial * a_scale[row] * b_scale
+                    for h in cutlass.range_constexpr(self.num_b):
+                        s_lo = sa_lo * sbs[h]
+                        s_hi = sa_hi * sbs[h]
+                        for i in cutlass.range_constexpr(n_elems):
+                            if cutlass.const_expr((i // 2) % 2 == 0):
+                                accs[h][i] = accs[h][i] + parts[h][i] * s_lo
+                            else:
+                                accs[h][i] = accs[h][i] + parts[h][i] * s_hi
+
+                # ---------------- epilogue: activation, row scale, masked bf16 stores
+                acc0 = accs[0]
+                if cutlass.const_expr(self.gated):
+                    for i in cutlass.range_constexpr(n_elems):
+                        g = acc0[i]
+                        den = cutlass.Float32(1.0) + cute.math.exp2(-g * _LOG2E, fastmath=True)
+                        acc0[i] = g * cute.arch.rcp_approx(den) * accs[1][i]
+                if cutlass.const_expr(self.scale_rows):
+                    rs_lo = mRowScale[ra_lo]
+                    rs_hi = mRowScale[ra_hi]
+                    for i in cutlass.range_constexpr(n_elems):
+                        if cutlass.const_expr((i // 2) % 2 == 0):
+                            acc0[i] = acc0[i] * rs_lo
+                        else:
+                            acc0[i] = acc0[i] * rs_hi
+                self._epilogue(accs, tCsC, sC, mC, row0, rows_left, n0, mma_tidx, epi_barrier)
+                tile_id = tile_id + gdim

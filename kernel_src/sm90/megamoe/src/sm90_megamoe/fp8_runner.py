@@ -1,0 +1,270 @@
+"""FP8 block-scaled grouped GEMM: compile checks (any machine) and correctness + timing (H200).
+
+    python -m sm90_megamoe.fp8_runner [--model qwen3|mixtral] [--routing uniform|skewed] [--reps 20]
+
+Per model, FC1 (swiglu, w13 [E, 2I, H]) and FC2 (identity + router row scale, w2 [E, H, I]):
+* every machine: compile for sm_90a from fake tensors and check the PTX (FP8 WGMMA
+  ``wgmma.mma_async ... e4m3.e4m3``, TMA ``cp.async.bulk.tensor``, no local memory) and, if ptxas
+  is installed, registers / spill bytes;
+* with an SM90 GPU: random inputs quantised by :mod:`.fp8_reference`, NaN-poisoned outputs, the
+  relative error against the float32 reference of the dequantised math, median time (CUDA events)
+  and TFLOP/s next to torch's FP8 GEMMs (``torch._scaled_grouped_mm``, row-wise scales, and
+  ``torch._scaled_mm`` per expert with block-wise scales, whichever this torch supports).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Optional
+
+import torch
+
+import cutlass
+import cutlass.cute as cute
+import cuda.bindings.driver as cuda
+from cutlass.cute.runtime import from_dlpack, make_fake_compact_tensor, make_fake_stream
+
+from .fp8_gemm import FP8_BLOCK, Fp8BlockScaledGroupedGemmSm90, can_implement
+from .fp8_reference import (fp8_grouped_gemm_reference, make_offsets, quantize_rows128,
+                            quantize_weight_block128)
+
+MODELS = {  # hidden H, intermediate I, experts E, top-k, tokens
+    "qwen3": (2048, 768, 128, 8, 8192),
+    "mixtral": (4096, 14336, 8, 2, 8192),
+}
+
+
+def layers(model: str):
+    """[(name, activation, N, K, scale_rows)] of one MoE layer."""
+    h, i, _, _, _ = MODELS[model]
+    return [("fc1", "swiglu", 2 * i, h, False), ("fc2", "identity", h, i, True)]
+
+
+def fake_args(num_experts: int, n: int, k: int, activation: str):
+    """Fake (mA, mAScale, mB, mBScale, mC, mOffsets, mRowScale, ctas, stream): M_total dynamic,
+    fp8 operands as uint8 views (what :func:`cute_args` passes)."""
+    n_out = n // 2 if activation == "swiglu" else n
+    m = cute.sym_int()
+    u8, f32 = cutlass.Uint8, cutlass.Float32
+    mA = make_fake_compact_tensor(u8, (m, k), stride_order=(1, 0), assumed_align=16)
+    mAS = make_fake_compact_tensor(f32, (m, k // FP8_BLOCK), stride_order=(1, 0), assumed_align=4)
+    mB = make_fake_compact_tensor(u8, (num_experts, n, k), stride_order=(2, 1, 0), assumed_align=16)
+    mBS = make_fake_compact_tensor(f32, (num_experts, n // FP8_BLOCK, k // FP8_BLOCK),
+                                   stride_order=(2, 1, 0), assumed_align=4)
+    mC = make_fake_compact_tensor(cutlass.BFloat16, (m, n_out), stride_order=(1, 0), assumed_align=16)
+    mOff = make_fake_compact_tensor(cutlass.Int32, (num_experts + 1,), assumed_align=4)
+    mRS = make_fake_compact_tensor(f32, (cute.sym_int(),), assumed_align=4)
+    return mA, mAS, mB, mBS, mC, mOff, mRS, cutlass.Int32(132), make_fake_stream()
+
+
+def cute_args(a, a_scale, b, b_scale, c, offsets, row_scale):
+    """CuTe views of contiguous torch tensors matching :func:`fake_args`."""
+    u8 = lambda t: t.view(torch.uint8) if t.dtype != torch.uint8 else t  # noqa: E731
+    dyn = lambda t, al: from_dlpack(t, assumed_align=al).mark_compact_shape_dynamic(  # noqa: E731
+        mode=0, stride_order=(0, 1))
+    return (dyn(u8(a), 16), dyn(a_scale, 4), from_dlpack(u8(b), assumed_align=16),
+            from_dlpack(b_scale, assumed_align=4), dyn(c, 16), from_dlpack(offsets, assumed_align=4),
+            from_dlpack(row_scale, assumed_align=4).mark_compact_shape_dynamic(mode=0))
+
+
+def compile_variant(activation: str, n: int, k: int, num_experts: int, scale_rows: bool,
+                    arch: str = "sm_90a", tile_n: Optional[int] = None,
+                    num_stages: Optional[int] = None):
+    """(kernel, compiled) for one variant, from fake tensors (no GPU needed)."""
+    reason = can_implement(activation, n, k, num_experts, tile_n)
+    if reason is not None:
+        raise ValueError(reason)
+    kernel = Fp8BlockScaledGroupedGemmSm90(activation, scale_rows=scale_rows, tile_n=tile_n,
+                                           num_stages=num_stages)
+    compiled = cute.compile(kernel, *fake_args(num_experts, n, k, activation),
+                            options=f"--gpu-arch {arch} --keep-ptx")
+    return kernel, compiled
+
+
+def smem_bytes(kernel: Fp8BlockScaledGroupedGemmSm90) -> int:
+    """Dynamic shared memory of a compiled kernel (its SharedStorage struct)."""
+    return int(kernel.shared_storage.size_in_bytes())
+
+
+def ptx_report(kernel, compiled, arch: str = "sm_90a") -> dict:
+    """What the PTX shows: FP8 WGMMA instruction(s), TMA, local memory, ptxas registers/spills."""
+    import re
+
+    from .layout_compile_check import ptxas_info
+
+    ptx = compiled.__ptx__
+    wgmma = sorted(set(re.findall(r"wgmma\.mma_async[\w.]*", ptx)))
+    info = ptxas_info(ptx, arch)
+    return {
+        "wgmma": wgmma,
+        "fp8_wgmma": any("e4m3.e4m3" in w for w in wgmma),
+        "tma": "cp.async.bulk.tensor" in ptx,
+        "local": ("ld.local" in ptx) or ("st.local" in ptx),
+        "ptxas_regs": None if info is None else info[0],
+        "ptxas_spill_bytes": None if info is None else info[1],
+        "stages": kernel.num_stages,
+        "smem_bytes": smem_bytes(kernel),
+    }
+
+
+# ---------------------------------------------------------------------------- GPU side
+def make_inputs(m_total, n, k, num_experts, routing, scale_rows, seed=0, device="cuda"):
+    gen = torch.Generator().manual_seed(seed)
+    dgen = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(m_total, k, generator=dgen, device=device) * 0.5
+    w = torch.randn(num_experts, n, k, generator=dgen, device=device) * (1.0 / k ** 0.5)
+    a, a_s = quantize_rows128(x)
+    del x
+    b, b_s = quantize_weight_block128(w)
+    del w
+    offs = make_offsets(m_total, num_experts, routing, gen).to(device)
+    rs = torch.rand(m_total, generator=dgen, device=device) if scale_rows else None
+    return a, a_s, b, b_s, offs, rs
+
+
+class Fp8GroupedGemm:
+    """One compiled variant, launched on CUDA tensors (classic path: pre-converted CuTe views)."""
+
+    def __init__(self, activation, n, k, num_experts, scale_rows, tile_n=None, num_stages=None):
+        self.kernel, self.compiled = compile_variant(activation, n, k, num_experts, scale_rows,
+                                                     tile_n=tile_n, num_stages=num_stages)
+        self.activation, self.n, self.k, self.scale_rows = activation, n, k, scale_rows
+        self.n_out = n // 2 if activation == "swiglu" else n
+
+    def prepare(self, a, a_s, b, b_s, out, offs, rs):
+        """CuTe views for :meth:`launch`; None when there are no rows (nothing to launch: TMA
+        descriptors cannot describe an empty tensor)."""
+        if a.shape[0] == 0:
+            return None
+        if rs is None:
+            rs = torch.zeros(1, dtype=torch.float32, device=a.device)
+        return cute_args(a, a_s, b, b_s, out, offs, rs)
+
+    def launch(self, args, ctas=None, stream=None):
+        if args is None:
+            return
+        if ctas is None:
+            ctas = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+        if stream is None:
+            stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+        self.compiled(*args, cutlass.Int32(ctas), stream)
+
+
+def time_fn(fn, reps: int) -> float:
+    """Median milliseconds of ``fn`` over ``reps`` CUDA-event-timed calls (after 3 warm-ups)."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e))
+    return statistics.median(times)
+
+
+def torch_baselines(a, a_s, b, b_s, offs, reps):
+    """{name: ms or error string} for torch's FP8 GEMMs on the same shapes (GEMM only, no
+    activation). Row-wise grouped scales are a different (coarser) format: a speed reference."""
+    out = {}
+    E, N, K = b.shape
+    M = a.shape[0]
+    if hasattr(torch, "_scaled_grouped_mm"):
+        try:
+            sa = a_s.amax(dim=1).contiguous()          # [M] row-wise stand-in
+            sb = b_s.amax(dim=2).repeat_interleave(FP8_BLOCK, dim=1).contiguous()  # [E, N]
+            bt = b.transpose(1, 2)                      # [E, K, N], column-major per expert
+            ends = offs[1:].contiguous()
+            fn = lambda: torch._scaled_grouped_mm(a, bt, sa, sb, offs=ends,  # noqa: E731
+                                                  out_dtype=torch.bfloat16)
+            fn()
+            out["torch._scaled_grouped_mm (row-wise)"] = time_fn(fn, reps)
+        except Exception as ex:  # noqa: BLE001
+            out["torch._scaled_grouped_mm (row-wise)"] = f"unavailable: {type(ex).__name__}: {ex}"[:160]
+    try:
+        o = [int(x) for x in offs.tolist()]
+        pairs = []
+        for e in range(E):
+            lo, hi = o[e], o[e + 1]
+            if hi > lo:
+                # block-wise: A 1x128 (outer-dim-major scale), B 128x128
+                pairs.append((a[lo:hi], a_s[lo:hi].t().contiguous().t(), b[e].t(), b_s[e].t()))
+
+        def per_expert():
+            for x, sx, w, sw in pairs:
+                torch._scaled_mm(x, w, scale_a=sx, scale_b=sw, out_dtype=torch.bfloat16)
+
+        per_expert()
+        out["torch._scaled_mm per expert (block-wise)"] = time_fn(per_expert, reps)
+    except Exception as ex:  # noqa: BLE001
+        out["torch._scaled_mm per expert (block-wise)"] = f"unavailable: {type(ex).__name__}: {ex}"[:160]
+    return out
+
+
+def run_gpu(model: str, routing: str, reps: int) -> bool:
+    h, i, E, topk, tokens = MODELS[model]
+    m_total = tokens * topk
+    ok_all = True
+    for name, act, n, k, sr in layers(model):
+        fn = Fp8GroupedGemm(act, n, k, E, sr)
+        a, a_s, b, b_s, offs, rs = make_inputs(m_total, n, k, E, routing, sr)
+        out = torch.full((m_total, fn.n_out), float("nan"), dtype=torch.bfloat16, device="cuda")
+        args = fn.prepare(a, a_s, b, b_s, out, offs, rs)
+        fn.launch(args)
+        torch.cuda.synchronize()
+        ref = fp8_grouped_gemm_reference(a, a_s, b, b_s, offs, act, rs)
+        nan = bool(torch.isnan(out).any())
+        rel = float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+        ok = (not nan) and rel < 1e-2
+        ok_all &= ok
+        del ref
+        ms = time_fn(lambda: fn.launch(args), reps)
+        flops = 2.0 * m_total * n * k
+        print(f"[{model} {name}] {act:8s} M={m_total} N={n} K={k} E={E} {routing}: rel_err={rel:.3e} "
+              f"nan={nan} -> {'PASS' if ok else 'FAIL'}; {ms:.3f} ms = {flops / ms / 1e9:.1f} TFLOP/s "
+              f"(stages {fn.kernel.num_stages}, tile 128x{fn.kernel.tile_n}x128)", flush=True)
+        for bname, v in torch_baselines(a, a_s, b, b_s, offs, reps).items():
+            if isinstance(v, float):
+                print(f"    {bname}: {v:.3f} ms = {flops / v / 1e9:.1f} TFLOP/s (GEMM only)")
+            else:
+                print(f"    {bname}: {v}")
+        del a, a_s, b, b_s, out
+        torch.cuda.empty_cache()
+    return ok_all
+
+
+def run_compile(model: str) -> bool:
+    _, _, E, _, _ = MODELS[model]
+    ok_all = True
+    for name, act, n, k, sr in layers(model):
+        t0 = time.time()
+        kernel, compiled = compile_variant(act, n, k, E, sr)
+        r = ptx_report(kernel, compiled)
+        ok = r["fp8_wgmma"] and r["tma"] and not r["local"] and r["ptxas_spill_bytes"] in (0, None)
+        ok_all &= ok
+        print(f"[{model} {name}] {act} N={n} K={k} E={E} scale_rows={sr}: compile "
+              f"{time.time() - t0:.2f}s {r} -> {'OK' if ok else 'FAIL'}", flush=True)
+    return ok_all
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=sorted(MODELS), default="qwen3")
+    p.add_argument("--routing", choices=("uniform", "skewed"), default="uniform")
+    p.add_argument("--reps", type=int, default=20)
+    args = p.parse_args(argv)
+    ok = run_compile(args.model)
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+        torch.backends.cuda.matmul.allow_tf32 = False
+        ok &= run_gpu(args.model, args.routing, args.reps)
+    else:
+        print("no SM90 GPU: compile checks only")
+    raise SystemExit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
