@@ -14,6 +14,7 @@ from moe_ep.shim import (BackendWarning, BootstrapError, CapacityError, CaptureE
 
 from . import reference as _reference
 from .sm90 import bf16_cutedsl as _sm90_bf16
+from .sm90 import fp8_cutedsl as _sm90_fp8
 from .sm100 import w4a16_cutedsl as _sm100_w4a16
 from .sm120 import mxfp8_cutedsl as _sm120_mxfp8
 from .registry import (BackendImpl, BackendSpec, UnsupportedBackendError, Verdict, available, explain, get,
@@ -33,6 +34,16 @@ register(BackendSpec(
     check=_sm90_bf16.check,
     factory=lambda cfg, group, device, **opts: _sm90_bf16.Sm90CuteDSLBackend(cfg, group, device, **opts),
     quant_formats=(None,),
+))
+register(BackendSpec(
+    name="sm90_fp8_cutedsl",
+    description="SM90 FP8 block-scaled (DeepSeek-V3 format) grouped GEMMs with the BF16 backend's dispatch/combine; "
+                "EXPERIMENTAL: compiled and host-tested, not yet run on a GPU, so below the reference backend "
+                "(name it to use it)",
+    priority=-1,
+    check=_sm90_fp8.check,
+    factory=lambda cfg, group, device, **opts: _sm90_fp8.Sm90Fp8Backend(cfg, group, device, **opts),
+    quant_formats=("fp8_block128",),
 ))
 register(BackendSpec(
     name="sm100_w4a16_cutedsl",
@@ -114,6 +125,9 @@ def workspace_bytes(name: str, config, world_size: int) -> int:
     """Device bytes per rank of the workspace a layer of ``config`` needs on backend ``name``
     (0 for backends that allocate per call, such as ``reference``)."""
     get(name)  # unknown names raise, naming the registered ones
+    if name == "sm90_fp8_cutedsl":  # + FP8 copies (and scales) of the grouped rows and of FC1's output
+        P = world_size * config.max_tokens_per_rank * config.top_k
+        return _sm90_bf16.workspace_bytes(config, world_size) + P * (config.hidden + config.intermediate) * 33 // 32
     if name in ("sm90_bf16_cutedsl", "sm100_w4a16_cutedsl"):
         return _sm90_bf16.workspace_bytes(config, world_size)
     if name == "sm120_mxfp8_cutedsl":  # + MXFP8 copies of the grouped rows and of FC1's output

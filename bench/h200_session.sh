@@ -7,6 +7,7 @@
 #                                                                  #  not fit in one transfer with .device/b)
 #   ... bash bench/h200_session.sh moe | fi                        # one part only
 #   source .device/b/env.sh && bash bench/h200_session.sh extra    # start-up, transformers block, decode sweep
+#   source .device/b/env.sh && bash bench/h200_session.sh verify   # GPU checks of code not yet run on a GPU
 #
 # all (default): 1. python -m moe_ep.bench --model $MODELS --tokens $TOKENS --csv $OUT/bench.csv (default layers:
 #                   per-call, back-to-back and CUDA-graph ms + TFLOP/s, decode sweep), log $OUT/bench.log;
@@ -19,12 +20,16 @@
 # extra:         python -m moe_ep.bench startup (warmup cold/warm, forward host time) -> $OUT/startup.log;
 #                python -m moe_ep.bench hf (Qwen3-MoE block via transformers, needs transformers) -> $OUT/hf.log;
 #                the decode sweep of $MODELS with --decode-csv $OUT/decode.csv --plot $OUT/decode.png.
+# verify:        what was written without a GPU run: the FP8 block-scaled GEMM, row quantiser and the
+#                sm90_fp8_cutedsl layer (drops v9-v10; GPU tests, and
+#                its runner on $MODELS) and the virtual-rank EP layers (W = 1..8), whose ranks now pick
+#                the swap-AB decode GEMMs per call -> $OUT/verify.log, $OUT/fp8_<model>.log.
 # Knobs (environment): MODELS (qwen3,mixtral), TOKENS (8192), ITERS (30), N (GPUs = EP size, 1),
 #   STEP_TIMEOUT (s per part, 420), PEER_TIMEOUT (s per peer run, 240), BENCH_ARGS (extra moe_ep.bench args),
 #   MOE_EP_COMMIT (the commit to print when the copy on the host has no .git).
 set -uo pipefail
 mode=${1:-all}
-case $mode in all|moe|fi|liger|extra) ;; *) echo "usage: bash bench/h200_session.sh [all|moe|fi|liger|extra]" >&2; exit 2 ;; esac
+case $mode in all|moe|fi|liger|extra|verify) ;; *) echo "usage: bash bench/h200_session.sh [all|moe|fi|liger|extra|verify]" >&2; exit 2 ;; esac
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 MODELS=${MODELS:-qwen3,mixtral} TOKENS=${TOKENS:-8192} ITERS=${ITERS:-30} N=${N:-1}
@@ -69,6 +74,15 @@ if [ "$mode" = extra ]; then
   step "transformers block" "$OUT/hf.log" -- python3 -m moe_ep.bench hf --iters "$ITERS"
   step "decode sweep" "$OUT/decode.log" -- python3 -m moe_ep.bench --model "$MODELS" --tokens 128 --iters "$ITERS" \
       --no-reference --decode-csv "$OUT/decode.csv" --plot "$OUT/decode.png"
+fi
+if [ "$mode" = verify ]; then
+  step "unverified GPU tests" "$OUT/verify.log" -- python3 -m pytest -m gpu -q tests/test_sm90_fp8_compile.py \
+      tests/test_sm90_fp8_quant.py tests/test_fp8_backend.py \
+      tests/test_ep_virtual_gpu.py
+  for m in ${MODELS//,/ }; do
+    step "FP8 GEMM runner $m" "$OUT/fp8_$m.log" -- env PYTHONPATH="kernel_src/sm90/megamoe/src${PYTHONPATH:+:$PYTHONPATH}" \
+        python3 -m sm90_megamoe.fp8_runner --model "$m"
+  done
 fi
 if [ "$mode" = liger ]; then
   lscript=(); [ -f .device/liger/liger_bench.py ] && lscript=(--peer-script .device/liger/liger_bench.py)

@@ -1,4 +1,4 @@
-"""Shim for the SM90 drop ``kernel_src/sm90/megamoe`` (package ``sm90_megamoe``), drop version 9.
+"""Shim for the SM90 drop ``kernel_src/sm90/megamoe`` (package ``sm90_megamoe``), drop version 10.
 
 What moe_ep relies on, declared as data (:data:`CONTRACT`), plus thin wrappers:
 
@@ -51,7 +51,7 @@ from ..paths import drop_src
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 9},
+    "sm90_megamoe": {"DROP_VERSION": 10},
     "sm90_megamoe.constants": {
         "ABI_VERSION": 2,
         "ACTIVATIONS": ("identity", "swiglu", "squared_relu", "gelu_glu", "clamped_swiglu"),
@@ -84,7 +84,7 @@ CONSTANTS = MirroredConstants("sm90/megamoe", {
 })
 
 CONTRACT = DropContract(
-    arch="sm90", drop="megamoe", version=9, packages=(PKG,), constants=CONSTANTS,
+    arch="sm90", drop="megamoe", version=10, packages=(PKG,), constants=CONSTANTS,
     callables=(
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.__init__",
                     ("activation", "n", "k", "num_experts", "scale_rows", "tile_n", "bias_dtype",
@@ -128,6 +128,15 @@ CONTRACT = DropContract(
         CallableUse("sm90_megamoe.layout_launch:Layout.__call__",
                     ("bufs", "offsets", "idx", "ws", "pos", "xs", "stream", "check")),
         CallableUse("sm90_megamoe.layout_kernels:counts_len", ("num_chunks", "local_experts")),
+        CallableUse("sm90_megamoe.fp8_gemm:can_implement", ("activation", "n", "k", "num_experts")),
+        CallableUse("sm90_megamoe.fp8_launch:CompiledFp8Gemm.__init__",
+                    ("activation", "n", "k", "num_experts", "scale_rows", "compiled", "tvm_ffi")),
+        CallableUse("sm90_megamoe.fp8_launch:CompiledFp8Gemm.__call__",
+                    ("a", "a_scale", "b", "b_scale", "offsets", "out", "row_scale", "max_active_ctas", "stream")),
+        CallableUse("sm90_megamoe.fp8_quant:compile_fp8_quantize_rows", ("k", "arch", "tvm_ffi", "counted")),
+        CallableUse("sm90_megamoe.fp8_quant:CompiledFp8QuantizeRows.__init__", ("k", "compiled", "tvm_ffi", "counted")),
+        CallableUse("sm90_megamoe.fp8_quant:CompiledFp8QuantizeRows.__call__",
+                    ("x", "q", "scale", "m_rows", "stream", "count")),
     ),
     imports=(
         ImportUse("sm90_megamoe.launch", "CompiledGroupedGemm", "shim/drops/sm90_megamoe.py"),
@@ -137,7 +146,7 @@ CONTRACT = DropContract(
         ImportUse("sm90_megamoe.layout_launch", "Layout", "shim/drops/sm90_megamoe.py"),
         ImportUse("sm90_megamoe.layout_launch", "KINDS", "shim/drops/sm90_megamoe.py"),
     ),
-    consumers=("shim/drops/sm90_megamoe.py",),
+    consumers=("shim/drops/sm90_megamoe.py", "shim/drops/sm90_megamoe_fp8.py"),
     # every attribute the shim (and, through GroupedGemm.compiled / EpSession.bufs, its callers)
     # reads off drop modules and objects; the audit checks each statically against the drop
     attributes=(
@@ -157,6 +166,11 @@ CONTRACT = DropContract(
                      ("recv_x", "recv_ids", "recv_w", "recv_count", "flags", "comb", "ctrl", "err", "verr",
                       "dmask")),
         AttributeUse("sm90_megamoe.layout_launch:Layout", ("__call__",)),
+        AttributeUse("sm90_megamoe.fp8_gemm", ("can_implement",)),
+        AttributeUse("sm90_megamoe.fp8_launch", ("CompiledFp8Gemm",)),
+        AttributeUse("sm90_megamoe.fp8_launch:CompiledFp8Gemm", ("compiled", "n_out", "__call__")),
+        AttributeUse("sm90_megamoe.fp8_quant", ("compile_fp8_quantize_rows", "CompiledFp8QuantizeRows")),
+        AttributeUse("sm90_megamoe.fp8_quant:CompiledFp8QuantizeRows", ("__call__",)),
     ),
 )
 

@@ -1,0 +1,5 @@
+"""SM90 FP8 block-scaled CuTeDSL backend (drop sm90/megamoe) -- experimental, not yet run on a GPU."""
+
+from .backend import Sm90Fp8Backend, check, check_config, prebuild
+
+__all__ = ["Sm90Fp8Backend", "check", "check_config", "prebuild"]

@@ -1,0 +1,131 @@
+"""SM90 (H100/H200) FP8 block-scaled backend (DeepSeek-V3 / Qwen3-FP8 weights) on the drop
+``sm90/megamoe`` -- **experimental: compiled and host-tested, not yet run on a GPU**, so it is
+registered below the reference backend (``backend="auto"`` never picks it; name it to use it).
+
+The forward is the BF16 SM90 backend's, with steps 3-4 replaced:
+
+1. **dispatch** and 2. **expert layout** -- as in :mod:`moe_ep.backends.sm90.bf16_cutedsl` (BF16
+   rows on the wire; FP8 on the wire is still to come);
+3. **FC1 + SwiGLU** -- the grouped rows are quantised per 128 values of a row (E4M3 + one float32
+   scale, ``amax / 448``: :func:`moe_ep.api.quant.quantize_fp8_rows128`), then the FP8 grouped GEMM
+   with per-k-block scale promotion ``h = swiglu(xq · wq13ᵀ)``;
+4. **FC2 + router weight** -- ``h`` quantised the same way, ``y = ws · (hq · wq2ᵀ)``;
+5. **combine** -- as on BF16.
+
+Weights: ``MoEConfig.quant = "fp8_block128"``; ``w13``/``w2`` are
+:class:`moe_ep.api.quant.FP8Block128Weight` (values ``float8_e4m3fn [E, N, K]``, scales float32
+``[E, N/128, K/128]``; or raw e4m3 tensors with ``forward(w13_scale=, w2_scale=)``). H and I must
+be multiples of 128. The quantised activations live in buffers of this layer (allocated at bind).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from moe_ep.shim import (sm90_check_fp8_gemm, sm90_compiled_fp8_gemm, sm90_compiled_fp8_quantize_rows,
+                         sm90_fp8_gemm, sm90_fp8_quantize_rows, sm90_prebuild_ep, sm90_prebuild_layout)
+
+from ...quant import FP8_BLOCK, quantize_fp8_block128
+from ...registry import UnsupportedBackendError
+from ..bf16_cutedsl.backend import Sm90CuteDSLBackend
+from ..bf16_cutedsl.workspace import Dims
+
+NAME = "sm90_fp8_cutedsl"
+
+
+def _gemm_specs(cfg: Any, e_local: int) -> dict:
+    return {"fc1": ("swiglu", cfg.w13_rows, cfg.hidden, e_local, False),
+            "fc2": ("identity", cfg.hidden, cfg.intermediate, e_local, True)}
+
+
+def check_config(config: Any, group: Any) -> None:
+    """What this backend refuses on any machine (shapes, formats), with the reason."""
+    if getattr(config, "quant", None) != "fp8_block128":
+        raise UnsupportedBackendError(f"{NAME} runs MoEConfig.quant='fp8_block128', not "
+                                      f"quant={getattr(config, 'quant', None)!r}")
+    if config.dtype != torch.bfloat16:
+        raise UnsupportedBackendError(f"{NAME} runs bf16 layer inputs only, not {config.dtype}")
+    if config.activation != "swiglu":
+        raise UnsupportedBackendError(f"{NAME}: activation {config.activation!r} is not supported (swiglu)")
+    if getattr(config, "bias_dtype", None) is not None:
+        raise UnsupportedBackendError(f"{NAME}: per-expert biases are not supported")
+    if group.world_size > 1 and group.dist_backend not in ("nccl", "virtual"):
+        raise UnsupportedBackendError(f"{NAME} over several ranks bootstraps NVSHMEM over an NCCL process group")
+    try:
+        for spec in _gemm_specs(config, config.local_experts(group.world_size)).values():
+            sm90_check_fp8_gemm(*spec[:4])
+    except ValueError as e:
+        raise UnsupportedBackendError(f"{NAME}: {e}") from e
+
+
+def check(config: Any, group: Any, device: torch.device) -> None:
+    """Refuse, with the reason, anything this backend cannot run here."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise UnsupportedBackendError(f"{NAME} needs a CUDA device (got {device})")
+    cc = torch.cuda.get_device_capability(device)
+    if cc != (9, 0):
+        raise UnsupportedBackendError(f"{NAME} needs an SM90 GPU (H100/H200); this GPU is sm_{cc[0]}{cc[1]} "
+                                      f"({torch.cuda.get_device_name(device)})")
+    check_config(config, group)
+
+
+def prebuild(config: Any, world_size: int, kernels: tuple = ("fc1", "fc2", "ep", "layout")) -> None:
+    """Compile (or load from the disk compile cache) every kernel a layer needs, without a GPU;
+    "fc1"/"fc2" include the row quantiser of their input width."""
+    d = Dims.of(config, world_size)
+    e_local = config.local_experts(world_size)
+    specs = _gemm_specs(config, e_local)
+    for name in kernels:
+        if name in specs:
+            sm90_compiled_fp8_gemm(*specs[name])
+            sm90_compiled_fp8_quantize_rows(specs[name][2])
+        elif name == "ep":
+            sm90_prebuild_ep(d.hidden, d.topk, world_size, d.max_tokens, config.num_experts)
+        elif name == "layout":
+            sm90_prebuild_layout(d.hidden, d.topk, world_size, d.max_tokens, e_local)
+        else:
+            raise ValueError(f"unknown kernel group {name!r} (fc1, fc2, ep, layout)")
+
+
+class Sm90Fp8Backend(Sm90CuteDSLBackend):
+    """The BF16 SM90 backend's dispatch/layout/combine around FP8 block-scaled GEMMs."""
+
+    name = NAME
+
+    def _bind_gemms(self, views: dict) -> None:
+        cfg = self.cfg
+        specs = _gemm_specs(cfg, self.E)
+        self.fc1, self.fc2 = sm90_fp8_gemm(*specs["fc1"]), sm90_fp8_gemm(*specs["fc2"])
+        self.quant_x, self.quant_h = sm90_fp8_quantize_rows(cfg.hidden), sm90_fp8_quantize_rows(cfg.intermediate)
+        self.fc1_decode = self.fc2_decode = None
+        self._decode_max_tokens = 0
+        self._gemms = (self.fc1, self.fc2)
+        P = views["xs"].shape[0]  # grouped-row capacity
+        if getattr(self, "xq", None) is None or self.xq.shape[0] != P:
+            dev = self.device
+            self.xq = torch.empty(P, cfg.hidden, dtype=torch.float8_e4m3fn, device=dev)
+            self.xq_scale = torch.empty(P, cfg.hidden // FP8_BLOCK, dtype=torch.float32, device=dev)
+            self.hq = torch.empty(P, cfg.intermediate, dtype=torch.float8_e4m3fn, device=dev)
+            self.hq_scale = torch.empty(P, cfg.intermediate // FP8_BLOCK, dtype=torch.float32, device=dev)
+
+    def _warm_weights(self, g: torch.Generator) -> tuple:
+        cfg = self.cfg
+        w13 = torch.randn(self.E, cfg.w13_rows, cfg.hidden, device=self.device, generator=g) * cfg.hidden ** -0.5
+        w2 = torch.randn(self.E, cfg.hidden, cfg.intermediate, device=self.device, generator=g) * cfg.intermediate ** -0.5
+        return quantize_fp8_block128(w13), quantize_fp8_block128(w2)
+
+    def _step34_experts(self, w13, w2, b13=None, b2=None) -> None:
+        fc1, fc2 = self._gemms
+        rows = self.offsets[-1:]  # grouped rows of this call, read on the device (no host sync)
+        self.quant_x(self.xs, self.xq, self.xq_scale, count=rows)
+        fc1(self.xq, self.xq_scale, w13.values, w13.scale, self.offsets, out=self.h, row_scale=self.ws_rows,
+            max_active_ctas=self.num_ctas)
+        self.quant_h(self.h, self.hq, self.hq_scale, count=rows)
+        fc2(self.hq, self.hq_scale, w2.values, w2.scale, self.offsets, out=self.y, row_scale=self.ws_rows,
+            max_active_ctas=self.num_ctas)
+
+    def destroy(self):
+        self.xq = self.xq_scale = self.hq = self.hq_scale = None
+        super().destroy()

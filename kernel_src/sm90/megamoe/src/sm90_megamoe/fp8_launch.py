@@ -1,0 +1,93 @@
+"""Host side of the FP8 block-scaled grouped GEMM (:mod:`.fp8_gemm`): compile from fake tensors
+(no GPU needed) and launch with torch tensors, through TVM-FFI or CuTeDSL's classic path (see
+:mod:`.launch`). No host sync on the launch path."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+import cutlass
+import cutlass.cute as cute
+import cuda.bindings.driver as cuda
+from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+from .fp8_gemm import FP8_BLOCK, Fp8BlockScaledGroupedGemmSm90, can_implement
+from .launch import _num_sms, call_on_stream, ffi_function
+
+
+def fake_args(num_experts: int, n: int, k: int, activation: str, use_tvm_ffi: bool = False):
+    """Fake ``(mA, mAScale, mB, mBScale, mC, mOffsets, mRowScale, ctas, stream)``: M_total
+    dynamic, the FP8 operands as uint8 views."""
+    n_out = n // 2 if activation == "swiglu" else n
+    m = cute.sym_int()
+    u8, f32 = cutlass.Uint8, cutlass.Float32
+    mA = make_fake_compact_tensor(u8, (m, k), stride_order=(1, 0), assumed_align=16)
+    mAS = make_fake_compact_tensor(f32, (m, k // FP8_BLOCK), stride_order=(1, 0), assumed_align=4)
+    mB = make_fake_compact_tensor(u8, (num_experts, n, k), stride_order=(2, 1, 0), assumed_align=16)
+    mBS = make_fake_compact_tensor(f32, (num_experts, n // FP8_BLOCK, k // FP8_BLOCK), stride_order=(2, 1, 0),
+                                   assumed_align=4)
+    mC = make_fake_compact_tensor(cutlass.BFloat16, (m, n_out), stride_order=(1, 0), assumed_align=16)
+    mOff = make_fake_compact_tensor(cutlass.Int32, (num_experts + 1,), assumed_align=4)
+    mRS = make_fake_compact_tensor(f32, (cute.sym_int(),), assumed_align=4)
+    return mA, mAS, mB, mBS, mC, mOff, mRS, cutlass.Int32(132), make_fake_stream(use_tvm_ffi_env_stream=use_tvm_ffi)
+
+
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    return t if t.dtype == torch.uint8 else t.view(torch.uint8)
+
+
+class CompiledFp8Gemm:
+    """One compiled FP8 grouped GEMM for (activation, N, K, E, scale_rows); any routing, any M_total.
+
+    ``compiled``: the kernel compiled earlier (e.g. loaded from an exported object, for the same
+    ``tvm_ffi``); None compiles it here (sm_90a)."""
+
+    def __init__(self, activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
+                 compiled=None, tvm_ffi: bool = False):
+        reason = can_implement(activation, n, k, num_experts)
+        if reason is not None:
+            raise ValueError(reason)
+        self.activation, self.n, self.k, self.num_experts = activation, n, k, num_experts
+        self.scale_rows = bool(scale_rows)
+        self.n_out = n // 2 if activation == "swiglu" else n
+        self.tvm_ffi = bool(tvm_ffi)
+        if compiled is None:
+            kernel = Fp8BlockScaledGroupedGemmSm90(activation, scale_rows=self.scale_rows)
+            opts = "--gpu-arch sm_90a" + (" --enable-tvm-ffi" if self.tvm_ffi else "")
+            compiled = cute.compile(kernel, *fake_args(num_experts, n, k, activation, self.tvm_ffi), options=opts)
+        self.compiled = compiled
+        self._fn = ffi_function(compiled) if self.tvm_ffi else None
+
+    def __call__(self, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
+                 offsets: torch.Tensor, out: torch.Tensor, row_scale: torch.Tensor,
+                 max_active_ctas: Optional[int] = None, stream=None) -> torch.Tensor:
+        """
+        a:         [M_total, K]        float8_e4m3fn (or uint8 bits), contiguous, CUDA
+        a_scale:   [M_total, K/128]    float32
+        b:         [E, N, K]           float8_e4m3fn (or uint8 bits)
+        b_scale:   [E, N/128, K/128]   float32
+        offsets:   [E + 1]             int32 (device memory, never read by the host)
+        out:       [M_total, N_out]    bfloat16
+        row_scale: [>= 1]              float32 ([M_total] read when scale_rows, else a placeholder)
+        stream:    torch.cuda.Stream or None (current); a CUstream on the classic path
+        """
+        if a.shape[0] == 0:
+            return out
+        ctas = max_active_ctas if max_active_ctas is not None else _num_sms(a.device)
+        if self.tvm_ffi:
+            call_on_stream(self._fn, (_u8(a), a_scale, _u8(b), b_scale, out, offsets, row_scale, ctas), stream)
+            return out
+        from cutlass.cute.runtime import from_dlpack
+
+        def rows(t, align):
+            return from_dlpack(t, assumed_align=align).mark_compact_shape_dynamic(mode=0, stride_order=(0, 1))
+
+        args = (rows(_u8(a), 16), rows(a_scale, 4), from_dlpack(_u8(b), assumed_align=16),
+                from_dlpack(b_scale, assumed_align=4), rows(out, 16), from_dlpack(offsets, assumed_align=4),
+                from_dlpack(row_scale, assumed_align=4).mark_compact_shape_dynamic(mode=0))
+        if stream is None:
+            stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+        self.compiled(*args, cutlass.Int32(ctas), stream)
+        return out

@@ -1,0 +1,245 @@
+"""BF16 -> FP8 (e4m3) per-row 128-group quantiser on the GPU, no host sync: the activation side of
+:class:`~.fp8_gemm.Fp8BlockScaledGroupedGemmSm90` (FC1's input, rows of H; FC2's input, rows of I).
+Standalone (no moe_ep import). The rule is :func:`.fp8_reference.quantize_rows128`, bit for bit::
+
+    scale[r, g] = amax(|x[r, 128g : 128g+128]|) / 448      (1.0 for an all-zero group)
+    q[r, c]     = e4m3(x[r, c] / scale[r, c // 128])       (f32 math, IEEE division, RN-even)
+
+Inputs / outputs (row-major, compact; K a compile-time multiple of 128):
+
+    mX     [M, K]      bf16     input rows
+    mQ     [M, K]      uint8    e4m3 bits (Float8E4M3FN tensors are accepted too)
+    mScale [M, K/128]  float32  one scale per group
+    m_rows Int32                rows to quantise: rows >= min(m_rows, M) are not touched
+    mCount [>= 1]      int32    (``Fp8QuantizeRows128Counted`` only) device row count: rows >=
+                                count[0] are not touched either (skips a grouped buffer's padding
+                                without reading the count on the host)
+
+How. Rows are compact, so group ``gid`` (row gid // G, group gid % G, G = K/128) starts at element
+``128 * gid`` of both X and Q and its scale is element ``gid`` of mScale: the work is a flat list of
+``T = rows * G`` groups. A warp takes 4 consecutive groups, 8 lanes per group, 16 values per lane:
+two 16-byte loads (16 bf16), |x| max over the lane's 16 values, then a 3-step butterfly
+(``shfl.sync.bfly``) max over the group's 8 lanes, ``scale = amax / 448`` (``div.rn``), 16 IEEE
+divisions, ``cvt.rn.satfinite.e4m3x2.f32`` pairs, one 16-byte store per lane; lane 0 of each
+8-lane group stores the scale. CTAs of ``NW`` warps walk the list with a grid-stride loop; the grid
+is ``min(ceil(M * G / (4 * NW)), max_ctas)`` (>= 1, so M = 0 launches one idle CTA).
+
+Saturation. e4m3 conversion in PTX exists only as ``.satfinite``; torch's conversion never
+saturates but |x / scale| <= 448 * (1 + 2^-23)^2 < 464 (the round-to-nearest midpoint to the
+non-existent 480), so both give 448 at the top and agree everywhere. NaN inputs: the amax
+propagates NaN (``fmax .NaN``), like torch's ``amax``; inf inputs give NaN groups in both.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+FP8_BLOCK = 128
+E4M3_MAX = 448.0
+LANES_PER_GROUP = 8                       # 8 lanes x 16 values = one 128-value group
+VALS_PER_LANE = FP8_BLOCK // LANES_PER_GROUP   # 16: 32 bytes of bf16 in, 16 bytes of e4m3 out
+GROUPS_PER_WARP = 32 // LANES_PER_GROUP   # 4
+DEFAULT_WARPS = 8                         # 256 threads per CTA
+DEFAULT_MAX_CTAS = 132 * 16               # grid cap (grid-stride beyond it)
+
+
+def can_implement(k: int) -> Optional[str]:
+    """None if ``k`` is supported, else the reason."""
+    if k <= 0 or k % FP8_BLOCK:
+        return f"K={k} must be a positive multiple of {FP8_BLOCK}"
+    return None
+
+
+class Fp8QuantizeRows128:
+    """``q, scale = quantize_rows128(x[:rows])`` for ``rows = min(m_rows, M)`` (see the module
+    docstring). ``k``: the row length (compile time); ``warps``: warps per CTA; ``max_ctas``: grid
+    cap (the grid-stride loop covers any M)."""
+
+    use_count = False
+
+    def __init__(self, k: int, warps: int = DEFAULT_WARPS, max_ctas: int = DEFAULT_MAX_CTAS):
+        reason = can_implement(k)
+        if reason is not None:
+            raise ValueError(reason)
+        self.k = int(k)
+        self.groups = self.k // FP8_BLOCK
+        self.warps = int(warps)
+        self.threads = 32 * self.warps
+        self.max_ctas = int(max_ctas)
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mQ: cute.Tensor, mScale: cute.Tensor, m_rows: Int32,
+                 stream: cuda.CUstream):
+        self._launch(mX, mQ, mScale, mScale, m_rows, stream)
+
+    @cute.jit
+    def _launch(self, mX: cute.Tensor, mQ: cute.Tensor, mScale: cute.Tensor, mCount: cute.Tensor,
+                m_rows: Int32, stream: cuda.CUstream):
+        if cutlass.const_expr(mQ.element_type != cutlass.Float8E4M3FN):
+            mQ = cute.make_tensor(cute.recast_ptr(mQ.iterator, dtype=cutlass.Float8E4M3FN), mQ.layout)
+        M = mX.shape[0]
+        per_cta = GROUPS_PER_WARP * self.warps
+        need = (M * self.groups + (per_cta - 1)) // per_cta
+        grid = cutlass.max(cutlass.min(need, Int32(self.max_ctas)), Int32(1))
+        self.kernel(mX, mQ, mScale, mCount, m_rows).launch(
+            grid=(grid, 1, 1), block=(self.threads, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, mX: cute.Tensor, mQ: cute.Tensor, mScale: cute.Tensor, mCount: cute.Tensor,
+               m_rows: Int32):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        G = self.groups
+        V = VALS_PER_LANE
+
+        rows = cutlass.min(m_rows, mX.shape[0])
+        if cutlass.const_expr(self.use_count):
+            rows = cutlass.min(rows, mCount[0])
+        rows = cutlass.max(rows, Int32(0))
+        total = rows * G                                   # groups to quantise
+        items = (total + (GROUPS_PER_WARP - 1)) // GROUPS_PER_WARP
+
+        # 16-value tiles: ((1, 16), (M, K/16)); tile (r, j) holds x[r, 16j : 16j + 16]
+        tX = cute.zipped_divide(mX, (1, V))
+        tQ = cute.zipped_divide(mQ, (1, V))
+        sub = lane % LANES_PER_GROUP
+        slot = lane // LANES_PER_GROUP
+        for it in cutlass.range(bidx * self.warps + warp, items, gdim * self.warps):
+            gid = it * GROUPS_PER_WARP + slot
+            valid = gid < total
+            gc = cutlass.min(gid, total - 1)               # clamp: invalid lanes read a real group
+            r = gc // G
+            j = (gc - r * G) * LANES_PER_GROUP + sub
+            x = tX[(0, None), (r, j)].load().to(Float32)
+            amax = Float32(0.0)
+            for i in cutlass.range_constexpr(V):
+                amax = cute.arch.fmax(amax, cute.arch.fmax(x[i], -x[i], nan=True), nan=True)
+            for d in cutlass.range_constexpr(3):
+                other = cute.arch.shuffle_sync_bfly(amax, 1 << (2 - d))
+                amax = cute.arch.fmax(amax, other, nan=True)
+            scale = Float32(1.0)                           # torch.where(amax > 0, amax/448, 1)
+            if amax > Float32(0.0):
+                scale = amax / Float32(E4M3_MAX)
+            y = x / scale
+            if valid:
+                tQ[(0, None), (r, j)].store(y.to(cutlass.Float8E4M3FN))
+                if sub == 0:
+                    mScale[r, gc - r * G] = scale
+
+
+class Fp8QuantizeRows128Counted(Fp8QuantizeRows128):
+    """The ``mCount`` variant: rows >= min(m_rows, M, mCount[0]) are not touched. ``mCount``: int32
+    device tensor, element 0 read by every warp (stream-ordered after whatever wrote it)."""
+
+    use_count = True
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mQ: cute.Tensor, mScale: cute.Tensor, mCount: cute.Tensor,
+                 m_rows: Int32, stream: cuda.CUstream):
+        self._launch(mX, mQ, mScale, mCount, m_rows, stream)
+
+
+# ---------------------------------------------------------------------------- host side
+def fake_args(k: int, counted: bool = False, use_tvm_ffi: bool = False):
+    """Fake (mX, mQ, mScale, [mCount,] m_rows, stream) with M dynamic; what
+    :meth:`CompiledFp8QuantizeRows.cute_args` builds from contiguous torch tensors."""
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    m = cute.sym_int()
+    mX = make_fake_compact_tensor(cutlass.BFloat16, (m, k), stride_order=(1, 0), assumed_align=16)
+    mQ = make_fake_compact_tensor(cutlass.Uint8, (m, k), stride_order=(1, 0), assumed_align=16)
+    mS = make_fake_compact_tensor(Float32, (m, k // FP8_BLOCK), stride_order=(1, 0), assumed_align=4)
+    stream = make_fake_stream(use_tvm_ffi_env_stream=use_tvm_ffi)
+    if counted:
+        mC = make_fake_compact_tensor(Int32, (cute.sym_int(),), assumed_align=4)
+        return mX, mQ, mS, mC, Int32(0), stream
+    return mX, mQ, mS, Int32(0), stream
+
+
+def compile_fp8_quantize_rows(k: int, arch: str = "sm_90a", tvm_ffi: bool = False,
+                              counted: bool = False, warps: int = DEFAULT_WARPS,
+                              max_ctas: int = DEFAULT_MAX_CTAS, keep_ptx: bool = False):
+    """Compile the quantiser for row length ``k`` from fake tensors (no GPU needed). ``counted``:
+    the ``mCount`` variant. Returns the compiled object (``.__ptx__`` with ``keep_ptx``)."""
+    cls = Fp8QuantizeRows128Counted if counted else Fp8QuantizeRows128
+    kernel = cls(k, warps=warps, max_ctas=max_ctas)
+    opts = f"--gpu-arch {arch}" + (" --enable-tvm-ffi" if tvm_ffi else "") + (" --keep-ptx" if keep_ptx else "")
+    return cute.compile(kernel, *fake_args(k, counted=counted, use_tvm_ffi=tvm_ffi), options=opts)
+
+
+class CompiledFp8QuantizeRows:
+    """Launcher. ``x [M, k]`` bf16, ``q [M, k]`` float8_e4m3fn or uint8, ``scale [M, k/128]``
+    float32, all contiguous CUDA tensors; ``m_rows`` (int, default M): rows >= m_rows untouched;
+    ``count`` (``counted=True`` only): int32 CUDA tensor, rows >= count[0] untouched too.
+    ``stream``: a ``torch.cuda.Stream`` or None (torch's current stream). No host sync."""
+
+    def __init__(self, k: int, compiled=None, tvm_ffi: bool = False, counted: bool = False):
+        self.k = int(k)
+        self.tvm_ffi = bool(tvm_ffi)
+        self.counted = bool(counted)
+        self.compiled = compiled if compiled is not None else compile_fp8_quantize_rows(
+            self.k, tvm_ffi=self.tvm_ffi, counted=self.counted)
+        self._fn = None
+        if self.tvm_ffi:
+            get = getattr(self.compiled, "__tvm_ffi_object__", None)
+            fn = get() if callable(get) else None
+            self._fn = fn if fn is not None else self.compiled
+
+    @staticmethod
+    def cute_args(x, q, scale, count=None):
+        """CuTe views (classic path) matching :func:`fake_args`."""
+        import torch
+        from cutlass.cute.runtime import from_dlpack
+
+        dyn = lambda t, al: from_dlpack(t, assumed_align=al).mark_compact_shape_dynamic(  # noqa: E731
+            mode=0, stride_order=(0, 1))
+        u8 = q.view(torch.uint8) if q.dtype != torch.uint8 else q
+        args = [dyn(x, 16), dyn(u8, 16), dyn(scale, 4)]
+        if count is not None:
+            args.append(from_dlpack(count, assumed_align=4).mark_compact_shape_dynamic(mode=0))
+        return args
+
+    def _check(self, x, q, scale, count):
+        import torch
+
+        M, k = x.shape
+        if k != self.k:
+            raise ValueError(f"x has K={k}, kernel compiled for K={self.k}")
+        if x.dtype != torch.bfloat16 or scale.dtype != torch.float32:
+            raise TypeError("x must be bfloat16 and scale float32")
+        if q.dtype not in (torch.float8_e4m3fn, torch.uint8):
+            raise TypeError("q must be float8_e4m3fn or uint8")
+        if tuple(q.shape) != (M, k) or tuple(scale.shape) != (M, k // FP8_BLOCK):
+            raise ValueError(f"shapes: x {tuple(x.shape)} q {tuple(q.shape)} scale {tuple(scale.shape)}")
+        if not (x.is_contiguous() and q.is_contiguous() and scale.is_contiguous()):
+            raise ValueError("x, q, scale must be contiguous")
+        if self.counted != (count is not None):
+            raise ValueError("count is required by (and only by) a counted=True kernel")
+        if count is not None and count.dtype != torch.int32:
+            raise TypeError("count must be int32")
+
+    def __call__(self, x, q, scale, m_rows: Optional[int] = None, stream=None, count=None):
+        import torch
+
+        self._check(x, q, scale, count)
+        rows = int(x.shape[0] if m_rows is None else m_rows)
+        if self.tvm_ffi:
+            u8 = q.view(torch.uint8) if q.dtype != torch.uint8 else q
+            args = (x, u8, scale) + ((count,) if count is not None else ()) + (rows,)
+            if stream is None:
+                self._fn(*args)
+            else:
+                with torch.cuda.stream(stream):
+                    self._fn(*args)
+            return q, scale
+        s = stream if stream is not None else torch.cuda.current_stream()
+        self.compiled(*self.cute_args(x, q, scale, count), Int32(rows), cuda.CUstream(s.cuda_stream))
+        return q, scale

@@ -1,0 +1,105 @@
+"""Shim for the FP8 block-scaled kernels of the SM90 drop (``sm90_megamoe.fp8_launch``,
+``sm90_megamoe.fp8_quant``): the FP8 grouped GEMM and the BF16 -> FP8 row quantiser (one float32
+scale per 128 values of a row). Same drop, contract and mirrored constants as
+:mod:`.sm90_megamoe`; kept apart only to keep files short.
+
+**Not yet run on a GPU** (compiled for sm_90a and CPU-tested): the backend using it,
+``sm90_fp8_cutedsl``, is registered below the reference backend until it has been.
+
+* :func:`check_fp8_gemm` -- the drop's ``can_implement`` reason as ``ValueError``;
+* :func:`compiled_fp8_gemm` / :func:`compiled_fp8_quantize_rows` -- compiled code (compile cache +
+  disk cache, no GPU needed);
+* :func:`fp8_gemm` / :func:`fp8_quantize_rows` -- caller-owned launchers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .. import disk_cache
+from ..cache import COMPILE_CACHE
+from ..launch_mode import use_tvm_ffi
+from .sm90_megamoe import CONSTANTS, PKG, _cutlass_version, _load, cache_namespace
+
+FP8_ACTIVATIONS = ("identity", "swiglu")
+
+
+def check_fp8_gemm(activation: str, n: int, k: int, num_experts: int) -> None:
+    """Raise ``ValueError`` with the drop's reason when the FP8 GEMM cannot take these shapes."""
+    if activation not in FP8_ACTIVATIONS:
+        raise ValueError(f"sm90 FP8 GEMM: activation {activation!r} not in {FP8_ACTIVATIONS}")
+    reason = _load("sm90_megamoe.fp8_gemm").can_implement(activation=activation, n=n, k=k, num_experts=num_experts)
+    if reason is not None:
+        raise ValueError(f"sm90 FP8 GEMM: {reason}")
+
+
+@dataclass(frozen=True)
+class Fp8Key:
+    """Every value an FP8 kernel of the drop depends on (``kind``: gemm or quantize)."""
+
+    drop_version: int
+    cutlass_version: str
+    arch: str
+    kind: str
+    activation: str
+    n: int
+    k: int
+    num_experts: int
+    scale_rows: bool
+    tvm_ffi: bool
+
+
+def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_rows: bool) -> Fp8Key:
+    return Fp8Key(CONSTANTS.value(PKG, "DROP_VERSION"), _cutlass_version(), "sm_90a", kind, activation, n, k,
+                  num_experts, bool(scale_rows), use_tvm_ffi())
+
+
+def compiled_fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False) -> Any:
+    """Compiled code of the FP8 grouped GEMM (no GPU needed)."""
+    check_fp8_gemm(activation, n, k, num_experts)
+    key = _key("gemm", activation, n, k, num_experts, scale_rows)
+
+    def build():
+        fl = _load("sm90_megamoe.fp8_launch")
+        return disk_cache.get_or_build(
+            cache_namespace(), f"fp8_gemm_{activation}", key,
+            lambda: fl.CompiledFp8Gemm(activation=activation, n=n, k=k, num_experts=num_experts,
+                                       scale_rows=bool(scale_rows), compiled=None, tvm_ffi=key.tvm_ffi).compiled,
+            tvm_ffi=key.tvm_ffi)
+
+    return COMPILE_CACHE.get_or_compile(key, build)
+
+
+def fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False) -> Any:
+    """A caller-owned launcher: ``gemm(a [M, k] e4m3, a_scale [M, k/128] f32, b [E, n, k] e4m3,
+    b_scale [E, n/128, k/128] f32, offsets [E+1] i32, out=[M, n_out] bf16, row_scale=[M] f32)``."""
+    compiled = compiled_fp8_gemm(activation, n, k, num_experts, scale_rows)
+    return _load("sm90_megamoe.fp8_launch").CompiledFp8Gemm(
+        activation=activation, n=n, k=k, num_experts=num_experts, scale_rows=bool(scale_rows), compiled=compiled,
+        tvm_ffi=use_tvm_ffi())
+
+
+def compiled_fp8_quantize_rows(k: int) -> Any:
+    """Compiled code of the BF16 -> FP8 row quantiser for rows of ``k`` values (no GPU needed)."""
+    if k % 128:
+        raise ValueError(f"sm90 FP8 row quantiser: K={k} must be a multiple of 128")
+    key = _key("quantize_counted", "", 0, k, 0, False)
+
+    def build():
+        fq = _load("sm90_megamoe.fp8_quant")
+        return disk_cache.get_or_build(
+            cache_namespace(), "fp8_quantize_rows", key,
+            lambda: fq.compile_fp8_quantize_rows(k=k, arch="sm_90a", tvm_ffi=key.tvm_ffi, counted=True),
+            tvm_ffi=key.tvm_ffi)
+
+    return COMPILE_CACHE.get_or_compile(key, build)
+
+
+def fp8_quantize_rows(k: int) -> Any:
+    """A caller-owned row quantiser: ``q(x [M, k] bf16, values [M, k] e4m3, scale [M, k/128] f32,
+    count=[1] int32 device tensor)``: rows at and past ``count[0]`` are not touched (the count is
+    read on the device, so padding rows cost nothing and the host never syncs)."""
+    compiled = compiled_fp8_quantize_rows(k)
+    return _load("sm90_megamoe.fp8_quant").CompiledFp8QuantizeRows(k=k, compiled=compiled, tvm_ffi=use_tvm_ffi(),
+                                                                   counted=True)
