@@ -97,6 +97,33 @@ def source_fingerprint(src: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
+def cutlass_version() -> str:
+    """The installed nvidia-cutlass-dsl version (part of every compile key and namespace). Raises
+    when it cannot be determined: a compile key with an unknown version could serve stale code."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("nvidia-cutlass-dsl")
+    except PackageNotFoundError as e:
+        raise RuntimeError("moe_ep: cannot determine the nvidia-cutlass-dsl version (is it installed "
+                           "as a package?); it is part of every compile key") from e
+
+
+def drop_namespace(arch_dir: str, drop: str, version: int, target: str) -> str:
+    """Disk-cache folder of drop ``arch_dir/drop`` (version ``version``) for compile target
+    ``target``: drop, version, a fingerprint of its sources, the cutlass-dsl version, the target.
+    The fingerprint is computed once per process and drop."""
+    fp = _FINGERPRINTS.get((arch_dir, drop))
+    if fp is None:
+        from .paths import drop_src
+
+        fp = _FINGERPRINTS[(arch_dir, drop)] = source_fingerprint(drop_src(arch_dir, drop))[:16]
+    return f"{arch_dir}-{drop}-v{version}-{fp}/cutlass-dsl-{cutlass_version()}/{target}"
+
+
+_FINGERPRINTS: dict = {}
+
+
 def key_id(namespace: str, key: Any) -> str:
     """20 hex digits naming one compile key inside a namespace (repr of the frozen key)."""
     return hashlib.sha256(f"{namespace}\0{key!r}".encode()).hexdigest()[:20]

@@ -25,7 +25,6 @@ from ..cache import COMPILE_CACHE
 from ..constants import MirroredConstants
 from ..contract import AttributeUse, CallableUse, DropContract, ImportUse
 from ..nvshmem_boot import CounterContract
-from ..paths import drop_src
 
 PKG = "sm100_w4a16"
 ARCH = "sm_100a"
@@ -83,10 +82,7 @@ def _load(module: str) -> Any:
     return importlib.import_module(module)
 
 
-def _cutlass_version() -> str:
-    from .sm90_megamoe import _cutlass_version as v
-
-    return v()
+_cutlass_version = disk_cache.cutlass_version
 
 
 def check_gemm(epilogue: str, n: int, k: int, num_experts: int) -> None:
@@ -114,8 +110,8 @@ class W4A16Key:
 
 
 def cache_namespace() -> str:
-    fp = disk_cache.source_fingerprint(drop_src("sm100", "w4a16"))[:16]
-    return f"sm100-w4a16-v{CONSTANTS.value(PKG, 'DROP_VERSION')}-{fp}/cutlass-dsl-{_cutlass_version()}/{ARCH}"
+    """Disk-cache folder of this drop's kernels (see :func:`disk_cache.drop_namespace`)."""
+    return disk_cache.drop_namespace("sm100", "w4a16", CONSTANTS.value(PKG, "DROP_VERSION"), ARCH)
 
 
 def compiled_w4a16_gemm(epilogue: str, n: int, k: int, num_experts: int) -> Any:

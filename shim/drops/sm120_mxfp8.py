@@ -28,7 +28,6 @@ from ..constants import MirroredConstants
 from ..contract import AttributeUse, CallableUse, DropContract, ImportUse
 from ..launch_mode import use_tvm_ffi
 from ..nvshmem_boot import CounterContract
-from ..paths import drop_src
 
 PKG = "sm120_mxfp8"
 ARCH = "sm_120a"
@@ -94,10 +93,7 @@ def _load(module: str) -> Any:
     return importlib.import_module(module)
 
 
-def _cutlass_version() -> str:
-    from .sm90_megamoe import _cutlass_version as v
-
-    return v()
+_cutlass_version = disk_cache.cutlass_version
 
 
 def pick_tile_tokens(rows_per_expert: float) -> int:
@@ -141,8 +137,8 @@ class Mxfp8Key:
 
 
 def cache_namespace() -> str:
-    fp = disk_cache.source_fingerprint(drop_src("sm120", "mxfp8"))[:16]
-    return f"sm120-mxfp8-v{CONSTANTS.value(PKG, 'DROP_VERSION')}-{fp}/cutlass-dsl-{_cutlass_version()}/{ARCH}"
+    """Disk-cache folder of this drop's kernels (see :func:`disk_cache.drop_namespace`)."""
+    return disk_cache.drop_namespace("sm120", "mxfp8", CONSTANTS.value(PKG, "DROP_VERSION"), ARCH)
 
 
 def _key(kind: str, epilogue: str, n: int, k: int, num_experts: int, tile_tokens: int) -> Mxfp8Key:

@@ -46,7 +46,6 @@ from ..contract import AttributeUse, CallableUse, DropContract, ImportUse
 from ..errors import CapacityError, DeviceStallError
 from ..launch_mode import use_tvm_ffi
 from ..nvshmem_boot import CounterContract
-from ..paths import drop_src
 
 PKG = "sm90_megamoe"
 
@@ -196,20 +195,14 @@ def _load(module: str) -> Any:
     return importlib.import_module(module)
 
 
-_FINGERPRINT: str | None = None
 #: targets the drop's EP and expert-layout kernels build for (loads, stores, atomics, fences,
 #: shuffles only): the Blackwell backends reuse them rather than carry copies
 EP_ARCHS = ("sm_90a", "sm_100a", "sm_120a")
 
 
 def cache_namespace(arch: str = "sm_90a") -> str:
-    """Disk-cache folder of this drop's kernels for ``arch``: drop, version, a fingerprint of its
-    sources, the cutlass-dsl version and the arch (see :mod:`moe_ep.shim.disk_cache`)."""
-    global _FINGERPRINT
-    if _FINGERPRINT is None:
-        _FINGERPRINT = disk_cache.source_fingerprint(drop_src("sm90", "megamoe"))[:16]
-    return (f"sm90-megamoe-v{CONSTANTS.value(PKG, 'DROP_VERSION')}-{_FINGERPRINT}/"
-            f"cutlass-dsl-{_cutlass_version()}/{arch}")
+    """Disk-cache folder of this drop's kernels for ``arch`` (see :func:`disk_cache.drop_namespace`)."""
+    return disk_cache.drop_namespace("sm90", "megamoe", CONSTANTS.value(PKG, "DROP_VERSION"), arch)
 
 
 def _check_ep_arch(arch: str) -> None:
@@ -217,16 +210,7 @@ def _check_ep_arch(arch: str) -> None:
         raise ValueError(f"sm90_megamoe EP/layout kernels: arch {arch!r} not in {EP_ARCHS}")
 
 
-def _cutlass_version() -> str:
-    """The installed nvidia-cutlass-dsl version (part of every compile key). Raises when it
-    cannot be determined: a compile key with an unknown version could serve stale code."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("nvidia-cutlass-dsl")
-    except PackageNotFoundError as e:
-        raise RuntimeError("moe_ep: cannot determine the nvidia-cutlass-dsl version (is it installed "
-                           "as a package?); it is part of every compile key") from e
+_cutlass_version = disk_cache.cutlass_version
 
 
 def _num_sms(device: Any) -> int:
