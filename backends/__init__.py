@@ -13,6 +13,7 @@ from moe_ep.shim import (BackendWarning, BootstrapError, CapacityError, CaptureE
                          set_compile_cache_dir, verify_cache_entry)
 
 from . import reference as _reference
+from .quantized import quantized_rows_bytes
 from .sm90 import bf16_cutedsl as _sm90_bf16
 from .sm90 import fp8_cutedsl as _sm90_fp8
 from .sm100 import w4a16_cutedsl as _sm100_w4a16
@@ -125,12 +126,9 @@ def workspace_bytes(name: str, config, world_size: int) -> int:
     """Device bytes per rank of the workspace a layer of ``config`` needs on backend ``name``
     (0 for backends that allocate per call, such as ``reference``)."""
     get(name)  # unknown names raise, naming the registered ones
-    if name == "sm90_fp8_cutedsl":  # + FP8 copies (and scales) of the grouped rows and of FC1's output
-        P = world_size * config.max_tokens_per_rank * config.top_k
-        return _sm90_bf16.workspace_bytes(config, world_size) + P * (config.hidden + config.intermediate) * 33 // 32
-    if name in ("sm90_bf16_cutedsl", "sm100_w4a16_cutedsl"):
-        return _sm90_bf16.workspace_bytes(config, world_size)
-    if name == "sm120_mxfp8_cutedsl":  # + MXFP8 copies of the grouped rows and of FC1's output
-        P = world_size * config.max_tokens_per_rank * config.top_k
-        return _sm90_bf16.workspace_bytes(config, world_size) + P * (config.hidden + config.intermediate) * 33 // 32
+    # + the layer's quantised copies (and scales) of the grouped rows and of FC1's output
+    extra = {"sm90_fp8_cutedsl": (128, 4), "sm120_mxfp8_cutedsl": (32, 1)}
+    if name in ("sm90_bf16_cutedsl", "sm100_w4a16_cutedsl", *extra):
+        base = _sm90_bf16.workspace_bytes(config, world_size)
+        return base + (quantized_rows_bytes(config, world_size, *extra[name]) if name in extra else 0)
     return 0

@@ -21,13 +21,12 @@ from typing import Any
 
 import torch
 
-from moe_ep.shim import (SM90_EP_ARCHS, sm90_prebuild_ep, sm90_prebuild_layout,
-                         sm100_check_w4a16_gemm, sm100_compiled_w4a16_gemm, sm100_w4a16_gemm)
+from moe_ep.shim import (sm100_check_w4a16_gemm, sm100_compiled_w4a16_gemm, sm100_w4a16_gemm)
 
 from ...quant import quantize_nvfp4
+from ...quantized import check_quantized_config
 from ...registry import UnsupportedBackendError
-from ...sm90.bf16_cutedsl.backend import Sm90CuteDSLBackend
-from ...sm90.bf16_cutedsl.workspace import Dims
+from ...sm90.bf16_cutedsl.backend import Sm90CuteDSLBackend, prebuild_layer
 
 NAME = "sm100_w4a16_cutedsl"
 ARCH = "sm_100a"
@@ -42,18 +41,7 @@ def _gemm_specs(cfg: Any, e_local: int) -> dict:
 
 def check_config(config: Any, group: Any) -> None:
     """What this backend refuses on any machine (shapes, formats), with the reason."""
-    if getattr(config, "quant", None) != "nvfp4_w4a16":
-        raise UnsupportedBackendError(f"{NAME} runs MoEConfig.quant='nvfp4_w4a16' weights, not "
-                                      f"quant={getattr(config, 'quant', None)!r}")
-    if config.dtype != torch.bfloat16:
-        raise UnsupportedBackendError(f"{NAME} runs bf16 activations only, not {config.dtype}")
-    if config.activation not in ACTIVATION_MAP:
-        raise UnsupportedBackendError(f"{NAME}: activation {config.activation!r} is not supported "
-                                      f"(supported: {sorted(ACTIVATION_MAP)})")
-    if getattr(config, "bias_dtype", None) is not None:
-        raise UnsupportedBackendError(f"{NAME}: per-expert biases are not supported")
-    if group.world_size > 1 and group.dist_backend not in ("nccl", "virtual"):
-        raise UnsupportedBackendError(f"{NAME} over several ranks bootstraps NVSHMEM over an NCCL process group")
+    check_quantized_config(NAME, config, group, "nvfp4_w4a16", tuple(ACTIVATION_MAP))
     e_local = config.local_experts(group.world_size)
     try:
         for spec in _gemm_specs(config, e_local).values():
@@ -76,19 +64,9 @@ def check(config: Any, group: Any, device: torch.device) -> None:
 def prebuild(config: Any, world_size: int, kernels: tuple = ("fc1", "fc2", "ep", "layout")) -> None:
     """Compile (or load from the disk compile cache) every kernel a layer needs, for sm_100a,
     without a GPU (``python -m moe_ep.aot build --arch sm_100a``)."""
-    assert ARCH in SM90_EP_ARCHS
-    d = Dims.of(config, world_size)
-    e_local = config.local_experts(world_size)
-    specs = _gemm_specs(config, e_local)
-    for name in kernels:
-        if name in specs:
-            sm100_compiled_w4a16_gemm(*specs[name])
-        elif name == "ep":
-            sm90_prebuild_ep(d.hidden, d.topk, world_size, d.max_tokens, config.num_experts, ARCH)
-        elif name == "layout":
-            sm90_prebuild_layout(d.hidden, d.topk, world_size, d.max_tokens, e_local, ARCH)
-        else:
-            raise ValueError(f"unknown kernel group {name!r} (fc1, fc2, ep, layout)")
+    specs = _gemm_specs(config, config.local_experts(world_size))
+    prebuild_layer(config, world_size, kernels,
+                   {name: (lambda spec=spec: sm100_compiled_w4a16_gemm(*spec)) for name, spec in specs.items()}, ARCH)
 
 
 class Sm100W4A16Backend(Sm90CuteDSLBackend):

@@ -23,14 +23,14 @@ from typing import Any
 
 import torch
 
-from moe_ep.shim import (SM90_EP_ARCHS, sm90_prebuild_ep, sm90_prebuild_layout, sm120_check_mxfp8_gemm,
+from moe_ep.shim import (sm120_check_mxfp8_gemm,
                          sm120_check_mxfp8_quantize, sm120_compiled_mxfp8_gemm, sm120_compiled_quantize_rows,
                          sm120_mxfp8_gemm, sm120_pick_tile_tokens, sm120_quantize_rows)
 
 from ...quant import MXFP8_BLOCK, quantize_mxfp8
+from ...quantized import check_quantized_config, quantized_activation_buffers
 from ...registry import UnsupportedBackendError
-from ...sm90.bf16_cutedsl.backend import Sm90CuteDSLBackend, rows_per_expert
-from ...sm90.bf16_cutedsl.workspace import Dims
+from ...sm90.bf16_cutedsl.backend import Sm90CuteDSLBackend, prebuild_layer, rows_per_expert
 
 NAME = "sm120_mxfp8_cutedsl"
 ARCH = "sm_120a"
@@ -46,17 +46,7 @@ def _gemm_specs(cfg: Any, e_local: int, world: int) -> dict:
 
 def check_config(config: Any, group: Any) -> None:
     """What this backend refuses on any machine (shapes, formats), with the reason."""
-    if getattr(config, "quant", None) != "mxfp8":
-        raise UnsupportedBackendError(f"{NAME} runs MoEConfig.quant='mxfp8', not "
-                                      f"quant={getattr(config, 'quant', None)!r}")
-    if config.dtype != torch.bfloat16:
-        raise UnsupportedBackendError(f"{NAME} runs bf16 layer inputs only, not {config.dtype}")
-    if config.activation != "swiglu":
-        raise UnsupportedBackendError(f"{NAME}: activation {config.activation!r} is not supported (swiglu)")
-    if getattr(config, "bias_dtype", None) is not None:
-        raise UnsupportedBackendError(f"{NAME}: per-expert biases are not supported")
-    if group.world_size > 1 and group.dist_backend not in ("nccl", "virtual"):
-        raise UnsupportedBackendError(f"{NAME} over several ranks bootstraps NVSHMEM over an NCCL process group")
+    check_quantized_config(NAME, config, group, "mxfp8", ("swiglu",))
     try:
         for spec in _gemm_specs(config, config.local_experts(group.world_size), group.world_size).values():
             sm120_check_mxfp8_gemm(*spec)
@@ -81,20 +71,12 @@ def prebuild(config: Any, world_size: int, kernels: tuple = ("fc1", "fc2", "ep",
     """Compile (or load from the disk compile cache) every kernel a layer needs, for sm_120a,
     without a GPU (``python -m moe_ep.aot build --arch sm_120a``); "fc1"/"fc2" include the
     row quantiser for their input width."""
-    assert ARCH in SM90_EP_ARCHS
-    d = Dims.of(config, world_size)
-    e_local = config.local_experts(world_size)
-    specs = _gemm_specs(config, e_local, world_size)
-    for name in kernels:
-        if name in specs:
-            sm120_compiled_mxfp8_gemm(*specs[name])
-            sm120_compiled_quantize_rows(specs[name][2])
-        elif name == "ep":
-            sm90_prebuild_ep(d.hidden, d.topk, world_size, d.max_tokens, config.num_experts, ARCH)
-        elif name == "layout":
-            sm90_prebuild_layout(d.hidden, d.topk, world_size, d.max_tokens, e_local, ARCH)
-        else:
-            raise ValueError(f"unknown kernel group {name!r} (fc1, fc2, ep, layout)")
+    specs = _gemm_specs(config, config.local_experts(world_size), world_size)
+
+    def gemm(name):
+        return lambda: (sm120_compiled_mxfp8_gemm(*specs[name]), sm120_compiled_quantize_rows(specs[name][2]))
+
+    prebuild_layer(config, world_size, kernels, {"fc1": gemm("fc1"), "fc2": gemm("fc2")}, ARCH)
 
 
 class Sm120Mxfp8Backend(Sm90CuteDSLBackend):
@@ -112,12 +94,10 @@ class Sm120Mxfp8Backend(Sm90CuteDSLBackend):
         self._decode_max_tokens = 0
         self._gemms = (self.fc1, self.fc2)
         P = views["xs"].shape[0]  # grouped-row capacity
-        dev = self.device
         if getattr(self, "xq", None) is None or self.xq.shape[0] != P:
-            self.xq = torch.empty(P, cfg.hidden, dtype=torch.float8_e4m3fn, device=dev)
-            self.xq_scale = torch.empty(P, cfg.hidden // MXFP8_BLOCK, dtype=torch.float8_e8m0fnu, device=dev)
-            self.hq = torch.empty(P, cfg.intermediate, dtype=torch.float8_e4m3fn, device=dev)
-            self.hq_scale = torch.empty(P, cfg.intermediate // MXFP8_BLOCK, dtype=torch.float8_e8m0fnu, device=dev)
+            bufs = quantized_activation_buffers(P, cfg.hidden, cfg.intermediate, MXFP8_BLOCK, torch.float8_e8m0fnu,
+                                                self.device)
+            self.xq, self.xq_scale, self.hq, self.hq_scale = bufs["xq"], bufs["xq_scale"], bufs["hq"], bufs["hq_scale"]
 
     def _warm_weights(self, g: torch.Generator) -> tuple:
         cfg = self.cfg

@@ -113,25 +113,33 @@ def _gemm_specs(cfg: Any, e_local: int, world: int = 1) -> dict:
     return specs
 
 
+def prebuild_layer(config: Any, world_size: int, kernels: tuple, gemms: dict, arch: str = "sm_90a") -> None:
+    """Compile (or load from the disk compile cache) the kernel groups ``kernels`` of a layer
+    without a GPU: ``gemms[name]()`` builds GEMM group ``name`` (e.g. "fc1"), "ep" and "layout" are
+    this drop's EP and expert-layout kernels for ``arch`` (they are arch-neutral)."""
+    d = Dims.of(config, world_size)
+    for name in kernels:
+        if name in gemms:
+            gemms[name]()
+        elif name == "ep":
+            sm90_prebuild_ep(d.hidden, d.topk, world_size, d.max_tokens, config.num_experts, arch)
+        elif name == "layout":
+            sm90_prebuild_layout(d.hidden, d.topk, world_size, d.max_tokens, config.local_experts(world_size), arch)
+        else:
+            raise ValueError(f"unknown kernel group {name!r} ({', '.join((*gemms, 'ep', 'layout'))})")
+
+
 def prebuild(config: Any, world_size: int, kernels: tuple = ("fc1", "fc2", "ep", "layout")) -> None:
     """Compile (or load from the disk compile cache) every kernel a layer of ``config`` on
     ``world_size`` ranks needs, without a GPU: FC1, FC2, the EP kernels and the layout kernels
     (``kernels`` picks a subset; "fc1"/"fc2" include their decode variants). ``python -m moe_ep.aot
     build`` calls it."""
-    d = Dims.of(config, world_size)
-    e_local = config.local_experts(world_size)
-    specs = _gemm_specs(config, e_local, world_size)
-    for name in kernels:
-        if name in specs:
-            sm90_compiled_grouped_gemm(**specs[name])
-            if f"{name}_decode" in specs:
-                sm90_compiled_grouped_gemm(**specs[f"{name}_decode"])
-        elif name == "ep":
-            sm90_prebuild_ep(d.hidden, d.topk, world_size, d.max_tokens, config.num_experts)
-        elif name == "layout":
-            sm90_prebuild_layout(d.hidden, d.topk, world_size, d.max_tokens, e_local)
-        else:
-            raise ValueError(f"unknown kernel group {name!r} (fc1, fc2, ep, layout)")
+    specs = _gemm_specs(config, config.local_experts(world_size), world_size)
+
+    def gemm(name):
+        return lambda: [sm90_compiled_grouped_gemm(**specs[n]) for n in (name, f"{name}_decode") if n in specs]
+
+    prebuild_layer(config, world_size, kernels, {"fc1": gemm("fc1"), "fc2": gemm("fc2")})
 
 
 @dataclass

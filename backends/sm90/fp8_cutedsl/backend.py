@@ -25,12 +25,12 @@ from typing import Any
 import torch
 
 from moe_ep.shim import (sm90_check_fp8_gemm, sm90_compiled_fp8_gemm, sm90_compiled_fp8_quantize_rows,
-                         sm90_fp8_gemm, sm90_fp8_quantize_rows, sm90_prebuild_ep, sm90_prebuild_layout)
+                         sm90_fp8_gemm, sm90_fp8_quantize_rows)
 
 from ...quant import FP8_BLOCK, quantize_fp8_block128
+from ...quantized import check_quantized_config, quantized_activation_buffers
 from ...registry import UnsupportedBackendError
-from ..bf16_cutedsl.backend import Sm90CuteDSLBackend
-from ..bf16_cutedsl.workspace import Dims
+from ..bf16_cutedsl.backend import Sm90CuteDSLBackend, prebuild_layer
 
 NAME = "sm90_fp8_cutedsl"
 
@@ -42,17 +42,7 @@ def _gemm_specs(cfg: Any, e_local: int) -> dict:
 
 def check_config(config: Any, group: Any) -> None:
     """What this backend refuses on any machine (shapes, formats), with the reason."""
-    if getattr(config, "quant", None) != "fp8_block128":
-        raise UnsupportedBackendError(f"{NAME} runs MoEConfig.quant='fp8_block128', not "
-                                      f"quant={getattr(config, 'quant', None)!r}")
-    if config.dtype != torch.bfloat16:
-        raise UnsupportedBackendError(f"{NAME} runs bf16 layer inputs only, not {config.dtype}")
-    if config.activation != "swiglu":
-        raise UnsupportedBackendError(f"{NAME}: activation {config.activation!r} is not supported (swiglu)")
-    if getattr(config, "bias_dtype", None) is not None:
-        raise UnsupportedBackendError(f"{NAME}: per-expert biases are not supported")
-    if group.world_size > 1 and group.dist_backend not in ("nccl", "virtual"):
-        raise UnsupportedBackendError(f"{NAME} over several ranks bootstraps NVSHMEM over an NCCL process group")
+    check_quantized_config(NAME, config, group, "fp8_block128", ("swiglu",))
     try:
         for spec in _gemm_specs(config, config.local_experts(group.world_size)).values():
             sm90_check_fp8_gemm(*spec[:4])
@@ -74,19 +64,12 @@ def check(config: Any, group: Any, device: torch.device) -> None:
 def prebuild(config: Any, world_size: int, kernels: tuple = ("fc1", "fc2", "ep", "layout")) -> None:
     """Compile (or load from the disk compile cache) every kernel a layer needs, without a GPU;
     "fc1"/"fc2" include the row quantiser of their input width."""
-    d = Dims.of(config, world_size)
-    e_local = config.local_experts(world_size)
-    specs = _gemm_specs(config, e_local)
-    for name in kernels:
-        if name in specs:
-            sm90_compiled_fp8_gemm(*specs[name])
-            sm90_compiled_fp8_quantize_rows(specs[name][2])
-        elif name == "ep":
-            sm90_prebuild_ep(d.hidden, d.topk, world_size, d.max_tokens, config.num_experts)
-        elif name == "layout":
-            sm90_prebuild_layout(d.hidden, d.topk, world_size, d.max_tokens, e_local)
-        else:
-            raise ValueError(f"unknown kernel group {name!r} (fc1, fc2, ep, layout)")
+    specs = _gemm_specs(config, config.local_experts(world_size))
+
+    def gemm(name):
+        return lambda: (sm90_compiled_fp8_gemm(*specs[name]), sm90_compiled_fp8_quantize_rows(specs[name][2]))
+
+    prebuild_layer(config, world_size, kernels, {"fc1": gemm("fc1"), "fc2": gemm("fc2")})
 
 
 class Sm90Fp8Backend(Sm90CuteDSLBackend):
@@ -104,11 +87,9 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
         self._gemms = (self.fc1, self.fc2)
         P = views["xs"].shape[0]  # grouped-row capacity
         if getattr(self, "xq", None) is None or self.xq.shape[0] != P:
-            dev = self.device
-            self.xq = torch.empty(P, cfg.hidden, dtype=torch.float8_e4m3fn, device=dev)
-            self.xq_scale = torch.empty(P, cfg.hidden // FP8_BLOCK, dtype=torch.float32, device=dev)
-            self.hq = torch.empty(P, cfg.intermediate, dtype=torch.float8_e4m3fn, device=dev)
-            self.hq_scale = torch.empty(P, cfg.intermediate // FP8_BLOCK, dtype=torch.float32, device=dev)
+            bufs = quantized_activation_buffers(P, cfg.hidden, cfg.intermediate, FP8_BLOCK, torch.float32, self.device)
+            self.xq, self.xq_scale, self.hq, self.hq_scale = bufs["xq"], bufs["xq_scale"], bufs["hq"], bufs["hq_scale"]
+        self._rows = views["offsets"][-1:]  # grouped rows of a call, read on the device (no host sync)
 
     def _warm_weights(self, g: torch.Generator) -> tuple:
         cfg = self.cfg
@@ -118,11 +99,10 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
 
     def _step34_experts(self, w13, w2, b13=None, b2=None) -> None:
         fc1, fc2 = self._gemms
-        rows = self.offsets[-1:]  # grouped rows of this call, read on the device (no host sync)
-        self.quant_x(self.xs, self.xq, self.xq_scale, count=rows)
+        self.quant_x(self.xs, self.xq, self.xq_scale, count=self._rows)
         fc1(self.xq, self.xq_scale, w13.values, w13.scale, self.offsets, out=self.h, row_scale=self.ws_rows,
             max_active_ctas=self.num_ctas)
-        self.quant_h(self.h, self.hq, self.hq_scale, count=rows)
+        self.quant_h(self.h, self.hq, self.hq_scale, count=self._rows)
         fc2(self.hq, self.hq_scale, w2.values, w2.scale, self.offsets, out=self.y, row_scale=self.ws_rows,
             max_active_ctas=self.num_ctas)
 
