@@ -38,10 +38,9 @@ register(BackendSpec(
 ))
 register(BackendSpec(
     name="sm90_fp8_cutedsl",
-    description="SM90 FP8 block-scaled (DeepSeek-V3 format) grouped GEMMs with the BF16 backend's dispatch/combine; "
-                "EXPERIMENTAL: compiled and host-tested, not yet run on a GPU, so below the reference backend "
-                "(name it to use it)",
-    priority=-1,
+    description="SM90 FP8 block-scaled (DeepSeek-V3 format) grouped GEMMs with the BF16 backend's "
+                "dispatch/combine (BF16 on the wire)",
+    priority=100,
     check=_sm90_fp8.check,
     factory=lambda cfg, group, device, **opts: _sm90_fp8.Sm90Fp8Backend(cfg, group, device, **opts),
     quant_formats=("fp8_block128",),

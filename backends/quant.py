@@ -51,6 +51,12 @@ MXFP8_BLOCK = 32
 FP8_BLOCK = 128
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
+
+
+def _div_e4m3_max(amax: torch.Tensor) -> torch.Tensor:
+    """``amax / 448`` correctly rounded on every device: CUDA torch turns a division by a Python
+    scalar into a multiplication by its rounded reciprocal (1 ulp off at times); the kernels divide."""
+    return amax / torch.full_like(amax, E4M3_MAX)
 # E2M1 magnitudes by code 0..7 (bit 3 is the sign)
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
@@ -203,7 +209,7 @@ def quantize_fp8_block128(w: torch.Tensor) -> FP8Block128Weight:
     wp[:, :N, :K] = w.float()
     blocks = wp.reshape(E, nb, FP8_BLOCK, kb, FP8_BLOCK)
     amax = blocks.abs().amax(dim=(2, 4))
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, _div_e4m3_max(amax), torch.ones_like(amax))
     vals = (blocks / scale[:, :, None, :, None]).to(torch.float8_e4m3fn)
     vals = vals.reshape(E, nb * FP8_BLOCK, kb * FP8_BLOCK)[:, :N, :K].contiguous()
     return FP8Block128Weight(vals, scale.contiguous())
@@ -225,7 +231,7 @@ def quantize_fp8_rows128(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     tp[:, :K] = t.float()
     g = tp.reshape(M, kb, FP8_BLOCK)
     amax = g.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, _div_e4m3_max(amax), torch.ones_like(amax))
     vals = (g / scale[..., None]).to(torch.float8_e4m3fn).reshape(M, kb * FP8_BLOCK)[:, :K]
     return vals.contiguous(), scale
 

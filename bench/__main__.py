@@ -59,6 +59,10 @@ def make_inputs(cfg: MoEConfig, T: int, group: EPGroup, device, seed: int, skew:
             gw.manual_seed((seed + 1) * 1_000_003 + lo + e)
             w13[e].copy_(torch.randn(cfg.w13_rows, H, generator=gw, device=device).mul_(H ** -0.5))
             w2[e].copy_(torch.randn(H, I, generator=gw, device=device).mul_(I ** -0.5))
+        if cfg.quant == "fp8_block128":  # what an FP8 checkpoint holds: e4m3 + one scale per 128x128 block
+            from moe_ep.api.quant import quantize_fp8_block128
+
+            w13, w2 = quantize_fp8_block128(w13), quantize_fp8_block128(w2)
     else:
         w13, w2 = weights
     return (x.to(device), ids.to(torch.int32).to(device), w.float().to(device), w13, w2)
@@ -115,6 +119,8 @@ def bench_backends(args, key: str, cfg: MoEConfig, T: int, group: EPGroup, devic
     comm, sent, failed = [], 0, 0
     kw = layer_kwargs(args)
     suffix = " deterministic=False" if kw.get("deterministic") is False else ""
+    if cfg.quant:
+        suffix += f" [{cfg.quant}]"
     for name in names:
         layer = None
         try:
@@ -171,7 +177,8 @@ def bench_backends(args, key: str, cfg: MoEConfig, T: int, group: EPGroup, devic
     if cuda and not args.no_decode and best is not None:
         sizes = tuple(args.decode_tokens)
         dcfg = MoEConfig(num_experts=cfg.num_experts, hidden=cfg.hidden, intermediate=cfg.intermediate,
-                         top_k=cfg.top_k, max_tokens_per_rank=max(sizes), activation=cfg.activation)
+                         top_k=cfg.top_k, max_tokens_per_rank=max(sizes), activation=cfg.activation,
+                         quant=cfg.quant)
         from .ep import decode_table
 
         weights = inputs[3:]
@@ -203,8 +210,12 @@ def bench_peers(args, key: str, cfg: MoEConfig, T: int, group: EPGroup, device, 
         nproc = args.peer_nproc or group.world_size
         for peer in args.peer:
             script = args.peer_script if peer == "liger" else args.peer_script_fi
+            if cfg.quant and peer != "flashinfer":
+                say(f"peer {peer}: no {cfg.quant} path to compare with: skipped")
+                continue
+            extra = ["--backend", "fp8"] if cfg.quant == "fp8_block128" else []  # FlashInfer's SM90 FP8 pull
             res = run_peer(peer, key, MODELS[key], T, nproc, args.iters, script=script, timeout=args.peer_timeout,
-                           log_dir=args.peer_log_dir, say=say)
+                           log_dir=args.peer_log_dir, say=say, extra_args=extra)
             if "error" in res:
                 say(f"peer {peer} on {MODELS[key]['name']} FAILED: {res['error']}")
                 if res.get("tail"):
@@ -241,7 +252,7 @@ def run_layer(args) -> int:
     infos, comms, decodes = {}, [], []
     failed = 0
     for key in args.model:
-        cfg = model_config(key, T)
+        cfg = model_config(key, T, quant=args.quant)
         infos[MODELS[key]["name"]] = model_info(key, cfg, T)
         if not args.peers_only:
             r, comm, dec, f = bench_backends(args, key, cfg, T, group, device, env, say)
@@ -328,6 +339,9 @@ def main(argv=None) -> int:
     p.add_argument("--backend", action="append", help="backend name (repeatable; default: auto)")
     p.add_argument("--no-reference", action="store_true", help="do not also time the reference backend")
     p.add_argument("--skew", action="store_true", help="skewed routing (expert 0 favoured)")
+    p.add_argument("--quant", default=None, choices=["fp8_block128"],
+                   help="block-scaled weights (MoEConfig.quant): the layers get e4m3 weights quantised from the "
+                        "random bf16 ones; FlashInfer runs its FP8 backend")
     p.add_argument("--iters", type=int, default=None,
                    help="timed iterations per-call / forwards per back-to-back run (default 30 on GPU, 3 on CPU)")
     p.add_argument("--b2b-runs", type=int, default=5, help="back-to-back runs (median of their per-forward averages)")

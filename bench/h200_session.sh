@@ -26,6 +26,7 @@
 #                the swap-AB decode GEMMs per call -> $OUT/verify.log, $OUT/fp8_<model>.log.
 # Knobs (environment): MODELS (qwen3,mixtral), TOKENS (8192), ITERS (30), N (GPUs = EP size, 1),
 #   STEP_TIMEOUT (s per part, 420), PEER_TIMEOUT (s per peer run, 240), BENCH_ARGS (extra moe_ep.bench args),
+#   QUANT (fp8_block128: FP8 block-scaled weights, FlashInfer's FP8 backend beside them),
 #   MOE_EP_COMMIT (the commit to print when the copy on the host has no .git).
 set -uo pipefail
 mode=${1:-all}
@@ -48,6 +49,9 @@ python3 -c "import moe_ep.bench.report" || { echo "h200_session: moe_ep not impo
 echo "h200_session: mode=$mode models=$MODELS tokens=$TOKENS iters=$ITERS N=$N out=$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader 2>/dev/null | head -n "$N"
 common=(--model "$MODELS" --tokens "$TOKENS" --iters "$ITERS")
+# QUANT=fp8_block128: FP8 weights for moe_ep (pass BENCH_ARGS="--backend sm90_fp8_cutedsl ..." to pick
+# the experimental backend) and FlashInfer's FP8 backend (--backend fp8) beside it
+[ -n "${QUANT:-}" ] && common+=(--quant "$QUANT")
 peer_args=(--peers-only --peer-nproc "$N" --peer-timeout "$PEER_TIMEOUT" --peer-log-dir "$OUT")
 status=()
 step() {  # step NAME LOG -- command...: run with a timeout, tee the log, remember the exit code

@@ -171,7 +171,7 @@ PARSERS = {"liger": parse_liger, "flashinfer": parse_flashinfer}
 
 # ---- running one ---------------------------------------------------------------------------
 def peer_command(peer: str, script: Path, model_key: str, dims: dict, tokens: int, nproc: int, iters: int,
-                 json_out: Path, graph: bool = True) -> list[str]:
+                 json_out: Path, graph: bool = True, extra_args: list[str] | None = None) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script),
            *model_args(model_key, dims), "--tokens", str(tokens), "--iters", str(iters), "--b2b",
            "--json-out", str(json_out)]
@@ -179,7 +179,7 @@ def peer_command(peer: str, script: Path, model_key: str, dims: dict, tokens: in
         cmd.append("--skip-torch")
     elif graph:
         cmd.append("--graph")
-    return cmd
+    return cmd + list(extra_args or [])
 
 
 def error_tail(text: str, n: int = 25) -> str:
@@ -217,7 +217,8 @@ def _run(cmd: list[str], env: dict, timeout: int) -> tuple[str, int | None]:
 
 
 def run_peer(peer: str, model_key: str, dims: dict, tokens: int, nproc: int, iters: int,
-             script: str | None = None, timeout: int = 900, log_dir: str | None = None, say=print) -> dict:
+             script: str | None = None, timeout: int = 900, log_dir: str | None = None, say=print,
+             extra_args: list[str] | None = None) -> dict:
     """Run one peer in its own ``torchrun``; returns the parsed result (see the parsers) or
     ``{"error": ..., "tail": last lines of its output}``. Its whole output goes to
     ``log_dir/peer_<peer>_<model>_ep<N>.log`` when ``log_dir`` is given."""
@@ -227,14 +228,15 @@ def run_peer(peer: str, model_key: str, dims: dict, tokens: int, nproc: int, ite
         return {"error": f"{peer}: benchmark script not found (pass {opt})", "tail": ""}
     with tempfile.TemporaryDirectory() as d:
         jout = Path(d) / f"{peer}.json"
-        cmd = peer_command(peer, path, model_key, dims, tokens, nproc, iters, jout)
+        cmd = peer_command(peer, path, model_key, dims, tokens, nproc, iters, jout, extra_args=extra_args)
         say(f"peer {peer}: {' '.join(cmd[2:])}")
         env = {k: v for k, v in os.environ.items() if not k.startswith(_TORCHRUN_ENV)}
         text, rc = _run(cmd, env, timeout)
         if log_dir:
             try:
                 Path(log_dir).mkdir(parents=True, exist_ok=True)
-                (Path(log_dir) / f"peer_{peer}_{model_key}_ep{nproc}.log").write_text(" ".join(cmd) + "\n" + text)
+                tag = "".join("_" + a.lstrip("-") for a in extra_args or [])  # e.g. _backend_fp8
+                (Path(log_dir) / f"peer_{peer}_{model_key}_ep{nproc}{tag}.log").write_text(" ".join(cmd) + "\n" + text)
             except OSError:
                 pass
         tail = error_tail(text)

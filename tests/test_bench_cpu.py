@@ -37,6 +37,15 @@ def test_bench_runs_on_cpu():
     assert "GPU: cpu" in p.stdout and "torch " + __import__("torch").__version__ in p.stdout
 
 
+def test_bench_fp8_weights_on_cpu():
+    """--quant fp8_block128: the layers get FP8 block-128 weights (quantised from the random bf16
+    ones); on CPU the reference backend runs them and the row says the format."""
+    p = _bench("--tokens", "4", "--iters", "1", "--warmup", "0", "--quant", "fp8_block128")
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = [line.split() for line in p.stdout.splitlines() if line.startswith("reference [fp8_block128]")]
+    assert rows and float(rows[0][-4]) > 0, p.stdout
+
+
 def test_bench_two_models_csv_and_peers_on_cpu(tmp_path):
     out = tmp_path / "bench.csv"
     p = _bench("--model", "qwen3,mixtral", "--tokens", "8", "--iters", "2", "--warmup", "0", "--quiet",
@@ -289,6 +298,10 @@ def test_peer_commands_and_scripts(tmp_path, monkeypatch):
     assert {"--graph", "--b2b", "--json-out"} <= set(fi) and fi[fi.index("--tokens") + 1] == "8192"
     lg = peer_command("liger", tmp_path / "liger_bench.py", "qwen3", MODELS["qwen3"], 8192, 1, 30, tmp_path / "o")
     assert "--skip-torch" in lg and "--b2b" in lg and "--graph" not in lg   # liger_bench.py has no --graph
+    fp8 = peer_command("flashinfer", tmp_path / "bench_fi.py", "qwen3", MODELS["qwen3"], 8192, 1, 30, tmp_path / "o",
+                       extra_args=["--backend", "fp8"])
+    assert fp8[-2:] == ["--backend", "fp8"] and fp8[:-2] == peer_command(
+        "flashinfer", tmp_path / "bench_fi.py", "qwen3", MODELS["qwen3"], 8192, 1, 30, tmp_path / "o")
     script = tmp_path / "bench_fi.py"
     script.write_text("")
     monkeypatch.setenv("MOE_EP_FI_BENCH", str(script))

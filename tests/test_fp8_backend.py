@@ -1,5 +1,5 @@
-"""The experimental SM90 FP8 block-scaled backend (``sm90_fp8_cutedsl``): CPU checks (registered
-below the reference backend, refusals by name, every kernel compiles without a GPU) and a GPU test
+"""The SM90 FP8 block-scaled backend (``sm90_fp8_cutedsl``): CPU checks (registered
+above the reference backend, refusals by name, every kernel compiles without a GPU) and a GPU test
 against the reference backend's FP8 semantics (same activation quantisation) and float64."""
 
 import pytest
@@ -8,15 +8,15 @@ import torch
 pytest.importorskip("cutlass")
 
 from moe_ep.api import EPGroup, MoEConfig, MoELayer  # noqa: E402
-from moe_ep.backends import UnsupportedBackendError, available, get  # noqa: E402
+from moe_ep.backends import UnsupportedBackendError, get  # noqa: E402
 
 QWEN = dict(num_experts=128, hidden=2048, intermediate=768, top_k=8)
 
 
-def test_registered_below_the_reference_backend():
-    assert get("sm90_fp8_cutedsl").priority < get("reference").priority
-    assert available()[-1] == "sm90_fp8_cutedsl"  # auto never prefers it while unverified
-    assert "EXPERIMENTAL" in get("sm90_fp8_cutedsl").description
+def test_registered_above_the_reference_backend():
+    # verified on the H200 (the GPU tests below): auto prefers it for fp8_block128 where it runs
+    assert get("sm90_fp8_cutedsl").priority > get("reference").priority
+    assert get("sm90_fp8_cutedsl").quant_formats == ("fp8_block128",)
 
 
 def test_refusals_name_the_reason():
@@ -53,7 +53,8 @@ def test_every_kernel_compiles_without_a_gpu(monkeypatch, tmp_path):
 def test_fp8_layer_against_reference_and_float64(T, skew):
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
-    from moe_ep.api.quant import dequantize_fp8_block128, quantize_fp8_block128
+    from moe_ep.api.quant import (dequantize_fp8_block128, dequantize_fp8_rows128, quantize_fp8_block128,
+                                  quantize_fp8_rows128)
 
     E, H, I, K = QWEN["num_experts"], QWEN["hidden"], QWEN["intermediate"], QWEN["top_k"]
     cfg = MoEConfig(max_tokens_per_rank=1024, quant="fp8_block128", **QWEN)
@@ -74,14 +75,96 @@ def test_fp8_layer_against_reference_and_float64(T, skew):
     want = ref.forward(x, ids, w, w13, w2)
     fast.check_errors()
     assert torch.isfinite(got).all()
-    rel = float((got.float() - want.float()).norm() / want.float().norm())
-    assert rel < 1e-2, rel
-    # and the unquantised model in float64, for scale (FP8 activations cost ~3e-2)
+
+    def rel(a, b):
+        return float((a.double() - b.double()).norm() / b.double().norm())
+
+    # the quantised model in float64, by its definition: x quantised per 128 values of a row, the
+    # dequantised weights, SwiGLU written in bf16 and quantised the same way, router weights in k order
     d13, d2 = dequantize_fp8_block128(w13).double(), dequantize_fp8_block128(w2).double()
-    full = torch.zeros(T, H, dtype=torch.float64, device="cuda")
+    xq = dequantize_fp8_rows128(*quantize_fp8_rows128(x.float())).double()
+    quantised = torch.zeros(T, H, dtype=torch.float64, device="cuda")
+    full = torch.zeros(T, H, dtype=torch.float64, device="cuda")  # no quantisation of activations
     for e in ids.unique().tolist():
         t, k = (ids == e).nonzero(as_tuple=True)
-        h = x[t].double() @ d13[e].T
-        full.index_add_(0, t, ((torch.nn.functional.silu(h[:, :I]) * h[:, I:]) @ d2[e].T) * w[t, k].double()[:, None])
-    assert float((got.double() - full).norm() / full.norm()) < 6e-2
+        h = xq[t] @ d13[e].T
+        a = (torch.nn.functional.silu(h[:, :I]) * h[:, I:]).to(torch.bfloat16).float()
+        aq = dequantize_fp8_rows128(*quantize_fp8_rows128(a)).double()
+        quantised.index_add_(0, t, (aq @ d2[e].T) * w[t, k].double()[:, None])
+        hf = x[t].double() @ d13[e].T
+        full.index_add_(0, t, ((torch.nn.functional.silu(hf[:, :I]) * hf[:, I:]) @ d2[e].T) * w[t, k].double()[:, None])
+    errs = dict(vs_quantised_float64=rel(got, quantised), vs_reference_backend=rel(got, want),
+                reference_vs_quantised_float64=rel(want, quantised), vs_unquantised_float64=rel(got, full))
+    print(f"fp8 layer T={T} skew={skew}: " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()))
+    # FC2's input is re-quantised to FP8: an activation whose bf16 value differs by one ulp (FC1's
+    # FP8 WGMMA accumulates in reduced precision within each 128-wide k block) can round to the
+    # neighbouring e4m3 value, 12.5 % away. Over many rows that averages to ~5e-3 (measured on the
+    # H200: 4.9e-3 at T = 200 and 1024, the float32 reference backend 2.3e-3); one token's 8 rows
+    # average little (1.5e-2 measured at T = 1), so the bound is 1e-2 from 64 tokens on.
+    bound = 1e-2 if T >= 64 else 3e-2
+    assert errs["vs_quantised_float64"] < bound, errs
+    assert errs["vs_reference_backend"] < bound, errs
+    assert errs["vs_unquantised_float64"] < 6e-2, errs  # what FP8 activations cost (FlashInfer: 6.3e-2)
     fast.destroy(), ref.destroy()
+
+
+@pytest.mark.gpu
+def test_fp8_layer_sync_free_allocation_free_deterministic_graph():
+    """The FP8 layer's forward under torch's sync debug mode "error" with a constant allocation
+    count; 10 repeats bit-identical; a captured CUDA graph replays the eager result bit for bit,
+    and new inputs copied into its buffers give the new eager result."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    from moe_ep.api.quant import quantize_fp8_block128
+
+    E, H, I, K, T = QWEN["num_experts"], QWEN["hidden"], QWEN["intermediate"], QWEN["top_k"], 512
+    cfg = MoEConfig(max_tokens_per_rank=T, quant="fp8_block128", **QWEN)
+    g = torch.Generator().manual_seed(5)
+
+    def inputs():
+        x = torch.randn(T, H, generator=g).to(torch.bfloat16).cuda()
+        ids = torch.randn(T, E, generator=g).topk(K, -1).indices.to(torch.int32).cuda()
+        w = torch.softmax(torch.randn(T, K, generator=g), -1).cuda()
+        return x, ids, w
+
+    w13 = quantize_fp8_block128((torch.randn(E, 2 * I, H, generator=g) * H ** -0.5).cuda())
+    w2 = quantize_fp8_block128((torch.randn(E, H, I, generator=g) * I ** -0.5).cuda())
+    layer = MoELayer(cfg, EPGroup.single(), backend="sm90_fp8_cutedsl")
+    layer.warmup(progress=False)
+    x, ids, w = inputs()
+    out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+    first = layer.forward(x, ids, w, w13, w2, out=out).clone()
+    repeats = torch.empty(10, T, H, dtype=torch.bfloat16, device="cuda")
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for i in range(10):
+            repeats[i].copy_(layer.forward(x, ids, w, w13, w2, out=out))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] == before
+    assert torch.isfinite(first).all() and torch.equal(repeats, first.expand_as(repeats))
+
+    graph_out = torch.full_like(out, float("nan"))
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        layer.forward(x, ids, w, w13, w2, out=graph_out)
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        layer.forward(x, ids, w, w13, w2, out=graph_out)
+    graph_out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graph_out, first)
+    x2, ids2, w2_ = inputs()
+    want = layer.forward(x2, ids2, w2_, w13, w2).clone()
+    x.copy_(x2), ids.copy_(ids2), w.copy_(w2_)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(graph_out, want) and not torch.equal(want, first)
+    layer.check_errors()
+    layer.destroy()

@@ -375,8 +375,9 @@ def test_odd_hidden_refused_up_front_and_reference_computes_it():
 
 @pytest.mark.parametrize("quant", ["fp8_block128", "mxfp8", "nvfp4_w4a16"])
 def test_quantised_configs_refused_by_the_bf16_backend(quant):
-    """The SM90 BF16 backend refuses block-scaled weights by name; "auto" runs them on the
-    reference backend (on the GPU) and matches a float32 computation of the quantised model."""
+    """The SM90 BF16 backend refuses block-scaled weights by name; "auto" runs them on the backend
+    of their format that runs here (FP8 block-128: sm90_fp8_cutedsl; the Blackwell formats: the
+    reference backend) and matches a float32 computation of the dequantised model."""
     _sm90()
     import warnings
 
@@ -390,7 +391,7 @@ def test_quantised_configs_refused_by_the_bf16_backend(quant):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         layer = MoELayer(cfg, EPGroup.single(), backend="auto")
-    assert layer.backend_name == "reference"
+    assert layer.backend_name == ("sm90_fp8_cutedsl" if quant == "fp8_block128" else "reference")
     q, dq = {"fp8_block128": (quantize_fp8_block128, dequantize_fp8_block128),
              "mxfp8": (quantize_mxfp8, dequantize_mxfp8), "nvfp4_w4a16": (quantize_nvfp4, dequantize_nvfp4)}[quant]
     x, ids, w, w13, w2 = problem(64, seed_of("quant", quant), E=8, H=256, I=128, K=2)

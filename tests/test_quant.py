@@ -89,8 +89,8 @@ def _fake_fp8_rows(t):
 
 def oracle_quantized(cfg, x, ids, w, w13, w2):
     """float64, one (token, k) pair at a time, on the quantised model: weights dequantised (NVFP4:
-    rounded to bf16, as the W4A16 kernels use them); MXFP8 / FP8 block-128 also quantise FC1's
-    input row and FC2's input (the activation) in their format; else the activation is bf16."""
+    rounded to bf16, as the W4A16 kernels use them); the activation is rounded to bf16, and MXFP8 /
+    FP8 block-128 then quantise it and FC1's input row in their format."""
     deq = {"nvfp4_w4a16": dequantize_nvfp4, "mxfp8": dequantize_mxfp8, "fp8_block128": dequantize_fp8_block128}
     fake = {"mxfp8": _fake_mxfp8, "fp8_block128": _fake_fp8_rows}.get(cfg.quant)
     W13, W2 = deq[cfg.quant](w13), deq[cfg.quant](w2)
@@ -105,7 +105,8 @@ def oracle_quantized(cfg, x, ids, w, w13, w2):
             e = int(ids[t, k])
             h = W13[e] @ xt
             a = h[:I] * torch.sigmoid(h[:I]) * h[I:]
-            a = fake(a[None])[0] if fake else a.to(torch.bfloat16).double()
+            a = a.to(torch.bfloat16).double()  # the kernels write the activation in bf16 ...
+            a = fake(a[None])[0] if fake else a  # ... and quantise that
             out[t] += float(w[t, k]) * (W2[e] @ a)
     return out
 

@@ -13,16 +13,17 @@ integration comes later); nothing here imports moe_ep.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-_SRC = Path(__file__).resolve().parents[1] / "kernel_src" / "sm100" / "w4a16" / "src"
-if str(_SRC) not in sys.path:
-    sys.path.insert(0, str(_SRC))
+# the drop tree the installed moe_ep uses (an installed copy, not this checkout, on the GPU host),
+# registered through the shim so later shim imports in this process find the same modules
+from moe_ep.shim import drop_src, register_drop  # noqa: E402
+
+_SRC = drop_src("sm100", "w4a16")
+register_drop(_SRC)
 
 cute = pytest.importorskip("cutlass.cute")
 

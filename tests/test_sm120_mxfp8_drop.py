@@ -16,17 +16,18 @@ The drop is imported by its top-level name from its ``src`` folder (the shim int
 later); the drop itself never imports moe_ep.
 """
 
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("cutlass")
 
-_DROP_SRC = Path(__file__).resolve().parent.parent / "kernel_src" / "sm120" / "mxfp8" / "src"
-if str(_DROP_SRC) not in sys.path:
-    sys.path.insert(0, str(_DROP_SRC))
+# the drop tree the installed moe_ep uses (an installed copy, not this checkout, on the GPU host),
+# registered through the shim so later shim imports in this process find the same modules
+from moe_ep.shim import drop_src, register_drop  # noqa: E402
+
+_DROP_SRC = drop_src("sm120", "mxfp8")
+register_drop(_DROP_SRC)
 
 from sm120_mxfp8 import (  # noqa: E402
     EPILOGUES,

@@ -3,17 +3,18 @@ CPU with the e4m3 conversion, 16-byte vectors, IEEE division, no spills; the ``g
 bit for bit against ``fp8_reference.quantize_rows128`` on an SM90 GPU."""
 
 import re
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("cutlass")
 
-SRC = Path(__file__).resolve().parent.parent / "kernel_src" / "sm90" / "megamoe" / "src"
-if str(SRC) not in sys.path:
-    sys.path.insert(0, str(SRC))
+# the drop tree the installed moe_ep uses (an installed copy, not this checkout, on the GPU host),
+# registered through the shim so later shim imports in this process find the same modules
+from moe_ep.shim import drop_src, register_drop  # noqa: E402
+
+SRC = drop_src("sm90", "megamoe")
+register_drop(SRC)
 
 from sm90_megamoe import fp8_reference as ref  # noqa: E402
 from sm90_megamoe.fp8_quant import (  # noqa: E402

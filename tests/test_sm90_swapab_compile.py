@@ -7,18 +7,19 @@ T in (1, 3, 8, 128, 256) tokens x top-8, uniform and skewed routing, against a f
 with NaN-poisoned outputs; plus ragged shapes, bias and the other activations.
 """
 
-import sys
 import zlib
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("cutlass")
 
-_DROP_SRC = Path(__file__).resolve().parent.parent / "kernel_src" / "sm90" / "megamoe" / "src"
-if str(_DROP_SRC) not in sys.path:
-    sys.path.insert(0, str(_DROP_SRC))
+# the drop tree the installed moe_ep uses (an installed copy, not this checkout, on the GPU host),
+# registered through the shim so later shim imports in this process find the same modules
+from moe_ep.shim import drop_src, register_drop  # noqa: E402
+
+_DROP_SRC = drop_src("sm90", "megamoe")
+register_drop(_DROP_SRC)
 
 from sm90_megamoe import swapab_runner as sr  # noqa: E402
 from sm90_megamoe.swapab_gemm import SwapABGroupedGemmSm90, pick_tile_t  # noqa: E402

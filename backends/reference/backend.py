@@ -86,9 +86,9 @@ def expert_mlp(recv_x: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor, w
             (:func:`grouped_mm_fits`), else a per-expert matmul loop in float32; ``True``:
             ``torch._grouped_mm`` wherever it can take the shapes (CPU too); ``False``: the loop.
         act_quant: optional ``f(t [M, K] float) -> [M, K]`` applied to FC1's input rows and to the
-            float32 activation (instead of rounding it to the layer dtype) before FC2: the
-            quantise-dequantise of an activation format such as MXFP8; its results must be exact
-            in the layer dtype.
+            activation (rounded to the layer dtype first, as the kernels write it) before FC2: the
+            quantise-dequantise of an activation format such as MXFP8 or FP8 per 128 values; its
+            results must be exact in the layer dtype.
     Returns:
         ``[R, H]`` in recv_x's dtype; the activation is rounded to that dtype before FC2, as the
         kernels do. ``torch._grouped_mm`` returns its products in the input dtype (it has no
@@ -102,7 +102,8 @@ def expert_mlp(recv_x: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor, w
 
     def act(h: torch.Tensor) -> torch.Tensor:
         a = activate(h, activation, intermediate, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
-        return a.to(out.dtype) if act_quant is None else act_quant(a)
+        a = a.to(out.dtype)  # the kernels write the activation in the layer dtype, then quantise it
+        return a if act_quant is None else act_quant(a.float())
 
     if act_quant is not None:  # quantised activations: float32 values of the format, per-expert loop
         recv_x = act_quant(recv_x)

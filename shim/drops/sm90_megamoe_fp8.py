@@ -20,7 +20,7 @@ from typing import Any
 from .. import disk_cache
 from ..cache import COMPILE_CACHE
 from ..launch_mode import use_tvm_ffi
-from .sm90_megamoe import CONSTANTS, PKG, _cutlass_version, _load, cache_namespace
+from .sm90_megamoe import CONSTANTS, PKG, RASTER_L2_BUDGET, _cutlass_version, _load, cache_namespace
 
 FP8_ACTIVATIONS = ("identity", "swiglu")
 
@@ -32,6 +32,13 @@ def check_fp8_gemm(activation: str, n: int, k: int, num_experts: int) -> None:
     reason = _load("sm90_megamoe.fp8_gemm").can_implement(activation=activation, n=n, k=k, num_experts=num_experts)
     if reason is not None:
         raise ValueError(f"sm90 FP8 GEMM: {reason}")
+
+
+def pick_fp8_raster_m(k: int) -> int:
+    """m-tiles per raster group for reduction size ``k``: as for the BF16 GEMM
+    (:func:`pick_raster_m`), with FP8 A rows of ``k`` bytes -- the group's A rows stay in L2 while
+    the running CTAs sweep one expert's weight panels. Depends on K only (any routing)."""
+    return max(1, min(16, RASTER_L2_BUDGET // (128 * k)))
 
 
 @dataclass(frozen=True)
@@ -48,24 +55,27 @@ class Fp8Key:
     num_experts: int
     scale_rows: bool
     tvm_ffi: bool
+    raster_m: int
 
 
-def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_rows: bool) -> Fp8Key:
+def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_rows: bool,
+         raster_m: int = 0) -> Fp8Key:
     return Fp8Key(CONSTANTS.value(PKG, "DROP_VERSION"), _cutlass_version(), "sm_90a", kind, activation, n, k,
-                  num_experts, bool(scale_rows), use_tvm_ffi())
+                  num_experts, bool(scale_rows), use_tvm_ffi(), int(raster_m))
 
 
 def compiled_fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False) -> Any:
     """Compiled code of the FP8 grouped GEMM (no GPU needed)."""
     check_fp8_gemm(activation, n, k, num_experts)
-    key = _key("gemm", activation, n, k, num_experts, scale_rows)
+    key = _key("gemm", activation, n, k, num_experts, scale_rows, pick_fp8_raster_m(k))
 
     def build():
         fl = _load("sm90_megamoe.fp8_launch")
         return disk_cache.get_or_build(
             cache_namespace(), f"fp8_gemm_{activation}", key,
             lambda: fl.CompiledFp8Gemm(activation=activation, n=n, k=k, num_experts=num_experts,
-                                       scale_rows=bool(scale_rows), compiled=None, tvm_ffi=key.tvm_ffi).compiled,
+                                       scale_rows=bool(scale_rows), compiled=None, tvm_ffi=key.tvm_ffi,
+                                       raster_m=key.raster_m).compiled,
             tvm_ffi=key.tvm_ffi)
 
     return COMPILE_CACHE.get_or_compile(key, build)
@@ -77,7 +87,7 @@ def fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool
     compiled = compiled_fp8_gemm(activation, n, k, num_experts, scale_rows)
     return _load("sm90_megamoe.fp8_launch").CompiledFp8Gemm(
         activation=activation, n=n, k=k, num_experts=num_experts, scale_rows=bool(scale_rows), compiled=compiled,
-        tvm_ffi=use_tvm_ffi())
+        tvm_ffi=use_tvm_ffi(), raster_m=pick_fp8_raster_m(k))
 
 
 def compiled_fp8_quantize_rows(k: int) -> Any:

@@ -61,8 +61,7 @@ def check(config: Any, group: Any, device: torch.device) -> None:
     quant = getattr(config, "quant", None)
     if quant is not None:
         need = {"nvfp4_w4a16": "an SM100 (B200/GB200) W4A16 backend", "mxfp8": "an SM120 MXFP8 backend",
-                "fp8_block128": "backend='sm90_fp8_cutedsl' (experimental, not yet run on a GPU; the "
-                                "reference backend runs it too)"}
+                "fp8_block128": "backend='sm90_fp8_cutedsl' (what backend='auto' picks for it)"}
         raise UnsupportedBackendError(f"sm90_bf16_cutedsl runs BF16 weights; quant={quant!r} needs "
                                       f"{need.get(quant, 'another backend')}")
     bias_dtype = getattr(config, "bias_dtype", None)

@@ -33,15 +33,17 @@ class VirtualEP:
     another (each forward joins its rank streams back into the current stream).
     """
 
-    def __init__(self, config, world: int, device=None, timeout_s: float = 10.0, num_ctas: int | None = None):
+    def __init__(self, config, world: int, device=None, timeout_s: float = 10.0, num_ctas: int | None = None,
+                 backend_cls: type = Sm90CuteDSLBackend):
         self.device = torch.device(device or "cuda")
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.num_ctas = num_ctas or max(1, sms // (2 * world))
         self.world = world
-        self.ranks = [Sm90CuteDSLBackend(config, VirtualGroup(r, world), self.device, timeout_s=timeout_s,
-                                         num_ctas=self.num_ctas, virtual=True)
+        # backend_cls: this backend or one built on its steps (the FP8 backend), one per virtual rank
+        self.ranks = [backend_cls(config, VirtualGroup(r, world), self.device, timeout_s=timeout_s,
+                                  num_ctas=self.num_ctas, virtual=True)
                       for r in range(world)]
         grew = [b.ws.reserve() for b in self.ranks]  # every rank's pools first, then bind
         if any(grew):

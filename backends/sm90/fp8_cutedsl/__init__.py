@@ -1,4 +1,4 @@
-"""SM90 FP8 block-scaled CuTeDSL backend (drop sm90/megamoe) -- experimental, not yet run on a GPU."""
+"""SM90 FP8 block-scaled CuTeDSL backend (drop sm90/megamoe)."""
 
 from .backend import Sm90Fp8Backend, check, check_config, prebuild
 

@@ -39,13 +39,15 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
 
 
 class CompiledFp8Gemm:
-    """One compiled FP8 grouped GEMM for (activation, N, K, E, scale_rows); any routing, any M_total.
+    """One compiled FP8 grouped GEMM for (activation, N, K, E, scale_rows, raster_m); any routing,
+    any M_total.
 
     ``compiled``: the kernel compiled earlier (e.g. loaded from an exported object, for the same
-    ``tvm_ffi``); None compiles it here (sm_90a)."""
+    ``tvm_ffi`` and ``raster_m``); None compiles it here (sm_90a). ``raster_m``: m-tiles per raster
+    group inside an expert (see :class:`.fp8_gemm.Fp8BlockScaledGroupedGemmSm90`)."""
 
     def __init__(self, activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
-                 compiled=None, tvm_ffi: bool = False):
+                 compiled=None, tvm_ffi: bool = False, raster_m: int = 1):
         reason = can_implement(activation, n, k, num_experts)
         if reason is not None:
             raise ValueError(reason)
@@ -53,8 +55,9 @@ class CompiledFp8Gemm:
         self.scale_rows = bool(scale_rows)
         self.n_out = n // 2 if activation == "swiglu" else n
         self.tvm_ffi = bool(tvm_ffi)
+        self.raster_m = int(raster_m)
         if compiled is None:
-            kernel = Fp8BlockScaledGroupedGemmSm90(activation, scale_rows=self.scale_rows)
+            kernel = Fp8BlockScaledGroupedGemmSm90(activation, scale_rows=self.scale_rows, raster_m=self.raster_m)
             opts = "--gpu-arch sm_90a" + (" --enable-tvm-ffi" if self.tvm_ffi else "")
             compiled = cute.compile(kernel, *fake_args(num_experts, n, k, activation, self.tvm_ffi), options=opts)
         self.compiled = compiled

@@ -19,6 +19,12 @@ FP8_BLOCK = 128
 E4M3_MAX = 448.0
 
 
+def _div_e4m3_max(amax: torch.Tensor) -> torch.Tensor:
+    """``amax / 448`` correctly rounded on every device: CUDA torch turns a division by a Python
+    scalar into a multiplication by its rounded reciprocal (1 ulp off at times); the kernels divide."""
+    return amax / torch.full_like(amax, E4M3_MAX)
+
+
 def _blocks(n: int) -> int:
     return -(-n // FP8_BLOCK)
 
@@ -31,7 +37,7 @@ def quantize_weight_block128(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tenso
     wp[:, :N, :K] = w.float()
     blocks = wp.reshape(E, nb, FP8_BLOCK, kb, FP8_BLOCK)
     amax = blocks.abs().amax(dim=(2, 4))
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, _div_e4m3_max(amax), torch.ones_like(amax))
     vals = (blocks / scale[:, :, None, :, None]).to(torch.float8_e4m3fn)
     vals = vals.reshape(E, nb * FP8_BLOCK, kb * FP8_BLOCK)[:, :N, :K].contiguous()
     return vals, scale.contiguous()
@@ -45,7 +51,7 @@ def quantize_rows128(t: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     tp[:, :K] = t.float()
     g = tp.reshape(M, kb, FP8_BLOCK)
     amax = g.abs().amax(dim=-1)
-    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    scale = torch.where(amax > 0, _div_e4m3_max(amax), torch.ones_like(amax))
     vals = (g / scale[..., None]).to(torch.float8_e4m3fn).reshape(M, kb * FP8_BLOCK)[:, :K]
     return vals.contiguous(), scale.contiguous()
 

@@ -1,6 +1,7 @@
 """FP8 block-scaled grouped GEMM: compile checks (any machine) and correctness + timing (H200).
 
     python -m sm90_megamoe.fp8_runner [--model qwen3|mixtral] [--routing uniform|skewed] [--reps 20]
+                                      [--raster-m 1,4,16]   # time each raster (first one checked)
 
 Per model, FC1 (swiglu, w13 [E, 2I, H]) and FC2 (identity + router row scale, w2 [E, H, I]):
 * every machine: compile for sm_90a from fake tensors and check the PTX (FP8 WGMMA
@@ -71,13 +72,13 @@ def cute_args(a, a_scale, b, b_scale, c, offsets, row_scale):
 
 def compile_variant(activation: str, n: int, k: int, num_experts: int, scale_rows: bool,
                     arch: str = "sm_90a", tile_n: Optional[int] = None,
-                    num_stages: Optional[int] = None):
+                    num_stages: Optional[int] = None, raster_m: int = 1):
     """(kernel, compiled) for one variant, from fake tensors (no GPU needed)."""
     reason = can_implement(activation, n, k, num_experts, tile_n)
     if reason is not None:
         raise ValueError(reason)
     kernel = Fp8BlockScaledGroupedGemmSm90(activation, scale_rows=scale_rows, tile_n=tile_n,
-                                           num_stages=num_stages)
+                                           num_stages=num_stages, raster_m=raster_m)
     compiled = cute.compile(kernel, *fake_args(num_experts, n, k, activation),
                             options=f"--gpu-arch {arch} --keep-ptx")
     return kernel, compiled
@@ -127,9 +128,9 @@ def make_inputs(m_total, n, k, num_experts, routing, scale_rows, seed=0, device=
 class Fp8GroupedGemm:
     """One compiled variant, launched on CUDA tensors (classic path: pre-converted CuTe views)."""
 
-    def __init__(self, activation, n, k, num_experts, scale_rows, tile_n=None, num_stages=None):
+    def __init__(self, activation, n, k, num_experts, scale_rows, tile_n=None, num_stages=None, raster_m=1):
         self.kernel, self.compiled = compile_variant(activation, n, k, num_experts, scale_rows,
-                                                     tile_n=tile_n, num_stages=num_stages)
+                                                     tile_n=tile_n, num_stages=num_stages, raster_m=raster_m)
         self.activation, self.n, self.k, self.scale_rows = activation, n, k, scale_rows
         self.n_out = n // 2 if activation == "swiglu" else n
 
@@ -205,12 +206,12 @@ def torch_baselines(a, a_s, b, b_s, offs, reps):
     return out
 
 
-def run_gpu(model: str, routing: str, reps: int) -> bool:
+def run_gpu(model: str, routing: str, reps: int, rasters=(1,)) -> bool:
     h, i, E, topk, tokens = MODELS[model]
     m_total = tokens * topk
     ok_all = True
     for name, act, n, k, sr in layers(model):
-        fn = Fp8GroupedGemm(act, n, k, E, sr)
+        fn = Fp8GroupedGemm(act, n, k, E, sr, raster_m=rasters[0])
         a, a_s, b, b_s, offs, rs = make_inputs(m_total, n, k, E, routing, sr)
         out = torch.full((m_total, fn.n_out), float("nan"), dtype=torch.bfloat16, device="cuda")
         args = fn.prepare(a, a_s, b, b_s, out, offs, rs)
@@ -226,7 +227,12 @@ def run_gpu(model: str, routing: str, reps: int) -> bool:
         flops = 2.0 * m_total * n * k
         print(f"[{model} {name}] {act:8s} M={m_total} N={n} K={k} E={E} {routing}: rel_err={rel:.3e} "
               f"nan={nan} -> {'PASS' if ok else 'FAIL'}; {ms:.3f} ms = {flops / ms / 1e9:.1f} TFLOP/s "
-              f"(stages {fn.kernel.num_stages}, tile 128x{fn.kernel.tile_n}x128)", flush=True)
+              f"(stages {fn.kernel.num_stages}, tile 128x{fn.kernel.tile_n}x128, raster_m {rasters[0]})", flush=True)
+        for r in rasters[1:]:
+            other = Fp8GroupedGemm(act, n, k, E, sr, raster_m=r)
+            oargs = other.prepare(a, a_s, b, b_s, out, offs, rs)
+            rms = time_fn(lambda: other.launch(oargs), reps)
+            print(f"    raster_m {r}: {rms:.3f} ms = {flops / rms / 1e9:.1f} TFLOP/s", flush=True)
         for bname, v in torch_baselines(a, a_s, b, b_s, offs, reps).items():
             if isinstance(v, float):
                 print(f"    {bname}: {v:.3f} ms = {flops / v / 1e9:.1f} TFLOP/s (GEMM only)")
@@ -256,11 +262,14 @@ def main(argv=None):
     p.add_argument("--model", choices=sorted(MODELS), default="qwen3")
     p.add_argument("--routing", choices=("uniform", "skewed"), default="uniform")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--raster-m", default="1", help="m-tiles per raster group, comma-separated: each is timed, "
+                                                  "the first is also checked")
     args = p.parse_args(argv)
+    rasters = tuple(int(r) for r in args.raster_m.split(",") if r.strip())
     ok = run_compile(args.model)
     if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
         torch.backends.cuda.matmul.allow_tf32 = False
-        ok &= run_gpu(args.model, args.routing, args.reps)
+        ok &= run_gpu(args.model, args.routing, args.reps, rasters)
     else:
         print("no SM90 GPU: compile checks only")
     raise SystemExit(0 if ok else 1)
