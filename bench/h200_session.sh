@@ -20,10 +20,9 @@
 # extra:         python -m moe_ep.bench startup (warmup cold/warm, forward host time) -> $OUT/startup.log;
 #                python -m moe_ep.bench hf (Qwen3-MoE block via transformers, needs transformers) -> $OUT/hf.log;
 #                the decode sweep of $MODELS with --decode-csv $OUT/decode.csv --plot $OUT/decode.png.
-# verify:        what was written without a GPU run: the FP8 block-scaled GEMM, row quantiser and the
-#                sm90_fp8_cutedsl layer (drops v9-v10; GPU tests, and
-#                its runner on $MODELS) and the virtual-rank EP layers (W = 1..8), whose ranks now pick
-#                the swap-AB decode GEMMs per call -> $OUT/verify.log, $OUT/fp8_<model>.log.
+# verify:        what was written without a GPU run: drop v12's gathering FP8 quantiser and the FP8
+#                layer's fused gather path (GPU tests, FP8 virtual EP), then the FP8 layer on $MODELS
+#                with MOE_EP_FP8_FUSED_GATHER=0 and 1 -> $OUT/verify.log, $OUT/fp8_fused{0,1}.{log,csv}.
 # Knobs (environment): MODELS (qwen3,mixtral), TOKENS (8192), ITERS (30), N (GPUs = EP size, 1),
 #   STEP_TIMEOUT (s per part, 420), PEER_TIMEOUT (s per peer run, 240), BENCH_ARGS (extra moe_ep.bench args),
 #   QUANT (fp8_block128: FP8 block-scaled weights, FlashInfer's FP8 backend beside them),
@@ -80,12 +79,15 @@ if [ "$mode" = extra ]; then
       --no-reference --decode-csv "$OUT/decode.csv" --plot "$OUT/decode.png"
 fi
 if [ "$mode" = verify ]; then
-  step "unverified GPU tests" "$OUT/verify.log" -- python3 -m pytest -m gpu -q tests/test_sm90_fp8_compile.py \
-      tests/test_sm90_fp8_quant.py tests/test_fp8_backend.py \
-      tests/test_ep_virtual_gpu.py
-  for m in ${MODELS//,/ }; do
-    step "FP8 GEMM runner $m" "$OUT/fp8_$m.log" -- env PYTHONPATH="kernel_src/sm90/megamoe/src${PYTHONPATH:+:$PYTHONPATH}" \
-        python3 -m sm90_megamoe.fp8_runner --model "$m"
+  # drop v12 (not yet run on a GPU): the gathering FP8 quantiser and the FP8 layer's fused
+  # gather path (MOE_EP_FP8_FUSED_GATHER=1), then the FP8 layer with the fused path off and on
+  step "unverified GPU tests" "$OUT/verify.log" -- python3 -m pytest -m gpu -q -W ignore \
+      tests/test_sm90_fp8_quant.py tests/test_fp8_backend.py tests/test_ep_virtual_gpu.py \
+      tests/test_layer_gpu.py -k "fp8 or gather or quantised"
+  for fused in 0 1; do
+    step "FP8 layer, fused gather $fused" "$OUT/fp8_fused$fused.log" -- env MOE_EP_FP8_FUSED_GATHER=$fused \
+        python3 -m moe_ep.bench --model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" --quant fp8_block128 \
+        --no-reference --no-decode --quiet --csv "$OUT/fp8_fused$fused.csv"
   done
 fi
 if [ "$mode" = liger ]; then

@@ -237,11 +237,14 @@ def test_virtual_ep_cuda_graph():
     vep.destroy()
 
 
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("W,Ts", [(2, [256, 300]), (4, [256, 0, 100, 333])])
-def test_virtual_ep_fp8_block128(W, Ts):
+def test_virtual_ep_fp8_block128(W, Ts, fused, monkeypatch):
     """The FP8 backend's ranks (BF16 dispatch/combine around the FP8 GEMMs) against the reference
-    backend's FP8 semantics on the same global inputs and quantised weights."""
+    backend's FP8 semantics on the same global inputs and quantised weights; ``fused``: FC1's input
+    gathered and quantised from the receive buffer in one pass (MOE_EP_FP8_FUSED_GATHER=1)."""
     _sm90()
+    monkeypatch.setenv("MOE_EP_FP8_FUSED_GATHER", "1" if fused else "0")
     from moe_ep.api import MoEConfig
     from moe_ep.api.quant import FP8Block128Weight, quantize_fp8_block128
     from moe_ep.backends.sm90.fp8_cutedsl.backend import Sm90Fp8Backend

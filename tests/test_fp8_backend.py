@@ -46,6 +46,11 @@ def test_every_kernel_compiles_without_a_gpu(monkeypatch, tmp_path):
     prebuild(MoEConfig(max_tokens_per_rank=64, quant="fp8_block128", **QWEN), 1, kernels=("fc1", "fc2"))
     names = [e.name for e in COMPILE_EVENTS[seen:]]
     assert names == ["fp8_gemm_swiglu", "fp8_quantize_rows", "fp8_gemm_identity", "fp8_quantize_rows"]
+    # the fused gather + quantise path (opt-in) compiles its gathering quantiser for FC1's input
+    monkeypatch.setenv("MOE_EP_FP8_FUSED_GATHER", "1")
+    seen = len(COMPILE_EVENTS)
+    prebuild(MoEConfig(max_tokens_per_rank=64, quant="fp8_block128", **QWEN), 1, kernels=("fc1",))
+    assert [e.name for e in COMPILE_EVENTS[seen:]] == ["fp8_gather_quantize_rows"]
 
 
 @pytest.mark.gpu
@@ -168,3 +173,41 @@ def test_fp8_layer_sync_free_allocation_free_deterministic_graph():
     assert torch.equal(graph_out, want) and not torch.equal(want, first)
     layer.check_errors()
     layer.destroy()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 700])
+def test_fused_gather_quant_is_bit_identical(monkeypatch, T):
+    """MOE_EP_FP8_FUSED_GATHER=1 (layout without the BF16 row gather, FC1's input quantised from
+    the received rows by index) gives the same bits as the default path, eager and CUDA graph."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    from moe_ep.api.quant import quantize_fp8_block128
+
+    E, H, I, K = QWEN["num_experts"], QWEN["hidden"], QWEN["intermediate"], QWEN["top_k"]
+    cfg = MoEConfig(max_tokens_per_rank=1024, quant="fp8_block128", **QWEN)
+    g = torch.Generator().manual_seed(31 + T)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16).cuda()
+    ids = torch.randn(T, E, generator=g).topk(K, -1).indices.to(torch.int32).cuda()
+    w = torch.softmax(torch.randn(T, K, generator=g), -1).cuda()
+    w13 = quantize_fp8_block128((torch.randn(E, 2 * I, H, generator=g) * H ** -0.5).cuda())
+    w2 = quantize_fp8_block128((torch.randn(E, H, I, generator=g) * I ** -0.5).cuda())
+    monkeypatch.setenv("MOE_EP_FP8_FUSED_GATHER", "0")
+    plain = MoELayer(cfg, EPGroup.single(), backend="sm90_fp8_cutedsl")
+    want = plain.forward(x, ids, w, w13, w2).clone()
+    plain.destroy()
+    monkeypatch.setenv("MOE_EP_FP8_FUSED_GATHER", "1")
+    fused = MoELayer(cfg, EPGroup.single(), backend="sm90_fp8_cutedsl")
+    fused.warmup(progress=False)
+    assert fused._impl.fused_gather
+    out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+    assert torch.equal(fused.forward(x, ids, w, w13, w2, out=out), want)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fused.forward(x, ids, w, w13, w2, out=out)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, want)
+    fused.check_errors()
+    fused.destroy()

@@ -27,11 +27,11 @@ from sm90_megamoe.fp8_quant import (  # noqa: E402
 
 # ---------------------------------------------------------------------------- compile (CPU)
 @pytest.mark.parametrize("k", [2048, 768, 128, 14336])
-@pytest.mark.parametrize("counted", [False, True])
-def test_compiles_with_e4m3_cvt_no_spills(k, counted):
+@pytest.mark.parametrize("counted,gather", [(False, False), (True, False), (True, True)])
+def test_compiles_with_e4m3_cvt_no_spills(k, counted, gather):
     from sm90_megamoe.layout_compile_check import ptxas_info
 
-    ptx = compile_fp8_quantize_rows(k, counted=counted, keep_ptx=True).__ptx__
+    ptx = compile_fp8_quantize_rows(k, counted=counted, gather=gather, keep_ptx=True).__ptx__
     assert ".target sm_90a" in ptx
     cvt = set(re.findall(r"cvt[\w.:]*e4m3[\w.:]*", ptx))
     assert cvt == {"cvt.rn.satfinite.e4m3x2.f32"}, cvt
@@ -54,22 +54,23 @@ def test_tvm_ffi_compiles():
     assert "cvt.rn.satfinite.e4m3x2.f32" in c.__ptx__
 
 
-@pytest.mark.parametrize("counted", [False, True])
-def test_fake_signature_matches_real_tensors(counted):
+@pytest.mark.parametrize("counted,gather", [(False, False), (True, False), (True, True)])
+def test_fake_signature_matches_real_tensors(counted, gather):
     """The fake-tensor ABI equals the one the classic launcher builds from torch tensors."""
     import cutlass
     import cutlass.cute as cute
     from cutlass.cute.runtime import make_fake_stream
     from sm90_megamoe.ep_compile_check import same_signature
-    from sm90_megamoe.fp8_quant import Fp8QuantizeRows128Counted
+    from sm90_megamoe.fp8_quant import Fp8GatherQuantizeRows128, Fp8QuantizeRows128Counted
 
-    k, m = 768, 37
-    fake = compile_fp8_quantize_rows(k, counted=counted, keep_ptx=True)
+    k, m, src = 768, 37, 11
+    fake = compile_fp8_quantize_rows(k, counted=counted, gather=gather, keep_ptx=True)
     count = torch.zeros(1, dtype=torch.int32) if counted else None
+    idx = torch.zeros(m, dtype=torch.int32) if gather else None
     args = CompiledFp8QuantizeRows.cute_args(
-        torch.zeros(m, k, dtype=torch.bfloat16), torch.zeros(m, k, dtype=torch.float8_e4m3fn),
-        torch.zeros(m, k // 128, dtype=torch.float32), count)
-    kern = (Fp8QuantizeRows128Counted if counted else Fp8QuantizeRows128)(k)
+        torch.zeros(src if gather else m, k, dtype=torch.bfloat16), torch.zeros(m, k, dtype=torch.float8_e4m3fn),
+        torch.zeros(m, k // 128, dtype=torch.float32), count, idx)
+    kern = (Fp8GatherQuantizeRows128 if gather else Fp8QuantizeRows128Counted if counted else Fp8QuantizeRows128)(k)
     real = cute.compile(kern, *args, cutlass.Int32(m), make_fake_stream(),
                         options="--gpu-arch sm_90a --keep-ptx")
     assert same_signature(fake, real)
@@ -157,6 +158,29 @@ def test_counted_variant_skips_rows_beyond_device_count():
         rows = min(cnt, m_rows, m)
         eq, es = _expect(x.cpu(), rows)
         assert torch.equal(q[:rows].cpu(), eq) and torch.equal(s[:rows].cpu(), es)
+        assert bool((q[rows:] == 0x5A).all()) and bool(s[rows:].isnan().all())
+
+
+@pytest.mark.gpu
+def test_gather_variant_quantises_indexed_source_rows():
+    """q[r] = quantize(x[idx[r]]) bit for bit for r < min(count, m_rows, M) (repeated and
+    out-of-order indices; a bad index is clamped into the source, never read out of bounds);
+    rows past the count stay poisoned."""
+    _sm90()
+    k, S, M = 2048, 300, 1000
+    gen = torch.Generator().manual_seed(13)
+    x = _rows(S, k, gen).cuda()
+    idx = torch.randint(0, S, (M + 7,), generator=gen, dtype=torch.int32)
+    idx[5], idx[6] = -3, S + 40  # clamped to rows 0 and S-1
+    kern = CompiledFp8QuantizeRows(k, gather=True)
+    for cnt, m_rows in [(0, M), (613, M), (M, M), (900, 250)]:
+        q = torch.full((M, k), 0x5A, dtype=torch.uint8, device="cuda")
+        s = torch.full((M, k // 128), float("nan"), dtype=torch.float32, device="cuda")
+        kern(x, q, s, m_rows=m_rows, count=torch.tensor([cnt], dtype=torch.int32, device="cuda"), idx=idx.cuda())
+        torch.cuda.synchronize()
+        rows = min(cnt, m_rows, M)
+        eq, es = _expect(x.cpu()[idx[:rows].clamp(0, S - 1).long()], rows)
+        assert torch.equal(q[:rows].cpu(), eq) and torch.equal(s[:rows].cpu(), es), (cnt, m_rows)
         assert bool((q[rows:] == 0x5A).all()) and bool(s[rows:].isnan().all())
 
 

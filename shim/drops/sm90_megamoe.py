@@ -50,7 +50,7 @@ from ..nvshmem_boot import CounterContract
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 11},
+    "sm90_megamoe": {"DROP_VERSION": 12},
     "sm90_megamoe.constants": {
         "ABI_VERSION": 2,
         "ACTIVATIONS": ("identity", "swiglu", "squared_relu", "gelu_glu", "clamped_swiglu"),
@@ -83,7 +83,7 @@ CONSTANTS = MirroredConstants("sm90/megamoe", {
 })
 
 CONTRACT = DropContract(
-    arch="sm90", drop="megamoe", version=11, packages=(PKG,), constants=CONSTANTS,
+    arch="sm90", drop="megamoe", version=12, packages=(PKG,), constants=CONSTANTS,
     callables=(
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.__init__",
                     ("activation", "n", "k", "num_experts", "scale_rows", "tile_n", "bias_dtype",
@@ -132,10 +132,12 @@ CONTRACT = DropContract(
                     ("activation", "n", "k", "num_experts", "scale_rows", "compiled", "tvm_ffi", "raster_m")),
         CallableUse("sm90_megamoe.fp8_launch:CompiledFp8Gemm.__call__",
                     ("a", "a_scale", "b", "b_scale", "offsets", "out", "row_scale", "max_active_ctas", "stream")),
-        CallableUse("sm90_megamoe.fp8_quant:compile_fp8_quantize_rows", ("k", "arch", "tvm_ffi", "counted")),
-        CallableUse("sm90_megamoe.fp8_quant:CompiledFp8QuantizeRows.__init__", ("k", "compiled", "tvm_ffi", "counted")),
+        CallableUse("sm90_megamoe.fp8_quant:compile_fp8_quantize_rows",
+                    ("k", "arch", "tvm_ffi", "counted", "gather")),
+        CallableUse("sm90_megamoe.fp8_quant:CompiledFp8QuantizeRows.__init__",
+                    ("k", "compiled", "tvm_ffi", "counted", "gather")),
         CallableUse("sm90_megamoe.fp8_quant:CompiledFp8QuantizeRows.__call__",
-                    ("x", "q", "scale", "m_rows", "stream", "count")),
+                    ("x", "q", "scale", "m_rows", "stream", "count", "idx")),
     ),
     imports=(
         ImportUse("sm90_megamoe.launch", "CompiledGroupedGemm", "shim/drops/sm90_megamoe.py"),

@@ -90,26 +90,30 @@ def fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool
         tvm_ffi=use_tvm_ffi(), raster_m=pick_fp8_raster_m(k))
 
 
-def compiled_fp8_quantize_rows(k: int) -> Any:
-    """Compiled code of the BF16 -> FP8 row quantiser for rows of ``k`` values (no GPU needed)."""
+def compiled_fp8_quantize_rows(k: int, gather: bool = False) -> Any:
+    """Compiled code of the BF16 -> FP8 row quantiser for rows of ``k`` values (no GPU needed);
+    ``gather``: the variant that reads row ``idx[r]`` of a source for output row ``r``."""
     if k % 128:
         raise ValueError(f"sm90 FP8 row quantiser: K={k} must be a multiple of 128")
-    key = _key("quantize_counted", "", 0, k, 0, False)
+    key = _key("quantize_gather" if gather else "quantize_counted", "", 0, k, 0, False)
 
     def build():
         fq = _load("sm90_megamoe.fp8_quant")
         return disk_cache.get_or_build(
-            cache_namespace(), "fp8_quantize_rows", key,
-            lambda: fq.compile_fp8_quantize_rows(k=k, arch="sm_90a", tvm_ffi=key.tvm_ffi, counted=True),
+            cache_namespace(), "fp8_gather_quantize_rows" if gather else "fp8_quantize_rows", key,
+            lambda: fq.compile_fp8_quantize_rows(k=k, arch="sm_90a", tvm_ffi=key.tvm_ffi, counted=True,
+                                                 gather=bool(gather)),
             tvm_ffi=key.tvm_ffi)
 
     return COMPILE_CACHE.get_or_compile(key, build)
 
 
-def fp8_quantize_rows(k: int) -> Any:
+def fp8_quantize_rows(k: int, gather: bool = False) -> Any:
     """A caller-owned row quantiser: ``q(x [M, k] bf16, values [M, k] e4m3, scale [M, k/128] f32,
     count=[1] int32 device tensor)``: rows at and past ``count[0]`` are not touched (the count is
-    read on the device, so padding rows cost nothing and the host never syncs)."""
-    compiled = compiled_fp8_quantize_rows(k)
+    read on the device, so padding rows cost nothing and the host never syncs). ``gather=True``:
+    ``q(x [S, k], values [M, k], scale, count=, idx=[>= M] int32)`` quantises ``x[idx[r]]`` into
+    row ``r`` (a row gather and the quantisation in one pass)."""
+    compiled = compiled_fp8_quantize_rows(k, gather)
     return _load("sm90_megamoe.fp8_quant").CompiledFp8QuantizeRows(k=k, compiled=compiled, tvm_ffi=use_tvm_ffi(),
-                                                                   counted=True)
+                                                                   counted=True, gather=bool(gather))

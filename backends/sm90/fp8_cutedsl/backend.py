@@ -8,7 +8,9 @@ The forward is the BF16 SM90 backend's, with steps 3-4 replaced:
    rows on the wire; FP8 on the wire is still to come);
 3. **FC1 + SwiGLU** -- the grouped rows are quantised per 128 values of a row (E4M3 + one float32
    scale, ``amax / 448``: :func:`moe_ep.api.quant.quantize_fp8_rows128`), then the FP8 grouped GEMM
-   with per-k-block scale promotion ``h = swiglu(xq · wq13ᵀ)``;
+   with per-k-block scale promotion ``h = swiglu(xq · wq13ᵀ)``; with ``MOE_EP_FP8_FUSED_GATHER=1``
+   (:func:`fused_gather_quant`, not yet run on a GPU) step 2 skips the BF16 row gather and this step
+   quantises the received rows straight into grouped order;
 4. **FC2 + router weight** -- ``h`` quantised the same way, ``y = ws · (hq · wq2ᵀ)``;
 5. **combine** -- as on BF16.
 
@@ -20,6 +22,7 @@ be multiples of 128. The quantised activations live in buffers of this layer (al
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -61,13 +64,23 @@ def check(config: Any, group: Any, device: torch.device) -> None:
     check_config(config, group)
 
 
+def fused_gather_quant() -> bool:
+    """``MOE_EP_FP8_FUSED_GATHER=1``: step 2 writes no BF16 grouped rows and step 3 gathers and
+    quantises the received rows in one pass (drop v12's gathering quantiser; output bit-identical by
+    construction, one launch and a BF16 write + read of every grouped row less). Off by default until
+    it has run on a GPU (compiled and CPU-tested only)."""
+    return os.environ.get("MOE_EP_FP8_FUSED_GATHER", "0") == "1"
+
+
 def prebuild(config: Any, world_size: int, kernels: tuple = ("fc1", "fc2", "ep", "layout")) -> None:
     """Compile (or load from the disk compile cache) every kernel a layer needs, without a GPU;
     "fc1"/"fc2" include the row quantiser of their input width."""
     specs = _gemm_specs(config, config.local_experts(world_size))
 
     def gemm(name):
-        return lambda: (sm90_compiled_fp8_gemm(*specs[name]), sm90_compiled_fp8_quantize_rows(specs[name][2]))
+        gather = name == "fc1" and fused_gather_quant()
+        return lambda: (sm90_compiled_fp8_gemm(*specs[name]),
+                        sm90_compiled_fp8_quantize_rows(specs[name][2], gather=gather))
 
     prebuild_layer(config, world_size, kernels, {"fc1": gemm("fc1"), "fc2": gemm("fc2")})
 
@@ -81,7 +94,9 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
         cfg = self.cfg
         specs = _gemm_specs(cfg, self.E)
         self.fc1, self.fc2 = sm90_fp8_gemm(*specs["fc1"]), sm90_fp8_gemm(*specs["fc2"])
-        self.quant_x, self.quant_h = sm90_fp8_quantize_rows(cfg.hidden), sm90_fp8_quantize_rows(cfg.intermediate)
+        self.fused_gather = fused_gather_quant()
+        self.quant_x = sm90_fp8_quantize_rows(cfg.hidden, gather=self.fused_gather)
+        self.quant_h = sm90_fp8_quantize_rows(cfg.intermediate)
         self.fc1_decode = self.fc2_decode = None
         self._decode_max_tokens = 0
         self._gemms = (self.fc1, self.fc2)
@@ -97,9 +112,16 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
         w2 = torch.randn(self.E, cfg.hidden, cfg.intermediate, device=self.device, generator=g) * cfg.intermediate ** -0.5
         return quantize_fp8_block128(w13), quantize_fp8_block128(w2)
 
+    def _step2_layout(self) -> None:
+        # fused gather: the layout writes no BF16 rows (xs stays free for FC2's output)
+        self.layout(self.ep, self.offsets, self.idx, self.ws_rows, self.pos, None if self.fused_gather else self.xs)
+
     def _step34_experts(self, w13, w2, b13=None, b2=None) -> None:
         fc1, fc2 = self._gemms
-        self.quant_x(self.xs, self.xq, self.xq_scale, count=self._rows)
+        if self.fused_gather:  # grouped row r = received row idx[r], quantised on the way
+            self.quant_x(self.ep.bufs.recv_x, self.xq, self.xq_scale, count=self._rows, idx=self.idx)
+        else:
+            self.quant_x(self.xs, self.xq, self.xq_scale, count=self._rows)
         fc1(self.xq, self.xq_scale, w13.values, w13.scale, self.offsets, out=self.h, row_scale=self.ws_rows,
             max_active_ctas=self.num_ctas)
         self.quant_h(self.h, self.hq, self.hq_scale, count=self._rows)

@@ -15,6 +15,17 @@ Inputs / outputs (row-major, compact; K a compile-time multiple of 128):
                                 count[0] are not touched either (skips a grouped buffer's padding
                                 without reading the count on the host)
 
+The gathering variant ``Fp8GatherQuantizeRows128`` (counted too) quantises row ``idx[r]`` of a
+source into row ``r`` -- a row gather and the quantisation in one pass, so grouped rows never
+exist in BF16::
+
+    mX     [S, K]      bf16     source rows (e.g. an EP receive buffer)
+    mQ     [M, K]      uint8    e4m3 bits of row r = quantised mX[idx[r]]
+    mScale [M, K/128]  float32
+    mIdx   [>= M]      int32    source row of each output row (clamped to [0, S) so a bad index
+                                cannot read out of bounds)
+    m_rows, mCount              as above, counting output rows (M, not S)
+
 How. Rows are compact, so group ``gid`` (row gid // G, group gid % G, G = K/128) starts at element
 ``128 * gid`` of both X and Q and its scale is element ``gid`` of mScale: the work is a flat list of
 ``T = rows * G`` groups. A warp takes 4 consecutive groups, 8 lanes per group, 16 values per lane:
@@ -61,6 +72,7 @@ class Fp8QuantizeRows128:
     cap (the grid-stride loop covers any M)."""
 
     use_count = False
+    gather = False
 
     def __init__(self, k: int, warps: int = DEFAULT_WARPS, max_ctas: int = DEFAULT_MAX_CTAS):
         reason = can_implement(k)
@@ -75,23 +87,24 @@ class Fp8QuantizeRows128:
     @cute.jit
     def __call__(self, mX: cute.Tensor, mQ: cute.Tensor, mScale: cute.Tensor, m_rows: Int32,
                  stream: cuda.CUstream):
-        self._launch(mX, mQ, mScale, mScale, m_rows, stream)
+        self._launch(mX, mQ, mScale, mScale, mScale, m_rows, stream)
 
     @cute.jit
     def _launch(self, mX: cute.Tensor, mQ: cute.Tensor, mScale: cute.Tensor, mCount: cute.Tensor,
-                m_rows: Int32, stream: cuda.CUstream):
+                mIdx: cute.Tensor, m_rows: Int32, stream: cuda.CUstream):
+        # mCount / mIdx: placeholders (mScale) in the variants that do not read them
         if cutlass.const_expr(mQ.element_type != cutlass.Float8E4M3FN):
             mQ = cute.make_tensor(cute.recast_ptr(mQ.iterator, dtype=cutlass.Float8E4M3FN), mQ.layout)
-        M = mX.shape[0]
+        M = mQ.shape[0]                                    # output rows (= mX's unless gathering)
         per_cta = GROUPS_PER_WARP * self.warps
         need = (M * self.groups + (per_cta - 1)) // per_cta
         grid = cutlass.max(cutlass.min(need, Int32(self.max_ctas)), Int32(1))
-        self.kernel(mX, mQ, mScale, mCount, m_rows).launch(
+        self.kernel(mX, mQ, mScale, mCount, mIdx, m_rows).launch(
             grid=(grid, 1, 1), block=(self.threads, 1, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mQ: cute.Tensor, mScale: cute.Tensor, mCount: cute.Tensor,
-               m_rows: Int32):
+               mIdx: cute.Tensor, m_rows: Int32):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
@@ -100,7 +113,7 @@ class Fp8QuantizeRows128:
         G = self.groups
         V = VALS_PER_LANE
 
-        rows = cutlass.min(m_rows, mX.shape[0])
+        rows = cutlass.min(m_rows, mQ.shape[0])
         if cutlass.const_expr(self.use_count):
             rows = cutlass.min(rows, mCount[0])
         rows = cutlass.max(rows, Int32(0))
@@ -118,7 +131,10 @@ class Fp8QuantizeRows128:
             gc = cutlass.min(gid, total - 1)               # clamp: invalid lanes read a real group
             r = gc // G
             j = (gc - r * G) * LANES_PER_GROUP + sub
-            x = tX[(0, None), (r, j)].load().to(Float32)
+            src = r
+            if cutlass.const_expr(self.gather):
+                src = cutlass.min(cutlass.max(mIdx[r], Int32(0)), mX.shape[0] - 1)
+            x = tX[(0, None), (src, j)].load().to(Float32)
             amax = Float32(0.0)
             for i in cutlass.range_constexpr(V):
                 amax = cute.arch.fmax(amax, cute.arch.fmax(x[i], -x[i], nan=True), nan=True)
@@ -144,20 +160,39 @@ class Fp8QuantizeRows128Counted(Fp8QuantizeRows128):
     @cute.jit
     def __call__(self, mX: cute.Tensor, mQ: cute.Tensor, mScale: cute.Tensor, mCount: cute.Tensor,
                  m_rows: Int32, stream: cuda.CUstream):
-        self._launch(mX, mQ, mScale, mCount, m_rows, stream)
+        self._launch(mX, mQ, mScale, mCount, mScale, m_rows, stream)
+
+
+class Fp8GatherQuantizeRows128(Fp8QuantizeRows128):
+    """The gathering, counted variant: ``q[r], scale[r] = quantize_rows128(x[idx[r]])`` for
+    ``r < min(m_rows, M, count[0])``; rows past that are not touched (see the module docstring)."""
+
+    use_count = True
+    gather = True
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mQ: cute.Tensor, mScale: cute.Tensor, mCount: cute.Tensor,
+                 mIdx: cute.Tensor, m_rows: Int32, stream: cuda.CUstream):
+        self._launch(mX, mQ, mScale, mCount, mIdx, m_rows, stream)
 
 
 # ---------------------------------------------------------------------------- host side
-def fake_args(k: int, counted: bool = False, use_tvm_ffi: bool = False):
-    """Fake (mX, mQ, mScale, [mCount,] m_rows, stream) with M dynamic; what
-    :meth:`CompiledFp8QuantizeRows.cute_args` builds from contiguous torch tensors."""
+def fake_args(k: int, counted: bool = False, use_tvm_ffi: bool = False, gather: bool = False):
+    """Fake (mX, mQ, mScale, [mCount, [mIdx,]] m_rows, stream) with M dynamic (and the source's
+    S when gathering); what :meth:`CompiledFp8QuantizeRows.cute_args` builds from contiguous torch
+    tensors. ``gather`` implies ``counted``."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
     m = cute.sym_int()
-    mX = make_fake_compact_tensor(cutlass.BFloat16, (m, k), stride_order=(1, 0), assumed_align=16)
+    mX = make_fake_compact_tensor(cutlass.BFloat16, (cute.sym_int() if gather else m, k), stride_order=(1, 0),
+                                  assumed_align=16)
     mQ = make_fake_compact_tensor(cutlass.Uint8, (m, k), stride_order=(1, 0), assumed_align=16)
     mS = make_fake_compact_tensor(Float32, (m, k // FP8_BLOCK), stride_order=(1, 0), assumed_align=4)
     stream = make_fake_stream(use_tvm_ffi_env_stream=use_tvm_ffi)
+    if gather:
+        mC = make_fake_compact_tensor(Int32, (cute.sym_int(),), assumed_align=4)
+        mI = make_fake_compact_tensor(Int32, (cute.sym_int(),), assumed_align=4)
+        return mX, mQ, mS, mC, mI, Int32(0), stream
     if counted:
         mC = make_fake_compact_tensor(Int32, (cute.sym_int(),), assumed_align=4)
         return mX, mQ, mS, mC, Int32(0), stream
@@ -166,27 +201,33 @@ def fake_args(k: int, counted: bool = False, use_tvm_ffi: bool = False):
 
 def compile_fp8_quantize_rows(k: int, arch: str = "sm_90a", tvm_ffi: bool = False,
                               counted: bool = False, warps: int = DEFAULT_WARPS,
-                              max_ctas: int = DEFAULT_MAX_CTAS, keep_ptx: bool = False):
+                              max_ctas: int = DEFAULT_MAX_CTAS, keep_ptx: bool = False,
+                              gather: bool = False):
     """Compile the quantiser for row length ``k`` from fake tensors (no GPU needed). ``counted``:
-    the ``mCount`` variant. Returns the compiled object (``.__ptx__`` with ``keep_ptx``)."""
-    cls = Fp8QuantizeRows128Counted if counted else Fp8QuantizeRows128
+    the ``mCount`` variant; ``gather``: the gathering (and counted) variant. Returns the compiled
+    object (``.__ptx__`` with ``keep_ptx``)."""
+    cls = Fp8GatherQuantizeRows128 if gather else Fp8QuantizeRows128Counted if counted else Fp8QuantizeRows128
     kernel = cls(k, warps=warps, max_ctas=max_ctas)
     opts = f"--gpu-arch {arch}" + (" --enable-tvm-ffi" if tvm_ffi else "") + (" --keep-ptx" if keep_ptx else "")
-    return cute.compile(kernel, *fake_args(k, counted=counted, use_tvm_ffi=tvm_ffi), options=opts)
+    return cute.compile(kernel, *fake_args(k, counted=counted, use_tvm_ffi=tvm_ffi, gather=gather), options=opts)
 
 
 class CompiledFp8QuantizeRows:
     """Launcher. ``x [M, k]`` bf16, ``q [M, k]`` float8_e4m3fn or uint8, ``scale [M, k/128]``
     float32, all contiguous CUDA tensors; ``m_rows`` (int, default M): rows >= m_rows untouched;
     ``count`` (``counted=True`` only): int32 CUDA tensor, rows >= count[0] untouched too.
-    ``stream``: a ``torch.cuda.Stream`` or None (torch's current stream). No host sync."""
+    ``gather=True`` (implies counted): ``x [S, k]`` is a source and ``idx`` (int32 CUDA vector of
+    >= M) names the source row of each output row. ``stream``: a ``torch.cuda.Stream`` or None
+    (torch's current stream). No host sync."""
 
-    def __init__(self, k: int, compiled=None, tvm_ffi: bool = False, counted: bool = False):
+    def __init__(self, k: int, compiled=None, tvm_ffi: bool = False, counted: bool = False,
+                 gather: bool = False):
         self.k = int(k)
         self.tvm_ffi = bool(tvm_ffi)
-        self.counted = bool(counted)
+        self.gather = bool(gather)
+        self.counted = bool(counted) or self.gather
         self.compiled = compiled if compiled is not None else compile_fp8_quantize_rows(
-            self.k, tvm_ffi=self.tvm_ffi, counted=self.counted)
+            self.k, tvm_ffi=self.tvm_ffi, counted=self.counted, gather=self.gather)
         self._fn = None
         if self.tvm_ffi:
             get = getattr(self.compiled, "__tvm_ffi_object__", None)
@@ -194,7 +235,7 @@ class CompiledFp8QuantizeRows:
             self._fn = fn if fn is not None else self.compiled
 
     @staticmethod
-    def cute_args(x, q, scale, count=None):
+    def cute_args(x, q, scale, count=None, idx=None):
         """CuTe views (classic path) matching :func:`fake_args`."""
         import torch
         from cutlass.cute.runtime import from_dlpack
@@ -203,14 +244,16 @@ class CompiledFp8QuantizeRows:
             mode=0, stride_order=(0, 1))
         u8 = q.view(torch.uint8) if q.dtype != torch.uint8 else q
         args = [dyn(x, 16), dyn(u8, 16), dyn(scale, 4)]
-        if count is not None:
-            args.append(from_dlpack(count, assumed_align=4).mark_compact_shape_dynamic(mode=0))
+        for t in (count, idx):
+            if t is not None:
+                args.append(from_dlpack(t, assumed_align=4).mark_compact_shape_dynamic(mode=0))
         return args
 
-    def _check(self, x, q, scale, count):
+    def _check(self, x, q, scale, count, idx=None):
         import torch
 
-        M, k = x.shape
+        k = x.shape[1]
+        M = q.shape[0] if self.gather else x.shape[0]
         if k != self.k:
             raise ValueError(f"x has K={k}, kernel compiled for K={self.k}")
         if x.dtype != torch.bfloat16 or scale.dtype != torch.float32:
@@ -225,15 +268,20 @@ class CompiledFp8QuantizeRows:
             raise ValueError("count is required by (and only by) a counted=True kernel")
         if count is not None and count.dtype != torch.int32:
             raise TypeError("count must be int32")
+        if self.gather != (idx is not None):
+            raise ValueError("idx is required by (and only by) a gather=True kernel")
+        if idx is not None and (idx.dtype != torch.int32 or idx.dim() != 1 or idx.shape[0] < M
+                                or not idx.is_contiguous()):
+            raise ValueError(f"idx must be a contiguous int32 vector of >= {M} elements")
 
-    def __call__(self, x, q, scale, m_rows: Optional[int] = None, stream=None, count=None):
+    def __call__(self, x, q, scale, m_rows: Optional[int] = None, stream=None, count=None, idx=None):
         import torch
 
-        self._check(x, q, scale, count)
-        rows = int(x.shape[0] if m_rows is None else m_rows)
+        self._check(x, q, scale, count, idx)
+        rows = int(q.shape[0] if m_rows is None else m_rows)
         if self.tvm_ffi:
             u8 = q.view(torch.uint8) if q.dtype != torch.uint8 else q
-            args = (x, u8, scale) + ((count,) if count is not None else ()) + (rows,)
+            args = (x, u8, scale) + tuple(t for t in (count, idx) if t is not None) + (rows,)
             if stream is None:
                 self._fn(*args)
             else:
@@ -241,5 +289,5 @@ class CompiledFp8QuantizeRows:
                     self._fn(*args)
             return q, scale
         s = stream if stream is not None else torch.cuda.current_stream()
-        self.compiled(*self.cute_args(x, q, scale, count), Int32(rows), cuda.CUstream(s.cuda_stream))
+        self.compiled(*self.cute_args(x, q, scale, count, idx), Int32(rows), cuda.CUstream(s.cuda_stream))
         return q, scale
