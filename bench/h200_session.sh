@@ -20,9 +20,11 @@
 # extra:         python -m moe_ep.bench startup (warmup cold/warm, forward host time) -> $OUT/startup.log;
 #                python -m moe_ep.bench hf (Qwen3-MoE block via transformers, needs transformers) -> $OUT/hf.log;
 #                the decode sweep of $MODELS with --decode-csv $OUT/decode.csv --plot $OUT/decode.png.
-# verify:        what was written without a GPU run: drop v12's gathering FP8 quantiser and the FP8
-#                layer's fused gather path (GPU tests, FP8 virtual EP), then the FP8 layer on $MODELS
-#                with MOE_EP_FP8_FUSED_GATHER=0 and 1 -> $OUT/verify.log, $OUT/fp8_fused{0,1}.{log,csv}.
+# verify:        what was written without a GPU run: drop v12's gathering FP8 quantiser (the FP8
+#                layer's fused gather path) and drop v13's overlapped-promotion FP8 GEMM (GPU tests,
+#                FP8 virtual EP; the runner with --overlap), then the FP8 layer on $MODELS with
+#                (MOE_EP_FP8_FUSED_GATHER, MOE_EP_FP8_OVERLAP) = (0,0), (1,0), (1,1)
+#                -> $OUT/verify.log, $OUT/fp8_<model>.log, $OUT/fp8_g*o*.{log,csv}.
 # Knobs (environment): MODELS (qwen3,mixtral), TOKENS (8192), ITERS (30), N (GPUs = EP size, 1),
 #   STEP_TIMEOUT (s per part, 420), PEER_TIMEOUT (s per peer run, 240), BENCH_ARGS (extra moe_ep.bench args),
 #   QUANT (fp8_block128: FP8 block-scaled weights, FlashInfer's FP8 backend beside them),
@@ -81,13 +83,19 @@ fi
 if [ "$mode" = verify ]; then
   # drop v12 (not yet run on a GPU): the gathering FP8 quantiser and the FP8 layer's fused
   # gather path (MOE_EP_FP8_FUSED_GATHER=1), then the FP8 layer with the fused path off and on
+  # and drop v13's overlapped-promotion FP8 GEMM (MOE_EP_FP8_OVERLAP=1): bit-identity + time
   step "unverified GPU tests" "$OUT/verify.log" -- python3 -m pytest -m gpu -q -W ignore \
       tests/test_sm90_fp8_quant.py tests/test_fp8_backend.py tests/test_ep_virtual_gpu.py \
-      tests/test_layer_gpu.py -k "fp8 or gather or quantised"
-  for fused in 0 1; do
-    step "FP8 layer, fused gather $fused" "$OUT/fp8_fused$fused.log" -- env MOE_EP_FP8_FUSED_GATHER=$fused \
-        python3 -m moe_ep.bench --model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" --quant fp8_block128 \
-        --no-reference --no-decode --quiet --csv "$OUT/fp8_fused$fused.csv"
+      tests/test_sm90_fp8_compile.py tests/test_layer_gpu.py -k "fp8 or gather or quantised"
+  for m in ${MODELS//,/ }; do
+    step "FP8 GEMM runner $m" "$OUT/fp8_$m.log" -- env PYTHONPATH="kernel_src/sm90/megamoe/src${PYTHONPATH:+:$PYTHONPATH}" \
+        python3 -m sm90_megamoe.fp8_runner --model "$m" --raster-m 16 --overlap
+  done
+  for v in "0 0" "1 0" "1 1"; do
+    set -- $v
+    step "FP8 layer, fused gather $1, overlap $2" "$OUT/fp8_g$1o$2.log" -- env MOE_EP_FP8_FUSED_GATHER=$1 \
+        MOE_EP_FP8_OVERLAP=$2 python3 -m moe_ep.bench --model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" \
+        --quant fp8_block128 --no-reference --no-decode --quiet --csv "$OUT/fp8_g$1o$2.csv"
   done
 fi
 if [ "$mode" = liger ]; then

@@ -53,6 +53,22 @@ def test_every_kernel_compiles_without_a_gpu(monkeypatch, tmp_path):
     assert [e.name for e in COMPILE_EVENTS[seen:]] == ["fp8_gather_quantize_rows"]
 
 
+def test_overlap_schedule_is_opt_in_and_limited_to_short_k(monkeypatch, tmp_path):
+    """MOE_EP_FP8_OVERLAP=1 compiles the overlapped-promotion GEMMs (a separate cache entry) for
+    K <= 4096 only; unset, the default schedule."""
+    monkeypatch.setenv("MOE_EP_CACHE_DIR", str(tmp_path))
+    from moe_ep.shim import COMPILE_EVENTS, sm90_compiled_fp8_gemm
+    from moe_ep.shim.drops.sm90_megamoe_fp8 import use_fp8_overlap
+
+    monkeypatch.delenv("MOE_EP_FP8_OVERLAP", raising=False)
+    assert not use_fp8_overlap(768)
+    monkeypatch.setenv("MOE_EP_FP8_OVERLAP", "1")
+    assert use_fp8_overlap(768) and use_fp8_overlap(4096) and not use_fp8_overlap(14336)
+    seen = len(COMPILE_EVENTS)
+    sm90_compiled_fp8_gemm("identity", 2048, 768, 128, True)
+    assert [e.name for e in COMPILE_EVENTS[seen:]] == ["fp8_gemm_identity"]  # a new key: compiled
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,skew", [(1, False), (200, True), (1024, False)])
 def test_fp8_layer_against_reference_and_float64(T, skew):

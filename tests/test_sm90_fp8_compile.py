@@ -169,13 +169,59 @@ def test_quantisers_follow_the_format():
 
 
 # ---------------------------------------------------------------------------- GPU (H200)
+@pytest.mark.parametrize("act,n,k,experts,scale_rows", [
+    ("swiglu", 1536, 2048, 128, False),    # Qwen3 FC1: 16 k-tiles
+    ("identity", 2048, 768, 128, True),    # Qwen3 FC2: 6 k-tiles (even: the drain branch)
+    ("identity", 2048, 640, 16, False),    # 5 k-tiles (odd)
+    ("swiglu", 28672, 4096, 8, False),     # Mixtral FC1: 32 k-tiles, the limit
+])
+def test_overlapped_promotion_stays_asynchronous(act, n, k, experts, scale_rows):
+    """The overlapped-promotion schedule: ptxas keeps its WGMMAs asynchronous (no C7514
+    "wgmma.mma_async instructions are serialized" warning), no spills, two partial sets of
+    WGMMAs in flight (``wait_group 1``); longer K is refused by name."""
+    import os
+    import subprocess
+    import tempfile
+
+    from sm90_megamoe.fp8_runner import compile_variant
+    from sm90_megamoe.layout_compile_check import _ptxas
+
+    _, compiled = compile_variant(act, n, k, experts, scale_rows, overlap_promotion=True)
+    ptx = compiled.__ptx__
+    assert re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx)
+    exe = _ptxas()
+    if exe is None:
+        pytest.skip("no ptxas installed")
+    with tempfile.TemporaryDirectory() as d:
+        for ver in (None, "9.0", "8.8", "8.7", "8.5"):
+            src = os.path.join(d, "k.ptx")
+            with open(src, "w") as fh:
+                fh.write(ptx if ver is None else re.sub(r"^\.version \d+\.\d+", f".version {ver}", ptx, flags=re.M))
+            r = subprocess.run([exe, "-arch=sm_90a", "-v", src, "-o", os.path.join(d, "k.o")],
+                               capture_output=True, text=True)
+            if r.returncode == 0:
+                break
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "C7514" not in r.stderr and "serialized" not in r.stderr, r.stderr[-2000:]
+    assert re.search(r"0 bytes spill stores, 0 bytes spill loads", r.stderr), r.stderr[-2000:]
+
+
+def test_overlapped_promotion_refuses_long_k():
+    from sm90_megamoe.fp8_runner import compile_variant
+
+    with pytest.raises(ValueError, match="overlap_promotion unrolls the k-loop: K=14336"):
+        compile_variant("identity", 4096, 14336, 8, True, overlap_promotion=True)
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("routing", ["uniform", "skewed"])
 @pytest.mark.parametrize("act,n,k,scale_rows", [
     ("swiglu", 1536, 2048, False),   # Qwen3 FC1
     ("identity", 2048, 768, True),   # Qwen3 FC2 + router weights
+    ("identity", 2048, 640, False),  # odd number of k-tiles
 ])
-def test_gpu_against_float64(act, n, k, scale_rows, routing):
+def test_gpu_against_float64(act, n, k, scale_rows, routing, overlap):
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
     from sm90_megamoe.fp8_runner import Fp8GroupedGemm
@@ -191,11 +237,17 @@ def test_gpu_against_float64(act, n, k, scale_rows, routing):
     rs = torch.rand(m_total, generator=g) if scale_rows else None
     want = _float64_blockwise(a, a_s, b, b_s, offs, act, rs)
 
-    fn = Fp8GroupedGemm(act, n, k, E, scale_rows)
+    fn = Fp8GroupedGemm(act, n, k, E, scale_rows, overlap_promotion=overlap)
     dev = lambda t: None if t is None else t.cuda()  # noqa: E731
     out = torch.full((m_total, fn.n_out), float("nan"), dtype=torch.bfloat16, device="cuda")
     fn.launch(fn.prepare(dev(a), dev(a_s), dev(b), dev(b_s), out, dev(offs), dev(rs)))
     torch.cuda.synchronize()
+    if overlap:  # the same promotion order as the default schedule: the same bits
+        base = Fp8GroupedGemm(act, n, k, E, scale_rows)
+        out0 = torch.full_like(out, float("nan"))
+        base.launch(base.prepare(dev(a), dev(a_s), dev(b), dev(b_s), out0, dev(offs), dev(rs)))
+        torch.cuda.synchronize()
+        assert torch.equal(out, out0)
     got = out.double().cpu()
     assert not bool(torch.isnan(got).any()), "rows left unwritten (NaN poison survived)"
     rel = float((got - want).norm() / want.norm())

@@ -50,7 +50,8 @@ from ..nvshmem_boot import CounterContract
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 12},
+    "sm90_megamoe": {"DROP_VERSION": 13},
+    "sm90_megamoe.fp8_gemm": {"FP8_BLOCK": 128, "OVERLAP_MAX_K_TILES": 32},
     "sm90_megamoe.constants": {
         "ABI_VERSION": 2,
         "ACTIVATIONS": ("identity", "swiglu", "squared_relu", "gelu_glu", "clamped_swiglu"),
@@ -83,7 +84,7 @@ CONSTANTS = MirroredConstants("sm90/megamoe", {
 })
 
 CONTRACT = DropContract(
-    arch="sm90", drop="megamoe", version=12, packages=(PKG,), constants=CONSTANTS,
+    arch="sm90", drop="megamoe", version=13, packages=(PKG,), constants=CONSTANTS,
     callables=(
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.__init__",
                     ("activation", "n", "k", "num_experts", "scale_rows", "tile_n", "bias_dtype",
@@ -129,7 +130,8 @@ CONTRACT = DropContract(
         CallableUse("sm90_megamoe.layout_kernels:counts_len", ("num_chunks", "local_experts")),
         CallableUse("sm90_megamoe.fp8_gemm:can_implement", ("activation", "n", "k", "num_experts")),
         CallableUse("sm90_megamoe.fp8_launch:CompiledFp8Gemm.__init__",
-                    ("activation", "n", "k", "num_experts", "scale_rows", "compiled", "tvm_ffi", "raster_m")),
+                    ("activation", "n", "k", "num_experts", "scale_rows", "compiled", "tvm_ffi", "raster_m",
+                     "overlap_promotion")),
         CallableUse("sm90_megamoe.fp8_launch:CompiledFp8Gemm.__call__",
                     ("a", "a_scale", "b", "b_scale", "offsets", "out", "row_scale", "max_active_ctas", "stream")),
         CallableUse("sm90_megamoe.fp8_quant:compile_fp8_quantize_rows",

@@ -3,8 +3,9 @@
 scale per 128 values of a row). Same drop, contract and mirrored constants as
 :mod:`.sm90_megamoe`; kept apart only to keep files short.
 
-**Not yet run on a GPU** (compiled for sm_90a and CPU-tested): the backend using it,
-``sm90_fp8_cutedsl``, is registered below the reference backend until it has been.
+Run on the H200 (drop v11: GEMM, quantiser, the ``sm90_fp8_cutedsl`` layer). Not yet run on a
+GPU, hence opt-in: the gathering quantiser (drop v12, ``MOE_EP_FP8_FUSED_GATHER=1`` in the
+backend) and the overlapped-promotion GEMM schedule (drop v13, :func:`use_fp8_overlap`).
 
 * :func:`check_fp8_gemm` -- the drop's ``can_implement`` reason as ``ValueError``;
 * :func:`compiled_fp8_gemm` / :func:`compiled_fp8_quantize_rows` -- compiled code (compile cache +
@@ -14,6 +15,7 @@ scale per 128 values of a row). Same drop, contract and mirrored constants as
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +34,15 @@ def check_fp8_gemm(activation: str, n: int, k: int, num_experts: int) -> None:
     reason = _load("sm90_megamoe.fp8_gemm").can_implement(activation=activation, n=n, k=k, num_experts=num_experts)
     if reason is not None:
         raise ValueError(f"sm90 FP8 GEMM: {reason}")
+
+
+def use_fp8_overlap(k: int) -> bool:
+    """``MOE_EP_FP8_OVERLAP=1``: the FP8 GEMMs with K <= 32·128 run the overlapped-promotion
+    schedule (drop v13; k-tile t's WGMMAs in flight while t-1 is promoted, bit-identical by
+    construction). Off by default until it has run on a GPU (compiled and CPU-tested only)."""
+    return os.environ.get("MOE_EP_FP8_OVERLAP", "0") == "1" and \
+        k // CONSTANTS.value("sm90_megamoe.fp8_gemm", "FP8_BLOCK") <= \
+        CONSTANTS.value("sm90_megamoe.fp8_gemm", "OVERLAP_MAX_K_TILES")
 
 
 def pick_fp8_raster_m(k: int) -> int:
@@ -56,18 +67,19 @@ class Fp8Key:
     scale_rows: bool
     tvm_ffi: bool
     raster_m: int
+    overlap_promotion: bool = False
 
 
 def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_rows: bool,
-         raster_m: int = 0) -> Fp8Key:
+         raster_m: int = 0, overlap_promotion: bool = False) -> Fp8Key:
     return Fp8Key(CONSTANTS.value(PKG, "DROP_VERSION"), _cutlass_version(), "sm_90a", kind, activation, n, k,
-                  num_experts, bool(scale_rows), use_tvm_ffi(), int(raster_m))
+                  num_experts, bool(scale_rows), use_tvm_ffi(), int(raster_m), bool(overlap_promotion))
 
 
 def compiled_fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False) -> Any:
     """Compiled code of the FP8 grouped GEMM (no GPU needed)."""
     check_fp8_gemm(activation, n, k, num_experts)
-    key = _key("gemm", activation, n, k, num_experts, scale_rows, pick_fp8_raster_m(k))
+    key = _key("gemm", activation, n, k, num_experts, scale_rows, pick_fp8_raster_m(k), use_fp8_overlap(k))
 
     def build():
         fl = _load("sm90_megamoe.fp8_launch")
@@ -75,7 +87,7 @@ def compiled_fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_r
             cache_namespace(), f"fp8_gemm_{activation}", key,
             lambda: fl.CompiledFp8Gemm(activation=activation, n=n, k=k, num_experts=num_experts,
                                        scale_rows=bool(scale_rows), compiled=None, tvm_ffi=key.tvm_ffi,
-                                       raster_m=key.raster_m).compiled,
+                                       raster_m=key.raster_m, overlap_promotion=key.overlap_promotion).compiled,
             tvm_ffi=key.tvm_ffi)
 
     return COMPILE_CACHE.get_or_compile(key, build)
@@ -87,7 +99,7 @@ def fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool
     compiled = compiled_fp8_gemm(activation, n, k, num_experts, scale_rows)
     return _load("sm90_megamoe.fp8_launch").CompiledFp8Gemm(
         activation=activation, n=n, k=k, num_experts=num_experts, scale_rows=bool(scale_rows), compiled=compiled,
-        tvm_ffi=use_tvm_ffi(), raster_m=pick_fp8_raster_m(k))
+        tvm_ffi=use_tvm_ffi(), raster_m=pick_fp8_raster_m(k), overlap_promotion=use_fp8_overlap(k))
 
 
 def compiled_fp8_quantize_rows(k: int, gather: bool = False) -> Any:

@@ -48,6 +48,15 @@ Design (differences from :mod:`.grouped_gemm`, whose scheduler and smem epilogue
   next expert inside the tile are computed with some scale and never stored).
 * Both consumer warpgroups (cooperative, 64 rows each) wait for their own WGMMAs every k-tile;
   while one promotes the other's WGMMAs keep the tensor core busy.
+* ``overlap_promotion=True`` (drop v13, not yet run on a GPU): two sets of partial accumulators;
+  the WGMMAs of k-tile t go into set t % 2 and are committed *before* the consumer waits for
+  k-tile t-1 (``wgmma.wait_group 1``), releases its stage and promotes it, so each warpgroup's
+  tensor-core work of t overlaps its own promotion of t-1. The k-loop is unrolled completely
+  (K <= ``OVERLAP_MAX_K_TILES`` * 128): a group in flight across a loop back-edge makes the
+  compiler copy its accumulators there and ptxas then serialises every WGMMA (warning C7514);
+  unrolled, ptxas keeps them asynchronous (0 spills). Empty volatile asm "fences" pin each
+  partial set after the ``wgmma.wait_group`` that completes it. The promotion order per
+  accumulator is unchanged (t = 0, 1, 2, ...), so the results are bit-identical to the default.
 """
 
 from __future__ import annotations
@@ -60,12 +69,33 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .constants import MAX_EXPERTS
 from .grouped_gemm import GroupedGemmSm90, LayoutEnum, get_smem_capacity_in_bytes
 
 FP8_BLOCK = 128
+#: k-tiles up to which ``overlap_promotion`` compiles: its k-loop is unrolled (a WGMMA group still
+#: in flight must not cross a loop back-edge, or ptxas serialises every WGMMA, C7514)
+OVERLAP_MAX_K_TILES = 32
+
+
+@dsl_user_op
+def _pin(v, *, loc=None, ip=None):
+    """``v`` through an empty volatile asm that reads and writes it: the value is tied to this
+    program point, so the compiler cannot move reads of a WGMMA accumulator above the
+    ``wgmma.wait_group`` that completes it (CUTLASS's ``warpgroup_fence_operand``)."""
+    return cutlass.Float32(llvm.inline_asm(T.f32(), [cutlass.Float32(v).ir_value(loc=loc, ip=ip)], "", "=f,0",
+                                           has_side_effects=True, is_align_stack=False,
+                                           asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+def _fence_operand(frag, n: int) -> None:
+    """:func:`_pin` every element of a register fragment of ``n`` elements."""
+    for i in range(n):
+        frag[i] = _pin(frag[i])
 FP8_ACTIVATIONS = ("identity", "swiglu")
 _LOG2E = 1.4426950408889634
 
@@ -111,7 +141,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
     """
 
     def __init__(self, activation: str, scale_rows: bool = False, tile_n: Optional[int] = None,
-                 num_stages: Optional[int] = None, raster_m: int = 1):
+                 num_stages: Optional[int] = None, raster_m: int = 1, overlap_promotion: bool = False):
         if tile_n is None:
             tile_n = default_tile_n(activation)
         reason = can_implement(activation, 2 * FP8_BLOCK, FP8_BLOCK, 1, tile_n)
@@ -122,6 +152,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         self.scale_rows = bool(scale_rows)
         self.has_bias = False
         self.raster_m = int(raster_m)
+        self.overlap_promotion = bool(overlap_promotion)
         self.tile_m = 128
         self.tile_n = tile_n
         self.tile_k = FP8_BLOCK
@@ -208,6 +239,9 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         self.n_out = n_out
         self.n_tiles = n_tiles
         self.k_tiles = k_size // self.tile_k
+        if cutlass.const_expr(self.overlap_promotion and self.k_tiles > OVERLAP_MAX_K_TILES):
+            raise ValueError(f"overlap_promotion unrolls the k-loop: K={k_size} needs K <= "
+                             f"{OVERLAP_MAX_K_TILES * FP8_BLOCK}")
         self.n_out_divisible = True
         self.num_stages = self._num_stages(num_experts)
 
@@ -410,6 +444,9 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
             ), f"unexpected accumulator shape {acc_shape}"
             accs = [cute.make_rmem_tensor(acc_shape, self.acc_dtype) for _ in range(self.num_b)]
             parts = [cute.make_rmem_tensor(acc_shape, self.acc_dtype) for _ in range(self.num_b)]
+            parts2 = None  # the second partial set of the overlapped schedule
+            if cutlass.const_expr(self.overlap_promotion):
+                parts2 = [cute.make_rmem_tensor(acc_shape, self.acc_dtype) for _ in range(self.num_b)]
             tCcC = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
             n_elems = cute.size(accs[0])
             sC = storage.sC.get_tensor(
@@ -419,6 +456,8 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
             epi_barrier = pipeline.NamedBarrier(barrier_id=1, num_threads=self.tile_threads)
 
             state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
+            # the overlapped schedule releases one k-tile behind its waits: a second cursor
+            rel = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.num_stages)
             # this thread's two accumulator rows inside the tile
             r_lo = tCcC[0][0]
             r_hi = tCcC[2][0]
@@ -434,39 +473,67 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                 for h in cutlass.range_constexpr(self.num_b):
                     accs[h].fill(0.0)
 
-                for k_tile in range(k_tiles):
+                if cutlass.const_expr(self.overlap_promotion):
+                    # k-tile t's WGMMAs in flight while t-1 is promoted (module docstring);
+                    # k-tile 0 -> set A (parts)
                     ab_pipeline.consumer_wait(state)
-                    warpgroup.fence()
-                    for h in cutlass.range_constexpr(self.num_b):
-                        tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
-                        for kb in cutlass.range_constexpr(num_k_blocks):
-                            cute.gemm(
-                                tiled_mma,
-                                parts[h],
-                                tCrA[(None, None, kb, state.index)],
-                                tCrB[(None, None, kb, state.index * self.num_b + h)],
-                                parts[h],
-                            )
-                            tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
-                    warpgroup.commit_group()
-                    # scales of this k-tile: loaded while the WGMMAs run
-                    sa_lo = mAScale[ra_lo, k_tile]
-                    sa_hi = mAScale[ra_hi, k_tile]
-                    sbs = []
-                    for h in cutlass.range_constexpr(self.num_b):
-                        sbs.append(mBScale[expert, (n0 + h * self.n_out) // FP8_BLOCK, k_tile])
-                    warpgroup.wait_group(0)
-                    ab_pipeline.consumer_release(state)
+                    tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts, state.index, num_k_blocks)
                     state.advance()
-                    # promotion: main += partial * a_scale[row] * b_scale
-                    for h in cutlass.range_constexpr(self.num_b):
-                        s_lo = sa_lo * sbs[h]
-                        s_hi = sa_hi * sbs[h]
-                        for i in cutlass.range_constexpr(n_elems):
-                            if cutlass.const_expr((i // 2) % 2 == 0):
-                                accs[h][i] = accs[h][i] + parts[h][i] * s_lo
-                            else:
-                                accs[h][i] = accs[h][i] + parts[h][i] * s_hi
+                    a_lo, a_hi, a_b0, a_b1 = self._scales(mAScale, mBScale, ra_lo, ra_hi, expert, n0, 0)
+                    # pairs (t, t + 1) = (1 + 2p, 2 + 2p): t -> set B (parts2), t + 1 -> set A
+                    for p in cutlass.range_constexpr((k_tiles - 1) // 2):  # unrolled: see OVERLAP_MAX_K_TILES
+                        t = 1 + 2 * p
+                        ab_pipeline.consumer_wait(state)
+                        tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts2, state.index, num_k_blocks)
+                        state.advance()
+                        b_lo, b_hi, b_b0, b_b1 = self._scales(mAScale, mBScale, ra_lo, ra_hi, expert, n0, t)
+                        warpgroup.wait_group(1)  # set A's group (t - 1) is done; B's may run
+                        self._fence(parts, n_elems)
+                        ab_pipeline.consumer_release(rel)
+                        rel.advance()
+                        self._promote(accs, parts, a_lo, a_hi, a_b0, a_b1, n_elems)
+                        ab_pipeline.consumer_wait(state)
+                        tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts, state.index, num_k_blocks)
+                        state.advance()
+                        a_lo, a_hi, a_b0, a_b1 = self._scales(mAScale, mBScale, ra_lo, ra_hi, expert, n0, t + 1)
+                        warpgroup.wait_group(1)  # set B's group (t) is done
+                        self._fence(parts2, n_elems)
+                        ab_pipeline.consumer_release(rel)
+                        rel.advance()
+                        self._promote(accs, parts2, b_lo, b_hi, b_b0, b_b1, n_elems)
+                    if cutlass.const_expr((k_tiles - 1) % 2 == 1):
+                        # one k-tile left (k_tiles even): set B, then both sets drain
+                        ab_pipeline.consumer_wait(state)
+                        tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts2, state.index, num_k_blocks)
+                        state.advance()
+                        b_lo, b_hi, b_b0, b_b1 = self._scales(mAScale, mBScale, ra_lo, ra_hi, expert, n0,
+                                                              k_tiles - 1)
+                        warpgroup.wait_group(1)
+                        self._fence(parts, n_elems)
+                        ab_pipeline.consumer_release(rel)
+                        rel.advance()
+                        self._promote(accs, parts, a_lo, a_hi, a_b0, a_b1, n_elems)
+                        warpgroup.wait_group(0)
+                        self._fence(parts2, n_elems)
+                        ab_pipeline.consumer_release(rel)
+                        rel.advance()
+                        self._promote(accs, parts2, b_lo, b_hi, b_b0, b_b1, n_elems)
+                    else:
+                        warpgroup.wait_group(0)
+                        self._fence(parts, n_elems)
+                        ab_pipeline.consumer_release(rel)
+                        rel.advance()
+                        self._promote(accs, parts, a_lo, a_hi, a_b0, a_b1, n_elems)
+                else:
+                    for k_tile in range(k_tiles):
+                        ab_pipeline.consumer_wait(state)
+                        tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts, state.index, num_k_blocks)
+                        # scales of this k-tile: loaded while the WGMMAs run
+                        sa_lo, sa_hi, sb0, sb1 = self._scales(mAScale, mBScale, ra_lo, ra_hi, expert, n0, k_tile)
+                        warpgroup.wait_group(0)
+                        ab_pipeline.consumer_release(state)
+                        state.advance()
+                        self._promote(accs, parts, sa_lo, sa_hi, sb0, sb1, n_elems)
 
                 # ---------------- epilogue: activation, row scale, masked bf16 stores
                 acc0 = accs[0]
@@ -485,3 +552,53 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                             acc0[i] = acc0[i] * rs_hi
                 self._epilogue(accs, tCsC, sC, mC, row0, rows_left, n0, mma_tidx, epi_barrier)
                 tile_id = tile_id + gdim
+
+    # ------------------------------------------------------------------ consumer helpers
+    # (plain methods, traced inline into the kernel, so the tiled MMA's accumulate flag and the
+    # pipeline cursors they touch stay visible to the loops around them; their Python loops and
+    # branches are over compile-time values and unroll as range_constexpr would)
+    def _issue(self, tiled_mma, tCrA, tCrB, parts, stage, num_k_blocks: cutlass.Constexpr):
+        """WGMMAs of one k-tile (smem stage ``stage``) into the fresh partial accumulators
+        ``parts`` (scale-d = 0 on the first), committed as one group; returns ``tiled_mma``."""
+        warpgroup.fence()
+        for h in range(self.num_b):
+            tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
+            for kb in range(num_k_blocks):
+                cute.gemm(
+                    tiled_mma,
+                    parts[h],
+                    tCrA[(None, None, kb, stage)],
+                    tCrB[(None, None, kb, stage * self.num_b + h)],
+                    parts[h],
+                )
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.commit_group()
+        return tiled_mma  # rebound by the caller: the accumulate flag is a traced value
+
+    def _fence(self, parts, n_elems: int) -> None:
+        """Pin every partial accumulator of one set (see :func:`_fence_operand`)."""
+        for h in range(self.num_b):
+            _fence_operand(parts[h], n_elems)
+
+    def _scales(self, mAScale, mBScale, ra_lo, ra_hi, expert, n0, k_tile):
+        """(a_scale of the thread's two rows, b_scale of each accumulator) of one k-tile."""
+        sa_lo = mAScale[ra_lo, k_tile]
+        sa_hi = mAScale[ra_hi, k_tile]
+        sb0 = mBScale[expert, n0 // FP8_BLOCK, k_tile]
+        sb1 = sb0
+        if self.num_b > 1:
+            sb1 = mBScale[expert, (n0 + self.n_out) // FP8_BLOCK, k_tile]
+        return sa_lo, sa_hi, sb0, sb1
+
+    def _promote(self, accs, parts, sa_lo, sa_hi, sb0, sb1, n_elems: cutlass.Constexpr):
+        """main += partial * a_scale[row] * b_scale, per accumulator (element i sits in row r or
+        r + 8 by (i // 2) % 2)."""
+        for h in range(self.num_b):
+            sb = sb0 if h == 0 else sb1
+            s_lo = sa_lo * sb
+            s_hi = sa_hi * sb
+            for i in range(n_elems):
+                if (i // 2) % 2 == 0:
+                    accs[h][i] = accs[h][i] + parts[h][i] * s_lo
+                else:
+                    accs[h][i] = accs[h][i] + parts[h][i] * s_hi

@@ -43,11 +43,12 @@ class CompiledFp8Gemm:
     any M_total.
 
     ``compiled``: the kernel compiled earlier (e.g. loaded from an exported object, for the same
-    ``tvm_ffi`` and ``raster_m``); None compiles it here (sm_90a). ``raster_m``: m-tiles per raster
-    group inside an expert (see :class:`.fp8_gemm.Fp8BlockScaledGroupedGemmSm90`)."""
+    ``tvm_ffi``, ``raster_m`` and ``overlap_promotion``); None compiles it here (sm_90a).
+    ``raster_m``: m-tiles per raster group inside an expert; ``overlap_promotion``: the schedule
+    that promotes k-tile t-1 while t's WGMMAs run (see :class:`.fp8_gemm.Fp8BlockScaledGroupedGemmSm90`)."""
 
     def __init__(self, activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
-                 compiled=None, tvm_ffi: bool = False, raster_m: int = 1):
+                 compiled=None, tvm_ffi: bool = False, raster_m: int = 1, overlap_promotion: bool = False):
         reason = can_implement(activation, n, k, num_experts)
         if reason is not None:
             raise ValueError(reason)
@@ -56,8 +57,10 @@ class CompiledFp8Gemm:
         self.n_out = n // 2 if activation == "swiglu" else n
         self.tvm_ffi = bool(tvm_ffi)
         self.raster_m = int(raster_m)
+        self.overlap_promotion = bool(overlap_promotion)
         if compiled is None:
-            kernel = Fp8BlockScaledGroupedGemmSm90(activation, scale_rows=self.scale_rows, raster_m=self.raster_m)
+            kernel = Fp8BlockScaledGroupedGemmSm90(activation, scale_rows=self.scale_rows, raster_m=self.raster_m,
+                                                   overlap_promotion=self.overlap_promotion)
             opts = "--gpu-arch sm_90a" + (" --enable-tvm-ffi" if self.tvm_ffi else "")
             compiled = cute.compile(kernel, *fake_args(num_experts, n, k, activation, self.tvm_ffi), options=opts)
         self.compiled = compiled

@@ -2,6 +2,7 @@
 
     python -m sm90_megamoe.fp8_runner [--model qwen3|mixtral] [--routing uniform|skewed] [--reps 20]
                                       [--raster-m 1,4,16]   # time each raster (first one checked)
+                                      [--overlap]           # + the overlapped-promotion schedule
 
 Per model, FC1 (swiglu, w13 [E, 2I, H]) and FC2 (identity + router row scale, w2 [E, H, I]):
 * every machine: compile for sm_90a from fake tensors and check the PTX (FP8 WGMMA
@@ -27,7 +28,7 @@ import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 from cutlass.cute.runtime import from_dlpack, make_fake_compact_tensor, make_fake_stream
 
-from .fp8_gemm import FP8_BLOCK, Fp8BlockScaledGroupedGemmSm90, can_implement
+from .fp8_gemm import FP8_BLOCK, OVERLAP_MAX_K_TILES, Fp8BlockScaledGroupedGemmSm90, can_implement
 from .fp8_reference import (fp8_grouped_gemm_reference, make_offsets, quantize_rows128,
                             quantize_weight_block128)
 
@@ -72,13 +73,14 @@ def cute_args(a, a_scale, b, b_scale, c, offsets, row_scale):
 
 def compile_variant(activation: str, n: int, k: int, num_experts: int, scale_rows: bool,
                     arch: str = "sm_90a", tile_n: Optional[int] = None,
-                    num_stages: Optional[int] = None, raster_m: int = 1):
+                    num_stages: Optional[int] = None, raster_m: int = 1, overlap_promotion: bool = False):
     """(kernel, compiled) for one variant, from fake tensors (no GPU needed)."""
     reason = can_implement(activation, n, k, num_experts, tile_n)
     if reason is not None:
         raise ValueError(reason)
     kernel = Fp8BlockScaledGroupedGemmSm90(activation, scale_rows=scale_rows, tile_n=tile_n,
-                                           num_stages=num_stages, raster_m=raster_m)
+                                           num_stages=num_stages, raster_m=raster_m,
+                                           overlap_promotion=overlap_promotion)
     compiled = cute.compile(kernel, *fake_args(num_experts, n, k, activation),
                             options=f"--gpu-arch {arch} --keep-ptx")
     return kernel, compiled
@@ -128,9 +130,11 @@ def make_inputs(m_total, n, k, num_experts, routing, scale_rows, seed=0, device=
 class Fp8GroupedGemm:
     """One compiled variant, launched on CUDA tensors (classic path: pre-converted CuTe views)."""
 
-    def __init__(self, activation, n, k, num_experts, scale_rows, tile_n=None, num_stages=None, raster_m=1):
+    def __init__(self, activation, n, k, num_experts, scale_rows, tile_n=None, num_stages=None, raster_m=1,
+                 overlap_promotion=False):
         self.kernel, self.compiled = compile_variant(activation, n, k, num_experts, scale_rows,
-                                                     tile_n=tile_n, num_stages=num_stages, raster_m=raster_m)
+                                                     tile_n=tile_n, num_stages=num_stages, raster_m=raster_m,
+                                                     overlap_promotion=overlap_promotion)
         self.activation, self.n, self.k, self.scale_rows = activation, n, k, scale_rows
         self.n_out = n // 2 if activation == "swiglu" else n
 
@@ -206,7 +210,7 @@ def torch_baselines(a, a_s, b, b_s, offs, reps):
     return out
 
 
-def run_gpu(model: str, routing: str, reps: int, rasters=(1,)) -> bool:
+def run_gpu(model: str, routing: str, reps: int, rasters=(1,), overlap: bool = False) -> bool:
     h, i, E, topk, tokens = MODELS[model]
     m_total = tokens * topk
     ok_all = True
@@ -233,6 +237,19 @@ def run_gpu(model: str, routing: str, reps: int, rasters=(1,)) -> bool:
             oargs = other.prepare(a, a_s, b, b_s, out, offs, rs)
             rms = time_fn(lambda: other.launch(oargs), reps)
             print(f"    raster_m {r}: {rms:.3f} ms = {flops / rms / 1e9:.1f} TFLOP/s", flush=True)
+        if overlap and k // FP8_BLOCK > OVERLAP_MAX_K_TILES:
+            print(f"    overlap_promotion: K={k} > {OVERLAP_MAX_K_TILES * FP8_BLOCK}, not built", flush=True)
+        elif overlap:  # the overlapped-promotion schedule: bit-identical output, then its time
+            ov = Fp8GroupedGemm(act, n, k, E, sr, raster_m=rasters[0], overlap_promotion=True)
+            out2 = torch.full_like(out, float("nan"))
+            oargs = ov.prepare(a, a_s, b, b_s, out2, offs, rs)
+            ov.launch(oargs)
+            torch.cuda.synchronize()
+            same = torch.equal(out2, out)
+            ok_all &= same
+            oms = time_fn(lambda: ov.launch(oargs), reps)
+            print(f"    overlap_promotion (raster_m {rasters[0]}): bit-identical={same}; {oms:.3f} ms = "
+                  f"{flops / oms / 1e9:.1f} TFLOP/s", flush=True)
         for bname, v in torch_baselines(a, a_s, b, b_s, offs, reps).items():
             if isinstance(v, float):
                 print(f"    {bname}: {v:.3f} ms = {flops / v / 1e9:.1f} TFLOP/s (GEMM only)")
@@ -243,12 +260,15 @@ def run_gpu(model: str, routing: str, reps: int, rasters=(1,)) -> bool:
     return ok_all
 
 
-def run_compile(model: str) -> bool:
+def run_compile(model: str, overlap: bool = False) -> bool:
     _, _, E, _, _ = MODELS[model]
     ok_all = True
-    for name, act, n, k, sr in layers(model):
+    variants = [(spec, ov) for spec in layers(model)
+                for ov in ((False, True) if overlap and spec[3] // FP8_BLOCK <= OVERLAP_MAX_K_TILES else (False,))]
+    for (name, act, n, k, sr), ov in variants:
         t0 = time.time()
-        kernel, compiled = compile_variant(act, n, k, E, sr)
+        kernel, compiled = compile_variant(act, n, k, E, sr, overlap_promotion=ov)
+        name = name + (" overlap" if ov else "")
         r = ptx_report(kernel, compiled)
         ok = r["fp8_wgmma"] and r["tma"] and not r["local"] and r["ptxas_spill_bytes"] in (0, None)
         ok_all &= ok
@@ -262,14 +282,16 @@ def main(argv=None):
     p.add_argument("--model", choices=sorted(MODELS), default="qwen3")
     p.add_argument("--routing", choices=("uniform", "skewed"), default="uniform")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--overlap", action="store_true",
+                   help="also run the overlapped-promotion schedule (checked bit-identical, timed)")
     p.add_argument("--raster-m", default="1", help="m-tiles per raster group, comma-separated: each is timed, "
                                                   "the first is also checked")
     args = p.parse_args(argv)
     rasters = tuple(int(r) for r in args.raster_m.split(",") if r.strip())
-    ok = run_compile(args.model)
+    ok = run_compile(args.model, args.overlap)
     if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
         torch.backends.cuda.matmul.allow_tf32 = False
-        ok &= run_gpu(args.model, args.routing, args.reps, rasters)
+        ok &= run_gpu(args.model, args.routing, args.reps, rasters, args.overlap)
     else:
         print("no SM90 GPU: compile checks only")
     raise SystemExit(0 if ok else 1)
