@@ -233,6 +233,24 @@ def bench_peers(args, key: str, cfg: MoEConfig, T: int, group: EPGroup, device, 
     return rows
 
 
+def decode_peers(args, key: str, say) -> list:
+    """The --peer libraries at --peer-decode-tokens, as decode-sweep rows (rank 0 only)."""
+    from .peer_decode import peer_decode_rows
+    from .peers import run_peer
+
+    cfg = model_config(key, max(args.peer_decode_tokens), quant=args.quant)
+
+    def run(peer, model_key, dims, T, nproc):
+        script = args.peer_script if peer == "liger" else args.peer_script_fi
+        extra = ["--backend", "fp8"] if cfg.quant == "fp8_block128" else []
+        return run_peer(peer, model_key, dims, T, nproc, args.iters, script=script, timeout=args.peer_timeout,
+                        log_dir=args.peer_log_dir, say=say, extra_args=extra, log_suffix=f"_t{T}")
+
+    peers = [p for p in args.peer if not cfg.quant or p == "flashinfer"]
+    return peer_decode_rows(peers, MODELS[key]["name"], key, MODELS[key], cfg, args.peer_decode_tokens,
+                            args.peer_nproc or 1, args.seed, run, say)
+
+
 def run_layer(args) -> int:
     group = init_distributed()
     cuda = torch.cuda.is_available()
@@ -249,7 +267,7 @@ def run_layer(args) -> int:
     # layers come and go below: keep NVSHMEM initialised once for the whole run
     runtime = None if args.peers_only else retain_runtime(group, device.index if cuda else None)
     rows: list[Row] = []
-    infos, comms, decodes = {}, [], []
+    infos, comms, decodes, peer_sweeps = {}, [], [], []
     failed = 0
     for key in args.model:
         cfg = model_config(key, T, quant=args.quant)
@@ -265,6 +283,8 @@ def run_layer(args) -> int:
                 torch.cuda.empty_cache()
         if peers:
             rows += bench_peers(args, key, cfg, T, group, device, env, say)
+        if peers and args.peer_decode_tokens and group.rank == 0:
+            peer_sweeps.append((MODELS[key]["name"], decode_peers(args, key, say)))
         if args.csv and group.rank == 0:
             write_csv(args.csv, rows)  # after every model: a later failure keeps the earlier rows
     say(f"\nbackends registered: {available()}")
@@ -295,6 +315,13 @@ def run_layer(args) -> int:
             r = decode_row(name, best, group.world_size, dcfg, ids, e, gms)
             sweep.append(r)
             say(f"{t:>12}{e:>10.3f}{gms:>10.3f}{r.experts_hit:>13}{r.eager_weight_gbps:>12.0f}"
+                f"{r.graph_weight_gbps:>12.0f}")
+    for name, prows in peer_sweeps:
+        say(f"\n{name}: peers at decode token counts (one run each, layer made for that count): per-call median ms")
+        say(f"{'peer':<34}{'tokens/rank':>12}{'eager ms':>10}{'graph ms':>10}{'eager GB/s':>12}{'graph GB/s':>12}")
+        for r in prows:
+            sweep.append(r)
+            say(f"{r.backend[:33]:<34}{r.tokens:>12}{r.eager_ms:>10.3f}{r.graph_ms:>10.3f}{r.eager_weight_gbps:>12.0f}"
                 f"{r.graph_weight_gbps:>12.0f}")
     if sweep and group.rank == 0:
         if args.decode_csv:
@@ -365,6 +392,9 @@ def main(argv=None) -> int:
     p.add_argument("--peer-nproc", type=int, default=None, help="GPUs per peer run (default: this run's EP size)")
     p.add_argument("--peer-timeout", type=int, default=900, help="seconds per peer run")
     p.add_argument("--peer-log-dir", default=None, help="save each peer run's whole output in this folder")
+    p.add_argument("--peer-decode-tokens", default="", metavar="T[,T]",
+                   help="also run each --peer at these tokens per rank (one run each) as rows of the decode "
+                        "sweep, e.g. 1,8,128")
     args = p.parse_args(argv)
     try:
         args.model = _split_list([args.model], MODELS, what="model")
@@ -383,6 +413,12 @@ def main(argv=None) -> int:
         p.error(f"--decode-tokens: comma-separated integers, got {args.decode_tokens!r}")
     if not args.decode_tokens or args.decode_tokens[0] < 1:
         p.error("--decode-tokens: at least one token count, each >= 1")
+    try:
+        args.peer_decode_tokens = sorted({int(t) for t in str(args.peer_decode_tokens).split(",") if t.strip()})
+    except ValueError:
+        p.error(f"--peer-decode-tokens: comma-separated integers, got {args.peer_decode_tokens!r}")
+    if args.peer_decode_tokens and (args.peer_decode_tokens[0] < 1 or not args.peer):
+        p.error("--peer-decode-tokens: token counts >= 1, and at least one --peer")
     if args.job == "hf":
         from .hf_block import run_hf
 

@@ -19,7 +19,9 @@
 #                `source .device/liger/env.sh` and LigerCute on the same models: $OUT/liger.csv, $OUT/liger.log.
 # extra:         python -m moe_ep.bench startup (warmup cold/warm, forward host time) -> $OUT/startup.log;
 #                python -m moe_ep.bench hf (Qwen3-MoE block via transformers, needs transformers) -> $OUT/hf.log;
-#                the decode sweep of $MODELS with --decode-csv $OUT/decode.csv --plot $OUT/decode.png.
+#                the decode sweep of $MODELS with --decode-csv $OUT/decode.csv --plot $OUT/decode.png;
+#                with .device/fi carried, FlashInfer at PEER_DECODE_TOKENS (1,8,32,128,256) in the same
+#                call -> $OUT/decode_fi.csv, both plotted in $OUT/decode_all.png.
 # verify:        what was written without a GPU run: drop v12's gathering FP8 quantiser (the FP8
 #                layer's fused gather path) and drop v13's overlapped-promotion FP8 GEMM (GPU tests,
 #                FP8 virtual EP; the runner with --overlap), then the FP8 layer on $MODELS with
@@ -79,6 +81,14 @@ if [ "$mode" = extra ]; then
   step "transformers block" "$OUT/hf.log" -- python3 -m moe_ep.bench hf --iters "$ITERS"
   step "decode sweep" "$OUT/decode.log" -- python3 -m moe_ep.bench --model "$MODELS" --tokens 128 --iters "$ITERS" \
       --no-reference --decode-csv "$OUT/decode.csv" --plot "$OUT/decode.png"
+  if [ -f .device/fi/pkg/setup.sh ]; then  # FlashInfer at decode token counts, one run each, its own env
+    step "FlashInfer decode" "$OUT/decode_fi.log" -- bash -c '
+      source .device/fi/pkg/setup.sh || exit 3
+      exec python3 -m moe_ep.bench "$@"' fi --model "$MODELS" --tokens 128 --iters "$ITERS" "${peer_args[@]}" \
+        --peer flashinfer --peer-script-fi .device/fi/bench_fi.py --peer-decode-tokens "${PEER_DECODE_TOKENS:-1,8,32,128,256}" \
+        --decode-csv "$OUT/decode_fi.csv"
+    python3 -m moe_ep.bench.decode "$OUT/decode.csv" "$OUT/decode_fi.csv" "$OUT/decode_all.png" || true
+  fi
 fi
 if [ "$mode" = verify ]; then
   # drop v12 (not yet run on a GPU): the gathering FP8 quantiser and the FP8 layer's fused

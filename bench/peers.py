@@ -218,7 +218,7 @@ def _run(cmd: list[str], env: dict, timeout: int) -> tuple[str, int | None]:
 
 def run_peer(peer: str, model_key: str, dims: dict, tokens: int, nproc: int, iters: int,
              script: str | None = None, timeout: int = 900, log_dir: str | None = None, say=print,
-             extra_args: list[str] | None = None) -> dict:
+             extra_args: list[str] | None = None, log_suffix: str = "") -> dict:
     """Run one peer in its own ``torchrun``; returns the parsed result (see the parsers) or
     ``{"error": ..., "tail": last lines of its output}``. Its whole output goes to
     ``log_dir/peer_<peer>_<model>_ep<N>.log`` when ``log_dir`` is given."""
@@ -235,7 +235,7 @@ def run_peer(peer: str, model_key: str, dims: dict, tokens: int, nproc: int, ite
         if log_dir:
             try:
                 Path(log_dir).mkdir(parents=True, exist_ok=True)
-                tag = "".join("_" + a.lstrip("-") for a in extra_args or [])  # e.g. _backend_fp8
+                tag = "".join("_" + a.lstrip("-") for a in extra_args or []) + log_suffix  # e.g. _backend_fp8
                 (Path(log_dir) / f"peer_{peer}_{model_key}_ep{nproc}{tag}.log").write_text(" ".join(cmd) + "\n" + text)
             except OSError:
                 pass

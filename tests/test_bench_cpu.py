@@ -371,3 +371,37 @@ def test_decode_sweep_csv_bandwidth_and_plot(tmp_path):
 
     assert decode_main([str(tmp_path / "d.csv"), str(tmp_path / "e.png")]) == 0
     assert (tmp_path / "e.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_peer_decode_rows_from_peer_runs():
+    """--peer-decode-tokens: one peer run per token count becomes a decode-sweep row (eager = the
+    peer's per-call median, graph = its replay); a failed run is reported and left out."""
+    from moe_ep.api import MoEConfig
+    from moe_ep.bench.decode import expert_weight_bytes
+    from moe_ep.bench.peer_decode import peer_decode_rows, routing_ids
+
+    cfg = MoEConfig(num_experts=128, hidden=2048, intermediate=768, top_k=8, max_tokens_per_rank=128)
+    calls, said = [], []
+
+    def run(peer, key, dims, T, nproc):
+        calls.append((peer, key, T, nproc))
+        if T == 8:
+            return {"error": "exit 1", "tail": ""}
+        return {"label": "FlashInfer 0.7.2.post1 (peer)", "per_call_ms": 0.1 * T, "b2b_ms": None,
+                "graph_ms": 0.05 * T}
+
+    rows = peer_decode_rows(["flashinfer"], "Qwen3-30B-A3B", "qwen3", MODELS["qwen3"], cfg, [1, 8, 128], 1, 0, run,
+                            said.append)
+    assert calls == [("flashinfer", "qwen3", 1, 1), ("flashinfer", "qwen3", 8, 1), ("flashinfer", "qwen3", 128, 1)]
+    assert [r.tokens for r in rows] == [1, 128] and any("8 tokens" in s and "FAILED" in s for s in said)
+    r = rows[1]
+    assert r.backend == "FlashInfer 0.7.2.post1 (peer)" and (r.eager_ms, r.graph_ms) == (12.8, 6.4)
+    hit = int(routing_ids(cfg, 128, 1, 0, 128).unique().numel())
+    assert r.experts_hit == hit and r.weight_bytes == hit * expert_weight_bytes(cfg)
+    assert abs(r.graph_weight_gbps - r.weight_bytes / 6.4e-3 / 1e9) < 1e-6
+    assert rows[0].experts_hit == 8  # one token: its 8 distinct experts
+
+
+def test_peer_decode_tokens_needs_a_peer():
+    p = _bench("--peer-decode-tokens", "1,8")
+    assert p.returncode != 0 and "--peer-decode-tokens" in p.stderr
