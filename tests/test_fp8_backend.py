@@ -227,3 +227,44 @@ def test_fused_gather_quant_is_bit_identical(monkeypatch, T):
     assert torch.equal(out, want)
     fused.check_errors()
     fused.destroy()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_fused_gather_wiring_on_cpu(fused):
+    """Steps 2-4 of the FP8 backend pass the right buffers (recorded, no kernel runs): fused, the
+    layout gets no BF16 row buffer and FC1's quantiser reads the receive buffer through idx."""
+    from types import SimpleNamespace
+
+    from moe_ep.backends.sm90.fp8_cutedsl.backend import Sm90Fp8Backend
+
+    calls = []
+
+    def rec(name):
+        return lambda *a, **k: calls.append((name, a, k))
+
+    b = object.__new__(Sm90Fp8Backend)
+    t = {n: torch.zeros(4) for n in ("offsets", "idx", "ws_rows", "pos", "xs", "xq", "xq_scale", "h", "hq",
+                                      "hq_scale", "y", "rows", "recv_x")}
+    b.fused_gather = fused
+    b.layout, b.quant_x, b.quant_h = rec("layout"), rec("quant_x"), rec("quant_h")
+    b._gemms = (rec("fc1"), rec("fc2"))
+    b.ep = SimpleNamespace(bufs=SimpleNamespace(recv_x=t["recv_x"]))
+    for n in ("offsets", "idx", "ws_rows", "pos", "xs", "xq", "xq_scale", "h", "hq", "hq_scale", "y"):
+        setattr(b, n, t[n])
+    b._rows, b.num_ctas = t["rows"], 7
+    w13 = SimpleNamespace(values="v13", scale="s13")
+    w2 = SimpleNamespace(values="v2", scale="s2")
+    b._step2_layout()
+    b._step34_experts(w13, w2)
+    names = [c[0] for c in calls]
+    assert names == ["layout", "quant_x", "fc1", "quant_h", "fc2"]
+    layout_args = calls[0][1]
+    assert layout_args[-1] is (None if fused else t["xs"])
+    qx_args, qx_kw = calls[1][1], calls[1][2]
+    assert qx_args[0] is (t["recv_x"] if fused else t["xs"]) and qx_kw["count"] is t["rows"]
+    assert (qx_kw.get("idx") is t["idx"]) if fused else ("idx" not in qx_kw)
+    fc1_args, fc1_kw = calls[2][1], calls[2][2]
+    assert fc1_args[:5] == (t["xq"], t["xq_scale"], "v13", "s13", t["offsets"]) and fc1_kw["out"] is t["h"]
+    fc2_args, fc2_kw = calls[4][1], calls[4][2]
+    assert fc2_args[:4] == (t["hq"], t["hq_scale"], "v2", "s2") and fc2_kw["out"] is t["y"]
+    assert fc2_kw["row_scale"] is t["ws_rows"]
