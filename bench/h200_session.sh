@@ -25,8 +25,9 @@
 # verify:        what was written without a GPU run: drop v12's gathering FP8 quantiser (the FP8
 #                layer's fused gather path) and drop v13's overlapped-promotion FP8 GEMM (GPU tests,
 #                FP8 virtual EP; the runner with --overlap), then the FP8 layer on $MODELS with
-#                (MOE_EP_FP8_FUSED_GATHER, MOE_EP_FP8_OVERLAP) = (0,0), (1,0), (1,1)
-#                -> $OUT/verify.log, $OUT/fp8_<model>.log, $OUT/fp8_g*o*.{log,csv}.
+#                (MOE_EP_FP8_FUSED_GATHER, MOE_EP_FP8_OVERLAP) = (0,0), (1,0), (1,1), and drop v14's
+#                one-launch combine (MOE_EP_LOCAL_COMBINE=0/1: BF16 layer + decode 1, 8, 128 tokens)
+#                -> $OUT/verify.log, $OUT/fp8_<model>.log, $OUT/fp8_g*o*.{log,csv}, $OUT/*_lc*.csv.
 # Knobs (environment): MODELS (qwen3,mixtral), TOKENS (8192), ITERS (30), N (GPUs = EP size, 1),
 #   STEP_TIMEOUT (s per part, 420), PEER_TIMEOUT (s per peer run, 240), BENCH_ARGS (extra moe_ep.bench args),
 #   QUANT (fp8_block128: FP8 block-scaled weights, FlashInfer's FP8 backend beside them),
@@ -96,10 +97,16 @@ if [ "$mode" = verify ]; then
   # and drop v13's overlapped-promotion FP8 GEMM (MOE_EP_FP8_OVERLAP=1): bit-identity + time
   step "unverified GPU tests" "$OUT/verify.log" -- python3 -m pytest -m gpu -q -W ignore \
       tests/test_sm90_fp8_quant.py tests/test_fp8_backend.py tests/test_ep_virtual_gpu.py \
-      tests/test_sm90_fp8_compile.py tests/test_layer_gpu.py -k "fp8 or gather or quantised"
+      tests/test_sm90_fp8_compile.py tests/test_layer_gpu.py tests/test_disk_cache.py \
+      -k "fp8 or gather or quantised or local_combine or loaded_kernels"
   for m in ${MODELS//,/ }; do
     step "FP8 GEMM runner $m" "$OUT/fp8_$m.log" -- env PYTHONPATH="kernel_src/sm90/megamoe/src${PYTHONPATH:+:$PYTHONPATH}" \
         python3 -m sm90_megamoe.fp8_runner --model "$m" --raster-m 16 --overlap
+  done
+  for lc in 0 1; do  # drop v14's one-launch combine (one rank): the BF16 layer and its decode sweep
+    step "BF16 layer, local combine $lc" "$OUT/bf16_lc$lc.log" -- env MOE_EP_LOCAL_COMBINE=$lc \
+        python3 -m moe_ep.bench --model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" --no-reference --quiet \
+        --decode-tokens 1,8,128 --csv "$OUT/bf16_lc$lc.csv" --decode-csv "$OUT/decode_lc$lc.csv"
   done
   for v in "0 0" "1 0" "1 1"; do
     set -- $v

@@ -268,3 +268,26 @@ def test_fused_gather_wiring_on_cpu(fused):
     fc2_args, fc2_kw = calls[4][1], calls[4][2]
     assert fc2_args[:4] == (t["hq"], t["hq_scale"], "v2", "s2") and fc2_kw["out"] is t["y"]
     assert fc2_kw["row_scale"] is t["ws_rows"]
+
+
+
+@pytest.mark.parametrize("local", [False, True])
+def test_single_rank_combine_wiring_on_cpu(local):
+    """Step 5 (recorded, no kernel runs): one launch (combine_local into ``out``) when the layer
+    has one rank and MOE_EP_LOCAL_COMBINE=1 chose it, else combine_send then combine_reduce."""
+    from types import SimpleNamespace
+
+    from moe_ep.backends.sm90.bf16_cutedsl.backend import Sm90CuteDSLBackend
+
+    calls = []
+    b = object.__new__(Sm90CuteDSLBackend)
+    b.local_combine, b.y, b.pos = local, torch.zeros(2), torch.zeros(3)
+    b.ep = SimpleNamespace(**{n: (lambda *a, n=n, **k: calls.append((n, a))) for n in
+                              ("combine_send", "combine_reduce", "combine_local")})
+    out = torch.zeros(1)
+    b._step5_combine_send()
+    b._step5_combine_reduce(out)
+    if local:
+        assert [c[0] for c in calls] == ["combine_local"] and calls[0][1] == (b.y, b.pos, out)
+    else:
+        assert [c[0] for c in calls] == ["combine_send", "combine_reduce"] and calls[1][1] == (out,)

@@ -450,3 +450,41 @@ def test_decode_layer_against_float64(model):
             assert torch.isfinite(got).all(), (model, T, one_expert)
             assert rel(got, _moe_f64(x, ids, w, w13, w2, I)) < 1e-2, (model, T, one_expert)
     fast.destroy()
+
+
+@pytest.mark.parametrize("T", [0, 1, 700])
+def test_local_combine_is_bit_identical(monkeypatch, T):
+    """MOE_EP_LOCAL_COMBINE=1 (one rank: step 5 in one launch, drop v14's CombineLocal) gives the
+    bits of combine_send + combine_reduce, eager and under a CUDA graph; rows of tokens whose
+    every choice is dropped (bad expert ids) are zero in both."""
+    _sm90()
+    from moe_ep.api import MoEConfig
+
+    cfg = MoEConfig(max_tokens_per_rank=1024, **QWEN)
+    x, ids, w, w13, w2 = problem(T, seed_of("local_combine", T))
+    if T > 1:
+        ids[3] = 10_000  # every choice of token 3 invalid: a zero row
+    monkeypatch.setenv("MOE_EP_LOCAL_COMBINE", "0")
+    (plain,) = layers(cfg, "sm90_bf16_cutedsl")
+    want = plain.forward(x, ids, w, w13, w2).clone()
+    try:
+        plain.check_errors()
+    except Exception:  # noqa: BLE001 - the bad ids above are reported, as they should be
+        pass
+    plain.destroy()
+    monkeypatch.setenv("MOE_EP_LOCAL_COMBINE", "1")
+    (local,) = layers(cfg, "sm90_bf16_cutedsl")
+    local.warmup(progress=False)
+    assert local._impl.local_combine
+    out = torch.full((T, QWEN["hidden"]), float("nan"), dtype=torch.bfloat16, device="cuda")
+    assert torch.equal(local.forward(x, ids, w, w13, w2, out=out), want)
+    if T > 1:
+        assert bool((want[3] == 0).all())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            local.forward(x, ids, w, w13, w2, out=out)
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+    local.destroy()

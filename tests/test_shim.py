@@ -230,3 +230,21 @@ def test_decode_kernels_are_a_static_per_shape_choice():
     assert set(big) == {"fc1", "fc2", "fc1_decode", "fc2_decode"}
     assert big["fc1"]["rows_per_expert"] == 1024 and big["fc2_decode"]["rows_per_expert"] == 32
     assert big["fc1_decode"]["num_experts"] == 64 and big["fc2_decode"]["scale_rows"]
+
+
+def test_single_rank_combine_kernel_compiles_only_for_one_rank():
+    """combine_local (drop v14) is built for W = 1 only: sm_90a PTX with the vectorised row sum and
+    no flag traffic (no release stores, fences or atomics), same host signature as the launcher's
+    real tensors; W = 2 neither builds nor accepts it."""
+    pytest.importorskip("cutlass")
+    from moe_ep.shim import drop_src, register_drop
+
+    register_drop(drop_src("sm90", "megamoe"))
+    from sm90_megamoe.ep_compile_check import check
+    from sm90_megamoe.ep_launch import EpConfig, kinds_for, make_kernel
+
+    one, two = EpConfig(2048, 8, 1, 256, 128), EpConfig(2048, 8, 2, 256, 128)
+    assert "combine_local" in kinds_for(one) and "combine_local" not in kinds_for(two)
+    with pytest.raises(ValueError, match="W = 1"):
+        make_kernel("combine_local", two)
+    assert check(one, verbose=False) == []

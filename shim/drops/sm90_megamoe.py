@@ -50,7 +50,7 @@ from ..nvshmem_boot import CounterContract
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 13},
+    "sm90_megamoe": {"DROP_VERSION": 14},
     "sm90_megamoe.fp8_gemm": {"FP8_BLOCK": 128, "OVERLAP_MAX_K_TILES": 32},
     "sm90_megamoe.constants": {
         "ABI_VERSION": 2,
@@ -84,7 +84,7 @@ CONSTANTS = MirroredConstants("sm90/megamoe", {
 })
 
 CONTRACT = DropContract(
-    arch="sm90", drop="megamoe", version=13, packages=(PKG,), constants=CONSTANTS,
+    arch="sm90", drop="megamoe", version=14, packages=(PKG,), constants=CONSTANTS,
     callables=(
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.__init__",
                     ("activation", "n", "k", "num_experts", "scale_rows", "tile_n", "bias_dtype",
@@ -117,6 +117,7 @@ CONTRACT = DropContract(
         CallableUse("sm90_megamoe.ep_launch:EpRank.combine_send", ("y", "pos", "stream", "num_ctas",
                                                                    "weighted")),
         CallableUse("sm90_megamoe.ep_launch:EpRank.combine_reduce", ("out",)),
+        CallableUse("sm90_megamoe.ep_launch:EpRank.combine_local", ("y", "pos", "out")),
         CallableUse("sm90_megamoe.ep_launch:EpRank.read_err", ()),
         CallableUse("sm90_megamoe.ep_launch:EpRank.read_verr", ()),
         CallableUse("sm90_megamoe.ep_launch:EpRank.reset_verr", ()),
@@ -156,15 +157,15 @@ CONTRACT = DropContract(
         AttributeUse("sm90_megamoe.launch", ("CompiledGroupedGemm", "to_cute_args")),
         AttributeUse("sm90_megamoe.compile_check", ("compile_for_arch",)),
         AttributeUse("sm90_megamoe.ep_launch", ("EpConfig", "EpBuffers", "EpRank", "KINDS", "build_peer_table",
-                                                "compile_kernel", "put_kernel")),
+                                                "compile_kernel", "put_kernel", "kinds_for")),
         AttributeUse("sm90_megamoe.layout_launch", ("LayoutConfig", "Layout", "KINDS", "compile_kernel",
                                                     "put_kernel")),
         AttributeUse("sm90_megamoe.launch:CompiledGroupedGemm",
                      ("compiled", "scale_rows", "bias_dtype", "n_out", "tvm_ffi", "schedule", "launch_tensors",
                       "launch_converted")),
         AttributeUse("sm90_megamoe.ep_launch:EpRank",
-                     ("dispatch", "wait", "combine_send", "combine_reduce", "read_err", "read_verr", "reset_verr",
-                      "reset_state")),
+                     ("dispatch", "wait", "combine_send", "combine_reduce", "combine_local", "read_err", "read_verr",
+                      "reset_verr", "reset_state")),
         AttributeUse("sm90_megamoe.ep_launch:EpBuffers",
                      ("recv_x", "recv_ids", "recv_w", "recv_count", "flags", "comb", "ctrl", "err", "verr",
                       "dmask")),
@@ -553,7 +554,7 @@ def prebuild_ep(hidden: int, topk: int, world: int, max_tokens: int, num_experts
 
     def build():
         kernels = {}
-        for k in el.KINDS:
+        for k in el.kinds_for(cfg):
             kernels[k] = disk_cache.get_or_build(
                 cache_namespace(arch), f"ep_{k}", (key, k),
                 lambda k=k: el.compile_kernel(kind=k, cfg=cfg, tvm_ffi=ffi, arch=arch), tvm_ffi=ffi)
@@ -610,6 +611,8 @@ class EpSession:
         self.wait = self.ep.wait
         self.combine_send = self.ep.combine_send
         self.combine_reduce = self.ep.combine_reduce
+        # W = 1: combine_send + combine_reduce in one launch (drop v14), bit for bit
+        self.combine_local = self.ep.combine_local if self.world == 1 else None
 
     def check(self) -> None:
         """Raise :class:`DeviceStallError` (timeout) or :class:`CapacityError` if a kernel of this

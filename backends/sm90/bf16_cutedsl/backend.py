@@ -17,7 +17,7 @@ The forward of one rank, all on the device: no host sync, no allocation when ``o
 4. **FC2 + router weight** -- ``y = ws · (h · w2ᵀ (+ b2))`` (``y`` overwrites ``xs``);
 5. **combine** -- per received token, its <= K weighted rows summed in float32 in k order go
    back to the source rank (peer store, then a flag); each source sums its <= W partial rows
-   in float32 in rank order.
+   in float32 in rank order (one rank with ``MOE_EP_LOCAL_COMBINE=1``: one launch, same bits).
 
 Capacity (nothing dropped for load): a source sends each token at most once to each destination,
 into its own slot range, so a rank receives at most ``S = W·T_max`` token rows and at most
@@ -27,6 +27,7 @@ also flags it instead of writing out of bounds.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +44,13 @@ from .workspace import Dims, get_workspace
 ACTIVATION_MAP = {"swiglu": "swiglu", "squared_relu": "squared_relu", "gelu_glu": "gelu_glu",
                   "clamped_swiglu": "clamped_swiglu"}
 BIAS_DTYPES = (None, torch.float32, torch.bfloat16)
+
+
+def local_combine() -> bool:
+    """``MOE_EP_LOCAL_COMBINE=1``: with one rank, step 5 is one launch (drop v14's CombineLocal:
+    the K-row sum written straight into ``out``, bit-identical to send + reduce). Off by default
+    until it has run on a GPU (compiled and CPU-tested only)."""
+    return os.environ.get("MOE_EP_LOCAL_COMBINE", "0") == "1"
 
 
 def check(config: Any, group: Any, device: torch.device) -> None:
@@ -201,6 +209,7 @@ class Sm90CuteDSLBackend(BackendImpl):
         self.xs, self.h = v["xs"], v["h"]
         self.y = v["xs"]  # FC2's output overwrites FC1's input, dead by then
         self.offsets, self.idx, self.ws_rows, self.pos = v["offsets"], v["idx"], v["ws"], v["pos"]
+        self.local_combine = self.W == 1 and local_combine()
         if not self.virtual:  # a VirtualEP binds itself instead (it re-connects all its ranks)
             self.ws.bind(self)
 
@@ -283,10 +292,15 @@ class Sm90CuteDSLBackend(BackendImpl):
         fc2(self.h, w2, self.offsets, out=self.y, row_scale=self.ws_rows, max_active_ctas=self.num_ctas, bias=b2)
 
     def _step5_combine_send(self) -> None:
+        if self.local_combine:  # one rank: step 5b sums and writes in one launch
+            return
         self.ep.combine_send(self.y, self.pos)
 
     def _step5_combine_reduce(self, out) -> None:
-        self.ep.combine_reduce(out)
+        if self.local_combine:
+            self.ep.combine_local(self.y, self.pos, out)
+        else:
+            self.ep.combine_reduce(out)
 
     def forward(self, x, topk_ids, topk_weights, w13, w2, out=None, b13=None, b2=None):
         self._ensure()

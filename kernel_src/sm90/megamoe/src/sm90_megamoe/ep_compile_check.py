@@ -23,7 +23,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_stream
 
-from .ep_launch import KINDS, EpBuffers, EpConfig, _real, fake_args, make_kernel
+from .ep_launch import EpBuffers, EpConfig, _real, fake_args, kinds_for, make_kernel
 
 EXPECT = {
     "dispatch": ["st.release.sys.global.b64", "fence.acq_rel.sys", "atom.global.acq_rel.add.u64",
@@ -37,6 +37,7 @@ EXPECT = {
     "combine_reduce": ["ld.acquire.sys.global.b64", "%globaltimer", "ld.relaxed.gpu",
                        "ld.global.v4.b32", "st.global.v4.b32", "cvt.rn.bf16x2.f32", "bar.sync"],
 }
+EXPECT["combine_local"] = ["ld.global.v4.b32", "st.global.v4.b32", "vote.sync.ballot.b32"]  # no flags
 EXPECT["dispatch_i64"] = EXPECT["dispatch"]
 EXPECT["combine_send_weighted"] = EXPECT["combine_send"] + ["fma.rn.f32"]  # w_k * y + acc
 FORBID = ["ld.local", "st.local", "atom.global.add.f", "red.global.add.f"]  # spills / float atomics
@@ -100,22 +101,27 @@ def real_cpu_args(kind: str, cfg: EpConfig):
         return (_real(b.dmask, 4, False), _real(b.comb, 16, False), _real(b.flags, 8, False),
                 _real(b.ctrl, 8, False), _real(b.err, 4, False), _real(x, 16, True), i32(T),
                 i64(5), i32(3), st)
+    if kind == "combine_local":
+        return (_real(torch.zeros(99, H, dtype=torch.bfloat16), 16, True),
+                _real(torch.zeros(S, K, dtype=torch.int32), 4, False), _real(b.recv_count, 4, False),
+                _real(b.err, 4, False), _real(x, 16, True), i32(T), i32(3), st)
     raise ValueError(kind)
 
 
 def check(cfg: EpConfig, arch: str = "sm_90a", signatures: bool = True, verbose: bool = True):
     opts = f"--gpu-arch {arch} --keep-ptx"
     failures = []
-    for kind in KINDS:
+    for kind in kinds_for(cfg):
         kern = make_kernel(kind, cfg)
         t0 = time.time()
         c = cute.compile(kern, *fake_args(kind, cfg), options=opts)
         dt = time.time() - t0
         ptx = c.__ptx__
+        forbid_local = ["st.release.sys", "fence.acq_rel.sys", "atom.global"] if kind == "combine_local" else []
         expect = [p for p in EXPECT[kind]
                   if not (kind == "combine_reduce" and cfg.world == 1 and p.startswith("cvt"))]
         missing = [p for p in expect if p not in ptx]  # (W=1: bf16 -> f32 -> bf16 folds away)
-        forbidden = [p for p in FORBID if p in ptx]
+        forbidden = [p for p in FORBID + forbid_local if p in ptx]
         sig = ""
         if signatures:
             c2 = cute.compile(kern, *real_cpu_args(kind, cfg), options=opts)

@@ -656,6 +656,92 @@ class CombineSend:
                                     Int64(0))
 
 
+class CombineLocal:
+    """Combine of a single rank (W = 1) in one pass: CombineSend's K-row sum written straight
+    into the output, no comb buffer, no flags (nothing waits for them at W = 1).
+
+    Static: hidden H, top-K, T_max, threads per CTA.
+
+    Arguments of ``__call__``:
+        mY          [R, H]       bf16 expert outputs grouped by expert, router weights applied (R dynamic)
+        mPos        [T_max, K]   int32 grouped row of choice k of token t, or -1
+        mRecvCount  [1]          int32 T of this forward (written by this rank's dispatch)
+        mErr        [4]          int32 local error word; no-op if err[0] != 0
+        mOut        [T_rows, H]  bf16 output
+        num_tokens  Int32        rows of mOut to write (T, clamped to T_max)
+        num_ctas    Int32, stream CUstream
+
+    For t < min(num_tokens, recv_count[0]): out[t] = sum_k y[pos[t, k]] in fp32 in k order ->
+    bf16, a zero row when no choice is valid. Bit for bit what CombineSend (rounding the sum to
+    bf16 in comb) followed by CombineReduce (one partial row, fp32 -> bf16: exact) produce.
+    CTRL_COMBINE_ARRIVE and the flags are not touched (they stay tail-clean for a later
+    CombineSend, which always publishes the current epoch).
+    """
+
+    def __init__(self, hidden: int, topk: int, max_tokens: int, threads: int = EP_THREADS):
+        self.H, self.K, self.T_max = hidden, topk, max_tokens
+        self.threads = threads
+        self.plan = _RowPlan(hidden)
+
+    @cute.jit
+    def __call__(self, mY: cute.Tensor, mPos: cute.Tensor, mRecvCount: cute.Tensor, mErr: cute.Tensor,
+                 mOut: cute.Tensor, num_tokens: Int32, num_ctas: Int32, stream: cuda.CUstream):
+        self.kernel(mY, mPos, mRecvCount, mErr, mOut, num_tokens).launch(
+            grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, mY: cute.Tensor, mPos: cute.Tensor, mRecvCount: cute.Tensor, mErr: cute.Tensor,
+               mOut: cute.Tensor, num_tokens: Int32):
+        K = self.K
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        warps_per_cta = self.threads // 32
+        gwarp = bidx * warps_per_cta + warp
+        nwarps = gdim * warps_per_cta
+
+        y_addr = _addr(mY)
+        out_addr = _addr(mOut)
+        n_y = mY.shape[0]
+        n = cutlass.min(cutlass.min(num_tokens, mRecvCount[0]), Int32(self.T_max))
+
+        if mErr[ERR_CODE] == Int32(0):
+            accs = [cute.make_rmem_tensor((_BF16_PER_VEC,), Float32)
+                    for _ in range(self.plan.unroll)]
+            for t in cutlass.range(gwarp, n, nwarps):
+                p_lane = Int32(-1)
+                if lane < K:
+                    p_lane = mPos[t, lane]
+                ok_lane = (p_lane >= Int32(0)) & (p_lane < n_y)
+                any_mask = cute.arch.vote_ballot_sync(ok_lane)
+                dst_row = out_addr + Int64(t) * self.plan.row_bytes
+                for c in cutlass.range_constexpr(self.plan.chunks):
+                    slots = self.plan.slots(c)
+                    for j in cutlass.range_constexpr(len(slots)):
+                        accs[j].fill(0.0)
+                    for k in cutlass.range_constexpr(K):
+                        p = cute.arch.shuffle_sync(p_lane, k)
+                        if ((any_mask >> k) & 1) != 0:
+                            row = y_addr + Int64(p) * self.plan.row_bytes
+                            for j in cutlass.range_constexpr(len(slots)):
+                                u, vbase, pred = slots[j]
+                                vi = lane + vbase
+                                if cutlass.const_expr(pred):
+                                    vi = cutlass.min(vi, Int32(self.plan.nvec - 1))
+                                v = _ld_bf16x8_f32(row + Int64(vi) * EP_VEC_BYTES)
+                                accs[j].store(accs[j].load() + v)
+                    for j in cutlass.range_constexpr(len(slots)):
+                        u, vbase, pred = slots[j]
+                        o = accs[j].load().to(BFloat16)  # zeros when no choice is valid
+                        off = Int64(lane + vbase) * EP_VEC_BYTES
+                        if cutlass.const_expr(pred):
+                            if lane + vbase < self.plan.nvec:
+                                cute.arch.store(_gptr(BFloat16, dst_row + off, 16), o.ir_value())
+                        else:
+                            cute.arch.store(_gptr(BFloat16, dst_row + off, 16), o.ir_value())
+
+
 # =============================================================================================
 # 5. CombineReduce
 # =============================================================================================

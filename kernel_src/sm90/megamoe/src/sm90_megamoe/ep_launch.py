@@ -60,7 +60,7 @@ from .ep_constants import (
     PEER_RECV_W,
     PEER_RECV_X,
 )
-from .ep_kernels import CombineReduce, CombineSend, EpDispatch, EpWait, GatherRows
+from .ep_kernels import CombineLocal, CombineReduce, CombineSend, EpDispatch, EpWait, GatherRows
 from .launch import call_on_stream, ffi_function
 
 ARCH = "sm_90a"
@@ -244,6 +244,9 @@ def fake_args(kind: str, cfg: EpConfig, use_tvm_ffi: bool = False):
     if kind == "combine_reduce":
         return (dmask, _fake(bf16, (S, H), 16), flags, ctrl, err,
                 _fake(bf16, (None, H), 16), n, cutlass.Int64(1), n, stream)
+    if kind == "combine_local":
+        return (_fake(bf16, (None, H), 16), _fake(i32, (S, K), 4), _fake(i32, (W,), 4), err,
+                _fake(bf16, (None, H), 16), n, n, stream)
     raise ValueError(kind)
 
 
@@ -260,6 +263,10 @@ def make_kernel(kind: str, cfg: EpConfig):
         return CombineSend(H, K, W, T, th, weighted=(kind == "combine_send_weighted"))
     if kind == "combine_reduce":
         return CombineReduce(H, K, W, T, E, th)
+    if kind == "combine_local":
+        if W != 1:
+            raise ValueError(f"combine_local is the single-rank combine (W = 1), not W = {W}")
+        return CombineLocal(H, K, T, th)
     raise ValueError(kind)
 
 
@@ -267,6 +274,13 @@ def make_kernel(kind: str, cfg: EpConfig):
 # combine_send_weighted: the split dispatch/combine pair (router weights applied in combine).
 KINDS = ("dispatch", "dispatch_i64", "wait", "gather", "combine_send", "combine_send_weighted",
          "combine_reduce")
+# combine_local: combine in one launch when W = 1 (CombineLocal); built only for W = 1
+LOCAL_KINDS = ("combine_local",)
+
+
+def kinds_for(cfg: "EpConfig") -> tuple:
+    """The kernel kinds a rank of ``cfg`` uses (``LOCAL_KINDS`` only when W = 1)."""
+    return KINDS + (LOCAL_KINDS if cfg.world == 1 else ())
 
 
 def cache_key(kind: str, cfg: EpConfig, tvm_ffi: bool = False, arch: str = ARCH) -> tuple:
@@ -310,8 +324,8 @@ def get_kernel(kind: str, cfg: EpConfig, tvm_ffi: bool = False, arch: str = ARCH
 def put_kernel(kind: str, cfg: EpConfig, compiled, tvm_ffi: bool = False, arch: str = ARCH) -> None:
     """Seed the process-wide cache with ``kind``'s kernel for ``cfg`` compiled elsewhere (e.g.
     loaded from an exported object file); launches then use it instead of compiling."""
-    if kind not in KINDS:
-        raise ValueError(f"unknown kernel kind {kind!r} (kinds: {KINDS})")
+    if kind not in KINDS + LOCAL_KINDS:
+        raise ValueError(f"unknown kernel kind {kind!r} (kinds: {KINDS + LOCAL_KINDS})")
     _CACHE[cache_key(kind, cfg, tvm_ffi, arch)] = compiled
 
 
@@ -373,7 +387,7 @@ class EpRank:
         self.timeout_ns = int(timeout_ns)
         self._timeout_key, self._timeout = None, None
         self.ffi = bool(tvm_ffi)
-        self.k = {kind: get_kernel(kind, cfg, self.ffi, arch) for kind in KINDS}
+        self.k = {kind: get_kernel(kind, cfg, self.ffi, arch) for kind in kinds_for(cfg)}
         if self.ffi:
             self.k = {kind: ffi_function(k) for kind, k in self.k.items()}
         # Persistent conversions (static layouts).
@@ -523,6 +537,26 @@ class EpRank:
         mO = self._dummy_out if T == 0 else self._cv("c_out", out, 16, True)
         self._launch("combine_reduce", self._dmask, self._comb, self._flags, self._ctrl, self._err, mO,
                      self._int32(T), self._timeout_arg(timeout_ns),
+                     self._int32(num_ctas or self.num_ctas), stream=stream)
+
+    def combine_local(self, y: torch.Tensor, pos: torch.Tensor, out: torch.Tensor, stream=None,
+                      num_ctas: Optional[int] = None):
+        """W = 1 only: ``combine_send`` + ``combine_reduce`` in one launch, bit for bit (see
+        :class:`.ep_kernels.CombineLocal`). y [R, H] bf16 with the router weights applied, pos
+        [T_max, K] int32, out [T, H] bf16."""
+        cfg = self.cfg
+        if cfg.world != 1:
+            raise ValueError(f"combine_local needs W = 1 (this rank's W = {cfg.world})")
+        if pos.dtype != torch.int32 or tuple(pos.shape) != (cfg.slots, cfg.topk):
+            raise ValueError(f"pos must be int32 [{cfg.slots}, {cfg.topk}]")
+        if y.dtype != torch.bfloat16 or y.dim() != 2 or y.shape[1] != cfg.hidden or y.shape[0] < 1:
+            raise ValueError(f"y must be bf16 [R >= 1, {cfg.hidden}]")
+        T = out.shape[0]
+        if out.dtype != torch.bfloat16 or out.dim() != 2 or out.shape[1] != cfg.hidden or T > cfg.max_tokens:
+            raise ValueError(f"out must be bf16 [T <= {cfg.max_tokens}, {cfg.hidden}]")
+        mO = self._dummy_out if T == 0 else self._cv("c_out", out, 16, True)
+        self._launch("combine_local", self._cv("y", y, 16, True), self._cv("pos", pos, 4, False),
+                     self._recv_count, self._err, mO, self._int32(T),
                      self._int32(num_ctas or self.num_ctas), stream=stream)
 
     # -- diagnostics / recovery (host-synchronizing) --------------------------------------------
