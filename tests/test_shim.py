@@ -233,7 +233,7 @@ def test_decode_kernels_are_a_static_per_shape_choice():
 
 
 def test_single_rank_combine_kernel_compiles_only_for_one_rank():
-    """combine_local (drop v14) is built for W = 1 only: sm_90a PTX with the vectorised row sum and
+    """combine_local (drop v14) is built on request for W = 1 only: sm_90a PTX with the vectorised row sum and
     no flag traffic (no release stores, fences or atomics), same host signature as the launcher's
     real tensors; W = 2 neither builds nor accepts it."""
     pytest.importorskip("cutlass")
@@ -244,7 +244,27 @@ def test_single_rank_combine_kernel_compiles_only_for_one_rank():
     from sm90_megamoe.ep_launch import EpConfig, kinds_for, make_kernel
 
     one, two = EpConfig(2048, 8, 1, 256, 128), EpConfig(2048, 8, 2, 256, 128)
-    assert "combine_local" in kinds_for(one) and "combine_local" not in kinds_for(two)
+    assert "combine_local" not in kinds_for(one)  # built only when asked for
+    assert "combine_local" in kinds_for(one, local_combine=True) and "combine_local" not in kinds_for(two, True)
     with pytest.raises(ValueError, match="W = 1"):
         make_kernel("combine_local", two)
     assert check(one, verbose=False) == []
+
+
+def test_single_rank_combine_is_built_only_when_asked_for(monkeypatch, tmp_path):
+    """The default layer's EP kernels stay the 7 of before (start-up unchanged);
+    MOE_EP_LOCAL_COMBINE=1 adds combine_local to a one-rank layer's prebuild."""
+    pytest.importorskip("cutlass")
+    monkeypatch.setenv("MOE_EP_CACHE_DIR", str(tmp_path))
+    from moe_ep.api import MoEConfig
+    from moe_ep.backends.sm90.bf16_cutedsl.backend import prebuild
+    from moe_ep.shim import COMPILE_EVENTS
+
+    cfg = MoEConfig(num_experts=16, hidden=256, intermediate=128, top_k=2, max_tokens_per_rank=32)
+    for flag, want in (("0", False), ("1", True)):
+        monkeypatch.setenv("MOE_EP_LOCAL_COMBINE", flag)
+        seen = len(COMPILE_EVENTS)
+        prebuild(cfg, 1, kernels=("ep",))
+        names = [e.name for e in COMPILE_EVENTS[seen:]]
+        assert ("ep_combine_local" in names) == want, names
+        assert want or len(names) == 7, names

@@ -111,7 +111,8 @@ CONTRACT = DropContract(
         CallableUse("sm90_megamoe.layout_launch:compile_kernel", ("kind", "cfg", "options", "tvm_ffi", "arch")),
         CallableUse("sm90_megamoe.layout_launch:put_kernel", ("kind", "cfg", "compiled", "tvm_ffi", "arch")),
         CallableUse("sm90_megamoe.ep_launch:EpRank.__init__",
-                    ("cfg", "rank", "bufs", "peer_table", "num_ctas", "timeout_ns", "tvm_ffi", "arch")),
+                    ("cfg", "rank", "bufs", "peer_table", "num_ctas", "timeout_ns", "tvm_ffi", "arch",
+                     "local_combine")),
         CallableUse("sm90_megamoe.ep_launch:EpRank.dispatch", ("x", "topk_ids", "topk_w")),
         CallableUse("sm90_megamoe.ep_launch:EpRank.wait", ()),
         CallableUse("sm90_megamoe.ep_launch:EpRank.combine_send", ("y", "pos", "stream", "num_ctas",
@@ -482,6 +483,7 @@ class EpKey:
     max_tokens: int
     num_experts: int
     tvm_ffi: bool
+    local_combine: bool = False
 
 
 def check_ep_shapes(hidden: int, topk: int, world: int, num_experts: int) -> None:
@@ -541,7 +543,7 @@ def new_verr(device: Any):
 
 
 def prebuild_ep(hidden: int, topk: int, world: int, max_tokens: int, num_experts: int,
-                arch: str = "sm_90a") -> None:
+                arch: str = "sm_90a", local_combine: bool = False) -> None:
     """Compile (or load from the disk cache) every EP kernel for these static values and ``arch``
     (:data:`EP_ARCHS`); no GPU needed. Sessions call it; so does ``python -m moe_ep.aot``."""
     check_ep_shapes(hidden, topk, world, num_experts)
@@ -549,12 +551,13 @@ def prebuild_ep(hidden: int, topk: int, world: int, max_tokens: int, num_experts
     el = _load("sm90_megamoe.ep_launch")
     cfg = el.EpConfig(hidden=hidden, topk=topk, world=world, max_tokens=max_tokens, num_experts=num_experts)
     ffi = use_tvm_ffi()
+    local_combine = bool(local_combine) and world == 1  # the one-launch combine exists for W = 1 only
     key = EpKey(CONSTANTS.value(PKG, "DROP_VERSION"), _E["EP_ABI_VERSION"], _cutlass_version(), arch,
-                hidden, topk, world, max_tokens, num_experts, ffi)
+                hidden, topk, world, max_tokens, num_experts, ffi, local_combine)
 
     def build():
         kernels = {}
-        for k in el.kinds_for(cfg):
+        for k in el.kinds_for(cfg, local_combine):
             kernels[k] = disk_cache.get_or_build(
                 cache_namespace(arch), f"ep_{k}", (key, k),
                 lambda k=k: el.compile_kernel(kind=k, cfg=cfg, tvm_ffi=ffi, arch=arch), tvm_ffi=ffi)
@@ -577,13 +580,14 @@ class EpSession:
     def __init__(self, hidden: int, topk: int, world: int, max_tokens: int, num_experts: int,
                  rank: int, device: Any, buffers: dict, peers: list | None = None,
                  global_ranks: tuple = (), num_ctas: int | None = None, timeout_ns: int | None = None,
-                 arch: str = "sm_90a") -> None:
+                 arch: str = "sm_90a", local_combine: bool = False) -> None:
         check_ep_shapes(hidden, topk, world, num_experts)
         ensure_not_capturing("EP session set-up")
         el = self._el = _load("sm90_megamoe.ep_launch")
         cfg = self.cfg = el.EpConfig(hidden=hidden, topk=topk, world=world, max_tokens=max_tokens,
                                      num_experts=num_experts)
-        prebuild_ep(hidden, topk, world, max_tokens, num_experts, arch)
+        self.local_combine = bool(local_combine) and world == 1
+        prebuild_ep(hidden, topk, world, max_tokens, num_experts, arch, self.local_combine)
         self.arch = arch
         self.world, self.rank, self.device = world, rank, device
         self.global_ranks = tuple(global_ranks) or tuple(range(world))
@@ -606,13 +610,14 @@ class EpSession:
         self.peer_table = el.build_peer_table(peer_buffers=views, device=self.device)
         kw = {} if self._timeout_ns is None else {"timeout_ns": int(self._timeout_ns)}
         self.ep = el.EpRank(cfg=self.cfg, rank=self.rank, bufs=self.bufs, peer_table=self.peer_table,
-                            num_ctas=self._num_ctas, tvm_ffi=use_tvm_ffi(), arch=self.arch, **kw)
+                            num_ctas=self._num_ctas, tvm_ffi=use_tvm_ffi(), arch=self.arch,
+                            local_combine=self.local_combine, **kw)
         self.dispatch = self.ep.dispatch
         self.wait = self.ep.wait
         self.combine_send = self.ep.combine_send
         self.combine_reduce = self.ep.combine_reduce
         # W = 1: combine_send + combine_reduce in one launch (drop v14), bit for bit
-        self.combine_local = self.ep.combine_local if self.world == 1 else None
+        self.combine_local = self.ep.combine_local if self.local_combine else None
 
     def check(self) -> None:
         """Raise :class:`DeviceStallError` (timeout) or :class:`CapacityError` if a kernel of this

@@ -129,7 +129,8 @@ def prebuild_layer(config: Any, world_size: int, kernels: tuple, gemms: dict, ar
         if name in gemms:
             gemms[name]()
         elif name == "ep":
-            sm90_prebuild_ep(d.hidden, d.topk, world_size, d.max_tokens, config.num_experts, arch)
+            sm90_prebuild_ep(d.hidden, d.topk, world_size, d.max_tokens, config.num_experts, arch,
+                             local_combine=local_combine())
         elif name == "layout":
             sm90_prebuild_layout(d.hidden, d.topk, world_size, d.max_tokens, config.local_experts(world_size), arch)
         else:
@@ -200,16 +201,17 @@ class Sm90CuteDSLBackend(BackendImpl):
 
             peers = self.ws.peer_views(d)
             global_ranks = tuple(dist.get_process_group_ranks(self.group.pg))
+        self.local_combine = self.W == 1 and local_combine()
         self.ep = Sm90EpSession(d.hidden, d.topk, self.W, d.max_tokens, cfg.num_experts, self.group.rank, dev,
                                 {**v, "verr": self.verr}, peers=peers, global_ranks=global_ranks,
-                                num_ctas=self.num_ctas, timeout_ns=self.timeout_ns, arch=self.arch)
+                                num_ctas=self.num_ctas, timeout_ns=self.timeout_ns, arch=self.arch,
+                                local_combine=self.local_combine)
         self.layout = Sm90LayoutSession(d.hidden, d.topk, self.W, d.max_tokens, self.E, dev, v["counts"],
                                         num_chunks=self.num_ctas, timeout_ns=self.timeout_ns, arch=self.arch)
         self._bind_gemms(v)
         self.xs, self.h = v["xs"], v["h"]
         self.y = v["xs"]  # FC2's output overwrites FC1's input, dead by then
         self.offsets, self.idx, self.ws_rows, self.pos = v["offsets"], v["idx"], v["ws"], v["pos"]
-        self.local_combine = self.W == 1 and local_combine()
         if not self.virtual:  # a VirtualEP binds itself instead (it re-connects all its ranks)
             self.ws.bind(self)
 

@@ -111,7 +111,7 @@ def real_cpu_args(kind: str, cfg: EpConfig):
 def check(cfg: EpConfig, arch: str = "sm_90a", signatures: bool = True, verbose: bool = True):
     opts = f"--gpu-arch {arch} --keep-ptx"
     failures = []
-    for kind in kinds_for(cfg):
+    for kind in kinds_for(cfg, local_combine=True):
         kern = make_kernel(kind, cfg)
         t0 = time.time()
         c = cute.compile(kern, *fake_args(kind, cfg), options=opts)

@@ -274,13 +274,14 @@ def make_kernel(kind: str, cfg: EpConfig):
 # combine_send_weighted: the split dispatch/combine pair (router weights applied in combine).
 KINDS = ("dispatch", "dispatch_i64", "wait", "gather", "combine_send", "combine_send_weighted",
          "combine_reduce")
-# combine_local: combine in one launch when W = 1 (CombineLocal); built only for W = 1
+# combine_local: combine in one launch when W = 1 (CombineLocal); built on request, W = 1 only
 LOCAL_KINDS = ("combine_local",)
 
 
-def kinds_for(cfg: "EpConfig") -> tuple:
-    """The kernel kinds a rank of ``cfg`` uses (``LOCAL_KINDS`` only when W = 1)."""
-    return KINDS + (LOCAL_KINDS if cfg.world == 1 else ())
+def kinds_for(cfg: "EpConfig", local_combine: bool = False) -> tuple:
+    """The kernel kinds a rank of ``cfg`` uses: ``KINDS``, plus ``LOCAL_KINDS`` when asked for
+    (``local_combine``) and W = 1."""
+    return KINDS + (LOCAL_KINDS if local_combine and cfg.world == 1 else ())
 
 
 def cache_key(kind: str, cfg: EpConfig, tvm_ffi: bool = False, arch: str = ARCH) -> tuple:
@@ -371,11 +372,12 @@ class EpRank:
     tvm_ffi: launch kernels compiled for TVM-FFI with torch tensors (``stream`` arguments are then
     ``torch.cuda.Stream`` or None); else the classic path with converted CuTe tensors.
     arch: the GPU's target (``sm_90a``, ``sm_100a``, ``sm_120a``): the kernels are arch-neutral.
+    local_combine: also load ``combine_local`` (W = 1 only; see :meth:`combine_local`).
     """
 
     def __init__(self, cfg: EpConfig, rank: int, bufs: EpBuffers, peer_table: torch.Tensor,
                  num_ctas: Optional[int] = None, timeout_ns: int = DEFAULT_TIMEOUT_NS,
-                 tvm_ffi: bool = False, arch: str = ARCH):
+                 tvm_ffi: bool = False, arch: str = ARCH, local_combine: bool = False):
         if not 0 <= rank < cfg.world:
             raise ValueError(f"rank {rank} outside [0, {cfg.world})")
         if tuple(peer_table.shape) != (EP_NUM_PEER_BUFS, cfg.world) or \
@@ -387,7 +389,7 @@ class EpRank:
         self.timeout_ns = int(timeout_ns)
         self._timeout_key, self._timeout = None, None
         self.ffi = bool(tvm_ffi)
-        self.k = {kind: get_kernel(kind, cfg, self.ffi, arch) for kind in kinds_for(cfg)}
+        self.k = {kind: get_kernel(kind, cfg, self.ffi, arch) for kind in kinds_for(cfg, local_combine)}
         if self.ffi:
             self.k = {kind: ffi_function(k) for kind, k in self.k.items()}
         # Persistent conversions (static layouts).
@@ -545,8 +547,9 @@ class EpRank:
         :class:`.ep_kernels.CombineLocal`). y [R, H] bf16 with the router weights applied, pos
         [T_max, K] int32, out [T, H] bf16."""
         cfg = self.cfg
-        if cfg.world != 1:
-            raise ValueError(f"combine_local needs W = 1 (this rank's W = {cfg.world})")
+        if "combine_local" not in self.k:
+            raise ValueError(f"combine_local needs W = 1 (this rank's W = {cfg.world}) and an EpRank made "
+                             "with local_combine=True")
         if pos.dtype != torch.int32 or tuple(pos.shape) != (cfg.slots, cfg.topk):
             raise ValueError(f"pos must be int32 [{cfg.slots}, {cfg.topk}]")
         if y.dtype != torch.bfloat16 or y.dim() != 2 or y.shape[1] != cfg.hidden or y.shape[0] < 1:
