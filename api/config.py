@@ -50,14 +50,15 @@ class MoEConfig:
               ``bf16(dequant(w))`` and BF16 activations (Blackwell W4A16);
             * ``"mxfp8"`` -- ``w13``/``w2`` are :class:`~moe_ep.api.quant.MXFP8Tensor`
               (:func:`~moe_ep.api.quant.quantize_mxfp8`); FC1's input rows and FC2's input (the
-              activation) are MXFP8-quantised the same way before each GEMM;
+              activation, rounded to bf16 first) are MXFP8-quantised the same way before each GEMM;
             * ``"fp8_block128"`` -- ``w13``/``w2`` are ``torch.float8_e4m3fn`` tensors with
               ``w13_scale [E_local, ceil(w13_rows/128), ceil(H/128)]`` and ``w2_scale [E_local,
               ceil(H/128), ceil(I/128)]`` float32 passed to ``forward`` (DeepSeek-V3 / Qwen3-FP8
               checkpoints; or a :class:`~moe_ep.api.quant.FP8Block128Weight` from
               :func:`~moe_ep.api.quant.quantize_fp8_block128`); every row of FC1's input and of
-              FC2's input is quantised to E4M3 with one float32 scale per 128 values
-              (amax / 448); the GEMMs accumulate ``dequant(x) · dequant(w)`` in float32.
+              FC2's input (the activation, rounded to bf16 first) is quantised to E4M3 with one
+              float32 scale per 128 values (amax / 448, IEEE division); the GEMMs accumulate
+              ``dequant(x) · dequant(w)`` in float32.
     """
 
     num_experts: int
