@@ -20,6 +20,19 @@ from typing import Any, Callable
 from moe_ep.shim import BackendWarning, RoutingValueError, UnsupportedBackendError  # defined in the lowest layer
 
 
+def require_cuda_arch(name: str, device: Any, capability: tuple, need: str) -> None:
+    """Refuse unless ``device`` is a CUDA GPU whose compute capability starts with ``capability``
+    (``(9, 0)``: exactly SM90; ``(10,)``: any 10.x); ``need`` names it for the message."""
+    import torch
+
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise UnsupportedBackendError(f"{name} needs a CUDA device (got {device})")
+    cc = torch.cuda.get_device_capability(device)
+    if tuple(cc[:len(capability)]) != tuple(capability):
+        raise UnsupportedBackendError(f"{name} needs {need}; this GPU is sm_{cc[0]}{cc[1]} "
+                                      f"({torch.cuda.get_device_name(device)})")
+
+
 class BackendImpl(ABC):
     """One MoE layer instance on one backend (created by :meth:`BackendSpec.factory`).
 

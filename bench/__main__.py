@@ -32,7 +32,7 @@ import torch
 from moe_ep.api import EPGroup, MoEConfig, MoELayer, init_distributed
 from moe_ep.backends import available, retain_runtime
 
-from .models import MODELS, model_config
+from .models import MODELS, draw_routing, model_config
 from .report import LEGEND, Row, env_line, format_tables, make_row, write_csv
 from .timing import back_to_back_ms, per_call_ms
 
@@ -44,10 +44,7 @@ def make_inputs(cfg: MoEConfig, T: int, group: EPGroup, device, seed: int, skew:
     g = torch.Generator().manual_seed(seed)
     E, K, H, I = cfg.num_experts, cfg.top_k, cfg.hidden, cfg.intermediate
     El = E // group.world_size
-    logits = torch.randn(group.world_size, T, E, generator=g)[group.rank]
-    if skew:
-        logits[:, 0] += 4.0
-    vals, ids = logits.topk(K, dim=-1)
+    vals, ids = draw_routing(g, E, K, T, group.world_size, group.rank, skew)
     w = torch.softmax(vals, dim=-1)
     x = torch.randn(T, H, generator=g).to(cfg.dtype)
     if weights is None:
@@ -209,11 +206,11 @@ def bench_peers(args, key: str, cfg: MoEConfig, T: int, group: EPGroup, device, 
     if group.rank == 0:
         nproc = args.peer_nproc or group.world_size
         for peer in args.peer:
-            script = args.peer_script if peer == "liger" else args.peer_script_fi
-            if cfg.quant and peer != "flashinfer":
+            opts = peer_options(args, cfg, peer)
+            if opts is None:
                 say(f"peer {peer}: no {cfg.quant} path to compare with: skipped")
                 continue
-            extra = ["--backend", "fp8"] if cfg.quant == "fp8_block128" else []  # FlashInfer's SM90 FP8 pull
+            script, extra = opts
             res = run_peer(peer, key, MODELS[key], T, nproc, args.iters, script=script, timeout=args.peer_timeout,
                            log_dir=args.peer_log_dir, say=say, extra_args=extra)
             if "error" in res:
@@ -233,6 +230,15 @@ def bench_peers(args, key: str, cfg: MoEConfig, T: int, group: EPGroup, device, 
     return rows
 
 
+def peer_options(args, cfg: MoEConfig, peer: str):
+    """``(script, extra arguments)`` of a peer run for ``cfg``, or None when the peer has no path
+    for its weight format (quantised configs: FlashInfer's SM90 FP8 backend only)."""
+    if cfg.quant and peer != "flashinfer":
+        return None
+    script = args.peer_script if peer == "liger" else args.peer_script_fi
+    return script, (["--backend", "fp8"] if cfg.quant == "fp8_block128" else [])
+
+
 def decode_peers(args, key: str, say) -> list:
     """The --peer libraries at --peer-decode-tokens, as decode-sweep rows (rank 0 only)."""
     from .peer_decode import peer_decode_rows
@@ -241,12 +247,11 @@ def decode_peers(args, key: str, say) -> list:
     cfg = model_config(key, max(args.peer_decode_tokens), quant=args.quant)
 
     def run(peer, model_key, dims, T, nproc):
-        script = args.peer_script if peer == "liger" else args.peer_script_fi
-        extra = ["--backend", "fp8"] if cfg.quant == "fp8_block128" else []
+        script, extra = peer_options(args, cfg, peer)
         return run_peer(peer, model_key, dims, T, nproc, args.iters, script=script, timeout=args.peer_timeout,
                         log_dir=args.peer_log_dir, say=say, extra_args=extra, log_suffix=f"_t{T}")
 
-    peers = [p for p in args.peer if not cfg.quant or p == "flashinfer"]
+    peers = [p for p in args.peer if peer_options(args, cfg, p) is not None]
     return peer_decode_rows(peers, MODELS[key]["name"], key, MODELS[key], cfg, args.peer_decode_tokens,
                             args.peer_nproc or 1, args.seed, run, say)
 

@@ -27,19 +27,13 @@ def profile_forward(model: str) -> None:
     import torch
 
     from moe_ep.api import EPGroup, MoELayer
-    from moe_ep.bench.models import model_config
+    from moe_ep.bench.models import gpu_layer_inputs, model_config
 
     T = 8192
     cfg = model_config(model, T)
     layer = MoELayer(cfg, EPGroup.single(), check_values=False)
     layer.warmup()
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(T, cfg.hidden, device="cuda", generator=g).to(torch.bfloat16)
-    ids = torch.randn(T, cfg.num_experts, device="cuda", generator=g).topk(cfg.top_k, -1).indices.to(torch.int32)
-    w = torch.softmax(torch.randn(T, cfg.top_k, device="cuda", generator=g), -1)
-    w13 = (torch.randn(cfg.num_experts, cfg.w13_rows, cfg.hidden, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
-    w2 = (torch.randn(cfg.num_experts, cfg.hidden, cfg.intermediate, device="cuda", generator=g) * 0.03).to(torch.bfloat16)
-    out = torch.empty(T, cfg.hidden, dtype=torch.bfloat16, device="cuda")
+    x, ids, w, w13, w2, out = gpu_layer_inputs(cfg, T)
 
     def fwd():
         layer.forward(x, ids, w, w13, w2, out=out)

@@ -1,4 +1,6 @@
-"""Model shapes used by the benchmarks and tests."""
+"""Model shapes used by the benchmarks and tests, and the random inputs the benchmarks draw."""
+
+import torch
 
 from moe_ep.api import MoEConfig
 
@@ -22,3 +24,25 @@ def model_config(key: str, max_tokens: int, quant: str | None = None) -> MoEConf
     return MoEConfig(num_experts=m["num_experts"], hidden=m["hidden"], intermediate=m["intermediate"],
                      top_k=m["top_k"], max_tokens_per_rank=max(max_tokens, 1),
                      activation=m.get("activation", "swiglu"), quant=quant)
+
+
+def draw_routing(g: torch.Generator, num_experts: int, top_k: int, T: int, world: int = 1, rank: int = 0,
+                 skew: bool = False):
+    """This rank's ``(top-k logits, topk_ids)`` of random router logits ``[world, T, E]`` drawn
+    from ``g`` (``skew``: expert 0 favoured)."""
+    logits = torch.randn(world, T, num_experts, generator=g)[rank]
+    if skew:
+        logits[:, 0] += 4.0
+    return logits.topk(top_k, dim=-1)
+
+
+def gpu_layer_inputs(cfg: MoEConfig, T: int, seed: int = 0):
+    """``(x, topk_ids, topk_weights, w13, w2, out)`` on the current GPU for timing host paths:
+    random tokens, routing and small weights from one CUDA generator."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(T, cfg.hidden, device="cuda", generator=g).to(torch.bfloat16)
+    ids = torch.randn(T, cfg.num_experts, device="cuda", generator=g).topk(cfg.top_k, -1).indices.to(torch.int32)
+    w = torch.softmax(torch.randn(T, cfg.top_k, device="cuda", generator=g), -1)
+    w13 = (torch.randn(cfg.num_experts, cfg.w13_rows, cfg.hidden, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    w2 = (torch.randn(cfg.num_experts, cfg.hidden, cfg.intermediate, device="cuda", generator=g) * 0.03).to(torch.bfloat16)
+    return x, ids, w, w13, w2, torch.empty(T, cfg.hidden, dtype=torch.bfloat16, device="cuda")

@@ -15,13 +15,12 @@ from typing import Callable
 import torch
 
 from .decode import DecodeRow, make_row
+from .models import draw_routing
 
 
 def routing_ids(cfg, T: int, world: int, rank: int, seed: int) -> torch.Tensor:
     """This rank's ``topk_ids [T, K]`` as :func:`moe_ep.bench.__main__.make_inputs` draws them."""
-    g = torch.Generator().manual_seed(seed)
-    logits = torch.randn(world, T, cfg.num_experts, generator=g)[rank]
-    return logits.topk(cfg.top_k, dim=-1).indices
+    return draw_routing(torch.Generator().manual_seed(seed), cfg.num_experts, cfg.top_k, T, world, rank)[1]
 
 
 def peer_decode_rows(peers, model_name: str, model_key: str, dims: dict, cfg, sizes, nproc: int, seed: int,

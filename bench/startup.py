@@ -21,7 +21,7 @@ import json, sys, time
 t_import = time.perf_counter()
 import torch
 from moe_ep.api import EPGroup, MoELayer
-from moe_ep.bench.models import model_config
+from moe_ep.bench.models import gpu_layer_inputs, model_config
 t_import = time.perf_counter() - t_import
 T = int(sys.argv[2])
 cfg = model_config(sys.argv[1], T)
@@ -37,13 +37,7 @@ t1 = time.perf_counter()
 layer.warmup(progress=lambda m: events.append(f"{m.strip()} (+{time.perf_counter() - t1:.2f} s)"))
 torch.cuda.synchronize()
 t_warmup = time.perf_counter() - t1
-g = torch.Generator(device="cuda").manual_seed(0)
-x = torch.randn(T, cfg.hidden, device="cuda", generator=g).to(torch.bfloat16)
-ids = torch.randn(T, cfg.num_experts, device="cuda", generator=g).topk(cfg.top_k, -1).indices.to(torch.int32)
-w = torch.softmax(torch.randn(T, cfg.top_k, device="cuda", generator=g), -1)
-w13 = (torch.randn(cfg.num_experts, cfg.w13_rows, cfg.hidden, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
-w2 = (torch.randn(cfg.num_experts, cfg.hidden, cfg.intermediate, device="cuda", generator=g) * 0.03).to(torch.bfloat16)
-out = torch.empty(T, cfg.hidden, dtype=torch.bfloat16, device="cuda")
+x, ids, w, w13, w2, out = gpu_layer_inputs(cfg, T)
 host = []
 for i in range(25):
     torch.cuda.synchronize()

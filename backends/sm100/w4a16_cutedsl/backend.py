@@ -25,7 +25,7 @@ from moe_ep.shim import (sm100_check_w4a16_gemm, sm100_compiled_w4a16_gemm, sm10
 
 from ...quant import quantize_nvfp4
 from ...quantized import check_quantized_config
-from ...registry import UnsupportedBackendError
+from ...registry import UnsupportedBackendError, require_cuda_arch
 from ...sm90.bf16_cutedsl.backend import Sm90CuteDSLBackend, prebuild_layer
 
 NAME = "sm100_w4a16_cutedsl"
@@ -52,12 +52,7 @@ def check_config(config: Any, group: Any) -> None:
 
 def check(config: Any, group: Any, device: torch.device) -> None:
     """Refuse, with the reason, anything this backend cannot run here (on an H200: the arch)."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        raise UnsupportedBackendError(f"{NAME} needs a CUDA device (got {device})")
-    cc = torch.cuda.get_device_capability(device)
-    if cc[0] != 10:
-        raise UnsupportedBackendError(f"{NAME} needs an SM100 GPU (B200/GB200, compute capability 10.x); this "
-                                      f"GPU is sm_{cc[0]}{cc[1]} ({torch.cuda.get_device_name(device)})")
+    require_cuda_arch(NAME, device, (10,), "an SM100 GPU (B200/GB200, compute capability 10.x)")
     check_config(config, group)
 
 

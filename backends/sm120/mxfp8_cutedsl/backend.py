@@ -29,7 +29,7 @@ from moe_ep.shim import (sm120_check_mxfp8_gemm,
 
 from ...quant import MXFP8_BLOCK, quantize_mxfp8
 from ...quantized import check_quantized_config, quantized_activation_buffers
-from ...registry import UnsupportedBackendError
+from ...registry import UnsupportedBackendError, require_cuda_arch
 from ...sm90.bf16_cutedsl.backend import Sm90CuteDSLBackend, prebuild_layer, rows_per_expert
 
 NAME = "sm120_mxfp8_cutedsl"
@@ -58,12 +58,7 @@ def check_config(config: Any, group: Any) -> None:
 
 def check(config: Any, group: Any, device: torch.device) -> None:
     """Refuse, with the reason, anything this backend cannot run here (on an H200: the arch)."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        raise UnsupportedBackendError(f"{NAME} needs a CUDA device (got {device})")
-    cc = torch.cuda.get_device_capability(device)
-    if cc[0] != 12:
-        raise UnsupportedBackendError(f"{NAME} needs an SM120 GPU (RTX PRO 6000 class, compute capability "
-                                      f"12.x); this GPU is sm_{cc[0]}{cc[1]} ({torch.cuda.get_device_name(device)})")
+    require_cuda_arch(NAME, device, (12,), "an SM120 GPU (RTX PRO 6000 class, compute capability 12.x)")
     check_config(config, group)
 
 

@@ -37,7 +37,7 @@ from moe_ep.shim import (COMPILE_EVENTS, SM90_DECODE_MAX_ROWS_PER_EXPERT, Sm90Ep
                          sm90_check_gemm_shapes, sm90_compiled_grouped_gemm, sm90_grouped_gemm, sm90_new_verr,
                          sm90_prebuild_ep, sm90_prebuild_layout)
 
-from ...registry import BackendImpl, UnsupportedBackendError, routing_value_error
+from ...registry import BackendImpl, UnsupportedBackendError, require_cuda_arch, routing_value_error
 from .workspace import Dims, get_workspace
 
 # MoEConfig.activation -> the drop's FC1 epilogue
@@ -55,12 +55,7 @@ def local_combine() -> bool:
 
 def check(config: Any, group: Any, device: torch.device) -> None:
     """Refuse, with the reason, anything this backend cannot run here."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        raise UnsupportedBackendError(f"sm90_bf16_cutedsl needs a CUDA device (got {device})")
-    cc = torch.cuda.get_device_capability(device)
-    if cc != (9, 0):
-        raise UnsupportedBackendError(f"sm90_bf16_cutedsl needs an SM90 GPU (H100/H200); this GPU is "
-                                      f"sm_{cc[0]}{cc[1]} ({torch.cuda.get_device_name(device)})")
+    require_cuda_arch("sm90_bf16_cutedsl", device, (9, 0), "an SM90 GPU (H100/H200)")
     if config.dtype != torch.bfloat16:
         raise UnsupportedBackendError(f"sm90_bf16_cutedsl runs bf16 only, not {config.dtype}")
     if config.activation not in ACTIVATION_MAP:

@@ -32,7 +32,7 @@ from moe_ep.shim import (sm90_check_fp8_gemm, sm90_compiled_fp8_gemm, sm90_compi
 
 from ...quant import FP8_BLOCK, quantize_fp8_block128
 from ...quantized import check_quantized_config, quantized_activation_buffers
-from ...registry import UnsupportedBackendError
+from ...registry import UnsupportedBackendError, require_cuda_arch
 from ..bf16_cutedsl.backend import Sm90CuteDSLBackend, prebuild_layer
 
 NAME = "sm90_fp8_cutedsl"
@@ -55,12 +55,7 @@ def check_config(config: Any, group: Any) -> None:
 
 def check(config: Any, group: Any, device: torch.device) -> None:
     """Refuse, with the reason, anything this backend cannot run here."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        raise UnsupportedBackendError(f"{NAME} needs a CUDA device (got {device})")
-    cc = torch.cuda.get_device_capability(device)
-    if cc != (9, 0):
-        raise UnsupportedBackendError(f"{NAME} needs an SM90 GPU (H100/H200); this GPU is sm_{cc[0]}{cc[1]} "
-                                      f"({torch.cuda.get_device_name(device)})")
+    require_cuda_arch(NAME, device, (9, 0), "an SM90 GPU (H100/H200)")
     check_config(config, group)
 
 
