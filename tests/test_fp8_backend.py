@@ -45,28 +45,35 @@ def test_every_kernel_compiles_without_a_gpu(monkeypatch, tmp_path):
     seen = len(COMPILE_EVENTS)
     prebuild(MoEConfig(max_tokens_per_rank=64, quant="fp8_block128", **QWEN), 1, kernels=("fc1", "fc2"))
     names = [e.name for e in COMPILE_EVENTS[seen:]]
-    assert names == ["fp8_gemm_swiglu", "fp8_quantize_rows", "fp8_gemm_identity", "fp8_quantize_rows"]
-    # the fused gather + quantise path (opt-in) compiles its gathering quantiser for FC1's input
-    monkeypatch.setenv("MOE_EP_FP8_FUSED_GATHER", "1")
+    # default: the gathering quantiser for FC1's input (the fused gather path)
+    assert names == ["fp8_gemm_swiglu", "fp8_gather_quantize_rows", "fp8_gemm_identity", "fp8_quantize_rows"]
+    # MOE_EP_FP8_FUSED_GATHER=0: gather then quantise, the plain quantiser for FC1's input
+    monkeypatch.setenv("MOE_EP_FP8_FUSED_GATHER", "0")
     seen = len(COMPILE_EVENTS)
     prebuild(MoEConfig(max_tokens_per_rank=64, quant="fp8_block128", **QWEN), 1, kernels=("fc1",))
-    assert [e.name for e in COMPILE_EVENTS[seen:]] == ["fp8_gather_quantize_rows"]
+    assert [e.name for e in COMPILE_EVENTS[seen:]] == ["fp8_quantize_rows"]
 
 
-def test_overlap_schedule_is_opt_in_and_limited_to_short_k(monkeypatch, tmp_path):
-    """MOE_EP_FP8_OVERLAP=1 compiles the overlapped-promotion GEMMs (a separate cache entry) for
-    K <= 4096 only; unset, the default schedule."""
+def test_overlap_schedule_is_default_and_limited_to_short_k(monkeypatch, tmp_path):
+    """The overlapped-promotion GEMMs are the default for K <= 4096 only (a separate cache entry
+    from the plain schedule, which MOE_EP_FP8_OVERLAP=0 selects)."""
     monkeypatch.setenv("MOE_EP_CACHE_DIR", str(tmp_path))
     from moe_ep.shim import COMPILE_EVENTS, sm90_compiled_fp8_gemm
     from moe_ep.shim.drops.sm90_megamoe_fp8 import use_fp8_overlap
 
-    monkeypatch.delenv("MOE_EP_FP8_OVERLAP", raising=False)
+    monkeypatch.setenv("MOE_EP_FP8_OVERLAP", "0")
     assert not use_fp8_overlap(768)
-    monkeypatch.setenv("MOE_EP_FP8_OVERLAP", "1")
+    monkeypatch.delenv("MOE_EP_FP8_OVERLAP", raising=False)
     assert use_fp8_overlap(768) and use_fp8_overlap(4096) and not use_fp8_overlap(14336)
-    seen = len(COMPILE_EVENTS)
-    sm90_compiled_fp8_gemm("identity", 2048, 768, 128, True)
-    assert [e.name for e in COMPILE_EVENTS[seen:]] == ["fp8_gemm_identity"]  # a new key: compiled
+    # the two schedules are two cache entries: the same shape compiles once per schedule
+    plain_events = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv("MOE_EP_FP8_OVERLAP", flag)
+        seen = len(COMPILE_EVENTS)
+        a = sm90_compiled_fp8_gemm("identity", 2048, 640, 128, True)
+        assert sm90_compiled_fp8_gemm("identity", 2048, 640, 128, True) is a  # cached
+        plain_events.append([e.name for e in COMPILE_EVENTS[seen:]])
+    assert plain_events == [["fp8_gemm_identity"], ["fp8_gemm_identity"]]
 
 
 @pytest.mark.gpu
@@ -194,8 +201,9 @@ def test_fp8_layer_sync_free_allocation_free_deterministic_graph():
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 700])
 def test_fused_gather_quant_is_bit_identical(monkeypatch, T):
-    """MOE_EP_FP8_FUSED_GATHER=1 (layout without the BF16 row gather, FC1's input quantised from
-    the received rows by index) gives the same bits as the default path, eager and CUDA graph."""
+    """The fused gather (default: layout without the BF16 row gather, FC1's input quantised from
+    the received rows by index) gives the same bits as gather-then-quantise (MOE_EP_FP8_FUSED_GATHER=0),
+    eager and CUDA graph."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
     from moe_ep.api.quant import quantize_fp8_block128

@@ -454,7 +454,7 @@ def test_decode_layer_against_float64(model):
 
 @pytest.mark.parametrize("T", [0, 1, 700])
 def test_local_combine_is_bit_identical(monkeypatch, T):
-    """MOE_EP_LOCAL_COMBINE=1 (one rank: step 5 in one launch, drop v14's CombineLocal) gives the
+    """The one-launch combine (one rank, the default; drop v14's CombineLocal) gives the
     bits of combine_send + combine_reduce, eager and under a CUDA graph; rows of tokens whose
     every choice is dropped (bad expert ids) are zero in both."""
     _sm90()

@@ -252,8 +252,8 @@ def test_single_rank_combine_kernel_compiles_only_for_one_rank():
 
 
 def test_single_rank_combine_is_built_only_when_asked_for(monkeypatch, tmp_path):
-    """The default layer's EP kernels stay the 7 of before (start-up unchanged);
-    MOE_EP_LOCAL_COMBINE=1 adds combine_local to a one-rank layer's prebuild."""
+    """A one-rank layer's prebuild adds combine_local to the 7 EP kernels (the default);
+    MOE_EP_LOCAL_COMBINE=0 leaves the 7."""
     pytest.importorskip("cutlass")
     monkeypatch.setenv("MOE_EP_CACHE_DIR", str(tmp_path))
     from moe_ep.api import MoEConfig
@@ -261,10 +261,13 @@ def test_single_rank_combine_is_built_only_when_asked_for(monkeypatch, tmp_path)
     from moe_ep.shim import COMPILE_EVENTS
 
     cfg = MoEConfig(num_experts=16, hidden=256, intermediate=128, top_k=2, max_tokens_per_rank=32)
-    for flag, want in (("0", False), ("1", True)):
-        monkeypatch.setenv("MOE_EP_LOCAL_COMBINE", flag)
+    for flag, want in (("0", False), (None, True)):
+        if flag is None:
+            monkeypatch.delenv("MOE_EP_LOCAL_COMBINE", raising=False)
+        else:
+            monkeypatch.setenv("MOE_EP_LOCAL_COMBINE", flag)
         seen = len(COMPILE_EVENTS)
         prebuild(cfg, 1, kernels=("ep",))
         names = [e.name for e in COMPILE_EVENTS[seen:]]
         assert ("ep_combine_local" in names) == want, names
-        assert want or len(names) == 7, names
+        assert len(names) == (8 if want else 7), names

@@ -8,9 +8,9 @@ The forward is the BF16 SM90 backend's, with steps 3-4 replaced:
    rows on the wire; FP8 on the wire is still to come);
 3. **FC1 + SwiGLU** -- the grouped rows are quantised per 128 values of a row (E4M3 + one float32
    scale, ``amax / 448``: :func:`moe_ep.api.quant.quantize_fp8_rows128`), then the FP8 grouped GEMM
-   with per-k-block scale promotion ``h = swiglu(xq · wq13ᵀ)``; with ``MOE_EP_FP8_FUSED_GATHER=1``
-   (:func:`fused_gather_quant`, not yet run on a GPU) step 2 skips the BF16 row gather and this step
-   quantises the received rows straight into grouped order;
+   with per-k-block scale promotion ``h = swiglu(xq · wq13ᵀ)``; by default (:func:`fused_gather_quant`)
+   step 2 skips the BF16 row gather and this step quantises the received rows straight into grouped
+   order (one launch and a BF16 write + read of every grouped row less; same bits);
 4. **FC2 + router weight** -- ``h`` quantised the same way, ``y = ws · (hq · wq2ᵀ)``;
 5. **combine** -- as on BF16.
 
@@ -60,11 +60,10 @@ def check(config: Any, group: Any, device: torch.device) -> None:
 
 
 def fused_gather_quant() -> bool:
-    """``MOE_EP_FP8_FUSED_GATHER=1``: step 2 writes no BF16 grouped rows and step 3 gathers and
-    quantises the received rows in one pass (drop v12's gathering quantiser; output bit-identical by
-    construction, one launch and a BF16 write + read of every grouped row less). Off by default until
-    it has run on a GPU (compiled and CPU-tested only)."""
-    return os.environ.get("MOE_EP_FP8_FUSED_GATHER", "0") == "1"
+    """Step 2 writes no BF16 grouped rows and step 3 gathers and quantises the received rows in one
+    pass (drop v12's gathering quantiser): bit-identical to gather-then-quantise (GPU test), Qwen3
+    8192 tokens 1.21 -> 1.10 ms on the H200. ``MOE_EP_FP8_FUSED_GATHER=0`` turns it off (to compare)."""
+    return os.environ.get("MOE_EP_FP8_FUSED_GATHER", "1") != "0"
 
 
 def prebuild(config: Any, world_size: int, kernels: tuple = ("fc1", "fc2", "ep", "layout")) -> None:
