@@ -25,6 +25,8 @@ def test_compiles_with_wgmma_and_tma(act, n, k, scale, bias, needles, tmp_path, 
     assert "cp.async.bulk.tensor" in ptx
     assert ".target sm_90a" in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx, "register spills"
+    # drop v16: launched with PDL, so the kernel waits for the previous grid, then lets the next launch
+    assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
     for needle in needles:
         assert needle in ptx, f"{needle!r} missing from the PTX"
     if bias == "bfloat16":
@@ -107,6 +109,10 @@ def test_ep_kernels_compile(kind, needles, tmp_path, monkeypatch):
     ptx = sm90_compile_ep_ptx(kind, hidden=2048, topk=8, world=2, max_tokens=1024, num_experts=128)
     for n in needles:
         assert n in ptx, f"{kind}: {n!r} missing from the PTX"
+    # drop v16 (PDL): every kernel waits for the previous grid first; those that spin on other ranks'
+    # flags never let their successor launch early (its parked CTAs could starve a virtual rank)
+    assert "griddepcontrol.wait" in ptx, kind
+    assert ("griddepcontrol.launch_dependents" in ptx) == (kind not in ("wait", "combine_reduce")), kind
     assert "atom.global.add.f32" not in ptx and "red.global.add.f32" not in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx
 

@@ -40,6 +40,7 @@ def test_compiles_with_fp8_wgmma_tma_no_spills(act, n, k, experts, scale_rows, w
     if act == "swiglu":
         assert "ex2.approx" in ptx
     r = ptx_report(kernel, compiled)
+    assert r["pdl"], "PDL: griddepcontrol.wait / launch_dependents missing (drop v16)"
     assert r["smem_bytes"] <= 227 * 1024 and r["stages"] >= 4
     if r["ptxas_spill_bytes"] is None:
         pytest.skip("no ptxas installed: spill check skipped")

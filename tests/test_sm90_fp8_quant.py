@@ -42,6 +42,7 @@ def test_compiles_with_e4m3_cvt_no_spills(k, counted, gather):
     assert ".ftz" not in ptx                                        # denormals kept, as torch
     assert "shfl.sync.bfly.b32" in ptx and "max.NaN.f32" in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx
+    assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx  # PDL (drop v16)
     info = ptxas_info(ptx, "sm_90a")
     if info is None:
         pytest.skip("no ptxas installed: spill check skipped")

@@ -1,4 +1,4 @@
-"""Shim for the SM90 drop ``kernel_src/sm90/megamoe`` (package ``sm90_megamoe``), drop version 10.
+"""Shim for the SM90 drop ``kernel_src/sm90/megamoe`` (package ``sm90_megamoe``), drop version 16.
 
 What moe_ep relies on, declared as data (:data:`CONTRACT`), plus thin wrappers:
 
@@ -50,7 +50,7 @@ from ..nvshmem_boot import CounterContract
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 15},
+    "sm90_megamoe": {"DROP_VERSION": 16},
     "sm90_megamoe.fp8_gemm": {"FP8_BLOCK": 128, "OVERLAP_MAX_K_TILES": 32},
     "sm90_megamoe.constants": {
         "ABI_VERSION": 2,
@@ -84,7 +84,7 @@ CONSTANTS = MirroredConstants("sm90/megamoe", {
 })
 
 CONTRACT = DropContract(
-    arch="sm90", drop="megamoe", version=15, packages=(PKG,), constants=CONSTANTS,
+    arch="sm90", drop="megamoe", version=16, packages=(PKG,), constants=CONSTANTS,
     callables=(
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.__init__",
                     ("activation", "n", "k", "num_experts", "scale_rows", "tile_n", "bias_dtype",

@@ -12,6 +12,7 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
 from .grouped_gemm import GroupedGemmSm90
+from .pdl import ptx_problems
 
 
 _BIAS_DTYPES = {"float32": cutlass.Float32, "bfloat16": cutlass.BFloat16}
@@ -85,7 +86,7 @@ def main():
         c = compile_for_arch(act, n, k, sr, bias_dtype=bias, raster_m=raster)
         dt = time.time() - t0
         ptx = c.__ptx__
-        ok = "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+        ok = "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and not ptx_problems(ptx)
         print(f"{act:15s} N={n} K={k} scale_rows={sr} bias={bias} raster_m={raster}: "
               f"compile {dt:.2f}s  wgmma+tma in PTX: {ok}")
         assert ok
@@ -95,7 +96,7 @@ def main():
         c = compile_for_arch(act, n, k, sr, tile_n=tn, schedule="pingpong")
         dt = time.time() - t0
         ptx = c.__ptx__
-        ok = "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
+        ok = "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and not ptx_problems(ptx)
         print(f"{act:15s} N={n} K={k} scale_rows={sr} pingpong tile_n={tn}: "
               f"compile {dt:.2f}s  wgmma+tma in PTX: {ok}")
         assert ok

@@ -24,6 +24,7 @@ import cutlass.cute as cute
 from cutlass.cute.runtime import make_fake_stream
 
 from .ep_launch import EpBuffers, EpConfig, _real, fake_args, kinds_for, make_kernel
+from .pdl import ptx_problems
 
 EXPECT = {
     "dispatch": ["st.release.sys.global.b64", "fence.acq_rel.sys", "atom.global.acq_rel.add.u64",
@@ -39,6 +40,7 @@ EXPECT = {
 }
 EXPECT["combine_local"] = ["ld.global.v4.b32", "st.global.v4.b32", "vote.sync.ballot.b32"]  # no flags
 EXPECT["dispatch_i64"] = EXPECT["dispatch"]
+SPIN_KINDS = ("wait", "combine_reduce")  # spin on other ranks' flags: no early PDL trigger
 EXPECT["combine_send_weighted"] = EXPECT["combine_send"] + ["fma.rn.f32"]  # w_k * y + acc
 FORBID = ["ld.local", "st.local", "atom.global.add.f", "red.global.add.f"]  # spills / float atomics
 
@@ -121,6 +123,7 @@ def check(cfg: EpConfig, arch: str = "sm_90a", signatures: bool = True, verbose:
         expect = [p for p in EXPECT[kind]
                   if not (kind == "combine_reduce" and cfg.world == 1 and p.startswith("cvt"))]
         missing = [p for p in expect if p not in ptx]  # (W=1: bf16 -> f32 -> bf16 folds away)
+        missing += ptx_problems(ptx, trigger=kind not in SPIN_KINDS)  # PDL: wait first, early trigger
         forbidden = [p for p in FORBID + forbid_local if p in ptx]
         sig = ""
         if signatures:

@@ -62,6 +62,7 @@ import cutlass.cute as cute
 from cutlass import BFloat16, Float32, Int32, Int64
 from cutlass._mlir import ir
 
+from .pdl import PDL, wait_previous_grid
 from .ep_constants import (
     CTRL_COMBINE_ARRIVE,
     CTRL_DISPATCH_ARRIVE,
@@ -267,12 +268,13 @@ class EpDispatch:
                  stream: cuda.CUstream):
         self.kernel(mX, mTopkIds, mTopkW, mPeers, mCtrl, mErr, mVerr, mDestMask, my_rank,
                     num_tokens).launch(grid=(num_ctas, 1, 1), block=(self.threads, 1, 1),
-                                       stream=stream)
+                                       stream=stream, use_pdl=PDL)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mTopkIds: cute.Tensor, mTopkW: cute.Tensor,
                mPeers: cute.Tensor, mCtrl: cute.Tensor, mErr: cute.Tensor, mVerr: cute.Tensor,
                mDestMask: cute.Tensor, my_rank: Int32, num_tokens: Int32):
+        wait_previous_grid()
         W, K, T_max, E, E_l = self.W, self.K, self.T_max, self.E, self.E_l
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -429,11 +431,12 @@ class EpWait:
     def __call__(self, mFlags: cute.Tensor, mCtrl: cute.Tensor, mErr: cute.Tensor,
                  timeout_ns: Int64, stream: cuda.CUstream):
         self.kernel(mFlags, mCtrl, mErr, timeout_ns).launch(
-            grid=(1, 1, 1), block=(EP_WAIT_THREADS, 1, 1), stream=stream)
+            grid=(1, 1, 1), block=(EP_WAIT_THREADS, 1, 1), stream=stream, use_pdl=PDL)
 
     @cute.kernel
     def kernel(self, mFlags: cute.Tensor, mCtrl: cute.Tensor, mErr: cute.Tensor,
                timeout_ns: Int64):
+        wait_previous_grid(trigger=False)  # spins on other ranks' flags: no early trigger
         tidx, _, _ = cute.arch.thread_idx()
         if mErr[ERR_CODE] == Int32(0):
             expected = mCtrl[CTRL_EPOCH]
@@ -475,11 +478,12 @@ class GatherRows:
     def __call__(self, mSrc: cute.Tensor, mIdx: cute.Tensor, mCount: cute.Tensor,
                  mOut: cute.Tensor, num_ctas: Int32, stream: cuda.CUstream):
         self.kernel(mSrc, mIdx, mCount, mOut).launch(
-            grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), stream=stream)
+            grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), stream=stream, use_pdl=PDL)
 
     @cute.kernel
     def kernel(self, mSrc: cute.Tensor, mIdx: cute.Tensor, mCount: cute.Tensor,
                mOut: cute.Tensor):
+        wait_previous_grid()
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
         lane = cute.arch.lane_idx()
@@ -569,12 +573,13 @@ class CombineSend:
                  mRecvW: cute.Tensor, mPeers: cute.Tensor, mCtrl: cute.Tensor, mErr: cute.Tensor,
                  my_rank: Int32, num_ctas: Int32, stream: cuda.CUstream):
         self.kernel(mY, mPos, mRecvCount, mRecvW, mPeers, mCtrl, mErr, my_rank).launch(
-            grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), stream=stream)
+            grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), stream=stream, use_pdl=PDL)
 
     @cute.kernel
     def kernel(self, mY: cute.Tensor, mPos: cute.Tensor, mRecvCount: cute.Tensor,
                mRecvW: cute.Tensor, mPeers: cute.Tensor, mCtrl: cute.Tensor, mErr: cute.Tensor,
                my_rank: Int32):
+        wait_previous_grid()
         W, K, T_max = self.W, self.K, self.T_max
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -687,11 +692,12 @@ class CombineLocal:
     def __call__(self, mY: cute.Tensor, mPos: cute.Tensor, mRecvCount: cute.Tensor, mErr: cute.Tensor,
                  mOut: cute.Tensor, num_tokens: Int32, num_ctas: Int32, stream: cuda.CUstream):
         self.kernel(mY, mPos, mRecvCount, mErr, mOut, num_tokens).launch(
-            grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), stream=stream)
+            grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), stream=stream, use_pdl=PDL)
 
     @cute.kernel
     def kernel(self, mY: cute.Tensor, mPos: cute.Tensor, mRecvCount: cute.Tensor, mErr: cute.Tensor,
                mOut: cute.Tensor, num_tokens: Int32):
+        wait_previous_grid()
         K = self.K
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
@@ -782,12 +788,13 @@ class CombineReduce:
                  mCtrl: cute.Tensor, mErr: cute.Tensor, mOut: cute.Tensor, num_tokens: Int32,
                  timeout_ns: Int64, num_ctas: Int32, stream: cuda.CUstream):
         self.kernel(mDestMask, mComb, mFlags, mCtrl, mErr, mOut, num_tokens, timeout_ns).launch(
-            grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), stream=stream)
+            grid=(num_ctas, 1, 1), block=(self.threads, 1, 1), stream=stream, use_pdl=PDL)
 
     @cute.kernel
     def kernel(self, mDestMask: cute.Tensor, mComb: cute.Tensor, mFlags: cute.Tensor,
                mCtrl: cute.Tensor, mErr: cute.Tensor, mOut: cute.Tensor, num_tokens: Int32,
                timeout_ns: Int64):
+        wait_previous_grid(trigger=False)  # spins on other ranks' flags: no early trigger
         W, T_max = self.W, self.T_max
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()

@@ -73,6 +73,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from .pdl import PDL, wait_previous_grid
 from .constants import MAX_EXPERTS
 from .grouped_gemm import GroupedGemmSm90, LayoutEnum, get_smem_capacity_in_bytes
 
@@ -295,6 +296,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
             cluster=[1, 1, 1],
             min_blocks_per_mp=1,
             stream=stream,
+            use_pdl=PDL,
         )
 
     # ------------------------------------------------------------------ device side
@@ -315,6 +317,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         a_smem_layout: cute.ComposedLayout,
         b_smem_layout: cute.ComposedLayout,
     ):
+        wait_previous_grid()
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()

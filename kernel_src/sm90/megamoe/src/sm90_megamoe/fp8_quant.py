@@ -50,6 +50,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
+from .pdl import PDL, wait_previous_grid
+
 FP8_BLOCK = 128
 E4M3_MAX = 448.0
 LANES_PER_GROUP = 8                       # 8 lanes x 16 values = one 128-value group
@@ -100,11 +102,12 @@ class Fp8QuantizeRows128:
         need = (M * self.groups + (per_cta - 1)) // per_cta
         grid = cutlass.max(cutlass.min(need, Int32(self.max_ctas)), Int32(1))
         self.kernel(mX, mQ, mScale, mCount, mIdx, m_rows).launch(
-            grid=(grid, 1, 1), block=(self.threads, 1, 1), stream=stream)
+            grid=(grid, 1, 1), block=(self.threads, 1, 1), stream=stream, use_pdl=PDL)
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mQ: cute.Tensor, mScale: cute.Tensor, mCount: cute.Tensor,
                mIdx: cute.Tensor, m_rows: Int32):
+        wait_previous_grid()
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()

@@ -96,6 +96,7 @@ def ptx_report(kernel, compiled, arch: str = "sm_90a") -> dict:
     import re
 
     from .layout_compile_check import ptxas_info
+    from .pdl import ptx_problems
 
     ptx = compiled.__ptx__
     wgmma = sorted(set(re.findall(r"wgmma\.mma_async[\w.]*", ptx)))
@@ -105,6 +106,7 @@ def ptx_report(kernel, compiled, arch: str = "sm_90a") -> dict:
         "fp8_wgmma": any("e4m3.e4m3" in w for w in wgmma),
         "tma": "cp.async.bulk.tensor" in ptx,
         "local": ("ld.local" in ptx) or ("st.local" in ptx),
+        "pdl": not ptx_problems(ptx),
         "ptxas_regs": None if info is None else info[0],
         "ptxas_spill_bytes": None if info is None else info[1],
         "stages": kernel.num_stages,
@@ -270,7 +272,7 @@ def run_compile(model: str, overlap: bool = False) -> bool:
         kernel, compiled = compile_variant(act, n, k, E, sr, overlap_promotion=ov)
         name = name + (" overlap" if ov else "")
         r = ptx_report(kernel, compiled)
-        ok = r["fp8_wgmma"] and r["tma"] and not r["local"] and r["ptxas_spill_bytes"] in (0, None)
+        ok = r["fp8_wgmma"] and r["tma"] and r["pdl"] and not r["local"] and r["ptxas_spill_bytes"] in (0, None)
         ok_all &= ok
         print(f"[{model} {name}] {act} N={n} K={k} E={E} scale_rows={sr}: compile "
               f"{time.time() - t0:.2f}s {r} -> {'OK' if ok else 'FAIL'}", flush=True)

@@ -75,6 +75,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from .pdl import PDL, wait_previous_grid
 from .constants import (
     ACTIVATIONS,
     GATED_ACTIVATIONS,
@@ -338,6 +339,7 @@ class GroupedGemmSm90:
             cluster=[1, 1, 1],
             min_blocks_per_mp=1,
             stream=stream,
+            use_pdl=PDL,
         )
 
     # ------------------------------------------------------------------ scheduler helper
@@ -389,6 +391,7 @@ class GroupedGemmSm90:
         a_smem_layout: cute.ComposedLayout,
         b_smem_layout: cute.ComposedLayout,
     ):
+        wait_previous_grid()
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()

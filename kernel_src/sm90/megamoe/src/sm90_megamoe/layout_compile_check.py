@@ -32,6 +32,7 @@ from .ep_compile_check import same_signature
 from .ep_launch import _real
 from .layout_kernels import counts_len
 from .layout_launch import KINDS, LayoutConfig, fake_args, make_kernel
+from .pdl import ptx_problems
 
 EXPECT = {
     "count": ["atom.shared.add", "ld.acquire.sys.global.b64", "%globaltimer", "shfl.sync.up.b32",
@@ -111,6 +112,7 @@ def check(cfg: LayoutConfig, arch: str = "sm_90a", signatures: bool = True,
         dt = time.time() - t0
         ptx = c.__ptx__
         missing = [p for p in EXPECT[kind] if p not in ptx]
+        missing += ptx_problems(ptx, trigger=kind != "count")  # PDL; count spins on the dispatch flags
         absent = [p for p in ABSENT.get(kind, []) if p in ptx]
         forbidden = [p for p in FORBID if p in ptx]
         info = ptxas_info(ptx, arch)

@@ -54,6 +54,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 
+from .pdl import PDL, wait_previous_grid
 from .ep_constants import (
     CTRL_EPOCH,
     EP_VEC_BYTES,
@@ -153,11 +154,12 @@ class LayoutCount:
                  mCtrl: cute.Tensor, mErr: cute.Tensor, mCounts: cute.Tensor, timeout_ns: Int64,
                  num_chunks: Int32, stream: cuda.CUstream):
         self.kernel(mIds, mRecvCount, mFlags, mCtrl, mErr, mCounts, timeout_ns).launch(
-            grid=(num_chunks, 1, 1), block=(self.threads, 1, 1), stream=stream)
+            grid=(num_chunks, 1, 1), block=(self.threads, 1, 1), stream=stream, use_pdl=PDL)
 
     @cute.kernel
     def kernel(self, mIds: cute.Tensor, mRecvCount: cute.Tensor, mFlags: cute.Tensor,
                mCtrl: cute.Tensor, mErr: cute.Tensor, mCounts: cute.Tensor, timeout_ns: Int64):
+        wait_previous_grid(trigger=False)  # spins on other ranks' flags: no early trigger
         K, W, T_max, E_l, NT = self.K, self.W, self.T_max, self.E_l, self.threads
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -258,12 +260,13 @@ class LayoutPlace:
                  num_chunks: Int32, stream: cuda.CUstream):
         self.kernel(mIds, mW, mRecvCount, mErr, mCounts, mX, mOffsets, mIdx, mWs, mPos,
                     mXs).launch(grid=(num_chunks, 1, 1), block=(self.threads, 1, 1),
-                                stream=stream)
+                                stream=stream, use_pdl=PDL)
 
     @cute.kernel
     def kernel(self, mIds: cute.Tensor, mW: cute.Tensor, mRecvCount: cute.Tensor,
                mErr: cute.Tensor, mCounts: cute.Tensor, mX: cute.Tensor, mOffsets: cute.Tensor,
                mIdx: cute.Tensor, mWs: cute.Tensor, mPos: cute.Tensor, mXs: cute.Tensor):
+        wait_previous_grid()
         K, W, T_max, E_l = self.K, self.W, self.T_max, self.E_l
         NT, NW, TS, G, CPL = self.threads, self.NW, self.TS, self.G, self.CPL
         tidx, _, _ = cute.arch.thread_idx()

@@ -68,6 +68,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from .pdl import PDL, wait_previous_grid
 from .constants import ACTIVATIONS, ALIGN_K_ELEMS, ALIGN_N_ELEMS, GATED_ACTIVATIONS, MAX_EXPERTS
 
 try:  # newer location; the old one still works but warns
@@ -307,6 +308,7 @@ class SwapABGroupedGemmSm90:
             cluster=[1, 1, 1],
             min_blocks_per_mp=1,
             stream=stream,
+            use_pdl=PDL,
         )
 
     # ------------------------------------------------------------------ scheduler helper
@@ -344,6 +346,7 @@ class SwapABGroupedGemmSm90:
         w_smem_layout: cute.ComposedLayout,
         x_smem_layout: cute.ComposedLayout,
     ):
+        wait_previous_grid()
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()

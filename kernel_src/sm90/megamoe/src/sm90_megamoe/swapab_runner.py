@@ -37,6 +37,7 @@ import cutlass
 import cutlass.cute as cute
 
 from .compile_check import fake_args
+from .pdl import ptx_problems
 from .swapab_gemm import SwapABGroupedGemmSm90, pick_tile_t
 
 MODELS = {  # H, I, E, top-k
@@ -121,6 +122,7 @@ def ptx_checks(ptx: str, tile_t: int) -> Dict[str, bool]:
         "paired 32-bit stores": "st.global.b32" in ptx and "shfl.sync.bfly.b32" in ptx,
         "no local memory": "ld.local" not in ptx and "st.local" not in ptx,
         "target sm_90a": ".target sm_90a" in ptx,
+        "PDL wait + early trigger": not ptx_problems(ptx),
     }
 
 
