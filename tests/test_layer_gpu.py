@@ -488,3 +488,22 @@ def test_local_combine_is_bit_identical(monkeypatch, T):
         torch.cuda.synchronize()
         assert torch.equal(out, want)
     local.destroy()
+
+
+@pytest.mark.parametrize("T", [1, 300])
+def test_layout_chunks_do_not_change_the_bits(monkeypatch, T):
+    """Fewer layout chunks (MOE_EP_LAYOUT_CHUNKS) give the same bits as one per SM."""
+    _sm90()
+    from moe_ep.api import MoEConfig
+
+    cfg = MoEConfig(max_tokens_per_rank=512, **QWEN)
+    x, ids, w, w13, w2 = problem(T, seed_of("layout_chunks", T))
+    outs = []
+    for chunks in ("", "3"):
+        monkeypatch.setenv("MOE_EP_LAYOUT_CHUNKS", chunks)
+        (layer,) = layers(cfg, "sm90_bf16_cutedsl")
+        out = torch.full((T, QWEN["hidden"]), float("nan"), dtype=torch.bfloat16, device="cuda")
+        outs.append(layer.forward(x, ids, w, w13, w2, out=out).clone())
+        layer.check_errors()
+        layer.destroy()
+    assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1])

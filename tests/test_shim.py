@@ -271,3 +271,18 @@ def test_single_rank_combine_is_built_only_when_asked_for(monkeypatch, tmp_path)
         names = [e.name for e in COMPILE_EVENTS[seen:]]
         assert ("ep_combine_local" in names) == want, names
         assert len(names) == (8 if want else 7), names
+
+
+def test_layout_chunks_knob(monkeypatch):
+    """MOE_EP_LAYOUT_CHUNKS caps the layout kernels' chunks (never above the default); bad values
+    raise a ValueError naming the variable."""
+    from moe_ep.backends.sm90.bf16_cutedsl.backend import layout_chunks
+
+    monkeypatch.delenv("MOE_EP_LAYOUT_CHUNKS", raising=False)
+    assert layout_chunks(132) == 132
+    monkeypatch.setenv("MOE_EP_LAYOUT_CHUNKS", "16")
+    assert layout_chunks(132) == 16 and layout_chunks(8) == 8
+    for bad in ("0", "-3", "x", "1.5"):
+        monkeypatch.setenv("MOE_EP_LAYOUT_CHUNKS", bad)
+        with pytest.raises(ValueError, match="MOE_EP_LAYOUT_CHUNKS"):
+            layout_chunks(132)

@@ -54,6 +54,19 @@ def local_combine() -> bool:
     return os.environ.get("MOE_EP_LOCAL_COMBINE", "1") != "0"
 
 
+def layout_chunks(num_ctas: int) -> int:
+    """Chunks (CTAs) of the two step-2 layout kernels: one per CTA of the EP kernels (an SM each)
+    by default; ``MOE_EP_LAYOUT_CHUNKS=n`` (a tuning knob, read at bind) caps it at ``n``. Each
+    layout CTA sums the per-expert counts of every chunk, so fewer chunks cost less when a call
+    has few tokens; any number gives the same layout (chunks are contiguous slot ranges)."""
+    raw = os.environ.get("MOE_EP_LAYOUT_CHUNKS", "")
+    if not raw:
+        return num_ctas
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"MOE_EP_LAYOUT_CHUNKS must be a positive integer, got {raw!r}")
+    return min(num_ctas, int(raw))
+
+
 def check(config: Any, group: Any, device: torch.device) -> None:
     """Refuse, with the reason, anything this backend cannot run here."""
     require_cuda_arch("sm90_bf16_cutedsl", device, (9, 0), "an SM90 GPU (H100/H200)")
@@ -203,7 +216,8 @@ class Sm90CuteDSLBackend(BackendImpl):
                                 num_ctas=self.num_ctas, timeout_ns=self.timeout_ns, arch=self.arch,
                                 local_combine=self.local_combine)
         self.layout = Sm90LayoutSession(d.hidden, d.topk, self.W, d.max_tokens, self.E, dev, v["counts"],
-                                        num_chunks=self.num_ctas, timeout_ns=self.timeout_ns, arch=self.arch)
+                                        num_chunks=layout_chunks(self.num_ctas), timeout_ns=self.timeout_ns,
+                                        arch=self.arch)
         self._bind_gemms(v)
         self.xs, self.h = v["xs"], v["h"]
         self.y = v["xs"]  # FC2's output overwrites FC1's input, dead by then
