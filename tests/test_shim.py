@@ -286,3 +286,23 @@ def test_layout_chunks_knob(monkeypatch):
         monkeypatch.setenv("MOE_EP_LAYOUT_CHUNKS", bad)
         with pytest.raises(ValueError, match="MOE_EP_LAYOUT_CHUNKS"):
             layout_chunks(132)
+
+
+def test_pdl_launches_are_opt_in_and_cached_apart(tmp_path):
+    """Drop v17: PDL launches only with SM90_MEGAMOE_PDL=1 (read when the drop is imported); the
+    disk cache keeps kernels built with it in their own folder."""
+    pytest.importorskip("cutlass")
+    import os
+    import subprocess
+    import sys
+
+    code = ("from moe_ep.shim.drops.sm90_megamoe import cache_namespace, pdl_launches; "
+            "print(pdl_launches(), cache_namespace())")
+    outs = {}
+    for flag in ("0", "1"):
+        env = dict(os.environ, SM90_MEGAMOE_PDL=flag, MOE_EP_CACHE_DIR=str(tmp_path))
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+        assert p.returncode == 0, p.stderr[-2000:]
+        outs[flag] = p.stdout.split()
+    assert outs["0"][0] == "False" and outs["1"][0] == "True"
+    assert outs["1"][1] == outs["0"][1] + "-pdl"

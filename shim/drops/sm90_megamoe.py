@@ -1,4 +1,4 @@
-"""Shim for the SM90 drop ``kernel_src/sm90/megamoe`` (package ``sm90_megamoe``), drop version 16.
+"""Shim for the SM90 drop ``kernel_src/sm90/megamoe`` (package ``sm90_megamoe``), drop version 17.
 
 What moe_ep relies on, declared as data (:data:`CONTRACT`), plus thin wrappers:
 
@@ -50,7 +50,7 @@ from ..nvshmem_boot import CounterContract
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 16},
+    "sm90_megamoe": {"DROP_VERSION": 17},
     "sm90_megamoe.fp8_gemm": {"FP8_BLOCK": 128, "OVERLAP_MAX_K_TILES": 32},
     "sm90_megamoe.constants": {
         "ABI_VERSION": 2,
@@ -84,7 +84,7 @@ CONSTANTS = MirroredConstants("sm90/megamoe", {
 })
 
 CONTRACT = DropContract(
-    arch="sm90", drop="megamoe", version=16, packages=(PKG,), constants=CONSTANTS,
+    arch="sm90", drop="megamoe", version=17, packages=(PKG,), constants=CONSTANTS,
     callables=(
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.__init__",
                     ("activation", "n", "k", "num_experts", "scale_rows", "tile_n", "bias_dtype",
@@ -157,6 +157,7 @@ CONTRACT = DropContract(
     attributes=(
         AttributeUse("sm90_megamoe.launch", ("CompiledGroupedGemm", "to_cute_args")),
         AttributeUse("sm90_megamoe.compile_check", ("compile_for_arch",)),
+        AttributeUse("sm90_megamoe.pdl", ("PDL",)),
         AttributeUse("sm90_megamoe.ep_launch", ("EpConfig", "EpBuffers", "EpRank", "KINDS", "build_peer_table",
                                                 "compile_kernel", "put_kernel", "kinds_for")),
         AttributeUse("sm90_megamoe.layout_launch", ("LayoutConfig", "Layout", "KINDS", "compile_kernel",
@@ -206,9 +207,17 @@ def _load(module: str) -> Any:
 EP_ARCHS = ("sm_90a", "sm_100a", "sm_120a")
 
 
+def pdl_launches() -> bool:
+    """Whether the drop launches its kernels with programmatic dependent launch (drop v17:
+    ``SM90_MEGAMOE_PDL=1`` when the drop is first imported; off by default, see VENDOR.md)."""
+    return bool(_load("sm90_megamoe.pdl").PDL)
+
+
 def cache_namespace(arch: str = "sm_90a") -> str:
-    """Disk-cache folder of this drop's kernels for ``arch`` (see :func:`disk_cache.drop_namespace`)."""
-    return disk_cache.drop_namespace("sm90", "megamoe", CONSTANTS.value(PKG, "DROP_VERSION"), arch)
+    """Disk-cache folder of this drop's kernels for ``arch`` (see :func:`disk_cache.drop_namespace`);
+    kernels built with PDL launches live in their own folder (the launch attribute is compiled in)."""
+    ns = disk_cache.drop_namespace("sm90", "megamoe", CONSTANTS.value(PKG, "DROP_VERSION"), arch)
+    return ns + "-pdl" if pdl_launches() else ns
 
 
 def _check_ep_arch(arch: str) -> None:
