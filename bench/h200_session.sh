@@ -16,7 +16,8 @@
 #                   $OUT/peer_flashinfer_*.log;
 #                3. the rows of every $OUT/*.csv as one table.
 # liger:         [bash .device/liger/stage.sh if /tmp/lsite/.ok is missing], then in a subshell
-#                `source .device/liger/env.sh` and LigerCute on the same models: $OUT/liger.csv, $OUT/liger.log.
+#                `source .device/liger/env.sh` and LigerCute on the same models: $OUT/liger.csv, $OUT/liger.log;
+#                then LigerCute at PEER_DECODE_TOKENS (1,8,32,128,256) -> $OUT/decode_liger.csv.
 # extra:         python -m moe_ep.bench startup (warmup cold/warm, forward host time) -> $OUT/startup.log;
 #                python -m moe_ep.bench hf (Qwen3-MoE block via transformers, needs transformers) -> $OUT/hf.log;
 #                the decode sweep of $MODELS with --decode-csv $OUT/decode.csv --plot $OUT/decode.png;
@@ -113,6 +114,12 @@ if [ "$mode" = liger ]; then
     source .device/liger/env.sh || exit 3
     exec python3 -m moe_ep.bench "$@"' liger "${common[@]}" "${peer_args[@]}" --peer liger "${lscript[@]}" \
       --csv "$OUT/liger.csv"
+  # LigerCute at decode token counts (issue 11 wants it beside ours and FlashInfer's), its own env
+  step "LigerCute decode" "$OUT/decode_liger.log" -- bash -c '
+    source .device/liger/env.sh || exit 3
+    exec python3 -m moe_ep.bench "$@"' liger --model "$MODELS" --tokens 128 --iters "$ITERS" "${peer_args[@]}" \
+      --peer liger "${lscript[@]}" --peer-decode-tokens "${PEER_DECODE_TOKENS:-1,8,32,128,256}" \
+      --decode-csv "$OUT/decode_liger.csv"
 fi
 
 echo "===== summary ($(date +%T))"

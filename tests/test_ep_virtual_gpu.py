@@ -242,7 +242,7 @@ def test_virtual_ep_cuda_graph():
 def test_virtual_ep_fp8_block128(W, Ts, fused, monkeypatch):
     """The FP8 backend's ranks (BF16 dispatch/combine around the FP8 GEMMs) against the reference
     backend's FP8 semantics on the same global inputs and quantised weights; ``fused``: FC1's input
-    gathered and quantised from the receive buffer in one pass (MOE_EP_FP8_FUSED_GATHER=1)."""
+    gathered and quantised from the receive buffer in one pass (the default; off: MOE_EP_FP8_FUSED_GATHER=0)."""
     _sm90()
     monkeypatch.setenv("MOE_EP_FP8_FUSED_GATHER", "1" if fused else "0")
     from moe_ep.api import MoEConfig

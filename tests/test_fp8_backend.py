@@ -282,7 +282,7 @@ def test_fused_gather_wiring_on_cpu(fused):
 @pytest.mark.parametrize("local", [False, True])
 def test_single_rank_combine_wiring_on_cpu(local):
     """Step 5 (recorded, no kernel runs): one launch (combine_local into ``out``) when the layer
-    has one rank and MOE_EP_LOCAL_COMBINE=1 chose it, else combine_send then combine_reduce."""
+    has one rank (the default; MOE_EP_LOCAL_COMBINE=0 turns it off), else combine_send then combine_reduce."""
     from types import SimpleNamespace
 
     from moe_ep.backends.sm90.bf16_cutedsl.backend import Sm90CuteDSLBackend
