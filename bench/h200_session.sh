@@ -24,8 +24,9 @@
 #                with .device/fi carried, FlashInfer at PEER_DECODE_TOKENS (1,8,32,128,256) in the same
 #                call -> $OUT/decode_fi.csv, both plotted in $OUT/decode_all.png.
 # verify:        what has not yet run enough on a GPU: drop v17's opt-in PDL launches (SM90_MEGAMOE_PDL=1:
-#                the virtual-rank tests twice), the MOE_EP_LAYOUT_CHUNKS bit test, and the decode sweep with
-#                PDL 0/1 x layout chunks (all, 32, 8) -> $OUT/verify_*.log, $OUT/decode_p*c*.{log,csv}.
+#                the virtual-rank tests twice), the MOE_EP_LAYOUT_CHUNKS and MOE_EP_TOKEN_GRID bit tests, and
+#                the decode sweep with (PDL, token grid, layout chunks) = (0,0,all) (0,1,all) (0,1,32) (0,1,8)
+#                (1,1,32) -> $OUT/verify_*.log, $OUT/decode_p*g*c*.{log,csv}.
 # Knobs (environment): MODELS (qwen3,mixtral), TOKENS (8192), ITERS (30), N (GPUs = EP size, 1),
 #   STEP_TIMEOUT (s per part, 420), PEER_TIMEOUT (s per peer run, 240), BENCH_ARGS (extra moe_ep.bench args),
 #   QUANT (fp8_block128: FP8 block-scaled weights, FlashInfer's FP8 backend beside them),
@@ -97,14 +98,14 @@ if [ "$mode" = verify ]; then
     step "virtual-rank tests, PDL on ($rep)" "$OUT/verify_pdl$rep.log" -- env SM90_MEGAMOE_PDL=1 \
         python3 -m pytest -m gpu -q -W ignore -p no:cacheprovider tests/test_ep_virtual_gpu.py --tb=short
   done
-  step "layout chunks test" "$OUT/verify_chunks.log" -- python3 -m pytest -m gpu -q -W ignore \
-      -p no:cacheprovider tests/test_layer_gpu.py -k layout_chunks --tb=short
-  for pdl in 0 1; do
-    for ch in "" 32 8; do
-      step "decode, PDL $pdl, layout chunks '${ch:-all}'" "$OUT/decode_p${pdl}c${ch:-all}.log" -- env \
-          SM90_MEGAMOE_PDL=$pdl MOE_EP_LAYOUT_CHUNKS=$ch python3 -m moe_ep.bench --model "$MODELS" --tokens 128 \
-          --iters 50 --no-reference --quiet --decode-tokens 1,8,128 --decode-csv "$OUT/decode_p${pdl}c${ch:-all}.csv"
-    done
+  step "layout chunks + token grid tests" "$OUT/verify_chunks.log" -- python3 -m pytest -m gpu -q -W ignore \
+      -p no:cacheprovider tests/test_layer_gpu.py -k "layout_chunks or token_grid" --tb=short
+  for v in "0 0 " "0 1 " "0 1 32" "0 1 8" "1 1 32"; do  # PDL, token grid, layout chunks
+    set -- $v
+    tag="p$1g$2c${3:-all}"
+    step "decode, PDL $1, token grid $2, layout chunks '${3:-all}'" "$OUT/decode_$tag.log" -- env SM90_MEGAMOE_PDL=$1 \
+        MOE_EP_TOKEN_GRID=$2 MOE_EP_LAYOUT_CHUNKS=${3:-} python3 -m moe_ep.bench --model "$MODELS" --tokens 128 \
+        --iters 50 --no-reference --quiet --decode-tokens 1,8,128 --decode-csv "$OUT/decode_$tag.csv"
   done
 fi
 if [ "$mode" = liger ]; then

@@ -290,7 +290,8 @@ def test_single_rank_combine_wiring_on_cpu(local):
     calls = []
     b = object.__new__(Sm90CuteDSLBackend)
     b.local_combine, b.y, b.pos = local, torch.zeros(2), torch.zeros(3)
-    b.ep = SimpleNamespace(**{n: (lambda *a, n=n, **k: calls.append((n, a))) for n in
+    b._token_ctas = 5  # step 1's grid for this call's tokens, reused by the per-token combine kernel
+    b.ep = SimpleNamespace(**{n: (lambda *a, n=n, **k: calls.append((n, a, k))) for n in
                               ("combine_send", "combine_reduce", "combine_local")})
     out = torch.zeros(1)
     b._step5_combine_send()
@@ -299,3 +300,4 @@ def test_single_rank_combine_wiring_on_cpu(local):
         assert [c[0] for c in calls] == ["combine_local"] and calls[0][1] == (b.y, b.pos, out)
     else:
         assert [c[0] for c in calls] == ["combine_send", "combine_reduce"] and calls[1][1] == (out,)
+    assert calls[-1][2] == {"num_ctas": 5}

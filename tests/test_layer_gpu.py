@@ -507,3 +507,30 @@ def test_layout_chunks_do_not_change_the_bits(monkeypatch, T):
         layer.check_errors()
         layer.destroy()
     assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.parametrize("T", [0, 1, 37, 700])
+def test_token_grid_gives_the_full_grid_bits(T):
+    """Dispatch and the combine on a grid sized from the call's tokens (MOE_EP_TOKEN_GRID=1) give
+    the bits of the full grid, with bad choices recorded the same way."""
+    _sm90()
+    from moe_ep.api import MoEConfig
+
+    cfg = MoEConfig(max_tokens_per_rank=1024, **QWEN)
+    x, ids, w, w13, w2 = problem(T, seed_of("token_grid", T))
+    if T > 2:
+        ids[2, 1] = -5  # one dropped choice: the first-bad-value record must not depend on the grid
+    (layer,) = layers(cfg, "sm90_bf16_cutedsl")
+    outs, errs = [], []
+    for token_grid in (False, True):
+        layer._impl.token_grid = token_grid
+        out = torch.full((T, QWEN["hidden"]), float("nan"), dtype=torch.bfloat16, device="cuda")
+        outs.append(layer.forward(x, ids, w, w13, w2, out=out).clone())
+        try:
+            layer.check_errors()
+            errs.append(None)
+        except Exception as e:  # noqa: BLE001 - the bad id above is reported, as it should be
+            errs.append(str(e).split(" at forward")[0])
+    assert torch.equal(outs[0], outs[1]) and errs[0] == errs[1], errs
+    assert (errs[1] is not None) == (T > 2)
+    layer.destroy()

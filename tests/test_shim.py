@@ -306,3 +306,16 @@ def test_pdl_launches_are_opt_in_and_cached_apart(tmp_path):
         outs[flag] = p.stdout.split()
     assert outs["0"][0] == "False" and outs["1"][0] == "True"
     assert outs["1"][1] == outs["0"][1] + "-pdl"
+
+
+def test_token_grid_of_the_per_token_kernels():
+    """EpSession.token_ctas: one warp per token, within [1, the session's grid]."""
+    from types import SimpleNamespace
+
+    from moe_ep.shim.drops.sm90_megamoe import EpSession
+
+    s = object.__new__(EpSession)
+    s.cfg, s.ep = SimpleNamespace(threads=256), SimpleNamespace(num_ctas=132)
+    assert [s.token_ctas(t) for t in (0, 1, 8, 9, 128, 1056, 1057, 8192)] == [1, 1, 1, 2, 16, 132, 132, 132]
+    s.ep = SimpleNamespace(num_ctas=16)  # virtual ranks: a smaller grid stays the cap
+    assert s.token_ctas(8192) == 16

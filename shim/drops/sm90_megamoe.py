@@ -167,7 +167,8 @@ CONTRACT = DropContract(
                       "launch_converted")),
         AttributeUse("sm90_megamoe.ep_launch:EpRank",
                      ("dispatch", "wait", "combine_send", "combine_reduce", "combine_local", "read_err", "read_verr",
-                      "reset_verr", "reset_state")),
+                      "reset_verr", "reset_state", "num_ctas")),
+        AttributeUse("sm90_megamoe.ep_launch:EpConfig", ("threads",)),
         AttributeUse("sm90_megamoe.ep_launch:EpBuffers",
                      ("recv_x", "recv_ids", "recv_w", "recv_count", "flags", "comb", "ctrl", "err", "verr",
                       "dmask")),
@@ -627,6 +628,16 @@ class EpSession:
         self.combine_reduce = self.ep.combine_reduce
         # W = 1: combine_send + combine_reduce in one launch (drop v14), bit for bit
         self.combine_local = self.ep.combine_local if self.local_combine else None
+
+    def token_ctas(self, tokens: int) -> int:
+        """Grid for the kernels that take one token per warp (dispatch, combine_local,
+        combine_reduce) in a call of ``tokens`` tokens: enough CTAs for one warp per token, at
+        most the session's grid, at least 1 (a call without tokens still publishes its flag). The
+        results do not depend on the grid (each token is one warp's work; the first-bad-value
+        record is an atomic minimum); what shrinks is the per-CTA completion protocol (dispatch:
+        one system-scope fence and arrival atomic per CTA), which dominates a decode step's dispatch."""
+        warps = self.cfg.threads // 32
+        return max(1, min(self.ep.num_ctas, -(-int(tokens) // warps)))
 
     def check(self) -> None:
         """Raise :class:`DeviceStallError` (timeout) or :class:`CapacityError` if a kernel of this

@@ -54,6 +54,15 @@ def local_combine() -> bool:
     return os.environ.get("MOE_EP_LOCAL_COMBINE", "1") != "0"
 
 
+def token_grid() -> bool:
+    """``MOE_EP_TOKEN_GRID=1``: the per-token kernels (dispatch, combine_local / combine_reduce) run
+    on a grid sized from the call's host-known token count (shim ``EpSession.token_ctas``: one warp
+    per token) instead of every SM: a decode step's dispatch then pays one CTA's completion fence
+    and arrival atomic instead of one per SM. Same bits by construction (GPU test written); off by
+    default until it has run on a GPU."""
+    return os.environ.get("MOE_EP_TOKEN_GRID", "0") == "1"
+
+
 def layout_chunks(num_ctas: int) -> int:
     """Chunks (CTAs) of the two step-2 layout kernels: one per CTA of the EP kernels (an SM each)
     by default; ``MOE_EP_LAYOUT_CHUNKS=n`` (a tuning knob, read at bind) caps it at ``n``. Each
@@ -184,6 +193,8 @@ class Sm90CuteDSLBackend(BackendImpl):
         self.timeout_ns = int(timeout_s * 1e9)
         self.num_ctas = num_ctas
         self.virtual = virtual
+        self.token_grid = token_grid()
+        self._token_ctas = None
         self.ws = get_workspace(group, device)
         self.ws.register(self, self.dims)
         self.ep = None
@@ -293,7 +304,9 @@ class Sm90CuteDSLBackend(BackendImpl):
         decode = self.fc1_decode is not None and x.shape[0] <= self._decode_max_tokens
         self._gemms = (self.fc1_decode, self.fc2_decode) if decode else (self.fc1, self.fc2)
         self.ws.seq += 1
-        self.ep.dispatch(x, topk_ids, topk_weights)
+        # grid of the per-token kernels of this call, from its host-known token count
+        self._token_ctas = self.ep.token_ctas(x.shape[0]) if self.token_grid else None
+        self.ep.dispatch(x, topk_ids, topk_weights, num_ctas=self._token_ctas)
 
     def _step2_layout(self) -> None:
         self.layout(self.ep, self.offsets, self.idx, self.ws_rows, self.pos, self.xs)
@@ -310,9 +323,9 @@ class Sm90CuteDSLBackend(BackendImpl):
 
     def _step5_combine_reduce(self, out) -> None:
         if self.local_combine:
-            self.ep.combine_local(self.y, self.pos, out)
+            self.ep.combine_local(self.y, self.pos, out, num_ctas=self._token_ctas)
         else:
-            self.ep.combine_reduce(out)
+            self.ep.combine_reduce(out, num_ctas=self._token_ctas)
 
     def forward(self, x, topk_ids, topk_weights, w13, w2, out=None, b13=None, b2=None):
         self._ensure()
@@ -348,7 +361,7 @@ class Sm90CuteDSLBackend(BackendImpl):
         if out is None:
             out = torch.empty(state.num_tokens, self.cfg.hidden, dtype=expert_out.dtype, device=expert_out.device)
         self.ep.combine_send(expert_out, self.pos, weighted=True)
-        self.ep.combine_reduce(out)
+        self.ep.combine_reduce(out, num_ctas=self.ep.token_ctas(state.num_tokens) if self.token_grid else None)
         return out
 
     # ---- benchmark hooks -------------------------------------------------------------------------
