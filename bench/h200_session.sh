@@ -25,8 +25,8 @@
 #                call -> $OUT/decode_fi.csv, both plotted in $OUT/decode_all.png.
 # verify:        what has not yet run enough on a GPU: drop v17's opt-in PDL launches (SM90_MEGAMOE_PDL=1:
 #                the virtual-rank tests twice), the MOE_EP_LAYOUT_CHUNKS and MOE_EP_TOKEN_GRID bit tests, and
-#                the decode sweep with (PDL, token grid, layout chunks) = (0,0,all) (0,1,all) (0,1,32) (0,1,8)
-#                (1,1,32) -> $OUT/verify_*.log, $OUT/decode_p*g*c*.{log,csv}.
+#                the layer tests with PDL on, the decode sweep with (PDL, token grid, layout chunks) = (0,0,all)
+#                (1,0,all) (0,1,all) (0,1,32) (0,1,8) (1,1,32) -> $OUT/verify_*.log, $OUT/decode_p*g*c*.{log,csv}.
 # Knobs (environment): MODELS (qwen3,mixtral), TOKENS (8192), ITERS (30), N (GPUs = EP size, 1),
 #   STEP_TIMEOUT (s per part, 420), PEER_TIMEOUT (s per peer run, 240), BENCH_ARGS (extra moe_ep.bench args),
 #   QUANT (fp8_block128: FP8 block-scaled weights, FlashInfer's FP8 backend beside them),
@@ -94,13 +94,15 @@ if [ "$mode" = verify ]; then
   # drop v17: PDL launches are opt-in (SM90_MEGAMOE_PDL=1) because one virtual-rank test failed once
   # with them (v16); repeat the virtual-rank tests with PDL on, then time decode with PDL off/on and
   # the layout-chunk cap (MOE_EP_LAYOUT_CHUNKS) at 3 settings
-  for rep in 1 2; do
+  for rep in 1 2; do  # (drop v18: with PDL, FC2's swap-AB kernel also prefetches weights before its wait)
     step "virtual-rank tests, PDL on ($rep)" "$OUT/verify_pdl$rep.log" -- env SM90_MEGAMOE_PDL=1 \
         python3 -m pytest -m gpu -q -W ignore -p no:cacheprovider tests/test_ep_virtual_gpu.py --tb=short
   done
+  step "layer tests, PDL on" "$OUT/verify_pdl_layer.log" -- env SM90_MEGAMOE_PDL=1 \
+      python3 -m pytest -m gpu -q -W ignore -p no:cacheprovider tests/test_layer_gpu.py --tb=short
   step "layout chunks + token grid tests" "$OUT/verify_chunks.log" -- python3 -m pytest -m gpu -q -W ignore \
       -p no:cacheprovider tests/test_layer_gpu.py -k "layout_chunks or token_grid" --tb=short
-  for v in "0 0 " "0 1 " "0 1 32" "0 1 8" "1 1 32"; do  # PDL, token grid, layout chunks
+  for v in "0 0 " "1 0 " "0 1 " "0 1 32" "0 1 8" "1 1 32"; do  # PDL, token grid, layout chunks
     set -- $v
     tag="p$1g$2c${3:-all}"
     step "decode, PDL $1, token grid $2, layout chunks '${3:-all}'" "$OUT/decode_$tag.log" -- env SM90_MEGAMOE_PDL=$1 \

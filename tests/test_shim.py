@@ -319,3 +319,18 @@ def test_token_grid_of_the_per_token_kernels():
     assert [s.token_ctas(t) for t in (0, 1, 8, 9, 128, 1056, 1057, 8192)] == [1, 1, 1, 2, 16, 132, 132, 132]
     s.ep = SimpleNamespace(num_ctas=16)  # virtual ranks: a smaller grid stays the cap
     assert s.token_ctas(8192) == 16
+
+
+def test_early_weights_is_the_plain_kernel_without_pdl(monkeypatch, tmp_path):
+    """Without PDL launches (the default) FC2's ``early_weights`` asks for nothing new: the same
+    compiled kernel as without it (one cache entry); other schedules ignore it."""
+    pytest.importorskip("cutlass")
+    monkeypatch.setenv("MOE_EP_CACHE_DIR", str(tmp_path))
+    from moe_ep.shim import sm90_compiled_grouped_gemm
+    from moe_ep.shim.drops.sm90_megamoe import pdl_launches
+
+    if pdl_launches():
+        pytest.skip("SM90_MEGAMOE_PDL=1 in this process")
+    a = sm90_compiled_grouped_gemm("identity", 512, 256, 8, True, schedule="swapab", early_weights=True)
+    b = sm90_compiled_grouped_gemm("identity", 512, 256, 8, True, schedule="swapab")
+    assert a is b and not a.early_weights

@@ -56,6 +56,42 @@ def test_swapab_compiles(act, n, k, e, scale, tile_t, tile_w, bias, tmp_path, mo
     assert regs <= (168 if kern.num_mma_wg == 2 else 255)
 
 
+
+_EARLY_CHECK = """
+import re
+from moe_ep.shim import drop_src, register_drop
+register_drop(drop_src("sm90", "megamoe"))
+from sm90_megamoe.swapab_runner import compile_swapab
+out = []
+for early in (False, True):
+    kern, c = compile_swapab("identity", 2048, 768, 128, True, 16, early_weights=early)
+    body = c.__ptx__[c.__ptx__.index(".entry"):]
+    out.append(re.sub(r"^\s*//.*$|\.loc.*$", "", body, flags=re.M))
+pf, wt = out[1].find("cp.async.bulk.prefetch.tensor"), out[1].find("griddepcontrol.wait")
+print("RESULT", out[0] == out[1], pf >= 0, 0 <= pf < wt, out[1].count("cp.async.bulk.prefetch.tensor"))
+"""
+
+
+@pytest.mark.parametrize("pdl", ["0", "1"])
+def test_early_weights_prefetch_only_with_pdl(pdl, tmp_path):
+    """Drop v18: FC2's swap-AB kernel with ``early_weights`` prefetches its first 8 weight k-blocks
+    (128 KB) into L2 before the PDL wait when the drop launches with PDL (SM90_MEGAMOE_PDL=1);
+    without PDL its PTX is that of the plain kernel."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, SM90_MEGAMOE_PDL=pdl, CUTE_DSL_DUMP_DIR=str(tmp_path))
+    p = subprocess.run([sys.executable, "-c", _EARLY_CHECK], capture_output=True, text=True, timeout=600,
+                       env=env, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    same, has_prefetch, before_wait, count = p.stdout.split("RESULT")[1].split()
+    if pdl == "0":
+        assert (same, has_prefetch) == ("True", "False")
+    else:
+        assert (same, has_prefetch, before_wait) == ("False", "True", "True") and int(count) >= 1
+
+
 def test_swapab_parameter_checks():
     k = SwapABGroupedGemmSm90("swiglu", tile_t=16)
     assert k.static_shapes(2 * I, H) == (I, I // 64)

@@ -1,4 +1,4 @@
-"""Shim for the SM90 drop ``kernel_src/sm90/megamoe`` (package ``sm90_megamoe``), drop version 17.
+"""Shim for the SM90 drop ``kernel_src/sm90/megamoe`` (package ``sm90_megamoe``), drop version 18.
 
 What moe_ep relies on, declared as data (:data:`CONTRACT`), plus thin wrappers:
 
@@ -50,7 +50,7 @@ from ..nvshmem_boot import CounterContract
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 17},
+    "sm90_megamoe": {"DROP_VERSION": 18},
     "sm90_megamoe.fp8_gemm": {"FP8_BLOCK": 128, "OVERLAP_MAX_K_TILES": 32},
     "sm90_megamoe.constants": {
         "ABI_VERSION": 2,
@@ -84,11 +84,12 @@ CONSTANTS = MirroredConstants("sm90/megamoe", {
 })
 
 CONTRACT = DropContract(
-    arch="sm90", drop="megamoe", version=17, packages=(PKG,), constants=CONSTANTS,
+    arch="sm90", drop="megamoe", version=18, packages=(PKG,), constants=CONSTANTS,
     callables=(
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.__init__",
                     ("activation", "n", "k", "num_experts", "scale_rows", "tile_n", "bias_dtype",
-                     "raster_m", "swiglu_alpha", "swiglu_limit", "schedule", "compiled", "tvm_ffi")),
+                     "raster_m", "swiglu_alpha", "swiglu_limit", "schedule", "compiled", "tvm_ffi",
+                     "early_weights")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_converted",
                     ("args", "max_active_ctas", "stream")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_tensors",
@@ -324,6 +325,7 @@ class GemmKey:
     swiglu_limit: float
     schedule: str
     tvm_ffi: bool
+    early_weights: bool = False
 
 
 class GroupedGemm:
@@ -399,10 +401,14 @@ def _bias_name(bias_dtype: Any) -> str | None:
 def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
                           tile_n: int | None = None, bias_dtype: Any = None, raster_m: int | None = None,
                           swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
-                          schedule: str | None = None, rows_per_expert: float | None = None) -> Any:
+                          schedule: str | None = None, rows_per_expert: float | None = None,
+                          early_weights: bool = False) -> Any:
     """The compiled grouped GEMM from the compile cache (compiled code only, no buffers).
     ``schedule``/``tile_n`` None: :func:`pick_schedule` (``rows_per_expert``: the mean rows per
-    expert the caller expects at capacity; None = many, the prefill kernels)."""
+    expert the caller expects at capacity; None = many, the prefill kernels). ``early_weights``:
+    the caller guarantees ``offsets``/``row_scale`` were written >= 2 launches earlier (FC2), so
+    a swap-AB kernel may prefetch its weights before the PDL wait; it takes effect only for the
+    swap-AB schedule with PDL launches (:func:`pdl_launches`), else the plain kernel is used."""
     check_gemm_shapes(activation, n, k, num_experts, tile_n)
     if schedule is None:
         schedule, picked_tile = pick_schedule(activation, k, rows_per_expert)
@@ -417,14 +423,17 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
         raise ValueError(f"sm90 grouped GEMM: raster_m={raster} not in [1, {_C['MAX_RASTER_M']}]")
     alpha, limit = (float(swiglu_alpha), float(swiglu_limit)) if activation == "clamped_swiglu" else (0.0, 0.0)
     ffi = use_tvm_ffi()
+    early = bool(early_weights) and schedule == "swapab" and pdl_launches()
     key = GemmKey(CONSTANTS.value(PKG, "DROP_VERSION"), _C["ABI_VERSION"], _cutlass_version(), "sm_90a",
                   "bf16", activation, n, k, num_experts, bool(scale_rows), tile, bias, raster, alpha, limit,
-                  schedule, ffi)
+                  schedule, ffi, early)
 
     def build():
         launch = _load("sm90_megamoe.launch")
         kw = dict(activation=activation, n=n, k=k, num_experts=num_experts, scale_rows=bool(scale_rows),
                   tile_n=tile, bias_dtype=bias, raster_m=raster, schedule=schedule, tvm_ffi=ffi)
+        if early:
+            kw.update(early_weights=True)
         if activation == "clamped_swiglu":
             kw.update(swiglu_alpha=alpha, swiglu_limit=limit)
         fn = disk_cache.get_or_build(cache_namespace(), f"gemm_{activation}", key,
@@ -438,17 +447,19 @@ def grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: 
                  tile_n: int | None = None, device: Any = None, bias_dtype: Any = None,
                  raster_m: int | None = None, swiglu_alpha: float = 1.702,
                  swiglu_limit: float = 7.0, schedule: str | None = None,
-                 rows_per_expert: float | None = None) -> GroupedGemm:
+                 rows_per_expert: float | None = None, early_weights: bool = False) -> GroupedGemm:
     """A new :class:`GroupedGemm` launcher for ``device`` (default: the current CUDA device).
 
     ``bias_dtype``: None or torch.float32/bfloat16 (the variant adds ``bias [E, n]``);
     ``raster_m``: None = :func:`pick_raster_m` (k); ``swiglu_*``: clamped_swiglu's constants;
     ``schedule``: "cooperative", "pingpong", "swapab" or None = :func:`pick_schedule` (with
-    ``rows_per_expert``, the mean rows per expert expected at capacity)."""
+    ``rows_per_expert``, the mean rows per expert expected at capacity); ``early_weights``: see
+    :func:`compiled_grouped_gemm`."""
     import torch
 
     compiled = compiled_grouped_gemm(activation, n, k, num_experts, scale_rows, tile_n, bias_dtype,
-                                     raster_m, swiglu_alpha, swiglu_limit, schedule, rows_per_expert)
+                                     raster_m, swiglu_alpha, swiglu_limit, schedule, rows_per_expert,
+                                     early_weights)
     launch = _load("sm90_megamoe.launch")
     dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
     return GroupedGemm(compiled, launch.to_cute_args, dev)

@@ -129,8 +129,10 @@ def _gemm_specs(cfg: Any, e_local: int, world: int = 1) -> dict:
     specs = {
         "fc1": dict(activation=ACTIVATION_MAP[cfg.activation], n=cfg.w13_rows, k=cfg.hidden, num_experts=e_local,
                     bias_dtype=bias_dtype, rows_per_expert=rows, **act_consts),
+        # FC2's offsets / row weights come from step 2, two launches back: with PDL launches its
+        # swap-AB kernel may start streaming weights before FC1 ends (shim: early_weights)
         "fc2": dict(activation="identity", n=cfg.hidden, k=cfg.intermediate, num_experts=e_local, scale_rows=True,
-                    bias_dtype=bias_dtype, rows_per_expert=rows),
+                    bias_dtype=bias_dtype, rows_per_expert=rows, early_weights=True),
     }
     if rows > SM90_DECODE_MAX_ROWS_PER_EXPERT:
         for name in ("fc1", "fc2"):

@@ -85,13 +85,15 @@ class CompiledGroupedGemm:
                  epilogue: str = "smem", example: Optional[Tuple[torch.Tensor, ...]] = None,
                  bias_dtype: Optional[str] = None, raster_m: Optional[int] = None,
                  swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
-                 schedule: str = "cooperative", compiled=None, tvm_ffi: bool = False):
+                 schedule: str = "cooperative", compiled=None, tvm_ffi: bool = False,
+                 early_weights: bool = False):
         """``compiled``: this variant's kernel compiled earlier (e.g. loaded from an exported
         object file, ``cute.runtime.load_module``); None compiles it here (sm_90a).
         ``tvm_ffi``: compile for (and launch through) TVM-FFI: :meth:`launch_tensors`.
         ``schedule``: "cooperative" / "pingpong" (:class:`GroupedGemmSm90`, ``tile_n`` = output
         columns per tile) or "swapab" (:class:`~.swapab_gemm.SwapABGroupedGemmSm90`, for a few
-        rows per expert; ``tile_n`` is then its token tile ``tile_t``). Same arguments either way."""
+        rows per expert; ``tile_n`` is then its token tile ``tile_t``). Same arguments either way.
+        ``early_weights``: swap-AB only, see :class:`~.swapab_gemm.SwapABGroupedGemmSm90`."""
         from .compile_check import fake_args
 
         if bias_dtype not in _TORCH_BIAS:
@@ -104,8 +106,10 @@ class CompiledGroupedGemm:
             self.kernel = SwapABGroupedGemmSm90(activation, scale_rows=scale_rows,
                                                 has_bias=bias_dtype is not None, tile_t=tile_n or 32,
                                                 num_stages=num_stages, swiglu_alpha=swiglu_alpha,
-                                                swiglu_limit=swiglu_limit)
+                                                swiglu_limit=swiglu_limit, early_weights=early_weights)
         else:
+            if early_weights:
+                raise ValueError("early_weights is a swap-AB option (schedule='swapab')")
             self.kernel = GroupedGemmSm90(activation, tile_n=tile_n, scale_rows=scale_rows,
                                           num_stages=num_stages, epilogue=epilogue,
                                           has_bias=bias_dtype is not None, raster_m=raster_m,
@@ -113,6 +117,7 @@ class CompiledGroupedGemm:
                                           schedule=schedule)
         self.activation = activation
         self.schedule = schedule
+        self.early_weights = bool(early_weights)
         self.n, self.k, self.num_experts = n, k, num_experts
         self.n_out, self.n_tiles = self.kernel.static_shapes(n, k)
         self.scale_rows = scale_rows

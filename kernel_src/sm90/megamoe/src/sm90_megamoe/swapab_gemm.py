@@ -93,6 +93,8 @@ TILE_T_CHOICES = (8, 16, 32, 64, 128)
 DEFAULT_TILE_W = {"identity": 128, "squared_relu": 128, "swiglu": 64, "gelu_glu": 64,
                   "clamped_swiglu": 64}
 MAX_STAGES = 16
+# early_weights: weight bytes each CTA prefetches into L2 before the PDL wait (132 CTAs: 17 MB of L2)
+EARLY_WEIGHT_BYTES = 128 * 1024
 
 
 def pick_tile_t(m_total: int, num_experts: int) -> int:
@@ -119,6 +121,12 @@ class SwapABGroupedGemmSm90:
     :param num_mma_wg: consumer warpgroups (1 or 2); None = 1 for tile_w 64, else 2.
     :param l2_hints: weights evict-first, tokens evict-last in L2.
     :param swiglu_alpha, swiglu_limit: clamped_swiglu's constants (gpt-oss: 1.702, 7.0).
+    :param early_weights: with PDL launches (:data:`~.pdl.PDL`), prefetch this CTA's first weight
+        k-blocks (at most ``EARLY_WEIGHT_BYTES``) into L2 *before* waiting for the previous grid, so
+        the weight stream starts while that grid finishes. The scheduler then also reads
+        ``offsets`` before the wait: only for a caller that guarantees ``offsets`` (and
+        ``row_scale``) were written at least two launches earlier in the stream (e.g. FC2 after
+        FC1 after the layout); tokens and outputs are touched only after the wait. No effect without PDL.
     """
 
     def __init__(
@@ -133,6 +141,7 @@ class SwapABGroupedGemmSm90:
         l2_hints: bool = True,
         swiglu_alpha: float = 1.702,
         swiglu_limit: float = 7.0,
+        early_weights: bool = False,
     ):
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
@@ -167,6 +176,7 @@ class SwapABGroupedGemmSm90:
         self.l2_hints = bool(l2_hints)
         self.swiglu_alpha = float(swiglu_alpha)
         self.swiglu_limit = float(swiglu_limit)
+        self.early_weights = bool(early_weights)
 
         self.acc_dtype = cutlass.Float32
         self.ab_dtype = cutlass.BFloat16
@@ -198,6 +208,12 @@ class SwapABGroupedGemmSm90:
     def stage_bytes(self) -> int:
         """Shared memory of one pipeline stage: the weight box(es) plus the token box."""
         return (self.num_b * self.tile_w + self.tile_t) * self.tile_k * 2
+
+    def early_k_tiles(self) -> int:
+        """Weight k-blocks prefetched before the PDL wait (``early_weights``): as many as fit in
+        ``EARLY_WEIGHT_BYTES`` per CTA (the whole GPU's then fit in L2 beside the running grid)."""
+        kblock = self.num_b * self.tile_w * self.tile_k * 2
+        return max(1, min(self.k_tiles, EARLY_WEIGHT_BYTES // kblock))
 
     def num_stages_for(self, num_experts: int) -> int:
         reserved = 16 * MAX_STAGES + 8 * (num_experts + 2) + 2048  # mbarriers, scheduler, slack
@@ -346,7 +362,8 @@ class SwapABGroupedGemmSm90:
         w_smem_layout: cute.ComposedLayout,
         x_smem_layout: cute.ComposedLayout,
     ):
-        wait_previous_grid()
+        if cutlass.const_expr(not (PDL and self.early_weights)):
+            wait_previous_grid()
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
@@ -410,6 +427,26 @@ class SwapABGroupedGemmSm90:
         total_tiles = sCum[num_experts] * w_tiles
         k_tiles = self.k_tiles
         warp_group_idx = cute.arch.make_warp_uniform(tidx // self.threads_per_wg)
+
+        if cutlass.const_expr(PDL and self.early_weights):
+            # The weights never depend on the previous grid (and offsets were settled two
+            # launches back): pull this CTA's first weight k-blocks into L2 while it finishes.
+            if warp_idx == 0:
+                if bidx < total_tiles:
+                    e0, _r0, _re, w_tile0 = self._locate(sOff, sCum, bidx, cutlass.Int32(0))
+                    tWsW0 = cute.group_modes(sW, 0, 2)
+                    for h in cutlass.range_constexpr(self.num_b):
+                        gW0 = cute.local_tile(
+                            cute.domain_offset((w_tile0 * self.tile_w + h * self.n_out, 0, 0), mW_tma),
+                            (self.tile_w, self.tile_k),
+                            (0, None, e0),
+                        )
+                        _sW0, tWgW0 = cpasync.tma_partition(
+                            tma_atom_w, 0, cute.make_layout(1), tWsW0, cute.group_modes(gW0, 0, 2)
+                        )
+                        for k_tile in cutlass.range_constexpr(self.early_k_tiles()):
+                            cute.prefetch(tma_atom_w, tWgW0[(None, k_tile)])
+            wait_previous_grid()  # tokens, outputs and everything below come after the previous grid
 
         # =========================================================== producer warpgroup
         if warp_group_idx == 0:
