@@ -8,6 +8,7 @@
 #   ... bash bench/h200_session.sh moe | fi                        # one part only
 #   source .device/b/env.sh && bash bench/h200_session.sh extra    # start-up, transformers block, decode sweep
 #   source .device/b/env.sh && bash bench/h200_session.sh verify   # GPU checks of code not yet run on a GPU
+#   source .device/b/env.sh && bash bench/h200_session.sh verify2  # ... and its timings (a separate call)
 #
 # all (default): 1. python -m moe_ep.bench --model $MODELS --tokens $TOKENS --csv $OUT/bench.csv (default layers:
 #                   per-call, back-to-back and CUDA-graph ms + TFLOP/s, decode sweep), log $OUT/bench.log;
@@ -23,17 +24,19 @@
 #                the decode sweep of $MODELS with --decode-csv $OUT/decode.csv --plot $OUT/decode.png;
 #                with .device/fi carried, FlashInfer at PEER_DECODE_TOKENS (1,8,32,128,256) in the same
 #                call -> $OUT/decode_fi.csv, both plotted in $OUT/decode_all.png.
-# verify:        what has not yet run enough on a GPU: drop v17's opt-in PDL launches (SM90_MEGAMOE_PDL=1:
-#                the virtual-rank tests twice), the MOE_EP_LAYOUT_CHUNKS and MOE_EP_TOKEN_GRID bit tests, and
-#                the layer tests with PDL on, the decode sweep with (PDL, token grid, layout chunks) = (0,0,all)
-#                (1,0,all) (0,1,all) (0,1,32) (0,1,8) (1,1,32) -> $OUT/verify_*.log, $OUT/decode_p*g*c*.{log,csv}.
+# verify:        what has not yet run enough on a GPU: drop v17/v18's opt-in PDL launches (SM90_MEGAMOE_PDL=1:
+#                the virtual-rank tests), the MOE_EP_LAYOUT_CHUNKS and MOE_EP_TOKEN_GRID bit tests, and
+#                the layer tests with PDL on (-> $OUT/verify_*.log); verify2: the virtual-rank tests with PDL
+#                once more, then the decode sweep with (PDL, token grid, layout chunks) = (0,0,all) (1,0,all)
+#                (0,1,all) (0,1,32) (0,1,8) (1,1,32)
+#                -> $OUT/decode_p*g*c*.{log,csv}. Each half is meant to fit one 600 s device call.
 # Knobs (environment): MODELS (qwen3,mixtral), TOKENS (8192), ITERS (30), N (GPUs = EP size, 1),
 #   STEP_TIMEOUT (s per part, 420), PEER_TIMEOUT (s per peer run, 240), BENCH_ARGS (extra moe_ep.bench args),
 #   QUANT (fp8_block128: FP8 block-scaled weights, FlashInfer's FP8 backend beside them),
 #   MOE_EP_COMMIT (the commit to print when the copy on the host has no .git).
 set -uo pipefail
 mode=${1:-all}
-case $mode in all|moe|fi|liger|extra|verify) ;; *) echo "usage: bash bench/h200_session.sh [all|moe|fi|liger|extra|verify]" >&2; exit 2 ;; esac
+case $mode in all|moe|fi|liger|extra|verify|verify2) ;; *) echo "usage: bash bench/h200_session.sh [all|moe|fi|liger|extra|verify|verify2]" >&2; exit 2 ;; esac
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 MODELS=${MODELS:-qwen3,mixtral} TOKENS=${TOKENS:-8192} ITERS=${ITERS:-30} N=${N:-1}
@@ -94,14 +97,17 @@ if [ "$mode" = verify ]; then
   # drop v17: PDL launches are opt-in (SM90_MEGAMOE_PDL=1) because one virtual-rank test failed once
   # with them (v16); repeat the virtual-rank tests with PDL on, then time decode with PDL off/on and
   # the layout-chunk cap (MOE_EP_LAYOUT_CHUNKS) at 3 settings
-  for rep in 1 2; do  # (drop v18: with PDL, FC2's swap-AB kernel also prefetches weights before its wait)
-    step "virtual-rank tests, PDL on ($rep)" "$OUT/verify_pdl$rep.log" -- env SM90_MEGAMOE_PDL=1 \
-        python3 -m pytest -m gpu -q -W ignore -p no:cacheprovider tests/test_ep_virtual_gpu.py --tb=short
-  done
+  # (drop v18: with PDL, FC2's swap-AB kernel also prefetches weights before its wait)
+  step "virtual-rank tests, PDL on (1)" "$OUT/verify_pdl1.log" -- env SM90_MEGAMOE_PDL=1 \
+      python3 -m pytest -m gpu -q -W ignore -p no:cacheprovider tests/test_ep_virtual_gpu.py --tb=short
   step "layer tests, PDL on" "$OUT/verify_pdl_layer.log" -- env SM90_MEGAMOE_PDL=1 \
       python3 -m pytest -m gpu -q -W ignore -p no:cacheprovider tests/test_layer_gpu.py --tb=short
   step "layout chunks + token grid tests" "$OUT/verify_chunks.log" -- python3 -m pytest -m gpu -q -W ignore \
       -p no:cacheprovider tests/test_layer_gpu.py -k "layout_chunks or token_grid" --tb=short
+fi
+if [ "$mode" = verify2 ]; then  # the second half of verify (one device call each: 600 s per call)
+  step "virtual-rank tests, PDL on (2)" "$OUT/verify_pdl2.log" -- env SM90_MEGAMOE_PDL=1 \
+      python3 -m pytest -m gpu -q -W ignore -p no:cacheprovider tests/test_ep_virtual_gpu.py --tb=short
   for v in "0 0 " "1 0 " "0 1 " "0 1 32" "0 1 8" "1 1 32"; do  # PDL, token grid, layout chunks
     set -- $v
     tag="p$1g$2c${3:-all}"
