@@ -28,7 +28,7 @@
 #                the virtual-rank tests), the MOE_EP_LAYOUT_CHUNKS and MOE_EP_TOKEN_GRID bit tests, and
 #                the layer tests with PDL on (-> $OUT/verify_*.log); verify2: the virtual-rank tests with PDL
 #                once more, then the decode sweep with (PDL, token grid, layout chunks) = (0,0,all) (1,0,all)
-#                (0,1,all) (0,1,32) (0,1,8) (1,1,32)
+#                (0,1,all) (0,1,32) (0,1,8) (1,1,32), and the FP8 layer's decode sweep
 #                -> $OUT/decode_p*g*c*.{log,csv}. Each half is meant to fit one 600 s device call.
 # Knobs (environment): MODELS (qwen3,mixtral), TOKENS (8192), ITERS (30), N (GPUs = EP size, 1),
 #   STEP_TIMEOUT (s per part, 420), PEER_TIMEOUT (s per peer run, 240), BENCH_ARGS (extra moe_ep.bench args),
@@ -115,6 +115,9 @@ if [ "$mode" = verify2 ]; then  # the second half of verify (one device call eac
         MOE_EP_TOKEN_GRID=$2 MOE_EP_LAYOUT_CHUNKS=${3:-} python3 -m moe_ep.bench --model "$MODELS" --tokens 128 \
         --iters 50 --no-reference --quiet --decode-tokens 1,8,128 --decode-csv "$OUT/decode_$tag.csv"
   done
+  # the FP8 layer at decode token counts (it has no swap-AB GEMMs yet: never measured)
+  step "FP8 decode" "$OUT/decode_fp8.log" -- python3 -m moe_ep.bench --model "$MODELS" --tokens 128 --iters 50 \
+      --quant fp8_block128 --no-reference --quiet --decode-tokens 1,8,128 --decode-csv "$OUT/decode_fp8.csv"
 fi
 if [ "$mode" = liger ]; then
   lscript=(); [ -f .device/liger/liger_bench.py ] && lscript=(--peer-script .device/liger/liger_bench.py)
