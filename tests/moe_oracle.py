@@ -78,3 +78,26 @@ def fc1_f64(x, ids, w13, b13=None):
 def rel_err(a, b) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def capture_graph(fn, warmup: bool = False) -> "torch.cuda.CUDAGraph":
+    """``fn`` captured in a CUDA graph (``warmup``: run it once on a side stream first, as torch
+    recommends before a capture)."""
+    if warmup:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def replay_poisoned(graph, *outs) -> None:
+    """NaN-fill ``outs`` (so a row the replay does not write shows), replay ``graph``, wait for it."""
+    for o in outs:
+        o.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()

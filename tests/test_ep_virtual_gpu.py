@@ -3,6 +3,7 @@ between the virtual ranks' buffers) against the reference backend on the same gl
 
 import pytest
 import torch
+from moe_oracle import capture_graph, replay_poisoned
 
 pytestmark = pytest.mark.gpu
 
@@ -14,6 +15,19 @@ def _sm90():
 
 def rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def forward_and_check(vep, Ts, want, sl, xs, *args):
+    """One forward of every virtual rank into NaN-poisoned outputs; each rank with tokens must
+    write every row and match ``want[sl[r]]`` to 1e-2 relative."""
+    outs = [torch.full_like(t, float("nan")) for t in xs]
+    vep.forward(xs, *args, outs)
+    torch.cuda.synchronize()
+    vep.check()
+    for r in range(len(xs)):
+        if Ts[r]:
+            assert torch.isfinite(outs[r]).all(), f"rank {r}: unwritten rows"
+            assert rel(outs[r], want[sl[r]]) < 1e-2, f"rank {r}: rel {rel(outs[r], want[sl[r]])}"
 
 
 def global_problem(E, H, I, K, Ts, seed, skew=False):
@@ -75,14 +89,7 @@ def test_virtual_ep_matches_reference_qwen3(W, K, Ts, skew, ids_dtype):
     want = reference(cfg, x, ids, w, w13, w2)
     vep = make(cfg, W)
     xs, idss, wss, w13s, w2s, sl = split(Ts, W, E, x, ids.to(ids_dtype), w, w13, w2)
-    outs = [torch.full_like(t, float("nan")) for t in xs]
-    vep.forward(xs, idss, wss, w13s, w2s, outs)
-    torch.cuda.synchronize()
-    vep.check()
-    for r in range(W):
-        if Ts[r]:
-            assert torch.isfinite(outs[r]).all(), f"rank {r}: unwritten rows"
-            assert rel(outs[r], want[sl[r]]) < 1e-2, f"rank {r}: rel {rel(outs[r], want[sl[r]])}"
+    forward_and_check(vep, Ts, want, sl, xs, idss, wss, w13s, w2s)
     vep.destroy()
 
 
@@ -214,14 +221,9 @@ def test_virtual_ep_cuda_graph():
     outs = [torch.empty_like(t) for t in xs]
     vep.forward(xs, idss, wss, w13s, w2s, outs)
     torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        vep.forward(xs, idss, wss, w13s, w2s, outs)
+    g = capture_graph(lambda: vep.forward(xs, idss, wss, w13s, w2s, outs))
     for _ in range(5):
-        for o in outs:
-            o.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
+        replay_poisoned(g, *outs)
         assert all(torch.equal(o, e) for o, e in zip(outs, eager))
     x2, ids2, w_2, _, _ = global_problem(E, H, I, K, Ts, seed=6)
     n = split(Ts, W, E, x2, ids2, w_2, w13, w2)
@@ -260,12 +262,6 @@ def test_virtual_ep_fp8_block128(W, Ts, fused, monkeypatch):
                                           q.scale[r * El:(r + 1) * El].contiguous())
     xs, idss, wss, _, _, sl = split(Ts, W, E, x, ids, w, w13, w2)
     vep = make(cfg, W, backend_cls=Sm90Fp8Backend)
-    outs = [torch.full_like(t, float("nan")) for t in xs]
-    vep.forward(xs, idss, wss, [part(q13, r) for r in range(W)], [part(q2, r) for r in range(W)], outs)
-    torch.cuda.synchronize()
-    vep.check()
-    for r in range(W):
-        if Ts[r]:
-            assert torch.isfinite(outs[r]).all(), f"rank {r}: unwritten rows"
-            assert rel(outs[r], want[sl[r]]) < 1e-2, f"rank {r}: rel {rel(outs[r], want[sl[r]])}"
+    forward_and_check(vep, Ts, want, sl, xs, idss, wss, [part(q13, r) for r in range(W)],
+                      [part(q2, r) for r in range(W)])
     vep.destroy()

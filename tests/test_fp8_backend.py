@@ -8,6 +8,7 @@ import torch
 pytest.importorskip("cutlass")
 
 from moe_ep.api import EPGroup, MoEConfig, MoELayer  # noqa: E402
+from moe_oracle import capture_graph, replay_poisoned  # noqa: E402
 from moe_ep.backends import UnsupportedBackendError, get  # noqa: E402
 
 QWEN = dict(num_experts=128, hidden=2048, intermediate=768, top_k=8)
@@ -176,17 +177,8 @@ def test_fp8_layer_sync_free_allocation_free_deterministic_graph():
     assert torch.isfinite(first).all() and torch.equal(repeats, first.expand_as(repeats))
 
     graph_out = torch.full_like(out, float("nan"))
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        layer.forward(x, ids, w, w13, w2, out=graph_out)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        layer.forward(x, ids, w, w13, w2, out=graph_out)
-    graph_out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
+    graph = capture_graph(lambda: layer.forward(x, ids, w, w13, w2, out=graph_out), warmup=True)
+    replay_poisoned(graph, graph_out)
     assert torch.equal(graph_out, first)
     x2, ids2, w2_ = inputs()
     want = layer.forward(x2, ids2, w2_, w13, w2).clone()
@@ -226,12 +218,8 @@ def test_fused_gather_quant_is_bit_identical(monkeypatch, T):
     assert fused._impl.fused_gather
     out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device="cuda")
     assert torch.equal(fused.forward(x, ids, w, w13, w2, out=out), want)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fused.forward(x, ids, w, w13, w2, out=out)
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
+    graph = capture_graph(lambda: fused.forward(x, ids, w, w13, w2, out=out))
+    replay_poisoned(graph, out)
     assert torch.equal(out, want)
     fused.check_errors()
     fused.destroy()

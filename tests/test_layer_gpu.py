@@ -10,6 +10,7 @@ import zlib
 
 import pytest
 import torch
+from moe_oracle import capture_graph, replay_poisoned
 
 pytestmark = pytest.mark.gpu
 
@@ -170,18 +171,9 @@ def test_bit_identical_repeats_and_cuda_graph():
     for _ in range(30):
         assert torch.equal(layer.forward(x, ids, w, w13, w2), eager)
     out = torch.empty_like(x)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        layer.forward(x, ids, w, w13, w2, out=out)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        layer.forward(x, ids, w, w13, w2, out=out)
+    g = capture_graph(lambda: layer.forward(x, ids, w, w13, w2, out=out), warmup=True)
     for _ in range(3):
-        out.fill_(float("nan"))
-        g.replay()
-        torch.cuda.synchronize()
+        replay_poisoned(g, out)
         assert torch.equal(out, eager)
     x2, ids2, w_2 = problem(1024, 2, weights=False)
     x.copy_(x2), ids.copy_(ids2), w.copy_(w_2)
@@ -480,12 +472,8 @@ def test_local_combine_is_bit_identical(monkeypatch, T):
     assert torch.equal(local.forward(x, ids, w, w13, w2, out=out), want)
     if T > 1:
         assert bool((want[3] == 0).all())
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            local.forward(x, ids, w, w13, w2, out=out)
-        out.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
+        graph = capture_graph(lambda: local.forward(x, ids, w, w13, w2, out=out))
+        replay_poisoned(graph, out)
         assert torch.equal(out, want)
     local.destroy()
 

@@ -46,12 +46,20 @@ ACTIVATION_MAP = {"swiglu": "swiglu", "squared_relu": "squared_relu", "gelu_glu"
 BIAS_DTYPES = (None, torch.float32, torch.bfloat16)
 
 
+def env_switch(name: str, default: bool) -> bool:
+    """An on/off switch read from the environment at bind time: a default-on switch is off only
+    with ``name=0``, a default-off one on only with ``name=1``."""
+    if default:
+        return os.environ.get(name, "1") != "0"
+    return os.environ.get(name, "0") == "1"
+
+
 def local_combine() -> bool:
     """With one rank, step 5 is one launch (drop v14's CombineLocal: the K-row sum written straight
     into ``out``): bit-identical to send + reduce (GPU test), Qwen3 decode on the H200 1 token
     0.058 -> 0.054 ms, 128 tokens 0.311 -> 0.306 ms (CUDA graph). ``MOE_EP_LOCAL_COMBINE=0`` turns
     it off (to compare)."""
-    return os.environ.get("MOE_EP_LOCAL_COMBINE", "1") != "0"
+    return env_switch("MOE_EP_LOCAL_COMBINE", True)
 
 
 def token_grid() -> bool:
@@ -60,7 +68,7 @@ def token_grid() -> bool:
     per token) instead of every SM: a decode step's dispatch then pays one CTA's completion fence
     and arrival atomic instead of one per SM. Same bits by construction (GPU test written); off by
     default until it has run on a GPU."""
-    return os.environ.get("MOE_EP_TOKEN_GRID", "0") == "1"
+    return env_switch("MOE_EP_TOKEN_GRID", False)
 
 
 def layout_chunks(num_ctas: int) -> int:

@@ -22,7 +22,6 @@ be multiples of 128. The quantised activations live in buffers of this layer (al
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
@@ -33,7 +32,7 @@ from moe_ep.shim import (sm90_check_fp8_gemm, sm90_compiled_fp8_gemm, sm90_compi
 from ...quant import FP8_BLOCK, quantize_fp8_block128
 from ...quantized import check_quantized_config, quantized_activation_buffers
 from ...registry import UnsupportedBackendError, require_cuda_arch
-from ..bf16_cutedsl.backend import Sm90CuteDSLBackend, prebuild_layer
+from ..bf16_cutedsl.backend import Sm90CuteDSLBackend, env_switch, prebuild_layer
 
 NAME = "sm90_fp8_cutedsl"
 
@@ -63,7 +62,7 @@ def fused_gather_quant() -> bool:
     """Step 2 writes no BF16 grouped rows and step 3 gathers and quantises the received rows in one
     pass (drop v12's gathering quantiser): bit-identical to gather-then-quantise (GPU test), Qwen3
     8192 tokens 1.21 -> 1.10 ms on the H200. ``MOE_EP_FP8_FUSED_GATHER=0`` turns it off (to compare)."""
-    return os.environ.get("MOE_EP_FP8_FUSED_GATHER", "1") != "0"
+    return env_switch("MOE_EP_FP8_FUSED_GATHER", True)
 
 
 def prebuild(config: Any, world_size: int, kernels: tuple = ("fc1", "fc2", "ep", "layout")) -> None:
