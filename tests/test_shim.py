@@ -279,9 +279,10 @@ def test_layout_chunks_knob(monkeypatch):
     from moe_ep.backends.sm90.bf16_cutedsl.backend import layout_chunks
 
     monkeypatch.delenv("MOE_EP_LAYOUT_CHUNKS", raising=False)
-    assert layout_chunks(132) == 132
+    assert layout_chunks(132) == 132 and layout_chunks(None) is None
     monkeypatch.setenv("MOE_EP_LAYOUT_CHUNKS", "16")
     assert layout_chunks(132) == 16 and layout_chunks(8) == 8
+    assert layout_chunks(None) == 16  # the default grid (None: every SM), capped
     for bad in ("0", "-3", "x", "1.5"):
         monkeypatch.setenv("MOE_EP_LAYOUT_CHUNKS", bad)
         with pytest.raises(ValueError, match="MOE_EP_LAYOUT_CHUNKS"):

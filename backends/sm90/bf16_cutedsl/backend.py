@@ -71,17 +71,18 @@ def token_grid() -> bool:
     return env_switch("MOE_EP_TOKEN_GRID", False)
 
 
-def layout_chunks(num_ctas: int) -> int:
+def layout_chunks(num_ctas: int | None) -> int | None:
     """Chunks (CTAs) of the two step-2 layout kernels: one per CTA of the EP kernels (an SM each)
     by default; ``MOE_EP_LAYOUT_CHUNKS=n`` (a tuning knob, read at bind) caps it at ``n``. Each
     layout CTA sums the per-expert counts of every chunk, so fewer chunks cost less when a call
-    has few tokens; any number gives the same layout (chunks are contiguous slot ranges)."""
+    has few tokens; any number gives the same layout (chunks are contiguous slot ranges).
+    ``num_ctas`` None (the default grid: every SM, resolved by the shim) stays None unless capped."""
     raw = os.environ.get("MOE_EP_LAYOUT_CHUNKS", "")
     if not raw:
         return num_ctas
     if not raw.isdigit() or int(raw) < 1:
         raise ValueError(f"MOE_EP_LAYOUT_CHUNKS must be a positive integer, got {raw!r}")
-    return min(num_ctas, int(raw))
+    return int(raw) if num_ctas is None else min(num_ctas, int(raw))
 
 
 def check(config: Any, group: Any, device: torch.device) -> None:
