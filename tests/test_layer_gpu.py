@@ -478,23 +478,25 @@ def test_local_combine_is_bit_identical(monkeypatch, T):
     local.destroy()
 
 
-@pytest.mark.parametrize("T", [1, 300])
+@pytest.mark.parametrize("T", [1, 40, 300])
 def test_layout_chunks_do_not_change_the_bits(monkeypatch, T):
-    """Fewer layout chunks (MOE_EP_LAYOUT_CHUNKS) give the same bits as one per SM."""
+    """The token-adaptive layout grid (default: 4 chunks at 1 token, 16 at 40, one per SM at 300)
+    gives the bits of a fixed grid of 3 chunks and of the fixed full grid (MOE_EP_LAYOUT_CHUNKS)."""
     _sm90()
     from moe_ep.api import MoEConfig
 
     cfg = MoEConfig(max_tokens_per_rank=512, **QWEN)
     x, ids, w, w13, w2 = problem(T, seed_of("layout_chunks", T))
     outs = []
-    for chunks in ("", "3"):
+    for chunks in ("", "3", "4096"):
         monkeypatch.setenv("MOE_EP_LAYOUT_CHUNKS", chunks)
         (layer,) = layers(cfg, "sm90_bf16_cutedsl")
         out = torch.full((T, QWEN["hidden"]), float("nan"), dtype=torch.bfloat16, device="cuda")
         outs.append(layer.forward(x, ids, w, w13, w2, out=out).clone())
         layer.check_errors()
         layer.destroy()
-    assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1])
+    assert torch.isfinite(outs[0]).all()
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 @pytest.mark.parametrize("T", [0, 1, 37, 700])

@@ -279,7 +279,7 @@ def test_layout_chunks_knob(monkeypatch):
     from moe_ep.backends.sm90.bf16_cutedsl.backend import layout_chunks
 
     monkeypatch.delenv("MOE_EP_LAYOUT_CHUNKS", raising=False)
-    assert layout_chunks(132) == 132 and layout_chunks(None) is None
+    assert layout_chunks(132) is None and layout_chunks(None) is None  # unset: token-adaptive
     monkeypatch.setenv("MOE_EP_LAYOUT_CHUNKS", "16")
     assert layout_chunks(132) == 16 and layout_chunks(8) == 8
     assert layout_chunks(None) == 16  # the default grid (None: every SM), capped
@@ -287,6 +287,17 @@ def test_layout_chunks_knob(monkeypatch):
         monkeypatch.setenv("MOE_EP_LAYOUT_CHUNKS", bad)
         with pytest.raises(ValueError, match="MOE_EP_LAYOUT_CHUNKS"):
             layout_chunks(132)
+
+
+def test_layout_chunks_follow_the_tokens():
+    """The adaptive layout grid: 4 chunks up to 16 tokens, doubling per doubling of tokens, the
+    full grid past 256 tokens (and never more than the full grid)."""
+    from moe_ep.shim.drops.sm90_megamoe import layout_chunks_for
+
+    got = {t: layout_chunks_for(t, 132) for t in (0, 1, 16, 17, 32, 33, 128, 129, 256, 257, 8192)}
+    assert got == {0: 4, 1: 4, 16: 4, 17: 8, 32: 8, 33: 16, 128: 32, 129: 64, 256: 64, 257: 132, 8192: 132}
+    assert layout_chunks_for(1, 3) == 3 and layout_chunks_for(100, 16) == 16  # a small grid caps it
+    assert layout_chunks_for(40, 32) == 16
 
 
 def test_pdl_launches_are_opt_in_and_cached_apart(tmp_path):

@@ -748,31 +748,67 @@ def prebuild_layout(hidden: int, topk: int, world: int, max_tokens: int, local_e
     COMPILE_CACHE.get_or_compile(key, build)
 
 
+#: chunk counts a token-adaptive LayoutSession chooses from (and its full grid)
+LAYOUT_CHUNK_TIERS = (4, 8, 16, 32, 64)
+#: tokens per layout chunk the adaptive choice aims for (H200 decode sweep, 2026-12-01)
+LAYOUT_TOKENS_PER_CHUNK = 4
+
+
+def layout_chunks_for(tokens: int, max_chunks: int) -> int:
+    """Layout chunks for a call whose rank receives about ``tokens`` tokens: the smallest tier of
+    ``LAYOUT_CHUNK_TIERS`` with at most ``LAYOUT_TOKENS_PER_CHUNK`` tokens per chunk, else the full
+    grid ``max_chunks``. Every layout CTA sums the per-expert counts of every chunk, so a decode
+    step wants few chunks (1 token: 0.055 -> 0.048 ms per Qwen3 layer with 4 chunks instead of
+    132) while a prefill wants them all (each chunk scans its slots)."""
+    need = -(-max(1, int(tokens)) // LAYOUT_TOKENS_PER_CHUNK)
+    for c in LAYOUT_CHUNK_TIERS:
+        if c >= need and c < max_chunks:
+            return c
+    return max_chunks
+
+
 class LayoutSession:
     """One layer's expert layout (wait + count, place + row gather: 2 launches, deterministic
     (expert, slot, k) row order) on a caller-owned ``counts`` scratch (int32, >= num_chunks · E_l).
 
     ``__call__(ep_session, offsets [E_l+1] i32, idx [S·K] i32, ws [S·K] f32, pos [S,K] i32,
-    xs [S·K,H] bf16 or None)``. Calls sharing one scratch must be stream-ordered.
+    xs [S·K,H] bf16 or None, tokens=None)``. Calls sharing one scratch must be stream-ordered.
+
+    ``adaptive``: the kernels' chunk count (their grid, a runtime argument of the same compiled
+    kernels) follows each call's ``tokens`` hint (:func:`layout_chunks_for`, at most
+    ``num_chunks``); all chunk counts give the same bits (chunks are contiguous slot ranges), so
+    the hint only steers speed. The drop ``Layout`` objects of every tier are made here (no
+    allocation per call).
     """
 
     def __init__(self, hidden: int, topk: int, world: int, max_tokens: int, local_experts: int, device: Any,
                  counts: Any, num_chunks: int | None = None, timeout_ns: int | None = None,
-                 arch: str = "sm_90a") -> None:
+                 arch: str = "sm_90a", adaptive: bool = False) -> None:
         ensure_not_capturing("layout set-up")
         ll = _load("sm90_megamoe.layout_launch")
         cfg = ll.LayoutConfig(hidden=hidden, topk=topk, world=world, max_tokens=max_tokens,
                               local_experts=local_experts)
         prebuild_layout(hidden, topk, world, max_tokens, local_experts, arch)
-        # one chunk per SM (or the caller's grid), never more chunks than receive slots
-        C = max(1, min(num_chunks or _num_sms(device), LAYOUT_MAX_CHUNKS, world * max_tokens))
+        # one chunk per SM (or the caller's smaller grid), never more chunks than receive slots
+        sms = _num_sms(device)
+        C = max(1, min(num_chunks or sms, sms, LAYOUT_MAX_CHUNKS, world * max_tokens))
+        self.num_chunks = C
         kw = {} if timeout_ns is None else {"timeout_ns": int(timeout_ns)}
-        self._layout = ll.Layout(cfg=cfg, device=device, num_chunks=C, counts=counts, tvm_ffi=use_tvm_ffi(),
-                                 arch=arch, **kw)
+        tiers = {C} | ({c for c in LAYOUT_CHUNK_TIERS if c < C} if adaptive else set())
+        self._layouts = {c: ll.Layout(cfg=cfg, device=device, num_chunks=c, counts=counts,
+                                      tvm_ffi=use_tvm_ffi(), arch=arch, **kw) for c in tiers}
+        self.adaptive = bool(adaptive)
         self._checked = False
 
-    def __call__(self, ep: EpSession, offsets, idx, ws, pos, xs) -> None:
+    def chunks(self, tokens: int | None) -> int:
+        """Chunk count (grid) of a call with the ``tokens`` hint (None: the full grid)."""
+        if not self.adaptive or tokens is None:
+            return self.num_chunks
+        return layout_chunks_for(tokens, self.num_chunks)
+
+    def __call__(self, ep: EpSession, offsets, idx, ws, pos, xs, tokens: int | None = None) -> None:
         # argument checks on the first call only (they cost host time)
-        self._layout(bufs=ep.bufs, offsets=offsets, idx=idx, ws=ws, pos=pos, xs=xs, stream=None,
-                     check=not self._checked)
+        layout = self._layouts[self.chunks(tokens)]
+        layout(bufs=ep.bufs, offsets=offsets, idx=idx, ws=ws, pos=pos, xs=xs, stream=None,
+               check=not self._checked)
         self._checked = True

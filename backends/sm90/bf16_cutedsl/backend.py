@@ -72,14 +72,16 @@ def token_grid() -> bool:
 
 
 def layout_chunks(num_ctas: int | None) -> int | None:
-    """Chunks (CTAs) of the two step-2 layout kernels: one per CTA of the EP kernels (an SM each)
-    by default; ``MOE_EP_LAYOUT_CHUNKS=n`` (a tuning knob, read at bind) caps it at ``n``. Each
-    layout CTA sums the per-expert counts of every chunk, so fewer chunks cost less when a call
-    has few tokens; any number gives the same layout (chunks are contiguous slot ranges).
-    ``num_ctas`` None (the default grid: every SM, resolved by the shim) stays None unless capped."""
+    """Fixed chunk count (CTAs) of the two step-2 layout kernels, or None for the default: the
+    grid follows each call's token count (shim ``layout_chunks_for``: 4 chunks up to 16 tokens,
+    ... one per SM from 257 tokens on), because every layout CTA sums the per-expert counts of
+    every chunk (a decode step wants few chunks) while each chunk scans its slots (a prefill
+    wants them all). ``MOE_EP_LAYOUT_CHUNKS=n`` (a tuning knob, read at bind) fixes it at ``n``
+    (at most ``num_ctas``; ``n`` >= the SM count gives the fixed full grid of before). Any number
+    gives the same layout (chunks are contiguous slot ranges)."""
     raw = os.environ.get("MOE_EP_LAYOUT_CHUNKS", "")
     if not raw:
-        return num_ctas
+        return None
     if not raw.isdigit() or int(raw) < 1:
         raise ValueError(f"MOE_EP_LAYOUT_CHUNKS must be a positive integer, got {raw!r}")
     return int(raw) if num_ctas is None else min(num_ctas, int(raw))
@@ -206,6 +208,7 @@ class Sm90CuteDSLBackend(BackendImpl):
         self.virtual = virtual
         self.token_grid = token_grid()
         self._token_ctas = None
+        self._tokens = None
         self.ws = get_workspace(group, device)
         self.ws.register(self, self.dims)
         self.ep = None
@@ -237,9 +240,10 @@ class Sm90CuteDSLBackend(BackendImpl):
                                 {**v, "verr": self.verr}, peers=peers, global_ranks=global_ranks,
                                 num_ctas=self.num_ctas, timeout_ns=self.timeout_ns, arch=self.arch,
                                 local_combine=self.local_combine)
+        fixed_chunks = layout_chunks(self.num_ctas)
         self.layout = Sm90LayoutSession(d.hidden, d.topk, self.W, d.max_tokens, self.E, dev, v["counts"],
-                                        num_chunks=layout_chunks(self.num_ctas), timeout_ns=self.timeout_ns,
-                                        arch=self.arch)
+                                        num_chunks=fixed_chunks or self.num_ctas, timeout_ns=self.timeout_ns,
+                                        arch=self.arch, adaptive=fixed_chunks is None)
         self._bind_gemms(v)
         self.xs, self.h = v["xs"], v["h"]
         self.y = v["xs"]  # FC2's output overwrites FC1's input, dead by then
@@ -317,10 +321,11 @@ class Sm90CuteDSLBackend(BackendImpl):
         self.ws.seq += 1
         # grid of the per-token kernels of this call, from its host-known token count
         self._token_ctas = self.ep.token_ctas(x.shape[0]) if self.token_grid else None
+        self._tokens = x.shape[0]  # steers the layout's grid (step 2); the bits do not depend on it
         self.ep.dispatch(x, topk_ids, topk_weights, num_ctas=self._token_ctas)
 
     def _step2_layout(self) -> None:
-        self.layout(self.ep, self.offsets, self.idx, self.ws_rows, self.pos, self.xs)
+        self.layout(self.ep, self.offsets, self.idx, self.ws_rows, self.pos, self.xs, tokens=self._tokens)
 
     def _step34_experts(self, w13, w2, b13=None, b2=None) -> None:
         fc1, fc2 = self._gemms

@@ -107,7 +107,8 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
 
     def _step2_layout(self) -> None:
         # fused gather: the layout writes no BF16 rows (xs stays free for FC2's output)
-        self.layout(self.ep, self.offsets, self.idx, self.ws_rows, self.pos, None if self.fused_gather else self.xs)
+        self.layout(self.ep, self.offsets, self.idx, self.ws_rows, self.pos, None if self.fused_gather else self.xs,
+                    tokens=self._tokens)
 
     def _step34_experts(self, w13, w2, b13=None, b2=None) -> None:
         fc1, fc2 = self._gemms
