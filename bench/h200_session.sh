@@ -9,6 +9,12 @@
 #   source .device/b/env.sh && bash bench/h200_session.sh extra    # start-up, transformers block, decode sweep
 #   source .device/b/env.sh && bash bench/h200_session.sh verify   # GPU checks of code not yet run on a GPU
 #   source .device/b/env.sh && bash bench/h200_session.sh verify2  # ... and its timings (a separate call)
+#   source .device/b/env.sh && bash bench/h200_session.sh decide   # PDL off/on, interleaved, 3 rounds each
+#   source .device/b/env.sh && bash bench/h200_session.sh suite1|suite2|suite3  # the GPU suite in 3 calls
+#
+# The host's copy of .git can be older than the working tree it receives: pass the commit you ship as
+# MOE_EP_COMMIT=<sha> on the command line. Every mode ends by packing $OUT into $OUT/session_<mode>.tgz
+# (the device returns a limited number of files; the archive holds them all).
 #
 # all (default): 1. python -m moe_ep.bench --model $MODELS --tokens $TOKENS --csv $OUT/bench.csv (default layers:
 #                   per-call, back-to-back and CUDA-graph ms + TFLOP/s, decode sweep), log $OUT/bench.log;
@@ -30,13 +36,19 @@
 #                once more, then the decode sweep with (PDL, token grid, layout chunks) = (0,0,all) (1,0,all)
 #                (0,1,all) (0,1,32) (0,1,8) (1,1,32), and the FP8 layer's decode sweep
 #                -> $OUT/decode_p*g*c*.{log,csv}. Each half is meant to fit one 600 s device call.
+# decide:        SM90_MEGAMOE_PDL=0 / =1 alternating, 3 rounds each, Qwen3 + Mixtral decode at 1,8,128 tokens
+#                -> $OUT/decide_p<p>_r<r>.csv and the per-setting median over the rounds (run-to-run spread
+#                at 128 tokens is 3-6 us, as large as the effects to decide on).
+# suite1/2/3:    pytest -m gpu in three parts that each fit one 600 s device call (the whole suite does not):
+#                1 = layer, FP8 backend, activations/bias; 2 = the other GPU files; 3 = the virtual-rank file.
 # Knobs (environment): MODELS (qwen3,mixtral), TOKENS (8192), ITERS (30), N (GPUs = EP size, 1),
 #   STEP_TIMEOUT (s per part, 420), PEER_TIMEOUT (s per peer run, 240), BENCH_ARGS (extra moe_ep.bench args),
 #   QUANT (fp8_block128: FP8 block-scaled weights, FlashInfer's FP8 backend beside them),
 #   MOE_EP_COMMIT (the commit to print when the copy on the host has no .git).
 set -uo pipefail
 mode=${1:-all}
-case $mode in all|moe|fi|liger|extra|verify|verify2) ;; *) echo "usage: bash bench/h200_session.sh [all|moe|fi|liger|extra|verify|verify2]" >&2; exit 2 ;; esac
+modes="all|moe|fi|liger|extra|verify|verify2|decide|suite1|suite2|suite3"
+case "|$modes|" in *"|$mode|"*) ;; *) echo "usage: bash bench/h200_session.sh [$modes]" >&2; exit 2 ;; esac
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 MODELS=${MODELS:-qwen3,mixtral} TOKENS=${TOKENS:-8192} ITERS=${ITERS:-30} N=${N:-1}
@@ -119,6 +131,38 @@ if [ "$mode" = verify2 ]; then  # the second half of verify (one device call eac
   step "FP8 decode" "$OUT/decode_fp8.log" -- python3 -m moe_ep.bench --model "$MODELS" --tokens 128 --iters 50 \
       --quant fp8_block128 --no-reference --quiet --decode-tokens 1,8,128 --decode-csv "$OUT/decode_fp8.csv"
 fi
+if [ "$mode" = decide ]; then
+  for r in 1 2 3; do for p in 0 1; do
+    step "decode, PDL $p, round $r" "$OUT/decide_p${p}_r$r.log" -- env SM90_MEGAMOE_PDL=$p python3 -m moe_ep.bench \
+        --model "$MODELS" --tokens 128 --iters 50 --no-reference --quiet --decode-tokens 1,8,128 \
+        --decode-csv "$OUT/decide_p${p}_r$r.csv"
+  done; done
+  python3 - "$OUT" <<'PY'
+import csv, glob, os, statistics, sys
+rows = {}
+for path in sorted(glob.glob(os.path.join(sys.argv[1], "decide_p*_r*.csv"))):
+    pdl = os.path.basename(path).split("_")[1]
+    for r in csv.DictReader(open(path)):
+        rows.setdefault((r["model"], int(r["tokens"]), pdl), []).append((float(r["eager_ms"]), float(r["graph_ms"])))
+print("model, tokens, PDL: median eager / graph ms over rounds (graph of each round)")
+for (m, t, p), v in sorted(rows.items()):
+    print(f"{m:16s} {t:4d} {p}: {statistics.median(e for e, _ in v):.4f} / {statistics.median(g for _, g in v):.4f}"
+          f"   ({', '.join(f'{g:.4f}' for _, g in v)})")
+PY
+fi
+suite_common=(python3 -m pytest -m gpu -q -W ignore -p no:cacheprovider -rfE --durations=15 --tb=long)
+if [ "$mode" = suite1 ]; then
+  step "GPU suite 1/3" "$OUT/suite1.log" -- "${suite_common[@]}" tests/test_layer_gpu.py tests/test_fp8_backend.py \
+      tests/test_activations_bias.py
+fi
+if [ "$mode" = suite2 ]; then
+  step "GPU suite 2/3" "$OUT/suite2.log" -- "${suite_common[@]}" tests/test_sm90_gpu.py tests/test_ep_gpu.py \
+      tests/test_disk_cache.py tests/test_transformers_integration.py tests/test_sm90_fp8_quant.py \
+      tests/test_sm90_fp8_compile.py tests/test_sm90_swapab_compile.py tests/test_blackwell_backends.py
+fi
+if [ "$mode" = suite3 ]; then
+  step "GPU suite 3/3" "$OUT/suite3.log" -- "${suite_common[@]}" tests/test_ep_virtual_gpu.py
+fi
 if [ "$mode" = liger ]; then
   lscript=(); [ -f .device/liger/liger_bench.py ] && lscript=(--peer-script .device/liger/liger_bench.py)
   step "LigerCute peer" "$OUT/liger.log" -- bash -c '
@@ -135,6 +179,7 @@ if [ "$mode" = liger ]; then
 fi
 
 echo "===== summary ($(date +%T))"
+tar czf "/tmp/session_$mode.tgz" -C "$OUT" . 2>/dev/null && mv "/tmp/session_$mode.tgz" "$OUT/"
 printf '  %s\n' "${status[@]}"
 csvs=$(ls "$OUT"/bench.csv "$OUT"/fi.csv "$OUT"/liger.csv 2>/dev/null)
 # shellcheck disable=SC2086

@@ -405,3 +405,21 @@ def test_peer_decode_rows_from_peer_runs():
 def test_peer_decode_tokens_needs_a_peer():
     p = _bench("--peer-decode-tokens", "1,8")
     assert p.returncode != 0 and "--peer-decode-tokens" in p.stderr
+
+
+def test_h200_session_suite_parts_cover_every_gpu_test_file():
+    """`h200_session.sh suite1|suite2|suite3` together name every test file with GPU tests, once
+    (a new GPU test file must be added to one part, or it never runs on the H200)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    script = (root / "bench" / "h200_session.sh").read_text()
+    named = []
+    for part in ("suite1", "suite2", "suite3"):
+        block = script[script.index(f'if [ "$mode" = {part} ]; then'):]
+        block = block[:block.index("\nfi\n")]
+        named += re.findall(r"tests/(test_\w+\.py)", block)
+    marker = re.compile(r"^(@|pytestmark = )pytest\.mark\.gpu$", re.M)
+    gpu_files = sorted(p.name for p in (root / "tests").glob("test_*.py") if marker.search(p.read_text()))
+    assert sorted(named) == gpu_files and len(named) == len(set(named))

@@ -66,8 +66,8 @@ def token_grid() -> bool:
     """``MOE_EP_TOKEN_GRID=1``: the per-token kernels (dispatch, combine_local / combine_reduce) run
     on a grid sized from the call's host-known token count (shim ``EpSession.token_ctas``: one warp
     per token) instead of every SM: a decode step's dispatch then pays one CTA's completion fence
-    and arrival atomic instead of one per SM. Same bits by construction (GPU test written); off by
-    default until it has run on a GPU."""
+    and arrival atomic instead of one per SM. Same bits (GPU test passed); off by default because
+    it measured no faster on the H200 (Qwen3 decode 1 / 8 / 128 tokens, docs/PERFORMANCE.md)."""
     return env_switch("MOE_EP_TOKEN_GRID", False)
 
 
