@@ -30,14 +30,14 @@
 #                the decode sweep of $MODELS with --decode-csv $OUT/decode.csv --plot $OUT/decode.png;
 #                with .device/fi carried, FlashInfer at PEER_DECODE_TOKENS (1,8,32,128,256) in the same
 #                call -> $OUT/decode_fi.csv, both plotted in $OUT/decode_all.png.
-# verify:        what has not yet run enough on a GPU: drop v17/v18's opt-in PDL launches (SM90_MEGAMOE_PDL=1:
-#                the virtual-rank tests), the MOE_EP_LAYOUT_CHUNKS and MOE_EP_TOKEN_GRID bit tests, and
-#                the layer tests with PDL on (-> $OUT/verify_*.log); verify2: the virtual-rank tests with PDL
+# verify:        what has not yet run on a GPU: drop v19's LocalRoute (the drop's layout_runner, then the
+#                MOE_EP_LOCAL_ROUTE bit-identity tests) and the layer tests with PDL on (-> $OUT/verify_*.log);
+#                verify2: the virtual-rank tests with PDL
 #                once more, then the decode sweep with (PDL, token grid, layout chunks) = (0,0,all) (1,0,all)
 #                (0,1,all) (0,1,32) (0,1,8) (1,1,32), and the FP8 layer's decode sweep
 #                -> $OUT/decode_p*g*c*.{log,csv}. Each half is meant to fit one 600 s device call.
-# decide:        SM90_MEGAMOE_PDL=0 / =1 alternating, 3 rounds each, Qwen3 + Mixtral decode at 1,8,128 tokens
-#                -> $OUT/decide_p<p>_r<r>.csv and the per-setting median over the rounds (run-to-run spread
+# decide:        (SM90_MEGAMOE_PDL, MOE_EP_LOCAL_ROUTE) in {0,1}x{0,1} interleaved, 3 rounds, Qwen3 + Mixtral
+#                decode at 1,8,128 tokens -> $OUT/decide_p<p>l<l>_r<r>.csv and the per-setting median over the rounds (run-to-run spread
 #                at 128 tokens is 3-6 us, as large as the effects to decide on).
 # suite1/2/3:    pytest -m gpu in three parts that each fit one 600 s device call (the whole suite does not):
 #                1 = layer, FP8 backend, activations/bias; 2 = the other GPU files; 3 = the virtual-rank file.
@@ -106,16 +106,15 @@ if [ "$mode" = extra ]; then
   fi
 fi
 if [ "$mode" = verify ]; then
-  # drop v17: PDL launches are opt-in (SM90_MEGAMOE_PDL=1) because one virtual-rank test failed once
-  # with them (v16); repeat the virtual-rank tests with PDL on, then time decode with PDL off/on and
-  # the layout-chunk cap (MOE_EP_LAYOUT_CHUNKS) at 3 settings
-  # (drop v18: with PDL, FC2's swap-AB kernel also prefetches weights before its wait)
-  step "virtual-rank tests, PDL on (1)" "$OUT/verify_pdl1.log" -- env SM90_MEGAMOE_PDL=1 \
-      python3 -m pytest -m gpu -q -W ignore -p no:cacheprovider tests/test_ep_virtual_gpu.py --tb=short
+  # drop v19's LocalRoute (one rank without a dispatch, MOE_EP_LOCAL_ROUTE=1): the drop's own runner
+  # (route vs its torch contract, then timings), the layer's bit-identity tests; then the layer
+  # tests with PDL on (drop v18's FC2 weight prefetch has not run a correctness test with PDL yet)
+  step "drop layout runner (LocalRoute)" "$OUT/verify_layout_runner.log" -- bash -c \
+      'cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.layout_runner --iters 100'
+  step "local route tests" "$OUT/verify_route.log" -- python3 -m pytest -m gpu -q -W ignore -p no:cacheprovider \
+      tests/test_layer_gpu.py tests/test_fp8_backend.py -k "local_route" --tb=long
   step "layer tests, PDL on" "$OUT/verify_pdl_layer.log" -- env SM90_MEGAMOE_PDL=1 \
-      python3 -m pytest -m gpu -q -W ignore -p no:cacheprovider tests/test_layer_gpu.py --tb=short
-  step "layout chunks + token grid tests" "$OUT/verify_chunks.log" -- python3 -m pytest -m gpu -q -W ignore \
-      -p no:cacheprovider tests/test_layer_gpu.py -k "layout_chunks or token_grid" --tb=short
+      python3 -m pytest -m gpu -q -W ignore -p no:cacheprovider tests/test_layer_gpu.py --tb=long
 fi
 if [ "$mode" = verify2 ]; then  # the second half of verify (one device call each: 600 s per call)
   step "virtual-rank tests, PDL on (2)" "$OUT/verify_pdl2.log" -- env SM90_MEGAMOE_PDL=1 \
@@ -132,11 +131,11 @@ if [ "$mode" = verify2 ]; then  # the second half of verify (one device call eac
       --quant fp8_block128 --no-reference --quiet --decode-tokens 1,8,128 --decode-csv "$OUT/decode_fp8.csv"
 fi
 if [ "$mode" = decide ]; then
-  for r in 1 2 3; do for p in 0 1; do
-    step "decode, PDL $p, round $r" "$OUT/decide_p${p}_r$r.log" -- env SM90_MEGAMOE_PDL=$p python3 -m moe_ep.bench \
-        --model "$MODELS" --tokens 128 --iters 50 --no-reference --quiet --decode-tokens 1,8,128 \
-        --decode-csv "$OUT/decide_p${p}_r$r.csv"
-  done; done
+  for r in 1 2 3; do for p in 0 1; do for lr in 0 1; do
+    step "decode, PDL $p, local route $lr, round $r" "$OUT/decide_p${p}l${lr}_r$r.log" -- env SM90_MEGAMOE_PDL=$p \
+        MOE_EP_LOCAL_ROUTE=$lr python3 -m moe_ep.bench --model "$MODELS" --tokens 128 --iters 50 --no-reference \
+        --quiet --decode-tokens 1,8,128 --decode-csv "$OUT/decide_p${p}l${lr}_r$r.csv"
+  done; done; done
   python3 - "$OUT" <<'PY'
 import csv, glob, os, statistics, sys
 rows = {}
@@ -144,7 +143,7 @@ for path in sorted(glob.glob(os.path.join(sys.argv[1], "decide_p*_r*.csv"))):
     pdl = os.path.basename(path).split("_")[1]
     for r in csv.DictReader(open(path)):
         rows.setdefault((r["model"], int(r["tokens"]), pdl), []).append((float(r["eager_ms"]), float(r["graph_ms"])))
-print("model, tokens, PDL: median eager / graph ms over rounds (graph of each round)")
+print("model, tokens, p<PDL>l<local route>: median eager / graph ms over rounds (graph of each round)")
 for (m, t, p), v in sorted(rows.items()):
     print(f"{m:16s} {t:4d} {p}: {statistics.median(e for e, _ in v):.4f} / {statistics.median(g for _, g in v):.4f}"
           f"   ({', '.join(f'{g:.4f}' for _, g in v)})")

@@ -36,7 +36,7 @@ def test_three_drops_import_in_one_process():
         " sm120_mxfp8.DROP_VERSION)\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert "['sm100/w4a16', 'sm120/mxfp8', 'sm90/megamoe'] 18 1 1" in p.stdout
+    assert "['sm100/w4a16', 'sm120/mxfp8', 'sm90/megamoe'] 19 1 1" in p.stdout
 
 
 def test_a_fourth_drop_reusing_a_name_trips_the_guard(tmp_path):

@@ -225,10 +225,46 @@ def test_fused_gather_quant_is_bit_identical(monkeypatch, T):
     fused.destroy()
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_fused_gather_wiring_on_cpu(fused):
-    """Steps 2-4 of the FP8 backend pass the right buffers (recorded, no kernel runs): fused, the
-    layout gets no BF16 row buffer and FC1's quantiser reads the receive buffer through idx."""
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [0, 1, 700])
+def test_local_route_is_bit_identical_fp8(monkeypatch, T):
+    """One rank without a dispatch (MOE_EP_LOCAL_ROUTE=1): FC1's fused quantiser gathers from the
+    caller's x; the same bits as the dispatch path, eager and CUDA graph."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    from moe_ep.api.quant import quantize_fp8_block128
+
+    E, H, I, K = QWEN["num_experts"], QWEN["hidden"], QWEN["intermediate"], QWEN["top_k"]
+    cfg = MoEConfig(max_tokens_per_rank=1024, quant="fp8_block128", **QWEN)
+    g = torch.Generator().manual_seed(77 + T)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16).cuda()
+    ids = torch.randn(T, E, generator=g).topk(K, -1).indices.to(torch.int32).cuda()
+    w = torch.softmax(torch.randn(T, K, generator=g), -1).cuda()
+    w13 = quantize_fp8_block128((torch.randn(E, 2 * I, H, generator=g) * H ** -0.5).cuda())
+    w2 = quantize_fp8_block128((torch.randn(E, H, I, generator=g) * I ** -0.5).cuda())
+    outs = []
+    for route in ("0", "1"):
+        monkeypatch.setenv("MOE_EP_LOCAL_ROUTE", route)
+        layer = MoELayer(cfg, EPGroup.single(), backend="sm90_fp8_cutedsl")
+        layer.warmup(progress=False)
+        assert layer._impl.local_route == (route == "1") and layer._impl.fused_gather
+        out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+        outs.append(layer.forward(x, ids, w, w13, w2, out=out).clone())
+        if T:
+            graph = capture_graph(lambda: layer.forward(x, ids, w, w13, w2, out=out))
+            replay_poisoned(graph, out)
+            assert torch.equal(out, outs[-1])
+        layer.check_errors()
+        layer.destroy()
+    assert torch.equal(outs[0], outs[1]) and torch.isfinite(outs[1]).all()
+
+
+@pytest.mark.parametrize("fused,route", [(False, False), (True, False), (False, True), (True, True)])
+def test_fused_gather_wiring_on_cpu(fused, route):
+    """Steps 1-4 of the FP8 backend pass the right buffers (recorded, no kernel runs): fused, the
+    layout gets no BF16 row buffer and FC1's quantiser reads the receive buffer through idx --
+    or, one rank without a dispatch (MOE_EP_LOCAL_ROUTE=1), the caller's x; step 1 then launches
+    nothing and step 2 is the layout's ``route`` with the caller's routing."""
     from types import SimpleNamespace
 
     from moe_ep.backends.sm90.fp8_cutedsl.backend import Sm90Fp8Backend
@@ -241,30 +277,39 @@ def test_fused_gather_wiring_on_cpu(fused):
     b = object.__new__(Sm90Fp8Backend)
     t = {n: torch.zeros(4) for n in ("offsets", "idx", "ws_rows", "pos", "xs", "xq", "xq_scale", "h", "hq",
                                       "hq_scale", "y", "rows", "recv_x")}
-    b.fused_gather = fused
-    b.layout, b.quant_x, b.quant_h = rec("layout"), rec("quant_x"), rec("quant_h")
-    b._gemms = (rec("fc1"), rec("fc2"))
-    b.ep = SimpleNamespace(bufs=SimpleNamespace(recv_x=t["recv_x"]))
+    x, ids, w = torch.zeros(3, 4), torch.zeros(3, 2, dtype=torch.int32), torch.zeros(3, 2)
+    b.fused_gather, b.local_route, b.token_grid, b._routing = fused, route, False, None
+    b.fc1_decode = None
+    b.fc1, b.fc2 = rec("fc1"), rec("fc2")
+    b.layout = type("L", (), {"__call__": lambda self, *a, **k: calls.append(("layout", a, k)),
+                              "route": lambda self, *a, **k: calls.append(("route", a, k))})()
+    b.quant_x, b.quant_h = rec("quant_x"), rec("quant_h")
+    b.ws = SimpleNamespace(seq=0)
+    b.ep = SimpleNamespace(bufs=SimpleNamespace(recv_x=t["recv_x"]), dispatch=rec("dispatch"))
     for n in ("offsets", "idx", "ws_rows", "pos", "xs", "xq", "xq_scale", "h", "hq", "hq_scale", "y"):
         setattr(b, n, t[n])
     b._rows, b.num_ctas = t["rows"], 7
     w13 = SimpleNamespace(values="v13", scale="s13")
     w2 = SimpleNamespace(values="v2", scale="s2")
+    b._step1_dispatch(x, ids, w)
     b._step2_layout()
     b._step34_experts(w13, w2)
     names = [c[0] for c in calls]
-    assert names == ["layout", "quant_x", "fc1", "quant_h", "fc2"]
-    layout_args = calls[0][1]
-    assert layout_args[-1] is (None if fused else t["xs"])
-    qx_args, qx_kw = calls[1][1], calls[1][2]
-    assert qx_args[0] is (t["recv_x"] if fused else t["xs"]) and qx_kw["count"] is t["rows"]
+    assert names == (["route"] if route else ["dispatch", "layout"]) + ["quant_x", "fc1", "quant_h", "fc2"]
+    layout_args, layout_kw = calls[0 if route else 1][1], calls[0 if route else 1][2]
+    if route:
+        assert layout_args[1:4] == (x, ids, w) and b._routing is None
+    assert layout_args[-1] is (None if fused else t["xs"]) and layout_kw == {"tokens": 3}
+    k = names.index("quant_x")
+    qx_args, qx_kw = calls[k][1], calls[k][2]
+    src = (x if route else t["recv_x"]) if fused else t["xs"]
+    assert qx_args[0] is src and qx_kw["count"] is t["rows"]
     assert (qx_kw.get("idx") is t["idx"]) if fused else ("idx" not in qx_kw)
-    fc1_args, fc1_kw = calls[2][1], calls[2][2]
+    fc1_args, fc1_kw = calls[k + 1][1], calls[k + 1][2]
     assert fc1_args[:5] == (t["xq"], t["xq_scale"], "v13", "s13", t["offsets"]) and fc1_kw["out"] is t["h"]
-    fc2_args, fc2_kw = calls[4][1], calls[4][2]
+    fc2_args, fc2_kw = calls[k + 3][1], calls[k + 3][2]
     assert fc2_args[:4] == (t["hq"], t["hq_scale"], "v2", "s2") and fc2_kw["out"] is t["y"]
     assert fc2_kw["row_scale"] is t["ws_rows"]
-
 
 
 @pytest.mark.parametrize("local", [False, True])

@@ -524,3 +524,58 @@ def test_token_grid_gives_the_full_grid_bits(T):
     assert torch.equal(outs[0], outs[1]) and errs[0] == errs[1], errs
     assert (errs[1] is not None) == (T > 2)
     layer.destroy()
+
+
+def _forward_and_errors(layer, x, ids, w, w13, w2, T):
+    """One forward into a NaN-poisoned ``out``; returns (out, the check_errors message or None)."""
+    out = torch.full((T, QWEN["hidden"]), float("nan"), dtype=torch.bfloat16, device="cuda")
+    out = layer.forward(x, ids, w, w13, w2, out=out).clone()
+    try:
+        layer.check_errors()
+        return out, None
+    except Exception as e:  # noqa: BLE001 - bad values planted on purpose are reported
+        return out, f"{type(e).__name__}: {e}"
+
+
+@pytest.mark.parametrize("T,ids_dtype,bad", [(0, torch.int32, False), (1, torch.int64, False),
+                                             (37, torch.int32, True), (700, torch.int64, True)])
+def test_local_route_is_bit_identical(monkeypatch, T, ids_dtype, bad):
+    """One rank without a dispatch (MOE_EP_LOCAL_ROUTE=1, drop v19's LocalRoute): the bits of
+    dispatch + layout, eager, repeated and under a CUDA graph; out-of-range ids and a NaN weight
+    are dropped and reported with the same message; the split dispatch/combine pair agrees too."""
+    _sm90()
+    from moe_ep.api import MoEConfig
+
+    cfg = MoEConfig(max_tokens_per_rank=1024, **QWEN)
+    x, ids, w, w13, w2 = problem(T, seed_of("local_route", T), ids_dtype=ids_dtype)
+    if bad:
+        ids[2, 1], ids[5, 0], ids[T - 1, 7] = 128, -1, 10_000
+        w[4, 3] = float("nan")
+    results = {}
+    for route in ("0", "1"):
+        monkeypatch.setenv("MOE_EP_LOCAL_ROUTE", route)
+        (layer,) = layers(cfg, "sm90_bf16_cutedsl")
+        layer.warmup(progress=False)
+        assert layer._impl.local_route == (route == "1")
+        first = _forward_and_errors(layer, x, ids, w, w13, w2, T)
+        again = _forward_and_errors(layer, x, ids, w, w13, w2, T)
+        assert torch.equal(first[0], again[0]) and again[1] is None  # reported once
+        if T:
+            out = torch.empty_like(first[0])
+            graph = capture_graph(lambda: layer.forward(x, ids, w, w13, w2, out=out))
+            replay_poisoned(graph, out)
+            assert torch.equal(out, first[0])
+            xs, offsets, handle = layer.dispatch(x, ids, w)  # the split pair, router weights in combine
+            y = torch.zeros(xs.shape[0], QWEN["hidden"], dtype=torch.bfloat16, device="cuda")
+            y[: int(offsets[-1])] = xs[: int(offsets[-1])]  # identity experts: combine sums the x rows
+            split = layer.combine(y, handle).clone()
+        else:
+            split = None
+        layer.destroy()
+        results[route] = (first, split)
+    (out0, msg0), split0 = results["0"]
+    (out1, msg1), split1 = results["1"]
+    assert torch.equal(out0, out1) and torch.isfinite(out1).all()
+    assert msg0 == msg1 and (msg1 is not None) == bad
+    if T:
+        assert torch.equal(split0, split1)

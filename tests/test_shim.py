@@ -346,3 +346,20 @@ def test_early_weights_is_the_plain_kernel_without_pdl(monkeypatch, tmp_path):
     a = sm90_compiled_grouped_gemm("identity", 512, 256, 8, True, schedule="swapab", early_weights=True)
     b = sm90_compiled_grouped_gemm("identity", 512, 256, 8, True, schedule="swapab")
     assert a is b and not a.early_weights
+
+
+def test_local_route_is_for_one_rank_only():
+    """Drop v19's LocalRoute replaces the dispatch only with one rank: the shim's layout session
+    and the drop's kernel kinds refuse it for world > 1, naming the world size."""
+    pytest.importorskip("cutlass")
+    from moe_ep.shim import Sm90LayoutSession, drop_src, register_drop
+
+    with pytest.raises(ValueError, match="world=2"):
+        Sm90LayoutSession(2048, 8, 2, 64, 64, "cpu", counts=None, route=True)
+    register_drop(drop_src("sm90", "megamoe"))
+    from sm90_megamoe.layout_launch import KINDS, ROUTE_KINDS, LayoutConfig, kinds_for
+
+    assert kinds_for(LayoutConfig(2048, 8, 1, 64, 128), route=True) == KINDS + ROUTE_KINDS
+    assert kinds_for(LayoutConfig(2048, 8, 2, 64, 64)) == KINDS
+    with pytest.raises(ValueError, match="world == 1"):
+        kinds_for(LayoutConfig(2048, 8, 2, 64, 64), route=True)

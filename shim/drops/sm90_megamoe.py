@@ -50,7 +50,7 @@ from ..nvshmem_boot import CounterContract
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 18},
+    "sm90_megamoe": {"DROP_VERSION": 19},
     "sm90_megamoe.fp8_gemm": {"FP8_BLOCK": 128, "OVERLAP_MAX_K_TILES": 32},
     "sm90_megamoe.constants": {
         "ABI_VERSION": 2,
@@ -77,14 +77,14 @@ CONSTANTS = MirroredConstants("sm90/megamoe", {
         "EP_ALIGN_H_ELEMS": 8,
     },
     "sm90_megamoe.layout_kernels": {
-        "LAYOUT_ABI_VERSION": 2,
+        "LAYOUT_ABI_VERSION": 3,
         "LAYOUT_MAX_LOCAL_EXPERTS": 1024,
         "LAYOUT_MAX_WORLD": 32,
     },
 })
 
 CONTRACT = DropContract(
-    arch="sm90", drop="megamoe", version=18, packages=(PKG,), constants=CONSTANTS,
+    arch="sm90", drop="megamoe", version=19, packages=(PKG,), constants=CONSTANTS,
     callables=(
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.__init__",
                     ("activation", "n", "k", "num_experts", "scale_rows", "tile_n", "bias_dtype",
@@ -127,9 +127,12 @@ CONTRACT = DropContract(
         CallableUse("sm90_megamoe.layout_launch:LayoutConfig.__init__",
                     ("hidden", "topk", "world", "max_tokens", "local_experts")),
         CallableUse("sm90_megamoe.layout_launch:Layout.__init__",
-                    ("cfg", "device", "num_chunks", "counts", "timeout_ns", "tvm_ffi", "arch")),
+                    ("cfg", "device", "num_chunks", "counts", "timeout_ns", "tvm_ffi", "arch", "route")),
         CallableUse("sm90_megamoe.layout_launch:Layout.__call__",
                     ("bufs", "offsets", "idx", "ws", "pos", "xs", "stream", "check")),
+        CallableUse("sm90_megamoe.layout_launch:Layout.route",
+                    ("bufs", "x", "topk_ids", "topk_w", "offsets", "idx", "ws", "pos", "xs", "stream", "check")),
+        CallableUse("sm90_megamoe.layout_launch:kinds_for", ("cfg", "route")),
         CallableUse("sm90_megamoe.layout_kernels:counts_len", ("num_chunks", "local_experts")),
         CallableUse("sm90_megamoe.fp8_gemm:can_implement", ("activation", "n", "k", "num_experts")),
         CallableUse("sm90_megamoe.fp8_launch:CompiledFp8Gemm.__init__",
@@ -162,7 +165,7 @@ CONTRACT = DropContract(
         AttributeUse("sm90_megamoe.ep_launch", ("EpConfig", "EpBuffers", "EpRank", "KINDS", "build_peer_table",
                                                 "compile_kernel", "put_kernel", "kinds_for")),
         AttributeUse("sm90_megamoe.layout_launch", ("LayoutConfig", "Layout", "KINDS", "compile_kernel",
-                                                    "put_kernel")),
+                                                    "put_kernel", "kinds_for")),
         AttributeUse("sm90_megamoe.launch:CompiledGroupedGemm",
                      ("compiled", "scale_rows", "bias_dtype", "n_out", "tvm_ffi", "schedule", "launch_tensors",
                       "launch_converted")),
@@ -173,7 +176,7 @@ CONTRACT = DropContract(
         AttributeUse("sm90_megamoe.ep_launch:EpBuffers",
                      ("recv_x", "recv_ids", "recv_w", "recv_count", "flags", "comb", "ctrl", "err", "verr",
                       "dmask")),
-        AttributeUse("sm90_megamoe.layout_launch:Layout", ("__call__",)),
+        AttributeUse("sm90_megamoe.layout_launch:Layout", ("__call__", "route")),
         AttributeUse("sm90_megamoe.fp8_gemm", ("can_implement",)),
         AttributeUse("sm90_megamoe.fp8_launch", ("CompiledFp8Gemm",)),
         AttributeUse("sm90_megamoe.fp8_launch:CompiledFp8Gemm", ("compiled", "n_out", "__call__")),
@@ -726,8 +729,9 @@ def layout_counts_len(num_chunks: int, local_experts: int) -> int:
 
 
 def prebuild_layout(hidden: int, topk: int, world: int, max_tokens: int, local_experts: int,
-                    arch: str = "sm_90a") -> None:
-    """Compile (or load from the disk cache) every expert-layout kernel for ``arch``; no GPU needed."""
+                    arch: str = "sm_90a", route: bool = False) -> None:
+    """Compile (or load from the disk cache) every expert-layout kernel for ``arch`` (``route``:
+    also the one-rank LocalRoute kernels, world == 1 only); no GPU needed."""
     _check_ep_arch(arch)
     ll = _load("sm90_megamoe.layout_launch")
     cfg = ll.LayoutConfig(hidden=hidden, topk=topk, world=world, max_tokens=max_tokens,
@@ -738,14 +742,14 @@ def prebuild_layout(hidden: int, topk: int, world: int, max_tokens: int, local_e
 
     def build():
         kernels = {}
-        for k in ll.KINDS:
+        for k in ll.kinds_for(cfg=cfg, route=route):
             kernels[k] = disk_cache.get_or_build(
                 cache_namespace(arch), f"layout_{k}", (key, k),
                 lambda k=k: ll.compile_kernel(kind=k, cfg=cfg, tvm_ffi=ffi, arch=arch), tvm_ffi=ffi)
             ll.put_kernel(kind=k, cfg=cfg, compiled=kernels[k], tvm_ffi=ffi, arch=arch)
         return kernels
 
-    COMPILE_CACHE.get_or_compile(key, build)
+    COMPILE_CACHE.get_or_compile((key, bool(route)), build)
 
 
 #: chunk counts a token-adaptive LayoutSession chooses from (and its full grid)
@@ -774,6 +778,9 @@ class LayoutSession:
     ``__call__(ep_session, offsets [E_l+1] i32, idx [S·K] i32, ws [S·K] f32, pos [S,K] i32,
     xs [S·K,H] bf16 or None, tokens=None)``. Calls sharing one scratch must be stream-ordered.
 
+    ``route`` (world == 1): also :meth:`route`, the layout without a dispatch (drop v19's
+    LocalRoute checks the caller's routing itself and LayoutPlace reads the caller's rows).
+
     ``adaptive``: the kernels' chunk count (their grid, a runtime argument of the same compiled
     kernels) follows each call's ``tokens`` hint (:func:`layout_chunks_for`, at most
     ``num_chunks``); all chunk counts give the same bits (chunks are contiguous slot ranges), so
@@ -783,12 +790,14 @@ class LayoutSession:
 
     def __init__(self, hidden: int, topk: int, world: int, max_tokens: int, local_experts: int, device: Any,
                  counts: Any, num_chunks: int | None = None, timeout_ns: int | None = None,
-                 arch: str = "sm_90a", adaptive: bool = False) -> None:
+                 arch: str = "sm_90a", adaptive: bool = False, route: bool = False) -> None:
         ensure_not_capturing("layout set-up")
         ll = _load("sm90_megamoe.layout_launch")
         cfg = ll.LayoutConfig(hidden=hidden, topk=topk, world=world, max_tokens=max_tokens,
                               local_experts=local_experts)
-        prebuild_layout(hidden, topk, world, max_tokens, local_experts, arch)
+        if route and world != 1:
+            raise ValueError(f"LayoutSession(route=True) is for one rank, not world={world}")
+        prebuild_layout(hidden, topk, world, max_tokens, local_experts, arch, route=route)
         # one chunk per SM (or the caller's smaller grid), never more chunks than receive slots
         sms = _num_sms(device)
         C = max(1, min(num_chunks or sms, sms, LAYOUT_MAX_CHUNKS, world * max_tokens))
@@ -796,9 +805,9 @@ class LayoutSession:
         kw = {} if timeout_ns is None else {"timeout_ns": int(timeout_ns)}
         tiers = {C} | ({c for c in LAYOUT_CHUNK_TIERS if c < C} if adaptive else set())
         self._layouts = {c: ll.Layout(cfg=cfg, device=device, num_chunks=c, counts=counts,
-                                      tvm_ffi=use_tvm_ffi(), arch=arch, **kw) for c in tiers}
+                                      tvm_ffi=use_tvm_ffi(), arch=arch, route=route, **kw) for c in tiers}
         self.adaptive = bool(adaptive)
-        self._checked = False
+        self._checked = self._route_checked = False
 
     def chunks(self, tokens: int | None) -> int:
         """Chunk count (grid) of a call with the ``tokens`` hint (None: the full grid)."""
@@ -812,3 +821,14 @@ class LayoutSession:
         layout(bufs=ep.bufs, offsets=offsets, idx=idx, ws=ws, pos=pos, xs=xs, stream=None,
                check=not self._checked)
         self._checked = True
+
+    def route(self, ep: EpSession, x, topk_ids, topk_weights, offsets, idx, ws, pos, xs,
+              tokens: int | None = None) -> None:
+        """One rank, in place of ``ep.dispatch(x, topk_ids, topk_weights)`` + ``self(ep, ...)``:
+        2 launches instead of 3, same outputs and error records bit for bit, rows gathered
+        straight from ``x [T, H]`` (``ep.bufs.recv_x`` is not written). ``topk_ids [T, K]``
+        int32/int64, ``topk_weights [T, K]`` float32."""
+        layout = self._layouts[self.chunks(tokens)]
+        layout.route(bufs=ep.bufs, x=x, topk_ids=topk_ids, topk_w=topk_weights, offsets=offsets, idx=idx,
+                     ws=ws, pos=pos, xs=xs, stream=None, check=not self._route_checked)
+        self._route_checked = True

@@ -19,6 +19,10 @@ The forward of one rank, all on the device: no host sync, no allocation when ``o
    back to the source rank (peer store, then a flag); each source sums its <= W partial rows
    in float32 in rank order (one rank: one launch, the same bits, :func:`local_combine`).
 
+One rank with :func:`local_route` on: steps 1 and 2 are drop v19's LocalRoute (the dispatch's
+checks and records, fused into the count) and the place kernel gathering ``xs`` straight from
+``x``: one launch fewer, no copy into ``recv_x``, the same bits.
+
 Capacity (nothing dropped for load): a source sends each token at most once to each destination,
 into its own slot range, so a rank receives at most ``S = W·T_max`` token rows and at most
 ``P = S·K`` grouped rows. ``T > T_max`` is refused by the API before launch; the dispatch kernel
@@ -60,6 +64,15 @@ def local_combine() -> bool:
     0.058 -> 0.054 ms, 128 tokens 0.311 -> 0.306 ms (CUDA graph). ``MOE_EP_LOCAL_COMBINE=0`` turns
     it off (to compare)."""
     return env_switch("MOE_EP_LOCAL_COMBINE", True)
+
+
+def local_route() -> bool:
+    """``MOE_EP_LOCAL_ROUTE=1``: with one rank, steps 1-2 skip the dispatch (drop v19's
+    LocalRoute checks the routing as the dispatch does and counts; the place kernel gathers
+    ``xs`` from ``x`` itself): 2 launches instead of 3, no row copy into ``recv_x``, the same
+    outputs and error records bit for bit (GPU test written). Off by default until it has run
+    on a GPU."""
+    return env_switch("MOE_EP_LOCAL_ROUTE", False)
 
 
 def token_grid() -> bool:
@@ -163,7 +176,8 @@ def prebuild_layer(config: Any, world_size: int, kernels: tuple, gemms: dict, ar
             sm90_prebuild_ep(d.hidden, d.topk, world_size, d.max_tokens, config.num_experts, arch,
                              local_combine=local_combine())
         elif name == "layout":
-            sm90_prebuild_layout(d.hidden, d.topk, world_size, d.max_tokens, config.local_experts(world_size), arch)
+            sm90_prebuild_layout(d.hidden, d.topk, world_size, d.max_tokens, config.local_experts(world_size), arch,
+                                 route=world_size == 1 and local_route())
         else:
             raise ValueError(f"unknown kernel group {name!r} ({', '.join((*gemms, 'ep', 'layout'))})")
 
@@ -209,6 +223,8 @@ class Sm90CuteDSLBackend(BackendImpl):
         self.token_grid = token_grid()
         self._token_ctas = None
         self._tokens = None
+        self._routing = None
+        self.local_route = False
         self.ws = get_workspace(group, device)
         self.ws.register(self, self.dims)
         self.ep = None
@@ -236,6 +252,7 @@ class Sm90CuteDSLBackend(BackendImpl):
             peers = self.ws.peer_views(d)
             global_ranks = tuple(dist.get_process_group_ranks(self.group.pg))
         self.local_combine = self.W == 1 and local_combine()
+        self.local_route = self.W == 1 and local_route()
         self.ep = Sm90EpSession(d.hidden, d.topk, self.W, d.max_tokens, cfg.num_experts, self.group.rank, dev,
                                 {**v, "verr": self.verr}, peers=peers, global_ranks=global_ranks,
                                 num_ctas=self.num_ctas, timeout_ns=self.timeout_ns, arch=self.arch,
@@ -243,7 +260,7 @@ class Sm90CuteDSLBackend(BackendImpl):
         fixed_chunks = layout_chunks(self.num_ctas)
         self.layout = Sm90LayoutSession(d.hidden, d.topk, self.W, d.max_tokens, self.E, dev, v["counts"],
                                         num_chunks=fixed_chunks or self.num_ctas, timeout_ns=self.timeout_ns,
-                                        arch=self.arch, adaptive=fixed_chunks is None)
+                                        arch=self.arch, adaptive=fixed_chunks is None, route=self.local_route)
         self._bind_gemms(v)
         self.xs, self.h = v["xs"], v["h"]
         self.y = v["xs"]  # FC2's output overwrites FC1's input, dead by then
@@ -322,10 +339,21 @@ class Sm90CuteDSLBackend(BackendImpl):
         # grid of the per-token kernels of this call, from its host-known token count
         self._token_ctas = self.ep.token_ctas(x.shape[0]) if self.token_grid else None
         self._tokens = x.shape[0]  # steers the layout's grid (step 2); the bits do not depend on it
+        if self.local_route:  # one rank: step 2 reads the routing itself (no launch here)
+            self._routing = (x, topk_ids, topk_weights)
+            return
         self.ep.dispatch(x, topk_ids, topk_weights, num_ctas=self._token_ctas)
 
-    def _step2_layout(self) -> None:
-        self.layout(self.ep, self.offsets, self.idx, self.ws_rows, self.pos, self.xs, tokens=self._tokens)
+    def _step2_layout(self, xs=True) -> None:
+        """``xs``: gather the grouped rows into ``self.xs`` (False: the caller gathers them)."""
+        xs = self.xs if xs else None
+        if self.local_route:
+            x, topk_ids, topk_weights = self._routing
+            self._routing = None  # hold no reference to the caller's tensors past the call
+            self.layout.route(self.ep, x, topk_ids, topk_weights, self.offsets, self.idx, self.ws_rows, self.pos,
+                              xs, tokens=self._tokens)
+        else:
+            self.layout(self.ep, self.offsets, self.idx, self.ws_rows, self.pos, xs, tokens=self._tokens)
 
     def _step34_experts(self, w13, w2, b13=None, b2=None) -> None:
         fc1, fc2 = self._gemms

@@ -106,14 +106,17 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
         return quantize_fp8_block128(w13), quantize_fp8_block128(w2)
 
     def _step2_layout(self) -> None:
-        # fused gather: the layout writes no BF16 rows (xs stays free for FC2's output)
-        self.layout(self.ep, self.offsets, self.idx, self.ws_rows, self.pos, None if self.fused_gather else self.xs,
-                    tokens=self._tokens)
+        # fused gather: the layout writes no BF16 rows (xs stays free for FC2's output); the
+        # quantiser reads the received rows, or the caller's x when one rank skips the dispatch
+        x = self._routing[0] if self.local_route else None
+        self._x_rows = x if x is not None and x.shape[0] else self.ep.bufs.recv_x
+        super()._step2_layout(xs=not self.fused_gather)
 
     def _step34_experts(self, w13, w2, b13=None, b2=None) -> None:
         fc1, fc2 = self._gemms
         if self.fused_gather:  # grouped row r = received row idx[r], quantised on the way
-            self.quant_x(self.ep.bufs.recv_x, self.xq, self.xq_scale, count=self._rows, idx=self.idx)
+            self.quant_x(self._x_rows, self.xq, self.xq_scale, count=self._rows, idx=self.idx)
+            self._x_rows = None
         else:
             self.quant_x(self.xs, self.xq, self.xq_scale, count=self._rows)
         fc1(self.xq, self.xq_scale, w13.values, w13.scale, self.offsets, out=self.h, row_scale=self.ws_rows,

@@ -1,7 +1,7 @@
 """Compile the expert-layout kernels for sm_90a WITHOUT a GPU (fake tensors) and check the PTX.
 
     python -m sm90_megamoe.layout_compile_check            # Qwen3 W=1/2, Mixtral, extras
-    python -m sm90_megamoe.layout_compile_check --quick    # Qwen3 W=2 only
+    python -m sm90_megamoe.layout_compile_check --quick    # Qwen3 W=2 only (+ LocalRoute at W=1)
 
 Per kernel: the instructions the design relies on are present (the bounded acquire wait,
 shared-memory histogram atomics, match.any ranking, warp scans, 16-byte vectors in the fused
@@ -31,7 +31,7 @@ from cutlass.cute.runtime import make_fake_stream
 from .ep_compile_check import same_signature
 from .ep_launch import _real
 from .layout_kernels import counts_len
-from .layout_launch import KINDS, LayoutConfig, fake_args, make_kernel
+from .layout_launch import LayoutConfig, fake_args, kinds_for, make_kernel
 from .pdl import ptx_problems
 
 EXPECT = {
@@ -40,10 +40,19 @@ EXPECT = {
     "place": ["match.any.sync.b32", "popc.b32", "shfl.sync.up.b32", "vote.sync.ballot.b32",
               "shfl.sync.idx.b32", "ld.global.v4.b32", "st.global.v4.b32", "bar.sync"],
     "place_nogather": ["match.any.sync.b32", "popc.b32"],
+    # LocalRoute: shared histogram, the dispatch's first-bad-value record (CAS + min), the
+    # arrival counter of the last CTA
+    "route": ["atom.shared.add", "atom.global.cas.b64", "atom.global.min.s64",
+              "atom.global.acq_rel.add.u64", "fence.acq_rel.gpu", "ld.global.s32", "bar.sync"],
+    "route_i64": ["atom.shared.add", "atom.global.cas.b64", "atom.global.min.s64",
+                  "atom.global.acq_rel.add.u64", "fence.acq_rel.gpu", "ld.global.b64", "bar.sync"],
 }
 ABSENT = {"place_nogather": ["ld.global.v4.b32", "st.global.v4.b32"],
           # no atomic decides a row: the only atomics are the shared-memory histogram's
-          "place": ["atom.global"], "count": ["atom.global.add"]}
+          "place": ["atom.global"], "count": ["atom.global.add"],
+          # one rank: no wait on a flag, nothing at system scope
+          "route": ["ld.acquire.sys", "fence.acq_rel.sys", "%globaltimer"],
+          "route_i64": ["ld.acquire.sys", "fence.acq_rel.sys", "%globaltimer"]}
 FORBID = ["ld.local", "st.local", "atom.global.add.f", "red.global.add.f"]
 
 
@@ -87,6 +96,14 @@ def real_cpu_args(kind: str, cfg: LayoutConfig):
     err = _real(torch.zeros(4, dtype=i32), 4, False)
     counts = _real(torch.zeros(counts_len(5, E_l), dtype=i32), 4, True)
     n = cutlass.Int32(3)
+    if kind in ("route", "route_i64"):
+        it, ia = (torch.int64, 8) if kind == "route_i64" else (i32, 4)
+        return (_real(torch.zeros(5, K, dtype=it), ia, True), _real(torch.zeros(5, K, dtype=f32), 4, True),
+                ids, _real(torch.zeros(S, K, dtype=f32), 4, False), cnt,
+                _real(torch.zeros(2 * W, dtype=torch.int64), 8, False),
+                _real(torch.zeros(4, dtype=torch.int64), 8, False), err,
+                _real(torch.zeros(8, dtype=torch.int64), 8, False),
+                _real(torch.zeros(cfg.max_tokens, dtype=i32), 4, False), counts, n, n, st)
     if kind == "count":
         return (ids, cnt, _real(torch.zeros(2 * W, dtype=torch.int64), 8, False),
                 _real(torch.zeros(4, dtype=torch.int64), 8, False), err, counts,
@@ -105,7 +122,7 @@ def check(cfg: LayoutConfig, arch: str = "sm_90a", signatures: bool = True,
           verbose: bool = True):
     opts = f"--gpu-arch {arch} --keep-ptx"
     failures = []
-    for kind in KINDS:
+    for kind in kinds_for(cfg, route=cfg.world == 1):
         kern = make_kernel(kind, cfg)
         t0 = time.time()
         c = cute.compile(kern, *fake_args(kind, cfg), options=opts)
@@ -148,7 +165,8 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true")
     p.add_argument("--arch", default="sm_90a")
     a = p.parse_args(argv)
-    cases = [LayoutConfig(2048, 8, 2, 8192, 64)]                  # Qwen3-30B-A3B EP=2
+    cases = [LayoutConfig(2048, 8, 2, 8192, 64),                  # Qwen3-30B-A3B EP=2
+             LayoutConfig(2048, 8, 1, 256, 128)]                  # Qwen3 EP=1 decode: LocalRoute
     if not a.quick:
         cases = [LayoutConfig(2048, 8, 1, 8192, 128),             # Qwen3-30B-A3B EP=1
                  LayoutConfig(2048, 8, 2, 8192, 64),              # Qwen3-30B-A3B EP=2

@@ -41,6 +41,13 @@ contiguous chunks, one per CTA; C is the grid size of BOTH kernels.
        advances by the tile's count. It writes pos / idx / ws, then copies each slot's row once
        from recv_x to its <= K grouped rows.
 
+One rank (W = 1) can skip the dispatch: ``LocalRoute`` (drop v19) reads the caller's
+``topk_ids`` / ``topk_weights`` itself, checks them as EpDispatch does (same drops, same verr
+record, same epoch and flag words afterwards), writes the sanitised recv_ids / recv_w /
+recv_count / dmask and counts like LayoutCount; LayoutPlace then runs unchanged with the
+caller's ``x`` as its row source. Same buffers, same rows, same bits as dispatch + layout, one
+launch fewer and no row copy into recv_x.
+
 Scratch: counts [>= C * E_l] int32, owned by the caller. LayoutCount rewrites all C*E_l entries
 before LayoutPlace reads them, so nothing carries over between calls: no reset, no tail-clean
 protocol. Calls sharing one scratch must be stream-ordered (one scratch per stream). No float
@@ -56,10 +63,20 @@ from cutlass import Float32, Int32, Int64, Uint32
 
 from .pdl import PDL, wait_previous_grid
 from .ep_constants import (
+    CTRL_DISPATCH_ARRIVE,
     CTRL_EPOCH,
     EP_VEC_BYTES,
+    ERR_CAPACITY,
     ERR_CODE,
     ERR_TIMEOUT,
+    F32_EXP_MASK,
+    VERR_ID_EPOCH,
+    VERR_ID_KEY,
+    VERR_ID_VALUE,
+    VERR_W_EPOCH,
+    VERR_W_KEY,
+    VERR_W_VALUE,
+    WHERE_DISPATCH,
     WHERE_WAIT,
 )
 from .ep_kernels import (
@@ -67,13 +84,16 @@ from .ep_kernels import (
     _addr,
     _gptr,
     _ld_i32_relaxed_gpu,
+    _ld_i64_relaxed_gpu,
     _ld_vec,
+    _record_bad_value,
     _report_error,
     _spin_wait_eq,
     _st_vec,
 )
 
-LAYOUT_ABI_VERSION = 2      # 2: deterministic rows, stateless scratch, wait fused into LayoutCount
+LAYOUT_ABI_VERSION = 3      # 2: deterministic rows, stateless scratch, wait fused into LayoutCount
+                            # 3: LocalRoute (one rank: the dispatch's checks fused into the count)
 LAYOUT_MAX_LOCAL_EXPERTS = 1024
 LAYOUT_MAX_TOPK = 32        # one warp holds the K choices of one slot in the gather
 LAYOUT_MAX_WORLD = 32       # warp 0 scans the W source counts
@@ -204,6 +224,143 @@ class LayoutCount:
         cute.arch.sync_threads()
         for e in cutlass.range(tidx, E_l, NT):
             mCounts[bidx * E_l + e] = sH[e]
+
+
+class LocalRoute:
+    """One rank (W = 1), instead of EpDispatch + LayoutCount: check the caller's routing, write
+    the sanitised receive words and count each chunk's valid pairs per expert. No row moves
+    (LayoutPlace gathers straight from the caller's ``x``).
+
+    Static: top-K, T_max, experts E (= E_l at W = 1), threads per CTA. The ids dtype (int32 or
+    int64) is compiled in from ``mTopkIds``.
+
+    Arguments of ``__call__``:
+        mTopkIds    [T_rows, K]  int32/int64 expert ids (T_rows dynamic, >= max(num_tokens, 1))
+        mTopkW      [T_rows, K]  float32 router weights
+        mIds        [T_max, K]   int32 output recv_ids: the id if the choice is valid, else -1
+        mW          [T_max, K]   float32 output recv_w (the weight as given)
+        mRecvCount  [1]          int32 output recv_count[0] = T (last CTA)
+        mFlags      [2]          int64 flags[0] = the new epoch (last CTA), as a dispatch leaves it
+        mCtrl       [4]          int64 ctrl[0] epoch (+1 by the last CTA), ctrl[1] arrival counter
+                                 (reset by the last CTA: tail-clean)
+        mErr        [4]          int32 error word; the kernel only stores zero counts while it is
+                                 set; T > T_max sets (ERR_CAPACITY, 0, WHERE_DISPATCH, T)
+        mVerr       [8]          int64 first bad id / non-finite weight, EpDispatch's rules
+        mDestMask   [T_max]      int32 output: 1 if token t has a valid choice, else 0
+        mCounts     [>= C*E]     int32 output counts[c*E + e] (dynamic length)
+        num_tokens  Int32        T
+        num_chunks  Int32        C = grid size (LayoutPlace must use the same C)
+        stream      CUstream
+
+    A choice (t, k) is valid iff 0 <= id < E and its weight is finite; the first invalid one of
+    each kind is recorded exactly as EpDispatch records it (key t*K + k, earliest forward), so
+    ``check_errors`` reports the same thing on either path.
+    """
+
+    def __init__(self, topk: int, max_tokens: int, num_experts: int, threads: int):
+        assert 1 <= topk <= LAYOUT_MAX_TOPK and max_tokens >= 1
+        assert 1 <= num_experts <= LAYOUT_MAX_LOCAL_EXPERTS
+        assert threads % 32 == 0 and 32 <= threads <= 1024
+        assert max_tokens * topk < 2**31
+        self.K, self.T_max, self.E = topk, max_tokens, num_experts
+        self.threads = threads
+
+    @cute.jit
+    def __call__(self, mTopkIds: cute.Tensor, mTopkW: cute.Tensor, mIds: cute.Tensor,
+                 mW: cute.Tensor, mRecvCount: cute.Tensor, mFlags: cute.Tensor, mCtrl: cute.Tensor,
+                 mErr: cute.Tensor, mVerr: cute.Tensor, mDestMask: cute.Tensor,
+                 mCounts: cute.Tensor, num_tokens: Int32, num_chunks: Int32,
+                 stream: cuda.CUstream):
+        self.kernel(mTopkIds, mTopkW, mIds, mW, mRecvCount, mFlags, mCtrl, mErr, mVerr,
+                    mDestMask, mCounts, num_tokens).launch(
+            grid=(num_chunks, 1, 1), block=(self.threads, 1, 1), stream=stream, use_pdl=PDL)
+
+    @cute.kernel
+    def kernel(self, mTopkIds: cute.Tensor, mTopkW: cute.Tensor, mIds: cute.Tensor,
+               mW: cute.Tensor, mRecvCount: cute.Tensor, mFlags: cute.Tensor, mCtrl: cute.Tensor,
+               mErr: cute.Tensor, mVerr: cute.Tensor, mDestMask: cute.Tensor,
+               mCounts: cute.Tensor, num_tokens: Int32):
+        wait_previous_grid()
+        K, T_max, E, NT = self.K, self.T_max, self.E, self.threads
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        err_addr = _addr(mErr)
+        verr_addr = _addr(mVerr)
+        ctrl_addr = _addr(mCtrl)
+        w_addr = _addr(mTopkW)
+
+        sp = cute.arch.alloc_smem(Int32, E)
+        sH = cute.make_tensor(sp, cute.make_layout(E))
+        for e in cutlass.range(tidx, E, NT):
+            sH[e] = Int32(0)
+        err0 = mErr[ERR_CODE]
+        new_epoch = mCtrl[CTRL_EPOCH] + Int64(1)
+        if num_tokens > Int32(T_max):
+            if (bidx == 0) & (tidx == 0):
+                _report_error(err_addr, Int32(ERR_CAPACITY), Int32(0), Int32(WHERE_DISPATCH),
+                              num_tokens)
+        ok = (num_tokens <= Int32(T_max)) & (err0 == Int32(0))
+        cute.arch.sync_threads()
+
+        if ok:
+            # 1. chunk c's tokens, one thread per (t, k) pair: check, record, store, count
+            L = (num_tokens + gdim - 1) // gdim
+            t0 = cutlass.min(bidx * L, num_tokens)
+            t1 = cutlass.min(t0 + L, num_tokens)
+            for p in cutlass.range(t0 * K + tidx, t1 * K, NT):
+                t = p // Int32(K)
+                k = p - t * Int32(K)
+                gid = Int64(mTopkIds[t, k])  # compared in 64 bits before any narrowing
+                wk = mTopkW[t, k]
+                wbits = cute.arch.load(_gptr(Int32, w_addr + Int64(p) * 4, 4), Int32)
+                id_ok = (gid >= Int64(0)) & (gid < Int64(E))
+                w_ok = (wbits & Int32(F32_EXP_MASK)) != Int32(F32_EXP_MASK)
+                if (gid < Int64(0)) | (gid >= Int64(E)):
+                    _record_bad_value(verr_addr + 8 * VERR_ID_EPOCH, verr_addr + 8 * VERR_ID_KEY,
+                                      new_epoch, Int64(p))
+                if id_ok & ((wbits & Int32(F32_EXP_MASK)) == Int32(F32_EXP_MASK)):
+                    _record_bad_value(verr_addr + 8 * VERR_W_EPOCH, verr_addr + 8 * VERR_W_KEY,
+                                      new_epoch, Int64(p))
+                lid = Int32(-1)
+                if id_ok & w_ok:
+                    lid = Int32(gid)
+                    cute.arch.atomic_add(sp + lid, Int32(1))
+                mIds[t, k] = lid
+                mW[t, k] = wk
+            cute.arch.sync_threads()  # the chunk's recv_ids rows are visible to the whole CTA
+            # 2. destination mask of each token of the chunk (CombineReduce sums by it)
+            for t in cutlass.range(t0 + tidx, t1, NT):
+                any_ok = Int32(0)
+                for k in cutlass.range_constexpr(K):
+                    if mIds[t, k] >= Int32(0):
+                        any_ok = Int32(1)
+                mDestMask[t] = any_ok
+        cute.arch.sync_threads()
+        for e in cutlass.range(tidx, E, NT):
+            mCounts[bidx * E + e] = sH[e]
+
+        # 3. grid completion (ok only, like EpDispatch): the last CTA fills in the recorded
+        #    values, publishes T and the epoch, and resets the arrival counter
+        if ok & (tidx == 0):
+            cute.arch.fence_acq_rel_gpu()
+            arrived = cute.arch.atomic_add(
+                _gptr(Int64, ctrl_addr + 8 * CTRL_DISPATCH_ARRIVE, 8), Int64(1),
+                sem="acq_rel", scope="gpu")
+            if arrived == Int64(gdim - 1):
+                cute.arch.fence_acq_rel_gpu()
+                if _ld_i64_relaxed_gpu(verr_addr + 8 * VERR_ID_EPOCH) == new_epoch:
+                    kid = _ld_i64_relaxed_gpu(verr_addr + 8 * VERR_ID_KEY)
+                    tk = Int32(kid // Int64(K))
+                    mVerr[VERR_ID_VALUE] = Int64(mTopkIds[tk, Int32(kid - Int64(tk) * K)])
+                if _ld_i64_relaxed_gpu(verr_addr + 8 * VERR_W_EPOCH) == new_epoch:
+                    kw = _ld_i64_relaxed_gpu(verr_addr + 8 * VERR_W_KEY)
+                    bits = cute.arch.load(_gptr(Int32, w_addr + kw * 4, 4), Int32)
+                    mVerr[VERR_W_VALUE] = Int64(bits)
+                mRecvCount[0] = num_tokens
+                mFlags[0] = new_epoch
+                mCtrl[CTRL_DISPATCH_ARRIVE] = Int64(0)
+                mCtrl[CTRL_EPOCH] = new_epoch
 
 
 # =============================================================================================

@@ -4,6 +4,8 @@
     lay = Layout(cfg, device)                 # C chunks (default: #SMs); owns or borrows scratch
     lay(bufs, offsets, idx, ws, pos, xs)      # 2 launches: wait + count, place + row gather
     lay(bufs, offsets, idx, ws, pos, None)    # no gather
+    lay = Layout(cfg, device, route=True)     # W = 1 only: also the dispatch-free path
+    lay.route(bufs, x, topk_ids, topk_w, offsets, idx, ws, pos, xs)   # 2 launches, no dispatch
 
 ``bufs`` is the rank's ``ep_launch.EpBuffers`` (recv_ids, recv_w, recv_count, recv_x, flags,
 ctrl, err). Nothing here synchronizes the host. Kernels are compiled once per static
@@ -36,11 +38,21 @@ from .layout_kernels import (
     LAYOUT_MAX_WORLD,
     LayoutCount,
     LayoutPlace,
+    LocalRoute,
     counts_len,
     layout_threads,
 )
 
 KINDS = ("count", "place", "place_nogather")
+#: one rank only (world == 1): LocalRoute for int32 / int64 expert ids
+ROUTE_KINDS = ("route", "route_i64")
+
+
+def kinds_for(cfg: "LayoutConfig", route: bool = False) -> tuple:
+    """The kernel kinds a ``Layout(cfg, route=route)`` launches."""
+    if route and cfg.world != 1:
+        raise ValueError(f"route kernels need world == 1, not {cfg.world}")
+    return KINDS + (ROUTE_KINDS if route else ())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +108,12 @@ def fake_args(kind: str, cfg: LayoutConfig, use_tvm_ffi: bool = False):
         return (ids, _fake(f32, (S, K), 4), cnt, err, counts, _fake(bf16, (None, H), 16),
                 _fake(i32, (E_l + 1,), 4), _fake(i32, (None,), 4), _fake(f32, (None,), 4),
                 _fake(i32, (S, K), 4), _fake(bf16, (None, H), 16), n, stream)
+    if kind in ROUTE_KINDS:
+        kinds_for(cfg, route=True)  # world == 1
+        wide = kind == "route_i64"
+        return (_fake(i64 if wide else i32, (None, K), 8 if wide else 4), _fake(f32, (None, K), 4),
+                ids, _fake(f32, (S, K), 4), cnt, _fake(i64, (2 * W,), 8), _fake(i64, (4,), 8), err,
+                _fake(i64, (8,), 8), _fake(i32, (cfg.max_tokens,), 4), counts, n, n, stream)
     raise ValueError(kind)
 
 
@@ -108,12 +126,15 @@ def make_kernel(kind: str, cfg: LayoutConfig):
         return LayoutPlace(H, K, W, T, E_l, th, gather=True)
     if kind == "place_nogather":
         return LayoutPlace(H, K, W, T, E_l, th, gather=False)
+    if kind in ROUTE_KINDS:
+        kinds_for(cfg, route=True)
+        return LocalRoute(K, T, E_l, th)
     raise ValueError(kind)
 
 
 def cache_key(kind: str, cfg: LayoutConfig, tvm_ffi: bool = False, arch: str = ARCH) -> tuple:
     static = dataclasses.astuple(cfg)
-    if kind == "count":  # H does not matter
+    if kind == "count" or kind in ROUTE_KINDS:  # H does not matter
         static = (cfg.topk, cfg.world, cfg.max_tokens, cfg.local_experts)
     return (LAYOUT_ABI_VERSION, DROP_VERSION, getattr(cutlass, "__version__", ""), arch, kind,
             static, bool(tvm_ffi))
@@ -147,8 +168,8 @@ def get_kernel(kind: str, cfg: LayoutConfig, tvm_ffi: bool = False, arch: str = 
 def put_kernel(kind: str, cfg: LayoutConfig, compiled, tvm_ffi: bool = False, arch: str = ARCH) -> None:
     """Seed the process-wide cache with ``kind``'s kernel for ``cfg`` compiled elsewhere (e.g.
     loaded from an exported object file); launches then use it instead of compiling."""
-    if kind not in KINDS:
-        raise ValueError(f"unknown kernel kind {kind!r} (kinds: {KINDS})")
+    if kind not in KINDS + ROUTE_KINDS:
+        raise ValueError(f"unknown kernel kind {kind!r} (kinds: {KINDS + ROUTE_KINDS})")
     _CACHE[cache_key(kind, cfg, tvm_ffi, arch)] = compiled
 
 
@@ -169,11 +190,12 @@ class Layout:
     tvm_ffi:    launch kernels compiled for TVM-FFI with torch tensors (``stream``: a
                 torch.cuda.Stream or None); else the classic path with converted CuTe tensors.
     arch:       the GPU's target (``sm_90a``, ``sm_100a``, ``sm_120a``): the kernels are arch-neutral.
+    route:      world == 1 only: also load LocalRoute, for :meth:`route` (no dispatch needed).
     """
 
     def __init__(self, cfg: LayoutConfig, device, num_chunks: Optional[int] = None,
                  counts: Optional[torch.Tensor] = None, timeout_ns: int = DEFAULT_TIMEOUT_NS,
-                 tvm_ffi: bool = False, arch: str = ARCH):
+                 tvm_ffi: bool = False, arch: str = ARCH, route: bool = False):
         self.cfg = cfg
         self.device = torch.device(device)
         C = num_chunks or default_num_chunks(cfg, self.device)
@@ -193,6 +215,14 @@ class Layout:
         self.k_count = fast(get_kernel("count", cfg, self.ffi, arch))
         self.k_place = {True: fast(get_kernel("place", cfg, self.ffi, arch)),
                         False: fast(get_kernel("place_nogather", cfg, self.ffi, arch))}
+        self.k_route = None
+        if route:
+            kinds_for(cfg, route=True)
+            self.k_route = {False: fast(get_kernel("route", cfg, self.ffi, arch)),
+                            True: fast(get_kernel("route_i64", cfg, self.ffi, arch))}
+            # a call with T = 0 still publishes T and the epoch: it needs some (unread) rows
+            self._dummy_ids = torch.zeros(1, cfg.topk, dtype=torch.int32, device=self.device)
+            self._dummy_w = torch.zeros(1, cfg.topk, dtype=torch.float32, device=self.device)
         self._conv: Dict[str, tuple] = {}
         self._dummy = torch.zeros(1, cfg.hidden, dtype=torch.bfloat16, device=self.device)
         if self.ffi:  # torch tensors and Python ints go straight into the call
@@ -242,14 +272,7 @@ class Layout:
             need("xs", xs.dtype == torch.bfloat16 and xs.dim() == 2 and xs.shape[1] == c.hidden
                  and xs.shape[0] >= P)
 
-    def __call__(self, bufs, offsets: torch.Tensor, idx: torch.Tensor, ws: torch.Tensor,
-                 pos: torch.Tensor, xs: Optional[torch.Tensor], stream=None,
-                 check: bool = True) -> None:
-        """Wait for this epoch's dispatch, then fill offsets [E_l+1], idx [>=S*K], ws [>=S*K],
-        pos [S, K] (valid slots) and, if ``xs`` is given, xs[r] = recv_x[idx[r]] for
-        r < offsets[E_l]. No host sync."""
-        if check:
-            self._check(bufs, offsets, idx, ws, pos, xs)
+    def _launcher(self, stream):
         if self.ffi:
             def launch(fn, *args):
                 call_on_stream(fn, args, stream)
@@ -258,17 +281,77 @@ class Layout:
 
             def launch(fn, *args):
                 fn(*args, st)
-        mIds = self._cv("recv_ids", bufs.recv_ids, 4, False)
-        mCnt = self._cv("recv_count", bufs.recv_count, 4, False)
-        mErr = self._cv("err", bufs.err, 4, False)
-        launch(self.k_count, mIds, mCnt, self._cv("flags", bufs.flags, 8, False),
-               self._cv("ctrl", bufs.ctrl, 8, False), mErr, self._cnt, self._timeout, self._C)
+        return launch
+
+    def _place(self, launch, bufs, mX, offsets, idx, ws, pos, xs) -> None:
+        """LayoutPlace over the counts in the scratch; rows gathered from ``mX`` if ``xs``."""
         gather = xs is not None
-        if gather:
-            mX, mXs = self._cv("recv_x", bufs.recv_x, 16, True), self._cv("xs", xs, 16, True)
-        else:
-            mX = mXs = self._dummy_x
-        launch(self.k_place[gather], mIds, self._cv("recv_w", bufs.recv_w, 4, False), mCnt, mErr,
-               self._cnt, mX, self._cv("offsets", offsets, 4, False),
+        mXs = self._cv("xs", xs, 16, True) if gather else self._dummy_x
+        if not gather:
+            mX = self._dummy_x
+        launch(self.k_place[gather], self._cv("recv_ids", bufs.recv_ids, 4, False),
+               self._cv("recv_w", bufs.recv_w, 4, False), self._cv("recv_count", bufs.recv_count, 4, False),
+               self._cv("err", bufs.err, 4, False), self._cnt, mX, self._cv("offsets", offsets, 4, False),
                self._cv("idx", idx, 4, True), self._cv("ws", ws, 4, True),
                self._cv("pos", pos, 4, False), mXs, self._C)
+
+    def __call__(self, bufs, offsets: torch.Tensor, idx: torch.Tensor, ws: torch.Tensor,
+                 pos: torch.Tensor, xs: Optional[torch.Tensor], stream=None,
+                 check: bool = True) -> None:
+        """Wait for this epoch's dispatch, then fill offsets [E_l+1], idx [>=S*K], ws [>=S*K],
+        pos [S, K] (valid slots) and, if ``xs`` is given, xs[r] = recv_x[idx[r]] for
+        r < offsets[E_l]. No host sync."""
+        if check:
+            self._check(bufs, offsets, idx, ws, pos, xs)
+        launch = self._launcher(stream)
+        launch(self.k_count, self._cv("recv_ids", bufs.recv_ids, 4, False),
+               self._cv("recv_count", bufs.recv_count, 4, False), self._cv("flags", bufs.flags, 8, False),
+               self._cv("ctrl", bufs.ctrl, 8, False), self._cv("err", bufs.err, 4, False), self._cnt,
+               self._timeout, self._C)
+        mX = self._cv("recv_x", bufs.recv_x, 16, True) if xs is not None else None
+        self._place(launch, bufs, mX, offsets, idx, ws, pos, xs)
+
+    def route(self, bufs, x: torch.Tensor, topk_ids: torch.Tensor, topk_w: torch.Tensor,
+              offsets: torch.Tensor, idx: torch.Tensor, ws: torch.Tensor, pos: torch.Tensor,
+              xs: Optional[torch.Tensor], stream=None, check: bool = True) -> None:
+        """One rank (world == 1), instead of ``EpRank.dispatch`` + ``__call__``: LocalRoute checks
+        ``topk_ids [T, K]`` (int32/int64) and ``topk_w [T, K]`` (float32) as the dispatch does
+        (same drops, verr, epoch, flag, recv_count and dmask words afterwards) and counts; then
+        LayoutPlace fills offsets / idx / ws / pos and, if ``xs`` is given, xs[r] = x[idx[r]]
+        straight from ``x [T, H]`` bf16 (recv_x is not written). Same outputs, bit for bit, as
+        dispatch + layout. No host sync."""
+        if self.k_route is None:
+            raise RuntimeError("Layout.route needs Layout(..., route=True)")
+        c = self.cfg
+        T = x.shape[0]
+        # the per-call inputs are checked on every call (as EpRank.dispatch checks them)
+        if T > c.max_tokens:
+            raise ValueError(f"T={T} > T_max={c.max_tokens}")
+        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != c.hidden:
+            raise ValueError(f"x must be bf16 [T, {c.hidden}]")
+        if topk_ids.dtype not in (torch.int32, torch.int64) or tuple(topk_ids.shape) != (T, c.topk):
+            raise ValueError(f"topk_ids must be int32/int64 [{T}, {c.topk}]")
+        if topk_w.dtype != torch.float32 or tuple(topk_w.shape) != (T, c.topk):
+            raise ValueError(f"topk_w must be float32 [{T}, {c.topk}]")
+        if check:
+            self._check(bufs, offsets, idx, ws, pos, xs)
+            if bufs.verr.dtype != torch.int64 or tuple(bufs.verr.shape) != (8,) \
+                    or bufs.dmask.dtype != torch.int32 or tuple(bufs.dmask.shape) != (c.max_tokens,):
+                raise ValueError("Layout.route: bufs.verr must be int64 [8], bufs.dmask int32 [T_max]")
+        wide = topk_ids.dtype == torch.int64
+        if T == 0:
+            mI, mW, mX, wide = self._dummy_ids, self._dummy_w, self._dummy_x, False
+            if not self.ffi:
+                mI, mW = _real(mI, 4, True), _real(mW, 4, True)
+        else:
+            mI = self._cv("topk_ids", topk_ids, 8 if wide else 4, True)
+            mW = self._cv("topk_w", topk_w, 4, True)
+            mX = self._cv("x", x, 16, True)
+        n = T if self.ffi else cutlass.Int32(T)
+        launch = self._launcher(stream)
+        launch(self.k_route[wide], mI, mW, self._cv("recv_ids", bufs.recv_ids, 4, False),
+               self._cv("recv_w", bufs.recv_w, 4, False), self._cv("recv_count", bufs.recv_count, 4, False),
+               self._cv("flags", bufs.flags, 8, False), self._cv("ctrl", bufs.ctrl, 8, False),
+               self._cv("err", bufs.err, 4, False), self._cv("verr", bufs.verr, 8, False),
+               self._cv("dmask", bufs.dmask, 4, False), self._cnt, n, self._C)
+        self._place(launch, bufs, mX, offsets, idx, ws, pos, xs)

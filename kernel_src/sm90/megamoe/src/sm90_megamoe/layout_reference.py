@@ -48,3 +48,23 @@ def ref_layout(recv_ids: torch.Tensor, recv_w: torch.Tensor, recv_count: torch.T
     if recv_x is not None:
         out["xs"] = recv_x[out["idx"].long()]
     return out
+
+
+def ref_route(topk_ids: torch.Tensor, topk_w: torch.Tensor, num_experts: int) -> Dict[str, torch.Tensor]:
+    """What LocalRoute (one rank) must leave, by EpDispatch's rules: a choice is valid iff
+    0 <= id < E and its weight is finite. Returns recv_ids [T, K] int32 (id or -1), dmask [T]
+    int32 (1 if the token has a valid choice), and the first bad choice of each kind as
+    (key t*K + k, value) or None: ``bad_id`` (any id outside [0, E)), ``bad_w`` (a valid id
+    with a non-finite weight; value = the weight's float32 bits)."""
+    ids = topk_ids.long()
+    id_ok = (ids >= 0) & (ids < num_experts)
+    w_ok = torch.isfinite(topk_w)
+    valid = id_ok & w_ok
+    out: Dict[str, object] = dict(recv_ids=torch.where(valid, ids, torch.full_like(ids, -1)).int(),
+                                  dmask=valid.any(dim=1).int() if ids.shape[0] else valid.new_zeros(0).int())
+    flat_ids, flat_w = ids.flatten(), topk_w.flatten()
+    bad = torch.nonzero(~id_ok.flatten()).flatten()
+    out["bad_id"] = (int(bad[0]), int(flat_ids[bad[0]])) if bad.numel() else None
+    badw = torch.nonzero((id_ok & ~w_ok).flatten()).flatten()
+    out["bad_w"] = (int(badw[0]), int(flat_w[badw[0]:badw[0] + 1].view(torch.int32)[0])) if badw.numel() else None
+    return out

@@ -12,6 +12,10 @@ calls alternate fused gather / no gather. After each call (device sync):
     * offsets, idx[:n], ws[:n], pos (valid slots) and xs[:n] equal ``ref_layout`` EXACTLY: the
       rows of each expert are its valid pairs in (slot, k) order, whatever the grid;
     * the same call repeated gives bit-identical outputs.
+LocalRoute (one rank, ``Layout.route``): per W = 1 case, calls with T in {0, 1, 37, T_max},
+int32 and int64 ids, out-of-range ids and non-finite weights mixed in: recv_ids / recv_w /
+recv_count / dmask, the epoch + flag words and the first-bad-value record equal ``ref_route``
+(EpDispatch's rules), and the layout from the caller's ``x`` equals ``ref_layout`` exactly.
 Then the wait: with a source's dispatch flag behind the epoch, LayoutCount times out, err =
 (1, source, WHERE_WAIT, epoch), offsets are all zero and nothing is placed.
 Timing (GPU): host enqueue time per call and device time per call (device measured behind a
@@ -28,8 +32,8 @@ from typing import List, Tuple
 
 import torch
 
-from .ep_constants import ERR_TIMEOUT, WHERE_WAIT
-from .layout_reference import ref_layout
+from .ep_constants import ERR_TIMEOUT, VERR_RESET, WHERE_WAIT
+from .layout_reference import ref_layout, ref_route
 
 # (W, T_max, K, E_l, H)
 CASES: List[Tuple[int, int, int, int, int]] = [
@@ -216,6 +220,68 @@ def run_case(case, device, calls: int, seed: int, sim: bool, num_chunks, drop_pr
     return fails
 
 
+def check_route(case, device, seed: int, verbose: bool = True) -> List[str]:
+    """LocalRoute + LayoutPlace (``Layout.route``) against ``ref_route`` + ``ref_layout`` (GPU)."""
+    from .layout_launch import Layout, LayoutConfig
+    W, T_max, K, E, H = case
+    cfg = LayoutConfig(H, K, W, T_max, E)
+    lay = Layout(cfg, device, route=True)
+    bufs, out = allocate(cfg, device)
+    bufs.verr = torch.tensor(VERR_RESET, dtype=torch.int64, device=device)
+    bufs.dmask = torch.full((T_max,), -5, dtype=torch.int32, device=device)
+    g = torch.Generator().manual_seed(seed)
+    fails: List[str] = []
+    t0 = time.time()
+    for i, T in enumerate((1, 37 % (T_max + 1), 0, T_max, 5 % (T_max + 1), T_max)):
+        wide = i % 2 == 1
+        ids = torch.randint(0, E, (T, K), generator=g)
+        w = torch.rand(T, K, generator=g)
+        if T and i in (1, 3):       # bad ids (both signs) and a non-finite weight on a valid id
+            ids.view(-1)[min(3, T * K - 1)] = E + 5
+            ids.view(-1)[T * K - 1] = -2
+            w.view(-1)[(T * K) // 2] = float("nan") if i == 1 else float("inf")
+        ids = ids.to(torch.int64 if wide else torch.int32)
+        x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+        if i == 3:
+            bufs.verr.copy_(torch.tensor(VERR_RESET))  # a fresh record for this call
+        verr0 = bufs.verr.clone()
+        epoch0 = int(bufs.ctrl[0])
+        poison(out, lay.counts, g)
+        bufs.recv_ids.fill_(-77), bufs.recv_count.fill_(-1), bufs.dmask.fill_(-5)
+        gather = i % 3 != 2
+        d = lambda t: t.to(device)  # noqa: E731
+        lay.route(bufs, d(x), d(ids), d(w), out["offsets"], out["idx"], out["ws"], out["pos"],
+                  out["xs"] if gather else None)
+        torch.cuda.synchronize()
+        want = ref_route(ids, w, E)
+        errs: List[str] = []
+        if not torch.equal(bufs.recv_ids[:T].cpu(), want["recv_ids"]):
+            errs.append("recv_ids")
+        if not _eq(bufs.recv_w[:T].cpu(), w):
+            errs.append("recv_w")
+        if int(bufs.recv_count[0]) != T or not torch.equal(bufs.dmask[:T].cpu(), want["dmask"]):
+            errs.append(f"recv_count {int(bufs.recv_count[0])} / dmask")
+        if not (int(bufs.ctrl[0]) == epoch0 + 1 == int(bufs.flags[0]) and int(bufs.ctrl[1]) == 0):
+            errs.append(f"epoch words ctrl {bufs.ctrl.tolist()} flags {bufs.flags.tolist()}")
+        for kind, (e_i, k_i, v_i) in (("bad_id", (0, 1, 2)), ("bad_w", (3, 4, 5))):
+            got = tuple(int(v) for v in bufs.verr[[e_i, k_i, v_i]].tolist())
+            if int(verr0[e_i]) == 0 and want[kind] is not None:
+                exp = (epoch0 + 1, *want[kind])
+            else:  # an earlier forward's record (or none) stays as it was
+                exp = tuple(int(v) for v in verr0[[e_i, k_i, v_i]].tolist())
+            if got != exp:
+                errs.append(f"verr {kind}: {got} != {exp}")
+        ref_bufs = SimpleNamespace(recv_ids=bufs.recv_ids, recv_w=bufs.recv_w, recv_count=bufs.recv_count,
+                                   recv_x=torch.zeros(T_max, H, dtype=torch.bfloat16, device=device))
+        ref_bufs.recv_x[:T] = d(x)
+        errs += check_call(cfg, ref_bufs, out, gather)
+        fails += [f"route {case} call {i} T={T} int{64 if wide else 32}: {e}" for e in errs]
+    if verbose:
+        print(f"  route W=1 T_max={T_max:5d} K={K:2d} E={E:4d} H={H:5d} chunks {lay.num_chunks:4d}: "
+              f"{'OK' if not fails else 'FAIL'} ({time.time() - t0:.1f}s)")
+    return fails
+
+
 def check_wait_timeout(device, sim: bool) -> List[str]:
     """A source's flag behind the epoch: LayoutCount must time out naming it, and LayoutPlace
     must place nothing (offsets all zero)."""
@@ -295,7 +361,20 @@ def timing(iters: int, num_chunks):
             def layout_only():
                 lay(bufs, out["offsets"], out["idx"], out["ws"], out["pos"], None, check=False)
 
-            for label, fn in (("fused gather (2 launches)", fused), ("layout only", layout_only)):
+            fns = [("fused gather (2 launches)", fused), ("layout only", layout_only)]
+            if W == 1:  # LocalRoute + place: replaces the dispatch AND the count (no recv_x copy)
+                lay = Layout(cfg, dev, chunks, route=True)
+                bufs.verr = torch.tensor(VERR_RESET, dtype=torch.int64, device=dev)
+                bufs.dmask = torch.zeros(T_max, dtype=torch.int32, device=dev)
+                x = torch.randn(T, H, device=dev).to(torch.bfloat16)
+                ids = torch.randint(0, E_l, (T, K), device=dev, dtype=torch.int32)
+                w = torch.rand(T, K, device=dev)
+
+                def routed():
+                    lay.route(bufs, x, ids, w, out["offsets"], out["idx"], out["ws"], out["pos"], out["xs"],
+                              check=False)
+                fns.append(("route + gather (2 launches)", routed))
+            for label, fn in fns:
                 h, d = _time(fn, iters)
                 print(f"    {chunks:4d} chunks  {label:26s} host {h:8.1f} us   dev {d:8.1f} us")
             del lay
@@ -331,6 +410,9 @@ def main(argv=None):
         for j, (case, chunks) in enumerate((((2, 1024, 8, 64, 2048), 3), ((2, 300, 4, 40, 256), 1),
                                             ((1, 8192, 8, 128, 2048), 264), ((1, 8192, 8, 128, 2048), 7))):
             fails += run_case(case, device, 5, 90 + j, False, chunks, a.drop_prob)
+    if not a.sim:  # one rank without a dispatch (LocalRoute)
+        for j, case in enumerate(c for c in CASES if c[0] == 1):
+            fails += check_route(case, device, 70 + j)
     fails += check_wait_timeout(device, a.sim)
     for f in fails[:20]:
         print("FAIL:", f)
