@@ -31,7 +31,7 @@
 #                with .device/fi carried, FlashInfer at PEER_DECODE_TOKENS (1,8,32,128,256) in the same
 #                call -> $OUT/decode_fi.csv, both plotted in $OUT/decode_all.png.
 # verify:        what has not yet run on a GPU: drop v19's LocalRoute (the drop's layout_runner, then the
-#                MOE_EP_LOCAL_ROUTE bit-identity tests) and the layer tests with PDL on (-> $OUT/verify_*.log);
+#                MOE_EP_LOCAL_ROUTE bit-identity tests), MOE_EP_FP8_WIRE (virtual-rank bit-identity test) and the layer tests with PDL on (-> $OUT/verify_*.log);
 #                verify2: the virtual-rank tests with PDL
 #                once more, then the decode sweep with (PDL, token grid, layout chunks) = (0,0,all) (1,0,all)
 #                (0,1,all) (0,1,32) (0,1,8) (1,1,32), and the FP8 layer's decode sweep
@@ -111,8 +111,9 @@ if [ "$mode" = verify ]; then
   # tests with PDL on (drop v18's FC2 weight prefetch has not run a correctness test with PDL yet)
   step "drop layout runner (LocalRoute)" "$OUT/verify_layout_runner.log" -- bash -c \
       'cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.layout_runner --iters 100'
-  step "local route tests" "$OUT/verify_route.log" -- python3 -m pytest -m gpu -q -W ignore -p no:cacheprovider \
-      tests/test_layer_gpu.py tests/test_fp8_backend.py -k "local_route" --tb=long
+  step "local route + FP8 wire tests" "$OUT/verify_route.log" -- python3 -m pytest -m gpu -q -W ignore \
+      -p no:cacheprovider tests/test_layer_gpu.py tests/test_fp8_backend.py tests/test_ep_virtual_gpu.py \
+      -k "local_route or fp8_wire" --tb=long
   step "layer tests, PDL on" "$OUT/verify_pdl_layer.log" -- env SM90_MEGAMOE_PDL=1 \
       python3 -m pytest -m gpu -q -W ignore -p no:cacheprovider tests/test_layer_gpu.py --tb=long
 fi

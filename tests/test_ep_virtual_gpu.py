@@ -265,3 +265,46 @@ def test_virtual_ep_fp8_block128(W, Ts, fused, monkeypatch):
     forward_and_check(vep, Ts, want, sl, xs, idss, wss, [part(q13, r) for r in range(W)],
                       [part(q2, r) for r in range(W)])
     vep.destroy()
+
+
+@pytest.mark.parametrize("W,Ts", [(2, [256, 300]), (4, [256, 0, 100, 333])])
+def test_virtual_ep_fp8_wire_is_bit_identical(W, Ts, monkeypatch):
+    """FP8 on the wire (MOE_EP_FP8_WIRE=1: each rank quantises its tokens and sends E4M3 rows +
+    scale rows) gives the bits of BF16 on the wire with the receiver quantising, every rank, twice
+    in a row (the epoch protocol of the three sessions stays in step); and the reference's FP8
+    semantics to 1e-2."""
+    _sm90()
+    from moe_ep.api import MoEConfig
+    from moe_ep.api.quant import FP8Block128Weight, quantize_fp8_block128
+    from moe_ep.backends.sm90.fp8_cutedsl.backend import Sm90Fp8Backend
+
+    E, H, I, K = 128, 2048, 768, 8
+    cfg = MoEConfig(num_experts=E, hidden=H, intermediate=I, top_k=K, max_tokens_per_rank=512,
+                    quant="fp8_block128")
+    x, ids, w, w13, w2 = global_problem(E, H, I, K, Ts, seed=91 + W, skew=True)
+    q13, q2 = quantize_fp8_block128(w13), quantize_fp8_block128(w2)
+    want = reference(cfg, x, ids, w, q13, q2)
+    El = E // W
+    part = lambda q, r: FP8Block128Weight(q.values[r * El:(r + 1) * El].contiguous(),  # noqa: E731
+                                          q.scale[r * El:(r + 1) * El].contiguous())
+    xs, idss, wss, _, _, sl = split(Ts, W, E, x, ids, w, w13, w2)
+    w13s, w2s = [part(q13, r) for r in range(W)], [part(q2, r) for r in range(W)]
+    got = {}
+    for wire in ("0", "1"):
+        monkeypatch.setenv("MOE_EP_FP8_WIRE", wire)
+        vep = make(cfg, W, backend_cls=Sm90Fp8Backend)
+        assert all(b.fp8_wire == (wire == "1") for b in vep.ranks)
+        runs = []
+        for _ in range(2):
+            outs = [torch.full_like(t, float("nan")) for t in xs]
+            vep.forward(xs, idss, wss, w13s, w2s, outs)
+            torch.cuda.synchronize()
+            vep.check()
+            runs.append([o.clone() for o in outs])
+        assert all(torch.equal(a, b) for a, b in zip(*runs))
+        got[wire] = runs[0]
+        vep.destroy()
+    for r in range(W):
+        assert torch.equal(got["0"][r], got["1"][r]), f"rank {r}: FP8 wire changed the bits"
+        if Ts[r]:
+            assert torch.isfinite(got["1"][r]).all() and rel(got["1"][r], want[sl[r]]) < 1e-2

@@ -334,3 +334,81 @@ def test_single_rank_combine_wiring_on_cpu(local):
     else:
         assert [c[0] for c in calls] == ["combine_send", "combine_reduce"] and calls[1][1] == (out,)
     assert calls[-1][2] == {"num_ctas": 5}
+
+
+def test_fp8_wire_views_and_refusal(monkeypatch):
+    """MOE_EP_FP8_WIRE's row widths over one rank's buffers: E4M3 rows [S, H/2] then scale rows
+    [S, H/64] inside recv_x (disjoint, in bounds), the other buffers shared; a hidden size whose
+    scale row is not a whole number of 16-byte vectors is refused, naming the rule."""
+    from moe_ep.backends.registry import UnsupportedBackendError
+    from moe_ep.backends.sm90.fp8_cutedsl.backend import check_config, wire_views
+
+    S, H = 6, 2048
+    bufs = {"recv_x": torch.zeros(S, H, dtype=torch.bfloat16), "comb": torch.zeros(S, H, dtype=torch.bfloat16),
+            "recv_ids": torch.zeros(S, 8, dtype=torch.int32), "flags": torch.zeros(4, dtype=torch.int64)}
+    q, sc = wire_views(bufs, S, H)
+    base = bufs["recv_x"].data_ptr()
+    assert tuple(q["recv_x"].shape) == (S, H // 2) and tuple(sc["recv_x"].shape) == (S, H // 64)
+    assert q["recv_x"].data_ptr() == base and sc["recv_x"].data_ptr() == base + S * H  # bytes: right after
+    assert sc["recv_x"].data_ptr() + S * H // 32 <= base + S * H * 2
+    assert q["recv_ids"] is bufs["recv_ids"] and sc["flags"] is bufs["flags"]
+    assert tuple(sc["comb"].shape) == (S, H // 64)
+    monkeypatch.setenv("MOE_EP_FP8_WIRE", "1")
+    group = EPGroup.single()
+    two = type("G", (), {"world_size": 2, "rank": 0, "dist_backend": "virtual"})()
+    check_config(MoEConfig(num_experts=8, hidden=2048, intermediate=256, top_k=2, max_tokens_per_rank=64,
+                           quant="fp8_block128"), two)
+    with pytest.raises(UnsupportedBackendError, match="hidden % 512"):
+        check_config(MoEConfig(num_experts=8, hidden=1152, intermediate=256, top_k=2, max_tokens_per_rank=64,
+                               quant="fp8_block128"), two)
+    check_config(MoEConfig(num_experts=8, hidden=1152, intermediate=256, top_k=2, max_tokens_per_rank=64,
+                           quant="fp8_block128"), group)  # one rank: nothing on a wire
+
+
+def test_fp8_wire_wiring_on_cpu():
+    """Steps 1-4 with FP8 on the wire (recorded, no kernel runs): the sender quantises its T rows,
+    then dispatches them as E4M3 rows and as scale rows; step 2 lays out the E4M3 rows into xq and
+    gathers the scale rows into xq_scale; step 3 runs FC1 on them with no quantiser."""
+    from types import SimpleNamespace
+
+    from moe_ep.backends.sm90.fp8_cutedsl.backend import Sm90Fp8Backend
+
+    calls = []
+
+    def rec(name):
+        return lambda *a, **k: calls.append((name, a, k))
+
+    b = object.__new__(Sm90Fp8Backend)
+    T, H = 3, 2048
+    x, ids, w = torch.zeros(T, H, dtype=torch.bfloat16), torch.zeros(T, 2, dtype=torch.int32), torch.zeros(T, 2)
+    b.fp8_wire, b.fused_gather, b.local_route, b.token_grid, b._routing = True, True, False, False, None
+    b.fc1_decode, b._token_ctas, b.num_ctas = None, None, 7
+    b.fc1, b.fc2 = rec("fc1"), rec("fc2")
+    b.quant_send, b.quant_x, b.quant_h = rec("quant_send"), rec("quant_x"), rec("quant_h")
+    b.xq_send = torch.zeros(8, H, dtype=torch.float8_e4m3fn)
+    b.sx_send = torch.zeros(8, H // 128)
+    b._send_count = torch.zeros(1, dtype=torch.int32)
+    b.ws = SimpleNamespace(seq=0)
+    b.ep_q = SimpleNamespace(dispatch=rec("dispatch_q"))
+    b.ep_s = SimpleNamespace(dispatch=rec("dispatch_s"), gather=rec("gather_s"))
+    b.layout_q = type("L", (), {"__call__": lambda self, *a, **k: calls.append(("layout_q", a, k))})()
+    b._recv_scales = torch.zeros(5, H // 64, dtype=torch.bfloat16)
+    b.xq, b.xq_scale = torch.zeros(10, H, dtype=torch.float8_e4m3fn), torch.zeros(10, H // 128)
+    for n in ("offsets", "idx", "ws_rows", "pos", "h", "hq", "hq_scale", "y", "_rows"):
+        setattr(b, n, torch.zeros(4))
+    b._step1_dispatch(x, ids, w)
+    b._step2_layout()
+    b._step34_experts(SimpleNamespace(values="v13", scale="s13"), SimpleNamespace(values="v2", scale="s2"))
+    names = [c[0] for c in calls]
+    assert names == ["quant_send", "dispatch_q", "dispatch_s", "layout_q", "gather_s", "fc1", "quant_h", "fc2"]
+    qs = calls[0][1]
+    assert qs[0] is x and tuple(qs[1].shape) == (T, H) and qs[1].data_ptr() == b.xq_send.data_ptr()
+    assert calls[0][2]["count"] is b._send_count
+    dq, ds = calls[1][1], calls[2][1]
+    assert dq[0].dtype == torch.bfloat16 and tuple(dq[0].shape) == (T, H // 2) and dq[1:] == (ids, w)
+    assert tuple(ds[0].shape) == (T, H // 64) and ds[0].data_ptr() == b.sx_send.data_ptr()
+    lq = calls[3][1]
+    assert lq[0] is b.ep_q and tuple(lq[-1].shape) == (10, H // 2) and lq[-1].data_ptr() == b.xq.data_ptr()
+    g = calls[4][1]
+    assert g[0] is b._recv_scales and g[1] is b.idx and g[2] is b._rows and g[3].data_ptr() == b.xq_scale.data_ptr()
+    assert calls[5][1][:2] == (b.xq, b.xq_scale)

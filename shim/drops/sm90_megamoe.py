@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import importlib
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace as dc_replace
 from typing import Any
 
 from .. import disk_cache
@@ -116,6 +116,7 @@ CONTRACT = DropContract(
                      "local_combine")),
         CallableUse("sm90_megamoe.ep_launch:EpRank.dispatch", ("x", "topk_ids", "topk_w")),
         CallableUse("sm90_megamoe.ep_launch:EpRank.wait", ()),
+        CallableUse("sm90_megamoe.ep_launch:EpRank.gather", ("src", "idx", "count", "out", "stream", "num_ctas")),
         CallableUse("sm90_megamoe.ep_launch:EpRank.combine_send", ("y", "pos", "stream", "num_ctas",
                                                                    "weighted")),
         CallableUse("sm90_megamoe.ep_launch:EpRank.combine_reduce", ("out",)),
@@ -170,8 +171,8 @@ CONTRACT = DropContract(
                      ("compiled", "scale_rows", "bias_dtype", "n_out", "tvm_ffi", "schedule", "launch_tensors",
                       "launch_converted")),
         AttributeUse("sm90_megamoe.ep_launch:EpRank",
-                     ("dispatch", "wait", "combine_send", "combine_reduce", "combine_local", "read_err", "read_verr",
-                      "reset_verr", "reset_state", "num_ctas")),
+                     ("dispatch", "wait", "gather", "combine_send", "combine_reduce", "combine_local", "read_err",
+                      "read_verr", "reset_verr", "reset_state", "num_ctas")),
         AttributeUse("sm90_megamoe.ep_launch:EpConfig", ("threads",)),
         AttributeUse("sm90_megamoe.ep_launch:EpBuffers",
                      ("recv_x", "recv_ids", "recv_w", "recv_count", "flags", "comb", "ctrl", "err", "verr",
@@ -638,6 +639,7 @@ class EpSession:
                             local_combine=self.local_combine, **kw)
         self.dispatch = self.ep.dispatch
         self.wait = self.ep.wait
+        self.gather = self.ep.gather  # out[i] = src[idx[i]] for i < count[0] (rows of this width)
         self.combine_send = self.ep.combine_send
         self.combine_reduce = self.ep.combine_reduce
         # W = 1: combine_send + combine_reduce in one launch (drop v14), bit for bit
@@ -721,6 +723,7 @@ class LayoutKey:
     max_tokens: int
     local_experts: int
     tvm_ffi: bool
+    route: bool = False  # also the one-rank LocalRoute kernels (drop v19)
 
 
 def layout_counts_len(num_chunks: int, local_experts: int) -> int:
@@ -738,18 +741,18 @@ def prebuild_layout(hidden: int, topk: int, world: int, max_tokens: int, local_e
                           local_experts=local_experts)
     ffi = use_tvm_ffi()
     key = LayoutKey(CONSTANTS.value(PKG, "DROP_VERSION"), _L["LAYOUT_ABI_VERSION"], _cutlass_version(),
-                    arch, hidden, topk, world, max_tokens, local_experts, ffi)
+                    arch, hidden, topk, world, max_tokens, local_experts, ffi, bool(route))
 
     def build():
         kernels = {}
         for k in ll.kinds_for(cfg=cfg, route=route):
-            kernels[k] = disk_cache.get_or_build(
-                cache_namespace(arch), f"layout_{k}", (key, k),
+            kernels[k] = disk_cache.get_or_build(  # the disk key leaves ``route`` out: a kind is a kind
+                cache_namespace(arch), f"layout_{k}", (dc_replace(key, route=False), k),
                 lambda k=k: ll.compile_kernel(kind=k, cfg=cfg, tvm_ffi=ffi, arch=arch), tvm_ffi=ffi)
             ll.put_kernel(kind=k, cfg=cfg, compiled=kernels[k], tvm_ffi=ffi, arch=arch)
         return kernels
 
-    COMPILE_CACHE.get_or_compile((key, bool(route)), build)
+    COMPILE_CACHE.get_or_compile(key, build)
 
 
 #: chunk counts a token-adaptive LayoutSession chooses from (and its full grid)

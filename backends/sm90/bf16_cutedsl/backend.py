@@ -342,7 +342,15 @@ class Sm90CuteDSLBackend(BackendImpl):
         if self.local_route:  # one rank: step 2 reads the routing itself (no launch here)
             self._routing = (x, topk_ids, topk_weights)
             return
+        self._send_rows(x, topk_ids, topk_weights)
+
+    def _send_rows(self, x, topk_ids, topk_weights) -> None:
+        """Step 1's launch(es): the token rows, ids and weights to the ranks of their experts."""
         self.ep.dispatch(x, topk_ids, topk_weights, num_ctas=self._token_ctas)
+
+    def ep_sessions(self) -> tuple:
+        """Every EP session of this layer (virtual ranks connect each one across ranks)."""
+        return (self.ep,)
 
     def _step2_layout(self, xs=True) -> None:
         """``xs``: gather the grouped rows into ``self.xs`` (False: the caller gathers them)."""

@@ -56,9 +56,10 @@ class VirtualEP:
         for b in self.ranks:
             b._bind()
             b.ws.bind(self)  # a growth by another VirtualEP re-binds this one (see _rebind)
-        sessions = [b.ep for b in self.ranks]
-        for s in sessions:
-            s.connect(sessions)
+        # each of a layer's EP sessions (one, or the FP8 wire's extra widths) joins its peers'
+        for sessions in zip(*(b.ep_sessions() for b in self.ranks)):
+            for s in sessions:
+                s.connect(list(sessions))
 
     def _rebind(self) -> None:
         self._connect()

@@ -4,8 +4,11 @@ host sync and no allocation in ``forward``, CUDA-graph capturable, bit-determini
 
 The forward is the BF16 SM90 backend's, with steps 3-4 replaced:
 
-1. **dispatch** and 2. **expert layout** -- as in :mod:`moe_ep.backends.sm90.bf16_cutedsl` (BF16
-   rows on the wire; FP8 on the wire is still to come);
+1. **dispatch** and 2. **expert layout** -- as in :mod:`moe_ep.backends.sm90.bf16_cutedsl`, BF16
+   rows on the wire; or, with :func:`fp8_wire` and W > 1, FP8 on the wire: each token is quantised
+   on its own rank (the same per-128-value rule as step 3, so the same bits) and its E4M3 bytes and
+   float32 scales travel as two dispatches of narrower rows (``H/2`` and ``H/64`` bf16 words: 0.52x
+   the bytes of BF16); step 2 then gathers the grouped E4M3 rows and their scales (no quantiser);
 3. **FC1 + SwiGLU** -- the grouped rows are quantised per 128 values of a row (E4M3 + one float32
    scale, ``amax / 448``: :func:`moe_ep.api.quant.quantize_fp8_rows128`), then the FP8 grouped GEMM
    with per-k-block scale promotion ``h = swiglu(xq · wq13ᵀ)``; by default (:func:`fused_gather_quant`)
@@ -26,8 +29,9 @@ from typing import Any
 
 import torch
 
-from moe_ep.shim import (sm90_check_fp8_gemm, sm90_compiled_fp8_gemm, sm90_compiled_fp8_quantize_rows,
-                         sm90_fp8_gemm, sm90_fp8_quantize_rows)
+from moe_ep.shim import (Sm90EpSession, Sm90LayoutSession, sm90_check_fp8_gemm, sm90_compiled_fp8_gemm,
+                         sm90_compiled_fp8_quantize_rows, sm90_fp8_gemm, sm90_fp8_quantize_rows,
+                         sm90_prebuild_ep, sm90_prebuild_layout)
 
 from ...quant import FP8_BLOCK, quantize_fp8_block128
 from ...quantized import check_quantized_config, quantized_activation_buffers
@@ -42,9 +46,35 @@ def _gemm_specs(cfg: Any, e_local: int) -> dict:
             "fc2": ("identity", cfg.hidden, cfg.intermediate, e_local, True)}
 
 
+def fp8_wire() -> bool:
+    """``MOE_EP_FP8_WIRE=1`` (W > 1): tokens cross NVLink in FP8 (E4M3 + one float32 scale per 128
+    values, quantised on the sending rank by step 3's own quantiser, so the layer's bits do not
+    change), 0.52x the bytes of BF16 rows. Needs ``hidden % 512 == 0`` (the scales of a row travel
+    as ``hidden/64`` bf16 words, a multiple of 8). Off by default until it has run on a GPU."""
+    return env_switch("MOE_EP_FP8_WIRE", False)
+
+
+def wire_views(bufs: dict, slots: int, hidden: int) -> tuple[dict, dict]:
+    """The FP8 wire's two row widths over one rank's EP buffers: ``recv_x [S, H]`` bf16 split into
+    the E4M3 rows ``[S, H/2]`` and, right after them, the scale rows ``[S, H/64]`` (bf16 words);
+    ``comb`` split the same way (never used by these widths, but every EP session has one). The
+    other buffers (ids, weights, counts, flags, control words) are shared: one epoch protocol."""
+    q_w, s_w = hidden // 2, hidden // 64
+    out = []
+    for off, width in ((0, q_w), (slots * q_w, s_w)):
+        v = dict(bufs)
+        for name in ("recv_x", "comb"):
+            v[name] = bufs[name].view(-1)[off:off + slots * width].view(slots, width)
+        out.append(v)
+    return out[0], out[1]
+
+
 def check_config(config: Any, group: Any) -> None:
     """What this backend refuses on any machine (shapes, formats), with the reason."""
     check_quantized_config(NAME, config, group, "fp8_block128", ("swiglu",))
+    if group.world_size > 1 and fp8_wire() and config.hidden % 512:
+        raise UnsupportedBackendError(f"{NAME}: MOE_EP_FP8_WIRE=1 needs hidden % 512 == 0 (the float32 scales "
+                                      f"of a row travel as hidden/64 bf16 words), got hidden={config.hidden}")
     try:
         for spec in _gemm_specs(config, config.local_experts(group.world_size)).values():
             sm90_check_fp8_gemm(*spec[:4])
@@ -76,12 +106,22 @@ def prebuild(config: Any, world_size: int, kernels: tuple = ("fc1", "fc2", "ep",
                         sm90_compiled_fp8_quantize_rows(specs[name][2], gather=gather))
 
     prebuild_layer(config, world_size, kernels, {"fc1": gemm("fc1"), "fc2": gemm("fc2")})
+    if world_size > 1 and fp8_wire():  # the wire's sender quantiser, row widths and E4M3 row layout
+        H, K, T, E = config.hidden, config.top_k, config.max_tokens_per_rank, config.num_experts
+        if "fc1" in kernels:
+            sm90_compiled_fp8_quantize_rows(H)
+        if "ep" in kernels:
+            for width in (H // 2, H // 64):
+                sm90_prebuild_ep(width, K, world_size, T, E)
+        if "layout" in kernels:
+            sm90_prebuild_layout(H // 2, K, world_size, T, config.local_experts(world_size))
 
 
 class Sm90Fp8Backend(Sm90CuteDSLBackend):
     """The BF16 SM90 backend's dispatch/layout/combine around FP8 block-scaled GEMMs."""
 
     name = NAME
+    fp8_wire = False  # set at bind (W > 1 and MOE_EP_FP8_WIRE=1)
 
     def _bind_gemms(self, views: dict) -> None:
         cfg = self.cfg
@@ -105,7 +145,60 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
         w2 = torch.randn(self.E, cfg.hidden, cfg.intermediate, device=self.device, generator=g) * cfg.intermediate ** -0.5
         return quantize_fp8_block128(w13), quantize_fp8_block128(w2)
 
+    def _bind(self) -> None:
+        super()._bind()
+        self.fp8_wire = self.W > 1 and fp8_wire()
+        self.ep_q = self.ep_s = self.layout_q = None
+        if self.fp8_wire:
+            self._bind_wire()
+
+    def _bind_wire(self) -> None:
+        """Two more EP sessions over the same buffers (E4M3 rows, scale rows), the layout of the
+        E4M3 rows, and the sender's quantised copy of its tokens (allocated here, once)."""
+        cfg, d, dev = self.cfg, self.dims, self.device
+        H, S = d.hidden, self.W * d.max_tokens
+        v = {**self.ws.views(d), "verr": self.verr}
+        peers = None
+        if not self.virtual:
+            peers = [wire_views(p, S, H) for p in self.ws.peer_views(d)]
+        kw = dict(global_ranks=self.ep.global_ranks, num_ctas=self.num_ctas, timeout_ns=self.timeout_ns,
+                  arch=self.arch)
+        sessions = []
+        for i, (width, views) in enumerate(zip((H // 2, H // 64), wire_views(v, S, H))):
+            sessions.append(Sm90EpSession(width, d.topk, self.W, d.max_tokens, cfg.num_experts, self.group.rank,
+                                          dev, views, peers=None if peers is None else [p[i] for p in peers], **kw))
+        self.ep_q, self.ep_s = sessions
+        self._recv_scales = wire_views(v, S, H)[1]["recv_x"]  # [S, H/64] bf16 words = [S, H/128] f32
+        self.layout_q = Sm90LayoutSession(H // 2, d.topk, self.W, d.max_tokens, self.E, dev, v["counts"],
+                                          num_chunks=self.layout.num_chunks, timeout_ns=self.timeout_ns,
+                                          arch=self.arch, adaptive=self.layout.adaptive)
+        self.quant_send = sm90_fp8_quantize_rows(H)
+        if getattr(self, "xq_send", None) is None or self.xq_send.shape[0] != d.max_tokens:
+            self.xq_send = torch.empty(d.max_tokens, H, dtype=torch.float8_e4m3fn, device=dev)
+            self.sx_send = torch.empty(d.max_tokens, H // FP8_BLOCK, dtype=torch.float32, device=dev)
+            # the sender quantises rows < min(T, count[0]): T bounds it (a view), the count never does
+            self._send_count = torch.full((1,), d.max_tokens, dtype=torch.int32, device=dev)
+
+    def ep_sessions(self) -> tuple:
+        return (self.ep, self.ep_q, self.ep_s) if self.fp8_wire else (self.ep,)
+
+    def _send_rows(self, x, topk_ids, topk_weights) -> None:
+        if not self.fp8_wire:
+            return super()._send_rows(x, topk_ids, topk_weights)
+        # 1a. quantise this rank's tokens (step 3's rule); 1b/1c. E4M3 rows, then scale rows
+        T = x.shape[0]
+        q, sc = self.xq_send[:T], self.sx_send[:T]
+        if T:
+            self.quant_send(x, q, sc, count=self._send_count)
+        self.ep_q.dispatch(q.view(torch.bfloat16), topk_ids, topk_weights, num_ctas=self._token_ctas)
+        self.ep_s.dispatch(sc.view(torch.bfloat16), topk_ids, topk_weights, num_ctas=self._token_ctas)
+
     def _step2_layout(self) -> None:
+        if self.fp8_wire:  # the grouped E4M3 rows straight into xq, then their scale rows
+            self.layout_q(self.ep_q, self.offsets, self.idx, self.ws_rows, self.pos, self.xq.view(torch.bfloat16),
+                          tokens=self._tokens)
+            self.ep_s.gather(self._recv_scales, self.idx, self._rows, self.xq_scale.view(torch.bfloat16))
+            return
         # fused gather: the layout writes no BF16 rows (xs stays free for FC2's output); the
         # quantiser reads the received rows, or the caller's x when one rank skips the dispatch
         x = self._routing[0] if self.local_route else None
@@ -114,7 +207,9 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
 
     def _step34_experts(self, w13, w2, b13=None, b2=None) -> None:
         fc1, fc2 = self._gemms
-        if self.fused_gather:  # grouped row r = received row idx[r], quantised on the way
+        if self.fp8_wire:
+            pass  # xq / xq_scale arrived quantised (step 2)
+        elif self.fused_gather:  # grouped row r = received row idx[r], quantised on the way
             self.quant_x(self._x_rows, self.xq, self.xq_scale, count=self._rows, idx=self.idx)
             self._x_rows = None
         else:
@@ -127,4 +222,5 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
 
     def destroy(self):
         self.xq = self.xq_scale = self.hq = self.hq_scale = None
+        self.ep_q = self.ep_s = self.layout_q = self.xq_send = self.sx_send = None
         super().destroy()
