@@ -39,7 +39,7 @@ register(BackendSpec(
 register(BackendSpec(
     name="sm90_fp8_cutedsl",
     description="SM90 FP8 block-scaled (DeepSeek-V3 format) grouped GEMMs with the BF16 backend's "
-                "dispatch/combine (BF16 on the wire)",
+                "dispatch/combine (BF16 on the wire; FP8 with MOE_EP_FP8_WIRE=1)",
     priority=100,
     check=_sm90_fp8.check,
     factory=lambda cfg, group, device, **opts: _sm90_fp8.Sm90Fp8Backend(cfg, group, device, **opts),

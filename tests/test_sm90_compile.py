@@ -131,3 +131,20 @@ def test_layout_kernels_compile(tmp_path):
     p = subprocess.run([sys.executable, "-m", "sm90_megamoe.layout_compile_check"], capture_output=True,
                        text=True, timeout=600, env=env, cwd=tmp_path)
     assert p.returncode == 0 and "ALL OK" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
+
+
+def test_layout_runner_checks_on_cpu(tmp_path):
+    """The drop's layout runner in ``--sim`` mode (torch models of the kernels, CPU): its own
+    checks -- exact row order, the wait timeout, and LocalRoute's receive words, epoch words and
+    first-bad-value record (a token with no valid choice included) -- pass against the models, so
+    the GPU run of the same checks tests the kernels, not the checker."""
+    import os
+    import subprocess
+    import sys
+
+    from moe_ep.shim import drop_src
+
+    env = dict(os.environ, PYTHONPATH=str(drop_src("sm90", "megamoe")) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-m", "sm90_megamoe.layout_runner", "--sim"], capture_output=True,
+                       text=True, timeout=600, env=env, cwd=tmp_path)
+    assert p.returncode == 0 and "ALL OK" in p.stdout and "route W=1" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]

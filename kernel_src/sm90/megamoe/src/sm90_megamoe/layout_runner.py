@@ -76,6 +76,45 @@ class SimLayout:
         if xs is not None:
             xs[:n] = ref["xs"]
 
+    def route(self, bufs, x, topk_ids, topk_w, offsets, idx, ws, pos, xs, stream=None, check=True):
+        """LocalRoute step by step (a loop over the choices, as the kernel walks them; not
+        ``ref_route``), then the layout with ``x`` as the row source."""
+        c = self.cfg
+        T, K, E = x.shape[0], c.topk, c.local_experts
+        if int(bufs.err[0]) != 0:
+            offsets.zero_()
+            return
+        epoch = int(bufs.ctrl[0]) + 1
+        wbits = topk_w.contiguous().view(torch.int32).flatten()
+        for t in range(T):
+            any_ok = 0
+            for k in range(K):
+                key, gid = t * K + k, int(topk_ids[t, k])
+                id_ok = 0 <= gid < E
+                w_ok = (int(wbits[key]) & 0x7F800000) != 0x7F800000
+                if not id_ok or not w_ok:  # the first bad choice of each kind, earliest forward
+                    e_i = 0 if not id_ok else 3
+                    if int(bufs.verr[e_i]) in (0, epoch):
+                        bufs.verr[e_i] = epoch
+                        bufs.verr[e_i + 1] = min(int(bufs.verr[e_i + 1]), key)
+                ok = id_ok and w_ok
+                bufs.recv_ids[t, k] = gid if ok else -1
+                bufs.recv_w[t, k] = topk_w[t, k]
+                any_ok |= int(ok)
+            bufs.dmask[t] = any_ok
+        if int(bufs.verr[0]) == epoch:
+            bufs.verr[2] = int(topk_ids.flatten()[int(bufs.verr[1])])
+        if int(bufs.verr[3]) == epoch:
+            bufs.verr[5] = int(wbits[int(bufs.verr[4])])
+        bufs.recv_count[0] = T
+        bufs.flags[0] = epoch
+        bufs.ctrl[0], bufs.ctrl[1] = epoch, 0
+        src = SimpleNamespace(recv_ids=bufs.recv_ids, recv_w=bufs.recv_w, recv_count=bufs.recv_count,
+                              recv_x=torch.zeros(c.max_tokens, c.hidden, dtype=torch.bfloat16),
+                              flags=bufs.flags, ctrl=bufs.ctrl, err=bufs.err)
+        src.recv_x[:T] = x
+        self(src, offsets, idx, ws, pos, xs)
+
 
 def _slot_valid(recv_count, W, T_max):
     t = torch.arange(T_max, device=recv_count.device).repeat(W)
@@ -220,12 +259,12 @@ def run_case(case, device, calls: int, seed: int, sim: bool, num_chunks, drop_pr
     return fails
 
 
-def check_route(case, device, seed: int, verbose: bool = True) -> List[str]:
-    """LocalRoute + LayoutPlace (``Layout.route``) against ``ref_route`` + ``ref_layout`` (GPU)."""
+def check_route(case, device, seed: int, sim: bool = False, verbose: bool = True) -> List[str]:
+    """LocalRoute + LayoutPlace (``Layout.route``) against ``ref_route`` + ``ref_layout``."""
     from .layout_launch import Layout, LayoutConfig
     W, T_max, K, E, H = case
     cfg = LayoutConfig(H, K, W, T_max, E)
-    lay = Layout(cfg, device, route=True)
+    lay = SimLayout(cfg, device) if sim else Layout(cfg, device, route=True)
     bufs, out = allocate(cfg, device)
     bufs.verr = torch.tensor(VERR_RESET, dtype=torch.int64, device=device)
     bufs.dmask = torch.full((T_max,), -5, dtype=torch.int32, device=device)
@@ -240,6 +279,8 @@ def check_route(case, device, seed: int, verbose: bool = True) -> List[str]:
             ids.view(-1)[min(3, T * K - 1)] = E + 5
             ids.view(-1)[T * K - 1] = -2
             w.view(-1)[(T * K) // 2] = float("nan") if i == 1 else float("inf")
+            if T > 1:
+                ids[T - 2] = E + 1  # a token with no valid choice: dmask 0, no row
         ids = ids.to(torch.int64 if wide else torch.int32)
         x = torch.randn(T, H, generator=g).to(torch.bfloat16)
         if i == 3:
@@ -252,7 +293,8 @@ def check_route(case, device, seed: int, verbose: bool = True) -> List[str]:
         d = lambda t: t.to(device)  # noqa: E731
         lay.route(bufs, d(x), d(ids), d(w), out["offsets"], out["idx"], out["ws"], out["pos"],
                   out["xs"] if gather else None)
-        torch.cuda.synchronize()
+        if device != "cpu":
+            torch.cuda.synchronize()
         want = ref_route(ids, w, E)
         errs: List[str] = []
         if not torch.equal(bufs.recv_ids[:T].cpu(), want["recv_ids"]):
@@ -410,9 +452,8 @@ def main(argv=None):
         for j, (case, chunks) in enumerate((((2, 1024, 8, 64, 2048), 3), ((2, 300, 4, 40, 256), 1),
                                             ((1, 8192, 8, 128, 2048), 264), ((1, 8192, 8, 128, 2048), 7))):
             fails += run_case(case, device, 5, 90 + j, False, chunks, a.drop_prob)
-    if not a.sim:  # one rank without a dispatch (LocalRoute)
-        for j, case in enumerate(c for c in CASES if c[0] == 1):
-            fails += check_route(case, device, 70 + j)
+    for j, case in enumerate(c for c in cases if c[0] == 1):  # one rank without a dispatch (LocalRoute)
+        fails += check_route(case, device, 70 + j, sim=a.sim)
     fails += check_wait_timeout(device, a.sim)
     for f in fails[:20]:
         print("FAIL:", f)
