@@ -352,9 +352,9 @@ class Sm90CuteDSLBackend(BackendImpl):
         """Every EP session of this layer (virtual ranks connect each one across ranks)."""
         return (self.ep,)
 
-    def _step2_layout(self, xs=True) -> None:
-        """``xs``: gather the grouped rows into ``self.xs`` (False: the caller gathers them)."""
-        xs = self.xs if xs else None
+    def _step2_layout(self, gather_rows: bool = True) -> None:
+        """``gather_rows``: copy the grouped rows into ``self.xs`` (False: step 3 reads them itself)."""
+        xs = self.xs if gather_rows else None
         if self.local_route:
             x, topk_ids, topk_weights = self._routing
             self._routing = None  # hold no reference to the caller's tensors past the call

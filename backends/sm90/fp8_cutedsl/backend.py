@@ -203,7 +203,7 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
         # quantiser reads the received rows, or the caller's x when one rank skips the dispatch
         x = self._routing[0] if self.local_route else None
         self._x_rows = x if x is not None and x.shape[0] else self.ep.bufs.recv_x
-        super()._step2_layout(xs=not self.fused_gather)
+        super()._step2_layout(gather_rows=not self.fused_gather)
 
     def _step34_experts(self, w13, w2, b13=None, b2=None) -> None:
         fc1, fc2 = self._gemms
