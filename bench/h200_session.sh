@@ -12,6 +12,9 @@
 #   source .device/b/env.sh && bash bench/h200_session.sh decide   # PDL off/on, interleaved, 3 rounds each
 #   source .device/b/env.sh && bash bench/h200_session.sh suite1|suite2|suite3  # the GPU suite in 3 calls
 #
+# Carry .device/aot too (a few MB; see below) to start from kernels compiled here:
+#   for p in 0 1; do for t in 128 256; do SM90_MEGAMOE_PDL=$p MOE_EP_LOCAL_ROUTE=1 python -m moe_ep.aot build \
+#     --arch sm_90a --model qwen3,mixtral --max-tokens $t --out .device/aot; done; done
 # The host's copy of .git can be older than the working tree it receives: pass the commit you ship as
 # MOE_EP_COMMIT=<sha> on the command line. Every mode ends by packing $OUT into $OUT/session_<mode>.tgz
 # (the device returns a limited number of files; the archive holds them all).
@@ -54,6 +57,9 @@ OUT=${OUT:-/tmp/out}
 MODELS=${MODELS:-qwen3,mixtral} TOKENS=${TOKENS:-8192} ITERS=${ITERS:-30} N=${N:-1}
 STEP_TIMEOUT=${STEP_TIMEOUT:-420} PEER_TIMEOUT=${PEER_TIMEOUT:-240}
 mkdir -p "$OUT"
+# a compile cache built on a CPU machine and carried along (python -m moe_ep.aot build ... --out .device/aot)
+# saves the first compile of each kernel on a fresh host; keys that miss simply compile
+if [ -z "${MOE_EP_CACHE_DIR:-}" ] && [ -d .device/aot ]; then export MOE_EP_CACHE_DIR=$PWD/.device/aot; fi
 # moe_ep must be importable: .device/b/env.sh installs this checkout into /tmp/proj; without it (a peer-only
 # call on a fresh host) import the checkout itself through a link named moe_ep (the repo root is the package)
 if ! python3 -c "import moe_ep.bench.report" 2>/dev/null; then
