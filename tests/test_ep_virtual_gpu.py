@@ -247,24 +247,31 @@ def test_virtual_ep_fp8_block128(W, Ts, fused, monkeypatch):
     gathered and quantised from the receive buffer in one pass (the default; off: MOE_EP_FP8_FUSED_GATHER=0)."""
     _sm90()
     monkeypatch.setenv("MOE_EP_FP8_FUSED_GATHER", "1" if fused else "0")
+    from moe_ep.backends.sm90.fp8_cutedsl.backend import Sm90Fp8Backend
+
+    cfg, want, sl, xs, idss, wss, w13s, w2s = fp8_problem(W, Ts, seed=77 + W)
+    vep = make(cfg, W, backend_cls=Sm90Fp8Backend)
+    forward_and_check(vep, Ts, want, sl, xs, idss, wss, w13s, w2s)
+    vep.destroy()
+
+
+def fp8_problem(W, Ts, seed):
+    """Qwen3-shaped FP8 block-128 problem (skewed routing) split over W ranks: (cfg, the
+    reference's FP8 output, per-rank row slices, xs, ids, weights, w13 and w2 shards)."""
     from moe_ep.api import MoEConfig
     from moe_ep.api.quant import FP8Block128Weight, quantize_fp8_block128
-    from moe_ep.backends.sm90.fp8_cutedsl.backend import Sm90Fp8Backend
 
     E, H, I, K = 128, 2048, 768, 8
     cfg = MoEConfig(num_experts=E, hidden=H, intermediate=I, top_k=K, max_tokens_per_rank=512,
                     quant="fp8_block128")
-    x, ids, w, w13, w2 = global_problem(E, H, I, K, Ts, seed=77 + W, skew=True)
+    x, ids, w, w13, w2 = global_problem(E, H, I, K, Ts, seed=seed, skew=True)
     q13, q2 = quantize_fp8_block128(w13), quantize_fp8_block128(w2)
     want = reference(cfg, x, ids, w, q13, q2)
     El = E // W
     part = lambda q, r: FP8Block128Weight(q.values[r * El:(r + 1) * El].contiguous(),  # noqa: E731
                                           q.scale[r * El:(r + 1) * El].contiguous())
     xs, idss, wss, _, _, sl = split(Ts, W, E, x, ids, w, w13, w2)
-    vep = make(cfg, W, backend_cls=Sm90Fp8Backend)
-    forward_and_check(vep, Ts, want, sl, xs, idss, wss, [part(q13, r) for r in range(W)],
-                      [part(q2, r) for r in range(W)])
-    vep.destroy()
+    return cfg, want, sl, xs, idss, wss, [part(q13, r) for r in range(W)], [part(q2, r) for r in range(W)]
 
 
 @pytest.mark.parametrize("W,Ts", [(2, [256, 300]), (4, [256, 0, 100, 333])])
@@ -274,21 +281,9 @@ def test_virtual_ep_fp8_wire_is_bit_identical(W, Ts, monkeypatch):
     in a row (the epoch protocol of the three sessions stays in step); and the reference's FP8
     semantics to 1e-2."""
     _sm90()
-    from moe_ep.api import MoEConfig
-    from moe_ep.api.quant import FP8Block128Weight, quantize_fp8_block128
     from moe_ep.backends.sm90.fp8_cutedsl.backend import Sm90Fp8Backend
 
-    E, H, I, K = 128, 2048, 768, 8
-    cfg = MoEConfig(num_experts=E, hidden=H, intermediate=I, top_k=K, max_tokens_per_rank=512,
-                    quant="fp8_block128")
-    x, ids, w, w13, w2 = global_problem(E, H, I, K, Ts, seed=91 + W, skew=True)
-    q13, q2 = quantize_fp8_block128(w13), quantize_fp8_block128(w2)
-    want = reference(cfg, x, ids, w, q13, q2)
-    El = E // W
-    part = lambda q, r: FP8Block128Weight(q.values[r * El:(r + 1) * El].contiguous(),  # noqa: E731
-                                          q.scale[r * El:(r + 1) * El].contiguous())
-    xs, idss, wss, _, _, sl = split(Ts, W, E, x, ids, w, w13, w2)
-    w13s, w2s = [part(q13, r) for r in range(W)], [part(q2, r) for r in range(W)]
+    cfg, want, sl, xs, idss, wss, w13s, w2s = fp8_problem(W, Ts, seed=91 + W)
     got = {}
     for wire in ("0", "1"):
         monkeypatch.setenv("MOE_EP_FP8_WIRE", wire)

@@ -190,6 +190,20 @@ def test_fp8_layer_sync_free_allocation_free_deterministic_graph():
     layer.destroy()
 
 
+def _qwen_fp8_inputs(T, seed):
+    """Qwen3-shaped tokens, routing (top-k of random logits) and FP8 block-128 weights, on the GPU."""
+    from moe_ep.api.quant import quantize_fp8_block128
+
+    E, H, I, K = QWEN["num_experts"], QWEN["hidden"], QWEN["intermediate"], QWEN["top_k"]
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16).cuda()
+    ids = torch.randn(T, E, generator=g).topk(K, -1).indices.to(torch.int32).cuda()
+    w = torch.softmax(torch.randn(T, K, generator=g), -1).cuda()
+    w13 = quantize_fp8_block128((torch.randn(E, 2 * I, H, generator=g) * H ** -0.5).cuda())
+    w2 = quantize_fp8_block128((torch.randn(E, H, I, generator=g) * I ** -0.5).cuda())
+    return x, ids, w, w13, w2
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 700])
 def test_fused_gather_quant_is_bit_identical(monkeypatch, T):
@@ -198,16 +212,9 @@ def test_fused_gather_quant_is_bit_identical(monkeypatch, T):
     eager and CUDA graph."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
-    from moe_ep.api.quant import quantize_fp8_block128
-
-    E, H, I, K = QWEN["num_experts"], QWEN["hidden"], QWEN["intermediate"], QWEN["top_k"]
+    H = QWEN["hidden"]
     cfg = MoEConfig(max_tokens_per_rank=1024, quant="fp8_block128", **QWEN)
-    g = torch.Generator().manual_seed(31 + T)
-    x = torch.randn(T, H, generator=g).to(torch.bfloat16).cuda()
-    ids = torch.randn(T, E, generator=g).topk(K, -1).indices.to(torch.int32).cuda()
-    w = torch.softmax(torch.randn(T, K, generator=g), -1).cuda()
-    w13 = quantize_fp8_block128((torch.randn(E, 2 * I, H, generator=g) * H ** -0.5).cuda())
-    w2 = quantize_fp8_block128((torch.randn(E, H, I, generator=g) * I ** -0.5).cuda())
+    x, ids, w, w13, w2 = _qwen_fp8_inputs(T, seed=31 + T)
     monkeypatch.setenv("MOE_EP_FP8_FUSED_GATHER", "0")
     plain = MoELayer(cfg, EPGroup.single(), backend="sm90_fp8_cutedsl")
     want = plain.forward(x, ids, w, w13, w2).clone()
@@ -232,16 +239,9 @@ def test_local_route_is_bit_identical_fp8(monkeypatch, T):
     caller's x; the same bits as the dispatch path, eager and CUDA graph."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
-    from moe_ep.api.quant import quantize_fp8_block128
-
-    E, H, I, K = QWEN["num_experts"], QWEN["hidden"], QWEN["intermediate"], QWEN["top_k"]
+    H = QWEN["hidden"]
     cfg = MoEConfig(max_tokens_per_rank=1024, quant="fp8_block128", **QWEN)
-    g = torch.Generator().manual_seed(77 + T)
-    x = torch.randn(T, H, generator=g).to(torch.bfloat16).cuda()
-    ids = torch.randn(T, E, generator=g).topk(K, -1).indices.to(torch.int32).cuda()
-    w = torch.softmax(torch.randn(T, K, generator=g), -1).cuda()
-    w13 = quantize_fp8_block128((torch.randn(E, 2 * I, H, generator=g) * H ** -0.5).cuda())
-    w2 = quantize_fp8_block128((torch.randn(E, H, I, generator=g) * I ** -0.5).cuda())
+    x, ids, w, w13, w2 = _qwen_fp8_inputs(T, seed=77 + T)
     outs = []
     for route in ("0", "1"):
         monkeypatch.setenv("MOE_EP_LOCAL_ROUTE", route)

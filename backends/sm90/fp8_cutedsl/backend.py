@@ -164,11 +164,12 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
         kw = dict(global_ranks=self.ep.global_ranks, num_ctas=self.num_ctas, timeout_ns=self.timeout_ns,
                   arch=self.arch)
         sessions = []
-        for i, (width, views) in enumerate(zip((H // 2, H // 64), wire_views(v, S, H))):
+        mine = wire_views(v, S, H)
+        for i, (width, views) in enumerate(zip((H // 2, H // 64), mine)):
             sessions.append(Sm90EpSession(width, d.topk, self.W, d.max_tokens, cfg.num_experts, self.group.rank,
                                           dev, views, peers=None if peers is None else [p[i] for p in peers], **kw))
         self.ep_q, self.ep_s = sessions
-        self._recv_scales = wire_views(v, S, H)[1]["recv_x"]  # [S, H/64] bf16 words = [S, H/128] f32
+        self._recv_scales = mine[1]["recv_x"]  # [S, H/64] bf16 words = [S, H/128] f32
         self.layout_q = Sm90LayoutSession(H // 2, d.topk, self.W, d.max_tokens, self.E, dev, v["counts"],
                                           num_chunks=self.layout.num_chunks, timeout_ns=self.timeout_ns,
                                           arch=self.arch, adaptive=self.layout.adaptive)

@@ -199,6 +199,38 @@ def _record_bad_value(epoch_addr: Int64, key_addr: Int64, epoch: Int64, key: Int
 
 
 @cute.jit
+def _check_choice(gid: Int64, wbits: Int32, key: Int64, active, num_experts: cutlass.Constexpr,
+                  verr_addr: Int64, epoch: Int64):
+    """The input rule for one (token, k) choice (``active``: this thread holds one): valid iff
+    0 <= id < E (``gid`` compared in 64 bits) and the weight (its float32 bits ``wbits``) is
+    finite. The first bad choice of each kind, by ``key`` = t*K + k, is recorded in verr for
+    forward ``epoch``. Returns (id_ok, valid)."""
+    id_ok = (gid >= Int64(0)) & (gid < Int64(num_experts))
+    w_bad = (wbits & Int32(F32_EXP_MASK)) == Int32(F32_EXP_MASK)
+    if active & ((gid < Int64(0)) | (gid >= Int64(num_experts))):
+        _record_bad_value(verr_addr + 8 * VERR_ID_EPOCH, verr_addr + 8 * VERR_ID_KEY, epoch, key)
+    if active & id_ok & w_bad:
+        _record_bad_value(verr_addr + 8 * VERR_W_EPOCH, verr_addr + 8 * VERR_W_KEY, epoch, key)
+    w_ok = (wbits & Int32(F32_EXP_MASK)) != Int32(F32_EXP_MASK)
+    return id_ok, active & id_ok & w_ok
+
+
+@cute.jit
+def _store_bad_values(mVerr: cute.Tensor, verr_addr: Int64, mTopkIds: cute.Tensor, w_addr: Int64,
+                      K: cutlass.Constexpr, epoch: Int64):
+    """Last CTA of a checking kernel (every CTA's verr atomics visible): store the recorded bad
+    id / weight bits of forward ``epoch`` beside their keys."""
+    if _ld_i64_relaxed_gpu(verr_addr + 8 * VERR_ID_EPOCH) == epoch:
+        kid = _ld_i64_relaxed_gpu(verr_addr + 8 * VERR_ID_KEY)
+        tk = Int32(kid // Int64(K))
+        mVerr[VERR_ID_VALUE] = Int64(mTopkIds[tk, Int32(kid - Int64(tk) * K)])
+    if _ld_i64_relaxed_gpu(verr_addr + 8 * VERR_W_EPOCH) == epoch:
+        kw = _ld_i64_relaxed_gpu(verr_addr + 8 * VERR_W_KEY)
+        bits = cute.arch.load(_gptr(Int32, w_addr + kw * 4, 4), Int32)
+        mVerr[VERR_W_VALUE] = Int64(bits)
+
+
+@cute.jit
 def _spin_wait_eq(flag_addr: Int64, expected: Int64, timeout_ns: Int64) -> Int32:
     """Acquire-spin (ld.acquire.sys) until *flag == expected. Returns 1 (arrived) or 2 (timed
     out after ``timeout_ns`` of %globaltimer wall clock)."""
@@ -314,17 +346,8 @@ class EpDispatch:
                     wk = mTopkW[t, lane]
                     wbits = cute.arch.load(
                         _gptr(Int32, w_addr + (Int64(t) * K + Int64(lane)) * 4, 4), Int32)
-                id_ok = (gid >= Int64(0)) & (gid < Int64(E))
-                w_bad = (wbits & Int32(F32_EXP_MASK)) == Int32(F32_EXP_MASK)
                 key = Int64(t) * K + Int64(lane)
-                if (lane < K) & ((gid < Int64(0)) | (gid >= Int64(E))):
-                    _record_bad_value(verr_addr + 8 * VERR_ID_EPOCH, verr_addr + 8 * VERR_ID_KEY,
-                                      new_epoch, key)
-                if (lane < K) & id_ok & w_bad:
-                    _record_bad_value(verr_addr + 8 * VERR_W_EPOCH, verr_addr + 8 * VERR_W_KEY,
-                                      new_epoch, key)
-                w_ok = (wbits & Int32(F32_EXP_MASK)) != Int32(F32_EXP_MASK)
-                valid = (lane < K) & id_ok & w_ok
+                _, valid = _check_choice(gid, wbits, key, lane < K, E, verr_addr, new_epoch)
                 dst = Int32(-1)
                 if valid:
                     dst = Int32(gid // Int64(E_l))
@@ -381,14 +404,7 @@ class EpDispatch:
                     cute.arch.fence_acq_rel_sys()
                     # The first bad value of this forward (every CTA's atomics are visible now):
                     # store the value itself beside its key.
-                    if _ld_i64_relaxed_gpu(verr_addr + 8 * VERR_ID_EPOCH) == new_epoch:
-                        kid = _ld_i64_relaxed_gpu(verr_addr + 8 * VERR_ID_KEY)
-                        tk = Int32(kid // Int64(K))
-                        mVerr[VERR_ID_VALUE] = Int64(mTopkIds[tk, Int32(kid - Int64(tk) * K)])
-                    if _ld_i64_relaxed_gpu(verr_addr + 8 * VERR_W_EPOCH) == new_epoch:
-                        kw = _ld_i64_relaxed_gpu(verr_addr + 8 * VERR_W_KEY)
-                        bits = cute.arch.load(_gptr(Int32, w_addr + kw * 4, 4), Int32)
-                        mVerr[VERR_W_VALUE] = Int64(bits)
+                    _store_bad_values(mVerr, verr_addr, mTopkIds, w_addr, K, new_epoch)
                     for d in cutlass.range_constexpr(W):
                         cnt_addr = mPeers[PEER_RECV_COUNT, d] + Int64(my_rank) * 4
                         cute.arch.store(_gptr(Int32, cnt_addr, 4), num_tokens)

@@ -175,6 +175,22 @@ class EpBuffers:
         return {name: getattr(self, name) for name in SYMMETRIC_BUFFERS.values()}
 
 
+def check_routing_inputs(hidden: int, topk: int, max_tokens: int, x: torch.Tensor, topk_ids: torch.Tensor,
+                         topk_w: torch.Tensor) -> int:
+    """What a dispatch (or the one-rank LocalRoute) takes: x [T, H] bf16 with T <= T_max,
+    topk_ids [T, K] int32/int64, topk_w [T, K] float32 (ValueError otherwise). Returns T."""
+    T = x.shape[0]
+    if T > max_tokens:
+        raise ValueError(f"T={T} > T_max={max_tokens}")
+    if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != hidden:
+        raise ValueError(f"x must be bf16 [T, {hidden}]")
+    if topk_ids.dtype not in (torch.int32, torch.int64) or tuple(topk_ids.shape) != (T, topk):
+        raise ValueError(f"topk_ids must be int32/int64 [{T}, {topk}]")
+    if topk_w.dtype != torch.float32 or tuple(topk_w.shape) != (T, topk):
+        raise ValueError(f"topk_w must be float32 [{T}, {topk}]")
+    return T
+
+
 def build_peer_table(peer_buffers: Sequence, device) -> torch.Tensor:
     """int64 [EP_NUM_PEER_BUFS, W] table of peer base addresses.
 
@@ -472,16 +488,7 @@ class EpRank:
                  stream=None, num_ctas: Optional[int] = None):
         """x [T, H] bf16, topk_ids [T, K] int32 or int64 (global ids; a choice whose id is outside
         [0, E) or whose weight is not finite is dropped and recorded in verr), topk_w [T, K] f32."""
-        cfg = self.cfg
-        T = x.shape[0]
-        if T > cfg.max_tokens:
-            raise ValueError(f"T={T} > T_max={cfg.max_tokens}")
-        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != cfg.hidden:
-            raise ValueError(f"x must be bf16 [T, {cfg.hidden}]")
-        if topk_ids.dtype not in (torch.int32, torch.int64) or tuple(topk_ids.shape) != (T, cfg.topk):
-            raise ValueError(f"topk_ids must be int32/int64 [{T}, {cfg.topk}]")
-        if topk_w.dtype != torch.float32 or tuple(topk_w.shape) != (T, cfg.topk):
-            raise ValueError(f"topk_w must be float32 [{T}, {cfg.topk}]")
+        T = check_routing_inputs(self.cfg.hidden, self.cfg.topk, self.cfg.max_tokens, x, topk_ids, topk_w)
         wide = topk_ids.dtype == torch.int64
         if T == 0:  # the kernel still publishes T = 0 and the epoch flag
             mX, mI, mW, wide = self._dummy_x, self._dummy_ids, self._dummy_w, False

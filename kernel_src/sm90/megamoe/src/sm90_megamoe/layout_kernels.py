@@ -69,27 +69,20 @@ from .ep_constants import (
     ERR_CAPACITY,
     ERR_CODE,
     ERR_TIMEOUT,
-    F32_EXP_MASK,
-    VERR_ID_EPOCH,
-    VERR_ID_KEY,
-    VERR_ID_VALUE,
-    VERR_W_EPOCH,
-    VERR_W_KEY,
-    VERR_W_VALUE,
     WHERE_DISPATCH,
     WHERE_WAIT,
 )
 from .ep_kernels import (
     _RowPlan,
     _addr,
+    _check_choice,
     _gptr,
     _ld_i32_relaxed_gpu,
-    _ld_i64_relaxed_gpu,
     _ld_vec,
-    _record_bad_value,
     _report_error,
     _spin_wait_eq,
     _st_vec,
+    _store_bad_values,
 )
 
 LAYOUT_ABI_VERSION = 3      # 2: deterministic rows, stateless scratch, wait fused into LayoutCount
@@ -314,16 +307,9 @@ class LocalRoute:
                 gid = Int64(mTopkIds[t, k])  # compared in 64 bits before any narrowing
                 wk = mTopkW[t, k]
                 wbits = cute.arch.load(_gptr(Int32, w_addr + Int64(p) * 4, 4), Int32)
-                id_ok = (gid >= Int64(0)) & (gid < Int64(E))
-                w_ok = (wbits & Int32(F32_EXP_MASK)) != Int32(F32_EXP_MASK)
-                if (gid < Int64(0)) | (gid >= Int64(E)):
-                    _record_bad_value(verr_addr + 8 * VERR_ID_EPOCH, verr_addr + 8 * VERR_ID_KEY,
-                                      new_epoch, Int64(p))
-                if id_ok & ((wbits & Int32(F32_EXP_MASK)) == Int32(F32_EXP_MASK)):
-                    _record_bad_value(verr_addr + 8 * VERR_W_EPOCH, verr_addr + 8 * VERR_W_KEY,
-                                      new_epoch, Int64(p))
+                _, valid = _check_choice(gid, wbits, Int64(p), True, E, verr_addr, new_epoch)
                 lid = Int32(-1)
-                if id_ok & w_ok:
+                if valid:
                     lid = Int32(gid)
                     cute.arch.atomic_add(sp + lid, Int32(1))
                 mIds[t, k] = lid
@@ -349,14 +335,7 @@ class LocalRoute:
                 sem="acq_rel", scope="gpu")
             if arrived == Int64(gdim - 1):
                 cute.arch.fence_acq_rel_gpu()
-                if _ld_i64_relaxed_gpu(verr_addr + 8 * VERR_ID_EPOCH) == new_epoch:
-                    kid = _ld_i64_relaxed_gpu(verr_addr + 8 * VERR_ID_KEY)
-                    tk = Int32(kid // Int64(K))
-                    mVerr[VERR_ID_VALUE] = Int64(mTopkIds[tk, Int32(kid - Int64(tk) * K)])
-                if _ld_i64_relaxed_gpu(verr_addr + 8 * VERR_W_EPOCH) == new_epoch:
-                    kw = _ld_i64_relaxed_gpu(verr_addr + 8 * VERR_W_KEY)
-                    bits = cute.arch.load(_gptr(Int32, w_addr + kw * 4, 4), Int32)
-                    mVerr[VERR_W_VALUE] = Int64(bits)
+                _store_bad_values(mVerr, verr_addr, mTopkIds, w_addr, K, new_epoch)
                 mRecvCount[0] = num_tokens
                 mFlags[0] = new_epoch
                 mCtrl[CTRL_DISPATCH_ARRIVE] = Int64(0)

@@ -29,7 +29,7 @@ from cutlass.cute.runtime import make_fake_stream
 
 from . import DROP_VERSION
 from .ep_constants import DEFAULT_TIMEOUT_NS, EP_ALIGN_H_ELEMS
-from .ep_launch import ARCH, _fake, _real, _stream, device_num_sms
+from .ep_launch import ARCH, _fake, _real, _stream, check_routing_inputs, device_num_sms
 from .launch import call_on_stream, ffi_function
 from .layout_kernels import (
     LAYOUT_ABI_VERSION,
@@ -223,6 +223,8 @@ class Layout:
             # a call with T = 0 still publishes T and the epoch: it needs some (unread) rows
             self._dummy_ids = torch.zeros(1, cfg.topk, dtype=torch.int32, device=self.device)
             self._dummy_w = torch.zeros(1, cfg.topk, dtype=torch.float32, device=self.device)
+            if not self.ffi:  # converted once, like the other dummies
+                self._dummy_ids, self._dummy_w = _real(self._dummy_ids, 4, True), _real(self._dummy_w, 4, True)
         self._conv: Dict[str, tuple] = {}
         self._dummy = torch.zeros(1, cfg.hidden, dtype=torch.bfloat16, device=self.device)
         if self.ffi:  # torch tensors and Python ints go straight into the call
@@ -323,16 +325,8 @@ class Layout:
         if self.k_route is None:
             raise RuntimeError("Layout.route needs Layout(..., route=True)")
         c = self.cfg
-        T = x.shape[0]
-        # the per-call inputs are checked on every call (as EpRank.dispatch checks them)
-        if T > c.max_tokens:
-            raise ValueError(f"T={T} > T_max={c.max_tokens}")
-        if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != c.hidden:
-            raise ValueError(f"x must be bf16 [T, {c.hidden}]")
-        if topk_ids.dtype not in (torch.int32, torch.int64) or tuple(topk_ids.shape) != (T, c.topk):
-            raise ValueError(f"topk_ids must be int32/int64 [{T}, {c.topk}]")
-        if topk_w.dtype != torch.float32 or tuple(topk_w.shape) != (T, c.topk):
-            raise ValueError(f"topk_w must be float32 [{T}, {c.topk}]")
+        # the per-call inputs are checked on every call, as EpRank.dispatch checks them
+        T = check_routing_inputs(c.hidden, c.topk, c.max_tokens, x, topk_ids, topk_w)
         if check:
             self._check(bufs, offsets, idx, ws, pos, xs)
             if bufs.verr.dtype != torch.int64 or tuple(bufs.verr.shape) != (8,) \
@@ -341,8 +335,6 @@ class Layout:
         wide = topk_ids.dtype == torch.int64
         if T == 0:
             mI, mW, mX, wide = self._dummy_ids, self._dummy_w, self._dummy_x, False
-            if not self.ffi:
-                mI, mW = _real(mI, 4, True), _real(mW, 4, True)
         else:
             mI = self._cv("topk_ids", topk_ids, 8 if wide else 4, True)
             mW = self._cv("topk_w", topk_w, 4, True)
