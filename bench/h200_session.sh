@@ -13,11 +13,11 @@
 #   source .device/b/env.sh && bash bench/h200_session.sh suite1|suite2|suite3  # the GPU suite in 3 calls
 #
 # Carry .device/aot too (a few MB; see below) to start from kernels compiled here:
-#   for p in 0 1; do for t in 128 256; do SM90_MEGAMOE_PDL=$p MOE_EP_LOCAL_ROUTE=1 python -m moe_ep.aot build \
-#     --arch sm_90a --model qwen3,mixtral --max-tokens $t --out .device/aot; done; done
+#   for t in 128 256; do python -m moe_ep.aot build --arch sm_90a --model qwen3,mixtral --max-tokens $t \
+#     --out .device/aot; done        # (the defaults: PDL launches, LocalRoute; SM90_MEGAMOE_PDL=0 for the others)
 # The host's copy of .git can be older than the working tree it receives: pass the commit you ship as
 # MOE_EP_COMMIT=<sha> on the command line. Every mode ends by packing $OUT into $OUT/session_<mode>.tgz
-# (the device returns a limited number of files; the archive holds them all).
+# and removing the loose files (the device returns a limited number of files; the archive holds them all).
 #
 # all (default): 1. python -m moe_ep.bench --model $MODELS --tokens $TOKENS --csv $OUT/bench.csv (default layers:
 #                   per-call, back-to-back and CUDA-graph ms + TFLOP/s, decode sweep), log $OUT/bench.log;
@@ -141,7 +141,9 @@ if [ "$mode" = verify2 ]; then  # the second half of verify (one device call eac
       --quant fp8_block128 --no-reference --quiet --decode-tokens 1,8,128 --decode-csv "$OUT/decode_fp8.csv"
 fi
 if [ "$mode" = decide ]; then
-  for r in 1 2 3; do for p in 0 1; do for lr in 0 1; do
+  # ROUNDS (3) rounds; no new run starts after DECIDE_DEADLINE seconds (480), so the archive is always written
+  for r in $(seq 1 "${ROUNDS:-3}"); do for p in 0 1; do for lr in 0 1; do
+    [ "$SECONDS" -lt "${DECIDE_DEADLINE:-480}" ] || { echo "decide: deadline reached before round $r p$p l$lr"; continue; }
     step "decode, PDL $p, local route $lr, round $r" "$OUT/decide_p${p}l${lr}_r$r.log" -- env SM90_MEGAMOE_PDL=$p \
         MOE_EP_LOCAL_ROUTE=$lr python3 -m moe_ep.bench --model "$MODELS" --tokens 128 --iters 50 --no-reference \
         --quiet --decode-tokens 1,8,128 --decode-csv "$OUT/decide_p${p}l${lr}_r$r.csv"
@@ -188,10 +190,13 @@ if [ "$mode" = liger ]; then
 fi
 
 echo "===== summary ($(date +%T))"
-tar czf "/tmp/session_$mode.tgz" -C "$OUT" . 2>/dev/null && mv "/tmp/session_$mode.tgz" "$OUT/"
 printf '  %s\n' "${status[@]}"
 csvs=$(ls "$OUT"/bench.csv "$OUT"/fi.csv "$OUT"/liger.csv 2>/dev/null)
 # shellcheck disable=SC2086
 [ -n "$csvs" ] && python3 -m moe_ep.bench.report $csvs
+# the device returns only a handful of loose files (alphabetical): leave the archive alone in $OUT
+if tar czf "/tmp/session_$mode.tgz" -C "$OUT" . 2>/dev/null; then
+  find "$OUT" -mindepth 1 -delete && mv "/tmp/session_$mode.tgz" "$OUT/"
+fi
 for s in "${status[@]}"; do [[ $s == *": exit 0" ]] || exit 1; done
 exit 0

@@ -273,6 +273,27 @@ def test_single_rank_combine_is_built_only_when_asked_for(monkeypatch, tmp_path)
         assert len(names) == (8 if want else 7), names
 
 
+def test_single_rank_route_is_the_default(monkeypatch, tmp_path):
+    """A one-rank layer's prebuild adds drop v19's LocalRoute kernels to the layout kernels (the
+    default); MOE_EP_LOCAL_ROUTE=0 leaves them out, and a two-rank layer never builds them."""
+    pytest.importorskip("cutlass")
+    monkeypatch.setenv("MOE_EP_CACHE_DIR", str(tmp_path))
+    from moe_ep.api import MoEConfig
+    from moe_ep.backends.sm90.bf16_cutedsl.backend import prebuild
+    from moe_ep.shim import COMPILE_EVENTS
+
+    cfg = MoEConfig(num_experts=16, hidden=256, intermediate=128, top_k=2, max_tokens_per_rank=32)
+    for flag, world, want in (("0", 1, False), (None, 1, True), (None, 2, False)):
+        if flag is None:
+            monkeypatch.delenv("MOE_EP_LOCAL_ROUTE", raising=False)
+        else:
+            monkeypatch.setenv("MOE_EP_LOCAL_ROUTE", flag)
+        seen = len(COMPILE_EVENTS)
+        prebuild(cfg, world, kernels=("layout",))
+        names = [e.name for e in COMPILE_EVENTS[seen:]]
+        assert ("layout_route" in names) == want and ("layout_route_i64" in names) == want, names
+
+
 def test_layout_chunks_knob(monkeypatch):
     """MOE_EP_LAYOUT_CHUNKS caps the layout kernels' chunks (never above the default); bad values
     raise a ValueError naming the variable."""
@@ -300,9 +321,9 @@ def test_layout_chunks_follow_the_tokens():
     assert layout_chunks_for(40, 32) == 16
 
 
-def test_pdl_launches_are_opt_in_and_cached_apart(tmp_path):
-    """Drop v17: PDL launches only with SM90_MEGAMOE_PDL=1 (read when the drop is imported); the
-    disk cache keeps kernels built with it in their own folder."""
+def test_pdl_launches_are_the_default_and_cached_apart(tmp_path):
+    """Drop v20: PDL launches unless SM90_MEGAMOE_PDL=0 (read when the drop is imported); the disk
+    cache keeps kernels built with them in their own folder."""
     pytest.importorskip("cutlass")
     import os
     import subprocess
@@ -311,12 +332,15 @@ def test_pdl_launches_are_opt_in_and_cached_apart(tmp_path):
     code = ("from moe_ep.shim.drops.sm90_megamoe import cache_namespace, pdl_launches; "
             "print(pdl_launches(), cache_namespace())")
     outs = {}
-    for flag in ("0", "1"):
-        env = dict(os.environ, SM90_MEGAMOE_PDL=flag, MOE_EP_CACHE_DIR=str(tmp_path))
+    for flag in ("0", "1", None):
+        env = dict(os.environ, MOE_EP_CACHE_DIR=str(tmp_path))
+        env.pop("SM90_MEGAMOE_PDL", None)
+        if flag is not None:
+            env["SM90_MEGAMOE_PDL"] = flag
         p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
         assert p.returncode == 0, p.stderr[-2000:]
         outs[flag] = p.stdout.split()
-    assert outs["0"][0] == "False" and outs["1"][0] == "True"
+    assert outs["0"][0] == "False" and outs["1"][0] == "True" and outs[None] == outs["1"]
     assert outs["1"][1] == outs["0"][1] + "-pdl"
 
 
@@ -333,19 +357,25 @@ def test_token_grid_of_the_per_token_kernels():
     assert s.token_ctas(8192) == 16
 
 
-def test_early_weights_is_the_plain_kernel_without_pdl(monkeypatch, tmp_path):
-    """Without PDL launches (the default) FC2's ``early_weights`` asks for nothing new: the same
-    compiled kernel as without it (one cache entry); other schedules ignore it."""
+def test_early_weights_is_the_plain_kernel_without_pdl(tmp_path):
+    """Without PDL launches (SM90_MEGAMOE_PDL=0) FC2's ``early_weights`` asks for nothing new: the
+    same compiled kernel as without it (one cache entry); other schedules ignore it. In a
+    subprocess, because the drop reads the switch when it is imported."""
     pytest.importorskip("cutlass")
-    monkeypatch.setenv("MOE_EP_CACHE_DIR", str(tmp_path))
-    from moe_ep.shim import sm90_compiled_grouped_gemm
-    from moe_ep.shim.drops.sm90_megamoe import pdl_launches
+    import os
+    import subprocess
+    import sys
 
-    if pdl_launches():
-        pytest.skip("SM90_MEGAMOE_PDL=1 in this process")
-    a = sm90_compiled_grouped_gemm("identity", 512, 256, 8, True, schedule="swapab", early_weights=True)
-    b = sm90_compiled_grouped_gemm("identity", 512, 256, 8, True, schedule="swapab")
-    assert a is b and not a.early_weights
+    code = ("from moe_ep.shim import sm90_compiled_grouped_gemm as g\n"
+            "from moe_ep.shim.drops.sm90_megamoe import pdl_launches\n"
+            "assert not pdl_launches()\n"
+            "a = g('identity', 512, 256, 8, True, schedule='swapab', early_weights=True)\n"
+            "b = g('identity', 512, 256, 8, True, schedule='swapab')\n"
+            "print(a is b, a.early_weights)\n")
+    env = dict(os.environ, SM90_MEGAMOE_PDL="0", MOE_EP_CACHE_DIR=str(tmp_path))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split() == ["True", "False"]
 
 
 def test_local_route_is_for_one_rank_only():

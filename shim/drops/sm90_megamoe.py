@@ -50,7 +50,7 @@ from ..nvshmem_boot import CounterContract
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 19},
+    "sm90_megamoe": {"DROP_VERSION": 20},
     "sm90_megamoe.fp8_gemm": {"FP8_BLOCK": 128, "OVERLAP_MAX_K_TILES": 32},
     "sm90_megamoe.constants": {
         "ABI_VERSION": 2,
@@ -84,7 +84,7 @@ CONSTANTS = MirroredConstants("sm90/megamoe", {
 })
 
 CONTRACT = DropContract(
-    arch="sm90", drop="megamoe", version=19, packages=(PKG,), constants=CONSTANTS,
+    arch="sm90", drop="megamoe", version=20, packages=(PKG,), constants=CONSTANTS,
     callables=(
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.__init__",
                     ("activation", "n", "k", "num_experts", "scale_rows", "tile_n", "bias_dtype",
@@ -214,8 +214,8 @@ EP_ARCHS = ("sm_90a", "sm_100a", "sm_120a")
 
 
 def pdl_launches() -> bool:
-    """Whether the drop launches its kernels with programmatic dependent launch (drop v17:
-    ``SM90_MEGAMOE_PDL=1`` when the drop is first imported; off by default, see VENDOR.md)."""
+    """Whether the drop launches its kernels with programmatic dependent launch (drop v20: on
+    unless ``SM90_MEGAMOE_PDL=0`` when the drop is first imported, see VENDOR.md)."""
     return bool(_load("sm90_megamoe.pdl").PDL)
 
 

@@ -1,7 +1,7 @@
 """Programmatic dependent launch (PDL) for every kernel of this drop.
 
 A layer's forward is a chain of short kernels on one stream (dispatch, layout, GEMMs, combine).
-Launched with ``use_pdl=PDL`` (on with ``SM90_MEGAMOE_PDL=1``, see :data:`PDL`), a kernel's CTAs
+Launched with ``use_pdl=PDL`` (on unless ``SM90_MEGAMOE_PDL=0``, see :data:`PDL`), a kernel's CTAs
 may be scheduled before the previous kernel in the stream has finished, so the launch and CTA
 start-up of kernel i+1 overlap the tail of kernel i.
 Correctness is unchanged because every kernel's first statement is :func:`wait_previous_grid`:
@@ -22,13 +22,12 @@ import os
 import cutlass.cute as cute
 
 # Whether every launch of this drop sets the PDL attribute
-# (cudaLaunchAttributeProgrammaticStreamSerialization):
-# SM90_MEGAMOE_PDL=1 when the package is imported (compile-time; a host caching compiled kernels must
-# key them on it). Off by default (version 17): with it on, the H200 showed ~1.5 us less at 1 token
-# and nothing measurable at 128 tokens, and one virtual-rank test (Mixtral, W = 2) failed once in a
-# full suite run and passed alone -- not explained yet. Off, the waits below are no-ops and the
+# (cudaLaunchAttributeProgrammaticStreamSerialization): on unless SM90_MEGAMOE_PDL=0 when the package
+# is imported (compile-time; a host caching compiled kernels must key them on it). On by default since
+# version 20: on the H200 it took 4-6 us off a Qwen3 decode step (with FC2's early weight prefetch),
+# and the layer and virtual-rank GPU tests passed with it. Off, the waits below are no-ops and the
 # kernels behave exactly as version 15's.
-PDL = os.environ.get("SM90_MEGAMOE_PDL", "0") == "1"
+PDL = os.environ.get("SM90_MEGAMOE_PDL", "1") != "0"
 
 
 def wait_previous_grid(trigger: bool = True) -> None:
