@@ -42,6 +42,8 @@
 # decide:        (SM90_MEGAMOE_PDL, MOE_EP_LOCAL_ROUTE) in {0,1}x{0,1} interleaved, 3 rounds, Qwen3 + Mixtral
 #                decode at 1,8,128 tokens -> $OUT/decide_p<p>l<l>_r<r>.csv and the per-setting median over the rounds (run-to-run spread
 #                at 128 tokens is 3-6 us, as large as the effects to decide on).
+# decode:        the decode sweep (1,8,32,128,256 tokens) of ours and FlashInfer's (carry .device/fi) in one call,
+#                then the virtual-rank GPU file in what is left of CALL_BUDGET (480 s of this script) -> $OUT/decode*.{log,csv}, suite3.log.
 # suite1/2/3:    pytest -m gpu in three parts that each fit one 600 s device call (the whole suite does not):
 #                1 = layer, FP8 backend, activations/bias; 2 = the other GPU files; 3 = the virtual-rank file.
 # Knobs (environment): MODELS (qwen3,mixtral), TOKENS (8192), ITERS (30), N (GPUs = EP size, 1),
@@ -50,7 +52,7 @@
 #   MOE_EP_COMMIT (the commit to print when the copy on the host has no .git).
 set -uo pipefail
 mode=${1:-all}
-modes="all|moe|fi|liger|extra|verify|verify2|decide|suite1|suite2|suite3"
+modes="all|moe|fi|liger|extra|verify|verify2|decide|decode|suite1|suite2|suite3"
 case "|$modes|" in *"|$mode|"*) ;; *) echo "usage: bash bench/h200_session.sh [$modes]" >&2; exit 2 ;; esac
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -160,6 +162,20 @@ for (m, t, p), v in sorted(rows.items()):
     print(f"{m:16s} {t:4d} {p}: {statistics.median(e for e, _ in v):.4f} / {statistics.median(g for _, g in v):.4f}"
           f"   ({', '.join(f'{g:.4f}' for _, g in v)})")
 PY
+fi
+if [ "$mode" = decode ]; then  # issue 11's sweep: ours and FlashInfer (carry .device/fi) in one call, then suite 3
+  step "decode sweep" "$OUT/decode.log" -- python3 -m moe_ep.bench --model "$MODELS" --tokens 128 --iters 50 \
+      --no-reference --quiet --decode-tokens 1,8,32,128,256 --decode-csv "$OUT/decode.csv"
+  if [ -f .device/fi/pkg/setup.sh ]; then
+    step "FlashInfer decode" "$OUT/decode_fi.log" -- bash -c '
+      source .device/fi/pkg/setup.sh || exit 3
+      exec python3 -m moe_ep.bench "$@"' fi --model "$MODELS" --tokens 128 --iters 50 "${peer_args[@]}" \
+        --peer flashinfer --peer-script-fi .device/fi/bench_fi.py --peer-decode-tokens "${PEER_DECODE_TOKENS:-1,8,32,128,256}" \
+        --decode-csv "$OUT/decode_fi.csv"
+  fi
+  left=$(( ${CALL_BUDGET:-480} - SECONDS ))  # what is left of the device call (less env.sh and the archive) goes to the virtual-rank file
+  [ "$left" -gt 60 ] && STEP_TIMEOUT=$left step "GPU suite 3/3 (time left: ${left}s)" "$OUT/suite3.log" -- \
+      python3 -m pytest -m gpu -q -W ignore -p no:cacheprovider -rfE --tb=long tests/test_ep_virtual_gpu.py
 fi
 suite_common=(python3 -m pytest -m gpu -q -W ignore -p no:cacheprovider -rfE --durations=15 --tb=long)
 if [ "$mode" = suite1 ]; then

@@ -190,8 +190,11 @@ print("\n".join(msgs))
                            text=True, timeout=600, env=env)
         assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
         res[name] = p.stdout
-    assert "compiled" not in res["loaded"] and res["loaded"].count("loaded in") == 12, res["loaded"]
-    assert res["fresh"].count("compiled in") == 12
+    # every kernel the layer needs came from the prebuilt cache: as many loads as the fresh run's
+    # compiles (12 before the one-rank LocalRoute and the token-adaptive layout grid; more since)
+    n = res["fresh"].count("compiled in")
+    assert n >= 12 and "loaded in" not in res["fresh"], res["fresh"]
+    assert "compiled" not in res["loaded"] and res["loaded"].count("loaded in") == n, res["loaded"]
     a, b = torch.load(tmp_path / "loaded.pt"), torch.load(tmp_path / "fresh.pt")
     assert torch.equal(a, b)
     # the classic launch path (CuTe tensors, explicit stream) computes the same bits as TVM-FFI
