@@ -33,8 +33,9 @@
 #                the decode sweep of $MODELS with --decode-csv $OUT/decode.csv --plot $OUT/decode.png;
 #                with .device/fi carried, FlashInfer at PEER_DECODE_TOKENS (1,8,32,128,256) in the same
 #                call -> $OUT/decode_fi.csv, both plotted in $OUT/decode_all.png.
-# verify:        what has not yet run on a GPU: drop v19's LocalRoute (the drop's layout_runner, then the
-#                MOE_EP_LOCAL_ROUTE bit-identity tests), MOE_EP_FP8_WIRE (virtual-rank bit-identity test) and the layer tests with PDL on (-> $OUT/verify_*.log);
+# verify:        what has not yet run on a GPU: drop v21's requantising FC1 (the drop's fp8_runner --requant for
+#                Qwen3 and Mixtral, the requant GPU tests, the FP8 layer with MOE_EP_FP8_FUSED_REQUANT=0/1
+#                interleaved over 2 rounds) -> $OUT/verify_*.{log,csv};
 #                verify2: the virtual-rank tests with PDL
 #                once more, then the decode sweep with (PDL, token grid, layout chunks) = (0,0,all) (1,0,all)
 #                (0,1,all) (0,1,32) (0,1,8) (1,1,32), and the FP8 layer's decode sweep
@@ -114,19 +115,20 @@ if [ "$mode" = extra ]; then
   fi
 fi
 if [ "$mode" = verify ]; then
-  # drop v19's LocalRoute (one rank without a dispatch, MOE_EP_LOCAL_ROUTE=1): the drop's own runner
-  # (route vs its torch contract, then timings), the layer's bit-identity tests; then the layer
-  # tests with PDL on (drop v18's FC2 weight prefetch has not run a correctness test with PDL yet)
-  step "drop layout runner (LocalRoute)" "$OUT/verify_layout_runner.log" -- bash -c \
-      'cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.layout_runner --iters 100'
-  step "local route + FP8 wire tests" "$OUT/verify_route.log" -- python3 -m pytest -m gpu -q -W ignore \
-      -p no:cacheprovider tests/test_layer_gpu.py tests/test_fp8_backend.py tests/test_ep_virtual_gpu.py \
-      -k "local_route or fp8_wire" --tb=long
-  # with PDL on: the float64 decode checks (FC2's swap-AB kernel prefetches weights before its
-  # wait), the reference checks, bit identity under CUDA graphs, and LocalRoute + PDL
-  step "layer tests, PDL on" "$OUT/verify_pdl_layer.log" -- env SM90_MEGAMOE_PDL=1 \
-      python3 -m pytest -m gpu -q -W ignore -p no:cacheprovider tests/test_layer_gpu.py --tb=long \
-      -k "decode_layer or matches_reference or bit_identical or local_route"
+  # drop v21's requantising FC1 (MOE_EP_FP8_FUSED_REQUANT=1, not yet run on a GPU): the drop's FP8
+  # runner (bit identity with FC1 + the row quantiser, times), the GPU tests, then the FP8 layer
+  # at 8192 tokens with it off and on, interleaved over two rounds
+  for m in qwen3 mixtral; do
+    step "drop fp8 runner --requant ($m)" "$OUT/verify_fp8_runner_$m.log" -- bash -c \
+        "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.fp8_runner --model $m --raster-m 16 --overlap --requant"
+  done
+  step "requant GPU tests" "$OUT/verify_requant.log" -- python3 -m pytest -m gpu -q -W ignore -p no:cacheprovider \
+      tests/test_sm90_fp8_compile.py tests/test_fp8_backend.py -k requant --tb=long
+  for r in 1 2; do for q in 0 1; do
+    step "FP8 layer, fused requant $q, round $r" "$OUT/verify_fp8_q${q}_r$r.log" -- env MOE_EP_FP8_FUSED_REQUANT=$q \
+        python3 -m moe_ep.bench --model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" --quant fp8_block128 \
+        --no-reference --no-decode --csv "$OUT/verify_fp8_q${q}_r$r.csv"
+  done; done
 fi
 if [ "$mode" = verify2 ]; then  # the second half of verify (one device call each: 600 s per call)
   step "virtual-rank tests, PDL on (2)" "$OUT/verify_pdl2.log" -- env SM90_MEGAMOE_PDL=1 \

@@ -259,12 +259,40 @@ def test_local_route_is_bit_identical_fp8(monkeypatch, T):
     assert torch.equal(outs[0], outs[1]) and torch.isfinite(outs[1]).all()
 
 
-@pytest.mark.parametrize("fused,route", [(False, False), (True, False), (False, True), (True, True)])
-def test_fused_gather_wiring_on_cpu(fused, route):
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 700])
+def test_fused_requant_is_bit_identical_fp8(monkeypatch, T):
+    """MOE_EP_FP8_FUSED_REQUANT=1 (drop v21): FC1's epilogue writes FC2's e4m3 input; the layer's
+    output is the same bits as FC1 + the row quantiser, eager and CUDA graph."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    H = QWEN["hidden"]
+    cfg = MoEConfig(max_tokens_per_rank=1024, quant="fp8_block128", **QWEN)
+    x, ids, w, w13, w2 = _qwen_fp8_inputs(T, seed=91 + T)
+    outs = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv("MOE_EP_FP8_FUSED_REQUANT", flag)
+        layer = MoELayer(cfg, EPGroup.single(), backend="sm90_fp8_cutedsl")
+        layer.warmup(progress=False)
+        assert layer._impl.fused_requant == (flag == "1") and (layer._impl.quant_h is None) == (flag == "1")
+        out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+        outs.append(layer.forward(x, ids, w, w13, w2, out=out).clone())
+        graph = capture_graph(lambda: layer.forward(x, ids, w, w13, w2, out=out))
+        replay_poisoned(graph, out)
+        assert torch.equal(out, outs[-1])
+        layer.check_errors()
+        layer.destroy()
+    assert torch.equal(outs[0], outs[1]) and torch.isfinite(outs[1]).all()
+
+
+@pytest.mark.parametrize("fused,route,requant", [(False, False, False), (True, False, False), (False, True, False),
+                                                 (True, True, False), (True, True, True), (False, False, True)])
+def test_fused_gather_wiring_on_cpu(fused, route, requant):
     """Steps 1-4 of the FP8 backend pass the right buffers (recorded, no kernel runs): fused, the
     layout gets no BF16 row buffer and FC1's quantiser reads the receive buffer through idx --
     or, one rank without a dispatch (MOE_EP_LOCAL_ROUTE=1), the caller's x; step 1 then launches
-    nothing and step 2 is the layout's ``route`` with the caller's routing."""
+    nothing and step 2 is the layout's ``route`` with the caller's routing. ``requant``
+    (MOE_EP_FP8_FUSED_REQUANT=1): FC1 writes ``hq`` and its scales, no FC2-input quantiser runs."""
     from types import SimpleNamespace
 
     from moe_ep.backends.sm90.fp8_cutedsl.backend import Sm90Fp8Backend
@@ -279,6 +307,7 @@ def test_fused_gather_wiring_on_cpu(fused, route):
                                       "hq_scale", "y", "rows", "recv_x")}
     x, ids, w = torch.zeros(3, 4), torch.zeros(3, 2, dtype=torch.int32), torch.zeros(3, 2)
     b.fused_gather, b.local_route, b.token_grid, b._routing = fused, route, False, None
+    b.fused_requant = requant
     b.fc1_decode = None
     b.fc1, b.fc2 = rec("fc1"), rec("fc2")
     b.layout = type("L", (), {"__call__": lambda self, *a, **k: calls.append(("layout", a, k)),
@@ -295,7 +324,8 @@ def test_fused_gather_wiring_on_cpu(fused, route):
     b._step2_layout()
     b._step34_experts(w13, w2)
     names = [c[0] for c in calls]
-    assert names == (["route"] if route else ["dispatch", "layout"]) + ["quant_x", "fc1", "quant_h", "fc2"]
+    assert names == (["route"] if route else ["dispatch", "layout"]) + ["quant_x", "fc1"] + \
+        ([] if requant else ["quant_h"]) + ["fc2"]
     layout_args, layout_kw = calls[0 if route else 1][1], calls[0 if route else 1][2]
     if route:
         assert layout_args[1:4] == (x, ids, w) and b._routing is None
@@ -306,8 +336,10 @@ def test_fused_gather_wiring_on_cpu(fused, route):
     assert qx_args[0] is src and qx_kw["count"] is t["rows"]
     assert (qx_kw.get("idx") is t["idx"]) if fused else ("idx" not in qx_kw)
     fc1_args, fc1_kw = calls[k + 1][1], calls[k + 1][2]
-    assert fc1_args[:5] == (t["xq"], t["xq_scale"], "v13", "s13", t["offsets"]) and fc1_kw["out"] is t["h"]
-    fc2_args, fc2_kw = calls[k + 3][1], calls[k + 3][2]
+    assert fc1_args[:5] == (t["xq"], t["xq_scale"], "v13", "s13", t["offsets"])
+    assert fc1_kw["out"] is (t["hq"] if requant else t["h"]) and fc1_kw.get("out_scale") is (
+        t["hq_scale"] if requant else None)
+    fc2_args, fc2_kw = calls[names.index("fc2")][1], calls[names.index("fc2")][2]
     assert fc2_args[:4] == (t["hq"], t["hq_scale"], "v2", "s2") and fc2_kw["out"] is t["y"]
     assert fc2_kw["row_scale"] is t["ws_rows"]
 
@@ -412,3 +444,26 @@ def test_fp8_wire_wiring_on_cpu():
     g = calls[4][1]
     assert g[0] is b._recv_scales and g[1] is b.idx and g[2] is b._rows and g[3].data_ptr() == b.xq_scale.data_ptr()
     assert calls[5][1][:2] == (b.xq, b.xq_scale)
+
+
+def test_fused_requant_prebuilds_its_kernels(monkeypatch, tmp_path):
+    """MOE_EP_FP8_FUSED_REQUANT=1 builds FC1's requantising GEMM and no FC2-input quantiser;
+    unset (the default until it has run on a GPU), the plain FC1 and the quantiser."""
+    pytest.importorskip("cutlass")
+    monkeypatch.setenv("MOE_EP_CACHE_DIR", str(tmp_path))
+    from moe_ep.backends.sm90.fp8_cutedsl.backend import prebuild
+    from moe_ep.shim import COMPILE_EVENTS
+
+    cfg = MoEConfig(num_experts=8, hidden=256, intermediate=256, top_k=2, max_tokens_per_rank=64,
+                    quant="fp8_block128")
+    got = {}
+    for flag in (None, "1"):
+        if flag is None:
+            monkeypatch.delenv("MOE_EP_FP8_FUSED_REQUANT", raising=False)
+        else:
+            monkeypatch.setenv("MOE_EP_FP8_FUSED_REQUANT", flag)
+        seen = len(COMPILE_EVENTS)
+        prebuild(cfg, 1, kernels=("fc1", "fc2"))
+        got[flag] = sorted(e.name for e in COMPILE_EVENTS[seen:])
+    assert got[None] == ["fp8_gather_quantize_rows", "fp8_gemm_identity", "fp8_gemm_swiglu", "fp8_quantize_rows"]
+    assert got["1"] == ["fp8_gemm_swiglu_requant"]  # the rest was built above (same keys)

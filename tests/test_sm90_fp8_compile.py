@@ -267,3 +267,70 @@ def test_gpu_against_float64(act, n, k, scale_rows, routing, overlap):
         if o[e + 1] > o[e]:
             d = want[o[e]:o[e + 1]]
             assert float((got[o[e]:o[e + 1]] - d).norm() / d.norm().clamp_min(1e-30)) < 1e-2, e
+
+
+# ---------------------------------------------------------------------------- FC1 requantising (drop v21)
+@pytest.mark.parametrize("n,k,experts,overlap", [
+    (1536, 2048, 128, False),   # Qwen3 FC1
+    (1536, 2048, 128, True),    # ... on the overlapped-promotion schedule
+    (28672, 4096, 8, False),    # Mixtral FC1
+])
+def test_requant_variant_compiles(n, k, experts, overlap):
+    """FC1 writing FC2's e4m3 input itself: the FP8 WGMMA, one e4m3x2 conversion per value pair
+    (2 halves x 16 pairs per thread), IEEE divisions, 16-byte global stores, the quad's amax
+    shuffle, no local memory and no spills (half 0 waits in shared memory, not registers)."""
+    from sm90_megamoe.fp8_runner import compile_variant, ptx_report
+
+    kernel, compiled = compile_variant("swiglu", n, k, experts, False, overlap_promotion=overlap, requant=True)
+    ptx = compiled.__ptx__
+    assert set(re.findall(r"wgmma\.mma_async[\w.]*", ptx)) == {"wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3"}
+    assert len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx)) == 32
+    assert len(re.findall(r"div\.rn\.f32", ptx)) == 66  # 64 values + 2 row scales per thread
+    assert len(re.findall(r"shfl\.sync\.bfly", ptx)) == 4
+    assert len(re.findall(r"st\.global\.v4", ptx)) == 4
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    r = ptx_report(kernel, compiled)
+    assert r["pdl"] and r["tma"] and r["smem_bytes"] <= 227 * 1024
+    if r["ptxas_spill_bytes"] is None:
+        pytest.skip("no ptxas installed: spill check skipped")
+    assert r["ptxas_spill_bytes"] == 0, r
+    err = _ptxas_stderr(ptx)
+    assert "C7514" not in err, err[-2000:]
+
+
+def test_requant_refuses_identity():
+    from sm90_megamoe.fp8_launch import CompiledFp8Gemm
+
+    with pytest.raises(ValueError, match="requant needs activation 'swiglu'"):
+        CompiledFp8Gemm("identity", 2048, 768, 128, requant=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("routing", ["uniform", "skewed"])
+@pytest.mark.parametrize("n,k", [(1536, 2048), (512, 1024)])
+def test_gpu_requant_is_fc1_then_quantiser(n, k, routing, overlap):
+    """The requantising FC1 writes exactly the torch quantiser's values and scales of the plain
+    FC1's bf16 output (every row of every expert, ragged m-tiles, an empty expert when skewed)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    from sm90_megamoe.fp8_runner import Fp8GroupedGemm
+
+    E, m_total = 16, 5000
+    gen = torch.Generator().manual_seed(11 + k)
+    offs = ref.make_offsets(m_total, E, routing, gen).cuda()
+    g = torch.Generator().manual_seed(5 + n)
+    a, a_s = (t.cuda() for t in ref.quantize_rows128(torch.randn(m_total, k, generator=g)))
+    b, b_s = (t.cuda() for t in ref.quantize_weight_block128(torch.randn(E, n, k, generator=g) / k ** 0.5))
+    plain = Fp8GroupedGemm("swiglu", n, k, E, False, overlap_promotion=overlap)
+    h = torch.full((m_total, n // 2), float("nan"), dtype=torch.bfloat16, device="cuda")
+    plain.launch(plain.prepare(a, a_s, b, b_s, h, offs, None))
+    want_q, want_s = ref.quantize_rows128(h)
+    rq = Fp8GroupedGemm("swiglu", n, k, E, False, overlap_promotion=overlap, requant=True)
+    q = torch.full((m_total, n // 2), 0x7F, dtype=torch.uint8, device="cuda")  # e4m3 NaN
+    s = torch.full((m_total, n // 256), float("nan"), dtype=torch.float32, device="cuda")
+    rq.launch(rq.prepare(a, a_s, b, b_s, q, offs, None, s))
+    torch.cuda.synchronize()
+    assert torch.isfinite(h.float()).all()
+    assert torch.equal(s, want_s), (s != want_s).any(dim=1).nonzero()[:8].flatten().tolist()
+    assert torch.equal(q, want_q.view(torch.uint8)), (q != want_q.view(torch.uint8)).any(dim=1).nonzero()[:8]

@@ -50,7 +50,7 @@ from ..nvshmem_boot import CounterContract
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 20},
+    "sm90_megamoe": {"DROP_VERSION": 21},
     "sm90_megamoe.fp8_gemm": {"FP8_BLOCK": 128, "OVERLAP_MAX_K_TILES": 32},
     "sm90_megamoe.constants": {
         "ABI_VERSION": 2,
@@ -84,7 +84,7 @@ CONSTANTS = MirroredConstants("sm90/megamoe", {
 })
 
 CONTRACT = DropContract(
-    arch="sm90", drop="megamoe", version=20, packages=(PKG,), constants=CONSTANTS,
+    arch="sm90", drop="megamoe", version=21, packages=(PKG,), constants=CONSTANTS,
     callables=(
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.__init__",
                     ("activation", "n", "k", "num_experts", "scale_rows", "tile_n", "bias_dtype",
@@ -138,9 +138,10 @@ CONTRACT = DropContract(
         CallableUse("sm90_megamoe.fp8_gemm:can_implement", ("activation", "n", "k", "num_experts")),
         CallableUse("sm90_megamoe.fp8_launch:CompiledFp8Gemm.__init__",
                     ("activation", "n", "k", "num_experts", "scale_rows", "compiled", "tvm_ffi", "raster_m",
-                     "overlap_promotion")),
+                     "overlap_promotion", "requant")),
         CallableUse("sm90_megamoe.fp8_launch:CompiledFp8Gemm.__call__",
-                    ("a", "a_scale", "b", "b_scale", "offsets", "out", "row_scale", "max_active_ctas", "stream")),
+                    ("a", "a_scale", "b", "b_scale", "offsets", "out", "row_scale", "max_active_ctas", "stream",
+                     "out_scale")),
         CallableUse("sm90_megamoe.fp8_quant:compile_fp8_quantize_rows",
                     ("k", "arch", "tvm_ffi", "counted", "gather")),
         CallableUse("sm90_megamoe.fp8_quant:CompiledFp8QuantizeRows.__init__",

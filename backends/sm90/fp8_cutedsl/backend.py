@@ -14,7 +14,8 @@ The forward is the BF16 SM90 backend's, with steps 3-4 replaced:
    with per-k-block scale promotion ``h = swiglu(xq · wq13ᵀ)``; by default (:func:`fused_gather_quant`)
    step 2 skips the BF16 row gather and this step quantises the received rows straight into grouped
    order (one launch and a BF16 write + read of every grouped row less; same bits);
-4. **FC2 + router weight** -- ``h`` quantised the same way, ``y = ws · (hq · wq2ᵀ)``;
+4. **FC2 + router weight** -- ``h`` quantised the same way, ``y = ws · (hq · wq2ᵀ)``; with
+   :func:`fused_requant`, FC1's epilogue has already written ``hq`` and its scales (same bits);
 5. **combine** -- as on BF16.
 
 Weights: ``MoEConfig.quant = "fp8_block128"``; ``w13``/``w2`` are
@@ -95,15 +96,28 @@ def fused_gather_quant() -> bool:
     return env_switch("MOE_EP_FP8_FUSED_GATHER", True)
 
 
+def fused_requant() -> bool:
+    """``MOE_EP_FP8_FUSED_REQUANT=1``: FC1's epilogue writes FC2's input itself, E4M3 rows and their
+    per-128 scales (drop v21's ``Fp8SwigluRequantGroupedGemmSm90``: the bf16 values FC1 would
+    store, quantised by the row quantiser's rule, so the same bits), instead of bf16 ``h`` that a
+    second kernel reads back: one launch and ``h``'s write + read fewer. Off by default until it
+    has run on a GPU."""
+    return env_switch("MOE_EP_FP8_FUSED_REQUANT", False)
+
+
 def prebuild(config: Any, world_size: int, kernels: tuple = ("fc1", "fc2", "ep", "layout")) -> None:
     """Compile (or load from the disk compile cache) every kernel a layer needs, without a GPU;
-    "fc1"/"fc2" include the row quantiser of their input width."""
+    "fc1"/"fc2" include the row quantiser of their input width (FC2's: unless FC1 requantises)."""
     specs = _gemm_specs(config, config.local_experts(world_size))
+    requant = fused_requant()
 
     def gemm(name):
         gather = name == "fc1" and fused_gather_quant()
+        if name == "fc1":
+            return lambda: (sm90_compiled_fp8_gemm(*specs[name], requant=requant),
+                            sm90_compiled_fp8_quantize_rows(specs[name][2], gather=gather))
         return lambda: (sm90_compiled_fp8_gemm(*specs[name]),
-                        sm90_compiled_fp8_quantize_rows(specs[name][2], gather=gather))
+                        None if requant else sm90_compiled_fp8_quantize_rows(specs[name][2]))
 
     prebuild_layer(config, world_size, kernels, {"fc1": gemm("fc1"), "fc2": gemm("fc2")})
     if world_size > 1 and fp8_wire():  # the wire's sender quantiser, row widths and E4M3 row layout
@@ -122,14 +136,17 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
 
     name = NAME
     fp8_wire = False  # set at bind (W > 1 and MOE_EP_FP8_WIRE=1)
+    fused_requant = False  # set at bind (MOE_EP_FP8_FUSED_REQUANT=1)
 
     def _bind_gemms(self, views: dict) -> None:
         cfg = self.cfg
         specs = _gemm_specs(cfg, self.E)
-        self.fc1, self.fc2 = sm90_fp8_gemm(*specs["fc1"]), sm90_fp8_gemm(*specs["fc2"])
+        self.fused_requant = fused_requant()
+        self.fc1 = sm90_fp8_gemm(*specs["fc1"], requant=self.fused_requant)
+        self.fc2 = sm90_fp8_gemm(*specs["fc2"])
         self.fused_gather = fused_gather_quant()
         self.quant_x = sm90_fp8_quantize_rows(cfg.hidden, gather=self.fused_gather)
-        self.quant_h = sm90_fp8_quantize_rows(cfg.intermediate)
+        self.quant_h = None if self.fused_requant else sm90_fp8_quantize_rows(cfg.intermediate)
         self.fc1_decode = self.fc2_decode = None
         self._decode_max_tokens = 0
         self._gemms = (self.fc1, self.fc2)
@@ -215,9 +232,13 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
             self._x_rows = None
         else:
             self.quant_x(self.xs, self.xq, self.xq_scale, count=self._rows)
-        fc1(self.xq, self.xq_scale, w13.values, w13.scale, self.offsets, out=self.h, row_scale=self.ws_rows,
-            max_active_ctas=self.num_ctas)
-        self.quant_h(self.h, self.hq, self.hq_scale, count=self._rows)
+        if self.fused_requant:  # FC1's epilogue writes FC2's E4M3 input and its scales
+            fc1(self.xq, self.xq_scale, w13.values, w13.scale, self.offsets, out=self.hq, row_scale=self.ws_rows,
+                max_active_ctas=self.num_ctas, out_scale=self.hq_scale)
+        else:
+            fc1(self.xq, self.xq_scale, w13.values, w13.scale, self.offsets, out=self.h, row_scale=self.ws_rows,
+                max_active_ctas=self.num_ctas)
+            self.quant_h(self.h, self.hq, self.hq_scale, count=self._rows)
         fc2(self.hq, self.hq_scale, w2.values, w2.scale, self.offsets, out=self.y, row_scale=self.ws_rows,
             max_active_ctas=self.num_ctas)
 

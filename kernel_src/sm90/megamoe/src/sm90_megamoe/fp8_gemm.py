@@ -98,6 +98,10 @@ def _fence_operand(frag, n: int) -> None:
     for i in range(n):
         frag[i] = _pin(frag[i])
 FP8_ACTIVATIONS = ("identity", "swiglu")
+E4M3_MAX = 448.0
+#: byte pitch of a row of the requantising epilogue's e4m3 staging tile (128 values + 16 bytes of
+#: padding; 144 = 9 x 16, so rows stay 16-byte aligned and a warp's 8 rows hit distinct banks)
+QPITCH = FP8_BLOCK + 16
 _LOG2E = 1.4426950408889634
 
 
@@ -140,6 +144,10 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
     ``n_tiles``, ``raster_m``, ``n_out``, ``n_out_divisible``, ``c_dtype``, ``epi_n``,
     ``epi_pad``, ``tile_threads``, which this class sets itself.
     """
+
+    #: the requantising variant (:class:`Fp8SwigluRequantGroupedGemmSm90`) sets these
+    requant = False
+    halves = 1
 
     def __init__(self, activation: str, scale_rows: bool = False, tile_n: Optional[int] = None,
                  num_stages: Optional[int] = None, raster_m: int = 1, overlap_promotion: bool = False):
@@ -225,6 +233,23 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
             raise TypeError("C must be bfloat16")
         if cutlass.const_expr(mOffsets.element_type != cutlass.Int32):
             raise TypeError("offsets must be int32")
+        setup = self._setup(mA, mAScale, mB, mBScale, mOffsets)
+        self.kernel(setup[0], setup[1], setup[2], setup[3], mAScale, mBScale, mC, mOffsets, mRowScale,
+                    *setup[4:]).launch(
+            grid=[max_active_ctas, 1, 1],
+            block=[self.threads_per_cta, 1, 1],
+            cluster=[1, 1, 1],
+            min_blocks_per_mp=1,
+            stream=stream,
+            use_pdl=PDL,
+        )
+
+    @cute.jit
+    def _setup(self, mA, mAScale, mB, mBScale, mOffsets):
+        """Host-side (traced) set-up shared by the variants: checks the problem, sets the
+        compile-time sizes, builds the TMA atoms, MMAs and smem layouts. Returns ``(tma_atom_a,
+        tma_tensor_a, tma_atom_b, tma_tensor_b, tiled_mma, tiled_mma_epi, a_smem_layout,
+        b_smem_layout)``."""
         num_experts = cute.size(mOffsets, mode=[0]) - 1
         n_rows_b = cute.size(mB, mode=[1])
         k_size = cute.size(mB, mode=[2])
@@ -238,7 +263,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         n_out, n_tiles = self.static_shapes(n_rows_b, k_size)
         self.num_experts = num_experts
         self.n_out = n_out
-        self.n_tiles = n_tiles
+        self.n_tiles = n_tiles // self.halves  # requant: one unit = two n-tiles (a 128-group)
         self.k_tiles = k_size // self.tile_k
         if cutlass.const_expr(self.overlap_promotion and self.k_tiles > OVERLAP_MAX_K_TILES):
             raise ValueError(f"overlap_promotion unrolls the k-loop: K={k_size} needs K <= "
@@ -287,17 +312,8 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
             ]
 
         self.shared_storage = SharedStorage
-        self.kernel(
-            tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, mAScale, mBScale, mC, mOffsets,
-            mRowScale, tiled_mma, tiled_mma_epi, a_smem_layout, b_smem_layout,
-        ).launch(
-            grid=[max_active_ctas, 1, 1],
-            block=[self.threads_per_cta, 1, 1],
-            cluster=[1, 1, 1],
-            min_blocks_per_mp=1,
-            stream=stream,
-            use_pdl=PDL,
-        )
+        return (tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, tiled_mma, tiled_mma_epi, a_smem_layout,
+                b_smem_layout)
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
@@ -317,6 +333,15 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         a_smem_layout: cute.ComposedLayout,
         b_smem_layout: cute.ComposedLayout,
     ):
+        self._body(tma_atom_a, mA_tma, tma_atom_b, mB_tma, mAScale, mBScale, (mC,), mOffsets, mRowScale,
+                   tiled_mma, tiled_mma_epi, a_smem_layout, b_smem_layout)
+
+    @cute.jit
+    def _body(self, tma_atom_a, mA_tma, tma_atom_b, mB_tma, mAScale, mBScale, outs, mOffsets, mRowScale,
+              tiled_mma, tiled_mma_epi, a_smem_layout, b_smem_layout):
+        """The kernel (traced inline into each variant's ``@cute.kernel``). ``outs``: ``(mC,)``, or
+        ``(mQ, mQScale)`` for the requantising variant, whose unit of work is the pair of n-tiles
+        of one 128-column group (``self.halves`` = 2), one after the other."""
         wait_previous_grid()
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -400,32 +425,33 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                     tAsA_p, tAgA = cpasync.tma_partition(
                         tma_atom_a, 0, cute.make_layout(1), tAsA, cute.group_modes(gA, 0, 2)
                     )
-                    n0 = n_tile * self.tile_n
-                    tBgBs = []
-                    for h in cutlass.range_constexpr(self.num_b):
-                        gB = cute.local_tile(
-                            cute.domain_offset((n0 + h * self.n_out, 0, 0), mB_tma),
-                            (self.tile_n, self.tile_k),
-                            (0, None, expert),
-                        )
-                        tBsB_p, tBgB = cpasync.tma_partition(
-                            tma_atom_b, 0, cute.make_layout(1), tBsB, cute.group_modes(gB, 0, 2)
-                        )
-                        tBgBs.append(tBgB)
-                    for k_tile in range(k_tiles):
-                        ab_pipeline.producer_acquire(prod_state)
-                        bar = ab_pipeline.producer_get_barrier(prod_state)
-                        cute.copy(tma_atom_a, tAgA[(None, k_tile)], tAsA_p[(None, prod_state.index)],
-                                  tma_bar_ptr=bar)
+                    for half in cutlass.range_constexpr(self.halves):
+                        n0 = self._n0(n_tile, half)
+                        tBgBs = []
                         for h in cutlass.range_constexpr(self.num_b):
-                            cute.copy(
-                                tma_atom_b,
-                                tBgBs[h][(None, k_tile)],
-                                tBsB_p[(None, prod_state.index * self.num_b + h)],
-                                tma_bar_ptr=bar,
+                            gB = cute.local_tile(
+                                cute.domain_offset((n0 + h * self.n_out, 0, 0), mB_tma),
+                                (self.tile_n, self.tile_k),
+                                (0, None, expert),
                             )
-                        ab_pipeline.producer_commit(prod_state)
-                        prod_state.advance()
+                            tBsB_p, tBgB = cpasync.tma_partition(
+                                tma_atom_b, 0, cute.make_layout(1), tBsB, cute.group_modes(gB, 0, 2)
+                            )
+                            tBgBs.append(tBgB)
+                        for k_tile in range(k_tiles):
+                            ab_pipeline.producer_acquire(prod_state)
+                            bar = ab_pipeline.producer_get_barrier(prod_state)
+                            cute.copy(tma_atom_a, tAgA[(None, k_tile)], tAsA_p[(None, prod_state.index)],
+                                      tma_bar_ptr=bar)
+                            for h in cutlass.range_constexpr(self.num_b):
+                                cute.copy(
+                                    tma_atom_b,
+                                    tBgBs[h][(None, k_tile)],
+                                    tBsB_p[(None, prod_state.index * self.num_b + h)],
+                                    tma_bar_ptr=bar,
+                                )
+                            ab_pipeline.producer_commit(prod_state)
+                            prod_state.advance()
                     tile_id = tile_id + gdim
                 ab_pipeline.producer_tail(prod_state)
 
@@ -472,88 +498,94 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                 # clamp to the expert's last row: always in bounds, never stored when clamped
                 ra_lo = row0 + cutlass.min(r_lo, rows_left - 1)
                 ra_hi = row0 + cutlass.min(r_hi, rows_left - 1)
-                n0 = n_tile * self.tile_n
-                for h in cutlass.range_constexpr(self.num_b):
-                    accs[h].fill(0.0)
+                kept = None  # requant: half 0's bf16 outputs and row amaxes, for half 1
+                for half in cutlass.range_constexpr(self.halves):
+                    n0 = self._n0(n_tile, half)
+                    for h in cutlass.range_constexpr(self.num_b):
+                        accs[h].fill(0.0)
 
-                if cutlass.const_expr(self.overlap_promotion):
-                    # k-tile t's WGMMAs in flight while t-1 is promoted (module docstring);
-                    # k-tile 0 -> set A (parts)
-                    ab_pipeline.consumer_wait(state)
-                    tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts, state.index, num_k_blocks)
-                    state.advance()
-                    a_lo, a_hi, a_b0, a_b1 = self._scales(mAScale, mBScale, ra_lo, ra_hi, expert, n0, 0)
-                    # pairs (t, t + 1) = (1 + 2p, 2 + 2p): t -> set B (parts2), t + 1 -> set A
-                    for p in cutlass.range_constexpr((k_tiles - 1) // 2):  # unrolled: see OVERLAP_MAX_K_TILES
-                        t = 1 + 2 * p
-                        ab_pipeline.consumer_wait(state)
-                        tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts2, state.index, num_k_blocks)
-                        state.advance()
-                        b_lo, b_hi, b_b0, b_b1 = self._scales(mAScale, mBScale, ra_lo, ra_hi, expert, n0, t)
-                        warpgroup.wait_group(1)  # set A's group (t - 1) is done; B's may run
-                        self._fence(parts, n_elems)
-                        ab_pipeline.consumer_release(rel)
-                        rel.advance()
-                        self._promote(accs, parts, a_lo, a_hi, a_b0, a_b1, n_elems)
+                    if cutlass.const_expr(self.overlap_promotion):
+                        # k-tile t's WGMMAs in flight while t-1 is promoted (module docstring);
+                        # k-tile 0 -> set A (parts)
                         ab_pipeline.consumer_wait(state)
                         tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts, state.index, num_k_blocks)
                         state.advance()
-                        a_lo, a_hi, a_b0, a_b1 = self._scales(mAScale, mBScale, ra_lo, ra_hi, expert, n0, t + 1)
-                        warpgroup.wait_group(1)  # set B's group (t) is done
-                        self._fence(parts2, n_elems)
-                        ab_pipeline.consumer_release(rel)
-                        rel.advance()
-                        self._promote(accs, parts2, b_lo, b_hi, b_b0, b_b1, n_elems)
-                    if cutlass.const_expr((k_tiles - 1) % 2 == 1):
-                        # one k-tile left (k_tiles even): set B, then both sets drain
-                        ab_pipeline.consumer_wait(state)
-                        tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts2, state.index, num_k_blocks)
-                        state.advance()
-                        b_lo, b_hi, b_b0, b_b1 = self._scales(mAScale, mBScale, ra_lo, ra_hi, expert, n0,
-                                                              k_tiles - 1)
-                        warpgroup.wait_group(1)
-                        self._fence(parts, n_elems)
-                        ab_pipeline.consumer_release(rel)
-                        rel.advance()
-                        self._promote(accs, parts, a_lo, a_hi, a_b0, a_b1, n_elems)
-                        warpgroup.wait_group(0)
-                        self._fence(parts2, n_elems)
-                        ab_pipeline.consumer_release(rel)
-                        rel.advance()
-                        self._promote(accs, parts2, b_lo, b_hi, b_b0, b_b1, n_elems)
-                    else:
-                        warpgroup.wait_group(0)
-                        self._fence(parts, n_elems)
-                        ab_pipeline.consumer_release(rel)
-                        rel.advance()
-                        self._promote(accs, parts, a_lo, a_hi, a_b0, a_b1, n_elems)
-                else:
-                    for k_tile in range(k_tiles):
-                        ab_pipeline.consumer_wait(state)
-                        tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts, state.index, num_k_blocks)
-                        # scales of this k-tile: loaded while the WGMMAs run
-                        sa_lo, sa_hi, sb0, sb1 = self._scales(mAScale, mBScale, ra_lo, ra_hi, expert, n0, k_tile)
-                        warpgroup.wait_group(0)
-                        ab_pipeline.consumer_release(state)
-                        state.advance()
-                        self._promote(accs, parts, sa_lo, sa_hi, sb0, sb1, n_elems)
-
-                # ---------------- epilogue: activation, row scale, masked bf16 stores
-                acc0 = accs[0]
-                if cutlass.const_expr(self.gated):
-                    for i in cutlass.range_constexpr(n_elems):
-                        g = acc0[i]
-                        den = cutlass.Float32(1.0) + cute.math.exp2(-g * _LOG2E, fastmath=True)
-                        acc0[i] = g * cute.arch.rcp_approx(den) * accs[1][i]
-                if cutlass.const_expr(self.scale_rows):
-                    rs_lo = mRowScale[ra_lo]
-                    rs_hi = mRowScale[ra_hi]
-                    for i in cutlass.range_constexpr(n_elems):
-                        if cutlass.const_expr((i // 2) % 2 == 0):
-                            acc0[i] = acc0[i] * rs_lo
+                        a_lo, a_hi, a_b0, a_b1 = self._scales(mAScale, mBScale, ra_lo, ra_hi, expert, n0, 0)
+                        # pairs (t, t + 1) = (1 + 2p, 2 + 2p): t -> set B (parts2), t + 1 -> set A
+                        for p in cutlass.range_constexpr((k_tiles - 1) // 2):  # unrolled: see OVERLAP_MAX_K_TILES
+                            t = 1 + 2 * p
+                            ab_pipeline.consumer_wait(state)
+                            tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts2, state.index, num_k_blocks)
+                            state.advance()
+                            b_lo, b_hi, b_b0, b_b1 = self._scales(mAScale, mBScale, ra_lo, ra_hi, expert, n0, t)
+                            warpgroup.wait_group(1)  # set A's group (t - 1) is done; B's may run
+                            self._fence(parts, n_elems)
+                            ab_pipeline.consumer_release(rel)
+                            rel.advance()
+                            self._promote(accs, parts, a_lo, a_hi, a_b0, a_b1, n_elems)
+                            ab_pipeline.consumer_wait(state)
+                            tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts, state.index, num_k_blocks)
+                            state.advance()
+                            a_lo, a_hi, a_b0, a_b1 = self._scales(mAScale, mBScale, ra_lo, ra_hi, expert, n0, t + 1)
+                            warpgroup.wait_group(1)  # set B's group (t) is done
+                            self._fence(parts2, n_elems)
+                            ab_pipeline.consumer_release(rel)
+                            rel.advance()
+                            self._promote(accs, parts2, b_lo, b_hi, b_b0, b_b1, n_elems)
+                        if cutlass.const_expr((k_tiles - 1) % 2 == 1):
+                            # one k-tile left (k_tiles even): set B, then both sets drain
+                            ab_pipeline.consumer_wait(state)
+                            tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts2, state.index, num_k_blocks)
+                            state.advance()
+                            b_lo, b_hi, b_b0, b_b1 = self._scales(mAScale, mBScale, ra_lo, ra_hi, expert, n0,
+                                                                  k_tiles - 1)
+                            warpgroup.wait_group(1)
+                            self._fence(parts, n_elems)
+                            ab_pipeline.consumer_release(rel)
+                            rel.advance()
+                            self._promote(accs, parts, a_lo, a_hi, a_b0, a_b1, n_elems)
+                            warpgroup.wait_group(0)
+                            self._fence(parts2, n_elems)
+                            ab_pipeline.consumer_release(rel)
+                            rel.advance()
+                            self._promote(accs, parts2, b_lo, b_hi, b_b0, b_b1, n_elems)
                         else:
-                            acc0[i] = acc0[i] * rs_hi
-                self._epilogue(accs, tCsC, sC, mC, row0, rows_left, n0, mma_tidx, epi_barrier)
+                            warpgroup.wait_group(0)
+                            self._fence(parts, n_elems)
+                            ab_pipeline.consumer_release(rel)
+                            rel.advance()
+                            self._promote(accs, parts, a_lo, a_hi, a_b0, a_b1, n_elems)
+                    else:
+                        for k_tile in range(k_tiles):
+                            ab_pipeline.consumer_wait(state)
+                            tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts, state.index, num_k_blocks)
+                            # scales of this k-tile: loaded while the WGMMAs run
+                            sa_lo, sa_hi, sb0, sb1 = self._scales(mAScale, mBScale, ra_lo, ra_hi, expert, n0, k_tile)
+                            warpgroup.wait_group(0)
+                            ab_pipeline.consumer_release(state)
+                            state.advance()
+                            self._promote(accs, parts, sa_lo, sa_hi, sb0, sb1, n_elems)
+
+                    # ---------------- epilogue: activation, row scale, masked bf16 stores
+                    acc0 = accs[0]
+                    if cutlass.const_expr(self.gated):
+                        for i in cutlass.range_constexpr(n_elems):
+                            g = acc0[i]
+                            den = cutlass.Float32(1.0) + cute.math.exp2(-g * _LOG2E, fastmath=True)
+                            acc0[i] = g * cute.arch.rcp_approx(den) * accs[1][i]
+                    if cutlass.const_expr(self.scale_rows):
+                        rs_lo = mRowScale[ra_lo]
+                        rs_hi = mRowScale[ra_hi]
+                        for i in cutlass.range_constexpr(n_elems):
+                            if cutlass.const_expr((i // 2) % 2 == 0):
+                                acc0[i] = acc0[i] * rs_lo
+                            else:
+                                acc0[i] = acc0[i] * rs_hi
+                    if cutlass.const_expr(self.requant):
+                        kept = self._requant_epilogue(half, kept, acc0, acc_shape, n_elems, tCcC, sC, outs, row0,
+                                                      rows_left, r_lo, r_hi, n_tile, mma_tidx, lane, epi_barrier)
+                    else:
+                        self._epilogue(accs, tCsC, sC, outs[0], row0, rows_left, n0, mma_tidx, epi_barrier)
                 tile_id = tile_id + gdim
 
     # ------------------------------------------------------------------ consumer helpers
@@ -577,6 +609,111 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
         return tiled_mma  # rebound by the caller: the accumulate flag is a traced value
+
+    def _n0(self, n_tile, half: int):
+        """First output column (of ``n_out``) of half ``half`` of scheduled unit ``n_tile``."""
+        if self.halves == 1:
+            return n_tile * self.tile_n
+        return (n_tile * self.halves + half) * self.tile_n
+
+    @cute.jit
+    def _requant_epilogue(self, half: int, kept, acc0, acc_shape, n_elems: int, tCcC, sC, outs, row0, rows_left,
+                          r_lo, r_hi, group, mma_tidx, lane, epi_barrier):
+        """The requantising variant's epilogue for half ``half`` of 128-column group ``group``:
+        round ``acc0`` (activated, row-scaled) to bf16 -- the values the plain kernel stores --
+        and take the |max| of this thread's two rows. Half 0 parks its bf16 values in shared memory
+        and returns the two amaxes (``kept``); half 1
+        finishes each row's amax over the 4 lanes that share it, then writes what
+        :mod:`.fp8_quant` would write for those bf16 values: ``scale = amax / 448`` (1 for an
+        all-zero group), ``q = e4m3(h / scale)`` (IEEE division, RN-even, satfinite), the
+        128 e4m3 bytes of each row staged in shared memory and stored as 16-byte vectors."""
+        mQ, mQScale = outs
+        rH = cute.make_rmem_tensor(acc_shape, cutlass.BFloat16)
+        rH.store(acc0.load().to(cutlass.BFloat16))
+        rF = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
+        rF.store(rH.load().to(cutlass.Float32))
+        am_lo = cutlass.Float32(0.0)
+        am_hi = cutlass.Float32(0.0)
+        for i in cutlass.range_constexpr(n_elems):  # element i sits in row r or r + 8 by (i // 2) % 2
+            a = cute.arch.fmax(rF[i], -rF[i], nan=True)
+            if cutlass.const_expr((i // 2) % 2 == 0):
+                am_lo = cute.arch.fmax(am_lo, a, nan=True)
+            else:
+                am_hi = cute.arch.fmax(am_hi, a, nan=True)
+        # half 0's bf16 values wait in shared memory (registers are short in the overlapped
+        # schedule): 16-byte slot j of thread t at byte (j * tile_threads + t) * 16 of sC
+        q_base = sC.iterator.toint()
+        rH32 = cute.recast_tensor(rH, cutlass.Int32)
+        flat = cute.make_rmem_tensor(cute.make_layout(n_elems // 2), cutlass.Int32)
+        n_vec = n_elems // 8
+        if cutlass.const_expr(half == 0):
+            for p in cutlass.range_constexpr(n_elems // 2):
+                flat[p] = rH32[p]
+            for j in cutlass.range_constexpr(n_vec):
+                ptr = cute.make_ptr(cutlass.Int32, q_base + (j * self.tile_threads + mma_tidx) * 16,
+                                    cute.AddressSpace.smem, assumed_align=16)
+                cute.make_tensor(ptr, cute.make_layout(4)).store(cute.local_tile(flat, (4,), (j,)).load())
+            return am_lo, am_hi
+        am_lo0, am_hi0 = kept
+        rH0 = cute.make_rmem_tensor(acc_shape, cutlass.BFloat16)
+        rH0_32 = cute.recast_tensor(rH0, cutlass.Int32)
+        for j in cutlass.range_constexpr(n_vec):
+            ptr = cute.make_ptr(cutlass.Int32, q_base + (j * self.tile_threads + mma_tidx) * 16,
+                                cute.AddressSpace.smem, assumed_align=16)
+            cute.local_tile(flat, (4,), (j,)).store(cute.make_tensor(ptr, cute.make_layout(4)).load())
+        for p in cutlass.range_constexpr(n_elems // 2):
+            rH0_32[p] = flat[p]
+        epi_barrier.arrive_and_wait()  # every thread has its half 0 back: sC becomes the e4m3 tile
+        am_lo = cute.arch.fmax(am_lo, am_lo0, nan=True)
+        am_hi = cute.arch.fmax(am_hi, am_hi0, nan=True)
+        for d in cutlass.range_constexpr(2):  # the 4 lanes of a quad hold one row's columns
+            am_lo = cute.arch.fmax(am_lo, cute.arch.shuffle_sync_bfly(am_lo, 1 << d), nan=True)
+            am_hi = cute.arch.fmax(am_hi, cute.arch.shuffle_sync_bfly(am_hi, 1 << d), nan=True)
+        s_lo = cutlass.Float32(1.0)
+        if am_lo > cutlass.Float32(0.0):
+            s_lo = am_lo / cutlass.Float32(E4M3_MAX)
+        s_hi = cutlass.Float32(1.0)
+        if am_hi > cutlass.Float32(0.0):
+            s_hi = am_hi / cutlass.Float32(E4M3_MAX)
+        # stage the group's e4m3 bytes: row r at byte r * QPITCH of sC (same bytes as the bf16 tile)
+        for hh in cutlass.range_constexpr(2):
+            src = rH0 if hh == 0 else rH
+            rF.store(src.load().to(cutlass.Float32))
+            for i in cutlass.range_constexpr(n_elems):
+                if cutlass.const_expr((i // 2) % 2 == 0):
+                    rF[i] = rF[i] / s_lo
+                else:
+                    rF[i] = rF[i] / s_hi
+            rQ = cute.make_rmem_tensor(acc_shape, cutlass.Float8E4M3FN)
+            rQ.store(rF.load().to(cutlass.Float8E4M3FN))
+            rQ16 = cute.recast_tensor(rQ, cutlass.Int16)
+            for p in cutlass.range_constexpr(n_elems // 2):  # element pair (2p, 2p + 1): adjacent columns
+                row, col = tCcC[2 * p]
+                ptr = cute.make_ptr(cutlass.Int16, q_base + row * QPITCH + hh * self.tile_n + col,
+                                    cute.AddressSpace.smem, assumed_align=2)
+                cute.make_tensor(ptr, cute.make_layout(1))[0] = rQ16[p]
+        epi_barrier.arrive_and_wait()
+        # 16-byte vectors: each row's 128 bytes are 8 vectors; a warp writes 4 whole rows
+        n_out = self.n_out
+        g_base = mQ.iterator.toint()
+        vec_per_row = 2 * self.tile_n // 16
+        for it in cutlass.range_constexpr(self.tile_m * vec_per_row // self.tile_threads):
+            v = it * self.tile_threads + mma_tidx
+            row = v // vec_per_row
+            cv = v % vec_per_row
+            if row < rows_left:
+                s_ptr = cute.make_ptr(cutlass.Int32, q_base + row * QPITCH + cv * 16, cute.AddressSpace.smem,
+                                      assumed_align=16)
+                g_off = cutlass.Int64(row0 + row) * n_out + group * FP8_BLOCK + cv * 16
+                g_ptr = cute.make_ptr(cutlass.Int32, g_base + g_off, cute.AddressSpace.gmem, assumed_align=16)
+                cute.make_tensor(g_ptr, cute.make_layout(4)).store(cute.make_tensor(s_ptr, cute.make_layout(4)).load())
+        if lane % 4 == 0:  # one lane per quad stores the quad's two row scales
+            if r_lo < rows_left:
+                mQScale[row0 + r_lo, group] = s_lo
+            if r_hi < rows_left:
+                mQScale[row0 + r_hi, group] = s_hi
+        epi_barrier.arrive_and_wait()  # the staging buffer is free for the next unit
+        return None
 
     def _fence(self, parts, n_elems: int) -> None:
         """Pin every partial accumulator of one set (see :func:`_fence_operand`)."""
@@ -605,3 +742,94 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                     accs[h][i] = accs[h][i] + parts[h][i] * s_lo
                 else:
                     accs[h][i] = accs[h][i] + parts[h][i] * s_hi
+
+
+class Fp8SwigluRequantGroupedGemmSm90(Fp8BlockScaledGroupedGemmSm90):
+    """FC1 with its output requantised in the epilogue (drop v21): ``swiglu`` as in the base class,
+    then, instead of bf16 rows, each row's 128-column groups as e4m3 values and one float32 scale
+    -- exactly what :class:`.fp8_quant.Fp8QuantizeRows128` writes for the bf16 rows the base kernel
+    would store (same rounding to bf16 first, same amax, same IEEE division), so FC2's input
+    never exists in bf16 and one launch and a write + read of the bf16 rows disappear.
+
+    Tensors as in the base class except the output::
+
+        mQ      [M_total, I]        uint8 (e4m3 bits) or float8_e4m3fn   rows < the expert ends
+        mQScale [M_total, I / 128]  float32                              only those rows written
+
+    A CTA's unit of work is one 128-row m-tile times one 128-column group of ``h``: the group's two
+    64-column n-tiles (the gated tile is 64 wide: gate + up + partial accumulators fill the
+    registers) one after the other; half 0's bf16 outputs wait in 16 registers per thread.
+    """
+
+    requant = True
+    halves = 2
+
+    def __init__(self, scale_rows: bool = False, num_stages: Optional[int] = None, raster_m: int = 1,
+                 overlap_promotion: bool = False):
+        super().__init__("swiglu", scale_rows=scale_rows, tile_n=64, num_stages=num_stages, raster_m=raster_m,
+                         overlap_promotion=overlap_promotion)
+        assert self.halves * self.tile_n == FP8_BLOCK and QPITCH * self.tile_m <= 2 * self.epi_smem_elems
+
+    @cute.jit
+    def __call__(
+        self,
+        mA: cute.Tensor,
+        mAScale: cute.Tensor,
+        mB: cute.Tensor,
+        mBScale: cute.Tensor,
+        mQ: cute.Tensor,
+        mQScale: cute.Tensor,
+        mOffsets: cute.Tensor,
+        mRowScale: cute.Tensor,
+        max_active_ctas: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        if cutlass.const_expr(mA.element_type == cutlass.Uint8):
+            mA = cute.make_tensor(cute.recast_ptr(mA.iterator, dtype=cutlass.Float8E4M3FN), mA.layout)
+        if cutlass.const_expr(mB.element_type == cutlass.Uint8):
+            mB = cute.make_tensor(cute.recast_ptr(mB.iterator, dtype=cutlass.Float8E4M3FN), mB.layout)
+        if cutlass.const_expr(mA.element_type != cutlass.Float8E4M3FN
+                              or mB.element_type != cutlass.Float8E4M3FN):
+            raise TypeError("A and B must be float8_e4m3fn (or its uint8 view)")
+        if cutlass.const_expr(mQ.element_type not in (cutlass.Uint8, cutlass.Float8E4M3FN)):
+            raise TypeError("Q must be float8_e4m3fn or uint8")
+        if cutlass.const_expr(mAScale.element_type != cutlass.Float32
+                              or mBScale.element_type != cutlass.Float32
+                              or mQScale.element_type != cutlass.Float32):
+            raise TypeError("scales must be float32")
+        if cutlass.const_expr(mOffsets.element_type != cutlass.Int32):
+            raise TypeError("offsets must be int32")
+        if cutlass.const_expr(cute.size(mQ, mode=[1]) != cute.size(mB, mode=[1]) // 2
+                              or cute.size(mQScale, mode=[1]) != cute.size(mB, mode=[1]) // 2 // FP8_BLOCK):
+            raise ValueError("Q must be [M, I] and QScale [M, I/128] (N = 2 I)")
+        setup = self._setup(mA, mAScale, mB, mBScale, mOffsets)
+        self.kernel_requant(setup[0], setup[1], setup[2], setup[3], mAScale, mBScale, mQ, mQScale, mOffsets,
+                            mRowScale, *setup[4:]).launch(
+            grid=[max_active_ctas, 1, 1],
+            block=[self.threads_per_cta, 1, 1],
+            cluster=[1, 1, 1],
+            min_blocks_per_mp=1,
+            stream=stream,
+            use_pdl=PDL,
+        )
+
+    @cute.kernel
+    def kernel_requant(
+        self,
+        tma_atom_a: cute.CopyAtom,
+        mA_tma: cute.Tensor,
+        tma_atom_b: cute.CopyAtom,
+        mB_tma: cute.Tensor,
+        mAScale: cute.Tensor,
+        mBScale: cute.Tensor,
+        mQ: cute.Tensor,
+        mQScale: cute.Tensor,
+        mOffsets: cute.Tensor,
+        mRowScale: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        tiled_mma_epi: cute.TiledMma,
+        a_smem_layout: cute.ComposedLayout,
+        b_smem_layout: cute.ComposedLayout,
+    ):
+        self._body(tma_atom_a, mA_tma, tma_atom_b, mB_tma, mAScale, mBScale, (mQ, mQScale), mOffsets, mRowScale,
+                   tiled_mma, tiled_mma_epi, a_smem_layout, b_smem_layout)

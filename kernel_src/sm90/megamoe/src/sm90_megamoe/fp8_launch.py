@@ -13,13 +13,14 @@ import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
-from .fp8_gemm import FP8_BLOCK, Fp8BlockScaledGroupedGemmSm90, can_implement
+from .fp8_gemm import FP8_BLOCK, Fp8BlockScaledGroupedGemmSm90, Fp8SwigluRequantGroupedGemmSm90, can_implement
 from .launch import _num_sms, call_on_stream, ffi_function
 
 
-def fake_args(num_experts: int, n: int, k: int, activation: str, use_tvm_ffi: bool = False):
+def fake_args(num_experts: int, n: int, k: int, activation: str, use_tvm_ffi: bool = False, requant: bool = False):
     """Fake ``(mA, mAScale, mB, mBScale, mC, mOffsets, mRowScale, ctas, stream)``: M_total
-    dynamic, the FP8 operands as uint8 views."""
+    dynamic, the FP8 operands as uint8 views; ``requant``: ``mC`` is ``(mQ, mQScale)``, the
+    e4m3 rows (uint8) and their float32 scales."""
     n_out = n // 2 if activation == "swiglu" else n
     m = cute.sym_int()
     u8, f32 = cutlass.Uint8, cutlass.Float32
@@ -31,7 +32,12 @@ def fake_args(num_experts: int, n: int, k: int, activation: str, use_tvm_ffi: bo
     mC = make_fake_compact_tensor(cutlass.BFloat16, (m, n_out), stride_order=(1, 0), assumed_align=16)
     mOff = make_fake_compact_tensor(cutlass.Int32, (num_experts + 1,), assumed_align=4)
     mRS = make_fake_compact_tensor(f32, (cute.sym_int(),), assumed_align=4)
-    return mA, mAS, mB, mBS, mC, mOff, mRS, cutlass.Int32(132), make_fake_stream(use_tvm_ffi_env_stream=use_tvm_ffi)
+    out = (mC,)
+    if requant:
+        out = (make_fake_compact_tensor(u8, (m, n_out), stride_order=(1, 0), assumed_align=16),
+               make_fake_compact_tensor(f32, (m, n_out // FP8_BLOCK), stride_order=(1, 0), assumed_align=4))
+    return (mA, mAS, mB, mBS, *out, mOff, mRS, cutlass.Int32(132),
+            make_fake_stream(use_tvm_ffi_env_stream=use_tvm_ffi))
 
 
 def _u8(t: torch.Tensor) -> torch.Tensor:
@@ -45,13 +51,19 @@ class CompiledFp8Gemm:
     ``compiled``: the kernel compiled earlier (e.g. loaded from an exported object, for the same
     ``tvm_ffi``, ``raster_m`` and ``overlap_promotion``); None compiles it here (sm_90a).
     ``raster_m``: m-tiles per raster group inside an expert; ``overlap_promotion``: the schedule
-    that promotes k-tile t-1 while t's WGMMAs run (see :class:`.fp8_gemm.Fp8BlockScaledGroupedGemmSm90`)."""
+    that promotes k-tile t-1 while t's WGMMAs run (see :class:`.fp8_gemm.Fp8BlockScaledGroupedGemmSm90`);
+    ``requant`` (swiglu only): the output is FC2's input, e4m3 rows plus per-128 scales
+    (:class:`.fp8_gemm.Fp8SwigluRequantGroupedGemmSm90`), and a call passes ``out_scale``."""
 
     def __init__(self, activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
-                 compiled=None, tvm_ffi: bool = False, raster_m: int = 1, overlap_promotion: bool = False):
+                 compiled=None, tvm_ffi: bool = False, raster_m: int = 1, overlap_promotion: bool = False,
+                 requant: bool = False):
         reason = can_implement(activation, n, k, num_experts)
+        if reason is None and requant and activation != "swiglu":
+            reason = f"requant needs activation 'swiglu', got {activation!r}"
         if reason is not None:
             raise ValueError(reason)
+        self.requant = bool(requant)
         self.activation, self.n, self.k, self.num_experts = activation, n, k, num_experts
         self.scale_rows = bool(scale_rows)
         self.n_out = n // 2 if activation == "swiglu" else n
@@ -59,39 +71,51 @@ class CompiledFp8Gemm:
         self.raster_m = int(raster_m)
         self.overlap_promotion = bool(overlap_promotion)
         if compiled is None:
-            kernel = Fp8BlockScaledGroupedGemmSm90(activation, scale_rows=self.scale_rows, raster_m=self.raster_m,
-                                                   overlap_promotion=self.overlap_promotion)
+            if self.requant:
+                kernel = Fp8SwigluRequantGroupedGemmSm90(scale_rows=self.scale_rows, raster_m=self.raster_m,
+                                                         overlap_promotion=self.overlap_promotion)
+            else:
+                kernel = Fp8BlockScaledGroupedGemmSm90(activation, scale_rows=self.scale_rows,
+                                                       raster_m=self.raster_m,
+                                                       overlap_promotion=self.overlap_promotion)
             opts = "--gpu-arch sm_90a" + (" --enable-tvm-ffi" if self.tvm_ffi else "")
-            compiled = cute.compile(kernel, *fake_args(num_experts, n, k, activation, self.tvm_ffi), options=opts)
+            compiled = cute.compile(kernel, *fake_args(num_experts, n, k, activation, self.tvm_ffi, self.requant),
+                                    options=opts)
         self.compiled = compiled
         self._fn = ffi_function(compiled) if self.tvm_ffi else None
 
     def __call__(self, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                  offsets: torch.Tensor, out: torch.Tensor, row_scale: torch.Tensor,
-                 max_active_ctas: Optional[int] = None, stream=None) -> torch.Tensor:
+                 max_active_ctas: Optional[int] = None, stream=None,
+                 out_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
         """
         a:         [M_total, K]        float8_e4m3fn (or uint8 bits), contiguous, CUDA
         a_scale:   [M_total, K/128]    float32
         b:         [E, N, K]           float8_e4m3fn (or uint8 bits)
         b_scale:   [E, N/128, K/128]   float32
         offsets:   [E + 1]             int32 (device memory, never read by the host)
-        out:       [M_total, N_out]    bfloat16
+        out:       [M_total, N_out]    bfloat16; ``requant``: float8_e4m3fn (or uint8 bits)
         row_scale: [>= 1]              float32 ([M_total] read when scale_rows, else a placeholder)
         stream:    torch.cuda.Stream or None (current); a CUstream on the classic path
+        out_scale: [M_total, N_out/128] float32, ``requant`` only (required there)
         """
+        if self.requant != (out_scale is not None):
+            raise ValueError("out_scale is required with requant=True and refused without it")
         if a.shape[0] == 0:
             return out
         ctas = max_active_ctas if max_active_ctas is not None else _num_sms(a.device)
+        outs = (_u8(out), out_scale) if self.requant else (out,)
         if self.tvm_ffi:
-            call_on_stream(self._fn, (_u8(a), a_scale, _u8(b), b_scale, out, offsets, row_scale, ctas), stream)
+            call_on_stream(self._fn, (_u8(a), a_scale, _u8(b), b_scale, *outs, offsets, row_scale, ctas), stream)
             return out
         from cutlass.cute.runtime import from_dlpack
 
         def rows(t, align):
             return from_dlpack(t, assumed_align=align).mark_compact_shape_dynamic(mode=0, stride_order=(0, 1))
 
+        outs = (rows(outs[0], 16), rows(outs[1], 4)) if self.requant else (rows(out, 16),)
         args = (rows(_u8(a), 16), rows(a_scale, 4), from_dlpack(_u8(b), assumed_align=16),
-                from_dlpack(b_scale, assumed_align=4), rows(out, 16), from_dlpack(offsets, assumed_align=4),
+                from_dlpack(b_scale, assumed_align=4), *outs, from_dlpack(offsets, assumed_align=4),
                 from_dlpack(row_scale, assumed_align=4).mark_compact_shape_dynamic(mode=0))
         if stream is None:
             stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)

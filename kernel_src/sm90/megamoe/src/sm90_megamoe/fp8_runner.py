@@ -3,6 +3,7 @@
     python -m sm90_megamoe.fp8_runner [--model qwen3|mixtral] [--routing uniform|skewed] [--reps 20]
                                       [--raster-m 1,4,16]   # time each raster (first one checked)
                                       [--overlap]           # + the overlapped-promotion schedule
+                                      [--requant]           # + FC1 requantising its output (v21)
 
 Per model, FC1 (swiglu, w13 [E, 2I, H]) and FC2 (identity + router row scale, w2 [E, H, I]):
 * every machine: compile for sm_90a from fake tensors and check the PTX (FP8 WGMMA
@@ -11,7 +12,10 @@ Per model, FC1 (swiglu, w13 [E, 2I, H]) and FC2 (identity + router row scale, w2
 * with an SM90 GPU: random inputs quantised by :mod:`.fp8_reference`, NaN-poisoned outputs, the
   relative error against the float32 reference of the dequantised math, median time (CUDA events)
   and TFLOP/s next to torch's FP8 GEMMs (``torch._scaled_grouped_mm``, row-wise scales, and
-  ``torch._scaled_mm`` per expert with block-wise scales, whichever this torch supports).
+  ``torch._scaled_mm`` per expert with block-wise scales, whichever this torch supports);
+* ``--requant``: FC1's requantising variant (:class:`.fp8_gemm.Fp8SwigluRequantGroupedGemmSm90`)
+  must write exactly what the row quantiser (:mod:`.fp8_quant`) writes for the plain FC1's bf16
+  output (values and scales bit for bit, NaN-poisoned outputs), timed against plain FC1 + quantiser.
 """
 
 from __future__ import annotations
@@ -28,7 +32,8 @@ import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 from cutlass.cute.runtime import from_dlpack, make_fake_compact_tensor, make_fake_stream
 
-from .fp8_gemm import FP8_BLOCK, OVERLAP_MAX_K_TILES, Fp8BlockScaledGroupedGemmSm90, can_implement
+from .fp8_gemm import (FP8_BLOCK, OVERLAP_MAX_K_TILES, Fp8BlockScaledGroupedGemmSm90,
+                       Fp8SwigluRequantGroupedGemmSm90, can_implement)
 from .fp8_reference import (fp8_grouped_gemm_reference, make_offsets, quantize_rows128,
                             quantize_weight_block128)
 
@@ -44,9 +49,10 @@ def layers(model: str):
     return [("fc1", "swiglu", 2 * i, h, False), ("fc2", "identity", h, i, True)]
 
 
-def fake_args(num_experts: int, n: int, k: int, activation: str):
+def fake_args(num_experts: int, n: int, k: int, activation: str, requant: bool = False):
     """Fake (mA, mAScale, mB, mBScale, mC, mOffsets, mRowScale, ctas, stream): M_total dynamic,
-    fp8 operands as uint8 views (what :func:`cute_args` passes)."""
+    fp8 operands as uint8 views (what :func:`cute_args` passes); ``requant``: mC is (mQ uint8,
+    mQScale float32)."""
     n_out = n // 2 if activation == "swiglu" else n
     m = cute.sym_int()
     u8, f32 = cutlass.Uint8, cutlass.Float32
@@ -58,30 +64,43 @@ def fake_args(num_experts: int, n: int, k: int, activation: str):
     mC = make_fake_compact_tensor(cutlass.BFloat16, (m, n_out), stride_order=(1, 0), assumed_align=16)
     mOff = make_fake_compact_tensor(cutlass.Int32, (num_experts + 1,), assumed_align=4)
     mRS = make_fake_compact_tensor(f32, (cute.sym_int(),), assumed_align=4)
-    return mA, mAS, mB, mBS, mC, mOff, mRS, cutlass.Int32(132), make_fake_stream()
+    out = (mC,)
+    if requant:
+        out = (make_fake_compact_tensor(u8, (m, n_out), stride_order=(1, 0), assumed_align=16),
+               make_fake_compact_tensor(f32, (m, n_out // FP8_BLOCK), stride_order=(1, 0), assumed_align=4))
+    return (mA, mAS, mB, mBS, *out, mOff, mRS, cutlass.Int32(132), make_fake_stream())
 
 
-def cute_args(a, a_scale, b, b_scale, c, offsets, row_scale):
-    """CuTe views of contiguous torch tensors matching :func:`fake_args`."""
+def cute_args(a, a_scale, b, b_scale, c, offsets, row_scale, c_scale=None):
+    """CuTe views of contiguous torch tensors matching :func:`fake_args` (``c_scale``: requant)."""
     u8 = lambda t: t.view(torch.uint8) if t.dtype != torch.uint8 else t  # noqa: E731
     dyn = lambda t, al: from_dlpack(t, assumed_align=al).mark_compact_shape_dynamic(  # noqa: E731
         mode=0, stride_order=(0, 1))
+    outs = (dyn(c, 16),) if c_scale is None else (dyn(u8(c), 16), dyn(c_scale, 4))
     return (dyn(u8(a), 16), dyn(a_scale, 4), from_dlpack(u8(b), assumed_align=16),
-            from_dlpack(b_scale, assumed_align=4), dyn(c, 16), from_dlpack(offsets, assumed_align=4),
+            from_dlpack(b_scale, assumed_align=4), *outs, from_dlpack(offsets, assumed_align=4),
             from_dlpack(row_scale, assumed_align=4).mark_compact_shape_dynamic(mode=0))
 
 
 def compile_variant(activation: str, n: int, k: int, num_experts: int, scale_rows: bool,
                     arch: str = "sm_90a", tile_n: Optional[int] = None,
-                    num_stages: Optional[int] = None, raster_m: int = 1, overlap_promotion: bool = False):
-    """(kernel, compiled) for one variant, from fake tensors (no GPU needed)."""
+                    num_stages: Optional[int] = None, raster_m: int = 1, overlap_promotion: bool = False,
+                    requant: bool = False):
+    """(kernel, compiled) for one variant, from fake tensors (no GPU needed); ``requant``: FC1's
+    requantising variant (swiglu only)."""
     reason = can_implement(activation, n, k, num_experts, tile_n)
+    if reason is None and requant and activation != "swiglu":
+        reason = "requant needs swiglu"
     if reason is not None:
         raise ValueError(reason)
-    kernel = Fp8BlockScaledGroupedGemmSm90(activation, scale_rows=scale_rows, tile_n=tile_n,
-                                           num_stages=num_stages, raster_m=raster_m,
-                                           overlap_promotion=overlap_promotion)
-    compiled = cute.compile(kernel, *fake_args(num_experts, n, k, activation),
+    if requant:
+        kernel = Fp8SwigluRequantGroupedGemmSm90(scale_rows=scale_rows, num_stages=num_stages, raster_m=raster_m,
+                                                 overlap_promotion=overlap_promotion)
+    else:
+        kernel = Fp8BlockScaledGroupedGemmSm90(activation, scale_rows=scale_rows, tile_n=tile_n,
+                                               num_stages=num_stages, raster_m=raster_m,
+                                               overlap_promotion=overlap_promotion)
+    compiled = cute.compile(kernel, *fake_args(num_experts, n, k, activation, requant),
                             options=f"--gpu-arch {arch} --keep-ptx")
     return kernel, compiled
 
@@ -133,21 +152,21 @@ class Fp8GroupedGemm:
     """One compiled variant, launched on CUDA tensors (classic path: pre-converted CuTe views)."""
 
     def __init__(self, activation, n, k, num_experts, scale_rows, tile_n=None, num_stages=None, raster_m=1,
-                 overlap_promotion=False):
+                 overlap_promotion=False, requant=False):
         self.kernel, self.compiled = compile_variant(activation, n, k, num_experts, scale_rows,
                                                      tile_n=tile_n, num_stages=num_stages, raster_m=raster_m,
-                                                     overlap_promotion=overlap_promotion)
+                                                     overlap_promotion=overlap_promotion, requant=requant)
         self.activation, self.n, self.k, self.scale_rows = activation, n, k, scale_rows
         self.n_out = n // 2 if activation == "swiglu" else n
 
-    def prepare(self, a, a_s, b, b_s, out, offs, rs):
+    def prepare(self, a, a_s, b, b_s, out, offs, rs, out_scale=None):
         """CuTe views for :meth:`launch`; None when there are no rows (nothing to launch: TMA
         descriptors cannot describe an empty tensor)."""
         if a.shape[0] == 0:
             return None
         if rs is None:
             rs = torch.zeros(1, dtype=torch.float32, device=a.device)
-        return cute_args(a, a_s, b, b_s, out, offs, rs)
+        return cute_args(a, a_s, b, b_s, out, offs, rs, out_scale)
 
     def launch(self, args, ctas=None, stream=None):
         if args is None:
@@ -212,7 +231,8 @@ def torch_baselines(a, a_s, b, b_s, offs, reps):
     return out
 
 
-def run_gpu(model: str, routing: str, reps: int, rasters=(1,), overlap: bool = False) -> bool:
+def run_gpu(model: str, routing: str, reps: int, rasters=(1,), overlap: bool = False,
+            requant: bool = False) -> bool:
     h, i, E, topk, tokens = MODELS[model]
     m_total = tokens * topk
     ok_all = True
@@ -252,6 +272,8 @@ def run_gpu(model: str, routing: str, reps: int, rasters=(1,), overlap: bool = F
             oms = time_fn(lambda: ov.launch(oargs), reps)
             print(f"    overlap_promotion (raster_m {rasters[0]}): bit-identical={same}; {oms:.3f} ms = "
                   f"{flops / oms / 1e9:.1f} TFLOP/s", flush=True)
+        if requant and act == "swiglu":
+            ok_all &= check_requant(fn, a, a_s, b, b_s, offs, rs, out, E, n, k, sr, rasters[0], overlap, reps)
         for bname, v in torch_baselines(a, a_s, b, b_s, offs, reps).items():
             if isinstance(v, float):
                 print(f"    {bname}: {v:.3f} ms = {flops / v / 1e9:.1f} TFLOP/s (GEMM only)")
@@ -262,15 +284,54 @@ def run_gpu(model: str, routing: str, reps: int, rasters=(1,), overlap: bool = F
     return ok_all
 
 
-def run_compile(model: str, overlap: bool = False) -> bool:
+def check_requant(fn, a, a_s, b, b_s, offs, rs, out, E, n, k, sr, raster_m, overlap, reps) -> bool:
+    """FC1's requantising variant against plain FC1 (``fn``, whose bf16 ``out`` is computed) + the
+    row quantiser: values and scales bit for bit (outputs NaN-poisoned), then the times."""
+    from .fp8_quant import CompiledFp8QuantizeRows
+
+    ok_all = True
+    m_total, n_out = out.shape
+    quant = CompiledFp8QuantizeRows(n_out)
+    q_ref = torch.empty(m_total, n_out, dtype=torch.uint8, device="cuda")
+    s_ref = torch.empty(m_total, n_out // FP8_BLOCK, dtype=torch.float32, device="cuda")
+    quant(out, q_ref, s_ref)
+    torch.cuda.synchronize()
+    tq, ts = quantize_rows128(out)  # the torch rule, as a second opinion on the quantiser
+    same_rule = torch.equal(tq.view(torch.uint8), q_ref) and torch.equal(ts, s_ref)
+    ok_all &= same_rule
+    plain_args = fn.prepare(a, a_s, b, b_s, out, offs, rs)
+    plain_ms = time_fn(lambda: (fn.launch(plain_args), quant(out, q_ref, s_ref)), reps)
+    for ov in ((False, True) if overlap and k // FP8_BLOCK <= OVERLAP_MAX_K_TILES else (False,)):
+        rq = Fp8GroupedGemm("swiglu", n, k, E, sr, raster_m=raster_m, overlap_promotion=ov, requant=True)
+        q = torch.full((m_total, n_out), 0x7F, dtype=torch.uint8, device="cuda")  # e4m3 NaN
+        s = torch.full((m_total, n_out // FP8_BLOCK), float("nan"), dtype=torch.float32, device="cuda")
+        rargs = rq.prepare(a, a_s, b, b_s, q, offs, rs, s)
+        rq.launch(rargs)
+        torch.cuda.synchronize()
+        same = torch.equal(q, q_ref) and torch.equal(s, s_ref)
+        if not same:
+            bad = (q != q_ref).any(dim=1) | (s != s_ref).any(dim=1)
+            rows = bad.nonzero().flatten()
+            print(f"    requant: {int(bad.sum())} of {m_total} rows differ, first {rows[:8].tolist()}", flush=True)
+        ok_all &= same
+        ms = time_fn(lambda: rq.launch(rargs), reps)
+        print(f"    requant{' overlap' if ov else ''}: bit-identical to FC1 + quantiser={same} (quantiser = torch "
+              f"rule: {same_rule}); {ms:.3f} ms vs {plain_ms:.3f} ms for FC1 + quantiser "
+              f"({plain_ms / ms:.2f}x)", flush=True)
+    return ok_all
+
+
+def run_compile(model: str, overlap: bool = False, requant: bool = False) -> bool:
     _, _, E, _, _ = MODELS[model]
     ok_all = True
-    variants = [(spec, ov) for spec in layers(model)
+    variants = [(spec, ov, False) for spec in layers(model)
                 for ov in ((False, True) if overlap and spec[3] // FP8_BLOCK <= OVERLAP_MAX_K_TILES else (False,))]
-    for (name, act, n, k, sr), ov in variants:
+    if requant:
+        variants += [(spec, ov, True) for spec, ov, _ in variants if spec[1] == "swiglu"]
+    for (name, act, n, k, sr), ov, rq in variants:
         t0 = time.time()
-        kernel, compiled = compile_variant(act, n, k, E, sr, overlap_promotion=ov)
-        name = name + (" overlap" if ov else "")
+        kernel, compiled = compile_variant(act, n, k, E, sr, overlap_promotion=ov, requant=rq)
+        name = name + (" overlap" if ov else "") + (" requant" if rq else "")
         r = ptx_report(kernel, compiled)
         ok = r["fp8_wgmma"] and r["tma"] and r["pdl"] and not r["local"] and r["ptxas_spill_bytes"] in (0, None)
         ok_all &= ok
@@ -286,14 +347,16 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--overlap", action="store_true",
                    help="also run the overlapped-promotion schedule (checked bit-identical, timed)")
+    p.add_argument("--requant", action="store_true",
+                   help="also FC1's requantising variant (checked bit-identical to FC1 + quantiser, timed)")
     p.add_argument("--raster-m", default="1", help="m-tiles per raster group, comma-separated: each is timed, "
                                                   "the first is also checked")
     args = p.parse_args(argv)
     rasters = tuple(int(r) for r in args.raster_m.split(",") if r.strip())
-    ok = run_compile(args.model, args.overlap)
+    ok = run_compile(args.model, args.overlap, args.requant)
     if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
         torch.backends.cuda.matmul.allow_tf32 = False
-        ok &= run_gpu(args.model, args.routing, args.reps, rasters, args.overlap)
+        ok &= run_gpu(args.model, args.routing, args.reps, rasters, args.overlap, args.requant)
     else:
         print("no SM90 GPU: compile checks only")
     raise SystemExit(0 if ok else 1)
