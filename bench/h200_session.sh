@@ -33,9 +33,10 @@
 #                the decode sweep of $MODELS with --decode-csv $OUT/decode.csv --plot $OUT/decode.png;
 #                with .device/fi carried, FlashInfer at PEER_DECODE_TOKENS (1,8,32,128,256) in the same
 #                call -> $OUT/decode_fi.csv, both plotted in $OUT/decode_all.png.
-# verify:        what has not yet run on a GPU: drop v21's requantising FC1 (the drop's fp8_runner --requant for
-#                Qwen3 and Mixtral, the requant GPU tests, the FP8 layer with MOE_EP_FP8_FUSED_REQUANT=0/1
-#                interleaved over 2 rounds) -> $OUT/verify_*.{log,csv};
+# verify:        what has not yet run on a GPU: drop v21's FC1 variants (fp8_runner --requant --wide for Qwen3 and
+#                Mixtral, their GPU tests, the FP8 layer with MOE_EP_FP8_FUSED_REQUANT and MOE_EP_FP8_WIDE_GATED
+#                both 0, then both 1) -> $OUT/verify_*.{log,csv};
+# fp8ab:         the FP8 layer with (requant, wide) in {0,1}x{0,1}, interleaved, 2 rounds -> $OUT/fp8ab_*.{log,csv};
 #                verify2: the virtual-rank tests with PDL
 #                once more, then the decode sweep with (PDL, token grid, layout chunks) = (0,0,all) (1,0,all)
 #                (0,1,all) (0,1,32) (0,1,8) (1,1,32), and the FP8 layer's decode sweep
@@ -53,7 +54,7 @@
 #   MOE_EP_COMMIT (the commit to print when the copy on the host has no .git).
 set -uo pipefail
 mode=${1:-all}
-modes="all|moe|fi|liger|extra|verify|verify2|decide|decode|suite1|suite2|suite3"
+modes="all|moe|fi|liger|extra|verify|verify2|fp8ab|decide|decode|suite1|suite2|suite3"
 case "|$modes|" in *"|$mode|"*) ;; *) echo "usage: bash bench/h200_session.sh [$modes]" >&2; exit 2 ;; esac
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -115,19 +116,27 @@ if [ "$mode" = extra ]; then
   fi
 fi
 if [ "$mode" = verify ]; then
-  # drop v21's requantising FC1 (MOE_EP_FP8_FUSED_REQUANT=1, not yet run on a GPU): the drop's FP8
-  # runner (bit identity with FC1 + the row quantiser, times), the GPU tests, then the FP8 layer
-  # at 8192 tokens with it off and on, interleaved over two rounds
+  # drop v21's FC1 variants (not yet run on a GPU): MOE_EP_FP8_FUSED_REQUANT (FC1 writes FC2's E4M3
+  # input) and MOE_EP_FP8_WIDE_GATED (one m64n128 gate+up WGMMA): the drop's FP8 runner (bit identity,
+  # times), their GPU tests, then the FP8 layer at 8192 tokens with both off and both on
   for m in qwen3 mixtral; do
-    step "drop fp8 runner --requant ($m)" "$OUT/verify_fp8_runner_$m.log" -- bash -c \
-        "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.fp8_runner --model $m --raster-m 16 --overlap --requant"
+    step "drop fp8 runner --requant --wide ($m)" "$OUT/verify_fp8_runner_$m.log" -- bash -c \
+        "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.fp8_runner --model $m --raster-m 16 --overlap --requant --wide"
   done
-  step "requant GPU tests" "$OUT/verify_requant.log" -- python3 -m pytest -m gpu -q -W ignore -p no:cacheprovider \
-      tests/test_sm90_fp8_compile.py tests/test_fp8_backend.py -k requant --tb=long
-  for r in 1 2; do for q in 0 1; do
-    step "FP8 layer, fused requant $q, round $r" "$OUT/verify_fp8_q${q}_r$r.log" -- env MOE_EP_FP8_FUSED_REQUANT=$q \
+  step "requant + wide GPU tests" "$OUT/verify_fc1_variants.log" -- python3 -m pytest -m gpu -q -W ignore \
+      -p no:cacheprovider tests/test_sm90_fp8_compile.py tests/test_fp8_backend.py -k "requant or wide or variants" --tb=long
+  for q in 0 1; do
+    step "FP8 layer, requant + wide $q" "$OUT/verify_fp8_$q.log" -- env MOE_EP_FP8_FUSED_REQUANT=$q MOE_EP_FP8_WIDE_GATED=$q \
         python3 -m moe_ep.bench --model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" --quant fp8_block128 \
-        --no-reference --no-decode --csv "$OUT/verify_fp8_q${q}_r$r.csv"
+        --no-reference --no-decode --csv "$OUT/verify_fp8_$q.csv"
+  done
+fi
+if [ "$mode" = fp8ab ]; then  # FC1 variants one at a time, interleaved over 2 rounds (FP8 layer, 8192 tokens)
+  for r in 1 2; do for v in "0 0" "1 0" "0 1" "1 1"; do
+    set -- $v
+    step "FP8 layer, requant $1, wide $2, round $r" "$OUT/fp8ab_q$1w$2_r$r.log" -- env MOE_EP_FP8_FUSED_REQUANT=$1 \
+        MOE_EP_FP8_WIDE_GATED=$2 python3 -m moe_ep.bench --model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" \
+        --quant fp8_block128 --no-reference --no-decode --csv "$OUT/fp8ab_q$1w$2_r$r.csv"
   done; done
 fi
 if [ "$mode" = verify2 ]; then  # the second half of verify (one device call each: 600 s per call)

@@ -260,10 +260,12 @@ def test_local_route_is_bit_identical_fp8(monkeypatch, T):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("switch", ["MOE_EP_FP8_FUSED_REQUANT", "MOE_EP_FP8_WIDE_GATED"])
 @pytest.mark.parametrize("T", [1, 700])
-def test_fused_requant_is_bit_identical_fp8(monkeypatch, T):
-    """MOE_EP_FP8_FUSED_REQUANT=1 (drop v21): FC1's epilogue writes FC2's e4m3 input; the layer's
-    output is the same bits as FC1 + the row quantiser, eager and CUDA graph."""
+def test_fp8_fc1_variants_are_bit_identical(monkeypatch, T, switch):
+    """Drop v21's FC1 variants: MOE_EP_FP8_FUSED_REQUANT=1 (FC1's epilogue writes FC2's e4m3 input)
+    and MOE_EP_FP8_WIDE_GATED=1 (one m64n128 gate+up WGMMA): the layer's output is the same bits
+    as without, eager and CUDA graph."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
     H = QWEN["hidden"]
@@ -271,10 +273,13 @@ def test_fused_requant_is_bit_identical_fp8(monkeypatch, T):
     x, ids, w, w13, w2 = _qwen_fp8_inputs(T, seed=91 + T)
     outs = []
     for flag in ("0", "1"):
-        monkeypatch.setenv("MOE_EP_FP8_FUSED_REQUANT", flag)
+        monkeypatch.setenv(switch, flag)
         layer = MoELayer(cfg, EPGroup.single(), backend="sm90_fp8_cutedsl")
         layer.warmup(progress=False)
-        assert layer._impl.fused_requant == (flag == "1") and (layer._impl.quant_h is None) == (flag == "1")
+        if switch == "MOE_EP_FP8_FUSED_REQUANT":
+            assert layer._impl.fused_requant == (flag == "1") and (layer._impl.quant_h is None) == (flag == "1")
+        else:
+            assert layer._impl.fc1.wide_gated == (flag == "1") and not layer._impl.fc2.wide_gated
         out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device="cuda")
         outs.append(layer.forward(x, ids, w, w13, w2, out=out).clone())
         graph = capture_graph(lambda: layer.forward(x, ids, w, w13, w2, out=out))
@@ -467,3 +472,7 @@ def test_fused_requant_prebuilds_its_kernels(monkeypatch, tmp_path):
         got[flag] = sorted(e.name for e in COMPILE_EVENTS[seen:])
     assert got[None] == ["fp8_gather_quantize_rows", "fp8_gemm_identity", "fp8_gemm_swiglu", "fp8_quantize_rows"]
     assert got["1"] == ["fp8_gemm_swiglu_requant"]  # the rest was built above (same keys)
+    monkeypatch.setenv("MOE_EP_FP8_WIDE_GATED", "1")  # only FC1 (gated) has a wide form
+    seen = len(COMPILE_EVENTS)
+    prebuild(cfg, 1, kernels=("fc1", "fc2"))
+    assert sorted(e.name for e in COMPILE_EVENTS[seen:]) == ["fp8_gemm_swiglu_requant"]

@@ -334,3 +334,61 @@ def test_gpu_requant_is_fc1_then_quantiser(n, k, routing, overlap):
     assert torch.isfinite(h.float()).all()
     assert torch.equal(s, want_s), (s != want_s).any(dim=1).nonzero()[:8].flatten().tolist()
     assert torch.equal(q, want_q.view(torch.uint8)), (q != want_q.view(torch.uint8)).any(dim=1).nonzero()[:8]
+
+
+# ---------------------------------------------------------------------------- FC1 wide gate+up WGMMA (drop v21)
+@pytest.mark.parametrize("n,k,experts,overlap,requant", [
+    (1536, 2048, 128, False, False),   # Qwen3 FC1
+    (1536, 2048, 128, True, False),    # ... overlapped promotion
+    (28672, 4096, 8, True, False),     # Mixtral FC1, 32 k-tiles unrolled
+    (1536, 2048, 128, True, True),     # ... and requantising
+])
+def test_wide_gated_compiles(n, k, experts, overlap, requant):
+    """``wide_gated``: FC1's gate and up tiles (adjacent smem slots) feed one m64n128 WGMMA per
+    k-block (4 per k-tile instead of 8); asynchronous (no C7514), no spills, no local memory."""
+    from sm90_megamoe.fp8_runner import compile_variant, ptx_report
+
+    kernel, compiled = compile_variant("swiglu", n, k, experts, False, overlap_promotion=overlap, requant=requant,
+                                       wide_gated=True)
+    ptx = compiled.__ptx__
+    assert set(re.findall(r"wgmma\.mma_async[\w.]*", ptx)) == {"wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"}
+    per_tile = 4 * (k // 128 if overlap else 1)  # unrolled k-loop with overlap, else one loop body
+    assert len(re.findall(r"wgmma\.mma_async", ptx)) == per_tile * (2 if requant else 1)
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    r = ptx_report(kernel, compiled)
+    assert r["pdl"] and r["tma"] and r["smem_bytes"] <= 227 * 1024
+    if r["ptxas_spill_bytes"] is None:
+        pytest.skip("no ptxas installed: spill check skipped")
+    assert r["ptxas_spill_bytes"] == 0, r
+    err = _ptxas_stderr(ptx)
+    assert "C7514" not in err and "serialized" not in err, err[-2000:]
+
+
+def test_wide_gated_refuses_identity():
+    with pytest.raises(ValueError, match="wide_gated needs a gated activation"):
+        Fp8BlockScaledGroupedGemmSm90("identity", wide_gated=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("routing", ["uniform", "skewed"])
+def test_gpu_wide_gated_is_bit_identical(routing, overlap):
+    """The wide gate+up WGMMA gives the default FC1's bits (each output's K sum is the same four
+    k32 WGMMA steps per k-tile, promoted in the same order)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    from sm90_megamoe.fp8_runner import Fp8GroupedGemm
+
+    E, m_total, n, k = 16, 5000, 1536, 2048
+    offs = ref.make_offsets(m_total, E, routing, torch.Generator().manual_seed(21)).cuda()
+    g = torch.Generator().manual_seed(8)
+    a, a_s = (t.cuda() for t in ref.quantize_rows128(torch.randn(m_total, k, generator=g)))
+    b, b_s = (t.cuda() for t in ref.quantize_weight_block128(torch.randn(E, n, k, generator=g) / k ** 0.5))
+    outs = []
+    for wide in (False, True):
+        fn = Fp8GroupedGemm("swiglu", n, k, E, False, overlap_promotion=overlap, wide_gated=wide)
+        out = torch.full((m_total, n // 2), float("nan"), dtype=torch.bfloat16, device="cuda")
+        fn.launch(fn.prepare(a, a_s, b, b_s, out, offs, None))
+        outs.append(out)
+    torch.cuda.synchronize()
+    assert torch.isfinite(outs[0].float()).all() and torch.equal(outs[0], outs[1])

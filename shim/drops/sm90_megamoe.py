@@ -138,7 +138,7 @@ CONTRACT = DropContract(
         CallableUse("sm90_megamoe.fp8_gemm:can_implement", ("activation", "n", "k", "num_experts")),
         CallableUse("sm90_megamoe.fp8_launch:CompiledFp8Gemm.__init__",
                     ("activation", "n", "k", "num_experts", "scale_rows", "compiled", "tvm_ffi", "raster_m",
-                     "overlap_promotion", "requant")),
+                     "overlap_promotion", "requant", "wide_gated")),
         CallableUse("sm90_megamoe.fp8_launch:CompiledFp8Gemm.__call__",
                     ("a", "a_scale", "b", "b_scale", "offsets", "out", "row_scale", "max_active_ctas", "stream",
                      "out_scale")),

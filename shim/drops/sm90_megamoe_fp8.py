@@ -45,6 +45,13 @@ def use_fp8_overlap(k: int) -> bool:
         CONSTANTS.value("sm90_megamoe.fp8_gemm", "OVERLAP_MAX_K_TILES")
 
 
+def use_fp8_wide_gated(activation: str) -> bool:
+    """``MOE_EP_FP8_WIDE_GATED=1``: the gated FP8 GEMM (FC1) issues one m64n128 WGMMA over its
+    gate and up tiles per k-block instead of two m64n64 ones (drop v21, ``wide_gated``). Off by
+    default until it has run on a GPU (``fp8_runner --wide`` checks the bits and times it)."""
+    return activation == "swiglu" and os.environ.get("MOE_EP_FP8_WIDE_GATED", "0") == "1"
+
+
 def pick_fp8_raster_m(k: int) -> int:
     """m-tiles per raster group for reduction size ``k``: as for the BF16 GEMM
     (:func:`pick_raster_m`), with FP8 A rows of ``k`` bytes -- the group's A rows stay in L2 while
@@ -69,19 +76,21 @@ class Fp8Key:
     raster_m: int
     overlap_promotion: bool = False
     requant: bool = False
+    wide_gated: bool = False
 
 
 def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_rows: bool,
          raster_m: int = 0, overlap_promotion: bool = False, requant: bool = False) -> Fp8Key:
     return Fp8Key(CONSTANTS.value(PKG, "DROP_VERSION"), _cutlass_version(), "sm_90a", kind, activation, n, k,
                   num_experts, bool(scale_rows), use_tvm_ffi(), int(raster_m), bool(overlap_promotion),
-                  bool(requant))
+                  bool(requant), kind == "gemm" and use_fp8_wide_gated(activation))
 
 
 def compiled_fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
                       requant: bool = False) -> Any:
     """Compiled code of the FP8 grouped GEMM (no GPU needed). ``requant`` (swiglu; drop v21): the
-    output is FC2's input, e4m3 rows and per-128 scales, quantised in the epilogue."""
+    output is FC2's input, e4m3 rows and per-128 scales, quantised in the epilogue; swiglu with
+    :func:`use_fp8_wide_gated`: the one-WGMMA gate+up schedule."""
     check_fp8_gemm(activation, n, k, num_experts)
     if requant and activation != "swiglu":
         raise ValueError(f"sm90 FP8 GEMM: requant needs activation 'swiglu', got {activation!r}")
@@ -95,7 +104,7 @@ def compiled_fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_r
             lambda: fl.CompiledFp8Gemm(activation=activation, n=n, k=k, num_experts=num_experts,
                                        scale_rows=bool(scale_rows), compiled=None, tvm_ffi=key.tvm_ffi,
                                        raster_m=key.raster_m, overlap_promotion=key.overlap_promotion,
-                                       requant=key.requant).compiled,
+                                       requant=key.requant, wide_gated=key.wide_gated).compiled,
             tvm_ffi=key.tvm_ffi)
 
     return COMPILE_CACHE.get_or_compile(key, build)
@@ -110,7 +119,7 @@ def fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool
     return _load("sm90_megamoe.fp8_launch").CompiledFp8Gemm(
         activation=activation, n=n, k=k, num_experts=num_experts, scale_rows=bool(scale_rows), compiled=compiled,
         tvm_ffi=use_tvm_ffi(), raster_m=pick_fp8_raster_m(k), overlap_promotion=use_fp8_overlap(k),
-        requant=bool(requant))
+        requant=bool(requant), wide_gated=use_fp8_wide_gated(activation))
 
 
 def compiled_fp8_quantize_rows(k: int, gather: bool = False) -> Any:

@@ -150,7 +150,8 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
     halves = 1
 
     def __init__(self, activation: str, scale_rows: bool = False, tile_n: Optional[int] = None,
-                 num_stages: Optional[int] = None, raster_m: int = 1, overlap_promotion: bool = False):
+                 num_stages: Optional[int] = None, raster_m: int = 1, overlap_promotion: bool = False,
+                 wide_gated: bool = False):
         if tile_n is None:
             tile_n = default_tile_n(activation)
         reason = can_implement(activation, 2 * FP8_BLOCK, FP8_BLOCK, 1, tile_n)
@@ -162,11 +163,17 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         self.has_bias = False
         self.raster_m = int(raster_m)
         self.overlap_promotion = bool(overlap_promotion)
+        if wide_gated and activation != "swiglu":
+            raise ValueError("wide_gated needs a gated activation (swiglu)")
+        self.wide_gated = bool(wide_gated)
         self.tile_m = 128
         self.tile_n = tile_n
         self.tile_k = FP8_BLOCK
         self.num_stages_override = num_stages
         self.num_b = 2 if self.gated else 1
+        # wide_gated: one m64n128 WGMMA over the gate and up tiles (adjacent smem slots) into one
+        # accumulator, instead of two m64n64 WGMMAs into two
+        self.n_mma = 1 if self.wide_gated else self.num_b
         self.pingpong = False
         self.acc_dtype = cutlass.Float32
         self.ab_dtype = cutlass.Float8E4M3FN
@@ -234,8 +241,19 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         if cutlass.const_expr(mOffsets.element_type != cutlass.Int32):
             raise TypeError("offsets must be int32")
         setup = self._setup(mA, mAScale, mB, mBScale, mOffsets)
+        if cutlass.const_expr(self.wide_gated):
+            self.kernel_wide(setup[0], setup[1], setup[2], setup[3], mAScale, mBScale, mC, mOffsets, mRowScale,
+                             *setup[4:]).launch(
+                grid=[max_active_ctas, 1, 1],
+                block=[self.threads_per_cta, 1, 1],
+                cluster=[1, 1, 1],
+                min_blocks_per_mp=1,
+                stream=stream,
+                use_pdl=PDL,
+            )
+            return
         self.kernel(setup[0], setup[1], setup[2], setup[3], mAScale, mBScale, mC, mOffsets, mRowScale,
-                    *setup[4:]).launch(
+                    *setup[4:8]).launch(
             grid=[max_active_ctas, 1, 1],
             block=[self.threads_per_cta, 1, 1],
             cluster=[1, 1, 1],
@@ -278,7 +296,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.ab_dtype, self.ab_dtype,
             a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
-            self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.tile_n),
+            self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.tile_n * (2 if self.wide_gated else 1)),
         )
         # the C layout restricted to one epi_n-wide chunk (partitions the epilogue staging buffer;
         # any WGMMA of the same M and N gives the same C layout)
@@ -312,8 +330,14 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
             ]
 
         self.shared_storage = SharedStorage
+        # wide_gated: stage s's gate and up slots (2s, 2s + 1: 64 rows of 128 bytes each, 8-row swizzle
+        # atoms) are the same bytes as one 128-row tile of stage s
+        b_smem_layout_mma = b_smem_layout
+        if cutlass.const_expr(self.wide_gated):
+            b_smem_layout_mma = sm90_utils.make_smem_layout_b(
+                b_layout, (self.tile_m, 2 * self.tile_n, self.tile_k), self.ab_dtype, self.num_stages)
         return (tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, tiled_mma, tiled_mma_epi, a_smem_layout,
-                b_smem_layout)
+                b_smem_layout, b_smem_layout_mma)
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
@@ -336,9 +360,30 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         self._body(tma_atom_a, mA_tma, tma_atom_b, mB_tma, mAScale, mBScale, (mC,), mOffsets, mRowScale,
                    tiled_mma, tiled_mma_epi, a_smem_layout, b_smem_layout)
 
+    @cute.kernel
+    def kernel_wide(
+        self,
+        tma_atom_a: cute.CopyAtom,
+        mA_tma: cute.Tensor,
+        tma_atom_b: cute.CopyAtom,
+        mB_tma: cute.Tensor,
+        mAScale: cute.Tensor,
+        mBScale: cute.Tensor,
+        mC: cute.Tensor,
+        mOffsets: cute.Tensor,
+        mRowScale: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        tiled_mma_epi: cute.TiledMma,
+        a_smem_layout: cute.ComposedLayout,
+        b_smem_layout: cute.ComposedLayout,
+        b_smem_layout_mma: cute.ComposedLayout,
+    ):
+        self._body(tma_atom_a, mA_tma, tma_atom_b, mB_tma, mAScale, mBScale, (mC,), mOffsets, mRowScale,
+                   tiled_mma, tiled_mma_epi, a_smem_layout, b_smem_layout, b_smem_layout_mma)
+
     @cute.jit
     def _body(self, tma_atom_a, mA_tma, tma_atom_b, mB_tma, mAScale, mBScale, outs, mOffsets, mRowScale,
-              tiled_mma, tiled_mma_epi, a_smem_layout, b_smem_layout):
+              tiled_mma, tiled_mma_epi, a_smem_layout, b_smem_layout, b_smem_layout_mma=None):
         """The kernel (traced inline into each variant's ``@cute.kernel``). ``outs``: ``(mC,)``, or
         ``(mQ, mQScale)`` for the requantising variant, whose unit of work is the pair of n-tiles
         of one 128-column group (``self.halves`` = 2), one after the other."""
@@ -461,23 +506,39 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
             mma_tidx = tidx - self.threads_per_wg
             thr_mma = tiled_mma.get_slice(mma_tidx)
             tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
-            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+            if cutlass.const_expr(self.wide_gated):  # one 128-row B tile per stage (gate rows, then up)
+                sB_mma = storage.sB.get_tensor(b_smem_layout_mma.outer, swizzle=b_smem_layout_mma.inner)
+                tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB_mma))
+            else:
+                tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
             num_k_blocks = cute.size(tCrA, mode=[2])  # WGMMAs (K = 32) per k-tile: 4
 
-            acc_shape = tiled_mma.partition_shape_C((self.tile_m, self.tile_n))
+            if cutlass.const_expr(self.wide_gated):
+                acc_shape_mma = tiled_mma.partition_shape_C((self.tile_m, 2 * self.tile_n))
+                acc_shape = tiled_mma_epi.partition_shape_C((self.tile_m, self.tile_n))
+                assert cute.size(acc_shape_mma[0][2]) == 2 * self.tile_n // 8, acc_shape_mma
+            else:
+                acc_shape = tiled_mma.partition_shape_C((self.tile_m, self.tile_n))
+                acc_shape_mma = acc_shape
             # accumulator layout ((2, 2, N/8), 1, 1): element i sits in row r0 + 8 * ((i // 2) % 2)
             assert (
                 cute.size(acc_shape[0][0]) == 2 and cute.size(acc_shape[0][1]) == 2
                 and cute.size(acc_shape[0][2]) == self.tile_n // 8
                 and cute.size(acc_shape[1]) == 1 and cute.size(acc_shape[2]) == 1
             ), f"unexpected accumulator shape {acc_shape}"
-            accs = [cute.make_rmem_tensor(acc_shape, self.acc_dtype) for _ in range(self.num_b)]
-            parts = [cute.make_rmem_tensor(acc_shape, self.acc_dtype) for _ in range(self.num_b)]
+            accs = [cute.make_rmem_tensor(acc_shape_mma, self.acc_dtype) for _ in range(self.n_mma)]
+            parts = [cute.make_rmem_tensor(acc_shape_mma, self.acc_dtype) for _ in range(self.n_mma)]
             parts2 = None  # the second partial set of the overlapped schedule
             if cutlass.const_expr(self.overlap_promotion):
-                parts2 = [cute.make_rmem_tensor(acc_shape, self.acc_dtype) for _ in range(self.num_b)]
-            tCcC = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
-            n_elems = cute.size(accs[0])
+                parts2 = [cute.make_rmem_tensor(acc_shape_mma, self.acc_dtype) for _ in range(self.n_mma)]
+            if cutlass.const_expr(self.wide_gated):  # the output tile's coordinates (64 columns)
+                tCcC = tiled_mma_epi.get_slice(mma_tidx).partition_C(
+                    cute.make_identity_tensor((self.tile_m, self.tile_n)))
+                n_elems = cute.size(acc_shape)
+            else:
+                tCcC = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+                n_elems = cute.size(accs[0])
+            n_mma_elems = cute.size(accs[0])
             sC = storage.sC.get_tensor(
                 cute.make_layout((self.tile_m, self.epi_n), stride=(self.epi_n + self.epi_pad, 1))
             )
@@ -501,7 +562,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                 kept = None  # requant: half 0's bf16 outputs and row amaxes, for half 1
                 for half in cutlass.range_constexpr(self.halves):
                     n0 = self._n0(n_tile, half)
-                    for h in cutlass.range_constexpr(self.num_b):
+                    for h in cutlass.range_constexpr(self.n_mma):
                         accs[h].fill(0.0)
 
                     if cutlass.const_expr(self.overlap_promotion):
@@ -519,19 +580,19 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                             state.advance()
                             b_lo, b_hi, b_b0, b_b1 = self._scales(mAScale, mBScale, ra_lo, ra_hi, expert, n0, t)
                             warpgroup.wait_group(1)  # set A's group (t - 1) is done; B's may run
-                            self._fence(parts, n_elems)
+                            self._fence(parts, n_mma_elems)
                             ab_pipeline.consumer_release(rel)
                             rel.advance()
-                            self._promote(accs, parts, a_lo, a_hi, a_b0, a_b1, n_elems)
+                            self._promote(accs, parts, a_lo, a_hi, a_b0, a_b1, n_mma_elems)
                             ab_pipeline.consumer_wait(state)
                             tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts, state.index, num_k_blocks)
                             state.advance()
                             a_lo, a_hi, a_b0, a_b1 = self._scales(mAScale, mBScale, ra_lo, ra_hi, expert, n0, t + 1)
                             warpgroup.wait_group(1)  # set B's group (t) is done
-                            self._fence(parts2, n_elems)
+                            self._fence(parts2, n_mma_elems)
                             ab_pipeline.consumer_release(rel)
                             rel.advance()
-                            self._promote(accs, parts2, b_lo, b_hi, b_b0, b_b1, n_elems)
+                            self._promote(accs, parts2, b_lo, b_hi, b_b0, b_b1, n_mma_elems)
                         if cutlass.const_expr((k_tiles - 1) % 2 == 1):
                             # one k-tile left (k_tiles even): set B, then both sets drain
                             ab_pipeline.consumer_wait(state)
@@ -540,21 +601,21 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                             b_lo, b_hi, b_b0, b_b1 = self._scales(mAScale, mBScale, ra_lo, ra_hi, expert, n0,
                                                                   k_tiles - 1)
                             warpgroup.wait_group(1)
-                            self._fence(parts, n_elems)
+                            self._fence(parts, n_mma_elems)
                             ab_pipeline.consumer_release(rel)
                             rel.advance()
-                            self._promote(accs, parts, a_lo, a_hi, a_b0, a_b1, n_elems)
+                            self._promote(accs, parts, a_lo, a_hi, a_b0, a_b1, n_mma_elems)
                             warpgroup.wait_group(0)
-                            self._fence(parts2, n_elems)
+                            self._fence(parts2, n_mma_elems)
                             ab_pipeline.consumer_release(rel)
                             rel.advance()
-                            self._promote(accs, parts2, b_lo, b_hi, b_b0, b_b1, n_elems)
+                            self._promote(accs, parts2, b_lo, b_hi, b_b0, b_b1, n_mma_elems)
                         else:
                             warpgroup.wait_group(0)
-                            self._fence(parts, n_elems)
+                            self._fence(parts, n_mma_elems)
                             ab_pipeline.consumer_release(rel)
                             rel.advance()
-                            self._promote(accs, parts, a_lo, a_hi, a_b0, a_b1, n_elems)
+                            self._promote(accs, parts, a_lo, a_hi, a_b0, a_b1, n_mma_elems)
                     else:
                         for k_tile in range(k_tiles):
                             ab_pipeline.consumer_wait(state)
@@ -564,11 +625,18 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                             warpgroup.wait_group(0)
                             ab_pipeline.consumer_release(state)
                             state.advance()
-                            self._promote(accs, parts, sa_lo, sa_hi, sb0, sb1, n_elems)
+                            self._promote(accs, parts, sa_lo, sa_hi, sb0, sb1, n_mma_elems)
 
                     # ---------------- epilogue: activation, row scale, masked bf16 stores
                     acc0 = accs[0]
-                    if cutlass.const_expr(self.gated):
+                    if cutlass.const_expr(self.wide_gated):
+                        # output element i (column block i // 4 < 8) = gate element i, up element i + 32
+                        acc0 = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+                        for i in cutlass.range_constexpr(n_elems):
+                            g = accs[0][i]
+                            den = cutlass.Float32(1.0) + cute.math.exp2(-g * _LOG2E, fastmath=True)
+                            acc0[i] = g * cute.arch.rcp_approx(den) * accs[0][i + n_elems]
+                    elif cutlass.const_expr(self.gated):
                         for i in cutlass.range_constexpr(n_elems):
                             g = acc0[i]
                             den = cutlass.Float32(1.0) + cute.math.exp2(-g * _LOG2E, fastmath=True)
@@ -585,7 +653,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                         kept = self._requant_epilogue(half, kept, acc0, acc_shape, n_elems, tCcC, sC, outs, row0,
                                                       rows_left, r_lo, r_hi, n_tile, mma_tidx, lane, epi_barrier)
                     else:
-                        self._epilogue(accs, tCsC, sC, outs[0], row0, rows_left, n0, mma_tidx, epi_barrier)
+                        self._epilogue([acc0], tCsC, sC, outs[0], row0, rows_left, n0, mma_tidx, epi_barrier)
                 tile_id = tile_id + gdim
 
     # ------------------------------------------------------------------ consumer helpers
@@ -596,14 +664,14 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         """WGMMAs of one k-tile (smem stage ``stage``) into the fresh partial accumulators
         ``parts`` (scale-d = 0 on the first), committed as one group; returns ``tiled_mma``."""
         warpgroup.fence()
-        for h in range(self.num_b):
+        for h in range(self.n_mma):
             tiled_mma.set(warpgroup.Field.ACCUMULATE, False)
             for kb in range(num_k_blocks):
                 cute.gemm(
                     tiled_mma,
                     parts[h],
                     tCrA[(None, None, kb, stage)],
-                    tCrB[(None, None, kb, stage * self.num_b + h)],
+                    tCrB[(None, None, kb, stage * self.n_mma + h)],
                     parts[h],
                 )
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
@@ -717,7 +785,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
 
     def _fence(self, parts, n_elems: int) -> None:
         """Pin every partial accumulator of one set (see :func:`_fence_operand`)."""
-        for h in range(self.num_b):
+        for h in range(self.n_mma):
             _fence_operand(parts[h], n_elems)
 
     def _scales(self, mAScale, mBScale, ra_lo, ra_hi, expert, n0, k_tile):
@@ -733,6 +801,12 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
     def _promote(self, accs, parts, sa_lo, sa_hi, sb0, sb1, n_elems: cutlass.Constexpr):
         """main += partial * a_scale[row] * b_scale, per accumulator (element i sits in row r or
         r + 8 by (i // 2) % 2)."""
+        if self.wide_gated:  # one accumulator: gate columns (blocks < tile_n / 8) then up columns
+            s = ((sa_lo * sb0, sa_hi * sb0), (sa_lo * sb1, sa_hi * sb1))
+            for i in range(n_elems):
+                si = s[int((i // 4) >= self.tile_n // 8)][(i // 2) % 2]
+                accs[0][i] = accs[0][i] + parts[0][i] * si
+            return
         for h in range(self.num_b):
             sb = sb0 if h == 0 else sb1
             s_lo = sa_lo * sb
@@ -765,9 +839,9 @@ class Fp8SwigluRequantGroupedGemmSm90(Fp8BlockScaledGroupedGemmSm90):
     halves = 2
 
     def __init__(self, scale_rows: bool = False, num_stages: Optional[int] = None, raster_m: int = 1,
-                 overlap_promotion: bool = False):
+                 overlap_promotion: bool = False, wide_gated: bool = False):
         super().__init__("swiglu", scale_rows=scale_rows, tile_n=64, num_stages=num_stages, raster_m=raster_m,
-                         overlap_promotion=overlap_promotion)
+                         overlap_promotion=overlap_promotion, wide_gated=wide_gated)
         assert self.halves * self.tile_n == FP8_BLOCK and QPITCH * self.tile_m <= 2 * self.epi_smem_elems
 
     @cute.jit
@@ -830,6 +904,7 @@ class Fp8SwigluRequantGroupedGemmSm90(Fp8BlockScaledGroupedGemmSm90):
         tiled_mma_epi: cute.TiledMma,
         a_smem_layout: cute.ComposedLayout,
         b_smem_layout: cute.ComposedLayout,
+        b_smem_layout_mma: cute.ComposedLayout,
     ):
         self._body(tma_atom_a, mA_tma, tma_atom_b, mB_tma, mAScale, mBScale, (mQ, mQScale), mOffsets, mRowScale,
-                   tiled_mma, tiled_mma_epi, a_smem_layout, b_smem_layout)
+                   tiled_mma, tiled_mma_epi, a_smem_layout, b_smem_layout, b_smem_layout_mma)

@@ -53,17 +53,21 @@ class CompiledFp8Gemm:
     ``raster_m``: m-tiles per raster group inside an expert; ``overlap_promotion``: the schedule
     that promotes k-tile t-1 while t's WGMMAs run (see :class:`.fp8_gemm.Fp8BlockScaledGroupedGemmSm90`);
     ``requant`` (swiglu only): the output is FC2's input, e4m3 rows plus per-128 scales
-    (:class:`.fp8_gemm.Fp8SwigluRequantGroupedGemmSm90`), and a call passes ``out_scale``."""
+    (:class:`.fp8_gemm.Fp8SwigluRequantGroupedGemmSm90`), and a call passes ``out_scale``;
+    ``wide_gated`` (swiglu only): one m64n128 WGMMA over gate and up per k-block instead of two
+    m64n64 ones."""
 
     def __init__(self, activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
                  compiled=None, tvm_ffi: bool = False, raster_m: int = 1, overlap_promotion: bool = False,
-                 requant: bool = False):
+                 requant: bool = False, wide_gated: bool = False):
         reason = can_implement(activation, n, k, num_experts)
-        if reason is None and requant and activation != "swiglu":
-            reason = f"requant needs activation 'swiglu', got {activation!r}"
+        for flag, on in (("requant", requant), ("wide_gated", wide_gated)):
+            if reason is None and on and activation != "swiglu":
+                reason = f"{flag} needs activation 'swiglu', got {activation!r}"
         if reason is not None:
             raise ValueError(reason)
         self.requant = bool(requant)
+        self.wide_gated = bool(wide_gated)
         self.activation, self.n, self.k, self.num_experts = activation, n, k, num_experts
         self.scale_rows = bool(scale_rows)
         self.n_out = n // 2 if activation == "swiglu" else n
@@ -73,11 +77,13 @@ class CompiledFp8Gemm:
         if compiled is None:
             if self.requant:
                 kernel = Fp8SwigluRequantGroupedGemmSm90(scale_rows=self.scale_rows, raster_m=self.raster_m,
-                                                         overlap_promotion=self.overlap_promotion)
+                                                         overlap_promotion=self.overlap_promotion,
+                                                         wide_gated=self.wide_gated)
             else:
                 kernel = Fp8BlockScaledGroupedGemmSm90(activation, scale_rows=self.scale_rows,
                                                        raster_m=self.raster_m,
-                                                       overlap_promotion=self.overlap_promotion)
+                                                       overlap_promotion=self.overlap_promotion,
+                                                       wide_gated=self.wide_gated)
             opts = "--gpu-arch sm_90a" + (" --enable-tvm-ffi" if self.tvm_ffi else "")
             compiled = cute.compile(kernel, *fake_args(num_experts, n, k, activation, self.tvm_ffi, self.requant),
                                     options=opts)

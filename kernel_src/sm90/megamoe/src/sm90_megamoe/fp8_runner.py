@@ -4,6 +4,7 @@
                                       [--raster-m 1,4,16]   # time each raster (first one checked)
                                       [--overlap]           # + the overlapped-promotion schedule
                                       [--requant]           # + FC1 requantising its output (v21)
+                                      [--wide]              # + FC1 with one m64n128 gate+up WGMMA (v21)
 
 Per model, FC1 (swiglu, w13 [E, 2I, H]) and FC2 (identity + router row scale, w2 [E, H, I]):
 * every machine: compile for sm_90a from fake tensors and check the PTX (FP8 WGMMA
@@ -15,7 +16,9 @@ Per model, FC1 (swiglu, w13 [E, 2I, H]) and FC2 (identity + router row scale, w2
   ``torch._scaled_mm`` per expert with block-wise scales, whichever this torch supports);
 * ``--requant``: FC1's requantising variant (:class:`.fp8_gemm.Fp8SwigluRequantGroupedGemmSm90`)
   must write exactly what the row quantiser (:mod:`.fp8_quant`) writes for the plain FC1's bf16
-  output (values and scales bit for bit, NaN-poisoned outputs), timed against plain FC1 + quantiser.
+  output (values and scales bit for bit, NaN-poisoned outputs), timed against plain FC1 + quantiser;
+* ``--wide``: FC1 with ``wide_gated=True`` (one m64n128 WGMMA over the gate and up tiles) must
+  match the default FC1 bit for bit; timed beside it (and, with ``--requant``, its requantising form).
 """
 
 from __future__ import annotations
@@ -85,7 +88,7 @@ def cute_args(a, a_scale, b, b_scale, c, offsets, row_scale, c_scale=None):
 def compile_variant(activation: str, n: int, k: int, num_experts: int, scale_rows: bool,
                     arch: str = "sm_90a", tile_n: Optional[int] = None,
                     num_stages: Optional[int] = None, raster_m: int = 1, overlap_promotion: bool = False,
-                    requant: bool = False):
+                    requant: bool = False, wide_gated: bool = False):
     """(kernel, compiled) for one variant, from fake tensors (no GPU needed); ``requant``: FC1's
     requantising variant (swiglu only)."""
     reason = can_implement(activation, n, k, num_experts, tile_n)
@@ -95,11 +98,11 @@ def compile_variant(activation: str, n: int, k: int, num_experts: int, scale_row
         raise ValueError(reason)
     if requant:
         kernel = Fp8SwigluRequantGroupedGemmSm90(scale_rows=scale_rows, num_stages=num_stages, raster_m=raster_m,
-                                                 overlap_promotion=overlap_promotion)
+                                                 overlap_promotion=overlap_promotion, wide_gated=wide_gated)
     else:
         kernel = Fp8BlockScaledGroupedGemmSm90(activation, scale_rows=scale_rows, tile_n=tile_n,
                                                num_stages=num_stages, raster_m=raster_m,
-                                               overlap_promotion=overlap_promotion)
+                                               overlap_promotion=overlap_promotion, wide_gated=wide_gated)
     compiled = cute.compile(kernel, *fake_args(num_experts, n, k, activation, requant),
                             options=f"--gpu-arch {arch} --keep-ptx")
     return kernel, compiled
@@ -152,10 +155,11 @@ class Fp8GroupedGemm:
     """One compiled variant, launched on CUDA tensors (classic path: pre-converted CuTe views)."""
 
     def __init__(self, activation, n, k, num_experts, scale_rows, tile_n=None, num_stages=None, raster_m=1,
-                 overlap_promotion=False, requant=False):
+                 overlap_promotion=False, requant=False, wide_gated=False):
         self.kernel, self.compiled = compile_variant(activation, n, k, num_experts, scale_rows,
                                                      tile_n=tile_n, num_stages=num_stages, raster_m=raster_m,
-                                                     overlap_promotion=overlap_promotion, requant=requant)
+                                                     overlap_promotion=overlap_promotion, requant=requant,
+                                                     wide_gated=wide_gated)
         self.activation, self.n, self.k, self.scale_rows = activation, n, k, scale_rows
         self.n_out = n // 2 if activation == "swiglu" else n
 
@@ -232,7 +236,7 @@ def torch_baselines(a, a_s, b, b_s, offs, reps):
 
 
 def run_gpu(model: str, routing: str, reps: int, rasters=(1,), overlap: bool = False,
-            requant: bool = False) -> bool:
+            requant: bool = False, wide: bool = False) -> bool:
     h, i, E, topk, tokens = MODELS[model]
     m_total = tokens * topk
     ok_all = True
@@ -272,8 +276,12 @@ def run_gpu(model: str, routing: str, reps: int, rasters=(1,), overlap: bool = F
             oms = time_fn(lambda: ov.launch(oargs), reps)
             print(f"    overlap_promotion (raster_m {rasters[0]}): bit-identical={same}; {oms:.3f} ms = "
                   f"{flops / oms / 1e9:.1f} TFLOP/s", flush=True)
+        if wide and act == "swiglu":
+            ok_all &= check_wide(fn, a, a_s, b, b_s, offs, rs, out, E, n, k, sr, rasters[0], overlap, reps)
         if requant and act == "swiglu":
-            ok_all &= check_requant(fn, a, a_s, b, b_s, offs, rs, out, E, n, k, sr, rasters[0], overlap, reps)
+            for w in ((False, True) if wide else (False,)):
+                ok_all &= check_requant(fn, a, a_s, b, b_s, offs, rs, out, E, n, k, sr, rasters[0], overlap, reps,
+                                        wide_gated=w)
         for bname, v in torch_baselines(a, a_s, b, b_s, offs, reps).items():
             if isinstance(v, float):
                 print(f"    {bname}: {v:.3f} ms = {flops / v / 1e9:.1f} TFLOP/s (GEMM only)")
@@ -284,7 +292,30 @@ def run_gpu(model: str, routing: str, reps: int, rasters=(1,), overlap: bool = F
     return ok_all
 
 
-def check_requant(fn, a, a_s, b, b_s, offs, rs, out, E, n, k, sr, raster_m, overlap, reps) -> bool:
+def check_wide(fn, a, a_s, b, b_s, offs, rs, out, E, n, k, sr, raster_m, overlap, reps) -> bool:
+    """FC1 with ``wide_gated`` against the default FC1 (``fn``, whose ``out`` is computed): the same
+    bits (NaN-poisoned output), then both times."""
+    ok_all = True
+    flops = 2.0 * out.shape[0] * n * k
+    for ov in ((False, True) if overlap and k // FP8_BLOCK <= OVERLAP_MAX_K_TILES else (False,)):
+        base = Fp8GroupedGemm("swiglu", n, k, E, sr, raster_m=raster_m, overlap_promotion=ov)
+        bargs = base.prepare(a, a_s, b, b_s, out, offs, rs)
+        wd = Fp8GroupedGemm("swiglu", n, k, E, sr, raster_m=raster_m, overlap_promotion=ov, wide_gated=True)
+        o2 = torch.full_like(out, float("nan"))
+        wargs = wd.prepare(a, a_s, b, b_s, o2, offs, rs)
+        base.launch(bargs)
+        wd.launch(wargs)
+        torch.cuda.synchronize()
+        same = torch.equal(o2, out)
+        ok_all &= same
+        bms, wms = time_fn(lambda: base.launch(bargs), reps), time_fn(lambda: wd.launch(wargs), reps)
+        print(f"    wide_gated{' overlap' if ov else ''}: bit-identical={same}; {wms:.3f} ms = {flops / wms / 1e9:.1f} "
+              f"TFLOP/s vs {bms:.3f} ms = {flops / bms / 1e9:.1f} ({bms / wms:.2f}x)", flush=True)
+    return ok_all
+
+
+def check_requant(fn, a, a_s, b, b_s, offs, rs, out, E, n, k, sr, raster_m, overlap, reps,
+                  wide_gated: bool = False) -> bool:
     """FC1's requantising variant against plain FC1 (``fn``, whose bf16 ``out`` is computed) + the
     row quantiser: values and scales bit for bit (outputs NaN-poisoned), then the times."""
     from .fp8_quant import CompiledFp8QuantizeRows
@@ -302,7 +333,8 @@ def check_requant(fn, a, a_s, b, b_s, offs, rs, out, E, n, k, sr, raster_m, over
     plain_args = fn.prepare(a, a_s, b, b_s, out, offs, rs)
     plain_ms = time_fn(lambda: (fn.launch(plain_args), quant(out, q_ref, s_ref)), reps)
     for ov in ((False, True) if overlap and k // FP8_BLOCK <= OVERLAP_MAX_K_TILES else (False,)):
-        rq = Fp8GroupedGemm("swiglu", n, k, E, sr, raster_m=raster_m, overlap_promotion=ov, requant=True)
+        rq = Fp8GroupedGemm("swiglu", n, k, E, sr, raster_m=raster_m, overlap_promotion=ov, requant=True,
+                            wide_gated=wide_gated)
         q = torch.full((m_total, n_out), 0x7F, dtype=torch.uint8, device="cuda")  # e4m3 NaN
         s = torch.full((m_total, n_out // FP8_BLOCK), float("nan"), dtype=torch.float32, device="cuda")
         rargs = rq.prepare(a, a_s, b, b_s, q, offs, rs, s)
@@ -315,23 +347,26 @@ def check_requant(fn, a, a_s, b, b_s, offs, rs, out, E, n, k, sr, raster_m, over
             print(f"    requant: {int(bad.sum())} of {m_total} rows differ, first {rows[:8].tolist()}", flush=True)
         ok_all &= same
         ms = time_fn(lambda: rq.launch(rargs), reps)
-        print(f"    requant{' overlap' if ov else ''}: bit-identical to FC1 + quantiser={same} (quantiser = torch "
+        print(f"    requant{' overlap' if ov else ''}{' wide' if wide_gated else ''}: bit-identical to FC1 + quantiser={same} (quantiser = torch "
               f"rule: {same_rule}); {ms:.3f} ms vs {plain_ms:.3f} ms for FC1 + quantiser "
               f"({plain_ms / ms:.2f}x)", flush=True)
     return ok_all
 
 
-def run_compile(model: str, overlap: bool = False, requant: bool = False) -> bool:
+def run_compile(model: str, overlap: bool = False, requant: bool = False, wide: bool = False) -> bool:
     _, _, E, _, _ = MODELS[model]
     ok_all = True
-    variants = [(spec, ov, False) for spec in layers(model)
+    variants = [(spec, ov, False, False) for spec in layers(model)
                 for ov in ((False, True) if overlap and spec[3] // FP8_BLOCK <= OVERLAP_MAX_K_TILES else (False,))]
+    gated = [v for v in variants if v[0][1] == "swiglu"]
+    if wide:
+        variants += [(spec, ov, False, True) for spec, ov, _, _ in gated]
     if requant:
-        variants += [(spec, ov, True) for spec, ov, _ in variants if spec[1] == "swiglu"]
-    for (name, act, n, k, sr), ov, rq in variants:
+        variants += [(spec, ov, True, w) for spec, ov, _, _ in gated for w in ((False, True) if wide else (False,))]
+    for (name, act, n, k, sr), ov, rq, w in variants:
         t0 = time.time()
-        kernel, compiled = compile_variant(act, n, k, E, sr, overlap_promotion=ov, requant=rq)
-        name = name + (" overlap" if ov else "") + (" requant" if rq else "")
+        kernel, compiled = compile_variant(act, n, k, E, sr, overlap_promotion=ov, requant=rq, wide_gated=w)
+        name = name + (" overlap" if ov else "") + (" requant" if rq else "") + (" wide" if w else "")
         r = ptx_report(kernel, compiled)
         ok = r["fp8_wgmma"] and r["tma"] and r["pdl"] and not r["local"] and r["ptxas_spill_bytes"] in (0, None)
         ok_all &= ok
@@ -349,14 +384,16 @@ def main(argv=None):
                    help="also run the overlapped-promotion schedule (checked bit-identical, timed)")
     p.add_argument("--requant", action="store_true",
                    help="also FC1's requantising variant (checked bit-identical to FC1 + quantiser, timed)")
+    p.add_argument("--wide", action="store_true",
+                   help="also FC1 with one m64n128 gate+up WGMMA (checked bit-identical, timed)")
     p.add_argument("--raster-m", default="1", help="m-tiles per raster group, comma-separated: each is timed, "
                                                   "the first is also checked")
     args = p.parse_args(argv)
     rasters = tuple(int(r) for r in args.raster_m.split(",") if r.strip())
-    ok = run_compile(args.model, args.overlap, args.requant)
+    ok = run_compile(args.model, args.overlap, args.requant, args.wide)
     if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
         torch.backends.cuda.matmul.allow_tf32 = False
-        ok &= run_gpu(args.model, args.routing, args.reps, rasters, args.overlap, args.requant)
+        ok &= run_gpu(args.model, args.routing, args.reps, rasters, args.overlap, args.requant, args.wide)
     else:
         print("no SM90 GPU: compile checks only")
     raise SystemExit(0 if ok else 1)
