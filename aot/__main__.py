@@ -1,6 +1,7 @@
 """Prebuilt kernels: ``python -m moe_ep.aot build|list|verify``.
 
     python -m moe_ep.aot build --arch sm_90a --model qwen3 [--max-tokens 8192] [--ep 1] --out DIR
+    python -m moe_ep.aot build --arch sm_90a --quant fp8_block128 --model qwen3 --out DIR  # FP8 layers (H100/H200)
     python -m moe_ep.aot build --arch sm_100a --model nemotron --out DIR   # NVFP4 W4A16 layers (B200)
     python -m moe_ep.aot build --arch sm_120a --model qwen3 --out DIR      # MXFP8 layers (RTX PRO 6000)
     python -m moe_ep.aot list   [--dir DIR]
@@ -48,12 +49,16 @@ def build(args) -> int:
         print(f"moe_ep.aot build: unknown model(s) {unknown}; known: {sorted(_models())}", file=sys.stderr)
         return 2
     kernels = tuple(k.strip() for k in args.kernels.split(",") if k.strip())
+    if args.quant and args.arch != "sm_90a":
+        print(f"moe_ep.aot build: --quant {args.quant} is for --arch sm_90a ({args.arch} builds "
+              f"{ARCH_QUANT.get(args.arch)} layers)", file=sys.stderr)
+        return 2
     t_all = time.perf_counter()
     for key in models:
         for ep in args.ep:
             from moe_ep.bench.models import model_config
 
-            cfg = model_config(key, args.max_tokens, quant=ARCH_QUANT.get(args.arch))
+            cfg = model_config(key, args.max_tokens, quant=args.quant or ARCH_QUANT.get(args.arch))
             seen = len(COMPILE_EVENTS)
             t0 = time.perf_counter()
             try:
@@ -117,6 +122,8 @@ def main(argv=None) -> int:
     b.add_argument("--max-tokens", type=int, default=8192, help="MoEConfig.max_tokens_per_rank (default 8192)")
     b.add_argument("--ep", type=int, nargs="+", default=[1], help="EP world size(s) (default 1)")
     b.add_argument("--kernels", default="fc1,fc2,ep,layout", help="subset of fc1,fc2,ep,layout")
+    b.add_argument("--quant", default=None, choices=("fp8_block128",),
+                   help="sm_90a only: the FP8 block-scaled layer (sm90_fp8_cutedsl) instead of BF16")
     b.add_argument("--out", default=None, help="cache directory (default: MOE_EP_CACHE_DIR or ~/.cache/moe_ep)")
     for name in ("list", "verify"):
         s = sub.add_parser(name, help=f"{name} the entries of a cache")

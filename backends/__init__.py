@@ -100,10 +100,15 @@ _PREBUILD = {"sm_90a": _sm90_bf16.prebuild, "sm_100a": _sm100_w4a16.prebuild, "s
 def prebuild(config, world_size: int = 1, arch: str = "sm_90a", kernels: tuple = ("fc1", "fc2", "ep", "layout")) -> None:
     """Compile every kernel a layer of ``config`` on ``world_size`` ranks needs for ``arch``
     into the disk compile cache (no GPU needed), with the backend :data:`PREBUILD_ARCHES` names for
-    that arch (``sm_100a``: NVFP4 W4A16 layers, ``sm_120a``: MXFP8 layers). Unknown arches, and
-    configurations that backend refuses, raise naming the reason."""
+    that arch (``sm_100a``: NVFP4 W4A16 layers, ``sm_120a``: MXFP8 layers; ``sm_90a`` with
+    ``config.quant="fp8_block128"``: ``sm90_fp8_cutedsl``). Unknown arches, and configurations that
+    backend refuses, raise naming the reason."""
     if arch not in PREBUILD_ARCHES:
         raise ValueError(f"prebuild: arch {arch!r} is not supported; supported: {sorted(PREBUILD_ARCHES)}")
+    if arch == "sm_90a" and getattr(config, "quant", None) is not None:  # FP8 block-scaled layers
+        _sm90_fp8.check_config(config, _PrebuildGroup(world_size))
+        _sm90_fp8.prebuild(config, world_size, kernels)
+        return
     if arch != "sm_90a":
         from .registry import get as _get_spec
 

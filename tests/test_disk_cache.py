@@ -203,3 +203,13 @@ print("\n".join(msgs))
     # the classic launch path (CuTe tensors, explicit stream) computes the same bits as TVM-FFI
     assert torch.equal(a, torch.load(tmp_path / "classic.pt"))
     assert torch.isfinite(a.float()).all() and a.float().abs().sum() > 0
+
+
+def test_aot_builds_fp8_layers_for_sm90(tmp_path):
+    """``--quant fp8_block128`` on sm_90a builds the FP8 backend's kernels (here FC2 and its input
+    quantiser); with another arch it is refused by name."""
+    names = [n for n, _, _ in events(aot("build", *SMALL, "--quant", "fp8_block128", "--kernels", "fc2",
+                                         "--out", str(tmp_path)))]
+    assert sorted(names) == ["fp8_gemm_identity", "fp8_quantize_rows"]
+    bad = aot("build", "--arch", "sm_100a", "--quant", "fp8_block128", "--model", "qwen3", "--out", str(tmp_path))
+    assert bad.returncode == 2 and "--quant fp8_block128 is for --arch sm_90a" in bad.stderr
