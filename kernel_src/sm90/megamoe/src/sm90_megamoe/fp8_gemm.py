@@ -57,6 +57,13 @@ Design (differences from :mod:`.grouped_gemm`, whose scheduler and smem epilogue
   unrolled, ptxas keeps them asynchronous (0 spills). Empty volatile asm "fences" pin each
   partial set after the ``wgmma.wait_group`` that completes it. The promotion order per
   accumulator is unchanged (t = 0, 1, 2, ...), so the results are bit-identical to the default.
+* ``wide_gated=True`` (drop v21, not yet run on a GPU; swiglu): the gate and up tiles of a stage
+  sit in adjacent smem slots, which are the bytes of one 128-row tile, so one m64n128k32 WGMMA
+  per k-block fills one accumulator (gate columns, then up) instead of two m64n64k32 WGMMAs
+  filling two; promotion picks the gate or up block's scale by column.
+* :class:`Fp8SwigluRequantGroupedGemmSm90` (drop v21, not yet run on a GPU): FC1 writing FC2's
+  e4m3 input and per-128 scales in the epilogue (its docstring). Both variants trace the same
+  ``_body`` as the plain kernel, whose PTX is unchanged by them.
 """
 
 from __future__ import annotations
