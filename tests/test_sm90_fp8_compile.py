@@ -392,3 +392,53 @@ def test_gpu_wide_gated_is_bit_identical(routing, overlap):
         outs.append(out)
     torch.cuda.synchronize()
     assert torch.isfinite(outs[0].float()).all() and torch.equal(outs[0], outs[1])
+
+
+def test_accumulator_coordinates_the_fc1_variants_rely_on(tmp_path):
+    """What drop v21's FC1 variants assume about the WGMMA accumulator (CuTe's own partition of
+    an identity tile, every thread of the two consumer warpgroups): elements (2p, 2p+1) are
+    adjacent columns of one row; element i sits in row r or r + 8 by (i // 2) % 2; the 4 lanes of
+    a quad share their rows (the requant amax shuffles over lanes ^1, ^2); and in the 128-wide
+    (gate | up) accumulator element i < 32 is the 64-wide tile's element i and element i + 32 is
+    the same place 64 columns on (the up value of that gate value)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = f"""
+import sys, json
+sys.path.insert(0, {str(SRC)!r})
+import cutlass, cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from sm90_megamoe.grouped_gemm import LayoutEnum
+out = {{}}
+@cute.jit
+def run():
+    for n in (64, 128):
+        k = LayoutEnum.ROW_MAJOR.sm90_mma_major_mode()
+        tm = sm90_utils.make_trivial_tiled_mma(cutlass.Float8E4M3FN, cutlass.Float8E4M3FN, k, k,
+                                               cutlass.Float32, (2, 1, 1), tiler_mn=(64, n))
+        for t in list(range(256)):  # a Python list: iterated at trace time, not staged
+            c = tm.get_slice(t).partition_C(cute.make_identity_tensor((128, n)))
+            out[f"{{n}},{{t}}"] = [[int(c[i][0]), int(c[i][1])] for i in list(range(cute.size(c)))]
+run()
+print(json.dumps(out))
+"""
+    script = tmp_path / "coords.py"  # a file: CuTeDSL compiles a function from its source
+    script.write_text(code)
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, CUTE_DSL_ARCH="sm_90a"))
+    assert p.returncode == 0, p.stderr[-2000:]
+    coords = json.loads(p.stdout.strip().splitlines()[-1])
+    for t in range(256):
+        c64, c128 = coords[f"64,{t}"], coords[f"128,{t}"]
+        assert len(c64) == 32 and len(c128) == 64
+        r = c64[0][0]
+        for i, (row, col) in enumerate(c64):
+            assert row == r + 8 * ((i // 2) % 2)
+            if i % 2:
+                assert [row, col] == [c64[i - 1][0], c64[i - 1][1] + 1]
+        quad = [coords[f"64,{(t & ~3) + j}"][0][0] for j in range(4)]
+        assert quad == [r] * 4
+        assert c128[:32] == c64 and all(c128[i + 32] == [c64[i][0], c64[i][1] + 64] for i in range(32))
