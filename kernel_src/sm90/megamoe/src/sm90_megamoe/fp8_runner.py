@@ -24,6 +24,7 @@ Per model, FC1 (swiglu, w13 [E, 2I, H]) and FC2 (identity + router row scale, w2
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from typing import Optional
@@ -89,8 +90,16 @@ def compile_variant(activation: str, n: int, k: int, num_experts: int, scale_row
                     arch: str = "sm_90a", tile_n: Optional[int] = None,
                     num_stages: Optional[int] = None, raster_m: int = 1, overlap_promotion: bool = False,
                     requant: bool = False, wide_gated: bool = False):
-    """(kernel, compiled) for one variant, from fake tensors (no GPU needed); ``requant``: FC1's
-    requantising variant (swiglu only)."""
+    """(kernel, compiled) for one variant, from fake tensors (no GPU needed), compiled once per
+    process (the checks, the GPU runs and the tests share it); ``requant``: FC1's requantising
+    variant, ``wide_gated``: FC1's one-WGMMA gate+up schedule (swiglu only)."""
+    return _compile_variant(activation, n, k, num_experts, bool(scale_rows), arch, tile_n, num_stages, int(raster_m),
+                            bool(overlap_promotion), bool(requant), bool(wide_gated))
+
+
+@functools.lru_cache(maxsize=None)
+def _compile_variant(activation, n, k, num_experts, scale_rows, arch, tile_n, num_stages, raster_m,
+                     overlap_promotion, requant, wide_gated):
     reason = can_implement(activation, n, k, num_experts, tile_n)
     if reason is None and requant and activation != "swiglu":
         reason = "requant needs swiglu"
@@ -353,7 +362,8 @@ def check_requant(fn, a, a_s, b, b_s, offs, rs, out, E, n, k, sr, raster_m, over
     return ok_all
 
 
-def run_compile(model: str, overlap: bool = False, requant: bool = False, wide: bool = False) -> bool:
+def run_compile(model: str, overlap: bool = False, requant: bool = False, wide: bool = False,
+                raster_m: int = 1) -> bool:
     _, _, E, _, _ = MODELS[model]
     ok_all = True
     variants = [(spec, ov, False, False) for spec in layers(model)
@@ -365,7 +375,8 @@ def run_compile(model: str, overlap: bool = False, requant: bool = False, wide: 
         variants += [(spec, ov, True, w) for spec, ov, _, _ in gated for w in ((False, True) if wide else (False,))]
     for (name, act, n, k, sr), ov, rq, w in variants:
         t0 = time.time()
-        kernel, compiled = compile_variant(act, n, k, E, sr, overlap_promotion=ov, requant=rq, wide_gated=w)
+        kernel, compiled = compile_variant(act, n, k, E, sr, raster_m=raster_m, overlap_promotion=ov, requant=rq,
+                                           wide_gated=w)
         name = name + (" overlap" if ov else "") + (" requant" if rq else "") + (" wide" if w else "")
         r = ptx_report(kernel, compiled)
         ok = r["fp8_wgmma"] and r["tma"] and r["pdl"] and not r["local"] and r["ptxas_spill_bytes"] in (0, None)
@@ -390,7 +401,7 @@ def main(argv=None):
                                                   "the first is also checked")
     args = p.parse_args(argv)
     rasters = tuple(int(r) for r in args.raster_m.split(",") if r.strip())
-    ok = run_compile(args.model, args.overlap, args.requant, args.wide)
+    ok = run_compile(args.model, args.overlap, args.requant, args.wide, rasters[0])  # compiles what the GPU run uses
     if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
         torch.backends.cuda.matmul.allow_tf32 = False
         ok &= run_gpu(args.model, args.routing, args.reps, rasters, args.overlap, args.requant, args.wide)
