@@ -232,22 +232,18 @@ def test_fused_gather_quant_is_bit_identical(monkeypatch, T):
     fused.destroy()
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("T", [0, 1, 700])
-def test_local_route_is_bit_identical_fp8(monkeypatch, T):
-    """One rank without a dispatch (MOE_EP_LOCAL_ROUTE=1): FC1's fused quantiser gathers from the
-    caller's x; the same bits as the dispatch path, eager and CUDA graph."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("needs an SM90 GPU")
+def _fp8_outputs_with_switch(monkeypatch, switch, T, seed, check_impl):
+    """The Qwen3 FP8 layer's output with ``switch`` = "0", then "1" (eager, then checked against a
+    poisoned CUDA-graph replay when T > 0); ``check_impl(impl, on)`` asserts the switch took."""
     H = QWEN["hidden"]
     cfg = MoEConfig(max_tokens_per_rank=1024, quant="fp8_block128", **QWEN)
-    x, ids, w, w13, w2 = _qwen_fp8_inputs(T, seed=77 + T)
+    x, ids, w, w13, w2 = _qwen_fp8_inputs(T, seed=seed)
     outs = []
-    for route in ("0", "1"):
-        monkeypatch.setenv("MOE_EP_LOCAL_ROUTE", route)
+    for flag in ("0", "1"):
+        monkeypatch.setenv(switch, flag)
         layer = MoELayer(cfg, EPGroup.single(), backend="sm90_fp8_cutedsl")
         layer.warmup(progress=False)
-        assert layer._impl.local_route == (route == "1") and layer._impl.fused_gather
+        check_impl(layer._impl, flag == "1")
         out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device="cuda")
         outs.append(layer.forward(x, ids, w, w13, w2, out=out).clone())
         if T:
@@ -256,6 +252,21 @@ def test_local_route_is_bit_identical_fp8(monkeypatch, T):
             assert torch.equal(out, outs[-1])
         layer.check_errors()
         layer.destroy()
+    return outs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [0, 1, 700])
+def test_local_route_is_bit_identical_fp8(monkeypatch, T):
+    """One rank without a dispatch (MOE_EP_LOCAL_ROUTE=1): FC1's fused quantiser gathers from the
+    caller's x; the same bits as the dispatch path, eager and CUDA graph."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+
+    def check(impl, on):
+        assert impl.local_route == on and impl.fused_gather
+
+    outs = _fp8_outputs_with_switch(monkeypatch, "MOE_EP_LOCAL_ROUTE", T, 77 + T, check)
     assert torch.equal(outs[0], outs[1]) and torch.isfinite(outs[1]).all()
 
 
@@ -268,25 +279,14 @@ def test_fp8_fc1_variants_are_bit_identical(monkeypatch, T, switch):
     as without, eager and CUDA graph."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
-    H = QWEN["hidden"]
-    cfg = MoEConfig(max_tokens_per_rank=1024, quant="fp8_block128", **QWEN)
-    x, ids, w, w13, w2 = _qwen_fp8_inputs(T, seed=91 + T)
-    outs = []
-    for flag in ("0", "1"):
-        monkeypatch.setenv(switch, flag)
-        layer = MoELayer(cfg, EPGroup.single(), backend="sm90_fp8_cutedsl")
-        layer.warmup(progress=False)
+
+    def check(impl, on):
         if switch == "MOE_EP_FP8_FUSED_REQUANT":
-            assert layer._impl.fused_requant == (flag == "1") and (layer._impl.quant_h is None) == (flag == "1")
+            assert impl.fused_requant == on and (impl.quant_h is None) == on
         else:
-            assert layer._impl.fc1.wide_gated == (flag == "1") and not layer._impl.fc2.wide_gated
-        out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device="cuda")
-        outs.append(layer.forward(x, ids, w, w13, w2, out=out).clone())
-        graph = capture_graph(lambda: layer.forward(x, ids, w, w13, w2, out=out))
-        replay_poisoned(graph, out)
-        assert torch.equal(out, outs[-1])
-        layer.check_errors()
-        layer.destroy()
+            assert impl.fc1.wide_gated == on and not impl.fc2.wide_gated
+
+    outs = _fp8_outputs_with_switch(monkeypatch, switch, T, 91 + T, check)
     assert torch.equal(outs[0], outs[1]) and torch.isfinite(outs[1]).all()
 
 

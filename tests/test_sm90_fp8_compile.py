@@ -270,6 +270,22 @@ def test_gpu_against_float64(act, n, k, scale_rows, routing, overlap):
 
 
 # ---------------------------------------------------------------------------- FC1 requantising (drop v21)
+def _assert_fits_async_no_spills(kernel, compiled, ptxas_words):
+    """No local memory, PDL and TMA present, shared memory within 227 KB, 0 spill bytes and none
+    of ``ptxas_words`` (WGMMA serialisation warnings) in ``ptxas -v``'s output."""
+    from sm90_megamoe.fp8_runner import ptx_report
+
+    ptx = compiled.__ptx__
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    r = ptx_report(kernel, compiled)
+    assert r["pdl"] and r["tma"] and r["smem_bytes"] <= 227 * 1024
+    if r["ptxas_spill_bytes"] is None:
+        pytest.skip("no ptxas installed: spill check skipped")
+    assert r["ptxas_spill_bytes"] == 0, r
+    err = _ptxas_stderr(ptx)
+    assert not any(w in err for w in ptxas_words), err[-2000:]
+
+
 @pytest.mark.parametrize("n,k,experts,overlap", [
     (1536, 2048, 128, False),   # Qwen3 FC1
     (1536, 2048, 128, True),    # ... on the overlapped-promotion schedule
@@ -279,7 +295,7 @@ def test_requant_variant_compiles(n, k, experts, overlap):
     """FC1 writing FC2's e4m3 input itself: the FP8 WGMMA, one e4m3x2 conversion per value pair
     (2 halves x 16 pairs per thread), IEEE divisions, 16-byte global stores, the quad's amax
     shuffle, no local memory and no spills (half 0 waits in shared memory, not registers)."""
-    from sm90_megamoe.fp8_runner import compile_variant, ptx_report
+    from sm90_megamoe.fp8_runner import compile_variant
 
     kernel, compiled = compile_variant("swiglu", n, k, experts, False, overlap_promotion=overlap, requant=True)
     ptx = compiled.__ptx__
@@ -288,14 +304,7 @@ def test_requant_variant_compiles(n, k, experts, overlap):
     assert len(re.findall(r"div\.rn\.f32", ptx)) == 66  # 64 values + 2 row scales per thread
     assert len(re.findall(r"shfl\.sync\.bfly", ptx)) == 4
     assert len(re.findall(r"st\.global\.v4", ptx)) == 4
-    assert "ld.local" not in ptx and "st.local" not in ptx
-    r = ptx_report(kernel, compiled)
-    assert r["pdl"] and r["tma"] and r["smem_bytes"] <= 227 * 1024
-    if r["ptxas_spill_bytes"] is None:
-        pytest.skip("no ptxas installed: spill check skipped")
-    assert r["ptxas_spill_bytes"] == 0, r
-    err = _ptxas_stderr(ptx)
-    assert "C7514" not in err, err[-2000:]
+    _assert_fits_async_no_spills(kernel, compiled, ("C7514",))
 
 
 def test_requant_refuses_identity():
@@ -346,7 +355,7 @@ def test_gpu_requant_is_fc1_then_quantiser(n, k, routing, overlap):
 def test_wide_gated_compiles(n, k, experts, overlap, requant):
     """``wide_gated``: FC1's gate and up tiles (adjacent smem slots) feed one m64n128 WGMMA per
     k-block (4 per k-tile instead of 8); asynchronous (no C7514), no spills, no local memory."""
-    from sm90_megamoe.fp8_runner import compile_variant, ptx_report
+    from sm90_megamoe.fp8_runner import compile_variant
 
     kernel, compiled = compile_variant("swiglu", n, k, experts, False, overlap_promotion=overlap, requant=requant,
                                        wide_gated=True)
@@ -354,14 +363,7 @@ def test_wide_gated_compiles(n, k, experts, overlap, requant):
     assert set(re.findall(r"wgmma\.mma_async[\w.]*", ptx)) == {"wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"}
     per_tile = 4 * (k // 128 if overlap else 1)  # unrolled k-loop with overlap, else one loop body
     assert len(re.findall(r"wgmma\.mma_async", ptx)) == per_tile * (2 if requant else 1)
-    assert "ld.local" not in ptx and "st.local" not in ptx
-    r = ptx_report(kernel, compiled)
-    assert r["pdl"] and r["tma"] and r["smem_bytes"] <= 227 * 1024
-    if r["ptxas_spill_bytes"] is None:
-        pytest.skip("no ptxas installed: spill check skipped")
-    assert r["ptxas_spill_bytes"] == 0, r
-    err = _ptxas_stderr(ptx)
-    assert "C7514" not in err and "serialized" not in err, err[-2000:]
+    _assert_fits_async_no_spills(kernel, compiled, ("C7514", "serialized"))
 
 
 def test_wide_gated_refuses_identity():

@@ -232,7 +232,17 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         max_active_ctas: cutlass.Int32,
         stream: cuda.CUstream,
     ):
-        # fp8 operands may also come as their uint8 bit views (torch builds without fp8 DLPack)
+        mA, mB = self._check_inputs(mA, mAScale, mB, mBScale, mOffsets)
+        if cutlass.const_expr(mC.element_type != cutlass.BFloat16):
+            raise TypeError("C must be bfloat16")
+        setup = self._setup(mA, mAScale, mB, mBScale, mOffsets)
+        self._launch(self.kernel(setup[0], setup[1], setup[2], setup[3], mAScale, mBScale, mC, mOffsets, mRowScale,
+                                 *setup[4:]), max_active_ctas, stream)
+
+    @cute.jit
+    def _check_inputs(self, mA, mAScale, mB, mBScale, mOffsets):
+        """The operands' dtypes (shared by the variants); returns ``(mA, mB)`` as e4m3 tensors (fp8
+        operands may come as their uint8 bit views: torch builds without fp8 DLPack)."""
         if cutlass.const_expr(mA.element_type == cutlass.Uint8):
             mA = cute.make_tensor(cute.recast_ptr(mA.iterator, dtype=cutlass.Float8E4M3FN), mA.layout)
         if cutlass.const_expr(mB.element_type == cutlass.Uint8):
@@ -243,24 +253,13 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         if cutlass.const_expr(mAScale.element_type != cutlass.Float32
                               or mBScale.element_type != cutlass.Float32):
             raise TypeError("scales must be float32")
-        if cutlass.const_expr(mC.element_type != cutlass.BFloat16):
-            raise TypeError("C must be bfloat16")
         if cutlass.const_expr(mOffsets.element_type != cutlass.Int32):
             raise TypeError("offsets must be int32")
-        setup = self._setup(mA, mAScale, mB, mBScale, mOffsets)
-        if cutlass.const_expr(self.wide_gated):
-            self.kernel_wide(setup[0], setup[1], setup[2], setup[3], mAScale, mBScale, mC, mOffsets, mRowScale,
-                             *setup[4:]).launch(
-                grid=[max_active_ctas, 1, 1],
-                block=[self.threads_per_cta, 1, 1],
-                cluster=[1, 1, 1],
-                min_blocks_per_mp=1,
-                stream=stream,
-                use_pdl=PDL,
-            )
-            return
-        self.kernel(setup[0], setup[1], setup[2], setup[3], mAScale, mBScale, mC, mOffsets, mRowScale,
-                    *setup[4:8]).launch(
+        return mA, mB
+
+    def _launch(self, kernel, max_active_ctas, stream) -> None:
+        """One persistent CTA per ``max_active_ctas``, PDL as the drop launches every kernel."""
+        kernel.launch(
             grid=[max_active_ctas, 1, 1],
             block=[self.threads_per_cta, 1, 1],
             cluster=[1, 1, 1],
@@ -363,26 +362,6 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         tiled_mma_epi: cute.TiledMma,
         a_smem_layout: cute.ComposedLayout,
         b_smem_layout: cute.ComposedLayout,
-    ):
-        self._body(tma_atom_a, mA_tma, tma_atom_b, mB_tma, mAScale, mBScale, (mC,), mOffsets, mRowScale,
-                   tiled_mma, tiled_mma_epi, a_smem_layout, b_smem_layout)
-
-    @cute.kernel
-    def kernel_wide(
-        self,
-        tma_atom_a: cute.CopyAtom,
-        mA_tma: cute.Tensor,
-        tma_atom_b: cute.CopyAtom,
-        mB_tma: cute.Tensor,
-        mAScale: cute.Tensor,
-        mBScale: cute.Tensor,
-        mC: cute.Tensor,
-        mOffsets: cute.Tensor,
-        mRowScale: cute.Tensor,
-        tiled_mma: cute.TiledMma,
-        tiled_mma_epi: cute.TiledMma,
-        a_smem_layout: cute.ComposedLayout,
-        b_smem_layout: cute.ComposedLayout,
         b_smem_layout_mma: cute.ComposedLayout,
     ):
         self._body(tma_atom_a, mA_tma, tma_atom_b, mB_tma, mAScale, mBScale, (mC,), mOffsets, mRowScale,
@@ -390,7 +369,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
 
     @cute.jit
     def _body(self, tma_atom_a, mA_tma, tma_atom_b, mB_tma, mAScale, mBScale, outs, mOffsets, mRowScale,
-              tiled_mma, tiled_mma_epi, a_smem_layout, b_smem_layout, b_smem_layout_mma=None):
+              tiled_mma, tiled_mma_epi, a_smem_layout, b_smem_layout, b_smem_layout_mma):
         """The kernel (traced inline into each variant's ``@cute.kernel``). ``outs``: ``(mC,)``, or
         ``(mQ, mQScale)`` for the requantising variant, whose unit of work is the pair of n-tiles
         of one 128-column group (``self.halves`` = 2), one after the other."""
@@ -865,34 +844,17 @@ class Fp8SwigluRequantGroupedGemmSm90(Fp8BlockScaledGroupedGemmSm90):
         max_active_ctas: cutlass.Int32,
         stream: cuda.CUstream,
     ):
-        if cutlass.const_expr(mA.element_type == cutlass.Uint8):
-            mA = cute.make_tensor(cute.recast_ptr(mA.iterator, dtype=cutlass.Float8E4M3FN), mA.layout)
-        if cutlass.const_expr(mB.element_type == cutlass.Uint8):
-            mB = cute.make_tensor(cute.recast_ptr(mB.iterator, dtype=cutlass.Float8E4M3FN), mB.layout)
-        if cutlass.const_expr(mA.element_type != cutlass.Float8E4M3FN
-                              or mB.element_type != cutlass.Float8E4M3FN):
-            raise TypeError("A and B must be float8_e4m3fn (or its uint8 view)")
+        mA, mB = self._check_inputs(mA, mAScale, mB, mBScale, mOffsets)
         if cutlass.const_expr(mQ.element_type not in (cutlass.Uint8, cutlass.Float8E4M3FN)):
             raise TypeError("Q must be float8_e4m3fn or uint8")
-        if cutlass.const_expr(mAScale.element_type != cutlass.Float32
-                              or mBScale.element_type != cutlass.Float32
-                              or mQScale.element_type != cutlass.Float32):
+        if cutlass.const_expr(mQScale.element_type != cutlass.Float32):
             raise TypeError("scales must be float32")
-        if cutlass.const_expr(mOffsets.element_type != cutlass.Int32):
-            raise TypeError("offsets must be int32")
         if cutlass.const_expr(cute.size(mQ, mode=[1]) != cute.size(mB, mode=[1]) // 2
                               or cute.size(mQScale, mode=[1]) != cute.size(mB, mode=[1]) // 2 // FP8_BLOCK):
             raise ValueError("Q must be [M, I] and QScale [M, I/128] (N = 2 I)")
         setup = self._setup(mA, mAScale, mB, mBScale, mOffsets)
-        self.kernel_requant(setup[0], setup[1], setup[2], setup[3], mAScale, mBScale, mQ, mQScale, mOffsets,
-                            mRowScale, *setup[4:]).launch(
-            grid=[max_active_ctas, 1, 1],
-            block=[self.threads_per_cta, 1, 1],
-            cluster=[1, 1, 1],
-            min_blocks_per_mp=1,
-            stream=stream,
-            use_pdl=PDL,
-        )
+        self._launch(self.kernel_requant(setup[0], setup[1], setup[2], setup[3], mAScale, mBScale, mQ, mQScale,
+                                         mOffsets, mRowScale, *setup[4:]), max_active_ctas, stream)
 
     @cute.kernel
     def kernel_requant(
