@@ -66,6 +66,14 @@ def test_overlap_schedule_is_default_and_limited_to_short_k(monkeypatch, tmp_pat
     assert not use_fp8_overlap(768)
     monkeypatch.delenv("MOE_EP_FP8_OVERLAP", raising=False)
     assert use_fp8_overlap(768) and use_fp8_overlap(4096) and not use_fp8_overlap(14336)
+    # the wide gated FC1 overlaps only from K = 4096 (H200: Qwen3's K 2048 is faster without)
+    assert not use_fp8_overlap(2048, wide_gated=True) and use_fp8_overlap(4096, wide_gated=True)
+    assert not use_fp8_overlap(14336, wide_gated=True)
+    monkeypatch.setenv("MOE_EP_FP8_WIDE_OVERLAP", "1")
+    assert use_fp8_overlap(2048, wide_gated=True) and not use_fp8_overlap(14336, wide_gated=True)
+    monkeypatch.setenv("MOE_EP_FP8_WIDE_OVERLAP", "0")
+    assert not use_fp8_overlap(4096, wide_gated=True) and use_fp8_overlap(4096)
+    monkeypatch.delenv("MOE_EP_FP8_WIDE_OVERLAP")
     # the two schedules are two cache entries: the same shape compiles once per schedule
     plain_events = []
     for flag in ("0", "1"):
@@ -472,7 +480,7 @@ def test_fused_requant_prebuilds_its_kernels(monkeypatch, tmp_path):
         got[flag] = sorted(e.name for e in COMPILE_EVENTS[seen:])
     assert got[None] == ["fp8_gather_quantize_rows", "fp8_gemm_identity", "fp8_gemm_swiglu", "fp8_quantize_rows"]
     assert got["1"] == ["fp8_gemm_swiglu_requant"]  # the rest was built above (same keys)
-    monkeypatch.setenv("MOE_EP_FP8_WIDE_GATED", "1")  # only FC1 (gated) has a wide form
+    monkeypatch.setenv("MOE_EP_FP8_WIDE_GATED", "0")  # the default is wide; only FC1 (gated) has a wide form
     seen = len(COMPILE_EVENTS)
     prebuild(cfg, 1, kernels=("fc1", "fc2"))
     assert sorted(e.name for e in COMPILE_EVENTS[seen:]) == ["fp8_gemm_swiglu_requant"]

@@ -25,6 +25,8 @@ from ..launch_mode import use_tvm_ffi
 from .sm90_megamoe import CONSTANTS, PKG, RASTER_L2_BUDGET, _cutlass_version, _load, cache_namespace
 
 FP8_ACTIVATIONS = ("identity", "swiglu")
+# the smallest K at which the wide gated FC1 runs the overlapped-promotion schedule (see use_fp8_overlap)
+WIDE_OVERLAP_MIN_K = 4096
 
 
 def check_fp8_gemm(activation: str, n: int, k: int, num_experts: int) -> None:
@@ -36,20 +38,35 @@ def check_fp8_gemm(activation: str, n: int, k: int, num_experts: int) -> None:
         raise ValueError(f"sm90 FP8 GEMM: {reason}")
 
 
-def use_fp8_overlap(k: int) -> bool:
+def use_fp8_overlap(k: int, wide_gated: bool = False) -> bool:
     """The FP8 GEMMs with K <= 32·128 run the overlapped-promotion schedule (drop v13; k-tile t's
     WGMMAs in flight while t-1 is promoted): bit-identical to the default schedule (H200), Qwen3
-    FC1 808 -> 859 TFLOP/s, FC2 646 -> 782. ``MOE_EP_FP8_OVERLAP=0`` turns it off (to compare)."""
-    return os.environ.get("MOE_EP_FP8_OVERLAP", "1") != "0" and \
-        k // CONSTANTS.value("sm90_megamoe.fp8_gemm", "FP8_BLOCK") <= \
-        CONSTANTS.value("sm90_megamoe.fp8_gemm", "OVERLAP_MAX_K_TILES")
+    FC1 808 -> 859 TFLOP/s, FC2 646 -> 782. ``MOE_EP_FP8_OVERLAP=0`` turns it off (to compare).
+
+    The wide gated FC1 (:func:`use_fp8_wide_gated`) overlaps only from K >= WIDE_OVERLAP_MIN_K
+    (4096): drop runner on the H200 (a2012eb), Qwen3 FC1 (K 2048) 0.454 ms plain vs 0.495
+    overlapped, Mixtral FC1 (K 4096) 3.924 vs 3.665. ``MOE_EP_FP8_WIDE_OVERLAP=1`` / ``0`` force it."""
+    if os.environ.get("MOE_EP_FP8_OVERLAP", "1") == "0" or \
+            k // CONSTANTS.value("sm90_megamoe.fp8_gemm", "FP8_BLOCK") > \
+            CONSTANTS.value("sm90_megamoe.fp8_gemm", "OVERLAP_MAX_K_TILES"):
+        return False
+    if not wide_gated:
+        return True
+    forced = os.environ.get("MOE_EP_FP8_WIDE_OVERLAP", "")
+    return forced == "1" if forced in ("0", "1") else k >= WIDE_OVERLAP_MIN_K
 
 
 def use_fp8_wide_gated(activation: str) -> bool:
-    """``MOE_EP_FP8_WIDE_GATED=1``: the gated FP8 GEMM (FC1) issues one m64n128 WGMMA over its
-    gate and up tiles per k-block instead of two m64n64 ones (drop v21, ``wide_gated``). Off by
-    default until it has run on a GPU (``fp8_runner --wide`` checks the bits and times it)."""
-    return activation == "swiglu" and os.environ.get("MOE_EP_FP8_WIDE_GATED", "0") == "1"
+    """The gated FP8 GEMM (FC1) issues one m64n128 WGMMA over its gate and up tiles per k-block
+    instead of two m64n64 ones (drop v21, ``wide_gated``): bit-identical (H200, fp8_runner --wide),
+    FC1 1.12x (Qwen3) and 1.14x (Mixtral) faster. On by default; ``MOE_EP_FP8_WIDE_GATED=0`` turns
+    it off."""
+    return activation == "swiglu" and os.environ.get("MOE_EP_FP8_WIDE_GATED", "1") != "0"
+
+
+def compiled_key_overlap(activation: str, k: int) -> bool:
+    """Whether the FP8 GEMM of this activation and K runs the overlapped-promotion schedule."""
+    return use_fp8_overlap(k, use_fp8_wide_gated(activation))
 
 
 def pick_fp8_raster_m(k: int) -> int:
@@ -94,8 +111,8 @@ def compiled_fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_r
     check_fp8_gemm(activation, n, k, num_experts)
     if requant and activation != "swiglu":
         raise ValueError(f"sm90 FP8 GEMM: requant needs activation 'swiglu', got {activation!r}")
-    key = _key("gemm", activation, n, k, num_experts, scale_rows, pick_fp8_raster_m(k), use_fp8_overlap(k),
-               requant)
+    key = _key("gemm", activation, n, k, num_experts, scale_rows, pick_fp8_raster_m(k),
+               compiled_key_overlap(activation, k), requant)
 
     def build():
         fl = _load("sm90_megamoe.fp8_launch")
@@ -118,7 +135,7 @@ def fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool
     compiled = compiled_fp8_gemm(activation, n, k, num_experts, scale_rows, requant)
     return _load("sm90_megamoe.fp8_launch").CompiledFp8Gemm(
         activation=activation, n=n, k=k, num_experts=num_experts, scale_rows=bool(scale_rows), compiled=compiled,
-        tvm_ffi=use_tvm_ffi(), raster_m=pick_fp8_raster_m(k), overlap_promotion=use_fp8_overlap(k),
+        tvm_ffi=use_tvm_ffi(), raster_m=pick_fp8_raster_m(k), overlap_promotion=compiled_key_overlap(activation, k),
         requant=bool(requant), wide_gated=use_fp8_wide_gated(activation))
 
 
