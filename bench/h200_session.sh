@@ -33,9 +33,9 @@
 #                the decode sweep of $MODELS with --decode-csv $OUT/decode.csv --plot $OUT/decode.png;
 #                with .device/fi carried, FlashInfer at PEER_DECODE_TOKENS (1,8,32,128,256) in the same
 #                call -> $OUT/decode_fi.csv, both plotted in $OUT/decode_all.png.
-# verify:        what has not yet run on a GPU: drop v21's FC1 variants (fp8_runner --requant --wide for Qwen3 and
-#                Mixtral, their GPU tests, the FP8 layer with MOE_EP_FP8_FUSED_REQUANT and MOE_EP_FP8_WIDE_GATED
-#                both 0, then both 1) -> $OUT/verify_*.{log,csv};
+# verify:        what has not yet run on a GPU: drop v22's BF16 wide FC1 (grouped_gemm_runner --wide, the BF16 layer
+#                with MOE_EP_WIDE_GATED 0 / 1), the FP8 layer with MOE_EP_FP8_WIDE_GATED 0 / 1, then GPU test groups
+#                in parallel in what is left of CALL_BUDGET (530 s) -> $OUT/verify_*.{log,csv};
 # fp8ab:         the FP8 layer with (requant, wide) in {0,1}x{0,1}, interleaved, 2 rounds -> $OUT/fp8ab_*.{log,csv};
 #                verify2: the virtual-rank tests with PDL
 #                once more, then the decode sweep with (PDL, token grid, layout chunks) = (0,0,all) (1,0,all)
@@ -116,20 +116,45 @@ if [ "$mode" = extra ]; then
   fi
 fi
 if [ "$mode" = verify ]; then
-  # drop v21's FC1 variants (not yet run on a GPU): MOE_EP_FP8_FUSED_REQUANT (FC1 writes FC2's E4M3
-  # input) and MOE_EP_FP8_WIDE_GATED (one m64n128 gate+up WGMMA): the drop's FP8 runner (bit identity,
-  # times), their GPU tests, then the FP8 layer at 8192 tokens with both off and both on
-  for m in qwen3 mixtral; do
-    step "drop fp8 runner --requant --wide ($m)" "$OUT/verify_fp8_runner_$m.log" -- bash -c \
-        "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.fp8_runner --model $m --raster-m 16 --overlap --requant --wide"
-  done
-  step "requant + wide GPU tests" "$OUT/verify_fc1_variants.log" -- python3 -m pytest -m gpu -q -W ignore \
-      -p no:cacheprovider tests/test_sm90_fp8_compile.py tests/test_fp8_backend.py -k "requant or wide or variants" --tb=long
+  # drop v22's BF16 "wide" FC1 (one m64n256 gate+up WGMMA) and the FP8 defaults (wide FC1, overlapped
+  # promotion from K 4096): the drop runner (bit identity vs cooperative, interleaved times) and the
+  # layers with the switch off / on, on an otherwise idle GPU; then the GPU tests not yet run at the
+  # current defaults, VERIFY_GROUPS in parallel processes (compiling dominates them), in what is left
+  # of CALL_BUDGET (530 s of this script)
+  step "drop runner --wide" "$OUT/verify_wide_runner.log" -- bash -c \
+      "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.grouped_gemm_runner --wide --model ${WIDE_MODELS:-qwen3,mixtral}"
   for q in 0 1; do
-    step "FP8 layer, requant + wide $q" "$OUT/verify_fp8_$q.log" -- env MOE_EP_FP8_FUSED_REQUANT=$q MOE_EP_FP8_WIDE_GATED=$q \
-        python3 -m moe_ep.bench --model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" --quant fp8_block128 \
-        --no-reference --no-decode --csv "$OUT/verify_fp8_$q.csv"
+    step "BF16 layer, wide FC1 $q" "$OUT/verify_bf16_w$q.log" -- env MOE_EP_WIDE_GATED=$q python3 -m moe_ep.bench \
+        --model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" --no-reference --no-decode --csv "$OUT/verify_bf16_w$q.csv"
   done
+  for q in 0 1; do
+    step "FP8 layer, wide FC1 $q" "$OUT/verify_fp8_w$q.log" -- env MOE_EP_FP8_WIDE_GATED=$q python3 -m moe_ep.bench \
+        --model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" --quant fp8_block128 --no-reference --no-decode \
+        --csv "$OUT/verify_fp8_w$q.csv"
+  done
+  left=$(( ${CALL_BUDGET:-530} - SECONDS ))
+  groups=("tests/test_layer_gpu.py -k wide_gated_fc1|matches_reference|bit_identical_repeats|decode_layer|activations_biases"
+          "tests/test_ep_virtual_gpu.py -k determinism|cuda_graph|fp8"
+          "tests/test_ep_gpu.py tests/test_disk_cache.py tests/test_transformers_integration.py"
+          "tests/test_fp8_backend.py tests/test_sm90_fp8_quant.py"
+          "tests/test_sm90_fp8_compile.py tests/test_sm90_swapab_compile.py -k not_requant_and_not_wide")
+  if [ "$left" -gt 60 ]; then
+    echo "===== GPU tests, ${#groups[@]} groups in parallel ($(date +%T), ${left}s)"
+    pids=()
+    for g in "${!groups[@]}"; do
+      read -r -a words <<< "${groups[$g]}"
+      # "-k a|b" / "-k not_a_and_not_b": spaces are underscores in this list (split on spaces above)
+      for w in "${!words[@]}"; do [ "${words[$w]}" = -k ] && words[$((w + 1))]=$(echo "${words[$((w + 1))]}" | sed 's/|/ or /g; s/_and_/ and /g; s/not_/not /g'); done
+      timeout -k 10 "$left" python3 -m pytest -m gpu -q -W ignore -p no:cacheprovider -rfE --tb=short "${words[@]}" \
+          > "$OUT/verify_tests_$g.log" 2>&1 &
+      pids+=($!)
+    done
+    for g in "${!pids[@]}"; do
+      wait "${pids[$g]}"; rc=$?
+      status+=("GPU tests ${groups[$g]}: exit $rc$([ "$rc" = 124 ] && echo " (timed out)")")
+      echo "--- ${groups[$g]}: exit $rc"; tail -n 4 "$OUT/verify_tests_$g.log"
+    done
+  fi
 fi
 if [ "$mode" = fp8ab ]; then  # FC1 variants one at a time, interleaved over 2 rounds (FP8 layer, 8192 tokens)
   for r in 1 2; do for v in "0 0" "1 0" "0 1" "1 1"; do

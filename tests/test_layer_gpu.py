@@ -579,3 +579,29 @@ def test_local_route_is_bit_identical(monkeypatch, T, ids_dtype, bad):
     assert msg0 == msg1 and (msg1 is not None) == bad
     if T:
         assert torch.equal(split0, split1)
+
+
+@pytest.mark.parametrize("T", [333, 4096])
+def test_wide_gated_fc1_is_bit_identical(monkeypatch, T):
+    """Drop v22's ``wide`` FC1 (one m64n256 WGMMA over the gate and up tiles; the default for
+    gated GEMMs) gives the bits of the two-WGMMA ``cooperative`` FC1 (MOE_EP_WIDE_GATED=0), eager
+    and under a CUDA graph."""
+    _sm90()
+    from moe_ep.api import MoEConfig
+
+    cfg = MoEConfig(max_tokens_per_rank=4096, **QWEN)
+    x, ids, w, w13, w2 = problem(T, seed_of("wide_gated", T))
+    outs = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv("MOE_EP_WIDE_GATED", flag)
+        (layer,) = layers(cfg, "sm90_bf16_cutedsl")
+        layer.warmup(progress=False)
+        assert layer._impl.fc1.compiled.schedule == ("wide" if flag == "1" else "cooperative")
+        out = torch.full((T, QWEN["hidden"]), float("nan"), dtype=torch.bfloat16, device="cuda")
+        outs.append(layer.forward(x, ids, w, w13, w2, out=out).clone())
+        graph = capture_graph(lambda: layer.forward(x, ids, w, w13, w2, out=out))
+        replay_poisoned(graph, out)
+        assert torch.equal(out, outs[-1])
+        layer.check_errors()
+        layer.destroy()
+    assert torch.isfinite(outs[1].float()).all() and torch.equal(outs[0], outs[1])

@@ -35,6 +35,7 @@ every rank resets its EP state (:meth:`EpSession.reset`) between two barriers.
 from __future__ import annotations
 
 import importlib
+import os
 import tempfile
 from dataclasses import dataclass, replace as dc_replace
 from typing import Any
@@ -50,7 +51,7 @@ from ..nvshmem_boot import CounterContract
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 21},
+    "sm90_megamoe": {"DROP_VERSION": 22},
     "sm90_megamoe.fp8_gemm": {"FP8_BLOCK": 128, "OVERLAP_MAX_K_TILES": 32},
     "sm90_megamoe.constants": {
         "ABI_VERSION": 2,
@@ -84,7 +85,7 @@ CONSTANTS = MirroredConstants("sm90/megamoe", {
 })
 
 CONTRACT = DropContract(
-    arch="sm90", drop="megamoe", version=21, packages=(PKG,), constants=CONSTANTS,
+    arch="sm90", drop="megamoe", version=22, packages=(PKG,), constants=CONSTANTS,
     callables=(
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.__init__",
                     ("activation", "n", "k", "num_experts", "scale_rows", "tile_n", "bias_dtype",
@@ -196,7 +197,7 @@ _L = CONSTANTS.table["sm90_megamoe.layout_kernels"]
 GEMM_ACTIVATIONS = _C["ACTIVATIONS"]
 GEMM_GATED = _C["GATED_ACTIVATIONS"]
 #: the grouped GEMM's schedules (``swapab``: the decode kernel, weights on the WGMMA's M side)
-SCHEDULES = ("cooperative", "pingpong", "swapab")
+SCHEDULES = ("cooperative", "pingpong", "swapab", "wide")
 #: bias dtypes the grouped GEMM epilogue reads (torch dtype name -> the drop's name)
 GEMM_BIAS_DTYPES = ("float32", "bfloat16")
 #: chunk count bound of the layout kernels' counts scratch (one chunk per SM by default)
@@ -300,13 +301,26 @@ def pick_schedule(activation: str, k: int, rows_per_expert: float | None = None)
       :data:`SWAPAB_TILE_T` holding twice the mean, so most experts need one tile;
     * ``pingpong`` with 128-wide tiles for the non-gated GEMMs with K <= :data:`PINGPONG_MAX_K`
       (short mainloops, where overlapping one warpgroup's epilogue with the other's mainloop pays);
+    * ``wide`` for the gated GEMMs (FC1) with the drop's 128-wide tile, unless
+      ``MOE_EP_WIDE_GATED=0`` (:func:`use_wide_gated`);
     * else ``cooperative`` with the drop's default tile."""
     if rows_per_expert is not None and rows_per_expert <= SWAPAB_MAX_ROWS_PER_EXPERT:
         tile_t = next((t for t in SWAPAB_TILE_T if t >= 2 * rows_per_expert), SWAPAB_TILE_T[-1])
         return "swapab", tile_t
     if activation not in GEMM_GATED and k <= PINGPONG_MAX_K:
         return "pingpong", 128
-    return "cooperative", _C["DEFAULT_TILE_N"][activation]
+    tile = _C["DEFAULT_TILE_N"][activation]
+    if activation in GEMM_GATED and tile <= 128 and use_wide_gated():
+        return "wide", tile
+    return "cooperative", tile
+
+
+def use_wide_gated() -> bool:
+    """The gated GEMM (FC1) issues one m64n256 WGMMA over its gate and up tiles per k-block
+    instead of two m64n128 ones (drop v22, schedule ``wide``): the same bits as ``cooperative`` by
+    construction (each output element sums the same products in the same order).
+    ``MOE_EP_WIDE_GATED=0`` selects the two-WGMMA ``cooperative`` schedule instead."""
+    return os.environ.get("MOE_EP_WIDE_GATED", "1") != "0"
 
 
 @dataclass(frozen=True)
@@ -457,7 +471,7 @@ def grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: 
 
     ``bias_dtype``: None or torch.float32/bfloat16 (the variant adds ``bias [E, n]``);
     ``raster_m``: None = :func:`pick_raster_m` (k); ``swiglu_*``: clamped_swiglu's constants;
-    ``schedule``: "cooperative", "pingpong", "swapab" or None = :func:`pick_schedule` (with
+    ``schedule``: "cooperative", "pingpong", "swapab", "wide" or None = :func:`pick_schedule` (with
     ``rows_per_expert``, the mean rows per expert expected at capacity); ``early_weights``: see
     :func:`compiled_grouped_gemm`."""
     import torch

@@ -34,6 +34,11 @@ Design
   WGMMAs) and consumes only that tile's pipeline stages. The producer fills stages in tile order,
   so one consumer's mainloop runs while the other's epilogue stores its tile: the tensor cores do
   not idle through epilogues, which pays most when K is short (FC2, K = I).
+  ``wide`` (gated activations, drop v22) -- cooperative, and each consumer issues ONE
+  m64 x (2 tile_n) WGMMA per k-block over the stage's gate and up slots (adjacent in smem: the
+  same bytes as one 2 tile_n-row tile) instead of two m64 x tile_n ones: the A fragment is read
+  from shared memory once per k-block, not twice. The accumulator's first half is the gate, the
+  second the up tile (same element order), so the epilogue is the cooperative one.
 * Gated mapping (swiglu, gelu_glu, clamped_swiglu): an output tile covers columns ``[n0, n0+bn)``
   of C. Every pipeline stage holds one A box (tile_m x tile_k) and TWO B boxes: w13 rows
   ``[n0, n0+bn)`` (gate) in B slot ``2*stage`` and rows ``[I+n0, I+n0+bn)`` (up, an element
@@ -166,10 +171,15 @@ class GroupedGemmSm90:
         self.epilogue = epilogue
         # B boxes (and accumulators) per stage: gated activations keep gate and up side by side
         self.num_b = 2 if self.gated else 1
-        if schedule not in ("cooperative", "pingpong"):
-            raise ValueError("schedule must be 'cooperative' or 'pingpong'")
+        if schedule not in ("cooperative", "pingpong", "wide"):
+            raise ValueError("schedule must be 'cooperative', 'pingpong' or 'wide'")
         self.pingpong = schedule == "pingpong"
+        self.wide = schedule == "wide"
         self.schedule = schedule
+        if schedule == "wide" and not (self.gated and 2 * tile_n <= 256 and epilogue == "smem"):
+            raise ValueError(f"schedule 'wide' needs a gated activation, tile_n <= 128 (one WGMMA of "
+                             f"N = 2 * tile_n <= 256) and the smem epilogue, got {activation!r}, tile_n "
+                             f"{tile_n}, epilogue {epilogue!r}")
         if self.pingpong and self.num_b * tile_n > 128:
             # one warpgroup holds the whole 128 x (num_b * tile_n) accumulator: 128 fp32 regs max
             raise ValueError(f"pingpong needs num_b * tile_n <= 128 (accumulator registers), got "
@@ -264,6 +274,7 @@ class GroupedGemmSm90:
         a_layout = LayoutEnum.from_tensor(mA)
         b_layout = LayoutEnum.from_tensor(mB_nke)
         tile_mnk = (self.tile_m, self.tile_n, self.tile_k)
+        # wide: one WGMMA of N = 2 tile_n over the gate and up slots of a stage
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
             self.ab_dtype,
             self.ab_dtype,
@@ -271,7 +282,7 @@ class GroupedGemmSm90:
             b_layout.sm90_mma_major_mode(),
             self.acc_dtype,
             self.atom_layout_mnk,
-            tiler_mn=(64, self.tile_n),
+            tiler_mn=(64, self.tile_n * (2 if self.wide else 1)),
         )
         # same WGMMA C layout restricted to one epi_n-wide chunk (partitions the staging buffer)
         tiled_mma_epi = sm90_utils.make_trivial_tiled_mma(
@@ -288,7 +299,13 @@ class GroupedGemmSm90:
         b_smem_layout = sm90_utils.make_smem_layout_b(
             b_layout, tile_mnk, self.ab_dtype, self.num_stages * self.num_b
         )
-
+        # wide: slots 2s and 2s + 1 (tile_n rows of 128 bytes each, 8-row swizzle atoms) are the
+        # same bytes as one 2 tile_n-row tile of stage s: the mainloop's view of B
+        b_smem_layout_main = b_smem_layout
+        if cutlass.const_expr(self.wide):
+            b_smem_layout_main = sm90_utils.make_smem_layout_b(
+                b_layout, (self.tile_m, 2 * self.tile_n, self.tile_k), self.ab_dtype, self.num_stages
+            )
         tma_atom_a, tma_tensor_a = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(),
             mA,
@@ -333,6 +350,7 @@ class GroupedGemmSm90:
             tiled_mma_epi,
             a_smem_layout,
             b_smem_layout,
+            b_smem_layout_main,
         ).launch(
             grid=[max_active_ctas, 1, 1],
             block=[self.threads_per_cta, 1, 1],
@@ -390,6 +408,7 @@ class GroupedGemmSm90:
         tiled_mma_epi: cute.TiledMma,
         a_smem_layout: cute.ComposedLayout,
         b_smem_layout: cute.ComposedLayout,
+        b_smem_layout_main: cute.ComposedLayout,
     ):
         wait_previous_grid()
         tidx, _, _ = cute.arch.thread_idx()
@@ -530,10 +549,18 @@ class GroupedGemmSm90:
                 mma_tidx = tidx % self.threads_per_wg
             thr_mma = tiled_mma.get_slice(mma_tidx)
             tCrA = tiled_mma.make_fragment_A(thr_mma.partition_A(sA))
-            tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+            if cutlass.const_expr(self.wide):  # one 2 tile_n-row B tile per stage (gate rows, then up)
+                sB_main = storage.sB.get_tensor(b_smem_layout_main.outer, swizzle=b_smem_layout_main.inner)
+                tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB_main))
+                # the gate half of the wide accumulator: its first tile_n / 8 n-blocks
+                acc_shape_wide = tiled_mma.partition_shape_C((self.tile_m, 2 * self.tile_n))
+                assert cute.size(acc_shape_wide[0][2]) == 2 * self.tile_n // 8, acc_shape_wide
+                acc_shape = ((2, 2, self.tile_n // 8), 1, 1)
+            else:
+                tCrB = tiled_mma.make_fragment_B(thr_mma.partition_B(sB))
+                acc_shape = tiled_mma.partition_shape_C((self.tile_m, self.tile_n))
             num_k_blocks = cute.size(tCrA, mode=[2])
 
-            acc_shape = tiled_mma.partition_shape_C((self.tile_m, self.tile_n))
             # the chunked epilogue relies on the WGMMA accumulator layout ((2, 2, N/8), M_rep, 1)
             # with M_rep = 1 (cooperative) or 2 (pingpong: two 64-row WGMMAs per warpgroup)
             assert (
@@ -542,8 +569,16 @@ class GroupedGemmSm90:
                 and cute.size(acc_shape[2]) == 1
             ), f"unexpected accumulator shape {acc_shape}"
             accs = [cute.make_rmem_tensor(acc_shape, self.acc_dtype) for _ in range(self.num_b)]
-            # (row, col) of every accumulator element inside the CTA tile
-            tCcC = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
+            # wide: the mainloop's one accumulator ((2, 2, 2 tile_n / 8), 1, 1); its n-blocks
+            # < tile_n / 8 are the gate tile, the rest the up tile, each in accs' element order.
+            # tCcC: (row, col) of every accumulator element inside the CTA tile (wide: elements
+            # < n_elems of the wide partition, the gate half, are the output tile's)
+            acc_wide = None
+            if cutlass.const_expr(self.wide):
+                acc_wide = cute.make_rmem_tensor(acc_shape_wide, self.acc_dtype)
+                tCcC = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, 2 * self.tile_n)))
+            else:
+                tCcC = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
             n_elems = cute.size(accs[0])
             # epilogue staging buffer (tile_m, epi_n), pitch epi_n + pad (one per warpgroup in
             # pingpong), and this thread's slots in it
@@ -584,33 +619,20 @@ class GroupedGemmSm90:
                 if cutlass.const_expr(self.pingpong):
                     if tile_id != bidx:  # all but warpgroup 0's first tile wait for their turn
                         order_mine.arrive_and_wait()
-                for h in cutlass.range_constexpr(self.num_b):
-                    accs[h].fill(0.0)
+                if cutlass.const_expr(self.wide):
+                    acc_wide.fill(0.0)
+                else:
+                    for h in cutlass.range_constexpr(self.num_b):
+                        accs[h].fill(0.0)
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
                 warpgroup.fence()
                 ab_pipeline.consumer_wait(read_state)
-                for kb in cutlass.range_constexpr(num_k_blocks):
-                    for h in cutlass.range_constexpr(self.num_b):
-                        cute.gemm(
-                            tiled_mma,
-                            accs[h],
-                            tCrA[(None, None, kb, read_state.index)],
-                            tCrB[(None, None, kb, read_state.index * self.num_b + h)],
-                            accs[h],
-                        )
+                self._mma_k_tile(tiled_mma, accs, acc_wide, tCrA, tCrB, read_state.index, num_k_blocks)
                 warpgroup.commit_group()
                 read_state.advance()
                 for k_tile in range(1, k_tiles):
                     ab_pipeline.consumer_wait(read_state)
-                    for kb in cutlass.range_constexpr(num_k_blocks):
-                        for h in cutlass.range_constexpr(self.num_b):
-                            cute.gemm(
-                                tiled_mma,
-                                accs[h],
-                                tCrA[(None, None, kb, read_state.index)],
-                                tCrB[(None, None, kb, read_state.index * self.num_b + h)],
-                                accs[h],
-                            )
+                    self._mma_k_tile(tiled_mma, accs, acc_wide, tCrA, tCrB, read_state.index, num_k_blocks)
                     warpgroup.commit_group()
                     # the previous stage's WGMMAs are done -> hand its buffers back to TMA
                     warpgroup.wait_group(1)
@@ -623,6 +645,10 @@ class GroupedGemmSm90:
                 warpgroup.wait_group(0)
                 ab_pipeline.consumer_release(release_state)
                 release_state.advance()
+                if cutlass.const_expr(self.wide):  # split into the gate and up accumulators
+                    for i in cutlass.range_constexpr(n_elems):
+                        accs[0][i] = acc_wide[i]
+                        accs[1][i] = acc_wide[i + n_elems]
 
                 # ---------------- epilogue: bias, activation, row scale, masked bf16 stores
                 rows_left = row_end - row0
@@ -644,6 +670,23 @@ class GroupedGemmSm90:
                         read_state.advance()
                         release_state.advance()
                 tile_id = tile_id + tile_step
+
+    def _mma_k_tile(self, tiled_mma, accs, acc_wide, tCrA, tCrB, stage, num_k_blocks: cutlass.Constexpr):
+        """The WGMMAs of one k-tile (stage ``stage``): per k-block one over the wide B tile (wide)
+        or one per B slot (gate, up) of the stage."""
+        for kb in range(num_k_blocks):
+            if self.wide:
+                cute.gemm(tiled_mma, acc_wide, tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)],
+                          acc_wide)
+            else:
+                for h in range(self.num_b):
+                    cute.gemm(
+                        tiled_mma,
+                        accs[h],
+                        tCrA[(None, None, kb, stage)],
+                        tCrB[(None, None, kb, stage * self.num_b + h)],
+                        accs[h],
+                    )
 
     @cute.jit
     def _activate(

@@ -3,6 +3,8 @@
     python -m sm90_megamoe.grouped_gemm_runner --m-total 65536 --n 1536 --k 2048 --experts 128 \
         --activation swiglu --routing uniform --bench
     python -m sm90_megamoe.grouped_gemm_runner --suite          # everything in one process
+    python -m sm90_megamoe.grouped_gemm_runner --wide [--model qwen3,mixtral]   # schedule "wide" vs
+        # "cooperative" on the models' FC1 shapes: bit identity and time, torch._grouped_mm beside
 """
 
 from __future__ import annotations
@@ -218,6 +220,42 @@ def suite(args):
     return ok
 
 
+# FC1 shapes for --wide: (N = 2 I, K = H, E, M_total at 8192 tokens, activation, bias dtype)
+WIDE_SHAPES = {
+    "qwen3": (1536, 2048, 128, 65536, "swiglu", None),
+    "mixtral": (28672, 4096, 8, 16384, "swiglu", None),
+    "dsv3_shard": (4096, 7168, 32, 65536, "swiglu", None),
+    "gpt_oss": (5760, 2880, 128, 32768, "clamped_swiglu", "float32"),
+}
+
+
+def wide(models, iters=20) -> bool:
+    """Schedule "wide" (one m64 x 2 tile_n WGMMA over gate + up) against "cooperative" (two):
+    the same bits on uniform, skewed and one-row inputs, then both timed, interleaved twice."""
+    ok = True
+    for name in models:
+        n, k, e, m, act, bias = WIDE_SHAPES[name]
+        t = time.time()
+        fns = {s: get_grouped_gemm(act, n, k, e, bias_dtype=bias, schedule=s) for s in ("cooperative", "wide")}
+        print(f"[wide] {name}: compiled both in {time.time() - t:.1f}s (raster_m {fns['wide'].raster_m})", flush=True)
+        for m_, routing, seed in ((m, "uniform", 1), (4133, "skewed", 2), (1, "skewed", 3)):
+            a, b, offs, rs, bs = make_inputs(m_, n, k, e, act, routing, False, seed=seed, bias_dtype=bias)
+            outs = []
+            for s in ("cooperative", "wide"):
+                out = torch.full((m_, n // 2), float("nan"), dtype=torch.bfloat16, device="cuda")
+                fns[s](a, b, offs, out=out, bias=bs)
+                outs.append(out)
+            torch.cuda.synchronize()
+            same = torch.equal(outs[0], outs[1]) and not bool(torch.isnan(outs[1]).any())
+            ok &= same
+            print(f"[wide] {name} M={m_} {routing}: bit-identical to cooperative={same}", flush=True)
+        ok &= check(fns["wide"], 5003, n, k, e, act, "skewed", False)  # and against the fp32 reference
+        for r in range(2):
+            for s in ("cooperative", "wide"):
+                bench(fns[s], m, n, k, e, act, "uniform", False, iters=iters)
+    return ok
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--m-total", type=int, default=65536)
@@ -232,7 +270,9 @@ def main():
     p.add_argument("--epilogue", default="smem", choices=["smem", "direct"])
     p.add_argument("--bias", default=None, choices=["float32", "bfloat16"])
     p.add_argument("--raster-m", type=int, default=None)
-    p.add_argument("--schedule", default="cooperative", choices=["cooperative", "pingpong"])
+    p.add_argument("--schedule", default="cooperative", choices=["cooperative", "pingpong", "wide"])
+    p.add_argument("--wide", action="store_true", help="schedule wide vs cooperative on --model's FC1 shapes")
+    p.add_argument("--model", default="qwen3,mixtral", help=f"--wide: comma list of {sorted(WIDE_SHAPES)}")
     p.add_argument("--raster-bench", action="store_true", help="--suite --bench: also raster_m=1 vs default")
     p.add_argument("--bench", action="store_true")
     p.add_argument("--suite", action="store_true")
@@ -240,6 +280,8 @@ def main():
     print(f"device: {torch.cuda.get_device_name()}", flush=True)
     if args.suite:
         raise SystemExit(0 if suite(args) else 1)
+    if args.wide:
+        raise SystemExit(0 if wide(args.model.split(",")) else 1)
     t = time.time()
     fn = get_grouped_gemm(args.activation, args.n, args.k, args.experts, scale_rows=args.scale_rows,
                           tile_n=args.tile_n, num_stages=args.num_stages, epilogue=args.epilogue,

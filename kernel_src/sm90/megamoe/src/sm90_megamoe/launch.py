@@ -90,7 +90,7 @@ class CompiledGroupedGemm:
         """``compiled``: this variant's kernel compiled earlier (e.g. loaded from an exported
         object file, ``cute.runtime.load_module``); None compiles it here (sm_90a).
         ``tvm_ffi``: compile for (and launch through) TVM-FFI: :meth:`launch_tensors`.
-        ``schedule``: "cooperative" / "pingpong" (:class:`GroupedGemmSm90`, ``tile_n`` = output
+        ``schedule``: "cooperative" / "pingpong" / "wide" (:class:`GroupedGemmSm90`, ``tile_n`` = output
         columns per tile) or "swapab" (:class:`~.swapab_gemm.SwapABGroupedGemmSm90`, for a few
         rows per expert; ``tile_n`` is then its token tile ``tile_t``). Same arguments either way.
         ``early_weights``: swap-AB only, see :class:`~.swapab_gemm.SwapABGroupedGemmSm90`."""
