@@ -34,7 +34,8 @@
 #                with .device/fi carried, FlashInfer at PEER_DECODE_TOKENS (1,8,32,128,256) in the same
 #                call -> $OUT/decode_fi.csv, both plotted in $OUT/decode_all.png.
 # verify:        what has not yet run on a GPU: drop v22's BF16 wide FC1 (grouped_gemm_runner --wide, the BF16 layer
-#                with MOE_EP_WIDE_GATED 0 / 1), the FP8 layer with MOE_EP_FP8_WIDE_GATED 0 / 1, then GPU test groups
+#                with MOE_EP_WIDE_GATED 0 / 1), the FP8 layer with (MOE_EP_FP8_WIDE_GATED, MOE_EP_FP8_GATHER_FC1)
+#                = (0,0) (1,0) (1,1), then GPU test groups
 #                in parallel in what is left of CALL_BUDGET (530 s) -> $OUT/verify_*.{log,csv};
 # fp8ab:         the FP8 layer with (requant, wide) in {0,1}x{0,1}, interleaved, 2 rounds -> $OUT/fp8ab_*.{log,csv};
 #                verify2: the virtual-rank tests with PDL
@@ -125,18 +126,20 @@ if [ "$mode" = verify ]; then
       "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.grouped_gemm_runner --wide --model ${WIDE_MODELS:-qwen3,mixtral}"
   for q in 0 1; do
     step "BF16 layer, wide FC1 $q" "$OUT/verify_bf16_w$q.log" -- env MOE_EP_WIDE_GATED=$q python3 -m moe_ep.bench \
-        --model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" --no-reference --no-decode --csv "$OUT/verify_bf16_w$q.csv"
+        --model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" --no-reference --no-decode --csv "$OUT/verify_bf16_w$q.csv" \
+        $([ $q = 1 ] && echo --profile)
   done
-  for q in 0 1; do
-    step "FP8 layer, wide FC1 $q" "$OUT/verify_fp8_w$q.log" -- env MOE_EP_FP8_WIDE_GATED=$q python3 -m moe_ep.bench \
-        --model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" --quant fp8_block128 --no-reference --no-decode \
-        --csv "$OUT/verify_fp8_w$q.csv"
+  for v in "0 0" "1 0" "1 1"; do  # (wide FC1, FC1 gathering the tokens): off, the default, + gather
+    set -- $v
+    step "FP8 layer, wide FC1 $1, gather FC1 $2" "$OUT/verify_fp8_w$1g$2.log" -- env MOE_EP_FP8_WIDE_GATED=$1 \
+        MOE_EP_FP8_GATHER_FC1=$2 python3 -m moe_ep.bench --model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" \
+        --quant fp8_block128 --no-reference --no-decode --csv "$OUT/verify_fp8_w$1g$2.csv" $([ "$1$2" = 11 ] && echo --profile)
   done
   left=$(( ${CALL_BUDGET:-530} - SECONDS ))
   groups=("tests/test_layer_gpu.py -k wide_gated_fc1|matches_reference|bit_identical_repeats|decode_layer|activations_biases"
           "tests/test_ep_virtual_gpu.py -k determinism|cuda_graph|fp8"
           "tests/test_ep_gpu.py tests/test_disk_cache.py tests/test_transformers_integration.py"
-          "tests/test_fp8_backend.py tests/test_sm90_fp8_quant.py"
+          "tests/test_fp8_backend.py tests/test_sm90_fp8_quant.py tests/test_sm90_fp8_gather.py"
           "tests/test_sm90_fp8_compile.py tests/test_sm90_swapab_compile.py -k not_requant_and_not_wide")
   if [ "$left" -gt 60 ]; then
     echo "===== GPU tests, ${#groups[@]} groups in parallel ($(date +%T), ${left}s)"

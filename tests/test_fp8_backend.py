@@ -279,18 +279,21 @@ def test_local_route_is_bit_identical_fp8(monkeypatch, T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("switch", ["MOE_EP_FP8_FUSED_REQUANT", "MOE_EP_FP8_WIDE_GATED"])
+@pytest.mark.parametrize("switch", ["MOE_EP_FP8_FUSED_REQUANT", "MOE_EP_FP8_WIDE_GATED", "MOE_EP_FP8_GATHER_FC1"])
 @pytest.mark.parametrize("T", [1, 700])
 def test_fp8_fc1_variants_are_bit_identical(monkeypatch, T, switch):
     """Drop v21's FC1 variants: MOE_EP_FP8_FUSED_REQUANT=1 (FC1's epilogue writes FC2's e4m3 input)
-    and MOE_EP_FP8_WIDE_GATED=1 (one m64n128 gate+up WGMMA): the layer's output is the same bits
-    as without, eager and CUDA graph."""
+    and MOE_EP_FP8_WIDE_GATED=1 (one m64n128 gate+up WGMMA); drop v22's MOE_EP_FP8_GATHER_FC1=1 (the
+    tokens quantised once, FC1 gathering them by idx): the layer's output is the same bits as
+    without, eager and CUDA graph."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
 
     def check(impl, on):
         if switch == "MOE_EP_FP8_FUSED_REQUANT":
             assert impl.fused_requant == on and (impl.quant_h is None) == on
+        elif switch == "MOE_EP_FP8_GATHER_FC1":  # one rank, LocalRoute (the defaults)
+            assert impl.gather_fc1 == on and impl.fc1.gather_a == on
         else:
             assert impl.fc1.wide_gated == on and not impl.fc2.wide_gated
 
@@ -355,6 +358,49 @@ def test_fused_gather_wiring_on_cpu(fused, route, requant):
     fc2_args, fc2_kw = calls[names.index("fc2")][1], calls[names.index("fc2")][2]
     assert fc2_args[:4] == (t["hq"], t["hq_scale"], "v2", "s2") and fc2_kw["out"] is t["y"]
     assert fc2_kw["row_scale"] is t["ws_rows"]
+
+
+def test_gather_fc1_wiring_on_cpu():
+    """MOE_EP_FP8_GATHER_FC1=1 (one rank, LocalRoute): step 2 writes no grouped rows, step 3
+    quantises the caller's T tokens (counted, no idx) into the layer's token buffers and FC1 reads
+    them through idx; FC2 as usual (recorded, no kernel runs)."""
+    from types import SimpleNamespace
+
+    from moe_ep.backends.sm90.fp8_cutedsl.backend import Sm90Fp8Backend
+
+    calls = []
+
+    def rec(name):
+        return lambda *a, **k: calls.append((name, a, k))
+
+    b = object.__new__(Sm90Fp8Backend)
+    t = {n: torch.zeros(4) for n in ("offsets", "idx", "ws_rows", "pos", "xs", "xq", "xq_scale", "h", "hq",
+                                      "hq_scale", "y", "rows", "recv_x", "count")}
+    x, ids, w = torch.zeros(3, 4), torch.zeros(3, 2, dtype=torch.int32), torch.zeros(3, 2)
+    b.fused_gather, b.local_route, b.token_grid, b._routing = True, True, False, None
+    b.fused_requant, b.gather_fc1, b.fp8_wire = False, True, False
+    b.fc1_decode = None
+    b.fc1, b.fc2 = rec("fc1"), rec("fc2")
+    b.layout = type("L", (), {"route": lambda self, *a, **k: calls.append(("route", a, k))})()
+    b.quant_x, b.quant_h = rec("quant_x"), rec("quant_h")
+    b.ws = SimpleNamespace(seq=0)
+    b.ep = SimpleNamespace(bufs=SimpleNamespace(recv_x=t["recv_x"]), dispatch=rec("dispatch"))
+    for n in ("offsets", "idx", "ws_rows", "pos", "xs", "xq", "xq_scale", "h", "hq", "hq_scale", "y"):
+        setattr(b, n, t[n])
+    b.xq_tok, b.xq_tok_scale, b._tok_count = torch.zeros(5, 4), torch.zeros(5, 1), t["count"]
+    b._rows, b.num_ctas = t["rows"], 7
+    w13, w2 = SimpleNamespace(values="v13", scale="s13"), SimpleNamespace(values="v2", scale="s2")
+    b._step1_dispatch(x, ids, w)
+    b._step2_layout()
+    b._step34_experts(w13, w2)
+    assert [c[0] for c in calls] == ["route", "quant_x", "fc1", "quant_h", "fc2"]
+    assert calls[0][1][-1] is None  # no grouped BF16 rows
+    (qa, qk), (fa, fk) = calls[1][1:], calls[2][1:]
+    assert qa[0] is x and qa[1].shape == (3, 4) and qa[1].data_ptr() == b.xq_tok.data_ptr()
+    assert qa[2].shape == (3, 1) and qk == {"count": t["count"]}
+    assert fa[0] is qa[1] and fa[1] is qa[2] and fa[2:5] == ("v13", "s13", t["offsets"])
+    assert fk["idx"] is t["idx"] and fk["out"] is t["h"]
+    assert calls[4][1][:2] == (t["hq"], t["hq_scale"]) and calls[4][2]["out"] is t["y"]
 
 
 @pytest.mark.parametrize("local", [False, True])

@@ -94,49 +94,56 @@ class Fp8Key:
     overlap_promotion: bool = False
     requant: bool = False
     wide_gated: bool = False
+    gather_a: bool = False
 
 
 def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_rows: bool,
-         raster_m: int = 0, overlap_promotion: bool = False, requant: bool = False) -> Fp8Key:
+         raster_m: int = 0, overlap_promotion: bool = False, requant: bool = False, gather_a: bool = False) -> Fp8Key:
     return Fp8Key(CONSTANTS.value(PKG, "DROP_VERSION"), _cutlass_version(), "sm_90a", kind, activation, n, k,
                   num_experts, bool(scale_rows), use_tvm_ffi(), int(raster_m), bool(overlap_promotion),
-                  bool(requant), kind == "gemm" and use_fp8_wide_gated(activation))
+                  bool(requant), kind == "gemm" and use_fp8_wide_gated(activation), bool(gather_a))
 
 
 def compiled_fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
-                      requant: bool = False) -> Any:
+                      requant: bool = False, gather_a: bool = False) -> Any:
     """Compiled code of the FP8 grouped GEMM (no GPU needed). ``requant`` (swiglu; drop v21): the
     output is FC2's input, e4m3 rows and per-128 scales, quantised in the epilogue; swiglu with
-    :func:`use_fp8_wide_gated`: the one-WGMMA gate+up schedule."""
+    :func:`use_fp8_wide_gated`: the one-WGMMA gate+up schedule; ``gather_a`` (drop v22; not with
+    requant): A is the source rows and a call passes ``idx`` (grouped row r = ``a[idx[r]]``)."""
     check_fp8_gemm(activation, n, k, num_experts)
     if requant and activation != "swiglu":
         raise ValueError(f"sm90 FP8 GEMM: requant needs activation 'swiglu', got {activation!r}")
+    if requant and gather_a:
+        raise ValueError("sm90 FP8 GEMM: gather_a and requant do not combine")
     key = _key("gemm", activation, n, k, num_experts, scale_rows, pick_fp8_raster_m(k),
-               compiled_key_overlap(activation, k), requant)
+               compiled_key_overlap(activation, k), requant, gather_a)
+    name = f"fp8_gemm_{activation}" + ("_requant" if requant else "") + ("_gather" if gather_a else "")
 
     def build():
         fl = _load("sm90_megamoe.fp8_launch")
         return disk_cache.get_or_build(
-            cache_namespace(), f"fp8_gemm_{activation}" + ("_requant" if requant else ""), key,
+            cache_namespace(), name, key,
             lambda: fl.CompiledFp8Gemm(activation=activation, n=n, k=k, num_experts=num_experts,
                                        scale_rows=bool(scale_rows), compiled=None, tvm_ffi=key.tvm_ffi,
                                        raster_m=key.raster_m, overlap_promotion=key.overlap_promotion,
-                                       requant=key.requant, wide_gated=key.wide_gated).compiled,
+                                       requant=key.requant, wide_gated=key.wide_gated,
+                                       gather_a=key.gather_a).compiled,
             tvm_ffi=key.tvm_ffi)
 
     return COMPILE_CACHE.get_or_compile(key, build)
 
 
 def fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
-             requant: bool = False) -> Any:
+             requant: bool = False, gather_a: bool = False) -> Any:
     """A caller-owned launcher: ``gemm(a [M, k] e4m3, a_scale [M, k/128] f32, b [E, n, k] e4m3,
     b_scale [E, n/128, k/128] f32, offsets [E+1] i32, out=[M, n_out] bf16, row_scale=[M] f32)``;
-    ``requant``: ``out=[M, n_out] e4m3, out_scale=[M, n_out/128] f32`` instead of bf16 ``out``."""
-    compiled = compiled_fp8_gemm(activation, n, k, num_experts, scale_rows, requant)
+    ``requant``: ``out=[M, n_out] e4m3, out_scale=[M, n_out/128] f32`` instead of bf16 ``out``;
+    ``gather_a``: ``a [T, k]``, ``a_scale [T, k/128]`` are source rows and ``idx=[M] i32`` picks them."""
+    compiled = compiled_fp8_gemm(activation, n, k, num_experts, scale_rows, requant, gather_a)
     return _load("sm90_megamoe.fp8_launch").CompiledFp8Gemm(
         activation=activation, n=n, k=k, num_experts=num_experts, scale_rows=bool(scale_rows), compiled=compiled,
         tvm_ffi=use_tvm_ffi(), raster_m=pick_fp8_raster_m(k), overlap_promotion=compiled_key_overlap(activation, k),
-        requant=bool(requant), wide_gated=use_fp8_wide_gated(activation))
+        requant=bool(requant), wide_gated=use_fp8_wide_gated(activation), gather_a=bool(gather_a))
 
 
 def compiled_fp8_quantize_rows(k: int, gather: bool = False) -> Any:

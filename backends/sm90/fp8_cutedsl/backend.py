@@ -13,7 +13,9 @@ The forward is the BF16 SM90 backend's, with steps 3-4 replaced:
    scale, ``amax / 448``: :func:`moe_ep.api.quant.quantize_fp8_rows128`), then the FP8 grouped GEMM
    with per-k-block scale promotion ``h = swiglu(xq · wq13ᵀ)``; by default (:func:`fused_gather_quant`)
    step 2 skips the BF16 row gather and this step quantises the received rows straight into grouped
-   order (one launch and a BF16 write + read of every grouped row less; same bits);
+   order (one launch and a BF16 write + read of every grouped row less; same bits); with
+   :func:`gather_fc1` (one rank), each token is quantised once instead and FC1 reads grouped row r
+   from token ``idx[r]`` itself (drop v22's gathering FP8 GEMM: T rows quantised, not T * top_k);
 4. **FC2 + router weight** -- ``h`` quantised the same way, ``y = ws · (hq · wq2ᵀ)``; with
    :func:`fused_requant`, FC1's epilogue has already written ``hq`` and its scales (same bits);
 5. **combine** -- as on BF16.
@@ -37,7 +39,7 @@ from moe_ep.shim import (Sm90EpSession, Sm90LayoutSession, sm90_check_fp8_gemm, 
 from ...quant import FP8_BLOCK, quantize_fp8_block128
 from ...quantized import check_quantized_config, quantized_activation_buffers
 from ...registry import UnsupportedBackendError, require_cuda_arch
-from ..bf16_cutedsl.backend import Sm90CuteDSLBackend, env_switch, prebuild_layer
+from ..bf16_cutedsl.backend import Sm90CuteDSLBackend, env_switch, local_route, prebuild_layer
 
 NAME = "sm90_fp8_cutedsl"
 
@@ -105,16 +107,30 @@ def fused_requant() -> bool:
     return env_switch("MOE_EP_FP8_FUSED_REQUANT", False)
 
 
+def gather_fc1() -> bool:
+    """``MOE_EP_FP8_GATHER_FC1=1`` (one rank, with LocalRoute; not with requant): step 3 quantises the
+    caller's T tokens (not the T * top_k grouped rows) and FC1 loads grouped row r from quantised
+    token ``idx[r]`` itself (drop v22's ``Fp8GatherGroupedGemmSm90``: the same bits as FC1 on the
+    gathered rows). Off by default until it has run on a GPU."""
+    return env_switch("MOE_EP_FP8_GATHER_FC1", False)
+
+
+def _gathers_fc1(world_size: int) -> bool:
+    """Whether a layer of ``world_size`` ranks runs FC1 on the quantised tokens (see gather_fc1)."""
+    return world_size == 1 and gather_fc1() and local_route() and not fused_requant()
+
+
 def prebuild(config: Any, world_size: int, kernels: tuple = ("fc1", "fc2", "ep", "layout")) -> None:
     """Compile (or load from the disk compile cache) every kernel a layer needs, without a GPU;
     "fc1"/"fc2" include the row quantiser of their input width (FC2's: unless FC1 requantises)."""
     specs = _gemm_specs(config, config.local_experts(world_size))
     requant = fused_requant()
+    gather_a = _gathers_fc1(world_size)
 
     def gemm(name):
-        gather = name == "fc1" and fused_gather_quant()
+        gather = name == "fc1" and fused_gather_quant() and not gather_a
         if name == "fc1":
-            return lambda: (sm90_compiled_fp8_gemm(*specs[name], requant=requant),
+            return lambda: (sm90_compiled_fp8_gemm(*specs[name], requant=requant, gather_a=gather_a),
                             sm90_compiled_fp8_quantize_rows(specs[name][2], gather=gather))
         return lambda: (sm90_compiled_fp8_gemm(*specs[name]),
                         None if requant else sm90_compiled_fp8_quantize_rows(specs[name][2]))
@@ -137,15 +153,22 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
     name = NAME
     fp8_wire = False  # set at bind (W > 1 and MOE_EP_FP8_WIRE=1)
     fused_requant = False  # set at bind (MOE_EP_FP8_FUSED_REQUANT=1)
+    gather_fc1 = False  # set at bind (MOE_EP_FP8_GATHER_FC1=1, one rank with LocalRoute)
 
     def _bind_gemms(self, views: dict) -> None:
         cfg = self.cfg
         specs = _gemm_specs(cfg, self.E)
         self.fused_requant = fused_requant()
-        self.fc1 = sm90_fp8_gemm(*specs["fc1"], requant=self.fused_requant)
+        self.gather_fc1 = self.local_route and _gathers_fc1(self.W)
+        self.fc1 = sm90_fp8_gemm(*specs["fc1"], requant=self.fused_requant, gather_a=self.gather_fc1)
         self.fc2 = sm90_fp8_gemm(*specs["fc2"])
-        self.fused_gather = fused_gather_quant()
-        self.quant_x = sm90_fp8_quantize_rows(cfg.hidden, gather=self.fused_gather)
+        self.fused_gather = fused_gather_quant() or self.gather_fc1  # no BF16 grouped rows either way
+        self.quant_x = sm90_fp8_quantize_rows(cfg.hidden, gather=self.fused_gather and not self.gather_fc1)
+        if self.gather_fc1:  # the caller's tokens, quantised once (rows < T: T bounds the count)
+            T = self.dims.max_tokens
+            self.xq_tok = torch.empty(T, cfg.hidden, dtype=torch.float8_e4m3fn, device=self.device)
+            self.xq_tok_scale = torch.empty(T, cfg.hidden // FP8_BLOCK, dtype=torch.float32, device=self.device)
+            self._tok_count = torch.full((1,), T, dtype=torch.int32, device=self.device)
         self.quant_h = None if self.fused_requant else sm90_fp8_quantize_rows(cfg.intermediate)
         self.fc1_decode = self.fc2_decode = None
         self._decode_max_tokens = 0
@@ -225,6 +248,18 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
 
     def _step34_experts(self, w13, w2, b13=None, b2=None) -> None:
         fc1, fc2 = self._gemms
+        if self.gather_fc1:  # 3a. the T tokens once; 3b. FC1 reads grouped row r from token idx[r]
+            T = self._tokens  # the caller's x (step 2 kept it in _x_rows) has T rows
+            xq, xq_scale = self.xq_tok[:T], self.xq_tok_scale[:T]
+            if T:
+                self.quant_x(self._x_rows, xq, xq_scale, count=self._tok_count)
+            self._x_rows = None
+            fc1(xq, xq_scale, w13.values, w13.scale, self.offsets, out=self.h, row_scale=self.ws_rows,
+                max_active_ctas=self.num_ctas, idx=self.idx)
+            self.quant_h(self.h, self.hq, self.hq_scale, count=self._rows)
+            fc2(self.hq, self.hq_scale, w2.values, w2.scale, self.offsets, out=self.y, row_scale=self.ws_rows,
+                max_active_ctas=self.num_ctas)
+            return
         if self.fp8_wire:
             pass  # xq / xq_scale arrived quantised (step 2)
         elif self.fused_gather:  # grouped row r = received row idx[r], quantised on the way
@@ -243,6 +278,6 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
             max_active_ctas=self.num_ctas)
 
     def destroy(self):
-        self.xq = self.xq_scale = self.hq = self.hq_scale = None
+        self.xq = self.xq_scale = self.hq = self.hq_scale = self.xq_tok = self.xq_tok_scale = None
         self.ep_q = self.ep_s = self.layout_q = self.xq_send = self.sx_send = None
         super().destroy()

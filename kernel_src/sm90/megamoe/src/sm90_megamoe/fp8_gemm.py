@@ -155,6 +155,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
     #: the requantising variant (:class:`Fp8SwigluRequantGroupedGemmSm90`) sets these
     requant = False
     halves = 1
+    gather_a = False  # drop v22: A rows gathered by index (:class:`.fp8_gather.Fp8GatherGroupedGemmSm90`)
 
     def __init__(self, activation: str, scale_rows: bool = False, tile_n: Optional[int] = None,
                  num_stages: Optional[int] = None, raster_m: int = 1, overlap_promotion: bool = False,
@@ -369,10 +370,12 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
 
     @cute.jit
     def _body(self, tma_atom_a, mA_tma, tma_atom_b, mB_tma, mAScale, mBScale, outs, mOffsets, mRowScale,
-              tiled_mma, tiled_mma_epi, a_smem_layout, b_smem_layout, b_smem_layout_mma):
+              tiled_mma, tiled_mma_epi, a_smem_layout, b_smem_layout, b_smem_layout_mma, gather=None):
         """The kernel (traced inline into each variant's ``@cute.kernel``). ``outs``: ``(mC,)``, or
         ``(mQ, mQScale)`` for the requantising variant, whose unit of work is the pair of n-tiles
-        of one 128-column group (``self.halves`` = 2), one after the other."""
+        of one 128-column group (``self.halves`` = 2), one after the other. ``gather``: ``(mA,
+        mIdx)`` for the gathering variant (``self.gather_a``): grouped row r is ``mA[mIdx[r]]``,
+        loaded by the producer warpgroup with cp.async, and its scales ``mAScale[mIdx[r]]``."""
         wait_previous_grid()
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -419,10 +422,16 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         tma_bytes = cute.size_in_bytes(self.ab_dtype, a_smem_one) + self.num_b * cute.size_in_bytes(
             self.ab_dtype, b_smem_one
         )
+        producers = pipeline.CooperativeGroup(pipeline.Agent.Thread)
+        if cutlass.const_expr(self.gather_a):
+            # a stage is full after warp 0's TMA arrive (B bytes) and one cp.async arrival per
+            # producer thread (its A row)
+            tma_bytes = self.num_b * cute.size_in_bytes(self.ab_dtype, b_smem_one)
+            producers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 + self.threads_per_wg)
         ab_pipeline = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar.data_ptr(),
             num_stages=self.num_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            producer_group=producers,
             consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.stage_consumer_warps),
             tx_count=tma_bytes,
             cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
@@ -440,51 +449,55 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         # =========================================================== producer warpgroup
         if warp_group_idx == 0:
             cute.arch.warpgroup_reg_dealloc(self.load_regs)
-            if warp_idx == 0:
-                prod_state = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Producer, self.num_stages
-                )
-                tAsA = cute.group_modes(sA, 0, 2)
-                tBsB = cute.group_modes(sB, 0, 2)
-                expert = cutlass.Int32(0)
-                tile_id = bidx
-                while tile_id < total_tiles:
-                    expert, row0, row_end, n_tile = self._locate(sOff, sCum, tile_id, expert)
-                    gA = cute.local_tile(
-                        cute.domain_offset((row0, 0), mA_tma), (self.tile_m, self.tile_k), (0, None)
+            if cutlass.const_expr(self.gather_a):
+                self._produce_gathered(ab_pipeline, gather[0], gather[1], tma_atom_b, mB_tma, sA, sB, sOff, sCum,
+                                       total_tiles, tidx, warp_idx, bidx, gdim)
+            else:
+                if warp_idx == 0:
+                    prod_state = pipeline.make_pipeline_state(
+                        pipeline.PipelineUserType.Producer, self.num_stages
                     )
-                    tAsA_p, tAgA = cpasync.tma_partition(
-                        tma_atom_a, 0, cute.make_layout(1), tAsA, cute.group_modes(gA, 0, 2)
-                    )
-                    for half in cutlass.range_constexpr(self.halves):
-                        n0 = self._n0(n_tile, half)
-                        tBgBs = []
-                        for h in cutlass.range_constexpr(self.num_b):
-                            gB = cute.local_tile(
-                                cute.domain_offset((n0 + h * self.n_out, 0, 0), mB_tma),
-                                (self.tile_n, self.tile_k),
-                                (0, None, expert),
-                            )
-                            tBsB_p, tBgB = cpasync.tma_partition(
-                                tma_atom_b, 0, cute.make_layout(1), tBsB, cute.group_modes(gB, 0, 2)
-                            )
-                            tBgBs.append(tBgB)
-                        for k_tile in range(k_tiles):
-                            ab_pipeline.producer_acquire(prod_state)
-                            bar = ab_pipeline.producer_get_barrier(prod_state)
-                            cute.copy(tma_atom_a, tAgA[(None, k_tile)], tAsA_p[(None, prod_state.index)],
-                                      tma_bar_ptr=bar)
+                    tAsA = cute.group_modes(sA, 0, 2)
+                    tBsB = cute.group_modes(sB, 0, 2)
+                    expert = cutlass.Int32(0)
+                    tile_id = bidx
+                    while tile_id < total_tiles:
+                        expert, row0, row_end, n_tile = self._locate(sOff, sCum, tile_id, expert)
+                        gA = cute.local_tile(
+                            cute.domain_offset((row0, 0), mA_tma), (self.tile_m, self.tile_k), (0, None)
+                        )
+                        tAsA_p, tAgA = cpasync.tma_partition(
+                            tma_atom_a, 0, cute.make_layout(1), tAsA, cute.group_modes(gA, 0, 2)
+                        )
+                        for half in cutlass.range_constexpr(self.halves):
+                            n0 = self._n0(n_tile, half)
+                            tBgBs = []
                             for h in cutlass.range_constexpr(self.num_b):
-                                cute.copy(
-                                    tma_atom_b,
-                                    tBgBs[h][(None, k_tile)],
-                                    tBsB_p[(None, prod_state.index * self.num_b + h)],
-                                    tma_bar_ptr=bar,
+                                gB = cute.local_tile(
+                                    cute.domain_offset((n0 + h * self.n_out, 0, 0), mB_tma),
+                                    (self.tile_n, self.tile_k),
+                                    (0, None, expert),
                                 )
-                            ab_pipeline.producer_commit(prod_state)
-                            prod_state.advance()
-                    tile_id = tile_id + gdim
-                ab_pipeline.producer_tail(prod_state)
+                                tBsB_p, tBgB = cpasync.tma_partition(
+                                    tma_atom_b, 0, cute.make_layout(1), tBsB, cute.group_modes(gB, 0, 2)
+                                )
+                                tBgBs.append(tBgB)
+                            for k_tile in range(k_tiles):
+                                ab_pipeline.producer_acquire(prod_state)
+                                bar = ab_pipeline.producer_get_barrier(prod_state)
+                                cute.copy(tma_atom_a, tAgA[(None, k_tile)], tAsA_p[(None, prod_state.index)],
+                                          tma_bar_ptr=bar)
+                                for h in cutlass.range_constexpr(self.num_b):
+                                    cute.copy(
+                                        tma_atom_b,
+                                        tBgBs[h][(None, k_tile)],
+                                        tBsB_p[(None, prod_state.index * self.num_b + h)],
+                                        tma_bar_ptr=bar,
+                                    )
+                                ab_pipeline.producer_commit(prod_state)
+                                prod_state.advance()
+                        tile_id = tile_id + gdim
+                    ab_pipeline.producer_tail(prod_state)
 
         # =========================================================== consumer warpgroups
         if warp_group_idx > 0:
@@ -545,6 +558,10 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                 # clamp to the expert's last row: always in bounds, never stored when clamped
                 ra_lo = row0 + cutlass.min(r_lo, rows_left - 1)
                 ra_hi = row0 + cutlass.min(r_hi, rows_left - 1)
+                sr_lo, sr_hi = ra_lo, ra_hi  # the rows of mAScale (gathering: the source rows)
+                if cutlass.const_expr(self.gather_a):
+                    sr_lo = gather[1][ra_lo]
+                    sr_hi = gather[1][ra_hi]
                 kept = None  # requant: half 0's bf16 outputs and row amaxes, for half 1
                 for half in cutlass.range_constexpr(self.halves):
                     n0 = self._n0(n_tile, half)
@@ -557,14 +574,14 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                         ab_pipeline.consumer_wait(state)
                         tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts, state.index, num_k_blocks)
                         state.advance()
-                        a_lo, a_hi, a_b0, a_b1 = self._scales(mAScale, mBScale, ra_lo, ra_hi, expert, n0, 0)
+                        a_lo, a_hi, a_b0, a_b1 = self._scales(mAScale, mBScale, sr_lo, sr_hi, expert, n0, 0)
                         # pairs (t, t + 1) = (1 + 2p, 2 + 2p): t -> set B (parts2), t + 1 -> set A
                         for p in cutlass.range_constexpr((k_tiles - 1) // 2):  # unrolled: see OVERLAP_MAX_K_TILES
                             t = 1 + 2 * p
                             ab_pipeline.consumer_wait(state)
                             tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts2, state.index, num_k_blocks)
                             state.advance()
-                            b_lo, b_hi, b_b0, b_b1 = self._scales(mAScale, mBScale, ra_lo, ra_hi, expert, n0, t)
+                            b_lo, b_hi, b_b0, b_b1 = self._scales(mAScale, mBScale, sr_lo, sr_hi, expert, n0, t)
                             warpgroup.wait_group(1)  # set A's group (t - 1) is done; B's may run
                             self._fence(parts, n_mma_elems)
                             ab_pipeline.consumer_release(rel)
@@ -573,7 +590,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                             ab_pipeline.consumer_wait(state)
                             tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts, state.index, num_k_blocks)
                             state.advance()
-                            a_lo, a_hi, a_b0, a_b1 = self._scales(mAScale, mBScale, ra_lo, ra_hi, expert, n0, t + 1)
+                            a_lo, a_hi, a_b0, a_b1 = self._scales(mAScale, mBScale, sr_lo, sr_hi, expert, n0, t + 1)
                             warpgroup.wait_group(1)  # set B's group (t) is done
                             self._fence(parts2, n_mma_elems)
                             ab_pipeline.consumer_release(rel)
@@ -584,7 +601,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                             ab_pipeline.consumer_wait(state)
                             tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts2, state.index, num_k_blocks)
                             state.advance()
-                            b_lo, b_hi, b_b0, b_b1 = self._scales(mAScale, mBScale, ra_lo, ra_hi, expert, n0,
+                            b_lo, b_hi, b_b0, b_b1 = self._scales(mAScale, mBScale, sr_lo, sr_hi, expert, n0,
                                                                   k_tiles - 1)
                             warpgroup.wait_group(1)
                             self._fence(parts, n_mma_elems)
@@ -607,7 +624,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                             ab_pipeline.consumer_wait(state)
                             tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts, state.index, num_k_blocks)
                             # scales of this k-tile: loaded while the WGMMAs run
-                            sa_lo, sa_hi, sb0, sb1 = self._scales(mAScale, mBScale, ra_lo, ra_hi, expert, n0, k_tile)
+                            sa_lo, sa_hi, sb0, sb1 = self._scales(mAScale, mBScale, sr_lo, sr_hi, expert, n0, k_tile)
                             warpgroup.wait_group(0)
                             ab_pipeline.consumer_release(state)
                             state.advance()

@@ -13,19 +13,23 @@ import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
+from .fp8_gather import Fp8GatherGroupedGemmSm90
 from .fp8_gemm import FP8_BLOCK, Fp8BlockScaledGroupedGemmSm90, Fp8SwigluRequantGroupedGemmSm90, can_implement
 from .launch import _num_sms, call_on_stream, ffi_function
 
 
-def fake_args(num_experts: int, n: int, k: int, activation: str, use_tvm_ffi: bool = False, requant: bool = False):
+def fake_args(num_experts: int, n: int, k: int, activation: str, use_tvm_ffi: bool = False, requant: bool = False,
+              gather_a: bool = False):
     """Fake ``(mA, mAScale, mB, mBScale, mC, mOffsets, mRowScale, ctas, stream)``: M_total
     dynamic, the FP8 operands as uint8 views; ``requant``: ``mC`` is ``(mQ, mQScale)``, the
-    e4m3 rows (uint8) and their float32 scales."""
+    e4m3 rows (uint8) and their float32 scales; ``gather_a``: ``(mA, mAScale, mIdx, mB, ...)``,
+    A and its scales with their own dynamic row count (the source rows)."""
     n_out = n // 2 if activation == "swiglu" else n
     m = cute.sym_int()
+    m_a = cute.sym_int() if gather_a else m
     u8, f32 = cutlass.Uint8, cutlass.Float32
-    mA = make_fake_compact_tensor(u8, (m, k), stride_order=(1, 0), assumed_align=16)
-    mAS = make_fake_compact_tensor(f32, (m, k // FP8_BLOCK), stride_order=(1, 0), assumed_align=4)
+    mA = make_fake_compact_tensor(u8, (m_a, k), stride_order=(1, 0), assumed_align=16)
+    mAS = make_fake_compact_tensor(f32, (m_a, k // FP8_BLOCK), stride_order=(1, 0), assumed_align=4)
     mB = make_fake_compact_tensor(u8, (num_experts, n, k), stride_order=(2, 1, 0), assumed_align=16)
     mBS = make_fake_compact_tensor(f32, (num_experts, n // FP8_BLOCK, k // FP8_BLOCK), stride_order=(2, 1, 0),
                                    assumed_align=4)
@@ -36,7 +40,8 @@ def fake_args(num_experts: int, n: int, k: int, activation: str, use_tvm_ffi: bo
     if requant:
         out = (make_fake_compact_tensor(u8, (m, n_out), stride_order=(1, 0), assumed_align=16),
                make_fake_compact_tensor(f32, (m, n_out // FP8_BLOCK), stride_order=(1, 0), assumed_align=4))
-    return (mA, mAS, mB, mBS, *out, mOff, mRS, cutlass.Int32(132),
+    idx = (make_fake_compact_tensor(cutlass.Int32, (m,), assumed_align=4),) if gather_a else ()
+    return (mA, mAS, *idx, mB, mBS, *out, mOff, mRS, cutlass.Int32(132),
             make_fake_stream(use_tvm_ffi_env_stream=use_tvm_ffi))
 
 
@@ -55,12 +60,15 @@ class CompiledFp8Gemm:
     ``requant`` (swiglu only): the output is FC2's input, e4m3 rows plus per-128 scales
     (:class:`.fp8_gemm.Fp8SwigluRequantGroupedGemmSm90`), and a call passes ``out_scale``;
     ``wide_gated`` (swiglu only): one m64n128 WGMMA over gate and up per k-block instead of two
-    m64n64 ones."""
+    m64n64 ones; ``gather_a`` (not with requant): A is the source rows and a call passes ``idx``,
+    grouped row r = ``a[idx[r]]`` (:class:`.fp8_gather.Fp8GatherGroupedGemmSm90`)."""
 
     def __init__(self, activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
                  compiled=None, tvm_ffi: bool = False, raster_m: int = 1, overlap_promotion: bool = False,
-                 requant: bool = False, wide_gated: bool = False):
+                 requant: bool = False, wide_gated: bool = False, gather_a: bool = False):
         reason = can_implement(activation, n, k, num_experts)
+        if reason is None and gather_a and requant:
+            reason = "gather_a and requant do not combine"
         for flag, on in (("requant", requant), ("wide_gated", wide_gated)):
             if reason is None and on and activation != "swiglu":
                 reason = f"{flag} needs activation 'swiglu', got {activation!r}"
@@ -68,6 +76,7 @@ class CompiledFp8Gemm:
             raise ValueError(reason)
         self.requant = bool(requant)
         self.wide_gated = bool(wide_gated)
+        self.gather_a = bool(gather_a)
         self.activation, self.n, self.k, self.num_experts = activation, n, k, num_experts
         self.scale_rows = bool(scale_rows)
         self.n_out = n // 2 if activation == "swiglu" else n
@@ -80,23 +89,26 @@ class CompiledFp8Gemm:
                                                          overlap_promotion=self.overlap_promotion,
                                                          wide_gated=self.wide_gated)
             else:
-                kernel = Fp8BlockScaledGroupedGemmSm90(activation, scale_rows=self.scale_rows,
+                cls = Fp8GatherGroupedGemmSm90 if self.gather_a else Fp8BlockScaledGroupedGemmSm90
+                kernel = cls(activation, scale_rows=self.scale_rows,
                                                        raster_m=self.raster_m,
                                                        overlap_promotion=self.overlap_promotion,
                                                        wide_gated=self.wide_gated)
             opts = "--gpu-arch sm_90a" + (" --enable-tvm-ffi" if self.tvm_ffi else "")
-            compiled = cute.compile(kernel, *fake_args(num_experts, n, k, activation, self.tvm_ffi, self.requant),
-                                    options=opts)
+            compiled = cute.compile(kernel, *fake_args(num_experts, n, k, activation, self.tvm_ffi, self.requant,
+                                                       self.gather_a), options=opts)
         self.compiled = compiled
         self._fn = ffi_function(compiled) if self.tvm_ffi else None
 
     def __call__(self, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                  offsets: torch.Tensor, out: torch.Tensor, row_scale: torch.Tensor,
                  max_active_ctas: Optional[int] = None, stream=None,
-                 out_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 out_scale: Optional[torch.Tensor] = None, idx: Optional[torch.Tensor] = None) -> torch.Tensor:
         """
         a:         [M_total, K]        float8_e4m3fn (or uint8 bits), contiguous, CUDA
-        a_scale:   [M_total, K/128]    float32
+                   (``gather_a``: [T_src, K], the source rows)
+        a_scale:   [M_total, K/128]    float32 (``gather_a``: [T_src, K/128])
+        idx:       [M_total]           int32, ``gather_a`` only (required there): source row of each grouped row
         b:         [E, N, K]           float8_e4m3fn (or uint8 bits)
         b_scale:   [E, N/128, K/128]   float32
         offsets:   [E + 1]             int32 (device memory, never read by the host)
@@ -107,12 +119,15 @@ class CompiledFp8Gemm:
         """
         if self.requant != (out_scale is not None):
             raise ValueError("out_scale is required with requant=True and refused without it")
+        if self.gather_a != (idx is not None):
+            raise ValueError("idx is required with gather_a=True and refused without it")
+        ins = (_u8(a), a_scale) + ((idx,) if self.gather_a else ())
         if a.shape[0] == 0:
             return out
         ctas = max_active_ctas if max_active_ctas is not None else _num_sms(a.device)
         outs = (_u8(out), out_scale) if self.requant else (out,)
         if self.tvm_ffi:
-            call_on_stream(self._fn, (_u8(a), a_scale, _u8(b), b_scale, *outs, offsets, row_scale, ctas), stream)
+            call_on_stream(self._fn, (*ins, _u8(b), b_scale, *outs, offsets, row_scale, ctas), stream)
             return out
         from cutlass.cute.runtime import from_dlpack
 
@@ -120,7 +135,8 @@ class CompiledFp8Gemm:
             return from_dlpack(t, assumed_align=align).mark_compact_shape_dynamic(mode=0, stride_order=(0, 1))
 
         outs = (rows(outs[0], 16), rows(outs[1], 4)) if self.requant else (rows(out, 16),)
-        args = (rows(_u8(a), 16), rows(a_scale, 4), from_dlpack(_u8(b), assumed_align=16),
+        idx_args = (from_dlpack(idx, assumed_align=4).mark_compact_shape_dynamic(mode=0),) if self.gather_a else ()
+        args = (rows(_u8(a), 16), rows(a_scale, 4), *idx_args, from_dlpack(_u8(b), assumed_align=16),
                 from_dlpack(b_scale, assumed_align=4), *outs, from_dlpack(offsets, assumed_align=4),
                 from_dlpack(row_scale, assumed_align=4).mark_compact_shape_dynamic(mode=0))
         if stream is None:

@@ -5,6 +5,7 @@
                                       [--overlap]           # + the overlapped-promotion schedule
                                       [--requant]           # + FC1 requantising its output (v21)
                                       [--wide]              # + FC1 with one m64n128 gate+up WGMMA (v21)
+                                      [--gather]            # + FC1 gathering its A rows by index (v22)
 
 Per model, FC1 (swiglu, w13 [E, 2I, H]) and FC2 (identity + router row scale, w2 [E, H, I]):
 * every machine: compile for sm_90a from fake tensors and check the PTX (FP8 WGMMA
@@ -18,7 +19,9 @@ Per model, FC1 (swiglu, w13 [E, 2I, H]) and FC2 (identity + router row scale, w2
   must write exactly what the row quantiser (:mod:`.fp8_quant`) writes for the plain FC1's bf16
   output (values and scales bit for bit, NaN-poisoned outputs), timed against plain FC1 + quantiser;
 * ``--wide``: FC1 with ``wide_gated=True`` (one m64n128 WGMMA over the gate and up tiles) must
-  match the default FC1 bit for bit; timed beside it (and, with ``--requant``, its requantising form).
+  match the default FC1 bit for bit; timed beside it (and, with ``--requant``, its requantising form);
+* ``--gather``: FC1 reading grouped row r from source row idx[r] (:mod:`.fp8_gather`) must match the
+  same FC1 on the gathered rows bit for bit; timed beside it (``--wide``: both wide).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 from cutlass.cute.runtime import from_dlpack, make_fake_compact_tensor, make_fake_stream
 
+from .fp8_gather import Fp8GatherGroupedGemmSm90
 from .fp8_gemm import (FP8_BLOCK, OVERLAP_MAX_K_TILES, Fp8BlockScaledGroupedGemmSm90,
                        Fp8SwigluRequantGroupedGemmSm90, can_implement)
 from .fp8_reference import (fp8_grouped_gemm_reference, make_offsets, quantize_rows128,
@@ -53,15 +57,16 @@ def layers(model: str):
     return [("fc1", "swiglu", 2 * i, h, False), ("fc2", "identity", h, i, True)]
 
 
-def fake_args(num_experts: int, n: int, k: int, activation: str, requant: bool = False):
+def fake_args(num_experts: int, n: int, k: int, activation: str, requant: bool = False, gather_a: bool = False):
     """Fake (mA, mAScale, mB, mBScale, mC, mOffsets, mRowScale, ctas, stream): M_total dynamic,
     fp8 operands as uint8 views (what :func:`cute_args` passes); ``requant``: mC is (mQ uint8,
-    mQScale float32)."""
+    mQScale float32); ``gather_a``: (mA, mAScale, mIdx, mB, ...), A with its own row count."""
     n_out = n // 2 if activation == "swiglu" else n
     m = cute.sym_int()
+    m_a = cute.sym_int() if gather_a else m
     u8, f32 = cutlass.Uint8, cutlass.Float32
-    mA = make_fake_compact_tensor(u8, (m, k), stride_order=(1, 0), assumed_align=16)
-    mAS = make_fake_compact_tensor(f32, (m, k // FP8_BLOCK), stride_order=(1, 0), assumed_align=4)
+    mA = make_fake_compact_tensor(u8, (m_a, k), stride_order=(1, 0), assumed_align=16)
+    mAS = make_fake_compact_tensor(f32, (m_a, k // FP8_BLOCK), stride_order=(1, 0), assumed_align=4)
     mB = make_fake_compact_tensor(u8, (num_experts, n, k), stride_order=(2, 1, 0), assumed_align=16)
     mBS = make_fake_compact_tensor(f32, (num_experts, n // FP8_BLOCK, k // FP8_BLOCK),
                                    stride_order=(2, 1, 0), assumed_align=4)
@@ -72,16 +77,19 @@ def fake_args(num_experts: int, n: int, k: int, activation: str, requant: bool =
     if requant:
         out = (make_fake_compact_tensor(u8, (m, n_out), stride_order=(1, 0), assumed_align=16),
                make_fake_compact_tensor(f32, (m, n_out // FP8_BLOCK), stride_order=(1, 0), assumed_align=4))
-    return (mA, mAS, mB, mBS, *out, mOff, mRS, cutlass.Int32(132), make_fake_stream())
+    idx = (make_fake_compact_tensor(cutlass.Int32, (m,), assumed_align=4),) if gather_a else ()
+    return (mA, mAS, *idx, mB, mBS, *out, mOff, mRS, cutlass.Int32(132), make_fake_stream())
 
 
-def cute_args(a, a_scale, b, b_scale, c, offsets, row_scale, c_scale=None):
-    """CuTe views of contiguous torch tensors matching :func:`fake_args` (``c_scale``: requant)."""
+def cute_args(a, a_scale, b, b_scale, c, offsets, row_scale, c_scale=None, idx=None):
+    """CuTe views of contiguous torch tensors matching :func:`fake_args` (``c_scale``: requant;
+    ``idx``: gather_a)."""
     u8 = lambda t: t.view(torch.uint8) if t.dtype != torch.uint8 else t  # noqa: E731
     dyn = lambda t, al: from_dlpack(t, assumed_align=al).mark_compact_shape_dynamic(  # noqa: E731
         mode=0, stride_order=(0, 1))
     outs = (dyn(c, 16),) if c_scale is None else (dyn(u8(c), 16), dyn(c_scale, 4))
-    return (dyn(u8(a), 16), dyn(a_scale, 4), from_dlpack(u8(b), assumed_align=16),
+    ix = () if idx is None else (from_dlpack(idx, assumed_align=4).mark_compact_shape_dynamic(mode=0),)
+    return (dyn(u8(a), 16), dyn(a_scale, 4), *ix, from_dlpack(u8(b), assumed_align=16),
             from_dlpack(b_scale, assumed_align=4), *outs, from_dlpack(offsets, assumed_align=4),
             from_dlpack(row_scale, assumed_align=4).mark_compact_shape_dynamic(mode=0))
 
@@ -89,30 +97,33 @@ def cute_args(a, a_scale, b, b_scale, c, offsets, row_scale, c_scale=None):
 def compile_variant(activation: str, n: int, k: int, num_experts: int, scale_rows: bool,
                     arch: str = "sm_90a", tile_n: Optional[int] = None,
                     num_stages: Optional[int] = None, raster_m: int = 1, overlap_promotion: bool = False,
-                    requant: bool = False, wide_gated: bool = False):
+                    requant: bool = False, wide_gated: bool = False, gather_a: bool = False):
     """(kernel, compiled) for one variant, from fake tensors (no GPU needed), compiled once per
     process (the checks, the GPU runs and the tests share it); ``requant``: FC1's requantising
-    variant, ``wide_gated``: FC1's one-WGMMA gate+up schedule (swiglu only)."""
+    variant, ``wide_gated``: FC1's one-WGMMA gate+up schedule (swiglu only); ``gather_a``: A rows
+    gathered by index (:mod:`.fp8_gather`)."""
     return _compile_variant(activation, n, k, num_experts, bool(scale_rows), arch, tile_n, num_stages, int(raster_m),
-                            bool(overlap_promotion), bool(requant), bool(wide_gated))
+                            bool(overlap_promotion), bool(requant), bool(wide_gated), bool(gather_a))
 
 
 @functools.lru_cache(maxsize=None)
 def _compile_variant(activation, n, k, num_experts, scale_rows, arch, tile_n, num_stages, raster_m,
-                     overlap_promotion, requant, wide_gated):
+                     overlap_promotion, requant, wide_gated, gather_a=False):
     reason = can_implement(activation, n, k, num_experts, tile_n)
     if reason is None and requant and activation != "swiglu":
         reason = "requant needs swiglu"
+    if reason is None and requant and gather_a:
+        reason = "gather_a and requant do not combine"
     if reason is not None:
         raise ValueError(reason)
     if requant:
         kernel = Fp8SwigluRequantGroupedGemmSm90(scale_rows=scale_rows, num_stages=num_stages, raster_m=raster_m,
                                                  overlap_promotion=overlap_promotion, wide_gated=wide_gated)
     else:
-        kernel = Fp8BlockScaledGroupedGemmSm90(activation, scale_rows=scale_rows, tile_n=tile_n,
-                                               num_stages=num_stages, raster_m=raster_m,
-                                               overlap_promotion=overlap_promotion, wide_gated=wide_gated)
-    compiled = cute.compile(kernel, *fake_args(num_experts, n, k, activation, requant),
+        cls = Fp8GatherGroupedGemmSm90 if gather_a else Fp8BlockScaledGroupedGemmSm90
+        kernel = cls(activation, scale_rows=scale_rows, tile_n=tile_n, num_stages=num_stages, raster_m=raster_m,
+                     overlap_promotion=overlap_promotion, wide_gated=wide_gated)
+    compiled = cute.compile(kernel, *fake_args(num_experts, n, k, activation, requant, gather_a),
                             options=f"--gpu-arch {arch} --keep-ptx")
     return kernel, compiled
 
@@ -164,22 +175,22 @@ class Fp8GroupedGemm:
     """One compiled variant, launched on CUDA tensors (classic path: pre-converted CuTe views)."""
 
     def __init__(self, activation, n, k, num_experts, scale_rows, tile_n=None, num_stages=None, raster_m=1,
-                 overlap_promotion=False, requant=False, wide_gated=False):
+                 overlap_promotion=False, requant=False, wide_gated=False, gather_a=False):
         self.kernel, self.compiled = compile_variant(activation, n, k, num_experts, scale_rows,
                                                      tile_n=tile_n, num_stages=num_stages, raster_m=raster_m,
                                                      overlap_promotion=overlap_promotion, requant=requant,
-                                                     wide_gated=wide_gated)
+                                                     wide_gated=wide_gated, gather_a=gather_a)
         self.activation, self.n, self.k, self.scale_rows = activation, n, k, scale_rows
         self.n_out = n // 2 if activation == "swiglu" else n
 
-    def prepare(self, a, a_s, b, b_s, out, offs, rs, out_scale=None):
+    def prepare(self, a, a_s, b, b_s, out, offs, rs, out_scale=None, idx=None):
         """CuTe views for :meth:`launch`; None when there are no rows (nothing to launch: TMA
         descriptors cannot describe an empty tensor)."""
         if a.shape[0] == 0:
             return None
         if rs is None:
             rs = torch.zeros(1, dtype=torch.float32, device=a.device)
-        return cute_args(a, a_s, b, b_s, out, offs, rs, out_scale)
+        return cute_args(a, a_s, b, b_s, out, offs, rs, out_scale, idx)
 
     def launch(self, args, ctas=None, stream=None):
         if args is None:
@@ -245,7 +256,7 @@ def torch_baselines(a, a_s, b, b_s, offs, reps):
 
 
 def run_gpu(model: str, routing: str, reps: int, rasters=(1,), overlap: bool = False,
-            requant: bool = False, wide: bool = False) -> bool:
+            requant: bool = False, wide: bool = False, gather: bool = False) -> bool:
     h, i, E, topk, tokens = MODELS[model]
     m_total = tokens * topk
     ok_all = True
@@ -287,6 +298,8 @@ def run_gpu(model: str, routing: str, reps: int, rasters=(1,), overlap: bool = F
                   f"{flops / oms / 1e9:.1f} TFLOP/s", flush=True)
         if wide and act == "swiglu":
             ok_all &= check_wide(fn, a, a_s, b, b_s, offs, rs, out, E, n, k, sr, rasters[0], overlap, reps)
+        if gather and act == "swiglu":
+            ok_all &= check_gather(a, a_s, b, b_s, offs, rs, out, E, n, k, sr, rasters[0], overlap, wide, reps)
         if requant and act == "swiglu":
             for w in ((False, True) if wide else (False,)):
                 ok_all &= check_requant(fn, a, a_s, b, b_s, offs, rs, out, E, n, k, sr, rasters[0], overlap, reps,
@@ -320,6 +333,41 @@ def check_wide(fn, a, a_s, b, b_s, offs, rs, out, E, n, k, sr, raster_m, overlap
         bms, wms = time_fn(lambda: base.launch(bargs), reps), time_fn(lambda: wd.launch(wargs), reps)
         print(f"    wide_gated{' overlap' if ov else ''}: bit-identical={same}; {wms:.3f} ms = {flops / wms / 1e9:.1f} "
               f"TFLOP/s vs {bms:.3f} ms = {flops / bms / 1e9:.1f} ({bms / wms:.2f}x)", flush=True)
+    return ok_all
+
+
+def check_gather(a, a_s, b, b_s, offs, rs, out, E, n, k, sr, raster_m, overlap, wide, reps) -> bool:
+    """FC1 gathering its rows (source rows = the first quarter of ``a``, a random idx) against the
+    same FC1 (same schedule) on the gathered rows: the same bits (NaN-poisoned), then both times."""
+    ok_all = True
+    m_total = out.shape[0]
+    t_src = max(1, m_total // 4)
+    idx = torch.randint(0, t_src, (m_total,), device="cuda", dtype=torch.int32,
+                        generator=torch.Generator(device="cuda").manual_seed(5))
+    src, src_s = a[:t_src].contiguous(), a_s[:t_src].contiguous()
+    a_g, a_g_s = src[idx.long()].contiguous(), src_s[idx.long()].contiguous()
+    flops = 2.0 * m_total * n * k
+    for ov in ((False, True) if overlap and k // FP8_BLOCK <= OVERLAP_MAX_K_TILES else (False,)):
+        base = Fp8GroupedGemm("swiglu", n, k, E, sr, raster_m=raster_m, overlap_promotion=ov, wide_gated=wide)
+        o1 = torch.full_like(out, float("nan"))
+        bargs = base.prepare(a_g, a_g_s, b, b_s, o1, offs, rs)
+        ga = Fp8GroupedGemm("swiglu", n, k, E, sr, raster_m=raster_m, overlap_promotion=ov, wide_gated=wide,
+                            gather_a=True)
+        o2 = torch.full_like(out, float("nan"))
+        gargs = ga.prepare(src, src_s, b, b_s, o2, offs, rs, idx=idx)
+        base.launch(bargs)
+        ga.launch(gargs)
+        torch.cuda.synchronize()
+        same = torch.equal(o1, o2) and not bool(torch.isnan(o2).any())
+        if not same:
+            bad = ((o1 != o2) & ~(o1.isnan() & o2.isnan())).any(dim=1) | o2.isnan().any(dim=1)
+            print(f"    gather: {int(bad.sum())} of {m_total} rows differ, first {bad.nonzero().flatten()[:8].tolist()}",
+                  flush=True)
+        ok_all &= same
+        bms, gms = time_fn(lambda: base.launch(bargs), reps), time_fn(lambda: ga.launch(gargs), reps)
+        print(f"    gather_a{' overlap' if ov else ''}{' wide' if wide else ''}: bit-identical={same}; {gms:.3f} ms = "
+              f"{flops / gms / 1e9:.1f} TFLOP/s vs {bms:.3f} ms = {flops / bms / 1e9:.1f} on gathered rows "
+              f"({bms / gms:.2f}x)", flush=True)
     return ok_all
 
 
@@ -363,21 +411,25 @@ def check_requant(fn, a, a_s, b, b_s, offs, rs, out, E, n, k, sr, raster_m, over
 
 
 def run_compile(model: str, overlap: bool = False, requant: bool = False, wide: bool = False,
-                raster_m: int = 1) -> bool:
+                raster_m: int = 1, gather: bool = False) -> bool:
     _, _, E, _, _ = MODELS[model]
     ok_all = True
-    variants = [(spec, ov, False, False) for spec in layers(model)
+    variants = [(spec, ov, False, False, False) for spec in layers(model)
                 for ov in ((False, True) if overlap and spec[3] // FP8_BLOCK <= OVERLAP_MAX_K_TILES else (False,))]
     gated = [v for v in variants if v[0][1] == "swiglu"]
     if wide:
-        variants += [(spec, ov, False, True) for spec, ov, _, _ in gated]
+        variants += [(spec, ov, False, True, False) for spec, ov, _, _, _ in gated]
     if requant:
-        variants += [(spec, ov, True, w) for spec, ov, _, _ in gated for w in ((False, True) if wide else (False,))]
-    for (name, act, n, k, sr), ov, rq, w in variants:
+        variants += [(spec, ov, True, w, False) for spec, ov, _, _, _ in gated
+                     for w in ((False, True) if wide else (False,))]
+    if gather:
+        variants += [(spec, ov, False, wide, True) for spec, ov, _, _, _ in gated]
+    for (name, act, n, k, sr), ov, rq, w, g in variants:
         t0 = time.time()
         kernel, compiled = compile_variant(act, n, k, E, sr, raster_m=raster_m, overlap_promotion=ov, requant=rq,
-                                           wide_gated=w)
-        name = name + (" overlap" if ov else "") + (" requant" if rq else "") + (" wide" if w else "")
+                                           wide_gated=w, gather_a=g)
+        name = name + (" overlap" if ov else "") + (" requant" if rq else "") + (" wide" if w else "") + \
+            (" gather" if g else "")
         r = ptx_report(kernel, compiled)
         ok = r["fp8_wgmma"] and r["tma"] and r["pdl"] and not r["local"] and r["ptxas_spill_bytes"] in (0, None)
         ok_all &= ok
@@ -397,14 +449,16 @@ def main(argv=None):
                    help="also FC1's requantising variant (checked bit-identical to FC1 + quantiser, timed)")
     p.add_argument("--wide", action="store_true",
                    help="also FC1 with one m64n128 gate+up WGMMA (checked bit-identical, timed)")
+    p.add_argument("--gather", action="store_true",
+                   help="also FC1 gathering its A rows by index (checked bit-identical, timed)")
     p.add_argument("--raster-m", default="1", help="m-tiles per raster group, comma-separated: each is timed, "
                                                   "the first is also checked")
     args = p.parse_args(argv)
     rasters = tuple(int(r) for r in args.raster_m.split(",") if r.strip())
-    ok = run_compile(args.model, args.overlap, args.requant, args.wide, rasters[0])  # compiles what the GPU run uses
+    ok = run_compile(args.model, args.overlap, args.requant, args.wide, rasters[0], args.gather)  # what the GPU runs
     if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
         torch.backends.cuda.matmul.allow_tf32 = False
-        ok &= run_gpu(args.model, args.routing, args.reps, rasters, args.overlap, args.requant, args.wide)
+        ok &= run_gpu(args.model, args.routing, args.reps, rasters, args.overlap, args.requant, args.wide, args.gather)
     else:
         print("no SM90 GPU: compile checks only")
     raise SystemExit(0 if ok else 1)
