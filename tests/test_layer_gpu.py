@@ -583,9 +583,9 @@ def test_local_route_is_bit_identical(monkeypatch, T, ids_dtype, bad):
 
 @pytest.mark.parametrize("T", [333, 4096])
 def test_wide_gated_fc1_is_bit_identical(monkeypatch, T):
-    """Drop v22's ``wide`` FC1 (one m64n256 WGMMA over the gate and up tiles; the default for
-    gated GEMMs) gives the bits of the two-WGMMA ``cooperative`` FC1 (MOE_EP_WIDE_GATED=0), eager
-    and under a CUDA graph."""
+    """Drop v22's ``wide`` FC1 (MOE_EP_WIDE_GATED=1: one m64n256 WGMMA over the gate and up tiles)
+    gives the bits of the two-WGMMA ``cooperative`` FC1 (the default), eager and under a CUDA
+    graph (passed on the H200 at e82f1e5)."""
     _sm90()
     from moe_ep.api import MoEConfig
 

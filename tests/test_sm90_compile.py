@@ -67,10 +67,8 @@ def test_schedule_choice():
     than the cooperative 128 x 256 tiles on any model's FC2, so the shim picks cooperative."""
     from moe_ep.shim import sm90_pick_schedule
 
-    for act, k in (("identity", 768), ("identity", 2048)):
+    for act, k in (("identity", 768), ("identity", 2048), ("swiglu", 2048), ("clamped_swiglu", 2880)):
         assert sm90_pick_schedule(act, k)[0] == "cooperative"
-    for act, k in (("swiglu", 2048), ("clamped_swiglu", 2880)):  # drop v22: one WGMMA over gate + up
-        assert sm90_pick_schedule(act, k)[0] == "wide"
 
 
 def test_constant_drift_detected(monkeypatch):

@@ -1,6 +1,6 @@
 """CPU: drop v22's ``wide`` schedule of the BF16 grouped GEMM (gated FC1: one m64n256 WGMMA over
 the gate and up tiles of a stage instead of two m64n128) -- it compiles without spills, the shim
-picks it for gated GEMMs, and what it relies on holds: the two B slots of a stage are the bytes of
+picks it only with MOE_EP_WIDE_GATED=1, and what it relies on holds: the two B slots of a stage are the bytes of
 one 256-row tile, and the 256-wide accumulator is the gate accumulator followed by the up one."""
 
 import json
@@ -66,17 +66,18 @@ def test_wide_schedule_refuses():
             GroupedGemmSm90(schedule="wide", **kw)
 
 
-def test_shim_picks_wide_for_gated_gemms(monkeypatch):
+def test_shim_picks_wide_only_when_asked(monkeypatch):
+    """Opt-in (MOE_EP_WIDE_GATED=1): bit-identical but no faster than cooperative on the H200."""
     from moe_ep.shim import sm90_pick_schedule
 
     monkeypatch.delenv("MOE_EP_WIDE_GATED", raising=False)
+    assert sm90_pick_schedule("swiglu", 2048) == ("cooperative", 128)
+    monkeypatch.setenv("MOE_EP_WIDE_GATED", "1")
     for act, k in (("swiglu", 2048), ("gelu_glu", 4096), ("clamped_swiglu", 2880)):
         assert sm90_pick_schedule(act, k) == ("wide", 128)
     assert sm90_pick_schedule("identity", 768)[0] == "cooperative"
     assert sm90_pick_schedule("squared_relu", 2048)[0] == "cooperative"
     assert sm90_pick_schedule("swiglu", 2048, 4)[0] == "swapab"  # decode keeps swap-AB
-    monkeypatch.setenv("MOE_EP_WIDE_GATED", "0")
-    assert sm90_pick_schedule("swiglu", 2048) == ("cooperative", 128)
 
 
 _PROBE = """

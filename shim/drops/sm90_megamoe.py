@@ -301,8 +301,8 @@ def pick_schedule(activation: str, k: int, rows_per_expert: float | None = None)
       :data:`SWAPAB_TILE_T` holding twice the mean, so most experts need one tile;
     * ``pingpong`` with 128-wide tiles for the non-gated GEMMs with K <= :data:`PINGPONG_MAX_K`
       (short mainloops, where overlapping one warpgroup's epilogue with the other's mainloop pays);
-    * ``wide`` for the gated GEMMs (FC1) with the drop's 128-wide tile, unless
-      ``MOE_EP_WIDE_GATED=0`` (:func:`use_wide_gated`);
+    * ``wide`` for the gated GEMMs (FC1) with the drop's 128-wide tile when
+      ``MOE_EP_WIDE_GATED=1`` (:func:`use_wide_gated`; opt-in: no faster on the H200);
     * else ``cooperative`` with the drop's default tile."""
     if rows_per_expert is not None and rows_per_expert <= SWAPAB_MAX_ROWS_PER_EXPERT:
         tile_t = next((t for t in SWAPAB_TILE_T if t >= 2 * rows_per_expert), SWAPAB_TILE_T[-1])
@@ -316,11 +316,12 @@ def pick_schedule(activation: str, k: int, rows_per_expert: float | None = None)
 
 
 def use_wide_gated() -> bool:
-    """The gated GEMM (FC1) issues one m64n256 WGMMA over its gate and up tiles per k-block
-    instead of two m64n128 ones (drop v22, schedule ``wide``): the same bits as ``cooperative`` by
-    construction (each output element sums the same products in the same order).
-    ``MOE_EP_WIDE_GATED=0`` selects the two-WGMMA ``cooperative`` schedule instead."""
-    return os.environ.get("MOE_EP_WIDE_GATED", "1") != "0"
+    """``MOE_EP_WIDE_GATED=1``: the gated GEMM (FC1) issues one m64n256 WGMMA over its gate and up
+    tiles per k-block instead of two m64n128 ones (drop v22, schedule ``wide``). Bit-identical to
+    ``cooperative`` on the H200 (e82f1e5, drop runner: Qwen3 and Mixtral FC1, uniform, skewed, one
+    row) but no faster (Qwen3 FC1 0.590 / 0.646 ms vs 0.592 / 0.593 cooperative in two rounds,
+    Mixtral 5.625 / 6.061 vs 5.555 / 5.717; the layer 477 vs 473 TFLOP/s), so it stays opt-in."""
+    return os.environ.get("MOE_EP_WIDE_GATED", "0") == "1"
 
 
 @dataclass(frozen=True)
