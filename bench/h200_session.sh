@@ -47,6 +47,8 @@
 #                at 128 tokens is 3-6 us, as large as the effects to decide on).
 # decode:        the decode sweep (1,8,32,128,256 tokens) of ours and FlashInfer's (carry .device/fi) in one call,
 #                then the virtual-rank GPU file in what is left of CALL_BUDGET (480 s of this script) -> $OUT/decode*.{log,csv}, suite3.log.
+# suite:         the whole GPU suite in one call: run_groups, ten pytest processes in parallel (compiling dominates;
+#                the eighth session ran 91 tests in 220 s this way), cut at CALL_BUDGET (540 s) -> $OUT/tests_*.log.
 # suite1/2/3:    pytest -m gpu in three parts that each fit one 600 s device call (the whole suite does not):
 #                1 = layer, FP8 backend, activations/bias; 2 = the other GPU files; 3 = the virtual-rank file.
 # Knobs (environment): MODELS (qwen3,mixtral), TOKENS (8192), ITERS (30), N (GPUs = EP size, 1),
@@ -55,7 +57,7 @@
 #   MOE_EP_COMMIT (the commit to print when the copy on the host has no .git).
 set -uo pipefail
 mode=${1:-all}
-modes="all|moe|fi|liger|extra|verify|verify2|fp8ab|decide|decode|suite1|suite2|suite3"
+modes="all|moe|fi|liger|extra|verify|verify2|fp8ab|decide|decode|suite|suite1|suite2|suite3"
 case "|$modes|" in *"|$mode|"*) ;; *) echo "usage: bash bench/h200_session.sh [$modes]" >&2; exit 2 ;; esac
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -89,6 +91,23 @@ step() {  # step NAME LOG -- command...: run with a timeout, tee the log, rememb
   timeout -k 20 "$STEP_TIMEOUT" "$@" 2>&1 | tee "$log"
   local rc=${PIPESTATUS[0]}
   status+=("$name: exit $rc$([ "$rc" = 124 ] && echo " (timed out after ${STEP_TIMEOUT}s)")")
+}
+run_groups() {  # run_groups SECONDS GROUP...: pytest -m gpu per group, all in parallel (compiling dominates
+  # the GPU tests: 16 host cores), each cut at SECONDS; a group is its pytest arguments separated by ';'
+  local limit=$1; shift
+  local groups=("$@") pids=() g rc
+  echo "===== GPU tests, ${#groups[@]} groups in parallel ($(date +%T), ${limit}s)"
+  for g in "${!groups[@]}"; do
+    IFS=';' read -r -a words <<< "${groups[$g]}"
+    timeout -k 10 "$limit" python3 -m pytest -m gpu -q -W ignore -p no:cacheprovider -rfE --tb=short "${words[@]}" \
+        > "$OUT/tests_$g.log" 2>&1 &
+    pids+=($!)
+  done
+  for g in "${!pids[@]}"; do
+    wait "${pids[$g]}"; rc=$?
+    status+=("GPU tests [${groups[$g]}]: exit $rc$([ "$rc" = 124 ] && echo " (timed out)")")
+    echo "--- ${groups[$g]}: exit $rc"; tail -n 3 "$OUT/tests_$g.log"
+  done
 }
 if [ "$N" -gt 1 ]; then bench=(torchrun --standalone --nproc_per_node="$N" -m moe_ep.bench); else bench=(python3 -m moe_ep.bench); fi
 
@@ -136,28 +155,12 @@ if [ "$mode" = verify ]; then
         --quant fp8_block128 --no-reference --no-decode --csv "$OUT/verify_fp8_w$1g$2.csv" $([ "$1$2" = 11 ] && echo --profile)
   done
   left=$(( ${CALL_BUDGET:-530} - SECONDS ))
-  groups=("tests/test_layer_gpu.py -k wide_gated_fc1|matches_reference|bit_identical_repeats|decode_layer|activations_biases"
-          "tests/test_ep_virtual_gpu.py -k determinism|cuda_graph|fp8"
-          "tests/test_ep_gpu.py tests/test_disk_cache.py tests/test_transformers_integration.py"
-          "tests/test_fp8_backend.py tests/test_sm90_fp8_quant.py tests/test_sm90_fp8_gather.py"
-          "tests/test_sm90_fp8_compile.py tests/test_sm90_swapab_compile.py -k not_requant_and_not_wide")
-  if [ "$left" -gt 60 ]; then
-    echo "===== GPU tests, ${#groups[@]} groups in parallel ($(date +%T), ${left}s)"
-    pids=()
-    for g in "${!groups[@]}"; do
-      read -r -a words <<< "${groups[$g]}"
-      # "-k a|b" / "-k not_a_and_not_b": spaces are underscores in this list (split on spaces above)
-      for w in "${!words[@]}"; do [ "${words[$w]}" = -k ] && words[$((w + 1))]=$(echo "${words[$((w + 1))]}" | sed 's/|/ or /g; s/_and_/ and /g; s/not_/not /g'); done
-      timeout -k 10 "$left" python3 -m pytest -m gpu -q -W ignore -p no:cacheprovider -rfE --tb=short "${words[@]}" \
-          > "$OUT/verify_tests_$g.log" 2>&1 &
-      pids+=($!)
-    done
-    for g in "${!pids[@]}"; do
-      wait "${pids[$g]}"; rc=$?
-      status+=("GPU tests ${groups[$g]}: exit $rc$([ "$rc" = 124 ] && echo " (timed out)")")
-      echo "--- ${groups[$g]}: exit $rc"; tail -n 4 "$OUT/verify_tests_$g.log"
-    done
-  fi
+  [ "$left" -gt 60 ] && run_groups "$left" \
+      "tests/test_layer_gpu.py;-k;wide_gated_fc1 or matches_reference or bit_identical_repeats or decode_layer or activations_biases" \
+      "tests/test_ep_virtual_gpu.py;-k;determinism or cuda_graph or fp8" \
+      "tests/test_ep_gpu.py;tests/test_disk_cache.py;tests/test_transformers_integration.py" \
+      "tests/test_fp8_backend.py;tests/test_sm90_fp8_quant.py;tests/test_sm90_fp8_gather.py" \
+      "tests/test_sm90_fp8_compile.py;tests/test_sm90_swapab_compile.py;-k;not requant and not wide"
 fi
 if [ "$mode" = fp8ab ]; then  # FC1 variants one at a time, interleaved over 2 rounds (FP8 layer, 8192 tokens)
   for r in 1 2; do for v in "0 0" "1 0" "0 1" "1 1"; do
@@ -215,6 +218,17 @@ if [ "$mode" = decode ]; then  # issue 11's sweep: ours and FlashInfer (carry .d
   left=$(( ${CALL_BUDGET:-480} - SECONDS ))  # what is left of the device call (less env.sh and the archive) goes to the virtual-rank file
   [ "$left" -gt 60 ] && STEP_TIMEOUT=$left step "GPU suite 3/3 (time left: ${left}s)" "$OUT/suite3.log" -- \
       python3 -m pytest -m gpu -q -W ignore -p no:cacheprovider -rfE --tb=long tests/test_ep_virtual_gpu.py
+fi
+if [ "$mode" = suite ]; then  # the whole GPU suite in one call: ten groups in parallel, cut at CALL_BUDGET (540 s)
+  ltop="matches_reference or activations_biases or decode_layer or bad_values or odd_hidden or quantised_configs"
+  gtop="fc1_fc2_models or m_total_sweep or back_to_back"
+  run_groups $(( ${CALL_BUDGET:-540} - SECONDS )) \
+      "tests/test_layer_gpu.py;-k;$ltop" "tests/test_layer_gpu.py;-k;not ($ltop)" \
+      "tests/test_sm90_gpu.py;-k;$gtop" "tests/test_sm90_gpu.py;-k;not ($gtop)" \
+      "tests/test_ep_virtual_gpu.py;-k;matches_reference" "tests/test_ep_virtual_gpu.py;-k;not matches_reference" \
+      "tests/test_fp8_backend.py;tests/test_activations_bias.py;tests/test_sm90_fp8_gather.py" \
+      "tests/test_ep_gpu.py;tests/test_disk_cache.py;tests/test_transformers_integration.py;tests/test_sm90_fp8_quant.py;tests/test_blackwell_backends.py" \
+      "tests/test_sm90_fp8_compile.py" "tests/test_sm90_swapab_compile.py"
 fi
 suite_common=(python3 -m pytest -m gpu -q -W ignore -p no:cacheprovider -rfE --durations=15 --tb=long)
 if [ "$mode" = suite1 ]; then
