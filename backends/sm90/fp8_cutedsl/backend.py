@@ -111,8 +111,9 @@ def gather_fc1() -> bool:
     """``MOE_EP_FP8_GATHER_FC1=1`` (one rank, with LocalRoute; not with requant): step 3 quantises the
     caller's T tokens (not the T * top_k grouped rows) and FC1 loads grouped row r from quantised
     token ``idx[r]`` itself (drop v22's ``Fp8GatherGroupedGemmSm90``: the same bits as FC1 on the
-    gathered rows, GPU tests at e82f1e5). Off: its cp.async producer is slow -- FC1 1.012 ms vs
-    ~0.45 with TMA on Qwen3 (8192 tokens), 7.78 vs ~3.7 ms on Mixtral; layer 422 vs 614 TFLOP/s."""
+    gathered rows, GPU tests at e82f1e5). Off: drop v22's cp.async producer was slow -- FC1 1.012
+    ms vs ~0.45 with TMA on Qwen3 (8192 tokens), 7.78 vs ~3.7 ms on Mixtral; layer 422 vs 614
+    TFLOP/s -- and v23's coalesced producer has not been timed yet."""
     return env_switch("MOE_EP_FP8_GATHER_FC1", False)
 
 
