@@ -238,7 +238,8 @@ fi
 if [ "$mode" = suite2 ]; then
   step "GPU suite 2/3" "$OUT/suite2.log" -- "${suite_common[@]}" tests/test_sm90_gpu.py tests/test_ep_gpu.py \
       tests/test_disk_cache.py tests/test_transformers_integration.py tests/test_sm90_fp8_quant.py \
-      tests/test_sm90_fp8_compile.py tests/test_sm90_swapab_compile.py tests/test_blackwell_backends.py
+      tests/test_sm90_fp8_compile.py tests/test_sm90_swapab_compile.py tests/test_blackwell_backends.py \
+      tests/test_sm90_fp8_gather.py
 fi
 if [ "$mode" = suite3 ]; then
   step "GPU suite 3/3" "$OUT/suite3.log" -- "${suite_common[@]}" tests/test_ep_virtual_gpu.py
