@@ -226,7 +226,7 @@ if [ "$mode" = suite ]; then  # the whole GPU suite in one call: ten groups in p
       "tests/test_layer_gpu.py;-k;$ltop" "tests/test_layer_gpu.py;-k;not ($ltop)" \
       "tests/test_sm90_gpu.py;-k;$gtop" "tests/test_sm90_gpu.py;-k;not ($gtop)" \
       "tests/test_ep_virtual_gpu.py;-k;matches_reference" "tests/test_ep_virtual_gpu.py;-k;not matches_reference" \
-      "tests/test_fp8_backend.py;tests/test_activations_bias.py;tests/test_sm90_fp8_gather.py" \
+      "tests/test_fp8_backend.py;tests/test_activations_bias.py;tests/test_sm90_fp8_gather.py;tests/test_gather_fc1.py" \
       "tests/test_ep_gpu.py;tests/test_disk_cache.py;tests/test_transformers_integration.py;tests/test_sm90_fp8_quant.py;tests/test_blackwell_backends.py" \
       "tests/test_sm90_fp8_compile.py" "tests/test_sm90_swapab_compile.py"
 fi
@@ -239,7 +239,7 @@ if [ "$mode" = suite2 ]; then
   step "GPU suite 2/3" "$OUT/suite2.log" -- "${suite_common[@]}" tests/test_sm90_gpu.py tests/test_ep_gpu.py \
       tests/test_disk_cache.py tests/test_transformers_integration.py tests/test_sm90_fp8_quant.py \
       tests/test_sm90_fp8_compile.py tests/test_sm90_swapab_compile.py tests/test_blackwell_backends.py \
-      tests/test_sm90_fp8_gather.py
+      tests/test_sm90_fp8_gather.py tests/test_gather_fc1.py
 fi
 if [ "$mode" = suite3 ]; then
   step "GPU suite 3/3" "$OUT/suite3.log" -- "${suite_common[@]}" tests/test_ep_virtual_gpu.py

@@ -61,6 +61,7 @@ CONSTANTS = MirroredConstants("sm90/megamoe", {
         "ALIGN_N_ELEMS": 8,
         "DEFAULT_TILE_N": {"identity": 256, "squared_relu": 256, "swiglu": 128, "gelu_glu": 128,
                            "clamped_swiglu": 128},
+        "DEFAULT_TILE_K": 64,
         "MAX_EXPERTS": 1024,
         "MAX_RASTER_M": 64,
     },
@@ -90,13 +91,13 @@ CONTRACT = DropContract(
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.__init__",
                     ("activation", "n", "k", "num_experts", "scale_rows", "tile_n", "bias_dtype",
                      "raster_m", "swiglu_alpha", "swiglu_limit", "schedule", "compiled", "tvm_ffi",
-                     "early_weights")),
+                     "early_weights", "gather_a")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_converted",
                     ("args", "max_active_ctas", "stream")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_tensors",
-                    ("a", "b", "c", "offsets", "row_scale", "bias", "max_active_ctas", "stream")),
+                    ("a", "b", "c", "offsets", "row_scale", "bias", "max_active_ctas", "stream", "idx")),
         CallableUse("sm90_megamoe.launch:to_cute_args",
-                    ("a", "b", "c", "offsets", "row_scale", "bias")),
+                    ("a", "b", "c", "offsets", "row_scale", "bias", "idx")),
         CallableUse("sm90_megamoe.compile_check:compile_for_arch",
                     ("activation", "n", "k", "scale_rows", "arch", "num_experts", "tile_n",
                      "extra_options", "bias_dtype", "raster_m", "swiglu_alpha", "swiglu_limit",
@@ -171,7 +172,7 @@ CONTRACT = DropContract(
                                                     "put_kernel", "kinds_for")),
         AttributeUse("sm90_megamoe.launch:CompiledGroupedGemm",
                      ("compiled", "scale_rows", "bias_dtype", "n_out", "tvm_ffi", "schedule", "launch_tensors",
-                      "launch_converted")),
+                      "launch_converted", "gather_a")),
         AttributeUse("sm90_megamoe.ep_launch:EpRank",
                      ("dispatch", "wait", "gather", "combine_send", "combine_reduce", "combine_local", "read_err",
                       "read_verr", "reset_verr", "reset_state", "num_ctas")),
@@ -346,6 +347,7 @@ class GemmKey:
     schedule: str
     tvm_ffi: bool
     early_weights: bool = False
+    gather_a: bool = False
 
 
 class GroupedGemm:
@@ -367,6 +369,7 @@ class GroupedGemm:
         self.bias_dtype = compiled.bias_dtype
         self.n_out = compiled.n_out
         self.tvm_ffi = compiled.tvm_ffi
+        self.gather_a = compiled.gather_a
         self._to = to_cute_args
         self._last: tuple | None = None
         # unread arguments of variants without a row scale / bias (the drop's signature: fp32
@@ -375,7 +378,10 @@ class GroupedGemm:
         self._dummy_bias = torch.zeros(1, 8, dtype=torch.float32, device=device)
         self._ctas = _num_sms(device)
 
-    def __call__(self, a, b, offsets, out, row_scale=None, max_active_ctas=None, stream=None, bias=None):
+    def __call__(self, a, b, offsets, out, row_scale=None, max_active_ctas=None, stream=None, bias=None,
+                 idx=None):
+        if self.gather_a != (idx is not None):
+            raise ValueError("a gathering grouped GEMM takes idx (grouped row r = a[idx[r]]); any other refuses it")
         if a.shape[0] == 0:
             return out
         if self.scale_rows:
@@ -392,12 +398,13 @@ class GroupedGemm:
             bias = self._dummy_bias
         if self.tvm_ffi:
             self.compiled.launch_tensors(a=a, b=b, c=out, offsets=offsets, row_scale=row_scale, bias=bias,
-                                         max_active_ctas=max_active_ctas or self._ctas, stream=stream)
+                                         max_active_ctas=max_active_ctas or self._ctas, stream=stream, idx=idx)
             return out
-        ts = (a, b, out, offsets, row_scale, bias)
+        ts = (a, b, out, offsets, row_scale, bias) + (() if idx is None else (idx,))
         key = tuple((t.data_ptr(), tuple(t.shape), t.dtype) for t in ts)
         if self._last is None or self._last[0] != key:
-            self._last = (key, self._to(a=a, b=b, c=out, offsets=offsets, row_scale=row_scale, bias=bias), ts)
+            self._last = (key, self._to(a=a, b=b, c=out, offsets=offsets, row_scale=row_scale, bias=bias, idx=idx),
+                          ts)
         self.compiled.launch_converted(args=self._last[1], max_active_ctas=max_active_ctas or self._ctas,
                                        stream=stream)
         return out
@@ -422,13 +429,15 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
                           tile_n: int | None = None, bias_dtype: Any = None, raster_m: int | None = None,
                           swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
                           schedule: str | None = None, rows_per_expert: float | None = None,
-                          early_weights: bool = False) -> Any:
+                          early_weights: bool = False, gather_a: bool = False) -> Any:
     """The compiled grouped GEMM from the compile cache (compiled code only, no buffers).
     ``schedule``/``tile_n`` None: :func:`pick_schedule` (``rows_per_expert``: the mean rows per
     expert the caller expects at capacity; None = many, the prefill kernels). ``early_weights``:
     the caller guarantees ``offsets``/``row_scale`` were written >= 2 launches earlier (FC2), so
     a swap-AB kernel may prefetch its weights before the PDL wait; it takes effect only for the
-    swap-AB schedule with PDL launches (:func:`pdl_launches`), else the plain kernel is used."""
+    swap-AB schedule with PDL launches (:func:`pdl_launches`), else the plain kernel is used.
+    ``gather_a`` (drop v23; cooperative / wide, K % 64 == 0): A is the source rows and a call
+    passes ``idx`` (grouped row r = ``a[idx[r]]``)."""
     check_gemm_shapes(activation, n, k, num_experts, tile_n)
     if schedule is None:
         schedule, picked_tile = pick_schedule(activation, k, rows_per_expert)
@@ -444,9 +453,12 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
     alpha, limit = (float(swiglu_alpha), float(swiglu_limit)) if activation == "clamped_swiglu" else (0.0, 0.0)
     ffi = use_tvm_ffi()
     early = bool(early_weights) and schedule == "swapab" and pdl_launches()
+    if gather_a and (schedule not in ("cooperative", "wide") or k % _C["DEFAULT_TILE_K"]):
+        raise ValueError(f"sm90 grouped GEMM: gather_a needs the cooperative or wide schedule and K % "
+                         f"{_C['DEFAULT_TILE_K']} == 0, got {schedule!r}, K={k}")
     key = GemmKey(CONSTANTS.value(PKG, "DROP_VERSION"), _C["ABI_VERSION"], _cutlass_version(), "sm_90a",
                   "bf16", activation, n, k, num_experts, bool(scale_rows), tile, bias, raster, alpha, limit,
-                  schedule, ffi, early)
+                  schedule, ffi, early, bool(gather_a))
 
     def build():
         launch = _load("sm90_megamoe.launch")
@@ -454,9 +466,11 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
                   tile_n=tile, bias_dtype=bias, raster_m=raster, schedule=schedule, tvm_ffi=ffi)
         if early:
             kw.update(early_weights=True)
+        if gather_a:
+            kw.update(gather_a=True)
         if activation == "clamped_swiglu":
             kw.update(swiglu_alpha=alpha, swiglu_limit=limit)
-        fn = disk_cache.get_or_build(cache_namespace(), f"gemm_{activation}", key,
+        fn = disk_cache.get_or_build(cache_namespace(), f"gemm_{activation}" + ("_gather" if gather_a else ""), key,
                                      lambda: launch.CompiledGroupedGemm(**kw).compiled, tvm_ffi=ffi)
         return launch.CompiledGroupedGemm(**kw, compiled=fn)
 
@@ -467,19 +481,20 @@ def grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: 
                  tile_n: int | None = None, device: Any = None, bias_dtype: Any = None,
                  raster_m: int | None = None, swiglu_alpha: float = 1.702,
                  swiglu_limit: float = 7.0, schedule: str | None = None,
-                 rows_per_expert: float | None = None, early_weights: bool = False) -> GroupedGemm:
+                 rows_per_expert: float | None = None, early_weights: bool = False,
+                 gather_a: bool = False) -> GroupedGemm:
     """A new :class:`GroupedGemm` launcher for ``device`` (default: the current CUDA device).
 
     ``bias_dtype``: None or torch.float32/bfloat16 (the variant adds ``bias [E, n]``);
     ``raster_m``: None = :func:`pick_raster_m` (k); ``swiglu_*``: clamped_swiglu's constants;
     ``schedule``: "cooperative", "pingpong", "swapab", "wide" or None = :func:`pick_schedule` (with
-    ``rows_per_expert``, the mean rows per expert expected at capacity); ``early_weights``: see
-    :func:`compiled_grouped_gemm`."""
+    ``rows_per_expert``, the mean rows per expert expected at capacity); ``early_weights``,
+    ``gather_a``: see :func:`compiled_grouped_gemm`."""
     import torch
 
     compiled = compiled_grouped_gemm(activation, n, k, num_experts, scale_rows, tile_n, bias_dtype,
                                      raster_m, swiglu_alpha, swiglu_limit, schedule, rows_per_expert,
-                                     early_weights)
+                                     early_weights, gather_a)
     launch = _load("sm90_megamoe.launch")
     dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
     return GroupedGemm(compiled, launch.to_cute_args, dev)

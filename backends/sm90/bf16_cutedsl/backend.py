@@ -76,6 +76,15 @@ def local_route() -> bool:
     return env_switch("MOE_EP_LOCAL_ROUTE", True)
 
 
+def gather_fc1() -> bool:
+    """``MOE_EP_GATHER_FC1=1`` (one rank with LocalRoute, the 128-row GEMMs, hidden % 64 == 0): step 2
+    copies no grouped rows and FC1 reads grouped row r from the caller's token ``idx[r]`` itself
+    (drop v23's ``GroupedGemmGatherSm90``; the same bits as FC1 on the gathered rows by
+    construction). Saves LayoutPlace's row copy (Qwen3, 8192 tokens: 65536 rows of 4 KB written
+    and read back, ~0.1 ms). Off by default: not yet run on a GPU."""
+    return env_switch("MOE_EP_GATHER_FC1", False)
+
+
 def token_grid() -> bool:
     """``MOE_EP_TOKEN_GRID=1``: the per-token kernels (dispatch, combine_local / combine_reduce) run
     on a grid sized from the call's host-known token count (shim ``EpSession.token_ctas``: one warp
@@ -162,6 +171,8 @@ def _gemm_specs(cfg: Any, e_local: int, world: int = 1) -> dict:
     if rows > SM90_DECODE_MAX_ROWS_PER_EXPERT:
         for name in ("fc1", "fc2"):
             specs[f"{name}_decode"] = dict(specs[name], rows_per_expert=SM90_DECODE_MAX_ROWS_PER_EXPERT)
+        if world == 1 and gather_fc1() and local_route() and cfg.hidden % 64 == 0:
+            specs["fc1"]["gather_a"] = True  # the 128-row FC1 reads the caller's tokens by idx
     return specs
 
 
@@ -354,19 +365,31 @@ class Sm90CuteDSLBackend(BackendImpl):
         return (self.ep,)
 
     def _step2_layout(self, gather_rows: bool = True) -> None:
-        """``gather_rows``: copy the grouped rows into ``self.xs`` (False: step 3 reads them itself)."""
-        xs = self.xs if gather_rows else None
+        """``gather_rows``: copy the grouped rows into ``self.xs`` (False: step 3 reads them itself;
+        so does a gathering FC1, :func:`gather_fc1`, from the caller's x kept in ``_fc1_src``)."""
+        fc1_gathers = self._fc1_reads_tokens()
+        xs = self.xs if gather_rows and not fc1_gathers else None
         if self.local_route:
             x, topk_ids, topk_weights = self._routing
             self._routing = None  # hold no reference to the caller's tensors past the call
+            self._fc1_src = x if fc1_gathers else None
             self.layout.route(self.ep, x, topk_ids, topk_weights, self.offsets, self.idx, self.ws_rows, self.pos,
                               xs, tokens=self._tokens)
         else:
             self.layout(self.ep, self.offsets, self.idx, self.ws_rows, self.pos, xs, tokens=self._tokens)
 
+    def _fc1_reads_tokens(self) -> bool:
+        """This call's FC1 gathers the caller's tokens itself (:func:`gather_fc1`)."""
+        return getattr(self._gemms[0], "gather_a", False)
+
     def _step34_experts(self, w13, w2, b13=None, b2=None) -> None:
         fc1, fc2 = self._gemms
-        fc1(self.xs, w13, self.offsets, out=self.h, max_active_ctas=self.num_ctas, bias=b13)
+        src = getattr(self, "_fc1_src", None)
+        if src is not None:  # a gathering FC1: grouped row r = x[idx[r]]
+            self._fc1_src = None
+            fc1(src, w13, self.offsets, out=self.h, max_active_ctas=self.num_ctas, bias=b13, idx=self.idx)
+        else:
+            fc1(self.xs, w13, self.offsets, out=self.h, max_active_ctas=self.num_ctas, bias=b13)
         fc2(self.h, w2, self.offsets, out=self.y, row_scale=self.ws_rows, max_active_ctas=self.num_ctas, bias=b2)
 
     def _step5_combine_send(self) -> None:

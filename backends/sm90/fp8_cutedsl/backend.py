@@ -225,6 +225,9 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
     def ep_sessions(self) -> tuple:
         return (self.ep, self.ep_q, self.ep_s) if self.fp8_wire else (self.ep,)
 
+    def _fc1_reads_tokens(self) -> bool:
+        return False  # step 3 below feeds FC1 itself (gather_fc1: the quantised tokens)
+
     def _send_rows(self, x, topk_ids, topk_weights) -> None:
         if not self.fp8_wire:
             return super()._send_rows(x, topk_ids, topk_weights)

@@ -23,10 +23,12 @@ def fake_args(kernel: GroupedGemmSm90, num_experts: int, n: int, k: int, use_tvm
     """Fake (mA, mB, mC, mOffsets, mRowScale, mBias, max_active_ctas, stream), dynamic M_total.
 
     Layouts match what ``launch.to_cute_args`` produces from contiguous torch tensors. ``bias_dtype``
-    ("float32" or "bfloat16") is part of the compiled signature even without ``has_bias``."""
+    ("float32" or "bfloat16") is part of the compiled signature even without ``has_bias``. A
+    gathering kernel (``kernel.gather_a``): (mA, mIdx, mB, ...), A with its own row count."""
     n_out, _ = kernel.static_shapes(n, k)
     m = cute.sym_int()
-    mA = make_fake_compact_tensor(cutlass.BFloat16, (m, k), stride_order=(1, 0), assumed_align=16)
+    mA = make_fake_compact_tensor(cutlass.BFloat16, (cute.sym_int() if kernel.gather_a else m, k), stride_order=(1, 0),
+                                  assumed_align=16)
     mB = make_fake_compact_tensor(
         cutlass.BFloat16, (num_experts, n, k), stride_order=(2, 1, 0), assumed_align=16
     )
@@ -40,7 +42,8 @@ def fake_args(kernel: GroupedGemmSm90, num_experts: int, n: int, k: int, use_tvm
         mBias = make_fake_compact_tensor(cutlass.Float32, (1, cute.sym_int()), stride_order=(1, 0),
                                          assumed_align=4)
     stream = make_fake_stream(use_tvm_ffi_env_stream=use_tvm_ffi)
-    return mA, mB, mC, mOff, mScale, mBias, cutlass.Int32(132), stream
+    idx = (make_fake_compact_tensor(cutlass.Int32, (m,), assumed_align=4),) if kernel.gather_a else ()
+    return (mA, *idx, mB, mC, mOff, mScale, mBias, cutlass.Int32(132), stream)
 
 
 def compile_for_arch(
@@ -58,12 +61,16 @@ def compile_for_arch(
     swiglu_alpha: float = 1.702,
     swiglu_limit: float = 7.0,
     schedule: str = "cooperative",
+    gather_a: bool = False,
 ):
     """Compile one variant for ``arch`` from fake tensors. ``bias_dtype``: None (no bias),
-    "float32" or "bfloat16"."""
-    kernel = GroupedGemmSm90(activation, tile_n=tile_n, scale_rows=scale_rows, epilogue=epilogue,
-                             has_bias=bias_dtype is not None, raster_m=raster_m,
-                             swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, schedule=schedule)
+    "float32" or "bfloat16"; ``gather_a``: the gathering kernel (:mod:`.grouped_gemm_gather`)."""
+    cls = GroupedGemmSm90
+    if gather_a:
+        from .grouped_gemm_gather import GroupedGemmGatherSm90 as cls
+    kernel = cls(activation, tile_n=tile_n, scale_rows=scale_rows, epilogue=epilogue,
+                 has_bias=bias_dtype is not None, raster_m=raster_m,
+                 swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, schedule=schedule)
     args = fake_args(kernel, num_experts, n, k, bias_dtype=bias_dtype or "float32")
     opts = f"--gpu-arch {arch} --keep-ptx {extra_options}".strip()
     return cute.compile(kernel, *args, options=opts)

@@ -124,6 +124,8 @@ class GroupedGemmSm90:
         (predicated 32-bit stores straight from the accumulator registers, no smem).
     """
 
+    gather_a = False  # drop v23: A rows gathered by index (:class:`.grouped_gemm_gather.GroupedGemmGatherSm90`)
+
     def __init__(
         self,
         activation: str,
@@ -255,6 +257,26 @@ class GroupedGemmSm90:
             raise TypeError("offsets must be int32")
         if cutlass.const_expr(mBias.element_type not in (cutlass.Float32, cutlass.BFloat16)):
             raise TypeError("bias must be float32 or bfloat16")
+        setup = self._setup(mA, mB, mOffsets)
+        self._launch(self.kernel(setup[0], setup[1], setup[2], setup[3], mC, mOffsets, mRowScale, mBias, *setup[4:]),
+                     max_active_ctas, stream)
+
+    def _launch(self, kernel, max_active_ctas, stream) -> None:
+        """One persistent CTA per ``max_active_ctas``, launched with PDL like every kernel of the drop."""
+        kernel.launch(
+            grid=[max_active_ctas, 1, 1],
+            block=[self.threads_per_cta, 1, 1],
+            cluster=[1, 1, 1],
+            min_blocks_per_mp=1,
+            stream=stream,
+            use_pdl=PDL,
+        )
+
+    @cute.jit
+    def _setup(self, mA: cute.Tensor, mB: cute.Tensor, mOffsets: cute.Tensor):
+        """Host-side (traced) set-up shared by the variants: the problem's compile-time sizes, the
+        TMA atoms, MMAs and smem layouts. Returns ``(tma_atom_a, tma_tensor_a, tma_atom_b,
+        tma_tensor_b, tiled_mma, tiled_mma_epi, a_smem_layout, b_smem_layout, b_smem_layout_main)``."""
         num_experts = cute.size(mOffsets, mode=[0]) - 1
         n_rows_b = cute.size(mB, mode=[1])
         k_size = cute.size(mB, mode=[2])
@@ -336,29 +358,8 @@ class GroupedGemmSm90:
             ]
 
         self.shared_storage = SharedStorage
-
-        self.kernel(
-            tma_atom_a,
-            tma_tensor_a,
-            tma_atom_b,
-            tma_tensor_b,
-            mC,
-            mOffsets,
-            mRowScale,
-            mBias,
-            tiled_mma,
-            tiled_mma_epi,
-            a_smem_layout,
-            b_smem_layout,
-            b_smem_layout_main,
-        ).launch(
-            grid=[max_active_ctas, 1, 1],
-            block=[self.threads_per_cta, 1, 1],
-            cluster=[1, 1, 1],
-            min_blocks_per_mp=1,
-            stream=stream,
-            use_pdl=PDL,
-        )
+        return (tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, tiled_mma, tiled_mma_epi, a_smem_layout,
+                b_smem_layout, b_smem_layout_main)
 
     # ------------------------------------------------------------------ scheduler helper
     @cute.jit
@@ -410,6 +411,30 @@ class GroupedGemmSm90:
         b_smem_layout: cute.ComposedLayout,
         b_smem_layout_main: cute.ComposedLayout,
     ):
+        self._body(tma_atom_a, mA_tma, tma_atom_b, mB_tma, mC, mOffsets, mRowScale, mBias, tiled_mma, tiled_mma_epi,
+                   a_smem_layout, b_smem_layout, b_smem_layout_main)
+
+    @cute.jit
+    def _body(
+        self,
+        tma_atom_a: cute.CopyAtom,
+        mA_tma: cute.Tensor,
+        tma_atom_b: cute.CopyAtom,
+        mB_tma: cute.Tensor,
+        mC: cute.Tensor,
+        mOffsets: cute.Tensor,
+        mRowScale: cute.Tensor,
+        mBias: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        tiled_mma_epi: cute.TiledMma,
+        a_smem_layout: cute.ComposedLayout,
+        b_smem_layout: cute.ComposedLayout,
+        b_smem_layout_main: cute.ComposedLayout,
+        gather=None,
+    ):
+        """The kernel (traced inline into each variant's ``@cute.kernel``). ``gather``: ``(mA,
+        mIdx)`` for the gathering variant (``self.gather_a``, :mod:`.grouped_gemm_gather`): grouped
+        row r is ``mA[mIdx[r]]``, loaded by the producer warpgroup with cp.async."""
         wait_previous_grid()
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -458,10 +483,16 @@ class GroupedGemmSm90:
         tma_bytes = cute.size_in_bytes(self.ab_dtype, a_smem_one) + self.num_b * cute.size_in_bytes(
             self.ab_dtype, b_smem_one
         )
+        producers = pipeline.CooperativeGroup(pipeline.Agent.Thread)
+        if cutlass.const_expr(self.gather_a):
+            # a stage is full after warp 0's TMA arrive (B bytes) and one cp.async arrival per
+            # producer thread (its A rows)
+            tma_bytes = self.num_b * cute.size_in_bytes(self.ab_dtype, b_smem_one)
+            producers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 + self.threads_per_wg)
         ab_pipeline = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar.data_ptr(),
             num_stages=self.num_stages,
-            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread),
+            producer_group=producers,
             consumer_group=pipeline.CooperativeGroup(
                 pipeline.Agent.Thread, self.stage_consumer_warps
             ),
@@ -481,62 +512,66 @@ class GroupedGemmSm90:
         # =========================================================== producer warpgroup
         if warp_group_idx == 0:
             cute.arch.warpgroup_reg_dealloc(self.load_regs)
-            if warp_idx == 0:
-                prod_state = pipeline.make_pipeline_state(
-                    pipeline.PipelineUserType.Producer, self.num_stages
-                )
-                # (TMA, slot) views of the staged smem buffers
-                tAsA = cute.group_modes(sA, 0, 2)
-                tBsB = cute.group_modes(sB, 0, 2)
-                expert = cutlass.Int32(0)
-                tile_id = bidx
-                while tile_id < total_tiles:
-                    expert, row0, row_end, n_tile = self._locate(sOff, sCum, tile_id, expert)
+            if cutlass.const_expr(self.gather_a):
+                self._produce_gathered(ab_pipeline, gather[0], gather[1], tma_atom_b, mB_tma, sA, sB, sOff, sCum,
+                                       total_tiles, tidx, warp_idx, bidx, gdim)
+            else:
+                if warp_idx == 0:
+                    prod_state = pipeline.make_pipeline_state(
+                        pipeline.PipelineUserType.Producer, self.num_stages
+                    )
+                    # (TMA, slot) views of the staged smem buffers
+                    tAsA = cute.group_modes(sA, 0, 2)
+                    tBsB = cute.group_modes(sB, 0, 2)
+                    expert = cutlass.Int32(0)
+                    tile_id = bidx
+                    while tile_id < total_tiles:
+                        expert, row0, row_end, n_tile = self._locate(sOff, sCum, tile_id, expert)
 
-                    # A rows [row0, row0 + tile_m): (bM, bK, RestK)
-                    gA = cute.local_tile(
-                        cute.domain_offset((row0, 0), mA_tma),
-                        (self.tile_m, self.tile_k),
-                        (0, None),
-                    )
-                    tAsA_p, tAgA = cpasync.tma_partition(
-                        tma_atom_a, 0, cute.make_layout(1), tAsA, cute.group_modes(gA, 0, 2)
-                    )
-                    # B of this expert, rows [n0, n0 + bn) (gated: + up rows [I + n0, I + n0 + bn),
-                    # an element offset, so I need not be a multiple of the tile): (bN, bK, RestK)
-                    n0 = n_tile * self.tile_n
-                    tBgBs = []
-                    for h in cutlass.range_constexpr(self.num_b):
-                        gB = cute.local_tile(
-                            cute.domain_offset((n0 + h * self.n_out, 0, 0), mB_tma),
-                            (self.tile_n, self.tile_k),
-                            (0, None, expert),
+                        # A rows [row0, row0 + tile_m): (bM, bK, RestK)
+                        gA = cute.local_tile(
+                            cute.domain_offset((row0, 0), mA_tma),
+                            (self.tile_m, self.tile_k),
+                            (0, None),
                         )
-                        tBsB_p, tBgB = cpasync.tma_partition(
-                            tma_atom_b, 0, cute.make_layout(1), tBsB, cute.group_modes(gB, 0, 2)
+                        tAsA_p, tAgA = cpasync.tma_partition(
+                            tma_atom_a, 0, cute.make_layout(1), tAsA, cute.group_modes(gA, 0, 2)
                         )
-                        tBgBs.append(tBgB)
-                    for k_tile in range(k_tiles):
-                        ab_pipeline.producer_acquire(prod_state)
-                        bar = ab_pipeline.producer_get_barrier(prod_state)
-                        cute.copy(
-                            tma_atom_a,
-                            tAgA[(None, k_tile)],
-                            tAsA_p[(None, prod_state.index)],
-                            tma_bar_ptr=bar,
-                        )
+                        # B of this expert, rows [n0, n0 + bn) (gated: + up rows [I + n0, I + n0 + bn),
+                        # an element offset, so I need not be a multiple of the tile): (bN, bK, RestK)
+                        n0 = n_tile * self.tile_n
+                        tBgBs = []
                         for h in cutlass.range_constexpr(self.num_b):
-                            # gated: h=0 gate rows [n0, n0+bn), h=1 up rows [I+n0, I+n0+bn)
+                            gB = cute.local_tile(
+                                cute.domain_offset((n0 + h * self.n_out, 0, 0), mB_tma),
+                                (self.tile_n, self.tile_k),
+                                (0, None, expert),
+                            )
+                            tBsB_p, tBgB = cpasync.tma_partition(
+                                tma_atom_b, 0, cute.make_layout(1), tBsB, cute.group_modes(gB, 0, 2)
+                            )
+                            tBgBs.append(tBgB)
+                        for k_tile in range(k_tiles):
+                            ab_pipeline.producer_acquire(prod_state)
+                            bar = ab_pipeline.producer_get_barrier(prod_state)
                             cute.copy(
-                                tma_atom_b,
-                                tBgBs[h][(None, k_tile)],
-                                tBsB_p[(None, prod_state.index * self.num_b + h)],
+                                tma_atom_a,
+                                tAgA[(None, k_tile)],
+                                tAsA_p[(None, prod_state.index)],
                                 tma_bar_ptr=bar,
                             )
-                        ab_pipeline.producer_commit(prod_state)
-                        prod_state.advance()
-                    tile_id = tile_id + gdim
-                ab_pipeline.producer_tail(prod_state)
+                            for h in cutlass.range_constexpr(self.num_b):
+                                # gated: h=0 gate rows [n0, n0+bn), h=1 up rows [I+n0, I+n0+bn)
+                                cute.copy(
+                                    tma_atom_b,
+                                    tBgBs[h][(None, k_tile)],
+                                    tBsB_p[(None, prod_state.index * self.num_b + h)],
+                                    tma_bar_ptr=bar,
+                                )
+                            ab_pipeline.producer_commit(prod_state)
+                            prod_state.advance()
+                        tile_id = tile_id + gdim
+                    ab_pipeline.producer_tail(prod_state)
 
         # =========================================================== consumer warpgroups
         if warp_group_idx > 0:

@@ -34,11 +34,13 @@ def _num_sms(device=None) -> int:
     return torch.cuda.get_device_properties(dev).multi_processor_count
 
 
-def to_cute_args(a, b, c, offsets, row_scale, bias):
+def to_cute_args(a, b, c, offsets, row_scale, bias, idx=None):
     """Convert contiguous torch tensors to CuTe tensors whose static/dynamic structure matches
     ``compile_check.fake_args``: M_total dynamic, everything else static. ``bias``: ``[E, N]``
-    (fp32/bf16) for a has_bias kernel, else any ``[1, L]`` fp32 placeholder."""
+    (fp32/bf16) for a has_bias kernel, else any ``[1, L]`` fp32 placeholder. ``idx`` ([M_total]
+    int32, a gathering kernel only): follows ``a`` (then the source rows, their own count)."""
     mA = from_dlpack(a, assumed_align=16).mark_compact_shape_dynamic(mode=0, stride_order=(0, 1))
+    ix = () if idx is None else (from_dlpack(idx, assumed_align=4).mark_compact_shape_dynamic(mode=0),)
     mB = from_dlpack(b, assumed_align=16)
     mC = from_dlpack(c, assumed_align=16).mark_compact_shape_dynamic(mode=0, stride_order=(0, 1))
     mOff = from_dlpack(offsets, assumed_align=4)
@@ -46,7 +48,7 @@ def to_cute_args(a, b, c, offsets, row_scale, bias):
     mBias = from_dlpack(bias, assumed_align=4)
     if bias.shape[0] == 1:  # the placeholder's length is dynamic
         mBias = mBias.mark_compact_shape_dynamic(mode=1, stride_order=(0, 1))
-    return mA, mB, mC, mOff, mScale, mBias
+    return (mA, *ix, mB, mC, mOff, mScale, mBias)
 
 
 def ffi_function(compiled):
@@ -86,14 +88,16 @@ class CompiledGroupedGemm:
                  bias_dtype: Optional[str] = None, raster_m: Optional[int] = None,
                  swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
                  schedule: str = "cooperative", compiled=None, tvm_ffi: bool = False,
-                 early_weights: bool = False):
+                 early_weights: bool = False, gather_a: bool = False):
         """``compiled``: this variant's kernel compiled earlier (e.g. loaded from an exported
         object file, ``cute.runtime.load_module``); None compiles it here (sm_90a).
         ``tvm_ffi``: compile for (and launch through) TVM-FFI: :meth:`launch_tensors`.
         ``schedule``: "cooperative" / "pingpong" / "wide" (:class:`GroupedGemmSm90`, ``tile_n`` = output
         columns per tile) or "swapab" (:class:`~.swapab_gemm.SwapABGroupedGemmSm90`, for a few
         rows per expert; ``tile_n`` is then its token tile ``tile_t``). Same arguments either way.
-        ``early_weights``: swap-AB only, see :class:`~.swapab_gemm.SwapABGroupedGemmSm90`."""
+        ``early_weights``: swap-AB only, see :class:`~.swapab_gemm.SwapABGroupedGemmSm90`.
+        ``gather_a`` (cooperative / wide; drop v23): A is the source rows and a call passes
+        ``idx``, grouped row r = ``a[idx[r]]`` (:class:`~.grouped_gemm_gather.GroupedGemmGatherSm90`)."""
         from .compile_check import fake_args
 
         if bias_dtype not in _TORCH_BIAS:
@@ -110,11 +114,17 @@ class CompiledGroupedGemm:
         else:
             if early_weights:
                 raise ValueError("early_weights is a swap-AB option (schedule='swapab')")
-            self.kernel = GroupedGemmSm90(activation, tile_n=tile_n, scale_rows=scale_rows,
+            cls = GroupedGemmSm90
+            if gather_a:
+                from .grouped_gemm_gather import GroupedGemmGatherSm90 as cls
+            self.kernel = cls(activation, tile_n=tile_n, scale_rows=scale_rows,
                                           num_stages=num_stages, epilogue=epilogue,
                                           has_bias=bias_dtype is not None, raster_m=raster_m,
                                           swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
                                           schedule=schedule)
+        if gather_a and schedule == "swapab":
+            raise ValueError("gather_a is a 128-row kernel option (not schedule='swapab')")
+        self.gather_a = bool(gather_a)
         self.activation = activation
         self.schedule = schedule
         self.early_weights = bool(early_weights)
@@ -151,7 +161,7 @@ class CompiledGroupedGemm:
     def __call__(self, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
                  out: Optional[torch.Tensor] = None, row_scale: Optional[torch.Tensor] = None,
                  max_active_ctas: Optional[int] = None, stream=None,
-                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 bias: Optional[torch.Tensor] = None, idx: Optional[torch.Tensor] = None) -> torch.Tensor:
         """
         a:         [M_total, K]      bf16, contiguous, CUDA
         b:         [E, N, K]         bf16, contiguous
@@ -159,7 +169,12 @@ class CompiledGroupedGemm:
         out:       [M_total, N_out]  bf16 or None (allocated)
         row_scale: [M_total]         fp32, required iff scale_rows
         bias:      [E, N]            fp32/bf16 (this variant's bias dtype), required iff bias_dtype
+        idx:       [M_total]         int32, required iff gather_a (then a is [T_src, K] and out is required)
         """
+        if self.gather_a != (idx is not None):
+            raise ValueError("idx is required with gather_a=True and refused without it")
+        if self.gather_a and out is None:
+            raise ValueError("gather_a: pass out [M_total, N_out] (M_total is idx's length)")
         m_total = a.shape[0]
         if out is None:
             out = torch.empty(m_total, self.n_out, dtype=torch.bfloat16, device=a.device)
@@ -176,13 +191,13 @@ class CompiledGroupedGemm:
         else:
             bias = dummy_bias
         if self.tvm_ffi:
-            self.launch_tensors(a, b, out, offsets, row_scale, bias, max_active_ctas, stream)
+            self.launch_tensors(a, b, out, offsets, row_scale, bias, max_active_ctas, stream, idx=idx)
         else:
-            self.launch_converted(to_cute_args(a, b, out, offsets, row_scale, bias), max_active_ctas, stream)
+            self.launch_converted(to_cute_args(a, b, out, offsets, row_scale, bias, idx), max_active_ctas, stream)
         return out
 
     def launch_tensors(self, a, b, c, offsets, row_scale, bias, max_active_ctas: Optional[int] = None,
-                       stream=None):
+                       stream=None, idx=None):
         """TVM-FFI launch (``tvm_ffi=True`` only) with torch tensors, in ``to_cute_args`` order:
         a [M, K], b [E, N, K], c [M, N_out] bf16; offsets [E+1] int32; row_scale [>= 1] fp32;
         bias [E, N] (or the [1, L] fp32 placeholder). ``stream``: a torch.cuda.Stream or None
@@ -190,7 +205,8 @@ class CompiledGroupedGemm:
         if not self.tvm_ffi:
             raise RuntimeError("launch_tensors needs a kernel compiled with tvm_ffi=True")
         ctas = max_active_ctas if max_active_ctas is not None else _num_sms()
-        call_on_stream(self._fn, (a, b, c, offsets, row_scale, bias, ctas), stream)
+        ins = (a,) if idx is None else (a, idx)  # a gathering kernel: the source rows, then idx
+        call_on_stream(self._fn, (*ins, b, c, offsets, row_scale, bias, ctas), stream)
 
     def launch_converted(self, args, max_active_ctas: Optional[int] = None, stream=None):
         """Launch with pre-converted CuTe tensors (classic path). Arguments that do not match the
