@@ -33,10 +33,9 @@
 #                the decode sweep of $MODELS with --decode-csv $OUT/decode.csv --plot $OUT/decode.png;
 #                with .device/fi carried, FlashInfer at PEER_DECODE_TOKENS (1,8,32,128,256) in the same
 #                call -> $OUT/decode_fi.csv, both plotted in $OUT/decode_all.png.
-# verify:        what has not yet run on a GPU: drop v22's BF16 wide FC1 (grouped_gemm_runner --wide, the BF16 layer
-#                with MOE_EP_WIDE_GATED 0 / 1), the FP8 layer with (MOE_EP_FP8_WIDE_GATED, MOE_EP_FP8_GATHER_FC1)
-#                = (0,0) (1,0) (1,1), then GPU test groups
-#                in parallel in what is left of CALL_BUDGET (530 s) -> $OUT/verify_*.{log,csv};
+# verify:        what has not yet run on a GPU: drop v23's gathering FC1s (fp8_runner --gather, the BF16 and FP8
+#                layers with MOE_EP_GATHER_FC1 / MOE_EP_FP8_GATHER_FC1 0 / 1), then their GPU tests in parallel
+#                in what is left of CALL_BUDGET (530 s) -> $OUT/verify_*.{log,csv}, $OUT/tests_*.log;
 # fp8ab:         the FP8 layer with (requant, wide) in {0,1}x{0,1}, interleaved, 2 rounds -> $OUT/fp8ab_*.{log,csv};
 #                verify2: the virtual-rank tests with PDL
 #                once more, then the decode sweep with (PDL, token grid, layout chunks) = (0,0,all) (1,0,all)
@@ -136,31 +135,26 @@ if [ "$mode" = extra ]; then
   fi
 fi
 if [ "$mode" = verify ]; then
-  # drop v22's BF16 "wide" FC1 (one m64n256 gate+up WGMMA) and the FP8 defaults (wide FC1, overlapped
-  # promotion from K 4096): the drop runner (bit identity vs cooperative, interleaved times) and the
-  # layers with the switch off / on, on an otherwise idle GPU; then the GPU tests not yet run at the
-  # current defaults, VERIFY_GROUPS in parallel processes (compiling dominates them), in what is left
-  # of CALL_BUDGET (530 s of this script)
-  step "drop runner --wide" "$OUT/verify_wide_runner.log" -- bash -c \
-      "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.grouped_gemm_runner --wide --model ${WIDE_MODELS:-qwen3,mixtral}"
-  for q in 0 1; do
-    step "BF16 layer, wide FC1 $q" "$OUT/verify_bf16_w$q.log" -- env MOE_EP_WIDE_GATED=$q python3 -m moe_ep.bench \
-        --model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" --no-reference --no-decode --csv "$OUT/verify_bf16_w$q.csv" \
-        $([ $q = 1 ] && echo --profile)
-  done
-  for v in "0 0" "1 0" "1 1"; do  # (wide FC1, FC1 gathering the tokens): off, the default, + gather
-    set -- $v
-    step "FP8 layer, wide FC1 $1, gather FC1 $2" "$OUT/verify_fp8_w$1g$2.log" -- env MOE_EP_FP8_WIDE_GATED=$1 \
-        MOE_EP_FP8_GATHER_FC1=$2 python3 -m moe_ep.bench --model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" \
-        --quant fp8_block128 --no-reference --no-decode --csv "$OUT/verify_fp8_w$1g$2.csv" $([ "$1$2" = 11 ] && echo --profile)
+  # drop v23's gathering FC1s (not yet run on a GPU; opt-in): the FP8 runner's --gather check and
+  # times (Qwen3), the BF16 and FP8 layers with the gather switches off / on (profiled on), then the
+  # GPU tests of the gathering kernels and of the layers around them, in parallel, in what is left
+  # of CALL_BUDGET (530 s of this script). (The eighth session's verify -- drop v22's BF16 wide FC1
+  # and the FP8 wide default -- is in git history, 130df10.)
+  step "drop fp8 runner --wide --gather (qwen3)" "$OUT/verify_fp8_runner.log" -- bash -c \
+      "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.fp8_runner --model qwen3 --raster-m 16 --wide --gather"
+  for g in 0 1; do
+    step "BF16 layer, gather FC1 $g" "$OUT/verify_bf16_g$g.log" -- env MOE_EP_GATHER_FC1=$g python3 -m moe_ep.bench \
+        --model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" --no-reference --no-decode --csv "$OUT/verify_bf16_g$g.csv" \
+        $([ $g = 1 ] && echo --profile)
+    step "FP8 layer, gather FC1 $g" "$OUT/verify_fp8_g$g.log" -- env MOE_EP_FP8_GATHER_FC1=$g python3 -m moe_ep.bench \
+        --model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" --quant fp8_block128 --no-reference --no-decode \
+        --csv "$OUT/verify_fp8_g$g.csv" $([ $g = 1 ] && echo --profile)
   done
   left=$(( ${CALL_BUDGET:-530} - SECONDS ))
   [ "$left" -gt 60 ] && run_groups "$left" \
-      "tests/test_layer_gpu.py;-k;wide_gated_fc1 or matches_reference or bit_identical_repeats or decode_layer or activations_biases" \
-      "tests/test_ep_virtual_gpu.py;-k;determinism or cuda_graph or fp8" \
-      "tests/test_ep_gpu.py;tests/test_disk_cache.py;tests/test_transformers_integration.py" \
-      "tests/test_fp8_backend.py;tests/test_sm90_fp8_quant.py;tests/test_sm90_fp8_gather.py" \
-      "tests/test_sm90_fp8_compile.py;tests/test_sm90_swapab_compile.py;-k;not requant and not wide"
+      "tests/test_gather_fc1.py" "tests/test_sm90_fp8_gather.py" \
+      "tests/test_fp8_backend.py;-k;variants or local_route" \
+      "tests/test_layer_gpu.py;-k;matches_reference or bit_identical_repeats or decode_layer or activations_biases"
 fi
 if [ "$mode" = fp8ab ]; then  # FC1 variants one at a time, interleaved over 2 rounds (FP8 layer, 8192 tokens)
   for r in 1 2; do for v in "0 0" "1 0" "0 1" "1 1"; do
