@@ -27,7 +27,8 @@ def fake_args(kernel: GroupedGemmSm90, num_experts: int, n: int, k: int, use_tvm
     gathering kernel (``kernel.gather_a``): (mA, mIdx, mB, ...), A with its own row count."""
     n_out, _ = kernel.static_shapes(n, k)
     m = cute.sym_int()
-    mA = make_fake_compact_tensor(cutlass.BFloat16, (cute.sym_int() if kernel.gather_a else m, k), stride_order=(1, 0),
+    gather_a = getattr(kernel, "gather_a", False)  # the swap-AB kernel has no gathering form
+    mA = make_fake_compact_tensor(cutlass.BFloat16, (cute.sym_int() if gather_a else m, k), stride_order=(1, 0),
                                   assumed_align=16)
     mB = make_fake_compact_tensor(
         cutlass.BFloat16, (num_experts, n, k), stride_order=(2, 1, 0), assumed_align=16
@@ -42,7 +43,7 @@ def fake_args(kernel: GroupedGemmSm90, num_experts: int, n: int, k: int, use_tvm
         mBias = make_fake_compact_tensor(cutlass.Float32, (1, cute.sym_int()), stride_order=(1, 0),
                                          assumed_align=4)
     stream = make_fake_stream(use_tvm_ffi_env_stream=use_tvm_ffi)
-    idx = (make_fake_compact_tensor(cutlass.Int32, (m,), assumed_align=4),) if kernel.gather_a else ()
+    idx = (make_fake_compact_tensor(cutlass.Int32, (m,), assumed_align=4),) if gather_a else ()
     return (mA, *idx, mB, mC, mOff, mScale, mBias, cutlass.Int32(132), stream)
 
 
