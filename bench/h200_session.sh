@@ -35,7 +35,9 @@
 #                call -> $OUT/decode_fi.csv, both plotted in $OUT/decode_all.png.
 # verify:        what has not yet run on a GPU: drop v23's gathering FC1s (fp8_runner --gather, the BF16 and FP8
 #                layers with MOE_EP_GATHER_FC1 / MOE_EP_FP8_GATHER_FC1 0 / 1), then their GPU tests in parallel
-#                in what is left of CALL_BUDGET (530 s) -> $OUT/verify_*.{log,csv}, $OUT/tests_*.log;
+#                in what is left of CALL_BUDGET (530 s) -> $OUT/verify_*.{log,csv}, $OUT/tests_*.log; VERIFY_PEERS=1
+#                (carry .device/fi too: .device/b + .device/fi + .device/aot fit one call) adds FlashInfer
+#                BF16 and FP8 at the same shapes before the tests;
 # fp8ab:         the FP8 layer with (requant, wide) in {0,1}x{0,1}, interleaved, 2 rounds -> $OUT/fp8ab_*.{log,csv};
 #                verify2: the virtual-rank tests with PDL
 #                once more, then the decode sweep with (PDL, token grid, layout chunks) = (0,0,all) (1,0,all)
@@ -150,6 +152,15 @@ if [ "$mode" = verify ]; then
         --model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" --quant fp8_block128 --no-reference --no-decode \
         --csv "$OUT/verify_fp8_g$g.csv" $([ $g = 1 ] && echo --profile)
   done
+  if [ -n "${VERIFY_PEERS:-}" ] && [ -f .device/fi/pkg/setup.sh ]; then  # FlashInfer BF16 + FP8 beside (carry .device/fi)
+    for q in "" fp8_block128; do
+      step "FlashInfer peer ${q:-bf16}" "$OUT/verify_fi_${q:-bf16}.log" -- bash -c '
+        source .device/fi/pkg/setup.sh || exit 3
+        exec python3 -m moe_ep.bench "$@"' fi --model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" \
+          ${q:+--quant $q} "${peer_args[@]}" --peer flashinfer --peer-script-fi .device/fi/bench_fi.py \
+          --csv "$OUT/verify_fi_${q:-bf16}.csv"
+    done
+  fi
   left=$(( ${CALL_BUDGET:-530} - SECONDS ))
   [ "$left" -gt 60 ] && run_groups "$left" \
       "tests/test_gather_fc1.py" "tests/test_sm90_fp8_gather.py" \
