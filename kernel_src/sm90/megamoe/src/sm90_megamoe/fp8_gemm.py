@@ -80,6 +80,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from .gather_producer import stage_producers
 from .pdl import PDL, wait_previous_grid
 from .constants import MAX_EXPERTS
 from .grouped_gemm import GroupedGemmSm90, LayoutEnum, get_smem_capacity_in_bytes
@@ -419,15 +420,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
 
         a_smem_one = cute.slice_(a_smem_layout, (None, None, 0))
         b_smem_one = cute.slice_(b_smem_layout, (None, None, 0))
-        tma_bytes = cute.size_in_bytes(self.ab_dtype, a_smem_one) + self.num_b * cute.size_in_bytes(
-            self.ab_dtype, b_smem_one
-        )
-        producers = pipeline.CooperativeGroup(pipeline.Agent.Thread)
-        if cutlass.const_expr(self.gather_a):
-            # a stage is full after warp 0's TMA arrive (B bytes) and one cp.async arrival per
-            # producer thread (its A row)
-            tma_bytes = self.num_b * cute.size_in_bytes(self.ab_dtype, b_smem_one)
-            producers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 + self.threads_per_wg)
+        tma_bytes, producers = stage_producers(self, a_smem_one, b_smem_one)
         ab_pipeline = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar.data_ptr(),
             num_stages=self.num_stages,

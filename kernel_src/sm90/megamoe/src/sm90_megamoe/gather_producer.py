@@ -25,6 +25,17 @@ import cutlass.pipeline as pipeline
 from cutlass.cute.nvgpu import cpasync
 
 
+def stage_producers(kernel, a_smem_one, b_smem_one):
+    """``(tx_bytes, producer group)`` of a stage's full barrier: every operand by TMA, one arrival
+    with all bytes; with ``kernel.gather_a``, B's bytes from warp 0's TMA arrival plus one cp.async
+    arrival per producer thread (its A rows). Shared by the BF16 and FP8 kernels' ``_body``."""
+    b_bytes = kernel.num_b * cute.size_in_bytes(kernel.ab_dtype, b_smem_one)
+    if kernel.gather_a:
+        return b_bytes, pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 + kernel.threads_per_wg)
+    return (cute.size_in_bytes(kernel.ab_dtype, a_smem_one) + b_bytes,
+            pipeline.CooperativeGroup(pipeline.Agent.Thread))
+
+
 class GatherAProducer:
     """Mixin: ``_produce_gathered``, the producer warpgroup's loop (module docstring)."""
 

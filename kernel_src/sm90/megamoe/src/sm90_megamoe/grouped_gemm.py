@@ -80,6 +80,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from .gather_producer import stage_producers
 from .pdl import PDL, wait_previous_grid
 from .constants import (
     ACTIVATIONS,
@@ -249,17 +250,21 @@ class GroupedGemmSm90:
         max_active_ctas: cutlass.Int32,
         stream: cuda.CUstream,
     ):
-        if cutlass.const_expr(mA.element_type != cutlass.BFloat16 or mB.element_type != cutlass.BFloat16):
-            raise TypeError("A and B must be bfloat16")
-        if cutlass.const_expr(mC.element_type != cutlass.BFloat16):
-            raise TypeError("C must be bfloat16")
-        if cutlass.const_expr(mOffsets.element_type != cutlass.Int32):
-            raise TypeError("offsets must be int32")
-        if cutlass.const_expr(mBias.element_type not in (cutlass.Float32, cutlass.BFloat16)):
-            raise TypeError("bias must be float32 or bfloat16")
+        self._check_inputs(mA, mB, mC, mOffsets, mBias)
         setup = self._setup(mA, mB, mOffsets)
         self._launch(self.kernel(setup[0], setup[1], setup[2], setup[3], mC, mOffsets, mRowScale, mBias, *setup[4:]),
                      max_active_ctas, stream)
+
+    def _check_inputs(self, mA, mB, mC, mOffsets, mBias) -> None:
+        """The operands' dtypes (compile time; shared by the variants)."""
+        if mA.element_type != cutlass.BFloat16 or mB.element_type != cutlass.BFloat16:
+            raise TypeError("A and B must be bfloat16")
+        if mC.element_type != cutlass.BFloat16:
+            raise TypeError("C must be bfloat16")
+        if mOffsets.element_type != cutlass.Int32:
+            raise TypeError("offsets must be int32")
+        if mBias.element_type not in (cutlass.Float32, cutlass.BFloat16):
+            raise TypeError("bias must be float32 or bfloat16")
 
     def _launch(self, kernel, max_active_ctas, stream) -> None:
         """One persistent CTA per ``max_active_ctas``, launched with PDL like every kernel of the drop."""
@@ -480,15 +485,7 @@ class GroupedGemmSm90:
         # ---- mainloop pipeline (its create() ends with a CTA barrier that also publishes sOff/sCum)
         a_smem_one = cute.slice_(a_smem_layout, (None, None, 0))
         b_smem_one = cute.slice_(b_smem_layout, (None, None, 0))
-        tma_bytes = cute.size_in_bytes(self.ab_dtype, a_smem_one) + self.num_b * cute.size_in_bytes(
-            self.ab_dtype, b_smem_one
-        )
-        producers = pipeline.CooperativeGroup(pipeline.Agent.Thread)
-        if cutlass.const_expr(self.gather_a):
-            # a stage is full after warp 0's TMA arrive (B bytes) and one cp.async arrival per
-            # producer thread (its A rows)
-            tma_bytes = self.num_b * cute.size_in_bytes(self.ab_dtype, b_smem_one)
-            producers = pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 + self.threads_per_wg)
+        tma_bytes, producers = stage_producers(self, a_smem_one, b_smem_one)
         ab_pipeline = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar.data_ptr(),
             num_stages=self.num_stages,

@@ -56,14 +56,9 @@ class GroupedGemmGatherSm90(GatherAProducer, GroupedGemmSm90):
         max_active_ctas: cutlass.Int32,
         stream: cuda.CUstream,
     ):
-        if cutlass.const_expr(mA.element_type != cutlass.BFloat16 or mB.element_type != cutlass.BFloat16):
-            raise TypeError("A and B must be bfloat16")
-        if cutlass.const_expr(mC.element_type != cutlass.BFloat16):
-            raise TypeError("C must be bfloat16")
-        if cutlass.const_expr(mOffsets.element_type != cutlass.Int32 or mIdx.element_type != cutlass.Int32):
-            raise TypeError("offsets and idx must be int32")
-        if cutlass.const_expr(mBias.element_type not in (cutlass.Float32, cutlass.BFloat16)):
-            raise TypeError("bias must be float32 or bfloat16")
+        self._check_inputs(mA, mB, mC, mOffsets, mBias)
+        if cutlass.const_expr(mIdx.element_type != cutlass.Int32):
+            raise TypeError("idx must be int32")
         if cutlass.const_expr(cute.size(mB, mode=[2]) % self.tile_k != 0):
             raise ValueError(f"the gathering GEMM needs K % {self.tile_k} == 0 (cp.async has no K tail)")
         setup = self._setup(mA, mB, mOffsets)
