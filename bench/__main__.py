@@ -34,7 +34,7 @@ from moe_ep.backends import available, retain_runtime
 
 from .models import MODELS, draw_routing, model_config
 from .report import LEGEND, Row, env_line, format_tables, make_row, write_csv
-from .timing import back_to_back_ms, per_call_ms
+from .timing import back_to_back_ms, kernel_timeline, per_call_ms
 
 
 def make_inputs(cfg: MoEConfig, T: int, group: EPGroup, device, seed: int, skew: bool = False, weights=None):
@@ -150,6 +150,10 @@ def bench_backends(args, key: str, cfg: MoEConfig, T: int, group: EPGroup, devic
                     torch.cuda.synchronize()
                 say(f"profile of 5 forwards on {layer.backend_name}, {MODELS[key]['name']}:")
                 say(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+                try:
+                    say(kernel_timeline(prof.events(), 5))
+                except Exception as e:  # noqa: BLE001 -- a diagnostic; never fail the bench on it
+                    say(f"kernel timeline unavailable: {type(e).__name__}: {e}")
             if (cuda and group.world_size > 1 and not args.no_comm and layer.backend_name != "reference"
                     and hasattr(layer._impl, "comm_ops")):
                 from .ep import comm_table

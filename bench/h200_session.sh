@@ -137,35 +137,25 @@ if [ "$mode" = extra ]; then
   fi
 fi
 if [ "$mode" = verify ]; then
-  # drop v23's gathering FC1s (not yet run on a GPU; opt-in): the FP8 runner's --gather check and
-  # times (Qwen3), the BF16 and FP8 layers with the gather switches off / on (profiled on), then the
-  # GPU tests of the gathering kernels and of the layers around them, in parallel, in what is left
-  # of CALL_BUDGET (530 s of this script). (The eighth session's verify -- drop v22's BF16 wide FC1
-  # and the FP8 wide default -- is in git history, 130df10.)
-  step "drop fp8 runner --wide --gather (qwen3)" "$OUT/verify_fp8_runner.log" -- bash -c \
-      "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.fp8_runner --model qwen3 --raster-m 16 --wide --gather"
-  for g in 0 1; do
-    step "BF16 layer, gather FC1 $g" "$OUT/verify_bf16_g$g.log" -- env MOE_EP_GATHER_FC1=$g python3 -m moe_ep.bench \
-        --model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" --no-reference --no-decode --csv "$OUT/verify_bf16_g$g.csv" \
-        $([ $g = 1 ] && echo --profile)
-    step "FP8 layer, gather FC1 $g" "$OUT/verify_fp8_g$g.log" -- env MOE_EP_FP8_GATHER_FC1=$g python3 -m moe_ep.bench \
-        --model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" --quant fp8_block128 --no-reference --no-decode \
-        --csv "$OUT/verify_fp8_g$g.csv" $([ $g = 1 ] && echo --profile)
-  done
-  if [ -n "${VERIFY_PEERS:-}" ] && [ -f .device/fi/pkg/setup.sh ]; then  # FlashInfer BF16 + FP8 beside (carry .device/fi)
-    for q in "" fp8_block128; do
-      step "FlashInfer peer ${q:-bf16}" "$OUT/verify_fi_${q:-bf16}.log" -- bash -c '
-        source .device/fi/pkg/setup.sh || exit 3
-        exec python3 -m moe_ep.bench "$@"' fi --model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" \
-          ${q:+--quant $q} "${peer_args[@]}" --peer flashinfer --peer-script-fi .device/fi/bench_fi.py \
-          --csv "$OUT/verify_fi_${q:-bf16}.csv"
-    done
-  fi
-  left=$(( ${CALL_BUDGET:-530} - SECONDS ))
-  [ "$left" -gt 60 ] && run_groups "$left" \
-      "tests/test_gather_fc1.py" "tests/test_sm90_fp8_gather.py" \
-      "tests/test_fp8_backend.py;-k;variants or local_route" \
-      "tests/test_layer_gpu.py;-k;matches_reference or bit_identical_repeats or decode_layer or activations_biases"
+  # drop v24 (the ninth session): the quantiser's division by Markstein's correction and combine_local
+  # on 4 CTAs per SM. Their GPU tests and the layers around them in parallel first (compiling
+  # dominates), then the FP8 and BF16 layers (default path), then true per-kernel times of the FP8
+  # layer (torch.profiler with SM90_MEGAMOE_PDL=0: with PDL a kernel's time includes its wait for
+  # the previous one). (The v23 checks of this session's first call are in git history, 5040ee1.)
+  run_groups "${TEST_BUDGET:-240}" "tests/test_fp8_quant_div.py;tests/test_sm90_fp8_quant.py" \
+      "tests/test_fp8_backend.py;-k;variants or local_route or matches or bit" \
+      "tests/test_layer_gpu.py;-k;matches_reference or bit_identical_repeats or decode_layer" \
+      "tests/test_gather_fc1.py;tests/test_sm90_fp8_gather.py"
+  step "BF16 layer" "$OUT/verify_bf16.log" -- python3 -m moe_ep.bench --model "$MODELS" --tokens "$TOKENS" \
+      --iters "$ITERS" --no-reference --no-decode --csv "$OUT/verify_bf16.csv"
+  step "FP8 layer" "$OUT/verify_fp8.log" -- python3 -m moe_ep.bench --model "$MODELS" --tokens "$TOKENS" \
+      --iters "$ITERS" --quant fp8_block128 --no-reference --no-decode --csv "$OUT/verify_fp8.csv"
+  step "FP8 layer, PDL off, profiled" "$OUT/verify_nopdl_fp8.log" -- env SM90_MEGAMOE_PDL=0 python3 -m moe_ep.bench \
+      --model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" --quant fp8_block128 --no-reference --no-decode --profile \
+      --csv "$OUT/verify_nopdl_fp8.csv"
+  step "BF16 layer, PDL off, profiled" "$OUT/verify_nopdl_bf16.log" -- env SM90_MEGAMOE_PDL=0 python3 -m moe_ep.bench \
+      --model qwen3 --tokens "$TOKENS" --iters "$ITERS" --no-reference --no-decode --profile \
+      --csv "$OUT/verify_nopdl_bf16.csv"
 fi
 if [ "$mode" = fp8ab ]; then  # FC1 variants one at a time, interleaved over 2 rounds (FP8 layer, 8192 tokens)
   for r in 1 2; do for v in "0 0" "1 0" "0 1" "1 1"; do
@@ -232,7 +222,7 @@ if [ "$mode" = suite ]; then  # the whole GPU suite in one call: ten groups in p
       "tests/test_sm90_gpu.py;-k;$gtop" "tests/test_sm90_gpu.py;-k;not ($gtop)" \
       "tests/test_ep_virtual_gpu.py;-k;matches_reference" "tests/test_ep_virtual_gpu.py;-k;not matches_reference" \
       "tests/test_fp8_backend.py;tests/test_activations_bias.py;tests/test_sm90_fp8_gather.py;tests/test_gather_fc1.py" \
-      "tests/test_ep_gpu.py;tests/test_disk_cache.py;tests/test_transformers_integration.py;tests/test_sm90_fp8_quant.py;tests/test_blackwell_backends.py" \
+      "tests/test_ep_gpu.py;tests/test_disk_cache.py;tests/test_transformers_integration.py;tests/test_sm90_fp8_quant.py;tests/test_fp8_quant_div.py;tests/test_blackwell_backends.py" \
       "tests/test_sm90_fp8_compile.py" "tests/test_sm90_swapab_compile.py"
 fi
 suite_common=(python3 -m pytest -m gpu -q -W ignore -p no:cacheprovider -rfE --durations=15 --tb=long)
@@ -244,7 +234,7 @@ if [ "$mode" = suite2 ]; then
   step "GPU suite 2/3" "$OUT/suite2.log" -- "${suite_common[@]}" tests/test_sm90_gpu.py tests/test_ep_gpu.py \
       tests/test_disk_cache.py tests/test_transformers_integration.py tests/test_sm90_fp8_quant.py \
       tests/test_sm90_fp8_compile.py tests/test_sm90_swapab_compile.py tests/test_blackwell_backends.py \
-      tests/test_sm90_fp8_gather.py tests/test_gather_fc1.py
+      tests/test_sm90_fp8_gather.py tests/test_gather_fc1.py tests/test_fp8_quant_div.py
 fi
 if [ "$mode" = suite3 ]; then
   step "GPU suite 3/3" "$OUT/suite3.log" -- "${suite_common[@]}" tests/test_ep_virtual_gpu.py

@@ -81,3 +81,26 @@ def back_to_back_ms(layer, inputs, iters: int, runs: int = 5) -> float:
         b.synchronize()
         avgs.append(a.elapsed_time(b) / n)
     return slowest(statistics.median(avgs), layer.group)
+
+
+def kernel_timeline(events, forwards: int) -> str:
+    """The last of ``forwards`` profiled forwards as a timeline: each GPU kernel's start (us from
+    the forward's first kernel), duration and the idle gap before it, then the busy / span sum --
+    what the per-kernel table cannot show (the GPU idle between kernels). ``events``: a
+    ``torch.profiler`` ``prof.events()`` list. Kernels launched with PDL start early and wait, so
+    with PDL on read the gaps as 0 and the durations as upper bounds."""
+    kernels = sorted(((e.time_range.start, e.time_range.end, e.name) for e in events
+                      if str(getattr(e, "device_type", "")).endswith("CUDA") and e.time_range.end > 0),
+                     key=lambda k: k[0])
+    if not kernels or len(kernels) % forwards:
+        return f"kernel timeline: {len(kernels)} kernels for {forwards} forwards (not a whole number each)"
+    per = len(kernels) // forwards
+    last = kernels[-per:]
+    t0, prev_end, lines = last[0][0], last[0][0], []
+    for start, end, name in last:
+        lines.append(f"  {start - t0:9.1f} us  {end - start:8.1f} us  gap {start - prev_end:7.1f}  {name[:70]}")
+        prev_end = max(prev_end, end)
+    busy = sum(e - s for s, e, _ in last)
+    span = prev_end - t0
+    return "\n".join([f"kernel timeline of the last forward ({per} kernels): start, duration, idle gap before"]
+                     + lines + [f"  busy {busy:.1f} us of a {span:.1f} us span ({span - busy:.1f} us idle or overlapped)"])

@@ -427,3 +427,20 @@ def test_h200_session_suite_parts_cover_every_gpu_test_file():
     block = script[script.index('if [ "$mode" = suite ]; then'):]
     block = block[:block.index("\nfi\n")]
     assert sorted(set(re.findall(r"tests/(test_\w+\.py)", block))) == gpu_files
+
+
+def test_kernel_timeline_reports_gaps_of_the_last_forward():
+    """The profile's timeline: the last forward's kernels with their offsets, durations and idle
+    gaps, busy vs span; CPU events ignored; a kernel count that does not split evenly is said."""
+    from types import SimpleNamespace as N
+
+    from moe_ep.bench.timing import kernel_timeline
+
+    ev = [N(time_range=N(start=f * 1000 + s, end=f * 1000 + s + d), name=f"k{i}", device_type="DeviceType.CUDA")
+          for f in range(2) for i, (s, d) in enumerate([(0, 100), (112, 50), (170, 20)])]
+    ev.append(N(time_range=N(start=5, end=6), name="host op", device_type="DeviceType.CPU"))
+    text = kernel_timeline(ev, 2)
+    assert "(3 kernels)" in text and "host op" not in text
+    assert "gap    12.0  k1" in text and "gap     8.0  k2" in text
+    assert "busy 170.0 us of a 190.0 us span (20.0 us idle or overlapped)" in text
+    assert "not a whole number" in kernel_timeline(ev[:5], 2)

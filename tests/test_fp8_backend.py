@@ -414,17 +414,32 @@ def test_single_rank_combine_wiring_on_cpu(local):
     calls = []
     b = object.__new__(Sm90CuteDSLBackend)
     b.local_combine, b.y, b.pos = local, torch.zeros(2), torch.zeros(3)
-    b._token_ctas = 5  # step 1's grid for this call's tokens, reused by the per-token combine kernel
+    b._token_ctas, b._tokens = 5, 8192  # step 1's grid for this call's tokens (combine_reduce reuses it)
     b.ep = SimpleNamespace(**{n: (lambda *a, n=n, **k: calls.append((n, a, k))) for n in
                               ("combine_send", "combine_reduce", "combine_local")})
+    b.ep.local_combine_ctas = lambda tokens: ("local grid", tokens)  # combine_local: its own grid rule
     out = torch.zeros(1)
     b._step5_combine_send()
     b._step5_combine_reduce(out)
     if local:
         assert [c[0] for c in calls] == ["combine_local"] and calls[0][1] == (b.y, b.pos, out)
+        assert calls[-1][2] == {"num_ctas": ("local grid", 8192)}
     else:
         assert [c[0] for c in calls] == ["combine_send", "combine_reduce"] and calls[1][1] == (out,)
-    assert calls[-1][2] == {"num_ctas": 5}
+        assert calls[-1][2] == {"num_ctas": 5}
+
+
+def test_local_combine_grid_rule():
+    """combine_local's grid: one 8-warp CTA per 8 tokens, at most 4 per SM of the session's grid,
+    at least one."""
+    from types import SimpleNamespace
+
+    from moe_ep.shim.drops.sm90_megamoe import LOCAL_COMBINE_CTAS_PER_SM, EpSession
+
+    s = object.__new__(EpSession)
+    s.cfg, s.ep = SimpleNamespace(threads=256), SimpleNamespace(num_ctas=132)
+    assert LOCAL_COMBINE_CTAS_PER_SM == 4
+    assert [s.local_combine_ctas(t) for t in (0, 1, 8, 9, 128, 8192, 10 ** 6)] == [1, 1, 1, 2, 16, 528, 528]
 
 
 def test_fp8_wire_views_and_refusal(monkeypatch):

@@ -399,7 +399,8 @@ class Sm90CuteDSLBackend(BackendImpl):
 
     def _step5_combine_reduce(self, out) -> None:
         if self.local_combine:
-            self.ep.combine_local(self.y, self.pos, out, num_ctas=self._token_ctas)
+            # one warp per token on up to 4 CTAs per SM (more loads in flight than one per SM)
+            self.ep.combine_local(self.y, self.pos, out, num_ctas=self.ep.local_combine_ctas(self._tokens))
         else:
             self.ep.combine_reduce(out, num_ctas=self._token_ctas)
 

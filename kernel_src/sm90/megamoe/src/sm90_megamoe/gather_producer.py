@@ -58,7 +58,8 @@ class GatherAProducer:
         tAcA = thr_copy.partition_S(cute.make_identity_tensor((self.tile_m, self.tile_k)))  # (row, col) of each
         passes = cute.size(tAsA, mode=[1])
         k_size = self.k_tiles * self.tile_k
-        a_base = mA.iterator.toint()
+        a_base = mA.iterator.toint()  # bytes
+        elem_bytes = self.ab_dtype.width // 8
         col = tAcA[(0, 0, 0)][1]
         expert = cutlass.Int32(0)
         tile_id = bidx
@@ -84,9 +85,10 @@ class GatherAProducer:
                                   tBsB_p[(None, prod_state.index * self.num_b + h)], tma_bar_ptr=bar)
                 for i in cutlass.range_constexpr(passes):
                     dst = tAsA[(None, i, 0, prod_state.index)]
-                    p_src = cute.make_ptr(self.ab_dtype,
-                                          a_base + cutlass.Int64(srcs[i]) * k_size + k_tile * self.tile_k + col,
-                                          cute.AddressSpace.gmem, assumed_align=16)
+                    offset = cutlass.Int64(srcs[i]) * k_size + k_tile * self.tile_k + col  # in values
+                    if cutlass.const_expr(elem_bytes != 1):
+                        offset = offset * elem_bytes  # a_base is a byte address
+                    p_src = cute.make_ptr(self.ab_dtype, a_base + offset, cute.AddressSpace.gmem, assumed_align=16)
                     cute.copy(atom, cute.make_tensor(p_src, cute.make_layout(dst.shape)), dst)
                 cute.arch.cp_async_mbarrier_arrive_noinc(bar)
                 prod_state.advance()
