@@ -33,11 +33,11 @@
 #                the decode sweep of $MODELS with --decode-csv $OUT/decode.csv --plot $OUT/decode.png;
 #                with .device/fi carried, FlashInfer at PEER_DECODE_TOKENS (1,8,32,128,256) in the same
 #                call -> $OUT/decode_fi.csv, both plotted in $OUT/decode_all.png.
-# verify:        what has not yet run on a GPU: drop v23's gathering FC1s (fp8_runner --gather, the BF16 and FP8
-#                layers with MOE_EP_GATHER_FC1 / MOE_EP_FP8_GATHER_FC1 0 / 1), then their GPU tests in parallel
-#                in what is left of CALL_BUDGET (530 s) -> $OUT/verify_*.{log,csv}, $OUT/tests_*.log; VERIFY_PEERS=1
-#                (carry .device/fi too: .device/b + .device/fi + .device/aot fit one call) adds FlashInfer
-#                BF16 and FP8 at the same shapes before the tests;
+# verify:        what has not yet run on a GPU (this session: drop v24): its GPU tests in parallel groups, the
+#                BF16 and FP8 layers, the FP8 layer profiled with PDL off (true per-kernel times) -> $OUT/verify_*,
+#                $OUT/tests_*.log (earlier sessions' verify: git history);
+# layers:        both layers profiled (kernel table + the last forward's timeline), FlashInfer BF16 + FP8
+#                beside (carry .device/fi), then GPU tests in what is left of CALL_BUDGET (500 s) -> $OUT/layers_*.
 # fp8ab:         the FP8 layer with (requant, wide) in {0,1}x{0,1}, interleaved, 2 rounds -> $OUT/fp8ab_*.{log,csv};
 #                verify2: the virtual-rank tests with PDL
 #                once more, then the decode sweep with (PDL, token grid, layout chunks) = (0,0,all) (1,0,all)
@@ -58,7 +58,7 @@
 #   MOE_EP_COMMIT (the commit to print when the copy on the host has no .git).
 set -uo pipefail
 mode=${1:-all}
-modes="all|moe|fi|liger|extra|verify|verify2|fp8ab|decide|decode|suite|suite1|suite2|suite3"
+modes="all|moe|fi|liger|extra|verify|verify2|layers|fp8ab|decide|decode|suite|suite1|suite2|suite3"
 case "|$modes|" in *"|$mode|"*) ;; *) echo "usage: bash bench/h200_session.sh [$modes]" >&2; exit 2 ;; esac
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -156,6 +156,27 @@ if [ "$mode" = verify ]; then
   step "BF16 layer, PDL off, profiled" "$OUT/verify_nopdl_bf16.log" -- env SM90_MEGAMOE_PDL=0 python3 -m moe_ep.bench \
       --model qwen3 --tokens "$TOKENS" --iters "$ITERS" --no-reference --no-decode --profile \
       --csv "$OUT/verify_nopdl_bf16.csv"
+fi
+if [ "$mode" = layers ]; then
+  # both layers on the default path, profiled (the kernel table and the last forward's timeline:
+  # idle gaps between kernels), FlashInfer BF16 + FP8 at the same shapes in the same call (carry
+  # .device/fi), then GPU tests in what is left of CALL_BUDGET (500 s)
+  for q in "" fp8_block128; do
+    step "layer ${q:-bf16}, profiled" "$OUT/layers_${q:-bf16}.log" -- python3 -m moe_ep.bench "${common[@]}" \
+        ${q:+--quant $q} --no-reference --no-decode --profile --csv "$OUT/layers_${q:-bf16}.csv"
+  done
+  if [ -f .device/fi/pkg/setup.sh ]; then
+    for q in "" fp8_block128; do
+      step "FlashInfer peer ${q:-bf16}" "$OUT/layers_fi_${q:-bf16}.log" -- bash -c '
+        source .device/fi/pkg/setup.sh || exit 3
+        exec python3 -m moe_ep.bench "$@"' fi "${common[@]}" ${q:+--quant $q} "${peer_args[@]}" --peer flashinfer \
+          --peer-script-fi .device/fi/bench_fi.py --csv "$OUT/layers_fi_${q:-bf16}.csv"
+    done
+  fi
+  left=$(( ${CALL_BUDGET:-500} - SECONDS ))
+  [ "$left" -gt 60 ] && run_groups "$left" "tests/test_ep_virtual_gpu.py;-k;matches_reference" \
+      "tests/test_layer_gpu.py;-k;not (matches_reference or bit_identical_repeats or decode_layer)" \
+      "tests/test_activations_bias.py" "tests/test_ep_gpu.py"
 fi
 if [ "$mode" = fp8ab ]; then  # FC1 variants one at a time, interleaved over 2 rounds (FP8 layer, 8192 tokens)
   for r in 1 2; do for v in "0 0" "1 0" "0 1" "1 1"; do

@@ -642,7 +642,7 @@ class EpSession:
         check_ep_shapes(hidden, topk, world, num_experts)
         ensure_not_capturing("EP session set-up")
         el = self._el = _load("sm90_megamoe.ep_launch")
-        cfg = self.cfg = el.EpConfig(hidden=hidden, topk=topk, world=world, max_tokens=max_tokens,
+        self.cfg = el.EpConfig(hidden=hidden, topk=topk, world=world, max_tokens=max_tokens,
                                      num_experts=num_experts)
         self.local_combine = bool(local_combine) and world == 1
         prebuild_ep(hidden, topk, world, max_tokens, num_experts, arch, self.local_combine)
