@@ -33,9 +33,9 @@
 #                the decode sweep of $MODELS with --decode-csv $OUT/decode.csv --plot $OUT/decode.png;
 #                with .device/fi carried, FlashInfer at PEER_DECODE_TOKENS (1,8,32,128,256) in the same
 #                call -> $OUT/decode_fi.csv, both plotted in $OUT/decode_all.png.
-# verify:        what has not yet run on a GPU (this session: drop v24): its GPU tests in parallel groups, the
-#                BF16 and FP8 layers, the FP8 layer profiled with PDL off (true per-kernel times) -> $OUT/verify_*,
-#                $OUT/tests_*.log (earlier sessions' verify: git history);
+# verify:        what has not yet run on a GPU (now: drop v25's scattering FP8 quantiser): its GPU tests in
+#                parallel groups, the FP8 layer with MOE_EP_FP8_SCATTER_QUANT 0 / 1 (two interleaved rounds),
+#                then profiled with PDL off -> $OUT/verify_*, $OUT/tests_*.log (earlier verifies: git history);
 # layers:        both layers profiled (kernel table + the last forward's timeline), FlashInfer BF16 + FP8
 #                beside (carry .device/fi), then GPU tests in what is left of CALL_BUDGET (500 s) -> $OUT/layers_*.
 # fp8ab:         the FP8 layer with (requant, wide) in {0,1}x{0,1}, interleaved, 2 rounds -> $OUT/fp8ab_*.{log,csv};
@@ -137,25 +137,22 @@ if [ "$mode" = extra ]; then
   fi
 fi
 if [ "$mode" = verify ]; then
-  # drop v24 (the ninth session): the quantiser's division by Markstein's correction and combine_local
-  # on 4 CTAs per SM. Their GPU tests and the layers around them in parallel first (compiling
-  # dominates), then the FP8 and BF16 layers (default path), then true per-kernel times of the FP8
-  # layer (torch.profiler with SM90_MEGAMOE_PDL=0: with PDL a kernel's time includes its wait for
-  # the previous one). (The v23 checks of this session's first call are in git history, 5040ee1.)
-  run_groups "${TEST_BUDGET:-240}" "tests/test_fp8_quant_div.py;tests/test_sm90_fp8_quant.py" \
-      "tests/test_fp8_backend.py;-k;variants or local_route or matches or bit" \
-      "tests/test_layer_gpu.py;-k;matches_reference or bit_identical_repeats or decode_layer" \
-      "tests/test_gather_fc1.py;tests/test_sm90_fp8_gather.py"
-  step "BF16 layer" "$OUT/verify_bf16.log" -- python3 -m moe_ep.bench --model "$MODELS" --tokens "$TOKENS" \
-      --iters "$ITERS" --no-reference --no-decode --csv "$OUT/verify_bf16.csv"
-  step "FP8 layer" "$OUT/verify_fp8.log" -- python3 -m moe_ep.bench --model "$MODELS" --tokens "$TOKENS" \
-      --iters "$ITERS" --quant fp8_block128 --no-reference --no-decode --csv "$OUT/verify_fp8.csv"
-  step "FP8 layer, PDL off, profiled" "$OUT/verify_nopdl_fp8.log" -- env SM90_MEGAMOE_PDL=0 python3 -m moe_ep.bench \
-      --model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" --quant fp8_block128 --no-reference --no-decode --profile \
-      --csv "$OUT/verify_nopdl_fp8.csv"
-  step "BF16 layer, PDL off, profiled" "$OUT/verify_nopdl_bf16.log" -- env SM90_MEGAMOE_PDL=0 python3 -m moe_ep.bench \
-      --model qwen3 --tokens "$TOKENS" --iters "$ITERS" --no-reference --no-decode --profile \
-      --csv "$OUT/verify_nopdl_bf16.csv"
+  # drop v25 (written in the ninth session after its device time was spent): the scattering FP8
+  # quantiser (MOE_EP_FP8_SCATTER_QUANT=1). Its GPU tests and the FP8 layer variants first, in
+  # parallel; then the FP8 layer with the switch off / on, interleaved over two rounds, and the
+  # FP8 layer profiled with PDL off (true per-kernel times) with the switch on. (The ninth
+  # session's verify of drop v24 is in git history, 43bf34c.)
+  run_groups "${TEST_BUDGET:-200}" "tests/test_fp8_scatter_quant.py;tests/test_sm90_fp8_quant.py" \
+      "tests/test_fp8_backend.py;-k;variants or local_route or matches" \
+      "tests/test_ep_virtual_gpu.py;-k;fp8"
+  for r in 1 2; do for sq in 0 1; do
+    step "FP8 layer, scatter quant $sq, round $r" "$OUT/verify_fp8_s${sq}_r$r.log" -- env MOE_EP_FP8_SCATTER_QUANT=$sq \
+        python3 -m moe_ep.bench --model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" --quant fp8_block128 \
+        --no-reference --no-decode --csv "$OUT/verify_fp8_s${sq}_r$r.csv"
+  done; done
+  step "FP8 layer, scatter quant, PDL off, profiled" "$OUT/verify_nopdl_fp8.log" -- env SM90_MEGAMOE_PDL=0 \
+      MOE_EP_FP8_SCATTER_QUANT=1 python3 -m moe_ep.bench --model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" \
+      --quant fp8_block128 --no-reference --no-decode --profile --csv "$OUT/verify_nopdl_fp8.csv"
 fi
 if [ "$mode" = layers ]; then
   # both layers on the default path, profiled (the kernel table and the last forward's timeline:
@@ -243,7 +240,7 @@ if [ "$mode" = suite ]; then  # the whole GPU suite in one call: ten groups in p
       "tests/test_sm90_gpu.py;-k;$gtop" "tests/test_sm90_gpu.py;-k;not ($gtop)" \
       "tests/test_ep_virtual_gpu.py;-k;matches_reference" "tests/test_ep_virtual_gpu.py;-k;not matches_reference" \
       "tests/test_fp8_backend.py;tests/test_activations_bias.py;tests/test_sm90_fp8_gather.py;tests/test_gather_fc1.py" \
-      "tests/test_ep_gpu.py;tests/test_disk_cache.py;tests/test_transformers_integration.py;tests/test_sm90_fp8_quant.py;tests/test_fp8_quant_div.py;tests/test_blackwell_backends.py" \
+      "tests/test_ep_gpu.py;tests/test_disk_cache.py;tests/test_transformers_integration.py;tests/test_sm90_fp8_quant.py;tests/test_fp8_quant_div.py;tests/test_fp8_scatter_quant.py;tests/test_blackwell_backends.py" \
       "tests/test_sm90_fp8_compile.py" "tests/test_sm90_swapab_compile.py"
 fi
 suite_common=(python3 -m pytest -m gpu -q -W ignore -p no:cacheprovider -rfE --durations=15 --tb=long)
@@ -255,7 +252,7 @@ if [ "$mode" = suite2 ]; then
   step "GPU suite 2/3" "$OUT/suite2.log" -- "${suite_common[@]}" tests/test_sm90_gpu.py tests/test_ep_gpu.py \
       tests/test_disk_cache.py tests/test_transformers_integration.py tests/test_sm90_fp8_quant.py \
       tests/test_sm90_fp8_compile.py tests/test_sm90_swapab_compile.py tests/test_blackwell_backends.py \
-      tests/test_sm90_fp8_gather.py tests/test_gather_fc1.py tests/test_fp8_quant_div.py
+      tests/test_sm90_fp8_gather.py tests/test_gather_fc1.py tests/test_fp8_quant_div.py tests/test_fp8_scatter_quant.py
 fi
 if [ "$mode" = suite3 ]; then
   step "GPU suite 3/3" "$OUT/suite3.log" -- "${suite_common[@]}" tests/test_ep_virtual_gpu.py

@@ -239,14 +239,17 @@ def test_virtual_ep_cuda_graph():
     vep.destroy()
 
 
-@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("fused", [False, True, "scatter"])
 @pytest.mark.parametrize("W,Ts", [(2, [256, 300]), (4, [256, 0, 100, 333])])
 def test_virtual_ep_fp8_block128(W, Ts, fused, monkeypatch):
     """The FP8 backend's ranks (BF16 dispatch/combine around the FP8 GEMMs) against the reference
     backend's FP8 semantics on the same global inputs and quantised weights; ``fused``: FC1's input
-    gathered and quantised from the receive buffer in one pass (the default; off: MOE_EP_FP8_FUSED_GATHER=0)."""
+    gathered and quantised from the receive buffer in one pass (the default; off: MOE_EP_FP8_FUSED_GATHER=0);
+    "scatter": each received row quantised once into its grouped rows (MOE_EP_FP8_SCATTER_QUANT=1,
+    drop v25: slots of W sources, receive counts per source)."""
     _sm90()
     monkeypatch.setenv("MOE_EP_FP8_FUSED_GATHER", "1" if fused else "0")
+    monkeypatch.setenv("MOE_EP_FP8_SCATTER_QUANT", "1" if fused == "scatter" else "0")
     from moe_ep.backends.sm90.fp8_cutedsl.backend import Sm90Fp8Backend
 
     cfg, want, sl, xs, idss, wss, w13s, w2s = fp8_problem(W, Ts, seed=77 + W)

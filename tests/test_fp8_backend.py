@@ -279,12 +279,14 @@ def test_local_route_is_bit_identical_fp8(monkeypatch, T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("switch", ["MOE_EP_FP8_FUSED_REQUANT", "MOE_EP_FP8_WIDE_GATED", "MOE_EP_FP8_GATHER_FC1"])
+@pytest.mark.parametrize("switch", ["MOE_EP_FP8_FUSED_REQUANT", "MOE_EP_FP8_WIDE_GATED", "MOE_EP_FP8_GATHER_FC1",
+                                    "MOE_EP_FP8_SCATTER_QUANT"])
 @pytest.mark.parametrize("T", [1, 700])
 def test_fp8_fc1_variants_are_bit_identical(monkeypatch, T, switch):
     """Drop v21's FC1 variants: MOE_EP_FP8_FUSED_REQUANT=1 (FC1's epilogue writes FC2's e4m3 input)
     and MOE_EP_FP8_WIDE_GATED=1 (one m64n128 gate+up WGMMA); drop v22's MOE_EP_FP8_GATHER_FC1=1 (the
-    tokens quantised once, FC1 gathering them by idx): the layer's output is the same bits as
+    tokens quantised once, FC1 gathering them by idx); drop v25's MOE_EP_FP8_SCATTER_QUANT=1 (each
+    token quantised once, stored in its grouped rows): the layer's output is the same bits as
     without, eager and CUDA graph."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
@@ -294,6 +296,8 @@ def test_fp8_fc1_variants_are_bit_identical(monkeypatch, T, switch):
             assert impl.fused_requant == on and (impl.quant_h is None) == on
         elif switch == "MOE_EP_FP8_GATHER_FC1":  # one rank, LocalRoute (the defaults)
             assert impl.gather_fc1 == on and impl.fc1.gather_a == on
+        elif switch == "MOE_EP_FP8_SCATTER_QUANT":  # drop v25: each token quantised once into its rows
+            assert impl.scatter_quant == on and impl.quant_x.scatter_topk == (8 if on else 0)
         else:
             assert impl.fc1.wide_gated == on and not impl.fc2.wide_gated
 
@@ -358,6 +362,49 @@ def test_fused_gather_wiring_on_cpu(fused, route, requant):
     fc2_args, fc2_kw = calls[names.index("fc2")][1], calls[names.index("fc2")][2]
     assert fc2_args[:4] == (t["hq"], t["hq_scale"], "v2", "s2") and fc2_kw["out"] is t["y"]
     assert fc2_kw["row_scale"] is t["ws_rows"]
+
+
+@pytest.mark.parametrize("route", [False, True])
+def test_scatter_quant_wiring_on_cpu(route):
+    """MOE_EP_FP8_SCATTER_QUANT=1: step 3's quantiser reads the received rows (one rank without a
+    dispatch: the caller's x) and writes the grouped rows through pos, with the receive counts and
+    the slots per source; then FC1, FC2's quantiser and FC2 as usual (recorded, no kernel runs)."""
+    from types import SimpleNamespace
+
+    from moe_ep.backends.sm90.fp8_cutedsl.backend import Sm90Fp8Backend
+
+    calls = []
+
+    def rec(name):
+        return lambda *a, **k: calls.append((name, a, k))
+
+    b = object.__new__(Sm90Fp8Backend)
+    t = {n: torch.zeros(4) for n in ("offsets", "idx", "ws_rows", "pos", "xs", "xq", "xq_scale", "h", "hq",
+                                      "hq_scale", "y", "rows", "recv_x", "recv_count")}
+    x, ids, w = torch.zeros(3, 4), torch.zeros(3, 2, dtype=torch.int32), torch.zeros(3, 2)
+    b.fused_gather, b.scatter_quant, b.local_route, b.token_grid, b._routing = True, True, route, False, None
+    b.fused_requant, b.gather_fc1, b.fp8_wire = False, False, False
+    b.fc1_decode = None
+    b.fc1, b.fc2 = rec("fc1"), rec("fc2")
+    b.layout = type("L", (), {"route": lambda self, *a, **k: calls.append(("route", a, k)),
+                              "__call__": lambda self, *a, **k: calls.append(("layout", a, k))})()
+    b.quant_x, b.quant_h = rec("quant_x"), rec("quant_h")
+    b.ws = SimpleNamespace(seq=0)
+    b.ep = SimpleNamespace(bufs=SimpleNamespace(recv_x=t["recv_x"], recv_count=t["recv_count"]),
+                           dispatch=rec("dispatch"))
+    for n in ("offsets", "idx", "ws_rows", "pos", "xs", "xq", "xq_scale", "h", "hq", "hq_scale", "y"):
+        setattr(b, n, t[n])
+    b._rows, b.num_ctas, b.dims = t["rows"], 7, SimpleNamespace(max_tokens=1024)
+    w13, w2 = SimpleNamespace(values="v13", scale="s13"), SimpleNamespace(values="v2", scale="s2")
+    b._step1_dispatch(x, ids, w)
+    b._step2_layout()
+    b._step34_experts(w13, w2)
+    names = [c[0] for c in calls]
+    assert names == (["route"] if route else ["dispatch", "layout"]) + ["quant_x", "fc1", "quant_h", "fc2"]
+    qa, qk = calls[names.index("quant_x")][1:]
+    assert qa == ((x if route else t["recv_x"]), t["xq"], t["xq_scale"])
+    assert qk == {"pos": t["pos"], "recv_count": t["recv_count"], "t_max": 1024}
+    assert calls[names.index("fc1")][1][:2] == (t["xq"], t["xq_scale"])
 
 
 def test_gather_fc1_wiring_on_cpu():

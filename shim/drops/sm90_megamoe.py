@@ -1,4 +1,4 @@
-"""Shim for the SM90 drop ``kernel_src/sm90/megamoe`` (package ``sm90_megamoe``), drop version 24.
+"""Shim for the SM90 drop ``kernel_src/sm90/megamoe`` (package ``sm90_megamoe``), drop version 25.
 
 What moe_ep relies on, declared as data (:data:`CONTRACT`), plus thin wrappers:
 
@@ -51,7 +51,7 @@ from ..nvshmem_boot import CounterContract
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 24},
+    "sm90_megamoe": {"DROP_VERSION": 25},
     "sm90_megamoe.fp8_gemm": {"FP8_BLOCK": 128, "OVERLAP_MAX_K_TILES": 32},
     "sm90_megamoe.constants": {
         "ABI_VERSION": 2,
@@ -86,7 +86,7 @@ CONSTANTS = MirroredConstants("sm90/megamoe", {
 })
 
 CONTRACT = DropContract(
-    arch="sm90", drop="megamoe", version=24, packages=(PKG,), constants=CONSTANTS,
+    arch="sm90", drop="megamoe", version=25, packages=(PKG,), constants=CONSTANTS,
     callables=(
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.__init__",
                     ("activation", "n", "k", "num_experts", "scale_rows", "tile_n", "bias_dtype",
@@ -145,11 +145,11 @@ CONTRACT = DropContract(
                     ("a", "a_scale", "b", "b_scale", "offsets", "out", "row_scale", "max_active_ctas", "stream",
                      "out_scale", "idx")),
         CallableUse("sm90_megamoe.fp8_quant:compile_fp8_quantize_rows",
-                    ("k", "arch", "tvm_ffi", "counted", "gather")),
+                    ("k", "arch", "tvm_ffi", "counted", "gather", "scatter_topk")),
         CallableUse("sm90_megamoe.fp8_quant:CompiledFp8QuantizeRows.__init__",
-                    ("k", "compiled", "tvm_ffi", "counted", "gather")),
+                    ("k", "compiled", "tvm_ffi", "counted", "gather", "scatter_topk")),
         CallableUse("sm90_megamoe.fp8_quant:CompiledFp8QuantizeRows.__call__",
-                    ("x", "q", "scale", "m_rows", "stream", "count", "idx")),
+                    ("x", "q", "scale", "m_rows", "stream", "count", "idx", "pos", "recv_count", "t_max")),
     ),
     imports=(
         ImportUse("sm90_megamoe.launch", "CompiledGroupedGemm", "shim/drops/sm90_megamoe.py"),

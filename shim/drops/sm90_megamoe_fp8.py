@@ -146,30 +146,42 @@ def fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool
         requant=bool(requant), wide_gated=use_fp8_wide_gated(activation), gather_a=bool(gather_a))
 
 
-def compiled_fp8_quantize_rows(k: int, gather: bool = False) -> Any:
+def compiled_fp8_quantize_rows(k: int, gather: bool = False, scatter_topk: int = 0) -> Any:
     """Compiled code of the BF16 -> FP8 row quantiser for rows of ``k`` values (no GPU needed);
-    ``gather``: the variant that reads row ``idx[r]`` of a source for output row ``r``."""
+    ``gather``: the variant that reads row ``idx[r]`` of a source for output row ``r``;
+    ``scatter_topk`` (drop v25): the variant that quantises each slot once and writes it to the
+    grouped rows ``pos[s, :topk]`` names."""
     if k % 128:
         raise ValueError(f"sm90 FP8 row quantiser: K={k} must be a multiple of 128")
-    key = _key("quantize_gather" if gather else "quantize_counted", "", 0, k, 0, False)
+    if scatter_topk and gather:
+        raise ValueError("sm90 FP8 row quantiser: gather and scatter_topk do not combine")
+    if scatter_topk:  # the top-k is the key's n (unused by the quantisers otherwise)
+        key, name = _key("quantize_scatter", "", int(scatter_topk), k, 0, False), "fp8_scatter_quantize_rows"
+    elif gather:
+        key, name = _key("quantize_gather", "", 0, k, 0, False), "fp8_gather_quantize_rows"
+    else:
+        key, name = _key("quantize_counted", "", 0, k, 0, False), "fp8_quantize_rows"
 
     def build():
         fq = _load("sm90_megamoe.fp8_quant")
         return disk_cache.get_or_build(
-            cache_namespace(), "fp8_gather_quantize_rows" if gather else "fp8_quantize_rows", key,
-            lambda: fq.compile_fp8_quantize_rows(k=k, arch="sm_90a", tvm_ffi=key.tvm_ffi, counted=True,
-                                                 gather=bool(gather)),
+            cache_namespace(), name, key,
+            lambda: fq.compile_fp8_quantize_rows(k=k, arch="sm_90a", tvm_ffi=key.tvm_ffi, counted=not scatter_topk,
+                                                 gather=bool(gather), scatter_topk=int(scatter_topk)),
             tvm_ffi=key.tvm_ffi)
 
     return COMPILE_CACHE.get_or_compile(key, build)
 
 
-def fp8_quantize_rows(k: int, gather: bool = False) -> Any:
+def fp8_quantize_rows(k: int, gather: bool = False, scatter_topk: int = 0) -> Any:
     """A caller-owned row quantiser: ``q(x [M, k] bf16, values [M, k] e4m3, scale [M, k/128] f32,
     count=[1] int32 device tensor)``: rows at and past ``count[0]`` are not touched (the count is
     read on the device, so padding rows cost nothing and the host never syncs). ``gather=True``:
     ``q(x [S, k], values [M, k], scale, count=, idx=[>= M] int32)`` quantises ``x[idx[r]]`` into
-    row ``r`` (a row gather and the quantisation in one pass)."""
-    compiled = compiled_fp8_quantize_rows(k, gather)
-    return _load("sm90_megamoe.fp8_quant").CompiledFp8QuantizeRows(k=k, compiled=compiled, tvm_ffi=use_tvm_ffi(),
-                                                                   counted=True, gather=bool(gather))
+    row ``r`` (a row gather and the quantisation in one pass). ``scatter_topk=K``: ``q(x [S, k],
+    values [M, k], scale, pos=[>= S, K] int32, recv_count=[W] int32, t_max=int)`` quantises each
+    valid slot s once into rows ``pos[s, k]`` (the layout's inverse of ``idx``: the same rows and bits)."""
+    compiled = compiled_fp8_quantize_rows(k, gather, scatter_topk)
+    return _load("sm90_megamoe.fp8_quant").CompiledFp8QuantizeRows(
+        k=k, compiled=compiled, tvm_ffi=use_tvm_ffi(), counted=not scatter_topk, gather=bool(gather),
+        scatter_topk=int(scatter_topk))

@@ -81,7 +81,10 @@ def gather_fc1() -> bool:
     copies no grouped rows and FC1 reads grouped row r from the caller's token ``idx[r]`` itself
     (drop v23's ``GroupedGemmGatherSm90``; the same bits as FC1 on the gathered rows by
     construction). Saves LayoutPlace's row copy (Qwen3, 8192 tokens: 65536 rows of 4 KB written
-    and read back, ~0.1 ms). Off by default: not yet run on a GPU."""
+    and read back, ~0.1 ms). Off by default: on the H200 (drop v24, which fixed v23's misaligned
+    bf16 row offsets; GPU tests bit-identical) the layer gained under CUDA graph on Qwen3 (468.3 vs
+    448.1 TFLOP/s) but lost per call (466.4 vs 475.8) and on Mixtral (560.1 vs 589.5 graph): the
+    cp.async producer feeds the WGMMAs more slowly than TMA, which eats the saved copy."""
     return env_switch("MOE_EP_GATHER_FC1", False)
 
 

@@ -13,7 +13,8 @@ The forward is the BF16 SM90 backend's, with steps 3-4 replaced:
    scale, ``amax / 448``: :func:`moe_ep.api.quant.quantize_fp8_rows128`), then the FP8 grouped GEMM
    with per-k-block scale promotion ``h = swiglu(xq · wq13ᵀ)``; by default (:func:`fused_gather_quant`)
    step 2 skips the BF16 row gather and this step quantises the received rows straight into grouped
-   order (one launch and a BF16 write + read of every grouped row less; same bits); with
+   order (one launch and a BF16 write + read of every grouped row less; same bits), or with
+   :func:`scatter_quant` quantises each token once into its grouped rows; with
    :func:`gather_fc1` (one rank), each token is quantised once instead and FC1 reads grouped row r
    from token ``idx[r]`` itself (drop v22's gathering FP8 GEMM: T rows quantised, not T * top_k);
 4. **FC2 + router weight** -- ``h`` quantised the same way, ``y = ws · (hq · wq2ᵀ)``; with
@@ -98,6 +99,16 @@ def fused_gather_quant() -> bool:
     return env_switch("MOE_EP_FP8_FUSED_GATHER", True)
 
 
+def scatter_quant() -> bool:
+    """``MOE_EP_FP8_SCATTER_QUANT=1`` (with the fused gather, the default step 2/3): step 3 quantises
+    each received token once and writes it to the grouped rows its choices took (``pos``; drop
+    v25's scattering quantiser) instead of quantising every grouped row from its token (``idx``):
+    the same rows and bits by construction, 1/top_k of the reads and of the arithmetic. Off until
+    it has run on a GPU (the gathering quantiser took 81 us of a Qwen3 8192-token FP8 layer on the
+    H200; the writes alone, 134 MB, need ~40)."""
+    return env_switch("MOE_EP_FP8_SCATTER_QUANT", False)
+
+
 def fused_requant() -> bool:
     """``MOE_EP_FP8_FUSED_REQUANT=1``: FC1's epilogue writes FC2's input itself, E4M3 rows and their
     per-128 scales (drop v21's ``Fp8SwigluRequantGroupedGemmSm90``: the bf16 values FC1 would
@@ -114,7 +125,9 @@ def gather_fc1() -> bool:
     token ``idx[r]`` itself (drop v22's ``Fp8GatherGroupedGemmSm90``: the same bits as FC1 on the
     gathered rows, GPU tests at e82f1e5). Off: drop v22's cp.async producer was slow -- FC1 1.012
     ms vs ~0.45 with TMA on Qwen3 (8192 tokens), 7.78 vs ~3.7 ms on Mixtral; layer 422 vs 614
-    TFLOP/s -- and v23's coalesced producer has not been timed yet."""
+    TFLOP/s; v23's coalesced producer (ninth session, H200) narrowed it but FC1 is still slower
+    than the TMA FC1 plus the gathering quantiser: 0.565 vs 0.455 ms on Qwen3 (the runner: 0.90x on
+    the same rows), 4.30 vs ~3.7 ms on Mixtral; layer 593.7 / 860.2 vs 605.6 / 912.4 graph."""
     return env_switch("MOE_EP_FP8_GATHER_FC1", False)
 
 
@@ -132,9 +145,11 @@ def prebuild(config: Any, world_size: int, kernels: tuple = ("fc1", "fc2", "ep",
 
     def gemm(name):
         gather = name == "fc1" and fused_gather_quant() and not gather_a
+        scatter = config.top_k if gather and scatter_quant() else 0
         if name == "fc1":
             return lambda: (sm90_compiled_fp8_gemm(*specs[name], requant=requant, gather_a=gather_a),
-                            sm90_compiled_fp8_quantize_rows(specs[name][2], gather=gather))
+                            sm90_compiled_fp8_quantize_rows(specs[name][2], gather=gather and not scatter,
+                                                            scatter_topk=scatter))
         return lambda: (sm90_compiled_fp8_gemm(*specs[name]),
                         None if requant else sm90_compiled_fp8_quantize_rows(specs[name][2]))
 
@@ -157,6 +172,7 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
     fp8_wire = False  # set at bind (W > 1 and MOE_EP_FP8_WIRE=1)
     fused_requant = False  # set at bind (MOE_EP_FP8_FUSED_REQUANT=1)
     gather_fc1 = False  # set at bind (MOE_EP_FP8_GATHER_FC1=1, one rank with LocalRoute)
+    scatter_quant = False  # set at bind (MOE_EP_FP8_SCATTER_QUANT=1 with the fused gather)
 
     def _bind_gemms(self, views: dict) -> None:
         cfg = self.cfg
@@ -166,7 +182,10 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
         self.fc1 = sm90_fp8_gemm(*specs["fc1"], requant=self.fused_requant, gather_a=self.gather_fc1)
         self.fc2 = sm90_fp8_gemm(*specs["fc2"])
         self.fused_gather = fused_gather_quant() or self.gather_fc1  # no BF16 grouped rows either way
-        self.quant_x = sm90_fp8_quantize_rows(cfg.hidden, gather=self.fused_gather and not self.gather_fc1)
+        gathers = self.fused_gather and not self.gather_fc1  # step 3 quantises the received rows
+        self.scatter_quant = gathers and scatter_quant()
+        self.quant_x = sm90_fp8_quantize_rows(cfg.hidden, gather=gathers and not self.scatter_quant,
+                                              scatter_topk=cfg.top_k if self.scatter_quant else 0)
         if self.gather_fc1:  # the caller's tokens, quantised once (rows < T: T bounds the count)
             T = self.dims.max_tokens
             self.xq_tok = torch.empty(T, cfg.hidden, dtype=torch.float8_e4m3fn, device=self.device)
@@ -268,6 +287,10 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
             return
         if self.fp8_wire:
             pass  # xq / xq_scale arrived quantised (step 2)
+        elif self.scatter_quant:  # each received row quantised once, stored in its grouped rows pos[s, :]
+            self.quant_x(self._x_rows, self.xq, self.xq_scale, pos=self.pos, recv_count=self.ep.bufs.recv_count,
+                         t_max=self.dims.max_tokens)
+            self._x_rows = None
         elif self.fused_gather:  # grouped row r = received row idx[r], quantised on the way
             self.quant_x(self._x_rows, self.xq, self.xq_scale, count=self._rows, idx=self.idx)
             self._x_rows = None

@@ -26,6 +26,11 @@ exist in BF16::
                                 cannot read out of bounds)
     m_rows, mCount              as above, counting output rows (M, not S)
 
+The scattering variant ``Fp8ScatterQuantizeRows128`` (drop v25) goes the other way: each valid
+source slot is quantised once and stored in every grouped row its choices took (``pos[s, k]``,
+the layout's inverse of ``idx``) -- the gathering variant's rows and bits with 1/top_k of its
+reads and arithmetic (its class docstring has the tensors).
+
 How. Rows are compact, so group ``gid`` (row gid // G, group gid % G, G = K/128) starts at element
 ``128 * gid`` of both X and Q and its scale is element ``gid`` of mScale: the work is a flat list of
 ``T = rows * G`` groups. A warp takes 4 consecutive groups, 8 lanes per group, 16 values per lane:
@@ -110,6 +115,23 @@ def _divide_by_scale(x: cute.TensorSSA, scale: Float32, n: cutlass.Constexpr):
     return q.load()
 
 
+@cute.jit
+def _quantize_lane(x: cute.TensorSSA, n: cutlass.Constexpr):
+    """``(x / scale, scale)`` of a lane's ``n`` float32 values of one 128-value group, whose other
+    values the 7 lanes beside it hold (every lane of the warp must call it: the butterfly max).
+    ``scale = amax / 448`` over the group (1.0 for an all-zero group; NaN propagates)."""
+    amax = Float32(0.0)
+    for i in cutlass.range_constexpr(n):
+        amax = cute.arch.fmax(amax, cute.arch.fmax(x[i], -x[i], nan=True), nan=True)
+    for d in cutlass.range_constexpr(3):
+        other = cute.arch.shuffle_sync_bfly(amax, 1 << (2 - d))
+        amax = cute.arch.fmax(amax, other, nan=True)
+    scale = Float32(1.0)                           # torch.where(amax > 0, amax/448, 1)
+    if amax > Float32(0.0):
+        scale = amax / Float32(E4M3_MAX)
+    return _divide_by_scale(x, scale, n), scale
+
+
 def can_implement(k: int) -> Optional[str]:
     """None if ``k`` is supported, else the reason."""
     if k <= 0 or k % FP8_BLOCK:
@@ -187,16 +209,7 @@ class Fp8QuantizeRows128:
             if cutlass.const_expr(self.gather):
                 src = cutlass.min(cutlass.max(mIdx[r], Int32(0)), mX.shape[0] - 1)
             x = tX[(0, None), (src, j)].load().to(Float32)
-            amax = Float32(0.0)
-            for i in cutlass.range_constexpr(V):
-                amax = cute.arch.fmax(amax, cute.arch.fmax(x[i], -x[i], nan=True), nan=True)
-            for d in cutlass.range_constexpr(3):
-                other = cute.arch.shuffle_sync_bfly(amax, 1 << (2 - d))
-                amax = cute.arch.fmax(amax, other, nan=True)
-            scale = Float32(1.0)                           # torch.where(amax > 0, amax/448, 1)
-            if amax > Float32(0.0):
-                scale = amax / Float32(E4M3_MAX)
-            y = _divide_by_scale(x, scale, V)
+            y, scale = _quantize_lane(x, V)
             if valid:
                 tQ[(0, None), (r, j)].store(y.to(cutlass.Float8E4M3FN))
                 if sub == 0:
@@ -228,14 +241,107 @@ class Fp8GatherQuantizeRows128(Fp8QuantizeRows128):
         self._launch(mX, mQ, mScale, mCount, mIdx, m_rows, stream)
 
 
+class Fp8ScatterQuantizeRows128(Fp8QuantizeRows128):
+    """The scattering variant (drop v25): each valid source row is quantised ONCE and its e4m3
+    values and scales are stored in every grouped row that takes it::
+
+        for every slot s < S with (s mod t_max) < recv_count[s // t_max], and k < topk:
+            r = pos[s, k];  if 0 <= r < M:  q[r], scale[r] = quantize_rows128(x[s])
+
+    the same bits, in the same rows, as the gathering variant with ``idx`` the inverse of ``pos``
+    (grouped row r of the layout is choice k of slot s exactly when pos[s, k] = r), but x is read
+    and quantised once per token instead of once per choice (top_k = 8: an eighth of the reads and
+    of the arithmetic; the writes are the same). Rows no valid choice names are not touched.
+
+        mX         [S, K]      bf16    source rows (slots: the caller's tokens, or an EP receive buffer)
+        mQ         [M, K]      uint8   e4m3 bits of the grouped rows
+        mScale     [M, K/128]  float32
+        mPos       [>= S, topk] int32  grouped row of choice k of slot s, or -1 (read for valid slots)
+        mRecvCount [>= S / t_max] int32 valid slots of each source: slot s = src * t_max + t is valid
+                               iff t < recv_count[src] (a stale pos row of an invalid slot is never read)
+        t_max      Int32       slots per source (>= 1)
+
+    ``topk`` is a compile-time constant. The grid covers the S * K/128 groups of the slots."""
+
+    use_count = False
+    gather = False
+
+    def __init__(self, k: int, topk: int, warps: int = DEFAULT_WARPS, max_ctas: int = DEFAULT_MAX_CTAS):
+        super().__init__(k, warps=warps, max_ctas=max_ctas)
+        if not 1 <= int(topk) <= 32:
+            raise ValueError(f"topk={topk} must be in [1, 32]")
+        self.topk = int(topk)
+
+    @cute.jit
+    def __call__(self, mX: cute.Tensor, mQ: cute.Tensor, mScale: cute.Tensor, mPos: cute.Tensor,
+                 mRecvCount: cute.Tensor, t_max: Int32, stream: cuda.CUstream):
+        if cutlass.const_expr(mQ.element_type != cutlass.Float8E4M3FN):
+            mQ = cute.make_tensor(cute.recast_ptr(mQ.iterator, dtype=cutlass.Float8E4M3FN), mQ.layout)
+        per_cta = GROUPS_PER_WARP * self.warps
+        need = (mX.shape[0] * self.groups + (per_cta - 1)) // per_cta
+        grid = cutlass.max(cutlass.min(need, Int32(self.max_ctas)), Int32(1))
+        self.kernel_scatter(mX, mQ, mScale, mPos, mRecvCount, t_max).launch(
+            grid=(grid, 1, 1), block=(self.threads, 1, 1), stream=stream, use_pdl=PDL)
+
+    @cute.kernel
+    def kernel_scatter(self, mX: cute.Tensor, mQ: cute.Tensor, mScale: cute.Tensor, mPos: cute.Tensor,
+                       mRecvCount: cute.Tensor, t_max: Int32):
+        wait_previous_grid()
+        bidx, _, _ = cute.arch.block_idx()
+        gdim, _, _ = cute.arch.grid_dim()
+        lane = cute.arch.lane_idx()
+        warp = cute.arch.warp_idx()
+        G = self.groups
+        V = VALS_PER_LANE
+        M = mQ.shape[0]
+        total = mX.shape[0] * G                            # groups of every slot
+        items = (total + (GROUPS_PER_WARP - 1)) // GROUPS_PER_WARP
+
+        tX = cute.zipped_divide(mX, (1, V))
+        tQ = cute.zipped_divide(mQ, (1, V))
+        sub = lane % LANES_PER_GROUP
+        slot = lane // LANES_PER_GROUP
+        for it in cutlass.range(bidx * self.warps + warp, items, gdim * self.warps):
+            gid = it * GROUPS_PER_WARP + slot
+            gc = cutlass.min(gid, total - 1)               # clamp: invalid lanes read a real group
+            s = gc // G
+            g = gc - s * G
+            j = g * LANES_PER_GROUP + sub
+            src = s // t_max
+            valid = (gid < total) & (s - src * t_max < mRecvCount[src])
+            rows = cute.make_rmem_tensor((self.topk,), Int32)  # loaded beside the row's values
+            for kk in cutlass.range_constexpr(self.topk):
+                rows[kk] = mPos[s, kk]
+            x = tX[(0, None), (s, j)].load().to(Float32)
+            y, scale = _quantize_lane(x, V)
+            q = cute.make_rmem_tensor((V,), cutlass.Float8E4M3FN)  # converted once, stored topk times
+            q.store(y.to(cutlass.Float8E4M3FN))
+            if valid:
+                for kk in cutlass.range_constexpr(self.topk):
+                    r = rows[kk]
+                    if (r >= Int32(0)) & (r < M):
+                        tQ[(0, None), (r, j)].store(q.load())
+                        if sub == 0:
+                            mScale[r, g] = scale
+
+
 # ---------------------------------------------------------------------------- host side
-def fake_args(k: int, counted: bool = False, use_tvm_ffi: bool = False, gather: bool = False):
+def fake_args(k: int, counted: bool = False, use_tvm_ffi: bool = False, gather: bool = False,
+              scatter_topk: int = 0):
     """Fake (mX, mQ, mScale, [mCount, [mIdx,]] m_rows, stream) with M dynamic (and the source's
     S when gathering); what :meth:`CompiledFp8QuantizeRows.cute_args` builds from contiguous torch
-    tensors. ``gather`` implies ``counted``."""
+    tensors. ``gather`` implies ``counted``. ``scatter_topk``: the scattering variant's (mX, mQ,
+    mScale, mPos [S', topk], mRecvCount [W], t_max, stream)."""
     from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
     m = cute.sym_int()
+    if scatter_topk:
+        return (make_fake_compact_tensor(cutlass.BFloat16, (cute.sym_int(), k), stride_order=(1, 0), assumed_align=16),
+                make_fake_compact_tensor(cutlass.Uint8, (m, k), stride_order=(1, 0), assumed_align=16),
+                make_fake_compact_tensor(Float32, (m, k // FP8_BLOCK), stride_order=(1, 0), assumed_align=4),
+                make_fake_compact_tensor(Int32, (cute.sym_int(), scatter_topk), stride_order=(1, 0), assumed_align=4),
+                make_fake_compact_tensor(Int32, (cute.sym_int(),), assumed_align=4),
+                Int32(1), make_fake_stream(use_tvm_ffi_env_stream=use_tvm_ffi))
     mX = make_fake_compact_tensor(cutlass.BFloat16, (cute.sym_int() if gather else m, k), stride_order=(1, 0),
                                   assumed_align=16)
     mQ = make_fake_compact_tensor(cutlass.Uint8, (m, k), stride_order=(1, 0), assumed_align=16)
@@ -254,14 +360,18 @@ def fake_args(k: int, counted: bool = False, use_tvm_ffi: bool = False, gather: 
 def compile_fp8_quantize_rows(k: int, arch: str = "sm_90a", tvm_ffi: bool = False,
                               counted: bool = False, warps: int = DEFAULT_WARPS,
                               max_ctas: int = DEFAULT_MAX_CTAS, keep_ptx: bool = False,
-                              gather: bool = False):
+                              gather: bool = False, scatter_topk: int = 0):
     """Compile the quantiser for row length ``k`` from fake tensors (no GPU needed). ``counted``:
-    the ``mCount`` variant; ``gather``: the gathering (and counted) variant. Returns the compiled
-    object (``.__ptx__`` with ``keep_ptx``)."""
-    cls = Fp8GatherQuantizeRows128 if gather else Fp8QuantizeRows128Counted if counted else Fp8QuantizeRows128
-    kernel = cls(k, warps=warps, max_ctas=max_ctas)
+    the ``mCount`` variant; ``gather``: the gathering (and counted) variant; ``scatter_topk``: the
+    scattering variant for that top-k. Returns the compiled object (``.__ptx__`` with ``keep_ptx``)."""
+    if scatter_topk:
+        kernel = Fp8ScatterQuantizeRows128(k, scatter_topk, warps=warps, max_ctas=max_ctas)
+    else:
+        cls = Fp8GatherQuantizeRows128 if gather else Fp8QuantizeRows128Counted if counted else Fp8QuantizeRows128
+        kernel = cls(k, warps=warps, max_ctas=max_ctas)
     opts = f"--gpu-arch {arch}" + (" --enable-tvm-ffi" if tvm_ffi else "") + (" --keep-ptx" if keep_ptx else "")
-    return cute.compile(kernel, *fake_args(k, counted=counted, use_tvm_ffi=tvm_ffi, gather=gather), options=opts)
+    return cute.compile(kernel, *fake_args(k, counted=counted, use_tvm_ffi=tvm_ffi, gather=gather,
+                                           scatter_topk=scatter_topk), options=opts)
 
 
 class CompiledFp8QuantizeRows:
@@ -269,17 +379,23 @@ class CompiledFp8QuantizeRows:
     float32, all contiguous CUDA tensors; ``m_rows`` (int, default M): rows >= m_rows untouched;
     ``count`` (``counted=True`` only): int32 CUDA tensor, rows >= count[0] untouched too.
     ``gather=True`` (implies counted): ``x [S, k]`` is a source and ``idx`` (int32 CUDA vector of
-    >= M) names the source row of each output row. ``stream``: a ``torch.cuda.Stream`` or None
-    (torch's current stream). No host sync."""
+    >= M) names the source row of each output row. ``scatter_topk=K`` (drop v25): ``x [S, k]``
+    are slots, ``pos`` (int32 [>= S, K]) their grouped rows, ``recv_count`` (int32 [>= ceil(S /
+    t_max)]) the valid slots per source and ``t_max`` (int >= 1) the slots per source
+    (:class:`Fp8ScatterQuantizeRows128`; no m_rows / count). ``stream``: a ``torch.cuda.Stream``
+    or None (torch's current stream). No host sync."""
 
     def __init__(self, k: int, compiled=None, tvm_ffi: bool = False, counted: bool = False,
-                 gather: bool = False):
+                 gather: bool = False, scatter_topk: int = 0):
         self.k = int(k)
         self.tvm_ffi = bool(tvm_ffi)
+        self.scatter_topk = int(scatter_topk)
+        if self.scatter_topk and (gather or counted):
+            raise ValueError("scatter_topk excludes gather and counted")
         self.gather = bool(gather)
         self.counted = bool(counted) or self.gather
         self.compiled = compiled if compiled is not None else compile_fp8_quantize_rows(
-            self.k, tvm_ffi=self.tvm_ffi, counted=self.counted, gather=self.gather)
+            self.k, tvm_ffi=self.tvm_ffi, counted=self.counted, gather=self.gather, scatter_topk=self.scatter_topk)
         self._fn = None
         if self.tvm_ffi:
             get = getattr(self.compiled, "__tvm_ffi_object__", None)
@@ -288,7 +404,8 @@ class CompiledFp8QuantizeRows:
 
     @staticmethod
     def cute_args(x, q, scale, count=None, idx=None):
-        """CuTe views (classic path) matching :func:`fake_args`."""
+        """CuTe views (classic path) matching :func:`fake_args` (the scattering variant: ``idx`` is
+        ``pos`` [S', K] and ``count`` is ``recv_count``)."""
         import torch
         from cutlass.cute.runtime import from_dlpack
 
@@ -298,14 +415,14 @@ class CompiledFp8QuantizeRows:
         args = [dyn(x, 16), dyn(u8, 16), dyn(scale, 4)]
         for t in (count, idx):
             if t is not None:
-                args.append(from_dlpack(t, assumed_align=4).mark_compact_shape_dynamic(mode=0))
+                args.append(dyn(t, 4) if t.dim() == 2 else from_dlpack(t, assumed_align=4).mark_compact_shape_dynamic(mode=0))
         return args
 
     def _check(self, x, q, scale, count, idx=None):
         import torch
 
         k = x.shape[1]
-        M = q.shape[0] if self.gather else x.shape[0]
+        M = q.shape[0] if (self.gather or self.scatter_topk) else x.shape[0]
         if k != self.k:
             raise ValueError(f"x has K={k}, kernel compiled for K={self.k}")
         if x.dtype != torch.bfloat16 or scale.dtype != torch.float32:
@@ -316,6 +433,8 @@ class CompiledFp8QuantizeRows:
             raise ValueError(f"shapes: x {tuple(x.shape)} q {tuple(q.shape)} scale {tuple(scale.shape)}")
         if not (x.is_contiguous() and q.is_contiguous() and scale.is_contiguous()):
             raise ValueError("x, q, scale must be contiguous")
+        if self.scatter_topk:
+            return
         if self.counted != (count is not None):
             raise ValueError("count is required by (and only by) a counted=True kernel")
         if count is not None and count.dtype != torch.int32:
@@ -326,14 +445,36 @@ class CompiledFp8QuantizeRows:
                                 or not idx.is_contiguous()):
             raise ValueError(f"idx must be a contiguous int32 vector of >= {M} elements")
 
-    def __call__(self, x, q, scale, m_rows: Optional[int] = None, stream=None, count=None, idx=None):
+    def _check_scatter(self, x, pos, recv_count, t_max):
+        import torch
+
+        if pos is None or recv_count is None or t_max is None:
+            raise ValueError("a scatter_topk kernel needs pos, recv_count and t_max")
+        S, K = x.shape[0], self.scatter_topk
+        if pos.dtype != torch.int32 or pos.dim() != 2 or pos.shape[1] != K or pos.shape[0] < S \
+                or not pos.is_contiguous():
+            raise ValueError(f"pos must be a contiguous int32 [>= {S}, {K}] tensor, got {tuple(pos.shape)} {pos.dtype}")
+        if int(t_max) < 1:
+            raise ValueError(f"t_max must be >= 1, got {t_max}")
+        sources = -(-S // int(t_max))
+        if recv_count.dtype != torch.int32 or recv_count.dim() != 1 or recv_count.shape[0] < sources \
+                or not recv_count.is_contiguous():
+            raise ValueError(f"recv_count must be a contiguous int32 vector of >= {sources} elements")
+
+    def __call__(self, x, q, scale, m_rows: Optional[int] = None, stream=None, count=None, idx=None,
+                 pos=None, recv_count=None, t_max: Optional[int] = None):
         import torch
 
         self._check(x, q, scale, count, idx)
-        rows = int(q.shape[0] if m_rows is None else m_rows)
+        if self.scatter_topk:
+            self._check_scatter(x, pos, recv_count, t_max)
+            count, idx, last = recv_count, pos, int(t_max)
+        else:
+            last = int(q.shape[0] if m_rows is None else m_rows)
         if self.tvm_ffi:
             u8 = q.view(torch.uint8) if q.dtype != torch.uint8 else q
-            args = (x, u8, scale) + tuple(t for t in (count, idx) if t is not None) + (rows,)
+            extra = (idx, count) if self.scatter_topk else (count, idx)
+            args = (x, u8, scale) + tuple(t for t in extra if t is not None) + (last,)
             if stream is None:
                 self._fn(*args)
             else:
@@ -341,5 +482,9 @@ class CompiledFp8QuantizeRows:
                     self._fn(*args)
             return q, scale
         s = stream if stream is not None else torch.cuda.current_stream()
-        self.compiled(*self.cute_args(x, q, scale, count, idx), Int32(rows), cuda.CUstream(s.cuda_stream))
+        if self.scatter_topk:
+            cargs = self.cute_args(x, q, scale, idx, count)  # pos, then recv_count
+        else:
+            cargs = self.cute_args(x, q, scale, count, idx)
+        self.compiled(*cargs, Int32(last), cuda.CUstream(s.cuda_stream))
         return q, scale
