@@ -33,9 +33,10 @@
 #                the decode sweep of $MODELS with --decode-csv $OUT/decode.csv --plot $OUT/decode.png;
 #                with .device/fi carried, FlashInfer at PEER_DECODE_TOKENS (1,8,32,128,256) in the same
 #                call -> $OUT/decode_fi.csv, both plotted in $OUT/decode_all.png.
-# verify:        what has not yet run on a GPU (now: drop v25's scattering FP8 quantiser): its GPU tests in
-#                parallel groups, the FP8 layer with MOE_EP_FP8_SCATTER_QUANT 0 / 1 (two interleaved rounds),
-#                then profiled with PDL off -> $OUT/verify_*, $OUT/tests_*.log (earlier verifies: git history);
+# verify:        what has not yet run on a GPU (now: drop v25's scattering FP8 quantiser, v26's chunked
+#                overlapped FP8 schedule): their GPU tests in parallel groups, fp8_runner on Mixtral, the FP8
+#                layer with the switches off / on, then profiled with PDL off -> $OUT/verify_*, $OUT/tests_*.log
+#                (earlier sessions' verify: git history);
 # layers:        both layers profiled (kernel table + the last forward's timeline), FlashInfer BF16 + FP8
 #                beside (carry .device/fi), then GPU tests in what is left of CALL_BUDGET (500 s) -> $OUT/layers_*.
 # fp8ab:         the FP8 layer with (requant, wide) in {0,1}x{0,1}, interleaved, 2 rounds -> $OUT/fp8ab_*.{log,csv};
@@ -137,22 +138,27 @@ if [ "$mode" = extra ]; then
   fi
 fi
 if [ "$mode" = verify ]; then
-  # drop v25 (written in the ninth session after its device time was spent): the scattering FP8
-  # quantiser (MOE_EP_FP8_SCATTER_QUANT=1). Its GPU tests and the FP8 layer variants first, in
-  # parallel; then the FP8 layer with the switch off / on, interleaved over two rounds, and the
-  # FP8 layer profiled with PDL off (true per-kernel times) with the switch on. (The ninth
-  # session's verify of drop v24 is in git history, 43bf34c.)
+  # drops v25 + v26 (written in the ninth session after its device time was spent): the scattering
+  # FP8 quantiser (MOE_EP_FP8_SCATTER_QUANT=1) and the overlapped FP8 schedule in chunks beyond
+  # K = 4096 (MOE_EP_FP8_CHUNKED_OVERLAP=1: Mixtral FC2). Their GPU tests first, in parallel; the
+  # drop runner on Mixtral (FC2 chunked vs plain: bits and time); the FP8 layer with the switches
+  # off / scatter / scatter + chunked; then that last one profiled with PDL off (true per-kernel
+  # times). (The ninth session's verify of drop v24 is in git history, 43bf34c.)
   run_groups "${TEST_BUDGET:-200}" "tests/test_fp8_scatter_quant.py;tests/test_sm90_fp8_quant.py" \
       "tests/test_fp8_backend.py;-k;variants or local_route or matches" \
-      "tests/test_ep_virtual_gpu.py;-k;fp8"
-  for r in 1 2; do for sq in 0 1; do
-    step "FP8 layer, scatter quant $sq, round $r" "$OUT/verify_fp8_s${sq}_r$r.log" -- env MOE_EP_FP8_SCATTER_QUANT=$sq \
-        python3 -m moe_ep.bench --model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" --quant fp8_block128 \
-        --no-reference --no-decode --csv "$OUT/verify_fp8_s${sq}_r$r.csv"
-  done; done
-  step "FP8 layer, scatter quant, PDL off, profiled" "$OUT/verify_nopdl_fp8.log" -- env SM90_MEGAMOE_PDL=0 \
-      MOE_EP_FP8_SCATTER_QUANT=1 python3 -m moe_ep.bench --model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" \
-      --quant fp8_block128 --no-reference --no-decode --profile --csv "$OUT/verify_nopdl_fp8.csv"
+      "tests/test_sm90_fp8_compile.py;-k;gpu_against_float64" "tests/test_ep_virtual_gpu.py;-k;fp8"
+  step "drop fp8 runner --overlap --wide (mixtral)" "$OUT/verify_fp8_runner.log" -- bash -c \
+      "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.fp8_runner --model mixtral --raster-m 16 --overlap --wide"
+  for v in "0 0" "1 0" "1 1"; do
+    set -- $v
+    step "FP8 layer, scatter quant $1, chunked overlap $2" "$OUT/verify_fp8_s$1c$2.log" -- env MOE_EP_FP8_SCATTER_QUANT=$1 \
+        MOE_EP_FP8_CHUNKED_OVERLAP=$2 python3 -m moe_ep.bench --model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" \
+        --quant fp8_block128 --no-reference --no-decode --csv "$OUT/verify_fp8_s$1c$2.csv"
+  done
+  step "FP8 layer, both, PDL off, profiled" "$OUT/verify_nopdl_fp8.log" -- env SM90_MEGAMOE_PDL=0 \
+      MOE_EP_FP8_SCATTER_QUANT=1 MOE_EP_FP8_CHUNKED_OVERLAP=1 python3 -m moe_ep.bench --model "$MODELS" \
+      --tokens "$TOKENS" --iters "$ITERS" --quant fp8_block128 --no-reference --no-decode --profile \
+      --csv "$OUT/verify_nopdl_fp8.csv"
 fi
 if [ "$mode" = layers ]; then
   # both layers on the default path, profiled (the kernel table and the last forward's timeline:

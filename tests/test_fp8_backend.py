@@ -57,7 +57,7 @@ def test_every_kernel_compiles_without_a_gpu(monkeypatch, tmp_path):
 
 def test_overlap_schedule_is_default_and_limited_to_short_k(monkeypatch, tmp_path):
     """The overlapped-promotion GEMMs are the default for K <= 4096 only (a separate cache entry
-    from the plain schedule, which MOE_EP_FP8_OVERLAP=0 selects)."""
+    from the plain schedule, which MOE_EP_FP8_OVERLAP=0 selects); longer K opt-in, in chunks."""
     monkeypatch.setenv("MOE_EP_CACHE_DIR", str(tmp_path))
     from moe_ep.shim import COMPILE_EVENTS, sm90_compiled_fp8_gemm
     from moe_ep.shim.drops.sm90_megamoe_fp8 import use_fp8_overlap
@@ -74,6 +74,10 @@ def test_overlap_schedule_is_default_and_limited_to_short_k(monkeypatch, tmp_pat
     monkeypatch.setenv("MOE_EP_FP8_WIDE_OVERLAP", "0")
     assert not use_fp8_overlap(4096, wide_gated=True) and use_fp8_overlap(4096)
     monkeypatch.delenv("MOE_EP_FP8_WIDE_OVERLAP")
+    # beyond 32 k-tiles only with MOE_EP_FP8_CHUNKED_OVERLAP=1 (drop v25), and only for an even K/128
+    monkeypatch.setenv("MOE_EP_FP8_CHUNKED_OVERLAP", "1")
+    assert use_fp8_overlap(14336) and use_fp8_overlap(14336, wide_gated=True) and not use_fp8_overlap(33 * 128)
+    monkeypatch.delenv("MOE_EP_FP8_CHUNKED_OVERLAP")
     # the two schedules are two cache entries: the same shape compiles once per schedule
     plain_events = []
     for flag in ("0", "1"):

@@ -199,27 +199,39 @@ def test_quantisers_follow_the_format():
     ("swiglu", 1536, 2048, 128, False),    # Qwen3 FC1: 16 k-tiles
     ("identity", 2048, 768, 128, True),    # Qwen3 FC2: 6 k-tiles (even: the drain branch)
     ("identity", 2048, 640, 16, False),    # 5 k-tiles (odd)
-    ("swiglu", 28672, 4096, 8, False),     # Mixtral FC1: 32 k-tiles, the limit
+    ("swiglu", 28672, 4096, 8, False),     # Mixtral FC1: 32 k-tiles, the limit of the full unroll
+    ("identity", 4096, 14336, 8, True),    # Mixtral FC2: 112 k-tiles, chunks of 16 (drop v25)
+    ("swiglu", 4096, 7168, 32, False),     # 56 k-tiles: chunks of 14
 ])
 def test_overlapped_promotion_stays_asynchronous(act, n, k, experts, scale_rows):
     """The overlapped-promotion schedule: ptxas keeps its WGMMAs asynchronous (no C7514
     "wgmma.mma_async instructions are serialized" warning), no spills, two partial sets of
-    WGMMAs in flight (``wait_group 1``); longer K is refused by name."""
+    WGMMAs in flight (``wait_group 1``). Beyond 32 k-tiles it runs in chunks (drop v25): one
+    chunk's WGMMAs in the code (4 per k-tile), not the whole K's."""
+    from sm90_megamoe.fp8_gemm import overlap_chunk
     from sm90_megamoe.fp8_runner import compile_variant
 
-    _, compiled = compile_variant(act, n, k, experts, scale_rows, overlap_promotion=True)
+    kernel, compiled = compile_variant(act, n, k, experts, scale_rows, overlap_promotion=True)
     ptx = compiled.__ptx__
     assert re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx)
+    chunk = {14336: 16, 7168: 14}.get(k, 0)
+    assert kernel.overlap_chunk == chunk == overlap_chunk(k // 128)
+    if chunk:
+        assert len(re.findall(r"wgmma\.mma_async\.sync", ptx)) == 4 * kernel.n_mma * chunk
     err = _ptxas_stderr(ptx)
     assert "C7514" not in err and "serialized" not in err, err[-2000:]
     assert re.search(r"0 bytes spill stores, 0 bytes spill loads", err), err[-2000:]
 
 
-def test_overlapped_promotion_refuses_long_k():
+def test_overlapped_promotion_chunks_and_refusal():
+    """overlap_chunk: 0 while the whole loop unrolls, then the largest even divisor of K/128 up to
+    16; an odd K/128 beyond 32 k-tiles is refused by name."""
+    from sm90_megamoe.fp8_gemm import overlap_chunk
     from sm90_megamoe.fp8_runner import compile_variant
 
-    with pytest.raises(ValueError, match="overlap_promotion unrolls the k-loop: K=14336"):
-        compile_variant("identity", 4096, 14336, 8, True, overlap_promotion=True)
+    assert [overlap_chunk(t) for t in (1, 6, 32, 34, 56, 112, 1000, 33, 35)] == [0, 0, 0, 2, 14, 16, 10, 0, 0]
+    with pytest.raises(ValueError, match="K/128 = 35 is odd"):
+        compile_variant("identity", 4096, 35 * 128, 8, True, overlap_promotion=True)
 
 
 @pytest.mark.gpu
@@ -229,6 +241,8 @@ def test_overlapped_promotion_refuses_long_k():
     ("swiglu", 1536, 2048, False),   # Qwen3 FC1
     ("identity", 2048, 768, True),   # Qwen3 FC2 + router weights
     ("identity", 2048, 640, False),  # odd number of k-tiles
+    ("identity", 1024, 4352, True),  # 34 k-tiles: overlapped in chunks of 2 (drop v25)
+    ("identity", 512, 8192, False),  # 64 k-tiles: chunks of 16
 ])
 def test_gpu_against_float64(act, n, k, scale_rows, routing, overlap):
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):

@@ -45,15 +45,31 @@ def use_fp8_overlap(k: int, wide_gated: bool = False) -> bool:
 
     The wide gated FC1 (:func:`use_fp8_wide_gated`) overlaps only from K >= WIDE_OVERLAP_MIN_K
     (4096): drop runner on the H200 (a2012eb), Qwen3 FC1 (K 2048) 0.454 ms plain vs 0.495
-    overlapped, Mixtral FC1 (K 4096) 3.924 vs 3.665. ``MOE_EP_FP8_WIDE_OVERLAP=1`` / ``0`` force it."""
-    if os.environ.get("MOE_EP_FP8_OVERLAP", "1") == "0" or \
-            k // CONSTANTS.value("sm90_megamoe.fp8_gemm", "FP8_BLOCK") > \
-            CONSTANTS.value("sm90_megamoe.fp8_gemm", "OVERLAP_MAX_K_TILES"):
+    overlapped, Mixtral FC1 (K 4096) 3.924 vs 3.665. ``MOE_EP_FP8_WIDE_OVERLAP=1`` / ``0`` force it.
+
+    Beyond 32·128 (Mixtral FC2, K 14336) the schedule runs in chunks of k-tiles (drop v25,
+    :func:`fp8_overlap_chunk`) only with ``MOE_EP_FP8_CHUNKED_OVERLAP=1``: not yet run on a GPU."""
+    if os.environ.get("MOE_EP_FP8_OVERLAP", "1") == "0":
         return False
+    k_tiles = k // CONSTANTS.value("sm90_megamoe.fp8_gemm", "FP8_BLOCK")
+    if k_tiles > CONSTANTS.value("sm90_megamoe.fp8_gemm", "OVERLAP_MAX_K_TILES"):
+        if os.environ.get("MOE_EP_FP8_CHUNKED_OVERLAP", "0") != "1" or not fp8_overlap_chunk(k):
+            return False
     if not wide_gated:
         return True
     forced = os.environ.get("MOE_EP_FP8_WIDE_OVERLAP", "")
     return forced == "1" if forced in ("0", "1") else k >= WIDE_OVERLAP_MIN_K
+
+
+def fp8_overlap_chunk(k: int) -> int:
+    """k-tiles per chunk of the chunked overlapped schedule for reduction size ``k`` (mirrors
+    ``fp8_gemm.overlap_chunk``): 0 up to OVERLAP_MAX_K_TILES k-tiles (the whole loop unrolls), else
+    the largest even divisor of K/128 up to OVERLAP_MAX_CHUNK (0 if none)."""
+    k_tiles = k // CONSTANTS.value("sm90_megamoe.fp8_gemm", "FP8_BLOCK")
+    if k_tiles <= CONSTANTS.value("sm90_megamoe.fp8_gemm", "OVERLAP_MAX_K_TILES"):
+        return 0
+    top = CONSTANTS.value("sm90_megamoe.fp8_gemm", "OVERLAP_MAX_CHUNK")
+    return next((c for c in range(top - top % 2, 1, -2) if k_tiles % c == 0), 0)
 
 
 def use_fp8_wide_gated(activation: str) -> bool:

@@ -57,6 +57,10 @@ Design (differences from :mod:`.grouped_gemm`, whose scheduler and smem epilogue
   unrolled, ptxas keeps them asynchronous (0 spills). Empty volatile asm "fences" pin each
   partial set after the ``wgmma.wait_group`` that completes it. The promotion order per
   accumulator is unchanged (t = 0, 1, 2, ...), so the results are bit-identical to the default.
+  Beyond OVERLAP_MAX_K_TILES (drop v26) the k-loop runs in chunks of :func:`overlap_chunk`
+  k-tiles (an even divisor of K/128, <= 16): each chunk is the same unrolled schedule, drained
+  (``wait_group 0``) at its end, so no group crosses the chunk loop's back-edge and one chunk's
+  code is traced (Mixtral FC2, K 14336: chunks of 16, a 54 KB cubin, no C7514, 0 spills).
 * ``wide_gated=True`` (drop v21; swiglu; bit-identical on the H200, FC1 1.12-1.15x): the gate and up tiles of a stage
   sit in adjacent smem slots, which are the bytes of one 128-row tile, so one m64n128k32 WGMMA
   per k-block fills one accumulator (gate columns, then up) instead of two m64n64k32 WGMMAs
@@ -86,9 +90,21 @@ from .constants import MAX_EXPERTS
 from .grouped_gemm import GroupedGemmSm90, LayoutEnum, get_smem_capacity_in_bytes
 
 FP8_BLOCK = 128
-#: k-tiles up to which ``overlap_promotion`` compiles: its k-loop is unrolled (a WGMMA group still
-#: in flight must not cross a loop back-edge, or ptxas serialises every WGMMA, C7514)
+#: k-tiles up to which ``overlap_promotion`` unrolls the whole k-loop (a WGMMA group still in flight
+#: must not cross a loop back-edge, or ptxas serialises every WGMMA, C7514); beyond it (drop v25)
+#: the k-loop runs in chunks of :func:`overlap_chunk` k-tiles, each unrolled and drained at its end
 OVERLAP_MAX_K_TILES = 32
+#: the largest chunk of the chunked overlapped schedule (code size: one chunk is traced)
+OVERLAP_MAX_CHUNK = 16
+
+
+def overlap_chunk(k_tiles: int) -> int:
+    """k-tiles per chunk of the overlapped schedule for a k-loop of ``k_tiles``: 0 when the whole loop
+    unrolls (<= OVERLAP_MAX_K_TILES), else the largest even divisor <= OVERLAP_MAX_CHUNK (0 if none:
+    an odd k_tiles cannot run chunked)."""
+    if k_tiles <= OVERLAP_MAX_K_TILES:
+        return 0
+    return next((c for c in range(OVERLAP_MAX_CHUNK, 1, -2) if k_tiles % c == 0), 0)
 
 
 @dsl_user_op
@@ -291,9 +307,11 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         self.n_out = n_out
         self.n_tiles = n_tiles // self.halves  # requant: one unit = two n-tiles (a 128-group)
         self.k_tiles = k_size // self.tile_k
-        if cutlass.const_expr(self.overlap_promotion and self.k_tiles > OVERLAP_MAX_K_TILES):
-            raise ValueError(f"overlap_promotion unrolls the k-loop: K={k_size} needs K <= "
-                             f"{OVERLAP_MAX_K_TILES * FP8_BLOCK}")
+        self.overlap_chunk = overlap_chunk(self.k_tiles) if self.overlap_promotion else 0
+        if cutlass.const_expr(self.overlap_promotion and self.k_tiles > OVERLAP_MAX_K_TILES
+                              and not self.overlap_chunk):
+            raise ValueError(f"overlap_promotion: K={k_size} is unrolled up to {OVERLAP_MAX_K_TILES * FP8_BLOCK}, "
+                             f"beyond in chunks of an even number of 128-wide k-tiles (K/128 = {self.k_tiles} is odd)")
         self.n_out_divisible = True
         self.num_stages = self._num_stages(num_experts)
 
@@ -561,7 +579,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                     for h in cutlass.range_constexpr(self.n_mma):
                         accs[h].fill(0.0)
 
-                    if cutlass.const_expr(self.overlap_promotion):
+                    if cutlass.const_expr(self.overlap_promotion and not self.overlap_chunk):
                         # k-tile t's WGMMAs in flight while t-1 is promoted (module docstring);
                         # k-tile 0 -> set A (parts)
                         ab_pipeline.consumer_wait(state)
@@ -612,6 +630,42 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                             ab_pipeline.consumer_release(rel)
                             rel.advance()
                             self._promote(accs, parts, a_lo, a_hi, a_b0, a_b1, n_mma_elems)
+                    elif cutlass.const_expr(self.overlap_chunk):
+                        # drop v25: the same schedule in chunks of C (even) k-tiles, each traced once
+                        # (one copy in the instruction cache) and drained at its end, so no WGMMA
+                        # group is in flight across the chunk loop's back-edge. Per chunk at k0:
+                        # k0 -> set A; pairs (t, t + 1) -> B, A; k0 + C - 1 -> B; drain.
+                        C = self.overlap_chunk
+                        for chunk in range(k_tiles // C):
+                            k0 = chunk * C
+                            ab_pipeline.consumer_wait(state)
+                            tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts, state.index, num_k_blocks)
+                            state.advance()
+                            a_lo, a_hi, a_b0, a_b1 = self._scales(mAScale, mBScale, sr_lo, sr_hi, expert, n0, k0)
+                            for p in cutlass.range_constexpr(C // 2):
+                                t = k0 + 1 + 2 * p
+                                ab_pipeline.consumer_wait(state)
+                                tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts2, state.index, num_k_blocks)
+                                state.advance()
+                                b_lo, b_hi, b_b0, b_b1 = self._scales(mAScale, mBScale, sr_lo, sr_hi, expert, n0, t)
+                                warpgroup.wait_group(1)  # set A's group (t - 1) is done; B's may run
+                                self._fence(parts, n_mma_elems)
+                                ab_pipeline.consumer_release(rel)
+                                rel.advance()
+                                self._promote(accs, parts, a_lo, a_hi, a_b0, a_b1, n_mma_elems)
+                                if cutlass.const_expr(p < C // 2 - 1):  # t + 1 -> set A
+                                    ab_pipeline.consumer_wait(state)
+                                    tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts, state.index, num_k_blocks)
+                                    state.advance()
+                                    a_lo, a_hi, a_b0, a_b1 = self._scales(mAScale, mBScale, sr_lo, sr_hi, expert,
+                                                                          n0, t + 1)
+                                    warpgroup.wait_group(1)  # set B's group (t) is done
+                                else:  # t = k0 + C - 1, the chunk's last: drain
+                                    warpgroup.wait_group(0)
+                                self._fence(parts2, n_mma_elems)
+                                ab_pipeline.consumer_release(rel)
+                                rel.advance()
+                                self._promote(accs, parts2, b_lo, b_hi, b_b0, b_b1, n_mma_elems)
                     else:
                         for k_tile in range(k_tiles):
                             ab_pipeline.consumer_wait(state)

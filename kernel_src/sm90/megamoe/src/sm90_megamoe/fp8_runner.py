@@ -3,6 +3,7 @@
     python -m sm90_megamoe.fp8_runner [--model qwen3|mixtral] [--routing uniform|skewed] [--reps 20]
                                       [--raster-m 1,4,16]   # time each raster (first one checked)
                                       [--overlap]           # + the overlapped-promotion schedule
+                                                            #   (K > 4096: in chunks, v25)
                                       [--requant]           # + FC1 requantising its output (v21)
                                       [--wide]              # + FC1 with one m64n128 gate+up WGMMA (v21)
                                       [--gather]            # + FC1 gathering its A rows by index (v22)
@@ -41,7 +42,7 @@ from cutlass.cute.runtime import from_dlpack, make_fake_compact_tensor, make_fak
 
 from .fp8_gather import Fp8GatherGroupedGemmSm90
 from .fp8_gemm import (FP8_BLOCK, OVERLAP_MAX_K_TILES, Fp8BlockScaledGroupedGemmSm90,
-                       Fp8SwigluRequantGroupedGemmSm90, can_implement)
+                       Fp8SwigluRequantGroupedGemmSm90, can_implement, overlap_chunk)
 from .fp8_reference import (fp8_grouped_gemm_reference, make_offsets, quantize_rows128,
                             quantize_weight_block128)
 
@@ -126,6 +127,12 @@ def _compile_variant(activation, n, k, num_experts, scale_rows, arch, tile_n, nu
     compiled = cute.compile(kernel, *fake_args(num_experts, n, k, activation, requant, gather_a),
                             options=f"--gpu-arch {arch} --keep-ptx")
     return kernel, compiled
+
+
+def overlap_buildable(k: int) -> bool:
+    """Whether the overlapped-promotion schedule compiles for reduction size ``k``: unrolled up to
+    OVERLAP_MAX_K_TILES k-tiles, in chunks beyond (drop v25; an even K/128)."""
+    return k // FP8_BLOCK <= OVERLAP_MAX_K_TILES or overlap_chunk(k // FP8_BLOCK) > 0
 
 
 def smem_bytes(kernel: Fp8BlockScaledGroupedGemmSm90) -> int:
@@ -283,8 +290,9 @@ def run_gpu(model: str, routing: str, reps: int, rasters=(1,), overlap: bool = F
             oargs = other.prepare(a, a_s, b, b_s, out, offs, rs)
             rms = time_fn(lambda: other.launch(oargs), reps)
             print(f"    raster_m {r}: {rms:.3f} ms = {flops / rms / 1e9:.1f} TFLOP/s", flush=True)
-        if overlap and k // FP8_BLOCK > OVERLAP_MAX_K_TILES:
-            print(f"    overlap_promotion: K={k} > {OVERLAP_MAX_K_TILES * FP8_BLOCK}, not built", flush=True)
+        if overlap and not overlap_buildable(k):
+            print(f"    overlap_promotion: K={k} > {OVERLAP_MAX_K_TILES * FP8_BLOCK} with an odd K/128, not built",
+                  flush=True)
         elif overlap:  # the overlapped-promotion schedule: bit-identical output, then its time
             ov = Fp8GroupedGemm(act, n, k, E, sr, raster_m=rasters[0], overlap_promotion=True)
             out2 = torch.full_like(out, float("nan"))
@@ -294,7 +302,9 @@ def run_gpu(model: str, routing: str, reps: int, rasters=(1,), overlap: bool = F
             same = torch.equal(out2, out)
             ok_all &= same
             oms = time_fn(lambda: ov.launch(oargs), reps)
-            print(f"    overlap_promotion (raster_m {rasters[0]}): bit-identical={same}; {oms:.3f} ms = "
+            chunk = overlap_chunk(k // FP8_BLOCK)
+            print(f"    overlap_promotion{f' in chunks of {chunk} k-tiles' if chunk else ''} (raster_m {rasters[0]}): "
+                  f"bit-identical={same}; {oms:.3f} ms = "
                   f"{flops / oms / 1e9:.1f} TFLOP/s", flush=True)
         if wide and act == "swiglu":
             ok_all &= check_wide(fn, a, a_s, b, b_s, offs, rs, out, E, n, k, sr, rasters[0], overlap, reps)
@@ -319,7 +329,7 @@ def check_wide(fn, a, a_s, b, b_s, offs, rs, out, E, n, k, sr, raster_m, overlap
     bits (NaN-poisoned output), then both times."""
     ok_all = True
     flops = 2.0 * out.shape[0] * n * k
-    for ov in ((False, True) if overlap and k // FP8_BLOCK <= OVERLAP_MAX_K_TILES else (False,)):
+    for ov in ((False, True) if overlap and overlap_buildable(k) else (False,)):
         base = Fp8GroupedGemm("swiglu", n, k, E, sr, raster_m=raster_m, overlap_promotion=ov)
         bargs = base.prepare(a, a_s, b, b_s, out, offs, rs)
         wd = Fp8GroupedGemm("swiglu", n, k, E, sr, raster_m=raster_m, overlap_promotion=ov, wide_gated=True)
@@ -347,7 +357,7 @@ def check_gather(a, a_s, b, b_s, offs, rs, out, E, n, k, sr, raster_m, overlap, 
     src, src_s = a[:t_src].contiguous(), a_s[:t_src].contiguous()
     a_g, a_g_s = src[idx.long()].contiguous(), src_s[idx.long()].contiguous()
     flops = 2.0 * m_total * n * k
-    for ov in ((False, True) if overlap and k // FP8_BLOCK <= OVERLAP_MAX_K_TILES else (False,)):
+    for ov in ((False, True) if overlap and overlap_buildable(k) else (False,)):
         base = Fp8GroupedGemm("swiglu", n, k, E, sr, raster_m=raster_m, overlap_promotion=ov, wide_gated=wide)
         o1 = torch.full_like(out, float("nan"))
         bargs = base.prepare(a_g, a_g_s, b, b_s, o1, offs, rs)
@@ -389,7 +399,7 @@ def check_requant(fn, a, a_s, b, b_s, offs, rs, out, E, n, k, sr, raster_m, over
     ok_all &= same_rule
     plain_args = fn.prepare(a, a_s, b, b_s, out, offs, rs)
     plain_ms = time_fn(lambda: (fn.launch(plain_args), quant(out, q_ref, s_ref)), reps)
-    for ov in ((False, True) if overlap and k // FP8_BLOCK <= OVERLAP_MAX_K_TILES else (False,)):
+    for ov in ((False, True) if overlap and overlap_buildable(k) else (False,)):
         rq = Fp8GroupedGemm("swiglu", n, k, E, sr, raster_m=raster_m, overlap_promotion=ov, requant=True,
                             wide_gated=wide_gated)
         q = torch.full((m_total, n_out), 0x7F, dtype=torch.uint8, device="cuda")  # e4m3 NaN
@@ -415,7 +425,7 @@ def run_compile(model: str, overlap: bool = False, requant: bool = False, wide: 
     _, _, E, _, _ = MODELS[model]
     ok_all = True
     variants = [(spec, ov, False, False, False) for spec in layers(model)
-                for ov in ((False, True) if overlap and spec[3] // FP8_BLOCK <= OVERLAP_MAX_K_TILES else (False,))]
+                for ov in ((False, True) if overlap and overlap_buildable(spec[3]) else (False,))]
     gated = [v for v in variants if v[0][1] == "swiglu"]
     if wide:
         variants += [(spec, ov, False, True, False) for spec, ov, _, _, _ in gated]
