@@ -216,8 +216,10 @@ def test_overlapped_promotion_stays_asynchronous(act, n, k, experts, scale_rows)
     assert re.search(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx)
     chunk = {14336: 16, 7168: 14}.get(k, 0)
     assert kernel.overlap_chunk == chunk == overlap_chunk(k // 128)
-    if chunk:
+    if chunk:  # one chunk in the code: its WGMMAs, C - 1 waits with one group left, one drain
         assert len(re.findall(r"wgmma\.mma_async\.sync", ptx)) == 4 * kernel.n_mma * chunk
+        assert len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+1;", ptx)) == chunk - 1
+        assert len(re.findall(r"wgmma\.wait_group\.sync\.aligned\s+0;", ptx)) == 1
     err = _ptxas_stderr(ptx)
     assert "C7514" not in err and "serialized" not in err, err[-2000:]
     assert re.search(r"0 bytes spill stores, 0 bytes spill loads", err), err[-2000:]
