@@ -132,6 +132,14 @@ def _quantize_lane(x: cute.TensorSSA, n: cutlass.Constexpr):
     return _divide_by_scale(x, scale, n), scale
 
 
+@cute.jit
+def _as_e4m3(mQ: cute.Tensor) -> cute.Tensor:
+    """``mQ`` viewed as Float8E4M3FN (callers may pass the e4m3 bits as uint8)."""
+    if cutlass.const_expr(mQ.element_type != cutlass.Float8E4M3FN):
+        mQ = cute.make_tensor(cute.recast_ptr(mQ.iterator, dtype=cutlass.Float8E4M3FN), mQ.layout)
+    return mQ
+
+
 def can_implement(k: int) -> Optional[str]:
     """None if ``k`` is supported, else the reason."""
     if k <= 0 or k % FP8_BLOCK:
@@ -166,14 +174,17 @@ class Fp8QuantizeRows128:
     def _launch(self, mX: cute.Tensor, mQ: cute.Tensor, mScale: cute.Tensor, mCount: cute.Tensor,
                 mIdx: cute.Tensor, m_rows: Int32, stream: cuda.CUstream):
         # mCount / mIdx: placeholders (mScale) in the variants that do not read them
-        if cutlass.const_expr(mQ.element_type != cutlass.Float8E4M3FN):
-            mQ = cute.make_tensor(cute.recast_ptr(mQ.iterator, dtype=cutlass.Float8E4M3FN), mQ.layout)
-        M = mQ.shape[0]                                    # output rows (= mX's unless gathering)
+        mQ = _as_e4m3(mQ)
+        self.kernel(mX, mQ, mScale, mCount, mIdx, m_rows).launch(  # over mQ's rows (mX's unless gathering)
+            grid=(self._grid(mQ.shape[0]), 1, 1), block=(self.threads, 1, 1), stream=stream, use_pdl=PDL)
+
+    @cute.jit
+    def _grid(self, rows: Int32):
+        """CTAs for ``rows`` rows of groups: one warp item (4 groups) per warp, capped at
+        ``max_ctas`` (the grid-stride loop takes the rest), at least 1."""
         per_cta = GROUPS_PER_WARP * self.warps
-        need = (M * self.groups + (per_cta - 1)) // per_cta
-        grid = cutlass.max(cutlass.min(need, Int32(self.max_ctas)), Int32(1))
-        self.kernel(mX, mQ, mScale, mCount, mIdx, m_rows).launch(
-            grid=(grid, 1, 1), block=(self.threads, 1, 1), stream=stream, use_pdl=PDL)
+        need = (rows * self.groups + (per_cta - 1)) // per_cta
+        return cutlass.max(cutlass.min(need, Int32(self.max_ctas)), Int32(1))
 
     @cute.kernel
     def kernel(self, mX: cute.Tensor, mQ: cute.Tensor, mScale: cute.Tensor, mCount: cute.Tensor,
@@ -275,13 +286,8 @@ class Fp8ScatterQuantizeRows128(Fp8QuantizeRows128):
     @cute.jit
     def __call__(self, mX: cute.Tensor, mQ: cute.Tensor, mScale: cute.Tensor, mPos: cute.Tensor,
                  mRecvCount: cute.Tensor, t_max: Int32, stream: cuda.CUstream):
-        if cutlass.const_expr(mQ.element_type != cutlass.Float8E4M3FN):
-            mQ = cute.make_tensor(cute.recast_ptr(mQ.iterator, dtype=cutlass.Float8E4M3FN), mQ.layout)
-        per_cta = GROUPS_PER_WARP * self.warps
-        need = (mX.shape[0] * self.groups + (per_cta - 1)) // per_cta
-        grid = cutlass.max(cutlass.min(need, Int32(self.max_ctas)), Int32(1))
-        self.kernel_scatter(mX, mQ, mScale, mPos, mRecvCount, t_max).launch(
-            grid=(grid, 1, 1), block=(self.threads, 1, 1), stream=stream, use_pdl=PDL)
+        self.kernel_scatter(mX, _as_e4m3(mQ), mScale, mPos, mRecvCount, t_max).launch(  # over the slots (mX)
+            grid=(self._grid(mX.shape[0]), 1, 1), block=(self.threads, 1, 1), stream=stream, use_pdl=PDL)
 
     @cute.kernel
     def kernel_scatter(self, mX: cute.Tensor, mQ: cute.Tensor, mScale: cute.Tensor, mPos: cute.Tensor,
