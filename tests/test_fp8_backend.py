@@ -46,8 +46,14 @@ def test_every_kernel_compiles_without_a_gpu(monkeypatch, tmp_path):
     seen = len(COMPILE_EVENTS)
     prebuild(MoEConfig(max_tokens_per_rank=64, quant="fp8_block128", **QWEN), 1, kernels=("fc1", "fc2"))
     names = [e.name for e in COMPILE_EVENTS[seen:]]
-    # default: the gathering quantiser for FC1's input (the fused gather path)
-    assert names == ["fp8_gemm_swiglu", "fp8_gather_quantize_rows", "fp8_gemm_identity", "fp8_quantize_rows"]
+    # default: the scattering quantiser for FC1's input (the fused gather path, each token once)
+    assert names == ["fp8_gemm_swiglu", "fp8_scatter_quantize_rows", "fp8_gemm_identity", "fp8_quantize_rows"]
+    # MOE_EP_FP8_SCATTER_QUANT=0: the gathering quantiser (each grouped row from its token)
+    monkeypatch.setenv("MOE_EP_FP8_SCATTER_QUANT", "0")
+    seen = len(COMPILE_EVENTS)
+    prebuild(MoEConfig(max_tokens_per_rank=64, quant="fp8_block128", **QWEN), 1, kernels=("fc1",))
+    assert [e.name for e in COMPILE_EVENTS[seen:]] == ["fp8_gather_quantize_rows"]
+    monkeypatch.delenv("MOE_EP_FP8_SCATTER_QUANT")
     # MOE_EP_FP8_FUSED_GATHER=0: gather then quantise, the plain quantiser for FC1's input
     monkeypatch.setenv("MOE_EP_FP8_FUSED_GATHER", "0")
     seen = len(COMPILE_EVENTS)
@@ -590,7 +596,7 @@ def test_fused_requant_prebuilds_its_kernels(monkeypatch, tmp_path):
         seen = len(COMPILE_EVENTS)
         prebuild(cfg, 1, kernels=("fc1", "fc2"))
         got[flag] = sorted(e.name for e in COMPILE_EVENTS[seen:])
-    assert got[None] == ["fp8_gather_quantize_rows", "fp8_gemm_identity", "fp8_gemm_swiglu", "fp8_quantize_rows"]
+    assert got[None] == ["fp8_gemm_identity", "fp8_gemm_swiglu", "fp8_quantize_rows", "fp8_scatter_quantize_rows"]
     assert got["1"] == ["fp8_gemm_swiglu_requant"]  # the rest was built above (same keys)
     monkeypatch.setenv("MOE_EP_FP8_WIDE_GATED", "0")  # the default is wide; only FC1 (gated) has a wide form
     seen = len(COMPILE_EVENTS)
