@@ -33,9 +33,9 @@
 #                the decode sweep of $MODELS with --decode-csv $OUT/decode.csv --plot $OUT/decode.png;
 #                with .device/fi carried, FlashInfer at PEER_DECODE_TOKENS (1,8,32,128,256) in the same
 #                call -> $OUT/decode_fi.csv, both plotted in $OUT/decode_all.png.
-# verify:        what has not yet run on a GPU (now: drop v25's scattering FP8 quantiser, v26's chunked
-#                overlapped FP8 schedule): their GPU tests in parallel groups, fp8_runner on Mixtral, the FP8
-#                layer with the switches off / on, then profiled with PDL off -> $OUT/verify_*, $OUT/tests_*.log
+# verify:        what has not yet run on a GPU (now: drop v28's FP8 GEMMs in clusters of 2): their GPU
+#                tests in parallel groups, fp8_runner --cluster on Qwen3 and Mixtral, the FP8 layer with the
+#                switch off / on (interleaved), then profiled with PDL off -> $OUT/verify_*, $OUT/tests_*.log
 #                (earlier sessions' verify: git history);
 # layers:        both layers profiled (kernel table + the last forward's timeline), FlashInfer BF16 + FP8
 #                beside (carry .device/fi), then GPU tests in what is left of CALL_BUDGET (500 s) -> $OUT/layers_*.
@@ -138,25 +138,25 @@ if [ "$mode" = extra ]; then
   fi
 fi
 if [ "$mode" = verify ]; then
-  # drops v25 + v26 (written in the ninth session after its device time was spent): the scattering
-  # FP8 quantiser (MOE_EP_FP8_SCATTER_QUANT=1) and the overlapped FP8 schedule in chunks beyond
-  # K = 4096 (MOE_EP_FP8_CHUNKED_OVERLAP=1: Mixtral FC2). Their GPU tests first, in parallel; the
-  # drop runner on Mixtral (FC2 chunked vs plain: bits and time); the FP8 layer with the switches
-  # off / scatter / scatter + chunked; then that last one profiled with PDL off (true per-kernel
-  # times). (The ninth session's verify of drop v24 is in git history, 43bf34c.)
-  run_groups "${TEST_BUDGET:-200}" "tests/test_fp8_scatter_quant.py;tests/test_sm90_fp8_quant.py" \
-      "tests/test_fp8_backend.py;-k;variants or local_route or matches" \
-      "tests/test_sm90_fp8_compile.py;-k;gpu_against_float64" "tests/test_ep_virtual_gpu.py;-k;fp8"
-  step "drop fp8 runner --overlap --wide (mixtral)" "$OUT/verify_fp8_runner.log" -- bash -c \
-      "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.fp8_runner --model mixtral --raster-m 16 --overlap --wide"
-  for v in "0 0" "1 0" "1 1"; do
-    set -- $v
-    step "FP8 layer, scatter quant $1, chunked overlap $2" "$OUT/verify_fp8_s$1c$2.log" -- env MOE_EP_FP8_SCATTER_QUANT=$1 \
-        MOE_EP_FP8_CHUNKED_OVERLAP=$2 python3 -m moe_ep.bench --model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" \
-        --quant fp8_block128 --no-reference --no-decode --csv "$OUT/verify_fp8_s$1c$2.csv"
+  # drop v28 (tenth session): the FP8 GEMMs in clusters of 2 CTAs multicasting A
+  # (MOE_EP_FP8_CLUSTER=1). Its GPU tests (bits against single CTAs and float64; the layer with the
+  # switch off / on, eager + graph) in parallel with the drop runner on Qwen3 (FC1 wide, FC2, each
+  # plain and overlapped: bits and time, interleaved), then the runner on Mixtral, then the FP8
+  # layer with the switch off / on / off / on (interleaved), then the "on" layer profiled with PDL
+  # off. (The ninth session's verify of drops v25 + v26 is in git history, 843e1de.)
+  run_groups "${TEST_BUDGET:-150}" "tests/test_fp8_cluster.py" "tests/test_fp8_backend.py;-k;variants"
+  for m in qwen3 mixtral; do
+    step "drop fp8 runner --overlap --cluster ($m)" "$OUT/verify_fp8_runner_$m.log" -- bash -c \
+        "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.fp8_runner --model $m --raster-m 16 --overlap --cluster"
   done
-  step "FP8 layer, both, PDL off, profiled" "$OUT/verify_nopdl_fp8.log" -- env SM90_MEGAMOE_PDL=0 \
-      MOE_EP_FP8_SCATTER_QUANT=1 MOE_EP_FP8_CHUNKED_OVERLAP=1 python3 -m moe_ep.bench --model "$MODELS" \
+  for c in 0 1 0 1; do
+    r=$((${r:-0} + 1))
+    step "FP8 layer, cluster $c (round $r)" "$OUT/verify_fp8_c${c}_r$r.log" -- env MOE_EP_FP8_CLUSTER=$c \
+        python3 -m moe_ep.bench --model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" \
+        --quant fp8_block128 --no-reference --no-decode --csv "$OUT/verify_fp8_c${c}_r$r.csv"
+  done
+  step "FP8 layer, cluster 1, PDL off, profiled" "$OUT/verify_nopdl_fp8.log" -- env SM90_MEGAMOE_PDL=0 \
+      MOE_EP_FP8_CLUSTER=1 python3 -m moe_ep.bench --model "$MODELS" \
       --tokens "$TOKENS" --iters "$ITERS" --quant fp8_block128 --no-reference --no-decode --profile \
       --csv "$OUT/verify_nopdl_fp8.csv"
 fi
@@ -246,7 +246,7 @@ if [ "$mode" = suite ]; then  # the whole GPU suite in one call: ten groups in p
       "tests/test_sm90_gpu.py;-k;$gtop" "tests/test_sm90_gpu.py;-k;not ($gtop)" \
       "tests/test_ep_virtual_gpu.py;-k;matches_reference" "tests/test_ep_virtual_gpu.py;-k;not matches_reference" \
       "tests/test_fp8_backend.py;tests/test_activations_bias.py;tests/test_sm90_fp8_gather.py;tests/test_gather_fc1.py" \
-      "tests/test_ep_gpu.py;tests/test_disk_cache.py;tests/test_transformers_integration.py;tests/test_sm90_fp8_quant.py;tests/test_fp8_quant_div.py;tests/test_fp8_scatter_quant.py;tests/test_blackwell_backends.py" \
+      "tests/test_ep_gpu.py;tests/test_disk_cache.py;tests/test_transformers_integration.py;tests/test_sm90_fp8_quant.py;tests/test_fp8_quant_div.py;tests/test_fp8_scatter_quant.py;tests/test_fp8_cluster.py;tests/test_blackwell_backends.py" \
       "tests/test_sm90_fp8_compile.py" "tests/test_sm90_swapab_compile.py"
 fi
 suite_common=(python3 -m pytest -m gpu -q -W ignore -p no:cacheprovider -rfE --durations=15 --tb=long)
@@ -258,7 +258,7 @@ if [ "$mode" = suite2 ]; then
   step "GPU suite 2/3" "$OUT/suite2.log" -- "${suite_common[@]}" tests/test_sm90_gpu.py tests/test_ep_gpu.py \
       tests/test_disk_cache.py tests/test_transformers_integration.py tests/test_sm90_fp8_quant.py \
       tests/test_sm90_fp8_compile.py tests/test_sm90_swapab_compile.py tests/test_blackwell_backends.py \
-      tests/test_sm90_fp8_gather.py tests/test_gather_fc1.py tests/test_fp8_quant_div.py tests/test_fp8_scatter_quant.py
+      tests/test_sm90_fp8_gather.py tests/test_gather_fc1.py tests/test_fp8_quant_div.py tests/test_fp8_scatter_quant.py tests/test_fp8_cluster.py
 fi
 if [ "$mode" = suite3 ]; then
   step "GPU suite 3/3" "$OUT/suite3.log" -- "${suite_common[@]}" tests/test_ep_virtual_gpu.py

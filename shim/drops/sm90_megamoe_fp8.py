@@ -72,6 +72,18 @@ def fp8_overlap_chunk(k: int) -> int:
     return next((c for c in range(top - top % 2, 1, -2) if k_tiles % c == 0), 0)
 
 
+def use_fp8_cluster(activation: str, n: int) -> int:
+    """CTAs per cluster of the plain FP8 GEMM (drop v28, ``cluster_n``): 2 with
+    ``MOE_EP_FP8_CLUSTER=1`` -- the two CTAs of a cluster compute one m-tile's two adjacent n-tiles
+    and multicast A's halves to each other (half of A's L2 -> SM traffic) -- where the n-tiles
+    pair up (FC1 always; FC2 when N/128 is even); else 1. Opt-in until measured on the H200."""
+    if os.environ.get("MOE_EP_FP8_CLUSTER", "0") != "1":
+        return 1
+    tile_n = 64 if activation == "swiglu" else 128
+    n_out = n // 2 if activation == "swiglu" else n
+    return 2 if (n_out // tile_n) % 2 == 0 else 1
+
+
 def use_fp8_wide_gated(activation: str) -> bool:
     """The gated FP8 GEMM (FC1) issues one m64n128 WGMMA over its gate and up tiles per k-block
     instead of two m64n64 ones (drop v21, ``wide_gated``): bit-identical (H200, fp8_runner --wide),
@@ -111,13 +123,16 @@ class Fp8Key:
     requant: bool = False
     wide_gated: bool = False
     gather_a: bool = False
+    cluster_n: int = 1
 
 
 def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_rows: bool,
          raster_m: int = 0, overlap_promotion: bool = False, requant: bool = False, gather_a: bool = False) -> Fp8Key:
+    plain = kind == "gemm" and not requant and not gather_a
     return Fp8Key(CONSTANTS.value(PKG, "DROP_VERSION"), _cutlass_version(), "sm_90a", kind, activation, n, k,
                   num_experts, bool(scale_rows), use_tvm_ffi(), int(raster_m), bool(overlap_promotion),
-                  bool(requant), kind == "gemm" and use_fp8_wide_gated(activation), bool(gather_a))
+                  bool(requant), kind == "gemm" and use_fp8_wide_gated(activation), bool(gather_a),
+                  use_fp8_cluster(activation, n) if plain else 1)
 
 
 def compiled_fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
@@ -133,7 +148,8 @@ def compiled_fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_r
         raise ValueError("sm90 FP8 GEMM: gather_a and requant do not combine")
     key = _key("gemm", activation, n, k, num_experts, scale_rows, pick_fp8_raster_m(k),
                compiled_key_overlap(activation, k), requant, gather_a)
-    name = f"fp8_gemm_{activation}" + ("_requant" if requant else "") + ("_gather" if gather_a else "")
+    name = f"fp8_gemm_{activation}" + ("_requant" if requant else "") + ("_gather" if gather_a else "") + \
+        ("_cluster2" if key.cluster_n > 1 else "")
 
     def build():
         fl = _load("sm90_megamoe.fp8_launch")
@@ -143,7 +159,7 @@ def compiled_fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_r
                                        scale_rows=bool(scale_rows), compiled=None, tvm_ffi=key.tvm_ffi,
                                        raster_m=key.raster_m, overlap_promotion=key.overlap_promotion,
                                        requant=key.requant, wide_gated=key.wide_gated,
-                                       gather_a=key.gather_a).compiled,
+                                       gather_a=key.gather_a, cluster_n=key.cluster_n).compiled,
             tvm_ffi=key.tvm_ffi)
 
     return COMPILE_CACHE.get_or_compile(key, build)
@@ -156,10 +172,11 @@ def fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool
     ``requant``: ``out=[M, n_out] e4m3, out_scale=[M, n_out/128] f32`` instead of bf16 ``out``;
     ``gather_a``: ``a [T, k]``, ``a_scale [T, k/128]`` are source rows and ``idx=[M] i32`` picks them."""
     compiled = compiled_fp8_gemm(activation, n, k, num_experts, scale_rows, requant, gather_a)
+    cluster_n = use_fp8_cluster(activation, n) if not (requant or gather_a) else 1
     return _load("sm90_megamoe.fp8_launch").CompiledFp8Gemm(
         activation=activation, n=n, k=k, num_experts=num_experts, scale_rows=bool(scale_rows), compiled=compiled,
         tvm_ffi=use_tvm_ffi(), raster_m=pick_fp8_raster_m(k), overlap_promotion=compiled_key_overlap(activation, k),
-        requant=bool(requant), wide_gated=use_fp8_wide_gated(activation), gather_a=bool(gather_a))
+        requant=bool(requant), wide_gated=use_fp8_wide_gated(activation), gather_a=bool(gather_a), cluster_n=cluster_n)
 
 
 def compiled_fp8_quantize_rows(k: int, gather: bool = False, scatter_topk: int = 0) -> Any:

@@ -65,6 +65,13 @@ Design (differences from :mod:`.grouped_gemm`, whose scheduler and smem epilogue
   sit in adjacent smem slots, which are the bytes of one 128-row tile, so one m64n128k32 WGMMA
   per k-block fills one accumulator (gate columns, then up) instead of two m64n64k32 WGMMAs
   filling two; promotion picks the gate or up block's scale by column.
+* ``cluster_n=2`` (drop v28; the plain kernel, an even number of n-tiles): clusters of 2 CTAs.
+  One unit of the persistent schedule is an m-tile's two adjacent n-tiles; CTA r of the cluster
+  computes n-tile ``2 * unit_n + r`` and loads rows ``[64 r, 64 r + 64)`` of the shared A tile by a
+  multicast TMA into both CTAs' stage, so each CTA reads half of A from L2. The empty barrier of
+  a stage counts the consumer warps of both CTAs (either producer writes into both). The launch
+  clamps its grid to the clusters that fit at once. Same WGMMAs and promotion order per tile:
+  the same bits as single CTAs.
 * :class:`Fp8SwigluRequantGroupedGemmSm90` (drop v21; the bits of FC1 + the quantiser on the H200): FC1 writing FC2's
   e4m3 input and per-128 scales in the epilogue (its docstring). Both variants trace the same
   ``_body`` as the plain kernel, whose PTX is unchanged by them.
@@ -176,7 +183,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
 
     def __init__(self, activation: str, scale_rows: bool = False, tile_n: Optional[int] = None,
                  num_stages: Optional[int] = None, raster_m: int = 1, overlap_promotion: bool = False,
-                 wide_gated: bool = False):
+                 wide_gated: bool = False, cluster_n: int = 1):
         if tile_n is None:
             tile_n = default_tile_n(activation)
         reason = can_implement(activation, 2 * FP8_BLOCK, FP8_BLOCK, 1, tile_n)
@@ -191,6 +198,12 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         if wide_gated and activation != "swiglu":
             raise ValueError("wide_gated needs a gated activation (swiglu)")
         self.wide_gated = bool(wide_gated)
+        if cluster_n not in (1, 2):
+            raise ValueError(f"cluster_n must be 1 or 2, got {cluster_n}")
+        if cluster_n > 1 and (self.requant or self.gather_a):
+            raise ValueError("cluster_n = 2 is for the plain TMA kernel (not requant, not gather_a)")
+        # drop v28: 2 CTAs of a cluster take the two n-tiles of one m-tile and multicast A's halves
+        self.cluster_n = int(cluster_n)
         self.tile_m = 128
         self.tile_n = tile_n
         self.tile_k = FP8_BLOCK
@@ -278,9 +291,9 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
     def _launch(self, kernel, max_active_ctas, stream) -> None:
         """One persistent CTA per ``max_active_ctas``, PDL as the drop launches every kernel."""
         kernel.launch(
-            grid=[max_active_ctas, 1, 1],
+            grid=[max_active_ctas // self.cluster_n * self.cluster_n, 1, 1],
             block=[self.threads_per_cta, 1, 1],
-            cluster=[1, 1, 1],
+            cluster=[self.cluster_n, 1, 1],
             min_blocks_per_mp=1,
             stream=stream,
             use_pdl=PDL,
@@ -306,6 +319,10 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         self.num_experts = num_experts
         self.n_out = n_out
         self.n_tiles = n_tiles // self.halves  # requant: one unit = two n-tiles (a 128-group)
+        if cutlass.const_expr(self.cluster_n > 1):  # one unit = the cluster's adjacent n-tiles
+            if cutlass.const_expr(n_tiles % self.cluster_n != 0):
+                raise ValueError(f"cluster_n={self.cluster_n} needs an even number of n-tiles, got {n_tiles}")
+            self.n_tiles = n_tiles // self.cluster_n
         self.k_tiles = k_size // self.tile_k
         self.overlap_chunk = overlap_chunk(self.k_tiles) if self.overlap_promotion else 0
         if cutlass.const_expr(self.overlap_promotion and self.k_tiles > OVERLAP_MAX_K_TILES
@@ -336,8 +353,9 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
             b_layout, tile_mnk, self.ab_dtype, self.num_stages * self.num_b
         )
         tma_atom_a, tma_tensor_a = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mA,
-            cute.slice_(a_smem_layout, (None, None, 0)), (self.tile_m, self.tile_k),
+            cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cluster_n > 1 else cpasync.CopyBulkTensorTileG2SOp(),
+            mA, cute.slice_(a_smem_layout, (None, None, 0)), (self.tile_m, self.tile_k),
+            **({"num_multicast": self.cluster_n} if self.cluster_n > 1 else {}),
         )
         tma_atom_b, tma_tensor_b = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mB_nke,
@@ -443,11 +461,17 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
             barrier_storage=storage.mbar.data_ptr(),
             num_stages=self.num_stages,
             producer_group=producers,
-            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.stage_consumer_warps),
+            # cluster: a stage is free once the consumer warps of every CTA it is multicast to are done
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.stage_consumer_warps * self.cluster_n),
             tx_count=tma_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            cta_layout_vmnk=cute.make_layout((1, 1, self.cluster_n, 1)),
         )
         cute.arch.sync_threads()
+        # the persistent schedule: one unit (tile, or the cluster's pair of n-tiles) per CTA (cluster)
+        unit0, unit_step, cta_rank = bidx, gdim, 0
+        if cutlass.const_expr(self.cluster_n > 1):
+            cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+            unit0, unit_step = bidx // self.cluster_n, gdim // self.cluster_n
 
         sA = storage.sA.get_tensor(a_smem_layout.outer, swizzle=a_smem_layout.inner)
         sB = storage.sB.get_tensor(b_smem_layout.outer, swizzle=b_smem_layout.inner)
@@ -471,14 +495,17 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                     tAsA = cute.group_modes(sA, 0, 2)
                     tBsB = cute.group_modes(sB, 0, 2)
                     expert = cutlass.Int32(0)
-                    tile_id = bidx
+                    tile_id = unit0
                     while tile_id < total_tiles:
                         expert, row0, row_end, n_tile = self._locate(sOff, sCum, tile_id, expert)
+                        if cutlass.const_expr(self.cluster_n > 1):
+                            n_tile = n_tile * self.cluster_n + cta_rank
                         gA = cute.local_tile(
                             cute.domain_offset((row0, 0), mA_tma), (self.tile_m, self.tile_k), (0, None)
                         )
+                        # cluster: this CTA loads its 1/cluster_n of A's rows into every CTA of the cluster
                         tAsA_p, tAgA = cpasync.tma_partition(
-                            tma_atom_a, 0, cute.make_layout(1), tAsA, cute.group_modes(gA, 0, 2)
+                            tma_atom_a, cta_rank, cute.make_layout(self.cluster_n), tAsA, cute.group_modes(gA, 0, 2)
                         )
                         for half in cutlass.range_constexpr(self.halves):
                             n0 = self._n0(n_tile, half)
@@ -497,7 +524,8 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                                 ab_pipeline.producer_acquire(prod_state)
                                 bar = ab_pipeline.producer_get_barrier(prod_state)
                                 cute.copy(tma_atom_a, tAgA[(None, k_tile)], tAsA_p[(None, prod_state.index)],
-                                          tma_bar_ptr=bar)
+                                          tma_bar_ptr=bar,
+                                          **({"mcast_mask": cutlass.Int16((1 << self.cluster_n) - 1)} if self.cluster_n > 1 else {}))
                                 for h in cutlass.range_constexpr(self.num_b):
                                     cute.copy(
                                         tma_atom_b,
@@ -507,7 +535,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                                     )
                                 ab_pipeline.producer_commit(prod_state)
                                 prod_state.advance()
-                        tile_id = tile_id + gdim
+                        tile_id = tile_id + unit_step
                     ab_pipeline.producer_tail(prod_state)
 
         # =========================================================== consumer warpgroups
@@ -562,9 +590,11 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
             r_lo = tCcC[0][0]
             r_hi = tCcC[2][0]
             expert = cutlass.Int32(0)
-            tile_id = bidx
+            tile_id = unit0
             while tile_id < total_tiles:
                 expert, row0, row_end, n_tile = self._locate(sOff, sCum, tile_id, expert)
+                if cutlass.const_expr(self.cluster_n > 1):
+                    n_tile = n_tile * self.cluster_n + cta_rank
                 rows_left = row_end - row0
                 # clamp to the expert's last row: always in bounds, never stored when clamped
                 ra_lo = row0 + cutlass.min(r_lo, rows_left - 1)
@@ -704,7 +734,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                                                       rows_left, r_lo, r_hi, n_tile, mma_tidx, lane, epi_barrier)
                     else:
                         self._epilogue([acc0], tCsC, sC, outs[0], row0, rows_left, n0, mma_tidx, epi_barrier)
-                tile_id = tile_id + gdim
+                tile_id = tile_id + unit_step
 
     # ------------------------------------------------------------------ consumer helpers
     # (plain methods, traced inline into the kernel, so the tiled MMA's accumulate flag and the

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -45,6 +46,24 @@ def fake_args(num_experts: int, n: int, k: int, activation: str, use_tvm_ffi: bo
             make_fake_stream(use_tvm_ffi_env_stream=use_tvm_ffi))
 
 
+@functools.lru_cache(maxsize=None)
+def _cluster_ctas(cluster_n: int, device_index: int) -> int:
+    from cutlass.utils import HardwareInfo
+
+    return cluster_n * HardwareInfo(device_index).get_max_active_clusters(cluster_n)
+
+
+def cluster_ctas(cluster_n: int, device=None) -> int:
+    """Persistent CTAs of a launch with clusters of ``cluster_n`` CTAs: one per SM for 1, else
+    ``cluster_n`` times the clusters that fit at once (the SMs of a cluster share a GPC, so some
+    SMs may stay idle; a larger grid would run its last clusters after all the others)."""
+    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    if cluster_n == 1:
+        return _num_sms(index)
+    return min(_num_sms(index), _cluster_ctas(int(cluster_n), index))
+
+
 def _u8(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.uint8 else t.view(torch.uint8)
 
@@ -61,12 +80,19 @@ class CompiledFp8Gemm:
     (:class:`.fp8_gemm.Fp8SwigluRequantGroupedGemmSm90`), and a call passes ``out_scale``;
     ``wide_gated`` (swiglu only): one m64n128 WGMMA over gate and up per k-block instead of two
     m64n64 ones; ``gather_a`` (not with requant): A is the source rows and a call passes ``idx``,
-    grouped row r = ``a[idx[r]]`` (:class:`.fp8_gather.Fp8GatherGroupedGemmSm90`)."""
+    grouped row r = ``a[idx[r]]`` (:class:`.fp8_gather.Fp8GatherGroupedGemmSm90`); ``cluster_n`` = 2
+    (drop v28; not with requant or gather_a; N_out / tile_n even): clusters of 2 CTAs, each pair
+    computing one m-tile's two adjacent n-tiles and multicasting A's halves to each other -- a
+    call then launches at most :func:`cluster_ctas` CTAs (worked out when constructed with a GPU)."""
 
     def __init__(self, activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
                  compiled=None, tvm_ffi: bool = False, raster_m: int = 1, overlap_promotion: bool = False,
-                 requant: bool = False, wide_gated: bool = False, gather_a: bool = False):
+                 requant: bool = False, wide_gated: bool = False, gather_a: bool = False, cluster_n: int = 1):
         reason = can_implement(activation, n, k, num_experts)
+        if reason is None and cluster_n not in (1, 2):
+            reason = f"cluster_n must be 1 or 2, got {cluster_n}"
+        if reason is None and cluster_n > 1 and (requant or gather_a):
+            reason = "cluster_n = 2 does not combine with requant or gather_a"
         if reason is None and gather_a and requant:
             reason = "gather_a and requant do not combine"
         for flag, on in (("requant", requant), ("wide_gated", wide_gated)):
@@ -83,6 +109,9 @@ class CompiledFp8Gemm:
         self.tvm_ffi = bool(tvm_ffi)
         self.raster_m = int(raster_m)
         self.overlap_promotion = bool(overlap_promotion)
+        self.cluster_n = int(cluster_n)
+        # the grid of a clustered launch, worked out here (not while a CUDA graph is captured)
+        self._max_ctas = cluster_ctas(self.cluster_n) if self.cluster_n > 1 and torch.cuda.is_available() else None
         if compiled is None:
             if self.requant:
                 kernel = Fp8SwigluRequantGroupedGemmSm90(scale_rows=self.scale_rows, raster_m=self.raster_m,
@@ -93,7 +122,8 @@ class CompiledFp8Gemm:
                 kernel = cls(activation, scale_rows=self.scale_rows,
                                                        raster_m=self.raster_m,
                                                        overlap_promotion=self.overlap_promotion,
-                                                       wide_gated=self.wide_gated)
+                                                       wide_gated=self.wide_gated,
+                                                       **({"cluster_n": self.cluster_n} if self.cluster_n > 1 else {}))
             opts = "--gpu-arch sm_90a" + (" --enable-tvm-ffi" if self.tvm_ffi else "")
             compiled = cute.compile(kernel, *fake_args(num_experts, n, k, activation, self.tvm_ffi, self.requant,
                                                        self.gather_a), options=opts)
@@ -125,6 +155,10 @@ class CompiledFp8Gemm:
         if a.shape[0] == 0:
             return out
         ctas = max_active_ctas if max_active_ctas is not None else _num_sms(a.device)
+        if self.cluster_n > 1:  # no more clusters than fit at once
+            if self._max_ctas is None:
+                self._max_ctas = cluster_ctas(self.cluster_n, a.device)
+            ctas = min(ctas, self._max_ctas)
         outs = (_u8(out), out_scale) if self.requant else (out,)
         if self.tvm_ffi:
             call_on_stream(self._fn, (*ins, _u8(b), b_scale, *outs, offsets, row_scale, ctas), stream)

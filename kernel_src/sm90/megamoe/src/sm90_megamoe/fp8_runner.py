@@ -98,18 +98,18 @@ def cute_args(a, a_scale, b, b_scale, c, offsets, row_scale, c_scale=None, idx=N
 def compile_variant(activation: str, n: int, k: int, num_experts: int, scale_rows: bool,
                     arch: str = "sm_90a", tile_n: Optional[int] = None,
                     num_stages: Optional[int] = None, raster_m: int = 1, overlap_promotion: bool = False,
-                    requant: bool = False, wide_gated: bool = False, gather_a: bool = False):
+                    requant: bool = False, wide_gated: bool = False, gather_a: bool = False, cluster_n: int = 1):
     """(kernel, compiled) for one variant, from fake tensors (no GPU needed), compiled once per
     process (the checks, the GPU runs and the tests share it); ``requant``: FC1's requantising
     variant, ``wide_gated``: FC1's one-WGMMA gate+up schedule (swiglu only); ``gather_a``: A rows
-    gathered by index (:mod:`.fp8_gather`)."""
+    gathered by index (:mod:`.fp8_gather`); ``cluster_n`` = 2: clusters of 2 CTAs multicasting A."""
     return _compile_variant(activation, n, k, num_experts, bool(scale_rows), arch, tile_n, num_stages, int(raster_m),
-                            bool(overlap_promotion), bool(requant), bool(wide_gated), bool(gather_a))
+                            bool(overlap_promotion), bool(requant), bool(wide_gated), bool(gather_a), int(cluster_n))
 
 
 @functools.lru_cache(maxsize=None)
 def _compile_variant(activation, n, k, num_experts, scale_rows, arch, tile_n, num_stages, raster_m,
-                     overlap_promotion, requant, wide_gated, gather_a=False):
+                     overlap_promotion, requant, wide_gated, gather_a=False, cluster_n=1):
     reason = can_implement(activation, n, k, num_experts, tile_n)
     if reason is None and requant and activation != "swiglu":
         reason = "requant needs swiglu"
@@ -123,7 +123,8 @@ def _compile_variant(activation, n, k, num_experts, scale_rows, arch, tile_n, nu
     else:
         cls = Fp8GatherGroupedGemmSm90 if gather_a else Fp8BlockScaledGroupedGemmSm90
         kernel = cls(activation, scale_rows=scale_rows, tile_n=tile_n, num_stages=num_stages, raster_m=raster_m,
-                     overlap_promotion=overlap_promotion, wide_gated=wide_gated)
+                     overlap_promotion=overlap_promotion, wide_gated=wide_gated,
+                     **({"cluster_n": cluster_n} if cluster_n > 1 else {}))
     compiled = cute.compile(kernel, *fake_args(num_experts, n, k, activation, requant, gather_a),
                             options=f"--gpu-arch {arch} --keep-ptx")
     return kernel, compiled
@@ -182,11 +183,12 @@ class Fp8GroupedGemm:
     """One compiled variant, launched on CUDA tensors (classic path: pre-converted CuTe views)."""
 
     def __init__(self, activation, n, k, num_experts, scale_rows, tile_n=None, num_stages=None, raster_m=1,
-                 overlap_promotion=False, requant=False, wide_gated=False, gather_a=False):
+                 overlap_promotion=False, requant=False, wide_gated=False, gather_a=False, cluster_n=1):
         self.kernel, self.compiled = compile_variant(activation, n, k, num_experts, scale_rows,
                                                      tile_n=tile_n, num_stages=num_stages, raster_m=raster_m,
                                                      overlap_promotion=overlap_promotion, requant=requant,
-                                                     wide_gated=wide_gated, gather_a=gather_a)
+                                                     wide_gated=wide_gated, gather_a=gather_a, cluster_n=cluster_n)
+        self.cluster_n = int(cluster_n)
         self.activation, self.n, self.k, self.scale_rows = activation, n, k, scale_rows
         self.n_out = n // 2 if activation == "swiglu" else n
 
@@ -203,10 +205,19 @@ class Fp8GroupedGemm:
         if args is None:
             return
         if ctas is None:
-            ctas = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
+            ctas = max_active_ctas(self.cluster_n)
         if stream is None:
             stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
         self.compiled(*args, cutlass.Int32(ctas), stream)
+
+
+def max_active_ctas(cluster_n: int = 1) -> int:
+    """Persistent CTAs of one launch: one per SM, or cluster_n times the clusters of cluster_n
+    CTAs that fit at once (an SM pair must sit in one GPC; a grid larger than that would run its
+    last clusters after the others)."""
+    from .fp8_launch import cluster_ctas
+
+    return cluster_ctas(cluster_n, torch.cuda.current_device())
 
 
 def time_fn(fn, reps: int) -> float:
@@ -263,7 +274,7 @@ def torch_baselines(a, a_s, b, b_s, offs, reps):
 
 
 def run_gpu(model: str, routing: str, reps: int, rasters=(1,), overlap: bool = False,
-            requant: bool = False, wide: bool = False, gather: bool = False) -> bool:
+            requant: bool = False, wide: bool = False, gather: bool = False, cluster: bool = False) -> bool:
     h, i, E, topk, tokens = MODELS[model]
     m_total = tokens * topk
     ok_all = True
@@ -308,6 +319,8 @@ def run_gpu(model: str, routing: str, reps: int, rasters=(1,), overlap: bool = F
                   f"{flops / oms / 1e9:.1f} TFLOP/s", flush=True)
         if wide and act == "swiglu":
             ok_all &= check_wide(fn, a, a_s, b, b_s, offs, rs, out, E, n, k, sr, rasters[0], overlap, reps)
+        if cluster:
+            ok_all &= check_cluster(out, a, a_s, b, b_s, offs, rs, E, n, k, act, sr, rasters[0], overlap, reps)
         if gather and act == "swiglu":
             ok_all &= check_gather(a, a_s, b, b_s, offs, rs, out, E, n, k, sr, rasters[0], overlap, wide, reps)
         if requant and act == "swiglu":
@@ -343,6 +356,39 @@ def check_wide(fn, a, a_s, b, b_s, offs, rs, out, E, n, k, sr, raster_m, overlap
         bms, wms = time_fn(lambda: base.launch(bargs), reps), time_fn(lambda: wd.launch(wargs), reps)
         print(f"    wide_gated{' overlap' if ov else ''}: bit-identical={same}; {wms:.3f} ms = {flops / wms / 1e9:.1f} "
               f"TFLOP/s vs {bms:.3f} ms = {flops / bms / 1e9:.1f} ({bms / wms:.2f}x)", flush=True)
+    return ok_all
+
+
+def check_cluster(out, a, a_s, b, b_s, offs, rs, E, n, k, act, sr, raster_m, overlap, reps) -> bool:
+    """Clusters of 2 CTAs multicasting A (drop v28) against the same schedule on single CTAs
+    (``out`` holds the default kernel's result): the same bits (NaN-poisoned), then both times,
+    interleaved over two rounds. FC1 runs the wide gated schedule (the backend's)."""
+    ok_all = True
+    flops = 2.0 * out.shape[0] * n * k
+    wide = act == "swiglu"
+    print(f"    clusters of 2: {max_active_ctas(2)} CTAs of {max_active_ctas(1)} SMs", flush=True)
+    for ov in ((False, True) if overlap and overlap_buildable(k) else (False,)):
+        base = Fp8GroupedGemm(act, n, k, E, sr, raster_m=raster_m, overlap_promotion=ov, wide_gated=wide)
+        cl = Fp8GroupedGemm(act, n, k, E, sr, raster_m=raster_m, overlap_promotion=ov, wide_gated=wide, cluster_n=2)
+        o1, o2 = torch.full_like(out, float("nan")), torch.full_like(out, float("nan"))
+        bargs, cargs = base.prepare(a, a_s, b, b_s, o1, offs, rs), cl.prepare(a, a_s, b, b_s, o2, offs, rs)
+        base.launch(bargs)
+        cl.launch(cargs)
+        torch.cuda.synchronize()
+        same = torch.equal(o1, out) and torch.equal(o2, out)
+        if not same:
+            bad = ((o2 != out) & ~(o2.isnan() & out.isnan())).any(dim=1) | o2.isnan().any(dim=1)
+            print(f"    cluster: {int(bad.sum())} of {out.shape[0]} rows differ, first {bad.nonzero().flatten()[:8].tolist()}",
+                  flush=True)
+        ok_all &= same
+        bms, cms = [], []
+        for _ in range(2):
+            bms.append(time_fn(lambda: base.launch(bargs), reps))
+            cms.append(time_fn(lambda: cl.launch(cargs), reps))
+        bm, cm = min(bms), min(cms)
+        print(f"    cluster_n=2{' overlap' if ov else ''}{' wide' if wide else ''}: bit-identical={same}; {cm:.3f} ms = "
+              f"{flops / cm / 1e9:.1f} TFLOP/s vs {bm:.3f} ms = {flops / bm / 1e9:.1f} ({bm / cm:.2f}x; rounds "
+              f"{' '.join(f'{x:.3f}' for x in cms)} / {' '.join(f'{x:.3f}' for x in bms)})", flush=True)
     return ok_all
 
 
@@ -421,7 +467,7 @@ def check_requant(fn, a, a_s, b, b_s, offs, rs, out, E, n, k, sr, raster_m, over
 
 
 def run_compile(model: str, overlap: bool = False, requant: bool = False, wide: bool = False,
-                raster_m: int = 1, gather: bool = False) -> bool:
+                raster_m: int = 1, gather: bool = False, cluster: bool = False) -> bool:
     _, _, E, _, _ = MODELS[model]
     ok_all = True
     variants = [(spec, ov, False, False, False) for spec in layers(model)
@@ -434,12 +480,16 @@ def run_compile(model: str, overlap: bool = False, requant: bool = False, wide: 
                      for w in ((False, True) if wide else (False,))]
     if gather:
         variants += [(spec, ov, False, wide, True) for spec, ov, _, _, _ in gated]
-    for (name, act, n, k, sr), ov, rq, w, g in variants:
+    variants = [v + (1,) for v in variants]
+    if cluster:  # check_cluster's variants: FC1 wide gated, clusters of 2
+        variants += [(spec, ov, False, spec[1] == "swiglu", False, 2) for spec in layers(model)
+                     for ov in ((False, True) if overlap and overlap_buildable(spec[3]) else (False,))]
+    for (name, act, n, k, sr), ov, rq, w, g, cn in variants:
         t0 = time.time()
         kernel, compiled = compile_variant(act, n, k, E, sr, raster_m=raster_m, overlap_promotion=ov, requant=rq,
-                                           wide_gated=w, gather_a=g)
+                                           wide_gated=w, gather_a=g, cluster_n=cn)
         name = name + (" overlap" if ov else "") + (" requant" if rq else "") + (" wide" if w else "") + \
-            (" gather" if g else "")
+            (" gather" if g else "") + (" cluster2" if cn > 1 else "")
         r = ptx_report(kernel, compiled)
         ok = r["fp8_wgmma"] and r["tma"] and r["pdl"] and not r["local"] and r["ptxas_spill_bytes"] in (0, None)
         ok_all &= ok
@@ -461,14 +511,18 @@ def main(argv=None):
                    help="also FC1 with one m64n128 gate+up WGMMA (checked bit-identical, timed)")
     p.add_argument("--gather", action="store_true",
                    help="also FC1 gathering its A rows by index (checked bit-identical, timed)")
+    p.add_argument("--cluster", action="store_true",
+                   help="also clusters of 2 CTAs multicasting A (checked bit-identical, timed)")
     p.add_argument("--raster-m", default="1", help="m-tiles per raster group, comma-separated: each is timed, "
                                                   "the first is also checked")
     args = p.parse_args(argv)
     rasters = tuple(int(r) for r in args.raster_m.split(",") if r.strip())
-    ok = run_compile(args.model, args.overlap, args.requant, args.wide, rasters[0], args.gather)  # what the GPU runs
+    ok = run_compile(args.model, args.overlap, args.requant, args.wide, rasters[0], args.gather,
+                     args.cluster)  # what the GPU runs
     if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
         torch.backends.cuda.matmul.allow_tf32 = False
-        ok &= run_gpu(args.model, args.routing, args.reps, rasters, args.overlap, args.requant, args.wide, args.gather)
+        ok &= run_gpu(args.model, args.routing, args.reps, rasters, args.overlap, args.requant, args.wide, args.gather,
+                      args.cluster)
     else:
         print("no SM90 GPU: compile checks only")
     raise SystemExit(0 if ok else 1)
