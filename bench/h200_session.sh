@@ -38,7 +38,8 @@
 #                switch off / on (interleaved), then profiled with PDL off -> $OUT/verify_*, $OUT/tests_*.log
 #                (earlier sessions' verify: git history);
 # layers:        both layers profiled (kernel table + the last forward's timeline), FlashInfer BF16 + FP8
-#                beside (carry .device/fi), then GPU tests in what is left of CALL_BUDGET (500 s) -> $OUT/layers_*.
+#                beside (carry .device/fi), then the GPU suite's groups in what is left of CALL_BUDGET (500 s)
+#                -> $OUT/layers_*, $OUT/tests_*.log.
 # fp8ab:         the FP8 layer with (requant, wide) in {0,1}x{0,1}, interleaved, 2 rounds -> $OUT/fp8ab_*.{log,csv};
 #                verify2: the virtual-rank tests with PDL
 #                once more, then the decode sweep with (PDL, token grid, layout chunks) = (0,0,all) (1,0,all)
@@ -111,6 +112,17 @@ run_groups() {  # run_groups SECONDS GROUP...: pytest -m gpu per group, all in p
     echo "--- ${groups[$g]}: exit $rc"; tail -n 3 "$OUT/tests_$g.log"
   done
 }
+# the whole GPU suite as ten pytest groups (modes suite and layers run them in parallel)
+ltop="matches_reference or activations_biases or decode_layer or bad_values or odd_hidden or quantised_configs"
+gtop="fc1_fc2_models or m_total_sweep or back_to_back"
+suite_groups=(
+  "tests/test_layer_gpu.py;-k;$ltop" "tests/test_layer_gpu.py;-k;not ($ltop)"
+  "tests/test_sm90_gpu.py;-k;$gtop" "tests/test_sm90_gpu.py;-k;not ($gtop)"
+  "tests/test_ep_virtual_gpu.py;-k;matches_reference" "tests/test_ep_virtual_gpu.py;-k;not matches_reference"
+  "tests/test_fp8_backend.py;tests/test_activations_bias.py;tests/test_sm90_fp8_gather.py;tests/test_gather_fc1.py"
+  "tests/test_ep_gpu.py;tests/test_disk_cache.py;tests/test_transformers_integration.py;tests/test_sm90_fp8_quant.py;tests/test_fp8_quant_div.py;tests/test_fp8_scatter_quant.py;tests/test_fp8_cluster.py;tests/test_blackwell_backends.py"
+  "tests/test_sm90_fp8_compile.py" "tests/test_sm90_swapab_compile.py"
+)
 if [ "$N" -gt 1 ]; then bench=(torchrun --standalone --nproc_per_node="$N" -m moe_ep.bench); else bench=(python3 -m moe_ep.bench); fi
 
 if [ "$mode" = all ] || [ "$mode" = moe ]; then
@@ -177,9 +189,7 @@ if [ "$mode" = layers ]; then
     done
   fi
   left=$(( ${CALL_BUDGET:-500} - SECONDS ))
-  [ "$left" -gt 60 ] && run_groups "$left" "tests/test_ep_virtual_gpu.py;-k;matches_reference" \
-      "tests/test_layer_gpu.py;-k;not (matches_reference or bit_identical_repeats or decode_layer)" \
-      "tests/test_activations_bias.py" "tests/test_ep_gpu.py"
+  [ "$left" -gt 60 ] && run_groups "$left" "${suite_groups[@]}"  # the whole GPU suite, as far as it gets
 fi
 if [ "$mode" = fp8ab ]; then  # FC1 variants one at a time, interleaved over 2 rounds (FP8 layer, 8192 tokens)
   for r in 1 2; do for v in "0 0" "1 0" "0 1" "1 1"; do
@@ -239,15 +249,7 @@ if [ "$mode" = decode ]; then  # issue 11's sweep: ours and FlashInfer (carry .d
       python3 -m pytest -m gpu -q -W ignore -p no:cacheprovider -rfE --tb=long tests/test_ep_virtual_gpu.py
 fi
 if [ "$mode" = suite ]; then  # the whole GPU suite in one call: ten groups in parallel, cut at CALL_BUDGET (540 s)
-  ltop="matches_reference or activations_biases or decode_layer or bad_values or odd_hidden or quantised_configs"
-  gtop="fc1_fc2_models or m_total_sweep or back_to_back"
-  run_groups $(( ${CALL_BUDGET:-540} - SECONDS )) \
-      "tests/test_layer_gpu.py;-k;$ltop" "tests/test_layer_gpu.py;-k;not ($ltop)" \
-      "tests/test_sm90_gpu.py;-k;$gtop" "tests/test_sm90_gpu.py;-k;not ($gtop)" \
-      "tests/test_ep_virtual_gpu.py;-k;matches_reference" "tests/test_ep_virtual_gpu.py;-k;not matches_reference" \
-      "tests/test_fp8_backend.py;tests/test_activations_bias.py;tests/test_sm90_fp8_gather.py;tests/test_gather_fc1.py" \
-      "tests/test_ep_gpu.py;tests/test_disk_cache.py;tests/test_transformers_integration.py;tests/test_sm90_fp8_quant.py;tests/test_fp8_quant_div.py;tests/test_fp8_scatter_quant.py;tests/test_fp8_cluster.py;tests/test_blackwell_backends.py" \
-      "tests/test_sm90_fp8_compile.py" "tests/test_sm90_swapab_compile.py"
+  run_groups $(( ${CALL_BUDGET:-540} - SECONDS )) "${suite_groups[@]}"
 fi
 suite_common=(python3 -m pytest -m gpu -q -W ignore -p no:cacheprovider -rfE --durations=15 --tb=long)
 if [ "$mode" = suite1 ]; then

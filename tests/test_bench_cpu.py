@@ -409,7 +409,7 @@ def test_peer_decode_tokens_needs_a_peer():
 
 def test_h200_session_suite_parts_cover_every_gpu_test_file():
     """`h200_session.sh suite1|suite2|suite3` together name every test file with GPU tests, once,
-    and so does `suite` (its parallel groups; a file split by -k may appear twice) -- a new GPU
+    and so does `suite_groups` (`suite`'s parallel groups; a file split by -k may appear twice) -- a new GPU
     test file must be added to both, or it never runs on the H200."""
     import re
     from pathlib import Path
@@ -424,9 +424,10 @@ def test_h200_session_suite_parts_cover_every_gpu_test_file():
     marker = re.compile(r"^(@|pytestmark = )pytest\.mark\.gpu$", re.M)
     gpu_files = sorted(p.name for p in (root / "tests").glob("test_*.py") if marker.search(p.read_text()))
     assert sorted(named) == gpu_files and len(named) == len(set(named))
-    block = script[script.index('if [ "$mode" = suite ]; then'):]
-    block = block[:block.index("\nfi\n")]
+    block = script[script.index("suite_groups=("):]
+    block = block[:block.index("\n)\n")]
     assert sorted(set(re.findall(r"tests/(test_\w+\.py)", block))) == gpu_files
+    assert 'run_groups $(( ${CALL_BUDGET:-540} - SECONDS )) "${suite_groups[@]}"' in script
 
 
 def test_kernel_timeline_reports_gaps_of_the_last_forward():

@@ -1,7 +1,7 @@
 """Drop v28: the plain FP8 grouped GEMM in clusters of 2 CTAs (``cluster_n=2``): the two CTAs of a
 cluster compute one m-tile's two adjacent n-tiles and multicast A's halves to each other. CPU:
 the PTX (multicast TMA for A only, the remote stage release, the cluster barrier), no spills, the
-refusals, the shim's switch. GPU: the same bits as single CTAs, and float64 agreement."""
+refusals, the shim's switch (on from K = 4096). GPU: the same bits as single CTAs, and float64 agreement."""
 
 import re
 
@@ -82,18 +82,25 @@ def test_cluster_refusals():
 def test_shim_switch_and_key(monkeypatch):
     from moe_ep.shim.drops import sm90_megamoe_fp8 as s
 
+    # default: clusters from K = 4096 (Mixtral's FC1 and FC2), single CTAs below (Qwen3)
     monkeypatch.delenv("MOE_EP_FP8_CLUSTER", raising=False)
-    assert s.use_fp8_cluster("swiglu", 1536) == 1
+    assert s.CLUSTER_MIN_K == 4096
+    assert s.use_fp8_cluster("swiglu", 1536, 2048) == s.use_fp8_cluster("identity", 2048, 768) == 1
+    assert s.use_fp8_cluster("swiglu", 28672, 4096) == s.use_fp8_cluster("identity", 4096, 14336) == 2
     assert s._key("gemm", "swiglu", 1536, 2048, 128, False).cluster_n == 1
-    monkeypatch.setenv("MOE_EP_FP8_CLUSTER", "1")
-    assert s.use_fp8_cluster("swiglu", 1536) == 2     # I 768: 12 n-tiles of 64
-    assert s.use_fp8_cluster("identity", 2048) == 2   # 16 n-tiles of 128
-    assert s.use_fp8_cluster("identity", 384) == 1    # 3 n-tiles: no pairs
+    assert s._key("gemm", "identity", 4096, 14336, 8, True).cluster_n == 2
+    assert s.use_fp8_cluster("identity", 384, 8192) == 1    # 3 n-tiles: no pairs
+    monkeypatch.setenv("MOE_EP_FP8_CLUSTER", "1")          # forced on
+    assert s.use_fp8_cluster("swiglu", 1536, 2048) == 2     # I 768: 12 n-tiles of 64
+    assert s.use_fp8_cluster("identity", 2048, 768) == 2    # 16 n-tiles of 128
+    assert s.use_fp8_cluster("identity", 384, 256) == 1
     assert s._key("gemm", "identity", 2048, 768, 128, True).cluster_n == 2
     # the requantising and gathering kernels and the quantisers stay single-CTA
     assert s._key("gemm", "swiglu", 1536, 2048, 128, False, requant=True).cluster_n == 1
     assert s._key("gemm", "swiglu", 1536, 2048, 128, False, gather_a=True).cluster_n == 1
     assert s._key("quantize", "", 0, 2048, 0, False).cluster_n == 1
+    monkeypatch.setenv("MOE_EP_FP8_CLUSTER", "0")          # forced off
+    assert s.use_fp8_cluster("identity", 4096, 14336) == 1
 
 
 # ---------------------------------------------------------------------------- GPU

@@ -72,12 +72,21 @@ def fp8_overlap_chunk(k: int) -> int:
     return next((c for c in range(top - top % 2, 1, -2) if k_tiles % c == 0), 0)
 
 
-def use_fp8_cluster(activation: str, n: int) -> int:
-    """CTAs per cluster of the plain FP8 GEMM (drop v28, ``cluster_n``): 2 with
-    ``MOE_EP_FP8_CLUSTER=1`` -- the two CTAs of a cluster compute one m-tile's two adjacent n-tiles
-    and multicast A's halves to each other (half of A's L2 -> SM traffic) -- where the n-tiles
-    pair up (FC1 always; FC2 when N/128 is even); else 1. Opt-in until measured on the H200."""
-    if os.environ.get("MOE_EP_FP8_CLUSTER", "0") != "1":
+#: reduction size from which the FP8 GEMMs run in clusters of 2 by default (use_fp8_cluster)
+CLUSTER_MIN_K = 4096
+
+
+def use_fp8_cluster(activation: str, n: int, k: int) -> int:
+    """CTAs per cluster of the plain FP8 GEMM (drop v28, ``cluster_n``): the two CTAs of a cluster
+    compute one m-tile's two adjacent n-tiles and multicast A's halves to each other (half of A's
+    L2 -> SM traffic); bit-identical to single CTAs (H200). 2 where the n-tiles pair up (FC1
+    always; FC2 when N/128 is even) and K >= CLUSTER_MIN_K, else 1. H200, tenth session, the FP8
+    layer with the switch off / on / off / on: Mixtral (K 4096 / 14336) 924.7 / 958.6 / 926.7 /
+    933.7 TFLOP/s graph, per call 927.7 / 945.1 / 919.6 / 948.1; Qwen3 (K 2048 / 768) no faster
+    (drop runner 0.98-1.00x, layer 672.6 / 666.8 / 654.8 / 654.5). ``MOE_EP_FP8_CLUSTER=1`` / ``0``
+    force it on (where the n-tiles pair up) / off."""
+    forced = os.environ.get("MOE_EP_FP8_CLUSTER", "")
+    if forced == "0" or (forced != "1" and k < CLUSTER_MIN_K):
         return 1
     tile_n = 64 if activation == "swiglu" else 128
     n_out = n // 2 if activation == "swiglu" else n
@@ -132,7 +141,7 @@ def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_row
     return Fp8Key(CONSTANTS.value(PKG, "DROP_VERSION"), _cutlass_version(), "sm_90a", kind, activation, n, k,
                   num_experts, bool(scale_rows), use_tvm_ffi(), int(raster_m), bool(overlap_promotion),
                   bool(requant), kind == "gemm" and use_fp8_wide_gated(activation), bool(gather_a),
-                  use_fp8_cluster(activation, n) if plain else 1)
+                  use_fp8_cluster(activation, n, k) if plain else 1)
 
 
 def compiled_fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
@@ -172,7 +181,7 @@ def fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool
     ``requant``: ``out=[M, n_out] e4m3, out_scale=[M, n_out/128] f32`` instead of bf16 ``out``;
     ``gather_a``: ``a [T, k]``, ``a_scale [T, k/128]`` are source rows and ``idx=[M] i32`` picks them."""
     compiled = compiled_fp8_gemm(activation, n, k, num_experts, scale_rows, requant, gather_a)
-    cluster_n = use_fp8_cluster(activation, n) if not (requant or gather_a) else 1
+    cluster_n = use_fp8_cluster(activation, n, k) if not (requant or gather_a) else 1
     return _load("sm90_megamoe.fp8_launch").CompiledFp8Gemm(
         activation=activation, n=n, k=k, num_experts=num_experts, scale_rows=bool(scale_rows), compiled=compiled,
         tvm_ffi=use_tvm_ffi(), raster_m=pick_fp8_raster_m(k), overlap_promotion=compiled_key_overlap(activation, k),
