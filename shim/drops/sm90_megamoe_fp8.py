@@ -47,8 +47,9 @@ def use_fp8_overlap(k: int, wide_gated: bool = False) -> bool:
     (4096): drop runner on the H200 (a2012eb), Qwen3 FC1 (K 2048) 0.454 ms plain vs 0.495
     overlapped, Mixtral FC1 (K 4096) 3.924 vs 3.665. ``MOE_EP_FP8_WIDE_OVERLAP=1`` / ``0`` force it.
 
-    Beyond 32·128 (Mixtral FC2, K 14336) the schedule runs in chunks of k-tiles (drop v25,
-    :func:`fp8_overlap_chunk`) only with ``MOE_EP_FP8_CHUNKED_OVERLAP=1``: not yet run on a GPU."""
+    Beyond 32·128 (Mixtral FC2, K 14336) the schedule runs in chunks of k-tiles (drop v26,
+    :func:`fp8_overlap_chunk`) only with ``MOE_EP_FP8_CHUNKED_OVERLAP=1``: bit-identical on the H200
+    but no faster (drop runner 2.088 vs 2.039 ms and 1.950 vs 1.928 in two calls)."""
     if os.environ.get("MOE_EP_FP8_OVERLAP", "1") == "0":
         return False
     k_tiles = k // CONSTANTS.value("sm90_megamoe.fp8_gemm", "FP8_BLOCK")
