@@ -37,6 +37,8 @@
 #                tests in parallel groups, fp8_runner --cluster on Qwen3 and Mixtral, the FP8 layer with the
 #                switch off / on (interleaved), then profiled with PDL off -> $OUT/verify_*, $OUT/tests_*.log
 #                (earlier sessions' verify: git history);
+# ncu:           Nsight Compute on the FP8 GEMMs (ours on Mixtral with and without clusters, Qwen3) and on
+#                cuBLAS's block-wise _scaled_mm (Mixtral) -> $OUT/ncu_*.log
 # layers:        both layers profiled (kernel table + the last forward's timeline), FlashInfer BF16 + FP8
 #                beside (carry .device/fi), then the GPU suite's groups in what is left of CALL_BUDGET (500 s)
 #                -> $OUT/layers_*, $OUT/tests_*.log.
@@ -171,6 +173,22 @@ if [ "$mode" = verify ]; then
       MOE_EP_FP8_CLUSTER=1 python3 -m moe_ep.bench --model "$MODELS" \
       --tokens "$TOKENS" --iters "$ITERS" --quant fp8_block128 --no-reference --no-decode --profile \
       --csv "$OUT/verify_nopdl_fp8.csv"
+fi
+if [ "$mode" = ncu ]; then
+  # Nsight Compute (hardware counters; Firecracker hosts only) on one FC1 + one FC2 launch of the FP8
+  # GEMMs: ours on Mixtral (clusters, the default there, and single CTAs) and Qwen3, then cuBLAS's
+  # block-wise torch._scaled_mm on Mixtral (first expert's FC1 and FC2: it runs Mixtral's FP8
+  # GEMMs ~15% faster than ours). What each kernel is bound by -> $OUT/ncu_*.log
+  ncu_args=(ncu --profile-from-start off --clock-control none --section SpeedOfLight --section MemoryWorkloadAnalysis
+            --section WarpStateStats --section Occupancy --section ComputeWorkloadAnalysis --section LaunchStats)
+  step "ncu FP8 mixtral (clusters)" "$OUT/ncu_fp8_mixtral.log" -- "${ncu_args[@]}" \
+      python3 -m moe_ep.bench.ncu_gemm --model mixtral --quant fp8_block128
+  step "ncu FP8 mixtral (single CTAs)" "$OUT/ncu_fp8_mixtral_c0.log" -- env MOE_EP_FP8_CLUSTER=0 "${ncu_args[@]}" \
+      python3 -m moe_ep.bench.ncu_gemm --model mixtral --quant fp8_block128
+  step "ncu FP8 qwen3" "$OUT/ncu_fp8_qwen3.log" -- "${ncu_args[@]}" \
+      python3 -m moe_ep.bench.ncu_gemm --model qwen3 --quant fp8_block128
+  step "ncu FP8 mixtral cuBLAS" "$OUT/ncu_fp8_mixtral_torch.log" -- "${ncu_args[@]}" --launch-count 4 \
+      python3 -m moe_ep.bench.ncu_gemm --model mixtral --quant fp8_block128 --torch
 fi
 if [ "$mode" = layers ]; then
   # both layers on the default path, profiled (the kernel table and the last forward's timeline:

@@ -5,7 +5,10 @@ Nsight Compute (8192 tokens, uniform routing, fresh random inputs):
         --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \\
         python -m moe_ep.bench.ncu_gemm --model mixtral [--raster-m 1] [--torch]
 
-``--torch`` profiles ``torch._grouped_mm`` on the same inputs instead.
+``--torch`` profiles ``torch._grouped_mm`` on the same inputs instead. ``--quant fp8_block128``:
+the FP8 block-scaled GEMMs (``sm90_fp8_cutedsl``'s, on the schedule the backend picks; with
+``--torch``: ``torch._scaled_mm`` per expert with the same block-wise scales, i.e. cuBLAS, one
+launch per expert and GEMM).
 """
 
 from __future__ import annotations
@@ -23,7 +26,10 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--raster-m", type=int, default=None)
     p.add_argument("--torch", action="store_true", help="profile torch._grouped_mm instead")
+    p.add_argument("--quant", choices=("fp8_block128",), default=None, help="the FP8 block-scaled GEMMs")
     args = p.parse_args()
+    if args.quant:
+        return fp8_main(args)
     from moe_ep.backends.sm90.bf16_cutedsl import grouped_gemm
 
     m = MODELS[args.model]
@@ -59,6 +65,60 @@ def main() -> int:
     else:
         fc1(x, w13, offs, out=out1)
         fc2(h, w2, offs, out=out2, row_scale=rs)
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStop()
+    return 0
+
+
+def _uniform_offsets(M: int, E: int) -> torch.Tensor:
+    counts = torch.full((E,), M // E, dtype=torch.int64)
+    counts[: M - int(counts.sum())] += 1
+    offs = torch.zeros(E + 1, dtype=torch.int32)
+    offs[1:] = counts.cumsum(0)
+    return offs.cuda()
+
+
+def fp8_main(args) -> int:
+    """FC1 (swiglu) and FC2 (row-scaled) of the FP8 layer, ours or cuBLAS's block-wise ``_scaled_mm``."""
+    from moe_ep.backends.quant import quantize_fp8_block128, quantize_fp8_rows128
+    from moe_ep.backends.sm90.fp8_cutedsl import grouped_gemm_fp8
+
+    m = MODELS[args.model]
+    H, I, E, K = m["hidden"], m["intermediate"], m["num_experts"], m["top_k"]
+    M = args.tokens * K
+    g = torch.Generator(device="cuda").manual_seed(0)
+    xq, xs = quantize_fp8_rows128(torch.randn(M, H, device="cuda", generator=g))
+    hq, hs = quantize_fp8_rows128(torch.randn(M, I, device="cuda", generator=g))
+    w13 = quantize_fp8_block128(torch.randn(E, 2 * I, H, device="cuda", generator=g) * H ** -0.5)
+    w2 = quantize_fp8_block128(torch.randn(E, H, I, device="cuda", generator=g) * I ** -0.5)
+    rs = torch.rand(M, device="cuda", generator=g)
+    offs = _uniform_offsets(M, E)
+    out1 = torch.empty(M, I, dtype=torch.bfloat16, device="cuda")
+    out2 = torch.empty(M, H, dtype=torch.bfloat16, device="cuda")
+    fc1 = grouped_gemm_fp8("swiglu", 2 * I, H, E)
+    fc2 = grouped_gemm_fp8("identity", H, I, E, scale_rows=True)
+    o = offs.tolist()
+    # cuBLAS block-wise: A scales 1 x 128 (outer-dim-major), B scales 128 x 128
+    per_expert = [(lo, hi, e, xs[lo:hi].t().contiguous().t(), hs[lo:hi].t().contiguous().t())
+                  for e, (lo, hi) in enumerate(zip(o[:-1], o[1:])) if hi > lo]
+
+    def ours():
+        fc1(xq, xs, w13.values, w13.scale, offs, out=out1, row_scale=rs[:1])
+        fc2(hq, hs, w2.values, w2.scale, offs, out=out2, row_scale=rs)
+
+    def cublas():
+        for lo, hi, e, xs_e, hs_e in per_expert:
+            torch._scaled_mm(xq[lo:hi], w13.values[e].t(), scale_a=xs_e, scale_b=w13.scale[e].t(),
+                             out_dtype=torch.bfloat16)
+            torch._scaled_mm(hq[lo:hi], w2.values[e].t(), scale_a=hs_e, scale_b=w2.scale[e].t(),
+                             out_dtype=torch.bfloat16)
+
+    run = cublas if args.torch else ours
+    for _ in range(2):  # compile, load modules, warm the clocks
+        run()
+    torch.cuda.synchronize()
+    torch.cuda.cudart().cudaProfilerStart()
+    run()
     torch.cuda.synchronize()
     torch.cuda.cudart().cudaProfilerStop()
     return 0

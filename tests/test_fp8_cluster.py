@@ -169,3 +169,31 @@ def test_gpu_cluster_launcher_clamps_the_grid():
     torch.cuda.synchronize()
     assert torch.isfinite(outs[0].float()).all()
     assert all(torch.equal(outs[0], o) for o in outs[1:])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cluster", ["0", "1"])
+def test_gpu_backend_launcher_matches_float64(monkeypatch, cluster):
+    """``moe_ep.backends.sm90.fp8_cutedsl.grouped_gemm_fp8`` (the launcher the benchmarks and
+    ``bench.ncu_gemm`` use) on the backend's schedule, single CTAs and clusters: against a float64
+    computation of the quantised problem, every row written."""
+    _sm90()
+    monkeypatch.setenv("MOE_EP_FP8_CLUSTER", cluster)
+    from moe_ep.backends.quant import quantize_fp8_block128, quantize_fp8_rows128
+    from moe_ep.backends.sm90.fp8_cutedsl import grouped_gemm_fp8
+
+    E, n, k, m_total = 8, 1024, 512, 1500
+    g = torch.Generator(device="cuda").manual_seed(17)
+    a, a_s = quantize_fp8_rows128(torch.randn(m_total, k, device="cuda", generator=g))
+    w = quantize_fp8_block128(torch.randn(E, n, k, device="cuda", generator=g) / k ** 0.5)
+    offs = ref.make_offsets(m_total, E, "skewed", torch.Generator().manual_seed(3)).cuda()
+    fn = grouped_gemm_fp8("swiglu", n, k, E)
+    assert fn.cluster_n == (2 if cluster == "1" else 1)
+    out = torch.full((m_total, n // 2), float("nan"), dtype=torch.bfloat16, device="cuda")
+    fn(a, a_s, w.values, w.scale, offs, out=out, row_scale=torch.ones(1, device="cuda"))
+    torch.cuda.synchronize()
+    want = ref.fp8_grouped_gemm_reference(a.cpu(), a_s.cpu(), w.values.cpu(), w.scale.cpu(), offs.cpu(), "swiglu",
+                                          dtype=torch.float64)
+    got = out.double().cpu()
+    assert not bool(torch.isnan(got).any())
+    assert float((got - want).norm() / want.norm()) < 1e-2

@@ -310,3 +310,13 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
         self.xq = self.xq_scale = self.hq = self.hq_scale = self.xq_tok = self.xq_tok_scale = None
         self.ep_q = self.ep_s = self.layout_q = self.xq_send = self.sx_send = None
         super().destroy()
+
+
+def grouped_gemm_fp8(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False):
+    """A launcher of the SM90 FP8 block-scaled grouped GEMM (for benchmarks and engines with their
+    own MoE plumbing), on the schedule the backend picks for this shape: ``fn(a [M,k] e4m3,
+    a_scale [M,k/128] f32, b [E,n,k] e4m3, b_scale [E,n/128,k/128] f32, offsets [E+1] int32
+    (device), out=[M,n_out] bf16, row_scale=[M] f32 (any [1] f32 when not scale_rows))``; ``n_out``
+    = n/2 for swiglu."""
+    sm90_check_fp8_gemm(activation, n, k, num_experts)
+    return sm90_fp8_gemm(activation, n, k, num_experts, scale_rows)
