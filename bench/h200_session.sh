@@ -33,9 +33,9 @@
 #                the decode sweep of $MODELS with --decode-csv $OUT/decode.csv --plot $OUT/decode.png;
 #                with .device/fi carried, FlashInfer at PEER_DECODE_TOKENS (1,8,32,128,256) in the same
 #                call -> $OUT/decode_fi.csv, both plotted in $OUT/decode_all.png.
-# verify:        what has not yet run on a GPU (now: drop v28's FP8 GEMMs in clusters of 2): their GPU
-#                tests in parallel groups, fp8_runner --cluster on Qwen3 and Mixtral, the FP8 layer with the
-#                switch off / on (interleaved), then profiled with PDL off -> $OUT/verify_*, $OUT/tests_*.log
+# verify:        what has not yet run on a GPU (last: drop v28's FP8 GEMMs in clusters of 2, run in the tenth
+#                session): their GPU tests in parallel groups, fp8_runner --cluster on Qwen3 and Mixtral, the FP8
+#                layer with the switch off / on (interleaved), then profiled with PDL off -> $OUT/verify_*, $OUT/tests_*.log
 #                (earlier sessions' verify: git history);
 # ncu:           Nsight Compute on the FP8 GEMMs (ours on Mixtral with and without clusters, Qwen3) and on
 #                cuBLAS's block-wise _scaled_mm (Mixtral) -> $OUT/ncu_*.log
