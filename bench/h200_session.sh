@@ -33,9 +33,9 @@
 #                the decode sweep of $MODELS with --decode-csv $OUT/decode.csv --plot $OUT/decode.png;
 #                with .device/fi carried, FlashInfer at PEER_DECODE_TOKENS (1,8,32,128,256) in the same
 #                call -> $OUT/decode_fi.csv, both plotted in $OUT/decode_all.png.
-# verify:        what has not yet run on a GPU (last: drop v28's FP8 GEMMs in clusters of 2, run in the tenth
-#                session): their GPU tests in parallel groups, fp8_runner --cluster on Qwen3 and Mixtral, the FP8
-#                layer with the switch off / on (interleaved), then profiled with PDL off -> $OUT/verify_*, $OUT/tests_*.log
+# verify:        what has not yet run on a GPU (now: drop v29's BF16 GEMM in clusters of 2): its GPU tests,
+#                grouped_gemm_runner --cluster on Qwen3, Mixtral, DSv3 shard, the BF16 layer with the switch
+#                off / on (interleaved), then profiled with PDL off -> $OUT/verify_*, $OUT/tests_*.log
 #                (earlier sessions' verify: git history);
 # ncu:           Nsight Compute on the FP8 GEMMs (ours on Mixtral with and without clusters, Qwen3) and on
 #                cuBLAS's block-wise _scaled_mm (Mixtral) -> $OUT/ncu_*.log
@@ -122,7 +122,7 @@ suite_groups=(
   "tests/test_sm90_gpu.py;-k;$gtop" "tests/test_sm90_gpu.py;-k;not ($gtop)"
   "tests/test_ep_virtual_gpu.py;-k;matches_reference" "tests/test_ep_virtual_gpu.py;-k;not matches_reference"
   "tests/test_fp8_backend.py;tests/test_activations_bias.py;tests/test_sm90_fp8_gather.py;tests/test_gather_fc1.py"
-  "tests/test_ep_gpu.py;tests/test_disk_cache.py;tests/test_transformers_integration.py;tests/test_sm90_fp8_quant.py;tests/test_fp8_quant_div.py;tests/test_fp8_scatter_quant.py;tests/test_fp8_cluster.py;tests/test_blackwell_backends.py"
+  "tests/test_ep_gpu.py;tests/test_disk_cache.py;tests/test_transformers_integration.py;tests/test_sm90_fp8_quant.py;tests/test_fp8_quant_div.py;tests/test_fp8_scatter_quant.py;tests/test_fp8_cluster.py;tests/test_bf16_cluster.py;tests/test_blackwell_backends.py"
   "tests/test_sm90_fp8_compile.py" "tests/test_sm90_swapab_compile.py"
 )
 if [ "$N" -gt 1 ]; then bench=(torchrun --standalone --nproc_per_node="$N" -m moe_ep.bench); else bench=(python3 -m moe_ep.bench); fi
@@ -152,27 +152,24 @@ if [ "$mode" = extra ]; then
   fi
 fi
 if [ "$mode" = verify ]; then
-  # drop v28 (tenth session): the FP8 GEMMs in clusters of 2 CTAs multicasting A
-  # (MOE_EP_FP8_CLUSTER=1). Its GPU tests (bits against single CTAs and float64; the layer with the
-  # switch off / on, eager + graph) in parallel with the drop runner on Qwen3 (FC1 wide, FC2, each
-  # plain and overlapped: bits and time, interleaved), then the runner on Mixtral, then the FP8
-  # layer with the switch off / on / off / on (interleaved), then the "on" layer profiled with PDL
-  # off. (The ninth session's verify of drops v25 + v26 is in git history, 843e1de.)
-  run_groups "${TEST_BUDGET:-150}" "tests/test_fp8_cluster.py" "tests/test_fp8_backend.py;-k;variants"
-  for m in qwen3 mixtral; do
-    step "drop fp8 runner --overlap --cluster ($m)" "$OUT/verify_fp8_runner_$m.log" -- bash -c \
-        "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.fp8_runner --model $m --raster-m 16 --overlap --cluster"
-  done
+  # drop v29 (tenth session, after its device time): the BF16 grouped GEMM in clusters of 2 CTAs
+  # multicasting the weight tile (MOE_EP_BF16_CLUSTER=1). Its GPU tests (bits against single CTAs and
+  # float64; the layer with the switch off / on, eager + graph) in parallel, the drop runner on
+  # Qwen3, Mixtral and the DeepSeek-V3 shard (FC1 and FC2: bits, then both timed, interleaved, with
+  # torch._grouped_mm beside), then the BF16 layer with the switch off / on / off / on, then the "on"
+  # layer profiled with PDL off. (v28's verify, the FP8 clusters: git history, 8ea1793.)
+  run_groups "${TEST_BUDGET:-150}" "tests/test_bf16_cluster.py"
+  step "drop grouped_gemm_runner --cluster" "$OUT/verify_bf16_runner.log" -- bash -c \
+      "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.grouped_gemm_runner --cluster --model qwen3,mixtral,dsv3_shard"
   for c in 0 1 0 1; do
     r=$((${r:-0} + 1))
-    step "FP8 layer, cluster $c (round $r)" "$OUT/verify_fp8_c${c}_r$r.log" -- env MOE_EP_FP8_CLUSTER=$c \
+    step "BF16 layer, cluster $c (round $r)" "$OUT/verify_bf16_c${c}_r$r.log" -- env MOE_EP_BF16_CLUSTER=$c \
         python3 -m moe_ep.bench --model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" \
-        --quant fp8_block128 --no-reference --no-decode --csv "$OUT/verify_fp8_c${c}_r$r.csv"
+        --no-reference --no-decode --csv "$OUT/verify_bf16_c${c}_r$r.csv"
   done
-  step "FP8 layer, cluster 1, PDL off, profiled" "$OUT/verify_nopdl_fp8.log" -- env SM90_MEGAMOE_PDL=0 \
-      MOE_EP_FP8_CLUSTER=1 python3 -m moe_ep.bench --model "$MODELS" \
-      --tokens "$TOKENS" --iters "$ITERS" --quant fp8_block128 --no-reference --no-decode --profile \
-      --csv "$OUT/verify_nopdl_fp8.csv"
+  step "BF16 layer, cluster 1, PDL off, profiled" "$OUT/verify_nopdl_bf16.log" -- env SM90_MEGAMOE_PDL=0 \
+      MOE_EP_BF16_CLUSTER=1 python3 -m moe_ep.bench --model "$MODELS" \
+      --tokens "$TOKENS" --iters "$ITERS" --no-reference --no-decode --profile --csv "$OUT/verify_nopdl_bf16.csv"
 fi
 if [ "$mode" = ncu ]; then
   # Nsight Compute (hardware counters; Firecracker hosts only) on one FC1 + one FC2 launch of the FP8
@@ -278,7 +275,8 @@ if [ "$mode" = suite2 ]; then
   step "GPU suite 2/3" "$OUT/suite2.log" -- "${suite_common[@]}" tests/test_sm90_gpu.py tests/test_ep_gpu.py \
       tests/test_disk_cache.py tests/test_transformers_integration.py tests/test_sm90_fp8_quant.py \
       tests/test_sm90_fp8_compile.py tests/test_sm90_swapab_compile.py tests/test_blackwell_backends.py \
-      tests/test_sm90_fp8_gather.py tests/test_gather_fc1.py tests/test_fp8_quant_div.py tests/test_fp8_scatter_quant.py tests/test_fp8_cluster.py
+      tests/test_sm90_fp8_gather.py tests/test_gather_fc1.py tests/test_fp8_quant_div.py tests/test_fp8_scatter_quant.py tests/test_fp8_cluster.py \
+      tests/test_bf16_cluster.py
 fi
 if [ "$mode" = suite3 ]; then
   step "GPU suite 3/3" "$OUT/suite3.log" -- "${suite_common[@]}" tests/test_ep_virtual_gpu.py

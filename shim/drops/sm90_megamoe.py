@@ -1,4 +1,4 @@
-"""Shim for the SM90 drop ``kernel_src/sm90/megamoe`` (package ``sm90_megamoe``), drop version 28.
+"""Shim for the SM90 drop ``kernel_src/sm90/megamoe`` (package ``sm90_megamoe``), drop version 29.
 
 What moe_ep relies on, declared as data (:data:`CONTRACT`), plus thin wrappers:
 
@@ -51,7 +51,7 @@ from ..nvshmem_boot import CounterContract
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 28},
+    "sm90_megamoe": {"DROP_VERSION": 29},
     "sm90_megamoe.fp8_gemm": {"FP8_BLOCK": 128, "OVERLAP_MAX_K_TILES": 32, "OVERLAP_MAX_CHUNK": 16},
     "sm90_megamoe.constants": {
         "ABI_VERSION": 2,
@@ -86,12 +86,12 @@ CONSTANTS = MirroredConstants("sm90/megamoe", {
 })
 
 CONTRACT = DropContract(
-    arch="sm90", drop="megamoe", version=28, packages=(PKG,), constants=CONSTANTS,
+    arch="sm90", drop="megamoe", version=29, packages=(PKG,), constants=CONSTANTS,
     callables=(
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.__init__",
                     ("activation", "n", "k", "num_experts", "scale_rows", "tile_n", "bias_dtype",
                      "raster_m", "swiglu_alpha", "swiglu_limit", "schedule", "compiled", "tvm_ffi",
-                     "early_weights", "gather_a")),
+                     "early_weights", "gather_a", "cluster_m")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_converted",
                     ("args", "max_active_ctas", "stream")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_tensors",
@@ -172,7 +172,7 @@ CONTRACT = DropContract(
                                                     "put_kernel", "kinds_for")),
         AttributeUse("sm90_megamoe.launch:CompiledGroupedGemm",
                      ("compiled", "scale_rows", "bias_dtype", "n_out", "tvm_ffi", "schedule", "launch_tensors",
-                      "launch_converted", "gather_a")),
+                      "launch_converted", "gather_a", "cluster_m")),
         AttributeUse("sm90_megamoe.ep_launch:EpRank",
                      ("dispatch", "wait", "gather", "combine_send", "combine_reduce", "combine_local", "read_err",
                       "read_verr", "reset_verr", "reset_state", "num_ctas")),
@@ -325,6 +325,17 @@ def use_wide_gated() -> bool:
     return os.environ.get("MOE_EP_WIDE_GATED", "0") == "1"
 
 
+def use_bf16_cluster(schedule: str, gather_a: bool = False) -> int:
+    """CTAs per cluster of the BF16 grouped GEMM (drop v29, ``cluster_m``): 2 with
+    ``MOE_EP_BF16_CLUSTER=1`` for the cooperative and wide schedules (not pingpong, swap-AB or the
+    gathering kernel) -- the two CTAs of a cluster compute an m-tile pair of one expert and each
+    loads half of the weight tile, multicast into both (a third less L2 -> SM traffic per stage for
+    FC1); else 1. Opt-in until measured on the H200."""
+    if os.environ.get("MOE_EP_BF16_CLUSTER", "0") != "1" or gather_a:
+        return 1
+    return 2 if schedule in ("cooperative", "wide") else 1
+
+
 @dataclass(frozen=True)
 class GemmKey:
     """Every value the compiled grouped GEMM depends on."""
@@ -348,6 +359,7 @@ class GemmKey:
     tvm_ffi: bool
     early_weights: bool = False
     gather_a: bool = False
+    cluster_m: int = 1
 
 
 class GroupedGemm:
@@ -458,7 +470,7 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
                          f"{_C['DEFAULT_TILE_K']} == 0, got {schedule!r}, K={k}")
     key = GemmKey(CONSTANTS.value(PKG, "DROP_VERSION"), _C["ABI_VERSION"], _cutlass_version(), "sm_90a",
                   "bf16", activation, n, k, num_experts, bool(scale_rows), tile, bias, raster, alpha, limit,
-                  schedule, ffi, early, bool(gather_a))
+                  schedule, ffi, early, bool(gather_a), use_bf16_cluster(schedule, gather_a))
 
     def build():
         launch = _load("sm90_megamoe.launch")
@@ -468,9 +480,12 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
             kw.update(early_weights=True)
         if gather_a:
             kw.update(gather_a=True)
+        if key.cluster_m > 1:
+            kw.update(cluster_m=key.cluster_m)
         if activation == "clamped_swiglu":
             kw.update(swiglu_alpha=alpha, swiglu_limit=limit)
-        fn = disk_cache.get_or_build(cache_namespace(), f"gemm_{activation}" + ("_gather" if gather_a else ""), key,
+        name = f"gemm_{activation}" + ("_gather" if gather_a else "") + ("_cluster2" if key.cluster_m > 1 else "")
+        fn = disk_cache.get_or_build(cache_namespace(), name, key,
                                      lambda: launch.CompiledGroupedGemm(**kw).compiled, tvm_ffi=ffi)
         return launch.CompiledGroupedGemm(**kw, compiled=fn)
 

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import torch
@@ -16,7 +15,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
 from .fp8_gather import Fp8GatherGroupedGemmSm90
 from .fp8_gemm import FP8_BLOCK, Fp8BlockScaledGroupedGemmSm90, Fp8SwigluRequantGroupedGemmSm90, can_implement
-from .launch import _num_sms, call_on_stream, ffi_function
+from .launch import _num_sms, call_on_stream, cluster_ctas, ffi_function
 
 
 def fake_args(num_experts: int, n: int, k: int, activation: str, use_tvm_ffi: bool = False, requant: bool = False,
@@ -44,24 +43,6 @@ def fake_args(num_experts: int, n: int, k: int, activation: str, use_tvm_ffi: bo
     idx = (make_fake_compact_tensor(cutlass.Int32, (m,), assumed_align=4),) if gather_a else ()
     return (mA, mAS, *idx, mB, mBS, *out, mOff, mRS, cutlass.Int32(132),
             make_fake_stream(use_tvm_ffi_env_stream=use_tvm_ffi))
-
-
-@functools.lru_cache(maxsize=None)
-def _cluster_ctas(cluster_n: int, device_index: int) -> int:
-    from cutlass.utils import HardwareInfo
-
-    return cluster_n * HardwareInfo(device_index).get_max_active_clusters(cluster_n)
-
-
-def cluster_ctas(cluster_n: int, device=None) -> int:
-    """Persistent CTAs of a launch with clusters of ``cluster_n`` CTAs: one per SM for 1, else
-    ``cluster_n`` times the clusters that fit at once (the SMs of a cluster share a GPC, so some
-    SMs may stay idle; a larger grid would run its last clusters after all the others)."""
-    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-    index = dev.index if dev.index is not None else torch.cuda.current_device()
-    if cluster_n == 1:
-        return _num_sms(index)
-    return min(_num_sms(index), _cluster_ctas(int(cluster_n), index))
 
 
 def _u8(t: torch.Tensor) -> torch.Tensor:

@@ -51,6 +51,12 @@ Design
   global stores (row < expert end, col < N_out); a warp writes whole 128-byte row segments.
   (``epilogue="direct"`` stores 32-bit pairs straight from registers: ~25% slower at K=768.)
   The producer warp keeps prefetching the next tile's stages meanwhile.
+* ``cluster_m=2`` (drop v29; cooperative / wide): clusters of 2 CTAs. The scheduler counts m-tile
+  pairs per expert; CTA r of a cluster computes m-tile ``2 p + r`` of pair p (for an odd count the
+  last pair's second tile lies past the expert's rows: computed, never stored) and loads half of
+  each stage's weight tile by a multicast TMA into both CTAs, whose consumer warps all release the
+  stage. The launch clamps its grid to the clusters that fit at once. Same WGMMAs per tile: the
+  same bits as single CTAs.
 
 Tensors (torch view; all contiguous, 16-byte aligned base pointers)
 -------------------------------------------------------------------
@@ -126,6 +132,8 @@ class GroupedGemmSm90:
     """
 
     gather_a = False  # drop v23: A rows gathered by index (:class:`.grouped_gemm_gather.GroupedGemmGatherSm90`)
+    #: CTAs per cluster along M (drop v29: 2 = one m-tile pair per cluster, B multicast; set in __init__)
+    cluster_m = 1
 
     def __init__(
         self,
@@ -141,6 +149,7 @@ class GroupedGemmSm90:
         num_stages: Optional[int] = None,
         epilogue: str = "smem",
         schedule: str = "cooperative",
+        cluster_m: int = 1,
     ):
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
@@ -187,6 +196,13 @@ class GroupedGemmSm90:
             # one warpgroup holds the whole 128 x (num_b * tile_n) accumulator: 128 fp32 regs max
             raise ValueError(f"pingpong needs num_b * tile_n <= 128 (accumulator registers), got "
                              f"{self.num_b} x {tile_n}")
+        if cluster_m not in (1, 2):
+            raise ValueError(f"cluster_m must be 1 or 2, got {cluster_m}")
+        if cluster_m > 1 and (self.pingpong or self.gather_a):
+            raise ValueError("cluster_m = 2 is for the TMA kernel's cooperative / wide schedules "
+                             "(not pingpong, not gather_a)")
+        if cluster_m > 1:  # drop v29: the pair's CTAs take B's halves and multicast them
+            self.cluster_m = 2
 
         self.acc_dtype = cutlass.Float32
         self.ab_dtype = cutlass.BFloat16
@@ -269,9 +285,9 @@ class GroupedGemmSm90:
     def _launch(self, kernel, max_active_ctas, stream) -> None:
         """One persistent CTA per ``max_active_ctas``, launched with PDL like every kernel of the drop."""
         kernel.launch(
-            grid=[max_active_ctas, 1, 1],
+            grid=[max_active_ctas // self.cluster_m * self.cluster_m, 1, 1],
             block=[self.threads_per_cta, 1, 1],
-            cluster=[1, 1, 1],
+            cluster=[self.cluster_m, 1, 1],
             min_blocks_per_mp=1,
             stream=stream,
             use_pdl=PDL,
@@ -340,10 +356,11 @@ class GroupedGemmSm90:
             (self.tile_m, self.tile_k),
         )
         tma_atom_b, tma_tensor_b = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(),
+            cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cluster_m > 1 else cpasync.CopyBulkTensorTileG2SOp(),
             mB_nke,
             cute.slice_(b_smem_layout, (None, None, 0)),
             (self.tile_n, self.tile_k),
+            **({"num_multicast": self.cluster_m} if self.cluster_m > 1 else {}),
         )
 
         @cute.struct
@@ -378,7 +395,8 @@ class GroupedGemmSm90:
         """Map linear tile ``tile_id`` to its expert (advancing ``expert``, monotonic per CTA),
         m-tile and n-tile in the grouped raster.
 
-        Returns (expert, first row of the tile, end row of the expert, n-tile)."""
+        Returns (expert, first row of the tile, end row of the expert, n-tile). With ``cluster_m``
+        = 2 the m-tiles are pairs (256 rows): the row is the pair's first."""
         n_tiles = self.n_tiles
         m_tile_global = tile_id // n_tiles
         e = expert
@@ -395,7 +413,7 @@ class GroupedGemmSm90:
             r = local - g * group_tiles
             m_local = g * self.raster_m + r % g_rows
             n_tile = r // g_rows
-        row0 = sOff[e] + m_local * self.tile_m
+        row0 = sOff[e] + m_local * (self.tile_m * self.cluster_m)
         return e, row0, sOff[e + 1], n_tile
 
     # ------------------------------------------------------------------ device side
@@ -469,7 +487,8 @@ class GroupedGemmSm90:
                     lo = mOffsets[e]
                     hi = mOffsets[e + 1]
                     sOff[e] = lo
-                    cnt = (hi - lo + (self.tile_m - 1)) // self.tile_m
+                    # m-tiles (cluster_m = 2: m-tile pairs, an odd count's last pair half empty)
+                    cnt = (hi - lo + (self.tile_m * self.cluster_m - 1)) // (self.tile_m * self.cluster_m)
                     if e == num_experts - 1:
                         sOff[e + 1] = hi
                 # inclusive warp scan (Hillis-Steele over shuffles)
@@ -490,13 +509,20 @@ class GroupedGemmSm90:
             barrier_storage=storage.mbar.data_ptr(),
             num_stages=self.num_stages,
             producer_group=producers,
+            # cluster: a stage is free once the consumer warps of both CTAs (B multicast into both) are done
             consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, self.stage_consumer_warps
+                pipeline.Agent.Thread, self.stage_consumer_warps * self.cluster_m
             ),
             tx_count=tma_bytes,
-            cta_layout_vmnk=cute.make_layout((1, 1, 1, 1)),
+            cta_layout_vmnk=cute.make_layout((1, self.cluster_m, 1, 1)),
         )
         cute.arch.sync_threads()
+        # the persistent schedule: one unit (tile, or the cluster's m-tile pair) per CTA (cluster);
+        # CTA r of a cluster computes m-tile 2 p + r of the pair (past the expert's rows: no stores)
+        unit0, unit_step, cta_rank = bidx, gdim, 0
+        if cutlass.const_expr(self.cluster_m > 1):
+            cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
+            unit0, unit_step = bidx // self.cluster_m, gdim // self.cluster_m
 
         sA = storage.sA.get_tensor(a_smem_layout.outer, swizzle=a_smem_layout.inner)
         sB = storage.sB.get_tensor(b_smem_layout.outer, swizzle=b_smem_layout.inner)
@@ -521,9 +547,11 @@ class GroupedGemmSm90:
                     tAsA = cute.group_modes(sA, 0, 2)
                     tBsB = cute.group_modes(sB, 0, 2)
                     expert = cutlass.Int32(0)
-                    tile_id = bidx
+                    tile_id = unit0
                     while tile_id < total_tiles:
                         expert, row0, row_end, n_tile = self._locate(sOff, sCum, tile_id, expert)
+                        if cutlass.const_expr(self.cluster_m > 1):
+                            row0 = row0 + cta_rank * self.tile_m
 
                         # A rows [row0, row0 + tile_m): (bM, bK, RestK)
                         gA = cute.local_tile(
@@ -544,8 +572,10 @@ class GroupedGemmSm90:
                                 (self.tile_n, self.tile_k),
                                 (0, None, expert),
                             )
+                            # cluster: this CTA loads its half of the B tile into both CTAs
                             tBsB_p, tBgB = cpasync.tma_partition(
-                                tma_atom_b, 0, cute.make_layout(1), tBsB, cute.group_modes(gB, 0, 2)
+                                tma_atom_b, cta_rank, cute.make_layout(self.cluster_m), tBsB,
+                                cute.group_modes(gB, 0, 2)
                             )
                             tBgBs.append(tBgB)
                         for k_tile in range(k_tiles):
@@ -564,10 +594,12 @@ class GroupedGemmSm90:
                                     tBgBs[h][(None, k_tile)],
                                     tBsB_p[(None, prod_state.index * self.num_b + h)],
                                     tma_bar_ptr=bar,
+                                    **({"mcast_mask": cutlass.Int16((1 << self.cluster_m) - 1)}
+                                       if self.cluster_m > 1 else {}),
                                 )
                             ab_pipeline.producer_commit(prod_state)
                             prod_state.advance()
-                        tile_id = tile_id + gdim
+                        tile_id = tile_id + unit_step
                     ab_pipeline.producer_tail(prod_state)
 
         # =========================================================== consumer warpgroups
@@ -635,8 +667,8 @@ class GroupedGemmSm90:
                 pipeline.PipelineUserType.Consumer, self.num_stages
             )
             expert = cutlass.Int32(0)
-            tile_id = bidx
-            tile_step = gdim
+            tile_id = unit0
+            tile_step = unit_step
             if cutlass.const_expr(self.pingpong):
                 # skip the stages of the other warpgroup's tiles (the producer loads every tile)
                 tile_id = bidx + wg * gdim
@@ -646,6 +678,8 @@ class GroupedGemmSm90:
                     release_state.advance()
             while tile_id < total_tiles:
                 expert, row0, row_end, n_tile = self._locate(sOff, sCum, tile_id, expert)
+                if cutlass.const_expr(self.cluster_m > 1):
+                    row0 = row0 + cta_rank * self.tile_m
 
                 # ---------------- mainloop: keep one WGMMA batch in flight
                 if cutlass.const_expr(self.pingpong):

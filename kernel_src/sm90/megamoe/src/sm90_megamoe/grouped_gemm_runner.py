@@ -111,7 +111,8 @@ def bench(fn: CompiledGroupedGemm, m_total, n, k, experts, activation, routing, 
     ends = [st[2][1:].contiguous() for st in sets]
     t_torch = timed(lambda i: torch._grouped_mm(sets[i][0], bt[i], offs=ends[i]))
     print(
-        f"[bench] {activation:14s} scale={int(scale_rows)} raster={fn.raster_m} {fn.schedule} M={m_total} N={n} K={k} E={experts} "
+        f"[bench] {activation:14s} scale={int(scale_rows)} raster={fn.raster_m} {fn.schedule}"
+        f"{' cluster2' if fn.cluster_m > 1 else ''} M={m_total} N={n} K={k} E={experts} "
         f"routing={routing}: ours {t_ours*1e3:.3f} ms {flops/t_ours/1e12:.1f} TFLOP/s | "
         f"torch._grouped_mm {t_torch*1e3:.3f} ms {flops/t_torch/1e12:.1f} TFLOP/s | "
         f"ratio {t_torch/t_ours:.3f}x",
@@ -256,6 +257,38 @@ def wide(models, iters=20) -> bool:
     return ok
 
 
+def cluster(models, iters=20) -> bool:
+    """Clusters of 2 CTAs (``cluster_m=2``: an m-tile pair per cluster, the weight tile's halves
+    multicast into both) against single CTAs, on --model's FC1 and FC2 shapes (cooperative): the
+    same bits on uniform, skewed (odd m-tile counts: the pair's second tile empty), few and one
+    rows, then the float reference, then both timed, interleaved twice (torch._grouped_mm beside)."""
+    ok = True
+    for name in models:
+        n1, k1, e, m, act, bias = WIDE_SHAPES[name]
+        for n, k, a_, sr, bd in ((n1, k1, act, False, bias), (k1, n1 // 2, "identity", True, None)):
+            t = time.time()
+            fns = {c: get_grouped_gemm(a_, n, k, e, scale_rows=sr, bias_dtype=bd, cluster_m=c) for c in (1, 2)}
+            print(f"[cluster] {name} {a_} N={n} K={k}: compiled both in {time.time() - t:.1f}s (raster_m "
+                  f"{fns[2].raster_m}, {fns[2]._grid(None)} CTAs in clusters of 2)", flush=True)
+            n_out = n // 2 if a_ in GATED_ACTIVATIONS else n
+            for m_, routing, seed in ((m, "uniform", 1), (4133, "skewed", 2), (300, "skewed", 4), (1, "skewed", 3)):
+                a, b, offs, rs, bs = make_inputs(m_, n, k, e, a_, routing, sr, seed=seed, bias_dtype=bd)
+                outs = []
+                for c in (1, 2):
+                    out = torch.full((m_, n_out), float("nan"), dtype=torch.bfloat16, device="cuda")
+                    fns[c](a, b, offs, out=out, row_scale=rs, bias=bs)
+                    outs.append(out)
+                torch.cuda.synchronize()
+                same = torch.equal(outs[0], outs[1]) and not bool(torch.isnan(outs[1]).any())
+                ok &= same
+                print(f"[cluster] {name} {a_} M={m_} {routing}: bit-identical to single CTAs={same}", flush=True)
+            ok &= check(fns[2], 5003, n, k, e, a_, "skewed", sr)
+            for _ in range(2):
+                for c in (1, 2):
+                    bench(fns[c], m, n, k, e, a_, "uniform", sr, iters=iters)
+    return ok
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--m-total", type=int, default=65536)
@@ -272,7 +305,9 @@ def main():
     p.add_argument("--raster-m", type=int, default=None)
     p.add_argument("--schedule", default="cooperative", choices=["cooperative", "pingpong", "wide"])
     p.add_argument("--wide", action="store_true", help="schedule wide vs cooperative on --model's FC1 shapes")
-    p.add_argument("--model", default="qwen3,mixtral", help=f"--wide: comma list of {sorted(WIDE_SHAPES)}")
+    p.add_argument("--model", default="qwen3,mixtral", help=f"--wide, --cluster: comma list of {sorted(WIDE_SHAPES)}")
+    p.add_argument("--cluster", action="store_true",
+                   help="clusters of 2 (weight multicast) vs single CTAs on --model's FC1 and FC2 shapes")
     p.add_argument("--raster-bench", action="store_true", help="--suite --bench: also raster_m=1 vs default")
     p.add_argument("--bench", action="store_true")
     p.add_argument("--suite", action="store_true")
@@ -282,6 +317,8 @@ def main():
         raise SystemExit(0 if suite(args) else 1)
     if args.wide:
         raise SystemExit(0 if wide(args.model.split(",")) else 1)
+    if args.cluster:
+        raise SystemExit(0 if cluster(args.model.split(",")) else 1)
     t = time.time()
     fn = get_grouped_gemm(args.activation, args.n, args.k, args.experts, scale_rows=args.scale_rows,
                           tile_n=args.tile_n, num_stages=args.num_stages, epilogue=args.epilogue,

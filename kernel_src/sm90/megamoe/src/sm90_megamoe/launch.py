@@ -10,6 +10,7 @@ Two launch paths, chosen per compiled kernel (``tvm_ffi``):
 
 from __future__ import annotations
 
+import functools
 from typing import Dict, Optional, Tuple
 
 import torch
@@ -32,6 +33,24 @@ def _num_sms(device=None) -> int:
         raise RuntimeError("sm90_megamoe: no CUDA device to size the grid for; pass max_active_ctas")
     dev = device if device is not None else torch.cuda.current_device()
     return torch.cuda.get_device_properties(dev).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def _cluster_ctas(cluster: int, device_index: int) -> int:
+    from cutlass.utils import HardwareInfo
+
+    return cluster * HardwareInfo(device_index).get_max_active_clusters(cluster)
+
+
+def cluster_ctas(cluster: int, device=None) -> int:
+    """Persistent CTAs of a launch with clusters of ``cluster`` CTAs: one per SM for 1, else
+    ``cluster`` times the clusters that fit at once (the SMs of a cluster share a GPC, so some
+    SMs may stay idle; a larger grid would run its last clusters after all the others)."""
+    dev = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    if cluster == 1:
+        return _num_sms(index)
+    return min(_num_sms(index), _cluster_ctas(int(cluster), index))
 
 
 def to_cute_args(a, b, c, offsets, row_scale, bias, idx=None):
@@ -88,7 +107,7 @@ class CompiledGroupedGemm:
                  bias_dtype: Optional[str] = None, raster_m: Optional[int] = None,
                  swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
                  schedule: str = "cooperative", compiled=None, tvm_ffi: bool = False,
-                 early_weights: bool = False, gather_a: bool = False):
+                 early_weights: bool = False, gather_a: bool = False, cluster_m: int = 1):
         """``compiled``: this variant's kernel compiled earlier (e.g. loaded from an exported
         object file, ``cute.runtime.load_module``); None compiles it here (sm_90a).
         ``tvm_ffi``: compile for (and launch through) TVM-FFI: :meth:`launch_tensors`.
@@ -97,7 +116,10 @@ class CompiledGroupedGemm:
         rows per expert; ``tile_n`` is then its token tile ``tile_t``). Same arguments either way.
         ``early_weights``: swap-AB only, see :class:`~.swapab_gemm.SwapABGroupedGemmSm90`.
         ``gather_a`` (cooperative / wide; drop v23): A is the source rows and a call passes
-        ``idx``, grouped row r = ``a[idx[r]]`` (:class:`~.grouped_gemm_gather.GroupedGemmGatherSm90`)."""
+        ``idx``, grouped row r = ``a[idx[r]]`` (:class:`~.grouped_gemm_gather.GroupedGemmGatherSm90`).
+        ``cluster_m`` = 2 (cooperative / wide; drop v29): clusters of 2 CTAs computing an m-tile pair
+        and multicasting B's halves; a call launches at most :func:`cluster_ctas` CTAs (worked out
+        when constructed with a GPU)."""
         from .compile_check import fake_args
 
         if bias_dtype not in _TORCH_BIAS:
@@ -114,6 +136,8 @@ class CompiledGroupedGemm:
         else:
             if early_weights:
                 raise ValueError("early_weights is a swap-AB option (schedule='swapab')")
+            if cluster_m > 1 and gather_a:
+                raise ValueError("cluster_m = 2 does not combine with gather_a")
             cls = GroupedGemmSm90
             if gather_a:
                 from .grouped_gemm_gather import GroupedGemmGatherSm90 as cls
@@ -121,9 +145,13 @@ class CompiledGroupedGemm:
                                           num_stages=num_stages, epilogue=epilogue,
                                           has_bias=bias_dtype is not None, raster_m=raster_m,
                                           swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
-                                          schedule=schedule)
-        if gather_a and schedule == "swapab":
-            raise ValueError("gather_a is a 128-row kernel option (not schedule='swapab')")
+                                          schedule=schedule,
+                                          **({"cluster_m": cluster_m} if cluster_m > 1 else {}))
+        if (gather_a or cluster_m > 1) and schedule == "swapab":
+            raise ValueError("gather_a and cluster_m are 128-row kernel options (not schedule='swapab')")
+        self.cluster_m = int(cluster_m)
+        # the grid of a clustered launch, worked out here (not while a CUDA graph is captured)
+        self._max_ctas = cluster_ctas(self.cluster_m) if self.cluster_m > 1 and torch.cuda.is_available() else None
         self.gather_a = bool(gather_a)
         self.activation = activation
         self.schedule = schedule
@@ -204,7 +232,7 @@ class CompiledGroupedGemm:
         (current). A tensor that does not match the compiled signature raises."""
         if not self.tvm_ffi:
             raise RuntimeError("launch_tensors needs a kernel compiled with tvm_ffi=True")
-        ctas = max_active_ctas if max_active_ctas is not None else _num_sms()
+        ctas = self._grid(max_active_ctas, a.device)
         ins = (a,) if idx is None else (a, idx)  # a gathering kernel: the source rows, then idx
         call_on_stream(self._fn, (*ins, b, c, offsets, row_scale, bias, ctas), stream)
 
@@ -216,8 +244,17 @@ class CompiledGroupedGemm:
             raise RuntimeError("this kernel was compiled for TVM-FFI: use launch_tensors")
         if stream is None:
             stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
-        ctas = max_active_ctas if max_active_ctas is not None else _num_sms()
+        ctas = self._grid(max_active_ctas)
         self.compiled(*args, cutlass.Int32(ctas), stream)
+
+    def _grid(self, max_active_ctas: Optional[int], device=None) -> int:
+        """CTAs to launch: ``max_active_ctas`` or one per SM, no more than the clusters that fit."""
+        ctas = max_active_ctas if max_active_ctas is not None else _num_sms(device)
+        if self.cluster_m > 1:
+            if self._max_ctas is None:
+                self._max_ctas = cluster_ctas(self.cluster_m, device)
+            ctas = min(ctas, self._max_ctas)
+        return ctas
 
 
 def get_grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
@@ -225,19 +262,19 @@ def get_grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_ro
                      epilogue: str = "smem", bias_dtype: Optional[str] = None,
                      raster_m: Optional[int] = None, swiglu_alpha: float = 1.702,
                      swiglu_limit: float = 7.0, schedule: str = "cooperative",
-                     tvm_ffi: bool = False) -> CompiledGroupedGemm:
+                     tvm_ffi: bool = False, cluster_m: int = 1) -> CompiledGroupedGemm:
     """Cached compile. Key: everything static; routing and M_total are runtime."""
     if raster_m is None:
         raster_m = pick_raster_m(k)
     key = (ABI_VERSION, DROP_VERSION, cutlass.__version__ if hasattr(cutlass, "__version__") else "",
            activation, n, k, num_experts, bool(scale_rows), tile_n, num_stages, epilogue, bias_dtype,
-           raster_m, float(swiglu_alpha), float(swiglu_limit), schedule, bool(tvm_ffi), "sm_90a")
+           raster_m, float(swiglu_alpha), float(swiglu_limit), schedule, bool(tvm_ffi), "sm_90a", int(cluster_m))
     fn = _CACHE.get(key)
     if fn is None:
         fn = CompiledGroupedGemm(activation, n, k, num_experts, scale_rows, tile_n, num_stages,
                                  epilogue, bias_dtype=bias_dtype, raster_m=raster_m,
                                  swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
-                                 schedule=schedule, tvm_ffi=tvm_ffi)
+                                 schedule=schedule, tvm_ffi=tvm_ffi, cluster_m=cluster_m)
         _CACHE[key] = fn
     return fn
 

@@ -1,0 +1,178 @@
+"""Drop v29: the BF16 grouped GEMM in clusters of 2 CTAs (``cluster_m=2``): the two CTAs of a cluster
+compute an m-tile pair of one expert (the second past the expert's rows when its m-tile count is odd:
+computed, never stored) and each loads half of the weight tile by a multicast TMA into both. CPU:
+the PTX (multicast on B's loads only, the remote stage release, the cluster barrier), no spills, the
+refusals, the shim's opt-in switch. GPU: the same bits as single CTAs, the float64 reference, and
+the layer with ``MOE_EP_BF16_CLUSTER=1`` against ``0`` (eager and CUDA graph)."""
+
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass")
+
+from moe_ep.shim import drop_src, register_drop  # noqa: E402
+
+register_drop(drop_src("sm90", "megamoe"))
+
+from sm90_megamoe.grouped_gemm import GroupedGemmSm90  # noqa: E402
+
+
+def _sm90():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+
+# ---------------------------------------------------------------------------- compile (CPU)
+@pytest.mark.parametrize("act,n,k,experts,kw", [
+    ("swiglu", 1536, 2048, 128, {}),                                   # Qwen3 FC1 (tile 128, gate + up)
+    ("identity", 4096, 14336, 8, dict(scale_rows=True, raster_m=16)),  # Mixtral FC2 (tile 256)
+    ("swiglu", 1536, 2048, 128, dict(schedule="wide", tile_n=128)),    # the wide schedule
+    ("clamped_swiglu", 5760, 2880, 128, dict(has_bias=True)),          # gpt-oss: I = 22.5 tiles, bias
+])
+def test_cluster_ptx_multicasts_the_weights_only(act, n, k, experts, kw):
+    import cutlass.cute as cute
+    from sm90_megamoe.compile_check import fake_args
+    from sm90_megamoe.layout_compile_check import ptxas_info
+
+    kernel = GroupedGemmSm90(act, cluster_m=2, **kw)
+    ptx = cute.compile(kernel, *fake_args(kernel, experts, n, k), options="--gpu-arch sm_90a --keep-ptx").__ptx__
+    loads = re.findall(r"cp\.async\.bulk\.tensor\.[^;]*;", ptx)
+    a_loads = [x for x in loads if x.startswith("cp.async.bulk.tensor.2d")]  # A [M, K]
+    b_loads = [x for x in loads if x.startswith("cp.async.bulk.tensor.3d")]  # B [E, N, K] as (N, K, E)
+    assert b_loads and all("multicast::cluster" in x for x in b_loads), b_loads
+    assert a_loads and not any("multicast" in x for x in a_loads), a_loads
+    assert re.search(r"mapa\.shared::cluster", ptx) and "mbarrier.arrive.shared::cluster" in ptx
+    assert "barrier.cluster.arrive" in ptx and "barrier.cluster.wait" in ptx
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    info = ptxas_info(ptx, "sm_90a")
+    if info is not None:
+        assert info[1] == 0, info  # no spills
+
+
+def test_single_cta_kernel_has_no_cluster_code():
+    import cutlass.cute as cute
+    from sm90_megamoe.compile_check import fake_args
+
+    kernel = GroupedGemmSm90("swiglu")
+    ptx = cute.compile(kernel, *fake_args(kernel, 128, 1536, 2048), options="--gpu-arch sm_90a --keep-ptx").__ptx__
+    assert kernel.cluster_m == 1
+    assert "multicast" not in ptx and "barrier.cluster" not in ptx and "mapa" not in ptx
+
+
+def test_cluster_refusals():
+    from sm90_megamoe.grouped_gemm_gather import GroupedGemmGatherSm90
+    from sm90_megamoe.launch import CompiledGroupedGemm
+
+    with pytest.raises(ValueError, match="cluster_m must be 1 or 2"):
+        GroupedGemmSm90("swiglu", cluster_m=4)
+    with pytest.raises(ValueError, match="not pingpong, not gather_a"):
+        GroupedGemmSm90("identity", tile_n=128, schedule="pingpong", cluster_m=2)
+    with pytest.raises(ValueError, match="not pingpong, not gather_a"):
+        GroupedGemmGatherSm90("swiglu", cluster_m=2)
+    with pytest.raises(ValueError, match="does not combine with gather_a"):
+        CompiledGroupedGemm("swiglu", 1536, 2048, 8, False, gather_a=True, cluster_m=2)
+    with pytest.raises(ValueError, match="not schedule='swapab'"):
+        CompiledGroupedGemm("swiglu", 1536, 2048, 8, False, schedule="swapab", cluster_m=2)
+
+
+def test_shim_switch_and_key(monkeypatch):
+    from moe_ep.shim.drops import sm90_megamoe as s
+
+    monkeypatch.delenv("MOE_EP_BF16_CLUSTER", raising=False)
+    assert s.use_bf16_cluster("cooperative") == 1  # opt-in
+    monkeypatch.setenv("MOE_EP_BF16_CLUSTER", "1")
+    assert s.use_bf16_cluster("cooperative") == s.use_bf16_cluster("wide") == 2
+    assert s.use_bf16_cluster("pingpong") == s.use_bf16_cluster("swapab") == 1
+    assert s.use_bf16_cluster("cooperative", gather_a=True) == 1
+    assert s.GemmKey.__dataclass_fields__["cluster_m"].default == 1
+
+
+# ---------------------------------------------------------------------------- GPU
+def _problem(m_total, n, k, E, routing, seed, scale_rows, bias_dtype=None, amp=0.5):
+    from sm90_megamoe.grouped_gemm_runner import make_offsets
+
+    offs = make_offsets(m_total, E, routing, torch.Generator().manual_seed(seed)).cuda()
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    a = (torch.randn(m_total, k, device="cuda", generator=g) * amp).to(torch.bfloat16)
+    b = (torch.randn(E, n, k, device="cuda", generator=g) / k ** 0.5).to(torch.bfloat16)
+    rs = torch.rand(m_total, device="cuda", generator=g) if scale_rows else None
+    bias = None if bias_dtype is None else (torch.randn(E, n, device="cuda", generator=g) * amp).to(bias_dtype)
+    return a, b, offs, rs, bias
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("routing", ["uniform", "skewed"])
+@pytest.mark.parametrize("act,n,k,kw,m_total", [
+    ("swiglu", 1536, 2048, {}, 5000),                          # Qwen3 FC1
+    ("identity", 2048, 768, dict(scale_rows=True), 5000),      # Qwen3 FC2, tile 256, router weights
+    ("swiglu", 1536, 2048, dict(schedule="wide"), 300),        # wide schedule, few rows: odd m-tile counts
+    ("clamped_swiglu", 5760, 2880, dict(bias=torch.float32), 2000),  # I not a multiple of the tile, bias
+    ("identity", 1024, 1024, {}, 1),                           # one row
+])
+def test_gpu_cluster_is_bit_identical(act, n, k, kw, m_total, routing):
+    """Clusters of 2 give the single-CTA kernel's bits (each tile's WGMMAs are the same; only
+    where B's bytes come from differs), every row written (NaN-poisoned output), and agree with a
+    float64 computation."""
+    _sm90()
+    from sm90_megamoe.launch import CompiledGroupedGemm
+    from sm90_megamoe.reference import grouped_gemm_reference
+
+    E, sr = 16, kw.get("scale_rows", False)
+    bias_dtype = kw.get("bias")
+    schedule = kw.get("schedule", "cooperative")
+    a, b, offs, rs, bias = _problem(m_total, n, k, E, routing, 60 + m_total, sr, bias_dtype,
+                                    amp=4.0 if act == "clamped_swiglu" else 0.5)
+    n_out = n // 2 if act != "identity" else n
+    outs = []
+    for c in (1, 2):
+        fn = CompiledGroupedGemm(act, n, k, E, sr, raster_m=16, schedule=schedule, cluster_m=c,
+                                 tile_n=128 if schedule == "wide" else None,
+                                 bias_dtype=None if bias_dtype is None else "float32")
+        out = torch.full((m_total, n_out), float("nan"), dtype=torch.bfloat16, device="cuda")
+        fn(a, b, offs, out=out, row_scale=rs, bias=bias)
+        outs.append(out)
+    torch.cuda.synchronize()
+    assert not bool(torch.isnan(outs[1]).any()), "rows left unwritten (NaN poison survived)"
+    assert torch.equal(outs[0], outs[1])
+    want = grouped_gemm_reference(a.double(), b.double(), offs, act, None if rs is None else rs.double(),
+                                  bias=None if bias is None else bias.double()).double()
+    got = outs[1].double()
+    assert float((got - want).norm() / want.norm().clamp_min(1e-30)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 333, 4096])
+def test_gpu_layer_with_clusters_is_bit_identical(monkeypatch, T):
+    """MOE_EP_BF16_CLUSTER=1 (FC1 and FC2 in clusters of 2) gives the layer's default bits, eager
+    and replayed from a poisoned CUDA graph."""
+    _sm90()
+    from moe_oracle import capture_graph, replay_poisoned
+
+    from moe_ep.api import EPGroup, MoEConfig, MoELayer
+
+    E, H, I, K = 128, 2048, 768, 8
+    cfg = MoEConfig(num_experts=E, hidden=H, intermediate=I, top_k=K, max_tokens_per_rank=4096)
+    g = torch.Generator().manual_seed(900 + T)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16).cuda()
+    w, ids = torch.randn(T, E, generator=g).softmax(-1).topk(K, dim=-1)
+    ids, w = ids.to(torch.int32).cuda(), (w / w.sum(-1, keepdim=True)).cuda()
+    w13 = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).to(torch.bfloat16).cuda()
+    w2 = (torch.randn(E, H, I, generator=g) / I ** 0.5).to(torch.bfloat16).cuda()
+    outs = []
+    for flag in ("0", "1"):
+        monkeypatch.setenv("MOE_EP_BF16_CLUSTER", flag)
+        layer = MoELayer(cfg, EPGroup.single(), backend="sm90_bf16_cutedsl")
+        layer.warmup(progress=False)
+        want = 2 if flag == "1" else 1
+        assert layer._impl.fc1.compiled.cluster_m == layer._impl.fc2.compiled.cluster_m == want
+        out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+        outs.append(layer.forward(x, ids, w, w13, w2, out=out).clone())
+        graph = capture_graph(lambda: layer.forward(x, ids, w, w13, w2, out=out))
+        replay_poisoned(graph, out)
+        assert torch.equal(out, outs[-1])
+        layer.check_errors()
+        layer.destroy()
+    assert torch.isfinite(outs[1].float()).all() and torch.equal(outs[0], outs[1])
