@@ -149,9 +149,9 @@ def test_gpu_layer_with_clusters_is_bit_identical(monkeypatch, T):
     """MOE_EP_BF16_CLUSTER=1 (FC1 and FC2 in clusters of 2) gives the layer's default bits, eager
     and replayed from a poisoned CUDA graph."""
     _sm90()
-    from moe_oracle import capture_graph, replay_poisoned
+    from moe_oracle import layer_outputs_with_switch
 
-    from moe_ep.api import EPGroup, MoEConfig, MoELayer
+    from moe_ep.api import MoEConfig
 
     E, H, I, K = 128, 2048, 768, 8
     cfg = MoEConfig(num_experts=E, hidden=H, intermediate=I, top_k=K, max_tokens_per_rank=4096)
@@ -161,18 +161,10 @@ def test_gpu_layer_with_clusters_is_bit_identical(monkeypatch, T):
     ids, w = ids.to(torch.int32).cuda(), (w / w.sum(-1, keepdim=True)).cuda()
     w13 = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).to(torch.bfloat16).cuda()
     w2 = (torch.randn(E, H, I, generator=g) / I ** 0.5).to(torch.bfloat16).cuda()
-    outs = []
-    for flag in ("0", "1"):
-        monkeypatch.setenv("MOE_EP_BF16_CLUSTER", flag)
-        layer = MoELayer(cfg, EPGroup.single(), backend="sm90_bf16_cutedsl")
-        layer.warmup(progress=False)
-        want = 2 if flag == "1" else 1
-        assert layer._impl.fc1.compiled.cluster_m == layer._impl.fc2.compiled.cluster_m == want
-        out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device="cuda")
-        outs.append(layer.forward(x, ids, w, w13, w2, out=out).clone())
-        graph = capture_graph(lambda: layer.forward(x, ids, w, w13, w2, out=out))
-        replay_poisoned(graph, out)
-        assert torch.equal(out, outs[-1])
-        layer.check_errors()
-        layer.destroy()
+
+    def check(impl, on):
+        assert impl.fc1.compiled.cluster_m == impl.fc2.compiled.cluster_m == (2 if on else 1)
+
+    outs = layer_outputs_with_switch(monkeypatch, "MOE_EP_BF16_CLUSTER", cfg, "sm90_bf16_cutedsl",
+                                     (x, ids, w, w13, w2), check)
     assert torch.isfinite(outs[1].float()).all() and torch.equal(outs[0], outs[1])

@@ -8,7 +8,7 @@ import torch
 pytest.importorskip("cutlass")
 
 from moe_ep.api import EPGroup, MoEConfig, MoELayer  # noqa: E402
-from moe_oracle import capture_graph, replay_poisoned  # noqa: E402
+from moe_oracle import capture_graph, layer_outputs_with_switch, replay_poisoned  # noqa: E402
 from moe_ep.backends import UnsupportedBackendError, get  # noqa: E402
 
 QWEN = dict(num_experts=128, hidden=2048, intermediate=768, top_k=8)
@@ -253,24 +253,9 @@ def test_fused_gather_quant_is_bit_identical(monkeypatch, T):
 def _fp8_outputs_with_switch(monkeypatch, switch, T, seed, check_impl):
     """The Qwen3 FP8 layer's output with ``switch`` = "0", then "1" (eager, then checked against a
     poisoned CUDA-graph replay when T > 0); ``check_impl(impl, on)`` asserts the switch took."""
-    H = QWEN["hidden"]
     cfg = MoEConfig(max_tokens_per_rank=1024, quant="fp8_block128", **QWEN)
-    x, ids, w, w13, w2 = _qwen_fp8_inputs(T, seed=seed)
-    outs = []
-    for flag in ("0", "1"):
-        monkeypatch.setenv(switch, flag)
-        layer = MoELayer(cfg, EPGroup.single(), backend="sm90_fp8_cutedsl")
-        layer.warmup(progress=False)
-        check_impl(layer._impl, flag == "1")
-        out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device="cuda")
-        outs.append(layer.forward(x, ids, w, w13, w2, out=out).clone())
-        if T:
-            graph = capture_graph(lambda: layer.forward(x, ids, w, w13, w2, out=out))
-            replay_poisoned(graph, out)
-            assert torch.equal(out, outs[-1])
-        layer.check_errors()
-        layer.destroy()
-    return outs
+    return layer_outputs_with_switch(monkeypatch, switch, cfg, "sm90_fp8_cutedsl", _qwen_fp8_inputs(T, seed=seed),
+                                     check_impl)
 
 
 @pytest.mark.gpu

@@ -146,9 +146,9 @@ def test_gather_fc1_layer_is_bit_identical(monkeypatch, T):
     """MOE_EP_GATHER_FC1=1: the layer's output is the same bits as without, eager and CUDA graph."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
-    from moe_oracle import capture_graph, replay_poisoned
+    from moe_oracle import layer_outputs_with_switch
 
-    from moe_ep.api import EPGroup, MoEConfig, MoELayer
+    from moe_ep.api import MoEConfig
 
     E, H, I, K = 128, 2048, 768, 8
     cfg = MoEConfig(num_experts=E, hidden=H, intermediate=I, top_k=K, max_tokens_per_rank=4096)
@@ -158,17 +158,10 @@ def test_gather_fc1_layer_is_bit_identical(monkeypatch, T):
     w = torch.rand(T, K, device="cuda", generator=g)
     w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) * H ** -0.5).bfloat16()
     w2 = (torch.randn(E, H, I, device="cuda", generator=g) * I ** -0.5).bfloat16()
-    outs = []
-    for flag in ("0", "1"):
-        monkeypatch.setenv("MOE_EP_GATHER_FC1", flag)
-        layer = MoELayer(cfg, EPGroup.single(), backend="sm90_bf16_cutedsl")
-        layer.warmup(progress=False)
-        assert layer._impl.fc1.gather_a == (flag == "1")
-        out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device="cuda")
-        outs.append(layer.forward(x, ids, w, w13, w2, out=out).clone())
-        graph = capture_graph(lambda: layer.forward(x, ids, w, w13, w2, out=out))
-        replay_poisoned(graph, out)
-        assert torch.equal(out, outs[-1])
-        layer.check_errors()
-        layer.destroy()
+
+    def check(impl, on):
+        assert impl.fc1.gather_a == on
+
+    outs = layer_outputs_with_switch(monkeypatch, "MOE_EP_GATHER_FC1", cfg, "sm90_bf16_cutedsl",
+                                     (x, ids, w, w13, w2), check)
     assert torch.isfinite(outs[1].float()).all() and torch.equal(outs[0], outs[1])

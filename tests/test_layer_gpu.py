@@ -10,7 +10,7 @@ import zlib
 
 import pytest
 import torch
-from moe_oracle import capture_graph, replay_poisoned
+from moe_oracle import capture_graph, layer_outputs_with_switch, replay_poisoned
 
 pytestmark = pytest.mark.gpu
 
@@ -591,17 +591,10 @@ def test_wide_gated_fc1_is_bit_identical(monkeypatch, T):
 
     cfg = MoEConfig(max_tokens_per_rank=4096, **QWEN)
     x, ids, w, w13, w2 = problem(T, seed_of("wide_gated", T))
-    outs = []
-    for flag in ("0", "1"):
-        monkeypatch.setenv("MOE_EP_WIDE_GATED", flag)
-        (layer,) = layers(cfg, "sm90_bf16_cutedsl")
-        layer.warmup(progress=False)
-        assert layer._impl.fc1.compiled.schedule == ("wide" if flag == "1" else "cooperative")
-        out = torch.full((T, QWEN["hidden"]), float("nan"), dtype=torch.bfloat16, device="cuda")
-        outs.append(layer.forward(x, ids, w, w13, w2, out=out).clone())
-        graph = capture_graph(lambda: layer.forward(x, ids, w, w13, w2, out=out))
-        replay_poisoned(graph, out)
-        assert torch.equal(out, outs[-1])
-        layer.check_errors()
-        layer.destroy()
+
+    def check(impl, on):
+        assert impl.fc1.compiled.schedule == ("wide" if on else "cooperative")
+
+    outs = layer_outputs_with_switch(monkeypatch, "MOE_EP_WIDE_GATED", cfg, "sm90_bf16_cutedsl",
+                                     (x, ids, w, w13, w2), check)
     assert torch.isfinite(outs[1].float()).all() and torch.equal(outs[0], outs[1])
