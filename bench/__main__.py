@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import sys
 import traceback
@@ -125,19 +126,30 @@ def bench_backends(args, key: str, cfg: MoEConfig, T: int, group: EPGroup, devic
             if name == "auto" and layer.backend_name == "reference" and "reference" in names:
                 continue
             layer.warmup(progress=not args.quiet)
-            pc = per_call_ms(layer, inputs, args.iters, args.warmup)
-            b2b = back_to_back_ms(layer, inputs, args.iters, args.b2b_runs) if cuda else None
-            gms, note = None, ""
-            if cuda and layer.backend_name != "reference":  # the reference backend syncs the host
-                from .ep import graph_ms
+            # --rounds R: the three timings R times, interleaved, each the median over the rounds
+            # (a drift of the clock or temperature over the run then reaches every mode alike)
+            pcs, b2bs, gmss, note = [], [], [], ""
+            for _ in range(args.rounds):
+                pcs.append(per_call_ms(layer, inputs, args.iters, args.warmup))
+                if cuda:
+                    b2bs.append(back_to_back_ms(layer, inputs, args.iters, args.b2b_runs))
+                if cuda and layer.backend_name != "reference" and not note:  # the reference backend syncs the host
+                    from .ep import graph_ms
 
-                try:
-                    gms = graph_ms(layer, inputs, group, args.iters)
-                except Exception as e:  # noqa: BLE001
-                    if group.world_size > 1:
-                        raise
-                    note = f"CUDA-graph capture/replay failed: {type(e).__name__}: {str(e)[:160]}"
-                    say(f"moe_ep.bench: {layer.backend_name} on {MODELS[key]['name']}: {note}")
+                    try:
+                        gmss.append(graph_ms(layer, inputs, group, args.iters))
+                    except Exception as e:  # noqa: BLE001
+                        if group.world_size > 1:
+                            raise
+                        note = f"CUDA-graph capture/replay failed: {type(e).__name__}: {str(e)[:160]}"
+                        say(f"moe_ep.bench: {layer.backend_name} on {MODELS[key]['name']}: {note}")
+            pc = statistics.median(pcs)
+            b2b = statistics.median(b2bs) if b2bs else None
+            gms = statistics.median(gmss) if gmss and not note else None
+            if args.rounds > 1:
+                note = (note + "; " if note else "") + f"median of {args.rounds} interleaved rounds: per call " + \
+                    " ".join(f"{t:.3f}" for t in pcs) + (" | b2b " + " ".join(f"{t:.3f}" for t in b2bs) if b2bs else "") + \
+                    (" | graph " + " ".join(f"{t:.3f}" for t in gmss) if gmss else "") + " ms"
             rows.append(make_row(MODELS[key]["name"], layer.backend_name + suffix, "moe_ep", T, group.world_size,
                                  cfg.flops(T), pc, b2b, gms, env, note=note))
             if args.profile and cuda and group.rank == 0:
@@ -382,6 +394,8 @@ def main(argv=None) -> int:
                    help="timed iterations per-call / forwards per back-to-back run (default 30 on GPU, 3 on CPU)")
     p.add_argument("--b2b-runs", type=int, default=5, help="back-to-back runs (median of their per-forward averages)")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time per-call, back-to-back and graph this many times, interleaved; report the medians")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--no-comm", action="store_true", help="skip the dispatch/combine GB/s table (EP > 1)")
@@ -414,6 +428,8 @@ def main(argv=None) -> int:
         p.error("--model: no model given")
     if args.peers_only and not args.peer:
         p.error("--peers-only needs --peer")
+    if args.rounds < 1:
+        p.error(f"--rounds: at least 1, got {args.rounds}")
     if args.iters is None:
         args.iters = 30 if torch.cuda.is_available() else 3
     try:

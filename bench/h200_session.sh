@@ -57,6 +57,7 @@
 # suite1/2/3:    pytest -m gpu in three parts that each fit one 600 s device call (the whole suite does not):
 #                1 = layer, FP8 backend, activations/bias; 2 = the other GPU files; 3 = the virtual-rank file.
 # Knobs (environment): MODELS (qwen3,mixtral), TOKENS (8192), ITERS (30), N (GPUs = EP size, 1),
+#   BENCH_ROUNDS (moe_ep.bench --rounds: per-call / b2b / graph timed that many times, interleaved; 1),
 #   STEP_TIMEOUT (s per part, 420), PEER_TIMEOUT (s per peer run, 240), BENCH_ARGS (extra moe_ep.bench args),
 #   QUANT (fp8_block128: FP8 block-scaled weights, FlashInfer's FP8 backend beside them),
 #   MOE_EP_COMMIT (the commit to print when the copy on the host has no .git).
@@ -84,7 +85,7 @@ fi
 python3 -c "import moe_ep.bench.report" || { echo "h200_session: moe_ep not importable; source .device/b/env.sh first" >&2; exit 3; }
 echo "h200_session: mode=$mode models=$MODELS tokens=$TOKENS iters=$ITERS N=$N out=$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader 2>/dev/null | head -n "$N"
-common=(--model "$MODELS" --tokens "$TOKENS" --iters "$ITERS")
+common=(--model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" --rounds "${BENCH_ROUNDS:-1}")
 # QUANT=fp8_block128: FP8 weights for moe_ep (pass BENCH_ARGS="--backend sm90_fp8_cutedsl ..." to pick
 # the experimental backend) and FlashInfer's FP8 backend (--backend fp8) beside it
 [ -n "${QUANT:-}" ] && common+=(--quant "$QUANT")

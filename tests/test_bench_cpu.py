@@ -74,7 +74,19 @@ def test_bench_two_models_csv_and_peers_on_cpu(tmp_path):
     assert len([ln for ln in m.stdout.splitlines() if ln.startswith("reference")]) == 2
 
 
-@pytest.mark.parametrize("args", [["--model", "qwen4"], ["--peer", "sonic"], ["--peers-only"]])
+def test_bench_rounds_report_the_median_of_interleaved_rounds():
+    """--rounds 3: the timings three times, interleaved; the row is their median and a note lists
+    each round's time (on CPU only per-call exists)."""
+    p = _bench("--tokens", "8", "--iters", "1", "--warmup", "0", "--rounds", "3", "--no-decode")
+    assert p.returncode == 0, p.stderr[-3000:]
+    row = next(line.split() for line in p.stdout.splitlines() if line.startswith("reference"))
+    note = next(line for line in p.stdout.splitlines() if "interleaved rounds" in line)
+    times = [float(t) for t in note.split("per call ")[1].split(" ms")[0].split()]
+    assert len(times) == 3 and "b2b" not in note and "graph" not in note.split("rounds")[1]
+    assert abs(float(row[-4]) - sorted(times)[1]) < 1e-3 + 1e-3 * sorted(times)[1], (row, times)
+
+
+@pytest.mark.parametrize("args", [["--model", "qwen4"], ["--peer", "sonic"], ["--peers-only"], ["--rounds", "0"]])
 def test_bench_rejects_bad_arguments(args):
     p = _bench(*args, timeout=120)
     assert p.returncode == 2 and "error:" in p.stderr
