@@ -303,6 +303,43 @@ def test_fp8_fc1_variants_are_bit_identical(monkeypatch, T, switch):
     assert torch.equal(outs[0], outs[1]) and torch.isfinite(outs[1]).all()
 
 
+def _recorded_steps(calls, *, fused, route, requant=False, scatter=False, gather_fc1=False):
+    """An FP8 backend with recording stand-ins for every launcher (no kernel runs), run through
+    steps 1-4: returns (backend, its buffers by name, x, ids, w, w13, w2); ``calls`` gets
+    (name, args, kwargs) per launch in order."""
+    from types import SimpleNamespace
+
+    from moe_ep.backends.sm90.fp8_cutedsl.backend import Sm90Fp8Backend
+
+    def rec(name):
+        return lambda *a, **k: calls.append((name, a, k))
+
+    b = object.__new__(Sm90Fp8Backend)
+    t = {n: torch.zeros(4) for n in ("offsets", "idx", "ws_rows", "pos", "xs", "xq", "xq_scale", "h", "hq",
+                                      "hq_scale", "y", "rows", "recv_x", "recv_count", "count")}
+    x, ids, w = torch.zeros(3, 4), torch.zeros(3, 2, dtype=torch.int32), torch.zeros(3, 2)
+    b.fused_gather, b.scatter_quant, b.local_route, b.token_grid, b._routing = fused, scatter, route, False, None
+    b.fused_requant, b.gather_fc1, b.fp8_wire = requant, gather_fc1, False
+    b.fc1_decode = None
+    b.fc1, b.fc2 = rec("fc1"), rec("fc2")
+    b.layout = type("L", (), {"__call__": lambda self, *a, **k: calls.append(("layout", a, k)),
+                              "route": lambda self, *a, **k: calls.append(("route", a, k))})()
+    b.quant_x, b.quant_h = rec("quant_x"), rec("quant_h")
+    b.ws = SimpleNamespace(seq=0)
+    b.ep = SimpleNamespace(bufs=SimpleNamespace(recv_x=t["recv_x"], recv_count=t["recv_count"]),
+                           dispatch=rec("dispatch"))
+    for n in ("offsets", "idx", "ws_rows", "pos", "xs", "xq", "xq_scale", "h", "hq", "hq_scale", "y"):
+        setattr(b, n, t[n])
+    if gather_fc1:
+        b.xq_tok, b.xq_tok_scale, b._tok_count = torch.zeros(5, 4), torch.zeros(5, 1), t["count"]
+    b._rows, b.num_ctas, b.dims = t["rows"], 7, SimpleNamespace(max_tokens=1024)
+    w13, w2 = SimpleNamespace(values="v13", scale="s13"), SimpleNamespace(values="v2", scale="s2")
+    b._step1_dispatch(x, ids, w)
+    b._step2_layout()
+    b._step34_experts(w13, w2)
+    return b, t, x, ids, w, w13, w2
+
+
 @pytest.mark.parametrize("fused,route,requant", [(False, False, False), (True, False, False), (False, True, False),
                                                  (True, True, False), (True, True, True), (False, False, True)])
 def test_fused_gather_wiring_on_cpu(fused, route, requant):
@@ -311,36 +348,8 @@ def test_fused_gather_wiring_on_cpu(fused, route, requant):
     or, one rank without a dispatch (MOE_EP_LOCAL_ROUTE=1), the caller's x; step 1 then launches
     nothing and step 2 is the layout's ``route`` with the caller's routing. ``requant``
     (MOE_EP_FP8_FUSED_REQUANT=1): FC1 writes ``hq`` and its scales, no FC2-input quantiser runs."""
-    from types import SimpleNamespace
-
-    from moe_ep.backends.sm90.fp8_cutedsl.backend import Sm90Fp8Backend
-
     calls = []
-
-    def rec(name):
-        return lambda *a, **k: calls.append((name, a, k))
-
-    b = object.__new__(Sm90Fp8Backend)
-    t = {n: torch.zeros(4) for n in ("offsets", "idx", "ws_rows", "pos", "xs", "xq", "xq_scale", "h", "hq",
-                                      "hq_scale", "y", "rows", "recv_x")}
-    x, ids, w = torch.zeros(3, 4), torch.zeros(3, 2, dtype=torch.int32), torch.zeros(3, 2)
-    b.fused_gather, b.local_route, b.token_grid, b._routing = fused, route, False, None
-    b.fused_requant = requant
-    b.fc1_decode = None
-    b.fc1, b.fc2 = rec("fc1"), rec("fc2")
-    b.layout = type("L", (), {"__call__": lambda self, *a, **k: calls.append(("layout", a, k)),
-                              "route": lambda self, *a, **k: calls.append(("route", a, k))})()
-    b.quant_x, b.quant_h = rec("quant_x"), rec("quant_h")
-    b.ws = SimpleNamespace(seq=0)
-    b.ep = SimpleNamespace(bufs=SimpleNamespace(recv_x=t["recv_x"]), dispatch=rec("dispatch"))
-    for n in ("offsets", "idx", "ws_rows", "pos", "xs", "xq", "xq_scale", "h", "hq", "hq_scale", "y"):
-        setattr(b, n, t[n])
-    b._rows, b.num_ctas = t["rows"], 7
-    w13 = SimpleNamespace(values="v13", scale="s13")
-    w2 = SimpleNamespace(values="v2", scale="s2")
-    b._step1_dispatch(x, ids, w)
-    b._step2_layout()
-    b._step34_experts(w13, w2)
+    b, t, x, ids, w, _, _ = _recorded_steps(calls, fused=fused, route=route, requant=requant)
     names = [c[0] for c in calls]
     assert names == (["route"] if route else ["dispatch", "layout"]) + ["quant_x", "fc1"] + \
         ([] if requant else ["quant_h"]) + ["fc2"]
@@ -367,36 +376,8 @@ def test_scatter_quant_wiring_on_cpu(route):
     """MOE_EP_FP8_SCATTER_QUANT=1: step 3's quantiser reads the received rows (one rank without a
     dispatch: the caller's x) and writes the grouped rows through pos, with the receive counts and
     the slots per source; then FC1, FC2's quantiser and FC2 as usual (recorded, no kernel runs)."""
-    from types import SimpleNamespace
-
-    from moe_ep.backends.sm90.fp8_cutedsl.backend import Sm90Fp8Backend
-
     calls = []
-
-    def rec(name):
-        return lambda *a, **k: calls.append((name, a, k))
-
-    b = object.__new__(Sm90Fp8Backend)
-    t = {n: torch.zeros(4) for n in ("offsets", "idx", "ws_rows", "pos", "xs", "xq", "xq_scale", "h", "hq",
-                                      "hq_scale", "y", "rows", "recv_x", "recv_count")}
-    x, ids, w = torch.zeros(3, 4), torch.zeros(3, 2, dtype=torch.int32), torch.zeros(3, 2)
-    b.fused_gather, b.scatter_quant, b.local_route, b.token_grid, b._routing = True, True, route, False, None
-    b.fused_requant, b.gather_fc1, b.fp8_wire = False, False, False
-    b.fc1_decode = None
-    b.fc1, b.fc2 = rec("fc1"), rec("fc2")
-    b.layout = type("L", (), {"route": lambda self, *a, **k: calls.append(("route", a, k)),
-                              "__call__": lambda self, *a, **k: calls.append(("layout", a, k))})()
-    b.quant_x, b.quant_h = rec("quant_x"), rec("quant_h")
-    b.ws = SimpleNamespace(seq=0)
-    b.ep = SimpleNamespace(bufs=SimpleNamespace(recv_x=t["recv_x"], recv_count=t["recv_count"]),
-                           dispatch=rec("dispatch"))
-    for n in ("offsets", "idx", "ws_rows", "pos", "xs", "xq", "xq_scale", "h", "hq", "hq_scale", "y"):
-        setattr(b, n, t[n])
-    b._rows, b.num_ctas, b.dims = t["rows"], 7, SimpleNamespace(max_tokens=1024)
-    w13, w2 = SimpleNamespace(values="v13", scale="s13"), SimpleNamespace(values="v2", scale="s2")
-    b._step1_dispatch(x, ids, w)
-    b._step2_layout()
-    b._step34_experts(w13, w2)
+    b, t, x, _, _, _, _ = _recorded_steps(calls, fused=True, route=route, scatter=True)
     names = [c[0] for c in calls]
     assert names == (["route"] if route else ["dispatch", "layout"]) + ["quant_x", "fc1", "quant_h", "fc2"]
     qa, qk = calls[names.index("quant_x")][1:]
@@ -409,35 +390,8 @@ def test_gather_fc1_wiring_on_cpu():
     """MOE_EP_FP8_GATHER_FC1=1 (one rank, LocalRoute): step 2 writes no grouped rows, step 3
     quantises the caller's T tokens (counted, no idx) into the layer's token buffers and FC1 reads
     them through idx; FC2 as usual (recorded, no kernel runs)."""
-    from types import SimpleNamespace
-
-    from moe_ep.backends.sm90.fp8_cutedsl.backend import Sm90Fp8Backend
-
     calls = []
-
-    def rec(name):
-        return lambda *a, **k: calls.append((name, a, k))
-
-    b = object.__new__(Sm90Fp8Backend)
-    t = {n: torch.zeros(4) for n in ("offsets", "idx", "ws_rows", "pos", "xs", "xq", "xq_scale", "h", "hq",
-                                      "hq_scale", "y", "rows", "recv_x", "count")}
-    x, ids, w = torch.zeros(3, 4), torch.zeros(3, 2, dtype=torch.int32), torch.zeros(3, 2)
-    b.fused_gather, b.local_route, b.token_grid, b._routing = True, True, False, None
-    b.fused_requant, b.gather_fc1, b.fp8_wire = False, True, False
-    b.fc1_decode = None
-    b.fc1, b.fc2 = rec("fc1"), rec("fc2")
-    b.layout = type("L", (), {"route": lambda self, *a, **k: calls.append(("route", a, k))})()
-    b.quant_x, b.quant_h = rec("quant_x"), rec("quant_h")
-    b.ws = SimpleNamespace(seq=0)
-    b.ep = SimpleNamespace(bufs=SimpleNamespace(recv_x=t["recv_x"]), dispatch=rec("dispatch"))
-    for n in ("offsets", "idx", "ws_rows", "pos", "xs", "xq", "xq_scale", "h", "hq", "hq_scale", "y"):
-        setattr(b, n, t[n])
-    b.xq_tok, b.xq_tok_scale, b._tok_count = torch.zeros(5, 4), torch.zeros(5, 1), t["count"]
-    b._rows, b.num_ctas = t["rows"], 7
-    w13, w2 = SimpleNamespace(values="v13", scale="s13"), SimpleNamespace(values="v2", scale="s2")
-    b._step1_dispatch(x, ids, w)
-    b._step2_layout()
-    b._step34_experts(w13, w2)
+    b, t, x, _, _, _, _ = _recorded_steps(calls, fused=True, route=True, gather_fc1=True)
     assert [c[0] for c in calls] == ["route", "quant_x", "fc1", "quant_h", "fc2"]
     assert calls[0][1][-1] is None  # no grouped BF16 rows
     (qa, qk), (fa, fk) = calls[1][1:], calls[2][1:]

@@ -63,14 +63,10 @@ def use_fp8_overlap(k: int, wide_gated: bool = False) -> bool:
 
 
 def fp8_overlap_chunk(k: int) -> int:
-    """k-tiles per chunk of the chunked overlapped schedule for reduction size ``k`` (mirrors
+    """k-tiles per chunk of the chunked overlapped schedule for reduction size ``k`` (the drop's
     ``fp8_gemm.overlap_chunk``): 0 up to OVERLAP_MAX_K_TILES k-tiles (the whole loop unrolls), else
     the largest even divisor of K/128 up to OVERLAP_MAX_CHUNK (0 if none)."""
-    k_tiles = k // CONSTANTS.value("sm90_megamoe.fp8_gemm", "FP8_BLOCK")
-    if k_tiles <= CONSTANTS.value("sm90_megamoe.fp8_gemm", "OVERLAP_MAX_K_TILES"):
-        return 0
-    top = CONSTANTS.value("sm90_megamoe.fp8_gemm", "OVERLAP_MAX_CHUNK")
-    return next((c for c in range(top - top % 2, 1, -2) if k_tiles % c == 0), 0)
+    return _load("sm90_megamoe.fp8_gemm").overlap_chunk(k // CONSTANTS.value("sm90_megamoe.fp8_gemm", "FP8_BLOCK"))
 
 
 #: reduction size from which the FP8 GEMMs run in clusters of 2 by default (use_fp8_cluster)
@@ -89,7 +85,7 @@ def use_fp8_cluster(activation: str, n: int, k: int) -> int:
     forced = os.environ.get("MOE_EP_FP8_CLUSTER", "")
     if forced == "0" or (forced != "1" and k < CLUSTER_MIN_K):
         return 1
-    tile_n = 64 if activation == "swiglu" else 128
+    tile_n = _load("sm90_megamoe.fp8_gemm").default_tile_n(activation)  # the drop's tile width
     n_out = n // 2 if activation == "swiglu" else n
     return 2 if (n_out // tile_n) % 2 == 0 else 1
 
