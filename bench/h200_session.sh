@@ -33,9 +33,9 @@
 #                the decode sweep of $MODELS with --decode-csv $OUT/decode.csv --plot $OUT/decode.png;
 #                with .device/fi carried, FlashInfer at PEER_DECODE_TOKENS (1,8,32,128,256) in the same
 #                call -> $OUT/decode_fi.csv, both plotted in $OUT/decode_all.png.
-# verify:        what has not yet run on a GPU (now: drop v29's BF16 GEMM in clusters of 2): its GPU tests,
-#                grouped_gemm_runner --cluster on Qwen3, Mixtral, DSv3 shard, the BF16 layer with the switch
-#                off / on (interleaved), then profiled with PDL off -> $OUT/verify_*, $OUT/tests_*.log
+# verify:        what has not yet run on a GPU (now: drop v30's FP8 scales loaded a k-tile ahead): its GPU tests,
+#                the drop's fp8_runner of the previous version (OLD_DROP, default .device/old_drop: carry it)
+#                and of this tree interleaved, then the FP8 layer -> $OUT/verify_*, $OUT/tests_*.log
 #                (earlier sessions' verify: git history);
 # ncu:           Nsight Compute on the FP8 GEMMs (ours on Mixtral with and without clusters, Qwen3) and on
 #                cuBLAS's block-wise _scaled_mm (Mixtral) -> $OUT/ncu_*.log
@@ -153,24 +153,25 @@ if [ "$mode" = extra ]; then
   fi
 fi
 if [ "$mode" = verify ]; then
-  # drop v29 (tenth session, after its device time): the BF16 grouped GEMM in clusters of 2 CTAs
-  # multicasting the weight tile (MOE_EP_BF16_CLUSTER=1). Its GPU tests (bits against single CTAs and
-  # float64; the layer with the switch off / on, eager + graph) in parallel, the drop runner on
-  # Qwen3, Mixtral and the DeepSeek-V3 shard (FC1 and FC2: bits, then both timed, interleaved, with
-  # torch._grouped_mm beside), then the BF16 layer with the switch off / on / off / on, then the "on"
-  # layer profiled with PDL off. (v28's verify, the FP8 clusters: git history, 8ea1793.)
-  run_groups "${TEST_BUDGET:-150}" "tests/test_bf16_cluster.py"
-  step "drop grouped_gemm_runner --cluster" "$OUT/verify_bf16_runner.log" -- bash -c \
-      "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.grouped_gemm_runner --cluster --model qwen3,mixtral,dsv3_shard"
-  for c in 0 1 0 1; do
-    r=$((${r:-0} + 1))
-    step "BF16 layer, cluster $c (round $r)" "$OUT/verify_bf16_c${c}_r$r.log" -- env MOE_EP_BF16_CLUSTER=$c \
-        python3 -m moe_ep.bench --model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" \
-        --no-reference --no-decode --csv "$OUT/verify_bf16_c${c}_r$r.csv"
+  # drop v30 (eleventh session): the FP8 GEMM's plain k-loop loads the scales one k-tile ahead
+  # (Qwen3's wide FC1, Mixtral's FC2) and launch.cluster_ctas makes the context current. Its GPU
+  # tests in parallel; then the drop's fp8_runner of version 29 (OLD_DROP, a `git archive` of the
+  # drop's src/ carried along) and of this tree, interleaved (same shapes, each timed); then the
+  # FP8 layer. (v29's verify, the BF16 clusters: git history, b0c7f77.)
+  run_groups "${TEST_BUDGET:-170}" "tests/test_fp8_backend.py" "tests/test_sm90_fp8_gather.py;tests/test_fp8_cluster.py" \
+      "tests/test_bf16_cluster.py;tests/test_layer_gpu.py;-k;quantised_configs"
+  old=${OLD_DROP:-.device/old_drop}
+  for m in ${RUNNER_MODELS:-mixtral qwen3 mixtral}; do
+    for tree in "$old" kernel_src/sm90/megamoe/src; do
+      [ -d "$tree" ] || continue
+      tag=$([ "$tree" = "$old" ] && echo old || echo new)
+      r=$((${r:-0} + 1))
+      step "fp8_runner $m ($tag, $r)" "$OUT/verify_runner_${m}_${tag}_$r.log" -- bash -c \
+          "cd $tree && exec python3 -m sm90_megamoe.fp8_runner --model $m --wide"
+    done
   done
-  step "BF16 layer, cluster 1, PDL off, profiled" "$OUT/verify_nopdl_bf16.log" -- env SM90_MEGAMOE_PDL=0 \
-      MOE_EP_BF16_CLUSTER=1 python3 -m moe_ep.bench --model "$MODELS" \
-      --tokens "$TOKENS" --iters "$ITERS" --no-reference --no-decode --profile --csv "$OUT/verify_nopdl_bf16.csv"
+  step "FP8 layer" "$OUT/verify_fp8_layer.log" -- python3 -m moe_ep.bench --model "$MODELS" --tokens "$TOKENS" \
+      --iters "$ITERS" --quant fp8_block128 --no-reference --no-decode --csv "$OUT/verify_fp8_layer.csv"
 fi
 if [ "$mode" = ncu ]; then
   # Nsight Compute (hardware counters; Firecracker hosts only) on one FC1 + one FC2 launch of the FP8

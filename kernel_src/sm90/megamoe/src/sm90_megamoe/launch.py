@@ -39,7 +39,12 @@ def _num_sms(device=None) -> int:
 def _cluster_ctas(cluster: int, device_index: int) -> int:
     from cutlass.utils import HardwareInfo
 
-    return cluster * HardwareInfo(device_index).get_max_active_clusters(cluster)
+    # the occupancy query runs in the thread's current context: make it this device's (torch
+    # creates a context lazily, at its first allocation; a launcher built before any tensor
+    # failed with CUDA_ERROR_INVALID_CONTEXT, drop v30)
+    with torch.cuda.device(device_index):
+        torch.empty(1, device=torch.device("cuda", device_index))
+        return cluster * HardwareInfo(device_index).get_max_active_clusters(cluster)
 
 
 def cluster_ctas(cluster: int, device=None) -> int:
