@@ -33,7 +33,7 @@
 #                the decode sweep of $MODELS with --decode-csv $OUT/decode.csv --plot $OUT/decode.png;
 #                with .device/fi carried, FlashInfer at PEER_DECODE_TOKENS (1,8,32,128,256) in the same
 #                call -> $OUT/decode_fi.csv, both plotted in $OUT/decode_all.png.
-# verify:        what has not yet run on a GPU (now: drop v30's FP8 scales loaded a k-tile ahead): its GPU tests,
+# verify:        what has not yet run on a GPU (now: drop v31's FP8 scales loaded a k-tile ahead): its GPU tests,
 #                the drop's fp8_runner of the previous version (OLD_DROP, default .device/old_drop: carry it)
 #                and of this tree interleaved, then the FP8 layer -> $OUT/verify_*, $OUT/tests_*.log
 #                (earlier sessions' verify: git history);
@@ -153,12 +153,14 @@ if [ "$mode" = extra ]; then
   fi
 fi
 if [ "$mode" = verify ]; then
-  # drop v30 (eleventh session): the FP8 GEMM's plain k-loop loads the scales one k-tile ahead
-  # (Qwen3's wide FC1, Mixtral's FC2) and launch.cluster_ctas makes the context current. Its GPU
-  # tests in parallel; then the drop's fp8_runner of version 29 (OLD_DROP, a `git archive` of the
-  # drop's src/ carried along) and of this tree, interleaved (same shapes, each timed); then the
-  # FP8 layer. (v29's verify, the BF16 clusters: git history, b0c7f77.)
-  run_groups "${TEST_BUDGET:-170}" "tests/test_fp8_backend.py" "tests/test_sm90_fp8_gather.py;tests/test_fp8_cluster.py" \
+  # drop v31 (eleventh session): the FP8 GEMM's plain k-loop loads the scales a k-tile ahead in
+  # two alternating register sets (Qwen3's wide FC1, Mixtral's FC2); launch.cluster_ctas makes the
+  # context current (v30). Its GPU tests in parallel; then the drop's fp8_runner of version 29
+  # (OLD_DROP, a `git archive` of the drop's src/ carried along) and of this tree, interleaved
+  # (same shapes, each timed); grouped_gemm_runner --cluster (the context fix); then the FP8 layer.
+  # (v29's verify, the BF16 clusters: git history, b0c7f77.)
+  run_groups "${TEST_BUDGET:-170}" "tests/test_fp8_backend.py" \
+      "tests/test_sm90_fp8_gather.py;tests/test_fp8_cluster.py;tests/test_fp8_scale_lookahead.py" \
       "tests/test_bf16_cluster.py;tests/test_layer_gpu.py;-k;quantised_configs"
   old=${OLD_DROP:-.device/old_drop}
   for m in ${RUNNER_MODELS:-mixtral qwen3 mixtral}; do
@@ -170,6 +172,8 @@ if [ "$mode" = verify ]; then
           "cd $tree && exec python3 -m sm90_megamoe.fp8_runner --model $m --wide"
     done
   done
+  step "drop grouped_gemm_runner --cluster" "$OUT/verify_bf16_runner.log" -- bash -c \
+      "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.grouped_gemm_runner --cluster --model mixtral"
   step "FP8 layer" "$OUT/verify_fp8_layer.log" -- python3 -m moe_ep.bench --model "$MODELS" --tokens "$TOKENS" \
       --iters "$ITERS" --quant fp8_block128 --no-reference --no-decode --csv "$OUT/verify_fp8_layer.csv"
 fi
