@@ -160,7 +160,7 @@ if [ "$mode" = verify ]; then
   # (same shapes, each timed); grouped_gemm_runner --cluster (the context fix); then the FP8 layer.
   # (v29's verify, the BF16 clusters: git history, b0c7f77.)
   run_groups "${TEST_BUDGET:-170}" "tests/test_fp8_backend.py" \
-      "tests/test_sm90_fp8_gather.py;tests/test_fp8_cluster.py;tests/test_fp8_scale_lookahead.py" \
+      "tests/test_sm90_fp8_gather.py;tests/test_fp8_cluster.py;tests/test_fp8_plain_schedule.py" \
       "tests/test_bf16_cluster.py;tests/test_layer_gpu.py;-k;quantised_configs"
   old=${OLD_DROP:-.device/old_drop}
   for m in ${RUNNER_MODELS:-mixtral qwen3 mixtral}; do

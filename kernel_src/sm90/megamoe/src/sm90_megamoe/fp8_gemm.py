@@ -43,8 +43,7 @@ Design (differences from :mod:`.grouped_gemm`, whose scheduler and smem epilogue
   reduced-precision accumulation of FP8 products does not build up over K.
 * Scales are read by the consumer threads from global memory (L2): a thread's 64-row half of the
   WGMMA accumulator covers 2 rows (``r`` and ``r + 8``), so 2 A-scale loads and 1 (gated: 2)
-  broadcast B-scale load per k-tile, issued a k-tile ahead (drop v31; the overlapped schedules:
-  right after the WGMMAs of their k-tile, a promotion before their use) so their latency hides
+  broadcast B-scale load per k-tile, issued right after the WGMMAs so their latency hides
   behind the tensor-core work. Row indices are clamped to the expert's last row (rows of the
   next expert inside the tile are computed with some scale and never stored).
 * Both consumer warpgroups (cooperative, 64 rows each) wait for their own WGMMAs every k-tile;
@@ -698,36 +697,15 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                                 rel.advance()
                                 self._promote(accs, parts2, b_lo, b_hi, b_b0, b_b1, n_mma_elems)
                     else:
-                        # drop v31: the scales are loaded a k-tile ahead into two register sets
-                        # that take turns (k-tiles in pairs), so no load is still in flight at the
-                        # loop's back-edge (drop v30 carried one set across it: the copy there
-                        # waited for the load, and Mixtral FC2 ran 5-9% slower)
-                        sa_lo, sa_hi, sa_b0, sa_b1 = self._scales(mAScale, mBScale, sr_lo, sr_hi, expert, n0, 0)
-                        for pair in range(k_tiles // 2):
-                            t = 2 * pair
+                        for k_tile in range(k_tiles):
                             ab_pipeline.consumer_wait(state)
                             tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts, state.index, num_k_blocks)
-                            sb_lo, sb_hi, sb_b0, sb_b1 = self._scales(mAScale, mBScale, sr_lo, sr_hi, expert, n0, t + 1)
+                            # scales of this k-tile: loaded while the WGMMAs run
+                            sa_lo, sa_hi, sb0, sb1 = self._scales(mAScale, mBScale, sr_lo, sr_hi, expert, n0, k_tile)
                             warpgroup.wait_group(0)
                             ab_pipeline.consumer_release(state)
                             state.advance()
-                            self._promote(accs, parts, sa_lo, sa_hi, sa_b0, sa_b1, n_mma_elems)
-                            ab_pipeline.consumer_wait(state)
-                            tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts, state.index, num_k_blocks)
-                            # the last pair (k_tiles even) loads its last k-tile's scales again
-                            sa_lo, sa_hi, sa_b0, sa_b1 = self._scales(mAScale, mBScale, sr_lo, sr_hi, expert, n0,
-                                                                      cutlass.min(t + 2, k_tiles - 1))
-                            warpgroup.wait_group(0)
-                            ab_pipeline.consumer_release(state)
-                            state.advance()
-                            self._promote(accs, parts, sb_lo, sb_hi, sb_b0, sb_b1, n_mma_elems)
-                        if cutlass.const_expr(k_tiles % 2 == 1):  # the odd k-tile left: set A has its scales
-                            ab_pipeline.consumer_wait(state)
-                            tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts, state.index, num_k_blocks)
-                            warpgroup.wait_group(0)
-                            ab_pipeline.consumer_release(state)
-                            state.advance()
-                            self._promote(accs, parts, sa_lo, sa_hi, sa_b0, sa_b1, n_mma_elems)
+                            self._promote(accs, parts, sa_lo, sa_hi, sb0, sb1, n_mma_elems)
 
                     # ---------------- epilogue: activation, row scale, masked bf16 stores
                     acc0 = accs[0]

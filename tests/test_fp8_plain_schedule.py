@@ -1,9 +1,9 @@
-"""Drop v31: the FP8 GEMM's plain k-loop (no overlapped promotion: Qwen3's wide FC1, Mixtral's
-FC2, the requantising and gathering FC1s) loads each k-tile's scales a k-tile ahead, into two
-register sets that take turns over a pair of k-tiles, with one k-tile left over when K / 128 is
-odd. CPU: every k-tile count's kernel compiles without spills. GPU: the plain schedule gives the
-overlapped schedule's bits (same WGMMAs, same promotion order) and agrees with float64, for even
-and odd k-tile counts, 1 included."""
+"""The FP8 GEMM's plain k-loop (no overlapped promotion: Qwen3's wide FC1, Mixtral's FC2, the
+requantising and gathering FC1s) at even and odd k-tile counts, 1 included (written for drop v31,
+whose scale look-ahead took turns over pairs of k-tiles; v32 went back to v29's loop, slower
+neither way round in bits). CPU: every k-tile count's kernel compiles without spills. GPU: the
+plain schedule gives the overlapped schedule's bits (same WGMMAs, same promotion order) and agrees
+with float64."""
 
 import pytest
 import torch
