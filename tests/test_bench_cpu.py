@@ -457,3 +457,15 @@ def test_kernel_timeline_reports_gaps_of_the_last_forward():
     assert "gap    12.0  k1" in text and "gap     8.0  k2" in text
     assert "busy 170.0 us of a 190.0 us span (20.0 us idle or overlapped)" in text
     assert "not a whole number" in kernel_timeline(ev[:5], 2)
+
+
+def test_h200_session_accepts_every_mode_it_runs():
+    """Every ``if [ "$mode" = X ]`` block of `h200_session.sh` is reachable: X is in the ``modes``
+    list the script checks its argument against (mode ``ncu`` was once written but refused)."""
+    import re
+    from pathlib import Path
+
+    script = (Path(__file__).resolve().parents[1] / "bench" / "h200_session.sh").read_text()
+    accepted = set(re.search(r'^modes="([^"]+)"', script, re.M).group(1).split("|"))
+    run = set(re.findall(r'"\$mode" = (\w+) \]', script))
+    assert run and run <= accepted, f"modes run but refused: {sorted(run - accepted)}"

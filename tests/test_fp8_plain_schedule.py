@@ -1,7 +1,7 @@
 """The FP8 GEMM's plain k-loop (no overlapped promotion: Qwen3's wide FC1, Mixtral's FC2, the
 requantising and gathering FC1s) at even and odd k-tile counts, 1 included (written for drop v31,
-whose scale look-ahead took turns over pairs of k-tiles; v32 went back to v29's loop, slower
-neither way round in bits). CPU: every k-tile count's kernel compiles without spills. GPU: the
+whose scale look-ahead took turns over pairs of k-tiles and so had a leftover k-tile for an odd
+count; v32 went back to v29's loop, which the test covers the same way). CPU: every k-tile count's kernel compiles without spills. GPU: the
 plain schedule gives the overlapped schedule's bits (same WGMMAs, same promotion order) and agrees
 with float64."""
 

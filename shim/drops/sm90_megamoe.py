@@ -332,7 +332,9 @@ def use_bf16_cluster(schedule: str, gather_a: bool = False) -> int:
     ``MOE_EP_BF16_CLUSTER=1`` for the cooperative and wide schedules (not pingpong, swap-AB or the
     gathering kernel) -- the two CTAs of a cluster compute an m-tile pair of one expert and each
     loads half of the weight tile, multicast into both (a third less L2 -> SM traffic per stage for
-    FC1); else 1. Opt-in until measured on the H200."""
+    FC1); else 1. Opt-in: on the H200 (eleventh session) bit-identical but no faster -- the BF16
+    layer with the switch 0 / 1 / 0 / 1 interleaved, graph TFLOP/s: Qwen3 442.0 / 439.2 / 447.7 /
+    432.0, Mixtral 595.6 / 588.7 / 595.4 / 601.7 (docs/PERFORMANCE.md)."""
     if os.environ.get("MOE_EP_BF16_CLUSTER", "0") != "1" or gather_a:
         return 1
     return 2 if schedule in ("cooperative", "wide") else 1
