@@ -33,10 +33,10 @@
 #                the decode sweep of $MODELS with --decode-csv $OUT/decode.csv --plot $OUT/decode.png;
 #                with .device/fi carried, FlashInfer at PEER_DECODE_TOKENS (1,8,32,128,256) in the same
 #                call -> $OUT/decode_fi.csv, both plotted in $OUT/decode_all.png.
-# verify:        what has not yet run on a GPU (now: drop v31's FP8 scales loaded a k-tile ahead): its GPU tests,
-#                the drop's fp8_runner of the previous version (OLD_DROP, default .device/old_drop: carry it)
-#                and of this tree interleaved, then the FP8 layer -> $OUT/verify_*, $OUT/tests_*.log
-#                (earlier sessions' verify: git history);
+# verify:        what has not yet run on a GPU (now: drop v33's chunked requantising FC1): its GPU tests,
+#                fp8_runner --requant on Mixtral, the FP8 layer with MOE_EP_FP8_FUSED_REQUANT 0/1/0/1
+#                -> $OUT/verify_*, $OUT/tests_*.log (earlier sessions' verify: git history; 3da5fd1's
+#                ran the previous drop's runner beside this one's from .device/old_drop);
 # ncu:           Nsight Compute on the FP8 GEMMs (ours on Mixtral with and without clusters, Qwen3) and on
 #                cuBLAS's block-wise _scaled_mm (Mixtral) -> $OUT/ncu_*.log
 # layers:        both layers profiled (kernel table + the last forward's timeline), FlashInfer BF16 + FP8
@@ -153,29 +153,23 @@ if [ "$mode" = extra ]; then
   fi
 fi
 if [ "$mode" = verify ]; then
-  # drop v31 (eleventh session): the FP8 GEMM's plain k-loop loads the scales a k-tile ahead in
-  # two alternating register sets (Qwen3's wide FC1, Mixtral's FC2); launch.cluster_ctas makes the
-  # context current (v30). Its GPU tests in parallel; then the drop's fp8_runner of version 29
-  # (OLD_DROP, a `git archive` of the drop's src/ carried along) and of this tree, interleaved
-  # (same shapes, each timed); grouped_gemm_runner --cluster (the context fix); then the FP8 layer.
-  # (v29's verify, the BF16 clusters: git history, b0c7f77.)
-  run_groups "${TEST_BUDGET:-170}" "tests/test_fp8_backend.py" \
-      "tests/test_sm90_fp8_gather.py;tests/test_fp8_cluster.py;tests/test_fp8_plain_schedule.py" \
-      "tests/test_bf16_cluster.py;tests/test_layer_gpu.py;-k;quantised_configs"
-  old=${OLD_DROP:-.device/old_drop}
-  for m in ${RUNNER_MODELS:-mixtral qwen3 mixtral}; do
-    for tree in "$old" kernel_src/sm90/megamoe/src; do
-      [ -d "$tree" ] || continue
-      tag=$([ "$tree" = "$old" ] && echo old || echo new)
-      r=$((${r:-0} + 1))
-      step "fp8_runner $m ($tag, $r)" "$OUT/verify_runner_${m}_${tag}_$r.log" -- bash -c \
-          "cd $tree && exec python3 -m sm90_megamoe.fp8_runner --model $m --wide"
-    done
+  # drop v33 (eleventh session, after its device time): the requantising FC1 (opt-in,
+  # MOE_EP_FP8_FUSED_REQUANT=1) of Mixtral runs its overlapped schedule in chunks of 16 k-tiles
+  # per half (v32 unrolled 2 x 32: a 184 KB cubin). Its GPU tests (bits of FC1 + quantiser, K 4096
+  # wide included) and the plain schedule's; the drop runner's requant check on Mixtral (bits and
+  # times); then the FP8 layer with the switch 0 / 1 / 0 / 1 interleaved (Mixtral, then Qwen3,
+  # whose requantising FC1 v33 leaves as it was). (v31's verify, the scales a k-tile ahead, with
+  # the previous drop's runner beside: git history, 3da5fd1.)
+  run_groups "${TEST_BUDGET:-170}" "tests/test_sm90_fp8_compile.py;-k;requant" "tests/test_fp8_plain_schedule.py" \
+      "tests/test_fp8_backend.py;-k;variants"
+  step "fp8_runner mixtral --requant" "$OUT/verify_runner_requant.log" -- bash -c \
+      "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.fp8_runner --model mixtral --requant --wide --overlap"
+  for q in 0 1 0 1; do
+    r=$((${r:-0} + 1))
+    step "FP8 layer, fused requant $q (round $r)" "$OUT/verify_fp8_rq${q}_r$r.log" -- env MOE_EP_FP8_FUSED_REQUANT=$q \
+        python3 -m moe_ep.bench --model "${VERIFY_MODELS:-mixtral,qwen3}" --tokens "$TOKENS" --iters "$ITERS" \
+        --quant fp8_block128 --no-reference --no-decode --csv "$OUT/verify_fp8_rq${q}_r$r.csv"
   done
-  step "drop grouped_gemm_runner --cluster" "$OUT/verify_bf16_runner.log" -- bash -c \
-      "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.grouped_gemm_runner --cluster --model mixtral"
-  step "FP8 layer" "$OUT/verify_fp8_layer.log" -- python3 -m moe_ep.bench --model "$MODELS" --tokens "$TOKENS" \
-      --iters "$ITERS" --quant fp8_block128 --no-reference --no-decode --csv "$OUT/verify_fp8_layer.csv"
 fi
 if [ "$mode" = ncu ]; then
   # Nsight Compute (hardware counters; Firecracker hosts only) on one FC1 + one FC2 launch of the FP8

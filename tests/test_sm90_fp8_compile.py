@@ -330,13 +330,25 @@ def test_requant_refuses_identity():
         CompiledFp8Gemm("identity", 2048, 768, 128, requant=True)
 
 
+def test_overlap_chunk_counts_the_requant_halves():
+    """Drop v33: the requantising FC1 traces its k-loop once per 64-column half, so the overlapped
+    schedule chunks it once k_tiles x 2 passes the unrolling limit (Mixtral, K 4096: 16 k-tiles
+    per chunk; a 116 KB cubin instead of 184 KB); one half as before; an odd count unrolls whole."""
+    from sm90_megamoe.fp8_gemm import OVERLAP_MAX_K_TILES, overlap_chunk
+
+    assert overlap_chunk(32) == 0 and overlap_chunk(112) == 16 and overlap_chunk(31, 2) == 0
+    assert overlap_chunk(16, 2) == 0 and overlap_chunk(32, 2) == 16 and overlap_chunk(24, 2) == 12
+    assert all(overlap_chunk(t) == overlap_chunk(t, 1) for t in range(1, 4 * OVERLAP_MAX_K_TILES))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("routing", ["uniform", "skewed"])
-@pytest.mark.parametrize("n,k", [(1536, 2048), (512, 1024)])
-def test_gpu_requant_is_fc1_then_quantiser(n, k, routing, overlap):
+@pytest.mark.parametrize("n,k,wide", [(1536, 2048, False), (512, 1024, False), (512, 4096, True)])
+def test_gpu_requant_is_fc1_then_quantiser(n, k, wide, routing, overlap):
     """The requantising FC1 writes exactly the torch quantiser's values and scales of the plain
-    FC1's bf16 output (every row of every expert, ragged m-tiles, an empty expert when skewed)."""
+    FC1's bf16 output (every row of every expert, ragged m-tiles, an empty expert when skewed);
+    K 4096 with the wide WGMMA: Mixtral's configuration, overlapped in chunks (drop v33)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
     from sm90_megamoe.fp8_runner import Fp8GroupedGemm
@@ -347,11 +359,11 @@ def test_gpu_requant_is_fc1_then_quantiser(n, k, routing, overlap):
     g = torch.Generator().manual_seed(5 + n)
     a, a_s = (t.cuda() for t in ref.quantize_rows128(torch.randn(m_total, k, generator=g)))
     b, b_s = (t.cuda() for t in ref.quantize_weight_block128(torch.randn(E, n, k, generator=g) / k ** 0.5))
-    plain = Fp8GroupedGemm("swiglu", n, k, E, False, overlap_promotion=overlap)
+    plain = Fp8GroupedGemm("swiglu", n, k, E, False, overlap_promotion=overlap, wide_gated=wide)
     h = torch.full((m_total, n // 2), float("nan"), dtype=torch.bfloat16, device="cuda")
     plain.launch(plain.prepare(a, a_s, b, b_s, h, offs, None))
     want_q, want_s = ref.quantize_rows128(h)
-    rq = Fp8GroupedGemm("swiglu", n, k, E, False, overlap_promotion=overlap, requant=True)
+    rq = Fp8GroupedGemm("swiglu", n, k, E, False, overlap_promotion=overlap, requant=True, wide_gated=wide)
     q = torch.full((m_total, n // 2), 0x7F, dtype=torch.uint8, device="cuda")  # e4m3 NaN
     s = torch.full((m_total, n // 256), float("nan"), dtype=torch.float32, device="cuda")
     rq.launch(rq.prepare(a, a_s, b, b_s, q, offs, None, s))
@@ -367,6 +379,7 @@ def test_gpu_requant_is_fc1_then_quantiser(n, k, routing, overlap):
     (1536, 2048, 128, True, False),    # ... overlapped promotion
     (28672, 4096, 8, True, False),     # Mixtral FC1, 32 k-tiles unrolled
     (1536, 2048, 128, True, True),     # ... and requantising
+    (28672, 4096, 8, True, True),      # Mixtral FC1 requantising: 2 halves x 32 k-tiles, chunks of 16 (v33)
 ])
 def test_wide_gated_compiles(n, k, experts, overlap, requant):
     """``wide_gated``: FC1's gate and up tiles (adjacent smem slots) feed one m64n128 WGMMA per
@@ -377,8 +390,13 @@ def test_wide_gated_compiles(n, k, experts, overlap, requant):
                                        wide_gated=True)
     ptx = compiled.__ptx__
     assert set(re.findall(r"wgmma\.mma_async[\w.]*", ptx)) == {"wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"}
-    per_tile = 4 * (k // 128 if overlap else 1)  # unrolled k-loop with overlap, else one loop body
-    assert len(re.findall(r"wgmma\.mma_async", ptx)) == per_tile * (2 if requant else 1)
+    from sm90_megamoe.fp8_gemm import overlap_chunk
+
+    halves = 2 if requant else 1
+    # with overlap: the whole k-loop unrolled, or one chunk of it (drop v33: the requantising FC1's
+    # two halves count towards the unrolling limit); without: one loop body
+    traced = (overlap_chunk(k // 128, halves) or k // 128) if overlap else 1
+    assert len(re.findall(r"wgmma\.mma_async", ptx)) == 4 * traced * halves
     _assert_fits_async_no_spills(kernel, compiled, ("C7514", "serialized"))
 
 

@@ -115,7 +115,9 @@ def fused_requant() -> bool:
     store, quantised by the row quantiser's rule, so the same bits), instead of bf16 ``h`` that a
     second kernel reads back: one launch and ``h``'s write + read fewer. Bit-identical on the H200
     (a2012eb), 1.04-1.05x FC1 + quantiser on Qwen3 but 0.95x on Mixtral (0.61x with overlapped
-    promotion: the kernel's code outgrows the instruction cache), so off by default."""
+    promotion: the kernel's code outgrows the instruction cache), so off by default. Drop v33
+    chunks that overlapped schedule (16 k-tiles per half; a 116 KB cubin instead of 184 KB) --
+    not yet measured on a GPU (`bench/h200_session.sh verify`)."""
     return env_switch("MOE_EP_FP8_FUSED_REQUANT", False)
 
 

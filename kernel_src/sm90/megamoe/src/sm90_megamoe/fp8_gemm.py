@@ -105,11 +105,14 @@ OVERLAP_MAX_K_TILES = 32
 OVERLAP_MAX_CHUNK = 16
 
 
-def overlap_chunk(k_tiles: int) -> int:
-    """k-tiles per chunk of the overlapped schedule for a k-loop of ``k_tiles``: 0 when the whole loop
-    unrolls (<= OVERLAP_MAX_K_TILES), else the largest even divisor <= OVERLAP_MAX_CHUNK (0 if none:
-    an odd k_tiles cannot run chunked)."""
-    if k_tiles <= OVERLAP_MAX_K_TILES:
+def overlap_chunk(k_tiles: int, halves: int = 1) -> int:
+    """k-tiles per chunk of the overlapped schedule for a k-loop of ``k_tiles`` traced ``halves``
+    times per tile (the requantising FC1 runs one per 64-column half): 0 when all of them unroll
+    (``k_tiles * halves`` <= OVERLAP_MAX_K_TILES), else the largest even divisor <= OVERLAP_MAX_CHUNK
+    (0 if none: an odd k_tiles cannot run chunked, and unrolls whole as before). Drop v33: the
+    requantising FC1 of Mixtral (K 4096, 2 x 32 k-tiles) unrolled 256 WGMMAs into a 184 KB cubin,
+    twice the plain FC1's; chunked, each half traces 16 k-tiles."""
+    if k_tiles * halves <= OVERLAP_MAX_K_TILES:
         return 0
     return next((c for c in range(OVERLAP_MAX_CHUNK, 1, -2) if k_tiles % c == 0), 0)
 
@@ -324,7 +327,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                 raise ValueError(f"cluster_n={self.cluster_n} needs an even number of n-tiles, got {n_tiles}")
             self.n_tiles = n_tiles // self.cluster_n
         self.k_tiles = k_size // self.tile_k
-        self.overlap_chunk = overlap_chunk(self.k_tiles) if self.overlap_promotion else 0
+        self.overlap_chunk = overlap_chunk(self.k_tiles, self.halves) if self.overlap_promotion else 0
         if cutlass.const_expr(self.overlap_promotion and self.k_tiles > OVERLAP_MAX_K_TILES
                               and not self.overlap_chunk):
             raise ValueError(f"overlap_promotion: K={k_size} is unrolled up to {OVERLAP_MAX_K_TILES * FP8_BLOCK}, "
