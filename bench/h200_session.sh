@@ -34,7 +34,8 @@
 #                with .device/fi carried, FlashInfer at PEER_DECODE_TOKENS (1,8,32,128,256) in the same
 #                call -> $OUT/decode_fi.csv, both plotted in $OUT/decode_all.png.
 # verify:        what has not yet run on a GPU (now: drop v33's chunked requantising FC1): its GPU tests,
-#                fp8_runner --requant on Mixtral, the FP8 layer with MOE_EP_FP8_FUSED_REQUANT 0/1/0/1
+#                fp8_runner --requant on Mixtral, the Mixtral FP8 layer with (MOE_EP_FP8_FUSED_REQUANT,
+#                MOE_EP_FP8_CHUNKED_OVERLAP) = (0,0) (1,0) (1,1) interleaved, 2 rounds
 #                -> $OUT/verify_*, $OUT/tests_*.log (earlier sessions' verify: git history; 3da5fd1's
 #                ran the previous drop's runner beside this one's from .device/old_drop);
 # ncu:           Nsight Compute on the FP8 GEMMs (ours on Mixtral with and without clusters, Qwen3) and on
@@ -157,19 +158,22 @@ if [ "$mode" = verify ]; then
   # MOE_EP_FP8_FUSED_REQUANT=1) of Mixtral runs its overlapped schedule in chunks of 16 k-tiles
   # per half (v32 unrolled 2 x 32: a 184 KB cubin). Its GPU tests (bits of FC1 + quantiser, K 4096
   # wide included) and the plain schedule's; the drop runner's requant check on Mixtral (bits and
-  # times); then the FP8 layer with the switch 0 / 1 / 0 / 1 interleaved (Mixtral, then Qwen3,
-  # whose requantising FC1 v33 leaves as it was). (v31's verify, the scales a k-tile ahead, with
-  # the previous drop's runner beside: git history, 3da5fd1.)
+  # times); then the Mixtral FP8 layer (v33 leaves Qwen3's requantising FC1 as it was) with the
+  # fused requant and FC2's chunked overlapped schedule (opt-in since v26) off / on, interleaved.
+  # (v31's verify, the scales a k-tile ahead, with the previous drop's runner beside: git
+  # history, 3da5fd1.)
   run_groups "${TEST_BUDGET:-170}" "tests/test_sm90_fp8_compile.py;-k;requant" "tests/test_fp8_plain_schedule.py" \
       "tests/test_fp8_backend.py;-k;variants"
   step "fp8_runner mixtral --requant" "$OUT/verify_runner_requant.log" -- bash -c \
       "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.fp8_runner --model mixtral --requant --wide --overlap"
-  for q in 0 1 0 1; do
-    r=$((${r:-0} + 1))
-    step "FP8 layer, fused requant $q (round $r)" "$OUT/verify_fp8_rq${q}_r$r.log" -- env MOE_EP_FP8_FUSED_REQUANT=$q \
-        python3 -m moe_ep.bench --model "${VERIFY_MODELS:-mixtral,qwen3}" --tokens "$TOKENS" --iters "$ITERS" \
-        --quant fp8_block128 --no-reference --no-decode --csv "$OUT/verify_fp8_rq${q}_r$r.csv"
-  done
+  # (fused requant, FC2's chunked overlapped schedule) = (0,0) the default, (1,0), (1,1), twice
+  for r in 1 2; do for v in "0 0" "1 0" "1 1"; do
+    set -- $v
+    step "FP8 layer, requant $1, chunked $2, round $r" "$OUT/verify_fp8_rq$1ch$2_r$r.log" -- env \
+        MOE_EP_FP8_FUSED_REQUANT=$1 MOE_EP_FP8_CHUNKED_OVERLAP=$2 python3 -m moe_ep.bench \
+        --model "${VERIFY_MODELS:-mixtral}" --tokens "$TOKENS" --iters "$ITERS" --quant fp8_block128 \
+        --no-reference --no-decode --csv "$OUT/verify_fp8_rq$1ch$2_r$r.csv"
+  done; done
 fi
 if [ "$mode" = ncu ]; then
   # Nsight Compute (hardware counters; Firecracker hosts only) on one FC1 + one FC2 launch of the FP8
