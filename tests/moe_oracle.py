@@ -127,3 +127,18 @@ def layer_outputs_with_switch(monkeypatch, switch, cfg, backend, inputs, check_i
         layer.check_errors()
         layer.destroy()
     return outs
+
+
+def fp8_gemm_problem(m_total, n, k, E, routing, seed, scale_rows) -> tuple:
+    """Random CPU inputs of one FP8 block-scaled grouped GEMM, quantised by the drop's reference
+    (the calling test module has registered the sm90 drop): (a [m_total, k] e4m3, a_s [m_total,
+    k/128] f32, b [E, n, k] e4m3, b_s [E, n/128, k/128] f32, offs [E + 1] int32 of ``routing``
+    ("uniform" / "skewed"), row scales [m_total] f32 or None)."""
+    from sm90_megamoe import fp8_reference as ref
+
+    offs = ref.make_offsets(m_total, E, routing, torch.Generator().manual_seed(seed))
+    g = torch.Generator().manual_seed(seed + 1)
+    a, a_s = ref.quantize_rows128(torch.randn(m_total, k, generator=g) * 0.5)
+    b, b_s = ref.quantize_weight_block128(torch.randn(E, n, k, generator=g) / k ** 0.5)
+    rs = torch.rand(m_total, generator=g) if scale_rows else None
+    return a, a_s, b, b_s, offs, rs

@@ -14,6 +14,7 @@ from moe_ep.shim import drop_src, register_drop  # noqa: E402
 
 register_drop(drop_src("sm90", "megamoe"))
 
+from moe_oracle import fp8_gemm_problem  # noqa: E402
 from sm90_megamoe import fp8_reference as ref  # noqa: E402
 from sm90_megamoe.fp8_gemm import Fp8BlockScaledGroupedGemmSm90  # noqa: E402
 
@@ -104,13 +105,6 @@ def test_shim_switch_and_key(monkeypatch):
 
 
 # ---------------------------------------------------------------------------- GPU
-def _problem(m_total, n, k, E, routing, seed, scale_rows):
-    offs = ref.make_offsets(m_total, E, routing, torch.Generator().manual_seed(seed))
-    g = torch.Generator().manual_seed(seed + 1)
-    a, a_s = ref.quantize_rows128(torch.randn(m_total, k, generator=g) * 0.5)
-    b, b_s = ref.quantize_weight_block128(torch.randn(E, n, k, generator=g) / k ** 0.5)
-    rs = torch.rand(m_total, generator=g) if scale_rows else None
-    return a, a_s, b, b_s, offs, rs
 
 
 @pytest.mark.gpu
@@ -131,7 +125,7 @@ def test_gpu_cluster_is_bit_identical(act, n, k, overlap, wide, m_total, routing
 
     E, sr = 16, act == "identity"
     a, a_s, b, b_s, offs, rs = (None if t is None else t.cuda()
-                                for t in _problem(m_total, n, k, E, routing, 40 + m_total, sr))
+                                for t in fp8_gemm_problem(m_total, n, k, E, routing, 40 + m_total, sr))
     outs = []
     for cluster_n in (1, 2):
         fn = Fp8GroupedGemm(act, n, k, E, sr, raster_m=16, overlap_promotion=overlap, wide_gated=wide,
@@ -158,7 +152,7 @@ def test_gpu_cluster_launcher_clamps_the_grid():
     from sm90_megamoe.fp8_launch import CompiledFp8Gemm, cluster_ctas
 
     E, n, k, m_total = 8, 2048, 768, 3000
-    a, a_s, b, b_s, offs, rs = (t.cuda() for t in _problem(m_total, n, k, E, "skewed", 5, True))
+    a, a_s, b, b_s, offs, rs = (t.cuda() for t in fp8_gemm_problem(m_total, n, k, E, "skewed", 5, True))
     fn = CompiledFp8Gemm("identity", n, k, E, scale_rows=True, raster_m=16, cluster_n=2)
     assert fn._max_ctas == cluster_ctas(2)
     outs = []

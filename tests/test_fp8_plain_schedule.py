@@ -1,7 +1,6 @@
 """The FP8 GEMM's plain k-loop (no overlapped promotion: Qwen3's wide FC1, Mixtral's FC2, the
-requantising and gathering FC1s) at even and odd k-tile counts, 1 included (written for drop v31,
-whose scale look-ahead took turns over pairs of k-tiles and so had a leftover k-tile for an odd
-count; v32 went back to v29's loop, which the test covers the same way). CPU: every k-tile count's kernel compiles without spills. GPU: the
+requantising and gathering FC1s) at even and odd k-tile counts, 1 included (written with drop
+v31, kept when v32 restored the earlier loop). CPU: each kernel compiles without spills. GPU: the
 plain schedule gives the overlapped schedule's bits (same WGMMAs, same promotion order) and agrees
 with float64."""
 
@@ -46,12 +45,10 @@ def test_gpu_plain_schedule_matches_overlapped_and_float64(act, n, k, wide, rout
         pytest.skip("needs an SM90 GPU")
     from sm90_megamoe.fp8_runner import Fp8GroupedGemm
 
+    from moe_oracle import fp8_gemm_problem
+
     E, m_total, sr = 8, 1500, act == "identity"
-    offs = ref.make_offsets(m_total, E, routing, torch.Generator().manual_seed(k + n))
-    g = torch.Generator().manual_seed(k * 7 + 1)
-    a, a_s = ref.quantize_rows128(torch.randn(m_total, k, generator=g) * 0.5)
-    b, b_s = ref.quantize_weight_block128(torch.randn(E, n, k, generator=g) / k ** 0.5)
-    rs = torch.rand(m_total, generator=g) if sr else None
+    a, a_s, b, b_s, offs, rs = fp8_gemm_problem(m_total, n, k, E, routing, k + n, sr)
     dev = [None if t is None else t.cuda() for t in (a, a_s, b, b_s, offs, rs)]
     outs = []
     for overlap in (False, True):
