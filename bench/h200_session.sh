@@ -33,9 +33,9 @@
 #                the decode sweep of $MODELS with --decode-csv $OUT/decode.csv --plot $OUT/decode.png;
 #                with .device/fi carried, FlashInfer at PEER_DECODE_TOKENS (1,8,32,128,256) in the same
 #                call -> $OUT/decode_fi.csv, both plotted in $OUT/decode_all.png.
-# verify:        what has not yet run on a GPU (now: drop v33's chunked requantising FC1): its GPU tests,
-#                fp8_runner --requant on Mixtral, the Mixtral FP8 layer with (MOE_EP_FP8_FUSED_REQUANT,
-#                MOE_EP_FP8_CHUNKED_OVERLAP) = (0,0) (1,0) (1,1) interleaved, 2 rounds
+# verify:        what has not yet run on a GPU (now: drop v34's staged scales, v33's chunked requantising
+#                FC1): their GPU tests, fp8_runner --smem-scales on both models (+ --requant on Mixtral),
+#                the FP8 layer with MOE_EP_FP8_SMEM_SCALES=0/1 interleaved, VERIFY_ROUNDS (2) rounds
 #                -> $OUT/verify_*, $OUT/tests_*.log (earlier sessions' verify: git history; 3da5fd1's
 #                ran the previous drop's runner beside this one's from .device/old_drop);
 # ncu:           Nsight Compute on the FP8 GEMMs (ours on Mixtral with and without clusters, Qwen3) and on
@@ -124,7 +124,7 @@ suite_groups=(
   "tests/test_sm90_gpu.py;-k;$gtop" "tests/test_sm90_gpu.py;-k;not ($gtop)"
   "tests/test_ep_virtual_gpu.py;-k;matches_reference" "tests/test_ep_virtual_gpu.py;-k;not matches_reference"
   "tests/test_fp8_backend.py;tests/test_activations_bias.py;tests/test_sm90_fp8_gather.py;tests/test_gather_fc1.py"
-  "tests/test_ep_gpu.py;tests/test_disk_cache.py;tests/test_transformers_integration.py;tests/test_sm90_fp8_quant.py;tests/test_fp8_quant_div.py;tests/test_fp8_scatter_quant.py;tests/test_fp8_cluster.py;tests/test_fp8_plain_schedule.py;tests/test_bf16_cluster.py;tests/test_blackwell_backends.py"
+  "tests/test_ep_gpu.py;tests/test_disk_cache.py;tests/test_transformers_integration.py;tests/test_sm90_fp8_quant.py;tests/test_fp8_quant_div.py;tests/test_fp8_scatter_quant.py;tests/test_fp8_cluster.py;tests/test_fp8_plain_schedule.py;tests/test_fp8_smem_scales.py;tests/test_bf16_cluster.py;tests/test_blackwell_backends.py"
   "tests/test_sm90_fp8_compile.py" "tests/test_sm90_swapab_compile.py"
 )
 if [ "$N" -gt 1 ]; then bench=(torchrun --standalone --nproc_per_node="$N" -m moe_ep.bench); else bench=(python3 -m moe_ep.bench); fi
@@ -154,25 +154,23 @@ if [ "$mode" = extra ]; then
   fi
 fi
 if [ "$mode" = verify ]; then
-  # drop v33 (eleventh session, after its device time): the requantising FC1 (opt-in,
-  # MOE_EP_FP8_FUSED_REQUANT=1) of Mixtral runs its overlapped schedule in chunks of 16 k-tiles
-  # per half (v32 unrolled 2 x 32: a 184 KB cubin). Its GPU tests (bits of FC1 + quantiser, K 4096
-  # wide included) and the plain schedule's; the drop runner's requant check on Mixtral (bits and
-  # times); then the Mixtral FP8 layer (v33 leaves Qwen3's requantising FC1 as it was) with the
-  # fused requant and FC2's chunked overlapped schedule (opt-in since v26) off / on, interleaved.
-  # (v31's verify, the scales a k-tile ahead, with the previous drop's runner beside: git
-  # history, 3da5fd1.)
-  run_groups "${TEST_BUDGET:-170}" "tests/test_sm90_fp8_compile.py;-k;requant" "tests/test_fp8_plain_schedule.py" \
+  # drop v34 (twelfth session): the FP8 GEMMs' scales staged in shared memory by the producer warp
+  # (MOE_EP_FP8_SMEM_SCALES=1), and v33's chunked requantising FC1 (eleventh session, never run on a
+  # GPU). Their GPU tests (bits against the global-memory kernel and float64, the requantising FC1's
+  # bits); the drop runner on both models (each layer kernel with and without staged scales: bits,
+  # then times interleaved; Mixtral also the requantising FC1 against FC1 + quantiser); then the
+  # FP8 layer with the switch off / on, interleaved, VERIFY_ROUNDS (2) rounds.
+  # (v33's verify, the Mixtral layer with the fused requant and FC2's chunked schedule: git history, 58b749d.)
+  run_groups "${TEST_BUDGET:-170}" "tests/test_fp8_smem_scales.py" "tests/test_sm90_fp8_compile.py;-k;requant" \
       "tests/test_fp8_backend.py;-k;variants"
-  step "fp8_runner mixtral --requant" "$OUT/verify_runner_requant.log" -- bash -c \
-      "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.fp8_runner --model mixtral --requant --wide --overlap"
-  # (fused requant, FC2's chunked overlapped schedule) = (0,0) the default, (1,0), (1,1), twice
-  for r in 1 2; do for v in "0 0" "1 0" "1 1"; do
-    set -- $v
-    step "FP8 layer, requant $1, chunked $2, round $r" "$OUT/verify_fp8_rq$1ch$2_r$r.log" -- env \
-        MOE_EP_FP8_FUSED_REQUANT=$1 MOE_EP_FP8_CHUNKED_OVERLAP=$2 python3 -m moe_ep.bench \
-        --model "${VERIFY_MODELS:-mixtral}" --tokens "$TOKENS" --iters "$ITERS" --quant fp8_block128 \
-        --no-reference --no-decode --csv "$OUT/verify_fp8_rq$1ch$2_r$r.csv"
+  step "fp8_runner mixtral --smem-scales --requant" "$OUT/verify_runner_mixtral.log" -- bash -c \
+      "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.fp8_runner --model mixtral --smem-scales --requant --wide --overlap"
+  step "fp8_runner qwen3 --smem-scales" "$OUT/verify_runner_qwen3.log" -- bash -c \
+      "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.fp8_runner --model qwen3 --smem-scales --overlap"
+  for r in $(seq 1 "${VERIFY_ROUNDS:-2}"); do for v in 0 1; do
+    step "FP8 layer, smem scales $v, round $r" "$OUT/verify_fp8_sm${v}_r$r.log" -- env MOE_EP_FP8_SMEM_SCALES=$v \
+        python3 -m moe_ep.bench --model "${VERIFY_MODELS:-qwen3,mixtral}" --tokens "$TOKENS" --iters "$ITERS" \
+        --quant fp8_block128 --no-reference --no-decode --csv "$OUT/verify_fp8_sm${v}_r$r.csv"
   done; done
 fi
 if [ "$mode" = ncu ]; then
@@ -280,7 +278,7 @@ if [ "$mode" = suite2 ]; then
       tests/test_disk_cache.py tests/test_transformers_integration.py tests/test_sm90_fp8_quant.py \
       tests/test_sm90_fp8_compile.py tests/test_sm90_swapab_compile.py tests/test_blackwell_backends.py \
       tests/test_sm90_fp8_gather.py tests/test_gather_fc1.py tests/test_fp8_quant_div.py tests/test_fp8_scatter_quant.py tests/test_fp8_cluster.py \
-      tests/test_bf16_cluster.py tests/test_fp8_plain_schedule.py
+      tests/test_bf16_cluster.py tests/test_fp8_plain_schedule.py tests/test_fp8_smem_scales.py
 fi
 if [ "$mode" = suite3 ]; then
   step "GPU suite 3/3" "$OUT/suite3.log" -- "${suite_common[@]}" tests/test_ep_virtual_gpu.py

@@ -72,6 +72,14 @@ Design (differences from :mod:`.grouped_gemm`, whose scheduler and smem epilogue
   a stage counts the consumer warps of both CTAs (either producer writes into both). The launch
   clamps its grid to the clusters that fit at once. Same WGMMAs and promotion order per tile:
   the same bits as single CTAs.
+* ``smem_scales=True`` (drop v34; the TMA producer, not ``gather_a``): the producer warp stages each
+  k-tile's scales in shared memory beside its operands -- lane l loads the A scales of tile rows
+  l + 32 j (clamped as above) and lanes 0 / 1 the gate / up weight block's scale, *before* waiting
+  for a free stage (their L2 latency hides behind that wait), stores them into the stage's slot of
+  ``SCALE_SLOT`` floats, then a warp barrier and the elected ``arrive.expect_tx`` arm the stage, so
+  the consumers, whose wait on the stage acquires that arrive, read their scales from shared memory
+  instead of stalling on global loads after the k-tile's WGMMAs. Same values, same promotion: the
+  same bits. Without it, every other variant's PTX is byte-identical to drop v33's.
 * :class:`Fp8SwigluRequantGroupedGemmSm90` (drop v21; the bits of FC1 + the quantiser on the H200): FC1 writing FC2's
   e4m3 input and per-128 scales in the epilogue (its docstring). Both variants trace the same
   ``_body`` as the plain kernel, whose PTX is unchanged by them.
@@ -103,6 +111,9 @@ FP8_BLOCK = 128
 OVERLAP_MAX_K_TILES = 32
 #: the largest chunk of the chunked overlapped schedule (code size: one chunk is traced)
 OVERLAP_MAX_CHUNK = 16
+#: float32 slots per stage of ``smem_scales`` (drop v34): the tile's 128 A-row scales, then the
+#: B scale of each weight block (gate, up), padded to a multiple of 4 (16-byte aligned slots)
+SCALE_SLOT = 132
 
 
 def overlap_chunk(k_tiles: int, halves: int = 1) -> int:
@@ -186,7 +197,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
 
     def __init__(self, activation: str, scale_rows: bool = False, tile_n: Optional[int] = None,
                  num_stages: Optional[int] = None, raster_m: int = 1, overlap_promotion: bool = False,
-                 wide_gated: bool = False, cluster_n: int = 1):
+                 wide_gated: bool = False, cluster_n: int = 1, smem_scales: bool = False):
         if tile_n is None:
             tile_n = default_tile_n(activation)
         reason = can_implement(activation, 2 * FP8_BLOCK, FP8_BLOCK, 1, tile_n)
@@ -207,6 +218,10 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
             raise ValueError("cluster_n = 2 is for the plain TMA kernel (not requant, not gather_a)")
         # drop v28: 2 CTAs of a cluster take the two n-tiles of one m-tile and multicast A's halves
         self.cluster_n = int(cluster_n)
+        if smem_scales and self.gather_a:
+            raise ValueError("smem_scales is for the TMA producer (not gather_a)")
+        # drop v34: the producer warp stages each k-tile's scales in shared memory with its operands
+        self.smem_scales = bool(smem_scales)
         self.tile_m = 128
         self.tile_n = tile_n
         self.tile_k = FP8_BLOCK
@@ -243,6 +258,8 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
 
     def _num_stages(self, num_experts: int) -> int:
         per_stage = (self.tile_m + self.num_b * self.tile_n) * self.tile_k  # 1 byte per element
+        if self.smem_scales:
+            per_stage += SCALE_SLOT * 4
         reserved = 1024 + 8 * (num_experts + 2) + 1024
         reserved += self.epi_smem_elems * 2 * self.num_epi_bufs
         stages = min((self.smem_capacity - reserved) // per_stage, 8)
@@ -377,6 +394,20 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
             ]
 
         self.shared_storage = SharedStorage
+        if cutlass.const_expr(self.smem_scales):
+            @cute.struct
+            class SharedStorageScales:
+                mbar: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
+                sched_off: cute.struct.MemRange[cutlass.Int32, num_experts + 1]
+                sched_cum: cute.struct.MemRange[cutlass.Int32, num_experts + 1]
+                sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem_layout)], 1024]
+                sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem_layout)], 1024]
+                sC: cute.struct.Align[
+                    cute.struct.MemRange[self.c_dtype, self.epi_smem_elems * self.num_epi_bufs], 128
+                ]
+                sScale: cute.struct.Align[cute.struct.MemRange[self.acc_dtype, self.num_stages * SCALE_SLOT], 16]
+
+            self.shared_storage = SharedStorageScales
         # wide_gated: stage s's gate and up slots (2s, 2s + 1: 64 rows of 128 bytes each, 8-row swizzle
         # atoms) are the same bytes as one 128-row tile of stage s
         b_smem_layout_mma = b_smem_layout
@@ -478,6 +509,9 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
 
         sA = storage.sA.get_tensor(a_smem_layout.outer, swizzle=a_smem_layout.inner)
         sB = storage.sB.get_tensor(b_smem_layout.outer, swizzle=b_smem_layout.inner)
+        sScale = None  # smem_scales: stage s's scales at [s * SCALE_SLOT, (s + 1) * SCALE_SLOT)
+        if cutlass.const_expr(self.smem_scales):
+            sScale = storage.sScale.get_tensor(cute.make_layout(self.num_stages * SCALE_SLOT))
 
         n_tiles = self.n_tiles
         total_tiles = sCum[num_experts] * n_tiles
@@ -510,6 +544,12 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                         tAsA_p, tAgA = cpasync.tma_partition(
                             tma_atom_a, cta_rank, cute.make_layout(self.cluster_n), tAsA, cute.group_modes(gA, 0, 2)
                         )
+                        # smem_scales: lane l stages the scales of tile rows l + 32 j, clamped to
+                        # the expert's last row as the consumers did (clamped rows are never stored)
+                        sc_rows = None
+                        if cutlass.const_expr(self.smem_scales):
+                            sc_rows = [cutlass.min(row0 + lane + 32 * j, row_end - 1)
+                                       for j in range(self.tile_m // 32)]
                         for half in cutlass.range_constexpr(self.halves):
                             n0 = self._n0(n_tile, half)
                             tBgBs = []
@@ -524,7 +564,11 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                                 )
                                 tBgBs.append(tBgB)
                             for k_tile in range(k_tiles):
-                                ab_pipeline.producer_acquire(prod_state)
+                                if cutlass.const_expr(self.smem_scales):
+                                    self._stage_scales(ab_pipeline, prod_state, mAScale, mBScale, sScale, sc_rows,
+                                                       expert, n0, k_tile, lane)
+                                else:
+                                    ab_pipeline.producer_acquire(prod_state)
                                 bar = ab_pipeline.producer_get_barrier(prod_state)
                                 cute.copy(tma_atom_a, tAgA[(None, k_tile)], tAsA_p[(None, prod_state.index)],
                                           tma_bar_ptr=bar,
@@ -609,6 +653,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                 kept = None  # requant: half 0's bf16 outputs and row amaxes, for half 1
                 for half in cutlass.range_constexpr(self.halves):
                     n0 = self._n0(n_tile, half)
+                    sc = (mAScale, mBScale, sr_lo, sr_hi, expert, n0, sScale, r_lo, r_hi)  # for _scales
                     for h in cutlass.range_constexpr(self.n_mma):
                         accs[h].fill(0.0)
 
@@ -618,14 +663,14 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                         ab_pipeline.consumer_wait(state)
                         tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts, state.index, num_k_blocks)
                         state.advance()
-                        a_lo, a_hi, a_b0, a_b1 = self._scales(mAScale, mBScale, sr_lo, sr_hi, expert, n0, 0)
+                        a_lo, a_hi, a_b0, a_b1 = self._scales(sc, state, True, 0)
                         # pairs (t, t + 1) = (1 + 2p, 2 + 2p): t -> set B (parts2), t + 1 -> set A
                         for p in cutlass.range_constexpr((k_tiles - 1) // 2):  # unrolled: see OVERLAP_MAX_K_TILES
                             t = 1 + 2 * p
                             ab_pipeline.consumer_wait(state)
                             tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts2, state.index, num_k_blocks)
                             state.advance()
-                            b_lo, b_hi, b_b0, b_b1 = self._scales(mAScale, mBScale, sr_lo, sr_hi, expert, n0, t)
+                            b_lo, b_hi, b_b0, b_b1 = self._scales(sc, state, True, t)
                             warpgroup.wait_group(1)  # set A's group (t - 1) is done; B's may run
                             self._fence(parts, n_mma_elems)
                             ab_pipeline.consumer_release(rel)
@@ -634,7 +679,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                             ab_pipeline.consumer_wait(state)
                             tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts, state.index, num_k_blocks)
                             state.advance()
-                            a_lo, a_hi, a_b0, a_b1 = self._scales(mAScale, mBScale, sr_lo, sr_hi, expert, n0, t + 1)
+                            a_lo, a_hi, a_b0, a_b1 = self._scales(sc, state, True, t + 1)
                             warpgroup.wait_group(1)  # set B's group (t) is done
                             self._fence(parts2, n_mma_elems)
                             ab_pipeline.consumer_release(rel)
@@ -645,8 +690,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                             ab_pipeline.consumer_wait(state)
                             tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts2, state.index, num_k_blocks)
                             state.advance()
-                            b_lo, b_hi, b_b0, b_b1 = self._scales(mAScale, mBScale, sr_lo, sr_hi, expert, n0,
-                                                                  k_tiles - 1)
+                            b_lo, b_hi, b_b0, b_b1 = self._scales(sc, state, True, k_tiles - 1)
                             warpgroup.wait_group(1)
                             self._fence(parts, n_mma_elems)
                             ab_pipeline.consumer_release(rel)
@@ -674,13 +718,13 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                             ab_pipeline.consumer_wait(state)
                             tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts, state.index, num_k_blocks)
                             state.advance()
-                            a_lo, a_hi, a_b0, a_b1 = self._scales(mAScale, mBScale, sr_lo, sr_hi, expert, n0, k0)
+                            a_lo, a_hi, a_b0, a_b1 = self._scales(sc, state, True, k0)
                             for p in cutlass.range_constexpr(C // 2):
                                 t = k0 + 1 + 2 * p
                                 ab_pipeline.consumer_wait(state)
                                 tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts2, state.index, num_k_blocks)
                                 state.advance()
-                                b_lo, b_hi, b_b0, b_b1 = self._scales(mAScale, mBScale, sr_lo, sr_hi, expert, n0, t)
+                                b_lo, b_hi, b_b0, b_b1 = self._scales(sc, state, True, t)
                                 warpgroup.wait_group(1)  # set A's group (t - 1) is done; B's may run
                                 self._fence(parts, n_mma_elems)
                                 ab_pipeline.consumer_release(rel)
@@ -690,8 +734,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                                     ab_pipeline.consumer_wait(state)
                                     tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts, state.index, num_k_blocks)
                                     state.advance()
-                                    a_lo, a_hi, a_b0, a_b1 = self._scales(mAScale, mBScale, sr_lo, sr_hi, expert,
-                                                                          n0, t + 1)
+                                    a_lo, a_hi, a_b0, a_b1 = self._scales(sc, state, True, t + 1)
                                     warpgroup.wait_group(1)  # set B's group (t) is done
                                 else:  # t = k0 + C - 1, the chunk's last: drain
                                     warpgroup.wait_group(0)
@@ -704,7 +747,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                             ab_pipeline.consumer_wait(state)
                             tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts, state.index, num_k_blocks)
                             # scales of this k-tile: loaded while the WGMMAs run
-                            sa_lo, sa_hi, sb0, sb1 = self._scales(mAScale, mBScale, sr_lo, sr_hi, expert, n0, k_tile)
+                            sa_lo, sa_hi, sb0, sb1 = self._scales(sc, state, False, k_tile)
                             warpgroup.wait_group(0)
                             ab_pipeline.consumer_release(state)
                             state.advance()
@@ -866,13 +909,47 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         epi_barrier.arrive_and_wait()  # the staging buffer is free for the next unit
         return None
 
+    @cute.jit
+    def _stage_scales(self, ab_pipeline, prod_state, mAScale, mBScale, sScale, sc_rows, expert, n0, k_tile, lane):
+        """smem_scales (drop v34): the producer warp's ``producer_acquire`` with the k-tile's scales
+        written into the stage's slot before the stage's full barrier is armed. The loads are
+        issued before the wait for a free stage (their L2 latency hides behind it); after the
+        lanes' stores, a warp barrier orders them before the elected ``arrive.expect_tx``, whose
+        release the consumers acquire when they wait on the stage (no consumer-side global load)."""
+        a_sc = [mAScale[r, k_tile] for r in sc_rows]  # a comprehension: traced as plain Python
+        bsel = 0
+        if cutlass.const_expr(self.num_b > 1):
+            bsel = cutlass.min(lane, self.num_b - 1)
+        b_sc = mBScale[expert, (n0 + bsel * self.n_out) // FP8_BLOCK, k_tile]
+        ab_pipeline.sync_object_empty.wait(prod_state.index, prod_state.phase)
+        base = prod_state.index * SCALE_SLOT
+        for j in cutlass.range_constexpr(len(sc_rows)):
+            sScale[base + lane + 32 * j] = a_sc[j]
+        if lane < self.num_b:
+            sScale[base + self.tile_m + lane] = b_sc
+        cute.arch.sync_warp()
+        ab_pipeline.sync_object_full.arrive(prod_state.index, ab_pipeline.producer_mask)
+
     def _fence(self, parts, n_elems: int) -> None:
         """Pin every partial accumulator of one set (see :func:`_fence_operand`)."""
         for h in range(self.n_mma):
             _fence_operand(parts[h], n_elems)
 
-    def _scales(self, mAScale, mBScale, ra_lo, ra_hi, expert, n0, k_tile):
-        """(a_scale of the thread's two rows, b_scale of each accumulator) of one k-tile."""
+    def _scales(self, sc, state, behind: bool, k_tile):
+        """(a_scale of the thread's two rows, b_scale of each accumulator) of one k-tile. ``sc``:
+        ``(mAScale, mBScale, sr_lo, sr_hi, expert, n0, sScale, r_lo, r_hi)``; with smem_scales the
+        k-tile's stage slot, the stage of ``state`` (``behind``: the one before it)."""
+        mAScale, mBScale, ra_lo, ra_hi, expert, n0, sScale, r_lo, r_hi = sc
+        if self.smem_scales:
+            stage = state.index
+            if behind:
+                stage = (stage + (self.num_stages - 1)) % self.num_stages
+            base = stage * SCALE_SLOT
+            sb0 = sScale[base + self.tile_m]
+            sb1 = sb0
+            if self.num_b > 1:
+                sb1 = sScale[base + self.tile_m + 1]
+            return sScale[base + r_lo], sScale[base + r_hi], sb0, sb1
         sa_lo = mAScale[ra_lo, k_tile]
         sa_hi = mAScale[ra_hi, k_tile]
         sb0 = mBScale[expert, n0 // FP8_BLOCK, k_tile]
@@ -922,9 +999,9 @@ class Fp8SwigluRequantGroupedGemmSm90(Fp8BlockScaledGroupedGemmSm90):
     halves = 2
 
     def __init__(self, scale_rows: bool = False, num_stages: Optional[int] = None, raster_m: int = 1,
-                 overlap_promotion: bool = False, wide_gated: bool = False):
+                 overlap_promotion: bool = False, wide_gated: bool = False, smem_scales: bool = False):
         super().__init__("swiglu", scale_rows=scale_rows, tile_n=64, num_stages=num_stages, raster_m=raster_m,
-                         overlap_promotion=overlap_promotion, wide_gated=wide_gated)
+                         overlap_promotion=overlap_promotion, wide_gated=wide_gated, smem_scales=smem_scales)
         assert self.halves * self.tile_n == FP8_BLOCK and QPITCH * self.tile_m <= 2 * self.epi_smem_elems
 
     @cute.jit

@@ -7,6 +7,8 @@
                                       [--requant]           # + FC1 requantising its output (v21)
                                       [--wide]              # + FC1 with one m64n128 gate+up WGMMA (v21)
                                       [--gather]            # + FC1 gathering its A rows by index (v22)
+                                      [--cluster]           # + clusters of 2 CTAs multicasting A (v28)
+                                      [--smem-scales]       # + scales staged in smem by the producer (v34)
 
 Per model, FC1 (swiglu, w13 [E, 2I, H]) and FC2 (identity + router row scale, w2 [E, H, I]):
 * every machine: compile for sm_90a from fake tensors and check the PTX (FP8 WGMMA
@@ -22,7 +24,11 @@ Per model, FC1 (swiglu, w13 [E, 2I, H]) and FC2 (identity + router row scale, w2
 * ``--wide``: FC1 with ``wide_gated=True`` (one m64n128 WGMMA over the gate and up tiles) must
   match the default FC1 bit for bit; timed beside it (and, with ``--requant``, its requantising form);
 * ``--gather``: FC1 reading grouped row r from source row idx[r] (:mod:`.fp8_gather`) must match the
-  same FC1 on the gathered rows bit for bit; timed beside it (``--wide``: both wide).
+  same FC1 on the gathered rows bit for bit; timed beside it (``--wide``: both wide);
+* ``--smem-scales``: each kernel the MoE layer runs (FC1 wide gated, FC2 on single CTAs and in
+  clusters of 2; with ``--overlap`` both schedules, with ``--requant`` the requantising FC1) with
+  its scales staged in shared memory by the producer warp (drop v34) against the same kernel
+  reading them from global memory: the same bits (NaN-poisoned), then both times, interleaved.
 """
 
 from __future__ import annotations
@@ -98,18 +104,21 @@ def cute_args(a, a_scale, b, b_scale, c, offsets, row_scale, c_scale=None, idx=N
 def compile_variant(activation: str, n: int, k: int, num_experts: int, scale_rows: bool,
                     arch: str = "sm_90a", tile_n: Optional[int] = None,
                     num_stages: Optional[int] = None, raster_m: int = 1, overlap_promotion: bool = False,
-                    requant: bool = False, wide_gated: bool = False, gather_a: bool = False, cluster_n: int = 1):
+                    requant: bool = False, wide_gated: bool = False, gather_a: bool = False, cluster_n: int = 1,
+                    smem_scales: bool = False):
     """(kernel, compiled) for one variant, from fake tensors (no GPU needed), compiled once per
     process (the checks, the GPU runs and the tests share it); ``requant``: FC1's requantising
     variant, ``wide_gated``: FC1's one-WGMMA gate+up schedule (swiglu only); ``gather_a``: A rows
-    gathered by index (:mod:`.fp8_gather`); ``cluster_n`` = 2: clusters of 2 CTAs multicasting A."""
+    gathered by index (:mod:`.fp8_gather`); ``cluster_n`` = 2: clusters of 2 CTAs multicasting A;
+    ``smem_scales``: scales staged in shared memory by the producer warp (drop v34)."""
     return _compile_variant(activation, n, k, num_experts, bool(scale_rows), arch, tile_n, num_stages, int(raster_m),
-                            bool(overlap_promotion), bool(requant), bool(wide_gated), bool(gather_a), int(cluster_n))
+                            bool(overlap_promotion), bool(requant), bool(wide_gated), bool(gather_a), int(cluster_n),
+                            bool(smem_scales))
 
 
 @functools.lru_cache(maxsize=None)
 def _compile_variant(activation, n, k, num_experts, scale_rows, arch, tile_n, num_stages, raster_m,
-                     overlap_promotion, requant, wide_gated, gather_a=False, cluster_n=1):
+                     overlap_promotion, requant, wide_gated, gather_a=False, cluster_n=1, smem_scales=False):
     reason = can_implement(activation, n, k, num_experts, tile_n)
     if reason is None and requant and activation != "swiglu":
         reason = "requant needs swiglu"
@@ -119,12 +128,14 @@ def _compile_variant(activation, n, k, num_experts, scale_rows, arch, tile_n, nu
         raise ValueError(reason)
     if requant:
         kernel = Fp8SwigluRequantGroupedGemmSm90(scale_rows=scale_rows, num_stages=num_stages, raster_m=raster_m,
-                                                 overlap_promotion=overlap_promotion, wide_gated=wide_gated)
+                                                 overlap_promotion=overlap_promotion, wide_gated=wide_gated,
+                                                 smem_scales=smem_scales)
     else:
         cls = Fp8GatherGroupedGemmSm90 if gather_a else Fp8BlockScaledGroupedGemmSm90
         kernel = cls(activation, scale_rows=scale_rows, tile_n=tile_n, num_stages=num_stages, raster_m=raster_m,
                      overlap_promotion=overlap_promotion, wide_gated=wide_gated,
-                     **({"cluster_n": cluster_n} if cluster_n > 1 else {}))
+                     **({"cluster_n": cluster_n} if cluster_n > 1 else {}),
+                     **({"smem_scales": True} if smem_scales else {}))
     compiled = cute.compile(kernel, *fake_args(num_experts, n, k, activation, requant, gather_a),
                             options=f"--gpu-arch {arch} --keep-ptx")
     return kernel, compiled
@@ -183,11 +194,13 @@ class Fp8GroupedGemm:
     """One compiled variant, launched on CUDA tensors (classic path: pre-converted CuTe views)."""
 
     def __init__(self, activation, n, k, num_experts, scale_rows, tile_n=None, num_stages=None, raster_m=1,
-                 overlap_promotion=False, requant=False, wide_gated=False, gather_a=False, cluster_n=1):
+                 overlap_promotion=False, requant=False, wide_gated=False, gather_a=False, cluster_n=1,
+                 smem_scales=False):
         self.kernel, self.compiled = compile_variant(activation, n, k, num_experts, scale_rows,
                                                      tile_n=tile_n, num_stages=num_stages, raster_m=raster_m,
                                                      overlap_promotion=overlap_promotion, requant=requant,
-                                                     wide_gated=wide_gated, gather_a=gather_a, cluster_n=cluster_n)
+                                                     wide_gated=wide_gated, gather_a=gather_a, cluster_n=cluster_n,
+                                                     smem_scales=smem_scales)
         self.cluster_n = int(cluster_n)
         self.activation, self.n, self.k, self.scale_rows = activation, n, k, scale_rows
         self.n_out = n // 2 if activation == "swiglu" else n
@@ -274,7 +287,8 @@ def torch_baselines(a, a_s, b, b_s, offs, reps):
 
 
 def run_gpu(model: str, routing: str, reps: int, rasters=(1,), overlap: bool = False,
-            requant: bool = False, wide: bool = False, gather: bool = False, cluster: bool = False) -> bool:
+            requant: bool = False, wide: bool = False, gather: bool = False, cluster: bool = False,
+            smem: bool = False) -> bool:
     h, i, E, topk, tokens = MODELS[model]
     m_total = tokens * topk
     ok_all = True
@@ -321,6 +335,9 @@ def run_gpu(model: str, routing: str, reps: int, rasters=(1,), overlap: bool = F
             ok_all &= check_wide(fn, a, a_s, b, b_s, offs, rs, out, E, n, k, sr, rasters[0], overlap, reps)
         if cluster:
             ok_all &= check_cluster(out, a, a_s, b, b_s, offs, rs, E, n, k, act, sr, rasters[0], overlap, reps)
+        if smem:
+            ok_all &= check_smem_scales(out, a, a_s, b, b_s, offs, rs, E, n, k, act, sr, rasters[0], overlap, requant,
+                                        reps)
         if gather and act == "swiglu":
             ok_all &= check_gather(a, a_s, b, b_s, offs, rs, out, E, n, k, sr, rasters[0], overlap, wide, reps)
         if requant and act == "swiglu":
@@ -389,6 +406,61 @@ def check_cluster(out, a, a_s, b, b_s, offs, rs, E, n, k, act, sr, raster_m, ove
         print(f"    cluster_n=2{' overlap' if ov else ''}{' wide' if wide else ''}: bit-identical={same}; {cm:.3f} ms = "
               f"{flops / cm / 1e9:.1f} TFLOP/s vs {bm:.3f} ms = {flops / bm / 1e9:.1f} ({bm / cm:.2f}x; rounds "
               f"{' '.join(f'{x:.3f}' for x in cms)} / {' '.join(f'{x:.3f}' for x in bms)})", flush=True)
+    return ok_all
+
+
+def smem_scale_configs(act: str, n: int, k: int, overlap: bool, requant: bool):
+    """The ``(overlap_promotion, cluster_n, requant)`` kernels ``--smem-scales`` compares: those the
+    layer runs (FC1 wide gated on single CTAs, FC2 on single CTAs and in clusters of 2)."""
+    ovs = (False, True) if overlap and overlap_buildable(k) else (False,)
+    if act == "swiglu":
+        return [(ov, 1, rq) for ov in ovs for rq in ((False, True) if requant else (False,))]
+    clusters = (1, 2) if (n // 128) % 2 == 0 else (1,)
+    return [(ov, cn, False) for ov in ovs for cn in clusters]
+
+
+def check_smem_scales(out, a, a_s, b, b_s, offs, rs, E, n, k, act, sr, raster_m, overlap, requant, reps) -> bool:
+    """Scales staged in smem by the producer (drop v34) against the same kernel reading them from
+    global memory (``out``: the default kernel's bf16 result): the same bits (NaN-poisoned; the
+    requantising FC1: its e4m3 rows and scales), then both times, interleaved over two rounds."""
+    ok_all = True
+    m_total = out.shape[0]
+    flops = 2.0 * m_total * n * k
+    wide = act == "swiglu"
+    for ov, cn, rq in smem_scale_configs(act, n, k, overlap, requant):
+        pair, outs = [], []
+        for smem in (False, True):
+            fn = Fp8GroupedGemm(act, n, k, E, sr, raster_m=raster_m, overlap_promotion=ov, wide_gated=wide,
+                                cluster_n=cn, requant=rq, smem_scales=smem)
+            if rq:
+                o = (torch.full((m_total, fn.n_out), 0x7F, dtype=torch.uint8, device="cuda"),
+                     torch.full((m_total, fn.n_out // FP8_BLOCK), float("nan"), dtype=torch.float32, device="cuda"))
+                args = fn.prepare(a, a_s, b, b_s, o[0], offs, rs, o[1])
+            else:
+                o = (torch.full_like(out, float("nan")),)
+                args = fn.prepare(a, a_s, b, b_s, o[0], offs, rs)
+            fn.launch(args)
+            pair.append((fn, args))
+            outs.append(o)
+        torch.cuda.synchronize()
+        same = all(torch.equal(x, y) for x, y in zip(outs[0], outs[1]))
+        if not rq:
+            same = same and torch.equal(outs[0][0], out)
+        if not same:
+            bad = ((outs[1][0] != outs[0][0]) & ~(outs[1][0].float().isnan() & outs[0][0].float().isnan())).any(dim=1)
+            print(f"    smem_scales: {int(bad.sum())} of {m_total} rows differ, first {bad.nonzero().flatten()[:8].tolist()}",
+                  flush=True)
+        ok_all &= same
+        gms, sms = [], []
+        for _ in range(2):
+            gms.append(time_fn(lambda: pair[0][0].launch(pair[0][1]), reps))
+            sms.append(time_fn(lambda: pair[1][0].launch(pair[1][1]), reps))
+        gm, sm = min(gms), min(sms)
+        tag = (" overlap" if ov else "") + (" wide" if wide else "") + (" cluster2" if cn > 1 else "") + \
+            (" requant" if rq else "")
+        print(f"    smem_scales{tag}: bit-identical={same}; {sm:.3f} ms = {flops / sm / 1e9:.1f} TFLOP/s vs "
+              f"{gm:.3f} ms = {flops / gm / 1e9:.1f} ({gm / sm:.2f}x; rounds {' '.join(f'{x:.3f}' for x in sms)} / "
+              f"{' '.join(f'{x:.3f}' for x in gms)})", flush=True)
     return ok_all
 
 
@@ -467,7 +539,7 @@ def check_requant(fn, a, a_s, b, b_s, offs, rs, out, E, n, k, sr, raster_m, over
 
 
 def run_compile(model: str, overlap: bool = False, requant: bool = False, wide: bool = False,
-                raster_m: int = 1, gather: bool = False, cluster: bool = False) -> bool:
+                raster_m: int = 1, gather: bool = False, cluster: bool = False, smem: bool = False) -> bool:
     _, _, E, _, _ = MODELS[model]
     ok_all = True
     variants = [(spec, ov, False, False, False) for spec in layers(model)
@@ -480,16 +552,20 @@ def run_compile(model: str, overlap: bool = False, requant: bool = False, wide: 
                      for w in ((False, True) if wide else (False,))]
     if gather:
         variants += [(spec, ov, False, wide, True) for spec, ov, _, _, _ in gated]
-    variants = [v + (1,) for v in variants]
+    variants = [v + (1, False) for v in variants]
     if cluster:  # check_cluster's variants: FC1 wide gated, clusters of 2
-        variants += [(spec, ov, False, spec[1] == "swiglu", False, 2) for spec in layers(model)
+        variants += [(spec, ov, False, spec[1] == "swiglu", False, 2, False) for spec in layers(model)
                      for ov in ((False, True) if overlap and overlap_buildable(spec[3]) else (False,))]
-    for (name, act, n, k, sr), ov, rq, w, g, cn in variants:
+    if smem:  # check_smem_scales's variants, both ways
+        variants += [(spec, ov, rq, spec[1] == "swiglu", False, cn, sm) for spec in layers(model)
+                     for ov, cn, rq in smem_scale_configs(spec[1], spec[2], spec[3], overlap, requant)
+                     for sm in (False, True)]
+    for (name, act, n, k, sr), ov, rq, w, g, cn, sm in variants:
         t0 = time.time()
         kernel, compiled = compile_variant(act, n, k, E, sr, raster_m=raster_m, overlap_promotion=ov, requant=rq,
-                                           wide_gated=w, gather_a=g, cluster_n=cn)
+                                           wide_gated=w, gather_a=g, cluster_n=cn, smem_scales=sm)
         name = name + (" overlap" if ov else "") + (" requant" if rq else "") + (" wide" if w else "") + \
-            (" gather" if g else "") + (" cluster2" if cn > 1 else "")
+            (" gather" if g else "") + (" cluster2" if cn > 1 else "") + (" smem_scales" if sm else "")
         r = ptx_report(kernel, compiled)
         ok = r["fp8_wgmma"] and r["tma"] and r["pdl"] and not r["local"] and r["ptxas_spill_bytes"] in (0, None)
         ok_all &= ok
@@ -513,16 +589,18 @@ def main(argv=None):
                    help="also FC1 gathering its A rows by index (checked bit-identical, timed)")
     p.add_argument("--cluster", action="store_true",
                    help="also clusters of 2 CTAs multicasting A (checked bit-identical, timed)")
+    p.add_argument("--smem-scales", action="store_true",
+                   help="also every layer kernel with its scales staged in smem (checked bit-identical, timed)")
     p.add_argument("--raster-m", default="1", help="m-tiles per raster group, comma-separated: each is timed, "
                                                   "the first is also checked")
     args = p.parse_args(argv)
     rasters = tuple(int(r) for r in args.raster_m.split(",") if r.strip())
     ok = run_compile(args.model, args.overlap, args.requant, args.wide, rasters[0], args.gather,
-                     args.cluster)  # what the GPU runs
+                     args.cluster, args.smem_scales)  # what the GPU runs
     if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
         torch.backends.cuda.matmul.allow_tf32 = False
         ok &= run_gpu(args.model, args.routing, args.reps, rasters, args.overlap, args.requant, args.wide, args.gather,
-                      args.cluster)
+                      args.cluster, args.smem_scales)
     else:
         print("no SM90 GPU: compile checks only")
     raise SystemExit(0 if ok else 1)

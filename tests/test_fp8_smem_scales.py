@@ -1,0 +1,163 @@
+"""Drop v34: the FP8 grouped GEMM's scales staged in shared memory (``smem_scales=True``). The
+producer warp loads each k-tile's 128 A-row scales and the weight block's scale(s) before it
+waits for a free stage, stores them into the stage's slot and only then arms the stage's full
+barrier, so the consumers read them from shared memory instead of waiting on global loads after
+issuing the k-tile's WGMMAs. CPU: the PTX (loads before the wait, a warp barrier between the
+stores and the barrier's arrive), no spills, the refusals, the shim's switch. GPU: the same bits
+as the global-memory kernel on every schedule the layer runs, every row written, and float64
+agreement."""
+
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass")
+
+from moe_ep.shim import drop_src, register_drop  # noqa: E402
+
+register_drop(drop_src("sm90", "megamoe"))
+
+from moe_oracle import fp8_gemm_problem  # noqa: E402
+from sm90_megamoe import fp8_reference as ref  # noqa: E402
+
+
+def _sm90():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+
+
+def _producer_blocks(ptx: str):
+    """The PTX between each free-stage wait and the arrive that arms the stage's full barrier."""
+    return re.findall(r"mbarrier\.try_wait[^\n]*\n((?:(?!mbarrier\.try_wait).)*?)mbarrier\.arrive\.expect_tx",
+                      ptx, flags=re.S)
+
+
+# ---------------------------------------------------------------------------- compile (CPU)
+@pytest.mark.parametrize("act,n,k,experts,kw", [
+    ("swiglu", 1536, 2048, 128, dict(wide_gated=True)),                            # Qwen3 FC1
+    ("identity", 2048, 768, 128, dict(overlap_promotion=True)),                    # Qwen3 FC2
+    ("identity", 4096, 14336, 8, dict(cluster_n=2)),                               # Mixtral FC2
+    ("swiglu", 28672, 4096, 8, dict(wide_gated=True, overlap_promotion=True, requant=True)),  # v33's requant
+])
+def test_smem_scales_ptx(act, n, k, experts, kw):
+    from sm90_megamoe.fp8_runner import compile_variant, ptx_report
+
+    kernel, compiled = compile_variant(act, n, k, experts, act == "identity", raster_m=16, smem_scales=True, **kw)
+    ptx = compiled.__ptx__
+    blocks = _producer_blocks(ptx)
+    assert blocks and ptx.count("mbarrier.arrive.expect_tx") == ptx.count("bar.warp.sync")
+    for body in blocks:  # stores of the staged scales, then the warp barrier, then the arrive
+        assert "st.shared.b32" in body and "bar.warp.sync" in body
+        assert body.rfind("bar.warp.sync") > body.rfind("st.shared.b32")
+    r = ptx_report(kernel, compiled)
+    assert r["fp8_wgmma"] and r["tma"] and r["pdl"] and not r["local"]
+    if r["ptxas_spill_bytes"] is not None:
+        assert r["ptxas_spill_bytes"] == 0, r
+    # one slot of SCALE_SLOT float32 per stage, still inside the 227 KB of an SM90 CTA
+    from sm90_megamoe.fp8_gemm import SCALE_SLOT
+
+    assert SCALE_SLOT >= kernel.tile_m + kernel.num_b and SCALE_SLOT % 4 == 0
+    assert r["smem_bytes"] <= 227 * 1024 and kernel.num_stages >= 4
+
+
+def test_global_scale_kernel_is_unchanged():
+    """Without the switch the kernel has no staging code (v33's schedule: consumers load scales)."""
+    from sm90_megamoe.fp8_runner import compile_variant
+
+    _, compiled = compile_variant("identity", 2048, 768, 128, True, raster_m=16, overlap_promotion=True)
+    assert "bar.warp.sync" not in compiled.__ptx__
+
+
+def test_smem_scales_refusals():
+    from sm90_megamoe.fp8_gather import Fp8GatherGroupedGemmSm90
+    from sm90_megamoe.fp8_launch import CompiledFp8Gemm
+
+    with pytest.raises(ValueError, match="smem_scales is for the TMA producer"):
+        Fp8GatherGroupedGemmSm90("swiglu", smem_scales=True)
+    with pytest.raises(ValueError, match="smem_scales does not combine with gather_a"):
+        CompiledFp8Gemm("swiglu", 1536, 2048, 8, gather_a=True, smem_scales=True)
+
+
+def test_shim_switch_and_key(monkeypatch):
+    from moe_ep.shim.drops import sm90_megamoe_fp8 as s
+
+    monkeypatch.delenv("MOE_EP_FP8_SMEM_SCALES", raising=False)
+    default = s.use_fp8_smem_scales()
+    assert s._key("gemm", "identity", 4096, 14336, 8, True).smem_scales == default
+    for v, on in (("1", True), ("0", False)):
+        monkeypatch.setenv("MOE_EP_FP8_SMEM_SCALES", v)
+        assert s.use_fp8_smem_scales() is on
+        assert s._key("gemm", "identity", 4096, 14336, 8, True).smem_scales is on
+        assert s._key("gemm", "swiglu", 1536, 2048, 128, False, requant=True).smem_scales is on
+        # the gathering FC1 has its own producer, the quantisers no scales to stage
+        assert s._key("gemm", "swiglu", 1536, 2048, 128, False, gather_a=True).smem_scales is False
+        assert s._key("quantize", "", 0, 2048, 0, False).smem_scales is False
+
+
+# ---------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("routing", ["uniform", "skewed"])
+@pytest.mark.parametrize("act,n,k,kw,m_total", [
+    ("swiglu", 1536, 2048, dict(wide_gated=True), 5000),                           # Qwen3 FC1
+    ("swiglu", 1536, 2048, dict(wide_gated=True, overlap_promotion=True), 700),
+    ("swiglu", 1536, 2048, dict(), 300),                                           # two B tiles per stage
+    ("identity", 2048, 768, dict(overlap_promotion=True), 5000),                   # Qwen3 FC2 + router weights
+    ("identity", 2048, 768, dict(overlap_promotion=True, cluster_n=2), 2000),
+    ("identity", 1024, 8192, dict(cluster_n=2), 3000),                             # long K, plain schedule
+    ("identity", 512, 8192, dict(overlap_promotion=True), 1000),                   # chunked overlapped schedule
+    ("identity", 1024, 1024, dict(), 1),                                           # one row
+])
+def test_gpu_smem_scales_is_bit_identical(act, n, k, kw, m_total, routing):
+    """Staged scales give the global-memory kernel's bits (the same products and sums: only where
+    each scale is read from differs), every row written (NaN-poisoned output), and agree with a
+    float64 computation of the quantised problem."""
+    _sm90()
+    from sm90_megamoe.fp8_runner import Fp8GroupedGemm
+
+    E, sr = 16, act == "identity"
+    a, a_s, b, b_s, offs, rs = (None if t is None else t.cuda()
+                                for t in fp8_gemm_problem(m_total, n, k, E, routing, 70 + m_total, sr))
+    outs = []
+    for smem in (False, True):
+        fn = Fp8GroupedGemm(act, n, k, E, sr, raster_m=16, smem_scales=smem, **kw)
+        out = torch.full((m_total, fn.n_out), float("nan"), dtype=torch.bfloat16, device="cuda")
+        fn.launch(fn.prepare(a, a_s, b, b_s, out, offs, rs))
+        outs.append(out)
+    torch.cuda.synchronize()
+    assert not bool(torch.isnan(outs[1]).any()), "rows left unwritten (NaN poison survived)"
+    assert torch.equal(outs[0], outs[1])
+    want = ref.fp8_grouped_gemm_reference(a.cpu(), a_s.cpu(), b.cpu(), b_s.cpu(), offs.cpu(), act,
+                                          None if rs is None else rs.cpu(), dtype=torch.float64)
+    rel = float((outs[1].double().cpu() - want).norm() / want.norm().clamp_min(1e-30))
+    assert rel < 1e-2, rel
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("wide", [False, True])
+def test_gpu_smem_scales_requant_is_bit_identical(wide):
+    """The requantising FC1 (two 64-column halves per unit: each half stages its own weight-block
+    scales) with staged scales writes the global-memory kernel's e4m3 rows and scales."""
+    _sm90()
+    from sm90_megamoe.fp8_runner import Fp8GroupedGemm
+
+    E, n, k, m_total = 8, 1024, 1024, 2500
+    a, a_s, b, b_s, offs, _ = (None if t is None else t.cuda()
+                               for t in fp8_gemm_problem(m_total, n, k, E, "skewed", 11, False))
+    outs = []
+    for smem in (False, True):
+        fn = Fp8GroupedGemm("swiglu", n, k, E, False, raster_m=16, overlap_promotion=True, requant=True,
+                            wide_gated=wide, smem_scales=smem)
+        q = torch.full((m_total, n // 2), 0x7F, dtype=torch.uint8, device="cuda")  # e4m3 NaN
+        s = torch.full((m_total, n // 2 // 128), float("nan"), dtype=torch.float32, device="cuda")
+        fn.launch(fn.prepare(a, a_s, b, b_s, q, offs, None, s))
+        outs.append((q, s))
+    torch.cuda.synchronize()
+    assert torch.isfinite(outs[1][1]).all(), "scales left unwritten"
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    # and the values are FC1's: dequantised, against float64 (e4m3 keeps ~3 bits: a loose bound)
+    want = ref.fp8_grouped_gemm_reference(a.cpu(), a_s.cpu(), b.cpu(), b_s.cpu(), offs.cpu(), "swiglu",
+                                          dtype=torch.float64)
+    got = (outs[1][0].cpu().view(torch.float8_e4m3fn).double().view(m_total, -1, 128)
+           * outs[1][1].cpu().double().unsqueeze(-1)).view(m_total, -1)
+    assert float((got - want).norm() / want.norm()) < 5e-2
