@@ -48,6 +48,8 @@
 #                once more, then the decode sweep with (PDL, token grid, layout chunks) = (0,0,all) (1,0,all)
 #                (0,1,all) (0,1,32) (0,1,8) (1,1,32), and the FP8 layer's decode sweep
 #                -> $OUT/decode_p*g*c*.{log,csv}. Each half is meant to fit one 600 s device call.
+# envab:         the layer (MODELS, QUANT) under each setting of ENVAB ('|'-separated, each a list of
+#                VAR=value), interleaved, ENVAB_ROUNDS (2) rounds -> $OUT/envab_s<i>_r<r>.{log,csv}.
 # decide:        (SM90_MEGAMOE_PDL, MOE_EP_LOCAL_ROUTE) in {0,1}x{0,1} interleaved, 3 rounds, Qwen3 + Mixtral
 #                decode at 1,8,128 tokens -> $OUT/decide_p<p>l<l>_r<r>.csv and the per-setting median over the rounds (run-to-run spread
 #                at 128 tokens is 3-6 us, as large as the effects to decide on).
@@ -64,7 +66,7 @@
 #   MOE_EP_COMMIT (the commit to print when the copy on the host has no .git).
 set -uo pipefail
 mode=${1:-all}
-modes="all|moe|fi|liger|extra|verify|verify2|ncu|layers|fp8ab|decide|decode|suite|suite1|suite2|suite3"
+modes="all|moe|fi|liger|extra|verify|verify2|ncu|layers|fp8ab|envab|decide|decode|suite|suite1|suite2|suite3"
 case "|$modes|" in *"|$mode|"*) ;; *) echo "usage: bash bench/h200_session.sh [$modes]" >&2; exit 2 ;; esac
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -171,6 +173,16 @@ if [ "$mode" = verify ]; then
     step "FP8 layer, smem scales $v, round $r" "$OUT/verify_fp8_sm${v}_r$r.log" -- env MOE_EP_FP8_SMEM_SCALES=$v \
         python3 -m moe_ep.bench --model "${VERIFY_MODELS:-qwen3,mixtral}" --tokens "$TOKENS" --iters "$ITERS" \
         --quant fp8_block128 --no-reference --no-decode --csv "$OUT/verify_fp8_sm${v}_r$r.csv"
+  done; done
+fi
+if [ "$mode" = envab ]; then
+  # settings compared on the layer (QUANT, MODELS), interleaved, ENVAB_ROUNDS (2) rounds: ENVAB is a
+  # '|'-separated list of settings, each a space-separated list of VAR=value (empty: the defaults)
+  IFS='|' read -r -a settings <<< "${ENVAB:-}"
+  for r in $(seq 1 "${ENVAB_ROUNDS:-2}"); do for i in "${!settings[@]}"; do
+    # shellcheck disable=SC2086
+    step "layer, setting $i (${settings[$i]:-defaults}), round $r" "$OUT/envab_s${i}_r$r.log" -- env ${settings[$i]} \
+        python3 -m moe_ep.bench "${common[@]}" --no-reference --no-decode --csv "$OUT/envab_s${i}_r$r.csv"
   done; done
 fi
 if [ "$mode" = ncu ]; then
