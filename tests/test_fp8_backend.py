@@ -62,8 +62,8 @@ def test_every_kernel_compiles_without_a_gpu(monkeypatch, tmp_path):
 
 
 def test_overlap_schedule_is_default_and_limited_to_short_k(monkeypatch, tmp_path):
-    """The overlapped-promotion GEMMs are the default for K <= 4096 only (a separate cache entry
-    from the plain schedule, which MOE_EP_FP8_OVERLAP=0 selects); longer K opt-in, in chunks."""
+    """The overlapped-promotion GEMMs are the default (a separate cache entry from the plain
+    schedule, which MOE_EP_FP8_OVERLAP=0 selects); beyond 32 k-tiles in chunks (an even K/128)."""
     monkeypatch.setenv("MOE_EP_CACHE_DIR", str(tmp_path))
     from moe_ep.shim import COMPILE_EVENTS, sm90_compiled_fp8_gemm
     from moe_ep.shim.drops.sm90_megamoe_fp8 import use_fp8_overlap
@@ -71,18 +71,20 @@ def test_overlap_schedule_is_default_and_limited_to_short_k(monkeypatch, tmp_pat
     monkeypatch.setenv("MOE_EP_FP8_OVERLAP", "0")
     assert not use_fp8_overlap(768)
     monkeypatch.delenv("MOE_EP_FP8_OVERLAP", raising=False)
-    assert use_fp8_overlap(768) and use_fp8_overlap(4096) and not use_fp8_overlap(14336)
+    monkeypatch.delenv("MOE_EP_FP8_CHUNKED_OVERLAP", raising=False)
+    # beyond 32 k-tiles in chunks (drop v25; default since the twelfth session), only for an even K/128
+    assert use_fp8_overlap(768) and use_fp8_overlap(4096) and use_fp8_overlap(14336)
+    assert not use_fp8_overlap(33 * 128)
     # the wide gated FC1 overlaps only from K = 4096 (H200: Qwen3's K 2048 is faster without)
     assert not use_fp8_overlap(2048, wide_gated=True) and use_fp8_overlap(4096, wide_gated=True)
-    assert not use_fp8_overlap(14336, wide_gated=True)
+    assert use_fp8_overlap(14336, wide_gated=True)
     monkeypatch.setenv("MOE_EP_FP8_WIDE_OVERLAP", "1")
-    assert use_fp8_overlap(2048, wide_gated=True) and not use_fp8_overlap(14336, wide_gated=True)
+    assert use_fp8_overlap(2048, wide_gated=True) and use_fp8_overlap(14336, wide_gated=True)
     monkeypatch.setenv("MOE_EP_FP8_WIDE_OVERLAP", "0")
     assert not use_fp8_overlap(4096, wide_gated=True) and use_fp8_overlap(4096)
     monkeypatch.delenv("MOE_EP_FP8_WIDE_OVERLAP")
-    # beyond 32 k-tiles only with MOE_EP_FP8_CHUNKED_OVERLAP=1 (drop v25), and only for an even K/128
-    monkeypatch.setenv("MOE_EP_FP8_CHUNKED_OVERLAP", "1")
-    assert use_fp8_overlap(14336) and use_fp8_overlap(14336, wide_gated=True) and not use_fp8_overlap(33 * 128)
+    monkeypatch.setenv("MOE_EP_FP8_CHUNKED_OVERLAP", "0")  # K > 32 * 128 back on the plain schedule
+    assert not use_fp8_overlap(14336) and not use_fp8_overlap(14336, wide_gated=True) and use_fp8_overlap(4096)
     monkeypatch.delenv("MOE_EP_FP8_CHUNKED_OVERLAP")
     # the two schedules are two cache entries: the same shape compiles once per schedule
     plain_events = []

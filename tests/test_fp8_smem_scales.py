@@ -83,13 +83,16 @@ def test_shim_switch_and_key(monkeypatch):
     from moe_ep.shim.drops import sm90_megamoe_fp8 as s
 
     monkeypatch.delenv("MOE_EP_FP8_SMEM_SCALES", raising=False)
-    default = s.use_fp8_smem_scales()
-    assert s._key("gemm", "identity", 4096, 14336, 8, True).smem_scales == default
+    assert s.use_fp8_smem_scales() is False  # opt-in
+    assert s._key("gemm", "identity", 4096, 14336, 8, True, overlap_promotion=True).smem_scales is False
     for v, on in (("1", True), ("0", False)):
         monkeypatch.setenv("MOE_EP_FP8_SMEM_SCALES", v)
-        assert s.use_fp8_smem_scales() is on
-        assert s._key("gemm", "identity", 4096, 14336, 8, True).smem_scales is on
-        assert s._key("gemm", "swiglu", 1536, 2048, 128, False, requant=True).smem_scales is on
+        assert s.use_fp8_smem_scales() is on and s.use_fp8_smem_scales(False) is False
+        # only on the overlapped schedule (slower on the plain one, H200)
+        assert s._key("gemm", "identity", 4096, 14336, 8, True, overlap_promotion=True).smem_scales is on
+        assert s._key("gemm", "identity", 4096, 14336, 8, True, overlap_promotion=False).smem_scales is False
+        assert s._key("gemm", "swiglu", 1536, 2048, 128, False, overlap_promotion=True,
+                      requant=True).smem_scales is on
         # the gathering FC1 has its own producer, the quantisers no scales to stage
         assert s._key("gemm", "swiglu", 1536, 2048, 128, False, gather_a=True).smem_scales is False
         assert s._key("quantize", "", 0, 2048, 0, False).smem_scales is False

@@ -48,13 +48,15 @@ def use_fp8_overlap(k: int, wide_gated: bool = False) -> bool:
     overlapped, Mixtral FC1 (K 4096) 3.924 vs 3.665. ``MOE_EP_FP8_WIDE_OVERLAP=1`` / ``0`` force it.
 
     Beyond 32·128 (Mixtral FC2, K 14336) the schedule runs in chunks of k-tiles (drop v26,
-    :func:`fp8_overlap_chunk`) only with ``MOE_EP_FP8_CHUNKED_OVERLAP=1``: bit-identical on the H200
-    but no faster (drop runner 2.088 vs 2.039 ms and 1.950 vs 1.928 in two calls)."""
+    :func:`fp8_overlap_chunk`; an even K/128): bit-identical on the H200, the default since the
+    twelfth session (the Mixtral FP8 layer, CUDA graph, two interleaved rounds: 976.0 / 984.7
+    TFLOP/s against 945.4 / 949.1 with FC2 on the plain schedule; the drop runner alone had shown
+    no gain). ``MOE_EP_FP8_CHUNKED_OVERLAP=0`` turns it off."""
     if os.environ.get("MOE_EP_FP8_OVERLAP", "1") == "0":
         return False
     k_tiles = k // CONSTANTS.value("sm90_megamoe.fp8_gemm", "FP8_BLOCK")
     if k_tiles > CONSTANTS.value("sm90_megamoe.fp8_gemm", "OVERLAP_MAX_K_TILES"):
-        if os.environ.get("MOE_EP_FP8_CHUNKED_OVERLAP", "0") != "1" or not fp8_overlap_chunk(k):
+        if os.environ.get("MOE_EP_FP8_CHUNKED_OVERLAP", "1") == "0" or not fp8_overlap_chunk(k):
             return False
     if not wide_gated:
         return True
@@ -90,13 +92,15 @@ def use_fp8_cluster(activation: str, n: int, k: int) -> int:
     return 2 if (n_out // tile_n) % 2 == 0 else 1
 
 
-def use_fp8_smem_scales() -> bool:
-    """The TMA-fed FP8 GEMMs (all but the gathering one) stage each k-tile's scales in shared
-    memory from the producer warp (drop v34, ``smem_scales``) instead of every consumer thread
-    loading them from global memory after issuing the k-tile's WGMMAs: bit-identical; the
-    consumers' scale loads were a third of Mixtral FC2's stall cycles (Nsight Compute, eleventh
-    session). ``MOE_EP_FP8_SMEM_SCALES=0`` / ``1`` turns it off / on."""
-    return os.environ.get("MOE_EP_FP8_SMEM_SCALES", "0") == "1"
+def use_fp8_smem_scales(overlap_promotion: bool = True) -> bool:
+    """The TMA-fed FP8 GEMMs (all but the gathering one) on the overlapped-promotion schedule
+    stage each k-tile's scales in shared memory from the producer warp (drop v34,
+    ``smem_scales``) instead of every consumer thread loading them from global memory after
+    issuing the k-tile's WGMMAs: bit-identical (H200). Only with ``MOE_EP_FP8_SMEM_SCALES=1``, and
+    never on the plain schedule: drop runner, twelfth session, staged / global, plain schedule
+    Qwen3 wide FC1 0.89x, Mixtral wide FC1 0.91x, Mixtral FC2 in clusters 0.83x; overlapped
+    Qwen3 wide FC1 1.08x, Qwen3 FC2 in clusters 1.06x, Mixtral FC2 in clusters 1.04x."""
+    return bool(overlap_promotion) and os.environ.get("MOE_EP_FP8_SMEM_SCALES", "0") == "1"
 
 
 def use_fp8_wide_gated(activation: str) -> bool:
@@ -149,7 +153,7 @@ def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_row
                   num_experts, bool(scale_rows), use_tvm_ffi(), int(raster_m), bool(overlap_promotion),
                   bool(requant), kind == "gemm" and use_fp8_wide_gated(activation), bool(gather_a),
                   use_fp8_cluster(activation, n, k) if plain else 1,
-                  kind == "gemm" and not gather_a and use_fp8_smem_scales())
+                  kind == "gemm" and not gather_a and use_fp8_smem_scales(overlap_promotion))
 
 
 def compiled_fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
@@ -195,7 +199,7 @@ def fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool
         activation=activation, n=n, k=k, num_experts=num_experts, scale_rows=bool(scale_rows), compiled=compiled,
         tvm_ffi=use_tvm_ffi(), raster_m=pick_fp8_raster_m(k), overlap_promotion=compiled_key_overlap(activation, k),
         requant=bool(requant), wide_gated=use_fp8_wide_gated(activation), gather_a=bool(gather_a), cluster_n=cluster_n,
-        smem_scales=not gather_a and use_fp8_smem_scales())
+        smem_scales=not gather_a and use_fp8_smem_scales(compiled_key_overlap(activation, k)))
 
 
 def compiled_fp8_quantize_rows(k: int, gather: bool = False, scatter_topk: int = 0) -> Any:
