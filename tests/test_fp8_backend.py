@@ -46,8 +46,10 @@ def test_every_kernel_compiles_without_a_gpu(monkeypatch, tmp_path):
     seen = len(COMPILE_EVENTS)
     prebuild(MoEConfig(max_tokens_per_rank=64, quant="fp8_block128", **QWEN), 1, kernels=("fc1", "fc2"))
     names = [e.name for e in COMPILE_EVENTS[seen:]]
-    # default: the scattering quantiser for FC1's input (the fused gather path, each token once)
-    assert names == ["fp8_gemm_swiglu", "fp8_scatter_quantize_rows", "fp8_gemm_identity", "fp8_quantize_rows"]
+    # default: the scattering quantiser for FC1's input (the fused gather path, each token once);
+    # Qwen3's GEMMs (K 2048, 768) on the short-K schedule: staged scales, clusters of 2
+    assert names == ["fp8_gemm_swiglu_cluster2", "fp8_scatter_quantize_rows", "fp8_gemm_identity_cluster2",
+                     "fp8_quantize_rows"]
     # MOE_EP_FP8_SCATTER_QUANT=0: the gathering quantiser (each grouped row from its token)
     monkeypatch.setenv("MOE_EP_FP8_SCATTER_QUANT", "0")
     seen = len(COMPILE_EVENTS)
@@ -72,6 +74,11 @@ def test_overlap_schedule_is_default_and_limited_to_short_k(monkeypatch, tmp_pat
     assert not use_fp8_overlap(768)
     monkeypatch.delenv("MOE_EP_FP8_OVERLAP", raising=False)
     monkeypatch.delenv("MOE_EP_FP8_CHUNKED_OVERLAP", raising=False)
+    monkeypatch.delenv("MOE_EP_FP8_SMEM_SCALES", raising=False)
+    # with staged scales (K <= 2048 by default) the wide gated FC1 overlaps at any K
+    assert use_fp8_overlap(2048, wide_gated=True) and use_fp8_overlap(1024, wide_gated=True)
+    assert not use_fp8_overlap(2560, wide_gated=True) and use_fp8_overlap(4096, wide_gated=True)
+    monkeypatch.setenv("MOE_EP_FP8_SMEM_SCALES", "0")  # global scales: the rule below
     # beyond 32 k-tiles in chunks (drop v25; default since the twelfth session), only for an even K/128
     assert use_fp8_overlap(768) and use_fp8_overlap(4096) and use_fp8_overlap(14336)
     assert not use_fp8_overlap(33 * 128)
@@ -86,6 +93,7 @@ def test_overlap_schedule_is_default_and_limited_to_short_k(monkeypatch, tmp_pat
     monkeypatch.setenv("MOE_EP_FP8_CHUNKED_OVERLAP", "0")  # K > 32 * 128 back on the plain schedule
     assert not use_fp8_overlap(14336) and not use_fp8_overlap(14336, wide_gated=True) and use_fp8_overlap(4096)
     monkeypatch.delenv("MOE_EP_FP8_CHUNKED_OVERLAP")
+    monkeypatch.delenv("MOE_EP_FP8_SMEM_SCALES")
     # the two schedules are two cache entries: the same shape compiles once per schedule
     plain_events = []
     for flag in ("0", "1"):
@@ -94,7 +102,8 @@ def test_overlap_schedule_is_default_and_limited_to_short_k(monkeypatch, tmp_pat
         a = sm90_compiled_fp8_gemm("identity", 2048, 640, 128, True)
         assert sm90_compiled_fp8_gemm("identity", 2048, 640, 128, True) is a  # cached
         plain_events.append([e.name for e in COMPILE_EVENTS[seen:]])
-    assert plain_events == [["fp8_gemm_identity"], ["fp8_gemm_identity"]]
+    # (K 640: the overlapped one is the short-K schedule, staged scales in clusters of 2)
+    assert plain_events == [["fp8_gemm_identity"], ["fp8_gemm_identity_cluster2"]]
 
 
 @pytest.mark.gpu
@@ -540,7 +549,8 @@ def test_fused_requant_prebuilds_its_kernels(monkeypatch, tmp_path):
         seen = len(COMPILE_EVENTS)
         prebuild(cfg, 1, kernels=("fc1", "fc2"))
         got[flag] = sorted(e.name for e in COMPILE_EVENTS[seen:])
-    assert got[None] == ["fp8_gemm_identity", "fp8_gemm_swiglu", "fp8_quantize_rows", "fp8_scatter_quantize_rows"]
+    assert got[None] == ["fp8_gemm_identity_cluster2", "fp8_gemm_swiglu_cluster2", "fp8_quantize_rows",
+                         "fp8_scatter_quantize_rows"]  # K 256: the short-K schedule
     assert got["1"] == ["fp8_gemm_swiglu_requant"]  # the rest was built above (same keys)
     monkeypatch.setenv("MOE_EP_FP8_WIDE_GATED", "0")  # the default is wide; only FC1 (gated) has a wide form
     seen = len(COMPILE_EVENTS)

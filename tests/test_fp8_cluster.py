@@ -83,14 +83,24 @@ def test_cluster_refusals():
 def test_shim_switch_and_key(monkeypatch):
     from moe_ep.shim.drops import sm90_megamoe_fp8 as s
 
-    # default: clusters from K = 4096 (Mixtral's FC1 and FC2), single CTAs below (Qwen3)
+    # default: clusters from K = 4096 (Mixtral's FC1 and FC2) and where the scales are staged in
+    # smem (K <= 2048: Qwen3), single CTAs in between
     monkeypatch.delenv("MOE_EP_FP8_CLUSTER", raising=False)
-    assert s.CLUSTER_MIN_K == 4096
-    assert s.use_fp8_cluster("swiglu", 1536, 2048) == s.use_fp8_cluster("identity", 2048, 768) == 1
+    monkeypatch.delenv("MOE_EP_FP8_SMEM_SCALES", raising=False)
+    assert s.CLUSTER_MIN_K == 4096 and s.SMEM_SCALES_MAX_K == 2048
     assert s.use_fp8_cluster("swiglu", 28672, 4096) == s.use_fp8_cluster("identity", 4096, 14336) == 2
-    assert s._key("gemm", "swiglu", 1536, 2048, 128, False).cluster_n == 1
+    assert s.use_fp8_cluster("swiglu", 1536, 2048) == s.use_fp8_cluster("identity", 2048, 768) == 2
+    assert s.use_fp8_cluster("identity", 2048, 2560) == 1
+    assert s._key("gemm", "swiglu", 1536, 2048, 128, False).cluster_n == 2
     assert s._key("gemm", "identity", 4096, 14336, 8, True).cluster_n == 2
     assert s.use_fp8_cluster("identity", 384, 8192) == 1    # 3 n-tiles: no pairs
+    monkeypatch.setenv("MOE_EP_FP8_SMEM_SCALES", "0")      # global scales: single CTAs below 4096
+    assert s.use_fp8_cluster("swiglu", 1536, 2048) == s.use_fp8_cluster("identity", 2048, 768) == 1
+    assert s._key("gemm", "swiglu", 1536, 2048, 128, False).cluster_n == 1
+    monkeypatch.setenv("MOE_EP_FP8_OVERLAP", "0")          # plain schedule: no staged scales, no clusters
+    monkeypatch.delenv("MOE_EP_FP8_SMEM_SCALES")
+    assert s.use_fp8_cluster("identity", 2048, 768) == 1
+    monkeypatch.delenv("MOE_EP_FP8_OVERLAP")
     monkeypatch.setenv("MOE_EP_FP8_CLUSTER", "1")          # forced on
     assert s.use_fp8_cluster("swiglu", 1536, 2048) == 2     # I 768: 12 n-tiles of 64
     assert s.use_fp8_cluster("identity", 2048, 768) == 2    # 16 n-tiles of 128

@@ -83,18 +83,26 @@ def test_shim_switch_and_key(monkeypatch):
     from moe_ep.shim.drops import sm90_megamoe_fp8 as s
 
     monkeypatch.delenv("MOE_EP_FP8_SMEM_SCALES", raising=False)
-    assert s.use_fp8_smem_scales() is False  # opt-in
+    monkeypatch.delenv("MOE_EP_FP8_OVERLAP", raising=False)
+    # default: staged scales on the overlapped schedule up to K = 2048 (Qwen3's FC1 and FC2)
+    assert s.use_fp8_smem_scales(True, 768) and s.use_fp8_smem_scales(True, 2048)
+    assert not s.use_fp8_smem_scales(True, 4096) and not s.use_fp8_smem_scales(False, 768)
+    assert s._key("gemm", "swiglu", 1536, 2048, 128, False, overlap_promotion=True).smem_scales is True
     assert s._key("gemm", "identity", 4096, 14336, 8, True, overlap_promotion=True).smem_scales is False
+    # what the backend compiles: Qwen3's two GEMMs on the short-K schedule, Mixtral's on global scales
+    assert s.compiled_key_overlap("swiglu", 2048) and s.compiled_key_overlap("identity", 768)
+    assert s._key("gemm", "identity", 2048, 768, 128, True, overlap_promotion=True).cluster_n == 2
     for v, on in (("1", True), ("0", False)):
         monkeypatch.setenv("MOE_EP_FP8_SMEM_SCALES", v)
-        assert s.use_fp8_smem_scales() is on and s.use_fp8_smem_scales(False) is False
-        # only on the overlapped schedule (slower on the plain one, H200)
+        assert s.use_fp8_smem_scales(True, 14336) is on and s.use_fp8_smem_scales(True, 768) is on
+        assert s.use_fp8_smem_scales(False, 768) is False  # never on the plain schedule
         assert s._key("gemm", "identity", 4096, 14336, 8, True, overlap_promotion=True).smem_scales is on
         assert s._key("gemm", "identity", 4096, 14336, 8, True, overlap_promotion=False).smem_scales is False
         assert s._key("gemm", "swiglu", 1536, 2048, 128, False, overlap_promotion=True,
                       requant=True).smem_scales is on
         # the gathering FC1 has its own producer, the quantisers no scales to stage
-        assert s._key("gemm", "swiglu", 1536, 2048, 128, False, gather_a=True).smem_scales is False
+        assert s._key("gemm", "swiglu", 1536, 2048, 128, False, overlap_promotion=True,
+                      gather_a=True).smem_scales is False
         assert s._key("quantize", "", 0, 2048, 0, False).smem_scales is False
 
 

@@ -43,9 +43,11 @@ def use_fp8_overlap(k: int, wide_gated: bool = False) -> bool:
     WGMMAs in flight while t-1 is promoted): bit-identical to the default schedule (H200), Qwen3
     FC1 808 -> 859 TFLOP/s, FC2 646 -> 782. ``MOE_EP_FP8_OVERLAP=0`` turns it off (to compare).
 
-    The wide gated FC1 (:func:`use_fp8_wide_gated`) overlaps only from K >= WIDE_OVERLAP_MIN_K
-    (4096): drop runner on the H200 (a2012eb), Qwen3 FC1 (K 2048) 0.454 ms plain vs 0.495
-    overlapped, Mixtral FC1 (K 4096) 3.924 vs 3.665. ``MOE_EP_FP8_WIDE_OVERLAP=1`` / ``0`` force it.
+    The wide gated FC1 (:func:`use_fp8_wide_gated`) overlaps from K >= WIDE_OVERLAP_MIN_K (4096),
+    and below where it stages its scales in shared memory (:func:`use_fp8_smem_scales`): with
+    global scales Qwen3's FC1 (K 2048) ran faster plain (drop runner, a2012eb: 0.454 ms vs 0.495),
+    with staged ones overlapped (twelfth session: 0.449 / 0.473 vs 0.461 / 0.496 plain, global).
+    ``MOE_EP_FP8_WIDE_OVERLAP=1`` / ``0`` force it.
 
     Beyond 32·128 (Mixtral FC2, K 14336) the schedule runs in chunks of k-tiles (drop v26,
     :func:`fp8_overlap_chunk`; an even K/128): bit-identical on the H200, the default since the
@@ -61,7 +63,7 @@ def use_fp8_overlap(k: int, wide_gated: bool = False) -> bool:
     if not wide_gated:
         return True
     forced = os.environ.get("MOE_EP_FP8_WIDE_OVERLAP", "")
-    return forced == "1" if forced in ("0", "1") else k >= WIDE_OVERLAP_MIN_K
+    return forced == "1" if forced in ("0", "1") else (k >= WIDE_OVERLAP_MIN_K or _smem_scales_wanted(k))
 
 
 def fp8_overlap_chunk(k: int) -> int:
@@ -79,28 +81,49 @@ def use_fp8_cluster(activation: str, n: int, k: int) -> int:
     """CTAs per cluster of the plain FP8 GEMM (drop v28, ``cluster_n``): the two CTAs of a cluster
     compute one m-tile's two adjacent n-tiles and multicast A's halves to each other (half of A's
     L2 -> SM traffic); bit-identical to single CTAs (H200). 2 where the n-tiles pair up (FC1
-    always; FC2 when N/128 is even) and K >= CLUSTER_MIN_K, else 1. H200, tenth session, the FP8
+    always; FC2 when N/128 is even) and K >= CLUSTER_MIN_K or the GEMM stages its scales in
+    shared memory, else 1. H200, tenth session, the FP8
     layer with the switch off / on / off / on: Mixtral (K 4096 / 14336) 924.7 / 958.6 / 926.7 /
     933.7 TFLOP/s graph, per call 927.7 / 945.1 / 919.6 / 948.1; Qwen3 (K 2048 / 768) no faster
-    (drop runner 0.98-1.00x, layer 672.6 / 666.8 / 654.8 / 654.5). ``MOE_EP_FP8_CLUSTER=1`` / ``0``
-    force it on (where the n-tiles pair up) / off."""
+    (drop runner 0.98-1.00x, layer 672.6 / 666.8 / 654.8 / 654.5) -- with global scales; with
+    staged scales (the short-K schedule, :func:`use_fp8_smem_scales`) they are: FC2 1.06x in the
+    drop runner, so the GEMMs that stage their scales run in clusters too (twelfth session).
+    ``MOE_EP_FP8_CLUSTER=1`` / ``0`` force it on (where the n-tiles pair up) / off."""
     forced = os.environ.get("MOE_EP_FP8_CLUSTER", "")
-    if forced == "0" or (forced != "1" and k < CLUSTER_MIN_K):
+    short_k = use_fp8_smem_scales(compiled_key_overlap(activation, k), k)  # the short-K schedule
+    if forced == "0" or (forced != "1" and k < CLUSTER_MIN_K and not short_k):
         return 1
     tile_n = _load("sm90_megamoe.fp8_gemm").default_tile_n(activation)  # the drop's tile width
     n_out = n // 2 if activation == "swiglu" else n
     return 2 if (n_out // tile_n) % 2 == 0 else 1
 
 
-def use_fp8_smem_scales(overlap_promotion: bool = True) -> bool:
-    """The TMA-fed FP8 GEMMs (all but the gathering one) on the overlapped-promotion schedule
-    stage each k-tile's scales in shared memory from the producer warp (drop v34,
-    ``smem_scales``) instead of every consumer thread loading them from global memory after
-    issuing the k-tile's WGMMAs: bit-identical (H200). Only with ``MOE_EP_FP8_SMEM_SCALES=1``, and
-    never on the plain schedule: drop runner, twelfth session, staged / global, plain schedule
-    Qwen3 wide FC1 0.89x, Mixtral wide FC1 0.91x, Mixtral FC2 in clusters 0.83x; overlapped
-    Qwen3 wide FC1 1.08x, Qwen3 FC2 in clusters 1.06x, Mixtral FC2 in clusters 1.04x."""
-    return bool(overlap_promotion) and os.environ.get("MOE_EP_FP8_SMEM_SCALES", "0") == "1"
+#: the largest K whose FP8 GEMMs stage their scales in shared memory by default (use_fp8_smem_scales)
+SMEM_SCALES_MAX_K = 2048
+
+
+def _smem_scales_wanted(k: int) -> bool:
+    """``MOE_EP_FP8_SMEM_SCALES=1`` / ``0``: staged scales at any K / never; unset: K <= SMEM_SCALES_MAX_K."""
+    forced = os.environ.get("MOE_EP_FP8_SMEM_SCALES", "")
+    return forced == "1" if forced in ("0", "1") else k <= SMEM_SCALES_MAX_K
+
+
+def use_fp8_smem_scales(overlap_promotion: bool, k: int) -> bool:
+    """Whether a TMA-fed FP8 GEMM (all but the gathering one) with reduction size ``k`` stages each
+    k-tile's scales in shared memory from its producer warp (drop v34, ``smem_scales``) instead of
+    every consumer thread loading them from global memory after issuing the k-tile's WGMMAs:
+    bit-identical (H200). Only on the overlapped-promotion schedule, and by default only for
+    K <= SMEM_SCALES_MAX_K, where it comes with the overlapped wide FC1 and clusters of 2
+    (:func:`use_fp8_overlap`, :func:`use_fp8_cluster`): the short-K schedule.
+
+    H200, twelfth session, drop runner (staged / global): plain schedule Qwen3 wide FC1 0.89x,
+    Mixtral wide FC1 0.91x, Mixtral FC2 in clusters 0.83x; overlapped Qwen3 wide FC1 1.08x, Qwen3
+    FC2 in clusters 1.06x, Mixtral FC2 in clusters 1.04x. FP8 layer, two interleaved rounds,
+    per call / back to back / CUDA graph TFLOP/s: Qwen3 with the short-K schedule 619.5 / 665.6 /
+    689.7 and 665.9 / 660.4 / 691.4 against 595.6 / 633.8 / 656.5 and 609.1 / 638.3 / 650.0 without;
+    Mixtral with staged scales 930-934 graph against 974-976 without (so K 4096 and 14336 keep
+    global scales). ``MOE_EP_FP8_SMEM_SCALES=1`` / ``0``: on at any K / off."""
+    return bool(overlap_promotion) and _smem_scales_wanted(k)
 
 
 def use_fp8_wide_gated(activation: str) -> bool:
@@ -153,7 +176,7 @@ def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_row
                   num_experts, bool(scale_rows), use_tvm_ffi(), int(raster_m), bool(overlap_promotion),
                   bool(requant), kind == "gemm" and use_fp8_wide_gated(activation), bool(gather_a),
                   use_fp8_cluster(activation, n, k) if plain else 1,
-                  kind == "gemm" and not gather_a and use_fp8_smem_scales(overlap_promotion))
+                  kind == "gemm" and not gather_a and use_fp8_smem_scales(overlap_promotion, k))
 
 
 def compiled_fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
@@ -199,7 +222,7 @@ def fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool
         activation=activation, n=n, k=k, num_experts=num_experts, scale_rows=bool(scale_rows), compiled=compiled,
         tvm_ffi=use_tvm_ffi(), raster_m=pick_fp8_raster_m(k), overlap_promotion=compiled_key_overlap(activation, k),
         requant=bool(requant), wide_gated=use_fp8_wide_gated(activation), gather_a=bool(gather_a), cluster_n=cluster_n,
-        smem_scales=not gather_a and use_fp8_smem_scales(compiled_key_overlap(activation, k)))
+        smem_scales=not gather_a and use_fp8_smem_scales(compiled_key_overlap(activation, k), k))
 
 
 def compiled_fp8_quantize_rows(k: int, gather: bool = False, scatter_topk: int = 0) -> Any:
