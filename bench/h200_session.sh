@@ -33,9 +33,10 @@
 #                the decode sweep of $MODELS with --decode-csv $OUT/decode.csv --plot $OUT/decode.png;
 #                with .device/fi carried, FlashInfer at PEER_DECODE_TOKENS (1,8,32,128,256) in the same
 #                call -> $OUT/decode_fi.csv, both plotted in $OUT/decode_all.png.
-# verify:        what has not yet run on a GPU (now: drop v34's staged scales, v33's chunked requantising
-#                FC1): their GPU tests, fp8_runner --smem-scales on both models (+ --requant on Mixtral),
-#                the FP8 layer with MOE_EP_FP8_SMEM_SCALES=0/1 interleaved, VERIFY_ROUNDS (2) rounds
+# verify:        what has not yet run on a GPU (now: the FP8 defaults of c079622 -- the short-K schedule,
+#                FC2's chunked schedule -- in their GPU test files, and the fused requantising FC1 in the
+#                layer): those tests, then the FP8 layer under the defaults, MOE_EP_FP8_SMEM_SCALES=0 and
+#                MOE_EP_FP8_FUSED_REQUANT=1, interleaved, VERIFY_ROUNDS (2) rounds
 #                -> $OUT/verify_*, $OUT/tests_*.log (earlier sessions' verify: git history; 3da5fd1's
 #                ran the previous drop's runner beside this one's from .device/old_drop);
 # ncu:           Nsight Compute on the FP8 GEMMs (ours on Mixtral with and without clusters, Qwen3) and on
@@ -156,23 +157,21 @@ if [ "$mode" = extra ]; then
   fi
 fi
 if [ "$mode" = verify ]; then
-  # drop v34 (twelfth session): the FP8 GEMMs' scales staged in shared memory by the producer warp
-  # (MOE_EP_FP8_SMEM_SCALES=1), and v33's chunked requantising FC1 (eleventh session, never run on a
-  # GPU). Their GPU tests (bits against the global-memory kernel and float64, the requantising FC1's
-  # bits); the drop runner on both models (each layer kernel with and without staged scales: bits,
-  # then times interleaved; Mixtral also the requantising FC1 against FC1 + quantiser); then the
-  # FP8 layer with the switch off / on, interleaved, VERIFY_ROUNDS (2) rounds.
-  # (v33's verify, the Mixtral layer with the fused requant and FC2's chunked schedule: git history, 58b749d.)
-  run_groups "${TEST_BUDGET:-170}" "tests/test_fp8_smem_scales.py" "tests/test_sm90_fp8_compile.py;-k;requant" \
-      "tests/test_fp8_backend.py;-k;variants"
-  step "fp8_runner mixtral --smem-scales --requant" "$OUT/verify_runner_mixtral.log" -- bash -c \
-      "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.fp8_runner --model mixtral --smem-scales --requant --wide --overlap"
-  step "fp8_runner qwen3 --smem-scales" "$OUT/verify_runner_qwen3.log" -- bash -c \
-      "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.fp8_runner --model qwen3 --smem-scales --overlap"
-  for r in $(seq 1 "${VERIFY_ROUNDS:-2}"); do for v in 0 1; do
-    step "FP8 layer, smem scales $v, round $r" "$OUT/verify_fp8_sm${v}_r$r.log" -- env MOE_EP_FP8_SMEM_SCALES=$v \
+  # after the twelfth session (its device time spent): the FP8 defaults changed at c079622 -- K <= 2048
+  # runs the short-K schedule (drop v34's staged scales, the wide FC1 overlapped, clusters of 2), FC2
+  # with K > 4096 the chunked overlapped schedule -- and had not run in the GPU suite. Their GPU files,
+  # then the FP8 layer under the defaults, the old Qwen3 schedule (MOE_EP_FP8_SMEM_SCALES=0) and the
+  # fused requantising FC1 (MOE_EP_FP8_FUSED_REQUANT=1: v33's chunked form, 1.12x FC1 + quantiser in
+  # the drop runner, its layer never timed), interleaved, VERIFY_ROUNDS (2) rounds.
+  # (v34's verify -- its GPU tests, fp8_runner --smem-scales on both models: git history, 2d4a3c7.)
+  run_groups "${TEST_BUDGET:-200}" "tests/test_fp8_backend.py" "tests/test_fp8_smem_scales.py;tests/test_fp8_cluster.py" \
+      "tests/test_ep_virtual_gpu.py;-k;fp8"
+  for r in $(seq 1 "${VERIFY_ROUNDS:-2}"); do for v in "" "MOE_EP_FP8_SMEM_SCALES=0" "MOE_EP_FP8_FUSED_REQUANT=1"; do
+    tag=${v:-defaults}; tag=${tag//[^A-Za-z0-9]/_}
+    # shellcheck disable=SC2086
+    step "FP8 layer, ${v:-defaults}, round $r" "$OUT/verify_fp8_${tag}_r$r.log" -- env $v \
         python3 -m moe_ep.bench --model "${VERIFY_MODELS:-qwen3,mixtral}" --tokens "$TOKENS" --iters "$ITERS" \
-        --quant fp8_block128 --no-reference --no-decode --csv "$OUT/verify_fp8_sm${v}_r$r.csv"
+        --quant fp8_block128 --no-reference --no-decode --csv "$OUT/verify_fp8_${tag}_r$r.csv"
   done; done
 fi
 if [ "$mode" = envab ]; then
