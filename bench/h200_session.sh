@@ -162,11 +162,19 @@ if [ "$mode" = verify ]; then
   # with K > 4096 the chunked overlapped schedule -- and had not run in the GPU suite. Their GPU files,
   # then the FP8 layer under the defaults, the old Qwen3 schedule (MOE_EP_FP8_SMEM_SCALES=0) and the
   # fused requantising FC1 (MOE_EP_FP8_FUSED_REQUANT=1: v33's chunked form, 1.12x FC1 + quantiser in
-  # the drop runner, its layer never timed), interleaved, VERIFY_ROUNDS (2) rounds.
+  # the drop runner, its layer never timed) and drop v35's scale warp (MOE_EP_FP8_SCALE_WARP=1),
+  # interleaved, VERIFY_ROUNDS (2) rounds. All of it runs past one 600 s call: split it with
+  # VERIFY_RUNNER_MODELS= (no runner) / VERIFY_ROUNDS=1 / TEST_BUDGET.
   # (v34's verify -- its GPU tests, fp8_runner --smem-scales on both models: git history, 2d4a3c7.)
   run_groups "${TEST_BUDGET:-200}" "tests/test_fp8_backend.py" "tests/test_fp8_smem_scales.py;tests/test_fp8_cluster.py" \
       "tests/test_ep_virtual_gpu.py;-k;fp8"
-  for r in $(seq 1 "${VERIFY_ROUNDS:-2}"); do for v in "" "MOE_EP_FP8_SMEM_SCALES=0" "MOE_EP_FP8_FUSED_REQUANT=1"; do
+  # drop v35's scale warp (opt-in): the drop runner times global / staged / scale-warp per layer kernel
+  for m in ${VERIFY_RUNNER_MODELS:-qwen3 mixtral}; do
+    step "fp8_runner $m --smem-scales" "$OUT/verify_runner_$m.log" -- bash -c \
+        "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.fp8_runner --model $m --smem-scales --overlap"
+  done
+  for r in $(seq 1 "${VERIFY_ROUNDS:-2}"); do for v in "" "MOE_EP_FP8_SMEM_SCALES=0" "MOE_EP_FP8_FUSED_REQUANT=1" \
+      "MOE_EP_FP8_SCALE_WARP=1"; do
     tag=${v:-defaults}; tag=${tag//[^A-Za-z0-9]/_}
     # shellcheck disable=SC2086
     step "FP8 layer, ${v:-defaults}, round $r" "$OUT/verify_fp8_${tag}_r$r.log" -- env $v \

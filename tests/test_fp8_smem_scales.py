@@ -1,4 +1,5 @@
-"""Drop v34: the FP8 grouped GEMM's scales staged in shared memory (``smem_scales=True``). The
+"""Drops v34 / v35: the FP8 grouped GEMM's scales staged in shared memory (``smem_scales=True``;
+v35's ``scale_warp=True``: by a second producer warp, the TMA warp's loop unchanged). The
 producer warp loads each k-tile's 128 A-row scales and the weight block's scale(s) before it
 waits for a free stage, stores them into the stage's slot and only then arms the stage's full
 barrier, so the consumers read them from shared memory instead of waiting on global loads after
@@ -61,6 +62,32 @@ def test_smem_scales_ptx(act, n, k, experts, kw):
     assert r["smem_bytes"] <= 227 * 1024 and kernel.num_stages >= 4
 
 
+@pytest.mark.parametrize("act,n,k,experts,kw", [
+    ("identity", 4096, 14336, 8, dict(cluster_n=2)),                                # Mixtral FC2, plain
+    ("swiglu", 1536, 2048, 128, dict(wide_gated=True, overlap_promotion=True, cluster_n=2)),  # Qwen3 FC1
+    ("swiglu", 1024, 1024, 8, dict(wide_gated=True, overlap_promotion=True, requant=True)),
+])
+def test_scale_warp_ptx(act, n, k, experts, kw):
+    """Drop v35: the scales staged by producer warp 1 -- full barriers initialised for two
+    arrivals, the TMA warp's waits followed directly by its arrive (no stores between), the scale
+    warp's stores, warp barrier and a plain (elected) arrive; no spills."""
+    from sm90_megamoe.fp8_runner import compile_variant, ptx_report
+
+    kernel, compiled = compile_variant(act, n, k, experts, act == "identity", raster_m=16, smem_scales=True,
+                                       scale_warp=True, **kw)
+    ptx = compiled.__ptx__
+    assert kernel.scale_warp and kernel.smem_scales
+    inits = re.findall(r"mov\.b32\s+(%r\d+), (\d+);\s*\n\s*mbarrier\.init\.shared\.b64\s+\[%r\d+\], \1;", ptx)
+    assert inits and inits[0][1] == "2", inits[:2]  # the first barriers initialised are the full ones
+    for body in _producer_blocks(ptx):  # the TMA warp: nothing staged between its wait and its arrive
+        assert "st.shared.b32" not in body
+    assert ptx.count("bar.warp.sync") >= 1
+    r = ptx_report(kernel, compiled)
+    assert r["fp8_wgmma"] and r["tma"] and not r["local"] and r["smem_bytes"] <= 227 * 1024
+    if r["ptxas_spill_bytes"] is not None:
+        assert r["ptxas_spill_bytes"] == 0, r
+
+
 def test_global_scale_kernel_is_unchanged():
     """Without the switch the kernel has no staging code (v33's schedule: consumers load scales)."""
     from sm90_megamoe.fp8_runner import compile_variant
@@ -71,12 +98,17 @@ def test_global_scale_kernel_is_unchanged():
 
 def test_smem_scales_refusals():
     from sm90_megamoe.fp8_gather import Fp8GatherGroupedGemmSm90
+    from sm90_megamoe.fp8_gemm import Fp8BlockScaledGroupedGemmSm90
     from sm90_megamoe.fp8_launch import CompiledFp8Gemm
 
     with pytest.raises(ValueError, match="smem_scales is for the TMA producer"):
         Fp8GatherGroupedGemmSm90("swiglu", smem_scales=True)
     with pytest.raises(ValueError, match="smem_scales does not combine with gather_a"):
         CompiledFp8Gemm("swiglu", 1536, 2048, 8, gather_a=True, smem_scales=True)
+    with pytest.raises(ValueError, match="scale_warp needs smem_scales"):
+        Fp8BlockScaledGroupedGemmSm90("identity", scale_warp=True)
+    with pytest.raises(ValueError, match="scale_warp needs smem_scales"):
+        CompiledFp8Gemm("identity", 2048, 768, 8, scale_warp=True)
 
 
 def test_shim_switch_and_key(monkeypatch):
@@ -104,6 +136,12 @@ def test_shim_switch_and_key(monkeypatch):
         assert s._key("gemm", "swiglu", 1536, 2048, 128, False, overlap_promotion=True,
                       gather_a=True).smem_scales is False
         assert s._key("quantize", "", 0, 2048, 0, False).smem_scales is False
+    # drop v35's scale warp: opt-in, and only where scales are staged
+    monkeypatch.delenv("MOE_EP_FP8_SMEM_SCALES")
+    assert s._key("gemm", "identity", 2048, 768, 128, True, overlap_promotion=True).scale_warp is False
+    monkeypatch.setenv("MOE_EP_FP8_SCALE_WARP", "1")
+    assert s._key("gemm", "identity", 2048, 768, 128, True, overlap_promotion=True).scale_warp is True
+    assert s._key("gemm", "identity", 4096, 14336, 8, True, overlap_promotion=True).scale_warp is False
 
 
 # ---------------------------------------------------------------------------- GPU
@@ -130,14 +168,15 @@ def test_gpu_smem_scales_is_bit_identical(act, n, k, kw, m_total, routing):
     a, a_s, b, b_s, offs, rs = (None if t is None else t.cuda()
                                 for t in fp8_gemm_problem(m_total, n, k, E, routing, 70 + m_total, sr))
     outs = []
-    for smem in (False, True):
-        fn = Fp8GroupedGemm(act, n, k, E, sr, raster_m=16, smem_scales=smem, **kw)
+    for smem, warp in ((False, False), (True, False), (True, True)):  # global, staged (v34), scale warp (v35)
+        fn = Fp8GroupedGemm(act, n, k, E, sr, raster_m=16, smem_scales=smem, scale_warp=warp, **kw)
         out = torch.full((m_total, fn.n_out), float("nan"), dtype=torch.bfloat16, device="cuda")
         fn.launch(fn.prepare(a, a_s, b, b_s, out, offs, rs))
         outs.append(out)
     torch.cuda.synchronize()
-    assert not bool(torch.isnan(outs[1]).any()), "rows left unwritten (NaN poison survived)"
-    assert torch.equal(outs[0], outs[1])
+    for o in outs[1:]:
+        assert not bool(torch.isnan(o).any()), "rows left unwritten (NaN poison survived)"
+        assert torch.equal(outs[0], o)
     want = ref.fp8_grouped_gemm_reference(a.cpu(), a_s.cpu(), b.cpu(), b_s.cpu(), offs.cpu(), act,
                                           None if rs is None else rs.cpu(), dtype=torch.float64)
     rel = float((outs[1].double().cpu() - want).norm() / want.norm().clamp_min(1e-30))
@@ -156,16 +195,17 @@ def test_gpu_smem_scales_requant_is_bit_identical(wide):
     a, a_s, b, b_s, offs, _ = (None if t is None else t.cuda()
                                for t in fp8_gemm_problem(m_total, n, k, E, "skewed", 11, False))
     outs = []
-    for smem in (False, True):
+    for smem, warp in ((False, False), (True, False), (True, True)):
         fn = Fp8GroupedGemm("swiglu", n, k, E, False, raster_m=16, overlap_promotion=True, requant=True,
-                            wide_gated=wide, smem_scales=smem)
+                            wide_gated=wide, smem_scales=smem, scale_warp=warp)
         q = torch.full((m_total, n // 2), 0x7F, dtype=torch.uint8, device="cuda")  # e4m3 NaN
         s = torch.full((m_total, n // 2 // 128), float("nan"), dtype=torch.float32, device="cuda")
         fn.launch(fn.prepare(a, a_s, b, b_s, q, offs, None, s))
         outs.append((q, s))
     torch.cuda.synchronize()
-    assert torch.isfinite(outs[1][1]).all(), "scales left unwritten"
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    for q, sc in outs[1:]:
+        assert torch.isfinite(sc).all(), "scales left unwritten"
+        assert torch.equal(outs[0][0], q) and torch.equal(outs[0][1], sc)
     # and the values are FC1's: dequantised, against float64 (e4m3 keeps ~3 bits: a loose bound)
     want = ref.fp8_grouped_gemm_reference(a.cpu(), a_s.cpu(), b.cpu(), b_s.cpu(), offs.cpu(), "swiglu",
                                           dtype=torch.float64)

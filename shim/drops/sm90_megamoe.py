@@ -1,4 +1,4 @@
-"""Shim for the SM90 drop ``kernel_src/sm90/megamoe`` (package ``sm90_megamoe``), drop version 34.
+"""Shim for the SM90 drop ``kernel_src/sm90/megamoe`` (package ``sm90_megamoe``), drop version 35.
 
 What moe_ep relies on, declared as data (:data:`CONTRACT`), plus thin wrappers:
 
@@ -51,7 +51,7 @@ from ..nvshmem_boot import CounterContract
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 34},
+    "sm90_megamoe": {"DROP_VERSION": 35},
     "sm90_megamoe.fp8_gemm": {"FP8_BLOCK": 128, "OVERLAP_MAX_K_TILES": 32, "OVERLAP_MAX_CHUNK": 16},
     "sm90_megamoe.constants": {
         "ABI_VERSION": 2,
@@ -86,7 +86,7 @@ CONSTANTS = MirroredConstants("sm90/megamoe", {
 })
 
 CONTRACT = DropContract(
-    arch="sm90", drop="megamoe", version=34, packages=(PKG,), constants=CONSTANTS,
+    arch="sm90", drop="megamoe", version=35, packages=(PKG,), constants=CONSTANTS,
     callables=(
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.__init__",
                     ("activation", "n", "k", "num_experts", "scale_rows", "tile_n", "bias_dtype",
@@ -142,7 +142,8 @@ CONTRACT = DropContract(
         CallableUse("sm90_megamoe.fp8_gemm:overlap_chunk", ("k_tiles",)),
         CallableUse("sm90_megamoe.fp8_launch:CompiledFp8Gemm.__init__",
                     ("activation", "n", "k", "num_experts", "scale_rows", "compiled", "tvm_ffi", "raster_m",
-                     "overlap_promotion", "requant", "wide_gated", "gather_a", "cluster_n", "smem_scales")),
+                     "overlap_promotion", "requant", "wide_gated", "gather_a", "cluster_n", "smem_scales",
+                     "scale_warp")),
         CallableUse("sm90_megamoe.fp8_launch:CompiledFp8Gemm.__call__",
                     ("a", "a_scale", "b", "b_scale", "offsets", "out", "row_scale", "max_active_ctas", "stream",
                      "out_scale", "idx")),

@@ -126,6 +126,13 @@ def use_fp8_smem_scales(overlap_promotion: bool, k: int) -> bool:
     return bool(overlap_promotion) and _smem_scales_wanted(k)
 
 
+def use_fp8_scale_warp() -> bool:
+    """Where scales are staged (:func:`use_fp8_smem_scales`), a second producer warp stages them
+    (drop v35, ``scale_warp``) instead of the TMA warp, whose loop then never waits on a scale
+    load before issuing a stage's copies. Opt-in, ``MOE_EP_FP8_SCALE_WARP=1``: not yet run on a GPU."""
+    return os.environ.get("MOE_EP_FP8_SCALE_WARP", "0") == "1"
+
+
 def use_fp8_wide_gated(activation: str) -> bool:
     """The gated FP8 GEMM (FC1) issues one m64n128 WGMMA over its gate and up tiles per k-block
     instead of two m64n64 ones (drop v21, ``wide_gated``): bit-identical (H200, fp8_runner --wide),
@@ -167,16 +174,18 @@ class Fp8Key:
     gather_a: bool = False
     cluster_n: int = 1
     smem_scales: bool = False
+    scale_warp: bool = False
 
 
 def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_rows: bool,
          raster_m: int = 0, overlap_promotion: bool = False, requant: bool = False, gather_a: bool = False) -> Fp8Key:
     plain = kind == "gemm" and not requant and not gather_a
+    smem = kind == "gemm" and not gather_a and use_fp8_smem_scales(overlap_promotion, k)
     return Fp8Key(CONSTANTS.value(PKG, "DROP_VERSION"), _cutlass_version(), "sm_90a", kind, activation, n, k,
                   num_experts, bool(scale_rows), use_tvm_ffi(), int(raster_m), bool(overlap_promotion),
                   bool(requant), kind == "gemm" and use_fp8_wide_gated(activation), bool(gather_a),
                   use_fp8_cluster(activation, n, k) if plain else 1,
-                  kind == "gemm" and not gather_a and use_fp8_smem_scales(overlap_promotion, k))
+                  smem, smem and use_fp8_scale_warp())
 
 
 def compiled_fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
@@ -204,7 +213,7 @@ def compiled_fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_r
                                        raster_m=key.raster_m, overlap_promotion=key.overlap_promotion,
                                        requant=key.requant, wide_gated=key.wide_gated,
                                        gather_a=key.gather_a, cluster_n=key.cluster_n,
-                                       smem_scales=key.smem_scales).compiled,
+                                       smem_scales=key.smem_scales, scale_warp=key.scale_warp).compiled,
             tvm_ffi=key.tvm_ffi)
 
     return COMPILE_CACHE.get_or_compile(key, build)
@@ -218,11 +227,12 @@ def fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool
     ``gather_a``: ``a [T, k]``, ``a_scale [T, k/128]`` are source rows and ``idx=[M] i32`` picks them."""
     compiled = compiled_fp8_gemm(activation, n, k, num_experts, scale_rows, requant, gather_a)
     cluster_n = use_fp8_cluster(activation, n, k) if not (requant or gather_a) else 1
+    smem = not gather_a and use_fp8_smem_scales(compiled_key_overlap(activation, k), k)
     return _load("sm90_megamoe.fp8_launch").CompiledFp8Gemm(
         activation=activation, n=n, k=k, num_experts=num_experts, scale_rows=bool(scale_rows), compiled=compiled,
         tvm_ffi=use_tvm_ffi(), raster_m=pick_fp8_raster_m(k), overlap_promotion=compiled_key_overlap(activation, k),
         requant=bool(requant), wide_gated=use_fp8_wide_gated(activation), gather_a=bool(gather_a), cluster_n=cluster_n,
-        smem_scales=not gather_a and use_fp8_smem_scales(compiled_key_overlap(activation, k), k))
+        smem_scales=smem, scale_warp=smem and use_fp8_scale_warp())
 
 
 def compiled_fp8_quantize_rows(k: int, gather: bool = False, scatter_topk: int = 0) -> Any:

@@ -80,6 +80,12 @@ Design (differences from :mod:`.grouped_gemm`, whose scheduler and smem epilogue
   the consumers, whose wait on the stage acquires that arrive, read their scales from shared memory
   instead of stalling on global loads after the k-tile's WGMMAs. Same values, same promotion: the
   same bits. Without it, every other variant's PTX is byte-identical to drop v33's.
+* ``scale_warp=True`` (drop v35; with ``smem_scales``): producer warp 1 stages the scales instead
+  (:meth:`_scale_producer`: the TMA warp's units, halves and k-tiles, so the same stages) and each
+  stage's full barrier counts two arrivals, the TMA warp's ``arrive.expect_tx`` and the scale
+  warp's elected arrive; the TMA warp's loop is the global-scale kernel's again. Why: on the H200
+  v34's staged scales slowed the plain schedule down (0.83-0.93x), plausibly because the TMA warp
+  stores a stage's scales -- waiting for their loads -- before it may issue the stage's copies.
 * :class:`Fp8SwigluRequantGroupedGemmSm90` (drop v21; the bits of FC1 + the quantiser on the H200): FC1 writing FC2's
   e4m3 input and per-128 scales in the epilogue (its docstring). Both variants trace the same
   ``_body`` as the plain kernel, whose PTX is unchanged by them.
@@ -197,7 +203,8 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
 
     def __init__(self, activation: str, scale_rows: bool = False, tile_n: Optional[int] = None,
                  num_stages: Optional[int] = None, raster_m: int = 1, overlap_promotion: bool = False,
-                 wide_gated: bool = False, cluster_n: int = 1, smem_scales: bool = False):
+                 wide_gated: bool = False, cluster_n: int = 1, smem_scales: bool = False,
+                 scale_warp: bool = False):
         if tile_n is None:
             tile_n = default_tile_n(activation)
         reason = can_implement(activation, 2 * FP8_BLOCK, FP8_BLOCK, 1, tile_n)
@@ -222,6 +229,10 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
             raise ValueError("smem_scales is for the TMA producer (not gather_a)")
         # drop v34: the producer warp stages each k-tile's scales in shared memory with its operands
         self.smem_scales = bool(smem_scales)
+        if scale_warp and not smem_scales:
+            raise ValueError("scale_warp needs smem_scales")
+        # drop v35: a second producer warp stages them instead, so the TMA warp never waits on them
+        self.scale_warp = bool(scale_warp)
         self.tile_m = 128
         self.tile_n = tile_n
         self.tile_k = FP8_BLOCK
@@ -547,7 +558,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                         # smem_scales: lane l stages the scales of tile rows l + 32 j, clamped to
                         # the expert's last row as the consumers did (clamped rows are never stored)
                         sc_rows = None
-                        if cutlass.const_expr(self.smem_scales):
+                        if cutlass.const_expr(self.smem_scales and not self.scale_warp):
                             sc_rows = [cutlass.min(row0 + lane + 32 * j, row_end - 1)
                                        for j in range(self.tile_m // 32)]
                         for half in cutlass.range_constexpr(self.halves):
@@ -564,7 +575,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                                 )
                                 tBgBs.append(tBgB)
                             for k_tile in range(k_tiles):
-                                if cutlass.const_expr(self.smem_scales):
+                                if cutlass.const_expr(self.smem_scales and not self.scale_warp):
                                     self._stage_scales(ab_pipeline, prod_state, mAScale, mBScale, sScale, sc_rows,
                                                        expert, n0, k_tile, lane)
                                 else:
@@ -584,6 +595,10 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                                 prod_state.advance()
                         tile_id = tile_id + unit_step
                     ab_pipeline.producer_tail(prod_state)
+                if cutlass.const_expr(self.scale_warp):
+                    if warp_idx == 1:
+                        self._scale_producer(ab_pipeline, mAScale, mBScale, sScale, sOff, sCum, total_tiles, unit0,
+                                             unit_step, cta_rank, lane)
 
         # =========================================================== consumer warpgroups
         if warp_group_idx > 0:
@@ -910,6 +925,43 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         return None
 
     @cute.jit
+    def _scale_producer(self, ab_pipeline, mAScale, mBScale, sScale, sOff, sCum, total_tiles, unit0, unit_step,
+                        cta_rank, lane):
+        """scale_warp (drop v35): producer warp 1 walks the TMA warp's schedule (same units, halves and
+        k-tiles, so the same stages) and stages each k-tile's scales as :meth:`_stage_scales` does,
+        but arms nothing: after its stores and a warp barrier, one elected lane arrives on the
+        stage's full barrier, which counts two arrivals (the TMA warp's ``arrive.expect_tx`` and this
+        one). The TMA warp's loop is then exactly the global-scale kernel's: it never waits on a
+        scale load before issuing a stage's copies."""
+        prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        expert = cutlass.Int32(0)
+        tile_id = unit0
+        while tile_id < total_tiles:
+            expert, row0, row_end, n_tile = self._locate(sOff, sCum, tile_id, expert)
+            if cutlass.const_expr(self.cluster_n > 1):
+                n_tile = n_tile * self.cluster_n + cta_rank
+            sc_rows = [cutlass.min(row0 + lane + 32 * j, row_end - 1) for j in range(self.tile_m // 32)]
+            for half in cutlass.range_constexpr(self.halves):
+                n0 = self._n0(n_tile, half)
+                for k_tile in range(self.k_tiles):
+                    a_sc = [mAScale[r, k_tile] for r in sc_rows]  # issued before the wait: latency hidden
+                    bsel = 0
+                    if cutlass.const_expr(self.num_b > 1):
+                        bsel = cutlass.min(lane, self.num_b - 1)
+                    b_sc = mBScale[expert, (n0 + bsel * self.n_out) // FP8_BLOCK, k_tile]
+                    ab_pipeline.sync_object_empty.wait(prod_state.index, prod_state.phase)
+                    base = prod_state.index * SCALE_SLOT
+                    for j in cutlass.range_constexpr(self.tile_m // 32):
+                        sScale[base + lane + 32 * j] = a_sc[j]
+                    if lane < self.num_b:
+                        sScale[base + self.tile_m + lane] = b_sc
+                    cute.arch.sync_warp()
+                    if lane == 0:
+                        cute.arch.mbarrier_arrive(ab_pipeline.producer_get_barrier(prod_state))
+                    prod_state.advance()
+            tile_id = tile_id + unit_step
+
+    @cute.jit
     def _stage_scales(self, ab_pipeline, prod_state, mAScale, mBScale, sScale, sc_rows, expert, n0, k_tile, lane):
         """smem_scales (drop v34): the producer warp's ``producer_acquire`` with the k-tile's scales
         written into the stage's slot before the stage's full barrier is armed. The loads are
@@ -999,9 +1051,11 @@ class Fp8SwigluRequantGroupedGemmSm90(Fp8BlockScaledGroupedGemmSm90):
     halves = 2
 
     def __init__(self, scale_rows: bool = False, num_stages: Optional[int] = None, raster_m: int = 1,
-                 overlap_promotion: bool = False, wide_gated: bool = False, smem_scales: bool = False):
+                 overlap_promotion: bool = False, wide_gated: bool = False, smem_scales: bool = False,
+                 scale_warp: bool = False):
         super().__init__("swiglu", scale_rows=scale_rows, tile_n=64, num_stages=num_stages, raster_m=raster_m,
-                         overlap_promotion=overlap_promotion, wide_gated=wide_gated, smem_scales=smem_scales)
+                         overlap_promotion=overlap_promotion, wide_gated=wide_gated, smem_scales=smem_scales,
+                         scale_warp=scale_warp)
         assert self.halves * self.tile_n == FP8_BLOCK and QPITCH * self.tile_m <= 2 * self.epi_smem_elems
 
     @cute.jit

@@ -66,12 +66,13 @@ class CompiledFp8Gemm:
     computing one m-tile's two adjacent n-tiles and multicasting A's halves to each other -- a
     call then launches at most :func:`cluster_ctas` CTAs (worked out when constructed with a GPU);
     ``smem_scales`` (drop v34; not with gather_a): the producer warp stages each k-tile's scales in
-    shared memory beside its operands, so the consumers never wait on a global scale load."""
+    shared memory beside its operands, so the consumers never wait on a global scale load;
+    ``scale_warp`` (drop v35; with smem_scales): a second producer warp stages them instead."""
 
     def __init__(self, activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
                  compiled=None, tvm_ffi: bool = False, raster_m: int = 1, overlap_promotion: bool = False,
                  requant: bool = False, wide_gated: bool = False, gather_a: bool = False, cluster_n: int = 1,
-                 smem_scales: bool = False):
+                 smem_scales: bool = False, scale_warp: bool = False):
         reason = can_implement(activation, n, k, num_experts)
         if reason is None and cluster_n not in (1, 2):
             reason = f"cluster_n must be 1 or 2, got {cluster_n}"
@@ -81,6 +82,8 @@ class CompiledFp8Gemm:
             reason = "gather_a and requant do not combine"
         if reason is None and gather_a and smem_scales:
             reason = "smem_scales does not combine with gather_a"
+        if reason is None and scale_warp and not smem_scales:
+            reason = "scale_warp needs smem_scales"
         for flag, on in (("requant", requant), ("wide_gated", wide_gated)):
             if reason is None and on and activation != "swiglu":
                 reason = f"{flag} needs activation 'swiglu', got {activation!r}"
@@ -97,13 +100,15 @@ class CompiledFp8Gemm:
         self.overlap_promotion = bool(overlap_promotion)
         self.cluster_n = int(cluster_n)
         self.smem_scales = bool(smem_scales)
+        self.scale_warp = bool(scale_warp)
         # the grid of a clustered launch, worked out here (not while a CUDA graph is captured)
         self._max_ctas = cluster_ctas(self.cluster_n) if self.cluster_n > 1 and torch.cuda.is_available() else None
         if compiled is None:
             if self.requant:
                 kernel = Fp8SwigluRequantGroupedGemmSm90(scale_rows=self.scale_rows, raster_m=self.raster_m,
                                                          overlap_promotion=self.overlap_promotion,
-                                                         wide_gated=self.wide_gated, smem_scales=self.smem_scales)
+                                                         wide_gated=self.wide_gated, smem_scales=self.smem_scales,
+                                                         scale_warp=self.scale_warp)
             else:
                 cls = Fp8GatherGroupedGemmSm90 if self.gather_a else Fp8BlockScaledGroupedGemmSm90
                 kernel = cls(activation, scale_rows=self.scale_rows,
@@ -111,7 +116,8 @@ class CompiledFp8Gemm:
                                                        overlap_promotion=self.overlap_promotion,
                                                        wide_gated=self.wide_gated,
                                                        **({"cluster_n": self.cluster_n} if self.cluster_n > 1 else {}),
-                                                       **({"smem_scales": True} if self.smem_scales else {}))
+                                                       **({"smem_scales": True} if self.smem_scales else {}),
+                                                       **({"scale_warp": True} if self.scale_warp else {}))
             opts = "--gpu-arch sm_90a" + (" --enable-tvm-ffi" if self.tvm_ffi else "")
             compiled = cute.compile(kernel, *fake_args(num_experts, n, k, activation, self.tvm_ffi, self.requant,
                                                        self.gather_a), options=opts)

@@ -9,6 +9,7 @@
                                       [--gather]            # + FC1 gathering its A rows by index (v22)
                                       [--cluster]           # + clusters of 2 CTAs multicasting A (v28)
                                       [--smem-scales]       # + scales staged in smem by the producer (v34)
+                                                            #   or by a second producer warp (v35)
 
 Per model, FC1 (swiglu, w13 [E, 2I, H]) and FC2 (identity + router row scale, w2 [E, H, I]):
 * every machine: compile for sm_90a from fake tensors and check the PTX (FP8 WGMMA
@@ -105,20 +106,22 @@ def compile_variant(activation: str, n: int, k: int, num_experts: int, scale_row
                     arch: str = "sm_90a", tile_n: Optional[int] = None,
                     num_stages: Optional[int] = None, raster_m: int = 1, overlap_promotion: bool = False,
                     requant: bool = False, wide_gated: bool = False, gather_a: bool = False, cluster_n: int = 1,
-                    smem_scales: bool = False):
+                    smem_scales: bool = False, scale_warp: bool = False):
     """(kernel, compiled) for one variant, from fake tensors (no GPU needed), compiled once per
     process (the checks, the GPU runs and the tests share it); ``requant``: FC1's requantising
     variant, ``wide_gated``: FC1's one-WGMMA gate+up schedule (swiglu only); ``gather_a``: A rows
     gathered by index (:mod:`.fp8_gather`); ``cluster_n`` = 2: clusters of 2 CTAs multicasting A;
-    ``smem_scales``: scales staged in shared memory by the producer warp (drop v34)."""
+    ``smem_scales``: scales staged in shared memory by the producer warp (drop v34), ``scale_warp``:
+    by a second producer warp (drop v35)."""
     return _compile_variant(activation, n, k, num_experts, bool(scale_rows), arch, tile_n, num_stages, int(raster_m),
                             bool(overlap_promotion), bool(requant), bool(wide_gated), bool(gather_a), int(cluster_n),
-                            bool(smem_scales))
+                            bool(smem_scales), bool(scale_warp))
 
 
 @functools.lru_cache(maxsize=None)
 def _compile_variant(activation, n, k, num_experts, scale_rows, arch, tile_n, num_stages, raster_m,
-                     overlap_promotion, requant, wide_gated, gather_a=False, cluster_n=1, smem_scales=False):
+                     overlap_promotion, requant, wide_gated, gather_a=False, cluster_n=1, smem_scales=False,
+                     scale_warp=False):
     reason = can_implement(activation, n, k, num_experts, tile_n)
     if reason is None and requant and activation != "swiglu":
         reason = "requant needs swiglu"
@@ -129,13 +132,14 @@ def _compile_variant(activation, n, k, num_experts, scale_rows, arch, tile_n, nu
     if requant:
         kernel = Fp8SwigluRequantGroupedGemmSm90(scale_rows=scale_rows, num_stages=num_stages, raster_m=raster_m,
                                                  overlap_promotion=overlap_promotion, wide_gated=wide_gated,
-                                                 smem_scales=smem_scales)
+                                                 smem_scales=smem_scales, scale_warp=scale_warp)
     else:
         cls = Fp8GatherGroupedGemmSm90 if gather_a else Fp8BlockScaledGroupedGemmSm90
         kernel = cls(activation, scale_rows=scale_rows, tile_n=tile_n, num_stages=num_stages, raster_m=raster_m,
                      overlap_promotion=overlap_promotion, wide_gated=wide_gated,
                      **({"cluster_n": cluster_n} if cluster_n > 1 else {}),
-                     **({"smem_scales": True} if smem_scales else {}))
+                     **({"smem_scales": True} if smem_scales else {}),
+                     **({"scale_warp": True} if scale_warp else {}))
     compiled = cute.compile(kernel, *fake_args(num_experts, n, k, activation, requant, gather_a),
                             options=f"--gpu-arch {arch} --keep-ptx")
     return kernel, compiled
@@ -195,12 +199,12 @@ class Fp8GroupedGemm:
 
     def __init__(self, activation, n, k, num_experts, scale_rows, tile_n=None, num_stages=None, raster_m=1,
                  overlap_promotion=False, requant=False, wide_gated=False, gather_a=False, cluster_n=1,
-                 smem_scales=False):
+                 smem_scales=False, scale_warp=False):
         self.kernel, self.compiled = compile_variant(activation, n, k, num_experts, scale_rows,
                                                      tile_n=tile_n, num_stages=num_stages, raster_m=raster_m,
                                                      overlap_promotion=overlap_promotion, requant=requant,
                                                      wide_gated=wide_gated, gather_a=gather_a, cluster_n=cluster_n,
-                                                     smem_scales=smem_scales)
+                                                     smem_scales=smem_scales, scale_warp=scale_warp)
         self.cluster_n = int(cluster_n)
         self.activation, self.n, self.k, self.scale_rows = activation, n, k, scale_rows
         self.n_out = n // 2 if activation == "swiglu" else n
@@ -420,18 +424,19 @@ def smem_scale_configs(act: str, n: int, k: int, overlap: bool, requant: bool):
 
 
 def check_smem_scales(out, a, a_s, b, b_s, offs, rs, E, n, k, act, sr, raster_m, overlap, requant, reps) -> bool:
-    """Scales staged in smem by the producer (drop v34) against the same kernel reading them from
-    global memory (``out``: the default kernel's bf16 result): the same bits (NaN-poisoned; the
-    requantising FC1: its e4m3 rows and scales), then both times, interleaved over two rounds."""
+    """Scales staged in smem -- by the TMA warp (drop v34) and by a second producer warp (v35) --
+    against the same kernel reading them from global memory (``out``: the default kernel's bf16
+    result): the same bits (NaN-poisoned; the requantising FC1: its e4m3 rows and scales), then
+    the three times, interleaved over two rounds."""
     ok_all = True
     m_total = out.shape[0]
     flops = 2.0 * m_total * n * k
     wide = act == "swiglu"
     for ov, cn, rq in smem_scale_configs(act, n, k, overlap, requant):
-        pair, outs = [], []
-        for smem in (False, True):
+        runs, outs = [], []
+        for smem, warp in ((False, False), (True, False), (True, True)):
             fn = Fp8GroupedGemm(act, n, k, E, sr, raster_m=raster_m, overlap_promotion=ov, wide_gated=wide,
-                                cluster_n=cn, requant=rq, smem_scales=smem)
+                                cluster_n=cn, requant=rq, smem_scales=smem, scale_warp=warp)
             if rq:
                 o = (torch.full((m_total, fn.n_out), 0x7F, dtype=torch.uint8, device="cuda"),
                      torch.full((m_total, fn.n_out // FP8_BLOCK), float("nan"), dtype=torch.float32, device="cuda"))
@@ -440,27 +445,28 @@ def check_smem_scales(out, a, a_s, b, b_s, offs, rs, E, n, k, act, sr, raster_m,
                 o = (torch.full_like(out, float("nan")),)
                 args = fn.prepare(a, a_s, b, b_s, o[0], offs, rs)
             fn.launch(args)
-            pair.append((fn, args))
+            runs.append((fn, args))
             outs.append(o)
         torch.cuda.synchronize()
-        same = all(torch.equal(x, y) for x, y in zip(outs[0], outs[1]))
+        same = all(torch.equal(x, y) for other in outs[1:] for x, y in zip(outs[0], other))
         if not rq:
             same = same and torch.equal(outs[0][0], out)
         if not same:
-            bad = ((outs[1][0] != outs[0][0]) & ~(outs[1][0].float().isnan() & outs[0][0].float().isnan())).any(dim=1)
-            print(f"    smem_scales: {int(bad.sum())} of {m_total} rows differ, first {bad.nonzero().flatten()[:8].tolist()}",
-                  flush=True)
+            for name, o in (("staged", outs[1]), ("scale warp", outs[2])):
+                bad = ((o[0] != outs[0][0]) & ~(o[0].float().isnan() & outs[0][0].float().isnan())).any(dim=1)
+                print(f"    {name}: {int(bad.sum())} of {m_total} rows differ, first {bad.nonzero().flatten()[:8].tolist()}",
+                      flush=True)
         ok_all &= same
-        gms, sms = [], []
+        times = [[], [], []]
         for _ in range(2):
-            gms.append(time_fn(lambda: pair[0][0].launch(pair[0][1]), reps))
-            sms.append(time_fn(lambda: pair[1][0].launch(pair[1][1]), reps))
-        gm, sm = min(gms), min(sms)
+            for i, (fn, args) in enumerate(runs):
+                times[i].append(time_fn(lambda: fn.launch(args), reps))
+        gm, sm, wm = (min(t) for t in times)
         tag = (" overlap" if ov else "") + (" wide" if wide else "") + (" cluster2" if cn > 1 else "") + \
             (" requant" if rq else "")
-        print(f"    smem_scales{tag}: bit-identical={same}; {sm:.3f} ms = {flops / sm / 1e9:.1f} TFLOP/s vs "
-              f"{gm:.3f} ms = {flops / gm / 1e9:.1f} ({gm / sm:.2f}x; rounds {' '.join(f'{x:.3f}' for x in sms)} / "
-              f"{' '.join(f'{x:.3f}' for x in gms)})", flush=True)
+        print(f"    smem_scales{tag}: bit-identical={same}; staged {sm:.3f} ms ({gm / sm:.2f}x), scale warp {wm:.3f} "
+              f"ms ({gm / wm:.2f}x) vs global {gm:.3f} ms = {flops / gm / 1e9:.1f} TFLOP/s (rounds "
+              f"{' / '.join(' '.join(f'{x:.3f}' for x in t) for t in times)})", flush=True)
     return ok_all
 
 
@@ -552,20 +558,22 @@ def run_compile(model: str, overlap: bool = False, requant: bool = False, wide: 
                      for w in ((False, True) if wide else (False,))]
     if gather:
         variants += [(spec, ov, False, wide, True) for spec, ov, _, _, _ in gated]
-    variants = [v + (1, False) for v in variants]
+    variants = [v + (1, 0) for v in variants]
     if cluster:  # check_cluster's variants: FC1 wide gated, clusters of 2
-        variants += [(spec, ov, False, spec[1] == "swiglu", False, 2, False) for spec in layers(model)
+        variants += [(spec, ov, False, spec[1] == "swiglu", False, 2, 0) for spec in layers(model)
                      for ov in ((False, True) if overlap and overlap_buildable(spec[3]) else (False,))]
     if smem:  # check_smem_scales's variants, both ways
         variants += [(spec, ov, rq, spec[1] == "swiglu", False, cn, sm) for spec in layers(model)
                      for ov, cn, rq in smem_scale_configs(spec[1], spec[2], spec[3], overlap, requant)
-                     for sm in (False, True)]
+                     for sm in (0, 1, 2)]
     for (name, act, n, k, sr), ov, rq, w, g, cn, sm in variants:
         t0 = time.time()
         kernel, compiled = compile_variant(act, n, k, E, sr, raster_m=raster_m, overlap_promotion=ov, requant=rq,
-                                           wide_gated=w, gather_a=g, cluster_n=cn, smem_scales=sm)
+                                           wide_gated=w, gather_a=g, cluster_n=cn, smem_scales=sm > 0,
+                                           scale_warp=sm > 1)
         name = name + (" overlap" if ov else "") + (" requant" if rq else "") + (" wide" if w else "") + \
-            (" gather" if g else "") + (" cluster2" if cn > 1 else "") + (" smem_scales" if sm else "")
+            (" gather" if g else "") + (" cluster2" if cn > 1 else "") + \
+            {0: "", 1: " smem_scales", 2: " smem_scales scale_warp"}[sm]
         r = ptx_report(kernel, compiled)
         ok = r["fp8_wgmma"] and r["tma"] and r["pdl"] and not r["local"] and r["ptxas_spill_bytes"] in (0, None)
         ok_all &= ok

@@ -27,13 +27,15 @@ from cutlass.cute.nvgpu import cpasync
 
 def stage_producers(kernel, a_smem_one, b_smem_one):
     """``(tx_bytes, producer group)`` of a stage's full barrier: every operand by TMA, one arrival
-    with all bytes; with ``kernel.gather_a``, B's bytes from warp 0's TMA arrival plus one cp.async
+    with all bytes (plus the scale warp's with ``kernel.scale_warp``); with ``kernel.gather_a``, B's bytes from warp 0's TMA arrival plus one cp.async
     arrival per producer thread (its A rows). Shared by the BF16 and FP8 kernels' ``_body``."""
     b_bytes = kernel.num_b * cute.size_in_bytes(kernel.ab_dtype, b_smem_one)
     if kernel.gather_a:
         return b_bytes, pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 + kernel.threads_per_wg)
+    # FP8 drop v35 (``scale_warp``): a second arrival per stage, the scale warp's
+    arrivals = 2 if getattr(kernel, "scale_warp", False) else 1
     return (cute.size_in_bytes(kernel.ab_dtype, a_smem_one) + b_bytes,
-            pipeline.CooperativeGroup(pipeline.Agent.Thread))
+            pipeline.CooperativeGroup(pipeline.Agent.Thread, arrivals))
 
 
 class GatherAProducer:
