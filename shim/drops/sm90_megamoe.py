@@ -1,4 +1,4 @@
-"""Shim for the SM90 drop ``kernel_src/sm90/megamoe`` (package ``sm90_megamoe``), drop version 35.
+"""Shim for the SM90 drop ``kernel_src/sm90/megamoe`` (package ``sm90_megamoe``), drop version 36.
 
 What moe_ep relies on, declared as data (:data:`CONTRACT`), plus thin wrappers:
 
@@ -51,7 +51,7 @@ from ..nvshmem_boot import CounterContract
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 35},
+    "sm90_megamoe": {"DROP_VERSION": 36},
     "sm90_megamoe.fp8_gemm": {"FP8_BLOCK": 128, "OVERLAP_MAX_K_TILES": 32, "OVERLAP_MAX_CHUNK": 16},
     "sm90_megamoe.constants": {
         "ABI_VERSION": 2,
@@ -86,7 +86,7 @@ CONSTANTS = MirroredConstants("sm90/megamoe", {
 })
 
 CONTRACT = DropContract(
-    arch="sm90", drop="megamoe", version=35, packages=(PKG,), constants=CONSTANTS,
+    arch="sm90", drop="megamoe", version=36, packages=(PKG,), constants=CONSTANTS,
     callables=(
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.__init__",
                     ("activation", "n", "k", "num_experts", "scale_rows", "tile_n", "bias_dtype",

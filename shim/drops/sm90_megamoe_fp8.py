@@ -188,6 +188,22 @@ def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_row
                   smem, smem and use_fp8_scale_warp())
 
 
+def _gemm_key(activation: str, n: int, k: int, num_experts: int, scale_rows: bool, requant: bool,
+              gather_a: bool) -> Fp8Key:
+    """The GEMM's key: every schedule choice made once, here (compiled code and launcher agree)."""
+    return _key("gemm", activation, n, k, num_experts, scale_rows, pick_fp8_raster_m(k),
+                compiled_key_overlap(activation, k), requant, gather_a)
+
+
+def _gemm_options(key: Fp8Key) -> dict:
+    """``CompiledFp8Gemm``'s arguments (all but ``compiled``) for a GEMM key."""
+    return dict(activation=key.activation, n=key.n, k=key.k, num_experts=key.num_experts,
+                scale_rows=key.scale_rows, tvm_ffi=key.tvm_ffi, raster_m=key.raster_m,
+                overlap_promotion=key.overlap_promotion, requant=key.requant, wide_gated=key.wide_gated,
+                gather_a=key.gather_a, cluster_n=key.cluster_n, smem_scales=key.smem_scales,
+                scale_warp=key.scale_warp)
+
+
 def compiled_fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
                       requant: bool = False, gather_a: bool = False) -> Any:
     """Compiled code of the FP8 grouped GEMM (no GPU needed). ``requant`` (swiglu; drop v21): the
@@ -199,8 +215,7 @@ def compiled_fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_r
         raise ValueError(f"sm90 FP8 GEMM: requant needs activation 'swiglu', got {activation!r}")
     if requant and gather_a:
         raise ValueError("sm90 FP8 GEMM: gather_a and requant do not combine")
-    key = _key("gemm", activation, n, k, num_experts, scale_rows, pick_fp8_raster_m(k),
-               compiled_key_overlap(activation, k), requant, gather_a)
+    key = _gemm_key(activation, n, k, num_experts, scale_rows, requant, gather_a)
     name = f"fp8_gemm_{activation}" + ("_requant" if requant else "") + ("_gather" if gather_a else "") + \
         ("_cluster2" if key.cluster_n > 1 else "")
 
@@ -208,12 +223,7 @@ def compiled_fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_r
         fl = _load("sm90_megamoe.fp8_launch")
         return disk_cache.get_or_build(
             cache_namespace(), name, key,
-            lambda: fl.CompiledFp8Gemm(activation=activation, n=n, k=k, num_experts=num_experts,
-                                       scale_rows=bool(scale_rows), compiled=None, tvm_ffi=key.tvm_ffi,
-                                       raster_m=key.raster_m, overlap_promotion=key.overlap_promotion,
-                                       requant=key.requant, wide_gated=key.wide_gated,
-                                       gather_a=key.gather_a, cluster_n=key.cluster_n,
-                                       smem_scales=key.smem_scales, scale_warp=key.scale_warp).compiled,
+            lambda: fl.CompiledFp8Gemm(compiled=None, **_gemm_options(key)).compiled,
             tvm_ffi=key.tvm_ffi)
 
     return COMPILE_CACHE.get_or_compile(key, build)
@@ -226,13 +236,8 @@ def fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool
     ``requant``: ``out=[M, n_out] e4m3, out_scale=[M, n_out/128] f32`` instead of bf16 ``out``;
     ``gather_a``: ``a [T, k]``, ``a_scale [T, k/128]`` are source rows and ``idx=[M] i32`` picks them."""
     compiled = compiled_fp8_gemm(activation, n, k, num_experts, scale_rows, requant, gather_a)
-    cluster_n = use_fp8_cluster(activation, n, k) if not (requant or gather_a) else 1
-    smem = not gather_a and use_fp8_smem_scales(compiled_key_overlap(activation, k), k)
-    return _load("sm90_megamoe.fp8_launch").CompiledFp8Gemm(
-        activation=activation, n=n, k=k, num_experts=num_experts, scale_rows=bool(scale_rows), compiled=compiled,
-        tvm_ffi=use_tvm_ffi(), raster_m=pick_fp8_raster_m(k), overlap_promotion=compiled_key_overlap(activation, k),
-        requant=bool(requant), wide_gated=use_fp8_wide_gated(activation), gather_a=bool(gather_a), cluster_n=cluster_n,
-        smem_scales=smem, scale_warp=smem and use_fp8_scale_warp())
+    key = _gemm_key(activation, n, k, num_experts, scale_rows, requant, gather_a)
+    return _load("sm90_megamoe.fp8_launch").CompiledFp8Gemm(compiled=compiled, **_gemm_options(key))
 
 
 def compiled_fp8_quantize_rows(k: int, gather: bool = False, scatter_topk: int = 0) -> Any:

@@ -393,32 +393,18 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
             cute.slice_(b_smem_layout, (None, None, 0)), (self.tile_n, self.tile_k),
         )
 
-        @cute.struct
-        class SharedStorage:
-            mbar: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
-            sched_off: cute.struct.MemRange[cutlass.Int32, num_experts + 1]
-            sched_cum: cute.struct.MemRange[cutlass.Int32, num_experts + 1]
-            sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem_layout)], 1024]
-            sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem_layout)], 1024]
-            sC: cute.struct.Align[
-                cute.struct.MemRange[self.c_dtype, self.epi_smem_elems * self.num_epi_bufs], 128
-            ]
-
-        self.shared_storage = SharedStorage
-        if cutlass.const_expr(self.smem_scales):
-            @cute.struct
-            class SharedStorageScales:
-                mbar: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
-                sched_off: cute.struct.MemRange[cutlass.Int32, num_experts + 1]
-                sched_cum: cute.struct.MemRange[cutlass.Int32, num_experts + 1]
-                sA: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem_layout)], 1024]
-                sB: cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem_layout)], 1024]
-                sC: cute.struct.Align[
-                    cute.struct.MemRange[self.c_dtype, self.epi_smem_elems * self.num_epi_bufs], 128
-                ]
-                sScale: cute.struct.Align[cute.struct.MemRange[self.acc_dtype, self.num_stages * SCALE_SLOT], 16]
-
-            self.shared_storage = SharedStorageScales
+        fields = {
+            "mbar": cute.struct.MemRange[cutlass.Int64, self.num_stages * 2],
+            "sched_off": cute.struct.MemRange[cutlass.Int32, num_experts + 1],
+            "sched_cum": cute.struct.MemRange[cutlass.Int32, num_experts + 1],
+            "sA": cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem_layout)], 1024],
+            "sB": cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem_layout)], 1024],
+            "sC": cute.struct.Align[cute.struct.MemRange[self.c_dtype, self.epi_smem_elems * self.num_epi_bufs], 128],
+        }
+        if cutlass.const_expr(self.smem_scales):  # last, so the other fields keep their offsets
+            fields["sScale"] = cute.struct.Align[cute.struct.MemRange[self.acc_dtype, self.num_stages * SCALE_SLOT], 16]
+        # cute.struct reads a class's annotations: build the class from the field table
+        self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
         # wide_gated: stage s's gate and up slots (2s, 2s + 1: 64 rows of 128 bytes each, 8-row swizzle
         # atoms) are the same bytes as one 128-row tile of stage s
         b_smem_layout_mma = b_smem_layout
@@ -928,8 +914,8 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
     def _scale_producer(self, ab_pipeline, mAScale, mBScale, sScale, sOff, sCum, total_tiles, unit0, unit_step,
                         cta_rank, lane):
         """scale_warp (drop v35): producer warp 1 walks the TMA warp's schedule (same units, halves and
-        k-tiles, so the same stages) and stages each k-tile's scales as :meth:`_stage_scales` does,
-        but arms nothing: after its stores and a warp barrier, one elected lane arrives on the
+        k-tiles, so the same stages) and stages each k-tile's scales with :meth:`_stage_scales`,
+        which then arms nothing: after the stores and a warp barrier, one elected lane arrives on the
         stage's full barrier, which counts two arrivals (the TMA warp's ``arrive.expect_tx`` and this
         one). The TMA warp's loop is then exactly the global-scale kernel's: it never waits on a
         scale load before issuing a stage's copies."""
@@ -944,20 +930,8 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
             for half in cutlass.range_constexpr(self.halves):
                 n0 = self._n0(n_tile, half)
                 for k_tile in range(self.k_tiles):
-                    a_sc = [mAScale[r, k_tile] for r in sc_rows]  # issued before the wait: latency hidden
-                    bsel = 0
-                    if cutlass.const_expr(self.num_b > 1):
-                        bsel = cutlass.min(lane, self.num_b - 1)
-                    b_sc = mBScale[expert, (n0 + bsel * self.n_out) // FP8_BLOCK, k_tile]
-                    ab_pipeline.sync_object_empty.wait(prod_state.index, prod_state.phase)
-                    base = prod_state.index * SCALE_SLOT
-                    for j in cutlass.range_constexpr(self.tile_m // 32):
-                        sScale[base + lane + 32 * j] = a_sc[j]
-                    if lane < self.num_b:
-                        sScale[base + self.tile_m + lane] = b_sc
-                    cute.arch.sync_warp()
-                    if lane == 0:
-                        cute.arch.mbarrier_arrive(ab_pipeline.producer_get_barrier(prod_state))
+                    self._stage_scales(ab_pipeline, prod_state, mAScale, mBScale, sScale, sc_rows, expert, n0,
+                                       k_tile, lane)
                     prod_state.advance()
             tile_id = tile_id + unit_step
 
@@ -967,7 +941,8 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         written into the stage's slot before the stage's full barrier is armed. The loads are
         issued before the wait for a free stage (their L2 latency hides behind it); after the
         lanes' stores, a warp barrier orders them before the elected ``arrive.expect_tx``, whose
-        release the consumers acquire when they wait on the stage (no consumer-side global load)."""
+        release the consumers acquire when they wait on the stage (no consumer-side global load).
+        With ``scale_warp`` (v35) the scale warp calls it and its arrival carries no bytes."""
         a_sc = [mAScale[r, k_tile] for r in sc_rows]  # a comprehension: traced as plain Python
         bsel = 0
         if cutlass.const_expr(self.num_b > 1):
@@ -980,7 +955,11 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         if lane < self.num_b:
             sScale[base + self.tile_m + lane] = b_sc
         cute.arch.sync_warp()
-        ab_pipeline.sync_object_full.arrive(prod_state.index, ab_pipeline.producer_mask)
+        if cutlass.const_expr(self.scale_warp):  # the scale warp: one plain arrival of the stage's two
+            if lane == 0:
+                cute.arch.mbarrier_arrive(ab_pipeline.producer_get_barrier(prod_state))
+        else:
+            ab_pipeline.sync_object_full.arrive(prod_state.index, ab_pipeline.producer_mask)
 
     def _fence(self, parts, n_elems: int) -> None:
         """Pin every partial accumulator of one set (see :func:`_fence_operand`)."""
