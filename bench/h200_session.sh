@@ -157,6 +157,8 @@ if [ "$mode" = extra ]; then
   fi
 fi
 if [ "$mode" = verify ]; then
+  # (ran in the thirteenth session at 54df6fc with TEST_BUDGET=180 VERIFY_RUNNER_MODELS= VERIFY_ROUNDS=2:
+  # tests passed; FUSED_REQUANT and SCALE_WARP no faster on the layer -- docs/PERFORMANCE.md)
   # after the twelfth session (its device time spent): the FP8 defaults changed at c079622 -- K <= 2048
   # runs the short-K schedule (drop v34's staged scales, the wide FC1 overlapped, clusters of 2), FC2
   # with K > 4096 the chunked overlapped schedule -- and had not run in the GPU suite. Their GPU files,

@@ -116,8 +116,10 @@ def fused_requant() -> bool:
     second kernel reads back: one launch and ``h``'s write + read fewer. Bit-identical on the H200
     (a2012eb), 1.04-1.05x FC1 + quantiser on Qwen3 but 0.95x on Mixtral (0.61x with overlapped
     promotion: the kernel's code outgrows the instruction cache), so off by default. Drop v33
-    chunks that overlapped schedule (16 k-tiles per half; a 116 KB cubin instead of 184 KB) --
-    not yet measured on a GPU (`bench/h200_session.sh verify`)."""
+    chunks that overlapped schedule (16 k-tiles per half; a 116 KB cubin instead of 184 KB): 1.12x
+    FC1 + quantiser in the drop runner, yet the layer is slower with it (thirteenth session, two
+    interleaved rounds, CUDA graph TFLOP/s): Mixtral 928-934 vs 975, Qwen3 629-655 vs 684-692 --
+    the requantising FC1 has no clusters, and the quantiser it replaces starts under FC1's tail."""
     return env_switch("MOE_EP_FP8_FUSED_REQUANT", False)
 
 
