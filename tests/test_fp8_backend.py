@@ -530,6 +530,86 @@ def test_fp8_wire_wiring_on_cpu():
     assert calls[5][1][:2] == (b.xq, b.xq_scale)
 
 
+@pytest.mark.parametrize("route", [False, True])
+def test_split_dispatch_wiring_on_cpu(route):
+    """dispatch() of the FP8 backend (the split pair, recorded, no kernel runs) sends and lays out
+    BF16 rows as the BF16 backend does -- the layout gets ``xs`` to copy them into, nothing is
+    quantised -- and returns ``xs``; forward's next step 2 is the fused one again (no BF16 rows).
+    With FP8 on the wire it refuses before any launch."""
+    from types import SimpleNamespace
+
+    from moe_ep.backends.sm90.fp8_cutedsl.backend import Sm90Fp8Backend
+
+    calls = []
+
+    def rec(name):
+        return lambda *a, **k: calls.append((name, a, k))
+
+    b = object.__new__(Sm90Fp8Backend)
+    x, ids, w = torch.zeros(3, 4), torch.zeros(3, 2, dtype=torch.int32), torch.zeros(3, 2)
+    b._ensure = lambda: None
+    b.fp8_wire, b.fused_gather, b.scatter_quant, b.local_route, b.token_grid = False, True, True, route, False
+    b._routing, b.fc1_decode, b.fc1, b.fc2 = None, None, rec("fc1"), rec("fc2")
+    b.quant_x, b.quant_h = rec("quant_x"), rec("quant_h")
+    b.layout = type("L", (), {"__call__": lambda self, *a, **k: calls.append(("layout", a, k)),
+                              "route": lambda self, *a, **k: calls.append(("route", a, k))})()
+    b.ws = SimpleNamespace(seq=0)
+    b.ep = SimpleNamespace(bufs=SimpleNamespace(recv_x=torch.zeros(4)), dispatch=rec("dispatch"))
+    for n in ("offsets", "idx", "ws_rows", "pos", "xs"):
+        setattr(b, n, torch.zeros(4))
+    recv, offs, state = b.dispatch(x, ids, w)
+    assert recv is b.xs and offs is b.offsets and state.num_tokens == 3 and state.seq == 1
+    assert [c[0] for c in calls] == (["route"] if route else ["dispatch", "layout"])
+    assert calls[-1][1][-1] is b.xs  # the layout copies the BF16 rows into xs
+    if route:
+        assert calls[0][1][1:4] == (x, ids, w)
+    assert not b._split_rows
+    calls.clear()
+    b._step1_dispatch(x, ids, w)
+    b._step2_layout()  # forward's step 2: no BF16 rows
+    assert calls[-1][1][-1] is None
+    calls.clear()
+    b.fp8_wire = True
+    with pytest.raises(UnsupportedBackendError, match="MOE_EP_FP8_WIRE"):
+        b.dispatch(x, ids, w)
+    assert calls == [] and b.ws.seq == 2
+
+
+@pytest.mark.gpu
+def test_fp8_split_pair_matches_float64():
+    """The FP8 layer's dispatch/combine pair (an engine's own experts between them): dispatch
+    returns every (token, expert) pair's BF16 row, grouped by expert, bit for bit; combine of the
+    engine's rows equals the router-weighted float64 sum; forward's bits are untouched by it."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    E, H, K, T = QWEN["num_experts"], QWEN["hidden"], QWEN["top_k"], 300
+    cfg = MoEConfig(max_tokens_per_rank=512, quant="fp8_block128", **QWEN)
+    x, ids, w, w13, w2 = _qwen_fp8_inputs(T, seed=17)
+    layer = MoELayer(cfg, EPGroup.single(), backend="sm90_fp8_cutedsl")
+    layer.warmup(progress=False)
+    first = layer.forward(x, ids, w, w13, w2).clone()
+    recv, offs, handle = layer.dispatch(x, ids, w)
+    torch.cuda.synchronize()
+    off = offs.cpu().tolist()
+    assert recv.dtype == torch.bfloat16 and off[-1] == T * K
+    counts = torch.bincount(ids.flatten().long(), minlength=E).cpu().tolist()
+    assert [off[e + 1] - off[e] for e in range(E)] == counts
+    for e in range(E):  # expert e's rows: the tokens that chose e, as a multiset (sorted per column)
+        t = (ids == e).nonzero(as_tuple=True)[0]
+        got = recv[off[e]:off[e + 1]].float()
+        assert torch.equal(torch.sort(got, 0).values, torch.sort(x[t].float(), 0).values), e
+    # engine experts: row r -> 0.5 * row r + 1 (bf16); combine sums them with the router weights
+    y = torch.full_like(recv, float("nan"))  # rows past offsets[-1] must never be read
+    y[:T * K] = (recv[:T * K].float() * 0.5 + 1.0).to(torch.bfloat16)
+    got = layer.combine(y, handle)
+    yw = (x.double() * 0.5 + 1.0).to(torch.bfloat16).double()  # each token's row after the expert
+    want = yw * w.double().sum(-1, keepdim=True)
+    assert float((got.double() - want).norm() / want.norm()) < 1e-2
+    layer.check_errors()
+    assert torch.equal(layer.forward(x, ids, w, w13, w2), first)
+    layer.destroy()
+
+
 def test_fused_requant_prebuilds_its_kernels(monkeypatch, tmp_path):
     """MOE_EP_FP8_FUSED_REQUANT=1 builds FC1's requantising GEMM and no FC2-input quantiser;
     unset (the default until it has run on a GPU), the plain FC1 and the quantiser."""

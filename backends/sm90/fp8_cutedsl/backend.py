@@ -54,7 +54,9 @@ def fp8_wire() -> bool:
     """``MOE_EP_FP8_WIRE=1`` (W > 1): tokens cross NVLink in FP8 (E4M3 + one float32 scale per 128
     values, quantised on the sending rank by step 3's own quantiser, so the layer's bits do not
     change), 0.52x the bytes of BF16 rows. Needs ``hidden % 512 == 0`` (the scales of a row travel
-    as ``hidden/64`` bf16 words, a multiple of 8). Off by default until it has run on a GPU."""
+    as ``hidden/64`` bf16 words, a multiple of 8). Bit-identical to BF16 rows on virtual ranks (W = 2
+    and 4, H200); off by default until it has been timed on two GPUs. The split ``dispatch`` refuses
+    it (its rows are BF16)."""
     return env_switch("MOE_EP_FP8_WIRE", False)
 
 
@@ -177,6 +179,7 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
     fused_requant = False  # set at bind (MOE_EP_FP8_FUSED_REQUANT=1)
     gather_fc1 = False  # set at bind (MOE_EP_FP8_GATHER_FC1=1, one rank with LocalRoute)
     scatter_quant = False  # set at bind (the default with the fused gather; MOE_EP_FP8_SCATTER_QUANT=0: off)
+    _split_rows = False  # True inside dispatch(): step 2 copies BF16 rows for the caller
 
     def _bind_gemms(self, views: dict) -> None:
         cfg = self.cfg
@@ -252,6 +255,23 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
     def _fc1_reads_tokens(self) -> bool:
         return False  # step 3 below feeds FC1 itself (gather_fc1: the quantised tokens)
 
+    # ---- the split pair ------------------------------------------------------------------------
+    def dispatch(self, x, topk_ids, topk_weights):
+        """Steps 1-2 for an engine's own GEMMs: the received rows in BF16, as the BF16 backend
+        returns them (``xs`` [P, H] bf16, rows < offsets[E_l] valid; ``offsets`` [E_l+1] int32).
+        forward's FP8 step 2 writes no BF16 rows (the quantiser reads the received ones), so this
+        call runs the BF16 layout that copies them. Rows that crossed the wire as E4M3
+        (``MOE_EP_FP8_WIRE=1``) have no BF16 form: refused before any launch."""
+        if self.fp8_wire:
+            raise UnsupportedBackendError(
+                f"{NAME}: dispatch() returns BF16 rows, but MOE_EP_FP8_WIRE=1 sends them as E4M3; "
+                "unset MOE_EP_FP8_WIRE (or set it to 0) for the split dispatch/combine pair")
+        self._split_rows = True
+        try:
+            return super().dispatch(x, topk_ids, topk_weights)
+        finally:
+            self._split_rows = False
+
     def _send_rows(self, x, topk_ids, topk_weights) -> None:
         if not self.fp8_wire:
             return super()._send_rows(x, topk_ids, topk_weights)
@@ -264,6 +284,8 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
         self.ep_s.dispatch(sc.view(torch.bfloat16), topk_ids, topk_weights, num_ctas=self._token_ctas)
 
     def _step2_layout(self) -> None:
+        if self._split_rows:  # dispatch(): the BF16 grouped rows into xs, nothing quantised
+            return super()._step2_layout(gather_rows=True)
         if self.fp8_wire:  # the grouped E4M3 rows straight into xq, then their scale rows
             self.layout_q(self.ep_q, self.offsets, self.idx, self.ws_rows, self.pos, self.xq.view(torch.bfloat16),
                           tokens=self._tokens)
