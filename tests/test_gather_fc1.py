@@ -111,6 +111,30 @@ def test_bf16_gather_wiring_on_cpu():
     assert b._fc1_src is None and b._routing is None
 
 
+
+def test_bf16_gather_split_dispatch_copies_rows_on_cpu():
+    """dispatch() of the split pair with a gathering FC1 (recorded, no kernel runs): its caller
+    reads ``xs``, so LocalRoute copies the grouped rows into it (forward's step 2 copies none)."""
+    from moe_ep.backends.sm90.bf16_cutedsl.backend import Sm90CuteDSLBackend
+
+    calls = []
+    b = object.__new__(Sm90CuteDSLBackend)
+    x, ids, w = torch.zeros(3, 4), torch.zeros(3, 2, dtype=torch.int32), torch.zeros(3, 2)
+    b._ensure = lambda: None
+    b.local_route, b.token_grid, b._routing, b.fc1_decode = True, False, None, None
+    b.fc1, b.fc2 = SimpleNamespace(gather_a=True), SimpleNamespace(gather_a=False)
+    b.layout = SimpleNamespace(route=lambda *a, **k: calls.append(("route", a, k)))
+    b.ws, b.ep = SimpleNamespace(seq=0), SimpleNamespace()
+    for n in ("offsets", "idx", "ws_rows", "pos", "xs"):
+        setattr(b, n, torch.zeros(4))
+    recv, offs, state = b.dispatch(x, ids, w)
+    assert recv is b.xs and offs is b.offsets and state.num_tokens == 3
+    assert [c[0] for c in calls] == ["route"] and calls[0][1][-1] is b.xs
+    assert b._fc1_src is None and not b._split_rows
+    b._step1_dispatch(x, ids, w)
+    b._step2_layout()  # forward's step 2: FC1 gathers, no rows copied
+    assert calls[-1][1][-1] is None and b._fc1_src is x
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("schedule,bias", [("cooperative", None), ("wide", None), ("cooperative", "float32")])
 @pytest.mark.parametrize("routing", ["uniform", "skewed"])

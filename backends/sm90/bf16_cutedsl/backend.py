@@ -221,6 +221,7 @@ class Sm90HandleState:
 
 class Sm90CuteDSLBackend(BackendImpl):
     name = "sm90_bf16_cutedsl"
+    _split_rows = False  # True inside dispatch(): step 2 copies the grouped rows for the caller
     #: target of the EP and layout kernels (arch-neutral; the Blackwell backends subclass this one)
     arch = "sm_90a"
 
@@ -370,7 +371,7 @@ class Sm90CuteDSLBackend(BackendImpl):
     def _step2_layout(self, gather_rows: bool = True) -> None:
         """``gather_rows``: copy the grouped rows into ``self.xs`` (False: step 3 reads them itself;
         so does a gathering FC1, :func:`gather_fc1`, from the caller's x kept in ``_fc1_src``)."""
-        fc1_gathers = self._fc1_reads_tokens()
+        fc1_gathers = self._fc1_reads_tokens() and not self._split_rows  # dispatch() returns xs itself
         xs = self.xs if gather_rows and not fc1_gathers else None
         if self.local_route:
             x, topk_ids, topk_weights = self._routing
@@ -426,8 +427,12 @@ class Sm90CuteDSLBackend(BackendImpl):
         """Steps 1-2. Returns the workspace's ``xs`` [P, H] (rows < offsets[E_l] valid) and
         ``offsets`` [E_l+1]: both valid until the next dispatch/forward on this workspace."""
         self._ensure()
-        self._step1_dispatch(x, topk_ids, topk_weights)
-        self._step2_layout()
+        self._split_rows = True  # step 2 writes xs even where forward's FC1 would gather the rows
+        try:
+            self._step1_dispatch(x, topk_ids, topk_weights)
+            self._step2_layout()
+        finally:
+            self._split_rows = False
         return self.xs, self.offsets, Sm90HandleState(x.shape[0], self.ws.seq)
 
     def combine(self, expert_out, state: Sm90HandleState, out=None):

@@ -179,7 +179,6 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
     fused_requant = False  # set at bind (MOE_EP_FP8_FUSED_REQUANT=1)
     gather_fc1 = False  # set at bind (MOE_EP_FP8_GATHER_FC1=1, one rank with LocalRoute)
     scatter_quant = False  # set at bind (the default with the fused gather; MOE_EP_FP8_SCATTER_QUANT=0: off)
-    _split_rows = False  # True inside dispatch(): step 2 copies BF16 rows for the caller
 
     def _bind_gemms(self, views: dict) -> None:
         cfg = self.cfg
@@ -266,11 +265,7 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
             raise UnsupportedBackendError(
                 f"{NAME}: dispatch() returns BF16 rows, but MOE_EP_FP8_WIRE=1 sends them as E4M3; "
                 "unset MOE_EP_FP8_WIRE (or set it to 0) for the split dispatch/combine pair")
-        self._split_rows = True
-        try:
-            return super().dispatch(x, topk_ids, topk_weights)
-        finally:
-            self._split_rows = False
+        return super().dispatch(x, topk_ids, topk_weights)  # (it sets _split_rows for step 2)
 
     def _send_rows(self, x, topk_ids, topk_weights) -> None:
         if not self.fp8_wire:
