@@ -239,7 +239,9 @@ class MoELayer:
             expert_offsets: ``[E_local + 1]`` int32 (device), expert e owns ``[off[e], off[e+1])``;
             handle: :class:`DispatchHandle` for :meth:`combine`.
         ``recv_x`` and ``expert_offsets`` are the layer's (workspace's) buffers: valid until the
-        next ``dispatch``/``forward`` on the workspace, like the handle.
+        next ``dispatch``/``forward`` on the workspace, like the handle. A quantised layer returns
+        the received rows unquantised too (``config.dtype``); ``sm90_fp8_cutedsl`` with
+        ``MOE_EP_FP8_WIRE=1`` (rows cross as E4M3) raises :class:`UnsupportedBackendError`.
         """
         self._alive()
         V.check_routing(self.config, x, topk_ids, topk_weights, self.device,
