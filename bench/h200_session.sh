@@ -28,6 +28,8 @@
 # liger:         [bash .device/liger/stage.sh if /tmp/lsite/.ok is missing], then in a subshell
 #                `source .device/liger/env.sh` and LigerCute on the same models: $OUT/liger.csv, $OUT/liger.log;
 #                then LigerCute at PEER_DECODE_TOKENS (1,8,32,128,256) -> $OUT/decode_liger.csv.
+#                Stage it here first: `bash ../shared/device/stage-liger.sh && cp ../shared/peers/liger_bench.py
+#                .device/liger/` (the stage script does not copy the benchmark script; without it every row fails).
 # extra:         python -m moe_ep.bench startup (warmup cold/warm, forward host time) -> $OUT/startup.log;
 #                python -m moe_ep.bench hf (Qwen3-MoE block via transformers, needs transformers) -> $OUT/hf.log;
 #                the decode sweep of $MODELS with --decode-csv $OUT/decode.csv --plot $OUT/decode.png;
