@@ -206,20 +206,21 @@ def _gemm_options(key: Fp8Key) -> dict:
                 scale_warp=key.scale_warp)
 
 
-def compiled_fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
-                      requant: bool = False, gather_a: bool = False) -> Any:
-    """Compiled code of the FP8 grouped GEMM (no GPU needed). ``requant`` (swiglu; drop v21): the
-    output is FC2's input, e4m3 rows and per-128 scales, quantised in the epilogue; swiglu with
-    :func:`use_fp8_wide_gated`: the one-WGMMA gate+up schedule; ``gather_a`` (drop v22; not with
-    requant): A is the source rows and a call passes ``idx`` (grouped row r = ``a[idx[r]]``)."""
+def _checked_gemm_key(activation: str, n: int, k: int, num_experts: int, scale_rows: bool, requant: bool,
+                      gather_a: bool) -> Fp8Key:
+    """:func:`_gemm_key` after the shape and variant checks (ValueError naming what is wrong)."""
     check_fp8_gemm(activation, n, k, num_experts)
     if requant and activation != "swiglu":
         raise ValueError(f"sm90 FP8 GEMM: requant needs activation 'swiglu', got {activation!r}")
     if requant and gather_a:
         raise ValueError("sm90 FP8 GEMM: gather_a and requant do not combine")
-    key = _gemm_key(activation, n, k, num_experts, scale_rows, requant, gather_a)
-    name = f"fp8_gemm_{activation}" + ("_requant" if requant else "") + ("_gather" if gather_a else "") + \
-        ("_cluster2" if key.cluster_n > 1 else "")
+    return _gemm_key(activation, n, k, num_experts, scale_rows, requant, gather_a)
+
+
+def _compiled_gemm(key: Fp8Key) -> Any:
+    """The compiled GEMM of ``key``: the in-process cache, else the disk cache, else compile."""
+    name = f"fp8_gemm_{key.activation}" + ("_requant" if key.requant else "") + \
+        ("_gather" if key.gather_a else "") + ("_cluster2" if key.cluster_n > 1 else "")
 
     def build():
         fl = _load("sm90_megamoe.fp8_launch")
@@ -231,15 +232,23 @@ def compiled_fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_r
     return COMPILE_CACHE.get_or_compile(key, build)
 
 
+def compiled_fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
+                      requant: bool = False, gather_a: bool = False) -> Any:
+    """Compiled code of the FP8 grouped GEMM (no GPU needed). ``requant`` (swiglu; drop v21): the
+    output is FC2's input, e4m3 rows and per-128 scales, quantised in the epilogue; swiglu with
+    :func:`use_fp8_wide_gated`: the one-WGMMA gate+up schedule; ``gather_a`` (drop v22; not with
+    requant): A is the source rows and a call passes ``idx`` (grouped row r = ``a[idx[r]]``)."""
+    return _compiled_gemm(_checked_gemm_key(activation, n, k, num_experts, scale_rows, requant, gather_a))
+
+
 def fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
              requant: bool = False, gather_a: bool = False) -> Any:
     """A caller-owned launcher: ``gemm(a [M, k] e4m3, a_scale [M, k/128] f32, b [E, n, k] e4m3,
     b_scale [E, n/128, k/128] f32, offsets [E+1] i32, out=[M, n_out] bf16, row_scale=[M] f32)``;
     ``requant``: ``out=[M, n_out] e4m3, out_scale=[M, n_out/128] f32`` instead of bf16 ``out``;
     ``gather_a``: ``a [T, k]``, ``a_scale [T, k/128]`` are source rows and ``idx=[M] i32`` picks them."""
-    compiled = compiled_fp8_gemm(activation, n, k, num_experts, scale_rows, requant, gather_a)
-    key = _gemm_key(activation, n, k, num_experts, scale_rows, requant, gather_a)
-    return _load("sm90_megamoe.fp8_launch").CompiledFp8Gemm(compiled=compiled, **_gemm_options(key))
+    key = _checked_gemm_key(activation, n, k, num_experts, scale_rows, requant, gather_a)
+    return _load("sm90_megamoe.fp8_launch").CompiledFp8Gemm(compiled=_compiled_gemm(key), **_gemm_options(key))
 
 
 def compiled_fp8_quantize_rows(k: int, gather: bool = False, scatter_topk: int = 0) -> Any:
