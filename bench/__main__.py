@@ -15,7 +15,9 @@ says so (back-to-back and graph columns are n/a).
 Sub-commands: ``layer`` (default), ``gemm`` (SM90 grouped GEMM vs torch._grouped_mm) and
 ``startup`` (``warmup()`` cold vs warm compile cache, each in a fresh process, and the host time
 of one eager forward) and ``hf`` (a Qwen3-MoE block through transformers' experts registry: moe_ep
-vs grouped_mm, eager and CUDA graph).
+vs grouped_mm, eager and CUDA graph) and ``ceiling`` (the layer's two GEMMs done by torch's own
+kernels -- dense cuBLAS BF16, ``torch._grouped_mm``, block-wise FP8 ``torch._scaled_mm`` -- as the
+layer TFLOP/s they alone would allow: ``bench/ceiling.py``).
 """
 
 from __future__ import annotations
@@ -380,7 +382,7 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m moe_ep.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("job", nargs="?", default="layer", choices=["layer", "gemm", "startup", "hf"])
+    p.add_argument("job", nargs="?", default="layer", choices=["layer", "gemm", "startup", "hf", "ceiling"])
     p.add_argument("--model", default="qwen3",
                    help=f"model(s), comma-separated, run in turn: {', '.join(sorted(MODELS))} (default qwen3)")
     p.add_argument("--tokens", type=int, default=None, help="tokens per rank (default 8192 on GPU, 64 on CPU)")
@@ -448,6 +450,10 @@ def main(argv=None) -> int:
         from .hf_block import run_hf
 
         return run_hf(args)
+    if args.job == "ceiling":
+        from .ceiling import run_ceiling
+
+        return run_ceiling(args)
     if args.job == "startup":
         from .startup import run_startup
 

@@ -53,6 +53,9 @@
 #                -> $OUT/decode_p*g*c*.{log,csv}. Each half is meant to fit one 600 s device call.
 # envab:         the layer (MODELS, QUANT) under each setting of ENVAB ('|'-separated, each a list of
 #                VAR=value), interleaved, ENVAB_ROUNDS (2) rounds -> $OUT/envab_s<i>_r<r>.{log,csv}.
+# ceiling:       the BF16 and FP8 layers, then `python -m moe_ep.bench ceiling` (the layers' two GEMMs done by
+#                dense cuBLAS BF16, torch._grouped_mm, block-wise FP8 torch._scaled_mm: the layer TFLOP/s they
+#                alone allow) and `python -m moe_ep.bench gemm` (GEMM_MODELS) in the same call -> $OUT/ceiling_*.
 # decide:        (SM90_MEGAMOE_PDL, MOE_EP_LOCAL_ROUTE) in {0,1}x{0,1} interleaved, 3 rounds, Qwen3 + Mixtral
 #                decode at 1,8,128 tokens -> $OUT/decide_p<p>l<l>_r<r>.csv and the per-setting median over the rounds (run-to-run spread
 #                at 128 tokens is 3-6 us, as large as the effects to decide on).
@@ -69,7 +72,7 @@
 #   MOE_EP_COMMIT (the commit to print when the copy on the host has no .git).
 set -uo pipefail
 mode=${1:-all}
-modes="all|moe|fi|liger|extra|verify|verify2|ncu|layers|fp8ab|envab|decide|decode|suite|suite1|suite2|suite3"
+modes="all|moe|fi|liger|extra|verify|verify2|ncu|layers|fp8ab|envab|ceiling|decide|decode|suite|suite1|suite2|suite3"
 case "|$modes|" in *"|$mode|"*) ;; *) echo "usage: bash bench/h200_session.sh [$modes]" >&2; exit 2 ;; esac
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -175,7 +178,7 @@ if [ "$mode" = verify ]; then
   run_groups "${TEST_BUDGET:-200}" "tests/test_fp8_backend.py" "tests/test_fp8_smem_scales.py;tests/test_fp8_cluster.py" \
       "tests/test_ep_virtual_gpu.py;-k;fp8"
   # drop v35's scale warp (opt-in): the drop runner times global / staged / scale-warp per layer kernel
-  for m in ${VERIFY_RUNNER_MODELS:-qwen3 mixtral}; do
+  for m in ${VERIFY_RUNNER_MODELS-qwen3 mixtral}; do  # (set but empty: no runner)
     step "fp8_runner $m --smem-scales" "$OUT/verify_runner_$m.log" -- bash -c \
         "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.fp8_runner --model $m --smem-scales --overlap"
   done
@@ -197,6 +200,20 @@ if [ "$mode" = envab ]; then
     step "layer, setting $i (${settings[$i]:-defaults}), round $r" "$OUT/envab_s${i}_r$r.log" -- env ${settings[$i]} \
         python3 -m moe_ep.bench "${common[@]}" --no-reference --no-decode --csv "$OUT/envab_s${i}_r$r.csv"
   done; done
+fi
+if [ "$mode" = ceiling ]; then
+  # what torch's own GEMM kernels allow, beside our layers in the same call: the BF16 and FP8 layers
+  # (MODELS), then the layers' two GEMMs by dense cuBLAS BF16, torch._grouped_mm and block-wise FP8
+  # torch._scaled_mm as layer TFLOP/s (bench/ceiling.py), then our BF16 grouped GEMMs against
+  # torch._grouped_mm (GEMM_MODELS: issue 10's >= 1.10x) -> $OUT/ceiling_*.{log,csv}
+  for q in "" fp8_block128; do
+    step "layer ${q:-bf16}" "$OUT/ceiling_layer_${q:-bf16}.log" -- python3 -m moe_ep.bench "${common[@]}" \
+        ${q:+--quant $q} --no-reference --no-decode --csv "$OUT/ceiling_layer_${q:-bf16}.csv"
+  done
+  step "GEMM ceilings" "$OUT/ceiling_torch.log" -- python3 -m moe_ep.bench ceiling --model "$MODELS" \
+      --tokens "$TOKENS" --iters "$ITERS"
+  step "grouped GEMMs vs torch" "$OUT/ceiling_gemm.log" -- python3 -m moe_ep.bench gemm \
+      --model "${GEMM_MODELS:-qwen3,mixtral,dsv3_shard}" --tokens "$TOKENS"
 fi
 if [ "$mode" = ncu ]; then
   # Nsight Compute (hardware counters; Firecracker hosts only) on one FC1 + one FC2 launch of the FP8

@@ -469,3 +469,41 @@ def test_h200_session_accepts_every_mode_it_runs():
     accepted = set(re.search(r'^modes="([^"]+)"', script, re.M).group(1).split("|"))
     run = set(re.findall(r'"\$mode" = (\w+) \]', script))
     assert run and run <= accepted, f"modes run but refused: {sorted(run - accepted)}"
+
+
+def test_ceiling_fp8_operands_are_the_block_wise_scaled_mm_layout():
+    """`bench ceiling`'s FP8 operands: what torch._scaled_mm computes from them (emulated here in
+    float64: out[m, n] = sum_k a_q[m, k] sa[m, k/128] b_q[k, n] sb[k/128, n/128]) is a @ w.T up to
+    e4m3 rounding, and exactly the product of the layer format's dequantised operands."""
+    import torch
+
+    from moe_ep.api.quant import dequantize_fp8_block128, dequantize_fp8_rows128, quantize_fp8_block128
+    from moe_ep.bench.ceiling import fp8_operands, layer_tflop
+
+    g = torch.Generator().manual_seed(7)
+    M, N, K = 192, 256, 384
+    a = torch.randn(M, K, generator=g, dtype=torch.float64).to(torch.bfloat16)
+    w = (torch.randn(N, K, generator=g, dtype=torch.float64) * K ** -0.5).to(torch.bfloat16)
+    a_q, sa, b_q, sb = fp8_operands(a, w)
+    assert a_q.dtype == b_q.dtype == torch.float8_e4m3fn and sa.dtype == sb.dtype == torch.float32
+    assert sa.shape == (M, K // 128) and sa.stride() == (1, M)  # outer-dim-major, as cuBLAS wants
+    assert b_q.shape == (K, N) and b_q.stride() == (1, K)  # column-major B
+    assert sb.shape == (K // 128, N // 128)
+    k_blk = torch.arange(K) // 128
+    A = a_q.double() * sa.double()[:, k_blk]
+    B = b_q.double() * sb.double()[k_blk][:, torch.arange(N) // 128]
+    out = A @ B
+    ref = a.double() @ w.double().t()
+    rel = float((out - ref).norm() / ref.norm())
+    assert 1e-3 < rel < 6e-2, rel  # e4m3 rounding of both operands, and not zero
+    layer_fmt = dequantize_fp8_rows128(a_q, sa.contiguous()).double() @ \
+        dequantize_fp8_block128(quantize_fp8_block128(w[None])).double()[0].t()
+    torch.testing.assert_close(out, layer_fmt, rtol=1e-5, atol=1e-5)  # dequantised in float32
+    # 6 T K H I: Qwen3-30B-A3B at 8192 tokens is 0.6185 TFLOP per forward
+    assert abs(layer_tflop(8192, 8, 2048, 768) - 0.618475) < 1e-5
+
+
+def test_ceiling_job_says_it_needs_a_gpu_on_cpu():
+    p = _bench("ceiling", "--model", "qwen3")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "needs a CUDA GPU" in p.stdout

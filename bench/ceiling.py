@@ -1,0 +1,186 @@
+"""``python -m moe_ep.bench ceiling`` -- what a layer's GEMMs alone allow on this GPU, in layer TFLOP/s.
+
+A MoE layer's FLOPs (6·T·K·H·I for a gated activation) are all in its two expert GEMMs, FC1
+``[T·K, H] x [H, 2I]`` and FC2 ``[T·K, I] x [I, H]``. This job times the same two GEMMs done by
+torch's own kernels, on random data, and converts the time into the layer speed it would give if
+the layer were nothing else (no routing, no activation, no row copies, no combine):
+
+* ``dense bf16``: two plain ``torch.mm`` over all T·K rows with one weight (cuBLAS). Not a MoE --
+  one weight for every row, no expert boundaries -- so an upper bound for any grouped kernel;
+* ``grouped bf16``: ``torch._grouped_mm`` over E experts with uniform routing (what a torch MoE runs);
+* ``dense fp8 block-wise``: ``torch._scaled_mm`` with 1x128 activation and 128x128 weight scales
+  (the layer's FP8 format, cuBLAS's block-scaled kernel), both GEMMs over all rows, one weight.
+
+Each pair (FC1 then FC2) is captured in one CUDA graph and timed like the layer's graph number
+(``ep.graph_ms``: a sync before each replay, median of ``--iters``) and back to back (``--iters``
+replays with no sync, time / iters: the sustained speed under the power cap). Before timing, each
+result is checked against a float32 matmul of the same (dequantised) operands.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from moe_ep.api.quant import quantize_fp8_block128, quantize_fp8_rows128
+
+from .models import MODELS
+
+
+def layer_tflop(T: int, K: int, H: int, I: int) -> float:  # noqa: E741
+    """The layer's FLOPs per forward (6·T·K·H·I: FC1 2·M·2I·H + FC2 2·M·H·I, M = T·K), in TFLOP."""
+    return 6.0 * T * K * H * I / 1e12
+
+
+def fp8_operands(a: torch.Tensor, w: torch.Tensor):
+    """``(a_q, scale_a, b_q, scale_b)`` for ``torch._scaled_mm(a_q, b_q, scale_a, scale_b)`` = a @ w.T
+    in the block-wise FP8 format: ``a [M, K]`` per 1x128 (scale_a ``[M, K/128]``, outer-dim-major,
+    i.e. stride ``(1, M)``), ``w [N, K]`` per 128x128 (``b_q = w_q.T [K, N]`` column-major, scale_b
+    ``[K/128, N/128]``, the transposed view of the weight's ``[N/128, K/128]`` scales)."""
+    a_q, a_s = quantize_fp8_rows128(a)
+    wq = quantize_fp8_block128(w[None])
+    return a_q, a_s.t().contiguous().t(), wq.values[0].t(), wq.scale[0].t()
+
+
+def _sustained_ms(fn, iters: int) -> float:
+    """``iters`` calls enqueued back to back, time / iters (median of 3 such runs)."""
+    avgs = []
+    for _ in range(3):
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(iters):
+            fn()
+        b.record()
+        b.synchronize()
+        avgs.append(a.elapsed_time(b) / iters)
+    return statistics.median(avgs)
+
+
+def _graph_pair(run_pair):
+    """``run_pair`` captured in a CUDA graph (after a warm-up on a side stream): the graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run_pair()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        run_pair()
+    torch.cuda.synchronize()
+    return g
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def _variants(H: int, I: int, E: int, M: int, gen: torch.Generator):  # noqa: E741
+    """``{name: (run_pair, check)}``: each runs FC1 + FC2; check() returns the worst rel. error of
+    the two outputs against float32 matmuls of the operands each one really multiplies."""
+    dev = "cuda"
+    x1 = torch.randn(M, H, generator=gen).to(torch.bfloat16).to(dev)
+    x2 = torch.randn(M, I, generator=gen).to(torch.bfloat16).to(dev)
+    w1 = (torch.randn(2 * I, H, generator=gen) * H ** -0.5).to(torch.bfloat16).to(dev)
+    w2 = (torch.randn(H, I, generator=gen) * I ** -0.5).to(torch.bfloat16).to(dev)
+    out = {}
+
+    o1, o2 = torch.empty(M, 2 * I, dtype=torch.bfloat16, device=dev), torch.empty(M, H, dtype=torch.bfloat16, device=dev)
+
+    def dense():
+        torch.mm(x1, w1.t(), out=o1)
+        torch.mm(x2, w2.t(), out=o2)
+
+    out["dense bf16 (torch.mm)"] = (dense, lambda: max(_rel_err(o1, x1.float() @ w1.float().t()),
+                                                       _rel_err(o2, x2.float() @ w2.float().t())))
+
+    if hasattr(torch, "_grouped_mm"):
+        g1 = (torch.randn(E, 2 * I, H, generator=gen) * H ** -0.5).to(torch.bfloat16).to(dev)
+        g2 = (torch.randn(E, H, I, generator=gen) * I ** -0.5).to(torch.bfloat16).to(dev)
+        ends = torch.tensor([(e + 1) * M // E for e in range(E)], dtype=torch.int32, device=dev)
+        gout = {}
+
+        def grouped():
+            gout[1] = torch._grouped_mm(x1, g1.transpose(-2, -1), offs=ends)
+            gout[2] = torch._grouped_mm(x2, g2.transpose(-2, -1), offs=ends)
+
+        def grouped_check():
+            errs = []
+            for e in (0, E - 1):  # first and last expert's rows
+                lo, hi = (e * M // E), ((e + 1) * M // E)
+                errs.append(_rel_err(gout[1][lo:hi], x1[lo:hi].float() @ g1[e].float().t()))
+                errs.append(_rel_err(gout[2][lo:hi], x2[lo:hi].float() @ g2[e].float().t()))
+            return max(errs)
+
+        out["grouped bf16 (torch._grouped_mm)"] = (grouped, grouped_check)
+
+    a1, sa1, b1, sb1 = fp8_operands(x1, w1)
+    a2, sa2, b2, sb2 = fp8_operands(x2, w2)
+    fout = {}
+
+    def fp8():
+        fout[1] = torch._scaled_mm(a1, b1, scale_a=sa1, scale_b=sb1, out_dtype=torch.bfloat16)
+        fout[2] = torch._scaled_mm(a2, b2, scale_a=sa2, scale_b=sb2, out_dtype=torch.bfloat16)
+
+    def fp8_check():
+        from moe_ep.api.quant import dequantize_fp8_rows128
+
+        def ref(a_q, sa, b_q, sb):
+            w = b_q.t().float() * sb.t().repeat_interleave(128, 0).repeat_interleave(128, 1)
+            return dequantize_fp8_rows128(a_q, sa.contiguous()) @ w.t()
+
+        return max(_rel_err(fout[1], ref(a1, sa1, b1, sb1)), _rel_err(fout[2], ref(a2, sa2, b2, sb2)))
+
+    out["dense fp8 block-wise (torch._scaled_mm)"] = (fp8, fp8_check)
+    return out
+
+
+def run_ceiling(args) -> int:
+    if not torch.cuda.is_available():
+        print("moe_ep.bench ceiling: needs a CUDA GPU; nothing to do here")
+        return 0
+    torch.backends.cuda.matmul.allow_tf32 = False
+    gen = torch.Generator().manual_seed(args.seed)
+    for key in args.model:
+        m = MODELS[key]
+        H, I, E, K = m["hidden"], m["intermediate"], m["num_experts"], m["top_k"]  # noqa: E741
+        T = args.tokens if args.tokens is not None else 8192
+        M = T * K
+        tflop = layer_tflop(T, K, H, I)
+        print(f"{m['name']}  (H {H}, I {I}, E {E}, top-{K}; {T} tokens: FC1 [{M}, {H}] x [{H}, {2 * I}], "
+              f"FC2 [{M}, {I}] x [{I}, {H}]; {tflop:.3f} TFLOP per forward)")
+        print(f"  {'GEMMs (FC1 + FC2)':42s} {'graph ms':>9s} {'TFLOP/s':>8s} {'b2b ms':>8s} {'TFLOP/s':>8s}  rel.err")
+        for name, (run_pair, check) in _variants(H, I, E, M, gen).items():
+            try:
+                run_pair()
+                torch.cuda.synchronize()
+                err = check()
+                g = _graph_pair(run_pair)
+                ms = statistics.median(_events_ms(g.replay, args.iters))
+                b2b = _sustained_ms(g.replay, args.iters)
+                print(f"  {name:42s} {ms:9.3f} {tflop / ms * 1e3:8.1f} {b2b:8.3f} {tflop / b2b * 1e3:8.1f}  {err:.2e}")
+                del g
+            except Exception as ex:  # noqa: BLE001  (a torch without this kernel: say so, go on)
+                print(f"  {name:42s} unavailable: {type(ex).__name__}: {str(ex)[:100]}")
+            torch.cuda.empty_cache()
+    print("(layer TFLOP/s the GEMMs alone would allow: 6·T·K·H·I / their time; the layer adds routing, "
+          "the activation, row copies and the combine)")
+    return 0
+
+
+def _events_ms(fn, iters: int) -> list:
+    """ms of each of ``iters`` calls, a device sync before each (as the layer's graph timing)."""
+    for _ in range(3):
+        fn()
+    ts = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return ts
