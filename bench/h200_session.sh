@@ -212,8 +212,9 @@ if [ "$mode" = ceiling ]; then
   done
   step "GEMM ceilings" "$OUT/ceiling_torch.log" -- python3 -m moe_ep.bench ceiling --model "$MODELS" \
       --tokens "$TOKENS" --iters "$ITERS"
-  step "grouped GEMMs vs torch" "$OUT/ceiling_gemm.log" -- python3 -m moe_ep.bench gemm \
-      --model "${GEMM_MODELS:-qwen3,mixtral,dsv3_shard}" --tokens "$TOKENS"
+  gm=${GEMM_MODELS-qwen3,mixtral,dsv3_shard}  # set but empty: no GEMM comparison
+  [ -n "$gm" ] && step "grouped GEMMs vs torch" "$OUT/ceiling_gemm.log" -- python3 -m moe_ep.bench gemm \
+      --model "$gm" --tokens "$TOKENS"
 fi
 if [ "$mode" = ncu ]; then
   # Nsight Compute (hardware counters; Firecracker hosts only) on one FC1 + one FC2 launch of the FP8
