@@ -486,9 +486,9 @@ def test_ceiling_fp8_operands_are_the_block_wise_scaled_mm_layout():
     w = (torch.randn(N, K, generator=g, dtype=torch.float64) * K ** -0.5).to(torch.bfloat16)
     a_q, sa, b_q, sb = fp8_operands(a, w)
     assert a_q.dtype == b_q.dtype == torch.float8_e4m3fn and sa.dtype == sb.dtype == torch.float32
-    assert sa.shape == (M, K // 128) and sa.stride() == (1, M)  # outer-dim-major, as cuBLAS wants (M % 4 == 0)
+    assert sa.shape == (M, K // 128) and sa.stride() == (1, M)  # outer-dim-major, as cuBLAS wants
     assert b_q.shape == (K, N) and b_q.stride() == (1, K)  # column-major B
-    assert sb.shape == (K // 128, N // 128) and sb.stride() == (1, 4)  # K/128 = 3, padded to 4
+    assert sb.shape == (K // 128, N // 128) and sb.stride() == (1, K // 128)  # the weight scales, transposed
     k_blk = torch.arange(K) // 128
     A = a_q.double() * sa.double()[:, k_blk]
     B = b_q.double() * sb.double()[k_blk][:, torch.arange(N) // 128]
