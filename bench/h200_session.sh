@@ -163,9 +163,10 @@ if [ "$mode" = extra ]; then
 fi
 if [ "$mode" = verify ]; then
   # (ran in the thirteenth session at 54df6fc with TEST_BUDGET=180 VERIFY_RUNNER_MODELS= VERIFY_ROUNDS=2:
-  # tests passed; FUSED_REQUANT and SCALE_WARP no faster on the layer -- docs/PERFORMANCE.md. Not yet
-  # run on a GPU after it: tests/test_fp8_backend.py::test_fp8_split_pair_matches_float64, in the first
-  # group below: `TEST_BUDGET=200 VERIFY_RUNNER_MODELS= VERIFY_ROUNDS=0` runs the tests alone)
+  # tests passed; FUSED_REQUANT and SCALE_WARP no faster on the layer -- docs/PERFORMANCE.md. In the
+  # fourteenth, at 75ef903, `TEST_BUDGET=200 VERIFY_RUNNER_MODELS= VERIFY_ROUNDS=0`: the three groups
+  # passed (20 + 31 + 8), test_fp8_split_pair_matches_float64 among them; the runners ran too, as an
+  # empty VERIFY_RUNNER_MODELS still meant both models then -- fixed: empty now skips them)
   # after the twelfth session (its device time spent): the FP8 defaults changed at c079622 -- K <= 2048
   # runs the short-K schedule (drop v34's staged scales, the wide FC1 overlapped, clusters of 2), FC2
   # with K > 4096 the chunked overlapped schedule -- and had not run in the GPU suite. Their GPU files,

@@ -131,7 +131,9 @@ def use_fp8_scale_warp() -> bool:
     (drop v35, ``scale_warp``) instead of the TMA warp, whose loop then never waits on a scale
     load before issuing a stage's copies. Opt-in, ``MOE_EP_FP8_SCALE_WARP=1``: correct on the H200
     (thirteenth session, the GPU suite), but the Qwen3 FP8 layer with it was within the defaults'
-    spread (653-687 vs 684-692 TFLOP/s under CUDA graphs, two interleaved rounds)."""
+    spread (653-687 vs 684-692 TFLOP/s under CUDA graphs, two interleaved rounds), and Mixtral's
+    with staged scales and the scale warp (``MOE_EP_FP8_SMEM_SCALES=1 MOE_EP_FP8_SCALE_WARP=1``)
+    slower: 936.4-937.9 vs 956.5-958.7 graph, three interleaved rounds (fourteenth session)."""
     return os.environ.get("MOE_EP_FP8_SCALE_WARP", "0") == "1"
 
 
