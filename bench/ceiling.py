@@ -11,9 +11,10 @@ the layer were nothing else (no routing, no activation, no row copies, no combin
 * ``dense fp8 block-wise``: ``torch._scaled_mm`` with 1x128 activation and 128x128 weight scales
   (the layer's FP8 format, cuBLAS's block-scaled kernel), both GEMMs over all rows, one weight.
 
-Each GEMM alone and the pair (FC1 then FC2) are captured in CUDA graphs and timed like the layer's graph number
-(``ep.graph_ms``: a sync before each replay, median of ``--iters``) and back to back (``--iters``
-replays with no sync, time / iters: the sustained speed under the power cap). Before timing, each
+Each GEMM alone and the pair (FC1 then FC2) are captured in CUDA graphs and timed like the
+layer's graph number (``ep.graph_ms``: a sync before each replay, median of ``--iters``); the pair
+also back to back (``--iters`` replays with no sync, time / iters: the sustained speed under the
+power cap). Before timing, each
 result is checked against a float32 matmul of the same (dequantised) operands; a wrong one
 (rel. error > 5e-2) is reported as ``wrong`` and not timed.
 """
