@@ -286,21 +286,23 @@ def test_local_route_is_bit_identical_fp8(monkeypatch, T):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("switch", ["MOE_EP_FP8_FUSED_REQUANT", "MOE_EP_FP8_WIDE_GATED", "MOE_EP_FP8_GATHER_FC1",
-                                    "MOE_EP_FP8_SCATTER_QUANT", "MOE_EP_FP8_CLUSTER"])
+                                    "MOE_EP_FP8_SCATTER_QUANT", "MOE_EP_FP8_CLUSTER", "MOE_EP_FP8_FUSED_QUANT"])
 @pytest.mark.parametrize("T", [1, 700])
 def test_fp8_fc1_variants_are_bit_identical(monkeypatch, T, switch):
     """Drop v21's FC1 variants: MOE_EP_FP8_FUSED_REQUANT=1 (FC1's epilogue writes FC2's e4m3 input)
     and MOE_EP_FP8_WIDE_GATED=1 (one m64n128 gate+up WGMMA); drop v22's MOE_EP_FP8_GATHER_FC1=1 (the
     tokens quantised once, FC1 gathering them by idx); drop v25's MOE_EP_FP8_SCATTER_QUANT=1 (each
     token quantised once, stored in its grouped rows); drop v28's MOE_EP_FP8_CLUSTER=1 (both GEMMs
-    in clusters of 2 CTAs multicasting A): the layer's output is the same bits as without, eager
-    and CUDA graph."""
+    in clusters of 2 CTAs multicasting A); drop v37's MOE_EP_FP8_FUSED_QUANT=1 (FC1's idle warps
+    quantise FC2's input): the layer's output is the same bits as without, eager and CUDA graph."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
 
     def check(impl, on):
         if switch == "MOE_EP_FP8_FUSED_REQUANT":
             assert impl.fused_requant == on and (impl.quant_h is None) == on
+        elif switch == "MOE_EP_FP8_FUSED_QUANT":  # drop v37: Qwen3's FC1 runs in clusters of 2
+            assert impl.fused_quant == on and impl.fc1.fused_quant == on and (impl.quant_h is None) == on
         elif switch == "MOE_EP_FP8_GATHER_FC1":  # one rank, LocalRoute (the defaults)
             assert impl.gather_fc1 == on and impl.fc1.gather_a == on
         elif switch == "MOE_EP_FP8_SCATTER_QUANT":  # drop v25: each token quantised once into its rows
@@ -314,7 +316,7 @@ def test_fp8_fc1_variants_are_bit_identical(monkeypatch, T, switch):
     assert torch.equal(outs[0], outs[1]) and torch.isfinite(outs[1]).all()
 
 
-def _recorded_steps(calls, *, fused, route, requant=False, scatter=False, gather_fc1=False):
+def _recorded_steps(calls, *, fused, route, requant=False, scatter=False, gather_fc1=False, fused_quant=False):
     """An FP8 backend with recording stand-ins for every launcher (no kernel runs), run through
     steps 1-4: returns (backend, its buffers by name, x, ids, w, w13, w2); ``calls`` gets
     (name, args, kwargs) per launch in order."""
@@ -330,7 +332,7 @@ def _recorded_steps(calls, *, fused, route, requant=False, scatter=False, gather
                                       "hq_scale", "y", "rows", "recv_x", "recv_count", "count")}
     x, ids, w = torch.zeros(3, 4), torch.zeros(3, 2, dtype=torch.int32), torch.zeros(3, 2)
     b.fused_gather, b.scatter_quant, b.local_route, b.token_grid, b._routing = fused, scatter, route, False, None
-    b.fused_requant, b.gather_fc1, b.fp8_wire = requant, gather_fc1, False
+    b.fused_requant, b.gather_fc1, b.fp8_wire, b.fused_quant = requant, gather_fc1, False, fused_quant
     b.fc1_decode = None
     b.fc1, b.fc2 = rec("fc1"), rec("fc2")
     b.layout = type("L", (), {"__call__": lambda self, *a, **k: calls.append(("layout", a, k)),
@@ -636,3 +638,16 @@ def test_fused_requant_prebuilds_its_kernels(monkeypatch, tmp_path):
     seen = len(COMPILE_EVENTS)
     prebuild(cfg, 1, kernels=("fc1", "fc2"))
     assert sorted(e.name for e in COMPILE_EVENTS[seen:]) == ["fp8_gemm_swiglu_requant"]
+
+
+def test_fused_quant_wiring_on_cpu():
+    """MOE_EP_FP8_FUSED_QUANT=1 (drop v37): FC1 gets the bf16 ``h`` and FC2's e4m3 input with its
+    scales, no FC2-input quantiser runs, FC2 reads ``hq`` (recorded, no kernel runs)."""
+    calls = []
+    _, t, _, _, _, _, _ = _recorded_steps(calls, fused=True, route=True, scatter=True, fused_quant=True)
+    names = [c[0] for c in calls]
+    assert names == ["route", "quant_x", "fc1", "fc2"]
+    fc1_args, fc1_kw = calls[2][1], calls[2][2]
+    assert fc1_args[:2] == (t["xq"], t["xq_scale"])
+    assert fc1_kw["out"] is t["h"] and fc1_kw["q"] is t["hq"] and fc1_kw["q_scale"] is t["hq_scale"]
+    assert calls[3][1][:2] == (t["hq"], t["hq_scale"])

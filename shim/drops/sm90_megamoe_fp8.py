@@ -179,24 +179,26 @@ class Fp8Key:
     cluster_n: int = 1
     smem_scales: bool = False
     scale_warp: bool = False
+    fused_quant: bool = False
 
 
 def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_rows: bool,
-         raster_m: int = 0, overlap_promotion: bool = False, requant: bool = False, gather_a: bool = False) -> Fp8Key:
+         raster_m: int = 0, overlap_promotion: bool = False, requant: bool = False, gather_a: bool = False,
+         fused_quant: bool = False) -> Fp8Key:
     plain = kind == "gemm" and not requant and not gather_a
     smem = kind == "gemm" and not gather_a and use_fp8_smem_scales(overlap_promotion, k)
     return Fp8Key(CONSTANTS.value(PKG, "DROP_VERSION"), _cutlass_version(), "sm_90a", kind, activation, n, k,
                   num_experts, bool(scale_rows), use_tvm_ffi(), int(raster_m), bool(overlap_promotion),
                   bool(requant), kind == "gemm" and use_fp8_wide_gated(activation), bool(gather_a),
                   use_fp8_cluster(activation, n, k) if plain else 1,
-                  smem, smem and use_fp8_scale_warp())
+                  smem, smem and use_fp8_scale_warp(), bool(fused_quant))
 
 
 def _gemm_key(activation: str, n: int, k: int, num_experts: int, scale_rows: bool, requant: bool,
-              gather_a: bool) -> Fp8Key:
+              gather_a: bool, fused_quant: bool = False) -> Fp8Key:
     """The GEMM's key: every schedule choice made once, here (compiled code and launcher agree)."""
     return _key("gemm", activation, n, k, num_experts, scale_rows, pick_fp8_raster_m(k),
-                compiled_key_overlap(activation, k), requant, gather_a)
+                compiled_key_overlap(activation, k), requant, gather_a, fused_quant)
 
 
 def _gemm_options(key: Fp8Key) -> dict:
@@ -205,24 +207,46 @@ def _gemm_options(key: Fp8Key) -> dict:
                 scale_rows=key.scale_rows, tvm_ffi=key.tvm_ffi, raster_m=key.raster_m,
                 overlap_promotion=key.overlap_promotion, requant=key.requant, wide_gated=key.wide_gated,
                 gather_a=key.gather_a, cluster_n=key.cluster_n, smem_scales=key.smem_scales,
-                scale_warp=key.scale_warp)
+                scale_warp=key.scale_warp, fused_quant=key.fused_quant)
 
 
 def _checked_gemm_key(activation: str, n: int, k: int, num_experts: int, scale_rows: bool, requant: bool,
-                      gather_a: bool) -> Fp8Key:
+                      gather_a: bool, fused_quant: bool = False) -> Fp8Key:
     """:func:`_gemm_key` after the shape and variant checks (ValueError naming what is wrong)."""
     check_fp8_gemm(activation, n, k, num_experts)
     if requant and activation != "swiglu":
         raise ValueError(f"sm90 FP8 GEMM: requant needs activation 'swiglu', got {activation!r}")
     if requant and gather_a:
         raise ValueError("sm90 FP8 GEMM: gather_a and requant do not combine")
-    return _gemm_key(activation, n, k, num_experts, scale_rows, requant, gather_a)
+    key = _gemm_key(activation, n, k, num_experts, scale_rows, requant, gather_a, fused_quant)
+    if fused_quant and not fused_quant_possible(key):
+        raise ValueError(f"sm90 FP8 GEMM: fused_quant needs the wide gated swiglu FC1 in clusters of 2 (not "
+                         f"requant or gather_a); this shape and these settings give activation {activation!r}, "
+                         f"wide_gated={key.wide_gated}, cluster_n={key.cluster_n}")
+    return key
+
+
+def fp8_fused_quant_available(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False) -> bool:
+    """Whether :func:`fp8_gemm` with ``fused_quant=True`` takes this GEMM under the current settings
+    (drop v37: the wide gated swiglu FC1 in clusters of 2; :func:`use_fp8_cluster` decides those)."""
+    if activation != "swiglu":
+        return False
+    check_fp8_gemm(activation, n, k, num_experts)
+    return fused_quant_possible(_gemm_key(activation, n, k, num_experts, scale_rows, False, False))
+
+
+def fused_quant_possible(key: Fp8Key) -> bool:
+    """Whether a GEMM key's kernel can also write FC2's e4m3 input (drop v37, ``fused_quant``): the
+    wide gated swiglu FC1 in clusters of 2, whose two CTAs cover one 128-column group."""
+    return (key.activation == "swiglu" and key.wide_gated and key.cluster_n == 2 and not key.requant
+            and not key.gather_a)
 
 
 def _compiled_gemm(key: Fp8Key) -> Any:
     """The compiled GEMM of ``key``: the in-process cache, else the disk cache, else compile."""
     name = f"fp8_gemm_{key.activation}" + ("_requant" if key.requant else "") + \
-        ("_gather" if key.gather_a else "") + ("_cluster2" if key.cluster_n > 1 else "")
+        ("_gather" if key.gather_a else "") + ("_cluster2" if key.cluster_n > 1 else "") + \
+        ("_fusedq" if key.fused_quant else "")
 
     def build():
         fl = _load("sm90_megamoe.fp8_launch")
@@ -235,21 +259,25 @@ def _compiled_gemm(key: Fp8Key) -> Any:
 
 
 def compiled_fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
-                      requant: bool = False, gather_a: bool = False) -> Any:
+                      requant: bool = False, gather_a: bool = False, fused_quant: bool = False) -> Any:
     """Compiled code of the FP8 grouped GEMM (no GPU needed). ``requant`` (swiglu; drop v21): the
     output is FC2's input, e4m3 rows and per-128 scales, quantised in the epilogue; swiglu with
     :func:`use_fp8_wide_gated`: the one-WGMMA gate+up schedule; ``gather_a`` (drop v22; not with
-    requant): A is the source rows and a call passes ``idx`` (grouped row r = ``a[idx[r]]``)."""
-    return _compiled_gemm(_checked_gemm_key(activation, n, k, num_experts, scale_rows, requant, gather_a))
+    requant): A is the source rows and a call passes ``idx`` (grouped row r = ``a[idx[r]]``);
+    ``fused_quant`` (drop v37; the wide gated FC1 in clusters of 2, :func:`fused_quant_possible`):
+    the bf16 rows and FC2's e4m3 input with its scales."""
+    return _compiled_gemm(_checked_gemm_key(activation, n, k, num_experts, scale_rows, requant, gather_a,
+                                            fused_quant))
 
 
 def fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
-             requant: bool = False, gather_a: bool = False) -> Any:
+             requant: bool = False, gather_a: bool = False, fused_quant: bool = False) -> Any:
     """A caller-owned launcher: ``gemm(a [M, k] e4m3, a_scale [M, k/128] f32, b [E, n, k] e4m3,
     b_scale [E, n/128, k/128] f32, offsets [E+1] i32, out=[M, n_out] bf16, row_scale=[M] f32)``;
     ``requant``: ``out=[M, n_out] e4m3, out_scale=[M, n_out/128] f32`` instead of bf16 ``out``;
-    ``gather_a``: ``a [T, k]``, ``a_scale [T, k/128]`` are source rows and ``idx=[M] i32`` picks them."""
-    key = _checked_gemm_key(activation, n, k, num_experts, scale_rows, requant, gather_a)
+    ``gather_a``: ``a [T, k]``, ``a_scale [T, k/128]`` are source rows and ``idx=[M] i32`` picks them;
+    ``fused_quant``: bf16 ``out`` plus ``q=[M, n_out] e4m3, q_scale=[M, n_out/128] f32``, FC2's input."""
+    key = _checked_gemm_key(activation, n, k, num_experts, scale_rows, requant, gather_a, fused_quant)
     return _load("sm90_megamoe.fp8_launch").CompiledFp8Gemm(compiled=_compiled_gemm(key), **_gemm_options(key))
 
 

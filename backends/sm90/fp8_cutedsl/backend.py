@@ -34,7 +34,8 @@ from typing import Any
 import torch
 
 from moe_ep.shim import (Sm90EpSession, Sm90LayoutSession, sm90_check_fp8_gemm, sm90_compiled_fp8_gemm,
-                         sm90_compiled_fp8_quantize_rows, sm90_fp8_gemm, sm90_fp8_quantize_rows,
+                         sm90_compiled_fp8_quantize_rows, sm90_fp8_fused_quant_available, sm90_fp8_gemm,
+                         sm90_fp8_quantize_rows,
                          sm90_prebuild_ep, sm90_prebuild_layout)
 
 from ...quant import FP8_BLOCK, quantize_fp8_block128
@@ -125,6 +126,22 @@ def fused_requant() -> bool:
     return env_switch("MOE_EP_FP8_FUSED_REQUANT", False)
 
 
+def fused_quant() -> bool:
+    """``MOE_EP_FP8_FUSED_QUANT=1`` (drop v37's ``Fp8SwigluFusedQuantGroupedGemmSm90``; FC1 in
+    clusters of 2, i.e. K >= 4096 or the short-K schedule): FC1 stores bf16 ``h`` as before and its
+    idle producer warps quantise each stored unit into FC2's E4M3 input while the consumers run
+    the next one -- the FC2-input quantiser's launch and its DRAM read of ``h`` go, the same bits
+    (it reads the rows back from L2 and applies the quantiser's rule). Opt-in until timed on the
+    H200 against FC1 + quantiser."""
+    return env_switch("MOE_EP_FP8_FUSED_QUANT", False)
+
+
+def _fuses_quant(fc1_spec: tuple, world_size: int) -> bool:
+    """Whether FC1 (``fc1_spec``: its GEMM arguments) writes FC2's input too (see fused_quant)."""
+    return (fused_quant() and not fused_requant() and not _gathers_fc1(world_size)
+            and sm90_fp8_fused_quant_available(*fc1_spec))
+
+
 def gather_fc1() -> bool:
     """``MOE_EP_FP8_GATHER_FC1=1`` (one rank, with LocalRoute; not with requant): step 3 quantises the
     caller's T tokens (not the T * top_k grouped rows) and FC1 loads grouped row r from quantised
@@ -148,16 +165,17 @@ def prebuild(config: Any, world_size: int, kernels: tuple = ("fc1", "fc2", "ep",
     specs = _gemm_specs(config, config.local_experts(world_size))
     requant = fused_requant()
     gather_a = _gathers_fc1(world_size)
+    fq = _fuses_quant(specs["fc1"], world_size)
 
     def gemm(name):
         gather = name == "fc1" and fused_gather_quant() and not gather_a
         scatter = config.top_k if gather and scatter_quant() else 0
         if name == "fc1":
-            return lambda: (sm90_compiled_fp8_gemm(*specs[name], requant=requant, gather_a=gather_a),
+            return lambda: (sm90_compiled_fp8_gemm(*specs[name], requant=requant, gather_a=gather_a, fused_quant=fq),
                             sm90_compiled_fp8_quantize_rows(specs[name][2], gather=gather and not scatter,
                                                             scatter_topk=scatter))
         return lambda: (sm90_compiled_fp8_gemm(*specs[name]),
-                        None if requant else sm90_compiled_fp8_quantize_rows(specs[name][2]))
+                        None if requant or fq else sm90_compiled_fp8_quantize_rows(specs[name][2]))
 
     prebuild_layer(config, world_size, kernels, {"fc1": gemm("fc1"), "fc2": gemm("fc2")})
     if world_size > 1 and fp8_wire():  # the wire's sender quantiser, row widths and E4M3 row layout
@@ -177,6 +195,7 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
     name = NAME
     fp8_wire = False  # set at bind (W > 1 and MOE_EP_FP8_WIRE=1)
     fused_requant = False  # set at bind (MOE_EP_FP8_FUSED_REQUANT=1)
+    fused_quant = False  # set at bind (MOE_EP_FP8_FUSED_QUANT=1 where FC1 runs in clusters of 2)
     gather_fc1 = False  # set at bind (MOE_EP_FP8_GATHER_FC1=1, one rank with LocalRoute)
     scatter_quant = False  # set at bind (the default with the fused gather; MOE_EP_FP8_SCATTER_QUANT=0: off)
 
@@ -185,7 +204,9 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
         specs = _gemm_specs(cfg, self.E)
         self.fused_requant = fused_requant()
         self.gather_fc1 = self.local_route and _gathers_fc1(self.W)
-        self.fc1 = sm90_fp8_gemm(*specs["fc1"], requant=self.fused_requant, gather_a=self.gather_fc1)
+        self.fused_quant = not self.gather_fc1 and _fuses_quant(specs["fc1"], self.W)
+        self.fc1 = sm90_fp8_gemm(*specs["fc1"], requant=self.fused_requant, gather_a=self.gather_fc1,
+                                 fused_quant=self.fused_quant)
         self.fc2 = sm90_fp8_gemm(*specs["fc2"])
         self.fused_gather = fused_gather_quant() or self.gather_fc1  # no BF16 grouped rows either way
         gathers = self.fused_gather and not self.gather_fc1  # step 3 quantises the received rows
@@ -197,7 +218,7 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
             self.xq_tok = torch.empty(T, cfg.hidden, dtype=torch.float8_e4m3fn, device=self.device)
             self.xq_tok_scale = torch.empty(T, cfg.hidden // FP8_BLOCK, dtype=torch.float32, device=self.device)
             self._tok_count = torch.full((1,), T, dtype=torch.int32, device=self.device)
-        self.quant_h = None if self.fused_requant else sm90_fp8_quantize_rows(cfg.intermediate)
+        self.quant_h = None if self.fused_requant or self.fused_quant else sm90_fp8_quantize_rows(cfg.intermediate)
         self.fc1_decode = self.fc2_decode = None
         self._decode_max_tokens = 0
         self._gemms = (self.fc1, self.fc2)
@@ -320,6 +341,9 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
         if self.fused_requant:  # FC1's epilogue writes FC2's E4M3 input and its scales
             fc1(self.xq, self.xq_scale, w13.values, w13.scale, self.offsets, out=self.hq, row_scale=self.ws_rows,
                 max_active_ctas=self.num_ctas, out_scale=self.hq_scale)
+        elif self.fused_quant:  # FC1 stores h, and its idle warps quantise it into FC2's input
+            fc1(self.xq, self.xq_scale, w13.values, w13.scale, self.offsets, out=self.h, row_scale=self.ws_rows,
+                max_active_ctas=self.num_ctas, q=self.hq, q_scale=self.hq_scale)
         else:
             fc1(self.xq, self.xq_scale, w13.values, w13.scale, self.offsets, out=self.h, row_scale=self.ws_rows,
                 max_active_ctas=self.num_ctas)

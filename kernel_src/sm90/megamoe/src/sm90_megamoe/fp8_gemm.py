@@ -86,6 +86,14 @@ Design (differences from :mod:`.grouped_gemm`, whose scheduler and smem epilogue
   warp's elected arrive; the TMA warp's loop is the global-scale kernel's again. Why: on the H200
   v34's staged scales slowed the plain schedule down (0.83-0.93x), plausibly because the TMA warp
   stores a stage's scales -- waiting for their loads -- before it may issue the stage's copies.
+* :class:`Fp8SwigluFusedQuantGroupedGemmSm90` (drop v37; ``fused_quant``, clusters of 2, wide gated
+  FC1): FC1 also writes FC2's e4m3 input, from otherwise idle warps. The bf16 rows are stored as
+  by the plain kernel; the two CTAs of a cluster write the two 64-column halves of one 128-column
+  group, so when both have stored a unit (a barrier in each CTA that both consumer warpgroups
+  arrive on), producer warps 2-3 of each CTA read 64 of its rows back from L2 and quantise them
+  (:meth:`_fused_quant_warps`) while the consumers run the next unit's k-loop: the quantiser's
+  launch and its DRAM read of ``h`` disappear, its arithmetic hides under the tensor-core work.
+  Same rule, amax order and division as :mod:`.fp8_quant`: the same bits.
 * :class:`Fp8SwigluRequantGroupedGemmSm90` (drop v21; the bits of FC1 + the quantiser on the H200): FC1 writing FC2's
   e4m3 input and per-128 scales in the epilogue (its docstring). Both variants trace the same
   ``_body`` as the plain kernel, whose PTX is unchanged by them.
@@ -101,10 +109,12 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass._mlir.dialects import llvm
+from cutlass._mlir import ir
+from cutlass._mlir.dialects import llvm, nvvm as _nvvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 
+from .fp8_quant import _divide_by_scale
 from .gather_producer import stage_producers
 from .pdl import PDL, wait_previous_grid
 from .constants import MAX_EXPERTS
@@ -117,6 +127,12 @@ FP8_BLOCK = 128
 OVERLAP_MAX_K_TILES = 32
 #: the largest chunk of the chunked overlapped schedule (code size: one chunk is traced)
 OVERLAP_MAX_CHUNK = 16
+#: units in flight between FC1's consumers and its quantising warps (drop v37, ``fused_quant``): a
+#: ring of "stored" / "seen" barrier pairs, so a barrier never completes two phases unobserved
+QUANT_SLOTS = 4
+#: the producer warps that quantise (``fused_quant``): warp 0 issues TMA, warp 1 scans the schedule
+#: (and stages scales with ``scale_warp``)
+QUANT_WARPS = (2, 3)
 #: float32 slots per stage of ``smem_scales`` (drop v34): the tile's 128 A-row scales, then the
 #: B scale of each weight block (gate, up), padded to a multiple of 4 (16-byte aligned slots)
 SCALE_SLOT = 132
@@ -199,6 +215,8 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
     #: the requantising variant (:class:`Fp8SwigluRequantGroupedGemmSm90`) sets these
     requant = False
     halves = 1
+    #: drop v37 (:class:`Fp8SwigluFusedQuantGroupedGemmSm90`): FC2's e4m3 input written too
+    fused_quant = False
     gather_a = False  # drop v22: A rows gathered by index (:class:`.fp8_gather.Fp8GatherGroupedGemmSm90`)
 
     def __init__(self, activation: str, scale_rows: bool = False, tile_n: Optional[int] = None,
@@ -233,6 +251,9 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
             raise ValueError("scale_warp needs smem_scales")
         # drop v35: a second producer warp stages them instead, so the TMA warp never waits on them
         self.scale_warp = bool(scale_warp)
+        if self.fused_quant and not (self.gated and self.wide_gated and self.cluster_n == 2 and not self.requant):
+            raise ValueError("fused_quant needs swiglu, wide_gated and cluster_n = 2 (a cluster's two n-tiles "
+                             "are one 128-column group)")
         self.tile_m = 128
         self.tile_n = tile_n
         self.tile_k = FP8_BLOCK
@@ -403,6 +424,8 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         }
         if cutlass.const_expr(self.smem_scales):  # last, so the other fields keep their offsets
             fields["sScale"] = cute.struct.Align[cute.struct.MemRange[self.acc_dtype, self.num_stages * SCALE_SLOT], 16]
+        if cutlass.const_expr(self.fused_quant):  # after them: "stored" then "seen" barriers per slot
+            fields["qbar"] = cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 2 * QUANT_SLOTS], 8]
         # cute.struct reads a class's annotations: build the class from the field table
         self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
         # wide_gated: stage s's gate and up slots (2s, 2s + 1: 64 rows of 128 bytes each, 8-row swizzle
@@ -485,6 +508,13 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                     sCum[e + 1] = cnt
                 carry = cute.arch.shuffle_sync(cnt, 31)
 
+        qbar = None  # fused_quant: "stored" barriers [0, QUANT_SLOTS), then "seen" ones
+        if cutlass.const_expr(self.fused_quant):
+            qbar = storage.qbar.data_ptr()
+            if tidx == 0:  # initialised before the pipeline's fence and cluster sync, which cover them
+                for q in cutlass.range_constexpr(QUANT_SLOTS):
+                    cute.arch.mbarrier_init(qbar + q, 2)  # each CTA's consumer warpgroups: one arrival
+                    cute.arch.mbarrier_init(qbar + QUANT_SLOTS + q, 2 * len(QUANT_WARPS))  # each quant warp
         a_smem_one = cute.slice_(a_smem_layout, (None, None, 0))
         b_smem_one = cute.slice_(b_smem_layout, (None, None, 0))
         tma_bytes, producers = stage_producers(self, a_smem_one, b_smem_one)
@@ -585,6 +615,10 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                     if warp_idx == 1:
                         self._scale_producer(ab_pipeline, mAScale, mBScale, sScale, sOff, sCum, total_tiles, unit0,
                                              unit_step, cta_rank, lane)
+                if cutlass.const_expr(self.fused_quant):
+                    if warp_idx >= QUANT_WARPS[0]:
+                        self._fused_quant_warps(outs, qbar, sOff, sCum, total_tiles, unit0, unit_step, cta_rank,
+                                                warp_idx - QUANT_WARPS[0], lane)
 
         # =========================================================== consumer warpgroups
         if warp_group_idx > 0:
@@ -638,6 +672,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
             r_lo = tCcC[0][0]
             r_hi = tCcC[2][0]
             expert = cutlass.Int32(0)
+            q_unit = cutlass.Int32(0)  # fused_quant: units this CTA has stored
             tile_id = unit0
             while tile_id < total_tiles:
                 expert, row0, row_end, n_tile = self._locate(sOff, sCum, tile_id, expert)
@@ -781,7 +816,18 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                                                       rows_left, r_lo, r_hi, n_tile, mma_tidx, lane, epi_barrier)
                     else:
                         self._epilogue([acc0], tCsC, sC, outs[0], row0, rows_left, n0, mma_tidx, epi_barrier)
+                if cutlass.const_expr(self.fused_quant):
+                    # the epilogue ended on a barrier of both warpgroups: every bf16 row of the unit is
+                    # stored; one thread publishes that to both CTAs' quantising warps
+                    if mma_tidx == 0:
+                        self._unit_stored(qbar, q_unit)
+                    q_unit = q_unit + 1
                 tile_id = tile_id + unit_step
+
+        if cutlass.const_expr(self.fused_quant):
+            # every thread of both CTAs: no CTA exits while its peer may still arrive on its barriers
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
 
     # ------------------------------------------------------------------ consumer helpers
     # (plain methods, traced inline into the kernel, so the tiled MMA's accumulate flag and the
@@ -909,6 +955,87 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                 mQScale[row0 + r_hi, group] = s_hi
         epi_barrier.arrive_and_wait()  # the staging buffer is free for the next unit
         return None
+
+    # ------------------------------------------------------------------ fused_quant (drop v37)
+    @cute.jit
+    def _wait_cluster(self, bar, phase):
+        """Wait for the completion of ``bar``'s phase of parity ``phase`` with cluster-scope acquire
+        (the arrivals come from both CTAs of the cluster)."""
+        done = cutlass.Boolean(False)
+        while not done:
+            done = cutlass.Boolean(_nvvm.mbarrier_wait_parity(
+                bar.to_llvm_ptr(), cutlass.Int32(phase).ir_value(), _nvvm.MBarrierWaitKind.TRY,
+                scope=_nvvm.MemScopeKind.CLUSTER))
+
+    @staticmethod
+    def _arrive_both(bar):
+        """One release arrival (cluster scope) on ``bar`` in each CTA of the cluster (rank 0, 1)."""
+        for r in range(2):
+            cute.arch.mbarrier_arrive(bar, peer_cta_rank_in_cluster=r, scope=_nvvm.MemScopeKind.CLUSTER)
+
+    @cute.jit
+    def _unit_stored(self, qbar, q_unit):
+        """The consumers' thread 0 after the unit ``q_unit`` epilogue's closing barrier: a gpu-scope
+        fence (cumulative: the other threads' stores, ordered before it by that barrier), a wait
+        until both CTAs' quantising warps have seen unit ``q_unit - QUANT_SLOTS`` on this slot
+        (the ring: parity 1 passes on a fresh barrier), then one arrival on the slot's "stored"
+        barrier of each CTA."""
+        slot = q_unit % QUANT_SLOTS
+        cute.arch.fence_acq_rel_gpu()
+        self._wait_cluster(qbar + QUANT_SLOTS + slot, ((q_unit // QUANT_SLOTS) % 2) ^ 1)
+        self._arrive_both(qbar + slot)
+
+    @cute.jit
+    def _fused_quant_warps(self, outs, qbar, sOff, sCum, total_tiles, unit0, unit_step, cta_rank, qwarp, lane):
+        """Producer warps 2-3 (``fused_quant``): for each unit of this cluster, once both CTAs have
+        stored it, quantise rows ``[64 r, 64 r + 64)`` (r: this CTA's rank) of the unit's m-tile over
+        the unit's 128-column group -- the bf16 ``h`` both CTAs wrote, read back from L2 (relaxed
+        gpu-scope loads: never a stale L1 line) -- into ``mQ`` / ``mQScale``, exactly as
+        :class:`.fp8_quant.Fp8QuantizeRows128` would. Each warp takes two rows per pass, 16
+        lanes x 8 values per row; rows past the expert's end are read clamped and not stored."""
+        mC, mQ, mQScale = outs
+        c_base = mC.iterator.toint()
+        q_base = mQ.iterator.toint()
+        n_out = self.n_out
+        half = lane // 16   # which of the pass's two rows
+        sub = lane % 16     # 8 values: columns 8 sub .. 8 sub + 7 of the group
+        vec8 = ir.VectorType.get([8], cutlass.BFloat16.mlir_type)
+        expert = cutlass.Int32(0)
+        q_unit = cutlass.Int32(0)
+        tile_id = unit0
+        while tile_id < total_tiles:
+            expert, row0, row_end, group = self._locate(sOff, sCum, tile_id, expert)
+            rows_left = row_end - row0
+            slot = q_unit % QUANT_SLOTS
+            self._wait_cluster(qbar + slot, (q_unit // QUANT_SLOTS) % 2)
+            cute.arch.fence_acq_rel_gpu()
+            if lane == 0:  # seen: the consumers may reuse the slot QUANT_SLOTS units later
+                self._arrive_both(qbar + QUANT_SLOTS + slot)
+            col = group * FP8_BLOCK + sub * 8
+            for p in cutlass.range_constexpr(64 // (2 * len(QUANT_WARPS))):
+                row = cta_rank * 64 + p * 2 * len(QUANT_WARPS) + qwarp * 2 + half
+                src = row0 + cutlass.min(row, rows_left - 1)  # clamped: every lane joins the shuffles
+                c_ptr = cute.make_ptr(cutlass.BFloat16, c_base + (cutlass.Int64(src) * n_out + col) * 2,
+                                      cute.AddressSpace.gmem, assumed_align=16)
+                v = cute.arch.load(c_ptr, vec8, sem="relaxed", scope="gpu")
+                x = cute.TensorSSA(v, (8,), cutlass.BFloat16).to(cutlass.Float32)
+                amax = cutlass.Float32(0.0)
+                for i in cutlass.range_constexpr(8):
+                    amax = cute.arch.fmax(amax, cute.arch.fmax(x[i], -x[i], nan=True), nan=True)
+                for d in cutlass.range_constexpr(4):  # the row's 16 lanes
+                    amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, 1 << (3 - d)), nan=True)
+                scale = cutlass.Float32(1.0)
+                if amax > cutlass.Float32(0.0):
+                    scale = amax / cutlass.Float32(E4M3_MAX)
+                q = _divide_by_scale(x, scale, 8).to(cutlass.Float8E4M3FN)
+                if row < rows_left:
+                    q_ptr = cute.make_ptr(cutlass.Float8E4M3FN, q_base + cutlass.Int64(row0 + row) * n_out + col,
+                                          cute.AddressSpace.gmem, assumed_align=8)
+                    cute.make_tensor(q_ptr, cute.make_layout(8)).store(q)
+                    if sub == 0:
+                        mQScale[row0 + row, group] = scale
+            q_unit = q_unit + 1
+            tile_id = tile_id + unit_step
 
     @cute.jit
     def _scale_producer(self, ab_pipeline, mAScale, mBScale, sScale, sOff, sCum, total_tiles, unit0, unit_step,
@@ -1084,3 +1211,77 @@ class Fp8SwigluRequantGroupedGemmSm90(Fp8BlockScaledGroupedGemmSm90):
     ):
         self._body(tma_atom_a, mA_tma, tma_atom_b, mB_tma, mAScale, mBScale, (mQ, mQScale), mOffsets, mRowScale,
                    tiled_mma, tiled_mma_epi, a_smem_layout, b_smem_layout, b_smem_layout_mma)
+
+
+class Fp8SwigluFusedQuantGroupedGemmSm90(Fp8BlockScaledGroupedGemmSm90):
+    """FC1 (swiglu, wide gated, clusters of 2) that writes FC2's e4m3 input too (drop v37): the bf16
+    rows ``mC`` exactly as the base kernel, and ``mQ`` / ``mQScale`` exactly as
+    :class:`.fp8_quant.Fp8QuantizeRows128Counted` would write from them, by producer warps 2-3 while
+    the consumers run the next unit (the module docstring, ``fused_quant``).
+
+    Tensors as in the base class, plus::
+
+        mQ      [M_total, I]        uint8 (e4m3 bits) or float8_e4m3fn   rows < the expert ends
+        mQScale [M_total, I / 128]  float32                              only those rows written
+    """
+
+    fused_quant = True
+
+    def __init__(self, scale_rows: bool = False, num_stages: Optional[int] = None, raster_m: int = 1,
+                 overlap_promotion: bool = False, smem_scales: bool = False, scale_warp: bool = False):
+        super().__init__("swiglu", scale_rows=scale_rows, tile_n=64, num_stages=num_stages, raster_m=raster_m,
+                         overlap_promotion=overlap_promotion, wide_gated=True, cluster_n=2,
+                         smem_scales=smem_scales, scale_warp=scale_warp)
+        assert 2 * self.tile_n == FP8_BLOCK
+
+    @cute.jit
+    def __call__(
+        self,
+        mA: cute.Tensor,
+        mAScale: cute.Tensor,
+        mB: cute.Tensor,
+        mBScale: cute.Tensor,
+        mC: cute.Tensor,
+        mQ: cute.Tensor,
+        mQScale: cute.Tensor,
+        mOffsets: cute.Tensor,
+        mRowScale: cute.Tensor,
+        max_active_ctas: cutlass.Int32,
+        stream: cuda.CUstream,
+    ):
+        mA, mB = self._check_inputs(mA, mAScale, mB, mBScale, mOffsets)
+        if cutlass.const_expr(mC.element_type != cutlass.BFloat16):
+            raise TypeError("C must be bfloat16")
+        if cutlass.const_expr(mQ.element_type not in (cutlass.Uint8, cutlass.Float8E4M3FN)):
+            raise TypeError("Q must be float8_e4m3fn or uint8")
+        if cutlass.const_expr(mQScale.element_type != cutlass.Float32):
+            raise TypeError("scales must be float32")
+        if cutlass.const_expr(cute.size(mQ, mode=[1]) != cute.size(mB, mode=[1]) // 2
+                              or cute.size(mQScale, mode=[1]) != cute.size(mB, mode=[1]) // 2 // FP8_BLOCK):
+            raise ValueError("Q must be [M, I] and QScale [M, I/128] (N = 2 I)")
+        setup = self._setup(mA, mAScale, mB, mBScale, mOffsets)
+        self._launch(self.kernel_fused_quant(setup[0], setup[1], setup[2], setup[3], mAScale, mBScale, mC, mQ,
+                                             mQScale, mOffsets, mRowScale, *setup[4:]), max_active_ctas, stream)
+
+    @cute.kernel
+    def kernel_fused_quant(
+        self,
+        tma_atom_a: cute.CopyAtom,
+        mA_tma: cute.Tensor,
+        tma_atom_b: cute.CopyAtom,
+        mB_tma: cute.Tensor,
+        mAScale: cute.Tensor,
+        mBScale: cute.Tensor,
+        mC: cute.Tensor,
+        mQ: cute.Tensor,
+        mQScale: cute.Tensor,
+        mOffsets: cute.Tensor,
+        mRowScale: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        tiled_mma_epi: cute.TiledMma,
+        a_smem_layout: cute.ComposedLayout,
+        b_smem_layout: cute.ComposedLayout,
+        b_smem_layout_mma: cute.ComposedLayout,
+    ):
+        self._body(tma_atom_a, mA_tma, tma_atom_b, mB_tma, mAScale, mBScale, (mC, mQ, mQScale), mOffsets,
+                   mRowScale, tiled_mma, tiled_mma_epi, a_smem_layout, b_smem_layout, b_smem_layout_mma)

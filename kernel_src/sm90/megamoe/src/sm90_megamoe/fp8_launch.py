@@ -14,15 +14,16 @@ import cuda.bindings.driver as cuda
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
 from .fp8_gather import Fp8GatherGroupedGemmSm90
-from .fp8_gemm import FP8_BLOCK, Fp8BlockScaledGroupedGemmSm90, Fp8SwigluRequantGroupedGemmSm90, can_implement
+from .fp8_gemm import (FP8_BLOCK, Fp8BlockScaledGroupedGemmSm90, Fp8SwigluFusedQuantGroupedGemmSm90,
+                       Fp8SwigluRequantGroupedGemmSm90, can_implement)
 from .launch import _num_sms, call_on_stream, cluster_ctas, ffi_function
 
 
 def fake_args(num_experts: int, n: int, k: int, activation: str, use_tvm_ffi: bool = False, requant: bool = False,
-              gather_a: bool = False):
+              gather_a: bool = False, fused_quant: bool = False):
     """Fake ``(mA, mAScale, mB, mBScale, mC, mOffsets, mRowScale, ctas, stream)``: M_total
     dynamic, the FP8 operands as uint8 views; ``requant``: ``mC`` is ``(mQ, mQScale)``, the
-    e4m3 rows (uint8) and their float32 scales; ``gather_a``: ``(mA, mAScale, mIdx, mB, ...)``,
+    e4m3 rows (uint8) and their float32 scales; ``fused_quant``: ``(mC, mQ, mQScale)``, both; ``gather_a``: ``(mA, mAScale, mIdx, mB, ...)``,
     A and its scales with their own dynamic row count (the source rows)."""
     n_out = n // 2 if activation == "swiglu" else n
     m = cute.sym_int()
@@ -37,9 +38,12 @@ def fake_args(num_experts: int, n: int, k: int, activation: str, use_tvm_ffi: bo
     mOff = make_fake_compact_tensor(cutlass.Int32, (num_experts + 1,), assumed_align=4)
     mRS = make_fake_compact_tensor(f32, (cute.sym_int(),), assumed_align=4)
     out = (mC,)
+    q_out = (make_fake_compact_tensor(u8, (m, n_out), stride_order=(1, 0), assumed_align=16),
+             make_fake_compact_tensor(f32, (m, n_out // FP8_BLOCK), stride_order=(1, 0), assumed_align=4))
     if requant:
-        out = (make_fake_compact_tensor(u8, (m, n_out), stride_order=(1, 0), assumed_align=16),
-               make_fake_compact_tensor(f32, (m, n_out // FP8_BLOCK), stride_order=(1, 0), assumed_align=4))
+        out = q_out
+    elif fused_quant:
+        out = (mC, *q_out)
     idx = (make_fake_compact_tensor(cutlass.Int32, (m,), assumed_align=4),) if gather_a else ()
     return (mA, mAS, *idx, mB, mBS, *out, mOff, mRS, cutlass.Int32(132),
             make_fake_stream(use_tvm_ffi_env_stream=use_tvm_ffi))
@@ -67,12 +71,14 @@ class CompiledFp8Gemm:
     call then launches at most :func:`cluster_ctas` CTAs (worked out when constructed with a GPU);
     ``smem_scales`` (drop v34; not with gather_a): the producer warp stages each k-tile's scales in
     shared memory beside its operands, so the consumers never wait on a global scale load;
-    ``scale_warp`` (drop v35; with smem_scales): a second producer warp stages them instead."""
+    ``scale_warp`` (drop v35; with smem_scales): a second producer warp stages them instead;
+    ``fused_quant`` (drop v37; swiglu, wide_gated, cluster_n = 2): the bf16 rows and FC2's e4m3 input
+    too (:class:`.fp8_gemm.Fp8SwigluFusedQuantGroupedGemmSm90`): a call passes ``q`` and ``q_scale``."""
 
     def __init__(self, activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
                  compiled=None, tvm_ffi: bool = False, raster_m: int = 1, overlap_promotion: bool = False,
                  requant: bool = False, wide_gated: bool = False, gather_a: bool = False, cluster_n: int = 1,
-                 smem_scales: bool = False, scale_warp: bool = False):
+                 smem_scales: bool = False, scale_warp: bool = False, fused_quant: bool = False):
         reason = can_implement(activation, n, k, num_experts)
         if reason is None and cluster_n not in (1, 2):
             reason = f"cluster_n must be 1 or 2, got {cluster_n}"
@@ -84,12 +90,15 @@ class CompiledFp8Gemm:
             reason = "smem_scales does not combine with gather_a"
         if reason is None and scale_warp and not smem_scales:
             reason = "scale_warp needs smem_scales"
+        if reason is None and fused_quant and not (wide_gated and cluster_n == 2 and not requant and not gather_a):
+            reason = "fused_quant needs wide_gated and cluster_n = 2 (not requant, not gather_a)"
         for flag, on in (("requant", requant), ("wide_gated", wide_gated)):
             if reason is None and on and activation != "swiglu":
                 reason = f"{flag} needs activation 'swiglu', got {activation!r}"
         if reason is not None:
             raise ValueError(reason)
         self.requant = bool(requant)
+        self.fused_quant = bool(fused_quant)
         self.wide_gated = bool(wide_gated)
         self.gather_a = bool(gather_a)
         self.activation, self.n, self.k, self.num_experts = activation, n, k, num_experts
@@ -104,7 +113,11 @@ class CompiledFp8Gemm:
         # the grid of a clustered launch, worked out here (not while a CUDA graph is captured)
         self._max_ctas = cluster_ctas(self.cluster_n) if self.cluster_n > 1 and torch.cuda.is_available() else None
         if compiled is None:
-            if self.requant:
+            if self.fused_quant:
+                kernel = Fp8SwigluFusedQuantGroupedGemmSm90(scale_rows=self.scale_rows, raster_m=self.raster_m,
+                                                            overlap_promotion=self.overlap_promotion,
+                                                            smem_scales=self.smem_scales, scale_warp=self.scale_warp)
+            elif self.requant:
                 kernel = Fp8SwigluRequantGroupedGemmSm90(scale_rows=self.scale_rows, raster_m=self.raster_m,
                                                          overlap_promotion=self.overlap_promotion,
                                                          wide_gated=self.wide_gated, smem_scales=self.smem_scales,
@@ -120,14 +133,15 @@ class CompiledFp8Gemm:
                                                        **({"scale_warp": True} if self.scale_warp else {}))
             opts = "--gpu-arch sm_90a" + (" --enable-tvm-ffi" if self.tvm_ffi else "")
             compiled = cute.compile(kernel, *fake_args(num_experts, n, k, activation, self.tvm_ffi, self.requant,
-                                                       self.gather_a), options=opts)
+                                                       self.gather_a, self.fused_quant), options=opts)
         self.compiled = compiled
         self._fn = ffi_function(compiled) if self.tvm_ffi else None
 
     def __call__(self, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                  offsets: torch.Tensor, out: torch.Tensor, row_scale: torch.Tensor,
                  max_active_ctas: Optional[int] = None, stream=None,
-                 out_scale: Optional[torch.Tensor] = None, idx: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 out_scale: Optional[torch.Tensor] = None, idx: Optional[torch.Tensor] = None,
+                 q: Optional[torch.Tensor] = None, q_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
         """
         a:         [M_total, K]        float8_e4m3fn (or uint8 bits), contiguous, CUDA
                    (``gather_a``: [T_src, K], the source rows)
@@ -140,11 +154,16 @@ class CompiledFp8Gemm:
         row_scale: [>= 1]              float32 ([M_total] read when scale_rows, else a placeholder)
         stream:    torch.cuda.Stream or None (current); a CUstream on the classic path
         out_scale: [M_total, N_out/128] float32, ``requant`` only (required there)
+        q:         [M_total, N_out]     float8_e4m3fn (or uint8 bits), ``fused_quant`` only (required there):
+                   FC2's input, the rows of ``out`` quantised per 128 columns
+        q_scale:   [M_total, N_out/128] float32, ``fused_quant`` only (required there)
         """
         if self.requant != (out_scale is not None):
             raise ValueError("out_scale is required with requant=True and refused without it")
         if self.gather_a != (idx is not None):
             raise ValueError("idx is required with gather_a=True and refused without it")
+        if self.fused_quant != (q is not None) or self.fused_quant != (q_scale is not None):
+            raise ValueError("q and q_scale are required with fused_quant=True and refused without it")
         ins = (_u8(a), a_scale) + ((idx,) if self.gather_a else ())
         if a.shape[0] == 0:
             return out
@@ -154,6 +173,8 @@ class CompiledFp8Gemm:
                 self._max_ctas = cluster_ctas(self.cluster_n, a.device)
             ctas = min(ctas, self._max_ctas)
         outs = (_u8(out), out_scale) if self.requant else (out,)
+        if self.fused_quant:
+            outs = (out, _u8(q), q_scale)
         if self.tvm_ffi:
             call_on_stream(self._fn, (*ins, _u8(b), b_scale, *outs, offsets, row_scale, ctas), stream)
             return out
@@ -163,6 +184,8 @@ class CompiledFp8Gemm:
             return from_dlpack(t, assumed_align=align).mark_compact_shape_dynamic(mode=0, stride_order=(0, 1))
 
         outs = (rows(outs[0], 16), rows(outs[1], 4)) if self.requant else (rows(out, 16),)
+        if self.fused_quant:
+            outs = (rows(out, 16), rows(_u8(q), 16), rows(q_scale, 4))
         idx_args = (from_dlpack(idx, assumed_align=4).mark_compact_shape_dynamic(mode=0),) if self.gather_a else ()
         args = (rows(_u8(a), 16), rows(a_scale, 4), *idx_args, from_dlpack(_u8(b), assumed_align=16),
                 from_dlpack(b_scale, assumed_align=4), *outs, from_dlpack(offsets, assumed_align=4),

@@ -10,6 +10,7 @@
                                       [--cluster]           # + clusters of 2 CTAs multicasting A (v28)
                                       [--smem-scales]       # + scales staged in smem by the producer (v34)
                                                             #   or by a second producer warp (v35)
+                                      [--fused-quant]       # + FC1 writing FC2's e4m3 input too (v37)
 
 Per model, FC1 (swiglu, w13 [E, 2I, H]) and FC2 (identity + router row scale, w2 [E, H, I]):
 * every machine: compile for sm_90a from fake tensors and check the PTX (FP8 WGMMA
@@ -29,7 +30,11 @@ Per model, FC1 (swiglu, w13 [E, 2I, H]) and FC2 (identity + router row scale, w2
 * ``--smem-scales``: each kernel the MoE layer runs (FC1 wide gated, FC2 on single CTAs and in
   clusters of 2; with ``--overlap`` both schedules, with ``--requant`` the requantising FC1) with
   its scales staged in shared memory by the producer warp (drop v34) against the same kernel
-  reading them from global memory: the same bits (NaN-poisoned), then both times, interleaved.
+  reading them from global memory: the same bits (NaN-poisoned), then both times, interleaved;
+* ``--fused-quant``: FC1 in clusters of 2 whose idle producer warps quantise each stored unit
+  (:class:`.fp8_gemm.Fp8SwigluFusedQuantGroupedGemmSm90`) against the same FC1 followed by the
+  row quantiser: bf16 rows, e4m3 rows and scales bit for bit (poisoned), then both times,
+  interleaved over two rounds.
 """
 
 from __future__ import annotations
@@ -582,6 +587,53 @@ def run_compile(model: str, overlap: bool = False, requant: bool = False, wide: 
     return ok_all
 
 
+def check_fused_quant(model: str, routing: str, reps: int) -> bool:
+    """Drop v37: FC1 (wide gated, overlapped, clusters of 2; staged scales for K <= 2048, as the
+    layer runs it) with ``fused_quant`` against the same FC1 + :class:`.fp8_quant.Fp8QuantizeRows128Counted`:
+    h, q and the scales bit for bit (NaN / 0x7f poisoned), then both times, interleaved, 2 rounds."""
+    from .fp8_launch import CompiledFp8Gemm
+    from .fp8_quant import CompiledFp8QuantizeRows
+
+    h, i, E, topk, tokens = MODELS[model]
+    m_total, n, k = tokens * topk, 2 * i, h
+    kw = dict(raster_m=max(1, min(16, (24 << 20) // (128 * k))),  # as the shim picks it
+              overlap_promotion=True, wide_gated=True,
+              cluster_n=2, smem_scales=k <= 2048)
+    plain = CompiledFp8Gemm("swiglu", n, k, E, **kw)
+    fused = CompiledFp8Gemm("swiglu", n, k, E, fused_quant=True, **kw)
+    quant = CompiledFp8QuantizeRows(i, counted=True)
+    a, a_s, b, b_s, offs, _ = make_inputs(m_total, n, k, E, routing, False, seed=5)
+    rs = torch.ones(1, device="cuda")
+    count = torch.full((1,), m_total, dtype=torch.int32, device="cuda")
+    h0 = torch.full((m_total, i), float("nan"), dtype=torch.bfloat16, device="cuda")
+    q0 = torch.full((m_total, i), 0x7F, dtype=torch.uint8, device="cuda")
+    s0 = torch.full((m_total, i // FP8_BLOCK), float("nan"), device="cuda")
+    h1, q1, s1 = h0.clone(), q0.clone(), s0.clone()
+    ctas = max_active_ctas(2)
+
+    def base():
+        plain(a, a_s, b, b_s, offs, out=h0, row_scale=rs, max_active_ctas=ctas)
+        quant(h0, q0, s0, count=count)
+
+    def fq():
+        fused(a, a_s, b, b_s, offs, out=h1, row_scale=rs, max_active_ctas=ctas, q=q1, q_scale=s1)
+
+    base()
+    fq()
+    torch.cuda.synchronize()
+    same = torch.equal(h1, h0) and torch.equal(q1, q0) and torch.equal(s1, s0) and not bool(torch.isnan(s1).any())
+    bms, fms = [], []
+    for _ in range(2):
+        bms.append(time_fn(base, reps))
+        fms.append(time_fn(fq, reps))
+    bm, fm = min(bms), min(fms)
+    flops = 2.0 * m_total * n * k
+    print(f"[{model} fc1 fused_quant] {routing}: bit-identical={same}; {fm:.3f} ms = {flops / fm / 1e9:.1f} TFLOP/s "
+          f"vs FC1 + quantiser {bm:.3f} ms ({bm / fm:.2f}x; rounds {' '.join(f'{x:.3f}' for x in fms)} / "
+          f"{' '.join(f'{x:.3f}' for x in bms)})", flush=True)
+    return same
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(MODELS), default="qwen3")
@@ -599,6 +651,9 @@ def main(argv=None):
                    help="also clusters of 2 CTAs multicasting A (checked bit-identical, timed)")
     p.add_argument("--smem-scales", action="store_true",
                    help="also every layer kernel with its scales staged in smem (checked bit-identical, timed)")
+    p.add_argument("--fused-quant", action="store_true",
+                   help="also FC1 quantising FC2's input from idle warps (checked bit-identical to FC1 + quantiser, "
+                        "timed)")
     p.add_argument("--raster-m", default="1", help="m-tiles per raster group, comma-separated: each is timed, "
                                                   "the first is also checked")
     args = p.parse_args(argv)
@@ -609,6 +664,8 @@ def main(argv=None):
         torch.backends.cuda.matmul.allow_tf32 = False
         ok &= run_gpu(args.model, args.routing, args.reps, rasters, args.overlap, args.requant, args.wide, args.gather,
                       args.cluster, args.smem_scales)
+        if args.fused_quant:
+            ok &= check_fused_quant(args.model, args.routing, args.reps)
     else:
         print("no SM90 GPU: compile checks only")
     raise SystemExit(0 if ok else 1)

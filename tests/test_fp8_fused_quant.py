@@ -1,0 +1,145 @@
+"""Drop v37: FC1 (wide gated swiglu, clusters of 2) that also writes FC2's e4m3 input -- producer
+warps 2-3 of each CTA read back the bf16 rows both CTAs of the cluster stored for a unit (one
+128-column group) and quantise 64 of them, while the consumers run the next unit. CPU: the PTX
+(cluster-scope barrier hand-off, gpu-scope relaxed loads, the final cluster barrier, no spills),
+the refusals, the shim's and the backend's switches. GPU: ``h`` bit-identical to the plain FC1,
+``q`` / ``q_scale`` bit-identical to the standalone row quantiser on those rows (poisoned
+outputs: every row written), on the two schedules the layer runs (Qwen3's short-K one, the long-K
+one), uniform and skewed routing, down to one row."""
+
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass")
+
+from moe_ep.shim import drop_src, register_drop  # noqa: E402
+
+register_drop(drop_src("sm90", "megamoe"))
+
+from moe_oracle import fp8_gemm_problem  # noqa: E402
+from sm90_megamoe import fp8_reference as ref  # noqa: E402
+
+
+def _compile(n, k, experts, smem_scales):
+    import cutlass.cute as cute
+    from sm90_megamoe.fp8_gemm import Fp8SwigluFusedQuantGroupedGemmSm90
+    from sm90_megamoe.fp8_launch import fake_args
+
+    kernel = Fp8SwigluFusedQuantGroupedGemmSm90(overlap_promotion=True, smem_scales=smem_scales)
+    compiled = cute.compile(kernel, *fake_args(experts, n, k, "swiglu", fused_quant=True),
+                            options="--gpu-arch sm_90a --keep-ptx")
+    return kernel, compiled
+
+
+# ---------------------------------------------------------------------------- compile (CPU)
+@pytest.mark.parametrize("n,k,experts,smem", [(1536, 2048, 128, True),    # Qwen3 FC1: the short-K schedule
+                                              (2048, 4096, 8, False)])    # long K: global scales
+def test_fused_quant_ptx(n, k, experts, smem):
+    from sm90_megamoe.fp8_runner import ptx_report
+
+    kernel, compiled = _compile(n, k, experts, smem)
+    ptx = compiled.__ptx__
+    # the hand-off: consumers wait on "seen" and arrive on both CTAs' "stored"; quant warps the reverse
+    assert len(re.findall(r"mbarrier\.try_wait\.parity\.acquire\.cluster", ptx)) == 2
+    assert len(re.findall(r"mbarrier\.arrive\.release\.cluster\.shared::cluster", ptx)) == 4
+    assert ptx.count("fence.acq_rel.gpu") == 2
+    assert "ld.relaxed.gpu.global.v4.b32" in ptx  # h read back from L2, never a stale L1 line
+    assert "barrier.cluster.wait" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
+    inits = re.findall(r"mbarrier\.init\.shared\.b64", ptx)
+    assert len(inits) >= 2 * kernel.num_stages + 8  # the pipeline's, then 4 "stored" + 4 "seen"
+    r = ptx_report(kernel, compiled)
+    assert r["fp8_wgmma"] and r["tma"] and r["pdl"] and not r["local"] and r["smem_bytes"] <= 227 * 1024
+    if r["ptxas_spill_bytes"] is not None:
+        assert r["ptxas_spill_bytes"] == 0, r
+
+
+def test_fused_quant_refusals(monkeypatch):
+    from sm90_megamoe.fp8_gemm import Fp8BlockScaledGroupedGemmSm90, Fp8SwigluFusedQuantGroupedGemmSm90
+    from sm90_megamoe.fp8_launch import CompiledFp8Gemm
+
+    class Narrow(Fp8BlockScaledGroupedGemmSm90):
+        fused_quant = True
+
+    with pytest.raises(ValueError, match="fused_quant needs swiglu, wide_gated and cluster_n = 2"):
+        Narrow("swiglu", wide_gated=True)  # single CTAs
+    with pytest.raises(ValueError, match="fused_quant needs wide_gated and cluster_n = 2"):
+        CompiledFp8Gemm("swiglu", 1536, 2048, 8, wide_gated=True, fused_quant=True)
+    with pytest.raises(ValueError, match="fused_quant needs wide_gated"):
+        CompiledFp8Gemm("swiglu", 1536, 2048, 8, wide_gated=False, cluster_n=2, fused_quant=True)
+    assert Fp8SwigluFusedQuantGroupedGemmSm90().cluster_n == 2
+    from moe_ep.shim.drops import sm90_megamoe_fp8 as s
+
+    monkeypatch.setenv("MOE_EP_FP8_CLUSTER", "0")
+    assert not s.fp8_fused_quant_available("swiglu", 1536, 2048, 128)
+    with pytest.raises(ValueError, match="fused_quant needs the wide gated swiglu FC1 in clusters of 2"):
+        s._checked_gemm_key("swiglu", 1536, 2048, 128, False, False, False, fused_quant=True)
+    monkeypatch.delenv("MOE_EP_FP8_CLUSTER")
+    assert s.fp8_fused_quant_available("swiglu", 1536, 2048, 128)      # Qwen3: the short-K schedule
+    assert s.fp8_fused_quant_available("swiglu", 28672, 4096, 8)       # Mixtral
+    assert not s.fp8_fused_quant_available("identity", 2048, 768, 128)
+    key = s._checked_gemm_key("swiglu", 28672, 4096, 8, False, False, False, fused_quant=True)
+    assert key.fused_quant and key.cluster_n == 2 and key != s._gemm_key("swiglu", 28672, 4096, 8, False, False,
+                                                                          False)
+
+
+def test_backend_switch(monkeypatch):
+    from moe_ep.backends.sm90.fp8_cutedsl import backend as fb
+
+    spec = ("swiglu", 1536, 2048, 128, False)
+    monkeypatch.delenv("MOE_EP_FP8_FUSED_QUANT", raising=False)
+    assert not fb._fuses_quant(spec, 1)  # opt-in
+    monkeypatch.setenv("MOE_EP_FP8_FUSED_QUANT", "1")
+    assert fb._fuses_quant(spec, 1) and fb._fuses_quant(spec, 2)
+    monkeypatch.setenv("MOE_EP_FP8_FUSED_REQUANT", "1")  # the requantising FC1 writes hq itself
+    assert not fb._fuses_quant(spec, 1)
+    monkeypatch.delenv("MOE_EP_FP8_FUSED_REQUANT")
+    monkeypatch.setenv("MOE_EP_FP8_CLUSTER", "0")  # no clusters: no pair of CTAs per 128-column group
+    assert not fb._fuses_quant(spec, 1)
+
+
+# ---------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("routing", ["uniform", "skewed"])
+@pytest.mark.parametrize("n,k,experts,m_total", [
+    (1536, 2048, 16, 5000),    # Qwen3's FC1 shape: staged scales, overlapped, clusters
+    (1536, 2048, 16, 700),
+    (1024, 4096, 8, 3000),     # long K: global scales
+    (1024, 4096, 8, 1),        # one row
+])
+def test_gpu_fused_quant_is_bit_identical(n, k, experts, m_total, routing):
+    """h: the plain FC1's bits; q / q_scale: the standalone quantiser's bits on those rows; every
+    row written (h NaN-poisoned, q 0x7f-poisoned, scales NaN-poisoned); h agrees with float64."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    from moe_ep.shim import sm90_fp8_gemm, sm90_fp8_quantize_rows
+
+    a, a_s, b, b_s, offs, _ = (None if t is None else t.cuda()
+                               for t in fp8_gemm_problem(m_total, n, k, experts, routing, 300 + m_total, False))
+    I = n // 2  # noqa: E741
+    rs = torch.ones(1, device="cuda")
+    plain = sm90_fp8_gemm("swiglu", n, k, experts, False)
+    fused = sm90_fp8_gemm("swiglu", n, k, experts, False, fused_quant=True)
+    assert fused.fused_quant and fused.cluster_n == 2 and plain.cluster_n == 2
+    quant = sm90_fp8_quantize_rows(I)
+    h0 = torch.full((m_total, I), float("nan"), dtype=torch.bfloat16, device="cuda")
+    h1 = torch.full_like(h0, float("nan"))
+    q0 = torch.full((m_total, I), 0x7F, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
+    q1 = q0.clone()
+    s0 = torch.full((m_total, I // 128), float("nan"), device="cuda")
+    s1 = s0.clone()
+    plain(a, a_s, b, b_s, offs, out=h0, row_scale=rs)
+    quant(h0, q0, s0, count=torch.full((1,), m_total, dtype=torch.int32, device="cuda"))
+    fused(a, a_s, b, b_s, offs, out=h1, row_scale=rs, q=q1, q_scale=s1)
+    torch.cuda.synchronize()
+    assert not bool(torch.isnan(h1).any()) and not bool(torch.isnan(s1).any())
+    assert torch.equal(h1, h0)
+    assert torch.equal(q1.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s1, s0)
+    # and the rows are what the reference quantiser makes of h (an independent implementation)
+    rq, rsc = ref.quantize_rows128(h0.float().cpu())
+    assert torch.equal(q1.view(torch.uint8).cpu(), rq.view(torch.uint8)) and torch.equal(s1.cpu(), rsc)
+    want = ref.fp8_grouped_gemm_reference(a.cpu(), a_s.cpu(), b.cpu(), b_s.cpu(), offs.cpu(), "swiglu", None,
+                                          dtype=torch.float64)
+    rel = float((h1.double().cpu() - want).norm() / want.norm().clamp_min(1e-30))
+    assert rel < 1e-2, rel
