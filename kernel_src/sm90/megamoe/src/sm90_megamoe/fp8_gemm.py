@@ -821,6 +821,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                     # stored; one thread publishes that to both CTAs' quantising warps
                     if mma_tidx == 0:
                         self._unit_stored(qbar, q_unit)
+                    cute.arch.sync_warp()  # the warp reconverges before its next (aligned) WGMMAs
                     q_unit = q_unit + 1
                 tile_id = tile_id + unit_step
 
