@@ -35,12 +35,10 @@
 #                the decode sweep of $MODELS with --decode-csv $OUT/decode.csv --plot $OUT/decode.png;
 #                with .device/fi carried, FlashInfer at PEER_DECODE_TOKENS (1,8,32,128,256) in the same
 #                call -> $OUT/decode_fi.csv, both plotted in $OUT/decode_all.png.
-# verify:        what has not yet run on a GPU (now: the FP8 defaults of c079622 -- the short-K schedule,
-#                FC2's chunked schedule -- in their GPU test files, and the fused requantising FC1 in the
-#                layer): those tests, then the FP8 layer under the defaults, MOE_EP_FP8_SMEM_SCALES=0 and
-#                MOE_EP_FP8_FUSED_REQUANT=1, interleaved, VERIFY_ROUNDS (2) rounds
-#                -> $OUT/verify_*, $OUT/tests_*.log (earlier sessions' verify: git history; 3da5fd1's
-#                ran the previous drop's runner beside this one's from .device/old_drop);
+# verify:        what has not yet run on a GPU (now: drop v38's FC1 quantising FC2's input from idle warps,
+#                MOE_EP_FP8_FUSED_QUANT=1): its GPU tests, optionally the drop runner (VERIFY_RUNNER_MODELS),
+#                then the FP8 layer with the switch off / on, interleaved, VERIFY_ROUNDS (2) rounds
+#                -> $OUT/verify_*, $OUT/tests_*.log (earlier sessions' verify: git history);
 # ncu:           Nsight Compute on the FP8 GEMMs (ours on Mixtral with and without clusters, Qwen3) and on
 #                cuBLAS's block-wise _scaled_mm (Mixtral) -> $OUT/ncu_*.log
 # layers:        both layers profiled (kernel table + the last forward's timeline), FlashInfer BF16 + FP8
@@ -131,7 +129,7 @@ suite_groups=(
   "tests/test_layer_gpu.py;-k;$ltop" "tests/test_layer_gpu.py;-k;not ($ltop)"
   "tests/test_sm90_gpu.py;-k;$gtop" "tests/test_sm90_gpu.py;-k;not ($gtop)"
   "tests/test_ep_virtual_gpu.py;-k;matches_reference" "tests/test_ep_virtual_gpu.py;-k;not matches_reference"
-  "tests/test_fp8_backend.py;tests/test_activations_bias.py;tests/test_sm90_fp8_gather.py;tests/test_gather_fc1.py"
+  "tests/test_fp8_backend.py;tests/test_activations_bias.py;tests/test_sm90_fp8_gather.py;tests/test_gather_fc1.py;tests/test_fp8_fused_quant.py"
   "tests/test_ep_gpu.py;tests/test_disk_cache.py;tests/test_transformers_integration.py;tests/test_sm90_fp8_quant.py;tests/test_fp8_quant_div.py;tests/test_fp8_scatter_quant.py;tests/test_fp8_cluster.py;tests/test_fp8_plain_schedule.py;tests/test_fp8_smem_scales.py;tests/test_bf16_cluster.py;tests/test_blackwell_backends.py"
   "tests/test_sm90_fp8_compile.py" "tests/test_sm90_swapab_compile.py"
 )
@@ -162,29 +160,19 @@ if [ "$mode" = extra ]; then
   fi
 fi
 if [ "$mode" = verify ]; then
-  # (ran in the thirteenth session at 54df6fc with TEST_BUDGET=180 VERIFY_RUNNER_MODELS= VERIFY_ROUNDS=2:
-  # tests passed; FUSED_REQUANT and SCALE_WARP no faster on the layer -- docs/PERFORMANCE.md. In the
-  # fourteenth, at 75ef903, `TEST_BUDGET=200 VERIFY_RUNNER_MODELS= VERIFY_ROUNDS=0`: the three groups
-  # passed (20 + 31 + 8), test_fp8_split_pair_matches_float64 among them; the runners ran too, as an
-  # empty VERIFY_RUNNER_MODELS still meant both models then -- fixed: empty now skips them)
-  # after the twelfth session (its device time spent): the FP8 defaults changed at c079622 -- K <= 2048
-  # runs the short-K schedule (drop v34's staged scales, the wide FC1 overlapped, clusters of 2), FC2
-  # with K > 4096 the chunked overlapped schedule -- and had not run in the GPU suite. Their GPU files,
-  # then the FP8 layer under the defaults, the old Qwen3 schedule (MOE_EP_FP8_SMEM_SCALES=0) and the
-  # fused requantising FC1 (MOE_EP_FP8_FUSED_REQUANT=1: v33's chunked form, 1.12x FC1 + quantiser in
-  # the drop runner, its layer never timed) and drop v35's scale warp (MOE_EP_FP8_SCALE_WARP=1),
-  # interleaved, VERIFY_ROUNDS (2) rounds. All of it runs past one 600 s call: split it with
-  # VERIFY_RUNNER_MODELS= (no runner) / VERIFY_ROUNDS=1 / TEST_BUDGET.
-  # (v34's verify -- its GPU tests, fp8_runner --smem-scales on both models: git history, 2d4a3c7.)
-  run_groups "${TEST_BUDGET:-200}" "tests/test_fp8_backend.py" "tests/test_fp8_smem_scales.py;tests/test_fp8_cluster.py" \
-      "tests/test_ep_virtual_gpu.py;-k;fp8"
-  # drop v35's scale warp (opt-in): the drop runner times global / staged / scale-warp per layer kernel
-  for m in ${VERIFY_RUNNER_MODELS-qwen3 mixtral}; do  # (set but empty: no runner)
-    step "fp8_runner $m --smem-scales" "$OUT/verify_runner_$m.log" -- bash -c \
-        "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.fp8_runner --model $m --smem-scales --overlap"
+  # drop v38 (not yet run on a GPU): FC1 whose idle producer warps quantise FC2's input from both CTAs'
+  # epilogue tiles (MOE_EP_FP8_FUSED_QUANT=1). Its GPU tests (bits against FC1 + the row quantiser, the
+  # layer with the switch 0 / 1 in eager and graph), then the drop runner's --fused-quant timing per
+  # model (VERIFY_RUNNER_MODELS, default none: set e.g. "qwen3 mixtral"), then the FP8 layer with the
+  # switch off / on, interleaved, VERIFY_ROUNDS (2) rounds. Drop v37 (h read back from L2) ran in the
+  # fourteenth session: correct, 0.73x / 0.92x on the layer (docs/PERFORMANCE.md). Earlier sessions'
+  # verify modes: git history (13th session: 75ef903).
+  run_groups "${TEST_BUDGET:-200}" "tests/test_fp8_fused_quant.py" "tests/test_fp8_backend.py;-k;fused_quant"
+  for m in ${VERIFY_RUNNER_MODELS-}; do
+    step "fp8_runner $m --fused-quant" "$OUT/verify_runner_$m.log" -- bash -c \
+        "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.fp8_runner --model $m --fused-quant"
   done
-  for r in $(seq 1 "${VERIFY_ROUNDS:-2}"); do for v in "" "MOE_EP_FP8_SMEM_SCALES=0" "MOE_EP_FP8_FUSED_REQUANT=1" \
-      "MOE_EP_FP8_SCALE_WARP=1"; do
+  for r in $(seq 1 "${VERIFY_ROUNDS:-2}"); do for v in "" "MOE_EP_FP8_FUSED_QUANT=1"; do
     tag=${v:-defaults}; tag=${tag//[^A-Za-z0-9]/_}
     # shellcheck disable=SC2086
     step "FP8 layer, ${v:-defaults}, round $r" "$OUT/verify_fp8_${tag}_r$r.log" -- env $v \
@@ -322,7 +310,7 @@ if [ "$mode" = suite2 ]; then
       tests/test_disk_cache.py tests/test_transformers_integration.py tests/test_sm90_fp8_quant.py \
       tests/test_sm90_fp8_compile.py tests/test_sm90_swapab_compile.py tests/test_blackwell_backends.py \
       tests/test_sm90_fp8_gather.py tests/test_gather_fc1.py tests/test_fp8_quant_div.py tests/test_fp8_scatter_quant.py tests/test_fp8_cluster.py \
-      tests/test_bf16_cluster.py tests/test_fp8_plain_schedule.py tests/test_fp8_smem_scales.py
+      tests/test_bf16_cluster.py tests/test_fp8_plain_schedule.py tests/test_fp8_smem_scales.py tests/test_fp8_fused_quant.py
 fi
 if [ "$mode" = suite3 ]; then
   step "GPU suite 3/3" "$OUT/suite3.log" -- "${suite_common[@]}" tests/test_ep_virtual_gpu.py

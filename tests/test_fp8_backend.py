@@ -293,7 +293,7 @@ def test_fp8_fc1_variants_are_bit_identical(monkeypatch, T, switch):
     and MOE_EP_FP8_WIDE_GATED=1 (one m64n128 gate+up WGMMA); drop v22's MOE_EP_FP8_GATHER_FC1=1 (the
     tokens quantised once, FC1 gathering them by idx); drop v25's MOE_EP_FP8_SCATTER_QUANT=1 (each
     token quantised once, stored in its grouped rows); drop v28's MOE_EP_FP8_CLUSTER=1 (both GEMMs
-    in clusters of 2 CTAs multicasting A); drop v37's MOE_EP_FP8_FUSED_QUANT=1 (FC1's idle warps
+    in clusters of 2 CTAs multicasting A); drop v38's MOE_EP_FP8_FUSED_QUANT=1 (FC1's idle warps
     quantise FC2's input): the layer's output is the same bits as without, eager and CUDA graph."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
@@ -301,7 +301,7 @@ def test_fp8_fc1_variants_are_bit_identical(monkeypatch, T, switch):
     def check(impl, on):
         if switch == "MOE_EP_FP8_FUSED_REQUANT":
             assert impl.fused_requant == on and (impl.quant_h is None) == on
-        elif switch == "MOE_EP_FP8_FUSED_QUANT":  # drop v37: Qwen3's FC1 runs in clusters of 2
+        elif switch == "MOE_EP_FP8_FUSED_QUANT":  # drop v38: Qwen3's FC1 runs in clusters of 2
             assert impl.fused_quant == on and impl.fc1.fused_quant == on and (impl.quant_h is None) == on
         elif switch == "MOE_EP_FP8_GATHER_FC1":  # one rank, LocalRoute (the defaults)
             assert impl.gather_fc1 == on and impl.fc1.gather_a == on
@@ -641,13 +641,13 @@ def test_fused_requant_prebuilds_its_kernels(monkeypatch, tmp_path):
 
 
 def test_fused_quant_wiring_on_cpu():
-    """MOE_EP_FP8_FUSED_QUANT=1 (drop v37): FC1 gets the bf16 ``h`` and FC2's e4m3 input with its
-    scales, no FC2-input quantiser runs, FC2 reads ``hq`` (recorded, no kernel runs)."""
+    """MOE_EP_FP8_FUSED_QUANT=1 (drop v38): FC1 writes FC2's e4m3 input and its scales (no bf16
+    ``h``), no FC2-input quantiser runs, FC2 reads ``hq`` (recorded, no kernel runs)."""
     calls = []
     _, t, _, _, _, _, _ = _recorded_steps(calls, fused=True, route=True, scatter=True, fused_quant=True)
     names = [c[0] for c in calls]
     assert names == ["route", "quant_x", "fc1", "fc2"]
     fc1_args, fc1_kw = calls[2][1], calls[2][2]
     assert fc1_args[:2] == (t["xq"], t["xq_scale"])
-    assert fc1_kw["out"] is t["h"] and fc1_kw["q"] is t["hq"] and fc1_kw["q_scale"] is t["hq_scale"]
+    assert fc1_kw["out"] is t["hq"] and fc1_kw["out_scale"] is t["hq_scale"]
     assert calls[3][1][:2] == (t["hq"], t["hq_scale"])

@@ -86,14 +86,21 @@ Design (differences from :mod:`.grouped_gemm`, whose scheduler and smem epilogue
   warp's elected arrive; the TMA warp's loop is the global-scale kernel's again. Why: on the H200
   v34's staged scales slowed the plain schedule down (0.83-0.93x), plausibly because the TMA warp
   stores a stage's scales -- waiting for their loads -- before it may issue the stage's copies.
-* :class:`Fp8SwigluFusedQuantGroupedGemmSm90` (drop v37; ``fused_quant``, clusters of 2, wide gated
-  FC1): FC1 also writes FC2's e4m3 input, from otherwise idle warps. The bf16 rows are stored as
-  by the plain kernel; the two CTAs of a cluster write the two 64-column halves of one 128-column
-  group, so when both have stored a unit (a barrier in each CTA that both consumer warpgroups
-  arrive on), producer warps 2-3 of each CTA read 64 of its rows back from L2 and quantise them
-  (:meth:`_fused_quant_warps`) while the consumers run the next unit's k-loop: the quantiser's
-  launch and its DRAM read of ``h`` disappear, its arithmetic hides under the tensor-core work.
-  Same rule, amax order and division as :mod:`.fp8_quant`: the same bits.
+* :class:`Fp8SwigluFusedQuantGroupedGemmSm90` (``fused_quant``; clusters of 2, the wide gated FC1):
+  FC1 whose output is FC2's e4m3 input, quantised by otherwise idle warps. The two CTAs of a
+  cluster compute the two 64-column halves of one 128-column group; each stages its bf16 values
+  in its epilogue tile ``sC`` (what the plain kernel would store) and, after the warpgroups'
+  barrier, one thread arrives (release, cluster scope) on a "staged" barrier in both CTAs.
+  Producer warps 2-3 of each CTA wait on theirs (acquire, cluster scope), read 64 of the unit's
+  rows -- columns 0-63 from CTA 0's ``sC``, 64-127 from CTA 1's, through distributed shared
+  memory -- apply :mod:`.fp8_quant`'s rule (amax, ``amax / 448``, its division: the same bits) and
+  write e4m3 rows and scales, then arrive on both CTAs' "read" barrier, which the consumers wait on
+  before staging their next unit; they run that unit's k-loop meanwhile. No bf16 row is written:
+  FC2's quantiser, its launch and ``h``'s write and read back disappear. A cluster barrier ends
+  the kernel (no CTA exits while its peer may still read its ``sC`` or arrive on its barriers).
+  (Drop v37 stored ``h`` and read it back from L2 behind a gpu-scope fence per unit: correct on
+  the H200, but the FP8 layer ran 0.73x (Qwen3) and 0.92x (Mixtral) -- the fence stalled a
+  consumer warpgroup every unit and the quantising warps' dependent L2 loads fell behind.)
 * :class:`Fp8SwigluRequantGroupedGemmSm90` (drop v21; the bits of FC1 + the quantiser on the H200): FC1 writing FC2's
   e4m3 input and per-128 scales in the epilogue (its docstring). Both variants trace the same
   ``_body`` as the plain kernel, whose PTX is unchanged by them.
@@ -127,9 +134,6 @@ FP8_BLOCK = 128
 OVERLAP_MAX_K_TILES = 32
 #: the largest chunk of the chunked overlapped schedule (code size: one chunk is traced)
 OVERLAP_MAX_CHUNK = 16
-#: units in flight between FC1's consumers and its quantising warps (drop v37, ``fused_quant``): a
-#: ring of "stored" / "seen" barrier pairs, so a barrier never completes two phases unobserved
-QUANT_SLOTS = 4
 #: the producer warps that quantise (``fused_quant``): warp 0 issues TMA, warp 1 scans the schedule
 #: (and stages scales with ``scale_warp``)
 QUANT_WARPS = (2, 3)
@@ -158,6 +162,15 @@ def _pin(v, *, loc=None, ip=None):
     return cutlass.Float32(llvm.inline_asm(T.f32(), [cutlass.Float32(v).ir_value(loc=loc, ip=ip)], "", "=f,0",
                                            has_side_effects=True, is_align_stack=False,
                                            asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def _ld_dsmem_bf16x8(s_ptr, cta_rank, *, loc=None, ip=None):
+    """8 bf16 (16 bytes) at shared-memory pointer ``s_ptr`` of CTA ``cta_rank`` of the cluster
+    (``mapa`` + ``ld.shared::cluster.v4``): a vector<8 x bf16> value."""
+    dptr = _nvvm.mapa(llvm.PointerType.get(cute.AddressSpace.dsmem), s_ptr.to_llvm_ptr(loc=loc, ip=ip),
+                      cutlass.Int32(cta_rank).ir_value(loc=loc, ip=ip), loc=loc, ip=ip)
+    return llvm.load(ir.VectorType.get([8], cutlass.BFloat16.mlir_type), dptr, alignment=16, loc=loc, ip=ip)
 
 
 def _fence_operand(frag, n: int) -> None:
@@ -424,8 +437,8 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         }
         if cutlass.const_expr(self.smem_scales):  # last, so the other fields keep their offsets
             fields["sScale"] = cute.struct.Align[cute.struct.MemRange[self.acc_dtype, self.num_stages * SCALE_SLOT], 16]
-        if cutlass.const_expr(self.fused_quant):  # after them: "stored" then "seen" barriers per slot
-            fields["qbar"] = cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 2 * QUANT_SLOTS], 8]
+        if cutlass.const_expr(self.fused_quant):  # after them: the "staged" and "read" barriers
+            fields["qbar"] = cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 2], 8]
         # cute.struct reads a class's annotations: build the class from the field table
         self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
         # wide_gated: stage s's gate and up slots (2s, 2s + 1: 64 rows of 128 bytes each, 8-row swizzle
@@ -508,13 +521,12 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                     sCum[e + 1] = cnt
                 carry = cute.arch.shuffle_sync(cnt, 31)
 
-        qbar = None  # fused_quant: "stored" barriers [0, QUANT_SLOTS), then "seen" ones
+        qbar = None  # fused_quant: "staged" (the unit is in both CTAs' sC), then "read" (sC is free)
         if cutlass.const_expr(self.fused_quant):
             qbar = storage.qbar.data_ptr()
             if tidx == 0:  # initialised before the pipeline's fence and cluster sync, which cover them
-                for q in cutlass.range_constexpr(QUANT_SLOTS):
-                    cute.arch.mbarrier_init(qbar + q, 2)  # each CTA's consumer warpgroups: one arrival
-                    cute.arch.mbarrier_init(qbar + QUANT_SLOTS + q, 2 * len(QUANT_WARPS))  # each quant warp
+                cute.arch.mbarrier_init(qbar, 2)  # one arrival from each CTA's consumer warpgroups
+                cute.arch.mbarrier_init(qbar + 1, 2 * len(QUANT_WARPS))  # each quantising warp of both CTAs
         a_smem_one = cute.slice_(a_smem_layout, (None, None, 0))
         b_smem_one = cute.slice_(b_smem_layout, (None, None, 0))
         tma_bytes, producers = stage_producers(self, a_smem_one, b_smem_one)
@@ -617,8 +629,8 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                                              unit_step, cta_rank, lane)
                 if cutlass.const_expr(self.fused_quant):
                     if warp_idx >= QUANT_WARPS[0]:
-                        self._fused_quant_warps(outs, qbar, sOff, sCum, total_tiles, unit0, unit_step, cta_rank,
-                                                warp_idx - QUANT_WARPS[0], lane)
+                        self._fused_quant_warps(outs, qbar, storage.sC.data_ptr().toint(), sOff, sCum, total_tiles,
+                                                unit0, unit_step, cta_rank, warp_idx - QUANT_WARPS[0], lane)
 
         # =========================================================== consumer warpgroups
         if warp_group_idx > 0:
@@ -814,14 +826,11 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                     if cutlass.const_expr(self.requant):
                         kept = self._requant_epilogue(half, kept, acc0, acc_shape, n_elems, tCcC, sC, outs, row0,
                                                       rows_left, r_lo, r_hi, n_tile, mma_tidx, lane, epi_barrier)
+                    elif cutlass.const_expr(self.fused_quant):  # staged for the quantising warps
+                        self._stage_unit(acc0, tCsC, qbar, q_unit, mma_tidx, epi_barrier)
                     else:
                         self._epilogue([acc0], tCsC, sC, outs[0], row0, rows_left, n0, mma_tidx, epi_barrier)
                 if cutlass.const_expr(self.fused_quant):
-                    # the epilogue ended on a barrier of both warpgroups: every bf16 row of the unit is
-                    # stored; one thread publishes that to both CTAs' quantising warps
-                    if mma_tidx == 0:
-                        self._unit_stored(qbar, q_unit)
-                    cute.arch.sync_warp()  # the warp reconverges before its next (aligned) WGMMAs
                     q_unit = q_unit + 1
                 tile_id = tile_id + unit_step
 
@@ -957,7 +966,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         epi_barrier.arrive_and_wait()  # the staging buffer is free for the next unit
         return None
 
-    # ------------------------------------------------------------------ fused_quant (drop v37)
+    # ------------------------------------------------------------------ fused_quant (drops v37, v38)
     @cute.jit
     def _wait_cluster(self, bar, phase):
         """Wait for the completion of ``bar``'s phase of parity ``phase`` with cluster-scope acquire
@@ -975,50 +984,62 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
             cute.arch.mbarrier_arrive(bar, peer_cta_rank_in_cluster=r, scope=_nvvm.MemScopeKind.CLUSTER)
 
     @cute.jit
-    def _unit_stored(self, qbar, q_unit):
-        """The consumers' thread 0 after the unit ``q_unit`` epilogue's closing barrier: a gpu-scope
-        fence (cumulative: the other threads' stores, ordered before it by that barrier), a wait
-        until both CTAs' quantising warps have seen unit ``q_unit - QUANT_SLOTS`` on this slot
-        (the ring: parity 1 passes on a fresh barrier), then one arrival on the slot's "stored"
-        barrier of each CTA."""
-        slot = q_unit % QUANT_SLOTS
-        cute.arch.fence_acq_rel_gpu()
-        self._wait_cluster(qbar + QUANT_SLOTS + slot, ((q_unit // QUANT_SLOTS) % 2) ^ 1)
-        self._arrive_both(qbar + slot)
+    def _stage_unit(self, acc0, tCsC, qbar, q_unit, mma_tidx, epi_barrier):
+        """``fused_quant``'s epilogue: unit ``q_unit``'s bf16 values (what the plain epilogue would
+        store) into the staging tile ``sC`` -- once both CTAs' quantising warps have read the previous
+        unit from it ("read", parity 1 passes on a fresh barrier) -- then, after the warpgroups'
+        barrier, thread 0 arrives (release, cluster scope) on the "staged" barrier of both CTAs. No
+        global store: FC2 reads only the e4m3 rows. The warp reconverges before its next WGMMAs."""
+        self._wait_cluster(qbar + 1, (q_unit % 2) ^ 1)
+        rC = cute.make_rmem_tensor(acc0.shape, self.c_dtype)
+        rC.store(acc0.load().to(self.c_dtype))
+        # the plain epilogue's layout of one epi_n-wide chunk (here the whole 64-column tile)
+        rC32 = cute.recast_tensor(rC, cutlass.Int32)
+        sC32 = cute.recast_tensor(tCsC, cutlass.Int32)
+        sC32 = cute.make_tensor(cute.make_ptr(cutlass.Int32, sC32.iterator.toint(), cute.AddressSpace.smem,
+                                              assumed_align=4), sC32.layout)
+        m_rep = cute.size(rC32, mode=[1])
+        ppc = cute.size(sC32) // m_rep
+        n8 = self.tile_n // 8
+        for m in cutlass.range_constexpr(m_rep):
+            for j in cutlass.range_constexpr(ppc):
+                sC32[j + ppc * m] = rC32[j + 2 * n8 * m]
+        epi_barrier.arrive_and_wait()
+        if mma_tidx == 0:
+            self._arrive_both(qbar)
+        cute.arch.sync_warp()
 
     @cute.jit
-    def _fused_quant_warps(self, outs, qbar, sOff, sCum, total_tiles, unit0, unit_step, cta_rank, qwarp, lane):
+    def _fused_quant_warps(self, outs, qbar, sC_base, sOff, sCum, total_tiles, unit0, unit_step, cta_rank, qwarp,
+                           lane):
         """Producer warps 2-3 (``fused_quant``): for each unit of this cluster, once both CTAs have
-        stored it, quantise rows ``[64 r, 64 r + 64)`` (r: this CTA's rank) of the unit's m-tile over
-        the unit's 128-column group -- the bf16 ``h`` both CTAs wrote, read back from L2 (relaxed
-        gpu-scope loads: never a stale L1 line) -- into ``mQ`` / ``mQScale``, exactly as
-        :class:`.fp8_quant.Fp8QuantizeRows128` would. Each warp takes two rows per pass, 16
-        lanes x 8 values per row; rows past the expert's end are read clamped and not stored."""
-        mC, mQ, mQScale = outs
-        c_base = mC.iterator.toint()
+        staged it, quantise rows ``[64 r, 64 r + 64)`` (r: this CTA's rank) of the unit's m-tile over
+        its 128-column group -- columns 0-63 from the staging tile of CTA 0, 64-127 from CTA 1's,
+        read through distributed shared memory -- into ``mQ`` / ``mQScale`` exactly as
+        :class:`.fp8_quant.Fp8QuantizeRows128` would, then arrive on both CTAs' "read" barrier.
+        Each warp takes two rows per pass, 16 lanes x 8 values per row; rows past the expert's end
+        are computed and not stored."""
+        mQ, mQScale = outs
         q_base = mQ.iterator.toint()
         n_out = self.n_out
+        pitch = self.epi_n + self.epi_pad  # bf16 elements per staging row
         half = lane // 16   # which of the pass's two rows
         sub = lane % 16     # 8 values: columns 8 sub .. 8 sub + 7 of the group
-        vec8 = ir.VectorType.get([8], cutlass.BFloat16.mlir_type)
+        src_rank = sub // 8  # the CTA whose tile holds them
         expert = cutlass.Int32(0)
         q_unit = cutlass.Int32(0)
         tile_id = unit0
         while tile_id < total_tiles:
             expert, row0, row_end, group = self._locate(sOff, sCum, tile_id, expert)
             rows_left = row_end - row0
-            slot = q_unit % QUANT_SLOTS
-            self._wait_cluster(qbar + slot, (q_unit // QUANT_SLOTS) % 2)
-            cute.arch.fence_acq_rel_gpu()
-            if lane == 0:  # seen: the consumers may reuse the slot QUANT_SLOTS units later
-                self._arrive_both(qbar + QUANT_SLOTS + slot)
-            col = group * FP8_BLOCK + sub * 8
-            for p in cutlass.range_constexpr(64 // (2 * len(QUANT_WARPS))):
+            self._wait_cluster(qbar, q_unit % 2)
+            # a run-time loop, two passes per trip (two loads in flight): fully unrolled, its 16 loads
+            # would be hoisted together past the 40 registers the producer warpgroup keeps (ptxas spills)
+            for p in cutlass.range(64 // (2 * len(QUANT_WARPS)), unroll=2):
                 row = cta_rank * 64 + p * 2 * len(QUANT_WARPS) + qwarp * 2 + half
-                src = row0 + cutlass.min(row, rows_left - 1)  # clamped: every lane joins the shuffles
-                c_ptr = cute.make_ptr(cutlass.BFloat16, c_base + (cutlass.Int64(src) * n_out + col) * 2,
-                                      cute.AddressSpace.gmem, assumed_align=16)
-                v = cute.arch.load(c_ptr, vec8, sem="relaxed", scope="gpu")
+                s_ptr = cute.make_ptr(cutlass.BFloat16, sC_base + (row * pitch + (sub % 8) * 8) * 2,
+                                      cute.AddressSpace.smem, assumed_align=16)
+                v = _ld_dsmem_bf16x8(s_ptr, src_rank)
                 x = cute.TensorSSA(v, (8,), cutlass.BFloat16).to(cutlass.Float32)
                 amax = cutlass.Float32(0.0)
                 for i in cutlass.range_constexpr(8):
@@ -1030,11 +1051,15 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                     scale = amax / cutlass.Float32(E4M3_MAX)
                 q = _divide_by_scale(x, scale, 8).to(cutlass.Float8E4M3FN)
                 if row < rows_left:
+                    col = group * FP8_BLOCK + sub * 8
                     q_ptr = cute.make_ptr(cutlass.Float8E4M3FN, q_base + cutlass.Int64(row0 + row) * n_out + col,
                                           cute.AddressSpace.gmem, assumed_align=8)
                     cute.make_tensor(q_ptr, cute.make_layout(8)).store(q)
                     if sub == 0:
                         mQScale[row0 + row, group] = scale
+            cute.arch.sync_warp()  # every lane's loads are done (their values used above)
+            if lane == 0:  # read: both CTAs may stage their next unit
+                self._arrive_both(qbar + 1)
             q_unit = q_unit + 1
             tile_id = tile_id + unit_step
 
@@ -1215,12 +1240,13 @@ class Fp8SwigluRequantGroupedGemmSm90(Fp8BlockScaledGroupedGemmSm90):
 
 
 class Fp8SwigluFusedQuantGroupedGemmSm90(Fp8BlockScaledGroupedGemmSm90):
-    """FC1 (swiglu, wide gated, clusters of 2) that writes FC2's e4m3 input too (drop v37): the bf16
-    rows ``mC`` exactly as the base kernel, and ``mQ`` / ``mQScale`` exactly as
-    :class:`.fp8_quant.Fp8QuantizeRows128Counted` would write from them, by producer warps 2-3 while
-    the consumers run the next unit (the module docstring, ``fused_quant``).
+    """FC1 (swiglu, wide gated, clusters of 2) whose output is FC2's e4m3 input (drops v37, v38):
+    ``mQ`` / ``mQScale`` exactly as :class:`.fp8_quant.Fp8QuantizeRows128Counted` would write them
+    from the bf16 rows the base kernel stores -- quantised by producer warps 2-3 from the two CTAs'
+    staging tiles while the consumers run the next unit (the module docstring, ``fused_quant``).
+    The bf16 rows themselves are never written.
 
-    Tensors as in the base class, plus::
+    Tensors as in the base class except the output::
 
         mQ      [M_total, I]        uint8 (e4m3 bits) or float8_e4m3fn   rows < the expert ends
         mQScale [M_total, I / 128]  float32                              only those rows written
@@ -1233,7 +1259,8 @@ class Fp8SwigluFusedQuantGroupedGemmSm90(Fp8BlockScaledGroupedGemmSm90):
         super().__init__("swiglu", scale_rows=scale_rows, tile_n=64, num_stages=num_stages, raster_m=raster_m,
                          overlap_promotion=overlap_promotion, wide_gated=True, cluster_n=2,
                          smem_scales=smem_scales, scale_warp=scale_warp)
-        assert 2 * self.tile_n == FP8_BLOCK
+        # the staging tile holds a whole 64-column half (one epilogue chunk), a pair of them a group
+        assert 2 * self.tile_n == FP8_BLOCK and self.epi_n == self.tile_n and self.epi_pad % 8 == 0
 
     @cute.jit
     def __call__(
@@ -1242,7 +1269,6 @@ class Fp8SwigluFusedQuantGroupedGemmSm90(Fp8BlockScaledGroupedGemmSm90):
         mAScale: cute.Tensor,
         mB: cute.Tensor,
         mBScale: cute.Tensor,
-        mC: cute.Tensor,
         mQ: cute.Tensor,
         mQScale: cute.Tensor,
         mOffsets: cute.Tensor,
@@ -1251,8 +1277,6 @@ class Fp8SwigluFusedQuantGroupedGemmSm90(Fp8BlockScaledGroupedGemmSm90):
         stream: cuda.CUstream,
     ):
         mA, mB = self._check_inputs(mA, mAScale, mB, mBScale, mOffsets)
-        if cutlass.const_expr(mC.element_type != cutlass.BFloat16):
-            raise TypeError("C must be bfloat16")
         if cutlass.const_expr(mQ.element_type not in (cutlass.Uint8, cutlass.Float8E4M3FN)):
             raise TypeError("Q must be float8_e4m3fn or uint8")
         if cutlass.const_expr(mQScale.element_type != cutlass.Float32):
@@ -1261,8 +1285,8 @@ class Fp8SwigluFusedQuantGroupedGemmSm90(Fp8BlockScaledGroupedGemmSm90):
                               or cute.size(mQScale, mode=[1]) != cute.size(mB, mode=[1]) // 2 // FP8_BLOCK):
             raise ValueError("Q must be [M, I] and QScale [M, I/128] (N = 2 I)")
         setup = self._setup(mA, mAScale, mB, mBScale, mOffsets)
-        self._launch(self.kernel_fused_quant(setup[0], setup[1], setup[2], setup[3], mAScale, mBScale, mC, mQ,
-                                             mQScale, mOffsets, mRowScale, *setup[4:]), max_active_ctas, stream)
+        self._launch(self.kernel_fused_quant(setup[0], setup[1], setup[2], setup[3], mAScale, mBScale, mQ, mQScale,
+                                             mOffsets, mRowScale, *setup[4:]), max_active_ctas, stream)
 
     @cute.kernel
     def kernel_fused_quant(
@@ -1273,7 +1297,6 @@ class Fp8SwigluFusedQuantGroupedGemmSm90(Fp8BlockScaledGroupedGemmSm90):
         mB_tma: cute.Tensor,
         mAScale: cute.Tensor,
         mBScale: cute.Tensor,
-        mC: cute.Tensor,
         mQ: cute.Tensor,
         mQScale: cute.Tensor,
         mOffsets: cute.Tensor,
@@ -1284,5 +1307,5 @@ class Fp8SwigluFusedQuantGroupedGemmSm90(Fp8BlockScaledGroupedGemmSm90):
         b_smem_layout: cute.ComposedLayout,
         b_smem_layout_mma: cute.ComposedLayout,
     ):
-        self._body(tma_atom_a, mA_tma, tma_atom_b, mB_tma, mAScale, mBScale, (mC, mQ, mQScale), mOffsets,
-                   mRowScale, tiled_mma, tiled_mma_epi, a_smem_layout, b_smem_layout, b_smem_layout_mma)
+        self._body(tma_atom_a, mA_tma, tma_atom_b, mB_tma, mAScale, mBScale, (mQ, mQScale), mOffsets, mRowScale,
+                   tiled_mma, tiled_mma_epi, a_smem_layout, b_smem_layout, b_smem_layout_mma)

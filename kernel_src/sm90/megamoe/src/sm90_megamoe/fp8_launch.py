@@ -23,7 +23,7 @@ def fake_args(num_experts: int, n: int, k: int, activation: str, use_tvm_ffi: bo
               gather_a: bool = False, fused_quant: bool = False):
     """Fake ``(mA, mAScale, mB, mBScale, mC, mOffsets, mRowScale, ctas, stream)``: M_total
     dynamic, the FP8 operands as uint8 views; ``requant``: ``mC`` is ``(mQ, mQScale)``, the
-    e4m3 rows (uint8) and their float32 scales; ``fused_quant``: ``(mC, mQ, mQScale)``, both; ``gather_a``: ``(mA, mAScale, mIdx, mB, ...)``,
+    e4m3 rows (uint8) and their float32 scales (``fused_quant`` too); ``gather_a``: ``(mA, mAScale, mIdx, mB, ...)``,
     A and its scales with their own dynamic row count (the source rows)."""
     n_out = n // 2 if activation == "swiglu" else n
     m = cute.sym_int()
@@ -40,10 +40,8 @@ def fake_args(num_experts: int, n: int, k: int, activation: str, use_tvm_ffi: bo
     out = (mC,)
     q_out = (make_fake_compact_tensor(u8, (m, n_out), stride_order=(1, 0), assumed_align=16),
              make_fake_compact_tensor(f32, (m, n_out // FP8_BLOCK), stride_order=(1, 0), assumed_align=4))
-    if requant:
+    if requant or fused_quant:
         out = q_out
-    elif fused_quant:
-        out = (mC, *q_out)
     idx = (make_fake_compact_tensor(cutlass.Int32, (m,), assumed_align=4),) if gather_a else ()
     return (mA, mAS, *idx, mB, mBS, *out, mOff, mRS, cutlass.Int32(132),
             make_fake_stream(use_tvm_ffi_env_stream=use_tvm_ffi))
@@ -72,8 +70,8 @@ class CompiledFp8Gemm:
     ``smem_scales`` (drop v34; not with gather_a): the producer warp stages each k-tile's scales in
     shared memory beside its operands, so the consumers never wait on a global scale load;
     ``scale_warp`` (drop v35; with smem_scales): a second producer warp stages them instead;
-    ``fused_quant`` (drop v37; swiglu, wide_gated, cluster_n = 2): the bf16 rows and FC2's e4m3 input
-    too (:class:`.fp8_gemm.Fp8SwigluFusedQuantGroupedGemmSm90`): a call passes ``q`` and ``q_scale``."""
+    ``fused_quant`` (drop v38; swiglu, wide_gated, cluster_n = 2): like ``requant``, the output is
+    FC2's input (:class:`.fp8_gemm.Fp8SwigluFusedQuantGroupedGemmSm90`) and a call passes ``out_scale``."""
 
     def __init__(self, activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
                  compiled=None, tvm_ffi: bool = False, raster_m: int = 1, overlap_promotion: bool = False,
@@ -140,8 +138,7 @@ class CompiledFp8Gemm:
     def __call__(self, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                  offsets: torch.Tensor, out: torch.Tensor, row_scale: torch.Tensor,
                  max_active_ctas: Optional[int] = None, stream=None,
-                 out_scale: Optional[torch.Tensor] = None, idx: Optional[torch.Tensor] = None,
-                 q: Optional[torch.Tensor] = None, q_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 out_scale: Optional[torch.Tensor] = None, idx: Optional[torch.Tensor] = None) -> torch.Tensor:
         """
         a:         [M_total, K]        float8_e4m3fn (or uint8 bits), contiguous, CUDA
                    (``gather_a``: [T_src, K], the source rows)
@@ -150,20 +147,15 @@ class CompiledFp8Gemm:
         b:         [E, N, K]           float8_e4m3fn (or uint8 bits)
         b_scale:   [E, N/128, K/128]   float32
         offsets:   [E + 1]             int32 (device memory, never read by the host)
-        out:       [M_total, N_out]    bfloat16; ``requant``: float8_e4m3fn (or uint8 bits)
+        out:       [M_total, N_out]    bfloat16; ``requant`` / ``fused_quant``: float8_e4m3fn (or uint8 bits)
         row_scale: [>= 1]              float32 ([M_total] read when scale_rows, else a placeholder)
         stream:    torch.cuda.Stream or None (current); a CUstream on the classic path
-        out_scale: [M_total, N_out/128] float32, ``requant`` only (required there)
-        q:         [M_total, N_out]     float8_e4m3fn (or uint8 bits), ``fused_quant`` only (required there):
-                   FC2's input, the rows of ``out`` quantised per 128 columns
-        q_scale:   [M_total, N_out/128] float32, ``fused_quant`` only (required there)
+        out_scale: [M_total, N_out/128] float32, ``requant`` / ``fused_quant`` only (required there)
         """
-        if self.requant != (out_scale is not None):
-            raise ValueError("out_scale is required with requant=True and refused without it")
+        if (self.requant or self.fused_quant) != (out_scale is not None):
+            raise ValueError("out_scale is required with requant=True or fused_quant=True and refused without it")
         if self.gather_a != (idx is not None):
             raise ValueError("idx is required with gather_a=True and refused without it")
-        if self.fused_quant != (q is not None) or self.fused_quant != (q_scale is not None):
-            raise ValueError("q and q_scale are required with fused_quant=True and refused without it")
         ins = (_u8(a), a_scale) + ((idx,) if self.gather_a else ())
         if a.shape[0] == 0:
             return out
@@ -172,9 +164,7 @@ class CompiledFp8Gemm:
             if self._max_ctas is None:
                 self._max_ctas = cluster_ctas(self.cluster_n, a.device)
             ctas = min(ctas, self._max_ctas)
-        outs = (_u8(out), out_scale) if self.requant else (out,)
-        if self.fused_quant:
-            outs = (out, _u8(q), q_scale)
+        outs = (_u8(out), out_scale) if self.requant or self.fused_quant else (out,)
         if self.tvm_ffi:
             call_on_stream(self._fn, (*ins, _u8(b), b_scale, *outs, offsets, row_scale, ctas), stream)
             return out
@@ -183,9 +173,7 @@ class CompiledFp8Gemm:
         def rows(t, align):
             return from_dlpack(t, assumed_align=align).mark_compact_shape_dynamic(mode=0, stride_order=(0, 1))
 
-        outs = (rows(outs[0], 16), rows(outs[1], 4)) if self.requant else (rows(out, 16),)
-        if self.fused_quant:
-            outs = (rows(out, 16), rows(_u8(q), 16), rows(q_scale, 4))
+        outs = (rows(outs[0], 16), rows(outs[1], 4)) if self.requant or self.fused_quant else (rows(out, 16),)
         idx_args = (from_dlpack(idx, assumed_align=4).mark_compact_shape_dynamic(mode=0),) if self.gather_a else ()
         args = (rows(_u8(a), 16), rows(a_scale, 4), *idx_args, from_dlpack(_u8(b), assumed_align=16),
                 from_dlpack(b_scale, assumed_align=4), *outs, from_dlpack(offsets, assumed_align=4),
