@@ -22,12 +22,17 @@ result is checked against a float32 matmul of the same (dequantised) operands; a
 from __future__ import annotations
 
 import statistics
+from types import SimpleNamespace
 
 import torch
 
 from moe_ep.api.quant import dequantize_fp8_rows128, quantize_fp8_block128, quantize_fp8_rows128
 
+from .ep import _time
 from .models import MODELS
+
+#: ``ep._time``'s group argument for one process (no barrier, no all-reduce)
+_ONE_RANK = SimpleNamespace(world_size=1)
 
 
 def layer_tflop(T: int, K: int, H: int, I: int) -> float:  # noqa: E741
@@ -154,12 +159,12 @@ def run_ceiling(args) -> int:
                 torch.cuda.synchronize()
                 errs = err()
                 ok = [e <= 5e-2 for e in errs]  # a wrong product is reported, never timed
-                ms1, ms2 = (statistics.median(_events_ms(_graph(f).replay, args.iters)) if good else None
+                ms1, ms2 = (_time(_graph(f).replay, _ONE_RANK, args.iters) if good else None
                             for f, good in zip((fc1, fc2), ok))
                 cols = [f"{v:7.3f}" if v is not None else f"{'wrong':>7s}" for v in (ms1, ms2)]
                 if all(ok):
                     g = _graph(lambda: (fc1(), fc2()))
-                    ms = statistics.median(_events_ms(g.replay, args.iters))
+                    ms = _time(g.replay, _ONE_RANK, args.iters)
                     b2b = _sustained_ms(g.replay, args.iters)
                     del g
                     cols += [f"{ms:14.3f}", f"{tflop / ms * 1e3:8.1f}", f"{b2b:7.3f}", f"{tflop / b2b * 1e3:8.1f}"]
@@ -173,18 +178,3 @@ def run_ceiling(args) -> int:
           "the activation, row copies and the combine. FC1 / FC2 ms: each GEMM alone, graph replay)")
     return 0
 
-
-def _events_ms(fn, iters: int) -> list:
-    """ms of each of ``iters`` calls, a device sync before each (as the layer's graph timing)."""
-    for _ in range(3):
-        fn()
-    ts = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return ts

@@ -206,7 +206,7 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
         specs = _gemm_specs(cfg, self.E)
         self.fused_requant = fused_requant()
         self.gather_fc1 = self.local_route and _gathers_fc1(self.W)
-        self.fused_quant = not self.gather_fc1 and _fuses_quant(specs["fc1"], self.W)
+        self.fused_quant = _fuses_quant(specs["fc1"], self.W)  # never with a gathering FC1
         self.fc1 = sm90_fp8_gemm(*specs["fc1"], requant=self.fused_requant, gather_a=self.gather_fc1,
                                  fused_quant=self.fused_quant)
         self.fc2 = sm90_fp8_gemm(*specs["fc2"])
