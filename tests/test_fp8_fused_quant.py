@@ -1,8 +1,9 @@
-"""Drop v38: FC1 (wide gated swiglu, clusters of 2) whose output is FC2's e4m3 input -- each CTA
-stages its 64-column half of a unit in its epilogue tile, and producer warps 2-3 of each CTA read
-64 rows over the 128-column group from both CTAs' tiles (distributed shared memory) and quantise
-them while the consumers run the next unit. CPU: the PTX (cluster-scope barrier hand-off, DSMEM
-loads, no bf16 global stores, the final cluster barrier, no spills), the refusals, the shim's and
+"""Drop v39: FC1 (wide gated swiglu, clusters of 2) whose output is FC2's e4m3 input -- each CTA
+stages its 64-column half of a unit in its epilogue tile and sends the peer's 64 rows into the
+peer's receive tile with one bulk copy; the producer warps of each CTA quantise their 64 rows over
+the 128-column group from local shared memory while the consumers run the next unit. CPU: the PTX
+(the bulk-copy hand-off, no cluster-scope fences, no bf16 global stores, the final cluster
+barrier, no spills), the refusals, the shim's and
 the backend's switches. GPU: ``q`` / ``q_scale`` bit-identical to the plain FC1 followed by the
 standalone row quantiser (poisoned outputs: every row written) and to the reference quantiser,
 on the two schedules the layer runs (Qwen3's short-K one, the long-K one), uniform and skewed
@@ -34,6 +35,17 @@ def _compile(n, k, experts, smem_scales):
     return kernel, compiled
 
 
+def _plain_ptx(n, k, experts, smem_scales):
+    """The PTX of the plain FC1 on the same schedule (clusters of 2, wide gated, overlapped)."""
+    import cutlass.cute as cute
+    from sm90_megamoe.fp8_gemm import Fp8BlockScaledGroupedGemmSm90
+    from sm90_megamoe.fp8_launch import fake_args
+
+    kernel = Fp8BlockScaledGroupedGemmSm90("swiglu", tile_n=64, overlap_promotion=True, wide_gated=True,
+                                           cluster_n=2, smem_scales=smem_scales)
+    return cute.compile(kernel, *fake_args(experts, n, k, "swiglu"), options="--gpu-arch sm_90a --keep-ptx").__ptx__
+
+
 # ---------------------------------------------------------------------------- compile (CPU)
 @pytest.mark.parametrize("n,k,experts,smem", [(1536, 2048, 128, True),    # Qwen3 FC1: the short-K schedule
                                               (2048, 4096, 8, False)])    # long K: global scales
@@ -42,11 +54,17 @@ def test_fused_quant_ptx(n, k, experts, smem):
 
     kernel, compiled = _compile(n, k, experts, smem)
     ptx = compiled.__ptx__
-    # the hand-off: consumers wait on "read" and arrive on both CTAs' "staged"; quant warps the reverse
-    assert len(re.findall(r"mbarrier\.try_wait\.parity\.acquire\.cluster", ptx)) == 2
-    assert len(re.findall(r"mbarrier\.arrive\.release\.cluster\.shared::cluster", ptx)) == 4
-    assert "ld.shared::cluster.v4" in ptx and "mapa" in ptx  # both CTAs' epilogue tiles
-    assert "fence.acq_rel.gpu" not in ptx and "ld.relaxed.gpu" not in ptx  # v37's L2 round trip is gone
+    # the hand-off (v39): one bulk copy of 64 staged rows into the peer's receive tile, completing its
+    # bytes on the peer's "full" barrier, which the local warpgroup arms with expect_tx
+    bulk = re.findall(r"cp\.async\.bulk\.shared::cluster\.shared::cta\.mbarrier::complete_tx::bytes", ptx)
+    assert len(bulk) == 1 and "cp.async.bulk.commit_group" in ptx and "cp.async.bulk.wait_group.read" in ptx
+    assert "fence.proxy.async.shared::cta" in ptx  # the staged rows are visible to the copy
+    assert len(re.findall(r"mbarrier\.arrive\.expect_tx\.shared", ptx)) > len(re.findall(
+        r"mbarrier\.arrive\.expect_tx\.shared", _plain_ptx(n, k, experts, smem)))
+    # no cluster-scope release / acquire (ptxas emits MEMBAR.ALL.GPU for them: v38), no remote loads
+    # (v38), no gpu-scope fence or L2 round trip (v37)
+    assert not re.search(r"mbarrier\.\S*\.(release|acquire)\.cluster", ptx)
+    assert "ld.shared::cluster" not in ptx and "fence.acq_rel" not in ptx and "ld.relaxed.gpu" not in ptx
     assert "st.global.v4" not in ptx  # no bf16 rows: only e4m3 rows (8 bytes a lane) and scales
     assert "barrier.cluster.wait" in ptx and "cvt.rn.satfinite.e4m3x2.f32" in ptx
     assert len(re.findall(r"mbarrier\.init\.shared\.b64", ptx)) >= 2 * kernel.num_stages + 2

@@ -87,20 +87,28 @@ Design (differences from :mod:`.grouped_gemm`, whose scheduler and smem epilogue
   v34's staged scales slowed the plain schedule down (0.83-0.93x), plausibly because the TMA warp
   stores a stage's scales -- waiting for their loads -- before it may issue the stage's copies.
 * :class:`Fp8SwigluFusedQuantGroupedGemmSm90` (``fused_quant``; clusters of 2, the wide gated FC1):
-  FC1 whose output is FC2's e4m3 input, quantised by otherwise idle warps. The two CTAs of a
-  cluster compute the two 64-column halves of one 128-column group; each stages its bf16 values
-  in its epilogue tile ``sC`` (what the plain kernel would store) and, after the warpgroups'
-  barrier, one thread arrives (release, cluster scope) on a "staged" barrier in both CTAs.
-  Producer warps 2-3 of each CTA wait on theirs (acquire, cluster scope), read 64 of the unit's
-  rows -- columns 0-63 from CTA 0's ``sC``, 64-127 from CTA 1's, through distributed shared
-  memory -- apply :mod:`.fp8_quant`'s rule (amax, ``amax / 448``, its division: the same bits) and
-  write e4m3 rows and scales, then arrive on both CTAs' "read" barrier, which the consumers wait on
-  before staging their next unit; they run that unit's k-loop meanwhile. No bf16 row is written:
-  FC2's quantiser, its launch and ``h``'s write and read back disappear. A cluster barrier ends
-  the kernel (no CTA exits while its peer may still read its ``sC`` or arrive on its barriers).
-  (Drop v37 stored ``h`` and read it back from L2 behind a gpu-scope fence per unit: correct on
-  the H200, but the FP8 layer ran 0.73x (Qwen3) and 0.92x (Mixtral) -- the fence stalled a
-  consumer warpgroup every unit and the quantising warps' dependent L2 loads fell behind.)
+  FC1 whose output is FC2's e4m3 input, quantised by otherwise idle producer warps. The two CTAs
+  of a cluster compute the two 64-column halves of one 128-column group, and CTA r quantises the
+  unit's rows ``[64 r, 64 r + 64)`` -- the rows of consumer warpgroup r in both CTAs. Each CTA
+  stages its bf16 values in its epilogue tile ``sC`` (what the plain kernel would store); after
+  the warpgroups' barrier, warpgroup r of CTA r arms its own CTA's "full" barrier for the peer's
+  bytes (``arrive.expect_tx``) and the other warpgroup sends its 64 staged rows to the peer's
+  receive tile with one bulk copy (``cp.async.bulk.shared::cluster``, complete_tx on the peer's
+  "full"). The quantising warps (1-3; 2-3 with ``scale_warp``) wait on "full", read columns of
+  their CTA's half from ``sC`` and the peer's half from the receive tile -- local shared memory
+  both --, apply :mod:`.fp8_quant`'s rule (amax, ``amax / 448``, its division: the same bits),
+  write e4m3 rows and scales, then arrive on both CTAs' "read" barrier, which the consumers wait
+  on before staging their next unit (they run that unit's k-loop meanwhile). Every hand-off is a
+  CTA-scope mbarrier operation or the copy's own transaction count, as in the TMA pipeline: no
+  memory fence. No bf16 row is written: FC2's quantiser, its launch and ``h``'s write and read
+  back disappear. A cluster barrier ends the kernel (no CTA exits while its peer may still copy
+  into its shared memory or arrive on its barriers).
+  History on the H200: drop v37 stored ``h`` and read it back from L2 behind a gpu-scope fence per
+  unit (FP8 layer 0.73x on Qwen3, 0.92x on Mixtral); drop v38 read the peer's ``sC`` over
+  distributed shared memory behind cluster-scope release / acquire barriers, which ptxas emits as
+  ``MEMBAR.ALL.GPU`` before each arrive (FC1 0.81x / 0.88x of FC1 + the quantiser in the drop
+  runner; 0.85x / 0.95x with the fences dropped, as a test only), and its two quantising warps'
+  16 dependent remote loads per unit sat on Qwen3's critical path.
 * :class:`Fp8SwigluRequantGroupedGemmSm90` (drop v21; the bits of FC1 + the quantiser on the H200): FC1 writing FC2's
   e4m3 input and per-128 scales in the epilogue (its docstring). Both variants trace the same
   ``_body`` as the plain kernel, whose PTX is unchanged by them.
@@ -116,8 +124,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass._mlir import ir
-from cutlass._mlir.dialects import llvm, nvvm as _nvvm
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -134,9 +141,12 @@ FP8_BLOCK = 128
 OVERLAP_MAX_K_TILES = 32
 #: the largest chunk of the chunked overlapped schedule (code size: one chunk is traced)
 OVERLAP_MAX_CHUNK = 16
-#: the producer warps that quantise (``fused_quant``): warp 0 issues TMA, warp 1 scans the schedule
-#: (and stages scales with ``scale_warp``)
-QUANT_WARPS = (2, 3)
+#: the producer warps that quantise (``fused_quant``): warp 0 issues TMA; warp 1 scans the schedule
+#: before the k-loops and then quantises too, unless it stages scales (``scale_warp``)
+QUANT_WARPS = (1, 2, 3)
+QUANT_WARPS_SCALE_WARP = (2, 3)
+#: rows of a unit each CTA quantises (``fused_quant``): one consumer warpgroup's
+QUANT_ROWS = 64
 #: float32 slots per stage of ``smem_scales`` (drop v34): the tile's 128 A-row scales, then the
 #: B scale of each weight block (gate, up), padded to a multiple of 4 (16-byte aligned slots)
 SCALE_SLOT = 132
@@ -165,12 +175,17 @@ def _pin(v, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def _ld_dsmem_bf16x8(s_ptr, cta_rank, *, loc=None, ip=None):
-    """8 bf16 (16 bytes) at shared-memory pointer ``s_ptr`` of CTA ``cta_rank`` of the cluster
-    (``mapa`` + ``ld.shared::cluster.v4``): a vector<8 x bf16> value."""
-    dptr = _nvvm.mapa(llvm.PointerType.get(cute.AddressSpace.dsmem), s_ptr.to_llvm_ptr(loc=loc, ip=ip),
-                      cutlass.Int32(cta_rank).ir_value(loc=loc, ip=ip), loc=loc, ip=ip)
-    return llvm.load(ir.VectorType.get([8], cutlass.BFloat16.mlir_type), dptr, alignment=16, loc=loc, ip=ip)
+def _bulk_copy_to_peer(dst, src, nbytes, mbar, peer, *, loc=None, ip=None):
+    """``nbytes`` (a multiple of 16) from this CTA's shared memory at ``src`` to the same offset as
+    ``dst`` in CTA ``peer`` of the cluster, completing ``nbytes`` of transactions on the peer's
+    mbarrier at ``mbar``'s offset (all shared::cta addresses, 16-byte aligned; ``mapa`` turns
+    ``dst`` and ``mbar`` into the peer's). One thread issues it; the async proxy reads ``src``."""
+    args = [cutlass.Int32(v).ir_value(loc=loc, ip=ip) for v in (dst, src, nbytes, mbar, peer)]
+    llvm.inline_asm(
+        None, args,
+        "{\n.reg .b32 d, m;\nmapa.shared::cluster.u32 d, $0, $4;\nmapa.shared::cluster.u32 m, $3, $4;\n"
+        "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [d], [$1], $2, [m];\n}",
+        "r,r,r,r,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
 def _fence_operand(frag, n: int) -> None:
@@ -292,6 +307,9 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         self.epi_n = 64
         self.epi_pad = 8
         self.epi_smem_elems = self.tile_m * (self.epi_n + self.epi_pad)
+        # fused_quant: the peer's 64 staged rows of this CTA's quantised rows (its receive tile)
+        self.recv_smem_elems = QUANT_ROWS * (self.epi_n + self.epi_pad) if self.fused_quant else 0
+        self.quant_warps = QUANT_WARPS_SCALE_WARP if self.scale_warp else QUANT_WARPS
 
     # ------------------------------------------------------------------ host helpers
     def static_shapes(self, n: int, k: int):
@@ -307,6 +325,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
             per_stage += SCALE_SLOT * 4
         reserved = 1024 + 8 * (num_experts + 2) + 1024
         reserved += self.epi_smem_elems * 2 * self.num_epi_bufs
+        reserved += self.recv_smem_elems * 2
         stages = min((self.smem_capacity - reserved) // per_stage, 8)
         if self.num_stages_override is not None:
             stages = min(stages, self.num_stages_override)
@@ -437,7 +456,8 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         }
         if cutlass.const_expr(self.smem_scales):  # last, so the other fields keep their offsets
             fields["sScale"] = cute.struct.Align[cute.struct.MemRange[self.acc_dtype, self.num_stages * SCALE_SLOT], 16]
-        if cutlass.const_expr(self.fused_quant):  # after them: the "staged" and "read" barriers
+        if cutlass.const_expr(self.fused_quant):  # after them: the receive tile, "full" and "read"
+            fields["sRecv"] = cute.struct.Align[cute.struct.MemRange[self.c_dtype, self.recv_smem_elems], 128]
             fields["qbar"] = cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 2], 8]
         # cute.struct reads a class's annotations: build the class from the field table
         self.shared_storage = cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
@@ -521,12 +541,12 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                     sCum[e + 1] = cnt
                 carry = cute.arch.shuffle_sync(cnt, 31)
 
-        qbar = None  # fused_quant: "staged" (the unit is in both CTAs' sC), then "read" (sC is free)
+        qbar = None  # fused_quant: "full" (this CTA's quantised rows are staged), "read" (sC is free)
         if cutlass.const_expr(self.fused_quant):
             qbar = storage.qbar.data_ptr()
             if tidx == 0:  # initialised before the pipeline's fence and cluster sync, which cover them
-                cute.arch.mbarrier_init(qbar, 2)  # one arrival from each CTA's consumer warpgroups
-                cute.arch.mbarrier_init(qbar + 1, 2 * len(QUANT_WARPS))  # each quantising warp of both CTAs
+                cute.arch.mbarrier_init(qbar, 1)  # arrive.expect_tx of the local warpgroup + the peer's bytes
+                cute.arch.mbarrier_init(qbar + 1, 2 * len(self.quant_warps))  # each quantising warp of both CTAs
         a_smem_one = cute.slice_(a_smem_layout, (None, None, 0))
         b_smem_one = cute.slice_(b_smem_layout, (None, None, 0))
         tma_bytes, producers = stage_producers(self, a_smem_one, b_smem_one)
@@ -628,9 +648,10 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                         self._scale_producer(ab_pipeline, mAScale, mBScale, sScale, sOff, sCum, total_tiles, unit0,
                                              unit_step, cta_rank, lane)
                 if cutlass.const_expr(self.fused_quant):
-                    if warp_idx >= QUANT_WARPS[0]:
-                        self._fused_quant_warps(outs, qbar, storage.sC.data_ptr().toint(), sOff, sCum, total_tiles,
-                                                unit0, unit_step, cta_rank, warp_idx - QUANT_WARPS[0], lane)
+                    if warp_idx >= self.quant_warps[0]:
+                        self._fused_quant_warps(outs, qbar, storage.sC.data_ptr().toint(),
+                                                storage.sRecv.data_ptr().toint(), sOff, sCum, total_tiles,
+                                                unit0, unit_step, cta_rank, warp_idx - self.quant_warps[0], lane)
 
         # =========================================================== consumer warpgroups
         if warp_group_idx > 0:
@@ -827,7 +848,8 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                         kept = self._requant_epilogue(half, kept, acc0, acc_shape, n_elems, tCcC, sC, outs, row0,
                                                       rows_left, r_lo, r_hi, n_tile, mma_tidx, lane, epi_barrier)
                     elif cutlass.const_expr(self.fused_quant):  # staged for the quantising warps
-                        self._stage_unit(acc0, tCsC, qbar, q_unit, mma_tidx, epi_barrier)
+                        self._stage_unit(acc0, tCsC, qbar, q_unit, mma_tidx, epi_barrier,
+                                         storage.sC.data_ptr().toint(), storage.sRecv.data_ptr().toint(), cta_rank)
                     else:
                         self._epilogue([acc0], tCsC, sC, outs[0], row0, rows_left, n0, mma_tidx, epi_barrier)
                 if cutlass.const_expr(self.fused_quant):
@@ -835,7 +857,10 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                 tile_id = tile_id + unit_step
 
         if cutlass.const_expr(self.fused_quant):
-            # every thread of both CTAs: no CTA exits while its peer may still arrive on its barriers
+            if warp_group_idx > 0:  # the sending threads' last bulk copy has read its sC rows
+                cute.arch.cp_async_bulk_wait_group(0, read=True)
+            # every thread of both CTAs: no CTA exits while its peer may still copy into its shared
+            # memory or arrive on its barriers
             cute.arch.cluster_arrive()
             cute.arch.cluster_wait()
 
@@ -966,31 +991,19 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         epi_barrier.arrive_and_wait()  # the staging buffer is free for the next unit
         return None
 
-    # ------------------------------------------------------------------ fused_quant (drops v37, v38)
+    # ------------------------------------------------------------------ fused_quant (drops v37-v39)
     @cute.jit
-    def _wait_cluster(self, bar, phase):
-        """Wait for the completion of ``bar``'s phase of parity ``phase`` with cluster-scope acquire
-        (the arrivals come from both CTAs of the cluster)."""
-        done = cutlass.Boolean(False)
-        while not done:
-            done = cutlass.Boolean(_nvvm.mbarrier_wait_parity(
-                bar.to_llvm_ptr(), cutlass.Int32(phase).ir_value(), _nvvm.MBarrierWaitKind.TRY,
-                scope=_nvvm.MemScopeKind.CLUSTER))
-
-    @staticmethod
-    def _arrive_both(bar):
-        """One release arrival (cluster scope) on ``bar`` in each CTA of the cluster (rank 0, 1)."""
-        for r in range(2):
-            cute.arch.mbarrier_arrive(bar, peer_cta_rank_in_cluster=r, scope=_nvvm.MemScopeKind.CLUSTER)
-
-    @cute.jit
-    def _stage_unit(self, acc0, tCsC, qbar, q_unit, mma_tidx, epi_barrier):
+    def _stage_unit(self, acc0, tCsC, qbar, q_unit, mma_tidx, epi_barrier, sC_addr, recv_addr, cta_rank):
         """``fused_quant``'s epilogue: unit ``q_unit``'s bf16 values (what the plain epilogue would
-        store) into the staging tile ``sC`` -- once both CTAs' quantising warps have read the previous
-        unit from it ("read", parity 1 passes on a fresh barrier) -- then, after the warpgroups'
-        barrier, thread 0 arrives (release, cluster scope) on the "staged" barrier of both CTAs. No
-        global store: FC2 reads only the e4m3 rows. The warp reconverges before its next WGMMAs."""
-        self._wait_cluster(qbar + 1, (q_unit % 2) ^ 1)
+        store) into the staging tile ``sC`` -- once every quantising warp of both CTAs has read the
+        previous unit ("read", parity 1 passes on a fresh barrier) -- then, after the warpgroups'
+        barrier, warpgroup w's first thread hands its 64 rows to CTA w's quantising warps: its own
+        CTA's (w = rank) by arming "full" with the bytes the peer will send, the peer's by one bulk
+        copy into the peer's receive tile that completes them on the peer's "full". No global
+        store: FC2 reads only the e4m3 rows. The warp reconverges before its next WGMMAs."""
+        # "read" of the previous unit also means its bulk copy is done: the peer's quantising warps
+        # arrive only after their "full" phase, which needed every byte of that copy delivered
+        cute.arch.mbarrier_wait(qbar + 1, (q_unit % 2) ^ 1)
         rC = cute.make_rmem_tensor(acc0.shape, self.c_dtype)
         rC.store(acc0.load().to(self.c_dtype))
         # the plain epilogue's layout of one epi_n-wide chunk (here the whole 64-column tile)
@@ -1004,43 +1017,53 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         for m in cutlass.range_constexpr(m_rep):
             for j in cutlass.range_constexpr(ppc):
                 sC32[j + ppc * m] = rC32[j + 2 * n8 * m]
+        wg = mma_tidx // self.threads_per_wg  # its rows: [64 wg, 64 wg + 64), quantised by CTA wg
+        if wg != cta_rank:  # the rows the bulk copy (async proxy) reads
+            cute.arch.fence_proxy("async.shared", space="cta")
         epi_barrier.arrive_and_wait()
-        if mma_tidx == 0:
-            self._arrive_both(qbar)
+        if mma_tidx % self.threads_per_wg == 0:
+            nbytes = self.recv_smem_elems * 2
+            if wg == cta_rank:
+                cute.arch.mbarrier_arrive_and_expect_tx(qbar, nbytes)
+            else:
+                _bulk_copy_to_peer(recv_addr, sC_addr + wg * nbytes, nbytes, qbar.toint(), 1 - cta_rank)
+                cute.arch.cp_async_bulk_commit_group()
         cute.arch.sync_warp()
 
     @cute.jit
-    def _fused_quant_warps(self, outs, qbar, sC_base, sOff, sCum, total_tiles, unit0, unit_step, cta_rank, qwarp,
-                           lane):
-        """Producer warps 2-3 (``fused_quant``): for each unit of this cluster, once both CTAs have
-        staged it, quantise rows ``[64 r, 64 r + 64)`` (r: this CTA's rank) of the unit's m-tile over
-        its 128-column group -- columns 0-63 from the staging tile of CTA 0, 64-127 from CTA 1's,
-        read through distributed shared memory -- into ``mQ`` / ``mQScale`` exactly as
-        :class:`.fp8_quant.Fp8QuantizeRows128` would, then arrive on both CTAs' "read" barrier.
-        Each warp takes two rows per pass, 16 lanes x 8 values per row; rows past the expert's end
-        are computed and not stored."""
+    def _fused_quant_warps(self, outs, qbar, sC_addr, recv_addr, sOff, sCum, total_tiles, unit0, unit_step,
+                           cta_rank, qwarp, lane):
+        """The quantising producer warps (``fused_quant``): for each unit of this cluster, once "full"
+        says both halves are here, quantise rows ``[64 r, 64 r + 64)`` (r: this CTA's rank) of the
+        unit's m-tile over its 128-column group -- this CTA's 64 columns from its ``sC``, the peer's
+        from the receive tile -- into ``mQ`` / ``mQScale`` exactly as
+        :class:`.fp8_quant.Fp8QuantizeRows128` would, then arrive on both CTAs' "read" barrier. A
+        warp takes two rows per pass, 16 lanes x 8 values per row, the warps' passes interleaved;
+        rows past the expert's end are computed and not stored."""
         mQ, mQScale = outs
         q_base = mQ.iterator.toint()
         n_out = self.n_out
-        pitch = self.epi_n + self.epi_pad  # bf16 elements per staging row
+        nq = len(self.quant_warps)
+        row_bytes = (self.epi_n + self.epi_pad) * 2  # bf16 staging row
         half = lane // 16   # which of the pass's two rows
         sub = lane % 16     # 8 values: columns 8 sub .. 8 sub + 7 of the group
-        src_rank = sub // 8  # the CTA whose tile holds them
+        # columns 0-63 are CTA 0's, 64-127 CTA 1's: this CTA's in sC (rows 64 r ..), the peer's received
+        lane_base = recv_addr + (sub % 8) * 16
+        if sub // 8 == cta_rank:
+            lane_base = sC_addr + cta_rank * QUANT_ROWS * row_bytes + (sub % 8) * 16
         expert = cutlass.Int32(0)
         q_unit = cutlass.Int32(0)
         tile_id = unit0
         while tile_id < total_tiles:
             expert, row0, row_end, group = self._locate(sOff, sCum, tile_id, expert)
-            rows_left = row_end - row0
-            self._wait_cluster(qbar, q_unit % 2)
-            # a run-time loop, two passes per trip (two loads in flight): fully unrolled, its 16 loads
-            # would be hoisted together past the 40 registers the producer warpgroup keeps (ptxas spills)
-            for p in cutlass.range(64 // (2 * len(QUANT_WARPS)), unroll=2):
-                row = cta_rank * 64 + p * 2 * len(QUANT_WARPS) + qwarp * 2 + half
-                s_ptr = cute.make_ptr(cutlass.BFloat16, sC_base + (row * pitch + (sub % 8) * 8) * 2,
-                                      cute.AddressSpace.smem, assumed_align=16)
-                v = _ld_dsmem_bf16x8(s_ptr, src_rank)
-                x = cute.TensorSSA(v, (8,), cutlass.BFloat16).to(cutlass.Float32)
+            rows_left = row_end - row0 - cta_rank * QUANT_ROWS
+            cute.arch.mbarrier_wait(qbar, q_unit % 2)
+            # a run-time loop (the producer warpgroup keeps 40 registers): row pairs qwarp, qwarp + nq, ...
+            for p in cutlass.range(qwarp, QUANT_ROWS // 2, nq, unroll=2):
+                row = p * 2 + half
+                s_ptr = cute.make_ptr(cutlass.BFloat16, lane_base + row * row_bytes, cute.AddressSpace.smem,
+                                      assumed_align=16)
+                x = cute.make_tensor(s_ptr, cute.make_layout(8)).load().to(cutlass.Float32)
                 amax = cutlass.Float32(0.0)
                 for i in cutlass.range_constexpr(8):
                     amax = cute.arch.fmax(amax, cute.arch.fmax(x[i], -x[i], nan=True), nan=True)
@@ -1051,15 +1074,17 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                     scale = amax / cutlass.Float32(E4M3_MAX)
                 q = _divide_by_scale(x, scale, 8).to(cutlass.Float8E4M3FN)
                 if row < rows_left:
+                    grow = row0 + cta_rank * QUANT_ROWS + row
                     col = group * FP8_BLOCK + sub * 8
-                    q_ptr = cute.make_ptr(cutlass.Float8E4M3FN, q_base + cutlass.Int64(row0 + row) * n_out + col,
+                    q_ptr = cute.make_ptr(cutlass.Float8E4M3FN, q_base + cutlass.Int64(grow) * n_out + col,
                                           cute.AddressSpace.gmem, assumed_align=8)
                     cute.make_tensor(q_ptr, cute.make_layout(8)).store(q)
                     if sub == 0:
-                        mQScale[row0 + row, group] = scale
+                        mQScale[grow, group] = scale
             cute.arch.sync_warp()  # every lane's loads are done (their values used above)
-            if lane == 0:  # read: both CTAs may stage their next unit
-                self._arrive_both(qbar + 1)
+            if lane == 0:  # read: both CTAs may stage (and send) their next unit
+                for r in range(2):
+                    cute.arch.mbarrier_arrive(qbar + 1, peer_cta_rank_in_cluster=r)
             q_unit = q_unit + 1
             tile_id = tile_id + unit_step
 
