@@ -35,7 +35,7 @@
 #                the decode sweep of $MODELS with --decode-csv $OUT/decode.csv --plot $OUT/decode.png;
 #                with .device/fi carried, FlashInfer at PEER_DECODE_TOKENS (1,8,32,128,256) in the same
 #                call -> $OUT/decode_fi.csv, both plotted in $OUT/decode_all.png.
-# verify:        what has not yet run on a GPU (now: drop v38's FC1 quantising FC2's input from idle warps,
+# verify:        the last code run first on a GPU (now: drop v39's FC1 quantising FC2's input from idle warps,
 #                MOE_EP_FP8_FUSED_QUANT=1): its GPU tests, optionally the drop runner (VERIFY_RUNNER_MODELS),
 #                then the FP8 layer with the switch off / on, interleaved, VERIFY_ROUNDS (2) rounds
 #                -> $OUT/verify_*, $OUT/tests_*.log (earlier sessions' verify: git history);
@@ -160,8 +160,9 @@ if [ "$mode" = extra ]; then
   fi
 fi
 if [ "$mode" = verify ]; then
-  # drop v38 (not yet run on a GPU): FC1 whose idle producer warps quantise FC2's input from both CTAs'
-  # epilogue tiles (MOE_EP_FP8_FUSED_QUANT=1). Its GPU tests (bits against FC1 + the row quantiser, the
+  # drop v39 (ran in the fifteenth session: bit-identical, no faster): FC1 whose idle producer warps
+  # quantise FC2's input, the peer CTA's rows pushed by a bulk copy (MOE_EP_FP8_FUSED_QUANT=1). Its GPU
+  # tests (bits against FC1 + the row quantiser, the
   # layer with the switch 0 / 1 in eager and graph), then the drop runner's --fused-quant timing per
   # model (VERIFY_RUNNER_MODELS, default none: set e.g. "qwen3 mixtral"), then the FP8 layer with the
   # switch off / on, interleaved, VERIFY_ROUNDS (2) rounds. Drop v37 (h read back from L2) ran in the

@@ -228,7 +228,7 @@ def _checked_gemm_key(activation: str, n: int, k: int, num_experts: int, scale_r
 
 def fp8_fused_quant_available(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False) -> bool:
     """Whether :func:`fp8_gemm` with ``fused_quant=True`` takes this GEMM under the current settings
-    (drop v38: the wide gated swiglu FC1 in clusters of 2; :func:`use_fp8_cluster` decides those)."""
+    (drops v38 / v39: the wide gated swiglu FC1 in clusters of 2; :func:`use_fp8_cluster` decides those)."""
     if activation != "swiglu":
         return False
     check_fp8_gemm(activation, n, k, num_experts)
@@ -236,7 +236,7 @@ def fp8_fused_quant_available(activation: str, n: int, k: int, num_experts: int,
 
 
 def fused_quant_possible(key: Fp8Key) -> bool:
-    """Whether a GEMM key's kernel can write FC2's e4m3 input from idle warps (drop v38,
+    """Whether a GEMM key's kernel can write FC2's e4m3 input from idle warps (drop v39,
     ``fused_quant``): the wide gated swiglu FC1 in clusters of 2, whose two CTAs cover one 128-column group."""
     return (key.activation == "swiglu" and key.wide_gated and key.cluster_n == 2 and not key.requant
             and not key.gather_a)
@@ -264,7 +264,7 @@ def compiled_fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_r
     output is FC2's input, e4m3 rows and per-128 scales, quantised in the epilogue; swiglu with
     :func:`use_fp8_wide_gated`: the one-WGMMA gate+up schedule; ``gather_a`` (drop v22; not with
     requant): A is the source rows and a call passes ``idx`` (grouped row r = ``a[idx[r]]``);
-    ``fused_quant`` (drop v38; the wide gated FC1 in clusters of 2, :func:`fused_quant_possible`):
+    ``fused_quant`` (drop v39; the wide gated FC1 in clusters of 2, :func:`fused_quant_possible`):
     like ``requant``, the output is FC2's input -- quantised by idle warps from the epilogue tiles."""
     return _compiled_gemm(_checked_gemm_key(activation, n, k, num_experts, scale_rows, requant, gather_a,
                                             fused_quant))

@@ -130,11 +130,15 @@ def fused_quant() -> bool:
     """``MOE_EP_FP8_FUSED_QUANT=1`` (``Fp8SwigluFusedQuantGroupedGemmSm90``; FC1 in clusters of 2,
     i.e. K >= 4096 or the short-K schedule): FC1's output is FC2's E4M3 input, quantised by its idle
     producer warps from the two CTAs' epilogue tiles while the consumers run the next unit -- no
-    bf16 ``h`` is written or read back, no quantiser launches; the same bits. Drop v37 (``h`` stored
-    and read back from L2 behind a gpu-scope fence per unit) was correct on the H200 but slower:
-    FP8 layer 484-498 vs 619-671 TFLOP/s (Qwen3), 841-896 vs 952-970 (Mixtral), fourteenth
-    session. Drop v38 (the epilogue tiles over distributed shared memory, no fence) has not run on
-    a GPU yet: opt-in."""
+    bf16 ``h`` is written or read back, no quantiser launches; the same bits. Off: on the H200 no
+    form has been faster. Drop v37 (``h`` read back from L2 behind a gpu-scope fence per unit): FP8
+    layer 484-498 vs 619-671 TFLOP/s (Qwen3), 841-896 vs 952-970 (Mixtral), fourteenth session.
+    Drop v38 (the peer's epilogue tile over distributed shared memory behind cluster-scope barriers,
+    which ptxas turns into ``MEMBAR.ALL.GPU``): 594 vs 675-683 (Qwen3), 917-930 vs 970. Drop v39
+    (the peer's rows by one bulk copy, CTA-scope hand-offs only; fifteenth session): bit-identical,
+    FC1 1.00x (Qwen3) and 0.92-0.99x (Mixtral) of FC1 + the quantiser in the drop runner; the layer
+    649-667 vs 665-671 per call (Qwen3), 953-955 vs 954-970 (Mixtral) -- the quantising warps' ~10%
+    more instructions slow the k-loop about as much as the quantiser kernel they replace costs."""
     return env_switch("MOE_EP_FP8_FUSED_QUANT", False)
 
 
