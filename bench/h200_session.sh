@@ -35,9 +35,9 @@
 #                the decode sweep of $MODELS with --decode-csv $OUT/decode.csv --plot $OUT/decode.png;
 #                with .device/fi carried, FlashInfer at PEER_DECODE_TOKENS (1,8,32,128,256) in the same
 #                call -> $OUT/decode_fi.csv, both plotted in $OUT/decode_all.png.
-# verify:        the last code run first on a GPU (now: drop v39's FC1 quantising FC2's input from idle warps,
-#                MOE_EP_FP8_FUSED_QUANT=1): its GPU tests, optionally the drop runner (VERIFY_RUNNER_MODELS),
-#                then the FP8 layer with the switch off / on, interleaved, VERIFY_ROUNDS (2) rounds
+# verify:        what has not yet run on a GPU (now: drop v40's TMA row-gather probe) -> $OUT/verify_*;
+#                VERIFY_FUSED=1 adds drop v39's fused_quant checks and timings (GPU tests, the drop runner
+#                per VERIFY_RUNNER_MODELS, the FP8 layer with the switch off / on, VERIFY_ROUNDS (2) rounds)
 #                -> $OUT/verify_*, $OUT/tests_*.log (earlier sessions' verify: git history);
 # ncu:           Nsight Compute on the FP8 GEMMs (ours on Mixtral with and without clusters, Qwen3) and on
 #                cuBLAS's block-wise _scaled_mm (Mixtral) -> $OUT/ncu_*.log
@@ -160,26 +160,29 @@ if [ "$mode" = extra ]; then
   fi
 fi
 if [ "$mode" = verify ]; then
-  # drop v39 (ran in the fifteenth session: bit-identical, no faster): FC1 whose idle producer warps
-  # quantise FC2's input, the peer CTA's rows pushed by a bulk copy (MOE_EP_FP8_FUSED_QUANT=1). Its GPU
-  # tests (bits against FC1 + the row quantiser, the
-  # layer with the switch 0 / 1 in eager and graph), then the drop runner's --fused-quant timing per
-  # model (VERIFY_RUNNER_MODELS, default none: set e.g. "qwen3 mixtral"), then the FP8 layer with the
-  # switch off / on, interleaved, VERIFY_ROUNDS (2) rounds. Drop v37 (h read back from L2) ran in the
-  # fourteenth session: correct, 0.73x / 0.92x on the layer (docs/PERFORMANCE.md). Earlier sessions'
-  # verify modes: git history (13th session: 75ef903).
-  run_groups "${TEST_BUDGET:-200}" "tests/test_fp8_fused_quant.py" "tests/test_fp8_backend.py;-k;fused_quant"
-  for m in ${VERIFY_RUNNER_MODELS-}; do
-    step "fp8_runner $m --fused-quant" "$OUT/verify_runner_$m.log" -- bash -c \
-        "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.fp8_runner --model $m --fused-quant"
-  done
-  for r in $(seq 1 "${VERIFY_ROUNDS:-2}"); do for v in "" "MOE_EP_FP8_FUSED_QUANT=1"; do
-    tag=${v:-defaults}; tag=${tag//[^A-Za-z0-9]/_}
-    # shellcheck disable=SC2086
-    step "FP8 layer, ${v:-defaults}, round $r" "$OUT/verify_fp8_${tag}_r$r.log" -- env $v \
-        python3 -m moe_ep.bench --model "${VERIFY_MODELS:-qwen3,mixtral}" --tokens "$TOKENS" --iters "$ITERS" \
-        --quant fp8_block128 --no-reference --no-decode --csv "$OUT/verify_fp8_${tag}_r$r.csv"
-  done; done
+  # 1. drop v40's probe (not yet run on a GPU): do 128 one-row TMA loads (box 1 x 128 bytes, 128-byte
+  # swizzle, destination base + 128 r) build the tile one TMA tile load builds? The premise of an FC1
+  # producer that gathers its A rows by index with TMA (sm90_megamoe/tma_rows_probe.py).
+  step "tma_rows_probe" "$OUT/verify_tma_rows_probe.log" -- bash -c \
+      "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.tma_rows_probe"
+  # 2. VERIFY_FUSED=1: drop v39's fused_quant (ran in the fifteenth session: bit-identical, no faster):
+  # its GPU tests, the drop runner's --fused-quant timing per model (VERIFY_RUNNER_MODELS, e.g.
+  # "qwen3 mixtral"), then the FP8 layer with MOE_EP_FP8_FUSED_QUANT off / on, interleaved,
+  # VERIFY_ROUNDS (2) rounds. Earlier sessions' verify modes: git history (14th session: 4b539a6).
+  if [ "${VERIFY_FUSED:-0}" = 1 ]; then
+    run_groups "${TEST_BUDGET:-200}" "tests/test_fp8_fused_quant.py" "tests/test_fp8_backend.py;-k;fused_quant"
+    for m in ${VERIFY_RUNNER_MODELS-}; do
+      step "fp8_runner $m --fused-quant" "$OUT/verify_runner_$m.log" -- bash -c \
+          "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.fp8_runner --model $m --fused-quant"
+    done
+    for r in $(seq 1 "${VERIFY_ROUNDS:-2}"); do for v in "" "MOE_EP_FP8_FUSED_QUANT=1"; do
+      tag=${v:-defaults}; tag=${tag//[^A-Za-z0-9]/_}
+      # shellcheck disable=SC2086
+      step "FP8 layer, ${v:-defaults}, round $r" "$OUT/verify_fp8_${tag}_r$r.log" -- env $v \
+          python3 -m moe_ep.bench --model "${VERIFY_MODELS:-qwen3,mixtral}" --tokens "$TOKENS" --iters "$ITERS" \
+          --quant fp8_block128 --no-reference --no-decode --csv "$OUT/verify_fp8_${tag}_r$r.csv"
+    done; done
+  fi
 fi
 if [ "$mode" = envab ]; then
   # settings compared on the layer (QUANT, MODELS), interleaved, ENVAB_ROUNDS (2) rounds: ENVAB is a

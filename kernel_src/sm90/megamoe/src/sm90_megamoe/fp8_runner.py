@@ -588,7 +588,7 @@ def run_compile(model: str, overlap: bool = False, requant: bool = False, wide: 
 
 
 def check_fused_quant(model: str, routing: str, reps: int) -> bool:
-    """Drop v38: FC1 (wide gated, overlapped, clusters of 2; staged scales for K <= 2048, as the
+    """Drops v38 / v39: FC1 (wide gated, overlapped, clusters of 2; staged scales for K <= 2048, as the
     layer runs it) with ``fused_quant`` against the same FC1 + :class:`.fp8_quant.Fp8QuantizeRows128Counted`:
     q and the scales bit for bit (NaN / 0x7f poisoned), then both times, interleaved, 2 rounds."""
     from .fp8_launch import CompiledFp8Gemm
