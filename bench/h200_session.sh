@@ -35,7 +35,9 @@
 #                the decode sweep of $MODELS with --decode-csv $OUT/decode.csv --plot $OUT/decode.png;
 #                with .device/fi carried, FlashInfer at PEER_DECODE_TOKENS (1,8,32,128,256) in the same
 #                call -> $OUT/decode_fi.csv, both plotted in $OUT/decode_all.png.
-# verify:        what has not yet run on a GPU (now: drop v40's TMA row-gather probe) -> $OUT/verify_*;
+# verify:        what has not yet run on a GPU (now: drop v40's TMA row-gather probe, then -- if one-row TMA
+#                loads land swizzled -- drop v41's gathering FC1 on them: its GPU tests and the drop runner's
+#                --gather-tma comparison on VERIFY_GATHER_MODELS (qwen3)) -> $OUT/verify_*;
 #                VERIFY_FUSED=1 adds drop v39's fused_quant checks and timings (GPU tests, the drop runner
 #                per VERIFY_RUNNER_MODELS, the FP8 layer with the switch off / on, VERIFY_ROUNDS (2) rounds)
 #                -> $OUT/verify_*, $OUT/tests_*.log (earlier sessions' verify: git history);
@@ -131,7 +133,7 @@ suite_groups=(
   "tests/test_ep_virtual_gpu.py;-k;matches_reference" "tests/test_ep_virtual_gpu.py;-k;not matches_reference"
   "tests/test_fp8_backend.py;tests/test_activations_bias.py;tests/test_sm90_fp8_gather.py;tests/test_gather_fc1.py;tests/test_fp8_fused_quant.py"
   "tests/test_ep_gpu.py;tests/test_disk_cache.py;tests/test_transformers_integration.py;tests/test_sm90_fp8_quant.py;tests/test_fp8_quant_div.py;tests/test_fp8_scatter_quant.py;tests/test_fp8_cluster.py;tests/test_fp8_plain_schedule.py;tests/test_fp8_smem_scales.py;tests/test_bf16_cluster.py;tests/test_blackwell_backends.py"
-  "tests/test_sm90_fp8_compile.py" "tests/test_sm90_swapab_compile.py"
+  "tests/test_sm90_fp8_compile.py" "tests/test_sm90_swapab_compile.py;tests/test_gather_tma.py"
 )
 if [ "$N" -gt 1 ]; then bench=(torchrun --standalone --nproc_per_node="$N" -m moe_ep.bench); else bench=(python3 -m moe_ep.bench); fi
 
@@ -165,6 +167,14 @@ if [ "$mode" = verify ]; then
   # producer that gathers its A rows by index with TMA (sm90_megamoe/tma_rows_probe.py).
   step "tma_rows_probe" "$OUT/verify_tma_rows_probe.log" -- bash -c \
       "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.tma_rows_probe"
+  # then drop v41's gathering FC1 on row TMA loads (gather_tma): its GPU tests and the drop runner's
+  # comparison with the cp.async gather and the plain FC1 on copied rows (VERIFY_GATHER_MODELS, qwen3)
+  plog="$OUT/verify_tma_rows_probe.log"
+  if grep -q "row loads = tile load: True" "$plog" 2>/dev/null && ! grep -q ": False" "$plog"; then
+    run_groups "${TEST_BUDGET:-200}" "tests/test_gather_tma.py"
+    step "grouped_gemm_runner --gather-tma" "$OUT/verify_gather_tma.log" -- bash -c \
+        "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.grouped_gemm_runner --gather-tma --model ${VERIFY_GATHER_MODELS:-qwen3}"
+  fi
   # 2. VERIFY_FUSED=1: drop v39's fused_quant (ran in the fifteenth session: bit-identical, no faster):
   # its GPU tests, the drop runner's --fused-quant timing per model (VERIFY_RUNNER_MODELS, e.g.
   # "qwen3 mixtral"), then the FP8 layer with MOE_EP_FP8_FUSED_QUANT off / on, interleaved,
@@ -314,7 +324,8 @@ if [ "$mode" = suite2 ]; then
       tests/test_disk_cache.py tests/test_transformers_integration.py tests/test_sm90_fp8_quant.py \
       tests/test_sm90_fp8_compile.py tests/test_sm90_swapab_compile.py tests/test_blackwell_backends.py \
       tests/test_sm90_fp8_gather.py tests/test_gather_fc1.py tests/test_fp8_quant_div.py tests/test_fp8_scatter_quant.py tests/test_fp8_cluster.py \
-      tests/test_bf16_cluster.py tests/test_fp8_plain_schedule.py tests/test_fp8_smem_scales.py tests/test_fp8_fused_quant.py
+      tests/test_bf16_cluster.py tests/test_fp8_plain_schedule.py tests/test_fp8_smem_scales.py tests/test_fp8_fused_quant.py \
+      tests/test_gather_tma.py
 fi
 if [ "$mode" = suite3 ]; then
   step "GPU suite 3/3" "$OUT/suite3.log" -- "${suite_common[@]}" tests/test_ep_virtual_gpu.py

@@ -129,7 +129,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .fp8_quant import _divide_by_scale
-from .gather_producer import stage_producers
+from .gather_producer import row_tma_atom, stage_producers
 from .pdl import PDL, wait_previous_grid
 from .constants import MAX_EXPERTS
 from .grouped_gemm import GroupedGemmSm90, LayoutEnum, get_smem_capacity_in_bytes
@@ -246,6 +246,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
     #: drop v37 (:class:`Fp8SwigluFusedQuantGroupedGemmSm90`): FC2's e4m3 input written too
     fused_quant = False
     gather_a = False  # drop v22: A rows gathered by index (:class:`.fp8_gather.Fp8GatherGroupedGemmSm90`)
+    gather_tma = False  # drop v41: ... by one TMA load per row (``Fp8GatherGroupedGemmSm90(tma_rows=True)``)
 
     def __init__(self, activation: str, scale_rows: bool = False, tile_n: Optional[int] = None,
                  num_stages: Optional[int] = None, raster_m: int = 1, overlap_promotion: bool = False,
@@ -436,11 +437,14 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         b_smem_layout = sm90_utils.make_smem_layout_b(
             b_layout, tile_mnk, self.ab_dtype, self.num_stages * self.num_b
         )
-        tma_atom_a, tma_tensor_a = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cluster_n > 1 else cpasync.CopyBulkTensorTileG2SOp(),
-            mA, cute.slice_(a_smem_layout, (None, None, 0)), (self.tile_m, self.tile_k),
-            **({"num_multicast": self.cluster_n} if self.cluster_n > 1 else {}),
-        )
+        if cutlass.const_expr(self.gather_a and self.gather_tma):  # drop v41: one source row per copy
+            tma_atom_a, tma_tensor_a = row_tma_atom(mA, a_smem_layout, self.tile_k)
+        else:
+            tma_atom_a, tma_tensor_a = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cluster_n > 1 else cpasync.CopyBulkTensorTileG2SOp(),
+                mA, cute.slice_(a_smem_layout, (None, None, 0)), (self.tile_m, self.tile_k),
+                **({"num_multicast": self.cluster_n} if self.cluster_n > 1 else {}),
+            )
         tma_atom_b, tma_tensor_b = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mB_nke,
             cute.slice_(b_smem_layout, (None, None, 0)), (self.tile_n, self.tile_k),
@@ -580,7 +584,11 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         # =========================================================== producer warpgroup
         if warp_group_idx == 0:
             cute.arch.warpgroup_reg_dealloc(self.load_regs)
-            if cutlass.const_expr(self.gather_a):
+            if cutlass.const_expr(self.gather_a and self.gather_tma):
+                self._produce_gathered_tma(ab_pipeline, gather[1], tma_atom_a, mA_tma, a_smem_layout, tma_atom_b,
+                                           mB_tma, storage.sA.data_ptr(), sB, sOff, sCum, total_tiles, tidx,
+                                           warp_idx, lane, bidx, gdim)
+            elif cutlass.const_expr(self.gather_a):
                 self._produce_gathered(ab_pipeline, gather[0], gather[1], tma_atom_b, mB_tma, sA, sB, sOff, sCum,
                                        total_tiles, tidx, warp_idx, bidx, gdim)
             else:

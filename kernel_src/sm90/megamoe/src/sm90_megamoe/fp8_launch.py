@@ -71,13 +71,17 @@ class CompiledFp8Gemm:
     shared memory beside its operands, so the consumers never wait on a global scale load;
     ``scale_warp`` (drop v35; with smem_scales): a second producer warp stages them instead;
     ``fused_quant`` (drop v38; swiglu, wide_gated, cluster_n = 2): like ``requant``, the output is
-    FC2's input (:class:`.fp8_gemm.Fp8SwigluFusedQuantGroupedGemmSm90`) and a call passes ``out_scale``."""
+    FC2's input (:class:`.fp8_gemm.Fp8SwigluFusedQuantGroupedGemmSm90`) and a call passes ``out_scale``;
+    ``gather_tma`` (drop v41, with gather_a; not yet run on a GPU): one TMA load per gathered A row."""
 
     def __init__(self, activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
                  compiled=None, tvm_ffi: bool = False, raster_m: int = 1, overlap_promotion: bool = False,
                  requant: bool = False, wide_gated: bool = False, gather_a: bool = False, cluster_n: int = 1,
-                 smem_scales: bool = False, scale_warp: bool = False, fused_quant: bool = False):
+                 smem_scales: bool = False, scale_warp: bool = False, fused_quant: bool = False,
+                 gather_tma: bool = False):
         reason = can_implement(activation, n, k, num_experts)
+        if reason is None and gather_tma and not gather_a:
+            reason = "gather_tma is a way of gathering: it needs gather_a=True"
         if reason is None and cluster_n not in (1, 2):
             reason = f"cluster_n must be 1 or 2, got {cluster_n}"
         if reason is None and cluster_n > 1 and (requant or gather_a):
@@ -99,6 +103,7 @@ class CompiledFp8Gemm:
         self.fused_quant = bool(fused_quant)
         self.wide_gated = bool(wide_gated)
         self.gather_a = bool(gather_a)
+        self.gather_tma = bool(gather_tma)
         self.activation, self.n, self.k, self.num_experts = activation, n, k, num_experts
         self.scale_rows = bool(scale_rows)
         self.n_out = n // 2 if activation == "swiglu" else n
@@ -122,7 +127,7 @@ class CompiledFp8Gemm:
                                                          scale_warp=self.scale_warp)
             else:
                 cls = Fp8GatherGroupedGemmSm90 if self.gather_a else Fp8BlockScaledGroupedGemmSm90
-                kernel = cls(activation, scale_rows=self.scale_rows,
+                kernel = cls(activation, **({"tma_rows": True} if self.gather_tma else {}), scale_rows=self.scale_rows,
                                                        raster_m=self.raster_m,
                                                        overlap_promotion=self.overlap_promotion,
                                                        wide_gated=self.wide_gated,

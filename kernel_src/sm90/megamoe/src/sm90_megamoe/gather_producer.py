@@ -13,6 +13,14 @@ so the full barriers are initialised for 1 + 128 arrivals (the host kernel's ``_
 when ``gather_a`` is set). A tile's rows past the expert's end load the expert's last row (never
 stored). Needs K % tile_k == 0 (no K tail: a cp.async does not zero-fill past the row).
 
+``gather_tma`` (drop v41; not yet run on a GPU): the same rows by TMA, one 2-D load per row -- a box
+of one row by ``tile_k`` values (128 bytes) with the A tile's 128-byte swizzle, aimed at the row's
+place ``base + 128 r`` in the stage -- if the TMA unit swizzles by the shared-memory address, as
+:mod:`.tma_rows_probe` checks, these are the bytes the tile load of the gathered rows writes. The
+stage's full barrier is then the plain kernel's (one ``arrive.expect_tx`` of A's and B's bytes by
+warp 0); each producer warp issues its 32 rows one at a time (CuTeDSL's TMA copy elects one lane,
+so the row index is made warp-uniform by a shuffle). K needs no tail (K % tile_k == 0).
+
 The host class provides ``num_stages``, ``ab_dtype``, ``tile_m``, ``tile_n``, ``tile_k``,
 ``k_tiles``, ``threads_per_wg``, ``num_b``, ``n_out``, ``_locate`` and ``_n0``.
 """
@@ -30,7 +38,7 @@ def stage_producers(kernel, a_smem_one, b_smem_one):
     with all bytes (plus the scale warp's with ``kernel.scale_warp``); with ``kernel.gather_a``, B's bytes from warp 0's TMA arrival plus one cp.async
     arrival per producer thread (its A rows). Shared by the BF16 and FP8 kernels' ``_body``."""
     b_bytes = kernel.num_b * cute.size_in_bytes(kernel.ab_dtype, b_smem_one)
-    if kernel.gather_a:
+    if kernel.gather_a and not getattr(kernel, "gather_tma", False):
         return b_bytes, pipeline.CooperativeGroup(pipeline.Agent.Thread, 1 + kernel.threads_per_wg)
     # FP8 drop v35 (``scale_warp``): a second arrival per stage, the scale warp's
     arrivals = 2 if getattr(kernel, "scale_warp", False) else 1
@@ -38,8 +46,66 @@ def stage_producers(kernel, a_smem_one, b_smem_one):
             pipeline.CooperativeGroup(pipeline.Agent.Thread, arrivals))
 
 
+def row_layout(a_smem_layout, tile_k: int):
+    """One k-tile row of the A tile under the tile's swizzle: ``(1, tile_k)``, 128 bytes."""
+    return cute.make_composed_layout(a_smem_layout.inner, 0, cute.make_layout((1, tile_k), stride=(tile_k, 1)))
+
+
+def row_tma_atom(mA, a_smem_layout, tile_k: int):
+    """``(atom, tma tensor)`` loading one row's k-tile of ``mA`` [T_src, K] per copy (``gather_tma``)."""
+    return cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), mA, row_layout(a_smem_layout, tile_k),
+                                       (1, tile_k))
+
+
 class GatherAProducer:
-    """Mixin: ``_produce_gathered``, the producer warpgroup's loop (module docstring)."""
+    """Mixin: ``_produce_gathered`` (cp.async) and ``_produce_gathered_tma`` (one TMA per row), the
+    producer warpgroup's loops (module docstring)."""
+
+    gather_tma = False
+
+    @cute.jit
+    def _produce_gathered_tma(self, ab_pipeline, mIdx, tma_atom_a, mA_tma, a_smem_layout, tma_atom_b, mB_tma,
+                              sA_ptr, sB, sOff, sCum, total_tiles, tidx, warp_idx, lane, bidx, gdim):
+        """The producer warpgroup (threads 0-127): row ``r`` of a stage's A tile by one TMA load of
+        source row ``mIdx[row0 + r]`` (warp w issues rows 32 w .. 32 w + 31), B by TMA (warp 0)."""
+        prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        tBsB = cute.group_modes(sB, 0, 2)
+        rows = row_layout(a_smem_layout, self.tile_k)
+        a_base = sA_ptr  # A's stages, unswizzled: stage s, row r at element (s * tile_m + r) * tile_k
+        expert = cutlass.Int32(0)
+        tile_id = bidx
+        while tile_id < total_tiles:
+            expert, row0, row_end, n_tile = self._locate(sOff, sCum, tile_id, expert)
+            # this lane's row of the tile (past the expert's end: its last row, never stored)
+            src = mIdx[cutlass.min(row0 + warp_idx * 32 + lane, row_end - 1)]
+            n0 = self._n0(n_tile, 0)
+            tBgBs = []
+            for h in cutlass.range_constexpr(self.num_b):
+                gB = cute.local_tile(cute.domain_offset((n0 + h * self.n_out, 0, 0), mB_tma),
+                                     (self.tile_n, self.tile_k), (0, None, expert))
+                tBsB_p, tBgB = cpasync.tma_partition(tma_atom_b, 0, cute.make_layout(1), tBsB,
+                                                     cute.group_modes(gB, 0, 2))
+                tBgBs.append(tBgB)
+            for k_tile in range(self.k_tiles):
+                ab_pipeline.sync_object_empty.wait(prod_state.index, prod_state.phase)
+                bar = ab_pipeline.producer_get_barrier(prod_state)
+                if warp_idx == 0:  # one arrive.expect_tx of A's and B's bytes, then B's TMA copies
+                    ab_pipeline.sync_object_full.arrive(prod_state.index, ab_pipeline.producer_mask)
+                    for h in cutlass.range_constexpr(self.num_b):
+                        cute.copy(tma_atom_b, tBgBs[h][(None, k_tile)],
+                                  tBsB_p[(None, prod_state.index * self.num_b + h)], tma_bar_ptr=bar)
+                stage_rows = a_base + (prod_state.index * self.tile_m + warp_idx * 32) * self.tile_k
+                for j in cutlass.range(32, unroll=4):
+                    s_j = cute.arch.shuffle_sync(src, j)  # warp-uniform: the copy is issued by one lane
+                    sR = cute.make_tensor(stage_rows + j * self.tile_k, rows)
+                    gR = cute.local_tile(mA_tma, (1, self.tile_k), (s_j, k_tile))
+                    tRs, tRg = cpasync.tma_partition(tma_atom_a, 0, cute.make_layout(1), cute.group_modes(sR, 0, 2),
+                                                     cute.group_modes(gR, 0, 2))
+                    cute.copy(tma_atom_a, tRg, tRs, tma_bar_ptr=bar)
+                prod_state.advance()
+            tile_id = tile_id + gdim
+        if warp_idx == 0:
+            ab_pipeline.producer_tail(prod_state)
 
     @cute.jit
     def _produce_gathered(self, ab_pipeline, mA, mIdx, tma_atom_b, mB_tma, sA, sB, sOff, sCum, total_tiles,

@@ -86,7 +86,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from .gather_producer import stage_producers
+from .gather_producer import row_tma_atom, stage_producers
 from .pdl import PDL, wait_previous_grid
 from .constants import (
     ACTIVATIONS,
@@ -132,6 +132,7 @@ class GroupedGemmSm90:
     """
 
     gather_a = False  # drop v23: A rows gathered by index (:class:`.grouped_gemm_gather.GroupedGemmGatherSm90`)
+    gather_tma = False  # drop v41: ... by one TMA load per row (``GroupedGemmGatherSm90(tma_rows=True)``)
     #: CTAs per cluster along M (drop v29: 2 = one m-tile pair per cluster, B multicast; set in __init__)
     cluster_m = 1
 
@@ -349,12 +350,15 @@ class GroupedGemmSm90:
             b_smem_layout_main = sm90_utils.make_smem_layout_b(
                 b_layout, (self.tile_m, 2 * self.tile_n, self.tile_k), self.ab_dtype, self.num_stages
             )
-        tma_atom_a, tma_tensor_a = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(),
-            mA,
-            cute.slice_(a_smem_layout, (None, None, 0)),
-            (self.tile_m, self.tile_k),
-        )
+        if cutlass.const_expr(self.gather_a and self.gather_tma):  # drop v41: one source row per copy
+            tma_atom_a, tma_tensor_a = row_tma_atom(mA, a_smem_layout, self.tile_k)
+        else:
+            tma_atom_a, tma_tensor_a = cpasync.make_tiled_tma_atom(
+                cpasync.CopyBulkTensorTileG2SOp(),
+                mA,
+                cute.slice_(a_smem_layout, (None, None, 0)),
+                (self.tile_m, self.tile_k),
+            )
         tma_atom_b, tma_tensor_b = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cluster_m > 1 else cpasync.CopyBulkTensorTileG2SOp(),
             mB_nke,
@@ -535,7 +539,11 @@ class GroupedGemmSm90:
         # =========================================================== producer warpgroup
         if warp_group_idx == 0:
             cute.arch.warpgroup_reg_dealloc(self.load_regs)
-            if cutlass.const_expr(self.gather_a):
+            if cutlass.const_expr(self.gather_a and self.gather_tma):
+                self._produce_gathered_tma(ab_pipeline, gather[1], tma_atom_a, mA_tma, a_smem_layout, tma_atom_b,
+                                           mB_tma, storage.sA.data_ptr(), sB, sOff, sCum, total_tiles, tidx,
+                                           warp_idx, lane, bidx, gdim)
+            elif cutlass.const_expr(self.gather_a):
                 self._produce_gathered(ab_pipeline, gather[0], gather[1], tma_atom_b, mB_tma, sA, sB, sOff, sCum,
                                        total_tiles, tidx, warp_idx, bidx, gdim)
             else:

@@ -15,7 +15,9 @@ Tensors (torch view)::
 Producer: :class:`.gather_producer.GatherAProducer` (the producer warpgroup loads A with 16-byte
 cp.async, eight lanes per 128-byte row line; B by TMA; full barriers of 1 + 128 arrivals). The
 consumers and epilogue are the base class's (``cooperative`` or ``wide``; not ``pingpong``).
-Same bits as the base kernel on ``mA[mIdx]``.
+Same bits as the base kernel on ``mA[mIdx]``. ``tma_rows=True`` (drop v41): the producer loads each
+A row with one TMA copy instead (:mod:`.gather_producer`, ``gather_tma``; its premise is what
+:mod:`.tma_rows_probe` checks on the GPU).
 """
 
 from __future__ import annotations
@@ -34,8 +36,10 @@ class GroupedGemmGatherSm90(GatherAProducer, GroupedGemmSm90):
 
     gather_a = True
 
-    def __init__(self, activation: str, **kw):
+    def __init__(self, activation: str, tma_rows: bool = False, **kw):
         super().__init__(activation, **kw)
+        # drop v41 (not yet run on a GPU): each A row by one TMA load (gather_producer, gather_tma)
+        self.gather_tma = bool(tma_rows)
         if self.pingpong:
             raise ValueError("the gathering GEMM runs the 'cooperative' or 'wide' schedule, not 'pingpong'")
 

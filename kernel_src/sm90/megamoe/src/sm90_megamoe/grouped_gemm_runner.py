@@ -5,6 +5,8 @@
     python -m sm90_megamoe.grouped_gemm_runner --suite          # everything in one process
     python -m sm90_megamoe.grouped_gemm_runner --wide [--model qwen3,mixtral]   # schedule "wide" vs
         # "cooperative" on the models' FC1 shapes: bit identity and time, torch._grouped_mm beside
+    python -m sm90_megamoe.grouped_gemm_runner --gather-tma --model qwen3   # drop v41: FC1 gathering
+        # rows by one TMA load per row vs by cp.async vs the plain FC1 on copied rows
 """
 
 from __future__ import annotations
@@ -289,6 +291,72 @@ def cluster(models, iters=20) -> bool:
     return ok
 
 
+def gather_tma(models, iters=20) -> bool:
+    """Drop v41 (not yet run on a GPU): FC1 gathering its A rows by index with one TMA load per row
+    (``gather_tma``) against the cp.async gathering FC1 (drop v23) and the plain FC1 on the rows
+    copied into expert order first, on --model's FC1 shapes: the same bits (NaN-poisoned outputs) on
+    uniform, skewed, few and one rows, then the three timed, interleaved twice, with the row copy
+    (``index_select``) the plain FC1 needs timed beside. Run :mod:`.tma_rows_probe` first: if one-row
+    TMA loads do not land swizzled, this variant computes wrong values."""
+    import statistics as st
+
+    ok = True
+    for name in models:
+        n, k, e, m, act, bias = WIDE_SHAPES[name]
+        t = time.time()
+        plain = CompiledGroupedGemm(act, n, k, e, False, bias_dtype=bias)
+        cpa = CompiledGroupedGemm(act, n, k, e, False, bias_dtype=bias, gather_a=True)
+        tma = CompiledGroupedGemm(act, n, k, e, False, bias_dtype=bias, gather_a=True, gather_tma=True)
+        print(f"[gather_tma] {name} N={n} K={k}: compiled three FC1s in {time.time() - t:.1f}s", flush=True)
+        n_out = n // 2 if act in GATED_ACTIVATIONS else n
+        for m_, routing, seed in ((m, "uniform", 1), (4133, "skewed", 2), (300, "skewed", 4), (1, "skewed", 3)):
+            _, b, offs, _, bs = make_inputs(m_, n, k, e, act, routing, False, seed=seed, bias_dtype=bias)
+            g = torch.Generator(device="cuda").manual_seed(seed)
+            tokens = max(1, m_ // 8)
+            x = torch.randn(tokens, k, device="cuda", generator=g).to(torch.bfloat16)
+            idx = torch.randint(0, tokens, (m_,), device="cuda", generator=g, dtype=torch.int32)
+            outs = [torch.full((m_, n_out), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(3)]
+            plain(x.index_select(0, idx.long()), b, offs, out=outs[0], bias=bs)
+            cpa(x, b, offs, out=outs[1], bias=bs, idx=idx)
+            tma(x, b, offs, out=outs[2], bias=bs, idx=idx)
+            torch.cuda.synchronize()
+            same = (torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+                    and not bool(torch.isnan(outs[2]).any()))
+            ok &= same
+            print(f"[gather_tma] {name} M={m_} {routing}: TMA rows = cp.async rows = plain on copied rows: {same}",
+                  flush=True)
+        _, b, offs, _, bs = make_inputs(m, n, k, e, act, "uniform", False, seed=5, bias_dtype=bias)
+        x = torch.randn(m // 8, k, device="cuda").to(torch.bfloat16)
+        idx = torch.randint(0, m // 8, (m,), device="cuda", dtype=torch.int32)
+        idx64 = idx.long()
+        xs = x.index_select(0, idx64)
+        out = torch.empty(m, n_out, dtype=torch.bfloat16, device="cuda")
+        runs = {"copy rows": lambda: torch.index_select(x, 0, idx64, out=xs),
+                "plain": lambda: plain(xs, b, offs, out=out, bias=bs),
+                "cp.async rows": lambda: cpa(x, b, offs, out=out, bias=bs, idx=idx),
+                "TMA rows": lambda: tma(x, b, offs, out=out, bias=bs, idx=idx)}
+        times = {key: [] for key in runs}
+        for _ in range(2):
+            for key, run in runs.items():
+                for _w in range(3):
+                    run()
+                evs = []
+                for _i in range(iters):
+                    s0, e0 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    s0.record()
+                    run()
+                    e0.record()
+                    evs.append((s0, e0))
+                torch.cuda.synchronize()
+                times[key].append(st.median(a.elapsed_time(z) for a, z in evs))
+        flops = 2.0 * m * n * k
+        print(f"[gather_tma] {name} M={m}: " + ", ".join(
+            f"{key} {min(v):.3f} ms" + ("" if key == "copy rows" else f" ({flops / min(v) / 1e9:.1f} TFLOP/s)")
+            for key, v in times.items()) + " (best of 2 interleaved rounds, median of "
+            f"{iters})", flush=True)
+    return ok
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--m-total", type=int, default=65536)
@@ -308,6 +376,8 @@ def main():
     p.add_argument("--model", default="qwen3,mixtral", help=f"--wide, --cluster: comma list of {sorted(WIDE_SHAPES)}")
     p.add_argument("--cluster", action="store_true",
                    help="clusters of 2 (weight multicast) vs single CTAs on --model's FC1 and FC2 shapes")
+    p.add_argument("--gather-tma", action="store_true",
+                   help="FC1 gathering rows by one TMA load per row vs cp.async vs plain, on --model's FC1 shapes")
     p.add_argument("--raster-bench", action="store_true", help="--suite --bench: also raster_m=1 vs default")
     p.add_argument("--bench", action="store_true")
     p.add_argument("--suite", action="store_true")
@@ -319,6 +389,8 @@ def main():
         raise SystemExit(0 if wide(args.model.split(",")) else 1)
     if args.cluster:
         raise SystemExit(0 if cluster(args.model.split(",")) else 1)
+    if args.gather_tma:
+        raise SystemExit(0 if gather_tma(args.model.split(",")) else 1)
     t = time.time()
     fn = get_grouped_gemm(args.activation, args.n, args.k, args.experts, scale_rows=args.scale_rows,
                           tile_n=args.tile_n, num_stages=args.num_stages, epilogue=args.epilogue,

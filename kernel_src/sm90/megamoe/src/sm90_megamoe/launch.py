@@ -112,7 +112,8 @@ class CompiledGroupedGemm:
                  bias_dtype: Optional[str] = None, raster_m: Optional[int] = None,
                  swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
                  schedule: str = "cooperative", compiled=None, tvm_ffi: bool = False,
-                 early_weights: bool = False, gather_a: bool = False, cluster_m: int = 1):
+                 early_weights: bool = False, gather_a: bool = False, cluster_m: int = 1,
+                 gather_tma: bool = False):
         """``compiled``: this variant's kernel compiled earlier (e.g. loaded from an exported
         object file, ``cute.runtime.load_module``); None compiles it here (sm_90a).
         ``tvm_ffi``: compile for (and launch through) TVM-FFI: :meth:`launch_tensors`.
@@ -122,6 +123,7 @@ class CompiledGroupedGemm:
         ``early_weights``: swap-AB only, see :class:`~.swapab_gemm.SwapABGroupedGemmSm90`.
         ``gather_a`` (cooperative / wide; drop v23): A is the source rows and a call passes
         ``idx``, grouped row r = ``a[idx[r]]`` (:class:`~.grouped_gemm_gather.GroupedGemmGatherSm90`).
+        ``gather_tma`` (with ``gather_a``; drop v41, not yet run on a GPU): one TMA load per A row.
         ``cluster_m`` = 2 (cooperative / wide; drop v29): clusters of 2 CTAs computing an m-tile pair
         and multicasting B's halves; a call launches at most :func:`cluster_ctas` CTAs (worked out
         when constructed with a GPU)."""
@@ -143,10 +145,14 @@ class CompiledGroupedGemm:
                 raise ValueError("early_weights is a swap-AB option (schedule='swapab')")
             if cluster_m > 1 and gather_a:
                 raise ValueError("cluster_m = 2 does not combine with gather_a")
+            if gather_tma and not gather_a:
+                raise ValueError("gather_tma is a way of gathering: it needs gather_a=True")
             cls = GroupedGemmSm90
+            extra = {}
             if gather_a:
                 from .grouped_gemm_gather import GroupedGemmGatherSm90 as cls
-            self.kernel = cls(activation, tile_n=tile_n, scale_rows=scale_rows,
+                extra = {"tma_rows": bool(gather_tma)}
+            self.kernel = cls(activation, **extra, tile_n=tile_n, scale_rows=scale_rows,
                                           num_stages=num_stages, epilogue=epilogue,
                                           has_bias=bias_dtype is not None, raster_m=raster_m,
                                           swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
@@ -158,6 +164,7 @@ class CompiledGroupedGemm:
         # the grid of a clustered launch, worked out here (not while a CUDA graph is captured)
         self._max_ctas = cluster_ctas(self.cluster_m) if self.cluster_m > 1 and torch.cuda.is_available() else None
         self.gather_a = bool(gather_a)
+        self.gather_tma = bool(gather_tma)
         self.activation = activation
         self.schedule = schedule
         self.early_weights = bool(early_weights)
