@@ -123,3 +123,69 @@ def test_gpu_fp8_gather_tma_is_bit_identical(routing):
     rows(src, src_s, b, b_s, offs, out=outs[1], row_scale=rs, idx=idx)
     torch.cuda.synchronize()
     assert not bool(torch.isnan(outs[0]).any()) and torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [700, 4096])
+def test_gpu_gather_tma_layer_is_bit_identical(monkeypatch, T):
+    """MOE_EP_GATHER_FC1=1 with MOE_EP_GATHER_TMA 0 / 1: the BF16 layer's output is the same bits,
+    eager and CUDA graph (the cp.async gather's bits are the plain FC1's: test_gather_fc1)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    from moe_oracle import layer_outputs_with_switch
+
+    from moe_ep.api import MoEConfig
+
+    E, H, I, K = 128, 2048, 768, 8
+    cfg = MoEConfig(num_experts=E, hidden=H, intermediate=I, top_k=K, max_tokens_per_rank=4096)
+    g = torch.Generator(device="cuda").manual_seed(T + 1)
+    x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+    ids = torch.randint(0, E, (T, K), device="cuda", generator=g, dtype=torch.int32)
+    w = torch.rand(T, K, device="cuda", generator=g)
+    w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) * H ** -0.5).bfloat16()
+    w2 = (torch.randn(E, H, I, device="cuda", generator=g) * I ** -0.5).bfloat16()
+    monkeypatch.setenv("MOE_EP_GATHER_FC1", "1")
+
+    def check(impl, on):
+        assert impl.fc1.gather_a and impl.fc1.gather_tma == on
+
+    outs = layer_outputs_with_switch(monkeypatch, "MOE_EP_GATHER_TMA", cfg, "sm90_bf16_cutedsl",
+                                     (x, ids, w, w13, w2), check)
+    assert torch.isfinite(outs[1].float()).all() and torch.equal(outs[0], outs[1])
+
+
+def test_shim_switch_and_key(monkeypatch):
+    from moe_ep.shim.drops import sm90_megamoe as s
+
+    monkeypatch.delenv("MOE_EP_GATHER_TMA", raising=False)
+    assert not s.use_gather_tma(True)  # opt-in
+    monkeypatch.setenv("MOE_EP_GATHER_TMA", "1")
+    assert s.use_gather_tma(True) and not s.use_gather_tma(False)  # only a gathering GEMM
+    assert s.GemmKey.__dataclass_fields__["gather_tma"].default is False
+
+
+def test_shim_builds_the_row_tma_launcher(monkeypatch):
+    """compiled_grouped_gemm(gather_a=True) under MOE_EP_GATHER_TMA=1 keys and builds the row-TMA
+    launcher (recorded: no compile), and without the switch the cp.async one; the two keys differ."""
+    import sm90_megamoe.launch as launch
+    from moe_ep.shim import cache
+    from moe_ep.shim.drops import sm90_megamoe as s
+
+    built = []
+
+    class Fake:
+        def __init__(self, **kw):
+            built.append(kw)
+            self.compiled = object()
+
+    monkeypatch.setattr(launch, "CompiledGroupedGemm", Fake)
+    monkeypatch.setattr(s.disk_cache, "get_or_build", lambda ns, name, key, build, tvm_ffi=False: build())
+    monkeypatch.setattr(cache, "COMPILE_CACHE", cache.CompileCache())
+    monkeypatch.setattr(s, "COMPILE_CACHE", cache.COMPILE_CACHE)
+    for flag in ("1", "0"):
+        monkeypatch.setenv("MOE_EP_GATHER_TMA", flag)
+        s.compiled_grouped_gemm("swiglu", 1536, 2048, 128, schedule="cooperative", gather_a=True)
+    with_tma = [kw for kw in built if kw.get("gather_tma")]
+    without = [kw for kw in built if not kw.get("gather_tma")]
+    assert with_tma and without and all(kw["gather_a"] for kw in built)
+    assert sorted(k.gather_tma for k in cache.COMPILE_CACHE._store) == [False, True]

@@ -91,7 +91,7 @@ CONTRACT = DropContract(
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.__init__",
                     ("activation", "n", "k", "num_experts", "scale_rows", "tile_n", "bias_dtype",
                      "raster_m", "swiglu_alpha", "swiglu_limit", "schedule", "compiled", "tvm_ffi",
-                     "early_weights", "gather_a", "cluster_m")),
+                     "early_weights", "gather_a", "cluster_m", "gather_tma")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_converted",
                     ("args", "max_active_ctas", "stream")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_tensors",
@@ -175,7 +175,7 @@ CONTRACT = DropContract(
                                                     "put_kernel", "kinds_for")),
         AttributeUse("sm90_megamoe.launch:CompiledGroupedGemm",
                      ("compiled", "scale_rows", "bias_dtype", "n_out", "tvm_ffi", "schedule", "launch_tensors",
-                      "launch_converted", "gather_a", "cluster_m")),
+                      "launch_converted", "gather_a", "cluster_m", "gather_tma")),
         AttributeUse("sm90_megamoe.ep_launch:EpRank",
                      ("dispatch", "wait", "gather", "combine_send", "combine_reduce", "combine_local", "read_err",
                       "read_verr", "reset_verr", "reset_state", "num_ctas")),
@@ -341,6 +341,15 @@ def use_bf16_cluster(schedule: str, gather_a: bool = False) -> int:
     return 2 if schedule in ("cooperative", "wide") else 1
 
 
+def use_gather_tma(gather_a: bool) -> bool:
+    """Whether a gathering BF16 GEMM (``gather_a``; the layer's FC1 with ``MOE_EP_GATHER_FC1=1``)
+    loads each A row by one TMA copy (drop v41, ``gather_tma``) instead of cp.async: with
+    ``MOE_EP_GATHER_TMA=1``. Opt-in and not yet run on a GPU: correct only if one-row TMA loads
+    land swizzled by their shared-memory address, which ``sm90_megamoe.tma_rows_probe`` checks
+    (``bench/h200_session.sh verify`` runs it first)."""
+    return bool(gather_a) and os.environ.get("MOE_EP_GATHER_TMA", "0") == "1"
+
+
 @dataclass(frozen=True)
 class GemmKey:
     """Every value the compiled grouped GEMM depends on."""
@@ -365,6 +374,7 @@ class GemmKey:
     early_weights: bool = False
     gather_a: bool = False
     cluster_m: int = 1
+    gather_tma: bool = False
 
 
 class GroupedGemm:
@@ -387,6 +397,7 @@ class GroupedGemm:
         self.n_out = compiled.n_out
         self.tvm_ffi = compiled.tvm_ffi
         self.gather_a = compiled.gather_a
+        self.gather_tma = compiled.gather_tma  # drop v41: the gathered rows by one TMA copy each
         self._to = to_cute_args
         self._last: tuple | None = None
         # unread arguments of variants without a row scale / bias (the drop's signature: fp32
@@ -454,7 +465,8 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
     a swap-AB kernel may prefetch its weights before the PDL wait; it takes effect only for the
     swap-AB schedule with PDL launches (:func:`pdl_launches`), else the plain kernel is used.
     ``gather_a`` (drop v23; cooperative / wide, K % 64 == 0): A is the source rows and a call
-    passes ``idx`` (grouped row r = ``a[idx[r]]``)."""
+    passes ``idx`` (grouped row r = ``a[idx[r]]``); with ``MOE_EP_GATHER_TMA=1`` its rows come by one
+    TMA copy each (:func:`use_gather_tma`)."""
     check_gemm_shapes(activation, n, k, num_experts, tile_n)
     if schedule is None:
         schedule, picked_tile = pick_schedule(activation, k, rows_per_expert)
@@ -475,7 +487,8 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
                          f"{_C['DEFAULT_TILE_K']} == 0, got {schedule!r}, K={k}")
     key = GemmKey(CONSTANTS.value(PKG, "DROP_VERSION"), _C["ABI_VERSION"], _cutlass_version(), "sm_90a",
                   "bf16", activation, n, k, num_experts, bool(scale_rows), tile, bias, raster, alpha, limit,
-                  schedule, ffi, early, bool(gather_a), use_bf16_cluster(schedule, gather_a))
+                  schedule, ffi, early, bool(gather_a), use_bf16_cluster(schedule, gather_a),
+                  use_gather_tma(gather_a))
 
     def build():
         launch = _load("sm90_megamoe.launch")
@@ -485,11 +498,14 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
             kw.update(early_weights=True)
         if gather_a:
             kw.update(gather_a=True)
+        if key.gather_tma:
+            kw.update(gather_tma=True)
         if key.cluster_m > 1:
             kw.update(cluster_m=key.cluster_m)
         if activation == "clamped_swiglu":
             kw.update(swiglu_alpha=alpha, swiglu_limit=limit)
-        name = f"gemm_{activation}" + ("_gather" if gather_a else "") + ("_cluster2" if key.cluster_m > 1 else "")
+        name = (f"gemm_{activation}" + ("_gather" if gather_a else "") + ("_tma" if key.gather_tma else "")
+                + ("_cluster2" if key.cluster_m > 1 else ""))
         fn = disk_cache.get_or_build(cache_namespace(), name, key,
                                      lambda: launch.CompiledGroupedGemm(**kw).compiled, tvm_ffi=ffi)
         return launch.CompiledGroupedGemm(**kw, compiled=fn)

@@ -84,7 +84,9 @@ def gather_fc1() -> bool:
     and read back, ~0.1 ms). Off by default: on the H200 (drop v24, which fixed v23's misaligned
     bf16 row offsets; GPU tests bit-identical) the layer gained under CUDA graph on Qwen3 (468.3 vs
     448.1 TFLOP/s) but lost per call (466.4 vs 475.8) and on Mixtral (560.1 vs 589.5 graph): the
-    cp.async producer feeds the WGMMAs more slowly than TMA, which eats the saved copy."""
+    cp.async producer feeds the WGMMAs more slowly than TMA, which eats the saved copy. With
+    ``MOE_EP_GATHER_TMA=1`` as well, FC1 loads each row by one TMA copy (drop v41; the shim's
+    ``use_gather_tma``): not yet run on a GPU (fifteenth session)."""
     return env_switch("MOE_EP_GATHER_FC1", False)
 
 
