@@ -385,6 +385,23 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         )
 
     @cute.jit
+    def _launch_q_output(self, kernel, mA, mAScale, mB, mBScale, mQ, mQScale, mOffsets, mRowScale,
+                         max_active_ctas, stream) -> None:
+        """``__call__`` of the variants whose output is FC2's e4m3 input (requant, fused_quant):
+        the inputs' checks, ``mQ`` [M, I] e4m3 / uint8 and ``mQScale`` [M, I/128] float32, then
+        ``kernel`` (the variant's ``@cute.kernel``) launched on the shared set-up. Traced inline."""
+        mA, mB = self._check_inputs(mA, mAScale, mB, mBScale, mOffsets)
+        if cutlass.const_expr(mQ.element_type not in (cutlass.Uint8, cutlass.Float8E4M3FN)):
+            raise TypeError("Q must be float8_e4m3fn or uint8")
+        if cutlass.const_expr(mQScale.element_type != cutlass.Float32):
+            raise TypeError("scales must be float32")
+        if cutlass.const_expr(cute.size(mQ, mode=[1]) != cute.size(mB, mode=[1]) // 2
+                              or cute.size(mQScale, mode=[1]) != cute.size(mB, mode=[1]) // 2 // FP8_BLOCK):
+            raise ValueError("Q must be [M, I] and QScale [M, I/128] (N = 2 I)")
+        setup = self._setup(mA, mAScale, mB, mBScale, mOffsets)
+        self._launch(kernel(setup[0], setup[1], setup[2], setup[3], mAScale, mBScale, mQ, mQScale, mOffsets,
+                            mRowScale, *setup[4:]), max_active_ctas, stream)
+
     def _setup(self, mA, mAScale, mB, mBScale, mOffsets):
         """Host-side (traced) set-up shared by the variants: checks the problem, sets the
         compile-time sizes, builds the TMA atoms, MMAs and smem layouts. Returns ``(tma_atom_a,
@@ -1237,17 +1254,8 @@ class Fp8SwigluRequantGroupedGemmSm90(Fp8BlockScaledGroupedGemmSm90):
         max_active_ctas: cutlass.Int32,
         stream: cuda.CUstream,
     ):
-        mA, mB = self._check_inputs(mA, mAScale, mB, mBScale, mOffsets)
-        if cutlass.const_expr(mQ.element_type not in (cutlass.Uint8, cutlass.Float8E4M3FN)):
-            raise TypeError("Q must be float8_e4m3fn or uint8")
-        if cutlass.const_expr(mQScale.element_type != cutlass.Float32):
-            raise TypeError("scales must be float32")
-        if cutlass.const_expr(cute.size(mQ, mode=[1]) != cute.size(mB, mode=[1]) // 2
-                              or cute.size(mQScale, mode=[1]) != cute.size(mB, mode=[1]) // 2 // FP8_BLOCK):
-            raise ValueError("Q must be [M, I] and QScale [M, I/128] (N = 2 I)")
-        setup = self._setup(mA, mAScale, mB, mBScale, mOffsets)
-        self._launch(self.kernel_requant(setup[0], setup[1], setup[2], setup[3], mAScale, mBScale, mQ, mQScale,
-                                         mOffsets, mRowScale, *setup[4:]), max_active_ctas, stream)
+        self._launch_q_output(self.kernel_requant, mA, mAScale, mB, mBScale, mQ, mQScale, mOffsets, mRowScale,
+                              max_active_ctas, stream)
 
     @cute.kernel
     def kernel_requant(
@@ -1273,10 +1281,11 @@ class Fp8SwigluRequantGroupedGemmSm90(Fp8BlockScaledGroupedGemmSm90):
 
 
 class Fp8SwigluFusedQuantGroupedGemmSm90(Fp8BlockScaledGroupedGemmSm90):
-    """FC1 (swiglu, wide gated, clusters of 2) whose output is FC2's e4m3 input (drops v37, v38):
+    """FC1 (swiglu, wide gated, clusters of 2) whose output is FC2's e4m3 input (drops v37-v39):
     ``mQ`` / ``mQScale`` exactly as :class:`.fp8_quant.Fp8QuantizeRows128Counted` would write them
-    from the bf16 rows the base kernel stores -- quantised by producer warps 2-3 from the two CTAs'
-    staging tiles while the consumers run the next unit (the module docstring, ``fused_quant``).
+    from the bf16 rows the base kernel stores -- quantised by producer warps 1-3 (2-3 with
+    ``scale_warp``) from the unit's rows staged in their CTA, the peer's half arriving by a bulk copy,
+    while the consumers run the next unit (the module docstring, ``fused_quant``).
     The bf16 rows themselves are never written.
 
     Tensors as in the base class except the output::
@@ -1309,17 +1318,8 @@ class Fp8SwigluFusedQuantGroupedGemmSm90(Fp8BlockScaledGroupedGemmSm90):
         max_active_ctas: cutlass.Int32,
         stream: cuda.CUstream,
     ):
-        mA, mB = self._check_inputs(mA, mAScale, mB, mBScale, mOffsets)
-        if cutlass.const_expr(mQ.element_type not in (cutlass.Uint8, cutlass.Float8E4M3FN)):
-            raise TypeError("Q must be float8_e4m3fn or uint8")
-        if cutlass.const_expr(mQScale.element_type != cutlass.Float32):
-            raise TypeError("scales must be float32")
-        if cutlass.const_expr(cute.size(mQ, mode=[1]) != cute.size(mB, mode=[1]) // 2
-                              or cute.size(mQScale, mode=[1]) != cute.size(mB, mode=[1]) // 2 // FP8_BLOCK):
-            raise ValueError("Q must be [M, I] and QScale [M, I/128] (N = 2 I)")
-        setup = self._setup(mA, mAScale, mB, mBScale, mOffsets)
-        self._launch(self.kernel_fused_quant(setup[0], setup[1], setup[2], setup[3], mAScale, mBScale, mQ, mQScale,
-                                             mOffsets, mRowScale, *setup[4:]), max_active_ctas, stream)
+        self._launch_q_output(self.kernel_fused_quant, mA, mAScale, mB, mBScale, mQ, mQScale, mOffsets,
+                              mRowScale, max_active_ctas, stream)
 
     @cute.kernel
     def kernel_fused_quant(

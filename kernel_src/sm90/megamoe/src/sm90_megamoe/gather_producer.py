@@ -63,6 +63,28 @@ class GatherAProducer:
 
     gather_tma = False
 
+    # plain methods, traced inline into the producer loops (their loops are over compile-time values)
+    def _b_views(self, tma_atom_b, mB_tma, tBsB, n_tile, expert):
+        """``(smem view, [gmem view per weight block])`` of the unit's B tiles for TMA (gated: the
+        gate rows, then the up rows ``n_out`` further)."""
+        n0 = self._n0(n_tile, 0)
+        tBgBs = []
+        for h in range(self.num_b):
+            gB = cute.local_tile(cute.domain_offset((n0 + h * self.n_out, 0, 0), mB_tma),
+                                 (self.tile_n, self.tile_k), (0, None, expert))
+            tBsB_p, tBgB = cpasync.tma_partition(tma_atom_b, 0, cute.make_layout(1), tBsB,
+                                                 cute.group_modes(gB, 0, 2))
+            tBgBs.append(tBgB)
+        return tBsB_p, tBgBs
+
+    def _arm_stage_copy_b(self, ab_pipeline, prod_state, tma_atom_b, tBsB_p, tBgBs, k_tile, bar):
+        """Warp 0: the stage's one elected arrive on its full barrier (with the bytes the pipeline
+        expects) and B's TMA copies of k-tile ``k_tile``."""
+        ab_pipeline.sync_object_full.arrive(prod_state.index, ab_pipeline.producer_mask)
+        for h in range(self.num_b):
+            cute.copy(tma_atom_b, tBgBs[h][(None, k_tile)], tBsB_p[(None, prod_state.index * self.num_b + h)],
+                      tma_bar_ptr=bar)
+
     @cute.jit
     def _produce_gathered_tma(self, ab_pipeline, mIdx, tma_atom_a, mA_tma, a_smem_layout, tma_atom_b, mB_tma,
                               sA_ptr, sB, sOff, sCum, total_tiles, tidx, warp_idx, lane, bidx, gdim):
@@ -78,22 +100,12 @@ class GatherAProducer:
             expert, row0, row_end, n_tile = self._locate(sOff, sCum, tile_id, expert)
             # this lane's row of the tile (past the expert's end: its last row, never stored)
             src = mIdx[cutlass.min(row0 + warp_idx * 32 + lane, row_end - 1)]
-            n0 = self._n0(n_tile, 0)
-            tBgBs = []
-            for h in cutlass.range_constexpr(self.num_b):
-                gB = cute.local_tile(cute.domain_offset((n0 + h * self.n_out, 0, 0), mB_tma),
-                                     (self.tile_n, self.tile_k), (0, None, expert))
-                tBsB_p, tBgB = cpasync.tma_partition(tma_atom_b, 0, cute.make_layout(1), tBsB,
-                                                     cute.group_modes(gB, 0, 2))
-                tBgBs.append(tBgB)
+            tBsB_p, tBgBs = self._b_views(tma_atom_b, mB_tma, tBsB, n_tile, expert)
             for k_tile in range(self.k_tiles):
                 ab_pipeline.sync_object_empty.wait(prod_state.index, prod_state.phase)
                 bar = ab_pipeline.producer_get_barrier(prod_state)
                 if warp_idx == 0:  # one arrive.expect_tx of A's and B's bytes, then B's TMA copies
-                    ab_pipeline.sync_object_full.arrive(prod_state.index, ab_pipeline.producer_mask)
-                    for h in cutlass.range_constexpr(self.num_b):
-                        cute.copy(tma_atom_b, tBgBs[h][(None, k_tile)],
-                                  tBsB_p[(None, prod_state.index * self.num_b + h)], tma_bar_ptr=bar)
+                    self._arm_stage_copy_b(ab_pipeline, prod_state, tma_atom_b, tBsB_p, tBgBs, k_tile, bar)
                 stage_rows = a_base + (prod_state.index * self.tile_m + warp_idx * 32) * self.tile_k
                 for j in cutlass.range(32, unroll=4):
                     s_j = cute.arch.shuffle_sync(src, j)  # warp-uniform: the copy is issued by one lane
@@ -135,22 +147,12 @@ class GatherAProducer:
             expert, row0, row_end, n_tile = self._locate(sOff, sCum, tile_id, expert)
             # this thread's source rows (a row past the expert's end loads its last row: never stored)
             srcs = [mIdx[cutlass.min(row0 + tAcA[(0, i, 0)][0], row_end - 1)] for i in range(passes)]
-            n0 = self._n0(n_tile, 0)
-            tBgBs = []
-            for h in cutlass.range_constexpr(self.num_b):
-                gB = cute.local_tile(cute.domain_offset((n0 + h * self.n_out, 0, 0), mB_tma),
-                                     (self.tile_n, self.tile_k), (0, None, expert))
-                tBsB_p, tBgB = cpasync.tma_partition(tma_atom_b, 0, cute.make_layout(1), tBsB,
-                                                     cute.group_modes(gB, 0, 2))
-                tBgBs.append(tBgB)
+            tBsB_p, tBgBs = self._b_views(tma_atom_b, mB_tma, tBsB, n_tile, expert)
             for k_tile in range(self.k_tiles):
                 ab_pipeline.sync_object_empty.wait(prod_state.index, prod_state.phase)
                 bar = ab_pipeline.producer_get_barrier(prod_state)
                 if warp_idx == 0:  # B: one elected arrive with B's bytes, then its TMA copies
-                    ab_pipeline.sync_object_full.arrive(prod_state.index, ab_pipeline.producer_mask)
-                    for h in cutlass.range_constexpr(self.num_b):
-                        cute.copy(tma_atom_b, tBgBs[h][(None, k_tile)],
-                                  tBsB_p[(None, prod_state.index * self.num_b + h)], tma_bar_ptr=bar)
+                    self._arm_stage_copy_b(ab_pipeline, prod_state, tma_atom_b, tBsB_p, tBgBs, k_tile, bar)
                 for i in cutlass.range_constexpr(passes):
                     dst = tAsA[(None, i, 0, prod_state.index)]
                     offset = cutlass.Int64(srcs[i]) * k_size + k_tile * self.tile_k + col  # in values

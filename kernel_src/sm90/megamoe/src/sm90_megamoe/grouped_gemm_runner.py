@@ -298,7 +298,7 @@ def gather_tma(models, iters=20) -> bool:
     uniform, skewed, few and one rows, then the three timed, interleaved twice, with the row copy
     (``index_select``) the plain FC1 needs timed beside. Run :mod:`.tma_rows_probe` first: if one-row
     TMA loads do not land swizzled, this variant computes wrong values."""
-    import statistics as st
+    from .fp8_runner import time_fn  # CUDA-event median after warm-ups, as the FP8 runner times
 
     ok = True
     for name in models:
@@ -338,17 +338,7 @@ def gather_tma(models, iters=20) -> bool:
         times = {key: [] for key in runs}
         for _ in range(2):
             for key, run in runs.items():
-                for _w in range(3):
-                    run()
-                evs = []
-                for _i in range(iters):
-                    s0, e0 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    s0.record()
-                    run()
-                    e0.record()
-                    evs.append((s0, e0))
-                torch.cuda.synchronize()
-                times[key].append(st.median(a.elapsed_time(z) for a, z in evs))
+                times[key].append(time_fn(run, iters))
         flops = 2.0 * m * n * k
         print(f"[gather_tma] {name} M={m}: " + ", ".join(
             f"{key} {min(v):.3f} ms" + ("" if key == "copy rows" else f" ({flops / min(v) / 1e9:.1f} TFLOP/s)")
