@@ -164,9 +164,10 @@ fi
 if [ "$mode" = verify ]; then
   # 1. drop v40's probe (not yet run on a GPU): do 128 one-row TMA loads (box 1 x 128 bytes, 128-byte
   # swizzle, destination base + 128 r) build the tile one TMA tile load builds? The premise of an FC1
-  # producer that gathers its A rows by index with TMA (sm90_megamoe/tma_rows_probe.py).
+  # producer that gathers its A rows by index with TMA (sm90_megamoe/tma_rows_probe.py; v40's hung,
+  # mended in v43; a 150 s timeout so a hang cannot eat the call).
   step "tma_rows_probe" "$OUT/verify_tma_rows_probe.log" -- bash -c \
-      "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.tma_rows_probe"
+      "cd kernel_src/sm90/megamoe/src && exec timeout 150 python3 -m sm90_megamoe.tma_rows_probe"
   # then drop v41's gathering FC1 on row TMA loads (gather_tma): its GPU tests and the drop runner's
   # comparison with the cp.async gather and the plain FC1 on copied rows (VERIFY_GATHER_MODELS, qwen3)
   plog="$OUT/verify_tma_rows_probe.log"

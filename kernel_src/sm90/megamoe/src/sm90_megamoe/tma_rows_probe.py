@@ -1,4 +1,4 @@
-"""Probe (drop v40, not a kernel of the layer): can a grouped GEMM's producer gather A rows by index
+"""Probe (drop v40, mended in v43; not a kernel of the layer): can a grouped GEMM's producer gather A rows by index
 with TMA on SM90?
 
 SM90 has no TMA gather, but a 2-D TMA load whose box is one row of 128 bytes (``tile_k`` e4m3
@@ -16,7 +16,7 @@ This file checks the premise on the GPU, on one CTA:
    beforehand equals the 128B-swizzled image of those rows (chunk c of row r at c ^ (r % 8)),
 2. 128 row loads (box 1 x 128 bytes, the same swizzle, destination ``base + 128 r``, source row
    ``idx[r]``) equal the tile load byte for byte, for the identity and a random gather,
-3. the cycles one thread spends per 16 KB: 128 row loads against one tile load (a latency-bound
+3. the cycles one warp spends per 16 KB: 128 row loads against one tile load (a latency-bound
    single-CTA number, not the throughput of 132 busy SMs).
 
     python -m sm90_megamoe.tma_rows_probe      # GPU: prints the checks, exit 1 if one fails
@@ -83,8 +83,12 @@ class TmaRowsProbe:
             cute.arch.mbarrier_init(mbar, 1)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
-        if tidx == 0:
-            cute.arch.mbarrier_arrive_and_expect_tx(mbar, 2 * ROWS * ROW_BYTES)
+        # warp 0 issues the loads as a whole warp: CuTeDSL's TMA copy elects its lane with
+        # elect.sync over the full warp, which one lone thread must not execute (v40 hung there)
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        if warp_idx == 0:
+            if tidx == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(mbar, 2 * ROWS * ROW_BYTES)
             self._load_tile(tile_atom, mAg_tma, a_one, p_tile, col_tile, mbar)
             self._load_rows(row_atom, mA_tma, mIdx, p_rows, col_tile, mbar)
         cute.arch.mbarrier_wait(mbar, 0)
@@ -94,23 +98,26 @@ class TmaRowsProbe:
             mOutTile[tidx * ROW_BYTES + i] = s_tile[tidx * ROW_BYTES + i]
             mOutRows[tidx * ROW_BYTES + i] = s_rows[tidx * ROW_BYTES + i]
         cute.arch.sync_threads()
-        if tidx == 0:  # one thread issues a stage's loads and waits for them, iters times each
+        if warp_idx == 0:  # one warp issues a stage's loads and waits for them, iters times each
             phase = Int32(1)
             t0 = cute.arch.clock64()
             for _ in cutlass.range(iters, unroll=1):
-                cute.arch.mbarrier_arrive_and_expect_tx(mbar, ROWS * ROW_BYTES)
+                if tidx == 0:
+                    cute.arch.mbarrier_arrive_and_expect_tx(mbar, ROWS * ROW_BYTES)
                 self._load_rows(row_atom, mA_tma, mIdx, p_rows, col_tile, mbar)
                 cute.arch.mbarrier_wait(mbar, phase)
                 phase = phase ^ 1
             t1 = cute.arch.clock64()
             for _ in cutlass.range(iters, unroll=1):
-                cute.arch.mbarrier_arrive_and_expect_tx(mbar, ROWS * ROW_BYTES)
+                if tidx == 0:
+                    cute.arch.mbarrier_arrive_and_expect_tx(mbar, ROWS * ROW_BYTES)
                 self._load_tile(tile_atom, mAg_tma, a_one, p_tile, col_tile, mbar)
                 cute.arch.mbarrier_wait(mbar, phase)
                 phase = phase ^ 1
             t2 = cute.arch.clock64()
-            mCycles[0] = t1 - t0
-            mCycles[1] = t2 - t1
+            if tidx == 0:
+                mCycles[0] = t1 - t0
+                mCycles[1] = t2 - t1
 
     @cute.jit
     def _load_tile(self, atom, mAg_tma, a_one, p_tile, col_tile, mbar):
@@ -190,7 +197,7 @@ def main() -> int:
         rows_ok = torch.equal(out_rows.cpu(), out_tile.cpu())
         c = cyc.cpu().tolist()
         print(f"[tma rows] {name}: tile load = 128B-swizzled image: {tile_ok}; 128 row loads = tile load: "
-              f"{rows_ok}; clock64 cycles per 16 KB stage (one thread, load + wait): 128 row loads "
+              f"{rows_ok}; clock64 cycles per 16 KB stage (one warp, load + wait): 128 row loads "
               f"{c[0] / iters:.0f}, one tile load {c[1] / iters:.0f}", flush=True)
         ok &= tile_ok and rows_ok
     return 0 if ok else 1
