@@ -53,6 +53,9 @@
 #                -> $OUT/decode_p*g*c*.{log,csv}. Each half is meant to fit one 600 s device call.
 # envab:         the layer (MODELS, QUANT) under each setting of ENVAB ('|'-separated, each a list of
 #                VAR=value), interleaved, ENVAB_ROUNDS (2) rounds -> $OUT/envab_s<i>_r<r>.{log,csv}.
+# dropab:        DROPAB_GROUPS' GPU tests, then the BF16 and FP8 layers with the checkout's drop files and with
+#                those in DROPAB_DIR (.device/exp/old) copied over the installed drop, interleaved, DROPAB_ROUNDS
+#                (2) rounds -> $OUT/dropab_*.{log,csv}, $OUT/tests_*.log.
 # ceiling:       the BF16 and FP8 layers, then `python -m moe_ep.bench ceiling` (the layers' two GEMMs done by
 #                dense cuBLAS BF16, torch._grouped_mm, block-wise FP8 torch._scaled_mm: the layer TFLOP/s they
 #                alone allow) and `python -m moe_ep.bench gemm` (GEMM_MODELS) in the same call -> $OUT/ceiling_*.
@@ -72,7 +75,7 @@
 #   MOE_EP_COMMIT (the commit to print when the copy on the host has no .git).
 set -uo pipefail
 mode=${1:-all}
-modes="all|moe|fi|liger|extra|verify|verify2|ncu|layers|fp8ab|envab|ceiling|decide|decode|suite|suite1|suite2|suite3"
+modes="all|moe|fi|liger|extra|verify|verify2|ncu|layers|fp8ab|envab|dropab|ceiling|decide|decode|suite|suite1|suite2|suite3"
 case "|$modes|" in *"|$mode|"*) ;; *) echo "usage: bash bench/h200_session.sh [$modes]" >&2; exit 2 ;; esac
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -204,6 +207,35 @@ if [ "$mode" = envab ]; then
     step "layer, setting $i (${settings[$i]:-defaults}), round $r" "$OUT/envab_s${i}_r$r.log" -- env ${settings[$i]} \
         python3 -m moe_ep.bench "${common[@]}" --no-reference --no-decode --csv "$OUT/envab_s${i}_r$r.csv"
   done; done
+fi
+if [ "$mode" = dropab ]; then
+  # a drop edit against the drop as it was: DROPAB_GROUPS (pytest groups, ';'-separated words, '|' between
+  # groups) first, then the layer (MODELS; BF16 and FP8) with the checkout's drop files ("new") and with the
+  # files in DROPAB_DIR (default .device/exp/old; same names, copied over the installed copy in /tmp/proj:
+  # "old"), interleaved, DROPAB_ROUNDS (2) rounds -> $OUT/dropab_<new|old>_<bf16|fp8>_r<r>.{log,csv}.
+  # Build the carried compile cache for both trees (the old one from a worktree of the commit before).
+  IFS='|' read -r -a groups <<< "${DROPAB_GROUPS:-}"
+  [ "${#groups[@]}" -gt 0 ] && run_groups "${TEST_BUDGET:-200}" "${groups[@]}"
+  dst=$(python3 -c "import moe_ep, os; print(os.path.dirname(moe_ep.__file__))")/kernel_src/sm90/megamoe/src/sm90_megamoe
+  ab=${DROPAB_DIR:-.device/exp/old}; mkdir -p /tmp/dropab_new
+  for f in "$ab"/*.py; do cp "$dst/$(basename "$f")" /tmp/dropab_new/; done
+  # bits first: the layer's outputs on fixed inputs with each set of files, compared (bench/layer_bits.py)
+  step "layer outputs, drop files new" "$OUT/dropab_bits_new.log" -- python3 -m moe_ep.bench.layer_bits dump \
+      /tmp/dropab_new.pt --model "$MODELS"
+  cp "$ab"/*.py "$dst/"
+  step "layer outputs, drop files old" "$OUT/dropab_bits_old.log" -- python3 -m moe_ep.bench.layer_bits dump \
+      /tmp/dropab_old.pt --model "$MODELS"
+  cp /tmp/dropab_new/*.py "$dst/"
+  step "new = old, bit for bit" "$OUT/dropab_bits.log" -- python3 -m moe_ep.bench.layer_bits compare \
+      /tmp/dropab_new.pt /tmp/dropab_old.pt
+  for r in $(seq 1 "${DROPAB_ROUNDS:-2}"); do for v in new old; do
+    if [ $v = new ]; then cp /tmp/dropab_new/*.py "$dst/"; else cp "$ab"/*.py "$dst/"; fi
+    for q in "" fp8_block128; do
+      step "layer ${q:-bf16}, drop files $v, round $r" "$OUT/dropab_${v}_${q:-bf16}_r$r.log" -- python3 -m moe_ep.bench \
+          "${common[@]}" ${q:+--quant $q} --no-reference --no-decode --csv "$OUT/dropab_${v}_${q:-bf16}_r$r.csv"
+    done
+  done; done
+  cp /tmp/dropab_new/*.py "$dst/"
 fi
 if [ "$mode" = ceiling ]; then
   # what torch's own GEMM kernels allow, beside our layers in the same call: the BF16 and FP8 layers
