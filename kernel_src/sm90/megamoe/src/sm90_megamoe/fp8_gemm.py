@@ -729,9 +729,6 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
             # this thread's two accumulator rows inside the tile
             r_lo = tCcC[0][0]
             r_hi = tCcC[2][0]
-            # (drop v43) the first of this warpgroup's 64 rows in the tile: a unit whose rows end
-            # before it gives this warpgroup no WGMMAs (an expert's last m-tile often holds < 64)
-            my_row0 = (warp_group_idx - 1) * (self.tile_m // 2)
             expert = cutlass.Int32(0)
             q_unit = cutlass.Int32(0)  # fused_quant: units this CTA has stored
             tile_id = unit0
@@ -748,32 +745,76 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                     sr_lo = gather[1][ra_lo]
                     sr_hi = gather[1][ra_hi]
                 kept = None  # requant: half 0's bf16 outputs and row amaxes, for half 1
-                idle = rows_left <= my_row0
                 for half in cutlass.range_constexpr(self.halves):
                     n0 = self._n0(n_tile, half)
                     sc = (mAScale, mBScale, sr_lo, sr_hi, expert, n0, sScale, r_lo, r_hi)  # for _scales
-                    if idle:
-                        # none of this warpgroup's rows: release each stage once filled (the
-                        # accumulators keep stale values, which the epilogue's row mask drops)
-                        for k_tile in range(k_tiles):
+                    for h in cutlass.range_constexpr(self.n_mma):
+                        accs[h].fill(0.0)
+
+                    if cutlass.const_expr(self.overlap_promotion and not self.overlap_chunk):
+                        # k-tile t's WGMMAs in flight while t-1 is promoted (module docstring);
+                        # k-tile 0 -> set A (parts)
+                        ab_pipeline.consumer_wait(state)
+                        tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts, state.index, num_k_blocks)
+                        state.advance()
+                        a_lo, a_hi, a_b0, a_b1 = self._scales(sc, state, True, 0)
+                        # pairs (t, t + 1) = (1 + 2p, 2 + 2p): t -> set B (parts2), t + 1 -> set A
+                        for p in cutlass.range_constexpr((k_tiles - 1) // 2):  # unrolled: see OVERLAP_MAX_K_TILES
+                            t = 1 + 2 * p
                             ab_pipeline.consumer_wait(state)
-                            ab_pipeline.consumer_release(state)
+                            tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts2, state.index, num_k_blocks)
                             state.advance()
-                            if cutlass.const_expr(self.overlap_promotion):
-                                rel.advance()
-                    else:
-                        for h in cutlass.range_constexpr(self.n_mma):
-                            accs[h].fill(0.0)
-                        if cutlass.const_expr(self.overlap_promotion and not self.overlap_chunk):
-                            # k-tile t's WGMMAs in flight while t-1 is promoted (module docstring);
-                            # k-tile 0 -> set A (parts)
+                            b_lo, b_hi, b_b0, b_b1 = self._scales(sc, state, True, t)
+                            warpgroup.wait_group(1)  # set A's group (t - 1) is done; B's may run
+                            self._fence(parts, n_mma_elems)
+                            ab_pipeline.consumer_release(rel)
+                            rel.advance()
+                            self._promote(accs, parts, a_lo, a_hi, a_b0, a_b1, n_mma_elems)
                             ab_pipeline.consumer_wait(state)
                             tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts, state.index, num_k_blocks)
                             state.advance()
-                            a_lo, a_hi, a_b0, a_b1 = self._scales(sc, state, True, 0)
-                            # pairs (t, t + 1) = (1 + 2p, 2 + 2p): t -> set B (parts2), t + 1 -> set A
-                            for p in cutlass.range_constexpr((k_tiles - 1) // 2):  # unrolled: see OVERLAP_MAX_K_TILES
-                                t = 1 + 2 * p
+                            a_lo, a_hi, a_b0, a_b1 = self._scales(sc, state, True, t + 1)
+                            warpgroup.wait_group(1)  # set B's group (t) is done
+                            self._fence(parts2, n_mma_elems)
+                            ab_pipeline.consumer_release(rel)
+                            rel.advance()
+                            self._promote(accs, parts2, b_lo, b_hi, b_b0, b_b1, n_mma_elems)
+                        if cutlass.const_expr((k_tiles - 1) % 2 == 1):
+                            # one k-tile left (k_tiles even): set B, then both sets drain
+                            ab_pipeline.consumer_wait(state)
+                            tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts2, state.index, num_k_blocks)
+                            state.advance()
+                            b_lo, b_hi, b_b0, b_b1 = self._scales(sc, state, True, k_tiles - 1)
+                            warpgroup.wait_group(1)
+                            self._fence(parts, n_mma_elems)
+                            ab_pipeline.consumer_release(rel)
+                            rel.advance()
+                            self._promote(accs, parts, a_lo, a_hi, a_b0, a_b1, n_mma_elems)
+                            warpgroup.wait_group(0)
+                            self._fence(parts2, n_mma_elems)
+                            ab_pipeline.consumer_release(rel)
+                            rel.advance()
+                            self._promote(accs, parts2, b_lo, b_hi, b_b0, b_b1, n_mma_elems)
+                        else:
+                            warpgroup.wait_group(0)
+                            self._fence(parts, n_mma_elems)
+                            ab_pipeline.consumer_release(rel)
+                            rel.advance()
+                            self._promote(accs, parts, a_lo, a_hi, a_b0, a_b1, n_mma_elems)
+                    elif cutlass.const_expr(self.overlap_chunk):
+                        # drop v25: the same schedule in chunks of C (even) k-tiles, each traced once
+                        # (one copy in the instruction cache) and drained at its end, so no WGMMA
+                        # group is in flight across the chunk loop's back-edge. Per chunk at k0:
+                        # k0 -> set A; pairs (t, t + 1) -> B, A; k0 + C - 1 -> B; drain.
+                        C = self.overlap_chunk
+                        for chunk in range(k_tiles // C):
+                            k0 = chunk * C
+                            ab_pipeline.consumer_wait(state)
+                            tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts, state.index, num_k_blocks)
+                            state.advance()
+                            a_lo, a_hi, a_b0, a_b1 = self._scales(sc, state, True, k0)
+                            for p in cutlass.range_constexpr(C // 2):
+                                t = k0 + 1 + 2 * p
                                 ab_pipeline.consumer_wait(state)
                                 tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts2, state.index, num_k_blocks)
                                 state.advance()
@@ -783,82 +824,28 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                                 ab_pipeline.consumer_release(rel)
                                 rel.advance()
                                 self._promote(accs, parts, a_lo, a_hi, a_b0, a_b1, n_mma_elems)
-                                ab_pipeline.consumer_wait(state)
-                                tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts, state.index, num_k_blocks)
-                                state.advance()
-                                a_lo, a_hi, a_b0, a_b1 = self._scales(sc, state, True, t + 1)
-                                warpgroup.wait_group(1)  # set B's group (t) is done
-                                self._fence(parts2, n_mma_elems)
-                                ab_pipeline.consumer_release(rel)
-                                rel.advance()
-                                self._promote(accs, parts2, b_lo, b_hi, b_b0, b_b1, n_mma_elems)
-                            if cutlass.const_expr((k_tiles - 1) % 2 == 1):
-                                # one k-tile left (k_tiles even): set B, then both sets drain
-                                ab_pipeline.consumer_wait(state)
-                                tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts2, state.index, num_k_blocks)
-                                state.advance()
-                                b_lo, b_hi, b_b0, b_b1 = self._scales(sc, state, True, k_tiles - 1)
-                                warpgroup.wait_group(1)
-                                self._fence(parts, n_mma_elems)
-                                ab_pipeline.consumer_release(rel)
-                                rel.advance()
-                                self._promote(accs, parts, a_lo, a_hi, a_b0, a_b1, n_mma_elems)
-                                warpgroup.wait_group(0)
-                                self._fence(parts2, n_mma_elems)
-                                ab_pipeline.consumer_release(rel)
-                                rel.advance()
-                                self._promote(accs, parts2, b_lo, b_hi, b_b0, b_b1, n_mma_elems)
-                            else:
-                                warpgroup.wait_group(0)
-                                self._fence(parts, n_mma_elems)
-                                ab_pipeline.consumer_release(rel)
-                                rel.advance()
-                                self._promote(accs, parts, a_lo, a_hi, a_b0, a_b1, n_mma_elems)
-                        elif cutlass.const_expr(self.overlap_chunk):
-                            # drop v25: the same schedule in chunks of C (even) k-tiles, each traced once
-                            # (one copy in the instruction cache) and drained at its end, so no WGMMA
-                            # group is in flight across the chunk loop's back-edge. Per chunk at k0:
-                            # k0 -> set A; pairs (t, t + 1) -> B, A; k0 + C - 1 -> B; drain.
-                            C = self.overlap_chunk
-                            for chunk in range(k_tiles // C):
-                                k0 = chunk * C
-                                ab_pipeline.consumer_wait(state)
-                                tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts, state.index, num_k_blocks)
-                                state.advance()
-                                a_lo, a_hi, a_b0, a_b1 = self._scales(sc, state, True, k0)
-                                for p in cutlass.range_constexpr(C // 2):
-                                    t = k0 + 1 + 2 * p
+                                if cutlass.const_expr(p < C // 2 - 1):  # t + 1 -> set A
                                     ab_pipeline.consumer_wait(state)
-                                    tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts2, state.index, num_k_blocks)
+                                    tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts, state.index, num_k_blocks)
                                     state.advance()
-                                    b_lo, b_hi, b_b0, b_b1 = self._scales(sc, state, True, t)
-                                    warpgroup.wait_group(1)  # set A's group (t - 1) is done; B's may run
-                                    self._fence(parts, n_mma_elems)
-                                    ab_pipeline.consumer_release(rel)
-                                    rel.advance()
-                                    self._promote(accs, parts, a_lo, a_hi, a_b0, a_b1, n_mma_elems)
-                                    if cutlass.const_expr(p < C // 2 - 1):  # t + 1 -> set A
-                                        ab_pipeline.consumer_wait(state)
-                                        tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts, state.index, num_k_blocks)
-                                        state.advance()
-                                        a_lo, a_hi, a_b0, a_b1 = self._scales(sc, state, True, t + 1)
-                                        warpgroup.wait_group(1)  # set B's group (t) is done
-                                    else:  # t = k0 + C - 1, the chunk's last: drain
-                                        warpgroup.wait_group(0)
-                                    self._fence(parts2, n_mma_elems)
-                                    ab_pipeline.consumer_release(rel)
-                                    rel.advance()
-                                    self._promote(accs, parts2, b_lo, b_hi, b_b0, b_b1, n_mma_elems)
-                        else:
-                            for k_tile in range(k_tiles):
-                                ab_pipeline.consumer_wait(state)
-                                tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts, state.index, num_k_blocks)
-                                # scales of this k-tile: loaded while the WGMMAs run
-                                sa_lo, sa_hi, sb0, sb1 = self._scales(sc, state, False, k_tile)
-                                warpgroup.wait_group(0)
-                                ab_pipeline.consumer_release(state)
-                                state.advance()
-                                self._promote(accs, parts, sa_lo, sa_hi, sb0, sb1, n_mma_elems)
+                                    a_lo, a_hi, a_b0, a_b1 = self._scales(sc, state, True, t + 1)
+                                    warpgroup.wait_group(1)  # set B's group (t) is done
+                                else:  # t = k0 + C - 1, the chunk's last: drain
+                                    warpgroup.wait_group(0)
+                                self._fence(parts2, n_mma_elems)
+                                ab_pipeline.consumer_release(rel)
+                                rel.advance()
+                                self._promote(accs, parts2, b_lo, b_hi, b_b0, b_b1, n_mma_elems)
+                    else:
+                        for k_tile in range(k_tiles):
+                            ab_pipeline.consumer_wait(state)
+                            tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts, state.index, num_k_blocks)
+                            # scales of this k-tile: loaded while the WGMMAs run
+                            sa_lo, sa_hi, sb0, sb1 = self._scales(sc, state, False, k_tile)
+                            warpgroup.wait_group(0)
+                            ab_pipeline.consumer_release(state)
+                            state.advance()
+                            self._promote(accs, parts, sa_lo, sa_hi, sb0, sb1, n_mma_elems)
 
                     # ---------------- epilogue: activation, row scale, masked bf16 stores
                     acc0 = accs[0]

@@ -225,9 +225,6 @@ class GroupedGemmSm90:
         self.epi_n = 64 if tile_n % 64 == 0 else tile_n
         self.epi_pad = 8  # row pitch epi_n + 8 elements: conflict-free 32-bit fragment writes
         self.epi_smem_elems = self.tile_m * (self.epi_n + self.epi_pad)
-        # drop v43: a cooperative / wide consumer warpgroup skips the WGMMAs of a tile none of
-        # whose rows it owns (the other warpgroup then has the tensor cores to itself)
-        self.idle_halves = not self.pingpong
 
     # ------------------------------------------------------------------ host helpers
     def static_shapes(self, n: int, k: int) -> Tuple[int, int]:
@@ -677,10 +674,6 @@ class GroupedGemmSm90:
             release_state = pipeline.make_pipeline_state(
                 pipeline.PipelineUserType.Consumer, self.num_stages
             )
-            # cooperative / wide: the first of this warpgroup's 64 rows in the tile (warpgroup 1:
-            # row 0, warpgroup 2: row 64). A tile whose rows end before it gives this warpgroup
-            # no WGMMAs: it only walks the stages (an expert's last m-tile often holds < 64 rows)
-            my_row0 = (warp_group_idx - 1) * (self.tile_m // 2)
             expert = cutlass.Int32(0)
             tile_id = unit0
             tile_step = unit_step
@@ -700,42 +693,32 @@ class GroupedGemmSm90:
                 if cutlass.const_expr(self.pingpong):
                     if tile_id != bidx:  # all but warpgroup 0's first tile wait for their turn
                         order_mine.arrive_and_wait()
-                idle = False
-                if cutlass.const_expr(self.idle_halves):
-                    idle = row_end - row0 <= my_row0
-                # (drop v43) none of this warpgroup's rows: release each stage once filled; the
-                # accumulators keep the last tile's values, which the epilogue's row mask drops.
-                # Else the first k-block's WGMMAs start the sums (scale-d = 0) instead of adding to
-                # zeroed registers (which would route their inputs through register copies)
-                if idle:
-                    for k_tile in range(k_tiles):
-                        ab_pipeline.consumer_wait(read_state)
-                        ab_pipeline.consumer_release(release_state)
-                        release_state.advance()
-                        read_state.advance()
+                if cutlass.const_expr(self.wide):
+                    acc_wide.fill(0.0)
                 else:
-                    warpgroup.fence()
+                    for h in cutlass.range_constexpr(self.num_b):
+                        accs[h].fill(0.0)
+                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
+                warpgroup.fence()
+                ab_pipeline.consumer_wait(read_state)
+                self._mma_k_tile(tiled_mma, accs, acc_wide, tCrA, tCrB, read_state.index, num_k_blocks)
+                warpgroup.commit_group()
+                read_state.advance()
+                for k_tile in range(1, k_tiles):
                     ab_pipeline.consumer_wait(read_state)
-                    tiled_mma = self._mma_k_tile(tiled_mma, accs, acc_wide, tCrA, tCrB, read_state.index,
-                                                 num_k_blocks, first=True)
+                    self._mma_k_tile(tiled_mma, accs, acc_wide, tCrA, tCrB, read_state.index, num_k_blocks)
                     warpgroup.commit_group()
-                    read_state.advance()
-                    for k_tile in range(1, k_tiles):
-                        ab_pipeline.consumer_wait(read_state)
-                        tiled_mma = self._mma_k_tile(tiled_mma, accs, acc_wide, tCrA, tCrB, read_state.index,
-                                                     num_k_blocks)
-                        warpgroup.commit_group()
-                        # the previous stage's WGMMAs are done -> hand its buffers back to TMA
-                        warpgroup.wait_group(1)
-                        ab_pipeline.consumer_release(release_state)
-                        release_state.advance()
-                        read_state.advance()
-                    if cutlass.const_expr(self.pingpong):
-                        if tile_id + gdim < total_tiles:  # the other warpgroup has the next tile
-                            order_next.arrive()
-                    warpgroup.wait_group(0)
+                    # the previous stage's WGMMAs are done -> hand its buffers back to TMA
+                    warpgroup.wait_group(1)
                     ab_pipeline.consumer_release(release_state)
                     release_state.advance()
+                    read_state.advance()
+                if cutlass.const_expr(self.pingpong):
+                    if tile_id + gdim < total_tiles:  # the other warpgroup has the next tile
+                        order_next.arrive()
+                warpgroup.wait_group(0)
+                ab_pipeline.consumer_release(release_state)
+                release_state.advance()
                 if cutlass.const_expr(self.wide):  # split into the gate and up accumulators
                     for i in cutlass.range_constexpr(n_elems):
                         accs[0][i] = acc_wide[i]
@@ -762,16 +745,10 @@ class GroupedGemmSm90:
                         release_state.advance()
                 tile_id = tile_id + tile_step
 
-    def _mma_k_tile(self, tiled_mma, accs, acc_wide, tCrA, tCrB, stage, num_k_blocks: cutlass.Constexpr,
-                    first: bool = False):
+    def _mma_k_tile(self, tiled_mma, accs, acc_wide, tCrA, tCrB, stage, num_k_blocks: cutlass.Constexpr):
         """The WGMMAs of one k-tile (stage ``stage``): per k-block one over the wide B tile (wide)
-        or one per B slot (gate, up) of the stage. ``first``: the tile's first k-tile, whose first
-        k-block overwrites the accumulators (scale-d = 0). Returns ``tiled_mma`` (its accumulate
-        flag is a traced value: the caller rebinds it)."""
-        tiled_mma.set(warpgroup.Field.ACCUMULATE, not first)
+        or one per B slot (gate, up) of the stage."""
         for kb in range(num_k_blocks):
-            if first and kb == 1:
-                tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
             if self.wide:
                 cute.gemm(tiled_mma, acc_wide, tCrA[(None, None, kb, stage)], tCrB[(None, None, kb, stage)],
                           acc_wide)
@@ -784,7 +761,6 @@ class GroupedGemmSm90:
                         tCrB[(None, None, kb, stage * self.num_b + h)],
                         accs[h],
                     )
-        return tiled_mma
 
     @cute.jit
     def _activate(
