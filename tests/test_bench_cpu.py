@@ -507,3 +507,29 @@ def test_ceiling_job_says_it_needs_a_gpu_on_cpu():
     p = _bench("ceiling", "--model", "qwen3")
     assert p.returncode == 0, p.stderr[-2000:]
     assert "needs a CUDA GPU" in p.stdout
+
+
+def test_layer_bits_compare_tells_one_flipped_bit(tmp_path, capsys):
+    """``bench/layer_bits.py compare``: exit 0 only when every case is bit-identical, and it names
+    the case that is not (a flipped low bit, a missing case)."""
+    import torch
+
+    from moe_ep.bench.layer_bits import compare
+
+    g = torch.Generator().manual_seed(3)
+    a = {"qwen3 bf16 T=8 uniform": torch.randn(8, 16, generator=g).to(torch.bfloat16),
+         "qwen3 fp8_block128 T=8 skewed": torch.randn(8, 16, generator=g).to(torch.bfloat16)}
+    b = {k: v.clone() for k, v in a.items()}
+    torch.save(a, tmp_path / "a.pt")
+    torch.save(b, tmp_path / "b.pt")
+    assert compare(str(tmp_path / "a.pt"), str(tmp_path / "b.pt")) == 0
+    flipped = b["qwen3 bf16 T=8 uniform"].view(torch.int16).clone()
+    flipped[3, 5] ^= 1  # one ulp of one element
+    b["qwen3 bf16 T=8 uniform"] = flipped.view(torch.bfloat16)
+    del b["qwen3 fp8_block128 T=8 skewed"]
+    torch.save(b, tmp_path / "b.pt")
+    capsys.readouterr()
+    assert compare(str(tmp_path / "a.pt"), str(tmp_path / "b.pt")) == 1
+    out = capsys.readouterr().out
+    assert "qwen3 bf16 T=8 uniform: bit-identical False" in out
+    assert "qwen3 fp8_block128 T=8 skewed: bit-identical False" in out
