@@ -218,6 +218,7 @@ if [ "$mode" = dropab ]; then
   [ "${#groups[@]}" -gt 0 ] && run_groups "${TEST_BUDGET:-200}" "${groups[@]}"
   dst=$(python3 -c "import moe_ep, os; print(os.path.dirname(moe_ep.__file__))")/kernel_src/sm90/megamoe/src/sm90_megamoe
   ab=${DROPAB_DIR:-.device/exp/old}; mkdir -p /tmp/dropab_new
+  if ! compgen -G "$ab/*.py" > /dev/null; then echo "dropab: no drop files in $ab (DROPAB_DIR)" >&2; exit 2; fi
   for f in "$ab"/*.py; do cp "$dst/$(basename "$f")" /tmp/dropab_new/; done
   # bits first: the layer's outputs on fixed inputs with each set of files, compared (bench/layer_bits.py)
   step "layer outputs, drop files new" "$OUT/dropab_bits_new.log" -- python3 -m moe_ep.bench.layer_bits dump \
