@@ -213,30 +213,32 @@ if [ "$mode" = dropab ]; then
   # groups) first, then the layer (MODELS; BF16 and FP8) with the checkout's drop files ("new") and with the
   # files in DROPAB_DIR (default .device/exp/old; same names, copied over the installed copy in /tmp/proj:
   # "old"), interleaved, DROPAB_ROUNDS (2) rounds -> $OUT/dropab_<new|old>_<bf16|fp8>_r<r>.{log,csv}.
-  # Build the carried compile cache for both trees (the old one from a worktree of the commit before).
+  # Build the carried compile cache for both trees (the old one from a copy of the checkout with those
+  # files in, imported through a link named moe_ep on PYTHONPATH: SKILL.md).
+  ab=${DROPAB_DIR:-.device/exp/old}
+  if ! compgen -G "$ab/*.py" > /dev/null; then echo "dropab: no drop files in $ab (DROPAB_DIR)" >&2; exit 2; fi
   IFS='|' read -r -a groups <<< "${DROPAB_GROUPS:-}"
   [ "${#groups[@]}" -gt 0 ] && run_groups "${TEST_BUDGET:-200}" "${groups[@]}"
   dst=$(python3 -c "import moe_ep, os; print(os.path.dirname(moe_ep.__file__))")/kernel_src/sm90/megamoe/src/sm90_megamoe
-  ab=${DROPAB_DIR:-.device/exp/old}; mkdir -p /tmp/dropab_new
-  if ! compgen -G "$ab/*.py" > /dev/null; then echo "dropab: no drop files in $ab (DROPAB_DIR)" >&2; exit 2; fi
+  mkdir -p /tmp/dropab_new
   for f in "$ab"/*.py; do cp "$dst/$(basename "$f")" /tmp/dropab_new/; done
+  use_files() { if [ "$1" = new ]; then cp /tmp/dropab_new/*.py "$dst/"; else cp "$ab"/*.py "$dst/"; fi; }
   # bits first: the layer's outputs on fixed inputs with each set of files, compared (bench/layer_bits.py)
-  step "layer outputs, drop files new" "$OUT/dropab_bits_new.log" -- python3 -m moe_ep.bench.layer_bits dump \
-      /tmp/dropab_new.pt --model "$MODELS"
-  cp "$ab"/*.py "$dst/"
-  step "layer outputs, drop files old" "$OUT/dropab_bits_old.log" -- python3 -m moe_ep.bench.layer_bits dump \
-      /tmp/dropab_old.pt --model "$MODELS"
-  cp /tmp/dropab_new/*.py "$dst/"
+  for v in new old; do
+    use_files $v
+    step "layer outputs, drop files $v" "$OUT/dropab_bits_$v.log" -- python3 -m moe_ep.bench.layer_bits dump \
+        "/tmp/dropab_$v.pt" --model "$MODELS"
+  done
   step "new = old, bit for bit" "$OUT/dropab_bits.log" -- python3 -m moe_ep.bench.layer_bits compare \
       /tmp/dropab_new.pt /tmp/dropab_old.pt
   for r in $(seq 1 "${DROPAB_ROUNDS:-2}"); do for v in new old; do
-    if [ $v = new ]; then cp /tmp/dropab_new/*.py "$dst/"; else cp "$ab"/*.py "$dst/"; fi
+    use_files $v
     for q in "" fp8_block128; do
       step "layer ${q:-bf16}, drop files $v, round $r" "$OUT/dropab_${v}_${q:-bf16}_r$r.log" -- python3 -m moe_ep.bench \
           "${common[@]}" ${q:+--quant $q} --no-reference --no-decode --csv "$OUT/dropab_${v}_${q:-bf16}_r$r.csv"
     done
   done; done
-  cp /tmp/dropab_new/*.py "$dst/"
+  use_files new
 fi
 if [ "$mode" = ceiling ]; then
   # what torch's own GEMM kernels allow, beside our layers in the same call: the BF16 and FP8 layers

@@ -47,7 +47,9 @@ def compare(a: str, b: str) -> int:
     A, B = torch.load(a), torch.load(b)
     bad = 0
     for name in sorted(set(A) | set(B)):
-        same = name in A and name in B and torch.equal(A[name].view(torch.int16), B[name].view(torch.int16))
+        # bytes, not values: NaN == NaN and -0 != +0, whatever the output dtype
+        same = (name in A and name in B and A[name].dtype == B[name].dtype and A[name].shape == B[name].shape
+                and torch.equal(A[name].contiguous().view(torch.uint8), B[name].contiguous().view(torch.uint8)))
         bad += not same
         print(f"[layer_bits] {name}: bit-identical {same}", flush=True)
     return 1 if bad else 0
