@@ -138,6 +138,10 @@ suite_groups=(
   "tests/test_ep_gpu.py;tests/test_disk_cache.py;tests/test_transformers_integration.py;tests/test_sm90_fp8_quant.py;tests/test_fp8_quant_div.py;tests/test_fp8_scatter_quant.py;tests/test_fp8_cluster.py;tests/test_fp8_plain_schedule.py;tests/test_fp8_smem_scales.py;tests/test_bf16_cluster.py;tests/test_blackwell_backends.py"
   "tests/test_sm90_fp8_compile.py" "tests/test_sm90_swapab_compile.py;tests/test_gather_tma.py"
 )
+# SUITE_PICK="i j ...": only those of the groups above (0-based), e.g. the ones a cut call left unrun
+if [ -n "${SUITE_PICK:-}" ]; then
+  picked=(); for i in $SUITE_PICK; do picked+=("${suite_groups[$i]}"); done; suite_groups=("${picked[@]}")
+fi
 if [ "$N" -gt 1 ]; then bench=(torchrun --standalone --nproc_per_node="$N" -m moe_ep.bench); else bench=(python3 -m moe_ep.bench); fi
 
 if [ "$mode" = all ] || [ "$mode" = moe ]; then
