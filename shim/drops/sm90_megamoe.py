@@ -51,7 +51,7 @@ from ..nvshmem_boot import CounterContract
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 45},
+    "sm90_megamoe": {"DROP_VERSION": 46},
     "sm90_megamoe.fp8_gemm": {"FP8_BLOCK": 128, "OVERLAP_MAX_K_TILES": 32, "OVERLAP_MAX_CHUNK": 16},
     "sm90_megamoe.constants": {
         "ABI_VERSION": 2,
@@ -91,7 +91,7 @@ CONTRACT = DropContract(
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.__init__",
                     ("activation", "n", "k", "num_experts", "scale_rows", "tile_n", "bias_dtype",
                      "raster_m", "swiglu_alpha", "swiglu_limit", "schedule", "compiled", "tvm_ffi",
-                     "early_weights", "gather_a", "cluster_m", "gather_tma")),
+                     "early_weights", "gather_a", "cluster_m", "gather_tma", "half_tiles")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_converted",
                     ("args", "max_active_ctas", "stream")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_tensors",
@@ -332,24 +332,26 @@ def use_bf16_cluster(schedule: str, gather_a: bool = False) -> int:
     """CTAs per cluster of the BF16 grouped GEMM (drop v29, ``cluster_m``): 2 with
     ``MOE_EP_BF16_CLUSTER=1`` for the cooperative and wide schedules (not pingpong, swap-AB or the
     gathering kernel) -- the two CTAs of a cluster compute an m-tile pair of one expert and each
-    loads half of the weight tile, multicast into both (a third less L2 -> SM traffic per stage for
-    FC1); else 1. Opt-in: on the H200 (eleventh session) bit-identical but no faster -- the BF16
-    layer with the switch 0 / 1 / 0 / 1 interleaved, graph TFLOP/s: Qwen3 442.0 / 439.2 / 447.7 /
-    432.0, Mixtral 595.6 / 588.7 / 595.4 / 601.7 (docs/PERFORMANCE.md)."""
+    loads half of the weight tile, multicast into both; else 1. Opt-in: bit-identical on the H200
+    but no faster (eleventh session, docs/PERFORMANCE.md)."""
     if os.environ.get("MOE_EP_BF16_CLUSTER", "0") != "1" or gather_a:
         return 1
     return 2 if schedule in ("cooperative", "wide") else 1
 
 
 def use_gather_tma(gather_a: bool) -> bool:
-    """Whether a gathering BF16 GEMM (``gather_a``; the layer's FC1 with ``MOE_EP_GATHER_FC1=1``)
-    loads each A row by one TMA copy (drop v41, ``gather_tma``) instead of cp.async: with
-    ``MOE_EP_GATHER_TMA=1``. Opt-in: on the H200 (sixteenth session) one-row TMA loads do land
-    swizzled by their shared-memory address (``sm90_megamoe.tma_rows_probe``, drop v43) and the
-    kernel is bit-identical to the cp.async gather and the plain FC1, but slower: Qwen3 FC1 0.892 ms
-    against 0.768 (cp.async rows) and 0.127 + 0.706 (row copy + plain FC1) -- one TMA per 128-byte
-    row costs ~53 cycles of the issuing warp, 13.5x a tile load's per byte."""
+    """Whether a gathering BF16 GEMM (``gather_a``) loads each A row by one TMA copy (drop v41,
+    ``gather_tma``): with ``MOE_EP_GATHER_TMA=1``. Opt-in: bit-identical but slower on the H200
+    (Qwen3 FC1 0.892 ms vs 0.768 with cp.async rows; docs/LIMITS.md)."""
     return bool(gather_a) and os.environ.get("MOE_EP_GATHER_TMA", "0") == "1"
+
+
+def use_half_tiles(schedule: str, tile: int, gather_a: bool, cluster_m: int) -> bool:
+    """Drop v46 ``half_tiles``: a cooperative tile of <= 64 rows (an expert's last) is split along N
+    between the two warpgroups (tile % 128 == 0, no clusters, no gathering; same bits). On unless
+    ``MOE_EP_HALF_TILES=0``."""
+    return (os.environ.get("MOE_EP_HALF_TILES", "1") == "1" and schedule == "cooperative"
+            and tile % 128 == 0 and not gather_a and cluster_m == 1)
 
 
 @dataclass(frozen=True)
@@ -377,6 +379,7 @@ class GemmKey:
     gather_a: bool = False
     cluster_m: int = 1
     gather_tma: bool = False
+    half_tiles: bool = False
 
 
 class GroupedGemm:
@@ -490,7 +493,8 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
     key = GemmKey(CONSTANTS.value(PKG, "DROP_VERSION"), _C["ABI_VERSION"], _cutlass_version(), "sm_90a",
                   "bf16", activation, n, k, num_experts, bool(scale_rows), tile, bias, raster, alpha, limit,
                   schedule, ffi, early, bool(gather_a), use_bf16_cluster(schedule, gather_a),
-                  use_gather_tma(gather_a))
+                  use_gather_tma(gather_a),
+                  use_half_tiles(schedule, tile, gather_a, use_bf16_cluster(schedule, gather_a)))
 
     def build():
         launch = _load("sm90_megamoe.launch")
@@ -504,10 +508,12 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
             kw.update(gather_tma=True)
         if key.cluster_m > 1:
             kw.update(cluster_m=key.cluster_m)
+        if key.half_tiles:
+            kw.update(half_tiles=True)
         if activation == "clamped_swiglu":
             kw.update(swiglu_alpha=alpha, swiglu_limit=limit)
         name = (f"gemm_{activation}" + ("_gather" if gather_a else "") + ("_tma" if key.gather_tma else "")
-                + ("_cluster2" if key.cluster_m > 1 else ""))
+                + ("_cluster2" if key.cluster_m > 1 else "") + ("_half" if key.half_tiles else ""))
         fn = disk_cache.get_or_build(cache_namespace(), name, key,
                                      lambda: launch.CompiledGroupedGemm(**kw).compiled, tvm_ffi=ffi)
         return launch.CompiledGroupedGemm(**kw, compiled=fn)

@@ -63,6 +63,7 @@ def compile_for_arch(
     swiglu_limit: float = 7.0,
     schedule: str = "cooperative",
     gather_a: bool = False,
+    half_tiles: bool = False,
 ):
     """Compile one variant for ``arch`` from fake tensors. ``bias_dtype``: None (no bias),
     "float32" or "bfloat16"; ``gather_a``: the gathering kernel (:mod:`.grouped_gemm_gather`)."""
@@ -71,7 +72,8 @@ def compile_for_arch(
         from .grouped_gemm_gather import GroupedGemmGatherSm90 as cls
     kernel = cls(activation, tile_n=tile_n, scale_rows=scale_rows, epilogue=epilogue,
                  has_bias=bias_dtype is not None, raster_m=raster_m,
-                 swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, schedule=schedule)
+                 swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, schedule=schedule,
+                 **({"half_tiles": True} if half_tiles else {}))
     args = fake_args(kernel, num_experts, n, k, bias_dtype=bias_dtype or "float32")
     opts = f"--gpu-arch {arch} --keep-ptx {extra_options}".strip()
     return cute.compile(kernel, *args, options=opts)

@@ -23,8 +23,14 @@ from .reference import grouped_gemm_reference
 
 
 def make_offsets(m_total: int, experts: int, routing: str, gen: torch.Generator) -> torch.Tensor:
-    """[E+1] int32 CPU offsets. uniform: near-equal counts; skewed: Zipf-like with empty experts."""
-    if routing == "uniform":
+    """[E+1] int32 CPU offsets. uniform: near-equal counts; skewed: Zipf-like with empty experts;
+    topk8: the counts of m_total / 8 tokens' top-8 of random logits (a layer's routing: Qwen3 at
+    65536 rows leaves about half of the experts' last m-tiles with <= 64 rows)."""
+    if routing == "topk8":
+        ids = torch.randn(max(1, m_total // 8), experts, generator=gen).topk(min(8, experts), -1).indices
+        counts = ids.flatten().bincount(minlength=experts)[:experts]
+        counts[0] += m_total - int(counts.sum())  # m_total not a multiple of 8
+    elif routing == "uniform":
         base = torch.full((experts,), m_total // experts, dtype=torch.int64)
         base[: m_total - int(base.sum())] += 1
         counts = base
@@ -291,6 +297,39 @@ def cluster(models, iters=20) -> bool:
     return ok
 
 
+def half_tiles(models, iters=20) -> bool:
+    """Drop v46: tiles of <= 64 rows split along N (``half_tiles``) against the plain cooperative
+    kernel on --model's FC1 and FC2 shapes: the same bits (NaN-poisoned outputs) on a layer's routing
+    (topk8), skewed, few and one rows, the float reference, then both timed on topk8, interleaved
+    twice (torch._grouped_mm beside)."""
+    ok = True
+    for name in models:
+        n1, k1, e, m, act, bias = WIDE_SHAPES[name]
+        for n, k, a_, sr, bd in ((n1, k1, act, False, bias), (k1, n1 // 2, "identity", True, None)):
+            t = time.time()
+            fns = {h: get_grouped_gemm(a_, n, k, e, scale_rows=sr, bias_dtype=bd, half_tiles=h) for h in (False, True)}
+            print(f"[half] {name} {a_} N={n} K={k}: compiled both in {time.time() - t:.1f}s", flush=True)
+            n_out = n // 2 if a_ in GATED_ACTIVATIONS else n
+            for m_, routing, seed in ((m, "topk8", 1), (4133, "skewed", 2), (300, "skewed", 4), (1, "skewed", 3),
+                                      (64 * e, "uniform", 5)):
+                a, b, offs, rs, bs = make_inputs(m_, n, k, e, a_, routing, sr, seed=seed, bias_dtype=bd)
+                outs = []
+                for h in (False, True):
+                    out = torch.full((m_, n_out), float("nan"), dtype=torch.bfloat16, device="cuda")
+                    fns[h](a, b, offs, out=out, row_scale=rs, bias=bs)
+                    outs.append(out)
+                torch.cuda.synchronize()
+                same = torch.equal(outs[0], outs[1]) and not bool(torch.isnan(outs[1]).any())
+                ok &= same
+                print(f"[half] {name} {a_} M={m_} {routing}: bit-identical to whole tiles={same}", flush=True)
+            ok &= check(fns[True], 5003, n, k, e, a_, "skewed", sr)
+            for _ in range(2):
+                for h in (False, True):
+                    print(f"[half] half_tiles={h}", flush=True)
+                    bench(fns[h], m, n, k, e, a_, "topk8", sr, iters=iters)
+    return ok
+
+
 def gather_tma(models, iters=20) -> bool:
     """Drop v41 (not yet run on a GPU): FC1 gathering its A rows by index with one TMA load per row
     (``gather_tma``) against the cp.async gathering FC1 (drop v23) and the plain FC1 on the rows
@@ -354,7 +393,7 @@ def main():
     p.add_argument("--k", type=int, default=2048)
     p.add_argument("--experts", type=int, default=128)
     p.add_argument("--activation", default="swiglu")
-    p.add_argument("--routing", default="uniform", choices=["uniform", "skewed"])
+    p.add_argument("--routing", default="uniform", choices=["uniform", "skewed", "topk8"])
     p.add_argument("--scale-rows", action="store_true")
     p.add_argument("--tile-n", type=int, default=None)
     p.add_argument("--num-stages", type=int, default=None)
@@ -366,6 +405,8 @@ def main():
     p.add_argument("--model", default="qwen3,mixtral", help=f"--wide, --cluster: comma list of {sorted(WIDE_SHAPES)}")
     p.add_argument("--cluster", action="store_true",
                    help="clusters of 2 (weight multicast) vs single CTAs on --model's FC1 and FC2 shapes")
+    p.add_argument("--half-tiles", action="store_true",
+                   help="tiles of <= 64 rows split along N vs whole tiles on --model's FC1 and FC2 shapes")
     p.add_argument("--gather-tma", action="store_true",
                    help="FC1 gathering rows by one TMA load per row vs cp.async vs plain, on --model's FC1 shapes")
     p.add_argument("--raster-bench", action="store_true", help="--suite --bench: also raster_m=1 vs default")
@@ -379,6 +420,8 @@ def main():
         raise SystemExit(0 if wide(args.model.split(",")) else 1)
     if args.cluster:
         raise SystemExit(0 if cluster(args.model.split(",")) else 1)
+    if args.half_tiles:
+        raise SystemExit(0 if half_tiles(args.model.split(",")) else 1)
     if args.gather_tma:
         raise SystemExit(0 if gather_tma(args.model.split(",")) else 1)
     t = time.time()

@@ -113,7 +113,7 @@ class CompiledGroupedGemm:
                  swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
                  schedule: str = "cooperative", compiled=None, tvm_ffi: bool = False,
                  early_weights: bool = False, gather_a: bool = False, cluster_m: int = 1,
-                 gather_tma: bool = False):
+                 gather_tma: bool = False, half_tiles: bool = False):
         """``compiled``: this variant's kernel compiled earlier (e.g. loaded from an exported
         object file, ``cute.runtime.load_module``); None compiles it here (sm_90a).
         ``tvm_ffi``: compile for (and launch through) TVM-FFI: :meth:`launch_tensors`.
@@ -126,7 +126,9 @@ class CompiledGroupedGemm:
         ``gather_tma`` (with ``gather_a``; drop v41, not yet run on a GPU): one TMA load per A row.
         ``cluster_m`` = 2 (cooperative / wide; drop v29): clusters of 2 CTAs computing an m-tile pair
         and multicasting B's halves; a call launches at most :func:`cluster_ctas` CTAs (worked out
-        when constructed with a GPU)."""
+        when constructed with a GPU).
+        ``half_tiles`` (cooperative, no clusters, no gathering, tile_n % 128 == 0; drop v46): tiles of
+        <= 64 rows split along N (:class:`GroupedGemmSm90`)."""
         from .compile_check import fake_args
 
         if bias_dtype not in _TORCH_BIAS:
@@ -157,7 +159,8 @@ class CompiledGroupedGemm:
                                           has_bias=bias_dtype is not None, raster_m=raster_m,
                                           swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
                                           schedule=schedule,
-                                          **({"cluster_m": cluster_m} if cluster_m > 1 else {}))
+                                          **({"cluster_m": cluster_m} if cluster_m > 1 else {}),
+                                          **({"half_tiles": True} if half_tiles else {}))
         if (gather_a or cluster_m > 1) and schedule == "swapab":
             raise ValueError("gather_a and cluster_m are 128-row kernel options (not schedule='swapab')")
         self.cluster_m = int(cluster_m)
@@ -165,6 +168,7 @@ class CompiledGroupedGemm:
         self._max_ctas = cluster_ctas(self.cluster_m) if self.cluster_m > 1 and torch.cuda.is_available() else None
         self.gather_a = bool(gather_a)
         self.gather_tma = bool(gather_tma)
+        self.half_tiles = bool(half_tiles)
         self.activation = activation
         self.schedule = schedule
         self.early_weights = bool(early_weights)
@@ -274,19 +278,20 @@ def get_grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_ro
                      epilogue: str = "smem", bias_dtype: Optional[str] = None,
                      raster_m: Optional[int] = None, swiglu_alpha: float = 1.702,
                      swiglu_limit: float = 7.0, schedule: str = "cooperative",
-                     tvm_ffi: bool = False, cluster_m: int = 1) -> CompiledGroupedGemm:
+                     tvm_ffi: bool = False, cluster_m: int = 1, half_tiles: bool = False) -> CompiledGroupedGemm:
     """Cached compile. Key: everything static; routing and M_total are runtime."""
     if raster_m is None:
         raster_m = pick_raster_m(k)
     key = (ABI_VERSION, DROP_VERSION, cutlass.__version__ if hasattr(cutlass, "__version__") else "",
            activation, n, k, num_experts, bool(scale_rows), tile_n, num_stages, epilogue, bias_dtype,
-           raster_m, float(swiglu_alpha), float(swiglu_limit), schedule, bool(tvm_ffi), "sm_90a", int(cluster_m))
+           raster_m, float(swiglu_alpha), float(swiglu_limit), schedule, bool(tvm_ffi), "sm_90a", int(cluster_m),
+           bool(half_tiles))
     fn = _CACHE.get(key)
     if fn is None:
         fn = CompiledGroupedGemm(activation, n, k, num_experts, scale_rows, tile_n, num_stages,
                                  epilogue, bias_dtype=bias_dtype, raster_m=raster_m,
                                  swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
-                                 schedule=schedule, tvm_ffi=tvm_ffi, cluster_m=cluster_m)
+                                 schedule=schedule, tvm_ffi=tvm_ffi, cluster_m=cluster_m, half_tiles=half_tiles)
         _CACHE[key] = fn
     return fn
 
