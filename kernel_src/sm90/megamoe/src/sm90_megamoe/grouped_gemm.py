@@ -141,6 +141,9 @@ class GroupedGemmSm90:
     gather_tma = False  # drop v41: ... by one TMA load per row (``GroupedGemmGatherSm90(tma_rows=True)``)
     #: CTAs per cluster along M (drop v29: 2 = one m-tile pair per cluster, B multicast; set in __init__)
     cluster_m = 1
+    #: drop v46: tiles of <= 64 rows split along N (set in __init__; subclasses with their own
+    #: __init__, e.g. the FP8 GEMM, reuse the epilogue without it)
+    half_tiles = False
 
     def __init__(
         self,
