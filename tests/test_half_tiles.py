@@ -70,6 +70,8 @@ def test_shim_switch_and_key(monkeypatch):
     from moe_ep.shim.drops import sm90_megamoe as s
 
     monkeypatch.delenv("MOE_EP_HALF_TILES", raising=False)
+    assert not s.use_half_tiles("cooperative", 128, False, 1)  # opt-in (slower on the H200)
+    monkeypatch.setenv("MOE_EP_HALF_TILES", "1")
     assert s.use_half_tiles("cooperative", 128, False, 1) and s.use_half_tiles("cooperative", 256, False, 1)
     assert not s.use_half_tiles("cooperative", 64, False, 1)
     assert not s.use_half_tiles("pingpong", 128, False, 1) and not s.use_half_tiles("wide", 128, False, 1)
@@ -149,7 +151,7 @@ def test_gpu_half_tiles_are_bit_identical(act, n, k, kw, routing):
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 333, 4096])
 def test_gpu_layer_with_half_tiles_is_bit_identical(monkeypatch, T):
-    """MOE_EP_HALF_TILES=1 (the default) gives the bits of =0, eager and replayed from a poisoned
+    """MOE_EP_HALF_TILES=1 (opt-in) gives the default's bits (=0), eager and replayed from a poisoned
     CUDA graph."""
     _sm90()
     from moe_oracle import layer_outputs_with_switch

@@ -348,9 +348,9 @@ def use_gather_tma(gather_a: bool) -> bool:
 
 def use_half_tiles(schedule: str, tile: int, gather_a: bool, cluster_m: int) -> bool:
     """Drop v46 ``half_tiles``: a cooperative tile of <= 64 rows (an expert's last) is split along N
-    between the two warpgroups (tile % 128 == 0, no clusters, no gathering; same bits). On unless
-    ``MOE_EP_HALF_TILES=0``."""
-    return (os.environ.get("MOE_EP_HALF_TILES", "1") == "1" and schedule == "cooperative"
+    between the two warpgroups (tile % 128 == 0, no clusters, no gathering; same bits). Opt-in,
+    ``MOE_EP_HALF_TILES=1``: slower on the H200 (seventeenth session; docs/LIMITS.md)."""
+    return (os.environ.get("MOE_EP_HALF_TILES", "0") == "1" and schedule == "cooperative"
             and tile % 128 == 0 and not gather_a and cluster_m == 1)
 
 
