@@ -56,7 +56,8 @@ Design
   instead of M: both consumers take rows 0-63 and consumer h the columns ``[h bn/2, (h+1) bn/2)``
   (m64 x bn/2 WGMMAs over the same stage), so such a tile costs half the tensor-core time rather
   than leaving one warpgroup's WGMMAs on rows past the expert. Same k order per element: the same
-  bits. The producer is unchanged (it still loads the full A and B boxes).
+  bits. The producer is unchanged (it still loads the full A and B boxes). Bit-identical on the
+  H200 but slower in the layer (drop v47's note: Qwen3 4-7% back to back): an option, off by default.
 * ``cluster_m=2`` (drop v29; cooperative / wide): clusters of 2 CTAs. The scheduler counts m-tile
   pairs per expert; CTA r of a cluster computes m-tile ``2 p + r`` of pair p (for an odd count the
   last pair's second tile lies past the expert's rows: computed, never stored) and loads half of
@@ -961,9 +962,9 @@ class GroupedGemmSm90:
         half_tile=False,
     ):
         """Stage the tile through smem in epi_n-column chunks and store its rows below
-        ``rows_left``. ``half_tile`` (drop v46): rows 0-63 of the first tile_n/2 columns are
-        warpgroup 1's staging rows 0-63 (warpgroup 0's), those of the last tile_n/2 columns its
-        staging rows 64-127 (warpgroup 1's)."""
+        ``rows_left``. ``half_tile`` (drop v46): the tile has rows 0-63 only; for the first tile_n/2
+        columns they are staged in rows 0-63 (warpgroup 0's accumulators), for the last tile_n/2
+        in rows 64-127 (warpgroup 1's), which store to tile rows 0-63."""
         acc0 = accs[0]
         rC = cute.make_rmem_tensor(acc0.shape, self.c_dtype)
         rC.store(acc0.load().to(self.c_dtype))
