@@ -37,7 +37,7 @@ from moe_ep.backends import available, retain_runtime
 
 from .models import MODELS, draw_routing, model_config
 from .report import LEGEND, Row, env_line, format_tables, make_row, write_csv
-from .timing import back_to_back_ms, kernel_timeline, per_call_ms
+from .timing import back_to_back_ms, kernel_timeline, per_call_ms, phase_logged
 
 
 def make_inputs(cfg: MoEConfig, T: int, group: EPGroup, device, seed: int, skew: bool = False, weights=None):
@@ -131,15 +131,16 @@ def bench_backends(args, key: str, cfg: MoEConfig, T: int, group: EPGroup, devic
             # --rounds R: the three timings R times, interleaved, each the median over the rounds
             # (a drift of the clock or temperature over the run then reaches every mode alike)
             pcs, b2bs, gmss, note = [], [], [], ""
+            tag = f"{layer.backend_name} {key}"
             for _ in range(args.rounds):
-                pcs.append(per_call_ms(layer, inputs, args.iters, args.warmup))
+                pcs.append(phase_logged(f"{tag} per_call", per_call_ms, layer, inputs, args.iters, args.warmup))
                 if cuda:
-                    b2bs.append(back_to_back_ms(layer, inputs, args.iters, args.b2b_runs))
+                    b2bs.append(phase_logged(f"{tag} b2b", back_to_back_ms, layer, inputs, args.iters, args.b2b_runs))
                 if cuda and layer.backend_name != "reference" and not note:  # the reference backend syncs the host
                     from .ep import graph_ms
 
                     try:
-                        gmss.append(graph_ms(layer, inputs, group, args.iters))
+                        gmss.append(phase_logged(f"{tag} graph", graph_ms, layer, inputs, group, args.iters))
                     except Exception as e:  # noqa: BLE001
                         if group.world_size > 1:
                             raise

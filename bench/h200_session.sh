@@ -51,6 +51,9 @@
 #                once more, then the decode sweep with (PDL, token grid, layout chunks) = (0,0,all) (1,0,all)
 #                (0,1,all) (0,1,32) (0,1,8) (1,1,32), and the FP8 layer's decode sweep
 #                -> $OUT/decode_p*g*c*.{log,csv}. Each half is meant to fit one 600 s device call.
+# power:         the layer (MODELS) in BF16 and FP8, --rounds POWER_ROUNDS (3), with nvidia-smi sampling power,
+#                SM clock and temperature every 50 ms; bench/power.py splits the samples by timing mode
+#                (per call / b2b / graph) -> $OUT/power_<bf16|fp8>.{csv,log}, phases_*.txt, power_*_summary.log.
 # envab:         the layer (MODELS, QUANT) under each setting of ENVAB ('|'-separated, each a list of
 #                VAR=value), interleaved, ENVAB_ROUNDS (2) rounds -> $OUT/envab_s<i>_r<r>.{log,csv}.
 # dropab:        DROPAB_GROUPS' GPU tests, then the BF16 and FP8 layers with the checkout's drop files and with
@@ -75,7 +78,7 @@
 #   MOE_EP_COMMIT (the commit to print when the copy on the host has no .git).
 set -uo pipefail
 mode=${1:-all}
-modes="all|moe|fi|liger|extra|verify|verify2|ncu|layers|fp8ab|envab|dropab|ceiling|decide|decode|suite|suite1|suite2|suite3"
+modes="all|moe|fi|liger|extra|verify|verify2|ncu|layers|fp8ab|envab|power|dropab|ceiling|decide|decode|suite|suite1|suite2|suite3"
 case "|$modes|" in *"|$mode|"*) ;; *) echo "usage: bash bench/h200_session.sh [$modes]" >&2; exit 2 ;; esac
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -201,6 +204,21 @@ if [ "$mode" = verify ]; then
           --quant fp8_block128 --no-reference --no-decode --csv "$OUT/verify_fp8_${tag}_r$r.csv"
     done; done
   fi
+fi
+if [ "$mode" = power ]; then
+  # is a mode slower because the GPU sits at its power cap in it? (BF16 Qwen3: b2b / graph 6-8% under
+  # per call, FP8 not, seventeenth session)
+  for q in "" fp8_block128; do
+    tag=${q:-bf16}; tag=${tag%_block128}
+    nvidia-smi --query-gpu=timestamp,power.draw,clocks.sm,temperature.gpu --format=csv,noheader,nounits -lms 50 \
+        > "$OUT/power_$tag.csv" 2>&1 &
+    smi=$!
+    step "layer $tag, power sampled" "$OUT/power_$tag.log" -- env MOE_EP_BENCH_PHASES="$OUT/phases_$tag.txt" \
+        python3 -m moe_ep.bench --model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" --rounds "${POWER_ROUNDS:-3}" \
+        ${q:+--quant $q} --no-reference --no-decode --csv "$OUT/power_$tag.bench.csv"
+    kill "$smi" 2>/dev/null; wait "$smi" 2>/dev/null
+    python3 -m moe_ep.bench.power "$OUT/power_$tag.csv" "$OUT/phases_$tag.txt" | tee "$OUT/power_${tag}_summary.log"
+  done
 fi
 if [ "$mode" = envab ]; then
   # settings compared on the layer (QUANT, MODELS), interleaved, ENVAB_ROUNDS (2) rounds: ENVAB is a

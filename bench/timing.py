@@ -12,6 +12,7 @@ wall clock; back-to-back returns NaN (no asynchronous queue to measure).
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -104,3 +105,17 @@ def kernel_timeline(events, forwards: int) -> str:
     span = prev_end - t0
     return "\n".join([f"kernel timeline of the last forward ({per} kernels): start, duration, idle gap before"]
                      + lines + [f"  busy {busy:.1f} us of a {span:.1f} us span ({span - busy:.1f} us idle or overlapped)"])
+
+
+def phase_logged(name: str, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``; with ``MOE_EP_BENCH_PHASES=<path>`` also appends ``<start> <end>
+    <name>`` (wall-clock epoch seconds) to that file, so a power / clock log sampled meanwhile
+    (``bench/power.py``) can be split by timing mode."""
+    path = os.environ.get("MOE_EP_BENCH_PHASES")
+    if not path:
+        return fn(*args, **kwargs)
+    t0 = time.time()
+    out = fn(*args, **kwargs)
+    with open(path, "a") as f:
+        f.write(f"{t0:.3f} {time.time():.3f} {name}\n")
+    return out

@@ -533,3 +533,36 @@ def test_layer_bits_compare_tells_one_flipped_bit(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "qwen3 bf16 T=8 uniform: bit-identical False" in out
     assert "qwen3 fp8_block128 T=8 skewed: bit-identical False" in out
+
+
+def test_phase_log_and_power_summary(tmp_path, monkeypatch):
+    """`MOE_EP_BENCH_PHASES` makes each timing mode append its wall-clock span, and
+    `bench/power.py` averages the nvidia-smi samples that fall inside each span (and none outside)."""
+    import datetime as dt
+    import time
+
+    from moe_ep.bench import power
+    from moe_ep.bench.timing import phase_logged
+
+    log = tmp_path / "phases.txt"
+    assert phase_logged("x per_call", lambda a: a + 1, 1) == 2  # no log without the variable
+    assert not log.exists()
+    monkeypatch.setenv("MOE_EP_BENCH_PHASES", str(log))
+    assert phase_logged("qwen3 b2b", lambda: time.sleep(0.05) or 7) == 7
+    (t0, t1, name), = power.read_phases(log.read_text().splitlines())
+    assert name == "qwen3 b2b" and 0.04 < t1 - t0 < 5
+
+    def stamp(t):
+        return dt.datetime.fromtimestamp(t).strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]
+
+    lines = [f"{stamp(t0 - 1)}, 100.0, 900, 40",     # before the phase: not counted
+             f"{stamp(t0 + 0.01)}, 650.0, 1500, 60",
+             f"{stamp(t1 - 0.01)}, 700.0, 1300, 62",
+             "garbage line", f"{stamp(t1 + 1)}, 50.0, 800, 41"]
+    (row,) = power.summarize(power.read_samples(lines), power.read_phases(log.read_text().splitlines()))
+    assert row[0] == "qwen3 b2b" and row[1] == 2
+    assert abs(row[2] - 675.0) < 1e-9 and abs(row[3] - 1400.0) < 1e-9 and row[4] == 62.0
+    csv, ph = tmp_path / "p.csv", tmp_path / "ph.txt"
+    csv.write_text("\n".join(lines) + "\n")
+    ph.write_text(log.read_text())
+    assert power.main([str(csv), str(ph)]) == 0 and power.main([]) == 2
