@@ -17,7 +17,9 @@ Sub-commands: ``layer`` (default), ``gemm`` (SM90 grouped GEMM vs torch._grouped
 of one eager forward) and ``hf`` (a Qwen3-MoE block through transformers' experts registry: moe_ep
 vs grouped_mm, eager and CUDA graph) and ``ceiling`` (the layer's two GEMMs done by torch's own
 kernels -- dense cuBLAS BF16, ``torch._grouped_mm``, block-wise FP8 ``torch._scaled_mm`` -- as the
-layer TFLOP/s they alone would allow: ``bench/ceiling.py``).
+layer TFLOP/s they alone would allow: ``bench/ceiling.py``) and ``sustained`` (each expert GEMM,
+ours and cuBLAS's, run for seconds in steady state with nvidia-smi sampling power and SM clock:
+TFLOP/s, W, MHz, TFLOP/s per GHz, GFLOP per joule: ``bench/sustained.py``).
 """
 
 from __future__ import annotations
@@ -383,7 +385,7 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m moe_ep.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("job", nargs="?", default="layer", choices=["layer", "gemm", "startup", "hf", "ceiling"])
+    p.add_argument("job", nargs="?", default="layer", choices=["layer", "gemm", "startup", "hf", "ceiling", "sustained"])
     p.add_argument("--model", default="qwen3",
                    help=f"model(s), comma-separated, run in turn: {', '.join(sorted(MODELS))} (default qwen3)")
     p.add_argument("--tokens", type=int, default=None, help="tokens per rank (default 8192 on GPU, 64 on CPU)")
@@ -400,6 +402,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=1,
                    help="time per-call, back-to-back and graph this many times, interleaved; report the medians")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seconds", type=float, default=2.0, help="sustained: seconds each GEMM is timed (default 2)")
+    p.add_argument("--warm-seconds", type=float, default=1.0,
+                   help="sustained: seconds of the same GEMM run untimed first, to reach steady power (default 1)")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--no-comm", action="store_true", help="skip the dispatch/combine GB/s table (EP > 1)")
     p.add_argument("--no-decode", action="store_true", help="skip the decode-latency sweep (GPU)")
@@ -451,6 +456,10 @@ def main(argv=None) -> int:
         from .hf_block import run_hf
 
         return run_hf(args)
+    if args.job == "sustained":
+        from .sustained import run_sustained
+
+        return run_sustained(args)
     if args.job == "ceiling":
         from .ceiling import run_ceiling
 

@@ -54,6 +54,10 @@
 # power:         the layer (MODELS) in BF16 and FP8, --rounds POWER_ROUNDS (3), with nvidia-smi sampling power,
 #                SM clock and temperature every 50 ms; bench/power.py splits the samples by timing mode
 #                (per call / b2b / graph) -> $OUT/power_<bf16|fp8>.{csv,log}, phases_*.txt, power_*_summary.log.
+# sustained:     `python -m moe_ep.bench sustained` (MODELS, BF16 then FP8): each expert GEMM -- ours,
+#                torch._grouped_mm, dense cuBLAS (FP8: block-wise _scaled_mm) -- run SUSTAIN_SECONDS (2) s after
+#                1 s of warm-up, nvidia-smi sampling power / SM clock / the power-cap flag; then the power mode
+#                with ITERS=${SUSTAIN_ITERS:-600} (long phases) -> $OUT/sustained_*.log, power_*.
 # envab:         the layer (MODELS, QUANT) under each setting of ENVAB ('|'-separated, each a list of
 #                VAR=value), interleaved, ENVAB_ROUNDS (2) rounds -> $OUT/envab_s<i>_r<r>.{log,csv}.
 # dropab:        DROPAB_GROUPS' GPU tests, then the BF16 and FP8 layers with the checkout's drop files and with
@@ -78,7 +82,7 @@
 #   MOE_EP_COMMIT (the commit to print when the copy on the host has no .git).
 set -uo pipefail
 mode=${1:-all}
-modes="all|moe|fi|liger|extra|verify|verify2|ncu|layers|fp8ab|envab|power|dropab|ceiling|decide|decode|suite|suite1|suite2|suite3"
+modes="all|moe|fi|liger|extra|verify|verify2|ncu|layers|fp8ab|envab|power|sustained|dropab|ceiling|decide|decode|suite|suite1|suite2|suite3"
 case "|$modes|" in *"|$mode|"*) ;; *) echo "usage: bash bench/h200_session.sh [$modes]" >&2; exit 2 ;; esac
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -204,6 +208,14 @@ if [ "$mode" = verify ]; then
           --quant fp8_block128 --no-reference --no-decode --csv "$OUT/verify_fp8_${tag}_r$r.csv"
     done; done
   fi
+fi
+if [ "$mode" = sustained ]; then
+  for q in "" fp8_block128; do
+    tag=${q:-bf16}; tag=${tag%_block128}
+    step "sustained GEMMs $tag" "$OUT/sustained_$tag.log" -- python3 -m moe_ep.bench sustained --model "$MODELS" \
+        --tokens "$TOKENS" --seconds "${SUSTAIN_SECONDS:-2}" --rounds "${SUSTAIN_ROUNDS:-2}" ${q:+--quant $q}
+  done
+  mode=power ITERS=${SUSTAIN_ITERS:-600} POWER_ROUNDS=1
 fi
 if [ "$mode" = power ]; then
   # is a mode slower because the GPU sits at its power cap in it? (BF16 Qwen3: b2b / graph 6-8% under

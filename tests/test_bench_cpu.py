@@ -566,3 +566,77 @@ def test_phase_log_and_power_summary(tmp_path, monkeypatch):
     csv.write_text("\n".join(lines) + "\n")
     ph.write_text(log.read_text())
     assert power.main([str(csv), str(ph)]) == 0 and power.main([]) == 2
+
+
+def test_sustained_samples_and_checks(monkeypatch):
+    """`bench/sustained.py`: nvidia-smi lines parse (with and without the power-cap flag), only the
+    samples inside a window count, and each kernel's check accepts a right GEMM and rejects a wrong
+    one (torch stand-ins for our kernels on CPU: SwiGLU FC1, row-scaled FC2, FP8 dequantised math)."""
+    import datetime as dt
+
+    import torch
+    import torch.nn.functional as F
+
+    from moe_ep.api.quant import dequantize_fp8_rows128
+    from moe_ep.backends.sm90 import bf16_cutedsl, fp8_cutedsl
+    from moe_ep.bench import sustained
+
+    stamp = lambda t: dt.datetime.fromtimestamp(t).strftime("%Y/%m/%d %H:%M:%S.%f")[:-3]  # noqa: E731
+    s = sustained.parse_sample(f"{stamp(100.0)}, 690.5, 1410, 57, Active")
+    assert abs(s[0] - 100.0) < 1e-3 and s[1:] == (690.5, 1410.0, 57.0, True)
+    assert sustained.parse_sample(f"{stamp(100.0)}, 300.0, 1980, 40, Not Active")[4] is False
+    assert sustained.parse_sample(f"{stamp(100.0)}, 300.0, 1980, 40")[4] is None
+    assert sustained.parse_sample("garbage") is None and sustained.parse_sample("a, b, c, d") is None
+    samples = [(1.0, 100.0, 900.0, 40.0, False), (2.0, 680.0, 1400.0, 55.0, True),
+               (3.0, 700.0, 1300.0, 56.0, False), (9.0, 50.0, 800.0, 40.0, False)]
+    n, w, mhz, cap = sustained.window_stats(samples, 1.5, 3.5)
+    assert n == 2 and abs(w - 690.0) < 1e-9 and abs(mhz - 1350.0) < 1e-9 and abs(cap - 0.5) < 1e-9
+    assert sustained.window_stats(samples, 4.0, 5.0)[0] == 0
+
+    def bf16_gemm(activation, n, k, num_experts, scale_rows=False, wrong=False):
+        def fn(a, w, offs, out, row_scale=None):
+            for e in range(num_experts):
+                lo, hi = int(offs[e]), int(offs[e + 1])
+                y = a[lo:hi].float() @ w[e].float().t()
+                if activation == "swiglu":
+                    g, u = y.chunk(2, dim=-1)
+                    y = (u if wrong else F.silu(g)) * u
+                if scale_rows:
+                    y = y * row_scale[lo:hi, None]
+                out[lo:hi] = y.to(out.dtype)
+        return fn
+
+    def fp8_gemm(activation, n, k, num_experts, scale_rows=False):
+        def fn(a, a_scale, b, b_scale, offs, out, row_scale):
+            x = dequantize_fp8_rows128(a, a_scale)
+            for e in range(num_experts):
+                lo, hi = int(offs[e]), int(offs[e + 1])
+                s = b_scale[e].repeat_interleave(128, 0).repeat_interleave(128, 1)
+                y = x[lo:hi] @ (b[e].float() * s).t()
+                if activation == "swiglu":
+                    g, u = y.chunk(2, dim=-1)
+                    y = F.silu(g) * u
+                if scale_rows:
+                    y = y * row_scale[lo:hi, None]
+                out[lo:hi] = y.to(out.dtype)
+        return fn
+
+    H, I, E, M = 256, 128, 4, 512  # noqa: E741
+    for wrong in (False, True):
+        monkeypatch.setattr(bf16_cutedsl, "grouped_gemm", lambda *a, **k: bf16_gemm(*a, **k, wrong=wrong))
+        kernels = sustained._kernels(H, I, E, M, None, 0, dev="cpu")
+        assert [k[0] for k in kernels] == ["FC1"] * 3 + ["FC2"] * 3
+        errs = {}
+        for gemm, name, flops, fn, sets, check in kernels:
+            fn(*sets[0])
+            errs[gemm, name] = check()
+        assert flops == 2.0 * M * I * H
+        ours_fc1 = errs["FC1", "moe_ep bf16 (grouped, swiglu)"]
+        assert (ours_fc1 > 0.3) if wrong else (ours_fc1 < 1e-2)
+        assert all(v < 1e-2 for key, v in errs.items() if key[1] != "moe_ep bf16 (grouped, swiglu)")
+    monkeypatch.setattr(fp8_cutedsl, "grouped_gemm_fp8", fp8_gemm)
+    kernels = sustained._kernels(H, I, E, M, "fp8_block128", 1, dev="cpu")
+    for gemm, name, flops, fn, sets, check in kernels:
+        if name.startswith("moe_ep"):  # cuBLAS's block-wise _scaled_mm has no CPU kernel
+            fn(*sets[0])
+            assert check() < 1e-2, (gemm, name)
