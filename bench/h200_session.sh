@@ -58,6 +58,9 @@
 #                torch._grouped_mm, dense cuBLAS (FP8: block-wise _scaled_mm) -- run SUSTAIN_SECONDS (2) s after
 #                1 s of warm-up, nvidia-smi sampling power / SM clock / the power-cap flag; then the power mode
 #                with ITERS=${SUSTAIN_ITERS:-600} (long phases) -> $OUT/sustained_*.log, power_*.
+# sustab:        `bench sustained` (MODELS, QUANT) under each setting of SUSTAB ('|'-separated lists of
+#                VAR=value, empty: the defaults), SUSTAIN_ROUNDS (1) rounds within each run; cuBLAS's
+#                kernels run beside ours in every run (a same-call baseline) -> $OUT/sustab_s<i>.log.
 # envab:         the layer (MODELS, QUANT) under each setting of ENVAB ('|'-separated, each a list of
 #                VAR=value), interleaved, ENVAB_ROUNDS (2) rounds -> $OUT/envab_s<i>_r<r>.{log,csv}.
 # dropab:        DROPAB_GROUPS' GPU tests, then the BF16 and FP8 layers with the checkout's drop files and with
@@ -82,7 +85,7 @@
 #   MOE_EP_COMMIT (the commit to print when the copy on the host has no .git).
 set -uo pipefail
 mode=${1:-all}
-modes="all|moe|fi|liger|extra|verify|verify2|ncu|layers|fp8ab|envab|power|sustained|dropab|ceiling|decide|decode|suite|suite1|suite2|suite3"
+modes="all|moe|fi|liger|extra|verify|verify2|ncu|layers|fp8ab|envab|power|sustained|sustab|dropab|ceiling|decide|decode|suite|suite1|suite2|suite3"
 case "|$modes|" in *"|$mode|"*) ;; *) echo "usage: bash bench/h200_session.sh [$modes]" >&2; exit 2 ;; esac
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -208,6 +211,15 @@ if [ "$mode" = verify ]; then
           --quant fp8_block128 --no-reference --no-decode --csv "$OUT/verify_fp8_${tag}_r$r.csv"
     done; done
   fi
+fi
+if [ "$mode" = sustab ]; then
+  IFS='|' read -r -a settings <<< "${SUSTAB:-}"
+  for i in "${!settings[@]}"; do
+    # shellcheck disable=SC2086
+    step "sustained GEMMs, setting $i (${settings[$i]:-defaults})" "$OUT/sustab_s$i.log" -- env ${settings[$i]} \
+        python3 -m moe_ep.bench sustained --model "$MODELS" --tokens "$TOKENS" --seconds "${SUSTAIN_SECONDS:-2}" \
+        --rounds "${SUSTAIN_ROUNDS:-1}" ${QUANT:+--quant $QUANT}
+  done
 fi
 if [ "$mode" = sustained ]; then
   for q in "" fp8_block128; do
