@@ -116,12 +116,18 @@ def test_shim_switch_and_key(monkeypatch):
 
     monkeypatch.delenv("MOE_EP_FP8_SMEM_SCALES", raising=False)
     monkeypatch.delenv("MOE_EP_FP8_OVERLAP", raising=False)
-    # default: staged scales on the overlapped schedule up to K = 2048 (Qwen3's FC1 and FC2)
+    monkeypatch.delenv("MOE_EP_FP8_SCALE_WARP", raising=False)
+    # default: staged scales on the overlapped schedule up to K = 2048 (Qwen3's FC1 and FC2), and
+    # for the non-gated GEMM (FC2) at any K (eighteenth session: Mixtral's FC2 1.036x)
     assert s.use_fp8_smem_scales(True, 768) and s.use_fp8_smem_scales(True, 2048)
     assert not s.use_fp8_smem_scales(True, 4096) and not s.use_fp8_smem_scales(False, 768)
+    assert not s.use_fp8_smem_scales(True, 4096, "swiglu") and s.use_fp8_smem_scales(True, 14336, "identity")
     assert s._key("gemm", "swiglu", 1536, 2048, 128, False, overlap_promotion=True).smem_scales is True
-    assert s._key("gemm", "identity", 4096, 14336, 8, True, overlap_promotion=True).smem_scales is False
-    # what the backend compiles: Qwen3's two GEMMs on the short-K schedule, Mixtral's on global scales
+    mixtral_fc1 = s._key("gemm", "swiglu", 28672, 4096, 8, False, overlap_promotion=True)
+    mixtral_fc2 = s._key("gemm", "identity", 4096, 14336, 8, True, overlap_promotion=True)
+    assert (mixtral_fc1.smem_scales, mixtral_fc1.scale_warp) == (False, False)
+    assert (mixtral_fc2.smem_scales, mixtral_fc2.scale_warp, mixtral_fc2.cluster_n) == (True, True, 2)
+    # what the backend compiles: Qwen3's two GEMMs on the short-K schedule (TMA warp staging)
     assert s.compiled_key_overlap("swiglu", 2048) and s.compiled_key_overlap("identity", 768)
     assert s._key("gemm", "identity", 2048, 768, 128, True, overlap_promotion=True).cluster_n == 2
     for v, on in (("1", True), ("0", False)):
@@ -136,11 +142,15 @@ def test_shim_switch_and_key(monkeypatch):
         assert s._key("gemm", "swiglu", 1536, 2048, 128, False, overlap_promotion=True,
                       gather_a=True).smem_scales is False
         assert s._key("quantize", "", 0, 2048, 0, False).smem_scales is False
-    # drop v35's scale warp: opt-in, and only where scales are staged
+    # drop v35's scale warp: by default only for FC2 past K = 2048, forced by the switch, and only
+    # where scales are staged
     monkeypatch.delenv("MOE_EP_FP8_SMEM_SCALES")
     assert s._key("gemm", "identity", 2048, 768, 128, True, overlap_promotion=True).scale_warp is False
+    assert s._key("gemm", "identity", 4096, 14336, 8, True, overlap_promotion=True).scale_warp is True
     monkeypatch.setenv("MOE_EP_FP8_SCALE_WARP", "1")
     assert s._key("gemm", "identity", 2048, 768, 128, True, overlap_promotion=True).scale_warp is True
+    assert s._key("gemm", "identity", 4096, 14336, 8, True, overlap_promotion=False).scale_warp is False
+    monkeypatch.setenv("MOE_EP_FP8_SCALE_WARP", "0")
     assert s._key("gemm", "identity", 4096, 14336, 8, True, overlap_promotion=True).scale_warp is False
 
 
@@ -155,6 +165,7 @@ def test_shim_switch_and_key(monkeypatch):
     ("identity", 2048, 768, dict(overlap_promotion=True, cluster_n=2), 2000),
     ("identity", 1024, 8192, dict(cluster_n=2), 3000),                             # long K, plain schedule
     ("identity", 512, 8192, dict(overlap_promotion=True), 1000),                   # chunked overlapped schedule
+    ("identity", 1024, 14336, dict(overlap_promotion=True, cluster_n=2), 1500),    # Mixtral's FC2 schedule
     ("identity", 1024, 1024, dict(), 1),                                           # one row
 ])
 def test_gpu_smem_scales_is_bit_identical(act, n, k, kw, m_total, routing):

@@ -90,7 +90,7 @@ def use_fp8_cluster(activation: str, n: int, k: int) -> int:
     drop runner, so the GEMMs that stage their scales run in clusters too (twelfth session).
     ``MOE_EP_FP8_CLUSTER=1`` / ``0`` force it on (where the n-tiles pair up) / off."""
     forced = os.environ.get("MOE_EP_FP8_CLUSTER", "")
-    short_k = use_fp8_smem_scales(compiled_key_overlap(activation, k), k)  # the short-K schedule
+    short_k = use_fp8_smem_scales(compiled_key_overlap(activation, k), k, activation)  # staged scales
     if forced == "0" or (forced != "1" and k < CLUSTER_MIN_K and not short_k):
         return 1
     tile_n = _load("sm90_megamoe.fp8_gemm").default_tile_n(activation)  # the drop's tile width
@@ -102,13 +102,15 @@ def use_fp8_cluster(activation: str, n: int, k: int) -> int:
 SMEM_SCALES_MAX_K = 2048
 
 
-def _smem_scales_wanted(k: int) -> bool:
-    """``MOE_EP_FP8_SMEM_SCALES=1`` / ``0``: staged scales at any K / never; unset: K <= SMEM_SCALES_MAX_K."""
+def _smem_scales_wanted(k: int, activation: str = "swiglu") -> bool:
+    """``MOE_EP_FP8_SMEM_SCALES=1`` / ``0``: staged scales at any K / never; unset: K <= SMEM_SCALES_MAX_K,
+    or the non-gated GEMM (FC2) at any K -- past SMEM_SCALES_MAX_K with the scale warp
+    (:func:`use_fp8_scale_warp`)."""
     forced = os.environ.get("MOE_EP_FP8_SMEM_SCALES", "")
-    return forced == "1" if forced in ("0", "1") else k <= SMEM_SCALES_MAX_K
+    return forced == "1" if forced in ("0", "1") else (k <= SMEM_SCALES_MAX_K or activation == "identity")
 
 
-def use_fp8_smem_scales(overlap_promotion: bool, k: int) -> bool:
+def use_fp8_smem_scales(overlap_promotion: bool, k: int, activation: str = "swiglu") -> bool:
     """Whether a TMA-fed FP8 GEMM (all but the gathering one) with reduction size ``k`` stages each
     k-tile's scales in shared memory from its producer warp (drop v34, ``smem_scales``) instead of
     every consumer thread loading them from global memory after issuing the k-tile's WGMMAs:
@@ -122,19 +124,29 @@ def use_fp8_smem_scales(overlap_promotion: bool, k: int) -> bool:
     per call / back to back / CUDA graph TFLOP/s: Qwen3 with the short-K schedule 619.5 / 665.6 /
     689.7 and 665.9 / 660.4 / 691.4 against 595.6 / 633.8 / 656.5 and 609.1 / 638.3 / 650.0 without;
     Mixtral with staged scales 930-934 graph against 974-976 without (so K 4096 and 14336 keep
-    global scales). ``MOE_EP_FP8_SMEM_SCALES=1`` / ``0``: on at any K / off."""
-    return bool(overlap_promotion) and _smem_scales_wanted(k)
+    global scales). ``MOE_EP_FP8_SMEM_SCALES=1`` / ``0``: on at any K / off.
+
+    Eighteenth session (``python -m moe_ep.bench sustained``: each GEMM 2 s back to back at the 700 W
+    cap, cuBLAS beside it in the same run): Mixtral's FC2 (identity, K 14336) with staged scales and
+    the scale warp 1.849 ms against 1.916 global (1.036x; staged without the warp 1.896), its FC1
+    (K 4096) 3.866 against 3.738 (0.967x). So the non-gated GEMM stages its scales at any K (with
+    the scale warp past SMEM_SCALES_MAX_K) and the gated one only up to SMEM_SCALES_MAX_K."""
+    return bool(overlap_promotion) and _smem_scales_wanted(k, activation)
 
 
-def use_fp8_scale_warp() -> bool:
+def use_fp8_scale_warp(activation: str = "swiglu", k: int = 0) -> bool:
     """Where scales are staged (:func:`use_fp8_smem_scales`), a second producer warp stages them
     (drop v35, ``scale_warp``) instead of the TMA warp, whose loop then never waits on a scale
-    load before issuing a stage's copies. Opt-in, ``MOE_EP_FP8_SCALE_WARP=1``: correct on the H200
-    (thirteenth session, the GPU suite), but the Qwen3 FP8 layer with it was within the defaults'
-    spread (653-687 vs 684-692 TFLOP/s under CUDA graphs, two interleaved rounds), and Mixtral's
-    with staged scales and the scale warp (``MOE_EP_FP8_SMEM_SCALES=1 MOE_EP_FP8_SCALE_WARP=1``)
-    slower: 936.4-937.9 vs 956.5-958.7 graph, three interleaved rounds (fourteenth session)."""
-    return os.environ.get("MOE_EP_FP8_SCALE_WARP", "0") == "1"
+    load before issuing a stage's copies. ``MOE_EP_FP8_SCALE_WARP=1`` / ``0`` force it on / off;
+    unset, it is on for the non-gated GEMM (FC2) past SMEM_SCALES_MAX_K. Thirteenth session: the
+    Qwen3 FP8 layer with it was within the defaults' spread (653-687 vs 684-692 TFLOP/s under CUDA
+    graphs, two interleaved rounds), so short K keeps the TMA warp staging; fourteenth: Mixtral
+    with staged scales and the scale warp on both GEMMs slower (936.4-937.9 vs 956.5-958.7 graph):
+    its FC1 loses what its FC2 gains (eighteenth session, :func:`use_fp8_smem_scales`)."""
+    forced = os.environ.get("MOE_EP_FP8_SCALE_WARP", "")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return activation == "identity" and k > SMEM_SCALES_MAX_K
 
 
 def use_fp8_wide_gated(activation: str) -> bool:
@@ -186,12 +198,12 @@ def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_row
          raster_m: int = 0, overlap_promotion: bool = False, requant: bool = False, gather_a: bool = False,
          fused_quant: bool = False) -> Fp8Key:
     plain = kind == "gemm" and not requant and not gather_a
-    smem = kind == "gemm" and not gather_a and use_fp8_smem_scales(overlap_promotion, k)
+    smem = kind == "gemm" and not gather_a and use_fp8_smem_scales(overlap_promotion, k, activation)
     return Fp8Key(CONSTANTS.value(PKG, "DROP_VERSION"), _cutlass_version(), "sm_90a", kind, activation, n, k,
                   num_experts, bool(scale_rows), use_tvm_ffi(), int(raster_m), bool(overlap_promotion),
                   bool(requant), kind == "gemm" and use_fp8_wide_gated(activation), bool(gather_a),
                   use_fp8_cluster(activation, n, k) if plain else 1,
-                  smem, smem and use_fp8_scale_warp(), bool(fused_quant))
+                  smem, smem and use_fp8_scale_warp(activation, k), bool(fused_quant))
 
 
 def _gemm_key(activation: str, n: int, k: int, num_experts: int, scale_rows: bool, requant: bool,
