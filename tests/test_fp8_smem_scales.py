@@ -118,7 +118,7 @@ def test_shim_switch_and_key(monkeypatch):
     monkeypatch.delenv("MOE_EP_FP8_OVERLAP", raising=False)
     monkeypatch.delenv("MOE_EP_FP8_SCALE_WARP", raising=False)
     # default: staged scales on the overlapped schedule up to K = 2048 (Qwen3's FC1 and FC2), and
-    # for the non-gated GEMM (FC2) at any K (eighteenth session: Mixtral's FC2 1.036x)
+    # for the non-gated GEMM (FC2) from K = 4096 (eighteenth session: Mixtral's FC2 1.036x)
     assert s.use_fp8_smem_scales(True, 768) and s.use_fp8_smem_scales(True, 2048)
     assert not s.use_fp8_smem_scales(True, 4096) and not s.use_fp8_smem_scales(False, 768)
     assert not s.use_fp8_smem_scales(True, 4096, "swiglu") and s.use_fp8_smem_scales(True, 14336, "identity")

@@ -104,19 +104,22 @@ SMEM_SCALES_MAX_K = 2048
 
 def _smem_scales_wanted(k: int, activation: str = "swiglu") -> bool:
     """``MOE_EP_FP8_SMEM_SCALES=1`` / ``0``: staged scales at any K / never; unset: K <= SMEM_SCALES_MAX_K,
-    or the non-gated GEMM (FC2) at any K -- past SMEM_SCALES_MAX_K with the scale warp
-    (:func:`use_fp8_scale_warp`)."""
+    or the non-gated GEMM (FC2) from K = CLUSTER_MIN_K, where it runs in clusters anyway -- with the
+    scale warp (:func:`use_fp8_scale_warp`). (K between the two keeps global scales: not measured.)"""
     forced = os.environ.get("MOE_EP_FP8_SMEM_SCALES", "")
-    return forced == "1" if forced in ("0", "1") else (k <= SMEM_SCALES_MAX_K or activation == "identity")
+    if forced in ("0", "1"):
+        return forced == "1"
+    return k <= SMEM_SCALES_MAX_K or (activation == "identity" and k >= CLUSTER_MIN_K)
 
 
 def use_fp8_smem_scales(overlap_promotion: bool, k: int, activation: str = "swiglu") -> bool:
     """Whether a TMA-fed FP8 GEMM (all but the gathering one) with reduction size ``k`` stages each
     k-tile's scales in shared memory from its producer warp (drop v34, ``smem_scales``) instead of
     every consumer thread loading them from global memory after issuing the k-tile's WGMMAs:
-    bit-identical (H200). Only on the overlapped-promotion schedule, and by default only for
+    bit-identical (H200). Only on the overlapped-promotion schedule, and by default for
     K <= SMEM_SCALES_MAX_K, where it comes with the overlapped wide FC1 and clusters of 2
-    (:func:`use_fp8_overlap`, :func:`use_fp8_cluster`): the short-K schedule.
+    (:func:`use_fp8_overlap`, :func:`use_fp8_cluster`): the short-K schedule; and for the
+    non-gated GEMM (FC2) from CLUSTER_MIN_K, with the scale warp (eighteenth session, below).
 
     H200, twelfth session, drop runner (staged / global): plain schedule Qwen3 wide FC1 0.89x,
     Mixtral wide FC1 0.91x, Mixtral FC2 in clusters 0.83x; overlapped Qwen3 wide FC1 1.08x, Qwen3
@@ -129,8 +132,10 @@ def use_fp8_smem_scales(overlap_promotion: bool, k: int, activation: str = "swig
     Eighteenth session (``python -m moe_ep.bench sustained``: each GEMM 2 s back to back at the 700 W
     cap, cuBLAS beside it in the same run): Mixtral's FC2 (identity, K 14336) with staged scales and
     the scale warp 1.849 ms against 1.916 global (1.036x; staged without the warp 1.896), its FC1
-    (K 4096) 3.866 against 3.738 (0.967x). So the non-gated GEMM stages its scales at any K (with
-    the scale warp past SMEM_SCALES_MAX_K) and the gated one only up to SMEM_SCALES_MAX_K."""
+    (K 4096) 3.866 against 3.738 (0.967x). So the non-gated GEMM stages its scales (with the scale
+    warp) from CLUSTER_MIN_K and the gated one only up to SMEM_SCALES_MAX_K. The Mixtral FP8
+    layer, two interleaved rounds, b2b / graph: 966.3 / 969.5 and 965.7 / 969.8 TFLOP/s against
+    943.6 / 947.7 and 949.8 / 959.4 with global scales (``MOE_EP_FP8_SMEM_SCALES=0``)."""
     return bool(overlap_promotion) and _smem_scales_wanted(k, activation)
 
 
@@ -138,7 +143,7 @@ def use_fp8_scale_warp(activation: str = "swiglu", k: int = 0) -> bool:
     """Where scales are staged (:func:`use_fp8_smem_scales`), a second producer warp stages them
     (drop v35, ``scale_warp``) instead of the TMA warp, whose loop then never waits on a scale
     load before issuing a stage's copies. ``MOE_EP_FP8_SCALE_WARP=1`` / ``0`` force it on / off;
-    unset, it is on for the non-gated GEMM (FC2) past SMEM_SCALES_MAX_K. Thirteenth session: the
+    unset, it is on for the non-gated GEMM (FC2) from CLUSTER_MIN_K. Thirteenth session: the
     Qwen3 FP8 layer with it was within the defaults' spread (653-687 vs 684-692 TFLOP/s under CUDA
     graphs, two interleaved rounds), so short K keeps the TMA warp staging; fourteenth: Mixtral
     with staged scales and the scale warp on both GEMMs slower (936.4-937.9 vs 956.5-958.7 graph):
@@ -146,7 +151,7 @@ def use_fp8_scale_warp(activation: str = "swiglu", k: int = 0) -> bool:
     forced = os.environ.get("MOE_EP_FP8_SCALE_WARP", "")
     if forced in ("0", "1"):
         return forced == "1"
-    return activation == "identity" and k > SMEM_SCALES_MAX_K
+    return activation == "identity" and k >= CLUSTER_MIN_K
 
 
 def use_fp8_wide_gated(activation: str) -> bool:
