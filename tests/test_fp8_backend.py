@@ -106,16 +106,21 @@ def test_overlap_schedule_is_default_and_limited_to_short_k(monkeypatch, tmp_pat
     assert plain_events == [["fp8_gemm_identity"], ["fp8_gemm_identity_cluster2"]]
 
 
+#: FC2 with K = 4096: staged scales, the scale warp and clusters of 2 (eighteenth session's default)
+LONG_K_FC2 = dict(num_experts=8, hidden=1024, intermediate=4096, top_k=2)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("T,skew", [(1, False), (200, True), (1024, False)])
-def test_fp8_layer_against_reference_and_float64(T, skew):
+@pytest.mark.parametrize("T,skew,dims", [(1, False, QWEN), (200, True, QWEN), (1024, False, QWEN),
+                                         (256, True, LONG_K_FC2)])
+def test_fp8_layer_against_reference_and_float64(T, skew, dims):
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
     from moe_ep.api.quant import (dequantize_fp8_block128, dequantize_fp8_rows128, quantize_fp8_block128,
                                   quantize_fp8_rows128)
 
-    E, H, I, K = QWEN["num_experts"], QWEN["hidden"], QWEN["intermediate"], QWEN["top_k"]
-    cfg = MoEConfig(max_tokens_per_rank=1024, quant="fp8_block128", **QWEN)
+    E, H, I, K = dims["num_experts"], dims["hidden"], dims["intermediate"], dims["top_k"]
+    cfg = MoEConfig(max_tokens_per_rank=1024, quant="fp8_block128", **dims)
     g = torch.Generator().manual_seed(T)
     x = torch.randn(T, H, generator=g).to(torch.bfloat16).cuda()
     logits = torch.randn(T, E, generator=g)
