@@ -64,6 +64,7 @@ def test_smem_scales_ptx(act, n, k, experts, kw):
 
 @pytest.mark.parametrize("act,n,k,experts,kw", [
     ("identity", 4096, 14336, 8, dict(cluster_n=2)),                                # Mixtral FC2, plain
+    ("identity", 4096, 14336, 8, dict(overlap_promotion=True, cluster_n=2)),       # Mixtral FC2, the default
     ("swiglu", 1536, 2048, 128, dict(wide_gated=True, overlap_promotion=True, cluster_n=2)),  # Qwen3 FC1
     ("swiglu", 1024, 1024, 8, dict(wide_gated=True, overlap_promotion=True, requant=True)),
 ])
