@@ -181,6 +181,7 @@ def _kernels(H: int, I: int, E: int, M: int, quant, seed: int, dev: str = "cuda"
 
     def randn(*shape):
         return torch.randn(*shape, generator=gen, device=dev)
+
     lo_hi = [(e * M // E, (e + 1) * M // E) for e in (0, E - 1)]
     offs = torch.tensor([e * M // E for e in range(E + 1)], dtype=torch.int32, device=dev)
     ends = offs[1:].contiguous()
