@@ -18,20 +18,26 @@ import sys
 from datetime import datetime
 
 
-def read_samples(lines) -> list[tuple[float, float, float, float]]:
-    """``(epoch s, W, SM MHz, deg C)`` from ``nvidia-smi --format=csv,noheader,nounits`` lines
-    (timestamp ``YYYY/MM/DD HH:MM:SS.fff``, local time of the sampling host); bad lines skipped."""
-    out = []
-    for line in lines:
-        parts = [p.strip() for p in line.split(",")]
-        if len(parts) < 4:
-            continue
-        try:
-            t = datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
-            out.append((t, float(parts[1]), float(parts[2]), float(parts[3])))
-        except ValueError:
-            continue
-    return out
+def parse_sample(line: str):
+    """``(epoch s, W, SM MHz, deg C, power cap active: bool | None)`` from one ``nvidia-smi
+    --format=csv,noheader,nounits`` line of ``timestamp,power.draw,clocks.sm,temperature.gpu``
+    [``,clocks_event_reasons.sw_power_cap``] (timestamp ``YYYY/MM/DD HH:MM:SS.fff``, local time of
+    the sampling host); None for a line that is not a sample."""
+    parts = [p.strip() for p in line.split(",")]
+    if len(parts) < 4:
+        return None
+    try:
+        t = datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
+        w, mhz, temp = float(parts[1]), float(parts[2]), float(parts[3])
+    except ValueError:
+        return None
+    cap = parts[4].lower() in ("active", "1", "0x0000000000000004") if len(parts) > 4 else None
+    return t, w, mhz, temp, cap
+
+
+def read_samples(lines) -> list[tuple]:
+    """The samples of :func:`parse_sample` among ``lines`` (bad lines skipped)."""
+    return [s for s in map(parse_sample, lines) if s is not None]
 
 
 def read_phases(lines) -> list[tuple[float, float, str]]:

@@ -28,7 +28,6 @@ import os
 import subprocess
 import tempfile
 import time
-from datetime import datetime
 
 import torch
 import torch.nn.functional as F
@@ -36,29 +35,12 @@ import torch.nn.functional as F
 from moe_ep.api.quant import dequantize_fp8_rows128, quantize_fp8_block128, quantize_fp8_rows128
 
 from .ceiling import fp8_operands
+from .power import parse_sample, read_samples  # noqa: F401  (parse_sample: re-exported, reads SMI_FIELDS)
 from .models import MODELS
 
 #: nvidia-smi fields, with and without the power-cap flag (older drivers name it differently)
 SMI_FIELDS = ("timestamp,power.draw,clocks.sm,temperature.gpu,clocks_event_reasons.sw_power_cap",
               "timestamp,power.draw,clocks.sm,temperature.gpu")
-
-
-def parse_sample(line: str):
-    """``(epoch s, W, SM MHz, deg C, power cap active: bool | None)`` from one ``nvidia-smi
-    --format=csv,noheader,nounits`` line of :data:`SMI_FIELDS` (timestamp in the sampling host's
-    local time); None for a line that is not a sample."""
-    parts = [p.strip() for p in line.split(",")]
-    if len(parts) < 4:
-        return None
-    try:
-        t = datetime.strptime(parts[0], "%Y/%m/%d %H:%M:%S.%f").timestamp()
-        w, mhz, temp = float(parts[1]), float(parts[2]), float(parts[3])
-    except ValueError:
-        return None
-    cap = None
-    if len(parts) > 4:
-        cap = parts[4].lower() in ("active", "1", "0x0000000000000004")
-    return t, w, mhz, temp, cap
 
 
 def window_stats(samples, t0: float, t1: float):
@@ -110,9 +92,9 @@ class Sampler:
         if self.path is None or not os.path.exists(self.path):
             return []
         with open(self.path) as f:
-            rows = [parse_sample(line) for line in f]
+            rows = read_samples(f)
         os.unlink(self.path)
-        return [r for r in rows if r is not None]
+        return rows
 
 
 def sustain(fn, sets, seconds: float, warm_seconds: float):
@@ -203,27 +185,33 @@ def _kernels(H: int, I: int, E: int, M: int, quant, seed: int, dev: str = "cuda"
     swiglu = lambda y, lo, hi: _swiglu(y)  # noqa: E731
     scaled = lambda y, lo, hi: y * rs[lo:hi, None]  # noqa: E731
     plain = lambda y, lo, hi: y  # noqa: E731
+
+    def torch_bf16(gemm, flops, acts, weights, dense_out):
+        """torch's kernels for one BF16 GEMM: ``_grouped_mm`` (per expert, plain) and one dense mm."""
+        got = {}
+        wt = [w.transpose(1, 2) for w in weights]
+        return [(gemm, "torch._grouped_mm bf16", flops,
+                 lambda a, w: got.__setitem__(0, torch._grouped_mm(a, w, offs=ends)), list(zip(acts, wt)),
+                 lambda: grouped_check(got[0], acts[0], weights[0], plain)()),
+                (gemm, "cuBLAS dense bf16 (torch.mm)", flops, lambda a, w: torch.mm(a, w[0].t(), out=dense_out),
+                 list(zip(acts, weights)),
+                 lambda: _rel_err(dense_out[:256], acts[0][:256].float() @ weights[0][0].float().t()))]
+
+    def dense_fp8(gemm, flops, acts, weights):
+        """cuBLAS's block-wise FP8 ``_scaled_mm`` for one GEMM, one weight for all rows."""
+        got, ops = {}, [fp8_operands(a, w[0]) for a, w in zip(acts, weights)]
+        return (gemm, "cuBLAS dense fp8 block-wise", flops, lambda *o: got.__setitem__(0, _scaled(*o)), ops,
+                lambda: _dense_fp8_err(got[0], ops[0]))
+
     if quant is None:
         fc1, fc2 = grouped_gemm("swiglu", 2 * I, H, E), grouped_gemm("identity", H, I, E, scale_rows=True)
         out.append(("FC1", "moe_ep bf16 (grouped, swiglu)", fl1, lambda a, w: fc1(a, w, offs, out=o1),
                     list(zip(x, w13)), grouped_check(o1, x[0], w13[0], swiglu)))
-        w13t = [w.transpose(1, 2) for w in w13]
-        g1 = {}
-        out.append(("FC1", "torch._grouped_mm bf16", fl1,
-                    lambda a, w: g1.__setitem__(0, torch._grouped_mm(a, w, offs=ends)), list(zip(x, w13t)),
-                    lambda: grouped_check(g1[0], x[0], w13[0], plain)()))
-        out.append(("FC1", "cuBLAS dense bf16 (torch.mm)", fl1, lambda a, w: torch.mm(a, w[0].t(), out=o1g),
-                    list(zip(x, w13)), lambda: _rel_err(o1g[:256], x[0][:256].float() @ w13[0][0].float().t())))
+        out += torch_bf16("FC1", fl1, x, w13, o1g)
         out.append(("FC2", "moe_ep bf16 (grouped, row scale)", fl2,
                     lambda a, w: fc2(a, w, offs, out=o2, row_scale=rs), list(zip(h, w2)),
                     grouped_check(o2, h[0], w2[0], scaled)))
-        w2t = [w.transpose(1, 2) for w in w2]
-        g2 = {}
-        out.append(("FC2", "torch._grouped_mm bf16", fl2,
-                    lambda a, w: g2.__setitem__(0, torch._grouped_mm(a, w, offs=ends)), list(zip(h, w2t)),
-                    lambda: grouped_check(g2[0], h[0], w2[0], plain)()))
-        out.append(("FC2", "cuBLAS dense bf16 (torch.mm)", fl2, lambda a, w: torch.mm(a, w[0].t(), out=o2),
-                    list(zip(h, w2)), lambda: _rel_err(o2[:256], h[0][:256].float() @ w2[0][0].float().t())))
+        out += torch_bf16("FC2", fl2, h, w2, o2)
         return out
     # FP8 block-scaled: activations per 1 x 128, weights per 128 x 128 (the layer's format)
     fc1, fc2 = grouped_gemm_fp8("swiglu", 2 * I, H, E), grouped_gemm_fp8("identity", H, I, E, scale_rows=True)
@@ -244,17 +232,11 @@ def _kernels(H: int, I: int, E: int, M: int, quant, seed: int, dev: str = "cuda"
     out.append(("FC1", "moe_ep fp8 (grouped, swiglu)", fl1,
                 lambda a, w: fc1(a[0], a[1], w.values, w.scale, offs, out=o1, row_scale=rs[:1]),
                 list(zip(xq, w13q)), fp8_check(o1, xq[0], w13q[0], swiglu)))
-    d1 = [fp8_operands(a, w[0]) for a, w in zip(x, w13)]
-    s1 = {}
-    out.append(("FC1", "cuBLAS dense fp8 block-wise", fl1,
-                lambda *ops: s1.__setitem__(0, _scaled(*ops)), d1, lambda: _dense_fp8_err(s1[0], d1[0])))
+    out.append(dense_fp8("FC1", fl1, x, w13))
     out.append(("FC2", "moe_ep fp8 (grouped, row scale)", fl2,
                 lambda a, w: fc2(a[0], a[1], w.values, w.scale, offs, out=o2, row_scale=rs),
                 list(zip(hq, w2q)), fp8_check(o2, hq[0], w2q[0], scaled)))
-    d2 = [fp8_operands(a, w[0]) for a, w in zip(h, w2)]
-    s2 = {}
-    out.append(("FC2", "cuBLAS dense fp8 block-wise", fl2,
-                lambda *ops: s2.__setitem__(0, _scaled(*ops)), d2, lambda: _dense_fp8_err(s2[0], d2[0])))
+    out.append(dense_fp8("FC2", fl2, h, w2))
     return out
 
 
