@@ -41,6 +41,9 @@
 #                VERIFY_FUSED=1 adds drop v39's fused_quant checks and timings (GPU tests, the drop runner
 #                per VERIFY_RUNNER_MODELS, the FP8 layer with the switch off / on, VERIFY_ROUNDS (2) rounds)
 #                -> $OUT/verify_*, $OUT/tests_*.log (earlier sessions' verify: git history);
+# defer:         drop v48's deferred epilogue (FP8): the drop runner per model (VERIFY_RUNNER_MODELS), the
+#                steady-state FP8 GEMMs and the FP8 layer (VERIFY_ROUNDS rounds) with it off / on, then its
+#                GPU tests in what is left of CALL_BUDGET (560 s) -> $OUT/defer_*, $OUT/tests_*.log
 # ncu:           Nsight Compute on the FP8 GEMMs (ours on Mixtral with and without clusters, Qwen3) and on
 #                cuBLAS's block-wise _scaled_mm (Mixtral) -> $OUT/ncu_*.log
 # layers:        both layers profiled (kernel table + the last forward's timeline), FlashInfer BF16 + FP8
@@ -85,7 +88,7 @@
 #   MOE_EP_COMMIT (the commit to print when the copy on the host has no .git).
 set -uo pipefail
 mode=${1:-all}
-modes="all|moe|fi|liger|extra|verify|verify2|ncu|layers|fp8ab|envab|power|sustained|sustab|dropab|ceiling|decide|decode|suite|suite1|suite2|suite3"
+modes="all|moe|fi|liger|extra|verify|verify2|ncu|layers|fp8ab|envab|power|sustained|sustab|defer|dropab|ceiling|decide|decode|suite|suite1|suite2|suite3"
 case "|$modes|" in *"|$mode|"*) ;; *) echo "usage: bash bench/h200_session.sh [$modes]" >&2; exit 2 ;; esac
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -145,7 +148,7 @@ suite_groups=(
   "tests/test_sm90_gpu.py;-k;$gtop" "tests/test_sm90_gpu.py;-k;not ($gtop)"
   "tests/test_ep_virtual_gpu.py;-k;matches_reference" "tests/test_ep_virtual_gpu.py;-k;not matches_reference"
   "tests/test_fp8_backend.py;tests/test_activations_bias.py;tests/test_sm90_fp8_gather.py;tests/test_gather_fc1.py;tests/test_fp8_fused_quant.py"
-  "tests/test_ep_gpu.py;tests/test_disk_cache.py;tests/test_transformers_integration.py;tests/test_sm90_fp8_quant.py;tests/test_fp8_quant_div.py;tests/test_fp8_scatter_quant.py;tests/test_fp8_cluster.py;tests/test_fp8_plain_schedule.py;tests/test_fp8_smem_scales.py;tests/test_bf16_cluster.py;tests/test_blackwell_backends.py"
+  "tests/test_ep_gpu.py;tests/test_disk_cache.py;tests/test_transformers_integration.py;tests/test_sm90_fp8_quant.py;tests/test_fp8_quant_div.py;tests/test_fp8_scatter_quant.py;tests/test_fp8_cluster.py;tests/test_fp8_plain_schedule.py;tests/test_fp8_smem_scales.py;tests/test_fp8_deferred_epilogue.py;tests/test_bf16_cluster.py;tests/test_blackwell_backends.py"
   "tests/test_sm90_fp8_compile.py" "tests/test_sm90_swapab_compile.py;tests/test_gather_tma.py;tests/test_half_tiles.py"
 )
 # SUITE_PICK="i j ...": only those of the groups above (0-based), e.g. the ones a cut call left unrun
@@ -211,6 +214,31 @@ if [ "$mode" = verify ]; then
           --quant fp8_block128 --no-reference --no-decode --csv "$OUT/verify_fp8_${tag}_r$r.csv"
     done; done
   fi
+fi
+if [ "$mode" = defer ]; then
+  # drop v48's deferred epilogue (MOE_EP_FP8_DEFERRED_EPILOGUE=1): the drop runner per model (bits and
+  # time, interleaved), the steady-state FP8 GEMMs and the FP8 layer with it off / on (VERIFY_ROUNDS
+  # rounds, interleaved), then its GPU tests in what is left of CALL_BUDGET (560 s)
+  for m in ${VERIFY_RUNNER_MODELS-qwen3 mixtral}; do
+    step "fp8_runner $m --deferred-epilogue" "$OUT/defer_runner_$m.log" -- bash -c \
+        "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.fp8_runner --model $m --deferred-epilogue"
+  done
+  for v in "" "MOE_EP_FP8_DEFERRED_EPILOGUE=1"; do
+    tag=${v:-defaults}; tag=${tag//[^A-Za-z0-9]/_}
+    # shellcheck disable=SC2086
+    step "sustained FP8 GEMMs, ${v:-defaults}" "$OUT/defer_sustained_$tag.log" -- env $v python3 -m moe_ep.bench \
+        sustained --model "$MODELS" --tokens "$TOKENS" --seconds "${SUSTAIN_SECONDS:-2}" --rounds 1 --quant fp8_block128
+  done
+  for r in $(seq 1 "${VERIFY_ROUNDS:-2}"); do for v in "" "MOE_EP_FP8_DEFERRED_EPILOGUE=1"; do
+    tag=${v:-defaults}; tag=${tag//[^A-Za-z0-9]/_}
+    # shellcheck disable=SC2086
+    step "FP8 layer, ${v:-defaults}, round $r" "$OUT/defer_fp8_${tag}_r$r.log" -- env $v \
+        python3 -m moe_ep.bench --model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" \
+        --quant fp8_block128 --no-reference --no-decode --csv "$OUT/defer_fp8_${tag}_r$r.csv"
+  done; done
+  left=$(( ${CALL_BUDGET:-560} - SECONDS ))
+  [ "$left" -gt 60 ] && run_groups "$left" "tests/test_fp8_deferred_epilogue.py" \
+      "tests/test_fp8_backend.py;-k;DEFERRED or against_reference"
 fi
 if [ "$mode" = sustab ]; then
   IFS='|' read -r -a settings <<< "${SUSTAB:-}"
@@ -406,7 +434,7 @@ if [ "$mode" = suite2 ]; then
       tests/test_disk_cache.py tests/test_transformers_integration.py tests/test_sm90_fp8_quant.py \
       tests/test_sm90_fp8_compile.py tests/test_sm90_swapab_compile.py tests/test_blackwell_backends.py \
       tests/test_sm90_fp8_gather.py tests/test_gather_fc1.py tests/test_fp8_quant_div.py tests/test_fp8_scatter_quant.py tests/test_fp8_cluster.py \
-      tests/test_bf16_cluster.py tests/test_fp8_plain_schedule.py tests/test_fp8_smem_scales.py tests/test_fp8_fused_quant.py \
+      tests/test_bf16_cluster.py tests/test_fp8_plain_schedule.py tests/test_fp8_smem_scales.py tests/test_fp8_deferred_epilogue.py tests/test_fp8_fused_quant.py \
       tests/test_gather_tma.py tests/test_half_tiles.py
 fi
 if [ "$mode" = suite3 ]; then

@@ -291,7 +291,8 @@ def test_local_route_is_bit_identical_fp8(monkeypatch, T):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("switch", ["MOE_EP_FP8_FUSED_REQUANT", "MOE_EP_FP8_WIDE_GATED", "MOE_EP_FP8_GATHER_FC1",
-                                    "MOE_EP_FP8_SCATTER_QUANT", "MOE_EP_FP8_CLUSTER", "MOE_EP_FP8_FUSED_QUANT"])
+                                    "MOE_EP_FP8_SCATTER_QUANT", "MOE_EP_FP8_CLUSTER", "MOE_EP_FP8_FUSED_QUANT",
+                                    "MOE_EP_FP8_DEFERRED_EPILOGUE"])
 @pytest.mark.parametrize("T", [1, 700])
 def test_fp8_fc1_variants_are_bit_identical(monkeypatch, T, switch):
     """Drop v21's FC1 variants: MOE_EP_FP8_FUSED_REQUANT=1 (FC1's epilogue writes FC2's e4m3 input)
@@ -299,7 +300,8 @@ def test_fp8_fc1_variants_are_bit_identical(monkeypatch, T, switch):
     tokens quantised once, FC1 gathering them by idx); drop v25's MOE_EP_FP8_SCATTER_QUANT=1 (each
     token quantised once, stored in its grouped rows); drop v28's MOE_EP_FP8_CLUSTER=1 (both GEMMs
     in clusters of 2 CTAs multicasting A); drop v38's MOE_EP_FP8_FUSED_QUANT=1 (FC1's idle warps
-    quantise FC2's input): the layer's output is the same bits as without, eager and CUDA graph."""
+    quantise FC2's input); drop v48's MOE_EP_FP8_DEFERRED_EPILOGUE=1 (each GEMM stores a tile under
+    the next tile's first k-tile): the layer's output is the same bits as without, eager and CUDA graph."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
 
@@ -314,6 +316,8 @@ def test_fp8_fc1_variants_are_bit_identical(monkeypatch, T, switch):
             assert impl.scatter_quant == on and impl.quant_x.scatter_topk == (8 if on else 0)
         elif switch == "MOE_EP_FP8_CLUSTER":  # drop v28: Qwen3's FC1 (12 n-tiles) and FC2 (16) pair up
             assert impl.fc1.cluster_n == impl.fc2.cluster_n == (2 if on else 1)
+        elif switch == "MOE_EP_FP8_DEFERRED_EPILOGUE":  # drop v48: both Qwen3 GEMMs are unrolled (K 2048 / 768)
+            assert impl.fc1.deferred_epilogue == impl.fc2.deferred_epilogue == on
         else:
             assert impl.fc1.wide_gated == on and not impl.fc2.wide_gated
 

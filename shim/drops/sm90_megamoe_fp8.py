@@ -154,6 +154,18 @@ def use_fp8_scale_warp(activation: str = "swiglu", k: int = 0) -> bool:
     return activation == "identity" and k >= CLUSTER_MIN_K
 
 
+def use_fp8_deferred_epilogue(overlap_promotion: bool, k: int, requant: bool = False,
+                              fused_quant: bool = False) -> bool:
+    """Whether the FP8 GEMM stores each tile while the next tile's first k-tile runs (drop v48,
+    ``deferred_epilogue``; same bits): only on the unrolled overlapped schedule (K <= 32·128) with the
+    bf16 output (not requant / fused_quant). ``MOE_EP_FP8_DEFERRED_EPILOGUE=1`` turns it on (off by
+    default until measured on the H200)."""
+    k_tiles = k // CONSTANTS.value("sm90_megamoe.fp8_gemm", "FP8_BLOCK")
+    possible = (bool(overlap_promotion) and not requant and not fused_quant
+                and k_tiles <= CONSTANTS.value("sm90_megamoe.fp8_gemm", "OVERLAP_MAX_K_TILES"))
+    return possible and os.environ.get("MOE_EP_FP8_DEFERRED_EPILOGUE", "0") == "1"
+
+
 def use_fp8_wide_gated(activation: str) -> bool:
     """The gated FP8 GEMM (FC1) issues one m64n128 WGMMA over its gate and up tiles per k-block
     instead of two m64n64 ones (drop v21, ``wide_gated``): bit-identical (H200, fp8_runner --wide),
@@ -197,6 +209,7 @@ class Fp8Key:
     smem_scales: bool = False
     scale_warp: bool = False
     fused_quant: bool = False
+    deferred_epilogue: bool = False
 
 
 def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_rows: bool,
@@ -208,7 +221,8 @@ def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_row
                   num_experts, bool(scale_rows), use_tvm_ffi(), int(raster_m), bool(overlap_promotion),
                   bool(requant), kind == "gemm" and use_fp8_wide_gated(activation), bool(gather_a),
                   use_fp8_cluster(activation, n, k) if plain else 1,
-                  smem, smem and use_fp8_scale_warp(activation, k), bool(fused_quant))
+                  smem, smem and use_fp8_scale_warp(activation, k), bool(fused_quant),
+                  kind == "gemm" and use_fp8_deferred_epilogue(overlap_promotion, k, requant, fused_quant))
 
 
 def _gemm_key(activation: str, n: int, k: int, num_experts: int, scale_rows: bool, requant: bool,
@@ -224,7 +238,7 @@ def _gemm_options(key: Fp8Key) -> dict:
                 scale_rows=key.scale_rows, tvm_ffi=key.tvm_ffi, raster_m=key.raster_m,
                 overlap_promotion=key.overlap_promotion, requant=key.requant, wide_gated=key.wide_gated,
                 gather_a=key.gather_a, cluster_n=key.cluster_n, smem_scales=key.smem_scales,
-                scale_warp=key.scale_warp, fused_quant=key.fused_quant)
+                scale_warp=key.scale_warp, fused_quant=key.fused_quant, deferred_epilogue=key.deferred_epilogue)
 
 
 def _checked_gemm_key(activation: str, n: int, k: int, num_experts: int, scale_rows: bool, requant: bool,
@@ -263,7 +277,7 @@ def _compiled_gemm(key: Fp8Key) -> Any:
     """The compiled GEMM of ``key``: the in-process cache, else the disk cache, else compile."""
     name = f"fp8_gemm_{key.activation}" + ("_requant" if key.requant else "") + \
         ("_gather" if key.gather_a else "") + ("_cluster2" if key.cluster_n > 1 else "") + \
-        ("_fusedq" if key.fused_quant else "")
+        ("_fusedq" if key.fused_quant else "") + ("_defer" if key.deferred_epilogue else "")
 
     def build():
         fl = _load("sm90_megamoe.fp8_launch")

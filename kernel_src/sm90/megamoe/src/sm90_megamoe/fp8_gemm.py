@@ -86,6 +86,15 @@ Design (differences from :mod:`.grouped_gemm`, whose scheduler and smem epilogue
   warp's elected arrive; the TMA warp's loop is the global-scale kernel's again. Why: on the H200
   v34's staged scales slowed the plain schedule down (0.83-0.93x), plausibly because the TMA warp
   stores a stage's scales -- waiting for their loads -- before it may issue the stage's copies.
+* ``deferred_epilogue=True`` (drop v48; the unrolled overlapped schedule, K <= OVERLAP_MAX_K_TILES *
+  128, the plain bf16 output): a unit's epilogue (activation, row scale, staged bf16 stores) runs
+  after the *next* unit's first k-tile has been issued, so the tensor cores work on that k-tile
+  while both consumer warpgroups store the previous tile. Why: a cooperative persistent tile
+  leaves the tensor pipe idle for its whole epilogue, which is a large share of a short k-loop
+  (Qwen3 FC2: 6 k-tiles per tile). No WGMMA group crosses the unit loop's back-edge (only the
+  finished sums in ``accs`` wait there, as ordinary registers), so ptxas keeps the WGMMAs
+  asynchronous. The first unit stores nothing (its "previous" tile has 0 rows); after the loop
+  the last unit's tile is stored. Same sums, same order: the same bits.
 * :class:`Fp8SwigluFusedQuantGroupedGemmSm90` (``fused_quant``; clusters of 2, the wide gated FC1):
   FC1 whose output is FC2's e4m3 input, quantised by otherwise idle producer warps. The two CTAs
   of a cluster compute the two 64-column halves of one 128-column group, and CTA r quantises the
@@ -251,7 +260,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
     def __init__(self, activation: str, scale_rows: bool = False, tile_n: Optional[int] = None,
                  num_stages: Optional[int] = None, raster_m: int = 1, overlap_promotion: bool = False,
                  wide_gated: bool = False, cluster_n: int = 1, smem_scales: bool = False,
-                 scale_warp: bool = False):
+                 scale_warp: bool = False, deferred_epilogue: bool = False):
         if tile_n is None:
             tile_n = default_tile_n(activation)
         reason = can_implement(activation, 2 * FP8_BLOCK, FP8_BLOCK, 1, tile_n)
@@ -280,6 +289,11 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
             raise ValueError("scale_warp needs smem_scales")
         # drop v35: a second producer warp stages them instead, so the TMA warp never waits on them
         self.scale_warp = bool(scale_warp)
+        if deferred_epilogue and not (self.overlap_promotion and not self.requant and not self.fused_quant):
+            raise ValueError("deferred_epilogue needs overlap_promotion and the plain bf16 epilogue "
+                             "(not requant, not fused_quant)")
+        # drop v48: a unit's epilogue runs while the next unit's first k-tile is on the tensor cores
+        self.deferred_epilogue = bool(deferred_epilogue)
         if self.fused_quant and not (self.gated and self.wide_gated and self.cluster_n == 2 and not self.requant):
             raise ValueError("fused_quant needs swiglu, wide_gated and cluster_n = 2 (a cluster's two n-tiles "
                              "are one 128-column group)")
@@ -431,6 +445,9 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                               and not self.overlap_chunk):
             raise ValueError(f"overlap_promotion: K={k_size} is unrolled up to {OVERLAP_MAX_K_TILES * FP8_BLOCK}, "
                              f"beyond in chunks of an even number of 128-wide k-tiles (K/128 = {self.k_tiles} is odd)")
+        if cutlass.const_expr(self.deferred_epilogue and self.overlap_chunk):
+            raise ValueError(f"deferred_epilogue runs on the unrolled overlapped schedule (K <= "
+                             f"{OVERLAP_MAX_K_TILES * FP8_BLOCK}), not the chunked one (K={k_size})")
         self.n_out_divisible = True
         self.num_stages = self._num_stages(num_experts)
 
@@ -731,6 +748,15 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
             r_hi = tCcC[2][0]
             expert = cutlass.Int32(0)
             q_unit = cutlass.Int32(0)  # fused_quant: units this CTA has stored
+            # deferred_epilogue: the unit whose tile waits in ``accs`` to be stored (none yet: 0 rows)
+            prev_row0 = cutlass.Int32(0)
+            prev_rows = cutlass.Int32(0)
+            prev_n0 = cutlass.Int32(0)
+            prev_ra_lo = cutlass.Int32(0)
+            prev_ra_hi = cutlass.Int32(0)
+            if cutlass.const_expr(self.deferred_epilogue):
+                for h in cutlass.range_constexpr(self.n_mma):
+                    accs[h].fill(0.0)  # what the first deferred epilogue reads (it stores no row)
             tile_id = unit0
             while tile_id < total_tiles:
                 expert, row0, row_end, n_tile = self._locate(sOff, sCum, tile_id, expert)
@@ -748,8 +774,9 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                 for half in cutlass.range_constexpr(self.halves):
                     n0 = self._n0(n_tile, half)
                     sc = (mAScale, mBScale, sr_lo, sr_hi, expert, n0, sScale, r_lo, r_hi)  # for _scales
-                    for h in cutlass.range_constexpr(self.n_mma):
-                        accs[h].fill(0.0)
+                    if cutlass.const_expr(not self.deferred_epilogue):
+                        for h in cutlass.range_constexpr(self.n_mma):
+                            accs[h].fill(0.0)
 
                     if cutlass.const_expr(self.overlap_promotion and not self.overlap_chunk):
                         # k-tile t's WGMMAs in flight while t-1 is promoted (module docstring);
@@ -758,6 +785,14 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                         tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts, state.index, num_k_blocks)
                         state.advance()
                         a_lo, a_hi, a_b0, a_b1 = self._scales(sc, state, True, 0)
+                        if cutlass.const_expr(self.deferred_epilogue):
+                            # drop v48: the previous unit's tile is stored while k-tile 0 runs (no
+                            # WGMMA group crosses the unit loop's back-edge: only finished sums wait)
+                            self._epilogue([self._activate(accs, acc_shape, n_elems, mRowScale, prev_ra_lo,
+                                                           prev_ra_hi)],
+                                           tCsC, sC, outs[0], prev_row0, prev_rows, prev_n0, mma_tidx, epi_barrier)
+                            for h in cutlass.range_constexpr(self.n_mma):
+                                accs[h].fill(0.0)
                         # pairs (t, t + 1) = (1 + 2p, 2 + 2p): t -> set B (parts2), t + 1 -> set A
                         for p in cutlass.range_constexpr((k_tiles - 1) // 2):  # unrolled: see OVERLAP_MAX_K_TILES
                             t = 1 + 2 * p
@@ -848,38 +883,26 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                             self._promote(accs, parts, sa_lo, sa_hi, sb0, sb1, n_mma_elems)
 
                     # ---------------- epilogue: activation, row scale, masked bf16 stores
-                    acc0 = accs[0]
-                    if cutlass.const_expr(self.wide_gated):
-                        # output element i (column block i // 4 < 8) = gate element i, up element i + 32
-                        acc0 = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
-                        for i in cutlass.range_constexpr(n_elems):
-                            g = accs[0][i]
-                            den = cutlass.Float32(1.0) + cute.math.exp2(-g * _LOG2E, fastmath=True)
-                            acc0[i] = g * cute.arch.rcp_approx(den) * accs[0][i + n_elems]
-                    elif cutlass.const_expr(self.gated):
-                        for i in cutlass.range_constexpr(n_elems):
-                            g = acc0[i]
-                            den = cutlass.Float32(1.0) + cute.math.exp2(-g * _LOG2E, fastmath=True)
-                            acc0[i] = g * cute.arch.rcp_approx(den) * accs[1][i]
-                    if cutlass.const_expr(self.scale_rows):
-                        rs_lo = mRowScale[ra_lo]
-                        rs_hi = mRowScale[ra_hi]
-                        for i in cutlass.range_constexpr(n_elems):
-                            if cutlass.const_expr((i // 2) % 2 == 0):
-                                acc0[i] = acc0[i] * rs_lo
-                            else:
-                                acc0[i] = acc0[i] * rs_hi
-                    if cutlass.const_expr(self.requant):
+                    if cutlass.const_expr(self.deferred_epilogue):  # stored under the next unit's k-tile 0
+                        prev_row0, prev_rows, prev_n0, prev_ra_lo, prev_ra_hi = row0, rows_left, n0, ra_lo, ra_hi
+                    elif cutlass.const_expr(self.requant):
+                        acc0 = self._activate(accs, acc_shape, n_elems, mRowScale, ra_lo, ra_hi)
                         kept = self._requant_epilogue(half, kept, acc0, acc_shape, n_elems, tCcC, sC, outs, row0,
                                                       rows_left, r_lo, r_hi, n_tile, mma_tidx, lane, epi_barrier)
                     elif cutlass.const_expr(self.fused_quant):  # staged for the quantising warps
+                        acc0 = self._activate(accs, acc_shape, n_elems, mRowScale, ra_lo, ra_hi)
                         self._stage_unit(acc0, tCsC, qbar, q_unit, mma_tidx, epi_barrier,
                                          storage.sC.data_ptr().toint(), storage.sRecv.data_ptr().toint(), cta_rank)
                     else:
+                        acc0 = self._activate(accs, acc_shape, n_elems, mRowScale, ra_lo, ra_hi)
                         self._epilogue([acc0], tCsC, sC, outs[0], row0, rows_left, n0, mma_tidx, epi_barrier)
                 if cutlass.const_expr(self.fused_quant):
                     q_unit = q_unit + 1
                 tile_id = tile_id + unit_step
+            if cutlass.const_expr(self.deferred_epilogue):
+                if prev_rows > 0:  # the last unit's tile (none if this CTA had no unit)
+                    self._epilogue([self._activate(accs, acc_shape, n_elems, mRowScale, prev_ra_lo, prev_ra_hi)],
+                                   tCsC, sC, outs[0], prev_row0, prev_rows, prev_n0, mma_tidx, epi_barrier)
 
         if cutlass.const_expr(self.fused_quant):
             if warp_group_idx > 0:  # the sending threads' last bulk copy has read its sC rows
@@ -910,6 +933,33 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                 tiled_mma.set(warpgroup.Field.ACCUMULATE, True)
         warpgroup.commit_group()
         return tiled_mma  # rebound by the caller: the accumulate flag is a traced value
+
+    def _activate(self, accs, acc_shape, n_elems: int, mRowScale, ra_lo, ra_hi):
+        """The tile's outputs from its finished sums ``accs``: the activation (swiglu: silu(gate) * up;
+        wide gated: a new tensor of the tile's ``n_elems`` outputs, else ``accs[0]`` in place), then
+        the row scale of the thread's two rows ``ra_lo`` / ``ra_hi`` when ``scale_rows``."""
+        acc0 = accs[0]
+        if self.wide_gated:
+            # output element i (column block i // 4 < 8) = gate element i, up element i + 32
+            acc0 = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
+            for i in range(n_elems):
+                g = accs[0][i]
+                den = cutlass.Float32(1.0) + cute.math.exp2(-g * _LOG2E, fastmath=True)
+                acc0[i] = g * cute.arch.rcp_approx(den) * accs[0][i + n_elems]
+        elif self.gated:
+            for i in range(n_elems):
+                g = acc0[i]
+                den = cutlass.Float32(1.0) + cute.math.exp2(-g * _LOG2E, fastmath=True)
+                acc0[i] = g * cute.arch.rcp_approx(den) * accs[1][i]
+        if self.scale_rows:
+            rs_lo = mRowScale[ra_lo]
+            rs_hi = mRowScale[ra_hi]
+            for i in range(n_elems):
+                if (i // 2) % 2 == 0:
+                    acc0[i] = acc0[i] * rs_lo
+                else:
+                    acc0[i] = acc0[i] * rs_hi
+        return acc0
 
     def _n0(self, n_tile, half: int):
         """First output column (of ``n_out``) of half ``half`` of scheduled unit ``n_tile``."""

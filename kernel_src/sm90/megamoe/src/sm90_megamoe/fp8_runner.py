@@ -111,22 +111,23 @@ def compile_variant(activation: str, n: int, k: int, num_experts: int, scale_row
                     arch: str = "sm_90a", tile_n: Optional[int] = None,
                     num_stages: Optional[int] = None, raster_m: int = 1, overlap_promotion: bool = False,
                     requant: bool = False, wide_gated: bool = False, gather_a: bool = False, cluster_n: int = 1,
-                    smem_scales: bool = False, scale_warp: bool = False):
+                    smem_scales: bool = False, scale_warp: bool = False, deferred_epilogue: bool = False):
     """(kernel, compiled) for one variant, from fake tensors (no GPU needed), compiled once per
     process (the checks, the GPU runs and the tests share it); ``requant``: FC1's requantising
     variant, ``wide_gated``: FC1's one-WGMMA gate+up schedule (swiglu only); ``gather_a``: A rows
     gathered by index (:mod:`.fp8_gather`); ``cluster_n`` = 2: clusters of 2 CTAs multicasting A;
     ``smem_scales``: scales staged in shared memory by the producer warp (drop v34), ``scale_warp``:
-    by a second producer warp (drop v35)."""
+    by a second producer warp (drop v35); ``deferred_epilogue``: a unit's epilogue under the next
+    unit's first k-tile (drop v48; the unrolled overlapped schedule)."""
     return _compile_variant(activation, n, k, num_experts, bool(scale_rows), arch, tile_n, num_stages, int(raster_m),
                             bool(overlap_promotion), bool(requant), bool(wide_gated), bool(gather_a), int(cluster_n),
-                            bool(smem_scales), bool(scale_warp))
+                            bool(smem_scales), bool(scale_warp), bool(deferred_epilogue))
 
 
 @functools.lru_cache(maxsize=None)
 def _compile_variant(activation, n, k, num_experts, scale_rows, arch, tile_n, num_stages, raster_m,
                      overlap_promotion, requant, wide_gated, gather_a=False, cluster_n=1, smem_scales=False,
-                     scale_warp=False):
+                     scale_warp=False, deferred_epilogue=False):
     reason = can_implement(activation, n, k, num_experts, tile_n)
     if reason is None and requant and activation != "swiglu":
         reason = "requant needs swiglu"
@@ -144,7 +145,8 @@ def _compile_variant(activation, n, k, num_experts, scale_rows, arch, tile_n, nu
                      overlap_promotion=overlap_promotion, wide_gated=wide_gated,
                      **({"cluster_n": cluster_n} if cluster_n > 1 else {}),
                      **({"smem_scales": True} if smem_scales else {}),
-                     **({"scale_warp": True} if scale_warp else {}))
+                     **({"scale_warp": True} if scale_warp else {}),
+                     **({"deferred_epilogue": True} if deferred_epilogue else {}))
     compiled = cute.compile(kernel, *fake_args(num_experts, n, k, activation, requant, gather_a),
                             options=f"--gpu-arch {arch} --keep-ptx")
     return kernel, compiled
@@ -204,12 +206,13 @@ class Fp8GroupedGemm:
 
     def __init__(self, activation, n, k, num_experts, scale_rows, tile_n=None, num_stages=None, raster_m=1,
                  overlap_promotion=False, requant=False, wide_gated=False, gather_a=False, cluster_n=1,
-                 smem_scales=False, scale_warp=False):
+                 smem_scales=False, scale_warp=False, deferred_epilogue=False):
         self.kernel, self.compiled = compile_variant(activation, n, k, num_experts, scale_rows,
                                                      tile_n=tile_n, num_stages=num_stages, raster_m=raster_m,
                                                      overlap_promotion=overlap_promotion, requant=requant,
                                                      wide_gated=wide_gated, gather_a=gather_a, cluster_n=cluster_n,
-                                                     smem_scales=smem_scales, scale_warp=scale_warp)
+                                                     smem_scales=smem_scales, scale_warp=scale_warp,
+                                                     deferred_epilogue=deferred_epilogue)
         self.cluster_n = int(cluster_n)
         self.activation, self.n, self.k, self.scale_rows = activation, n, k, scale_rows
         self.n_out = n // 2 if activation == "swiglu" else n
@@ -634,6 +637,49 @@ def check_fused_quant(model: str, routing: str, reps: int) -> bool:
     return same
 
 
+def check_deferred_epilogue(model: str, routing: str, reps: int) -> bool:
+    """Drop v48: each layer GEMM on the unrolled overlapped schedule (FC1 wide gated, FC2 with router
+    weights; clusters of 2, staged scales for K <= 2048, as the layer runs them) with
+    ``deferred_epilogue`` against the same kernel without: bits (NaN poisoned) and time,
+    interleaved, 2 rounds."""
+    from .fp8_launch import CompiledFp8Gemm
+
+    h, i, E, topk, tokens = MODELS[model]
+    m_total = tokens * topk
+    ok = True
+    for name, act, n, k in (("fc1", "swiglu", 2 * i, h), ("fc2", "identity", h, i)):
+        if k // FP8_BLOCK > OVERLAP_MAX_K_TILES:
+            print(f"[{model} {name} deferred_epilogue] K={k}: chunked schedule, not covered", flush=True)
+            continue
+        sr = act == "identity"
+        kw = dict(raster_m=max(1, min(16, (24 << 20) // (128 * k))), overlap_promotion=True,
+                  wide_gated=act == "swiglu", cluster_n=2, smem_scales=k <= 2048)
+        fns = [CompiledFp8Gemm(act, n, k, E, sr, tvm_ffi=True, **kw),
+               CompiledFp8Gemm(act, n, k, E, sr, tvm_ffi=True, deferred_epilogue=True, **kw)]
+        a, a_s, b, b_s, offs, rs = make_inputs(m_total, n, k, E, routing, sr, seed=9)
+        if rs is None:
+            rs = torch.ones(1, device="cuda")
+        outs = [torch.full((m_total, fns[0].n_out), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in fns]
+        ctas = max_active_ctas(2)
+        calls = [lambda f=f, o=o: f(a, a_s, b, b_s, offs, out=o, row_scale=rs, max_active_ctas=ctas)
+                 for f, o in zip(fns, outs)]
+        for c in calls:
+            c()
+        torch.cuda.synchronize()
+        same = torch.equal(outs[0], outs[1]) and not bool(torch.isnan(outs[1]).any())
+        ok &= same
+        ms = [[], []]
+        for _ in range(2):
+            for j, c in enumerate(calls):
+                ms[j].append(time_fn(c, reps))
+        base, dfr = min(ms[0]), min(ms[1])
+        flops = 2.0 * m_total * n * k
+        print(f"[{model} {name} deferred_epilogue] {routing}: bit-identical={same}; {dfr:.3f} ms = "
+              f"{flops / dfr / 1e9:.1f} TFLOP/s vs {base:.3f} ms ({base / dfr:.3f}x; rounds "
+              f"{' '.join(f'{x:.3f}' for x in ms[1])} / {' '.join(f'{x:.3f}' for x in ms[0])})", flush=True)
+    return ok
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(MODELS), default="qwen3")
@@ -654,6 +700,9 @@ def main(argv=None):
     p.add_argument("--fused-quant", action="store_true",
                    help="also FC1 quantising FC2's input from idle warps (checked bit-identical to FC1 + quantiser, "
                         "timed)")
+    p.add_argument("--deferred-epilogue", action="store_true",
+                   help="also each layer GEMM with its epilogue under the next unit's first k-tile (drop v48; "
+                        "checked bit-identical, timed)")
     p.add_argument("--raster-m", default="1", help="m-tiles per raster group, comma-separated: each is timed, "
                                                   "the first is also checked")
     args = p.parse_args(argv)
@@ -666,6 +715,8 @@ def main(argv=None):
                       args.cluster, args.smem_scales)
         if args.fused_quant:
             ok &= check_fused_quant(args.model, args.routing, args.reps)
+        if args.deferred_epilogue:
+            ok &= check_deferred_epilogue(args.model, args.routing, args.reps)
     else:
         print("no SM90 GPU: compile checks only")
     raise SystemExit(0 if ok else 1)
