@@ -42,8 +42,8 @@
 #                per VERIFY_RUNNER_MODELS, the FP8 layer with the switch off / on, VERIFY_ROUNDS (2) rounds)
 #                -> $OUT/verify_*, $OUT/tests_*.log (earlier sessions' verify: git history);
 # defer:         drop v48's deferred epilogue (FP8): the drop runner per model (VERIFY_RUNNER_MODELS), the
-#                steady-state FP8 GEMMs and the FP8 layer (VERIFY_ROUNDS rounds) with it off / on, then its
-#                GPU tests in what is left of CALL_BUDGET (560 s) -> $OUT/defer_*, $OUT/tests_*.log
+#                steady-state FP8 GEMMs and the FP8 layer (VERIFY_ROUNDS rounds) with it off / on, FlashInfer's
+#                FP8 layer beside them (carry .device/fi), then its GPU tests in what is left of CALL_BUDGET (560 s) -> $OUT/defer_*, $OUT/tests_*.log
 # ncu:           Nsight Compute on the FP8 GEMMs (ours on Mixtral with and without clusters, Qwen3) and on
 #                cuBLAS's block-wise _scaled_mm (Mixtral) -> $OUT/ncu_*.log
 # layers:        both layers profiled (kernel table + the last forward's timeline), FlashInfer BF16 + FP8
@@ -236,6 +236,12 @@ if [ "$mode" = defer ]; then
         python3 -m moe_ep.bench --model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" \
         --quant fp8_block128 --no-reference --no-decode --csv "$OUT/defer_fp8_${tag}_r$r.csv"
   done; done
+  if [ -f .device/fi/pkg/setup.sh ]; then  # FlashInfer's FP8 layer beside them (carry .device/fi)
+    step "FlashInfer peer fp8" "$OUT/defer_fi_fp8.log" -- bash -c '
+      source .device/fi/pkg/setup.sh || exit 3
+      exec python3 -m moe_ep.bench "$@"' fi "${common[@]}" --quant fp8_block128 "${peer_args[@]}" --peer flashinfer \
+        --peer-script-fi .device/fi/bench_fi.py --csv "$OUT/defer_fi_fp8.csv"
+  fi
   left=$(( ${CALL_BUDGET:-560} - SECONDS ))
   [ "$left" -gt 60 ] && run_groups "$left" "tests/test_fp8_deferred_epilogue.py" \
       "tests/test_fp8_backend.py;-k;DEFERRED or against_reference"
