@@ -73,7 +73,14 @@ def test_shim_switch_and_key(monkeypatch):
     from moe_ep.shim.drops import sm90_megamoe_fp8 as s
 
     monkeypatch.delenv("MOE_EP_FP8_DEFERRED_EPILOGUE", raising=False)
-    assert not s._gemm_key("identity", 2048, 768, 128, True, False, False).deferred_epilogue  # off by default
+    # default: short K only (nineteenth session, at the 700 W cap: Qwen3 FC2, K 768, 1.058x; K 2048
+    # and 4096 slower)
+    assert s._gemm_key("identity", 2048, 768, 128, True, False, False).deferred_epilogue
+    assert s._gemm_key("identity", 2048, 1024, 128, True, False, False).deferred_epilogue
+    assert not s._gemm_key("swiglu", 1536, 2048, 128, False, False, False).deferred_epilogue
+    assert not s._gemm_key("swiglu", 28672, 4096, 8, False, False, False).deferred_epilogue
+    monkeypatch.setenv("MOE_EP_FP8_DEFERRED_EPILOGUE", "0")
+    assert not s._gemm_key("identity", 2048, 768, 128, True, False, False).deferred_epilogue
     monkeypatch.setenv("MOE_EP_FP8_DEFERRED_EPILOGUE", "1")
     assert s._gemm_key("swiglu", 1536, 2048, 128, False, False, False).deferred_epilogue
     assert s._gemm_key("identity", 2048, 768, 128, True, False, False).deferred_epilogue

@@ -154,16 +154,28 @@ def use_fp8_scale_warp(activation: str = "swiglu", k: int = 0) -> bool:
     return activation == "identity" and k >= CLUSTER_MIN_K
 
 
+#: the largest K whose FP8 GEMMs defer their epilogue by default (use_fp8_deferred_epilogue)
+DEFERRED_EPILOGUE_MAX_K = 1024
+
+
 def use_fp8_deferred_epilogue(overlap_promotion: bool, k: int, requant: bool = False,
                               fused_quant: bool = False) -> bool:
     """Whether the FP8 GEMM stores each tile while the next tile's first k-tile runs (drop v48,
-    ``deferred_epilogue``; same bits): only on the unrolled overlapped schedule (K <= 32·128) with the
-    bf16 output (not requant / fused_quant). ``MOE_EP_FP8_DEFERRED_EPILOGUE=1`` turns it on (off by
-    default until measured on the H200)."""
+    ``deferred_epilogue``; bit-identical on the H200): possible on the unrolled overlapped schedule
+    (K <= 32·128) with the bf16 output (not requant / fused_quant); by default for K <=
+    DEFERRED_EPILOGUE_MAX_K, where a tile's k-loop is short next to its epilogue.
+
+    H200, nineteenth session (``bash bench/h200_session.sh defer``; ``bench sustained``, each GEMM 2 s
+    at the 700 W cap, ms, without / with): Qwen3 FC2 (K 768, 6 k-tiles) 0.275 / 0.260 (1.058x);
+    Qwen3 FC1 (K 2048) 0.470 / 0.475; Mixtral FC1 (K 4096) 3.766 / 3.922 -- so only short K.
+    ``MOE_EP_FP8_DEFERRED_EPILOGUE=1`` / ``0``: on wherever possible / off."""
     k_tiles = k // CONSTANTS.value("sm90_megamoe.fp8_gemm", "FP8_BLOCK")
     possible = (bool(overlap_promotion) and not requant and not fused_quant
                 and k_tiles <= CONSTANTS.value("sm90_megamoe.fp8_gemm", "OVERLAP_MAX_K_TILES"))
-    return possible and os.environ.get("MOE_EP_FP8_DEFERRED_EPILOGUE", "0") == "1"
+    forced = os.environ.get("MOE_EP_FP8_DEFERRED_EPILOGUE", "")
+    if forced in ("0", "1"):
+        return possible and forced == "1"
+    return possible and k <= DEFERRED_EPILOGUE_MAX_K
 
 
 def use_fp8_wide_gated(activation: str) -> bool:
