@@ -210,6 +210,6 @@ def test_aot_builds_fp8_layers_for_sm90(tmp_path):
     quantiser); with another arch it is refused by name."""
     names = [n for n, _, _ in events(aot("build", *SMALL, "--quant", "fp8_block128", "--kernels", "fc2",
                                          "--out", str(tmp_path)))]
-    assert sorted(names) == ["fp8_gemm_identity_cluster2", "fp8_quantize_rows"]  # K <= 2048: the short-K schedule
+    assert sorted(names) == ["fp8_gemm_identity_cluster2_defer", "fp8_quantize_rows"]  # K 768: short-K, deferred epilogue
     bad = aot("build", "--arch", "sm_100a", "--quant", "fp8_block128", "--model", "qwen3", "--out", str(tmp_path))
     assert bad.returncode == 2 and "--quant fp8_block128 is for --arch sm_90a" in bad.stderr

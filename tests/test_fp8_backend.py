@@ -47,8 +47,9 @@ def test_every_kernel_compiles_without_a_gpu(monkeypatch, tmp_path):
     prebuild(MoEConfig(max_tokens_per_rank=64, quant="fp8_block128", **QWEN), 1, kernels=("fc1", "fc2"))
     names = [e.name for e in COMPILE_EVENTS[seen:]]
     # default: the scattering quantiser for FC1's input (the fused gather path, each token once);
-    # Qwen3's GEMMs (K 2048, 768) on the short-K schedule: staged scales, clusters of 2
-    assert names == ["fp8_gemm_swiglu_cluster2", "fp8_scatter_quantize_rows", "fp8_gemm_identity_cluster2",
+    # Qwen3's GEMMs (K 2048, 768) on the short-K schedule: staged scales, clusters of 2; FC2 (K <= 1024)
+    # stores each tile under the next one's first k-tile (drop v48)
+    assert names == ["fp8_gemm_swiglu_cluster2", "fp8_scatter_quantize_rows", "fp8_gemm_identity_cluster2_defer",
                      "fp8_quantize_rows"]
     # MOE_EP_FP8_SCATTER_QUANT=0: the gathering quantiser (each grouped row from its token)
     monkeypatch.setenv("MOE_EP_FP8_SCATTER_QUANT", "0")
@@ -102,8 +103,8 @@ def test_overlap_schedule_is_default_and_limited_to_short_k(monkeypatch, tmp_pat
         a = sm90_compiled_fp8_gemm("identity", 2048, 640, 128, True)
         assert sm90_compiled_fp8_gemm("identity", 2048, 640, 128, True) is a  # cached
         plain_events.append([e.name for e in COMPILE_EVENTS[seen:]])
-    # (K 640: the overlapped one is the short-K schedule, staged scales in clusters of 2)
-    assert plain_events == [["fp8_gemm_identity"], ["fp8_gemm_identity_cluster2"]]
+    # (K 640: the overlapped one is the short-K schedule, staged scales in clusters of 2, deferred epilogue)
+    assert plain_events == [["fp8_gemm_identity"], ["fp8_gemm_identity_cluster2_defer"]]
 
 
 #: FC2 with K = 4096: staged scales, the scale warp and clusters of 2 (eighteenth session's default)
@@ -640,8 +641,8 @@ def test_fused_requant_prebuilds_its_kernels(monkeypatch, tmp_path):
         seen = len(COMPILE_EVENTS)
         prebuild(cfg, 1, kernels=("fc1", "fc2"))
         got[flag] = sorted(e.name for e in COMPILE_EVENTS[seen:])
-    assert got[None] == ["fp8_gemm_identity_cluster2", "fp8_gemm_swiglu_cluster2", "fp8_quantize_rows",
-                         "fp8_scatter_quantize_rows"]  # K 256: the short-K schedule
+    assert got[None] == ["fp8_gemm_identity_cluster2_defer", "fp8_gemm_swiglu_cluster2_defer", "fp8_quantize_rows",
+                         "fp8_scatter_quantize_rows"]  # K 256: the short-K schedule, deferred epilogue
     assert got["1"] == ["fp8_gemm_swiglu_requant"]  # the rest was built above (same keys)
     monkeypatch.setenv("MOE_EP_FP8_WIDE_GATED", "0")  # the default is wide; only FC1 (gated) has a wide form
     seen = len(COMPILE_EVENTS)
