@@ -247,7 +247,7 @@ if [ "$mode" = defer ]; then
       "tests/test_fp8_backend.py;-k;DEFERRED or against_reference"
 fi
 if [ "$mode" = sustab ]; then
-  IFS='|' read -r -a settings <<< "${SUSTAB:-}"
+  IFS='|' read -r -a settings <<< "${SUSTAB:-}|"  # (as ENVAB: a trailing empty setting kept)
   for i in "${!settings[@]}"; do
     # shellcheck disable=SC2086
     step "sustained GEMMs, setting $i (${settings[$i]:-defaults})" "$OUT/sustab_s$i.log" -- env ${settings[$i]} \
@@ -281,7 +281,7 @@ fi
 if [ "$mode" = envab ]; then
   # settings compared on the layer (QUANT, MODELS), interleaved, ENVAB_ROUNDS (2) rounds: ENVAB is a
   # '|'-separated list of settings, each a space-separated list of VAR=value (empty: the defaults)
-  IFS='|' read -r -a settings <<< "${ENVAB:-}"
+  IFS='|' read -r -a settings <<< "${ENVAB:-}|"  # the extra "|" keeps a trailing empty setting (read drops one)
   for r in $(seq 1 "${ENVAB_ROUNDS:-2}"); do for i in "${!settings[@]}"; do
     # shellcheck disable=SC2086
     step "layer, setting $i (${settings[$i]:-defaults}), round $r" "$OUT/envab_s${i}_r$r.log" -- env ${settings[$i]} \
