@@ -140,6 +140,17 @@ run_groups() {  # run_groups SECONDS GROUP...: pytest -m gpu per group, all in p
     echo "--- ${groups[$g]}: exit $rc"; tail -n 3 "$OUT/tests_$g.log"
   done
 }
+fp8_layer_ab() {  # fp8_layer_ab PREFIX MODELS VAR=value: the FP8 layer with the defaults and with VAR=value,
+  # interleaved, VERIFY_ROUNDS (2) rounds -> $OUT/PREFIX_<setting>_r<r>.{log,csv}
+  local prefix=$1 models=$2 on=$3 r v tag
+  for r in $(seq 1 "${VERIFY_ROUNDS:-2}"); do for v in "" "$on"; do
+    tag=${v:-defaults}; tag=${tag//[^A-Za-z0-9]/_}
+    # shellcheck disable=SC2086
+    step "FP8 layer, ${v:-defaults}, round $r" "$OUT/${prefix}_${tag}_r$r.log" -- env $v \
+        python3 -m moe_ep.bench --model "$models" --tokens "$TOKENS" --iters "$ITERS" \
+        --quant fp8_block128 --no-reference --no-decode --csv "$OUT/${prefix}_${tag}_r$r.csv"
+  done; done
+}
 # the whole GPU suite as ten pytest groups (modes suite and layers run them in parallel)
 ltop="matches_reference or activations_biases or decode_layer or bad_values or odd_hidden or quantised_configs"
 gtop="fc1_fc2_models or m_total_sweep or back_to_back"
@@ -206,13 +217,7 @@ if [ "$mode" = verify ]; then
       step "fp8_runner $m --fused-quant" "$OUT/verify_runner_$m.log" -- bash -c \
           "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.fp8_runner --model $m --fused-quant"
     done
-    for r in $(seq 1 "${VERIFY_ROUNDS:-2}"); do for v in "" "MOE_EP_FP8_FUSED_QUANT=1"; do
-      tag=${v:-defaults}; tag=${tag//[^A-Za-z0-9]/_}
-      # shellcheck disable=SC2086
-      step "FP8 layer, ${v:-defaults}, round $r" "$OUT/verify_fp8_${tag}_r$r.log" -- env $v \
-          python3 -m moe_ep.bench --model "${VERIFY_MODELS:-qwen3,mixtral}" --tokens "$TOKENS" --iters "$ITERS" \
-          --quant fp8_block128 --no-reference --no-decode --csv "$OUT/verify_fp8_${tag}_r$r.csv"
-    done; done
+    fp8_layer_ab verify_fp8 "${VERIFY_MODELS:-qwen3,mixtral}" MOE_EP_FP8_FUSED_QUANT=1
   fi
 fi
 if [ "$mode" = defer ]; then
@@ -229,13 +234,7 @@ if [ "$mode" = defer ]; then
     step "sustained FP8 GEMMs, ${v:-defaults}" "$OUT/defer_sustained_$tag.log" -- env $v python3 -m moe_ep.bench \
         sustained --model "$MODELS" --tokens "$TOKENS" --seconds "${SUSTAIN_SECONDS:-2}" --rounds 1 --quant fp8_block128
   done
-  for r in $(seq 1 "${VERIFY_ROUNDS:-2}"); do for v in "" "MOE_EP_FP8_DEFERRED_EPILOGUE=1"; do
-    tag=${v:-defaults}; tag=${tag//[^A-Za-z0-9]/_}
-    # shellcheck disable=SC2086
-    step "FP8 layer, ${v:-defaults}, round $r" "$OUT/defer_fp8_${tag}_r$r.log" -- env $v \
-        python3 -m moe_ep.bench --model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" \
-        --quant fp8_block128 --no-reference --no-decode --csv "$OUT/defer_fp8_${tag}_r$r.csv"
-  done; done
+  fp8_layer_ab defer_fp8 "$MODELS" MOE_EP_FP8_DEFERRED_EPILOGUE=1
   if [ -f .device/fi/pkg/setup.sh ]; then  # FlashInfer's FP8 layer beside them (carry .device/fi)
     step "FlashInfer peer fp8" "$OUT/defer_fi_fp8.log" -- bash -c '
       source .device/fi/pkg/setup.sh || exit 3
