@@ -1,7 +1,8 @@
 """Drop v28: the plain FP8 grouped GEMM in clusters of 2 CTAs (``cluster_n=2``): the two CTAs of a
-cluster compute one m-tile's two adjacent n-tiles and multicast A's halves to each other. CPU:
-the PTX (multicast TMA for A only, the remote stage release, the cluster barrier), no spills, the
-refusals, the shim's switch (on from K = 4096). GPU: the same bits as single CTAs, and float64 agreement."""
+cluster compute one m-tile's two adjacent n-tiles and multicast A's halves to each other; drop v49:
+clusters of 4 (four n-tiles, A's quarters). CPU: the PTX (multicast TMA for A only, the remote stage
+release, the cluster barrier), no spills, the refusals, the shim's switch (on from K = 4096;
+``MOE_EP_FP8_CLUSTER=4``). GPU: the same bits as single CTAs, and float64 agreement."""
 
 import re
 
@@ -25,23 +26,25 @@ def _sm90():
 
 
 # ---------------------------------------------------------------------------- compile (CPU)
-@pytest.mark.parametrize("act,n,k,experts,overlap,wide", [
-    ("swiglu", 1536, 2048, 128, False, True),    # Qwen3 FC1 (the backend's wide schedule)
-    ("identity", 2048, 768, 128, True, False),   # Qwen3 FC2, overlapped promotion
-    ("identity", 4096, 14336, 8, False, False),  # Mixtral FC2 (112 k-tiles)
+@pytest.mark.parametrize("act,n,k,experts,overlap,wide,cluster_n", [
+    ("swiglu", 1536, 2048, 128, False, True, 2),    # Qwen3 FC1 (the backend's wide schedule)
+    ("identity", 2048, 768, 128, True, False, 2),   # Qwen3 FC2, overlapped promotion
+    ("identity", 4096, 14336, 8, False, False, 2),  # Mixtral FC2 (112 k-tiles)
+    ("swiglu", 28672, 4096, 8, True, True, 4),      # drop v49: Mixtral FC1's layer schedule in fours
+    ("identity", 2048, 768, 128, True, False, 4),   # ... Qwen3 FC2's
 ])
-def test_cluster_ptx_multicasts_a_only(act, n, k, experts, overlap, wide):
+def test_cluster_ptx_multicasts_a_only(act, n, k, experts, overlap, wide, cluster_n):
     from sm90_megamoe.fp8_runner import compile_variant, ptx_report
 
     kernel, compiled = compile_variant(act, n, k, experts, act == "identity", raster_m=16,
-                                       overlap_promotion=overlap, wide_gated=wide, cluster_n=2)
+                                       overlap_promotion=overlap, wide_gated=wide, cluster_n=cluster_n)
     ptx = compiled.__ptx__
     loads = re.findall(r"cp\.async\.bulk\.tensor\.[^;]*;", ptx)
     a_loads = [x for x in loads if x.startswith("cp.async.bulk.tensor.2d")]  # A [M, K]; B is 3d [E, N, K]
     b_loads = [x for x in loads if x.startswith("cp.async.bulk.tensor.3d")]
     assert a_loads and all("multicast::cluster" in x for x in a_loads), a_loads
     assert b_loads and not any("multicast" in x for x in b_loads), b_loads
-    # a stage is released in both CTAs (remote mbarrier arrive), barriers initialised cluster-wide
+    # a stage is released in every CTA of the cluster (remote mbarrier arrive), barriers initialised cluster-wide
     assert re.search(r"mapa\.shared::cluster", ptx) and "mbarrier.arrive.shared::cluster" in ptx
     assert "barrier.cluster.arrive" in ptx and "barrier.cluster.wait" in ptx
     assert "mbarrier_init.release.cluster" in ptx
@@ -50,9 +53,9 @@ def test_cluster_ptx_multicasts_a_only(act, n, k, experts, overlap, wide):
     assert r["fp8_wgmma"] and r["pdl"] and r["smem_bytes"] <= 227 * 1024
     if r["ptxas_spill_bytes"] is not None:
         assert r["ptxas_spill_bytes"] == 0, r
-    # the kernel's own copy of the unit count: one unit is a pair of n-tiles
+    # the kernel's own copy of the unit count: one unit is the cluster's n-tiles
     n_out = n // 2 if act == "swiglu" else n
-    assert kernel.cluster_n == 2 and kernel.n_tiles == n_out // kernel.tile_n // 2
+    assert kernel.cluster_n == cluster_n and kernel.n_tiles == n_out // kernel.tile_n // cluster_n
 
 
 def test_single_cta_kernel_has_no_cluster_code():
@@ -68,15 +71,17 @@ def test_cluster_refusals():
     from sm90_megamoe.fp8_launch import CompiledFp8Gemm
     from sm90_megamoe.fp8_runner import compile_variant
 
-    with pytest.raises(ValueError, match="cluster_n must be 1 or 2"):
-        Fp8BlockScaledGroupedGemmSm90("identity", cluster_n=4)
-    with pytest.raises(ValueError, match="cluster_n = 2 is for the plain TMA kernel"):
+    with pytest.raises(ValueError, match="cluster_n must be 1, 2 or 4"):
+        Fp8BlockScaledGroupedGemmSm90("identity", cluster_n=8)
+    with pytest.raises(ValueError, match="cluster_n > 1 is for the plain TMA kernel"):
         Fp8GatherGroupedGemmSm90("swiglu", cluster_n=2)
-    with pytest.raises(ValueError, match="even number of n-tiles"):  # N 384: 3 n-tiles of 128
+    with pytest.raises(ValueError, match="multiple of 2 n-tiles"):  # N 384: 3 n-tiles of 128
         compile_variant("identity", 384, 256, 4, False, cluster_n=2)
+    with pytest.raises(ValueError, match="multiple of 4 n-tiles"):  # N 768: 6 n-tiles of 128
+        compile_variant("identity", 768, 256, 4, False, cluster_n=4)
     with pytest.raises(ValueError, match="does not combine with requant or gather_a"):
-        CompiledFp8Gemm("swiglu", 1536, 2048, 8, requant=True, cluster_n=2)
-    with pytest.raises(ValueError, match="cluster_n must be 1 or 2"):
+        CompiledFp8Gemm("swiglu", 1536, 2048, 8, requant=True, cluster_n=4)
+    with pytest.raises(ValueError, match="cluster_n must be 1, 2 or 4"):
         CompiledFp8Gemm("identity", 2048, 768, 8, cluster_n=3)
 
 
@@ -112,6 +117,14 @@ def test_shim_switch_and_key(monkeypatch):
     assert s._key("quantize", "", 0, 2048, 0, False).cluster_n == 1
     monkeypatch.setenv("MOE_EP_FP8_CLUSTER", "0")          # forced off
     assert s.use_fp8_cluster("identity", 4096, 14336) == 1
+    # drop v49: clusters of 4 where clusters of 2 run by default and the n-tiles come in fours
+    monkeypatch.setenv("MOE_EP_FP8_CLUSTER", "4")
+    assert s.use_fp8_cluster("swiglu", 28672, 4096) == s.use_fp8_cluster("identity", 4096, 14336) == 4
+    assert s.use_fp8_cluster("swiglu", 1536, 2048) == s.use_fp8_cluster("identity", 2048, 768) == 4
+    assert s.use_fp8_cluster("identity", 768, 4096) == 2    # 6 n-tiles: pairs, not fours
+    assert s.use_fp8_cluster("identity", 2048, 2560) == 1   # single CTAs by default there
+    key = s._key("gemm", "swiglu", 28672, 4096, 8, False)
+    assert key.cluster_n == 4 and s._gemm_options(key)["cluster_n"] == 4
 
 
 # ---------------------------------------------------------------------------- GPU
@@ -137,25 +150,29 @@ def test_gpu_cluster_is_bit_identical(act, n, k, overlap, wide, m_total, routing
     a, a_s, b, b_s, offs, rs = (None if t is None else t.cuda()
                                 for t in fp8_gemm_problem(m_total, n, k, E, routing, 40 + m_total, sr))
     outs = []
-    for cluster_n in (1, 2):
+    sizes = (1, 2, 4)  # every case's n-tiles come in fours (drop v49)
+    for cluster_n in sizes:
         fn = Fp8GroupedGemm(act, n, k, E, sr, raster_m=16, overlap_promotion=overlap, wide_gated=wide,
                             cluster_n=cluster_n)
         out = torch.full((m_total, fn.n_out), float("nan"), dtype=torch.bfloat16, device="cuda")
         fn.launch(fn.prepare(a, a_s, b, b_s, out, offs, rs))
         outs.append(out)
     torch.cuda.synchronize()
-    assert max_active_ctas(2) % 2 == 0 and 0 < max_active_ctas(2) <= max_active_ctas(1)
-    assert not bool(torch.isnan(outs[1]).any()), "rows left unwritten (NaN poison survived)"
-    assert torch.equal(outs[0], outs[1])
+    for cn in sizes[1:]:
+        assert max_active_ctas(cn) % cn == 0 and 0 < max_active_ctas(cn) <= max_active_ctas(1)
+    for cn, out in zip(sizes[1:], outs[1:]):
+        assert not bool(torch.isnan(out).any()), f"cluster_n={cn}: rows left unwritten (NaN poison survived)"
+        assert torch.equal(outs[0], out), f"cluster_n={cn}"
     want = ref.fp8_grouped_gemm_reference(a.cpu(), a_s.cpu(), b.cpu(), b_s.cpu(), offs.cpu(), act,
                                           None if rs is None else rs.cpu(), dtype=torch.float64)
-    got = outs[1].double().cpu()
+    got = outs[-1].double().cpu()
     rel = float((got - want).norm() / want.norm().clamp_min(1e-30))
     assert rel < 1e-2, rel
 
 
 @pytest.mark.gpu
-def test_gpu_cluster_launcher_clamps_the_grid():
+@pytest.mark.parametrize("cluster_n", [2, 4])
+def test_gpu_cluster_launcher_clamps_the_grid(cluster_n):
     """The launcher never starts more CTAs than the clusters that fit (a grid of one per SM would
     leave its last clusters waiting for a whole pass): the same bits with any requested count."""
     _sm90()
@@ -163,10 +180,10 @@ def test_gpu_cluster_launcher_clamps_the_grid():
 
     E, n, k, m_total = 8, 2048, 768, 3000
     a, a_s, b, b_s, offs, rs = (t.cuda() for t in fp8_gemm_problem(m_total, n, k, E, "skewed", 5, True))
-    fn = CompiledFp8Gemm("identity", n, k, E, scale_rows=True, raster_m=16, cluster_n=2)
-    assert fn._max_ctas == cluster_ctas(2)
+    fn = CompiledFp8Gemm("identity", n, k, E, scale_rows=True, raster_m=16, cluster_n=cluster_n)
+    assert fn._max_ctas == cluster_ctas(cluster_n)
     outs = []
-    for ctas in (None, 1000, 7, 2):
+    for ctas in (None, 1000, 7, cluster_n, 1):  # 1: still one whole cluster
         out = torch.full((m_total, n), float("nan"), dtype=torch.bfloat16, device="cuda")
         fn(a.view(torch.float8_e4m3fn), a_s, b.view(torch.float8_e4m3fn), b_s, offs, out, rs, max_active_ctas=ctas)
         outs.append(out)
@@ -176,7 +193,7 @@ def test_gpu_cluster_launcher_clamps_the_grid():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cluster", ["0", "1"])
+@pytest.mark.parametrize("cluster", ["0", "1", "4"])
 def test_gpu_backend_launcher_matches_float64(monkeypatch, cluster):
     """``moe_ep.backends.sm90.fp8_cutedsl.grouped_gemm_fp8`` (the launcher the benchmarks and
     ``bench.ncu_gemm`` use) on the backend's schedule, single CTAs and clusters: against a float64
@@ -192,7 +209,7 @@ def test_gpu_backend_launcher_matches_float64(monkeypatch, cluster):
     w = quantize_fp8_block128(torch.randn(E, n, k, device="cuda", generator=g) / k ** 0.5)
     offs = ref.make_offsets(m_total, E, "skewed", torch.Generator().manual_seed(3)).cuda()
     fn = grouped_gemm_fp8("swiglu", n, k, E)
-    assert fn.cluster_n == (2 if cluster == "1" else 1)
+    assert fn.cluster_n == {"0": 1, "1": 2, "4": 4}[cluster]
     out = torch.full((m_total, n // 2), float("nan"), dtype=torch.bfloat16, device="cuda")
     fn(a, a_s, w.values, w.scale, offs, out=out, row_scale=torch.ones(1, device="cuda"))
     torch.cuda.synchronize()

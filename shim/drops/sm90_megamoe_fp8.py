@@ -88,14 +88,18 @@ def use_fp8_cluster(activation: str, n: int, k: int) -> int:
     (drop runner 0.98-1.00x, layer 672.6 / 666.8 / 654.8 / 654.5) -- with global scales; with
     staged scales (the short-K schedule, :func:`use_fp8_smem_scales`) they are: FC2 1.06x in the
     drop runner, so the GEMMs that stage their scales run in clusters too (twelfth session).
-    ``MOE_EP_FP8_CLUSTER=1`` / ``0`` force it on (where the n-tiles pair up) / off."""
+    ``MOE_EP_FP8_CLUSTER=1`` / ``0`` force it on (where the n-tiles pair up) / off;
+    ``MOE_EP_FP8_CLUSTER=4``: clusters of 4 (drop v49: four n-tiles share A's quarters) wherever
+    clusters of 2 run by default and the n-tiles come in fours."""
     forced = os.environ.get("MOE_EP_FP8_CLUSTER", "")
     short_k = use_fp8_smem_scales(compiled_key_overlap(activation, k), k, activation)  # staged scales
     if forced == "0" or (forced != "1" and k < CLUSTER_MIN_K and not short_k):
         return 1
     tile_n = _load("sm90_megamoe.fp8_gemm").default_tile_n(activation)  # the drop's tile width
-    n_out = n // 2 if activation == "swiglu" else n
-    return 2 if (n_out // tile_n) % 2 == 0 else 1
+    n_tiles = (n // 2 if activation == "swiglu" else n) // tile_n
+    if forced == "4" and n_tiles % 4 == 0:
+        return 4
+    return 2 if n_tiles % 2 == 0 else 1
 
 
 #: the largest K whose FP8 GEMMs stage their scales in shared memory by default (use_fp8_smem_scales)
@@ -288,7 +292,7 @@ def fused_quant_possible(key: Fp8Key) -> bool:
 def _compiled_gemm(key: Fp8Key) -> Any:
     """The compiled GEMM of ``key``: the in-process cache, else the disk cache, else compile."""
     name = f"fp8_gemm_{key.activation}" + ("_requant" if key.requant else "") + \
-        ("_gather" if key.gather_a else "") + ("_cluster2" if key.cluster_n > 1 else "") + \
+        ("_gather" if key.gather_a else "") + (f"_cluster{key.cluster_n}" if key.cluster_n > 1 else "") + \
         ("_fusedq" if key.fused_quant else "") + ("_defer" if key.deferred_epilogue else "")
 
     def build():

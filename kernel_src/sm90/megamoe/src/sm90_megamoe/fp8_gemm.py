@@ -72,6 +72,11 @@ Design (differences from :mod:`.grouped_gemm`, whose scheduler and smem epilogue
   a stage counts the consumer warps of both CTAs (either producer writes into both). The launch
   clamps its grid to the clusters that fit at once. Same WGMMAs and promotion order per tile:
   the same bits as single CTAs.
+* ``cluster_n=4`` (drop v49; N_out / tile_n a multiple of 4): the same with 4 CTAs -- a unit is an
+  m-tile's four adjacent n-tiles, CTA r loads rows ``[32 r, 32 r + 32)`` of A into all four, so each
+  CTA reads a quarter of A from L2 (per k-tile A 4 KB + B 16 KB instead of 8 + 16); a stage's empty
+  barrier counts the consumer warps of all four CTAs (lanes 0-3 of each warp arrive on CTAs 0-3).
+  Fewer SMs may be used: the 4 CTAs of a cluster share a GPC (the grid is clamped as above).
 * ``smem_scales=True`` (drop v34; the TMA producer, not ``gather_a``): the producer warp stages each
   k-tile's scales in shared memory beside its operands -- lane l loads the A scales of tile rows
   l + 32 j (clamped as above) and lanes 0 / 1 the gate / up weight block's scale, *before* waiting
@@ -275,11 +280,12 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         if wide_gated and activation != "swiglu":
             raise ValueError("wide_gated needs a gated activation (swiglu)")
         self.wide_gated = bool(wide_gated)
-        if cluster_n not in (1, 2):
-            raise ValueError(f"cluster_n must be 1 or 2, got {cluster_n}")
+        if cluster_n not in (1, 2, 4):
+            raise ValueError(f"cluster_n must be 1, 2 or 4, got {cluster_n}")
         if cluster_n > 1 and (self.requant or self.gather_a):
-            raise ValueError("cluster_n = 2 is for the plain TMA kernel (not requant, not gather_a)")
-        # drop v28: 2 CTAs of a cluster take the two n-tiles of one m-tile and multicast A's halves
+            raise ValueError("cluster_n > 1 is for the plain TMA kernel (not requant, not gather_a)")
+        # drop v28: 2 CTAs of a cluster take the two n-tiles of one m-tile and multicast A's halves;
+        # drop v49: 4 CTAs, 4 adjacent n-tiles, each loads a quarter of A's rows into all four
         self.cluster_n = int(cluster_n)
         if smem_scales and self.gather_a:
             raise ValueError("smem_scales is for the TMA producer (not gather_a)")
@@ -437,7 +443,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         self.n_tiles = n_tiles // self.halves  # requant: one unit = two n-tiles (a 128-group)
         if cutlass.const_expr(self.cluster_n > 1):  # one unit = the cluster's adjacent n-tiles
             if cutlass.const_expr(n_tiles % self.cluster_n != 0):
-                raise ValueError(f"cluster_n={self.cluster_n} needs an even number of n-tiles, got {n_tiles}")
+                raise ValueError(f"cluster_n={self.cluster_n} needs a multiple of {self.cluster_n} n-tiles, got {n_tiles}")
             self.n_tiles = n_tiles // self.cluster_n
         self.k_tiles = k_size // self.tile_k
         self.overlap_chunk = overlap_chunk(self.k_tiles, self.halves) if self.overlap_promotion else 0

@@ -65,7 +65,8 @@ class CompiledFp8Gemm:
     m64n64 ones; ``gather_a`` (not with requant): A is the source rows and a call passes ``idx``,
     grouped row r = ``a[idx[r]]`` (:class:`.fp8_gather.Fp8GatherGroupedGemmSm90`); ``cluster_n`` = 2
     (drop v28; not with requant or gather_a; N_out / tile_n even): clusters of 2 CTAs, each pair
-    computing one m-tile's two adjacent n-tiles and multicasting A's halves to each other -- a
+    computing one m-tile's two adjacent n-tiles and multicasting A's halves to each other (``cluster_n``
+    = 4, drop v49: four CTAs, four n-tiles, A's quarters; N_out / tile_n a multiple of 4) -- a
     call then launches at most :func:`cluster_ctas` CTAs (worked out when constructed with a GPU);
     ``smem_scales`` (drop v34; not with gather_a): the producer warp stages each k-tile's scales in
     shared memory beside its operands, so the consumers never wait on a global scale load;
@@ -84,10 +85,10 @@ class CompiledFp8Gemm:
         reason = can_implement(activation, n, k, num_experts)
         if reason is None and gather_tma and not gather_a:
             reason = "gather_tma is a way of gathering: it needs gather_a=True"
-        if reason is None and cluster_n not in (1, 2):
-            reason = f"cluster_n must be 1 or 2, got {cluster_n}"
+        if reason is None and cluster_n not in (1, 2, 4):
+            reason = f"cluster_n must be 1, 2 or 4, got {cluster_n}"
         if reason is None and cluster_n > 1 and (requant or gather_a):
-            reason = "cluster_n = 2 does not combine with requant or gather_a"
+            reason = "cluster_n > 1 does not combine with requant or gather_a"
         if reason is None and gather_a and requant:
             reason = "gather_a and requant do not combine"
         if reason is None and gather_a and smem_scales:
@@ -171,10 +172,10 @@ class CompiledFp8Gemm:
         if a.shape[0] == 0:
             return out
         ctas = max_active_ctas if max_active_ctas is not None else _num_sms(a.device)
-        if self.cluster_n > 1:  # no more clusters than fit at once
+        if self.cluster_n > 1:  # no more clusters than fit at once, and at least one
             if self._max_ctas is None:
                 self._max_ctas = cluster_ctas(self.cluster_n, a.device)
-            ctas = min(ctas, self._max_ctas)
+            ctas = max(min(ctas, self._max_ctas), self.cluster_n)
         outs = (_u8(out), out_scale) if self.requant or self.fused_quant else (out,)
         if self.tvm_ffi:
             call_on_stream(self._fn, (*ins, _u8(b), b_scale, *outs, offsets, row_scale, ctas), stream)

@@ -7,7 +7,7 @@
                                       [--requant]           # + FC1 requantising its output (v21)
                                       [--wide]              # + FC1 with one m64n128 gate+up WGMMA (v21)
                                       [--gather]            # + FC1 gathering its A rows by index (v22)
-                                      [--cluster]           # + clusters of 2 CTAs multicasting A (v28)
+                                      [--cluster]           # + clusters of 2 / 4 CTAs multicasting A (v28 / v49)
                                       [--smem-scales]       # + scales staged in smem by the producer (v34)
                                                             #   or by a second producer warp (v35)
                                       [--fused-quant]       # + FC1 writing FC2's e4m3 input too (v37)
@@ -54,7 +54,7 @@ from cutlass.cute.runtime import from_dlpack, make_fake_compact_tensor, make_fak
 
 from .fp8_gather import Fp8GatherGroupedGemmSm90
 from .fp8_gemm import (FP8_BLOCK, OVERLAP_MAX_K_TILES, Fp8BlockScaledGroupedGemmSm90,
-                       Fp8SwigluRequantGroupedGemmSm90, can_implement, overlap_chunk)
+                       Fp8SwigluRequantGroupedGemmSm90, can_implement, default_tile_n, overlap_chunk)
 from .fp8_reference import (fp8_grouped_gemm_reference, make_offsets, quantize_rows128,
                             quantize_weight_block128)
 
@@ -115,7 +115,7 @@ def compile_variant(activation: str, n: int, k: int, num_experts: int, scale_row
     """(kernel, compiled) for one variant, from fake tensors (no GPU needed), compiled once per
     process (the checks, the GPU runs and the tests share it); ``requant``: FC1's requantising
     variant, ``wide_gated``: FC1's one-WGMMA gate+up schedule (swiglu only); ``gather_a``: A rows
-    gathered by index (:mod:`.fp8_gather`); ``cluster_n`` = 2: clusters of 2 CTAs multicasting A;
+    gathered by index (:mod:`.fp8_gather`); ``cluster_n`` = 2 / 4: clusters of 2 / 4 CTAs multicasting A;
     ``smem_scales``: scales staged in shared memory by the producer warp (drop v34), ``scale_warp``:
     by a second producer warp (drop v35); ``deferred_epilogue``: a unit's epilogue under the next
     unit's first k-tile (drop v48; the unrolled overlapped schedule)."""
@@ -388,17 +388,26 @@ def check_wide(fn, a, a_s, b, b_s, offs, rs, out, E, n, k, sr, raster_m, overlap
     return ok_all
 
 
+def cluster_sizes(act: str, n: int) -> tuple:
+    """The cluster sizes ``--cluster`` checks for a GEMM: 2 (drop v28), and 4 (drop v49) where its
+    n-tiles come in fours."""
+    n_tiles = (n // 2 if act == "swiglu" else n) // default_tile_n(act)
+    return (2, 4) if n_tiles % 4 == 0 else (2,)
+
+
 def check_cluster(out, a, a_s, b, b_s, offs, rs, E, n, k, act, sr, raster_m, overlap, reps) -> bool:
-    """Clusters of 2 CTAs multicasting A (drop v28) against the same schedule on single CTAs
-    (``out`` holds the default kernel's result): the same bits (NaN-poisoned), then both times,
-    interleaved over two rounds. FC1 runs the wide gated schedule (the backend's)."""
+    """Clusters of 2 (drop v28) and 4 (drop v49) CTAs multicasting A against the same schedule on
+    single CTAs (``out`` holds the default kernel's result): the same bits (NaN-poisoned), then both
+    times, interleaved over two rounds. FC1 runs the wide gated schedule (the backend's)."""
     ok_all = True
     flops = 2.0 * out.shape[0] * n * k
     wide = act == "swiglu"
-    print(f"    clusters of 2: {max_active_ctas(2)} CTAs of {max_active_ctas(1)} SMs", flush=True)
-    for ov in ((False, True) if overlap and overlap_buildable(k) else (False,)):
+    for cn in cluster_sizes(act, n):
+        print(f"    clusters of {cn}: {max_active_ctas(cn)} CTAs of {max_active_ctas(1)} SMs", flush=True)
+    for ov, cn in [(ov, cn) for ov in ((False, True) if overlap and overlap_buildable(k) else (False,))
+                   for cn in cluster_sizes(act, n)]:
         base = Fp8GroupedGemm(act, n, k, E, sr, raster_m=raster_m, overlap_promotion=ov, wide_gated=wide)
-        cl = Fp8GroupedGemm(act, n, k, E, sr, raster_m=raster_m, overlap_promotion=ov, wide_gated=wide, cluster_n=2)
+        cl = Fp8GroupedGemm(act, n, k, E, sr, raster_m=raster_m, overlap_promotion=ov, wide_gated=wide, cluster_n=cn)
         o1, o2 = torch.full_like(out, float("nan")), torch.full_like(out, float("nan"))
         bargs, cargs = base.prepare(a, a_s, b, b_s, o1, offs, rs), cl.prepare(a, a_s, b, b_s, o2, offs, rs)
         base.launch(bargs)
@@ -415,7 +424,7 @@ def check_cluster(out, a, a_s, b, b_s, offs, rs, E, n, k, act, sr, raster_m, ove
             bms.append(time_fn(lambda: base.launch(bargs), reps))
             cms.append(time_fn(lambda: cl.launch(cargs), reps))
         bm, cm = min(bms), min(cms)
-        print(f"    cluster_n=2{' overlap' if ov else ''}{' wide' if wide else ''}: bit-identical={same}; {cm:.3f} ms = "
+        print(f"    cluster_n={cn}{' overlap' if ov else ''}{' wide' if wide else ''}: bit-identical={same}; {cm:.3f} ms = "
               f"{flops / cm / 1e9:.1f} TFLOP/s vs {bm:.3f} ms = {flops / bm / 1e9:.1f} ({bm / cm:.2f}x; rounds "
               f"{' '.join(f'{x:.3f}' for x in cms)} / {' '.join(f'{x:.3f}' for x in bms)})", flush=True)
     return ok_all
@@ -567,9 +576,10 @@ def run_compile(model: str, overlap: bool = False, requant: bool = False, wide: 
     if gather:
         variants += [(spec, ov, False, wide, True) for spec, ov, _, _, _ in gated]
     variants = [v + (1, 0) for v in variants]
-    if cluster:  # check_cluster's variants: FC1 wide gated, clusters of 2
-        variants += [(spec, ov, False, spec[1] == "swiglu", False, 2, 0) for spec in layers(model)
-                     for ov in ((False, True) if overlap and overlap_buildable(spec[3]) else (False,))]
+    if cluster:  # check_cluster's variants: FC1 wide gated, clusters of 2 and 4
+        variants += [(spec, ov, False, spec[1] == "swiglu", False, cn, 0) for spec in layers(model)
+                     for ov in ((False, True) if overlap and overlap_buildable(spec[3]) else (False,))
+                     for cn in cluster_sizes(spec[1], spec[2])]
     if smem:  # check_smem_scales's variants, both ways
         variants += [(spec, ov, rq, spec[1] == "swiglu", False, cn, sm) for spec in layers(model)
                      for ov, cn, rq in smem_scale_configs(spec[1], spec[2], spec[3], overlap, requant)
@@ -694,7 +704,7 @@ def main(argv=None):
     p.add_argument("--gather", action="store_true",
                    help="also FC1 gathering its A rows by index (checked bit-identical, timed)")
     p.add_argument("--cluster", action="store_true",
-                   help="also clusters of 2 CTAs multicasting A (checked bit-identical, timed)")
+                   help="also clusters of 2 and 4 CTAs multicasting A (checked bit-identical, timed)")
     p.add_argument("--smem-scales", action="store_true",
                    help="also every layer kernel with its scales staged in smem (checked bit-identical, timed)")
     p.add_argument("--fused-quant", action="store_true",
