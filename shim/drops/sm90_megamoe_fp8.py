@@ -226,6 +226,16 @@ class Fp8Key:
     scale_warp: bool = False
     fused_quant: bool = False
     deferred_epilogue: bool = False
+    tanh_sigmoid: bool = False
+
+
+def use_fp8_tanh_sigmoid(activation: str) -> bool:
+    """Whether the plain swiglu FP8 GEMM (FC1) takes its sigmoid from one ``tanh.approx``
+    (drop v50, ``tanh_sigmoid``: one MUFU op per output instead of ``ex2`` + ``rcp``; Nsight Compute,
+    twentieth session: FC1's SwiGLU epilogue is MUFU-bound, 4.4% of Mixtral's FC1 cycles with the
+    tensor pipe waiting). Not the same bits: tanh.approx's relative error is ~2^-11, below the e4m3
+    rounding FC2's input gets next. Off by default; ``MOE_EP_FP8_TANH_SIGMOID=1`` turns it on."""
+    return activation == "swiglu" and os.environ.get("MOE_EP_FP8_TANH_SIGMOID", "0") == "1"
 
 
 def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_rows: bool,
@@ -238,7 +248,8 @@ def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_row
                   bool(requant), kind == "gemm" and use_fp8_wide_gated(activation), bool(gather_a),
                   use_fp8_cluster(activation, n, k) if plain else 1,
                   smem, smem and use_fp8_scale_warp(activation, k), bool(fused_quant),
-                  kind == "gemm" and use_fp8_deferred_epilogue(overlap_promotion, k, requant, fused_quant))
+                  kind == "gemm" and use_fp8_deferred_epilogue(overlap_promotion, k, requant, fused_quant),
+                  plain and not fused_quant and use_fp8_tanh_sigmoid(activation))
 
 
 def _gemm_key(activation: str, n: int, k: int, num_experts: int, scale_rows: bool, requant: bool,
@@ -254,7 +265,8 @@ def _gemm_options(key: Fp8Key) -> dict:
                 scale_rows=key.scale_rows, tvm_ffi=key.tvm_ffi, raster_m=key.raster_m,
                 overlap_promotion=key.overlap_promotion, requant=key.requant, wide_gated=key.wide_gated,
                 gather_a=key.gather_a, cluster_n=key.cluster_n, smem_scales=key.smem_scales,
-                scale_warp=key.scale_warp, fused_quant=key.fused_quant, deferred_epilogue=key.deferred_epilogue)
+                scale_warp=key.scale_warp, fused_quant=key.fused_quant, deferred_epilogue=key.deferred_epilogue,
+                tanh_sigmoid=key.tanh_sigmoid)
 
 
 def _checked_gemm_key(activation: str, n: int, k: int, num_experts: int, scale_rows: bool, requant: bool,
@@ -293,7 +305,8 @@ def _compiled_gemm(key: Fp8Key) -> Any:
     """The compiled GEMM of ``key``: the in-process cache, else the disk cache, else compile."""
     name = f"fp8_gemm_{key.activation}" + ("_requant" if key.requant else "") + \
         ("_gather" if key.gather_a else "") + (f"_cluster{key.cluster_n}" if key.cluster_n > 1 else "") + \
-        ("_fusedq" if key.fused_quant else "") + ("_defer" if key.deferred_epilogue else "")
+        ("_fusedq" if key.fused_quant else "") + ("_defer" if key.deferred_epilogue else "") + \
+        ("_tanh" if key.tanh_sigmoid else "")
 
     def build():
         fl = _load("sm90_megamoe.fp8_launch")

@@ -189,6 +189,15 @@ def _pin(v, *, loc=None, ip=None):
 
 
 @dsl_user_op
+def _tanh_approx(v, *, loc=None, ip=None):
+    """``tanh.approx.f32`` of ``v``: one MUFU operation (max relative error about 2^-11)."""
+    return cutlass.Float32(llvm.inline_asm(T.f32(), [cutlass.Float32(v).ir_value(loc=loc, ip=ip)],
+                                           "tanh.approx.f32 $0, $1;", "=f,f",
+                                           has_side_effects=False, is_align_stack=False,
+                                           asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
 def _bulk_copy_to_peer(dst, src, nbytes, mbar, peer, *, loc=None, ip=None):
     """``nbytes`` (a multiple of 16) from this CTA's shared memory at ``src`` to the same offset as
     ``dst`` in CTA ``peer`` of the cluster, completing ``nbytes`` of transactions on the peer's
@@ -265,7 +274,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
     def __init__(self, activation: str, scale_rows: bool = False, tile_n: Optional[int] = None,
                  num_stages: Optional[int] = None, raster_m: int = 1, overlap_promotion: bool = False,
                  wide_gated: bool = False, cluster_n: int = 1, smem_scales: bool = False,
-                 scale_warp: bool = False, deferred_epilogue: bool = False):
+                 scale_warp: bool = False, deferred_epilogue: bool = False, tanh_sigmoid: bool = False):
         if tile_n is None:
             tile_n = default_tile_n(activation)
         reason = can_implement(activation, 2 * FP8_BLOCK, FP8_BLOCK, 1, tile_n)
@@ -300,6 +309,10 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                              "(not requant, not fused_quant)")
         # drop v48: a unit's epilogue runs while the next unit's first k-tile is on the tensor cores
         self.deferred_epilogue = bool(deferred_epilogue)
+        if tanh_sigmoid and activation != "swiglu":
+            raise ValueError("tanh_sigmoid is swiglu's sigmoid: it needs activation 'swiglu'")
+        # drop v50: sigmoid(g) = 0.5 + 0.5 tanh(g / 2), one MUFU op per output instead of two
+        self.tanh_sigmoid = bool(tanh_sigmoid)
         if self.fused_quant and not (self.gated and self.wide_gated and self.cluster_n == 2 and not self.requant):
             raise ValueError("fused_quant needs swiglu, wide_gated and cluster_n = 2 (a cluster's two n-tiles "
                              "are one 128-column group)")
@@ -949,14 +962,10 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
             # output element i (column block i // 4 < 8) = gate element i, up element i + 32
             acc0 = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
             for i in range(n_elems):
-                g = accs[0][i]
-                den = cutlass.Float32(1.0) + cute.math.exp2(-g * _LOG2E, fastmath=True)
-                acc0[i] = g * cute.arch.rcp_approx(den) * accs[0][i + n_elems]
+                acc0[i] = self._silu(accs[0][i]) * accs[0][i + n_elems]
         elif self.gated:
             for i in range(n_elems):
-                g = acc0[i]
-                den = cutlass.Float32(1.0) + cute.math.exp2(-g * _LOG2E, fastmath=True)
-                acc0[i] = g * cute.arch.rcp_approx(den) * accs[1][i]
+                acc0[i] = self._silu(acc0[i]) * accs[1][i]
         if self.scale_rows:
             rs_lo = mRowScale[ra_lo]
             rs_hi = mRowScale[ra_hi]
@@ -966,6 +975,15 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                 else:
                     acc0[i] = acc0[i] * rs_hi
         return acc0
+
+    def _silu(self, g):
+        """silu(g) = g * sigmoid(g): ``ex2`` and ``rcp`` (two MUFU ops), or with ``tanh_sigmoid``
+        (drop v50) ``h * (1 + tanh(h))`` with h = g / 2 (one MUFU op; the epilogue is MUFU-bound)."""
+        if self.tanh_sigmoid:
+            h = g * cutlass.Float32(0.5)
+            return h + h * _tanh_approx(h)
+        den = cutlass.Float32(1.0) + cute.math.exp2(-g * _LOG2E, fastmath=True)
+        return g * cute.arch.rcp_approx(den)
 
     def _n0(self, n_tile, half: int):
         """First output column (of ``n_out``) of half ``half`` of scheduled unit ``n_tile``."""

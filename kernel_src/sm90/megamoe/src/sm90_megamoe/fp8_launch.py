@@ -75,13 +75,15 @@ class CompiledFp8Gemm:
     FC2's input (:class:`.fp8_gemm.Fp8SwigluFusedQuantGroupedGemmSm90`) and a call passes ``out_scale``;
     ``gather_tma`` (drop v41, with gather_a; not yet run on a GPU): one TMA load per gathered A row;
     ``deferred_epilogue`` (drop v48; overlap_promotion with K <= 4096, the plain bf16 output): each unit's
-    epilogue runs while the next unit's first k-tile is on the tensor cores (same bits)."""
+    epilogue runs while the next unit's first k-tile is on the tensor cores (same bits);
+    ``tanh_sigmoid`` (drop v50; swiglu, the plain kernel): sigmoid as 0.5 + 0.5 tanh.approx(g / 2), one
+    MUFU op per output instead of two (not the same bits: tanh.approx's relative error is ~2^-11)."""
 
     def __init__(self, activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
                  compiled=None, tvm_ffi: bool = False, raster_m: int = 1, overlap_promotion: bool = False,
                  requant: bool = False, wide_gated: bool = False, gather_a: bool = False, cluster_n: int = 1,
                  smem_scales: bool = False, scale_warp: bool = False, fused_quant: bool = False,
-                 gather_tma: bool = False, deferred_epilogue: bool = False):
+                 gather_tma: bool = False, deferred_epilogue: bool = False, tanh_sigmoid: bool = False):
         reason = can_implement(activation, n, k, num_experts)
         if reason is None and gather_tma and not gather_a:
             reason = "gather_tma is a way of gathering: it needs gather_a=True"
@@ -99,6 +101,8 @@ class CompiledFp8Gemm:
             reason = "fused_quant needs wide_gated and cluster_n = 2 (not requant, not gather_a)"
         if reason is None and deferred_epilogue and (not overlap_promotion or requant or fused_quant):
             reason = "deferred_epilogue needs overlap_promotion and the bf16 output (not requant, not fused_quant)"
+        if reason is None and tanh_sigmoid and (activation != "swiglu" or requant or fused_quant or gather_a):
+            reason = "tanh_sigmoid is for the plain swiglu kernel (not requant, fused_quant or gather_a)"
         for flag, on in (("requant", requant), ("wide_gated", wide_gated)):
             if reason is None and on and activation != "swiglu":
                 reason = f"{flag} needs activation 'swiglu', got {activation!r}"
@@ -119,6 +123,7 @@ class CompiledFp8Gemm:
         self.smem_scales = bool(smem_scales)
         self.scale_warp = bool(scale_warp)
         self.deferred_epilogue = bool(deferred_epilogue)
+        self.tanh_sigmoid = bool(tanh_sigmoid)
         # the grid of a clustered launch, worked out here (not while a CUDA graph is captured)
         self._max_ctas = cluster_ctas(self.cluster_n) if self.cluster_n > 1 and torch.cuda.is_available() else None
         if compiled is None:
@@ -140,7 +145,8 @@ class CompiledFp8Gemm:
                                                        **({"cluster_n": self.cluster_n} if self.cluster_n > 1 else {}),
                                                        **({"smem_scales": True} if self.smem_scales else {}),
                                                        **({"scale_warp": True} if self.scale_warp else {}),
-                                                       **({"deferred_epilogue": True} if self.deferred_epilogue else {}))
+                                                       **({"deferred_epilogue": True} if self.deferred_epilogue else {}),
+                                                       **({"tanh_sigmoid": True} if self.tanh_sigmoid else {}))
             opts = "--gpu-arch sm_90a" + (" --enable-tvm-ffi" if self.tvm_ffi else "")
             compiled = cute.compile(kernel, *fake_args(num_experts, n, k, activation, self.tvm_ffi, self.requant,
                                                        self.gather_a, self.fused_quant), options=opts)

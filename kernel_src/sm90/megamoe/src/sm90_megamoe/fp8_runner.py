@@ -111,23 +111,25 @@ def compile_variant(activation: str, n: int, k: int, num_experts: int, scale_row
                     arch: str = "sm_90a", tile_n: Optional[int] = None,
                     num_stages: Optional[int] = None, raster_m: int = 1, overlap_promotion: bool = False,
                     requant: bool = False, wide_gated: bool = False, gather_a: bool = False, cluster_n: int = 1,
-                    smem_scales: bool = False, scale_warp: bool = False, deferred_epilogue: bool = False):
+                    smem_scales: bool = False, scale_warp: bool = False, deferred_epilogue: bool = False,
+                    tanh_sigmoid: bool = False):
     """(kernel, compiled) for one variant, from fake tensors (no GPU needed), compiled once per
     process (the checks, the GPU runs and the tests share it); ``requant``: FC1's requantising
     variant, ``wide_gated``: FC1's one-WGMMA gate+up schedule (swiglu only); ``gather_a``: A rows
     gathered by index (:mod:`.fp8_gather`); ``cluster_n`` = 2 / 4: clusters of 2 / 4 CTAs multicasting A;
     ``smem_scales``: scales staged in shared memory by the producer warp (drop v34), ``scale_warp``:
     by a second producer warp (drop v35); ``deferred_epilogue``: a unit's epilogue under the next
-    unit's first k-tile (drop v48; the unrolled overlapped schedule)."""
+    unit's first k-tile (drop v48; the unrolled overlapped schedule); ``tanh_sigmoid``: swiglu's
+    sigmoid from one tanh.approx (drop v50)."""
     return _compile_variant(activation, n, k, num_experts, bool(scale_rows), arch, tile_n, num_stages, int(raster_m),
                             bool(overlap_promotion), bool(requant), bool(wide_gated), bool(gather_a), int(cluster_n),
-                            bool(smem_scales), bool(scale_warp), bool(deferred_epilogue))
+                            bool(smem_scales), bool(scale_warp), bool(deferred_epilogue), bool(tanh_sigmoid))
 
 
 @functools.lru_cache(maxsize=None)
 def _compile_variant(activation, n, k, num_experts, scale_rows, arch, tile_n, num_stages, raster_m,
                      overlap_promotion, requant, wide_gated, gather_a=False, cluster_n=1, smem_scales=False,
-                     scale_warp=False, deferred_epilogue=False):
+                     scale_warp=False, deferred_epilogue=False, tanh_sigmoid=False):
     reason = can_implement(activation, n, k, num_experts, tile_n)
     if reason is None and requant and activation != "swiglu":
         reason = "requant needs swiglu"
@@ -146,7 +148,8 @@ def _compile_variant(activation, n, k, num_experts, scale_rows, arch, tile_n, nu
                      **({"cluster_n": cluster_n} if cluster_n > 1 else {}),
                      **({"smem_scales": True} if smem_scales else {}),
                      **({"scale_warp": True} if scale_warp else {}),
-                     **({"deferred_epilogue": True} if deferred_epilogue else {}))
+                     **({"deferred_epilogue": True} if deferred_epilogue else {}),
+                     **({"tanh_sigmoid": True} if tanh_sigmoid else {}))
     compiled = cute.compile(kernel, *fake_args(num_experts, n, k, activation, requant, gather_a),
                             options=f"--gpu-arch {arch} --keep-ptx")
     return kernel, compiled
@@ -206,13 +209,14 @@ class Fp8GroupedGemm:
 
     def __init__(self, activation, n, k, num_experts, scale_rows, tile_n=None, num_stages=None, raster_m=1,
                  overlap_promotion=False, requant=False, wide_gated=False, gather_a=False, cluster_n=1,
-                 smem_scales=False, scale_warp=False, deferred_epilogue=False):
+                 smem_scales=False, scale_warp=False, deferred_epilogue=False, tanh_sigmoid=False):
         self.kernel, self.compiled = compile_variant(activation, n, k, num_experts, scale_rows,
                                                      tile_n=tile_n, num_stages=num_stages, raster_m=raster_m,
                                                      overlap_promotion=overlap_promotion, requant=requant,
                                                      wide_gated=wide_gated, gather_a=gather_a, cluster_n=cluster_n,
                                                      smem_scales=smem_scales, scale_warp=scale_warp,
-                                                     deferred_epilogue=deferred_epilogue)
+                                                     deferred_epilogue=deferred_epilogue,
+                                                     tanh_sigmoid=tanh_sigmoid)
         self.cluster_n = int(cluster_n)
         self.activation, self.n, self.k, self.scale_rows = activation, n, k, scale_rows
         self.n_out = n // 2 if activation == "swiglu" else n
@@ -479,7 +483,7 @@ def check_smem_scales(out, a, a_s, b, b_s, offs, rs, E, n, k, act, sr, raster_m,
             for i, (fn, args) in enumerate(runs):
                 times[i].append(time_fn(lambda: fn.launch(args), reps))
         gm, sm, wm = (min(t) for t in times)
-        tag = (" overlap" if ov else "") + (" wide" if wide else "") + (" cluster2" if cn > 1 else "") + \
+        tag = (" overlap" if ov else "") + (" wide" if wide else "") + (f" cluster{cn}" if cn > 1 else "") + \
             (" requant" if rq else "")
         print(f"    smem_scales{tag}: bit-identical={same}; staged {sm:.3f} ms ({gm / sm:.2f}x), scale warp {wm:.3f} "
               f"ms ({gm / wm:.2f}x) vs global {gm:.3f} ms = {flops / gm / 1e9:.1f} TFLOP/s (rounds "
@@ -590,7 +594,7 @@ def run_compile(model: str, overlap: bool = False, requant: bool = False, wide: 
                                            wide_gated=w, gather_a=g, cluster_n=cn, smem_scales=sm > 0,
                                            scale_warp=sm > 1)
         name = name + (" overlap" if ov else "") + (" requant" if rq else "") + (" wide" if w else "") + \
-            (" gather" if g else "") + (" cluster2" if cn > 1 else "") + \
+            (" gather" if g else "") + (f" cluster{cn}" if cn > 1 else "") + \
             {0: "", 1: " smem_scales", 2: " smem_scales scale_warp"}[sm]
         r = ptx_report(kernel, compiled)
         ok = r["fp8_wgmma"] and r["tma"] and r["pdl"] and not r["local"] and r["ptxas_spill_bytes"] in (0, None)
