@@ -1,9 +1,11 @@
 """Drop v50: the swiglu FP8 GEMM (FC1) takes its sigmoid from one ``tanh.approx``
 (``tanh_sigmoid=True``: sigmoid(g) = 0.5 + 0.5 tanh(g / 2), one MUFU op per output instead of
-``ex2`` + ``rcp``; the SwiGLU epilogue is MUFU-bound). CPU: the PTX (tanh.approx, no ex2 / rcp), no
+``ex2`` + ``rcp``; the SwiGLU epilogue is MUFU-bound); drop v51: every FC1 variant takes it. CPU: the
+PTX (tanh.approx, no ex2 / rcp; the requantising, fused-quant and gathering variants too), no
 spills, the kernel without the flag unchanged, the refusals, the shim's switch and key. GPU: the
 kernel against float64 with the exact SiLU and against the ``ex2`` + ``rcp`` kernel, every row
-written; the FP8 layer with the switch against the reference backend and float64."""
+written; the FP8 layer with the switch against the reference backend and float64, and its FC1
+variants bit-identical to one another with the switch on."""
 
 import pytest
 import torch
@@ -46,16 +48,39 @@ def test_tanh_sigmoid_ptx(n, k, experts, kw):
         assert r["ptxas_spill_bytes"] == 0, r
 
 
+def _variant_ptx(variant: str, tanh: bool) -> str:
+    """PTX of an FC1 variant at Qwen3's shape (wide gated, overlapped promotion)."""
+    import cutlass.cute as cute
+    from sm90_megamoe.fp8_gemm import Fp8SwigluFusedQuantGroupedGemmSm90
+    from sm90_megamoe.fp8_launch import fake_args
+    from sm90_megamoe.fp8_runner import compile_variant
+
+    if variant == "fused_quant":
+        kernel = Fp8SwigluFusedQuantGroupedGemmSm90(overlap_promotion=True, tanh_sigmoid=tanh)
+        return cute.compile(kernel, *fake_args(128, 1536, 2048, "swiglu", fused_quant=True),
+                            options="--gpu-arch sm_90a --keep-ptx").__ptx__
+    _, compiled = compile_variant("swiglu", 1536, 2048, 128, False, raster_m=16, overlap_promotion=True,
+                                  wide_gated=True, tanh_sigmoid=tanh, **{variant: True})
+    return compiled.__ptx__
+
+
+@pytest.mark.parametrize("variant", ["requant", "gather_a", "fused_quant"])
+def test_tanh_sigmoid_ptx_of_the_fc1_variants(variant):
+    """Drop v51: the requantising, gathering and fused-quant FC1s take the switch too (the layer's
+    FC1 variants keep one another's bits with it on)."""
+    ptx, base = _variant_ptx(variant, True), _variant_ptx(variant, False)
+    assert "tanh.approx.f32" in ptx and "ex2.approx" not in ptx
+    assert "tanh.approx" not in base and "ex2.approx" in base
+
+
 def test_tanh_sigmoid_refusals():
     from sm90_megamoe.fp8_gemm import Fp8BlockScaledGroupedGemmSm90
     from sm90_megamoe.fp8_launch import CompiledFp8Gemm
 
     with pytest.raises(ValueError, match="needs activation 'swiglu'"):
         Fp8BlockScaledGroupedGemmSm90("identity", tanh_sigmoid=True)
-    with pytest.raises(ValueError, match="plain swiglu kernel"):
+    with pytest.raises(ValueError, match="needs activation 'swiglu'"):
         CompiledFp8Gemm("identity", 2048, 768, 8, tanh_sigmoid=True)
-    with pytest.raises(ValueError, match="plain swiglu kernel"):
-        CompiledFp8Gemm("swiglu", 1536, 2048, 8, requant=True, tanh_sigmoid=True)
 
 
 def test_shim_switch_and_key(monkeypatch):
@@ -67,8 +92,10 @@ def test_shim_switch_and_key(monkeypatch):
     key = s._key("gemm", "swiglu", 28672, 4096, 8, False)
     assert key.tanh_sigmoid and s._gemm_options(key)["tanh_sigmoid"]
     assert not s._key("gemm", "identity", 4096, 14336, 8, True).tanh_sigmoid      # FC2 has no sigmoid
-    assert not s._key("gemm", "swiglu", 1536, 2048, 128, False, requant=True).tanh_sigmoid
-    assert not s._key("gemm", "swiglu", 1536, 2048, 128, False, gather_a=True).tanh_sigmoid
+    # drop v51: every FC1 variant, so switching between them keeps the bits
+    assert s._key("gemm", "swiglu", 1536, 2048, 128, False, requant=True).tanh_sigmoid
+    assert s._key("gemm", "swiglu", 1536, 2048, 128, False, gather_a=True).tanh_sigmoid
+    assert s._key("gemm", "swiglu", 1536, 2048, 128, False, fused_quant=True).tanh_sigmoid
     assert not s._key("quantize", "", 0, 2048, 0, False).tanh_sigmoid
 
 
@@ -118,3 +145,16 @@ def test_gpu_fp8_layer_with_tanh_sigmoid(monkeypatch):
 
     monkeypatch.setenv("MOE_EP_FP8_TANH_SIGMOID", "1")
     layer_test(1024, False, QWEN)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("switch", ["MOE_EP_FP8_FUSED_REQUANT", "MOE_EP_FP8_GATHER_FC1", "MOE_EP_FP8_FUSED_QUANT"])
+def test_gpu_fc1_variants_keep_bits_with_tanh_sigmoid(monkeypatch, switch):
+    """Drop v51: with ``MOE_EP_FP8_TANH_SIGMOID=1`` the FC1 variants (requantising, gathering,
+    fused-quant) give the default path's bits, eager and under a poisoned CUDA graph -- as
+    test_fp8_backend's variant test checks them without the switch."""
+    _sm90()
+    from test_fp8_backend import test_fp8_fc1_variants_are_bit_identical as variants_test
+
+    monkeypatch.setenv("MOE_EP_FP8_TANH_SIGMOID", "1")
+    variants_test(monkeypatch, 700, switch)

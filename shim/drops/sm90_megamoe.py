@@ -51,7 +51,7 @@ from ..nvshmem_boot import CounterContract
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 50},
+    "sm90_megamoe": {"DROP_VERSION": 51},
     "sm90_megamoe.fp8_gemm": {"FP8_BLOCK": 128, "OVERLAP_MAX_K_TILES": 32, "OVERLAP_MAX_CHUNK": 16},
     "sm90_megamoe.constants": {
         "ABI_VERSION": 2,

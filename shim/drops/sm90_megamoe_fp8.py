@@ -230,7 +230,8 @@ class Fp8Key:
 
 
 def use_fp8_tanh_sigmoid(activation: str) -> bool:
-    """Whether the plain swiglu FP8 GEMM (FC1) takes its sigmoid from one ``tanh.approx``
+    """Whether the swiglu FP8 GEMM (FC1; drop v51: every variant -- plain, requantising, fused-quant,
+    gathering -- so switching between them keeps the bits) takes its sigmoid from one ``tanh.approx``
     (drop v50, ``tanh_sigmoid``: one MUFU op per output instead of ``ex2`` + ``rcp``; Nsight Compute,
     twentieth session: FC1's SwiGLU epilogue is MUFU-bound, 4.4% of Mixtral's FC1 cycles with the
     tensor pipe waiting). Not the same bits: tanh.approx's relative error is ~2^-11, below the e4m3
@@ -249,7 +250,7 @@ def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_row
                   use_fp8_cluster(activation, n, k) if plain else 1,
                   smem, smem and use_fp8_scale_warp(activation, k), bool(fused_quant),
                   kind == "gemm" and use_fp8_deferred_epilogue(overlap_promotion, k, requant, fused_quant),
-                  plain and not fused_quant and use_fp8_tanh_sigmoid(activation))
+                  kind == "gemm" and use_fp8_tanh_sigmoid(activation))
 
 
 def _gemm_key(activation: str, n: int, k: int, num_experts: int, scale_rows: bool, requant: bool,

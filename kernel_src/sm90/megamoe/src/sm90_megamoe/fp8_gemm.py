@@ -1308,10 +1308,10 @@ class Fp8SwigluRequantGroupedGemmSm90(Fp8BlockScaledGroupedGemmSm90):
 
     def __init__(self, scale_rows: bool = False, num_stages: Optional[int] = None, raster_m: int = 1,
                  overlap_promotion: bool = False, wide_gated: bool = False, smem_scales: bool = False,
-                 scale_warp: bool = False):
+                 scale_warp: bool = False, tanh_sigmoid: bool = False):
         super().__init__("swiglu", scale_rows=scale_rows, tile_n=64, num_stages=num_stages, raster_m=raster_m,
                          overlap_promotion=overlap_promotion, wide_gated=wide_gated, smem_scales=smem_scales,
-                         scale_warp=scale_warp)
+                         scale_warp=scale_warp, tanh_sigmoid=tanh_sigmoid)
         assert self.halves * self.tile_n == FP8_BLOCK and QPITCH * self.tile_m <= 2 * self.epi_smem_elems
 
     @cute.jit
@@ -1371,10 +1371,11 @@ class Fp8SwigluFusedQuantGroupedGemmSm90(Fp8BlockScaledGroupedGemmSm90):
     fused_quant = True
 
     def __init__(self, scale_rows: bool = False, num_stages: Optional[int] = None, raster_m: int = 1,
-                 overlap_promotion: bool = False, smem_scales: bool = False, scale_warp: bool = False):
+                 overlap_promotion: bool = False, smem_scales: bool = False, scale_warp: bool = False,
+                 tanh_sigmoid: bool = False):
         super().__init__("swiglu", scale_rows=scale_rows, tile_n=64, num_stages=num_stages, raster_m=raster_m,
                          overlap_promotion=overlap_promotion, wide_gated=True, cluster_n=2,
-                         smem_scales=smem_scales, scale_warp=scale_warp)
+                         smem_scales=smem_scales, scale_warp=scale_warp, tanh_sigmoid=tanh_sigmoid)
         # the staging tile holds a whole 64-column half (one epilogue chunk), a pair of them a group
         assert 2 * self.tile_n == FP8_BLOCK and self.epi_n == self.tile_n and self.epi_pad % 8 == 0
 

@@ -76,8 +76,9 @@ class CompiledFp8Gemm:
     ``gather_tma`` (drop v41, with gather_a; not yet run on a GPU): one TMA load per gathered A row;
     ``deferred_epilogue`` (drop v48; overlap_promotion with K <= 4096, the plain bf16 output): each unit's
     epilogue runs while the next unit's first k-tile is on the tensor cores (same bits);
-    ``tanh_sigmoid`` (drop v50; swiglu, the plain kernel): sigmoid as 0.5 + 0.5 tanh.approx(g / 2), one
-    MUFU op per output instead of two (not the same bits: tanh.approx's relative error is ~2^-11)."""
+    ``tanh_sigmoid`` (drop v50; swiglu; v51: every variant, so they keep one another's bits): sigmoid as
+    0.5 + 0.5 tanh.approx(g / 2), one MUFU op per output instead of two (not the same bits as without:
+    tanh.approx's relative error is ~2^-11)."""
 
     def __init__(self, activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
                  compiled=None, tvm_ffi: bool = False, raster_m: int = 1, overlap_promotion: bool = False,
@@ -101,8 +102,8 @@ class CompiledFp8Gemm:
             reason = "fused_quant needs wide_gated and cluster_n = 2 (not requant, not gather_a)"
         if reason is None and deferred_epilogue and (not overlap_promotion or requant or fused_quant):
             reason = "deferred_epilogue needs overlap_promotion and the bf16 output (not requant, not fused_quant)"
-        if reason is None and tanh_sigmoid and (activation != "swiglu" or requant or fused_quant or gather_a):
-            reason = "tanh_sigmoid is for the plain swiglu kernel (not requant, fused_quant or gather_a)"
+        if reason is None and tanh_sigmoid and activation != "swiglu":
+            reason = f"tanh_sigmoid is swiglu's sigmoid: it needs activation 'swiglu', got {activation!r}"
         for flag, on in (("requant", requant), ("wide_gated", wide_gated)):
             if reason is None and on and activation != "swiglu":
                 reason = f"{flag} needs activation 'swiglu', got {activation!r}"
@@ -130,12 +131,13 @@ class CompiledFp8Gemm:
             if self.fused_quant:
                 kernel = Fp8SwigluFusedQuantGroupedGemmSm90(scale_rows=self.scale_rows, raster_m=self.raster_m,
                                                             overlap_promotion=self.overlap_promotion,
-                                                            smem_scales=self.smem_scales, scale_warp=self.scale_warp)
+                                                            smem_scales=self.smem_scales, scale_warp=self.scale_warp,
+                                                            tanh_sigmoid=self.tanh_sigmoid)
             elif self.requant:
                 kernel = Fp8SwigluRequantGroupedGemmSm90(scale_rows=self.scale_rows, raster_m=self.raster_m,
                                                          overlap_promotion=self.overlap_promotion,
                                                          wide_gated=self.wide_gated, smem_scales=self.smem_scales,
-                                                         scale_warp=self.scale_warp)
+                                                         scale_warp=self.scale_warp, tanh_sigmoid=self.tanh_sigmoid)
             else:
                 cls = Fp8GatherGroupedGemmSm90 if self.gather_a else Fp8BlockScaledGroupedGemmSm90
                 kernel = cls(activation, **({"tma_rows": True} if self.gather_tma else {}), scale_rows=self.scale_rows,

@@ -140,7 +140,8 @@ def _compile_variant(activation, n, k, num_experts, scale_rows, arch, tile_n, nu
     if requant:
         kernel = Fp8SwigluRequantGroupedGemmSm90(scale_rows=scale_rows, num_stages=num_stages, raster_m=raster_m,
                                                  overlap_promotion=overlap_promotion, wide_gated=wide_gated,
-                                                 smem_scales=smem_scales, scale_warp=scale_warp)
+                                                 smem_scales=smem_scales, scale_warp=scale_warp,
+                                                 tanh_sigmoid=tanh_sigmoid)
     else:
         cls = Fp8GatherGroupedGemmSm90 if gather_a else Fp8BlockScaledGroupedGemmSm90
         kernel = cls(activation, scale_rows=scale_rows, tile_n=tile_n, num_stages=num_stages, raster_m=raster_m,
