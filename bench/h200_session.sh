@@ -140,6 +140,13 @@ run_groups() {  # run_groups SECONDS GROUP...: pytest -m gpu per group, all in p
     echo "--- ${groups[$g]}: exit $rc"; tail -n 3 "$OUT/tests_$g.log"
   done
 }
+sustained_gemms() {  # sustained_gemms NAME LOG ROUNDS QUANT [VAR=value ...]: `bench sustained` (MODELS,
+  # TOKENS, SUSTAIN_SECONDS) with QUANT (empty: BF16) under the given settings
+  local name=$1 log=$2 rounds=$3 q=$4; shift 4
+  # shellcheck disable=SC2086
+  step "$name" "$log" -- env "$@" python3 -m moe_ep.bench sustained --model "$MODELS" --tokens "$TOKENS" \
+      --seconds "${SUSTAIN_SECONDS:-2}" --rounds "$rounds" ${q:+--quant $q}
+}
 fp8_layer_ab() {  # fp8_layer_ab PREFIX MODELS VAR=value: the FP8 layer with the defaults and with VAR=value,
   # interleaved, VERIFY_ROUNDS (2) rounds -> $OUT/PREFIX_<setting>_r<r>.{log,csv}
   local prefix=$1 models=$2 on=$3 r v tag
@@ -231,8 +238,7 @@ if [ "$mode" = defer ]; then
   for v in "" "MOE_EP_FP8_DEFERRED_EPILOGUE=1"; do
     tag=${v:-defaults}; tag=${tag//[^A-Za-z0-9]/_}
     # shellcheck disable=SC2086
-    step "sustained FP8 GEMMs, ${v:-defaults}" "$OUT/defer_sustained_$tag.log" -- env $v python3 -m moe_ep.bench \
-        sustained --model "$MODELS" --tokens "$TOKENS" --seconds "${SUSTAIN_SECONDS:-2}" --rounds 1 --quant fp8_block128
+    sustained_gemms "sustained FP8 GEMMs, ${v:-defaults}" "$OUT/defer_sustained_$tag.log" 1 fp8_block128 $v
   done
   fp8_layer_ab defer_fp8 "$MODELS" MOE_EP_FP8_DEFERRED_EPILOGUE=1
   if [ -f .device/fi/pkg/setup.sh ]; then  # FlashInfer's FP8 layer beside them (carry .device/fi)
@@ -249,16 +255,14 @@ if [ "$mode" = sustab ]; then
   IFS='|' read -r -a settings <<< "${SUSTAB:-}|"  # (as ENVAB: a trailing empty setting kept)
   for i in "${!settings[@]}"; do
     # shellcheck disable=SC2086
-    step "sustained GEMMs, setting $i (${settings[$i]:-defaults})" "$OUT/sustab_s$i.log" -- env ${settings[$i]} \
-        python3 -m moe_ep.bench sustained --model "$MODELS" --tokens "$TOKENS" --seconds "${SUSTAIN_SECONDS:-2}" \
-        --rounds "${SUSTAIN_ROUNDS:-1}" ${QUANT:+--quant $QUANT}
+    sustained_gemms "sustained GEMMs, setting $i (${settings[$i]:-defaults})" "$OUT/sustab_s$i.log" \
+        "${SUSTAIN_ROUNDS:-1}" "${QUANT:-}" ${settings[$i]}
   done
 fi
 if [ "$mode" = sustained ]; then
   for q in "" fp8_block128; do
     tag=${q:-bf16}; tag=${tag%_block128}
-    step "sustained GEMMs $tag" "$OUT/sustained_$tag.log" -- python3 -m moe_ep.bench sustained --model "$MODELS" \
-        --tokens "$TOKENS" --seconds "${SUSTAIN_SECONDS:-2}" --rounds "${SUSTAIN_ROUNDS:-2}" ${q:+--quant $q}
+    sustained_gemms "sustained GEMMs $tag" "$OUT/sustained_$tag.log" "${SUSTAIN_ROUNDS:-2}" "$q"
   done
   mode=power ITERS=${SUSTAIN_ITERS:-600} POWER_ROUNDS=1
 fi
