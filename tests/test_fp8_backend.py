@@ -48,8 +48,8 @@ def test_every_kernel_compiles_without_a_gpu(monkeypatch, tmp_path):
     names = [e.name for e in COMPILE_EVENTS[seen:]]
     # default: the scattering quantiser for FC1's input (the fused gather path, each token once);
     # Qwen3's GEMMs (K 2048, 768) on the short-K schedule: staged scales, clusters of 2; FC2 (K <= 1024)
-    # stores each tile under the next one's first k-tile (drop v48)
-    assert names == ["fp8_gemm_swiglu_cluster2", "fp8_scatter_quantize_rows", "fp8_gemm_identity_cluster2_defer",
+    # stores each tile under the next one's first k-tile (drop v48); FC1's sigmoid by tanh.approx (v50)
+    assert names == ["fp8_gemm_swiglu_cluster2_tanh", "fp8_scatter_quantize_rows", "fp8_gemm_identity_cluster2_defer",
                      "fp8_quantize_rows"]
     # MOE_EP_FP8_SCATTER_QUANT=0: the gathering quantiser (each grouped row from its token)
     monkeypatch.setenv("MOE_EP_FP8_SCATTER_QUANT", "0")
@@ -641,13 +641,13 @@ def test_fused_requant_prebuilds_its_kernels(monkeypatch, tmp_path):
         seen = len(COMPILE_EVENTS)
         prebuild(cfg, 1, kernels=("fc1", "fc2"))
         got[flag] = sorted(e.name for e in COMPILE_EVENTS[seen:])
-    assert got[None] == ["fp8_gemm_identity_cluster2_defer", "fp8_gemm_swiglu_cluster2_defer", "fp8_quantize_rows",
+    assert got[None] == ["fp8_gemm_identity_cluster2_defer", "fp8_gemm_swiglu_cluster2_defer_tanh", "fp8_quantize_rows",
                          "fp8_scatter_quantize_rows"]  # K 256: the short-K schedule, deferred epilogue
-    assert got["1"] == ["fp8_gemm_swiglu_requant"]  # the rest was built above (same keys)
+    assert got["1"] == ["fp8_gemm_swiglu_requant_tanh"]  # the rest was built above (same keys)
     monkeypatch.setenv("MOE_EP_FP8_WIDE_GATED", "0")  # the default is wide; only FC1 (gated) has a wide form
     seen = len(COMPILE_EVENTS)
     prebuild(cfg, 1, kernels=("fc1", "fc2"))
-    assert sorted(e.name for e in COMPILE_EVENTS[seen:]) == ["fp8_gemm_swiglu_requant"]
+    assert sorted(e.name for e in COMPILE_EVENTS[seen:]) == ["fp8_gemm_swiglu_requant_tanh"]
 
 
 def test_fused_quant_wiring_on_cpu():

@@ -4,8 +4,9 @@
 PTX (tanh.approx, no ex2 / rcp; the requantising, fused-quant and gathering variants too), no
 spills, the kernel without the flag unchanged, the refusals, the shim's switch and key. GPU: the
 kernel against float64 with the exact SiLU and against the ``ex2`` + ``rcp`` kernel, every row
-written; the FP8 layer with the switch against the reference backend and float64, and its FC1
-variants bit-identical to one another with the switch on."""
+written; the FP8 layer with the opt-out (``MOE_EP_FP8_TANH_SIGMOID=0``; the tanh is the default since the
+twenty-first session) against the reference backend and float64, and its FC1 variants bit-identical
+to one another with the opt-out."""
 
 import pytest
 import torch
@@ -87,9 +88,7 @@ def test_shim_switch_and_key(monkeypatch):
     from moe_ep.shim.drops import sm90_megamoe_fp8 as s
 
     monkeypatch.delenv("MOE_EP_FP8_TANH_SIGMOID", raising=False)
-    assert not s._key("gemm", "swiglu", 1536, 2048, 128, False).tanh_sigmoid  # off by default
-    monkeypatch.setenv("MOE_EP_FP8_TANH_SIGMOID", "1")
-    key = s._key("gemm", "swiglu", 28672, 4096, 8, False)
+    key = s._key("gemm", "swiglu", 28672, 4096, 8, False)  # on by default (twenty-first session)
     assert key.tanh_sigmoid and s._gemm_options(key)["tanh_sigmoid"]
     assert not s._key("gemm", "identity", 4096, 14336, 8, True).tanh_sigmoid      # FC2 has no sigmoid
     # drop v51: every FC1 variant, so switching between them keeps the bits
@@ -97,6 +96,11 @@ def test_shim_switch_and_key(monkeypatch):
     assert s._key("gemm", "swiglu", 1536, 2048, 128, False, gather_a=True).tanh_sigmoid
     assert s._key("gemm", "swiglu", 1536, 2048, 128, False, fused_quant=True).tanh_sigmoid
     assert not s._key("quantize", "", 0, 2048, 0, False).tanh_sigmoid
+    monkeypatch.setenv("MOE_EP_FP8_TANH_SIGMOID", "0")  # the opt-out: ex2 + rcp in every FC1 variant
+    assert not s._key("gemm", "swiglu", 28672, 4096, 8, False).tanh_sigmoid
+    assert not s._key("gemm", "swiglu", 1536, 2048, 128, False, requant=True).tanh_sigmoid
+    monkeypatch.setenv("MOE_EP_FP8_TANH_SIGMOID", "1")
+    assert s._key("gemm", "swiglu", 28672, 4096, 8, False).tanh_sigmoid
 
 
 # ---------------------------------------------------------------------------- GPU
@@ -137,24 +141,25 @@ def test_gpu_tanh_sigmoid_against_float64(n, k, m_total, kw, routing):
 
 
 @pytest.mark.gpu
-def test_gpu_fp8_layer_with_tanh_sigmoid(monkeypatch):
-    """The FP8 layer with ``MOE_EP_FP8_TANH_SIGMOID=1``: the checks of the default layer's float64 test
-    (Qwen3 shapes, 1024 tokens) hold -- the tanh's error sits below the e4m3 rounding of FC2's input."""
+def test_gpu_fp8_layer_with_exact_sigmoid(monkeypatch):
+    """The FP8 layer with ``MOE_EP_FP8_TANH_SIGMOID=0`` (the opt-out: ex2 + rcp; the default takes the
+    tanh since the twenty-first session, and test_fp8_backend checks it): the checks of the layer's
+    float64 test (Qwen3 shapes, 1024 tokens) hold either way."""
     _sm90()
     from test_fp8_backend import QWEN, test_fp8_layer_against_reference_and_float64 as layer_test
 
-    monkeypatch.setenv("MOE_EP_FP8_TANH_SIGMOID", "1")
+    monkeypatch.setenv("MOE_EP_FP8_TANH_SIGMOID", "0")
     layer_test(1024, False, QWEN)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("switch", ["MOE_EP_FP8_FUSED_REQUANT", "MOE_EP_FP8_GATHER_FC1", "MOE_EP_FP8_FUSED_QUANT"])
-def test_gpu_fc1_variants_keep_bits_with_tanh_sigmoid(monkeypatch, switch):
-    """Drop v51: with ``MOE_EP_FP8_TANH_SIGMOID=1`` the FC1 variants (requantising, gathering,
-    fused-quant) give the default path's bits, eager and under a poisoned CUDA graph -- as
-    test_fp8_backend's variant test checks them without the switch."""
+def test_gpu_fc1_variants_keep_bits_with_exact_sigmoid(monkeypatch, switch):
+    """Drop v51: with ``MOE_EP_FP8_TANH_SIGMOID=0`` (the opt-out) the FC1 variants (requantising,
+    gathering, fused-quant) give that path's bits too, eager and under a poisoned CUDA graph -- as
+    test_fp8_backend's variant test checks them at the default (tanh)."""
     _sm90()
     from test_fp8_backend import test_fp8_fc1_variants_are_bit_identical as variants_test
 
-    monkeypatch.setenv("MOE_EP_FP8_TANH_SIGMOID", "1")
+    monkeypatch.setenv("MOE_EP_FP8_TANH_SIGMOID", "0")
     variants_test(monkeypatch, 700, switch)

@@ -234,9 +234,11 @@ def use_fp8_tanh_sigmoid(activation: str) -> bool:
     gathering -- so switching between them keeps the bits) takes its sigmoid from one ``tanh.approx``
     (drop v50, ``tanh_sigmoid``: one MUFU op per output instead of ``ex2`` + ``rcp``; Nsight Compute,
     twentieth session: FC1's SwiGLU epilogue is MUFU-bound, 4.4% of Mixtral's FC1 cycles with the
-    tensor pipe waiting). Not the same bits: tanh.approx's relative error is ~2^-11, below the e4m3
-    rounding FC2's input gets next. Off by default; ``MOE_EP_FP8_TANH_SIGMOID=1`` turns it on."""
-    return activation == "swiglu" and os.environ.get("MOE_EP_FP8_TANH_SIGMOID", "0") == "1"
+    tensor pipe waiting). tanh.approx's relative error is ~2^-11, below the e4m3 rounding FC2's input
+    gets next (the same float64 error on the H200). On by default since the twenty-first session (the
+    whole GPU suite passed with it); ``MOE_EP_FP8_TANH_SIGMOID=0`` takes the exact-form sigmoid
+    (``ex2`` + ``rcp``; other bits)."""
+    return activation == "swiglu" and os.environ.get("MOE_EP_FP8_TANH_SIGMOID", "1") != "0"
 
 
 def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_rows: bool,
