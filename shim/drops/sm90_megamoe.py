@@ -51,7 +51,7 @@ from ..nvshmem_boot import CounterContract
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 51},
+    "sm90_megamoe": {"DROP_VERSION": 52},
     "sm90_megamoe.fp8_gemm": {"FP8_BLOCK": 128, "OVERLAP_MAX_K_TILES": 32, "OVERLAP_MAX_CHUNK": 16},
     "sm90_megamoe.constants": {
         "ABI_VERSION": 2,
@@ -91,7 +91,7 @@ CONTRACT = DropContract(
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.__init__",
                     ("activation", "n", "k", "num_experts", "scale_rows", "tile_n", "bias_dtype",
                      "raster_m", "swiglu_alpha", "swiglu_limit", "schedule", "compiled", "tvm_ffi",
-                     "early_weights", "gather_a", "cluster_m", "gather_tma", "half_tiles")),
+                     "early_weights", "gather_a", "cluster_m", "gather_tma", "half_tiles", "tanh_sigmoid")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_converted",
                     ("args", "max_active_ctas", "stream")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_tensors",
@@ -101,7 +101,7 @@ CONTRACT = DropContract(
         CallableUse("sm90_megamoe.compile_check:compile_for_arch",
                     ("activation", "n", "k", "scale_rows", "arch", "num_experts", "tile_n",
                      "extra_options", "bias_dtype", "raster_m", "swiglu_alpha", "swiglu_limit",
-                     "schedule")),
+                     "schedule", "tanh_sigmoid")),
         CallableUse("sm90_megamoe.ep_launch:EpConfig.__init__",
                     ("hidden", "topk", "world", "max_tokens", "num_experts")),
         CallableUse("sm90_megamoe.ep_launch:EpBuffers.__init__",
@@ -354,6 +354,15 @@ def use_half_tiles(schedule: str, tile: int, gather_a: bool, cluster_m: int) -> 
             and tile % 128 == 0 and not gather_a and cluster_m == 1)
 
 
+def use_bf16_tanh_sigmoid(activation: str) -> bool:
+    """Drop v52 ``tanh_sigmoid``: the BF16 swiglu GEMM (FC1; every schedule -- cooperative, wide,
+    gathering, swap-AB -- so switching between them keeps the bits) takes its sigmoid from one
+    ``tanh.approx`` instead of ``ex2`` + ``rcp`` (the SwiGLU epilogue is MUFU-bound; the FP8 FC1's
+    default since the twenty-first session). Opt-in, ``MOE_EP_BF16_TANH_SIGMOID=1``: other bits
+    (relative error ~2^-11, below the bf16 rounding of FC1's output)."""
+    return activation == "swiglu" and os.environ.get("MOE_EP_BF16_TANH_SIGMOID", "0") == "1"
+
+
 @dataclass(frozen=True)
 class GemmKey:
     """Every value the compiled grouped GEMM depends on."""
@@ -380,6 +389,7 @@ class GemmKey:
     cluster_m: int = 1
     gather_tma: bool = False
     half_tiles: bool = False
+    tanh_sigmoid: bool = False
 
 
 class GroupedGemm:
@@ -494,7 +504,7 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
     key = GemmKey(CONSTANTS.value(PKG, "DROP_VERSION"), _C["ABI_VERSION"], _cutlass_version(), "sm_90a",
                   "bf16", activation, n, k, num_experts, bool(scale_rows), tile, bias, raster, alpha, limit,
                   schedule, ffi, early, bool(gather_a), cluster, use_gather_tma(gather_a),
-                  use_half_tiles(schedule, tile, gather_a, cluster))
+                  use_half_tiles(schedule, tile, gather_a, cluster), use_bf16_tanh_sigmoid(activation))
 
     def build():
         launch = _load("sm90_megamoe.launch")
@@ -510,10 +520,13 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
             kw.update(cluster_m=key.cluster_m)
         if key.half_tiles:
             kw.update(half_tiles=True)
+        if key.tanh_sigmoid:
+            kw.update(tanh_sigmoid=True)
         if activation == "clamped_swiglu":
             kw.update(swiglu_alpha=alpha, swiglu_limit=limit)
         name = (f"gemm_{activation}" + ("_gather" if gather_a else "") + ("_tma" if key.gather_tma else "")
-                + ("_cluster2" if key.cluster_m > 1 else "") + ("_half" if key.half_tiles else ""))
+                + ("_cluster2" if key.cluster_m > 1 else "") + ("_half" if key.half_tiles else "")
+                + ("_tanh" if key.tanh_sigmoid else ""))
         fn = disk_cache.get_or_build(cache_namespace(), name, key,
                                      lambda: launch.CompiledGroupedGemm(**kw).compiled, tvm_ffi=ffi)
         return launch.CompiledGroupedGemm(**kw, compiled=fn)

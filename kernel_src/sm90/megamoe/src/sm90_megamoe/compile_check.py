@@ -64,6 +64,7 @@ def compile_for_arch(
     schedule: str = "cooperative",
     gather_a: bool = False,
     half_tiles: bool = False,
+    tanh_sigmoid: bool = False,
 ):
     """Compile one variant for ``arch`` from fake tensors. ``bias_dtype``: None (no bias),
     "float32" or "bfloat16"; ``gather_a``: the gathering kernel (:mod:`.grouped_gemm_gather`)."""
@@ -73,7 +74,8 @@ def compile_for_arch(
     kernel = cls(activation, tile_n=tile_n, scale_rows=scale_rows, epilogue=epilogue,
                  has_bias=bias_dtype is not None, raster_m=raster_m,
                  swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, schedule=schedule,
-                 **({"half_tiles": True} if half_tiles else {}))
+                 **({"half_tiles": True} if half_tiles else {}),
+                 **({"tanh_sigmoid": True} if tanh_sigmoid else {}))
     args = fake_args(kernel, num_experts, n, k, bias_dtype=bias_dtype or "float32")
     opts = f"--gpu-arch {arch} --keep-ptx {extra_options}".strip()
     return cute.compile(kernel, *args, options=opts)

@@ -58,6 +58,9 @@ Design
   than leaving one warpgroup's WGMMAs on rows past the expert. Same k order per element: the same
   bits. The producer is unchanged (it still loads the full A and B boxes). Bit-identical on the
   H200 but slower in the layer (drop v47's note: Qwen3 4-7% back to back): an option, off by default.
+* ``tanh_sigmoid`` (drop v52; swiglu): silu(g) = h + h tanh(h), h = g / 2, with one ``tanh.approx``
+  (one MUFU op per output instead of ``ex2`` + ``rcp``: the SwiGLU epilogue is MUFU-bound while the
+  tensor pipe waits). Relative error ~2^-11, below the bf16 rounding of the output; not the same bits.
 * ``cluster_m=2`` (drop v29; cooperative / wide): clusters of 2 CTAs. The scheduler counts m-tile
   pairs per expert; CTA r of a cluster computes m-tile ``2 p + r`` of pair p (for an odd count the
   last pair's second tile lies past the expert's rows: computed, never stored) and loads half of
@@ -91,7 +94,9 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .gather_producer import row_tma_atom, stage_producers
 from .pdl import PDL, wait_previous_grid
@@ -119,6 +124,15 @@ except Exception:  # pragma: no cover
     from cutlass.utils import get_smem_capacity_in_bytes
 
 _LOG2E = 1.4426950408889634
+
+
+@dsl_user_op
+def tanh_approx(v, *, loc=None, ip=None):
+    """``tanh.approx.f32`` of ``v``: one MUFU operation (max relative error about 2^-11)."""
+    return cutlass.Float32(llvm.inline_asm(T.f32(), [cutlass.Float32(v).ir_value(loc=loc, ip=ip)],
+                                           "tanh.approx.f32 $0, $1;", "=f,f",
+                                           has_side_effects=False, is_align_stack=False,
+                                           asm_dialect=llvm.AsmDialect.AD_ATT))
 _RSQRT2 = 0.7071067811865476
 
 
@@ -136,6 +150,7 @@ class GroupedGemmSm90:
     :param num_stages: smem pipeline depth; None = as many as fit.
     :param epilogue: "smem" (default; stage through smem, coalesced 16-byte stores) or "direct"
         (predicated 32-bit stores straight from the accumulator registers, no smem).
+    :param tanh_sigmoid: swiglu only (drop v52): the sigmoid from one ``tanh.approx`` (module docstring).
     """
 
     gather_a = False  # drop v23: A rows gathered by index (:class:`.grouped_gemm_gather.GroupedGemmGatherSm90`)
@@ -145,6 +160,8 @@ class GroupedGemmSm90:
     #: drop v46: tiles of <= 64 rows split along N (set in __init__; subclasses with their own
     #: __init__, e.g. the FP8 GEMM, reuse the epilogue without it)
     half_tiles = False
+    #: drop v52: swiglu's sigmoid from one tanh.approx (set in __init__)
+    tanh_sigmoid = False
 
     def __init__(
         self,
@@ -162,9 +179,13 @@ class GroupedGemmSm90:
         schedule: str = "cooperative",
         cluster_m: int = 1,
         half_tiles: bool = False,
+        tanh_sigmoid: bool = False,
     ):
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        if tanh_sigmoid and activation != "swiglu":
+            raise ValueError("tanh_sigmoid is swiglu's sigmoid: it needs activation 'swiglu'")
+        self.tanh_sigmoid = bool(tanh_sigmoid)
         if tile_n is None:
             tile_n = DEFAULT_TILE_N[activation]
         if tile_m != 128:
@@ -921,9 +942,14 @@ class GroupedGemmSm90:
             if cutlass.const_expr(self.activation == "swiglu"):
                 g = x
                 u = accs[1][i]
-                # silu(g) = g / (1 + 2^(-g*log2(e)))
-                den = cutlass.Float32(1.0) + cute.math.exp2(-g * _LOG2E, fastmath=True)
-                x = g * cute.arch.rcp_approx(den) * u
+                if cutlass.const_expr(self.tanh_sigmoid):
+                    # silu(g) = h + h tanh(h), h = g / 2: one MUFU op (drop v52)
+                    h = g * cutlass.Float32(0.5)
+                    x = (h + h * tanh_approx(h)) * u
+                else:
+                    # silu(g) = g / (1 + 2^(-g*log2(e)))
+                    den = cutlass.Float32(1.0) + cute.math.exp2(-g * _LOG2E, fastmath=True)
+                    x = g * cute.arch.rcp_approx(den) * u
             elif cutlass.const_expr(self.activation == "gelu_glu"):
                 u = accs[1][i]
                 x = cutlass.Float32(0.5) * x * (cutlass.Float32(1.0) + cute.math.erf(x * _RSQRT2)) * u

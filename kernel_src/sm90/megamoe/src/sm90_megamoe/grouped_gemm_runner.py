@@ -330,6 +330,43 @@ def half_tiles(models, iters=20) -> bool:
     return ok
 
 
+def tanh_sigmoid(models, iters=20) -> bool:
+    """Drop v52: swiglu's sigmoid from one ``tanh.approx`` (``tanh_sigmoid``) against ``ex2`` + ``rcp``
+    on --model's FC1 shapes (schedule wide, as the layer runs them): both against the fp32
+    reference (rel. error < 1e-2, NaN-poisoned outputs) and against each other on a layer's routing
+    (topk8), skewed and one row, then both timed, interleaved twice."""
+    ok = True
+    for name in models:
+        n, k, e, m, act, bias = WIDE_SHAPES[name]
+        if act != "swiglu":
+            continue
+        t = time.time()
+        fns = {ts: get_grouped_gemm(act, n, k, e, bias_dtype=bias, schedule="wide", tanh_sigmoid=ts)
+               for ts in (False, True)}
+        print(f"[tanh] {name}: compiled both in {time.time() - t:.1f}s", flush=True)
+        for m_, routing, seed in ((m, "topk8", 1), (4133, "skewed", 2), (1, "skewed", 3)):
+            a, b, offs, rs, bs = make_inputs(m_, n, k, e, act, routing, False, seed=seed, bias_dtype=bias)
+            ref = grouped_gemm_reference(a, b, offs, act, rs, bias=bs)
+            outs = []
+            for ts in (False, True):
+                out = torch.full((m_, n // 2), float("nan"), dtype=torch.bfloat16, device="cuda")
+                fns[ts](a, b, offs, out=out, bias=bs)
+                outs.append(out)
+            torch.cuda.synchronize()
+            den = max(ref.norm().item(), 1e-30)
+            errs = [(o.float() - ref).norm().item() / den for o in outs]
+            between = (outs[1].float() - outs[0].float()).norm().item() / den
+            good = not bool(torch.isnan(outs[1]).any()) and errs[1] < 1e-2 and between < 1e-2
+            ok &= good
+            print(f"[tanh] {name} M={m_} {routing}: rel. error exact {errs[0]:.2e}, tanh {errs[1]:.2e}, "
+                  f"between {between:.2e} -> {'PASS' if good else 'FAIL'}", flush=True)
+        for _ in range(2):
+            for ts in (False, True):
+                print(f"[tanh] tanh_sigmoid={ts}", flush=True)
+                bench(fns[ts], m, n, k, e, act, "topk8", False, iters=iters)
+    return ok
+
+
 def gather_tma(models, iters=20) -> bool:
     """Drop v41 (not yet run on a GPU): FC1 gathering its A rows by index with one TMA load per row
     (``gather_tma``) against the cp.async gathering FC1 (drop v23) and the plain FC1 on the rows
@@ -407,6 +444,8 @@ def main():
                    help="clusters of 2 (weight multicast) vs single CTAs on --model's FC1 and FC2 shapes")
     p.add_argument("--half-tiles", action="store_true",
                    help="tiles of <= 64 rows split along N vs whole tiles on --model's FC1 and FC2 shapes")
+    p.add_argument("--tanh-sigmoid", action="store_true",
+                   help="swiglu's sigmoid by tanh.approx vs ex2 + rcp on --model's FC1 shapes (drop v52)")
     p.add_argument("--gather-tma", action="store_true",
                    help="FC1 gathering rows by one TMA load per row vs cp.async vs plain, on --model's FC1 shapes")
     p.add_argument("--raster-bench", action="store_true", help="--suite --bench: also raster_m=1 vs default")
@@ -422,6 +461,8 @@ def main():
         raise SystemExit(0 if cluster(args.model.split(",")) else 1)
     if args.half_tiles:
         raise SystemExit(0 if half_tiles(args.model.split(",")) else 1)
+    if args.tanh_sigmoid:
+        raise SystemExit(0 if tanh_sigmoid(args.model.split(",")) else 1)
     if args.gather_tma:
         raise SystemExit(0 if gather_tma(args.model.split(",")) else 1)
     t = time.time()

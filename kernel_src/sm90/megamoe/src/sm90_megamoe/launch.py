@@ -113,7 +113,7 @@ class CompiledGroupedGemm:
                  swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
                  schedule: str = "cooperative", compiled=None, tvm_ffi: bool = False,
                  early_weights: bool = False, gather_a: bool = False, cluster_m: int = 1,
-                 gather_tma: bool = False, half_tiles: bool = False):
+                 gather_tma: bool = False, half_tiles: bool = False, tanh_sigmoid: bool = False):
         """``compiled``: this variant's kernel compiled earlier (e.g. loaded from an exported
         object file, ``cute.runtime.load_module``); None compiles it here (sm_90a).
         ``tvm_ffi``: compile for (and launch through) TVM-FFI: :meth:`launch_tensors`.
@@ -128,7 +128,8 @@ class CompiledGroupedGemm:
         and multicasting B's halves; a call launches at most :func:`cluster_ctas` CTAs (worked out
         when constructed with a GPU).
         ``half_tiles`` (cooperative, no clusters, no gathering, tile_n % 128 == 0; drop v46): tiles of
-        <= 64 rows split along N (:class:`GroupedGemmSm90`)."""
+        <= 64 rows split along N (:class:`GroupedGemmSm90`).
+        ``tanh_sigmoid`` (swiglu, every schedule; drop v52): the sigmoid from one ``tanh.approx``."""
         from .compile_check import fake_args
 
         if bias_dtype not in _TORCH_BIAS:
@@ -141,7 +142,8 @@ class CompiledGroupedGemm:
             self.kernel = SwapABGroupedGemmSm90(activation, scale_rows=scale_rows,
                                                 has_bias=bias_dtype is not None, tile_t=tile_n or 32,
                                                 num_stages=num_stages, swiglu_alpha=swiglu_alpha,
-                                                swiglu_limit=swiglu_limit, early_weights=early_weights)
+                                                swiglu_limit=swiglu_limit, early_weights=early_weights,
+                                                **({"tanh_sigmoid": True} if tanh_sigmoid else {}))
         else:
             if early_weights:
                 raise ValueError("early_weights is a swap-AB option (schedule='swapab')")
@@ -160,7 +162,8 @@ class CompiledGroupedGemm:
                                           swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
                                           schedule=schedule,
                                           **({"cluster_m": cluster_m} if cluster_m > 1 else {}),
-                                          **({"half_tiles": True} if half_tiles else {}))
+                                          **({"half_tiles": True} if half_tiles else {}),
+                                          **({"tanh_sigmoid": True} if tanh_sigmoid else {}))
         if (gather_a or cluster_m > 1) and schedule == "swapab":
             raise ValueError("gather_a and cluster_m are 128-row kernel options (not schedule='swapab')")
         self.cluster_m = int(cluster_m)
@@ -169,6 +172,7 @@ class CompiledGroupedGemm:
         self.gather_a = bool(gather_a)
         self.gather_tma = bool(gather_tma)
         self.half_tiles = bool(half_tiles)
+        self.tanh_sigmoid = bool(tanh_sigmoid)
         self.activation = activation
         self.schedule = schedule
         self.early_weights = bool(early_weights)
@@ -278,20 +282,22 @@ def get_grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_ro
                      epilogue: str = "smem", bias_dtype: Optional[str] = None,
                      raster_m: Optional[int] = None, swiglu_alpha: float = 1.702,
                      swiglu_limit: float = 7.0, schedule: str = "cooperative",
-                     tvm_ffi: bool = False, cluster_m: int = 1, half_tiles: bool = False) -> CompiledGroupedGemm:
+                     tvm_ffi: bool = False, cluster_m: int = 1, half_tiles: bool = False,
+                     tanh_sigmoid: bool = False) -> CompiledGroupedGemm:
     """Cached compile. Key: everything static; routing and M_total are runtime."""
     if raster_m is None:
         raster_m = pick_raster_m(k)
     key = (ABI_VERSION, DROP_VERSION, cutlass.__version__ if hasattr(cutlass, "__version__") else "",
            activation, n, k, num_experts, bool(scale_rows), tile_n, num_stages, epilogue, bias_dtype,
            raster_m, float(swiglu_alpha), float(swiglu_limit), schedule, bool(tvm_ffi), "sm_90a", int(cluster_m),
-           bool(half_tiles))
+           bool(half_tiles), bool(tanh_sigmoid))
     fn = _CACHE.get(key)
     if fn is None:
         fn = CompiledGroupedGemm(activation, n, k, num_experts, scale_rows, tile_n, num_stages,
                                  epilogue, bias_dtype=bias_dtype, raster_m=raster_m,
                                  swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
-                                 schedule=schedule, tvm_ffi=tvm_ffi, cluster_m=cluster_m, half_tiles=half_tiles)
+                                 schedule=schedule, tvm_ffi=tvm_ffi, cluster_m=cluster_m, half_tiles=half_tiles,
+                                 tanh_sigmoid=tanh_sigmoid)
         _CACHE[key] = fn
     return fn
 

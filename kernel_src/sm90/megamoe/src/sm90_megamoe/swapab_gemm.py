@@ -68,6 +68,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
+from .grouped_gemm import tanh_approx
 from .pdl import PDL, wait_previous_grid
 from .constants import ACTIVATIONS, ALIGN_K_ELEMS, ALIGN_N_ELEMS, GATED_ACTIVATIONS, MAX_EXPERTS
 
@@ -127,6 +128,8 @@ class SwapABGroupedGemmSm90:
         ``offsets`` before the wait: only for a caller that guarantees ``offsets`` (and
         ``row_scale``) were written at least two launches earlier in the stream (e.g. FC2 after
         FC1 after the layout); tokens and outputs are touched only after the wait. No effect without PDL.
+    :param tanh_sigmoid: swiglu only (drop v52): silu(g) = h + h tanh(h), h = g / 2, one
+        ``tanh.approx`` (as :class:`~.grouped_gemm.GroupedGemmSm90`'s, so the two keep each other's bits).
     """
 
     def __init__(
@@ -142,9 +145,13 @@ class SwapABGroupedGemmSm90:
         swiglu_alpha: float = 1.702,
         swiglu_limit: float = 7.0,
         early_weights: bool = False,
+        tanh_sigmoid: bool = False,
     ):
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+        if tanh_sigmoid and activation != "swiglu":
+            raise ValueError("tanh_sigmoid is swiglu's sigmoid: it needs activation 'swiglu'")
+        self.tanh_sigmoid = bool(tanh_sigmoid)
         if tile_w is None:
             tile_w = DEFAULT_TILE_W[activation]
         if tile_w not in (64, 128, 256):
@@ -625,8 +632,12 @@ class SwapABGroupedGemmSm90:
             x = acc0[i]
             if cutlass.const_expr(self.activation == "swiglu"):
                 u = accs[1][i]
-                den = cutlass.Float32(1.0) + cute.math.exp2(-x * _LOG2E, fastmath=True)
-                x = x * cute.arch.rcp_approx(den) * u
+                if cutlass.const_expr(self.tanh_sigmoid):
+                    h = x * cutlass.Float32(0.5)  # silu(x) = h + h tanh(h): one MUFU op (drop v52)
+                    x = (h + h * tanh_approx(h)) * u
+                else:
+                    den = cutlass.Float32(1.0) + cute.math.exp2(-x * _LOG2E, fastmath=True)
+                    x = x * cute.arch.rcp_approx(den) * u
             elif cutlass.const_expr(self.activation == "gelu_glu"):
                 u = accs[1][i]
                 x = cutlass.Float32(0.5) * x * (cutlass.Float32(1.0) + cute.math.erf(x * _RSQRT2)) * u
