@@ -19,6 +19,19 @@ register_drop(drop_src("sm90", "megamoe"))
 QWEN_FC1 = (1536, 2048, 128)  # n = 2 I, k = H, E
 
 
+_KERNELS = {}
+
+
+def _kernel(**kw):
+    """A compiled BF16 swiglu GEMM at Qwen3's FC1 shape with 16 experts, compiled once per variant."""
+    from sm90_megamoe.launch import CompiledGroupedGemm
+
+    key = tuple(sorted(kw.items()))
+    if key not in _KERNELS:
+        _KERNELS[key] = CompiledGroupedGemm("swiglu", 1536, 2048, 16, False, raster_m=16, **kw)
+    return _KERNELS[key]
+
+
 def _sm90():
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
@@ -92,14 +105,12 @@ def test_gpu_tanh_sigmoid_against_float64(schedule, m_total, routing):
     ex2 + rcp kernel (tanh.approx: ~2^-11 relative, under bf16's 2^-8 rounding of the output)."""
     _sm90()
     from sm90_megamoe.grouped_gemm_runner import make_inputs
-    from sm90_megamoe.launch import CompiledGroupedGemm
 
     n, k, E = 1536, 2048, 16
     a, b, offs, _, _ = make_inputs(m_total, n, k, E, "swiglu", routing, False, seed=m_total)
     outs = []
     for tanh in (False, True):
-        fn = CompiledGroupedGemm("swiglu", n, k, E, False, raster_m=16, schedule=schedule,
-                                 tile_n=32 if schedule == "swapab" else None, tanh_sigmoid=tanh)
+        fn = _kernel(schedule=schedule, tile_n=32 if schedule == "swapab" else None, tanh_sigmoid=tanh)
         out = torch.full((m_total, n // 2), float("nan"), dtype=torch.bfloat16, device="cuda")
         fn(a, b, offs, out=out)
         outs.append(out)
@@ -128,15 +139,13 @@ def test_gpu_gather_keeps_bits_with_tanh_sigmoid(routing):
     """The gathering FC1 (MOE_EP_GATHER_FC1) gives the plain FC1's bits with the flag too."""
     _sm90()
     from sm90_megamoe.grouped_gemm_runner import make_inputs
-    from sm90_megamoe.launch import CompiledGroupedGemm
 
     E, m_total, t_src, n, k = 16, 5000, 700, 1536, 2048
     a_all, b, offs, _, _ = make_inputs(m_total, n, k, E, "swiglu", routing, False, seed=43)
     src = a_all[:t_src].contiguous()
     idx = torch.randint(0, t_src, (m_total,), generator=torch.Generator().manual_seed(5), dtype=torch.int32).cuda()
-    kw = dict(raster_m=16, schedule="wide", tanh_sigmoid=True)
-    plain = CompiledGroupedGemm("swiglu", n, k, E, False, **kw)
-    gath = CompiledGroupedGemm("swiglu", n, k, E, False, gather_a=True, **kw)
+    plain = _kernel(schedule="wide", tile_n=None, tanh_sigmoid=True)
+    gath = _kernel(schedule="wide", tile_n=None, tanh_sigmoid=True, gather_a=True)
     outs = [torch.full((m_total, n // 2), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(2)]
     plain(src[idx.long()].contiguous(), b, offs, out=outs[0])
     gath(src, b, offs, out=outs[1], idx=idx)
