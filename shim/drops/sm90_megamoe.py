@@ -356,7 +356,8 @@ def use_half_tiles(schedule: str, tile: int, gather_a: bool, cluster_m: int) -> 
 
 def use_bf16_tanh_sigmoid(activation: str) -> bool:
     """Drop v52 ``tanh_sigmoid``: the BF16 swiglu GEMM (FC1; every schedule -- cooperative, wide,
-    gathering, swap-AB -- so switching between them keeps the bits) takes its sigmoid from one
+    gathering, swap-AB -- so the kernels that give one another's bits without it, e.g. the gathering
+    and the plain FC1, still do with it) takes its sigmoid from one
     ``tanh.approx`` instead of ``ex2`` + ``rcp`` (the SwiGLU epilogue is MUFU-bound; the FP8 FC1's
     default since the twenty-first session). Opt-in, ``MOE_EP_BF16_TANH_SIGMOID=1``: other bits
     (relative error ~2^-11, below the bf16 rounding of FC1's output)."""
