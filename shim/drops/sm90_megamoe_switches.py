@@ -1,0 +1,53 @@
+"""Environment switches of the SM90 BF16 grouped GEMM (drop ``sm90_megamoe``): which opt-in kernel
+variants the shim compiles. Each is read when a GEMM is built (its key), never in ``forward``; each
+says what the H200 measured. Same drop and contract as :mod:`.sm90_megamoe` (which re-exports these
+names); kept apart only to keep files short."""
+
+from __future__ import annotations
+
+import os
+
+
+def use_wide_gated() -> bool:
+    """``MOE_EP_WIDE_GATED=1``: the gated GEMM (FC1) issues one m64n256 WGMMA over its gate and up
+    tiles per k-block instead of two m64n128 ones (drop v22, schedule ``wide``). Bit-identical to
+    ``cooperative`` on the H200 (e82f1e5, drop runner: Qwen3 and Mixtral FC1, uniform, skewed, one
+    row) but no faster (Qwen3 FC1 0.590 / 0.646 ms vs 0.592 / 0.593 cooperative in two rounds,
+    Mixtral 5.625 / 6.061 vs 5.555 / 5.717; the layer 477 vs 473 TFLOP/s), so it stays opt-in."""
+    return os.environ.get("MOE_EP_WIDE_GATED", "0") == "1"
+
+
+def use_bf16_cluster(schedule: str, gather_a: bool = False) -> int:
+    """CTAs per cluster of the BF16 grouped GEMM (drop v29, ``cluster_m``): 2 with
+    ``MOE_EP_BF16_CLUSTER=1`` for the cooperative and wide schedules (not pingpong, swap-AB or the
+    gathering kernel) -- the two CTAs of a cluster compute an m-tile pair of one expert and each
+    loads half of the weight tile, multicast into both; else 1. Opt-in: bit-identical on the H200
+    but no faster (eleventh session, docs/PERFORMANCE.md)."""
+    if os.environ.get("MOE_EP_BF16_CLUSTER", "0") != "1" or gather_a:
+        return 1
+    return 2 if schedule in ("cooperative", "wide") else 1
+
+
+def use_gather_tma(gather_a: bool) -> bool:
+    """Whether a gathering BF16 GEMM (``gather_a``) loads each A row by one TMA copy (drop v41,
+    ``gather_tma``): with ``MOE_EP_GATHER_TMA=1``. Opt-in: bit-identical but slower on the H200
+    (Qwen3 FC1 0.892 ms vs 0.768 with cp.async rows; docs/LIMITS.md)."""
+    return bool(gather_a) and os.environ.get("MOE_EP_GATHER_TMA", "0") == "1"
+
+
+def use_half_tiles(schedule: str, tile: int, gather_a: bool, cluster_m: int) -> bool:
+    """Drop v46 ``half_tiles``: a cooperative tile of <= 64 rows (an expert's last) is split along N
+    between the two warpgroups (tile % 128 == 0, no clusters, no gathering; same bits). Opt-in,
+    ``MOE_EP_HALF_TILES=1``: slower on the H200 (seventeenth session; docs/LIMITS.md)."""
+    return (os.environ.get("MOE_EP_HALF_TILES", "0") == "1" and schedule == "cooperative"
+            and tile % 128 == 0 and not gather_a and cluster_m == 1)
+
+
+def use_bf16_tanh_sigmoid(activation: str) -> bool:
+    """Drop v52 ``tanh_sigmoid``: the BF16 swiglu GEMM (FC1; every schedule -- cooperative, wide,
+    gathering, swap-AB -- so the kernels that give one another's bits without it, e.g. the gathering
+    and the plain FC1, still do with it) takes its sigmoid from one
+    ``tanh.approx`` instead of ``ex2`` + ``rcp`` (the SwiGLU epilogue is MUFU-bound; the FP8 FC1's
+    default since the twenty-first session). Opt-in, ``MOE_EP_BF16_TANH_SIGMOID=1``: other bits
+    (relative error ~2^-11, below the bf16 rounding of FC1's output)."""
+    return activation == "swiglu" and os.environ.get("MOE_EP_BF16_TANH_SIGMOID", "0") == "1"
