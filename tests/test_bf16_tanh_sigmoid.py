@@ -96,6 +96,29 @@ def test_shim_switch_key_and_name(monkeypatch, tmp_path):
     assert off is not on and not off.tanh_sigmoid  # another key, another kernel
 
 
+@pytest.mark.parametrize("gather", ["0", "1"])
+def test_every_fc1_a_layer_builds_takes_the_switch(monkeypatch, tmp_path, gather):
+    """With MOE_EP_BF16_TANH_SIGMOID=1 each swiglu GEMM a BF16 layer builds -- the 128-row FC1 (plain
+    or gathering), the swap-AB decode FC1 -- takes the tanh, and FC2 does not (no sigmoid): so the
+    layer's kernels that compare bits with one another always agree on the form."""
+    from moe_ep.api import MoEConfig
+    from moe_ep.backends.sm90.bf16_cutedsl.backend import _gemm_specs
+    from moe_ep.shim import sm90_compiled_grouped_gemm
+
+    monkeypatch.setenv("MOE_EP_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("MOE_EP_GATHER_FC1", gather)
+    monkeypatch.setenv("MOE_EP_BF16_TANH_SIGMOID", "1")
+    cfg = MoEConfig(num_experts=16, hidden=256, intermediate=256, top_k=4, max_tokens_per_rank=4096)
+    specs = _gemm_specs(cfg, 16, 1)
+    assert sorted(specs) == ["fc1", "fc1_decode", "fc2", "fc2_decode"]
+    assert specs["fc1"].get("gather_a", False) == (gather == "1")
+    built = {name: sm90_compiled_grouped_gemm(**spec) for name, spec in specs.items()}
+    assert built["fc1_decode"].schedule == "swapab" and built["fc1"].gather_a == (gather == "1")
+    assert {name: g.tanh_sigmoid for name, g in built.items()} == {
+        "fc1": True, "fc1_decode": True, "fc2": False, "fc2_decode": False}
+    assert all(g.kernel.tanh_sigmoid == g.tanh_sigmoid for g in built.values())
+
+
 # ---------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("schedule", ["cooperative", "wide", "swapab"])
