@@ -146,7 +146,7 @@ from .fp8_quant import _divide_by_scale
 from .gather_producer import row_tma_atom, stage_producers
 from .pdl import PDL, wait_previous_grid
 from .constants import MAX_EXPERTS
-from .grouped_gemm import GroupedGemmSm90, LayoutEnum, get_smem_capacity_in_bytes
+from .grouped_gemm import GroupedGemmSm90, LayoutEnum, get_smem_capacity_in_bytes, tanh_approx
 
 FP8_BLOCK = 128
 #: k-tiles up to which ``overlap_promotion`` unrolls the whole k-loop (a WGMMA group still in flight
@@ -185,15 +185,6 @@ def _pin(v, *, loc=None, ip=None):
     ``wgmma.wait_group`` that completes it (CUTLASS's ``warpgroup_fence_operand``)."""
     return cutlass.Float32(llvm.inline_asm(T.f32(), [cutlass.Float32(v).ir_value(loc=loc, ip=ip)], "", "=f,0",
                                            has_side_effects=True, is_align_stack=False,
-                                           asm_dialect=llvm.AsmDialect.AD_ATT))
-
-
-@dsl_user_op
-def _tanh_approx(v, *, loc=None, ip=None):
-    """``tanh.approx.f32`` of ``v``: one MUFU operation (max relative error about 2^-11)."""
-    return cutlass.Float32(llvm.inline_asm(T.f32(), [cutlass.Float32(v).ir_value(loc=loc, ip=ip)],
-                                           "tanh.approx.f32 $0, $1;", "=f,f",
-                                           has_side_effects=False, is_align_stack=False,
                                            asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
@@ -981,7 +972,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         (drop v50) ``h * (1 + tanh(h))`` with h = g / 2 (one MUFU op; the epilogue is MUFU-bound)."""
         if self.tanh_sigmoid:
             h = g * cutlass.Float32(0.5)
-            return h + h * _tanh_approx(h)
+            return h + h * tanh_approx(h)
         den = cutlass.Float32(1.0) + cute.math.exp2(-g * _LOG2E, fastmath=True)
         return g * cute.arch.rcp_approx(den)
 

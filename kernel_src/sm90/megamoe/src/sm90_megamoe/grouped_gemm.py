@@ -124,6 +124,7 @@ except Exception:  # pragma: no cover
     from cutlass.utils import get_smem_capacity_in_bytes
 
 _LOG2E = 1.4426950408889634
+_RSQRT2 = 0.7071067811865476
 
 
 @dsl_user_op
@@ -133,7 +134,6 @@ def tanh_approx(v, *, loc=None, ip=None):
                                            "tanh.approx.f32 $0, $1;", "=f,f",
                                            has_side_effects=False, is_align_stack=False,
                                            asm_dialect=llvm.AsmDialect.AD_ATT))
-_RSQRT2 = 0.7071067811865476
 
 
 class GroupedGemmSm90:

@@ -129,7 +129,7 @@ class SwapABGroupedGemmSm90:
         ``row_scale``) were written at least two launches earlier in the stream (e.g. FC2 after
         FC1 after the layout); tokens and outputs are touched only after the wait. No effect without PDL.
     :param tanh_sigmoid: swiglu only (drop v52): silu(g) = h + h tanh(h), h = g / 2, one
-        ``tanh.approx`` (as :class:`~.grouped_gemm.GroupedGemmSm90`'s, so the two keep each other's bits).
+        ``tanh.approx`` (the same activation form as :class:`~.grouped_gemm.GroupedGemmSm90`'s).
     """
 
     def __init__(
