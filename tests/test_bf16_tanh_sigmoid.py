@@ -1,11 +1,12 @@
 """Drop v52: the BF16 swiglu GEMM (FC1) takes its sigmoid from one ``tanh.approx``
 (``tanh_sigmoid=True``: silu(g) = h + h tanh(h), h = g / 2; one MUFU op per output instead of
-``ex2`` + ``rcp``) in every schedule -- cooperative, wide, gathering, swap-AB -- behind
-``MOE_EP_BF16_TANH_SIGMOID=1`` (opt-in). CPU: the PTX of each schedule (tanh.approx, no ex2 / rcp)
-and without the flag (ex2, no tanh), the refusals, the shim's switch, key and kernel name. GPU: each
-schedule against float64 with the exact SiLU and against the ``ex2`` + ``rcp`` kernel (NaN-poisoned
-outputs); the gathering FC1 keeps the plain one's bits with the flag; the layer with the switch
-against float64 (prefill and decode shapes)."""
+``ex2`` + ``rcp``) in every schedule -- cooperative, wide, gathering, swap-AB -- the shim's
+default since the twenty-second session (``MOE_EP_BF16_TANH_SIGMOID=0``: the opt-out).
+CPU: the PTX of each schedule (tanh.approx, no ex2 / rcp) and without the flag (ex2, no tanh), the
+refusals, the shim's switch, key and kernel name. GPU: each schedule against float64 with the exact
+SiLU and against the ``ex2`` + ``rcp`` kernel (NaN-poisoned outputs); the gathering FC1 keeps the
+plain one's bits with the flag; the layer with the opt-out against float64 (prefill and decode
+shapes) -- the default layer is what test_layer_gpu checks."""
 
 import pytest
 import torch
@@ -81,9 +82,12 @@ def test_shim_switch_key_and_name(monkeypatch, tmp_path):
 
     monkeypatch.setenv("MOE_EP_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("MOE_EP_BF16_TANH_SIGMOID", raising=False)
-    assert not s.use_bf16_tanh_sigmoid("swiglu")  # opt-in
+    assert s.use_bf16_tanh_sigmoid("swiglu")  # on by default (twenty-second session)
+    monkeypatch.setenv("MOE_EP_BF16_TANH_SIGMOID", "0")
+    assert not s.use_bf16_tanh_sigmoid("swiglu")  # the opt-out
     monkeypatch.setenv("MOE_EP_BF16_TANH_SIGMOID", "1")
     assert s.use_bf16_tanh_sigmoid("swiglu")
+    monkeypatch.delenv("MOE_EP_BF16_TANH_SIGMOID", raising=False)
     assert not any(s.use_bf16_tanh_sigmoid(a) for a in ("identity", "gelu_glu", "clamped_swiglu", "squared_relu"))
     seen = len(COMPILE_EVENTS)
     on = s.compiled_grouped_gemm("swiglu", 512, 256, 8, schedule="wide")
@@ -96,26 +100,32 @@ def test_shim_switch_key_and_name(monkeypatch, tmp_path):
     assert off is not on and not off.tanh_sigmoid  # another key, another kernel
 
 
+@pytest.mark.parametrize("switch", [None, "0"])
 @pytest.mark.parametrize("gather", ["0", "1"])
-def test_every_fc1_a_layer_builds_takes_the_switch(monkeypatch, tmp_path, gather):
-    """With MOE_EP_BF16_TANH_SIGMOID=1 each swiglu GEMM a BF16 layer builds -- the 128-row FC1 (plain
-    or gathering), the swap-AB decode FC1 -- takes the tanh, and FC2 does not (no sigmoid): so the
-    layer's kernels that compare bits with one another always agree on the form."""
+def test_every_fc1_a_layer_builds_takes_the_switch(monkeypatch, tmp_path, gather, switch):
+    """By default each swiglu GEMM a BF16 layer builds -- the 128-row FC1 (plain or gathering), the
+    swap-AB decode FC1 -- takes the tanh, and FC2 does not (no sigmoid); with the opt-out
+    (MOE_EP_BF16_TANH_SIGMOID=0) none does: so the layer's kernels that compare bits with one another
+    always agree on the form."""
     from moe_ep.api import MoEConfig
     from moe_ep.backends.sm90.bf16_cutedsl.backend import _gemm_specs
     from moe_ep.shim import sm90_compiled_grouped_gemm
 
     monkeypatch.setenv("MOE_EP_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("MOE_EP_GATHER_FC1", gather)
-    monkeypatch.setenv("MOE_EP_BF16_TANH_SIGMOID", "1")
+    if switch is None:
+        monkeypatch.delenv("MOE_EP_BF16_TANH_SIGMOID", raising=False)
+    else:
+        monkeypatch.setenv("MOE_EP_BF16_TANH_SIGMOID", switch)
     cfg = MoEConfig(num_experts=16, hidden=256, intermediate=256, top_k=4, max_tokens_per_rank=4096)
     specs = _gemm_specs(cfg, 16, 1)
     assert sorted(specs) == ["fc1", "fc1_decode", "fc2", "fc2_decode"]
     assert specs["fc1"].get("gather_a", False) == (gather == "1")
     built = {name: sm90_compiled_grouped_gemm(**spec) for name, spec in specs.items()}
     assert built["fc1_decode"].schedule == "swapab" and built["fc1"].gather_a == (gather == "1")
+    on = switch is None
     assert {name: g.tanh_sigmoid for name, g in built.items()} == {
-        "fc1": True, "fc1_decode": True, "fc2": False, "fc2_decode": False}
+        "fc1": on, "fc1_decode": on, "fc2": False, "fc2_decode": False}
     assert all(g.kernel.tanh_sigmoid == g.tanh_sigmoid for g in built.values())
 
 
@@ -178,33 +188,39 @@ def test_gpu_gather_keeps_bits_with_tanh_sigmoid(routing):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("model", ["qwen3", "mixtral"])
-def test_gpu_decode_layer_with_bf16_tanh_sigmoid(monkeypatch, model):
-    """MOE_EP_BF16_TANH_SIGMOID=1: the decode layer's float64 test (swap-AB and 128-row kernels,
-    T 0 ... 256, NaN-poisoned outputs) holds."""
+def test_gpu_decode_layer_with_exact_sigmoid(monkeypatch, model):
+    """MOE_EP_BF16_TANH_SIGMOID=0 (the opt-out; test_layer_gpu checks the default, the tanh): the
+    decode layer's float64 test (swap-AB and 128-row kernels, T 0 ... 256, NaN-poisoned outputs)
+    holds."""
     _sm90()
     from test_layer_gpu import test_decode_layer_against_float64 as decode_test
 
-    monkeypatch.setenv("MOE_EP_BF16_TANH_SIGMOID", "1")
+    monkeypatch.setenv("MOE_EP_BF16_TANH_SIGMOID", "0")
     decode_test(model)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [333, 4096])
-def test_gpu_prefill_layer_with_bf16_tanh_sigmoid(monkeypatch, T):
-    """The Qwen3 layer (skewed routing) with the switch: its FC1 takes the tanh, the output is within
-    1e-2 of the reference backend, the same bits under a CUDA graph, every row written."""
+@pytest.mark.parametrize("switch", [None, "0"])
+def test_gpu_prefill_layer_tanh_and_exact(monkeypatch, T, switch):
+    """The Qwen3 layer (skewed routing) at the default (FC1 takes the tanh) and with the opt-out
+    (MOE_EP_BF16_TANH_SIGMOID=0: ex2 + rcp): the output is within 1e-2 of the reference backend, the
+    same bits under a CUDA graph, every row written."""
     _sm90()
     from moe_oracle import capture_graph, replay_poisoned
     from test_layer_gpu import QWEN, layers, problem, rel, seed_of
 
     from moe_ep.api import MoEConfig
 
-    monkeypatch.setenv("MOE_EP_BF16_TANH_SIGMOID", "1")
+    if switch is None:
+        monkeypatch.delenv("MOE_EP_BF16_TANH_SIGMOID", raising=False)
+    else:
+        monkeypatch.setenv("MOE_EP_BF16_TANH_SIGMOID", switch)
     cfg = MoEConfig(max_tokens_per_rank=4096, **QWEN)
     x, ids, w, w13, w2 = problem(T, seed_of("tanh", T), skew=True)
     fast, ref = layers(cfg, "auto", "reference")
     fast.warmup(progress=False)
-    assert fast._impl.fc1.compiled.tanh_sigmoid and not fast._impl.fc2.compiled.tanh_sigmoid
+    assert fast._impl.fc1.compiled.tanh_sigmoid == (switch is None) and not fast._impl.fc2.compiled.tanh_sigmoid
     out = torch.full((T, cfg.hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
     got = fast.forward(x, ids, w, w13, w2, out=out)
     fast.check_errors()

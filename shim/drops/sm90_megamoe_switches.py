@@ -1,6 +1,6 @@
-"""Environment switches of the SM90 BF16 grouped GEMM (drop ``sm90_megamoe``): which opt-in kernel
-variants the shim compiles. Each is read when a GEMM is built (its key), never in ``forward``; each
-says what the H200 measured. Same drop and contract as :mod:`.sm90_megamoe` (which re-exports these
+"""Environment switches of the SM90 BF16 grouped GEMM (drop ``sm90_megamoe``): which kernel
+variants the shim compiles (all opt-in but the tanh sigmoid, an opt-out). Each is read when a GEMM
+is built (its key), never in ``forward``; each says what the H200 measured. Same drop and contract as :mod:`.sm90_megamoe` (which re-exports these
 names); kept apart only to keep files short."""
 
 from __future__ import annotations
@@ -47,7 +47,8 @@ def use_bf16_tanh_sigmoid(activation: str) -> bool:
     """Drop v52 ``tanh_sigmoid``: the BF16 swiglu GEMM (FC1; every schedule -- cooperative, wide,
     gathering, swap-AB -- so the kernels that give one another's bits without it, e.g. the gathering
     and the plain FC1, still do with it) takes its sigmoid from one
-    ``tanh.approx`` instead of ``ex2`` + ``rcp`` (the SwiGLU epilogue is MUFU-bound; the FP8 FC1's
-    default since the twenty-first session). Opt-in, ``MOE_EP_BF16_TANH_SIGMOID=1``: other bits
-    (relative error ~2^-11, below the bf16 rounding of FC1's output)."""
-    return activation == "swiglu" and os.environ.get("MOE_EP_BF16_TANH_SIGMOID", "0") == "1"
+    ``tanh.approx`` instead of ``ex2`` + ``rcp`` (the SwiGLU epilogue is MUFU-bound; relative error
+    ~2^-11, below the bf16 rounding of FC1's output). On by default since the twenty-second session
+    (the whole GPU suite passed with it); ``MOE_EP_BF16_TANH_SIGMOID=0`` takes the exact-form
+    sigmoid (``ex2`` + ``rcp``; other bits)."""
+    return activation == "swiglu" and os.environ.get("MOE_EP_BF16_TANH_SIGMOID", "1") != "0"
