@@ -58,7 +58,7 @@ from .sm90_megamoe_switches import (  # noqa: F401  (re-exported: the shim reads
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 53},
+    "sm90_megamoe": {"DROP_VERSION": 54},
     "sm90_megamoe.fp8_gemm": {"FP8_BLOCK": 128, "OVERLAP_MAX_K_TILES": 32, "OVERLAP_MAX_CHUNK": 16},
     "sm90_megamoe.constants": {
         "ABI_VERSION": 2,
@@ -155,7 +155,7 @@ CONTRACT = DropContract(
                     ("a", "a_scale", "b", "b_scale", "offsets", "out", "row_scale", "max_active_ctas", "stream",
                      "out_scale", "idx")),
         CallableUse("sm90_megamoe.fp8_quant:compile_fp8_quantize_rows",
-                    ("k", "arch", "tvm_ffi", "counted", "gather", "scatter_topk")),
+                    ("k", "arch", "tvm_ffi", "counted", "gather", "scatter_topk", "items")),
         CallableUse("sm90_megamoe.fp8_quant:CompiledFp8QuantizeRows.__init__",
                     ("k", "compiled", "tvm_ffi", "counted", "gather", "scatter_topk")),
         CallableUse("sm90_megamoe.fp8_quant:CompiledFp8QuantizeRows.__call__",

@@ -227,6 +227,17 @@ class Fp8Key:
     fused_quant: bool = False
     deferred_epilogue: bool = False
     tanh_sigmoid: bool = False
+    quant_items: int = 1
+
+
+def use_fp8_quant_items() -> int:
+    """Warp items per loop pass of the FP8 row quantisers (drop v54, ``items``: the pass's loads
+    issued together, more bytes in flight; the same bits for every value): ``MOE_EP_FP8_QUANT_ITEMS``
+    in 1 ... 4, default 1."""
+    raw = os.environ.get("MOE_EP_FP8_QUANT_ITEMS", "1")
+    if raw not in ("1", "2", "3", "4"):
+        raise ValueError(f"MOE_EP_FP8_QUANT_ITEMS must be 1, 2, 3 or 4, got {raw!r}")
+    return int(raw)
 
 
 def use_fp8_tanh_sigmoid(activation: str) -> bool:
@@ -252,7 +263,8 @@ def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_row
                   use_fp8_cluster(activation, n, k) if plain else 1,
                   smem, smem and use_fp8_scale_warp(activation, k), bool(fused_quant),
                   kind == "gemm" and use_fp8_deferred_epilogue(overlap_promotion, k, requant, fused_quant),
-                  kind == "gemm" and use_fp8_tanh_sigmoid(activation))
+                  kind == "gemm" and use_fp8_tanh_sigmoid(activation),
+                  use_fp8_quant_items() if kind.startswith("quantize") else 1)
 
 
 def _gemm_key(activation: str, n: int, k: int, num_experts: int, scale_rows: bool, requant: bool,
@@ -365,7 +377,8 @@ def compiled_fp8_quantize_rows(k: int, gather: bool = False, scatter_topk: int =
         return disk_cache.get_or_build(
             cache_namespace(), name, key,
             lambda: fq.compile_fp8_quantize_rows(k=k, arch="sm_90a", tvm_ffi=key.tvm_ffi, counted=not scatter_topk,
-                                                 gather=bool(gather), scatter_topk=int(scatter_topk)),
+                                                 gather=bool(gather), scatter_topk=int(scatter_topk),
+                                                 items=key.quant_items),
             tvm_ffi=key.tvm_ffi)
 
     return COMPILE_CACHE.get_or_compile(key, build)

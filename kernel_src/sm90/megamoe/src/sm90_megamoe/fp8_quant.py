@@ -48,6 +48,11 @@ group (816.7 million pairs, moe_ep's tests/test_fp8_quant_div.py); only quotient
 (e4m3 zeros) may differ in float32. Other scales (NaN, inf, tiny groups) still divide. CTAs of ``NW`` warps walk the list with a grid-stride loop; the grid
 is ``min(ceil(M * G / (4 * NW)), max_ctas)`` (>= 1, so M = 0 launches one idle CTA).
 
+Items per pass (drop v54, ``items``): a warp takes ``items`` warp items (stride: the grid's warps)
+per loop pass and issues all their loads before quantising any, so more bytes are in flight per
+warp (the kernel is a read-quantise-write stream; with one item a warp's next load waited for its
+previous item's shuffles, divisions and store). The same groups, rows and bits for every ``items``.
+
 Saturation. e4m3 conversion in PTX exists only as ``.satfinite``; torch's conversion never
 saturates but |x / scale| <= 448 * (1 + 2^-23)^2 < 464 (the round-to-nearest midpoint to the
 non-existent 480), so both give 448 at the top and agree everywhere. NaN inputs: the amax
@@ -78,6 +83,7 @@ VALS_PER_LANE = FP8_BLOCK // LANES_PER_GROUP   # 16: 32 bytes of bf16 in, 16 byt
 GROUPS_PER_WARP = 32 // LANES_PER_GROUP   # 4
 DEFAULT_WARPS = 8                         # 256 threads per CTA
 DEFAULT_MAX_CTAS = 132 * 16               # grid cap (grid-stride beyond it)
+DEFAULT_ITEMS = 1                         # warp items per loop pass (drop v54: loads issued together)
 
 
 @dsl_user_op
@@ -150,20 +156,25 @@ def can_implement(k: int) -> Optional[str]:
 class Fp8QuantizeRows128:
     """``q, scale = quantize_rows128(x[:rows])`` for ``rows = min(m_rows, M)`` (see the module
     docstring). ``k``: the row length (compile time); ``warps``: warps per CTA; ``max_ctas``: grid
-    cap (the grid-stride loop covers any M)."""
+    cap (the grid-stride loop covers any M); ``items``: warp items per loop pass, their loads
+    issued together (drop v54; 1 to 4, the same bits)."""
 
     use_count = False
     gather = False
 
-    def __init__(self, k: int, warps: int = DEFAULT_WARPS, max_ctas: int = DEFAULT_MAX_CTAS):
+    def __init__(self, k: int, warps: int = DEFAULT_WARPS, max_ctas: int = DEFAULT_MAX_CTAS,
+                 items: int = DEFAULT_ITEMS):
         reason = can_implement(k)
         if reason is not None:
             raise ValueError(reason)
+        if not 1 <= int(items) <= 4:
+            raise ValueError(f"items={items} must be in [1, 4]")
         self.k = int(k)
         self.groups = self.k // FP8_BLOCK
         self.warps = int(warps)
         self.threads = 32 * self.warps
         self.max_ctas = int(max_ctas)
+        self.items = int(items)
 
     @cute.jit
     def __call__(self, mX: cute.Tensor, mQ: cute.Tensor, mScale: cute.Tensor, m_rows: Int32,
@@ -210,21 +221,26 @@ class Fp8QuantizeRows128:
         tQ = cute.zipped_divide(mQ, (1, V))
         sub = lane % LANES_PER_GROUP
         slot = lane // LANES_PER_GROUP
-        for it in cutlass.range(bidx * self.warps + warp, items, gdim * self.warps):
-            gid = it * GROUPS_PER_WARP + slot
-            valid = gid < total
-            gc = cutlass.min(gid, total - 1)               # clamp: invalid lanes read a real group
-            r = gc // G
-            j = (gc - r * G) * LANES_PER_GROUP + sub
-            src = r
-            if cutlass.const_expr(self.gather):
-                src = cutlass.min(cutlass.max(mIdx[r], Int32(0)), mX.shape[0] - 1)
-            x = tX[(0, None), (src, j)].load().to(Float32)
-            y, scale = _quantize_lane(x, V)
-            if valid:
-                tQ[(0, None), (r, j)].store(y.to(cutlass.Float8E4M3FN))
-                if sub == 0:
-                    mScale[r, gc - r * G] = scale
+        stride = gdim * self.warps                         # warp items between a warp's items
+        for it in cutlass.range(bidx * self.warps + warp, items, stride * self.items):
+            # all loads of the pass first (the same warp items as ``items`` passes of one, in order)
+            held = []
+            for u in cutlass.range_constexpr(self.items):
+                gid = (it + u * stride) * GROUPS_PER_WARP + slot
+                gc = cutlass.min(gid, total - 1)           # clamp: invalid lanes read a real group
+                r = gc // G
+                j = (gc - r * G) * LANES_PER_GROUP + sub
+                src = r
+                if cutlass.const_expr(self.gather):
+                    src = cutlass.min(cutlass.max(mIdx[r], Int32(0)), mX.shape[0] - 1)
+                held.append((gid < total, gc, r, j, tX[(0, None), (src, j)].load()))
+            for u in cutlass.range_constexpr(self.items):
+                valid, gc, r, j, x = held[u]
+                y, scale = _quantize_lane(x.to(Float32), V)
+                if valid:
+                    tQ[(0, None), (r, j)].store(y.to(cutlass.Float8E4M3FN))
+                    if sub == 0:
+                        mScale[r, gc - r * G] = scale
 
 
 class Fp8QuantizeRows128Counted(Fp8QuantizeRows128):
@@ -277,8 +293,9 @@ class Fp8ScatterQuantizeRows128(Fp8QuantizeRows128):
     use_count = False
     gather = False
 
-    def __init__(self, k: int, topk: int, warps: int = DEFAULT_WARPS, max_ctas: int = DEFAULT_MAX_CTAS):
-        super().__init__(k, warps=warps, max_ctas=max_ctas)
+    def __init__(self, k: int, topk: int, warps: int = DEFAULT_WARPS, max_ctas: int = DEFAULT_MAX_CTAS,
+                 items: int = DEFAULT_ITEMS):
+        super().__init__(k, warps=warps, max_ctas=max_ctas, items=items)
         if not 1 <= int(topk) <= 32:
             raise ValueError(f"topk={topk} must be in [1, 32]")
         self.topk = int(topk)
@@ -307,28 +324,33 @@ class Fp8ScatterQuantizeRows128(Fp8QuantizeRows128):
         tQ = cute.zipped_divide(mQ, (1, V))
         sub = lane % LANES_PER_GROUP
         slot = lane // LANES_PER_GROUP
-        for it in cutlass.range(bidx * self.warps + warp, items, gdim * self.warps):
-            gid = it * GROUPS_PER_WARP + slot
-            gc = cutlass.min(gid, total - 1)               # clamp: invalid lanes read a real group
-            s = gc // G
-            g = gc - s * G
-            j = g * LANES_PER_GROUP + sub
-            src = s // t_max
-            valid = (gid < total) & (s - src * t_max < mRecvCount[src])
-            rows = cute.make_rmem_tensor((self.topk,), Int32)  # loaded beside the row's values
-            for kk in cutlass.range_constexpr(self.topk):
-                rows[kk] = mPos[s, kk]
-            x = tX[(0, None), (s, j)].load().to(Float32)
-            y, scale = _quantize_lane(x, V)
-            q = cute.make_rmem_tensor((V,), cutlass.Float8E4M3FN)  # converted once, stored topk times
-            q.store(y.to(cutlass.Float8E4M3FN))
-            if valid:
+        stride = gdim * self.warps
+        for it in cutlass.range(bidx * self.warps + warp, items, stride * self.items):
+            held = []                                      # the pass's loads first (drop v54)
+            for u in cutlass.range_constexpr(self.items):
+                gid = (it + u * stride) * GROUPS_PER_WARP + slot
+                gc = cutlass.min(gid, total - 1)           # clamp: invalid lanes read a real group
+                s = gc // G
+                g = gc - s * G
+                j = g * LANES_PER_GROUP + sub
+                src = s // t_max
+                valid = (gid < total) & (s - src * t_max < mRecvCount[src])
+                rows = cute.make_rmem_tensor((self.topk,), Int32)  # loaded beside the row's values
                 for kk in cutlass.range_constexpr(self.topk):
-                    r = rows[kk]
-                    if (r >= Int32(0)) & (r < M):
-                        tQ[(0, None), (r, j)].store(q.load())
-                        if sub == 0:
-                            mScale[r, g] = scale
+                    rows[kk] = mPos[s, kk]
+                held.append((valid, g, j, rows, tX[(0, None), (s, j)].load()))
+            for u in cutlass.range_constexpr(self.items):
+                valid, g, j, rows, x = held[u]
+                y, scale = _quantize_lane(x.to(Float32), V)
+                q = cute.make_rmem_tensor((V,), cutlass.Float8E4M3FN)  # converted once, stored topk times
+                q.store(y.to(cutlass.Float8E4M3FN))
+                if valid:
+                    for kk in cutlass.range_constexpr(self.topk):
+                        r = rows[kk]
+                        if (r >= Int32(0)) & (r < M):
+                            tQ[(0, None), (r, j)].store(q.load())
+                            if sub == 0:
+                                mScale[r, g] = scale
 
 
 # ---------------------------------------------------------------------------- host side
@@ -366,15 +388,16 @@ def fake_args(k: int, counted: bool = False, use_tvm_ffi: bool = False, gather: 
 def compile_fp8_quantize_rows(k: int, arch: str = "sm_90a", tvm_ffi: bool = False,
                               counted: bool = False, warps: int = DEFAULT_WARPS,
                               max_ctas: int = DEFAULT_MAX_CTAS, keep_ptx: bool = False,
-                              gather: bool = False, scatter_topk: int = 0):
+                              gather: bool = False, scatter_topk: int = 0, items: int = DEFAULT_ITEMS):
     """Compile the quantiser for row length ``k`` from fake tensors (no GPU needed). ``counted``:
     the ``mCount`` variant; ``gather``: the gathering (and counted) variant; ``scatter_topk``: the
-    scattering variant for that top-k. Returns the compiled object (``.__ptx__`` with ``keep_ptx``)."""
+    scattering variant for that top-k; ``items``: warp items per loop pass (drop v54). Returns the
+    compiled object (``.__ptx__`` with ``keep_ptx``)."""
     if scatter_topk:
-        kernel = Fp8ScatterQuantizeRows128(k, scatter_topk, warps=warps, max_ctas=max_ctas)
+        kernel = Fp8ScatterQuantizeRows128(k, scatter_topk, warps=warps, max_ctas=max_ctas, items=items)
     else:
         cls = Fp8GatherQuantizeRows128 if gather else Fp8QuantizeRows128Counted if counted else Fp8QuantizeRows128
-        kernel = cls(k, warps=warps, max_ctas=max_ctas)
+        kernel = cls(k, warps=warps, max_ctas=max_ctas, items=items)
     opts = f"--gpu-arch {arch}" + (" --enable-tvm-ffi" if tvm_ffi else "") + (" --keep-ptx" if keep_ptx else "")
     return cute.compile(kernel, *fake_args(k, counted=counted, use_tvm_ffi=tvm_ffi, gather=gather,
                                            scatter_topk=scatter_topk), options=opts)
