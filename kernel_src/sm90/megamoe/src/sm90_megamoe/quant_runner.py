@@ -13,9 +13,11 @@ Every machine: compile each ``--items`` variant for sm_90a and check the PTX (``
 e4m3x2.f32``, no local memory). With an SM90 GPU: random bf16 inputs, NaN-poisoned outputs; each
 variant must write the bits :func:`.fp8_reference.quantize_rows128` gives (values and scales,
 every row); then the variants are timed interleaved over ``--rounds`` rounds (CUDA events, median
-of ``--reps`` of 10 TVM-FFI launches back to back; the inputs are larger than L2) beside torch's plain bf16 -> e4m3 cast of the same
-rows (the same bytes read and written, no scales: a bandwidth baseline from the same run).
-GB/s counts bf16 read + e4m3 written + scales written.
+of ``--reps`` of 10 TVM-FFI launches back to back; needs ``apache-tvm-ffi``; the inputs are larger
+than L2) beside torch's plain bf16 -> e4m3 cast of the input rows (a bandwidth baseline from the
+same run, no scales: for FC2's input the same bytes read and written; for the scattering
+quantiser the source rows only, 1 / top_k of its writes). GB/s counts bf16 read + e4m3 written +
+scales written.
 """
 
 from __future__ import annotations
@@ -109,7 +111,7 @@ def run_model(name: str, tokens: int, items_list, rounds: int, reps: int, gen: t
         for it, ts in res.items():
             ms = statistics.median(ts)
             gbs = (x.numel() * 3 if it == "torch cast" else nbytes) / (ms * 1e-3) / 1e9
-            tag = f"items={it}" if it != "torch cast" else "torch cast (no scales)"
+            tag = f"items={it}" if it != "torch cast" else "torch cast of x (no scales)"
             print(f"{name} {case} M={m_out} K={k}  {tag:24s} {ms * 1e3:8.1f} us  {gbs:7.0f} GB/s  "
                   f"rounds {' '.join(f'{t * 1e3:.1f}' for t in ts)}"
                   + ("" if it == "torch cast" else f"  {base / ms:.3f}x items={items_list[0]}"))
@@ -135,6 +137,10 @@ def main(argv=None):
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         print("no SM90 GPU: compile checks only")
         return
+    try:
+        import tvm_ffi  # noqa: F401  (the timed launches)
+    except ImportError as e:
+        raise SystemExit(f"quant_runner times TVM-FFI launches: install apache-tvm-ffi ({e})")
     gen = torch.Generator(device="cuda").manual_seed(2026)
     for name in models:
         run_model(name, args.tokens, items_list, args.rounds, args.reps, gen)
