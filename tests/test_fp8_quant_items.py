@@ -53,17 +53,8 @@ def test_bad_items_are_refused():
 
 
 # ---------------------------------------------------------------------------- GPU
-def _sm90():
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("needs an SM90 GPU")
-
-
-def _rows(m, k, gen):
-    """bf16 rows over many magnitudes, with an all-zero group and a group of bf16 subnormals."""
-    x = torch.randn(m, k, generator=gen) * torch.logspace(-6, 6, m).unsqueeze(1)
-    x[0, :128] = 0.0
-    x[min(1, m - 1), 128:256] = torch.randn(128, generator=gen) * 1e-39
-    return x.to(torch.bfloat16)
+# the quantiser tests' rows (zero, huge, tiny, subnormal and mixed-scale groups) and GPU check
+from test_sm90_fp8_quant import _rows, _sm90  # noqa: E402
 
 
 def _poisoned(m, k):

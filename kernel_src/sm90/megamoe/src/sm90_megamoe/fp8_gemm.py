@@ -146,7 +146,7 @@ from .fp8_quant import _divide_by_scale
 from .gather_producer import row_tma_atom, stage_producers
 from .pdl import PDL, wait_previous_grid
 from .constants import MAX_EXPERTS
-from .grouped_gemm import GroupedGemmSm90, LayoutEnum, get_smem_capacity_in_bytes, tanh_approx
+from .grouped_gemm import GroupedGemmSm90, LayoutEnum, get_smem_capacity_in_bytes, silu
 
 FP8_BLOCK = 128
 #: k-tiles up to which ``overlap_promotion`` unrolls the whole k-loop (a WGMMA group still in flight
@@ -211,7 +211,6 @@ E4M3_MAX = 448.0
 #: byte pitch of a row of the requantising epilogue's e4m3 staging tile (128 values + 16 bytes of
 #: padding; 144 = 9 x 16, so rows stay 16-byte aligned and a warp's 8 rows hit distinct banks)
 QPITCH = FP8_BLOCK + 16
-_LOG2E = 1.4426950408889634
 
 
 def default_tile_n(activation: str) -> int:
@@ -968,13 +967,9 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         return acc0
 
     def _silu(self, g):
-        """silu(g) = g * sigmoid(g): ``ex2`` and ``rcp`` (two MUFU ops), or with ``tanh_sigmoid``
-        (drop v50) ``h * (1 + tanh(h))`` with h = g / 2 (one MUFU op; the epilogue is MUFU-bound)."""
-        if self.tanh_sigmoid:
-            h = g * cutlass.Float32(0.5)
-            return h + h * tanh_approx(h)
-        den = cutlass.Float32(1.0) + cute.math.exp2(-g * _LOG2E, fastmath=True)
-        return g * cute.arch.rcp_approx(den)
+        """:func:`.grouped_gemm.silu` in this kernel's form (``tanh_sigmoid``, drop v50: one MUFU op
+        per output; the epilogue is MUFU-bound)."""
+        return silu(g, self.tanh_sigmoid)
 
     def _n0(self, n_tile, half: int):
         """First output column (of ``n_out``) of half ``half`` of scheduled unit ``n_tile``."""

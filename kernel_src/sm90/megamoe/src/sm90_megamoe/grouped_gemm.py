@@ -136,6 +136,17 @@ def tanh_approx(v, *, loc=None, ip=None):
                                            asm_dialect=llvm.AsmDialect.AD_ATT))
 
 
+def silu(g, tanh_sigmoid: bool):
+    """silu(g) = g * sigmoid(g) in float32, traced inline: ``ex2`` + ``rcp`` (two MUFU ops), or with
+    ``tanh_sigmoid`` (drops v50 / v52) h + h tanh(h) with h = g / 2 (one MUFU op). The one form every
+    swiglu epilogue of the drop uses (BF16 128-row and swap-AB, FP8)."""
+    if tanh_sigmoid:
+        h = g * cutlass.Float32(0.5)
+        return h + h * tanh_approx(h)
+    den = cutlass.Float32(1.0) + cute.math.exp2(-g * _LOG2E, fastmath=True)
+    return g * cute.arch.rcp_approx(den)
+
+
 class GroupedGemmSm90:
     """Varlen-M grouped GEMM (see module docstring for semantics and layouts).
 
@@ -942,14 +953,7 @@ class GroupedGemmSm90:
             if cutlass.const_expr(self.activation == "swiglu"):
                 g = x
                 u = accs[1][i]
-                if cutlass.const_expr(self.tanh_sigmoid):
-                    # silu(g) = h + h tanh(h), h = g / 2: one MUFU op (drop v52)
-                    h = g * cutlass.Float32(0.5)
-                    x = (h + h * tanh_approx(h)) * u
-                else:
-                    # silu(g) = g / (1 + 2^(-g*log2(e)))
-                    den = cutlass.Float32(1.0) + cute.math.exp2(-g * _LOG2E, fastmath=True)
-                    x = g * cute.arch.rcp_approx(den) * u
+                x = silu(g, self.tanh_sigmoid) * u
             elif cutlass.const_expr(self.activation == "gelu_glu"):
                 u = accs[1][i]
                 x = cutlass.Float32(0.5) * x * (cutlass.Float32(1.0) + cute.math.erf(x * _RSQRT2)) * u

@@ -68,7 +68,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from .grouped_gemm import tanh_approx
+from .grouped_gemm import silu
 from .pdl import PDL, wait_previous_grid
 from .constants import ACTIVATIONS, ALIGN_K_ELEMS, ALIGN_N_ELEMS, GATED_ACTIVATIONS, MAX_EXPERTS
 
@@ -632,12 +632,7 @@ class SwapABGroupedGemmSm90:
             x = acc0[i]
             if cutlass.const_expr(self.activation == "swiglu"):
                 u = accs[1][i]
-                if cutlass.const_expr(self.tanh_sigmoid):
-                    h = x * cutlass.Float32(0.5)  # silu(x) = h + h tanh(h): one MUFU op (drop v52)
-                    x = (h + h * tanh_approx(h)) * u
-                else:
-                    den = cutlass.Float32(1.0) + cute.math.exp2(-x * _LOG2E, fastmath=True)
-                    x = x * cute.arch.rcp_approx(den) * u
+                x = silu(x, self.tanh_sigmoid) * u
             elif cutlass.const_expr(self.activation == "gelu_glu"):
                 u = accs[1][i]
                 x = cutlass.Float32(0.5) * x * (cutlass.Float32(1.0) + cute.math.erf(x * _RSQRT2)) * u
