@@ -326,6 +326,38 @@ def test_fp8_fc1_variants_are_bit_identical(monkeypatch, T, switch):
     assert torch.equal(outs[0], outs[1]) and torch.isfinite(outs[1]).all()
 
 
+class _RecLauncher:
+    """A recording stand-in for a drop launcher (no kernel runs): a plain call records (name, args,
+    kwargs); its ``prepare`` (drop v58's prepared launches, ``kind`` "gemm" or "quant") returns a
+    run that records the plain call it stands for, so the wiring checks read the same either way."""
+
+    def __init__(self, calls, name, kind):
+        self.calls, self.name, self.kind = calls, name, kind
+
+    def __call__(self, *a, **k):
+        self.calls.append((self.name, a, k))
+
+    def prepare(self, *a, **k):
+        if self.kind == "gemm":  # prepare(a, a_scale, offsets, out, row_scale, ctas, out_scale=, idx=)
+            a_, s_, off, out, rs, ctas = a
+            kw = {"out": out, "row_scale": rs, "max_active_ctas": ctas,
+                  **{n: v for n, v in k.items() if v is not None}}
+            return lambda b, bs: self.calls.append((self.name, (a_, s_, b, bs, off), dict(kw)))
+        q, sc = a  # quant: prepare(q, scale, **fixed) -> run(x)
+        fixed = {n: v for n, v in k.items() if v is not None}
+        return lambda x: self.calls.append((self.name, (x, q, sc), dict(fixed)))
+
+
+def _rec_layout(calls):
+    """A recording stand-in for the layout session: plain calls, ``route`` and ``prepare_route``."""
+    def prepare_route(self, ep, offsets, idx, ws, pos, xs):
+        return lambda x, ids, w, tokens=None: calls.append(("route", (ep, x, ids, w, offsets, idx, ws, pos, xs),
+                                                            {"tokens": tokens}))
+    return type("L", (), {"__call__": lambda self, *a, **k: calls.append(("layout", a, k)),
+                          "route": lambda self, *a, **k: calls.append(("route", a, k)),
+                          "prepare_route": prepare_route})()
+
+
 def _recorded_steps(calls, *, fused, route, requant=False, scatter=False, gather_fc1=False, fused_quant=False):
     """An FP8 backend with recording stand-ins for every launcher (no kernel runs), run through
     steps 1-4: returns (backend, its buffers by name, x, ids, w, w13, w2); ``calls`` gets
@@ -343,11 +375,10 @@ def _recorded_steps(calls, *, fused, route, requant=False, scatter=False, gather
     x, ids, w = torch.zeros(3, 4), torch.zeros(3, 2, dtype=torch.int32), torch.zeros(3, 2)
     b.fused_gather, b.scatter_quant, b.local_route, b.token_grid, b._routing = fused, scatter, route, False, None
     b.fused_requant, b.gather_fc1, b.fp8_wire, b.fused_quant = requant, gather_fc1, False, fused_quant
-    b.fc1_decode = None
-    b.fc1, b.fc2 = rec("fc1"), rec("fc2")
-    b.layout = type("L", (), {"__call__": lambda self, *a, **k: calls.append(("layout", a, k)),
-                              "route": lambda self, *a, **k: calls.append(("route", a, k))})()
-    b.quant_x, b.quant_h = rec("quant_x"), rec("quant_h")
+    b.fc1_decode, b.local_combine = None, False
+    b.fc1, b.fc2 = _RecLauncher(calls, "fc1", "gemm"), _RecLauncher(calls, "fc2", "gemm")
+    b.layout = _rec_layout(calls)
+    b.quant_x, b.quant_h = _RecLauncher(calls, "quant_x", "quant"), _RecLauncher(calls, "quant_h", "quant")
     b.ws = SimpleNamespace(seq=0)
     b.ep = SimpleNamespace(bufs=SimpleNamespace(recv_x=t["recv_x"], recv_count=t["recv_count"]),
                            dispatch=rec("dispatch"))
@@ -356,6 +387,7 @@ def _recorded_steps(calls, *, fused, route, requant=False, scatter=False, gather
     if gather_fc1:
         b.xq_tok, b.xq_tok_scale, b._tok_count = torch.zeros(5, 4), torch.zeros(5, 1), t["count"]
     b._rows, b.num_ctas, b.dims = t["rows"], 7, SimpleNamespace(max_tokens=1024)
+    b._prepare_launches()  # what bind does once the buffers are set
     w13, w2 = SimpleNamespace(values="v13", scale="s13"), SimpleNamespace(values="v2", scale="s2")
     b._step1_dispatch(x, ids, w)
     b._step2_layout()
@@ -440,6 +472,11 @@ def test_single_rank_combine_wiring_on_cpu(local):
     b.ep = SimpleNamespace(**{n: (lambda *a, n=n, **k: calls.append((n, a, k))) for n in
                               ("combine_send", "combine_reduce", "combine_local")})
     b.ep.local_combine_ctas = lambda tokens: ("local grid", tokens)  # combine_local: its own grid rule
+    # drop v58: the one-launch combine is prepared at bind with y and pos, a call passes out
+    b.ep.prepare_combine_local = lambda y, pos: (
+        lambda out, num_ctas=None: calls.append(("combine_local", (y, pos, out), {"num_ctas": num_ctas})))
+    b.local_route = False
+    b._prepare_launches()
     out = torch.zeros(1)
     b._step5_combine_send()
     b._step5_combine_reduce(out)
@@ -510,9 +547,10 @@ def test_fp8_wire_wiring_on_cpu():
     T, H = 3, 2048
     x, ids, w = torch.zeros(T, H, dtype=torch.bfloat16), torch.zeros(T, 2, dtype=torch.int32), torch.zeros(T, 2)
     b.fp8_wire, b.fused_gather, b.local_route, b.token_grid, b._routing = True, True, False, False, None
-    b.fc1_decode, b._token_ctas, b.num_ctas = None, None, 7
-    b.fc1, b.fc2 = rec("fc1"), rec("fc2")
-    b.quant_send, b.quant_x, b.quant_h = rec("quant_send"), rec("quant_x"), rec("quant_h")
+    b.fc1_decode, b._token_ctas, b.num_ctas, b.local_combine = None, None, 7, False
+    b.fc1, b.fc2 = _RecLauncher(calls, "fc1", "gemm"), _RecLauncher(calls, "fc2", "gemm")
+    b.quant_send = rec("quant_send")
+    b.quant_x, b.quant_h = _RecLauncher(calls, "quant_x", "quant"), _RecLauncher(calls, "quant_h", "quant")
     b.xq_send = torch.zeros(8, H, dtype=torch.float8_e4m3fn)
     b.sx_send = torch.zeros(8, H // 128)
     b._send_count = torch.zeros(1, dtype=torch.int32)
@@ -524,6 +562,7 @@ def test_fp8_wire_wiring_on_cpu():
     b.xq, b.xq_scale = torch.zeros(10, H, dtype=torch.float8_e4m3fn), torch.zeros(10, H // 128)
     for n in ("offsets", "idx", "ws_rows", "pos", "h", "hq", "hq_scale", "y", "_rows"):
         setattr(b, n, torch.zeros(4))
+    b._prepare_launches()  # what bind does once the buffers are set
     b._step1_dispatch(x, ids, w)
     b._step2_layout()
     b._step34_experts(SimpleNamespace(values="v13", scale="s13"), SimpleNamespace(values="v2", scale="s2"))
@@ -561,14 +600,17 @@ def test_split_dispatch_wiring_on_cpu(route):
     x, ids, w = torch.zeros(3, 4), torch.zeros(3, 2, dtype=torch.int32), torch.zeros(3, 2)
     b._ensure = lambda: None
     b.fp8_wire, b.fused_gather, b.scatter_quant, b.local_route, b.token_grid = False, True, True, route, False
-    b._routing, b.fc1_decode, b.fc1, b.fc2 = None, None, rec("fc1"), rec("fc2")
-    b.quant_x, b.quant_h = rec("quant_x"), rec("quant_h")
-    b.layout = type("L", (), {"__call__": lambda self, *a, **k: calls.append(("layout", a, k)),
-                              "route": lambda self, *a, **k: calls.append(("route", a, k))})()
+    b._routing, b.fc1_decode, b.local_combine = None, None, False
+    b.fc1, b.fc2 = _RecLauncher(calls, "fc1", "gemm"), _RecLauncher(calls, "fc2", "gemm")
+    b.quant_x, b.quant_h = _RecLauncher(calls, "quant_x", "quant"), _RecLauncher(calls, "quant_h", "quant")
+    b.layout = _rec_layout(calls)
     b.ws = SimpleNamespace(seq=0)
-    b.ep = SimpleNamespace(bufs=SimpleNamespace(recv_x=torch.zeros(4)), dispatch=rec("dispatch"))
-    for n in ("offsets", "idx", "ws_rows", "pos", "xs"):
+    b.ep = SimpleNamespace(bufs=SimpleNamespace(recv_x=torch.zeros(4), recv_count=torch.zeros(1)),
+                           dispatch=rec("dispatch"))
+    for n in ("offsets", "idx", "ws_rows", "pos", "xs", "xq", "xq_scale", "h", "hq", "hq_scale", "y", "_rows"):
         setattr(b, n, torch.zeros(4))
+    b.num_ctas, b.dims = 7, SimpleNamespace(max_tokens=1024)
+    b._prepare_launches()  # what bind does once the buffers are set
     recv, offs, state = b.dispatch(x, ids, w)
     assert recv is b.xs and offs is b.offsets and state.num_tokens == 3 and state.seq == 1
     assert [c[0] for c in calls] == (["route"] if route else ["dispatch", "layout"])

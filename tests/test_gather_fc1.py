@@ -78,6 +78,15 @@ def test_which_layers_gather(monkeypatch):
     assert "gather_a" not in _gemm_specs(cfg, 128, 1)["fc1"]
 
 
+def _rec_layout(calls):
+    """A recording stand-in for the layout session's ``route`` and its prepared form (drop v58's
+    ``prepare_route``, made at bind): both record the plain ``route`` call."""
+    def prepare_route(ep, offsets, idx, ws, pos, xs):
+        return lambda x, ids, w, tokens=None: calls.append(("route", (ep, x, ids, w, offsets, idx, ws, pos, xs),
+                                                            {"tokens": tokens}))
+    return SimpleNamespace(route=lambda *a, **k: calls.append(("route", a, k)), prepare_route=prepare_route)
+
+
 def test_bf16_gather_wiring_on_cpu():
     """Steps 2-4 with a gathering FC1 (recorded, no kernel runs): LocalRoute writes no grouped rows,
     FC1 gets the caller's x and idx, FC2 as usual; the layer keeps no reference to x afterwards."""
@@ -94,12 +103,13 @@ def test_bf16_gather_wiring_on_cpu():
     b.local_route, b.token_grid, b._routing = True, False, None
     b.fc1_decode = None
     b.fc1, b.fc2 = rec("fc1", gather_a=True), rec("fc2", gather_a=False)
-    b.layout = SimpleNamespace(route=lambda *a, **k: calls.append(("route", a, k)))
+    b.layout = _rec_layout(calls)
     b.ws = SimpleNamespace(seq=0)
     b.ep = SimpleNamespace(dispatch=lambda *a, **k: calls.append(("dispatch", a, k)))
     for n in ("offsets", "idx", "ws_rows", "pos", "xs", "h", "y"):
         setattr(b, n, t[n])
-    b.num_ctas = 7
+    b.num_ctas, b.local_combine = 7, False
+    b._prepare_launches()  # what bind does once the buffers are set
     b._step1_dispatch(x, ids, w)
     b._step2_layout()
     b._step34_experts("w13", "w2")
@@ -123,10 +133,12 @@ def test_bf16_gather_split_dispatch_copies_rows_on_cpu():
     b._ensure = lambda: None
     b.local_route, b.token_grid, b._routing, b.fc1_decode = True, False, None, None
     b.fc1, b.fc2 = SimpleNamespace(gather_a=True), SimpleNamespace(gather_a=False)
-    b.layout = SimpleNamespace(route=lambda *a, **k: calls.append(("route", a, k)))
+    b.layout = _rec_layout(calls)
     b.ws, b.ep = SimpleNamespace(seq=0), SimpleNamespace()
     for n in ("offsets", "idx", "ws_rows", "pos", "xs"):
         setattr(b, n, torch.zeros(4))
+    b.local_combine, b.y = False, b.xs
+    b._prepare_launches()  # what bind does once the buffers are set
     recv, offs, state = b.dispatch(x, ids, w)
     assert recv is b.xs and offs is b.offsets and state.num_tokens == 3
     assert [c[0] for c in calls] == ["route"] and calls[0][1][-1] is b.xs

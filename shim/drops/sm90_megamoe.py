@@ -58,7 +58,7 @@ from .sm90_megamoe_switches import (  # noqa: F401  (re-exported: the shim reads
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 57},
+    "sm90_megamoe": {"DROP_VERSION": 58},
     "sm90_megamoe.fp8_gemm": {"FP8_BLOCK": 128, "OVERLAP_MAX_K_TILES": 32, "OVERLAP_MAX_CHUNK": 16},
     "sm90_megamoe.constants": {
         "ABI_VERSION": 2,
@@ -130,6 +130,7 @@ CONTRACT = DropContract(
                                                                    "weighted")),
         CallableUse("sm90_megamoe.ep_launch:EpRank.combine_reduce", ("out",)),
         CallableUse("sm90_megamoe.ep_launch:EpRank.combine_local", ("y", "pos", "out")),
+        CallableUse("sm90_megamoe.ep_launch:EpRank.prepare_combine_local", ("y", "pos")),
         CallableUse("sm90_megamoe.ep_launch:EpRank.read_err", ()),
         CallableUse("sm90_megamoe.ep_launch:EpRank.read_verr", ()),
         CallableUse("sm90_megamoe.ep_launch:EpRank.reset_verr", ()),
@@ -142,6 +143,8 @@ CONTRACT = DropContract(
                     ("bufs", "offsets", "idx", "ws", "pos", "xs", "stream", "check")),
         CallableUse("sm90_megamoe.layout_launch:Layout.route",
                     ("bufs", "x", "topk_ids", "topk_w", "offsets", "idx", "ws", "pos", "xs", "stream", "check")),
+        CallableUse("sm90_megamoe.layout_launch:Layout.prepare_route",
+                    ("bufs", "offsets", "idx", "ws", "pos", "xs")),
         CallableUse("sm90_megamoe.layout_launch:kinds_for", ("cfg", "route")),
         CallableUse("sm90_megamoe.layout_kernels:counts_len", ("num_chunks", "local_experts")),
         CallableUse("sm90_megamoe.fp8_gemm:can_implement", ("activation", "n", "k", "num_experts")),
@@ -154,12 +157,16 @@ CONTRACT = DropContract(
         CallableUse("sm90_megamoe.fp8_launch:CompiledFp8Gemm.__call__",
                     ("a", "a_scale", "b", "b_scale", "offsets", "out", "row_scale", "max_active_ctas", "stream",
                      "out_scale", "idx")),
+        CallableUse("sm90_megamoe.fp8_launch:CompiledFp8Gemm.prepare",
+                    ("a", "a_scale", "offsets", "out", "row_scale", "max_active_ctas", "out_scale", "idx")),
         CallableUse("sm90_megamoe.fp8_quant:compile_fp8_quantize_rows",
                     ("k", "arch", "tvm_ffi", "counted", "gather", "scatter_topk", "items")),
         CallableUse("sm90_megamoe.fp8_quant:CompiledFp8QuantizeRows.__init__",
                     ("k", "compiled", "tvm_ffi", "counted", "gather", "scatter_topk")),
         CallableUse("sm90_megamoe.fp8_quant:CompiledFp8QuantizeRows.__call__",
                     ("x", "q", "scale", "m_rows", "stream", "count", "idx", "pos", "recv_count", "t_max")),
+        CallableUse("sm90_megamoe.fp8_quant:CompiledFp8QuantizeRows.prepare",
+                    ("q", "scale", "m_rows", "count", "idx", "pos", "recv_count", "t_max")),
     ),
     imports=(
         ImportUse("sm90_megamoe.launch", "CompiledGroupedGemm", "shim/drops/sm90_megamoe.py"),
@@ -184,18 +191,18 @@ CONTRACT = DropContract(
                      ("compiled", "scale_rows", "bias_dtype", "n_out", "tvm_ffi", "schedule", "launch_tensors",
                       "launch_converted", "gather_a", "cluster_m", "gather_tma")),
         AttributeUse("sm90_megamoe.ep_launch:EpRank",
-                     ("dispatch", "wait", "gather", "combine_send", "combine_reduce", "combine_local", "read_err",
-                      "read_verr", "reset_verr", "reset_state", "num_ctas")),
+                     ("dispatch", "wait", "gather", "combine_send", "combine_reduce", "combine_local",
+                      "prepare_combine_local", "read_err", "read_verr", "reset_verr", "reset_state", "num_ctas")),
         AttributeUse("sm90_megamoe.ep_launch:EpConfig", ("threads",)),
         AttributeUse("sm90_megamoe.ep_launch:EpBuffers",
                      ("recv_x", "recv_ids", "recv_w", "recv_count", "flags", "comb", "ctrl", "err", "verr",
                       "dmask")),
-        AttributeUse("sm90_megamoe.layout_launch:Layout", ("__call__", "route")),
+        AttributeUse("sm90_megamoe.layout_launch:Layout", ("__call__", "route", "prepare_route")),
         AttributeUse("sm90_megamoe.fp8_gemm", ("can_implement", "default_tile_n", "overlap_chunk")),
         AttributeUse("sm90_megamoe.fp8_launch", ("CompiledFp8Gemm",)),
-        AttributeUse("sm90_megamoe.fp8_launch:CompiledFp8Gemm", ("compiled", "n_out", "__call__")),
+        AttributeUse("sm90_megamoe.fp8_launch:CompiledFp8Gemm", ("compiled", "n_out", "__call__", "prepare")),
         AttributeUse("sm90_megamoe.fp8_quant", ("compile_fp8_quantize_rows", "CompiledFp8QuantizeRows")),
-        AttributeUse("sm90_megamoe.fp8_quant:CompiledFp8QuantizeRows", ("__call__",)),
+        AttributeUse("sm90_megamoe.fp8_quant:CompiledFp8QuantizeRows", ("__call__", "prepare")),
     ),
 )
 
@@ -695,8 +702,11 @@ class EpSession:
         self.gather = self.ep.gather  # out[i] = src[idx[i]] for i < count[0] (rows of this width)
         self.combine_send = self.ep.combine_send
         self.combine_reduce = self.ep.combine_reduce
-        # W = 1: combine_send + combine_reduce in one launch (drop v14), bit for bit
+        # W = 1: combine_send + combine_reduce in one launch (drop v14), bit for bit; drop v58:
+        # prepare_combine_local(y, pos) -> run(out, num_ctas=None), the same launch with y and pos
+        # checked and packed once (a layer's own buffers)
         self.combine_local = self.ep.combine_local if self.local_combine else None
+        self.prepare_combine_local = self.ep.prepare_combine_local if self.local_combine else None
 
     def token_ctas(self, tokens: int) -> int:
         """Grid for the kernels that take one token per warp (dispatch, combine_local,

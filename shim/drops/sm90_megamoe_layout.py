@@ -141,3 +141,17 @@ class LayoutSession:
         layout.route(bufs=ep.bufs, x=x, topk_ids=topk_ids, topk_w=topk_weights, offsets=offsets, idx=idx,
                      ws=ws, pos=pos, xs=xs, stream=None, check=not self._route_checked)
         self._route_checked = True
+
+    def prepare_route(self, ep: EpSession, offsets, idx, ws, pos, xs):
+        """:meth:`route` with every argument but the routing fixed (drop v58's
+        ``Layout.prepare_route``, one per chunk tier): ``run(x, topk_ids, topk_weights, tokens=None)``
+        launches the same two kernels with the same arguments as ``route(ep, x, topk_ids,
+        topk_weights, offsets, idx, ws, pos, xs, tokens=tokens)``, its buffers checked and packed
+        here once. Made at bind from a layer's own buffers (it holds them)."""
+        runs = {c: lay.prepare_route(bufs=ep.bufs, offsets=offsets, idx=idx, ws=ws, pos=pos, xs=xs)
+                for c, lay in self._layouts.items()}
+        chunks = self.chunks
+
+        def run(x, topk_ids, topk_weights, tokens: int | None = None) -> None:
+            runs[chunks(tokens)](x, topk_ids, topk_weights)
+        return run

@@ -284,6 +284,7 @@ class Sm90CuteDSLBackend(BackendImpl):
         self.xs, self.h = v["xs"], v["h"]
         self.y = v["xs"]  # FC2's output overwrites FC1's input, dead by then
         self.offsets, self.idx, self.ws_rows, self.pos = v["offsets"], v["idx"], v["ws"], v["pos"]
+        self._prepare_launches()
         if not self.virtual:  # a VirtualEP binds itself instead (it re-connects all its ranks)
             self.ws.bind(self)
 
@@ -300,6 +301,17 @@ class Sm90CuteDSLBackend(BackendImpl):
             self.fc2_decode = sm90_grouped_gemm(**specs["fc2_decode"], device=dev)
         self._decode_max_tokens = int(SM90_DECODE_MAX_ROWS_PER_EXPERT * cfg.num_experts / (self.W * cfg.top_k))
         self._gemms = (self.fc1, self.fc2)
+
+    def _prepare_launches(self) -> None:
+        """The one-rank hot path's launches with this layer's buffers fixed, checked and packed
+        once (drop v58): step 2's route (with and without the row gather) and step 5's one-launch
+        combine. A call then passes only what changes: the caller's routing, rows and output."""
+        self._route_run = {}
+        if self.local_route:
+            for gather in (True, False):
+                self._route_run[gather] = self.layout.prepare_route(
+                    self.ep, self.offsets, self.idx, self.ws_rows, self.pos, self.xs if gather else None)
+        self._combine_run = self.ep.prepare_combine_local(self.y, self.pos) if self.local_combine else None
 
     def _rebind(self) -> None:
         """The workspace grew: carve the new pools again."""
@@ -380,8 +392,7 @@ class Sm90CuteDSLBackend(BackendImpl):
             x, topk_ids, topk_weights = self._routing
             self._routing = None  # hold no reference to the caller's tensors past the call
             self._fc1_src = x if fc1_gathers else None
-            self.layout.route(self.ep, x, topk_ids, topk_weights, self.offsets, self.idx, self.ws_rows, self.pos,
-                              xs, tokens=self._tokens)
+            self._route_run[xs is not None](x, topk_ids, topk_weights, tokens=self._tokens)
         else:
             self.layout(self.ep, self.offsets, self.idx, self.ws_rows, self.pos, xs, tokens=self._tokens)
 
@@ -407,7 +418,7 @@ class Sm90CuteDSLBackend(BackendImpl):
     def _step5_combine_reduce(self, out) -> None:
         if self.local_combine:
             # one warp per token on up to 4 CTAs per SM (more loads in flight than one per SM)
-            self.ep.combine_local(self.y, self.pos, out, num_ctas=self.ep.local_combine_ctas(self._tokens))
+            self._combine_run(out, num_ctas=self.ep.local_combine_ctas(self._tokens))
         else:
             self.ep.combine_reduce(out, num_ctas=self._token_ctas)
 
@@ -505,7 +516,7 @@ class Sm90CuteDSLBackend(BackendImpl):
         if self.ws is None:
             return
         torch.cuda.synchronize(self.device)
-        self.ep = self.layout = self.fc1 = self.fc2 = None
+        self.ep = self.layout = self.fc1 = self.fc2 = self._route_run = self._combine_run = None
         self.xs = self.h = self.y = self.offsets = self.idx = self.ws_rows = self.pos = self.verr = None
         self.ws.detach(self)
         self.ws = None

@@ -234,6 +234,29 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
             self.xq, self.xq_scale, self.hq, self.hq_scale = bufs["xq"], bufs["xq_scale"], bufs["hq"], bufs["hq_scale"]
         self._rows = views["offsets"][-1:]  # grouped rows of a call, read on the device (no host sync)
 
+    def _prepare_launches(self) -> None:
+        """The BF16 backend's prepared route and combine, plus steps 3-4's launches with this
+        layer's buffers fixed, checked and packed once (drop v58): a call passes only the rows
+        to quantise (step 3) and the weights (FC1, FC2). The gathering FC1 (opt-in) slices its
+        buffers by the call's token count, so it keeps the plain launches."""
+        super()._prepare_launches()
+        self._quant_x_run = self._fc1_run = self._quant_h_run = self._fc2_run = None
+        if self.gather_fc1:
+            return
+        if self.scatter_quant:  # each received row once, into the grouped rows pos[s, :]
+            self._quant_x_run = self.quant_x.prepare(self.xq, self.xq_scale, pos=self.pos,
+                                                     recv_count=self.ep.bufs.recv_count, t_max=self.dims.max_tokens)
+        elif self.fused_gather:  # grouped row r = received row idx[r]
+            self._quant_x_run = self.quant_x.prepare(self.xq, self.xq_scale, count=self._rows, idx=self.idx)
+        else:  # the grouped BF16 rows step 2 wrote into xs
+            self._quant_x_run = self.quant_x.prepare(self.xq, self.xq_scale, count=self._rows)
+        fc1_writes_hq = self.fused_requant or self.fused_quant  # FC1's epilogue writes FC2's E4M3 input
+        self._fc1_run = self.fc1.prepare(self.xq, self.xq_scale, self.offsets, self.hq if fc1_writes_hq else self.h,
+                                         self.ws_rows, self.num_ctas, out_scale=self.hq_scale if fc1_writes_hq else None)
+        if not fc1_writes_hq:
+            self._quant_h_run = self.quant_h.prepare(self.hq, self.hq_scale, count=self._rows)
+        self._fc2_run = self.fc2.prepare(self.hq, self.hq_scale, self.offsets, self.y, self.ws_rows, self.num_ctas)
+
     def _warm_weights(self, g: torch.Generator) -> tuple:
         cfg = self.cfg
         w13 = torch.randn(self.E, cfg.w13_rows, cfg.hidden, device=self.device, generator=g) * cfg.hidden ** -0.5
@@ -320,8 +343,8 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
         super()._step2_layout(gather_rows=not self.fused_gather)
 
     def _step34_experts(self, w13, w2, b13=None, b2=None) -> None:
-        fc1, fc2 = self._gemms
         if self.gather_fc1:  # 3a. the T tokens once; 3b. FC1 reads grouped row r from token idx[r]
+            fc1, fc2 = self._gemms
             T = self._tokens  # the caller's x (step 2 kept it in _x_rows) has T rows
             xq, xq_scale = self.xq_tok[:T], self.xq_tok_scale[:T]
             if T:
@@ -333,29 +356,17 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
             fc2(self.hq, self.hq_scale, w2.values, w2.scale, self.offsets, out=self.y, row_scale=self.ws_rows,
                 max_active_ctas=self.num_ctas)
             return
-        if self.fp8_wire:
-            pass  # xq / xq_scale arrived quantised (step 2)
-        elif self.scatter_quant:  # each received row quantised once, stored in its grouped rows pos[s, :]
-            self.quant_x(self._x_rows, self.xq, self.xq_scale, pos=self.pos, recv_count=self.ep.bufs.recv_count,
-                         t_max=self.dims.max_tokens)
+        # 3a. FC1's E4M3 input: arrived quantised (FP8 wire), or quantised here from the received
+        # rows (scattered into their grouped rows by default; the launch was prepared at bind)
+        if not self.fp8_wire:
+            self._quant_x_run(self._x_rows if self.fused_gather else self.xs)
             self._x_rows = None
-        elif self.fused_gather:  # grouped row r = received row idx[r], quantised on the way
-            self.quant_x(self._x_rows, self.xq, self.xq_scale, count=self._rows, idx=self.idx)
-            self._x_rows = None
-        else:
-            self.quant_x(self.xs, self.xq, self.xq_scale, count=self._rows)
-        if self.fused_requant:  # FC1's epilogue writes FC2's E4M3 input and its scales
-            fc1(self.xq, self.xq_scale, w13.values, w13.scale, self.offsets, out=self.hq, row_scale=self.ws_rows,
-                max_active_ctas=self.num_ctas, out_scale=self.hq_scale)
-        elif self.fused_quant:  # FC1's idle warps quantise its epilogue tiles into FC2's input
-            fc1(self.xq, self.xq_scale, w13.values, w13.scale, self.offsets, out=self.hq, row_scale=self.ws_rows,
-                max_active_ctas=self.num_ctas, out_scale=self.hq_scale)
-        else:
-            fc1(self.xq, self.xq_scale, w13.values, w13.scale, self.offsets, out=self.h, row_scale=self.ws_rows,
-                max_active_ctas=self.num_ctas)
-            self.quant_h(self.h, self.hq, self.hq_scale, count=self._rows)
-        fc2(self.hq, self.hq_scale, w2.values, w2.scale, self.offsets, out=self.y, row_scale=self.ws_rows,
-            max_active_ctas=self.num_ctas)
+        # 3b. FC1 + SwiGLU (with fused_requant / fused_quant its epilogue writes FC2's E4M3 input);
+        # 4a. else the quantiser writes it from h; 4b. FC2 + router weight
+        self._fc1_run(w13.values, w13.scale)
+        if self._quant_h_run is not None:
+            self._quant_h_run(self.h)
+        self._fc2_run(w2.values, w2.scale)
 
     def destroy(self):
         self.xq = self.xq_scale = self.hq = self.hq_scale = self.xq_tok = self.xq_tok_scale = None

@@ -569,6 +569,36 @@ class EpRank:
                      self._recv_count, self._err, mO, self._int32(T),
                      self._int32(num_ctas or self.num_ctas), stream=stream)
 
+    def prepare_combine_local(self, y: torch.Tensor, pos: torch.Tensor):
+        """:meth:`combine_local` with ``y`` and ``pos`` fixed (drop v58): ``run(out, num_ctas=None)``
+        is ``self.combine_local(y, pos, out, num_ctas=num_ctas)`` -- the same kernel and arguments --
+        with the fixed ones checked and packed once here; a call checks only ``out``. ``y`` and
+        ``pos`` are held and must keep their shapes while ``run`` is used."""
+        cfg = self.cfg
+        if "combine_local" not in self.k:
+            raise ValueError(f"combine_local needs W = 1 (this rank's W = {cfg.world}) and an EpRank made "
+                             "with local_combine=True")
+        if pos.dtype != torch.int32 or tuple(pos.shape) != (cfg.slots, cfg.topk):
+            raise ValueError(f"pos must be int32 [{cfg.slots}, {cfg.topk}]")
+        if y.dtype != torch.bfloat16 or y.dim() != 2 or y.shape[1] != cfg.hidden or y.shape[0] < 1:
+            raise ValueError(f"y must be bf16 [R >= 1, {cfg.hidden}]")
+        if not self.ffi:
+            def run_unpacked(out, num_ctas=None):
+                self.combine_local(y, pos, out, num_ctas=num_ctas)
+            return run_unpacked
+        head = (self._cv("y", y, 16, True), self._cv("pos", pos, 4, False), self._recv_count, self._err)
+        fn, H, T_max, dummy, grid = self.k["combine_local"], cfg.hidden, cfg.max_tokens, self._dummy_out, self.num_ctas
+        bf16 = torch.bfloat16
+
+        def run(out, num_ctas=None):
+            T = out.shape[0]
+            if out.dtype != bf16 or out.dim() != 2 or out.shape[1] != H or T > T_max:
+                raise ValueError(f"out must be bf16 [T <= {T_max}, {H}]")
+            if T and not out.is_contiguous():
+                raise ValueError("c_out must be contiguous")
+            fn(*head, out if T else dummy, T, num_ctas or grid)
+        return run
+
     # -- diagnostics / recovery (host-synchronizing) --------------------------------------------
 
     def read_err(self):

@@ -202,3 +202,33 @@ class CompiledFp8Gemm:
             stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
         self.compiled(*args, cutlass.Int32(ctas), stream)
         return out
+
+    def prepare(self, a: torch.Tensor, a_scale: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor,
+                row_scale: torch.Tensor, max_active_ctas: Optional[int] = None,
+                out_scale: Optional[torch.Tensor] = None, idx: Optional[torch.Tensor] = None):
+        """A launch with every argument but the weights fixed (drop v58): ``run(b, b_scale)`` is
+        ``self(a, a_scale, b, b_scale, offsets, out, row_scale, max_active_ctas, out_scale=out_scale,
+        idx=idx)`` -- same kernel, same arguments -- with the fixed arguments checked, viewed and
+        packed once here (a layer's own buffers), so a call costs the launch and little else.
+        The fixed tensors are held (kept alive) and must keep their shapes while ``run`` is used."""
+        if (self.requant or self.fused_quant) != (out_scale is not None):
+            raise ValueError("out_scale is required with requant=True or fused_quant=True and refused without it")
+        if self.gather_a != (idx is not None):
+            raise ValueError("idx is required with gather_a=True and refused without it")
+        if not self.tvm_ffi or a.shape[0] == 0:
+            def run_unpacked(b, b_scale):
+                self(a, a_scale, b, b_scale, offsets, out, row_scale, max_active_ctas, out_scale=out_scale, idx=idx)
+            return run_unpacked
+        ctas = max_active_ctas if max_active_ctas is not None else _num_sms(a.device)
+        if self.cluster_n > 1:  # as __call__: no more clusters than fit at once, and at least one
+            if self._max_ctas is None:
+                self._max_ctas = cluster_ctas(self.cluster_n, a.device)
+            ctas = max(min(ctas, self._max_ctas), self.cluster_n)
+        head = (_u8(a), a_scale) + ((idx,) if self.gather_a else ())
+        outs = (_u8(out), out_scale) if self.requant or self.fused_quant else (out,)
+        tail = (*outs, offsets, row_scale, ctas)
+        fn = self._fn
+
+        def run(b, b_scale):
+            fn(*head, _u8(b), b_scale, *tail)
+        return run

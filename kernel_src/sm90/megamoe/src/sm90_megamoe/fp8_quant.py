@@ -517,3 +517,50 @@ class CompiledFp8QuantizeRows:
             cargs = self.cute_args(x, q, scale, count, idx)
         self.compiled(*cargs, Int32(last), cuda.CUstream(s.cuda_stream))
         return q, scale
+
+    def prepare(self, q, scale, m_rows: Optional[int] = None, count=None, idx=None, pos=None,
+                recv_count=None, t_max: Optional[int] = None):
+        """A launch with every argument but the input rows fixed (drop v58): ``run(x)`` is
+        ``self(x, q, scale, m_rows, count=count, idx=idx, pos=pos, recv_count=recv_count,
+        t_max=t_max)`` -- same kernel, same arguments -- with the fixed arguments checked and packed
+        once here; a call checks only ``x`` (dtype, width, rows, contiguity, alignment). The fixed
+        tensors are held (kept alive) and must keep their shapes while ``run`` is used."""
+        import torch
+
+        k, M = self.k, q.shape[0]
+        if q.dtype not in (torch.float8_e4m3fn, torch.uint8) or scale.dtype != torch.float32:
+            raise TypeError("q must be float8_e4m3fn or uint8 and scale float32")
+        if tuple(q.shape) != (M, k) or tuple(scale.shape) != (M, k // FP8_BLOCK) \
+                or not (q.is_contiguous() and scale.is_contiguous()):
+            raise ValueError(f"q must be a contiguous [M, {k}] and scale a contiguous [M, {k // FP8_BLOCK}] tensor")
+        u8 = q.view(torch.uint8) if q.dtype != torch.uint8 else q
+        if self.scatter_topk:
+            if pos is None or recv_count is None or t_max is None:
+                raise ValueError("a scatter_topk kernel needs pos, recv_count and t_max")
+            self._check_scatter(torch.empty((0, k), dtype=torch.bfloat16, device="meta"), pos, recv_count, t_max)
+            # the rows of a call: no more slots than pos names and recv_count counts
+            max_rows = min(pos.shape[0], recv_count.shape[0] * int(t_max))
+            tail = (u8, scale, pos, recv_count, int(t_max))
+        else:
+            # the counted / gathering checks of __call__, on a stand-in x of the call's shape
+            self._check(torch.empty((0 if self.gather else M, k), dtype=torch.bfloat16, device="meta"),
+                        q, scale, count, idx)
+            max_rows = None if self.gather else M
+            last = int(M if m_rows is None else m_rows)
+            tail = (u8, scale) + tuple(t for t in (count, idx) if t is not None) + (last,)
+        if not self.tvm_ffi:
+            def run_unpacked(x):
+                self(x, q, scale, m_rows, count=count, idx=idx, pos=pos, recv_count=recv_count, t_max=t_max)
+            return run_unpacked
+        fn, bf16, exact = self._fn, torch.bfloat16, not (self.gather or self.scatter_topk)
+
+        def run(x):
+            if x.dtype != bf16 or x.dim() != 2 or x.shape[1] != k or not x.is_contiguous() \
+                    or x.data_ptr() % 16:
+                raise ValueError(f"x must be a contiguous, 16-byte aligned bf16 [rows, {k}] tensor, got "
+                                 f"{x.dtype} {tuple(x.shape)}")
+            if (x.shape[0] != max_rows) if exact else (max_rows is not None and x.shape[0] > max_rows):
+                raise ValueError(f"x has {x.shape[0]} rows; this launch takes "
+                                 f"{'exactly' if exact else 'at most'} {max_rows}")
+            fn(x, *tail)
+        return run

@@ -347,3 +347,46 @@ class Layout:
                self._cv("err", bufs.err, 4, False), self._cv("verr", bufs.verr, 8, False),
                self._cv("dmask", bufs.dmask, 4, False), self._cnt, n, self._C)
         self._place(launch, bufs, mX, offsets, idx, ws, pos, xs)
+
+    def prepare_route(self, bufs, offsets: torch.Tensor, idx: torch.Tensor, ws: torch.Tensor,
+                      pos: torch.Tensor, xs: Optional[torch.Tensor]):
+        """:meth:`route` with every argument but the routing fixed (drop v58): ``run(x, topk_ids,
+        topk_w)`` is ``self.route(bufs, x, topk_ids, topk_w, offsets, idx, ws, pos, xs)`` -- the same
+        two kernels with the same arguments -- with the fixed buffers checked and packed once here,
+        so a call checks only its routing inputs (as :meth:`route` does: dtypes, shapes, T <= T_max,
+        contiguity, alignment). The fixed tensors are held and must keep their shapes while ``run``
+        is used."""
+        if self.k_route is None:
+            raise RuntimeError("Layout.prepare_route needs Layout(..., route=True)")
+        c = self.cfg
+        self._check(bufs, offsets, idx, ws, pos, xs)
+        if bufs.verr.dtype != torch.int64 or tuple(bufs.verr.shape) != (8,) \
+                or bufs.dmask.dtype != torch.int32 or tuple(bufs.dmask.shape) != (c.max_tokens,):
+            raise ValueError("Layout.prepare_route: bufs.verr must be int64 [8], bufs.dmask int32 [T_max]")
+        if not self.ffi:
+            def run_unpacked(x, topk_ids, topk_w):
+                self.route(bufs, x, topk_ids, topk_w, offsets, idx, ws, pos, xs, check=False)
+            return run_unpacked
+        cv = self._cv
+        route_tail = (cv("recv_ids", bufs.recv_ids, 4, False), cv("recv_w", bufs.recv_w, 4, False),
+                      cv("recv_count", bufs.recv_count, 4, False), cv("flags", bufs.flags, 8, False),
+                      cv("ctrl", bufs.ctrl, 8, False), cv("err", bufs.err, 4, False),
+                      cv("verr", bufs.verr, 8, False), cv("dmask", bufs.dmask, 4, False), self._cnt)
+        gather = xs is not None
+        place_head = route_tail[:3] + (route_tail[5], self._cnt)  # recv_ids, recv_w, recv_count, err, counts
+        place_tail = (cv("offsets", offsets, 4, False), cv("idx", idx, 4, True), cv("ws", ws, 4, True),
+                      cv("pos", pos, 4, False), cv("xs", xs, 16, True) if gather else self._dummy_x, self._C)
+        k_route, k_place, C = self.k_route, self.k_place[gather], self._C
+        dummy_ids, dummy_w, dummy_x = self._dummy_ids, self._dummy_w, self._dummy_x
+
+        def run(x, topk_ids, topk_w):
+            T = check_routing_inputs(c.hidden, c.topk, c.max_tokens, x, topk_ids, topk_w)
+            wide = topk_ids.dtype == torch.int64
+            if T == 0:
+                mI, mW, mX, wide = dummy_ids, dummy_w, dummy_x, False
+            else:
+                mI, mW, mX = cv("topk_ids", topk_ids, 8 if wide else 4, True), cv("topk_w", topk_w, 4, True), \
+                    cv("x", x, 16, True)
+            k_route[wide](mI, mW, *route_tail, T, C)
+            k_place(*place_head, mX if gather else dummy_x, *place_tail)
+        return run

@@ -1,0 +1,218 @@
+"""Drop v58: prepared launches. ``prepare`` / ``prepare_route`` / ``prepare_combine_local`` check and
+pack a layer's fixed buffers once and return ``run(...)`` taking only what changes per call. CPU:
+with recording stand-ins for the compiled kernels, ``run`` hands each kernel exactly the arguments
+of the plain call (same pointers, shapes, dtypes, strides, scalars, in the same order), for every
+variant the backends prepare; bad fixed buffers raise at ``prepare`` and bad per-call tensors at
+``run``, before any launch. (GPU: the layer's bit-identity and float64 tests run the backends,
+whose hot path now calls these.)"""
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass")
+
+from moe_ep.shim import drop_src, register_drop  # noqa: E402
+
+register_drop(drop_src("sm90", "megamoe"))
+
+from sm90_megamoe import ep_launch, layout_launch  # noqa: E402
+from sm90_megamoe.fp8_launch import CompiledFp8Gemm  # noqa: E402
+from sm90_megamoe.fp8_quant import CompiledFp8QuantizeRows  # noqa: E402
+
+
+class Recorder:
+    """Stands in for a TVM-FFI kernel: remembers each call's arguments."""
+
+    def __init__(self, name="kernel"):
+        self.name, self.calls = name, []
+
+    def __call__(self, *args):
+        self.calls.append(args)
+
+
+def _sig(a):
+    """What a kernel sees of an argument: a tensor's address / shape / strides / dtype, or the value."""
+    if isinstance(a, torch.Tensor):
+        return ("tensor", a.data_ptr(), tuple(a.shape), a.stride(), a.dtype)
+    return ("value", a)
+
+
+def _same_calls(rec_plain, rec_prepared):
+    assert len(rec_plain.calls) == len(rec_prepared.calls) > 0
+    for p, q in zip(rec_plain.calls, rec_prepared.calls):
+        assert [_sig(a) for a in p] == [_sig(a) for a in q]
+
+
+def _e4m3(*shape):
+    return torch.randint(0, 120, shape, dtype=torch.uint8).view(torch.float8_e4m3fn)
+
+
+# ------------------------------------------------------------------------------ FP8 GEMM
+@pytest.mark.parametrize("variant", ["plain", "requant", "gather_a", "cluster2", "fc2"])
+def test_fp8_gemm_prepared_passes_the_plain_arguments(variant):
+    E, n, k, M, T = 4, 512, 256, 96, 40
+    act = "identity" if variant == "fc2" else "swiglu"
+    kw = {"requant": dict(requant=True), "gather_a": dict(gather_a=True), "cluster2": dict(cluster_n=2)}.get(variant, {})
+    recs = [Recorder(), Recorder()]
+    gemms = [CompiledFp8Gemm(act, n, k, E, scale_rows=variant == "fc2", compiled=r, tvm_ffi=True, **kw) for r in recs]
+    for g in gemms:
+        g._max_ctas = 66  # the clustered grid's cap, worked out on a GPU otherwise
+    n_out = n // 2 if act == "swiglu" else n
+    rows_a = T if variant == "gather_a" else M
+    a, a_scale = _e4m3(rows_a, k), torch.rand(rows_a, k // 128)
+    out = _e4m3(M, n_out) if variant == "requant" else torch.empty(M, n_out, dtype=torch.bfloat16)
+    out_scale = torch.empty(M, n_out // 128) if variant == "requant" else None
+    idx = torch.randint(0, T, (M,), dtype=torch.int32) if variant == "gather_a" else None
+    offsets, row_scale = torch.tensor([0, 10, 50, 50, 96], dtype=torch.int32), torch.rand(M)
+    for ctas in (None, 7, 1):
+        if ctas is None and variant != "cluster2":
+            continue  # None means one CTA per SM: a GPU question
+        b, b_scale = _e4m3(E, n, k), torch.rand(E, n // 128, k // 128)
+        gemms[0](a, a_scale, b, b_scale, offsets, out, row_scale, ctas or 132, out_scale=out_scale, idx=idx)
+        run = gemms[1].prepare(a, a_scale, offsets, out, row_scale, ctas or 132, out_scale=out_scale, idx=idx)
+        run(b, b_scale)
+    _same_calls(*recs)
+    if variant == "cluster2":  # at least one cluster, at most the clusters that fit
+        assert [c[-1] for c in recs[1].calls] == [66, 7, 2]
+
+
+def test_fp8_gemm_prepare_refuses_what_the_call_refuses():
+    g = CompiledFp8Gemm("swiglu", 512, 256, 4, compiled=Recorder(), tvm_ffi=True, requant=True)
+    a, s = _e4m3(8, 256), torch.rand(8, 2)
+    off, out, rs = torch.zeros(5, dtype=torch.int32), _e4m3(8, 256), torch.rand(8)
+    with pytest.raises(ValueError, match="out_scale"):
+        g.prepare(a, s, off, out, rs, 4)
+    with pytest.raises(ValueError, match="idx"):
+        g.prepare(a, s, off, out, rs, 4, out_scale=torch.rand(8, 2), idx=torch.zeros(8, dtype=torch.int32))
+
+
+# ------------------------------------------------------------------------------ FP8 row quantisers
+def _quantisers(**kw):
+    recs = [Recorder(), Recorder()]
+    return recs, [CompiledFp8QuantizeRows(256, compiled=r, tvm_ffi=True, **kw) for r in recs]
+
+
+@pytest.mark.parametrize("variant", ["counted", "gather", "scatter"])
+def test_quantiser_prepared_passes_the_plain_arguments(variant):
+    k, M, S, K, t_max = 256, 64, 24, 4, 12
+    kw = {"counted": dict(counted=True), "gather": dict(gather=True), "scatter": dict(scatter_topk=K)}[variant]
+    recs, (plain, prep) = _quantisers(**kw)
+    q, scale = _e4m3(M, k), torch.empty(M, k // 128)
+    count = torch.tensor([M - 5], dtype=torch.int32)
+    fixed = {"counted": dict(count=count), "gather": dict(count=count, idx=torch.randint(0, S, (M,), dtype=torch.int32)),
+             "scatter": dict(pos=torch.randint(0, M, (S, K), dtype=torch.int32),
+                             recv_count=torch.tensor([7, 12], dtype=torch.int32), t_max=t_max)}[variant]
+    run = prep.prepare(q, scale, **fixed)
+    for rows in ((M,) if variant == "counted" else (S, 3, 0)):
+        x = torch.randn(rows, k).to(torch.bfloat16)
+        plain(x, q, scale, **fixed)
+        run(x)
+    _same_calls(*recs)
+    # per call: only x is checked, before any launch
+    n = len(recs[1].calls)
+    bad = [torch.randn(M if variant == "counted" else S, 128).to(torch.bfloat16),     # width
+           torch.randn(M if variant == "counted" else S, k),                          # dtype
+           torch.randn(k, M if variant == "counted" else S).to(torch.bfloat16).t()]    # not contiguous
+    if variant != "gather":  # a gather's source rows may be any number
+        bad.append(torch.randn((M + 1) if variant == "counted" else S + 1, k).to(torch.bfloat16))
+    for x in bad:
+        with pytest.raises(ValueError, match="x "):
+            run(x)
+    assert len(recs[1].calls) == n
+
+
+def test_quantiser_prepare_checks_the_fixed_buffers():
+    _, (_, q_counted) = _quantisers(counted=True)
+    with pytest.raises(ValueError, match="count"):
+        q_counted.prepare(_e4m3(8, 256), torch.empty(8, 2))                      # the count is required
+    with pytest.raises(ValueError, match="scale"):
+        q_counted.prepare(_e4m3(8, 256), torch.empty(8, 3), count=torch.zeros(1, dtype=torch.int32))
+    _, (_, q_scatter) = _quantisers(scatter_topk=4)
+    with pytest.raises(ValueError, match="pos"):
+        q_scatter.prepare(_e4m3(8, 256), torch.empty(8, 2), pos=torch.zeros(4, 3, dtype=torch.int32),
+                          recv_count=torch.zeros(1, dtype=torch.int32), t_max=4)
+
+
+# ------------------------------------------------------------------------------ layout route (one rank)
+def _layout(H=256, K=4, T_max=32, E_l=8):
+    cfg = layout_launch.LayoutConfig(hidden=H, topk=K, world=1, max_tokens=T_max, local_experts=E_l)
+    recs = {}
+    for kind in ("count", "place", "place_nogather", "route", "route_i64"):
+        recs[kind] = Recorder(kind)
+        layout_launch.put_kernel(kind, cfg, recs[kind], tvm_ffi=True, arch="sm_90a")
+    lay = layout_launch.Layout(cfg, "cpu", num_chunks=4, tvm_ffi=True, route=True)
+    ecfg = ep_launch.EpConfig(hidden=H, topk=K, world=1, max_tokens=T_max, num_experts=E_l)
+    bufs = ep_launch.EpBuffers.allocate(ecfg, "cpu")
+    S, P = T_max, T_max * K
+    outs = dict(offsets=torch.empty(E_l + 1, dtype=torch.int32), idx=torch.empty(P, dtype=torch.int32),
+                ws=torch.empty(P), pos=torch.empty(S, K, dtype=torch.int32))
+    return lay, bufs, outs, recs, torch.empty(P, H, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("gather", [True, False])
+def test_prepared_route_passes_the_plain_arguments(gather):
+    lay, bufs, outs, recs, xs = _layout()
+    xs = xs if gather else None
+    run = lay.prepare_route(bufs, xs=xs, **outs)
+    plain, prepared = {k: Recorder() for k in recs}, {k: Recorder() for k in recs}
+    for T, ids_dtype in ((20, torch.int32), (32, torch.int64), (0, torch.int32), (1, torch.int64)):
+        x = torch.randn(T, 256).to(torch.bfloat16)
+        ids, w = torch.randint(0, 8, (T, 4), dtype=ids_dtype), torch.rand(T, 4)
+        for call, into in ((lambda: lay.route(bufs, x, ids, w, xs=xs, check=False, **outs), plain),
+                           (lambda: run(x, ids, w), prepared)):
+            call()
+            for k in recs:
+                into[k].calls += recs[k].calls
+                recs[k].calls.clear()
+    for k in ("route", "route_i64", "place" if gather else "place_nogather"):
+        _same_calls(plain[k], prepared[k])
+    # per call: the routing inputs are checked as route checks them, before any launch
+    n = sum(len(r.calls) for r in recs.values())
+    for x, ids, w in ((torch.randn(33, 256).to(torch.bfloat16), torch.zeros(33, 4, dtype=torch.int32), torch.rand(33, 4)),
+                      (torch.randn(4, 256).to(torch.bfloat16), torch.zeros(4, 4, dtype=torch.int16), torch.rand(4, 4)),
+                      (torch.randn(4, 256).to(torch.bfloat16), torch.zeros(4, 4, dtype=torch.int32), torch.rand(4, 3))):
+        with pytest.raises(ValueError):
+            run(x, ids, w)
+    assert sum(len(r.calls) for r in recs.values()) == n
+
+
+def test_prepare_route_checks_the_fixed_buffers():
+    lay, bufs, outs, _, xs = _layout()
+    with pytest.raises(ValueError, match="offsets"):
+        lay.prepare_route(bufs, xs=xs, **dict(outs, offsets=torch.empty(3, dtype=torch.int32)))
+    with pytest.raises(ValueError, match="xs"):
+        lay.prepare_route(bufs, xs=xs[:, :128], **outs)
+
+
+# ------------------------------------------------------------------------------ one-launch combine
+def _ep_rank(H=256, K=4, T_max=32):
+    """An EpRank without its constructor (which wants a CUDA peer table): just what
+    combine_local and prepare_combine_local read."""
+    cfg = ep_launch.EpConfig(hidden=H, topk=K, world=1, max_tokens=T_max, num_experts=8)
+    bufs = ep_launch.EpBuffers.allocate(cfg, "cpu")
+    ep = ep_launch.EpRank.__new__(ep_launch.EpRank)
+    ep.cfg, ep.bufs, ep.ffi, ep.num_ctas = cfg, bufs, True, 9
+    ep.k = {"combine_local": Recorder()}
+    ep._recv_count, ep._err = bufs.recv_count, bufs.err
+    ep._dummy_out, ep._conv, ep._i32 = torch.zeros(1, H, dtype=torch.bfloat16), {}, {}
+    return ep
+
+
+def test_prepared_combine_local_passes_the_plain_arguments():
+    ep, prep_ep = _ep_rank(), _ep_rank()
+    prep_ep.bufs, prep_ep._recv_count, prep_ep._err, prep_ep._dummy_out = \
+        ep.bufs, ep._recv_count, ep._err, ep._dummy_out  # one rank's buffers, two launchers
+    y, pos = torch.randn(128, 256).to(torch.bfloat16), torch.randint(-1, 128, (32, 4), dtype=torch.int32)
+    run = prep_ep.prepare_combine_local(y, pos)
+    for T, ctas in ((32, None), (5, 3), (0, None)):
+        out = torch.empty(T, 256, dtype=torch.bfloat16)
+        ep.combine_local(y, pos, out, num_ctas=ctas)
+        run(out, num_ctas=ctas)
+    _same_calls(ep.k["combine_local"], prep_ep.k["combine_local"])
+    n = len(prep_ep.k["combine_local"].calls)
+    for out in (torch.empty(33, 256, dtype=torch.bfloat16), torch.empty(4, 256), torch.empty(4, 128, dtype=torch.bfloat16)):
+        with pytest.raises(ValueError, match="out"):
+            run(out)
+    assert len(prep_ep.k["combine_local"].calls) == n
+    with pytest.raises(ValueError, match="pos"):
+        prep_ep.prepare_combine_local(y, pos[:, :3])
