@@ -10,6 +10,11 @@ from typing import Any
 import torch
 
 from ..backends import CapacityError
+from ..backends.quant import FP8Block128Weight, MXFP8Tensor, NVFP4Weight
+
+# MoEConfig.quant -> (its weight container, the helper that makes one): read on every forward
+_QUANT_WEIGHTS = {"nvfp4_w4a16": (NVFP4Weight, "quantize_nvfp4"), "mxfp8": (MXFP8Tensor, "quantize_mxfp8"),
+                  "fp8_block128": (FP8Block128Weight, "quantize_fp8_block128")}
 
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -73,10 +78,7 @@ def check_routing(cfg, x: torch.Tensor, topk_ids: Any, topk_weights: Any, device
 
 def _check_quantized(cfg, name: str, w: Any, shape: tuple, device: torch.device) -> None:
     """A block-scaled weight of ``cfg.quant``'s container type, logical ``shape``, on ``device``."""
-    from .quant import FP8Block128Weight, MXFP8Tensor, NVFP4Weight  # noqa: PLC0415 - public home of the formats
-
-    want, maker = {"nvfp4_w4a16": (NVFP4Weight, "quantize_nvfp4"), "mxfp8": (MXFP8Tensor, "quantize_mxfp8"),
-                   "fp8_block128": (FP8Block128Weight, "quantize_fp8_block128")}[cfg.quant]
+    want, maker = _QUANT_WEIGHTS[cfg.quant]
     if not isinstance(w, want):
         extra = (f" or a torch.float8_e4m3fn tensor with {name}_scale" if want is FP8Block128Weight else "")
         raise TypeError(f"{name} must be a moe_ep.api.quant.{want.__name__}{extra} (MoEConfig.quant="
@@ -117,8 +119,6 @@ def pack_fp8_block128(cfg, w13: Any, w2: Any, w13_scale: Any, w2_scale: Any) -> 
     """``forward``'s FP8 block-128 weights as :class:`~moe_ep.api.quant.FP8Block128Weight`: raw
     ``float8_e4m3fn`` tensors need their ``*_scale``; containers must come without one. Scales
     given for any other ``cfg.quant`` raise."""
-    from .quant import FP8Block128Weight  # noqa: PLC0415
-
     if getattr(cfg, "quant", None) != "fp8_block128":
         for name, s in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
             if s is not None:
