@@ -69,6 +69,11 @@
 # dropab:        DROPAB_GROUPS' GPU tests, then the BF16 and FP8 layers with the checkout's drop files and with
 #                those in DROPAB_DIR (.device/exp/old) copied over the installed drop, interleaved, DROPAB_ROUNDS
 #                (2) rounds -> $OUT/dropab_*.{log,csv}, $OUT/tests_*.log.
+# commitab:      this checkout against an older commit installed beside it in .device/old (made here:
+#                `git worktree add /tmp/old <sha> && pip install --no-deps --no-build-isolation --target
+#                .device/old /tmp/old`; carry .device/old and an AOT cache built by both trees), interleaved,
+#                COMMITAB_ROUNDS (2) rounds: the decode sweep (1, 8, 128 tokens) of MODELS in BF16 and FP8,
+#                the FP8 layer at TOKENS and `bench.host_profile` -> $OUT/commitab_<new|old>_*_r<r>.{log,csv}.
 # ceiling:       the BF16 and FP8 layers, then `python -m moe_ep.bench ceiling` (the layers' two GEMMs done by
 #                dense cuBLAS BF16, torch._grouped_mm, block-wise FP8 torch._scaled_mm: the layer TFLOP/s they
 #                alone allow) and `python -m moe_ep.bench gemm` (GEMM_MODELS) in the same call -> $OUT/ceiling_*.
@@ -88,7 +93,7 @@
 #   MOE_EP_COMMIT (the commit to print when the copy on the host has no .git).
 set -uo pipefail
 mode=${1:-all}
-modes="all|moe|fi|liger|extra|verify|verify2|ncu|layers|fp8ab|envab|power|sustained|sustab|defer|dropab|ceiling|decide|decode|suite|suite1|suite2|suite3"
+modes="all|moe|fi|liger|extra|verify|verify2|ncu|layers|fp8ab|envab|power|sustained|sustab|defer|dropab|commitab|ceiling|decide|decode|suite|suite1|suite2|suite3"
 case "|$modes|" in *"|$mode|"*) ;; *) echo "usage: bash bench/h200_session.sh [$modes]" >&2; exit 2 ;; esac
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -252,6 +257,25 @@ if [ "$mode" = defer ]; then
   left=$(( ${CALL_BUDGET:-560} - SECONDS ))
   [ "$left" -gt 60 ] && run_groups "$left" "tests/test_fp8_deferred_epilogue.py" \
       "tests/test_fp8_backend.py;-k;DEFERRED or against_reference"
+fi
+if [ "$mode" = commitab ]; then  # this checkout (new) vs the commit installed in .device/old (old), interleaved
+  [ -d .device/old/moe_ep ] || { echo "h200_session: commitab needs .device/old (see the header)" >&2; exit 3; }
+  base=${PYTHONPATH:-}
+  for r in $(seq 1 "${COMMITAB_ROUNDS:-2}"); do for v in new old; do
+    if [ $v = old ]; then pp=$PWD/.device/old${base:+:$base}; else pp=$base; fi
+    for q in bf16 fp8_block128; do
+      qargs=(--tokens 128); [ $q = bf16 ] || qargs+=(--quant "$q")
+      step "decode sweep $q, $v, round $r" "$OUT/commitab_${v}_dec_${q}_r$r.log" -- env PYTHONPATH="$pp" \
+          python3 -m moe_ep.bench --model "$MODELS" "${qargs[@]}" --iters 50 --no-reference --quiet \
+          --decode-tokens 1,8,128 --decode-csv "$OUT/commitab_${v}_dec_${q}_r$r.csv"
+    done
+    step "FP8 layer, $v, round $r" "$OUT/commitab_${v}_fp8_r$r.log" -- env PYTHONPATH="$pp" python3 -m moe_ep.bench \
+        --model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" --quant fp8_block128 --no-reference --no-decode --quiet \
+        --csv "$OUT/commitab_${v}_fp8_r$r.csv"
+    # this checkout's profiler script on either tree (it wraps the steps and launchers each one has)
+    step "host profile, $v, round $r" "$OUT/commitab_${v}_host_r$r.log" -- env PYTHONPATH="$pp" \
+        python3 "$PWD/bench/host_profile.py" --model "$MODELS"
+  done; done
 fi
 if [ "$mode" = sustab ]; then
   IFS='|' read -r -a settings <<< "${SUSTAB:-}|"  # (as ENVAB: a trailing empty setting kept)
