@@ -155,6 +155,23 @@ class CompiledFp8Gemm:
         self.compiled = compiled
         self._fn = ffi_function(compiled) if self.tvm_ffi else None
 
+    def _check_optional(self, out_scale: Optional[torch.Tensor], idx: Optional[torch.Tensor]) -> None:
+        """``out_scale`` and ``idx`` are given exactly where this variant reads them."""
+        if (self.requant or self.fused_quant) != (out_scale is not None):
+            raise ValueError("out_scale is required with requant=True or fused_quant=True and refused without it")
+        if self.gather_a != (idx is not None):
+            raise ValueError("idx is required with gather_a=True and refused without it")
+
+    def _grid(self, max_active_ctas: Optional[int], device) -> int:
+        """CTAs of a launch: ``max_active_ctas`` (None: one per SM); with clusters, no more than fit
+        at once (worked out once) and at least one cluster."""
+        ctas = max_active_ctas if max_active_ctas is not None else _num_sms(device)
+        if self.cluster_n > 1:
+            if self._max_ctas is None:
+                self._max_ctas = cluster_ctas(self.cluster_n, device)
+            ctas = max(min(ctas, self._max_ctas), self.cluster_n)
+        return ctas
+
     def __call__(self, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                  offsets: torch.Tensor, out: torch.Tensor, row_scale: torch.Tensor,
                  max_active_ctas: Optional[int] = None, stream=None,
@@ -172,18 +189,11 @@ class CompiledFp8Gemm:
         stream:    torch.cuda.Stream or None (current); a CUstream on the classic path
         out_scale: [M_total, N_out/128] float32, ``requant`` / ``fused_quant`` only (required there)
         """
-        if (self.requant or self.fused_quant) != (out_scale is not None):
-            raise ValueError("out_scale is required with requant=True or fused_quant=True and refused without it")
-        if self.gather_a != (idx is not None):
-            raise ValueError("idx is required with gather_a=True and refused without it")
+        self._check_optional(out_scale, idx)
         ins = (_u8(a), a_scale) + ((idx,) if self.gather_a else ())
         if a.shape[0] == 0:
             return out
-        ctas = max_active_ctas if max_active_ctas is not None else _num_sms(a.device)
-        if self.cluster_n > 1:  # no more clusters than fit at once, and at least one
-            if self._max_ctas is None:
-                self._max_ctas = cluster_ctas(self.cluster_n, a.device)
-            ctas = max(min(ctas, self._max_ctas), self.cluster_n)
+        ctas = self._grid(max_active_ctas, a.device)
         outs = (_u8(out), out_scale) if self.requant or self.fused_quant else (out,)
         if self.tvm_ffi:
             call_on_stream(self._fn, (*ins, _u8(b), b_scale, *outs, offsets, row_scale, ctas), stream)
@@ -211,19 +221,12 @@ class CompiledFp8Gemm:
         idx=idx)`` -- same kernel, same arguments -- with the fixed arguments checked, viewed and
         packed once here (a layer's own buffers), so a call costs the launch and little else.
         The fixed tensors are held (kept alive) and must keep their shapes while ``run`` is used."""
-        if (self.requant or self.fused_quant) != (out_scale is not None):
-            raise ValueError("out_scale is required with requant=True or fused_quant=True and refused without it")
-        if self.gather_a != (idx is not None):
-            raise ValueError("idx is required with gather_a=True and refused without it")
+        self._check_optional(out_scale, idx)
         if not self.tvm_ffi or a.shape[0] == 0:
             def run_unpacked(b, b_scale):
                 self(a, a_scale, b, b_scale, offsets, out, row_scale, max_active_ctas, out_scale=out_scale, idx=idx)
             return run_unpacked
-        ctas = max_active_ctas if max_active_ctas is not None else _num_sms(a.device)
-        if self.cluster_n > 1:  # as __call__: no more clusters than fit at once, and at least one
-            if self._max_ctas is None:
-                self._max_ctas = cluster_ctas(self.cluster_n, a.device)
-            ctas = max(min(ctas, self._max_ctas), self.cluster_n)
+        ctas = self._grid(max_active_ctas, a.device)
         head = (_u8(a), a_scale) + ((idx,) if self.gather_a else ())
         outs = (_u8(out), out_scale) if self.requant or self.fused_quant else (out,)
         tail = (*outs, offsets, row_scale, ctas)

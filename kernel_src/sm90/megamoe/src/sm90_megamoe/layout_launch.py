@@ -368,12 +368,13 @@ class Layout:
                 self.route(bufs, x, topk_ids, topk_w, offsets, idx, ws, pos, xs, check=False)
             return run_unpacked
         cv = self._cv
-        route_tail = (cv("recv_ids", bufs.recv_ids, 4, False), cv("recv_w", bufs.recv_w, 4, False),
-                      cv("recv_count", bufs.recv_count, 4, False), cv("flags", bufs.flags, 8, False),
-                      cv("ctrl", bufs.ctrl, 8, False), cv("err", bufs.err, 4, False),
-                      cv("verr", bufs.verr, 8, False), cv("dmask", bufs.dmask, 4, False), self._cnt)
+        recv_ids, recv_w = cv("recv_ids", bufs.recv_ids, 4, False), cv("recv_w", bufs.recv_w, 4, False)
+        recv_count, err = cv("recv_count", bufs.recv_count, 4, False), cv("err", bufs.err, 4, False)
+        # LocalRoute's arguments after the routing, and LayoutPlace's before and after its rows
+        route_tail = (recv_ids, recv_w, recv_count, cv("flags", bufs.flags, 8, False), cv("ctrl", bufs.ctrl, 8, False),
+                      err, cv("verr", bufs.verr, 8, False), cv("dmask", bufs.dmask, 4, False), self._cnt)
         gather = xs is not None
-        place_head = route_tail[:3] + (route_tail[5], self._cnt)  # recv_ids, recv_w, recv_count, err, counts
+        place_head = (recv_ids, recv_w, recv_count, err, self._cnt)
         place_tail = (cv("offsets", offsets, 4, False), cv("idx", idx, 4, True), cv("ws", ws, 4, True),
                       cv("pos", pos, 4, False), cv("xs", xs, 16, True) if gather else self._dummy_x, self._C)
         k_route, k_place, C = self.k_route, self.k_place[gather], self._C
