@@ -216,3 +216,30 @@ def test_prepared_combine_local_passes_the_plain_arguments():
     assert len(prep_ep.k["combine_local"].calls) == n
     with pytest.raises(ValueError, match="pos"):
         prep_ep.prepare_combine_local(y, pos[:, :3])
+
+
+# ------------------------------------------------------------------------------ the shim's chunk tiers
+def test_session_prepare_route_picks_the_calls_chunk_tier():
+    """``LayoutSession.prepare_route`` prepares one route per chunk tier (each tier's ``Layout``) and a
+    call runs the tier that ``route`` would pick for its token count (the grid only steers speed)."""
+    from moe_ep.shim.drops.sm90_megamoe_layout import LAYOUT_CHUNK_TIERS, LayoutSession, layout_chunks_for
+
+    calls = []
+
+    class TierLayout:
+        def __init__(self, c):
+            self.c = c
+
+        def prepare_route(self, bufs, offsets, idx, ws, pos, xs):
+            return lambda x, ids, w: calls.append((self.c, x, ids, w, offsets, xs))
+
+    s = object.__new__(LayoutSession)
+    s.num_chunks, s.adaptive = 132, True
+    s._layouts = {c: TierLayout(c) for c in {132} | {c for c in LAYOUT_CHUNK_TIERS if c < 132}}
+    ep = type("Ep", (), {"bufs": "bufs"})()
+    run = s.prepare_route(ep, "offsets", "idx", "ws", "pos", "xs")
+    for tokens in (1, 8, 100, 1000, 8192, None):
+        run("x", "ids", "w", tokens=tokens)
+    want = [layout_chunks_for(t, 132) if t is not None else 132 for t in (1, 8, 100, 1000, 8192, None)]
+    assert [c[0] for c in calls] == want and len(set(want)) > 1
+    assert all(c[1:] == ("x", "ids", "w", "offsets", "xs") for c in calls)
