@@ -520,16 +520,31 @@ class EpRank:
                      self._cv("g_out", out, 16, True),
                      self._int32(num_ctas or self.num_ctas), stream=stream)
 
+    def _check_combine_rows(self, y: torch.Tensor, pos: torch.Tensor, local: bool = False) -> None:
+        """The combine's inputs: ``y [R >= 1, H]`` bf16 expert rows, ``pos [W*T_max, K]`` int32;
+        ``local``: the one-launch combine, which needs W = 1 and ``local_combine=True``."""
+        cfg = self.cfg
+        if local and "combine_local" not in self.k:
+            raise ValueError(f"combine_local needs W = 1 (this rank's W = {cfg.world}) and an EpRank made "
+                             "with local_combine=True")
+        if pos.dtype != torch.int32 or tuple(pos.shape) != (cfg.slots, cfg.topk):
+            raise ValueError(f"pos must be int32 [{cfg.slots}, {cfg.topk}]")
+        if y.dtype != torch.bfloat16 or y.dim() != 2 or y.shape[1] != cfg.hidden or y.shape[0] < 1:
+            raise ValueError(f"y must be bf16 [R >= 1, {cfg.hidden}]")
+
+    def _check_combine_out(self, out: torch.Tensor) -> int:
+        """The combine's output ``out [T <= T_max, H]`` bf16; returns T."""
+        cfg, T = self.cfg, out.shape[0]
+        if out.dtype != torch.bfloat16 or out.dim() != 2 or out.shape[1] != cfg.hidden or T > cfg.max_tokens:
+            raise ValueError(f"out must be bf16 [T <= {cfg.max_tokens}, {cfg.hidden}]")
+        return T
+
     def combine_send(self, y: torch.Tensor, pos: torch.Tensor, stream=None,
                      num_ctas: Optional[int] = None, weighted: bool = False):
         """y [R, H] bf16 expert outputs, grouped; pos [W*T_max, K] int32 (-1 = none).
         ``weighted=False``: y already carries the router weights (FC2 epilogue);
         ``weighted=True``: row k of slot s is multiplied by recv_w[s, k] here (fp32)."""
-        cfg = self.cfg
-        if pos.dtype != torch.int32 or tuple(pos.shape) != (cfg.slots, cfg.topk):
-            raise ValueError(f"pos must be int32 [{cfg.slots}, {cfg.topk}]")
-        if y.dtype != torch.bfloat16 or y.dim() != 2 or y.shape[1] != cfg.hidden or y.shape[0] < 1:
-            raise ValueError(f"y must be bf16 [R >= 1, {cfg.hidden}]")
+        self._check_combine_rows(y, pos)
         self._launch("combine_send_weighted" if weighted else "combine_send",
                      self._cv("y", y, 16, True), self._cv("pos", pos, 4, False), self._recv_count,
                      self._recv_w, self._peers, self._ctrl, self._err, self._rank,
@@ -539,10 +554,7 @@ class EpRank:
                        timeout_ns: Optional[int] = None):
         """out [T, H] bf16 = sum over the destinations of each token (dmask, written by this
         rank's dispatch of the same forward) of the returned partial rows."""
-        T = out.shape[0]
-        if out.dtype != torch.bfloat16 or out.dim() != 2 or out.shape[1] != self.cfg.hidden \
-                or T > self.cfg.max_tokens:
-            raise ValueError(f"out must be bf16 [T <= {self.cfg.max_tokens}, {self.cfg.hidden}]")
+        T = self._check_combine_out(out)
         mO = self._dummy_out if T == 0 else self._cv("c_out", out, 16, True)
         self._launch("combine_reduce", self._dmask, self._comb, self._flags, self._ctrl, self._err, mO,
                      self._int32(T), self._timeout_arg(timeout_ns),
@@ -553,17 +565,8 @@ class EpRank:
         """W = 1 only: ``combine_send`` + ``combine_reduce`` in one launch, bit for bit (see
         :class:`.ep_kernels.CombineLocal`). y [R, H] bf16 with the router weights applied, pos
         [T_max, K] int32, out [T, H] bf16."""
-        cfg = self.cfg
-        if "combine_local" not in self.k:
-            raise ValueError(f"combine_local needs W = 1 (this rank's W = {cfg.world}) and an EpRank made "
-                             "with local_combine=True")
-        if pos.dtype != torch.int32 or tuple(pos.shape) != (cfg.slots, cfg.topk):
-            raise ValueError(f"pos must be int32 [{cfg.slots}, {cfg.topk}]")
-        if y.dtype != torch.bfloat16 or y.dim() != 2 or y.shape[1] != cfg.hidden or y.shape[0] < 1:
-            raise ValueError(f"y must be bf16 [R >= 1, {cfg.hidden}]")
-        T = out.shape[0]
-        if out.dtype != torch.bfloat16 or out.dim() != 2 or out.shape[1] != cfg.hidden or T > cfg.max_tokens:
-            raise ValueError(f"out must be bf16 [T <= {cfg.max_tokens}, {cfg.hidden}]")
+        self._check_combine_rows(y, pos, local=True)
+        T = self._check_combine_out(out)
         mO = self._dummy_out if T == 0 else self._cv("c_out", out, 16, True)
         self._launch("combine_local", self._cv("y", y, 16, True), self._cv("pos", pos, 4, False),
                      self._recv_count, self._err, mO, self._int32(T),
@@ -574,26 +577,16 @@ class EpRank:
         is ``self.combine_local(y, pos, out, num_ctas=num_ctas)`` -- the same kernel and arguments --
         with the fixed ones checked and packed once here; a call checks only ``out``. ``y`` and
         ``pos`` are held and must keep their shapes while ``run`` is used."""
-        cfg = self.cfg
-        if "combine_local" not in self.k:
-            raise ValueError(f"combine_local needs W = 1 (this rank's W = {cfg.world}) and an EpRank made "
-                             "with local_combine=True")
-        if pos.dtype != torch.int32 or tuple(pos.shape) != (cfg.slots, cfg.topk):
-            raise ValueError(f"pos must be int32 [{cfg.slots}, {cfg.topk}]")
-        if y.dtype != torch.bfloat16 or y.dim() != 2 or y.shape[1] != cfg.hidden or y.shape[0] < 1:
-            raise ValueError(f"y must be bf16 [R >= 1, {cfg.hidden}]")
+        self._check_combine_rows(y, pos, local=True)
         if not self.ffi:
             def run_unpacked(out, num_ctas=None):
                 self.combine_local(y, pos, out, num_ctas=num_ctas)
             return run_unpacked
         head = (self._cv("y", y, 16, True), self._cv("pos", pos, 4, False), self._recv_count, self._err)
-        fn, H, T_max, dummy, grid = self.k["combine_local"], cfg.hidden, cfg.max_tokens, self._dummy_out, self.num_ctas
-        bf16 = torch.bfloat16
+        fn, dummy, grid, check_out = self.k["combine_local"], self._dummy_out, self.num_ctas, self._check_combine_out
 
         def run(out, num_ctas=None):
-            T = out.shape[0]
-            if out.dtype != bf16 or out.dim() != 2 or out.shape[1] != H or T > T_max:
-                raise ValueError(f"out must be bf16 [T <= {T_max}, {H}]")
+            T = check_out(out)
             if T and not out.is_contiguous():
                 raise ValueError("c_out must be contiguous")
             fn(*head, out if T else dummy, T, num_ctas or grid)
