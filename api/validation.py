@@ -32,17 +32,25 @@ def check_tensor(name: str, t: Any, *, dtype=None, dtypes=None, shape=None, devi
         raise TypeError(f"{name} must have dtype {dtype}, got {t.dtype}")
     if dtypes is not None and t.dtype not in dtypes:
         raise TypeError(f"{name} must have one of dtypes {dtypes}, got {t.dtype}")
-    if shape is not None:
+    # (forward checks six tensors per call: the common case is one C-level comparison each)
+    if shape is not None and (None in shape or t.shape != shape):
         if t.dim() != len(shape):
             raise ValueError(f"{name} must be {len(shape)}-D with shape {_fmt(shape)}, got {tuple(t.shape)}")
         for want, got in zip(shape, t.shape):
             if want is not None and want != got:
                 raise ValueError(f"{name} must have shape {_fmt(shape)}, got {tuple(t.shape)}")
-    if device is not None and t.device != device:
+    if device is not None and not _on(t, device):
         raise ValueError(f"{name} is on {t.device}, but the layer runs on {device}")
     if not t.is_contiguous():
         raise ValueError(f"{name} must be contiguous (got strides {t.stride()})")
     return t
+
+
+def _on(t: torch.Tensor, device: torch.device) -> bool:
+    """``t.device == device``; for a CUDA device without building a ``torch.device`` per call."""
+    if device.type == "cuda" and device.index is not None:
+        return t.is_cuda and t.get_device() == device.index
+    return t.device == device
 
 
 def _fmt(shape) -> str:
@@ -109,7 +117,7 @@ def _check_quantized(cfg, name: str, w: Any, shape: tuple, device: torch.device)
                              "(one float32 per 128x128 block of the weight)")
     parts = ((w.values, w.block_scale, w.global_scale) if want is NVFP4Weight else (w.values, w.scale))
     for p in parts:
-        if p.device != device:
+        if not _on(p, device):
             raise ValueError(f"{name} is on {p.device}, the layer runs on {device}")
         if not p.is_contiguous():
             raise ValueError(f"{name}: every part of the quantised weight must be contiguous")

@@ -73,7 +73,7 @@
 #                `git worktree add /tmp/old <sha> && pip install --no-deps --no-build-isolation --target
 #                .device/old /tmp/old`; carry .device/old and an AOT cache built by both trees), interleaved,
 #                COMMITAB_ROUNDS (2) rounds: the decode sweep (1, 8, 128 tokens) of MODELS in BF16 and FP8,
-#                the FP8 layer at TOKENS and `bench.host_profile` -> $OUT/commitab_<new|old>_*_r<r>.{log,csv}.
+#                the BF16 and FP8 layers at TOKENS and `bench.host_profile` -> $OUT/commitab_<new|old>_*_r<r>.{log,csv}.
 # ceiling:       the BF16 and FP8 layers, then `python -m moe_ep.bench ceiling` (the layers' two GEMMs done by
 #                dense cuBLAS BF16, torch._grouped_mm, block-wise FP8 torch._scaled_mm: the layer TFLOP/s they
 #                alone allow) and `python -m moe_ep.bench gemm` (GEMM_MODELS) in the same call -> $OUT/ceiling_*.
@@ -269,9 +269,12 @@ if [ "$mode" = commitab ]; then  # this checkout (new) vs the commit installed i
           python3 -m moe_ep.bench --model "$MODELS" "${qargs[@]}" --iters 50 --no-reference --quiet \
           --decode-tokens 1,8,128 --decode-csv "$OUT/commitab_${v}_dec_${q}_r$r.csv"
     done
-    step "FP8 layer, $v, round $r" "$OUT/commitab_${v}_fp8_r$r.log" -- env PYTHONPATH="$pp" python3 -m moe_ep.bench \
-        --model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" --quant fp8_block128 --no-reference --no-decode --quiet \
-        --csv "$OUT/commitab_${v}_fp8_r$r.csv"
+    for q in bf16 fp8_block128; do
+      qargs=(); [ $q = bf16 ] || qargs=(--quant "$q")
+      step "$q layer, $v, round $r" "$OUT/commitab_${v}_${q}_r$r.log" -- env PYTHONPATH="$pp" python3 -m moe_ep.bench \
+          --model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" "${qargs[@]}" --no-reference --no-decode --quiet \
+          --csv "$OUT/commitab_${v}_${q}_r$r.csv"
+    done
     # this checkout's profiler script on either tree (it wraps the steps and launchers each one has)
     step "host profile, $v, round $r" "$OUT/commitab_${v}_host_r$r.log" -- env PYTHONPATH="$pp" \
         python3 "$PWD/bench/host_profile.py" --model "$MODELS"

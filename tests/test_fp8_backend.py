@@ -476,6 +476,7 @@ def test_single_rank_combine_wiring_on_cpu(local):
     b.ep.prepare_combine_local = lambda y, pos: (
         lambda out, num_ctas=None: calls.append(("combine_local", (y, pos, out), {"num_ctas": num_ctas})))
     b.local_route = False
+    b.fc1 = b.fc2 = b.fc1_decode = b.fc2_decode = None  # no GEMM launches to prepare here
     b._prepare_launches()
     out = torch.zeros(1)
     b._step5_combine_send()

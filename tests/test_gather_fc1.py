@@ -95,13 +95,18 @@ def test_bf16_gather_wiring_on_cpu():
     calls = []
 
     def rec(name, **attrs):
-        return type(name, (), {"__call__": lambda self, *a, **k: calls.append((name, a, k)), **attrs})()
+        def prepare(self, a, offsets, out, row_scale=None, max_active_ctas=None, idx=None):
+            # drop v61: the prepared launch (made at bind) records the plain call it stands for
+            return lambda b, bias=None: calls.append((name, (a, b, offsets), dict(
+                out=out, row_scale=row_scale, max_active_ctas=max_active_ctas, bias=bias)))
+        return type(name, (), {"__call__": lambda self, *a, **k: calls.append((name, a, k)), "prepare": prepare,
+                               **attrs})()
 
     b = object.__new__(Sm90CuteDSLBackend)
     t = {n: torch.zeros(4) for n in ("offsets", "idx", "ws_rows", "pos", "xs", "h", "y")}
     x, ids, w = torch.zeros(3, 4), torch.zeros(3, 2, dtype=torch.int32), torch.zeros(3, 2)
     b.local_route, b.token_grid, b._routing = True, False, None
-    b.fc1_decode = None
+    b.fc1_decode = b.fc2_decode = None
     b.fc1, b.fc2 = rec("fc1", gather_a=True), rec("fc2", gather_a=False)
     b.layout = _rec_layout(calls)
     b.ws = SimpleNamespace(seq=0)
@@ -121,7 +126,6 @@ def test_bf16_gather_wiring_on_cpu():
     assert b._fc1_src is None and b._routing is None
 
 
-
 def test_bf16_gather_split_dispatch_copies_rows_on_cpu():
     """dispatch() of the split pair with a gathering FC1 (recorded, no kernel runs): its caller
     reads ``xs``, so LocalRoute copies the grouped rows into it (forward's step 2 copies none)."""
@@ -131,13 +135,14 @@ def test_bf16_gather_split_dispatch_copies_rows_on_cpu():
     b = object.__new__(Sm90CuteDSLBackend)
     x, ids, w = torch.zeros(3, 4), torch.zeros(3, 2, dtype=torch.int32), torch.zeros(3, 2)
     b._ensure = lambda: None
-    b.local_route, b.token_grid, b._routing, b.fc1_decode = True, False, None, None
-    b.fc1, b.fc2 = SimpleNamespace(gather_a=True), SimpleNamespace(gather_a=False)
+    b.local_route, b.token_grid, b._routing, b.fc1_decode, b.fc2_decode = True, False, None, None, None
+    b.fc1 = SimpleNamespace(gather_a=True)
+    b.fc2 = SimpleNamespace(gather_a=False, prepare=lambda *a, **k: None)
     b.layout = _rec_layout(calls)
     b.ws, b.ep = SimpleNamespace(seq=0), SimpleNamespace()
-    for n in ("offsets", "idx", "ws_rows", "pos", "xs"):
+    for n in ("offsets", "idx", "ws_rows", "pos", "xs", "h"):
         setattr(b, n, torch.zeros(4))
-    b.local_combine, b.y = False, b.xs
+    b.local_combine, b.y, b.num_ctas = False, b.xs, 7
     b._prepare_launches()  # what bind does once the buffers are set
     recv, offs, state = b.dispatch(x, ids, w)
     assert recv is b.xs and offs is b.offsets and state.num_tokens == 3
@@ -146,6 +151,7 @@ def test_bf16_gather_split_dispatch_copies_rows_on_cpu():
     b._step1_dispatch(x, ids, w)
     b._step2_layout()  # forward's step 2: FC1 gathers, no rows copied
     assert calls[-1][1][-1] is None and b._fc1_src is x
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("schedule,bias", [("cooperative", None), ("wide", None), ("cooperative", "float32")])

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 pytest.importorskip("cutlass")
+tvm_ffi = pytest.importorskip("tvm_ffi")
 
 from moe_ep.shim import drop_src, register_drop  # noqa: E402
 
@@ -18,6 +19,7 @@ register_drop(drop_src("sm90", "megamoe"))
 from sm90_megamoe import ep_launch, layout_launch  # noqa: E402
 from sm90_megamoe.fp8_launch import CompiledFp8Gemm  # noqa: E402
 from sm90_megamoe.fp8_quant import CompiledFp8QuantizeRows  # noqa: E402
+from sm90_megamoe.launch import CompiledGroupedGemm  # noqa: E402
 
 
 class Recorder:
@@ -31,16 +33,24 @@ class Recorder:
 
 
 def _sig(a):
-    """What a kernel sees of an argument: a tensor's address / shape / strides / dtype, or the value."""
+    """What a kernel sees of an argument: a tensor's address / shape / strides / dtype (a torch
+    tensor or, drop v61, a ``tvm_ffi.Tensor`` made from one), or the value."""
+    if isinstance(a, tvm_ffi.Tensor):
+        a = torch.from_dlpack(a)
     if isinstance(a, torch.Tensor):
         return ("tensor", a.data_ptr(), tuple(a.shape), a.stride(), a.dtype)
     return ("value", a)
 
 
 def _same_calls(rec_plain, rec_prepared):
+    """The prepared launches pass the plain calls' arguments; each packs its fixed tensors as
+    TVM-FFI tensors (drop v61) and keeps at least one torch tensor, from which TVM-FFI takes the
+    stream (without one the kernel would go to the default stream)."""
     assert len(rec_plain.calls) == len(rec_prepared.calls) > 0
     for p, q in zip(rec_plain.calls, rec_prepared.calls):
         assert [_sig(a) for a in p] == [_sig(a) for a in q]
+        assert any(isinstance(a, torch.Tensor) for a in q), "a prepared launch must keep a torch tensor"
+    assert any(isinstance(a, tvm_ffi.Tensor) for q in rec_prepared.calls for a in q), "fixed tensors not packed"
 
 
 def _e4m3(*shape):
@@ -84,6 +94,57 @@ def test_fp8_gemm_prepare_refuses_what_the_call_refuses():
         g.prepare(a, s, off, out, rs, 4)
     with pytest.raises(ValueError, match="idx"):
         g.prepare(a, s, off, out, rs, 4, out_scale=torch.rand(8, 2), idx=torch.zeros(8, dtype=torch.int32))
+
+
+# ------------------------------------------------------------------------------ BF16 GEMM (drop v61)
+@pytest.mark.parametrize("variant", ["fc1", "fc2", "bias", "cluster2", "swapab"])
+def test_bf16_gemm_prepared_passes_the_plain_arguments(variant):
+    E, n, k, M = 4, 256, 128, 96
+    act = "identity" if variant == "fc2" else "swiglu"
+    kw = {"bias": dict(bias_dtype="float32"), "cluster2": dict(cluster_m=2), "swapab": dict(schedule="swapab")}
+    recs = [Recorder(), Recorder()]
+    gemms = [CompiledGroupedGemm(act, n, k, E, scale_rows=variant == "fc2", compiled=r, tvm_ffi=True,
+                                 **kw.get(variant, {})) for r in recs]
+    for g in gemms:
+        g._max_ctas = 66  # the clustered grid's cap, worked out on a GPU otherwise
+    # one pair of placeholders (unread row scale / bias) for both launchers, so pointers compare
+    gemms[1]._dummy_scale, gemms[1]._dummy_bias = gemms[0].placeholders("cpu")
+    a, out = torch.randn(M, k).to(torch.bfloat16), torch.empty(M, gemms[0].n_out, dtype=torch.bfloat16)
+    offsets, row_scale = torch.tensor([0, 10, 50, 50, 96], dtype=torch.int32), torch.rand(M)
+    rs = row_scale if variant == "fc2" else None
+    for ctas in (None, 7, 1):
+        if ctas is None and variant != "cluster2":
+            continue  # None means one CTA per SM: a GPU question
+        b = torch.randn(E, n, k).to(torch.bfloat16)
+        bias = torch.randn(E, n) if variant == "bias" else None
+        gemms[0](a, b, offsets, out, rs, ctas or 132, bias=bias)
+        run = gemms[1].prepare(a, out, offsets, rs, ctas or 132, per_call_bias=variant == "bias")
+        run(b, bias)
+    _same_calls(*recs)
+    if variant == "cluster2":
+        assert [c[-1] for c in recs[1].calls] == [66, 7, 1]
+
+
+def test_bf16_gemm_prepare_refuses_what_the_call_refuses():
+    g = CompiledGroupedGemm("identity", 256, 128, 4, scale_rows=True, compiled=Recorder(), tvm_ffi=True)
+    a, out, off = torch.randn(8, 128).to(torch.bfloat16), torch.empty(8, 256, dtype=torch.bfloat16), \
+        torch.zeros(5, dtype=torch.int32)
+    with pytest.raises(ValueError, match="row_scale"):
+        g.prepare(a, out, off)                                   # scale_rows needs its row scale
+    with pytest.raises(ValueError, match="idx"):
+        g.prepare(a, out, off, torch.rand(8), idx=torch.zeros(8, dtype=torch.int32))
+    with pytest.raises(ValueError, match="per_call_bias"):
+        g.prepare(a, out, off, torch.rand(8), per_call_bias=True)  # compiled without a bias
+    run = g.prepare(a, out, off, torch.rand(8), 4)
+    with pytest.raises(ValueError, match="bias"):
+        run(torch.randn(4, 256, 128).to(torch.bfloat16), torch.rand(4, 256))
+    gb = CompiledGroupedGemm("identity", 256, 128, 4, scale_rows=False, compiled=Recorder(), tvm_ffi=True,
+                             bias_dtype="bfloat16")
+    run = gb.prepare(a, out, off, None, 4, per_call_bias=True)
+    for bias in (None, torch.rand(4, 256), torch.rand(4, 128).to(torch.bfloat16)):
+        with pytest.raises(ValueError, match="bias"):
+            run(torch.randn(4, 256, 128).to(torch.bfloat16), bias)
+    assert gb.compiled.calls == [] and g.compiled.calls == []
 
 
 # ------------------------------------------------------------------------------ FP8 row quantisers
@@ -243,3 +304,36 @@ def test_session_prepare_route_picks_the_calls_chunk_tier():
     want = [layout_chunks_for(t, 132) if t is not None else 132 for t in (1, 8, 100, 1000, 8192, None)]
     assert [c[0] for c in calls] == want and len(set(want)) > 1
     assert all(c[1:] == ("x", "ids", "w", "offsets", "xs") for c in calls)
+
+
+# ------------------------------------------------------------------------------ the BF16 backend's wiring
+def test_bf16_backend_runs_the_prepared_gemms_of_the_calls_path():
+    """Drop v61: the BF16 backend prepares FC1 (xs -> h) and FC2 (h -> y, router-weighted rows) per
+    GEMM path at bind; step 1 picks the path from the call's token count (swap-AB pair for few
+    tokens) and steps 3-4 pass only the weights and biases."""
+    from types import SimpleNamespace
+
+    from moe_ep.backends.sm90.bf16_cutedsl.backend import Sm90CuteDSLBackend
+
+    calls = []
+
+    def gemm(name):
+        def prepare(a, offsets, out, row_scale=None, max_active_ctas=None, idx=None):
+            return lambda w, bias=None: calls.append((name, a, out, row_scale, max_active_ctas, w, bias))
+        return SimpleNamespace(gather_a=False, prepare=prepare)
+
+    b = object.__new__(Sm90CuteDSLBackend)
+    for n in ("offsets", "idx", "ws_rows", "pos", "xs", "h", "y"):
+        setattr(b, n, torch.zeros(4))
+    b.local_route = b.local_combine = b.token_grid = False
+    b.fc1, b.fc2, b.fc1_decode, b.fc2_decode = gemm("fc1"), gemm("fc2"), gemm("fc1_decode"), gemm("fc2_decode")
+    b.num_ctas, b._decode_max_tokens = 7, 16
+    b.ws, b.ep = SimpleNamespace(seq=0), SimpleNamespace(dispatch=lambda *a, **k: None)
+    b._prepare_launches()
+    for T, path in ((16, "_decode"), (17, "")):
+        calls.clear()
+        x, ids, w = torch.zeros(T, 4), torch.zeros(T, 2, dtype=torch.int32), torch.zeros(T, 2)
+        b._step1_dispatch(x, ids, w)
+        b._step34_experts("w13", "w2", "b13", "b2")
+        assert calls == [(f"fc1{path}", b.xs, b.h, None, 7, "w13", "b13"),
+                         (f"fc2{path}", b.h, b.y, b.ws_rows, 7, "w2", "b2")]

@@ -199,3 +199,19 @@ def test_autograd_refused_and_parameters_accepted_under_no_grad(setup):
     assert not y.requires_grad
     ref = oracle_f64(x, ids, w, w13, w2, "swiglu", I)
     assert rel_err(y, ref) < 1e-2
+
+
+def test_check_tensor_device_and_shape_fast_paths_keep_the_rules():
+    """The per-call checks compare a CUDA layer's device by index and a fully known shape in one
+    comparison; what they accept and refuse is unchanged (CPU: a CPU tensor against a CUDA layer)."""
+    from moe_ep.api import validation as V
+
+    t = torch.zeros(4, 8)
+    assert not V._on(t, torch.device("cuda", 0)) and not V._on(t, torch.device("cuda"))
+    assert V._on(t, torch.device("cpu")) and not V._on(t, torch.device("meta"))
+    with pytest.raises(ValueError, match="x is on cpu, but the layer runs on cuda:0"):
+        V.check_tensor("x", t, device=torch.device("cuda", 0))
+    assert V.check_tensor("x", t, shape=(4, 8)) is t and V.check_tensor("x", t, shape=(None, 8)) is t
+    for bad, msg in (((4, 9), "must have shape \\[4, 9\\]"), ((4,), "must be 1-D"), ((None, 9), "\\[\\*, 9\\]")):
+        with pytest.raises(ValueError, match=msg):
+            V.check_tensor("x", t, shape=bad)

@@ -58,7 +58,7 @@ from .sm90_megamoe_switches import (  # noqa: F401  (re-exported: the shim reads
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 60},
+    "sm90_megamoe": {"DROP_VERSION": 61},
     "sm90_megamoe.fp8_gemm": {"FP8_BLOCK": 128, "OVERLAP_MAX_K_TILES": 32, "OVERLAP_MAX_CHUNK": 16},
     "sm90_megamoe.constants": {
         "ABI_VERSION": 2,
@@ -103,6 +103,8 @@ CONTRACT = DropContract(
                     ("args", "max_active_ctas", "stream")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_tensors",
                     ("a", "b", "c", "offsets", "row_scale", "bias", "max_active_ctas", "stream", "idx")),
+        CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.prepare",
+                    ("a", "out", "offsets", "row_scale", "max_active_ctas", "idx", "per_call_bias")),
         CallableUse("sm90_megamoe.launch:to_cute_args",
                     ("a", "b", "c", "offsets", "row_scale", "bias", "idx")),
         CallableUse("sm90_megamoe.compile_check:compile_for_arch",
@@ -189,7 +191,7 @@ CONTRACT = DropContract(
                                                     "put_kernel", "kinds_for")),
         AttributeUse("sm90_megamoe.launch:CompiledGroupedGemm",
                      ("compiled", "scale_rows", "bias_dtype", "n_out", "tvm_ffi", "schedule", "launch_tensors",
-                      "launch_converted", "gather_a", "cluster_m", "gather_tma")),
+                      "launch_converted", "gather_a", "cluster_m", "gather_tma", "prepare")),
         AttributeUse("sm90_megamoe.ep_launch:EpRank",
                      ("dispatch", "wait", "gather", "combine_send", "combine_reduce", "combine_local",
                       "prepare_combine_local", "read_err", "read_verr", "reset_verr", "reset_state", "num_ctas")),
@@ -421,6 +423,24 @@ class GroupedGemm:
         self.compiled.launch_converted(args=self._last[1], max_active_ctas=max_active_ctas or self._ctas,
                                        stream=stream)
         return out
+
+    def prepare(self, a, offsets, out, row_scale=None, max_active_ctas=None, idx=None):
+        """``self(a, b, offsets, out, row_scale, max_active_ctas, bias=bias, idx=idx)`` with all but
+        the weights (and the bias, when compiled with one) fixed: ``run(b, bias=None)``, the same
+        launch. TVM-FFI kernels check and pack the fixed tensors once (drop v61, the drop's
+        ``CompiledGroupedGemm.prepare``); the classic path calls this launcher (its converted
+        arguments are cached anyway). The fixed tensors must keep their shapes while ``run`` is used."""
+        if self.gather_a != (idx is not None):
+            raise ValueError("a gathering grouped GEMM takes idx (grouped row r = a[idx[r]]); any other refuses it")
+        if self.scale_rows and row_scale is None:
+            raise ValueError("this grouped GEMM was compiled with scale_rows=True: pass row_scale")
+        ctas = max_active_ctas or self._ctas
+        if not self.tvm_ffi:
+            def run_classic(b, bias=None):
+                self(a, b, offsets, out, row_scale, ctas, bias=bias, idx=idx)
+            return run_classic
+        return self.compiled.prepare(a=a, out=out, offsets=offsets, row_scale=row_scale if self.scale_rows else None,
+                                     max_active_ctas=ctas, idx=idx, per_call_bias=self.bias_dtype is not None)
 
     def release(self) -> None:
         """Drop the cached converted arguments (they keep the last tensors alive, e.g. the

@@ -225,6 +225,7 @@ class Sm90HandleState:
 class Sm90CuteDSLBackend(BackendImpl):
     name = "sm90_bf16_cutedsl"
     _split_rows = False  # True inside dispatch(): step 2 copies the grouped rows for the caller
+    _decode = False  # this call runs the decode (swap-AB) GEMM pair (set by step 1)
     #: target of the EP and layout kernels (arch-neutral; the Blackwell backends subclass this one)
     arch = "sm_90a"
 
@@ -303,15 +304,29 @@ class Sm90CuteDSLBackend(BackendImpl):
         self._gemms = (self.fc1, self.fc2)
 
     def _prepare_launches(self) -> None:
-        """The one-rank hot path's launches with this layer's buffers fixed, checked and packed
-        once (drop v58): step 2's route (with and without the row gather) and step 5's one-launch
-        combine. A call then passes only what changes: the caller's routing, rows and output."""
+        """The hot path's launches with this layer's buffers fixed, checked and packed once (drop
+        v58): on one rank step 2's route (with and without the row gather) and step 5's one-launch
+        combine; then steps 3-4's (:meth:`_prepare_expert_launches`). A call then passes only what
+        changes: the caller's routing, rows, weights, biases and output."""
         self._route_run = {}
         if self.local_route:
             for gather in (True, False):
                 self._route_run[gather] = self.layout.prepare_route(
                     self.ep, self.offsets, self.idx, self.ws_rows, self.pos, self.xs if gather else None)
         self._combine_run = self.ep.prepare_combine_local(self.y, self.pos) if self.local_combine else None
+        self._prepare_expert_launches()
+
+    def _prepare_expert_launches(self) -> None:
+        """FC1 (from the grouped rows ``xs``) and FC2 per GEMM path (drop v61): ``run(w, bias)``.
+        ``_expert_runs[decode]`` is ``(fc1, fc2)``; a gathering FC1 reads the call's own tokens,
+        so it keeps the plain call."""
+        self._expert_runs = {}
+        for decode, (fc1, fc2) in ((False, (self.fc1, self.fc2)), (True, (self.fc1_decode, self.fc2_decode))):
+            if fc1 is None:
+                continue
+            self._expert_runs[decode] = (
+                None if fc1.gather_a else fc1.prepare(self.xs, self.offsets, self.h, max_active_ctas=self.num_ctas),
+                fc2.prepare(self.h, self.offsets, self.y, row_scale=self.ws_rows, max_active_ctas=self.num_ctas))
 
     def _rebind(self) -> None:
         """The workspace grew: carve the new pools again."""
@@ -366,6 +381,7 @@ class Sm90CuteDSLBackend(BackendImpl):
         # the GEMM path of this call, from its (host-known) token count: swap-AB for few tokens
         decode = self.fc1_decode is not None and x.shape[0] <= self._decode_max_tokens
         self._gemms = (self.fc1_decode, self.fc2_decode) if decode else (self.fc1, self.fc2)
+        self._decode = decode
         self.ws.seq += 1
         # grid of the per-token kernels of this call, from its host-known token count
         self._token_ctas = self.ep.token_ctas(x.shape[0]) if self.token_grid else None
@@ -401,14 +417,15 @@ class Sm90CuteDSLBackend(BackendImpl):
         return getattr(self._gemms[0], "gather_a", False)
 
     def _step34_experts(self, w13, w2, b13=None, b2=None) -> None:
-        fc1, fc2 = self._gemms
+        # 3. FC1 + activation into h; 4. FC2 + router weight into y (prepared at bind, per GEMM path)
+        fc1_run, fc2_run = self._expert_runs[self._decode]
         src = getattr(self, "_fc1_src", None)
-        if src is not None:  # a gathering FC1: grouped row r = x[idx[r]]
+        if src is not None:  # a gathering FC1: grouped row r = x[idx[r]] of the call's x
             self._fc1_src = None
-            fc1(src, w13, self.offsets, out=self.h, max_active_ctas=self.num_ctas, bias=b13, idx=self.idx)
+            self._gemms[0](src, w13, self.offsets, out=self.h, max_active_ctas=self.num_ctas, bias=b13, idx=self.idx)
         else:
-            fc1(self.xs, w13, self.offsets, out=self.h, max_active_ctas=self.num_ctas, bias=b13)
-        fc2(self.h, w2, self.offsets, out=self.y, row_scale=self.ws_rows, max_active_ctas=self.num_ctas, bias=b2)
+            fc1_run(w13, b13)
+        fc2_run(w2, b2)
 
     def _step5_combine_send(self) -> None:
         if self.local_combine:  # one rank: step 5b sums and writes in one launch

@@ -234,12 +234,11 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
             self.xq, self.xq_scale, self.hq, self.hq_scale = bufs["xq"], bufs["xq_scale"], bufs["hq"], bufs["hq_scale"]
         self._rows = views["offsets"][-1:]  # grouped rows of a call, read on the device (no host sync)
 
-    def _prepare_launches(self) -> None:
-        """The BF16 backend's prepared route and combine, plus steps 3-4's launches with this
-        layer's buffers fixed, checked and packed once (drop v58): a call passes only the rows
-        to quantise (step 3) and the weights (FC1, FC2). The gathering FC1 (opt-in) slices its
+    def _prepare_expert_launches(self) -> None:
+        """Steps 3-4's launches with this layer's buffers fixed, checked and packed once (drop
+        v58; the BF16 backend prepares the route and combine): a call passes only the rows to
+        quantise (step 3) and the weights (FC1, FC2). The gathering FC1 (opt-in) slices its
         buffers by the call's token count, so it keeps the plain launches."""
-        super()._prepare_launches()
         self._quant_x_run = self._fc1_run = self._quant_h_run = self._fc2_run = None
         if self.gather_fc1:
             return
