@@ -93,18 +93,6 @@ def call_on_stream(fn, args, stream=None):
         return fn(*args)
 
 
-def ffi_fixed(*args):
-    """A prepared TVM-FFI launch's fixed arguments with each torch tensor converted once to a
-    ``tvm_ffi.Tensor`` (drop v61). A call then hands TVM-FFI objects it passes through instead of
-    torch tensors it converts (H200 host, an FP8 GEMM launch with 6 fixed tensors: 11.0 -> 5.6 us).
-    Each keeps its torch tensor alive. A call must still pass at least one torch tensor of the
-    launch's device: TVM-FFI takes the launch's stream from the first one (torch's current stream
-    there); with none it would launch on the default stream."""
-    import tvm_ffi
-
-    return tuple(tvm_ffi.from_dlpack(a) if isinstance(a, torch.Tensor) else a for a in args)
-
-
 _TORCH_BIAS = {None: None, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -262,7 +250,7 @@ class CompiledGroupedGemm:
         """A launch with every argument but the weights (and a per-call bias) fixed (drop v61):
         ``run(b, bias=None)`` is ``self(a, b, offsets, out, row_scale, max_active_ctas, bias=bias,
         idx=idx)`` -- same kernel, same arguments -- with the fixed ones checked and packed once
-        here (a layer's own buffers; :func:`ffi_fixed`). A variant compiled with a bias takes it per
+        here (a layer's own buffers). A variant compiled with a bias takes it per
         call (``per_call_bias=True`` required); any other passes its placeholder, fixed here. The
         fixed tensors are held and must keep their shapes while ``run`` is used."""
         if self.gather_a != (idx is not None):
@@ -277,10 +265,10 @@ class CompiledGroupedGemm:
                 self(a, b, offsets, out, row_scale, max_active_ctas, bias=bias, idx=idx)
             return run_unpacked
         dummy_scale, dummy_bias = self.placeholders(a.device)
-        head = ffi_fixed(a, *(() if idx is None else (idx,)))
-        mid = ffi_fixed(out, offsets, row_scale if self.scale_rows else dummy_scale)
+        head = (a,) if idx is None else (a, idx)
+        mid = (out, offsets, row_scale if self.scale_rows else dummy_scale)
         ctas = self._grid(max_active_ctas, a.device)
-        fn, (fixed_bias,) = self._fn, ffi_fixed(dummy_bias)
+        fn, fixed_bias = self._fn, dummy_bias
         if not per_call_bias:
             def run(b, bias=None):
                 if bias is not None:
