@@ -163,3 +163,19 @@ def test_blackwell_backends_refuse_on_the_h200(quant, backend, need):
         layer = MoELayer(cfg, EPGroup.single(), backend="auto")
     assert layer.backend_name == "reference"
     layer.destroy()
+
+
+@pytest.mark.parametrize("module,cls", [("moe_ep.backends.sm100.w4a16_cutedsl.backend", "Sm100W4A16Backend"),
+                                        ("moe_ep.backends.sm120.mxfp8_cutedsl.backend", "Sm120Mxfp8Backend")])
+def test_blackwell_backends_bind_without_prepared_gemms(module, cls):
+    """The Blackwell backends reuse the SM90 backend's bind, which prepares its own GEMM launches
+    (drop v61): theirs have no prepared form, so they prepare none and step 3-4 call them plainly."""
+    import importlib
+    from types import SimpleNamespace
+
+    b = object.__new__(getattr(importlib.import_module(module), cls))
+    b.local_route = b.local_combine = False
+    b.fc1 = b.fc2 = SimpleNamespace()  # no prepare(): binding must not ask for one
+    b.fc1_decode = b.fc2_decode = None
+    b._prepare_launches()
+    assert b._expert_runs == {} and b._route_run == {} and b._combine_run is None

@@ -87,29 +87,34 @@ def test_fp8_gemm_prepare_refuses_what_the_call_refuses():
         g.prepare(a, s, off, out, rs, 4, out_scale=torch.rand(8, 2), idx=torch.zeros(8, dtype=torch.int32))
 
 
-# ------------------------------------------------------------------------------ BF16 GEMM (drop v61)
-@pytest.mark.parametrize("variant", ["fc1", "fc2", "bias", "cluster2", "swapab"])
+# ------------------------------------------------------------------------------ BF16 GEMM (drop v61, v63)
+@pytest.mark.parametrize("variant", ["fc1", "fc2", "bias", "cluster2", "swapab", "gather"])
 def test_bf16_gemm_prepared_passes_the_plain_arguments(variant):
-    E, n, k, M = 4, 256, 128, 96
+    """``prepare(...)`` then ``run(b, bias)`` hands the kernel what ``launch_tensors`` does; the
+    caller's placeholders (unread row scale / bias) are fixed with the rest."""
+    E, n, k, M, T = 4, 256, 128, 96, 40
     act = "identity" if variant == "fc2" else "swiglu"
-    kw = {"bias": dict(bias_dtype="float32"), "cluster2": dict(cluster_m=2), "swapab": dict(schedule="swapab")}
+    kw = {"bias": dict(bias_dtype="float32"), "cluster2": dict(cluster_m=2), "swapab": dict(schedule="swapab"),
+          "gather": dict(gather_a=True)}
     recs = [Recorder(), Recorder()]
     gemms = [CompiledGroupedGemm(act, n, k, E, scale_rows=variant == "fc2", compiled=r, tvm_ffi=True,
                                  **kw.get(variant, {})) for r in recs]
     for g in gemms:
         g._max_ctas = 66  # the clustered grid's cap, worked out on a GPU otherwise
-    # one pair of placeholders (unread row scale / bias) for both launchers, so pointers compare
-    gemms[1]._dummy_scale, gemms[1]._dummy_bias = gemms[0].placeholders("cpu")
-    a, out = torch.randn(M, k).to(torch.bfloat16), torch.empty(M, gemms[0].n_out, dtype=torch.bfloat16)
-    offsets, row_scale = torch.tensor([0, 10, 50, 50, 96], dtype=torch.int32), torch.rand(M)
-    rs = row_scale if variant == "fc2" else None
+    dummy_scale, dummy_bias = torch.zeros(1), torch.zeros(1, 8)
+    a = torch.randn(T if variant == "gather" else M, k).to(torch.bfloat16)
+    idx = torch.randint(0, T, (M,), dtype=torch.int32) if variant == "gather" else None
+    out = torch.empty(M, gemms[0].n_out, dtype=torch.bfloat16)
+    offsets = torch.tensor([0, 10, 50, 50, 96], dtype=torch.int32)
+    rs = torch.rand(M) if variant == "fc2" else dummy_scale
+    fixed_bias = None if variant == "bias" else dummy_bias
     for ctas in (None, 7, 1):
         if ctas is None and variant != "cluster2":
             continue  # None means one CTA per SM: a GPU question
         b = torch.randn(E, n, k).to(torch.bfloat16)
         bias = torch.randn(E, n) if variant == "bias" else None
-        gemms[0](a, b, offsets, out, rs, ctas or 132, bias=bias)
-        run = gemms[1].prepare(a, out, offsets, rs, ctas or 132, per_call_bias=variant == "bias")
+        gemms[0].launch_tensors(a, b, out, offsets, rs, dummy_bias if bias is None else bias, ctas or 132, idx=idx)
+        run = gemms[1].prepare(a, out, offsets, rs, fixed_bias, ctas or 132, idx=idx)
         run(b, bias)
     _same_calls(*recs)
     if variant == "cluster2":
@@ -120,22 +125,61 @@ def test_bf16_gemm_prepare_refuses_what_the_call_refuses():
     g = CompiledGroupedGemm("identity", 256, 128, 4, scale_rows=True, compiled=Recorder(), tvm_ffi=True)
     a, out, off = torch.randn(8, 128).to(torch.bfloat16), torch.empty(8, 256, dtype=torch.bfloat16), \
         torch.zeros(5, dtype=torch.int32)
+    w = torch.randn(4, 256, 128).to(torch.bfloat16)
     with pytest.raises(ValueError, match="row_scale"):
-        g.prepare(a, out, off)                                   # scale_rows needs its row scale
+        g.prepare(a, out, off, None, torch.zeros(1, 8))          # a row scale (or placeholder) is required
     with pytest.raises(ValueError, match="idx"):
-        g.prepare(a, out, off, torch.rand(8), idx=torch.zeros(8, dtype=torch.int32))
-    with pytest.raises(ValueError, match="per_call_bias"):
-        g.prepare(a, out, off, torch.rand(8), per_call_bias=True)  # compiled without a bias
-    run = g.prepare(a, out, off, torch.rand(8), 4)
+        g.prepare(a, out, off, torch.rand(8), torch.zeros(1, 8), idx=torch.zeros(8, dtype=torch.int32))
+    with pytest.raises(ValueError, match="placeholder"):
+        g.prepare(a, out, off, torch.rand(8), None)               # no bias: its placeholder is fixed here
+    run = g.prepare(a, out, off, torch.rand(8), torch.zeros(1, 8), 4)
     with pytest.raises(ValueError, match="bias"):
-        run(torch.randn(4, 256, 128).to(torch.bfloat16), torch.rand(4, 256))
+        run(w, torch.rand(4, 256))                                # fixed at prepare: none per call
     gb = CompiledGroupedGemm("identity", 256, 128, 4, scale_rows=False, compiled=Recorder(), tvm_ffi=True,
                              bias_dtype="bfloat16")
-    run = gb.prepare(a, out, off, None, 4, per_call_bias=True)
+    run = gb.prepare(a, out, off, torch.zeros(1), None, 4)
     for bias in (None, torch.rand(4, 256), torch.rand(4, 128).to(torch.bfloat16)):
         with pytest.raises(ValueError, match="bias"):
-            run(torch.randn(4, 256, 128).to(torch.bfloat16), bias)
+            run(w, bias)
     assert gb.compiled.calls == [] and g.compiled.calls == []
+    with pytest.raises(RuntimeError, match="tvm_ffi"):
+        CompiledGroupedGemm("identity", 256, 128, 4, False, compiled=object()).prepare(a, out, off, torch.zeros(1))
+
+
+def test_shim_gemm_prepare_fixes_its_own_placeholders():
+    """The shim's ``GroupedGemm.prepare`` passes its own placeholders (never the compile cache's
+    object's), the real row scale only where compiled with one, and a per-call bias slot only
+    for bias kernels; no rows: the plain call, which launches nothing."""
+    from moe_ep.shim.drops.sm90_megamoe import GroupedGemm
+
+    seen = []
+
+    class Compiled:
+        scale_rows, n_out, tvm_ffi, gather_a, gather_tma = False, 128, True, False, False
+
+        def __init__(self, bias_dtype):
+            self.bias_dtype = bias_dtype
+
+        def prepare(self, **kw):
+            seen.append(kw)
+            return "run"
+
+    a, off, out = torch.zeros(8, 128), torch.zeros(5, dtype=torch.int32), torch.zeros(8, 128)
+    def launcher(bias_dtype):  # GroupedGemm's constructor without its CUDA query (one CTA per SM)
+        g = object.__new__(GroupedGemm)
+        g.compiled, g.scale_rows, g.bias_dtype = Compiled(bias_dtype), False, bias_dtype
+        g.tvm_ffi, g.gather_a = True, False
+        g._dummy_scale, g._dummy_bias, g._ctas = torch.zeros(1), torch.zeros(1, 8), 132
+        return g
+
+    for bias_dtype in (None, "float32"):
+        g = launcher(bias_dtype)
+        assert g.prepare(a, off, out, max_active_ctas=9) == "run"
+        kw = seen[-1]
+        assert kw["row_scale"] is g._dummy_scale and kw["max_active_ctas"] == 9 and kw["idx"] is None
+        assert kw["bias"] is (None if bias_dtype else g._dummy_bias)
+    empty = launcher(None).prepare(torch.zeros(0, 128), off, out)
+    assert empty != "run" and callable(empty) and len(seen) == 2
 
 
 # ------------------------------------------------------------------------------ FP8 row quantisers

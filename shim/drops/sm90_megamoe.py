@@ -58,7 +58,7 @@ from .sm90_megamoe_switches import (  # noqa: F401  (re-exported: the shim reads
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 62},
+    "sm90_megamoe": {"DROP_VERSION": 63},
     "sm90_megamoe.fp8_gemm": {"FP8_BLOCK": 128, "OVERLAP_MAX_K_TILES": 32, "OVERLAP_MAX_CHUNK": 16},
     "sm90_megamoe.constants": {
         "ABI_VERSION": 2,
@@ -104,7 +104,7 @@ CONTRACT = DropContract(
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_tensors",
                     ("a", "b", "c", "offsets", "row_scale", "bias", "max_active_ctas", "stream", "idx")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.prepare",
-                    ("a", "out", "offsets", "row_scale", "max_active_ctas", "idx", "per_call_bias")),
+                    ("a", "out", "offsets", "row_scale", "bias", "max_active_ctas", "idx")),
         CallableUse("sm90_megamoe.launch:to_cute_args",
                     ("a", "b", "c", "offsets", "row_scale", "bias", "idx")),
         CallableUse("sm90_megamoe.compile_check:compile_for_arch",
@@ -427,20 +427,23 @@ class GroupedGemm:
     def prepare(self, a, offsets, out, row_scale=None, max_active_ctas=None, idx=None):
         """``self(a, b, offsets, out, row_scale, max_active_ctas, bias=bias, idx=idx)`` with all but
         the weights (and the bias, when compiled with one) fixed: ``run(b, bias=None)``, the same
-        launch. TVM-FFI kernels check and pack the fixed tensors once (drop v61, the drop's
-        ``CompiledGroupedGemm.prepare``); the classic path calls this launcher (its converted
-        arguments are cached anyway). The fixed tensors must keep their shapes while ``run`` is used."""
+        launch. TVM-FFI kernels check and pack the fixed tensors once (the drop's
+        ``CompiledGroupedGemm.prepare``, with this launcher's placeholders); the classic path calls
+        this launcher (its converted arguments are cached anyway). The fixed tensors must keep
+        their shapes while ``run`` is used."""
         if self.gather_a != (idx is not None):
             raise ValueError("a gathering grouped GEMM takes idx (grouped row r = a[idx[r]]); any other refuses it")
         if self.scale_rows and row_scale is None:
             raise ValueError("this grouped GEMM was compiled with scale_rows=True: pass row_scale")
         ctas = max_active_ctas or self._ctas
-        if not self.tvm_ffi:
-            def run_classic(b, bias=None):
+        if not self.tvm_ffi or a.shape[0] == 0:  # (no rows: __call__ launches nothing)
+            def run_plain(b, bias=None):
                 self(a, b, offsets, out, row_scale, ctas, bias=bias, idx=idx)
-            return run_classic
-        return self.compiled.prepare(a=a, out=out, offsets=offsets, row_scale=row_scale if self.scale_rows else None,
-                                     max_active_ctas=ctas, idx=idx, per_call_bias=self.bias_dtype is not None)
+            return run_plain
+        return self.compiled.prepare(a=a, out=out, offsets=offsets,
+                                     row_scale=row_scale if self.scale_rows else self._dummy_scale,
+                                     bias=None if self.bias_dtype is not None else self._dummy_bias,
+                                     max_active_ctas=ctas, idx=idx)
 
     def release(self) -> None:
         """Drop the cached converted arguments (they keep the last tensors alive, e.g. the

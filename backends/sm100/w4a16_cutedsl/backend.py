@@ -84,6 +84,10 @@ class Sm100W4A16Backend(Sm90CuteDSLBackend):
         w2 = torch.randn(self.E, cfg.hidden, cfg.intermediate, device=self.device, generator=g) * cfg.intermediate ** -0.5
         return quantize_nvfp4(w13), quantize_nvfp4(w2)
 
+    def _prepare_expert_launches(self) -> None:
+        """Steps 3-4 call this drop's GEMM launchers plainly (they have no prepared form)."""
+        self._expert_runs = {}
+
     def _step34_experts(self, w13, w2, b13=None, b2=None) -> None:
         fc1, fc2 = self._gemms
         fc1(self.xs, w13.values, w13.block_scale, w13.global_scale, self.offsets, out=self.h,

@@ -100,6 +100,10 @@ class Sm120Mxfp8Backend(Sm90CuteDSLBackend):
         w2 = torch.randn(self.E, cfg.hidden, cfg.intermediate, device=self.device, generator=g) * cfg.intermediate ** -0.5
         return quantize_mxfp8(w13), quantize_mxfp8(w2)
 
+    def _prepare_expert_launches(self) -> None:
+        """Steps 3-4 call this drop's GEMM launchers plainly (they have no prepared form)."""
+        self._expert_runs = {}
+
     def _step34_experts(self, w13, w2, b13=None, b2=None) -> None:
         fc1, fc2 = self._gemms
         # every capacity row is quantised (rows past offsets[-1] are never read by the GEMMs):

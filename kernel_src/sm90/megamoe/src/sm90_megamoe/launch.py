@@ -244,35 +244,35 @@ class CompiledGroupedGemm:
             self.launch_converted(to_cute_args(a, b, out, offsets, row_scale, bias, idx), max_active_ctas, stream)
         return out
 
-    def prepare(self, a: torch.Tensor, out: torch.Tensor, offsets: torch.Tensor,
-                row_scale: Optional[torch.Tensor] = None, max_active_ctas: Optional[int] = None,
-                idx: Optional[torch.Tensor] = None, per_call_bias: bool = False):
-        """A launch with every argument but the weights (and a per-call bias) fixed (drop v61):
-        ``run(b, bias=None)`` is ``self(a, b, offsets, out, row_scale, max_active_ctas, bias=bias,
-        idx=idx)`` -- same kernel, same arguments -- with the fixed ones checked and packed once
-        here (a layer's own buffers). A variant compiled with a bias takes it per
-        call (``per_call_bias=True`` required); any other passes its placeholder, fixed here. The
-        fixed tensors are held and must keep their shapes while ``run`` is used."""
+    def prepare(self, a: torch.Tensor, out: torch.Tensor, offsets: torch.Tensor, row_scale: torch.Tensor,
+                bias: Optional[torch.Tensor] = None, max_active_ctas: Optional[int] = None,
+                idx: Optional[torch.Tensor] = None):
+        """:meth:`launch_tensors` with every argument but the weights (and a per-call bias) fixed
+        (drop v61; placeholders from the caller since v63): ``run(b, bias=None)`` launches the same
+        kernel with the same arguments as ``launch_tensors(a, b, out, offsets, row_scale, bias,
+        max_active_ctas, idx=idx)``, the fixed ones checked and packed once here (a layer's own
+        buffers, held: they must keep their shapes while ``run`` is used).
+
+        row_scale: [M_total] fp32 with ``scale_rows``, else any fp32 [L] placeholder (never read).
+        bias:      the fixed bias argument -- for a kernel without a bias, its fp32 [1, L]
+                   placeholder -- or None: each call passes its own (``bias_dtype`` kernels only),
+                   checked there ([E, N], that dtype, contiguous)."""
+        if not self.tvm_ffi:
+            raise RuntimeError("prepare needs a kernel compiled with tvm_ffi=True")
         if self.gather_a != (idx is not None):
             raise ValueError("idx is required with gather_a=True and refused without it")
-        if per_call_bias != (self.bias_dtype is not None):
-            raise ValueError(f"per_call_bias must be {self.bias_dtype is not None} for a kernel compiled with "
-                             f"bias_dtype={self.bias_dtype!r}")
-        if self.scale_rows and (row_scale is None or row_scale.dtype != torch.float32):
-            raise ValueError("this grouped GEMM was compiled with scale_rows=True: pass a float32 row_scale")
-        if not self.tvm_ffi or a.shape[0] == 0:
-            def run_unpacked(b, bias=None):
-                self(a, b, offsets, out, row_scale, max_active_ctas, bias=bias, idx=idx)
-            return run_unpacked
-        dummy_scale, dummy_bias = self.placeholders(a.device)
+        if row_scale is None or row_scale.dtype != torch.float32:
+            raise ValueError("row_scale must be a float32 tensor (a placeholder unless scale_rows)")
+        if bias is None and self.bias_dtype is None:
+            raise ValueError("this grouped GEMM was compiled without a bias: pass its [1, L] float32 placeholder")
         head = (a,) if idx is None else (a, idx)
-        mid = (out, offsets, row_scale if self.scale_rows else dummy_scale)
+        mid = (out, offsets, row_scale)
         ctas = self._grid(max_active_ctas, a.device)
-        fn, fixed_bias = self._fn, dummy_bias
-        if not per_call_bias:
+        fn, fixed_bias = self._fn, bias
+        if fixed_bias is not None:
             def run(b, bias=None):
                 if bias is not None:
-                    raise ValueError("this grouped GEMM was compiled without a bias: bias must be None")
+                    raise ValueError("this launch's bias was fixed at prepare: pass none per call")
                 fn(*head, b, *mid, fixed_bias, ctas)
             return run
         want, shape = _TORCH_BIAS[self.bias_dtype], (self.num_experts, self.n)
