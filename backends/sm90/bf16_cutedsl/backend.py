@@ -534,6 +534,8 @@ class Sm90CuteDSLBackend(BackendImpl):
             return
         torch.cuda.synchronize(self.device)
         self.ep = self.layout = self.fc1 = self.fc2 = self._route_run = self._combine_run = None
+        self.fc1_decode = self.fc2_decode = None
+        self._expert_runs = {}  # the prepared runs hold the layer's buffers
         self.xs = self.h = self.y = self.offsets = self.idx = self.ws_rows = self.pos = self.verr = None
         self.ws.detach(self)
         self.ws = None

@@ -370,6 +370,7 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
     def destroy(self):
         self.xq = self.xq_scale = self.hq = self.hq_scale = self.xq_tok = self.xq_tok_scale = None
         self.ep_q = self.ep_s = self.layout_q = self.xq_send = self.sx_send = None
+        self._quant_x_run = self._fc1_run = self._quant_h_run = self._fc2_run = None  # they hold the buffers
         super().destroy()
 
 
