@@ -90,7 +90,9 @@
 #   BENCH_ROUNDS (moe_ep.bench --rounds: per-call / b2b / graph timed that many times, interleaved; 1),
 #   STEP_TIMEOUT (s per part, 420), PEER_TIMEOUT (s per peer run, 240), BENCH_ARGS (extra moe_ep.bench args),
 #   QUANT (fp8_block128: FP8 block-scaled weights, FlashInfer's FP8 backend beside them),
-#   MOE_EP_COMMIT (the commit to print when the copy on the host has no .git).
+#   MOE_EP_COMMIT (the commit to print when the copy on the host has no .git),
+#   PIN_CPUS (e.g. 0-3: run each step under `taskset -c` on those cores, so host timings of
+#   different processes compare; untried on the H200 as of the twenty-fourth session).
 set -uo pipefail
 mode=${1:-all}
 modes="all|moe|fi|liger|extra|verify|verify2|ncu|layers|fp8ab|envab|power|sustained|sustab|defer|dropab|commitab|ceiling|decide|decode|suite|suite1|suite2|suite3"
@@ -124,7 +126,9 @@ status=()
 step() {  # step NAME LOG -- command...: run with a timeout, tee the log, remember the exit code
   local name=$1 log=$2; shift 3
   echo "===== $name ($(date +%T)) -> $log"
-  timeout -k 20 "$STEP_TIMEOUT" "$@" 2>&1 | tee "$log"
+  # PIN_CPUS: every step on the same host cores (the host's speed differs 2-3x between processes)
+  local pin=(); [ -n "${PIN_CPUS:-}" ] && command -v taskset > /dev/null && pin=(taskset -c "$PIN_CPUS")
+  timeout -k 20 "$STEP_TIMEOUT" ${pin[@]+"${pin[@]}"} "$@" 2>&1 | tee "$log"
   local rc=${PIPESTATUS[0]}
   status+=("$name: exit $rc$([ "$rc" = 124 ] && echo " (timed out after ${STEP_TIMEOUT}s)")")
 }

@@ -10,6 +10,8 @@ Per model and weight format, on the default backend (8192 tokens, one rank):
 2. **timeline**: one forward's host timeline, median of 40 per-call forwards: when (us after
    ``forward()`` is entered) each numbered step of the backend and each launcher it calls starts and
    returns (the launchers are wrapped where the backend looks them up; nothing else changes).
+   Each section's first line ends with a host speed probe (:func:`host_speed_us`, a fixed host
+   workload): divide by it to compare timelines from different processes.
 3. with ``--cprofile``: a cProfile of 100 back-to-back forwards (top functions by own time).
 
 The host's own speed varies between processes (2-3x on the H200 machines), so compare only runs
@@ -27,7 +29,26 @@ import time
 
 _STEPS = ("_step1_dispatch", "_step2_layout", "_step34_experts", "_step5_combine_send", "_step5_combine_reduce")
 # the launch callables a backend reaches through attributes of itself (prepared ones from drop v58)
-_LAUNCHERS = ("_route_run", "_quant_x_run", "_fc1_run", "_quant_h_run", "_fc2_run", "_combine_run", "fc1", "fc2")
+_LAUNCHERS = ("_route_run", "_quant_x_run", "_fc1_run", "_quant_h_run", "_fc2_run", "_combine_run", "fc1", "fc2",
+              "_expert_runs")
+
+
+def host_speed_us(n: int = 7) -> float:
+    """A fixed host workload (Python loop + small torch calls), median us: the process's own host
+    speed, so timelines from different processes can be compared (the H200 hosts differ 2-3x)."""
+    import torch
+
+    t = torch.empty(4)
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        acc = 0
+        for i in range(2000):
+            acc += i & 7
+        for _ in range(100):
+            t.view(torch.uint8)
+        ts.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(ts)
 
 
 def _layer(model: str, quant: str | None):
@@ -82,19 +103,8 @@ def timeline(layer, fwd, n: int = 40) -> str:
     import torch
 
     impl, marks = layer._impl, []
-
-    def wrap(obj, name):
-        f = getattr(obj, name, None)
-        if f is None:
-            return
-        if isinstance(f, dict):  # e.g. the prepared route per row-gather choice
-            for key in list(f):
-                f[key] = _marked(f[key], f"{name}[{key}]", marks)
-            return
-        setattr(obj, name, _marked(f, name, marks))
-
     for name in _STEPS + _LAUNCHERS:
-        wrap(impl, name)
+        wrap_launcher(impl, name, marks)
     impl._gemms = (impl.fc1, impl.fc2)
     for _ in range(5):
         fwd()
@@ -109,6 +119,23 @@ def timeline(layer, fwd, n: int = 40) -> str:
     rows = [f"  {statistics.median(r[i][1] for r in runs):8.1f} us  {label}" for i, (label, _) in enumerate(runs[0])]
     return "\n".join(["host timeline of a per-call forward (us after forward() is entered, median of "
                       f"{n}; > enters, < returns)"] + rows)
+
+
+def wrap_launcher(obj, name: str, marks: list) -> None:
+    """Replace ``obj.name`` (a callable, a dict of them, or a dict of callable pairs) by callables
+    that append ``(label + " >" / " <", perf_counter())`` to ``marks`` around each call."""
+    f = getattr(obj, name, None)
+    if f is None:
+        return
+    if isinstance(f, dict):  # the prepared route per row-gather choice; the BF16 GEMM pair per path
+        for key in list(f):
+            if isinstance(f[key], tuple):
+                f[key] = tuple(g and _marked(g, f"{name}[{key}] {part}", marks)
+                               for g, part in zip(f[key], ("fc1", "fc2")))
+            else:
+                f[key] = _marked(f[key], f"{name}[{key}]", marks)
+        return
+    setattr(obj, name, _marked(f, name, marks))
 
 
 def _marked(f, label, marks):
@@ -145,7 +172,8 @@ def main() -> None:
         for q in args.quant.split(","):
             quant = None if q == "bf16" else q
             layer, cfg, fwd = _layer(model, quant)
-            print(f"== {model} {q} ({layer.backend_name}): {exposed(fwd, cfg.flops(8192))}", flush=True)
+            print(f"== {model} {q} ({layer.backend_name}): {exposed(fwd, cfg.flops(8192))}; host speed probe "
+                  f"{host_speed_us():.1f} us", flush=True)
             if args.cprofile:
                 print(cprofile(fwd), flush=True)
             print(timeline(layer, fwd), flush=True)

@@ -640,3 +640,25 @@ def test_sustained_samples_and_checks(monkeypatch):
         if name.startswith("moe_ep"):  # cuBLAS's block-wise _scaled_mm has no CPU kernel
             fn(*sets[0])
             assert check() < 1e-2, (gemm, name)
+
+
+def test_host_profile_wraps_every_launcher_form():
+    """host_profile's timeline marks a plain launcher, a dict of them (the prepared route per
+    row-gather choice) and a dict of (FC1, FC2) pairs (the BF16 GEMM runs per path, a gathering FC1
+    being None); the calls still reach the launchers. Its host speed probe is a positive time."""
+    from types import SimpleNamespace
+
+    from moe_ep.bench.host_profile import host_speed_us, wrap_launcher
+
+    calls, marks = [], []
+    obj = SimpleNamespace(_combine_run=lambda out: calls.append(("combine", out)),
+                          _route_run={True: lambda x: calls.append(("route", x))},
+                          _expert_runs={False: (None, lambda w, b=None: calls.append(("fc2", w)))})
+    for name in ("_combine_run", "_route_run", "_expert_runs", "missing"):
+        wrap_launcher(obj, name, marks)
+    obj._combine_run(1), obj._route_run[True](2), obj._expert_runs[False][1](3)
+    assert obj._expert_runs[False][0] is None
+    assert calls == [("combine", 1), ("route", 2), ("fc2", 3)]
+    assert [m for m, _ in marks] == ["_combine_run >", "_combine_run <", "_route_run[True] >", "_route_run[True] <",
+                                     "_expert_runs[False] fc2 >", "_expert_runs[False] fc2 <"]
+    assert all(a <= b for (_, a), (_, b) in zip(marks, marks[1:])) and host_speed_us(3) > 0
