@@ -71,7 +71,8 @@
 #                (2) rounds -> $OUT/dropab_*.{log,csv}, $OUT/tests_*.log.
 # commitab:      this checkout against an older commit installed beside it in .device/old (made here:
 #                `git worktree add /tmp/old <sha> && pip install --no-deps --no-build-isolation --target
-#                .device/old /tmp/old`; carry .device/old and an AOT cache built by both trees), interleaved,
+#                .device/old /tmp/old`; carry .device/old and an AOT cache built by both trees: the old one's with
+#                `cd /tmp && PYTHONPATH=$REPO/.device/old python -m moe_ep.aot build ... --out $REPO/.device/aot`), interleaved,
 #                COMMITAB_ROUNDS (2) rounds: the decode sweep (1, 8, 128 tokens) of MODELS in BF16 and FP8,
 #                the BF16 and FP8 layers at TOKENS and `bench.host_profile` -> $OUT/commitab_<new|old>_*_r<r>.{log,csv}.
 # ceiling:       the BF16 and FP8 layers, then `python -m moe_ep.bench ceiling` (the layers' two GEMMs done by
