@@ -105,7 +105,6 @@ def timeline(layer, fwd, n: int = 40) -> str:
     impl, marks = layer._impl, []
     for name in _STEPS + _LAUNCHERS:
         wrap_launcher(impl, name, marks)
-    impl._gemms = (impl.fc1, impl.fc2)
     for _ in range(5):
         fwd()
     runs = []

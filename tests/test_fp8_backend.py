@@ -9,6 +9,7 @@ pytest.importorskip("cutlass")
 
 from moe_ep.api import EPGroup, MoEConfig, MoELayer  # noqa: E402
 from moe_oracle import capture_graph, layer_outputs_with_switch, replay_poisoned  # noqa: E402
+from recorders import rec_layout  # noqa: E402
 from moe_ep.backends import UnsupportedBackendError, get  # noqa: E402
 
 QWEN = dict(num_experts=128, hidden=2048, intermediate=768, top_k=8)
@@ -348,16 +349,6 @@ class _RecLauncher:
         return lambda x: self.calls.append((self.name, (x, q, sc), dict(fixed)))
 
 
-def _rec_layout(calls):
-    """A recording stand-in for the layout session: plain calls, ``route`` and ``prepare_route``."""
-    def prepare_route(self, ep, offsets, idx, ws, pos, xs):
-        return lambda x, ids, w, tokens=None: calls.append(("route", (ep, x, ids, w, offsets, idx, ws, pos, xs),
-                                                            {"tokens": tokens}))
-    return type("L", (), {"__call__": lambda self, *a, **k: calls.append(("layout", a, k)),
-                          "route": lambda self, *a, **k: calls.append(("route", a, k)),
-                          "prepare_route": prepare_route})()
-
-
 def _recorded_steps(calls, *, fused, route, requant=False, scatter=False, gather_fc1=False, fused_quant=False):
     """An FP8 backend with recording stand-ins for every launcher (no kernel runs), run through
     steps 1-4: returns (backend, its buffers by name, x, ids, w, w13, w2); ``calls`` gets
@@ -377,7 +368,7 @@ def _recorded_steps(calls, *, fused, route, requant=False, scatter=False, gather
     b.fused_requant, b.gather_fc1, b.fp8_wire, b.fused_quant = requant, gather_fc1, False, fused_quant
     b.fc1_decode, b.local_combine = None, False
     b.fc1, b.fc2 = _RecLauncher(calls, "fc1", "gemm"), _RecLauncher(calls, "fc2", "gemm")
-    b.layout = _rec_layout(calls)
+    b.layout = rec_layout(calls)
     b.quant_x, b.quant_h = _RecLauncher(calls, "quant_x", "quant"), _RecLauncher(calls, "quant_h", "quant")
     b.ws = SimpleNamespace(seq=0)
     b.ep = SimpleNamespace(bufs=SimpleNamespace(recv_x=t["recv_x"], recv_count=t["recv_count"]),
@@ -604,7 +595,7 @@ def test_split_dispatch_wiring_on_cpu(route):
     b._routing, b.fc1_decode, b.local_combine = None, None, False
     b.fc1, b.fc2 = _RecLauncher(calls, "fc1", "gemm"), _RecLauncher(calls, "fc2", "gemm")
     b.quant_x, b.quant_h = _RecLauncher(calls, "quant_x", "quant"), _RecLauncher(calls, "quant_h", "quant")
-    b.layout = _rec_layout(calls)
+    b.layout = rec_layout(calls)
     b.ws = SimpleNamespace(seq=0)
     b.ep = SimpleNamespace(bufs=SimpleNamespace(recv_x=torch.zeros(4), recv_count=torch.zeros(1)),
                            dispatch=rec("dispatch"))

@@ -12,6 +12,7 @@ import torch
 
 pytest.importorskip("cutlass")
 
+from recorders import rec_layout  # noqa: E402
 from moe_ep.shim import drop_src, register_drop  # noqa: E402
 
 SRC = drop_src("sm90", "megamoe")
@@ -78,15 +79,6 @@ def test_which_layers_gather(monkeypatch):
     assert "gather_a" not in _gemm_specs(cfg, 128, 1)["fc1"]
 
 
-def _rec_layout(calls):
-    """A recording stand-in for the layout session's ``route`` and its prepared form (drop v58's
-    ``prepare_route``, made at bind): both record the plain ``route`` call."""
-    def prepare_route(ep, offsets, idx, ws, pos, xs):
-        return lambda x, ids, w, tokens=None: calls.append(("route", (ep, x, ids, w, offsets, idx, ws, pos, xs),
-                                                            {"tokens": tokens}))
-    return SimpleNamespace(route=lambda *a, **k: calls.append(("route", a, k)), prepare_route=prepare_route)
-
-
 def test_bf16_gather_wiring_on_cpu():
     """Steps 2-4 with a gathering FC1 (recorded, no kernel runs): LocalRoute writes no grouped rows,
     FC1 gets the caller's x and idx, FC2 as usual; the layer keeps no reference to x afterwards."""
@@ -108,7 +100,7 @@ def test_bf16_gather_wiring_on_cpu():
     b.local_route, b.token_grid, b._routing = True, False, None
     b.fc1_decode = b.fc2_decode = None
     b.fc1, b.fc2 = rec("fc1", gather_a=True), rec("fc2", gather_a=False)
-    b.layout = _rec_layout(calls)
+    b.layout = rec_layout(calls)
     b.ws = SimpleNamespace(seq=0)
     b.ep = SimpleNamespace(dispatch=lambda *a, **k: calls.append(("dispatch", a, k)))
     for n in ("offsets", "idx", "ws_rows", "pos", "xs", "h", "y"):
@@ -138,7 +130,7 @@ def test_bf16_gather_split_dispatch_copies_rows_on_cpu():
     b.local_route, b.token_grid, b._routing, b.fc1_decode, b.fc2_decode = True, False, None, None, None
     b.fc1 = SimpleNamespace(gather_a=True)
     b.fc2 = SimpleNamespace(gather_a=False, prepare=lambda *a, **k: None)
-    b.layout = _rec_layout(calls)
+    b.layout = rec_layout(calls)
     b.ws, b.ep = SimpleNamespace(seq=0), SimpleNamespace()
     for n in ("offsets", "idx", "ws_rows", "pos", "xs", "h"):
         setattr(b, n, torch.zeros(4))
