@@ -10,6 +10,7 @@ import pytest
 import torch
 
 pytest.importorskip("cutlass")
+tvm_ffi = pytest.importorskip("tvm_ffi")
 
 from moe_ep.shim import drop_src, register_drop  # noqa: E402
 
@@ -32,16 +33,24 @@ class Recorder:
 
 
 def _sig(a):
-    """What a kernel sees of an argument: a tensor's address / shape / strides / dtype, or the value."""
+    """What a kernel sees of an argument: a tensor's address / shape / strides / dtype (a torch
+    tensor or, drop v61, a ``tvm_ffi.Tensor`` made from one), or the value."""
+    if isinstance(a, tvm_ffi.Tensor):
+        a = torch.from_dlpack(a)
     if isinstance(a, torch.Tensor):
         return ("tensor", a.data_ptr(), tuple(a.shape), a.stride(), a.dtype)
     return ("value", a)
 
 
 def _same_calls(rec_plain, rec_prepared):
+    """The prepared launches pass the plain calls' arguments; each packs its fixed tensors as
+    TVM-FFI tensors (drop v61) and keeps at least one torch tensor, from which TVM-FFI takes the
+    stream (without one the kernel would go to the default stream)."""
     assert len(rec_plain.calls) == len(rec_prepared.calls) > 0
     for p, q in zip(rec_plain.calls, rec_prepared.calls):
         assert [_sig(a) for a in p] == [_sig(a) for a in q]
+        assert any(isinstance(a, torch.Tensor) for a in q), "a prepared launch must keep a torch tensor"
+    assert any(isinstance(a, tvm_ffi.Tensor) for q in rec_prepared.calls for a in q), "fixed tensors not packed"
 
 
 def _e4m3(*shape):

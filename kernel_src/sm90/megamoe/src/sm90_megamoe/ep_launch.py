@@ -61,7 +61,7 @@ from .ep_constants import (
     PEER_RECV_X,
 )
 from .ep_kernels import CombineLocal, CombineReduce, CombineSend, EpDispatch, EpWait, GatherRows
-from .launch import call_on_stream, ffi_function
+from .launch import call_on_stream, ffi_fixed, ffi_function
 
 ARCH = "sm_90a"
 
@@ -582,7 +582,9 @@ class EpRank:
             def run_unpacked(out, num_ctas=None):
                 self.combine_local(y, pos, out, num_ctas=num_ctas)
             return run_unpacked
-        head = (self._cv("y", y, 16, True), self._cv("pos", pos, 4, False), self._recv_count, self._err)
+        # the fixed tensors as TVM-FFI objects once (drop v61); out (or, with no tokens, the
+        # placeholder) stays a torch tensor: TVM-FFI takes the stream from it
+        head = ffi_fixed(self._cv("y", y, 16, True), self._cv("pos", pos, 4, False), self._recv_count, self._err)
         fn, dummy, grid, check_out = self.k["combine_local"], self._dummy_out, self.num_ctas, self._check_combine_out
 
         def run(out, num_ctas=None):

@@ -16,7 +16,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 from .fp8_gather import Fp8GatherGroupedGemmSm90
 from .fp8_gemm import (FP8_BLOCK, Fp8BlockScaledGroupedGemmSm90, Fp8SwigluFusedQuantGroupedGemmSm90,
                        Fp8SwigluRequantGroupedGemmSm90, can_implement)
-from .launch import _num_sms, call_on_stream, cluster_ctas, ffi_function
+from .launch import _num_sms, call_on_stream, cluster_ctas, ffi_fixed, ffi_function
 
 
 def fake_args(num_experts: int, n: int, k: int, activation: str, use_tvm_ffi: bool = False, requant: bool = False,
@@ -227,9 +227,10 @@ class CompiledFp8Gemm:
                 self(a, a_scale, b, b_scale, offsets, out, row_scale, max_active_ctas, out_scale=out_scale, idx=idx)
             return run_unpacked
         ctas = self._grid(max_active_ctas, a.device)
-        head = (_u8(a), a_scale) + ((idx,) if self.gather_a else ())
+        # the fixed tensors as TVM-FFI objects once (drop v61); b and b_scale stay torch tensors
+        head = ffi_fixed(_u8(a), a_scale, *((idx,) if self.gather_a else ()))
         outs = (_u8(out), out_scale) if self.requant or self.fused_quant else (out,)
-        tail = (*outs, offsets, row_scale, ctas)
+        tail = ffi_fixed(*outs, offsets, row_scale, ctas)
         fn = self._fn
 
         def run(b, b_scale):

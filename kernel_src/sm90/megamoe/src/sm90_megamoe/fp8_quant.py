@@ -552,6 +552,10 @@ class CompiledFp8QuantizeRows:
             def run_unpacked(x):
                 self(x, q, scale, m_rows, count=count, idx=idx, pos=pos, recv_count=recv_count, t_max=t_max)
             return run_unpacked
+        from .launch import ffi_fixed
+
+        # the fixed tensors as TVM-FFI objects once (drop v61); x stays a torch tensor
+        tail = ffi_fixed(*tail)
         fn, bf16, exact = self._fn, torch.bfloat16, not (self.gather or self.scatter_topk)
 
         def run(x):

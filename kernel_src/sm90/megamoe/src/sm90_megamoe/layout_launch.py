@@ -30,7 +30,7 @@ from cutlass.cute.runtime import make_fake_stream
 from . import DROP_VERSION
 from .ep_constants import DEFAULT_TIMEOUT_NS, EP_ALIGN_H_ELEMS
 from .ep_launch import ARCH, _fake, _real, _stream, check_routing_inputs, device_num_sms
-from .launch import call_on_stream, ffi_function
+from .launch import call_on_stream, ffi_fixed, ffi_function
 from .layout_kernels import (
     LAYOUT_ABI_VERSION,
     LAYOUT_MAX_LOCAL_EXPERTS,
@@ -377,6 +377,9 @@ class Layout:
         place_head = (recv_ids, recv_w, recv_count, err, self._cnt)
         place_tail = (cv("offsets", offsets, 4, False), cv("idx", idx, 4, True), cv("ws", ws, 4, True),
                       cv("pos", pos, 4, False), cv("xs", xs, 16, True) if gather else self._dummy_x, self._C)
+        # the fixed tensors as TVM-FFI objects once (drop v61). The routing (or, with no tokens,
+        # the placeholders) stays torch tensors: TVM-FFI takes the stream from them
+        route_tail, place_head, place_tail = ffi_fixed(*route_tail), ffi_fixed(*place_head), ffi_fixed(*place_tail)
         k_route, k_place, C = self.k_route, self.k_place[gather], self._C
         dummy_ids, dummy_w, dummy_x = self._dummy_ids, self._dummy_w, self._dummy_x
 
