@@ -91,7 +91,7 @@
 #   BENCH_ROUNDS (moe_ep.bench --rounds: per-call / b2b / graph timed that many times, interleaved; 1),
 #   STEP_TIMEOUT (s per part, 420), PEER_TIMEOUT (s per peer run, 240), BENCH_ARGS (extra moe_ep.bench args),
 #   QUANT (fp8_block128: FP8 block-scaled weights, FlashInfer's FP8 backend beside them),
-#   MOE_EP_COMMIT (the commit to print when the copy on the host has no .git),
+#   MOE_EP_COMMIT (the commit to print: the host's copy of .git can be older than its tree, see above),
 #   PIN_CPUS (e.g. 0-3: run each step under `taskset -c` on those cores, so host timings of
 #   different processes compare; untried on the H200 as of the twenty-fourth session).
 set -uo pipefail
