@@ -3,7 +3,8 @@ v35's ``scale_warp=True``: by a second producer warp, the TMA warp's loop unchan
 producer warp loads each k-tile's 128 A-row scales and the weight block's scale(s) before it
 waits for a free stage, stores them into the stage's slot and only then arms the stage's full
 barrier, so the consumers read them from shared memory instead of waiting on global loads after
-issuing the k-tile's WGMMAs. CPU: the PTX (loads before the wait, a warp barrier between the
+issuing the k-tile's WGMMAs. Drop v65's ``scale_lookahead``: the scale warp keeps the next k-tiles'
+scale loads in flight, so no stage's stores wait on loads issued for that stage. CPU: the PTX (loads before the wait, a warp barrier between the
 stores and the barrier's arrive), no spills, the refusals, the shim's switch. GPU: the same bits
 as the global-memory kernel on every schedule the layer runs, every row written, and float64
 agreement."""
@@ -89,6 +90,50 @@ def test_scale_warp_ptx(act, n, k, experts, kw):
         assert r["ptxas_spill_bytes"] == 0, r
 
 
+def _scale_windows(ptx: str):
+    """Per stretch of PTX between two warp barriers that stores staged scales and loads some: (stored,
+    loaded, stored registers loaded in the same stretch). v35's warp loads what it stores right
+    before it (all of them); with a lookahead each stretch refills registers stored later (none)."""
+    out = []
+    for part in ptx.split("bar.warp.sync")[1:-1]:
+        stored = re.findall(r"st\.shared\.b32\s+\[[^\]]+\],\s*(%r\d+);", part)
+        loaded = re.findall(r"ld\.global\.b32\s+(%r\d+),", part)
+        if stored and loaded:
+            out.append((len(stored), len(loaded), len(set(stored) & set(loaded))))
+    return out
+
+
+@pytest.mark.parametrize("act,n,k,experts,kw,depth", [
+    ("identity", 4096, 14336, 8, dict(cluster_n=2), 4),                           # Mixtral FC2 (112 k-tiles)
+    ("swiglu", 28672, 4096, 8, dict(wide_gated=True, cluster_n=2), 4),            # Mixtral FC1 (32)
+    ("identity", 2048, 768, 128, dict(cluster_n=2), 3),                           # Qwen3 FC2 (6: steps of 3)
+])
+def test_scale_lookahead_ptx(act, n, k, experts, kw, depth):
+    """Drop v65: with ``scale_lookahead=4`` the scale warp's k-loop steps by the largest divisor of
+    K/128 up to 4, and no stretch between its warp barriers stores a register it also loads there
+    (the loads were issued ``depth`` k-tiles earlier); with 1 (v35) every stored register is loaded
+    in its own stretch. Same staging otherwise: the stores, one warp barrier and an arrive per stage;
+    no spills, no local memory."""
+    from sm90_megamoe.fp8_runner import compile_variant, ptx_report
+
+    for ahead in (1, 4):
+        kernel, compiled = compile_variant(act, n, k, experts, act == "identity", raster_m=16,
+                                           overlap_promotion=True, smem_scales=True, scale_warp=True,
+                                           scale_lookahead=ahead, **kw)
+        wins = _scale_windows(compiled.__ptx__)
+        assert wins, "no staging stretch found"
+        if ahead == 1:
+            assert all(both == stored for stored, _, both in wins), wins
+        else:
+            assert kernel._lookahead_depth() == depth
+            assert all(both == 0 for _, _, both in wins), wins
+            assert len(wins) >= depth - 1  # one stretch per slot of the unrolled step
+        r = ptx_report(kernel, compiled)
+        assert r["fp8_wgmma"] and r["tma"] and r["pdl"] and not r["local"]
+        if r["ptxas_spill_bytes"] is not None:
+            assert r["ptxas_spill_bytes"] == 0, r
+
+
 def test_global_scale_kernel_is_unchanged():
     """Without the switch the kernel has no staging code (v33's schedule: consumers load scales)."""
     from sm90_megamoe.fp8_runner import compile_variant
@@ -110,6 +155,18 @@ def test_smem_scales_refusals():
         Fp8BlockScaledGroupedGemmSm90("identity", scale_warp=True)
     with pytest.raises(ValueError, match="scale_warp needs smem_scales"):
         CompiledFp8Gemm("identity", 2048, 768, 8, scale_warp=True)
+    # drop v65: the lookahead is the scale warp's, 1 ... MAX_SCALE_LOOKAHEAD, on the plain kernel
+    with pytest.raises(ValueError, match="scale_lookahead > 1 needs scale_warp"):
+        Fp8BlockScaledGroupedGemmSm90("identity", smem_scales=True, scale_lookahead=2)
+    with pytest.raises(ValueError, match="scale_lookahead must be in 1 ... 4, got 5"):
+        Fp8BlockScaledGroupedGemmSm90("identity", smem_scales=True, scale_warp=True, scale_lookahead=5)
+    with pytest.raises(ValueError, match="scale_lookahead must be in 1 ... 4, got 0"):
+        CompiledFp8Gemm("identity", 2048, 768, 8, smem_scales=True, scale_warp=True, scale_lookahead=0)
+    with pytest.raises(ValueError, match="scale_lookahead > 1 needs scale_warp and the plain kernel"):
+        CompiledFp8Gemm("swiglu", 1024, 1024, 8, overlap_promotion=True, requant=True, smem_scales=True,
+                        scale_warp=True, scale_lookahead=2)
+    with pytest.raises(ValueError, match="scale_lookahead > 1 needs scale_warp and the plain kernel"):
+        CompiledFp8Gemm("identity", 2048, 768, 8, smem_scales=True, scale_lookahead=2)
 
 
 def test_shim_switch_and_key(monkeypatch):
@@ -155,6 +212,31 @@ def test_shim_switch_and_key(monkeypatch):
     assert s._key("gemm", "identity", 4096, 14336, 8, True, overlap_promotion=True).scale_warp is False
 
 
+def test_shim_scale_lookahead_switch(monkeypatch):
+    """Drop v65's lookahead: 1 unless ``MOE_EP_FP8_SCALE_LOOKAHEAD`` says otherwise, and only where the
+    scale warp runs (not the requantising FC1); a bad value raises naming the variable."""
+    from moe_ep.shim.drops import sm90_megamoe_fp8 as s
+
+    for var in ("MOE_EP_FP8_SMEM_SCALES", "MOE_EP_FP8_OVERLAP", "MOE_EP_FP8_SCALE_WARP", "MOE_EP_FP8_SCALE_LOOKAHEAD"):
+        monkeypatch.delenv(var, raising=False)
+    fc2 = lambda: s._key("gemm", "identity", 4096, 14336, 8, True, overlap_promotion=True)  # noqa: E731
+    fc1 = lambda **kw: s._key("gemm", "swiglu", 28672, 4096, 8, False, overlap_promotion=True, **kw)  # noqa: E731
+    assert fc2().scale_lookahead == 1 and fc1().scale_lookahead == 1
+    monkeypatch.setenv("MOE_EP_FP8_SCALE_LOOKAHEAD", "4")
+    assert fc2().scale_lookahead == 4 and fc2().scale_warp
+    assert fc1().scale_lookahead == 1  # Mixtral's FC1 reads its scales from global memory by default
+    monkeypatch.setenv("MOE_EP_FP8_SMEM_SCALES", "1")
+    monkeypatch.setenv("MOE_EP_FP8_SCALE_WARP", "1")
+    assert fc1().scale_lookahead == 4 and fc1().scale_warp
+    assert fc1(requant=True).scale_lookahead == 1 and fc1(requant=True).scale_warp
+    assert s._key("quantize", "", 0, 2048, 0, False).scale_lookahead == 1
+    assert s._gemm_options(fc1())["scale_lookahead"] == 4
+    for bad in ("0", "5", "two"):
+        monkeypatch.setenv("MOE_EP_FP8_SCALE_LOOKAHEAD", bad)
+        with pytest.raises(ValueError, match="MOE_EP_FP8_SCALE_LOOKAHEAD"):
+            fc2()
+
+
 # ---------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("routing", ["uniform", "skewed"])
@@ -180,8 +262,10 @@ def test_gpu_smem_scales_is_bit_identical(act, n, k, kw, m_total, routing):
     a, a_s, b, b_s, offs, rs = (None if t is None else t.cuda()
                                 for t in fp8_gemm_problem(m_total, n, k, E, routing, 70 + m_total, sr))
     outs = []
-    for smem, warp in ((False, False), (True, False), (True, True)):  # global, staged (v34), scale warp (v35)
-        fn = Fp8GroupedGemm(act, n, k, E, sr, raster_m=16, smem_scales=smem, scale_warp=warp, **kw)
+    # global, staged (v34), scale warp (v35), the scale warp with 4 k-tiles of loads in flight (v65)
+    for smem, warp, ahead in ((False, False, 1), (True, False, 1), (True, True, 1), (True, True, 4)):
+        fn = Fp8GroupedGemm(act, n, k, E, sr, raster_m=16, smem_scales=smem, scale_warp=warp,
+                            scale_lookahead=ahead, **kw)
         out = torch.full((m_total, fn.n_out), float("nan"), dtype=torch.bfloat16, device="cuda")
         fn.launch(fn.prepare(a, a_s, b, b_s, out, offs, rs))
         outs.append(out)

@@ -228,6 +228,21 @@ class Fp8Key:
     deferred_epilogue: bool = False
     tanh_sigmoid: bool = False
     quant_items: int = 1
+    scale_lookahead: int = 1
+
+
+def use_fp8_scale_lookahead(scale_warp: bool) -> int:
+    """k-tiles of scale loads the scale warp keeps in flight (drop v65, ``scale_lookahead``; the same
+    bits): ``MOE_EP_FP8_SCALE_LOOKAHEAD`` in 1 ... MAX_SCALE_LOOKAHEAD, default 1 (v35's warp, one
+    k-tile's loads at a time). Only where the scale warp runs (:func:`use_fp8_scale_warp`); 1 elsewhere.
+    Why it may pay: v35's warp stores a k-tile's scales only after their loads return, so it stages
+    at most one k-tile per L2 round trip, which under load can take longer than the tensor cores take
+    for a 128 x 128 x 128 k-tile."""
+    raw = os.environ.get("MOE_EP_FP8_SCALE_LOOKAHEAD", "1")
+    top = CONSTANTS.value("sm90_megamoe.fp8_gemm", "MAX_SCALE_LOOKAHEAD")
+    if raw not in tuple(str(d) for d in range(1, top + 1)):
+        raise ValueError(f"MOE_EP_FP8_SCALE_LOOKAHEAD must be an integer in 1 ... {top}, got {raw!r}")
+    return int(raw) if scale_warp else 1
 
 
 def use_fp8_quant_items() -> int:
@@ -257,14 +272,16 @@ def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_row
          fused_quant: bool = False) -> Fp8Key:
     plain = kind == "gemm" and not requant and not gather_a
     smem = kind == "gemm" and not gather_a and use_fp8_smem_scales(overlap_promotion, k, activation)
+    scale_warp = smem and use_fp8_scale_warp(activation, k)
     return Fp8Key(CONSTANTS.value(PKG, "DROP_VERSION"), _cutlass_version(), "sm_90a", kind, activation, n, k,
                   num_experts, bool(scale_rows), use_tvm_ffi(), int(raster_m), bool(overlap_promotion),
                   bool(requant), kind == "gemm" and use_fp8_wide_gated(activation), bool(gather_a),
                   use_fp8_cluster(activation, n, k) if plain else 1,
-                  smem, smem and use_fp8_scale_warp(activation, k), bool(fused_quant),
+                  smem, scale_warp, bool(fused_quant),
                   kind == "gemm" and use_fp8_deferred_epilogue(overlap_promotion, k, requant, fused_quant),
                   kind == "gemm" and use_fp8_tanh_sigmoid(activation),
-                  use_fp8_quant_items() if kind.startswith("quantize") else 1)
+                  use_fp8_quant_items() if kind.startswith("quantize") else 1,
+                  use_fp8_scale_lookahead(scale_warp and plain and not fused_quant))
 
 
 def _gemm_key(activation: str, n: int, k: int, num_experts: int, scale_rows: bool, requant: bool,
@@ -281,7 +298,7 @@ def _gemm_options(key: Fp8Key) -> dict:
                 overlap_promotion=key.overlap_promotion, requant=key.requant, wide_gated=key.wide_gated,
                 gather_a=key.gather_a, cluster_n=key.cluster_n, smem_scales=key.smem_scales,
                 scale_warp=key.scale_warp, fused_quant=key.fused_quant, deferred_epilogue=key.deferred_epilogue,
-                tanh_sigmoid=key.tanh_sigmoid)
+                tanh_sigmoid=key.tanh_sigmoid, scale_lookahead=key.scale_lookahead)
 
 
 def _checked_gemm_key(activation: str, n: int, k: int, num_experts: int, scale_rows: bool, requant: bool,
@@ -321,7 +338,7 @@ def _compiled_gemm(key: Fp8Key) -> Any:
     name = f"fp8_gemm_{key.activation}" + ("_requant" if key.requant else "") + \
         ("_gather" if key.gather_a else "") + (f"_cluster{key.cluster_n}" if key.cluster_n > 1 else "") + \
         ("_fusedq" if key.fused_quant else "") + ("_defer" if key.deferred_epilogue else "") + \
-        ("_tanh" if key.tanh_sigmoid else "")
+        ("_tanh" if key.tanh_sigmoid else "") + (f"_ahead{key.scale_lookahead}" if key.scale_lookahead > 1 else "")
 
     def build():
         fl = _load("sm90_megamoe.fp8_launch")

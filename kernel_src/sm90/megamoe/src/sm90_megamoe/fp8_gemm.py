@@ -91,6 +91,14 @@ Design (differences from :mod:`.grouped_gemm`, whose scheduler and smem epilogue
   warp's elected arrive; the TMA warp's loop is the global-scale kernel's again. Why: on the H200
   v34's staged scales slowed the plain schedule down (0.83-0.93x), plausibly because the TMA warp
   stores a stage's scales -- waiting for their loads -- before it may issue the stage's copies.
+* ``scale_lookahead=D`` (drop v65; with ``scale_warp``; D in 1 ... MAX_SCALE_LOOKAHEAD, 1 = v35):
+  the scale warp keeps the loads of the next D k-tiles' scales in flight
+  (:meth:`_scale_producer_ahead`) instead of one. Why: v35's warp issues a k-tile's loads only after
+  it has stored the one before, so it stages at most one k-tile per L2 round trip (~600-1000
+  cycles under load), while the tensor cores finish a 128 x 128 x 128 FP8 k-tile in ~512: the scale
+  warp, not the operands, can set the pace. With D loads in flight it stages D per round trip. The
+  k-loop steps by the largest divisor of K/128 up to D (the slots are registers named at trace time);
+  the loads past a unit's last k-tile are clamped to it (read, never stored). Same values: the same bits.
 * ``deferred_epilogue=True`` (drop v48; the unrolled overlapped schedule, K <= OVERLAP_MAX_K_TILES *
   128, the plain bf16 output): a unit's epilogue (activation, row scale, staged bf16 stores) runs
   after the *next* unit's first k-tile has been issued, so the tensor cores work on that k-tile
@@ -164,6 +172,9 @@ QUANT_ROWS = 64
 #: float32 slots per stage of ``smem_scales`` (drop v34): the tile's 128 A-row scales, then the
 #: B scale of each weight block (gate, up), padded to a multiple of 4 (16-byte aligned slots)
 SCALE_SLOT = 132
+#: the most k-tiles of scale loads the scale warp keeps in flight (``scale_lookahead``, drop v65): its
+#: registers (the producer warpgroup runs on ``load_regs`` = 40 per thread) hold 5 floats per k-tile
+MAX_SCALE_LOOKAHEAD = 4
 
 
 def overlap_chunk(k_tiles: int, halves: int = 1) -> int:
@@ -264,7 +275,8 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
     def __init__(self, activation: str, scale_rows: bool = False, tile_n: Optional[int] = None,
                  num_stages: Optional[int] = None, raster_m: int = 1, overlap_promotion: bool = False,
                  wide_gated: bool = False, cluster_n: int = 1, smem_scales: bool = False,
-                 scale_warp: bool = False, deferred_epilogue: bool = False, tanh_sigmoid: bool = False):
+                 scale_warp: bool = False, deferred_epilogue: bool = False, tanh_sigmoid: bool = False,
+                 scale_lookahead: int = 1):
         if tile_n is None:
             tile_n = default_tile_n(activation)
         reason = can_implement(activation, 2 * FP8_BLOCK, FP8_BLOCK, 1, tile_n)
@@ -294,6 +306,12 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
             raise ValueError("scale_warp needs smem_scales")
         # drop v35: a second producer warp stages them instead, so the TMA warp never waits on them
         self.scale_warp = bool(scale_warp)
+        if not (1 <= int(scale_lookahead) <= MAX_SCALE_LOOKAHEAD):
+            raise ValueError(f"scale_lookahead must be in 1 ... {MAX_SCALE_LOOKAHEAD}, got {scale_lookahead}")
+        if scale_lookahead > 1 and not scale_warp:
+            raise ValueError("scale_lookahead > 1 needs scale_warp (the scale warp keeps the loads in flight)")
+        # drop v65: the scale warp keeps the next scale_lookahead k-tiles' scale loads in flight
+        self.scale_lookahead = int(scale_lookahead)
         if deferred_epilogue and not (self.overlap_promotion and not self.requant and not self.fused_quant):
             raise ValueError("deferred_epilogue needs overlap_promotion and the plain bf16 epilogue "
                              "(not requant, not fused_quant)")
@@ -694,7 +712,11 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                                 prod_state.advance()
                         tile_id = tile_id + unit_step
                     ab_pipeline.producer_tail(prod_state)
-                if cutlass.const_expr(self.scale_warp):
+                if cutlass.const_expr(self.scale_warp and self.scale_lookahead > 1):
+                    if warp_idx == 1:
+                        self._scale_producer_ahead(ab_pipeline, mAScale, mBScale, sScale, sOff, sCum, total_tiles,
+                                                   unit0, unit_step, cta_rank, lane)
+                elif cutlass.const_expr(self.scale_warp):
                     if warp_idx == 1:
                         self._scale_producer(ab_pipeline, mAScale, mBScale, sScale, sOff, sCum, total_tiles, unit0,
                                              unit_step, cta_rank, lane)
@@ -1197,6 +1219,68 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                                        k_tile, lane)
                     prod_state.advance()
             tile_id = tile_id + unit_step
+
+    def _lookahead_depth(self) -> int:
+        """k-tiles of scale loads in flight (``scale_lookahead``): the largest divisor of K/128 up to it,
+        so the scale warp's k-loop steps by whole groups of register slots."""
+        return max(d for d in range(1, self.scale_lookahead + 1) if self.k_tiles % d == 0)
+
+    @cute.jit
+    def _scale_producer_ahead(self, ab_pipeline, mAScale, mBScale, sScale, sOff, sCum, total_tiles, unit0,
+                              unit_step, cta_rank, lane):
+        """scale_lookahead (drop v65): :meth:`_scale_producer` with the loads of the next ``depth``
+        k-tiles in flight. Slot d of ``pend`` (5 registers: the lane's 4 A-row scales, its B scale)
+        holds k-tile ``k0 + d``; the loop over k0 steps by ``depth`` and traces each slot once, so a
+        slot's registers are read (stored to the stage) only where the loop reaches it and are then
+        refilled with k-tile ``k0 + d + depth`` (clamped to the unit's last k-tile)."""
+        depth = self._lookahead_depth()
+        rows = self.tile_m // 32
+        width = rows + 1
+        pend = cute.make_rmem_tensor(cute.make_layout(depth * width), cutlass.Float32)
+        prod_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.num_stages)
+        expert = cutlass.Int32(0)
+        tile_id = unit0
+        while tile_id < total_tiles:
+            expert, row0, row_end, n_tile = self._locate(sOff, sCum, tile_id, expert)
+            if cutlass.const_expr(self.cluster_n > 1):
+                n_tile = n_tile * self.cluster_n + cta_rank
+            sc_rows = [cutlass.min(row0 + lane + 32 * j, row_end - 1) for j in range(rows)]
+            for half in cutlass.range_constexpr(self.halves):
+                n0 = self._n0(n_tile, half)
+                bsel = 0
+                if cutlass.const_expr(self.num_b > 1):
+                    bsel = cutlass.min(lane, self.num_b - 1)
+                b_blk = (n0 + bsel * self.n_out) // FP8_BLOCK
+                for d in cutlass.range_constexpr(depth):
+                    self._fetch_scales(pend, d * width, mAScale, mBScale, sc_rows, expert, b_blk, d)
+                for k0 in range(0, self.k_tiles, depth):
+                    for d in cutlass.range_constexpr(depth):
+                        self._put_scales(ab_pipeline, prod_state, sScale, pend, d * width, lane)
+                        prod_state.advance()
+                        k_next = cutlass.min(k0 + (d + depth), self.k_tiles - 1)
+                        self._fetch_scales(pend, d * width, mAScale, mBScale, sc_rows, expert, b_blk, k_next)
+            tile_id = tile_id + unit_step
+
+    def _fetch_scales(self, pend, off: int, mAScale, mBScale, sc_rows, expert, b_blk, k_tile):
+        """Issue the loads of one k-tile's scales into ``pend[off:off + 5]`` (traced inline)."""
+        for j in range(len(sc_rows)):
+            pend[off + j] = mAScale[sc_rows[j], k_tile]
+        pend[off + len(sc_rows)] = mBScale[expert, b_blk, k_tile]
+
+    @cute.jit
+    def _put_scales(self, ab_pipeline, prod_state, sScale, pend, off: cutlass.Constexpr, lane):
+        """Wait for the stage of ``prod_state`` to be free, store the scales held in ``pend[off:]`` into
+        its slot, then one elected arrival on its full barrier (as the v35 scale warp does)."""
+        rows = self.tile_m // 32
+        ab_pipeline.sync_object_empty.wait(prod_state.index, prod_state.phase)
+        base = prod_state.index * SCALE_SLOT
+        for j in cutlass.range_constexpr(rows):
+            sScale[base + lane + 32 * j] = pend[off + j]
+        if lane < self.num_b:
+            sScale[base + self.tile_m + lane] = pend[off + rows]
+        cute.arch.sync_warp()
+        if lane == 0:
+            cute.arch.mbarrier_arrive(ab_pipeline.producer_get_barrier(prod_state))
 
     @cute.jit
     def _stage_scales(self, ab_pipeline, prod_state, mAScale, mBScale, sScale, sc_rows, expert, n0, k_tile, lane):

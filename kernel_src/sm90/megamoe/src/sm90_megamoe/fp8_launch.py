@@ -15,7 +15,7 @@ from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
 from .fp8_gather import Fp8GatherGroupedGemmSm90
 from .fp8_gemm import (FP8_BLOCK, Fp8BlockScaledGroupedGemmSm90, Fp8SwigluFusedQuantGroupedGemmSm90,
-                       Fp8SwigluRequantGroupedGemmSm90, can_implement)
+                       Fp8SwigluRequantGroupedGemmSm90, MAX_SCALE_LOOKAHEAD, can_implement)
 from .launch import _num_sms, call_on_stream, cluster_ctas, ffi_fixed, ffi_function
 
 
@@ -71,6 +71,8 @@ class CompiledFp8Gemm:
     ``smem_scales`` (drop v34; not with gather_a): the producer warp stages each k-tile's scales in
     shared memory beside its operands, so the consumers never wait on a global scale load;
     ``scale_warp`` (drop v35; with smem_scales): a second producer warp stages them instead;
+    ``scale_lookahead`` (drop v65; with scale_warp, the plain kernel; 1 ... 4): k-tiles of scale loads
+    that warp keeps in flight (1: v35's one at a time; same bits);
     ``fused_quant`` (drop v38; swiglu, wide_gated, cluster_n = 2): like ``requant``, the output is
     FC2's input (:class:`.fp8_gemm.Fp8SwigluFusedQuantGroupedGemmSm90`) and a call passes ``out_scale``;
     ``gather_tma`` (drop v41, with gather_a; not yet run on a GPU): one TMA load per gathered A row;
@@ -84,7 +86,8 @@ class CompiledFp8Gemm:
                  compiled=None, tvm_ffi: bool = False, raster_m: int = 1, overlap_promotion: bool = False,
                  requant: bool = False, wide_gated: bool = False, gather_a: bool = False, cluster_n: int = 1,
                  smem_scales: bool = False, scale_warp: bool = False, fused_quant: bool = False,
-                 gather_tma: bool = False, deferred_epilogue: bool = False, tanh_sigmoid: bool = False):
+                 gather_tma: bool = False, deferred_epilogue: bool = False, tanh_sigmoid: bool = False,
+                 scale_lookahead: int = 1):
         reason = can_implement(activation, n, k, num_experts)
         if reason is None and gather_tma and not gather_a:
             reason = "gather_tma is a way of gathering: it needs gather_a=True"
@@ -98,6 +101,10 @@ class CompiledFp8Gemm:
             reason = "smem_scales does not combine with gather_a"
         if reason is None and scale_warp and not smem_scales:
             reason = "scale_warp needs smem_scales"
+        if reason is None and not 1 <= int(scale_lookahead) <= MAX_SCALE_LOOKAHEAD:
+            reason = f"scale_lookahead must be in 1 ... {MAX_SCALE_LOOKAHEAD}, got {scale_lookahead}"
+        if reason is None and scale_lookahead > 1 and (not scale_warp or requant or fused_quant):
+            reason = "scale_lookahead > 1 needs scale_warp and the plain kernel (not requant, not fused_quant)"
         if reason is None and fused_quant and not (wide_gated and cluster_n == 2 and not requant and not gather_a):
             reason = "fused_quant needs wide_gated and cluster_n = 2 (not requant, not gather_a)"
         if reason is None and deferred_epilogue and (not overlap_promotion or requant or fused_quant):
@@ -125,6 +132,7 @@ class CompiledFp8Gemm:
         self.scale_warp = bool(scale_warp)
         self.deferred_epilogue = bool(deferred_epilogue)
         self.tanh_sigmoid = bool(tanh_sigmoid)
+        self.scale_lookahead = int(scale_lookahead)
         # the grid of a clustered launch, worked out here (not while a CUDA graph is captured)
         self._max_ctas = cluster_ctas(self.cluster_n) if self.cluster_n > 1 and torch.cuda.is_available() else None
         if compiled is None:
@@ -148,7 +156,9 @@ class CompiledFp8Gemm:
                                                        **({"smem_scales": True} if self.smem_scales else {}),
                                                        **({"scale_warp": True} if self.scale_warp else {}),
                                                        **({"deferred_epilogue": True} if self.deferred_epilogue else {}),
-                                                       **({"tanh_sigmoid": True} if self.tanh_sigmoid else {}))
+                                                       **({"tanh_sigmoid": True} if self.tanh_sigmoid else {}),
+                                                       **({"scale_lookahead": self.scale_lookahead}
+                                                          if self.scale_lookahead > 1 else {}))
             opts = "--gpu-arch sm_90a" + (" --enable-tvm-ffi" if self.tvm_ffi else "")
             compiled = cute.compile(kernel, *fake_args(num_experts, n, k, activation, self.tvm_ffi, self.requant,
                                                        self.gather_a, self.fused_quant), options=opts)

@@ -9,7 +9,8 @@
                                       [--gather]            # + FC1 gathering its A rows by index (v22)
                                       [--cluster]           # + clusters of 2 / 4 CTAs multicasting A (v28 / v49)
                                       [--smem-scales]       # + scales staged in smem by the producer (v34)
-                                                            #   or by a second producer warp (v35)
+                                                            #   or by a second producer warp (v35),
+                                                            #   with loads in flight (v65)
                                       [--fused-quant]       # + FC1 writing FC2's e4m3 input too (v37)
 
 Per model, FC1 (swiglu, w13 [E, 2I, H]) and FC2 (identity + router row scale, w2 [E, H, I]):
@@ -30,7 +31,8 @@ Per model, FC1 (swiglu, w13 [E, 2I, H]) and FC2 (identity + router row scale, w2
 * ``--smem-scales``: each kernel the MoE layer runs (FC1 wide gated, FC2 on single CTAs and in
   clusters of 2; with ``--overlap`` both schedules, with ``--requant`` the requantising FC1) with
   its scales staged in shared memory by the producer warp (drop v34) against the same kernel
-  reading them from global memory: the same bits (NaN-poisoned), then both times, interleaved;
+  reading them from global memory: the same bits (NaN-poisoned), then both times, interleaved; the
+  scale warp with SCALE_LOOKAHEAD_CHECK k-tiles of scale loads in flight (v65) the same way;
 * ``--fused-quant``: FC1 in clusters of 2 whose idle producer warps quantise each staged unit
   (:class:`.fp8_gemm.Fp8SwigluFusedQuantGroupedGemmSm90`) against the same FC1 followed by the
   row quantiser: e4m3 rows and scales bit for bit (poisoned), then both times, interleaved over
@@ -57,6 +59,9 @@ from .fp8_gemm import (FP8_BLOCK, OVERLAP_MAX_K_TILES, Fp8BlockScaledGroupedGemm
                        Fp8SwigluRequantGroupedGemmSm90, can_implement, default_tile_n, overlap_chunk)
 from .fp8_reference import (fp8_grouped_gemm_reference, make_offsets, quantize_rows128,
                             quantize_weight_block128)
+
+#: the scale warp's lookahead ``--smem-scales`` checks and times (drop v65)
+SCALE_LOOKAHEAD_CHECK = 4
 
 MODELS = {  # hidden H, intermediate I, experts E, top-k, tokens
     "qwen3": (2048, 768, 128, 8, 8192),
@@ -112,7 +117,7 @@ def compile_variant(activation: str, n: int, k: int, num_experts: int, scale_row
                     num_stages: Optional[int] = None, raster_m: int = 1, overlap_promotion: bool = False,
                     requant: bool = False, wide_gated: bool = False, gather_a: bool = False, cluster_n: int = 1,
                     smem_scales: bool = False, scale_warp: bool = False, deferred_epilogue: bool = False,
-                    tanh_sigmoid: bool = False):
+                    tanh_sigmoid: bool = False, scale_lookahead: int = 1):
     """(kernel, compiled) for one variant, from fake tensors (no GPU needed), compiled once per
     process (the checks, the GPU runs and the tests share it); ``requant``: FC1's requantising
     variant, ``wide_gated``: FC1's one-WGMMA gate+up schedule (swiglu only); ``gather_a``: A rows
@@ -120,16 +125,18 @@ def compile_variant(activation: str, n: int, k: int, num_experts: int, scale_row
     ``smem_scales``: scales staged in shared memory by the producer warp (drop v34), ``scale_warp``:
     by a second producer warp (drop v35); ``deferred_epilogue``: a unit's epilogue under the next
     unit's first k-tile (drop v48; the unrolled overlapped schedule); ``tanh_sigmoid``: swiglu's
-    sigmoid from one tanh.approx (drop v50)."""
+    sigmoid from one tanh.approx (drop v50); ``scale_lookahead``: k-tiles of scale loads the scale warp
+    keeps in flight (drop v65; 1 = v35's one)."""
     return _compile_variant(activation, n, k, num_experts, bool(scale_rows), arch, tile_n, num_stages, int(raster_m),
                             bool(overlap_promotion), bool(requant), bool(wide_gated), bool(gather_a), int(cluster_n),
-                            bool(smem_scales), bool(scale_warp), bool(deferred_epilogue), bool(tanh_sigmoid))
+                            bool(smem_scales), bool(scale_warp), bool(deferred_epilogue), bool(tanh_sigmoid),
+                            int(scale_lookahead))
 
 
 @functools.lru_cache(maxsize=None)
 def _compile_variant(activation, n, k, num_experts, scale_rows, arch, tile_n, num_stages, raster_m,
                      overlap_promotion, requant, wide_gated, gather_a=False, cluster_n=1, smem_scales=False,
-                     scale_warp=False, deferred_epilogue=False, tanh_sigmoid=False):
+                     scale_warp=False, deferred_epilogue=False, tanh_sigmoid=False, scale_lookahead=1):
     reason = can_implement(activation, n, k, num_experts, tile_n)
     if reason is None and requant and activation != "swiglu":
         reason = "requant needs swiglu"
@@ -150,7 +157,8 @@ def _compile_variant(activation, n, k, num_experts, scale_rows, arch, tile_n, nu
                      **({"smem_scales": True} if smem_scales else {}),
                      **({"scale_warp": True} if scale_warp else {}),
                      **({"deferred_epilogue": True} if deferred_epilogue else {}),
-                     **({"tanh_sigmoid": True} if tanh_sigmoid else {}))
+                     **({"tanh_sigmoid": True} if tanh_sigmoid else {}),
+                     **({"scale_lookahead": scale_lookahead} if scale_lookahead > 1 else {}))
     compiled = cute.compile(kernel, *fake_args(num_experts, n, k, activation, requant, gather_a),
                             options=f"--gpu-arch {arch} --keep-ptx")
     return kernel, compiled
@@ -210,14 +218,15 @@ class Fp8GroupedGemm:
 
     def __init__(self, activation, n, k, num_experts, scale_rows, tile_n=None, num_stages=None, raster_m=1,
                  overlap_promotion=False, requant=False, wide_gated=False, gather_a=False, cluster_n=1,
-                 smem_scales=False, scale_warp=False, deferred_epilogue=False, tanh_sigmoid=False):
+                 smem_scales=False, scale_warp=False, deferred_epilogue=False, tanh_sigmoid=False,
+                 scale_lookahead=1):
         self.kernel, self.compiled = compile_variant(activation, n, k, num_experts, scale_rows,
                                                      tile_n=tile_n, num_stages=num_stages, raster_m=raster_m,
                                                      overlap_promotion=overlap_promotion, requant=requant,
                                                      wide_gated=wide_gated, gather_a=gather_a, cluster_n=cluster_n,
                                                      smem_scales=smem_scales, scale_warp=scale_warp,
                                                      deferred_epilogue=deferred_epilogue,
-                                                     tanh_sigmoid=tanh_sigmoid)
+                                                     tanh_sigmoid=tanh_sigmoid, scale_lookahead=scale_lookahead)
         self.cluster_n = int(cluster_n)
         self.activation, self.n, self.k, self.scale_rows = activation, n, k, scale_rows
         self.n_out = n // 2 if activation == "swiglu" else n
@@ -446,19 +455,23 @@ def smem_scale_configs(act: str, n: int, k: int, overlap: bool, requant: bool):
 
 
 def check_smem_scales(out, a, a_s, b, b_s, offs, rs, E, n, k, act, sr, raster_m, overlap, requant, reps) -> bool:
-    """Scales staged in smem -- by the TMA warp (drop v34) and by a second producer warp (v35) --
+    """Scales staged in smem -- by the TMA warp (drop v34), by a second producer warp (v35) and by
+    that warp with SCALE_LOOKAHEAD_CHECK k-tiles of loads in flight (v65; not the requantising FC1) --
     against the same kernel reading them from global memory (``out``: the default kernel's bf16
     result): the same bits (NaN-poisoned; the requantising FC1: its e4m3 rows and scales), then
-    the three times, interleaved over two rounds."""
+    the times, interleaved over two rounds."""
     ok_all = True
     m_total = out.shape[0]
     flops = 2.0 * m_total * n * k
     wide = act == "swiglu"
     for ov, cn, rq in smem_scale_configs(act, n, k, overlap, requant):
         runs, outs = [], []
-        for smem, warp in ((False, False), (True, False), (True, True)):
+        settings = [(False, False, 1), (True, False, 1), (True, True, 1)]
+        if not rq:
+            settings.append((True, True, SCALE_LOOKAHEAD_CHECK))
+        for smem, warp, ahead in settings:
             fn = Fp8GroupedGemm(act, n, k, E, sr, raster_m=raster_m, overlap_promotion=ov, wide_gated=wide,
-                                cluster_n=cn, requant=rq, smem_scales=smem, scale_warp=warp)
+                                cluster_n=cn, requant=rq, smem_scales=smem, scale_warp=warp, scale_lookahead=ahead)
             if rq:
                 o = (torch.full((m_total, fn.n_out), 0x7F, dtype=torch.uint8, device="cuda"),
                      torch.full((m_total, fn.n_out // FP8_BLOCK), float("nan"), dtype=torch.float32, device="cuda"))
@@ -474,21 +487,23 @@ def check_smem_scales(out, a, a_s, b, b_s, offs, rs, E, n, k, act, sr, raster_m,
         if not rq:
             same = same and torch.equal(outs[0][0], out)
         if not same:
-            for name, o in (("staged", outs[1]), ("scale warp", outs[2])):
+            for name, o in zip(("staged", "scale warp", "lookahead"), outs[1:]):
                 bad = ((o[0] != outs[0][0]) & ~(o[0].float().isnan() & outs[0][0].float().isnan())).any(dim=1)
                 print(f"    {name}: {int(bad.sum())} of {m_total} rows differ, first {bad.nonzero().flatten()[:8].tolist()}",
                       flush=True)
         ok_all &= same
-        times = [[], [], []]
+        times = [[] for _ in runs]
         for _ in range(2):
             for i, (fn, args) in enumerate(runs):
                 times[i].append(time_fn(lambda: fn.launch(args), reps))
-        gm, sm, wm = (min(t) for t in times)
+        best = [min(t) for t in times]
+        gm = best[0]
         tag = (" overlap" if ov else "") + (" wide" if wide else "") + (f" cluster{cn}" if cn > 1 else "") + \
             (" requant" if rq else "")
-        print(f"    smem_scales{tag}: bit-identical={same}; staged {sm:.3f} ms ({gm / sm:.2f}x), scale warp {wm:.3f} "
-              f"ms ({gm / wm:.2f}x) vs global {gm:.3f} ms = {flops / gm / 1e9:.1f} TFLOP/s (rounds "
-              f"{' / '.join(' '.join(f'{x:.3f}' for x in t) for t in times)})", flush=True)
+        others = ", ".join(f"{name} {t:.3f} ms ({gm / t:.2f}x)"
+                           for name, t in zip(("staged", "scale warp", f"lookahead {SCALE_LOOKAHEAD_CHECK}"), best[1:]))
+        print(f"    smem_scales{tag}: bit-identical={same}; {others} vs global {gm:.3f} ms = {flops / gm / 1e9:.1f} "
+              f"TFLOP/s (rounds {' / '.join(' '.join(f'{x:.3f}' for x in t) for t in times)})", flush=True)
     return ok_all
 
 
@@ -588,15 +603,16 @@ def run_compile(model: str, overlap: bool = False, requant: bool = False, wide: 
     if smem:  # check_smem_scales's variants, both ways
         variants += [(spec, ov, rq, spec[1] == "swiglu", False, cn, sm) for spec in layers(model)
                      for ov, cn, rq in smem_scale_configs(spec[1], spec[2], spec[3], overlap, requant)
-                     for sm in (0, 1, 2)]
+                     for sm in ((0, 1, 2) if rq else (0, 1, 2, 3))]
     for (name, act, n, k, sr), ov, rq, w, g, cn, sm in variants:
         t0 = time.time()
         kernel, compiled = compile_variant(act, n, k, E, sr, raster_m=raster_m, overlap_promotion=ov, requant=rq,
                                            wide_gated=w, gather_a=g, cluster_n=cn, smem_scales=sm > 0,
-                                           scale_warp=sm > 1)
+                                           scale_warp=sm > 1, scale_lookahead=SCALE_LOOKAHEAD_CHECK if sm > 2 else 1)
         name = name + (" overlap" if ov else "") + (" requant" if rq else "") + (" wide" if w else "") + \
             (" gather" if g else "") + (f" cluster{cn}" if cn > 1 else "") + \
-            {0: "", 1: " smem_scales", 2: " smem_scales scale_warp"}[sm]
+            {0: "", 1: " smem_scales", 2: " smem_scales scale_warp",
+             3: f" smem_scales scale_warp lookahead{SCALE_LOOKAHEAD_CHECK}"}[sm]
         r = ptx_report(kernel, compiled)
         ok = r["fp8_wgmma"] and r["tma"] and r["pdl"] and not r["local"] and r["ptxas_spill_bytes"] in (0, None)
         ok_all &= ok
