@@ -62,10 +62,11 @@
 #                1 s of warm-up, nvidia-smi sampling power / SM clock / the power-cap flag; then the power mode
 #                with ITERS=${SUSTAIN_ITERS:-600} (long phases) -> $OUT/sustained_*.log, power_*.
 # sustab:        `bench sustained` (MODELS, QUANT) under each setting of SUSTAB ('|'-separated lists of
-#                VAR=value, empty: the defaults), SUSTAIN_ROUNDS (1) rounds within each run; cuBLAS's
+#                VAR=value; an empty one is the defaults, so end SUSTAB with '|' to time them too: "A=1|"),
+#                SUSTAIN_ROUNDS (1) rounds within each run; cuBLAS's
 #                kernels run beside ours in every run (a same-call baseline) -> $OUT/sustab_s<i>.log.
 # envab:         the layer (MODELS, QUANT) under each setting of ENVAB ('|'-separated, each a list of
-#                VAR=value), interleaved, ENVAB_ROUNDS (2) rounds -> $OUT/envab_s<i>_r<r>.{log,csv}.
+#                VAR=value; end it with '|' for the defaults), interleaved, ENVAB_ROUNDS (2) rounds -> $OUT/envab_s<i>_r<r>.{log,csv}.
 # dropab:        DROPAB_GROUPS' GPU tests, then the BF16 and FP8 layers with the checkout's drop files and with
 #                those in DROPAB_DIR (.device/exp/old) copied over the installed drop, interleaved, DROPAB_ROUNDS
 #                (2) rounds -> $OUT/dropab_*.{log,csv}, $OUT/tests_*.log.
