@@ -237,6 +237,23 @@ def test_shim_scale_lookahead_switch(monkeypatch):
             fc2()
 
 
+def test_shim_fp8_raster_switch(monkeypatch):
+    """``MOE_EP_FP8_RASTER_M`` overrides the FP8 GEMMs' L2 raster (the key and the kernel options carry
+    it); unset, K decides (Mixtral's FC2 13, its FC1 16); a bad value raises naming the variable."""
+    from moe_ep.shim.drops import sm90_megamoe_fp8 as s
+
+    monkeypatch.delenv("MOE_EP_FP8_RASTER_M", raising=False)
+    fc2 = lambda: s._gemm_key("identity", 4096, 14336, 8, True, False, False)  # noqa: E731
+    assert fc2().raster_m == 13 == (24 << 20) // (128 * 14336)
+    assert s._gemm_key("swiglu", 28672, 4096, 8, False, False, False).raster_m == 16
+    monkeypatch.setenv("MOE_EP_FP8_RASTER_M", "16")
+    assert fc2().raster_m == 16 and s._gemm_options(fc2())["raster_m"] == 16
+    for bad in ("0", "65", "x"):
+        monkeypatch.setenv("MOE_EP_FP8_RASTER_M", bad)
+        with pytest.raises(ValueError, match="MOE_EP_FP8_RASTER_M"):
+            fc2()
+
+
 # ---------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("routing", ["uniform", "skewed"])

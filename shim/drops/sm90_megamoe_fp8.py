@@ -198,7 +198,15 @@ def compiled_key_overlap(activation: str, k: int) -> bool:
 def pick_fp8_raster_m(k: int) -> int:
     """m-tiles per raster group for reduction size ``k``: as for the BF16 GEMM
     (:func:`pick_raster_m`), with FP8 A rows of ``k`` bytes -- the group's A rows stay in L2 while
-    the running CTAs sweep one expert's weight panels. Depends on K only (any routing)."""
+    the running CTAs sweep one expert's weight panels. Depends on K only (any routing).
+    ``MOE_EP_FP8_RASTER_M`` (1 ... MAX_RASTER_M) sets it for every FP8 GEMM, for A/B runs: Mixtral's
+    FC2 (K 14336) gets 13 by default, so an expert of 16 m-tiles reads its weights in two groups."""
+    raw = os.environ.get("MOE_EP_FP8_RASTER_M", "")
+    if raw:
+        top = CONSTANTS.value("sm90_megamoe.constants", "MAX_RASTER_M")
+        if raw not in tuple(str(d) for d in range(1, top + 1)):
+            raise ValueError(f"MOE_EP_FP8_RASTER_M must be an integer in 1 ... {top}, got {raw!r}")
+        return int(raw)
     return max(1, min(16, RASTER_L2_BUDGET // (128 * k)))
 
 
