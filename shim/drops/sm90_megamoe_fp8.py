@@ -195,6 +195,15 @@ def compiled_key_overlap(activation: str, k: int) -> bool:
     return use_fp8_overlap(k, use_fp8_wide_gated(activation))
 
 
+def _env_int(var: str, default: int, top: int) -> int:
+    """The integer switch ``var`` in 1 ... ``top`` (``default`` when unset); anything else raises
+    naming the variable."""
+    raw = os.environ.get(var, str(default))
+    if raw not in tuple(str(d) for d in range(1, top + 1)):
+        raise ValueError(f"{var} must be an integer in 1 ... {top}, got {raw!r}")
+    return int(raw)
+
+
 def pick_fp8_raster_m(k: int) -> int:
     """m-tiles per raster group for reduction size ``k``: as for the BF16 GEMM
     (:func:`pick_raster_m`), with FP8 A rows of ``k`` bytes -- the group's A rows stay in L2 while
@@ -204,12 +213,8 @@ def pick_fp8_raster_m(k: int) -> int:
     Twenty-sixth session, H200 (``bench sustained`` at the 700 W cap, two interleaved rounds): that
     FC2 1.825 / 1.825 ms with 16, 1.828 / 1.829 with 13, 1.827 / 1.828 with 8 (within 0.2%); its FC1
     (K 4096) 3.725 / 3.728 with 8 against 3.660-3.672 with 16. So the defaults stay."""
-    raw = os.environ.get("MOE_EP_FP8_RASTER_M", "")
-    if raw:
-        top = CONSTANTS.value("sm90_megamoe.constants", "MAX_RASTER_M")
-        if raw not in tuple(str(d) for d in range(1, top + 1)):
-            raise ValueError(f"MOE_EP_FP8_RASTER_M must be an integer in 1 ... {top}, got {raw!r}")
-        return int(raw)
+    if os.environ.get("MOE_EP_FP8_RASTER_M", ""):
+        return _env_int("MOE_EP_FP8_RASTER_M", 1, CONSTANTS.value("sm90_megamoe.constants", "MAX_RASTER_M"))
     return max(1, min(16, RASTER_L2_BUDGET // (128 * k)))
 
 
@@ -252,21 +257,15 @@ def use_fp8_scale_lookahead(scale_warp: bool) -> int:
     the 700 W cap, four interleaved runs): Mixtral's FC2 1.952-1.955 ms with 4 against 1.881-1.887
     with 1 (0.964x, cuBLAS 1.756 in every run); its FC1 staged with the warp and 4: 3.875 against
     3.718-3.729 global. The warp was not what held FC2 back, so 1 stays the default."""
-    raw = os.environ.get("MOE_EP_FP8_SCALE_LOOKAHEAD", "1")
-    top = CONSTANTS.value("sm90_megamoe.fp8_gemm", "MAX_SCALE_LOOKAHEAD")
-    if raw not in tuple(str(d) for d in range(1, top + 1)):
-        raise ValueError(f"MOE_EP_FP8_SCALE_LOOKAHEAD must be an integer in 1 ... {top}, got {raw!r}")
-    return int(raw) if scale_warp else 1
+    ahead = _env_int("MOE_EP_FP8_SCALE_LOOKAHEAD", 1, CONSTANTS.value("sm90_megamoe.fp8_gemm", "MAX_SCALE_LOOKAHEAD"))
+    return ahead if scale_warp else 1
 
 
 def use_fp8_quant_items() -> int:
     """Warp items per loop pass of the FP8 row quantisers (drop v54, ``items``: the pass's loads
     issued together, more bytes in flight; the same bits for every value): ``MOE_EP_FP8_QUANT_ITEMS``
     in 1 ... 4, default 1."""
-    raw = os.environ.get("MOE_EP_FP8_QUANT_ITEMS", "1")
-    if raw not in ("1", "2", "3", "4"):
-        raise ValueError(f"MOE_EP_FP8_QUANT_ITEMS must be 1, 2, 3 or 4, got {raw!r}")
-    return int(raw)
+    return _env_int("MOE_EP_FP8_QUANT_ITEMS", 1, 4)
 
 
 def use_fp8_tanh_sigmoid(activation: str) -> bool:
