@@ -103,8 +103,9 @@ def replay_poisoned(graph, *outs) -> None:
     torch.cuda.synchronize()
 
 
-def layer_outputs_with_switch(monkeypatch, switch, cfg, backend, inputs, check_impl) -> list:
-    """One-rank layer outputs with environment ``switch`` = "0", then "1": for each, a fresh layer
+def layer_outputs_with_switch(monkeypatch, switch, cfg, backend, inputs, check_impl, values=("0", "1")) -> list:
+    """One-rank layer outputs with environment ``switch`` = ``values[0]`` ("0"), then ``values[1]``
+    ("1"): for each, a fresh layer
     (warmed up; ``check_impl(impl, on)`` asserts the switch took), an eager forward into a
     NaN-poisoned ``out``, then (with at least one token) the same forward captured in a CUDA graph
     and replayed into a poisoned ``out`` -- asserted equal to the eager result. ``inputs``: (x,
@@ -113,11 +114,11 @@ def layer_outputs_with_switch(monkeypatch, switch, cfg, backend, inputs, check_i
 
     x, ids, w, w13, w2 = inputs
     outs = []
-    for flag in ("0", "1"):
+    for flag in values:
         monkeypatch.setenv(switch, flag)
         layer = MoELayer(cfg, EPGroup.single(), backend=backend)
         layer.warmup(progress=False)
-        check_impl(layer._impl, flag == "1")
+        check_impl(layer._impl, flag != values[0])
         out = torch.full((x.shape[0], cfg.hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
         outs.append(layer.forward(x, ids, w, w13, w2, out=out).clone())
         if x.shape[0]:

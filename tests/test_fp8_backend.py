@@ -268,12 +268,12 @@ def test_fused_gather_quant_is_bit_identical(monkeypatch, T):
     fused.destroy()
 
 
-def _fp8_outputs_with_switch(monkeypatch, switch, T, seed, check_impl):
-    """The Qwen3 FP8 layer's output with ``switch`` = "0", then "1" (eager, then checked against a
+def _fp8_outputs_with_switch(monkeypatch, switch, T, seed, check_impl, on_value="1"):
+    """The Qwen3 FP8 layer's output with ``switch`` = "0", then ``on_value`` (eager, then checked against a
     poisoned CUDA-graph replay when T > 0); ``check_impl(impl, on)`` asserts the switch took."""
     cfg = MoEConfig(max_tokens_per_rank=1024, quant="fp8_block128", **QWEN)
     return layer_outputs_with_switch(monkeypatch, switch, cfg, "sm90_fp8_cutedsl", _qwen_fp8_inputs(T, seed=seed),
-                                     check_impl)
+                                     check_impl, values=("0", on_value))
 
 
 @pytest.mark.gpu
@@ -294,7 +294,7 @@ def test_local_route_is_bit_identical_fp8(monkeypatch, T):
 @pytest.mark.gpu
 @pytest.mark.parametrize("switch", ["MOE_EP_FP8_FUSED_REQUANT", "MOE_EP_FP8_WIDE_GATED", "MOE_EP_FP8_GATHER_FC1",
                                     "MOE_EP_FP8_SCATTER_QUANT", "MOE_EP_FP8_CLUSTER", "MOE_EP_FP8_FUSED_QUANT",
-                                    "MOE_EP_FP8_DEFERRED_EPILOGUE"])
+                                    "MOE_EP_FP8_FUSED_QUANT=epilogue", "MOE_EP_FP8_DEFERRED_EPILOGUE"])
 @pytest.mark.parametrize("T", [1, 700])
 def test_fp8_fc1_variants_are_bit_identical(monkeypatch, T, switch):
     """Drop v21's FC1 variants: MOE_EP_FP8_FUSED_REQUANT=1 (FC1's epilogue writes FC2's e4m3 input)
@@ -302,16 +302,19 @@ def test_fp8_fc1_variants_are_bit_identical(monkeypatch, T, switch):
     tokens quantised once, FC1 gathering them by idx); drop v25's MOE_EP_FP8_SCATTER_QUANT=1 (each
     token quantised once, stored in its grouped rows); drop v28's MOE_EP_FP8_CLUSTER=1 (both GEMMs
     in clusters of 2 CTAs multicasting A); drop v38's MOE_EP_FP8_FUSED_QUANT=1 (FC1's idle warps
-    quantise FC2's input); drop v48's MOE_EP_FP8_DEFERRED_EPILOGUE=1 (each GEMM stores a tile under
+    quantise FC2's input; drop v66's MOE_EP_FP8_FUSED_QUANT=epilogue: its consumers, swapping row
+    amaxes with the peer CTA); drop v48's MOE_EP_FP8_DEFERRED_EPILOGUE=1 (each GEMM stores a tile under
     the next tile's first k-tile): the layer's output is the same bits as without, eager and CUDA graph."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
+    switch, _, on_value = switch.partition("=")
 
     def check(impl, on):
         if switch == "MOE_EP_FP8_FUSED_REQUANT":
             assert impl.fused_requant == on and (impl.quant_h is None) == on
         elif switch == "MOE_EP_FP8_FUSED_QUANT":  # drop v38: Qwen3's FC1 runs in clusters of 2
             assert impl.fused_quant == on and impl.fc1.fused_quant == on and (impl.quant_h is None) == on
+            assert impl.fc1.pair_amax == (on and on_value == "epilogue")
         elif switch == "MOE_EP_FP8_GATHER_FC1":  # one rank, LocalRoute (the defaults)
             assert impl.gather_fc1 == on and impl.fc1.gather_a == on
         elif switch == "MOE_EP_FP8_SCATTER_QUANT":  # drop v25: each token quantised once into its rows
@@ -323,7 +326,7 @@ def test_fp8_fc1_variants_are_bit_identical(monkeypatch, T, switch):
         else:
             assert impl.fc1.wide_gated == on and not impl.fc2.wide_gated
 
-    outs = _fp8_outputs_with_switch(monkeypatch, switch, T, 91 + T, check)
+    outs = _fp8_outputs_with_switch(monkeypatch, switch, T, 91 + T, check, on_value or "1")
     assert torch.equal(outs[0], outs[1]) and torch.isfinite(outs[1]).all()
 
 

@@ -245,6 +245,22 @@ class Fp8Key:
     tanh_sigmoid: bool = False
     quant_items: int = 1
     scale_lookahead: int = 1
+    pair_amax: bool = False
+
+
+#: ``MOE_EP_FP8_FUSED_QUANT``'s values: off, the quantising warps (drop v39), the epilogue (drop v66)
+FUSED_QUANT_MODES = ("0", "1", "epilogue")
+
+
+def fp8_fused_quant_mode() -> str:
+    """``MOE_EP_FP8_FUSED_QUANT``: "0" (default) FC2's input is quantised by its own kernel; "1" FC1
+    writes it, quantised by idle producer warps (drop v39); "epilogue" FC1 writes it, quantised by
+    the consumers in the epilogue, the cluster's two CTAs swapping each row's |max| (drop v66,
+    ``pair_amax``). Both forms give the bits of FC1 + the quantiser. Anything else raises ValueError."""
+    mode = os.environ.get("MOE_EP_FP8_FUSED_QUANT", "0")
+    if mode not in FUSED_QUANT_MODES:
+        raise ValueError(f"MOE_EP_FP8_FUSED_QUANT must be one of {', '.join(FUSED_QUANT_MODES)}, got {mode!r}")
+    return mode
 
 
 def use_fp8_scale_lookahead(scale_warp: bool) -> int:
@@ -294,7 +310,8 @@ def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_row
                   kind == "gemm" and use_fp8_deferred_epilogue(overlap_promotion, k, requant, fused_quant),
                   kind == "gemm" and use_fp8_tanh_sigmoid(activation),
                   use_fp8_quant_items() if kind.startswith("quantize") else 1,
-                  use_fp8_scale_lookahead(scale_warp and plain and not fused_quant))
+                  use_fp8_scale_lookahead(scale_warp and plain and not fused_quant),
+                  bool(fused_quant) and fp8_fused_quant_mode() == "epilogue")
 
 
 def _gemm_key(activation: str, n: int, k: int, num_experts: int, scale_rows: bool, requant: bool,
@@ -311,7 +328,7 @@ def _gemm_options(key: Fp8Key) -> dict:
                 overlap_promotion=key.overlap_promotion, requant=key.requant, wide_gated=key.wide_gated,
                 gather_a=key.gather_a, cluster_n=key.cluster_n, smem_scales=key.smem_scales,
                 scale_warp=key.scale_warp, fused_quant=key.fused_quant, deferred_epilogue=key.deferred_epilogue,
-                tanh_sigmoid=key.tanh_sigmoid, scale_lookahead=key.scale_lookahead)
+                tanh_sigmoid=key.tanh_sigmoid, scale_lookahead=key.scale_lookahead, pair_amax=key.pair_amax)
 
 
 def _checked_gemm_key(activation: str, n: int, k: int, num_experts: int, scale_rows: bool, requant: bool,
@@ -336,21 +353,26 @@ def fp8_fused_quant_available(activation: str, n: int, k: int, num_experts: int,
     if activation != "swiglu":
         return False
     check_fp8_gemm(activation, n, k, num_experts)
-    return fused_quant_possible(_gemm_key(activation, n, k, num_experts, scale_rows, False, False))
+    return fused_quant_possible(_gemm_key(activation, n, k, num_experts, scale_rows, False, False, fused_quant=True))
 
 
 def fused_quant_possible(key: Fp8Key) -> bool:
     """Whether a GEMM key's kernel can write FC2's e4m3 input from idle warps (drop v39,
-    ``fused_quant``): the wide gated swiglu FC1 in clusters of 2, whose two CTAs cover one 128-column group."""
+    ``fused_quant``): the wide gated swiglu FC1 in clusters of 2, whose two CTAs cover one 128-column group;
+    quantised in the epilogue (drop v66, ``pair_amax``), more than 8 k-tiles (K > 1024)."""
     return (key.activation == "swiglu" and key.wide_gated and key.cluster_n == 2 and not key.requant
-            and not key.gather_a)
+            and not key.gather_a and (not key.pair_amax or key.k // 128 > PAIR_AMAX_MAX_STAGES))
+
+
+#: drop v66's ``pair_amax`` needs more k-tiles per unit than the kernel's pipeline stages (at most 8)
+PAIR_AMAX_MAX_STAGES = 8
 
 
 def _compiled_gemm(key: Fp8Key) -> Any:
     """The compiled GEMM of ``key``: the in-process cache, else the disk cache, else compile."""
     name = f"fp8_gemm_{key.activation}" + ("_requant" if key.requant else "") + \
         ("_gather" if key.gather_a else "") + (f"_cluster{key.cluster_n}" if key.cluster_n > 1 else "") + \
-        ("_fusedq" if key.fused_quant else "") + ("_defer" if key.deferred_epilogue else "") + \
+        ("_fusedq" if key.fused_quant else "") + ("_pair" if key.pair_amax else "") + ("_defer" if key.deferred_epilogue else "") + \
         ("_tanh" if key.tanh_sigmoid else "") + (f"_ahead{key.scale_lookahead}" if key.scale_lookahead > 1 else "")
 
     def build():

@@ -34,7 +34,8 @@ from typing import Any
 import torch
 
 from moe_ep.shim import (Sm90EpSession, Sm90LayoutSession, sm90_check_fp8_gemm, sm90_compiled_fp8_gemm,
-                         sm90_compiled_fp8_quantize_rows, sm90_fp8_fused_quant_available, sm90_fp8_gemm,
+                         sm90_compiled_fp8_quantize_rows, sm90_fp8_fused_quant_available,
+                         sm90_fp8_fused_quant_mode, sm90_fp8_gemm,
                          sm90_fp8_quantize_rows,
                          sm90_prebuild_ep, sm90_prebuild_layout)
 
@@ -138,8 +139,11 @@ def fused_quant() -> bool:
     (the peer's rows by one bulk copy, CTA-scope hand-offs only; fifteenth session): bit-identical,
     FC1 1.00x (Qwen3) and 0.92-0.99x (Mixtral) of FC1 + the quantiser in the drop runner; the layer
     649-667 vs 665-671 per call (Qwen3), 953-955 vs 954-970 (Mixtral) -- the quantising warps' ~10%
-    more instructions slow the k-loop about as much as the quantiser kernel they replace costs."""
-    return env_switch("MOE_EP_FP8_FUSED_QUANT", False)
+    more instructions slow the k-loop about as much as the quantiser kernel they replace costs.
+    ``MOE_EP_FP8_FUSED_QUANT=epilogue`` (drop v66, ``pair_amax``): no quantising warps; FC1's consumers
+    quantise their 64 columns in the epilogue, the cluster's two CTAs swapping only each row's |max|
+    (512 bytes per unit); the same bits."""
+    return sm90_fp8_fused_quant_mode() != "0"
 
 
 def _fuses_quant(fc1_spec: tuple, world_size: int) -> bool:

@@ -150,7 +150,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .fp8_quant import _divide_by_scale
+from .fp8_quant import FAST_DIV_MAX_SCALE, FAST_DIV_MIN_SCALE, _div_rn, _divide_by_scale
 from .gather_producer import row_tma_atom, stage_producers
 from .pdl import PDL, wait_previous_grid
 from .constants import MAX_EXPERTS
@@ -213,6 +213,20 @@ def _bulk_copy_to_peer(dst, src, nbytes, mbar, peer, *, loc=None, ip=None):
         "r,r,r,r,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
 
 
+@dsl_user_op
+def _store_to_peer(dst, value, mbar, peer, *, loc=None, ip=None):
+    """``value`` (float32) into CTA ``peer`` of the cluster at ``dst``'s offset, completing 4 bytes of
+    transactions on the peer's mbarrier at ``mbar``'s offset (``st.async``; shared::cta addresses,
+    ``mapa`` turns them into the peer's). No fence: the peer reads it after that barrier's phase."""
+    args = [cutlass.Int32(dst).ir_value(loc=loc, ip=ip), cutlass.Float32(value).ir_value(loc=loc, ip=ip),
+            cutlass.Int32(mbar).ir_value(loc=loc, ip=ip), cutlass.Int32(peer).ir_value(loc=loc, ip=ip)]
+    llvm.inline_asm(
+        None, args,
+        "{\n.reg .b32 d, m;\nmapa.shared::cluster.u32 d, $0, $3;\nmapa.shared::cluster.u32 m, $2, $3;\n"
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [d], $1, [m];\n}",
+        "r,f,r,r", has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
 def _fence_operand(frag, n: int) -> None:
     """:func:`_pin` every element of a register fragment of ``n`` elements."""
     for i in range(n):
@@ -222,6 +236,8 @@ E4M3_MAX = 448.0
 #: byte pitch of a row of the requantising epilogue's e4m3 staging tile (128 values + 16 bytes of
 #: padding; 144 = 9 x 16, so rows stay 16-byte aligned and a warp's 8 rows hit distinct banks)
 QPITCH = FP8_BLOCK + 16
+#: the same for ``pair_amax``'s 64-value rows (80 = 5 x 16)
+PAIR_QPITCH = FP8_BLOCK // 2 + 16
 
 
 def default_tile_n(activation: str) -> int:
@@ -269,6 +285,9 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
     halves = 1
     #: drop v37 (:class:`Fp8SwigluFusedQuantGroupedGemmSm90`): FC2's e4m3 input written too
     fused_quant = False
+    #: drop v66 (``Fp8SwigluFusedQuantGroupedGemmSm90(pair_amax=True)``): the consumers quantise their
+    #: own 64 columns in the epilogue; the two CTAs swap only each row's |max| (512 bytes per unit)
+    pair_amax = False
     gather_a = False  # drop v22: A rows gathered by index (:class:`.fp8_gather.Fp8GatherGroupedGemmSm90`)
     gather_tma = False  # drop v41: ... by one TMA load per row (``Fp8GatherGroupedGemmSm90(tma_rows=True)``)
 
@@ -350,7 +369,10 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         self.epi_pad = 8
         self.epi_smem_elems = self.tile_m * (self.epi_n + self.epi_pad)
         # fused_quant: the peer's 64 staged rows of this CTA's quantised rows (its receive tile)
-        self.recv_smem_elems = QUANT_ROWS * (self.epi_n + self.epi_pad) if self.fused_quant else 0
+        self.recv_smem_elems = (QUANT_ROWS * (self.epi_n + self.epi_pad)
+                                if self.fused_quant and not self.pair_amax else 0)
+        # pair_amax: the peer's row amaxes, two units' worth (double-buffered)
+        self.amax_smem_bytes = 2 * self.tile_m * 4 if self.pair_amax else 0
         self.quant_warps = QUANT_WARPS_SCALE_WARP if self.scale_warp else QUANT_WARPS
 
     # ------------------------------------------------------------------ host helpers
@@ -367,7 +389,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
             per_stage += SCALE_SLOT * 4
         reserved = 1024 + 8 * (num_experts + 2) + 1024
         reserved += self.epi_smem_elems * 2 * self.num_epi_bufs
-        reserved += self.recv_smem_elems * 2
+        reserved += self.recv_smem_elems * 2 + self.amax_smem_bytes
         stages = min((self.smem_capacity - reserved) // per_stage, 8)
         if self.num_stages_override is not None:
             stages = min(stages, self.num_stages_override)
@@ -477,6 +499,9 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                              f"{OVERLAP_MAX_K_TILES * FP8_BLOCK}), not the chunked one (K={k_size})")
         self.n_out_divisible = True
         self.num_stages = self._num_stages(num_experts)
+        if cutlass.const_expr(self.pair_amax and self.k_tiles <= self.num_stages):
+            raise ValueError(f"pair_amax needs more k-tiles per unit than pipeline stages (K/128 = {self.k_tiles}, "
+                             f"{self.num_stages} stages): the pair's amax buffers alternate by unit")
 
         mB_nke = cute.make_tensor(mB.iterator, cute.select(mB.layout, mode=[1, 2, 0]))
         a_layout = LayoutEnum.from_tensor(mA)
@@ -521,7 +546,10 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         }
         if cutlass.const_expr(self.smem_scales):  # last, so the other fields keep their offsets
             fields["sScale"] = cute.struct.Align[cute.struct.MemRange[self.acc_dtype, self.num_stages * SCALE_SLOT], 16]
-        if cutlass.const_expr(self.fused_quant):  # after them: the receive tile, "full" and "read"
+        if cutlass.const_expr(self.pair_amax):  # after them: the peer's row amaxes of units 0, 1 (mod 2)
+            fields["sAmax"] = cute.struct.Align[cute.struct.MemRange[self.acc_dtype, 2 * self.tile_m], 16]
+            fields["abar"] = cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 2], 8]
+        elif cutlass.const_expr(self.fused_quant):  # after them: the receive tile, "full" and "read"
             fields["sRecv"] = cute.struct.Align[cute.struct.MemRange[self.c_dtype, self.recv_smem_elems], 128]
             fields["qbar"] = cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 2], 8]
         # cute.struct reads a class's annotations: build the class from the field table
@@ -607,7 +635,12 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                 carry = cute.arch.shuffle_sync(cnt, 31)
 
         qbar = None  # fused_quant: "full" (this CTA's quantised rows are staged), "read" (sC is free)
-        if cutlass.const_expr(self.fused_quant):
+        if cutlass.const_expr(self.pair_amax):
+            qbar = storage.abar.data_ptr()  # unit u's peer amaxes have arrived in buffer u % 2
+            if tidx == 0:  # as below: covered by the pipeline's fence and cluster sync
+                cute.arch.mbarrier_init(qbar, 1)
+                cute.arch.mbarrier_init(qbar + 1, 1)
+        elif cutlass.const_expr(self.fused_quant):
             qbar = storage.qbar.data_ptr()
             if tidx == 0:  # initialised before the pipeline's fence and cluster sync, which cover them
                 cute.arch.mbarrier_init(qbar, 1)  # arrive.expect_tx of the local warpgroup + the peer's bytes
@@ -720,7 +753,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                     if warp_idx == 1:
                         self._scale_producer(ab_pipeline, mAScale, mBScale, sScale, sOff, sCum, total_tiles, unit0,
                                              unit_step, cta_rank, lane)
-                if cutlass.const_expr(self.fused_quant):
+                if cutlass.const_expr(self.fused_quant and not self.pair_amax):
                     if warp_idx >= self.quant_warps[0]:
                         self._fused_quant_warps(outs, qbar, storage.sC.data_ptr().toint(),
                                                 storage.sRecv.data_ptr().toint(), sOff, sCum, total_tiles,
@@ -785,6 +818,9 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
             prev_n0 = cutlass.Int32(0)
             prev_ra_lo = cutlass.Int32(0)
             prev_ra_hi = cutlass.Int32(0)
+            # pair_amax: the previous unit, parked in sC until the peer's amaxes are surely here
+            prev_am_lo = cutlass.Float32(0.0)
+            prev_am_hi = cutlass.Float32(0.0)
             if cutlass.const_expr(self.deferred_epilogue):
                 for h in cutlass.range_constexpr(self.n_mma):
                     accs[h].fill(0.0)  # what the first deferred epilogue reads (it stores no row)
@@ -920,6 +956,22 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                         acc0 = self._activate(accs, acc_shape, n_elems, mRowScale, ra_lo, ra_hi)
                         kept = self._requant_epilogue(half, kept, acc0, acc_shape, n_elems, tCcC, sC, outs, row0,
                                                       rows_left, r_lo, r_hi, n_tile, mma_tidx, lane, epi_barrier)
+                    elif cutlass.const_expr(self.pair_amax):
+                        # this unit's row amaxes to the peer now; the previous unit (whose peer amaxes
+                        # were sent a whole unit ago: no wait on the peer) quantised and stored; this
+                        # one parked in sC in its place. (Twenty-seventh session, H200: the same work
+                        # under the next unit's k-tile 0 instead was slower on Mixtral.)
+                        acc0 = self._activate(accs, acc_shape, n_elems, mRowScale, ra_lo, ra_hi)
+                        amax_addr = storage.sAmax.data_ptr().toint()
+                        rH, am_lo, am_hi = self._pair_send(acc0, acc_shape, n_elems, q_unit, cta_rank, mma_tidx,
+                                                           lane, qbar, amax_addr, r_lo, r_hi)
+                        if q_unit > 0:
+                            self._pair_finish(acc_shape, n_elems, tCcC, sC, outs, prev_row0, prev_rows, r_lo, r_hi,
+                                              prev_n0, q_unit - 1, prev_am_lo, prev_am_hi, cta_rank, mma_tidx,
+                                              lane, epi_barrier, qbar, amax_addr)
+                        self._park(rH, sC, mma_tidx)
+                        prev_row0, prev_rows, prev_n0 = row0, rows_left, n_tile // 2
+                        prev_am_lo, prev_am_hi = am_lo, am_hi
                     elif cutlass.const_expr(self.fused_quant):  # staged for the quantising warps
                         acc0 = self._activate(accs, acc_shape, n_elems, mRowScale, ra_lo, ra_hi)
                         self._stage_unit(acc0, tCsC, qbar, q_unit, mma_tidx, epi_barrier,
@@ -927,9 +979,14 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                     else:
                         acc0 = self._activate(accs, acc_shape, n_elems, mRowScale, ra_lo, ra_hi)
                         self._epilogue([acc0], tCsC, sC, outs[0], row0, rows_left, n0, mma_tidx, epi_barrier)
-                if cutlass.const_expr(self.fused_quant):
+                if cutlass.const_expr(self.fused_quant):  # pair_amax too
                     q_unit = q_unit + 1
                 tile_id = tile_id + unit_step
+            if cutlass.const_expr(self.pair_amax):
+                if q_unit > 0:  # the last unit (none if this CTA had no unit)
+                    self._pair_finish(acc_shape, n_elems, tCcC, sC, outs, prev_row0, prev_rows, r_lo, r_hi, prev_n0,
+                                      q_unit - 1, prev_am_lo, prev_am_hi, cta_rank, mma_tidx, lane, epi_barrier, qbar,
+                                      storage.sAmax.data_ptr().toint())
             if cutlass.const_expr(self.deferred_epilogue):
                 if prev_rows > 0:  # the last unit's tile (none if this CTA had no unit)
                     self._epilogue([self._activate(accs, acc_shape, n_elems, mRowScale, prev_ra_lo, prev_ra_hi)],
@@ -1098,7 +1155,149 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         epi_barrier.arrive_and_wait()  # the staging buffer is free for the next unit
         return None
 
-    # ------------------------------------------------------------------ fused_quant (drops v37-v39)
+    # ------------------------------------------------------------------ fused_quant (drops v37-v39, v66)
+    @cute.jit
+    def _pair_send(self, acc0, acc_shape, n_elems: int, q_unit, cta_rank, mma_tidx, lane, abar, amax_addr, r_lo,
+                   r_hi):
+        """``pair_amax`` (drop v66), unit ``q_unit``'s first half: ``acc0`` (activated, row-scaled)
+        rounded to bf16 -- the values the plain kernel stores -- and each of this thread's two rows'
+        |max| over this CTA's 64 columns (the 4 lanes of a quad hold a row). One lane per quad
+        stores them straight into the peer CTA's receive buffer ``u % 2`` (``st.async``, 4 bytes
+        each, completing on the peer's barrier ``abar + u % 2``), and the first consumer thread arms
+        this CTA's barrier for the peer's 128. Returns ``(rH, amax_lo, amax_hi)``."""
+        rH = cute.make_rmem_tensor(acc_shape, cutlass.BFloat16)
+        rH.store(acc0.load().to(cutlass.BFloat16))
+        rF = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
+        rF.store(rH.load().to(cutlass.Float32))
+        am_lo = cutlass.Float32(0.0)
+        am_hi = cutlass.Float32(0.0)
+        for i in cutlass.range_constexpr(n_elems):  # element i sits in row r or r + 8 by (i // 2) % 2
+            a = cute.arch.fmax(rF[i], -rF[i], nan=True)
+            if cutlass.const_expr((i // 2) % 2 == 0):
+                am_lo = cute.arch.fmax(am_lo, a, nan=True)
+            else:
+                am_hi = cute.arch.fmax(am_hi, a, nan=True)
+        for d in cutlass.range_constexpr(2):
+            am_lo = cute.arch.fmax(am_lo, cute.arch.shuffle_sync_bfly(am_lo, 1 << d), nan=True)
+            am_hi = cute.arch.fmax(am_hi, cute.arch.shuffle_sync_bfly(am_hi, 1 << d), nan=True)
+        buf = q_unit % 2
+        received = amax_addr + buf * (self.tile_m * 4)
+        mbar = (abar + buf).toint()
+        if lane % 4 == 0:
+            _store_to_peer(received + r_lo * 4, am_lo, mbar, 1 - cta_rank)
+            _store_to_peer(received + r_hi * 4, am_hi, mbar, 1 - cta_rank)
+        if mma_tidx == 0:
+            cute.arch.mbarrier_arrive_and_expect_tx(abar + buf, self.tile_m * 4)
+        return rH, am_lo, am_hi
+
+    @cute.jit
+    def _park(self, rH, sC, mma_tidx):
+        """Unit ``u``'s bf16 values wait in ``sC`` until unit ``u + 1``'s epilogue: 16-byte slot ``j``
+        of consumer thread ``t`` at byte ``(j * tile_threads + t) * 16`` (each thread reads back its own)."""
+        rH32 = cute.recast_tensor(rH, cutlass.Int32)
+        q_base = sC.iterator.toint()
+        for j in cutlass.range_constexpr(cute.size(rH32) // 4):
+            ptr = cute.make_ptr(cutlass.Int32, q_base + (j * self.tile_threads + mma_tidx) * 16,
+                                cute.AddressSpace.smem, assumed_align=16)
+            v = cute.make_rmem_tensor(cute.make_layout(4), cutlass.Int32)
+            for w in cutlass.range_constexpr(4):
+                v[w] = rH32[4 * j + w]
+            cute.make_tensor(ptr, cute.make_layout(4)).store(v.load())
+
+    @cute.jit
+    def _pair_finish(self, acc_shape, n_elems: int, tCcC, sC, outs, row0, rows_left, r_lo, r_hi, group, q_unit,
+                     am_lo, am_hi, cta_rank, mma_tidx, lane, epi_barrier, abar, amax_addr):
+        """``pair_amax``, unit ``q_unit``'s second half, one unit later: its parked bf16 values and this
+        CTA's 64 columns of 128-column group ``group`` written as FC2's e4m3 input, exactly as
+        :class:`.fp8_quant.Fp8QuantizeRows128` would write them from the bf16 rows the plain kernel
+        stores: with the peer's amaxes (``am_*``: this CTA's), ``scale = amax / 448`` (1 for an
+        all-zero group), ``q = e4m3(h / scale)`` (the quantiser's exact division). The receive
+        buffers alternate by unit: a CTA cannot be two units ahead of its peer, as the A tiles it
+        multicasts wait for the peer's consumers (more k-tiles per unit than pipeline stages)."""
+        mQ, mQScale = outs
+        rH = cute.make_rmem_tensor(acc_shape, cutlass.BFloat16)
+        rH32 = cute.recast_tensor(rH, cutlass.Int32)
+        q_base = sC.iterator.toint()
+        for j in cutlass.range_constexpr(cute.size(rH32) // 4):  # the thread's own slots (see _park)
+            ptr = cute.make_ptr(cutlass.Int32, q_base + (j * self.tile_threads + mma_tidx) * 16,
+                                cute.AddressSpace.smem, assumed_align=16)
+            v = cute.make_tensor(ptr, cute.make_layout(4)).load()
+            for w in cutlass.range_constexpr(4):
+                rH32[4 * j + w] = v[w]
+        rF = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
+        rF.store(rH.load().to(cutlass.Float32))
+        buf = q_unit % 2
+        received = amax_addr + buf * (self.tile_m * 4)
+        cute.arch.mbarrier_wait(abar + buf, (q_unit // 2) % 2)
+        for hh in cutlass.range_constexpr(2):
+            ptr = cute.make_ptr(cutlass.Float32, received + (r_lo if hh == 0 else r_hi) * 4, cute.AddressSpace.smem,
+                                assumed_align=4)
+            peer = cute.make_tensor(ptr, cute.make_layout(1))[0]
+            if cutlass.const_expr(hh == 0):
+                am_lo = cute.arch.fmax(am_lo, peer, nan=True)
+            else:
+                am_hi = cute.arch.fmax(am_hi, peer, nan=True)
+        s_lo = cutlass.Float32(1.0)
+        if am_lo > cutlass.Float32(0.0):
+            s_lo = am_lo / cutlass.Float32(E4M3_MAX)
+        s_hi = cutlass.Float32(1.0)
+        if am_hi > cutlass.Float32(0.0):
+            s_hi = am_hi / cutlass.Float32(E4M3_MAX)
+        # the quantiser's division (fp8_quant._divide_by_scale): one IEEE 1 / scale per row, then
+        # three exact-rounding ops a value, where the scales allow it (always, but for NaN / inf /
+        # tiny groups, which divide)
+        lo_ok = (s_lo >= cutlass.Float32(FAST_DIV_MIN_SCALE)) & (s_lo <= cutlass.Float32(FAST_DIV_MAX_SCALE))
+        hi_ok = (s_hi >= cutlass.Float32(FAST_DIV_MIN_SCALE)) & (s_hi <= cutlass.Float32(FAST_DIV_MAX_SCALE))
+        if lo_ok & hi_ok:
+            rc_lo = cutlass.Float32(1.0) / s_lo
+            rc_hi = cutlass.Float32(1.0) / s_hi
+            for i in cutlass.range_constexpr(n_elems):
+                if cutlass.const_expr((i // 2) % 2 == 0):
+                    rF[i] = _div_rn(rF[i], s_lo, rc_lo)
+                else:
+                    rF[i] = _div_rn(rF[i], s_hi, rc_hi)
+        else:
+            for i in cutlass.range_constexpr(n_elems):
+                if cutlass.const_expr((i // 2) % 2 == 0):
+                    rF[i] = rF[i] / s_lo
+                else:
+                    rF[i] = rF[i] / s_hi
+        rQ = cute.make_rmem_tensor(acc_shape, cutlass.Float8E4M3FN)
+        rQ.store(rF.load().to(cutlass.Float8E4M3FN))
+        rQ16 = cute.recast_tensor(rQ, cutlass.Int16)
+        # every thread has its parked values back (the e4m3 tile overwrites the slots): row r at
+        # byte r * PAIR_QPITCH of sC
+        epi_barrier.arrive_and_wait()
+        for p in cutlass.range_constexpr(n_elems // 2):  # element pair (2p, 2p + 1): adjacent columns
+            row, col = tCcC[2 * p]
+            ptr = cute.make_ptr(cutlass.Int16, q_base + row * PAIR_QPITCH + col, cute.AddressSpace.smem,
+                                assumed_align=2)
+            cute.make_tensor(ptr, cute.make_layout(1))[0] = rQ16[p]
+        epi_barrier.arrive_and_wait()
+        # 16-byte vectors: each row's 64 bytes are 4 vectors
+        n_out = self.n_out
+        g_base = mQ.iterator.toint()
+        vec_per_row = self.tile_n // 16
+        col0 = group * FP8_BLOCK + cta_rank * self.tile_n
+        for it in cutlass.range_constexpr(self.tile_m * vec_per_row // self.tile_threads):
+            v = it * self.tile_threads + mma_tidx
+            row = v // vec_per_row
+            cv = v % vec_per_row
+            if row < rows_left:
+                s_ptr = cute.make_ptr(cutlass.Int32, q_base + row * PAIR_QPITCH + cv * 16, cute.AddressSpace.smem,
+                                      assumed_align=16)
+                g_off = cutlass.Int64(row0 + row) * n_out + col0 + cv * 16
+                g_ptr = cute.make_ptr(cutlass.Int32, g_base + g_off, cute.AddressSpace.gmem, assumed_align=16)
+                cute.make_tensor(g_ptr, cute.make_layout(4)).store(cute.make_tensor(s_ptr, cute.make_layout(4)).load())
+        if cta_rank == 0:  # one CTA, one lane per quad stores the quad's two row scales
+            if lane % 4 == 0:
+                if r_lo < rows_left:
+                    mQScale[row0 + r_lo, group] = s_lo
+                if r_hi < rows_left:
+                    mQScale[row0 + r_hi, group] = s_hi
+        epi_barrier.arrive_and_wait()  # the e4m3 tile is read: sC may hold the next parked unit
+        cute.arch.sync_warp()  # the warp reconverges before its next WGMMAs
+
     @cute.jit
     def _stage_unit(self, acc0, tCsC, qbar, q_unit, mma_tidx, epi_barrier, sC_addr, recv_addr, cta_rank):
         """``fused_quant``'s epilogue: unit ``q_unit``'s bf16 values (what the plain epilogue would
@@ -1436,13 +1635,18 @@ class Fp8SwigluFusedQuantGroupedGemmSm90(Fp8BlockScaledGroupedGemmSm90):
 
         mQ      [M_total, I]        uint8 (e4m3 bits) or float8_e4m3fn   rows < the expert ends
         mQScale [M_total, I / 128]  float32                              only those rows written
+
+    ``pair_amax=True`` (drop v66): no quantising warps; each CTA's consumers quantise their own 64
+    columns in the epilogue, the pair swapping only each row's |max| over its half of the group
+    (one 512-byte bulk copy per unit; :meth:`_pair_amax_epilogue`). The same bits.
     """
 
     fused_quant = True
 
     def __init__(self, scale_rows: bool = False, num_stages: Optional[int] = None, raster_m: int = 1,
                  overlap_promotion: bool = False, smem_scales: bool = False, scale_warp: bool = False,
-                 tanh_sigmoid: bool = False):
+                 tanh_sigmoid: bool = False, pair_amax: bool = False):
+        self.pair_amax = bool(pair_amax)  # read by the base class's __init__ (shared-memory sizes)
         super().__init__("swiglu", scale_rows=scale_rows, tile_n=64, num_stages=num_stages, raster_m=raster_m,
                          overlap_promotion=overlap_promotion, wide_gated=True, cluster_n=2,
                          smem_scales=smem_scales, scale_warp=scale_warp, tanh_sigmoid=tanh_sigmoid)

@@ -75,6 +75,8 @@ class CompiledFp8Gemm:
     that warp keeps in flight (1: v35's one at a time; same bits);
     ``fused_quant`` (drop v38; swiglu, wide_gated, cluster_n = 2): like ``requant``, the output is
     FC2's input (:class:`.fp8_gemm.Fp8SwigluFusedQuantGroupedGemmSm90`) and a call passes ``out_scale``;
+    ``pair_amax`` (drop v66; with fused_quant): that input quantised by the consumers in the epilogue,
+    the cluster's two CTAs swapping each row's |max| (same bits as the quantising warps');
     ``gather_tma`` (drop v41, with gather_a; not yet run on a GPU): one TMA load per gathered A row;
     ``deferred_epilogue`` (drop v48; overlap_promotion with K <= 4096, the plain bf16 output): each unit's
     epilogue runs while the next unit's first k-tile is on the tensor cores (same bits);
@@ -87,7 +89,7 @@ class CompiledFp8Gemm:
                  requant: bool = False, wide_gated: bool = False, gather_a: bool = False, cluster_n: int = 1,
                  smem_scales: bool = False, scale_warp: bool = False, fused_quant: bool = False,
                  gather_tma: bool = False, deferred_epilogue: bool = False, tanh_sigmoid: bool = False,
-                 scale_lookahead: int = 1):
+                 scale_lookahead: int = 1, pair_amax: bool = False):
         reason = can_implement(activation, n, k, num_experts)
         if reason is None and gather_tma and not gather_a:
             reason = "gather_tma is a way of gathering: it needs gather_a=True"
@@ -107,6 +109,8 @@ class CompiledFp8Gemm:
             reason = "scale_lookahead > 1 needs scale_warp and the plain kernel (not requant, not fused_quant)"
         if reason is None and fused_quant and not (wide_gated and cluster_n == 2 and not requant and not gather_a):
             reason = "fused_quant needs wide_gated and cluster_n = 2 (not requant, not gather_a)"
+        if reason is None and pair_amax and not fused_quant:
+            reason = "pair_amax is a way of fusing the quantiser: it needs fused_quant=True"
         if reason is None and deferred_epilogue and (not overlap_promotion or requant or fused_quant):
             reason = "deferred_epilogue needs overlap_promotion and the bf16 output (not requant, not fused_quant)"
         if reason is None and tanh_sigmoid and activation != "swiglu":
@@ -118,6 +122,7 @@ class CompiledFp8Gemm:
             raise ValueError(reason)
         self.requant = bool(requant)
         self.fused_quant = bool(fused_quant)
+        self.pair_amax = bool(pair_amax)
         self.wide_gated = bool(wide_gated)
         self.gather_a = bool(gather_a)
         self.gather_tma = bool(gather_tma)
@@ -140,7 +145,7 @@ class CompiledFp8Gemm:
                 kernel = Fp8SwigluFusedQuantGroupedGemmSm90(scale_rows=self.scale_rows, raster_m=self.raster_m,
                                                             overlap_promotion=self.overlap_promotion,
                                                             smem_scales=self.smem_scales, scale_warp=self.scale_warp,
-                                                            tanh_sigmoid=self.tanh_sigmoid)
+                                                            tanh_sigmoid=self.tanh_sigmoid, pair_amax=self.pair_amax)
             elif self.requant:
                 kernel = Fp8SwigluRequantGroupedGemmSm90(scale_rows=self.scale_rows, raster_m=self.raster_m,
                                                          overlap_promotion=self.overlap_promotion,

@@ -11,7 +11,7 @@
                                       [--smem-scales]       # + scales staged in smem by the producer (v34)
                                                             #   or by a second producer warp (v35),
                                                             #   with loads in flight (v65)
-                                      [--fused-quant]       # + FC1 writing FC2's e4m3 input too (v37)
+                                      [--fused-quant]       # + FC1 writing FC2's e4m3 input too (v37, v66)
 
 Per model, FC1 (swiglu, w13 [E, 2I, H]) and FC2 (identity + router row scale, w2 [E, H, I]):
 * every machine: compile for sm_90a from fake tensors and check the PTX (FP8 WGMMA
@@ -34,9 +34,10 @@ Per model, FC1 (swiglu, w13 [E, 2I, H]) and FC2 (identity + router row scale, w2
   reading them from global memory: the same bits (NaN-poisoned), then both times, interleaved; the
   scale warp with SCALE_LOOKAHEAD_CHECK k-tiles of scale loads in flight (v65) the same way;
 * ``--fused-quant``: FC1 in clusters of 2 whose idle producer warps quantise each staged unit
-  (:class:`.fp8_gemm.Fp8SwigluFusedQuantGroupedGemmSm90`) against the same FC1 followed by the
-  row quantiser: e4m3 rows and scales bit for bit (poisoned), then both times, interleaved over
-  two rounds.
+  (:class:`.fp8_gemm.Fp8SwigluFusedQuantGroupedGemmSm90`), and the same FC1 quantising in its
+  epilogue with the pair's row amaxes swapped (v66 ``pair_amax``), against the same FC1 followed
+  by the row quantiser: e4m3 rows and scales bit for bit (poisoned), then all three timed,
+  interleaved over two rounds.
 """
 
 from __future__ import annotations
@@ -622,9 +623,11 @@ def run_compile(model: str, overlap: bool = False, requant: bool = False, wide: 
 
 
 def check_fused_quant(model: str, routing: str, reps: int) -> bool:
-    """Drops v38 / v39: FC1 (wide gated, overlapped, clusters of 2; staged scales for K <= 2048, as the
-    layer runs it) with ``fused_quant`` against the same FC1 + :class:`.fp8_quant.Fp8QuantizeRows128Counted`:
-    q and the scales bit for bit (NaN / 0x7f poisoned), then both times, interleaved, 2 rounds."""
+    """Drops v38 / v39 / v66: FC1 (wide gated, overlapped, clusters of 2, the tanh sigmoid; staged scales
+    for K <= 2048, as the layer runs it) with ``fused_quant`` -- quantised by idle warps (v39) and by the
+    consumers with the pair's amaxes swapped (v66 ``pair_amax``) -- against the same FC1 +
+    :class:`.fp8_quant.Fp8QuantizeRows128Counted`: q and the scales bit for bit (NaN / 0x7f poisoned),
+    then all three timed, interleaved, 2 rounds."""
     from .fp8_launch import CompiledFp8Gemm
     from .fp8_quant import CompiledFp8QuantizeRows
 
@@ -632,9 +635,10 @@ def check_fused_quant(model: str, routing: str, reps: int) -> bool:
     m_total, n, k = tokens * topk, 2 * i, h
     kw = dict(raster_m=max(1, min(16, (24 << 20) // (128 * k))),  # as the shim picks it
               overlap_promotion=True, wide_gated=True,
-              cluster_n=2, smem_scales=k <= 2048)
+              cluster_n=2, smem_scales=k <= 2048, tanh_sigmoid=True)
     plain = CompiledFp8Gemm("swiglu", n, k, E, **kw)
     fused = CompiledFp8Gemm("swiglu", n, k, E, fused_quant=True, **kw)
+    paired = CompiledFp8Gemm("swiglu", n, k, E, fused_quant=True, pair_amax=True, **kw)
     quant = CompiledFp8QuantizeRows(i, counted=True)
     a, a_s, b, b_s, offs, _ = make_inputs(m_total, n, k, E, routing, False, seed=5)
     rs = torch.ones(1, device="cuda")
@@ -643,6 +647,7 @@ def check_fused_quant(model: str, routing: str, reps: int) -> bool:
     q0 = torch.full((m_total, i), 0x7F, dtype=torch.uint8, device="cuda")
     s0 = torch.full((m_total, i // FP8_BLOCK), float("nan"), device="cuda")
     q1, s1 = q0.clone(), s0.clone()
+    q2, s2 = q0.clone(), s0.clone()
     ctas = max_active_ctas(2)
 
     def base():
@@ -652,20 +657,29 @@ def check_fused_quant(model: str, routing: str, reps: int) -> bool:
     def fq():
         fused(a, a_s, b, b_s, offs, out=q1, row_scale=rs, max_active_ctas=ctas, out_scale=s1)
 
+    def pq():
+        paired(a, a_s, b, b_s, offs, out=q2, row_scale=rs, max_active_ctas=ctas, out_scale=s2)
+
     base()
     fq()
+    pq()
+    pq()  # twice: the amax barriers' phases carry over between launches
     torch.cuda.synchronize()
     same = torch.equal(q1, q0) and torch.equal(s1, s0) and not bool(torch.isnan(s1).any())
-    bms, fms = [], []
+    same_pair = torch.equal(q2, q0) and torch.equal(s2, s0) and not bool(torch.isnan(s2).any())
+    times = {"base": [], "warps": [], "pair": []}
     for _ in range(2):
-        bms.append(time_fn(base, reps))
-        fms.append(time_fn(fq, reps))
-    bm, fm = min(bms), min(fms)
+        for name, fn in (("base", base), ("warps", fq), ("pair", pq)):
+            times[name].append(time_fn(fn, reps))
+    bm = min(times["base"])
     flops = 2.0 * m_total * n * k
-    print(f"[{model} fc1 fused_quant] {routing}: bit-identical={same}; {fm:.3f} ms = {flops / fm / 1e9:.1f} TFLOP/s "
-          f"vs FC1 + quantiser {bm:.3f} ms ({bm / fm:.2f}x; rounds {' '.join(f'{x:.3f}' for x in fms)} / "
-          f"{' '.join(f'{x:.3f}' for x in bms)})", flush=True)
-    return same
+    for name, ok in (("warps", same), ("pair", same_pair)):
+        fm = min(times[name])
+        print(f"[{model} fc1 fused_quant {name}] {routing}: bit-identical={ok}; {fm:.3f} ms = "
+              f"{flops / fm / 1e9:.1f} TFLOP/s vs FC1 + quantiser {bm:.3f} ms ({bm / fm:.2f}x; rounds "
+              f"{' '.join(f'{x:.3f}' for x in times[name])} / {' '.join(f'{x:.3f}' for x in times['base'])})",
+              flush=True)
+    return same and same_pair
 
 
 def check_deferred_epilogue(model: str, routing: str, reps: int) -> bool:
@@ -729,8 +743,8 @@ def main(argv=None):
     p.add_argument("--smem-scales", action="store_true",
                    help="also every layer kernel with its scales staged in smem (checked bit-identical, timed)")
     p.add_argument("--fused-quant", action="store_true",
-                   help="also FC1 quantising FC2's input from idle warps (checked bit-identical to FC1 + quantiser, "
-                        "timed)")
+                   help="also FC1 writing FC2's input, quantised by idle warps (v39) and in the epilogue (v66 "
+                        "pair_amax) (checked bit-identical to FC1 + quantiser, timed)")
     p.add_argument("--deferred-epilogue", action="store_true",
                    help="also each layer GEMM with its epilogue under the next unit's first k-tile (drop v48; "
                         "checked bit-identical, timed)")
