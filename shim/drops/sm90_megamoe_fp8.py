@@ -256,7 +256,8 @@ def fp8_fused_quant_mode() -> str:
     """``MOE_EP_FP8_FUSED_QUANT``: "0" (default) FC2's input is quantised by its own kernel; "1" FC1
     writes it, quantised by idle producer warps (drop v39); "epilogue" FC1 writes it, quantised by
     the consumers in the epilogue, the cluster's two CTAs swapping each row's |max| (drop v66,
-    ``pair_amax``). Both forms give the bits of FC1 + the quantiser. Anything else raises ValueError."""
+    ``pair_amax``). Both forms give the bits of FC1 + the quantiser; neither is faster on the layer
+    (the backend's ``fused_quant`` says what was measured). Anything else raises ValueError."""
     mode = os.environ.get("MOE_EP_FP8_FUSED_QUANT", "0")
     if mode not in FUSED_QUANT_MODES:
         raise ValueError(f"MOE_EP_FP8_FUSED_QUANT must be one of {', '.join(FUSED_QUANT_MODES)}, got {mode!r}")
