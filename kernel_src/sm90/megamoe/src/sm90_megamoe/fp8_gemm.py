@@ -1072,14 +1072,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         rH.store(acc0.load().to(cutlass.BFloat16))
         rF = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
         rF.store(rH.load().to(cutlass.Float32))
-        am_lo = cutlass.Float32(0.0)
-        am_hi = cutlass.Float32(0.0)
-        for i in cutlass.range_constexpr(n_elems):  # element i sits in row r or r + 8 by (i // 2) % 2
-            a = cute.arch.fmax(rF[i], -rF[i], nan=True)
-            if cutlass.const_expr((i // 2) % 2 == 0):
-                am_lo = cute.arch.fmax(am_lo, a, nan=True)
-            else:
-                am_hi = cute.arch.fmax(am_hi, a, nan=True)
+        am_lo, am_hi = self._row_amaxes(rF, n_elems)
         # half 0's bf16 values wait in shared memory (registers are short in the overlapped
         # schedule): 16-byte slot j of thread t at byte (j * tile_threads + t) * 16 of sC
         q_base = sC.iterator.toint()
@@ -1106,15 +1099,8 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         epi_barrier.arrive_and_wait()  # every thread has its half 0 back: sC becomes the e4m3 tile
         am_lo = cute.arch.fmax(am_lo, am_lo0, nan=True)
         am_hi = cute.arch.fmax(am_hi, am_hi0, nan=True)
-        for d in cutlass.range_constexpr(2):  # the 4 lanes of a quad hold one row's columns
-            am_lo = cute.arch.fmax(am_lo, cute.arch.shuffle_sync_bfly(am_lo, 1 << d), nan=True)
-            am_hi = cute.arch.fmax(am_hi, cute.arch.shuffle_sync_bfly(am_hi, 1 << d), nan=True)
-        s_lo = cutlass.Float32(1.0)
-        if am_lo > cutlass.Float32(0.0):
-            s_lo = am_lo / cutlass.Float32(E4M3_MAX)
-        s_hi = cutlass.Float32(1.0)
-        if am_hi > cutlass.Float32(0.0):
-            s_hi = am_hi / cutlass.Float32(E4M3_MAX)
+        am_lo, am_hi = self._quad_max(am_lo, am_hi)
+        s_lo, s_hi = self._group_scales(am_lo, am_hi)
         # stage the group's e4m3 bytes: row r at byte r * QPITCH of sC (same bytes as the bf16 tile)
         for hh in cutlass.range_constexpr(2):
             src = rH0 if hh == 0 else rH
@@ -1124,36 +1110,88 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                     rF[i] = rF[i] / s_lo
                 else:
                     rF[i] = rF[i] / s_hi
-            rQ = cute.make_rmem_tensor(acc_shape, cutlass.Float8E4M3FN)
-            rQ.store(rF.load().to(cutlass.Float8E4M3FN))
-            rQ16 = cute.recast_tensor(rQ, cutlass.Int16)
-            for p in cutlass.range_constexpr(n_elems // 2):  # element pair (2p, 2p + 1): adjacent columns
-                row, col = tCcC[2 * p]
-                ptr = cute.make_ptr(cutlass.Int16, q_base + row * QPITCH + hh * self.tile_n + col,
-                                    cute.AddressSpace.smem, assumed_align=2)
-                cute.make_tensor(ptr, cute.make_layout(1))[0] = rQ16[p]
+            self._stage_e4m3(rF, acc_shape, n_elems, tCcC, q_base, QPITCH, hh * self.tile_n)
         epi_barrier.arrive_and_wait()
-        # 16-byte vectors: each row's 128 bytes are 8 vectors; a warp writes 4 whole rows
+        # each row's 128 bytes are 8 vectors; a warp writes 4 whole rows
+        self._store_e4m3_rows(mQ, q_base, QPITCH, 2 * self.tile_n // 16, row0, rows_left, group, 0, mma_tidx)
+        self._store_row_scales(mQScale, row0, rows_left, r_lo, r_hi, group, s_lo, s_hi, lane)
+        epi_barrier.arrive_and_wait()  # the staging buffer is free for the next unit
+        return None
+
+    # ------------------------------------------------------------------ e4m3 epilogue helpers
+    # (requant and pair_amax: the steps of fp8_quant.Fp8QuantizeRows128 on a tile's rows)
+    def _row_amaxes(self, rF, n_elems: int):
+        """|max| of this thread's values of its two accumulator rows (element i sits in row r or
+        r + 8 by (i // 2) % 2); NaN propagates."""
+        am_lo = cutlass.Float32(0.0)
+        am_hi = cutlass.Float32(0.0)
+        for i in range(n_elems):
+            a = cute.arch.fmax(rF[i], -rF[i], nan=True)
+            if (i // 2) % 2 == 0:
+                am_lo = cute.arch.fmax(am_lo, a, nan=True)
+            else:
+                am_hi = cute.arch.fmax(am_hi, a, nan=True)
+        return am_lo, am_hi
+
+    def _quad_max(self, am_lo, am_hi):
+        """Both amaxes over the 4 lanes of a quad, which hold one row's columns."""
+        for d in range(2):
+            am_lo = cute.arch.fmax(am_lo, cute.arch.shuffle_sync_bfly(am_lo, 1 << d), nan=True)
+            am_hi = cute.arch.fmax(am_hi, cute.arch.shuffle_sync_bfly(am_hi, 1 << d), nan=True)
+        return am_lo, am_hi
+
+    @cute.jit
+    def _group_scales(self, am_lo, am_hi):
+        """``scale = amax / 448`` of each row's group (1 for an all-zero group; NaN propagates)."""
+        s_lo = cutlass.Float32(1.0)
+        if am_lo > cutlass.Float32(0.0):
+            s_lo = am_lo / cutlass.Float32(E4M3_MAX)
+        s_hi = cutlass.Float32(1.0)
+        if am_hi > cutlass.Float32(0.0):
+            s_hi = am_hi / cutlass.Float32(E4M3_MAX)
+        return s_lo, s_hi
+
+    @cute.jit
+    def _stage_e4m3(self, rF, acc_shape, n_elems: cutlass.Constexpr, tCcC, q_base, pitch: cutlass.Constexpr,
+                    col_off: cutlass.Constexpr):
+        """``rF`` (already divided by the scales) as e4m3 into the staging tile at ``q_base``: row r's
+        bytes from ``r * pitch + col_off``, element pair (2p, 2p + 1) (adjacent columns) as one store."""
+        rQ = cute.make_rmem_tensor(acc_shape, cutlass.Float8E4M3FN)
+        rQ.store(rF.load().to(cutlass.Float8E4M3FN))
+        rQ16 = cute.recast_tensor(rQ, cutlass.Int16)
+        for p in cutlass.range_constexpr(n_elems // 2):
+            row, col = tCcC[2 * p]
+            ptr = cute.make_ptr(cutlass.Int16, q_base + row * pitch + col_off + col, cute.AddressSpace.smem,
+                                assumed_align=2)
+            cute.make_tensor(ptr, cute.make_layout(1))[0] = rQ16[p]
+
+    @cute.jit
+    def _store_e4m3_rows(self, mQ, q_base, pitch: cutlass.Constexpr, vec_per_row: cutlass.Constexpr, row0,
+                         rows_left, group, col_in, mma_tidx):
+        """The staged tile's rows (``vec_per_row`` 16-byte vectors each, ``pitch`` bytes apart) into
+        ``mQ`` rows ``row0 + r`` from column ``col_in`` of 128-column group ``group``, rows past
+        ``rows_left`` skipped."""
         n_out = self.n_out
         g_base = mQ.iterator.toint()
-        vec_per_row = 2 * self.tile_n // 16
         for it in cutlass.range_constexpr(self.tile_m * vec_per_row // self.tile_threads):
             v = it * self.tile_threads + mma_tidx
             row = v // vec_per_row
             cv = v % vec_per_row
             if row < rows_left:
-                s_ptr = cute.make_ptr(cutlass.Int32, q_base + row * QPITCH + cv * 16, cute.AddressSpace.smem,
+                s_ptr = cute.make_ptr(cutlass.Int32, q_base + row * pitch + cv * 16, cute.AddressSpace.smem,
                                       assumed_align=16)
-                g_off = cutlass.Int64(row0 + row) * n_out + group * FP8_BLOCK + cv * 16
+                g_off = cutlass.Int64(row0 + row) * n_out + group * FP8_BLOCK + col_in + cv * 16
                 g_ptr = cute.make_ptr(cutlass.Int32, g_base + g_off, cute.AddressSpace.gmem, assumed_align=16)
                 cute.make_tensor(g_ptr, cute.make_layout(4)).store(cute.make_tensor(s_ptr, cute.make_layout(4)).load())
-        if lane % 4 == 0:  # one lane per quad stores the quad's two row scales
+
+    @cute.jit
+    def _store_row_scales(self, mQScale, row0, rows_left, r_lo, r_hi, group, s_lo, s_hi, lane):
+        """One lane per quad stores the quad's two row scales (rows past ``rows_left`` skipped)."""
+        if lane % 4 == 0:
             if r_lo < rows_left:
                 mQScale[row0 + r_lo, group] = s_lo
             if r_hi < rows_left:
                 mQScale[row0 + r_hi, group] = s_hi
-        epi_barrier.arrive_and_wait()  # the staging buffer is free for the next unit
-        return None
 
     # ------------------------------------------------------------------ fused_quant (drops v37-v39, v66)
     @cute.jit
@@ -1169,17 +1207,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         rH.store(acc0.load().to(cutlass.BFloat16))
         rF = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
         rF.store(rH.load().to(cutlass.Float32))
-        am_lo = cutlass.Float32(0.0)
-        am_hi = cutlass.Float32(0.0)
-        for i in cutlass.range_constexpr(n_elems):  # element i sits in row r or r + 8 by (i // 2) % 2
-            a = cute.arch.fmax(rF[i], -rF[i], nan=True)
-            if cutlass.const_expr((i // 2) % 2 == 0):
-                am_lo = cute.arch.fmax(am_lo, a, nan=True)
-            else:
-                am_hi = cute.arch.fmax(am_hi, a, nan=True)
-        for d in cutlass.range_constexpr(2):
-            am_lo = cute.arch.fmax(am_lo, cute.arch.shuffle_sync_bfly(am_lo, 1 << d), nan=True)
-            am_hi = cute.arch.fmax(am_hi, cute.arch.shuffle_sync_bfly(am_hi, 1 << d), nan=True)
+        am_lo, am_hi = self._quad_max(*self._row_amaxes(rF, n_elems))
         buf = q_unit % 2
         received = amax_addr + buf * (self.tile_m * 4)
         mbar = (abar + buf).toint()
@@ -1237,12 +1265,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                 am_lo = cute.arch.fmax(am_lo, peer, nan=True)
             else:
                 am_hi = cute.arch.fmax(am_hi, peer, nan=True)
-        s_lo = cutlass.Float32(1.0)
-        if am_lo > cutlass.Float32(0.0):
-            s_lo = am_lo / cutlass.Float32(E4M3_MAX)
-        s_hi = cutlass.Float32(1.0)
-        if am_hi > cutlass.Float32(0.0):
-            s_hi = am_hi / cutlass.Float32(E4M3_MAX)
+        s_lo, s_hi = self._group_scales(am_lo, am_hi)
         # the quantiser's division (fp8_quant._divide_by_scale): one IEEE 1 / scale per row, then
         # three exact-rounding ops a value, where the scales allow it (always, but for NaN / inf /
         # tiny groups, which divide)
@@ -1262,39 +1285,16 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                     rF[i] = rF[i] / s_lo
                 else:
                     rF[i] = rF[i] / s_hi
-        rQ = cute.make_rmem_tensor(acc_shape, cutlass.Float8E4M3FN)
-        rQ.store(rF.load().to(cutlass.Float8E4M3FN))
-        rQ16 = cute.recast_tensor(rQ, cutlass.Int16)
         # every thread has its parked values back (the e4m3 tile overwrites the slots): row r at
         # byte r * PAIR_QPITCH of sC
         epi_barrier.arrive_and_wait()
-        for p in cutlass.range_constexpr(n_elems // 2):  # element pair (2p, 2p + 1): adjacent columns
-            row, col = tCcC[2 * p]
-            ptr = cute.make_ptr(cutlass.Int16, q_base + row * PAIR_QPITCH + col, cute.AddressSpace.smem,
-                                assumed_align=2)
-            cute.make_tensor(ptr, cute.make_layout(1))[0] = rQ16[p]
+        self._stage_e4m3(rF, acc_shape, n_elems, tCcC, q_base, PAIR_QPITCH, 0)
         epi_barrier.arrive_and_wait()
-        # 16-byte vectors: each row's 64 bytes are 4 vectors
-        n_out = self.n_out
-        g_base = mQ.iterator.toint()
-        vec_per_row = self.tile_n // 16
-        col0 = group * FP8_BLOCK + cta_rank * self.tile_n
-        for it in cutlass.range_constexpr(self.tile_m * vec_per_row // self.tile_threads):
-            v = it * self.tile_threads + mma_tidx
-            row = v // vec_per_row
-            cv = v % vec_per_row
-            if row < rows_left:
-                s_ptr = cute.make_ptr(cutlass.Int32, q_base + row * PAIR_QPITCH + cv * 16, cute.AddressSpace.smem,
-                                      assumed_align=16)
-                g_off = cutlass.Int64(row0 + row) * n_out + col0 + cv * 16
-                g_ptr = cute.make_ptr(cutlass.Int32, g_base + g_off, cute.AddressSpace.gmem, assumed_align=16)
-                cute.make_tensor(g_ptr, cute.make_layout(4)).store(cute.make_tensor(s_ptr, cute.make_layout(4)).load())
-        if cta_rank == 0:  # one CTA, one lane per quad stores the quad's two row scales
-            if lane % 4 == 0:
-                if r_lo < rows_left:
-                    mQScale[row0 + r_lo, group] = s_lo
-                if r_hi < rows_left:
-                    mQScale[row0 + r_hi, group] = s_hi
+        # each row's 64 bytes are 4 vectors
+        self._store_e4m3_rows(mQ, q_base, PAIR_QPITCH, self.tile_n // 16, row0, rows_left, group,
+                              cta_rank * self.tile_n, mma_tidx)
+        if cta_rank == 0:  # one CTA stores the row scales
+            self._store_row_scales(mQScale, row0, rows_left, r_lo, r_hi, group, s_lo, s_hi, lane)
         epi_barrier.arrive_and_wait()  # the e4m3 tile is read: sC may hold the next parked unit
         cute.arch.sync_warp()  # the warp reconverges before its next WGMMAs
 
@@ -1407,10 +1407,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         expert = cutlass.Int32(0)
         tile_id = unit0
         while tile_id < total_tiles:
-            expert, row0, row_end, n_tile = self._locate(sOff, sCum, tile_id, expert)
-            if cutlass.const_expr(self.cluster_n > 1):
-                n_tile = n_tile * self.cluster_n + cta_rank
-            sc_rows = [cutlass.min(row0 + lane + 32 * j, row_end - 1) for j in range(self.tile_m // 32)]
+            expert, n_tile, sc_rows = self._scale_unit(sOff, sCum, tile_id, expert, cta_rank, lane)
             for half in cutlass.range_constexpr(self.halves):
                 n0 = self._n0(n_tile, half)
                 for k_tile in range(self.k_tiles):
@@ -1418,6 +1415,24 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                                        k_tile, lane)
                     prod_state.advance()
             tile_id = tile_id + unit_step
+
+    def _scale_unit(self, sOff, sCum, tile_id, expert, cta_rank, lane):
+        """A scale warp's view of unit ``tile_id`` (traced inline): ``(expert, n_tile, sc_rows)``, the
+        n-tile this CTA takes and lane l's tile rows l + 32 j, clamped to the expert's last row as the
+        consumers clamp them (clamped rows are never stored)."""
+        expert, row0, row_end, n_tile = self._locate(sOff, sCum, tile_id, expert)
+        if cutlass.const_expr(self.cluster_n > 1):
+            n_tile = n_tile * self.cluster_n + cta_rank
+        sc_rows = [cutlass.min(row0 + lane + 32 * j, row_end - 1) for j in range(self.tile_m // 32)]
+        return expert, n_tile, sc_rows
+
+    def _b_block(self, n0, lane):
+        """The 128-row weight-scale block of lane ``lane``'s B scale for the tile at ``n0`` (gated:
+        lane 0 the gate rows', lane 1 the up rows'; traced inline)."""
+        bsel = 0
+        if cutlass.const_expr(self.num_b > 1):
+            bsel = cutlass.min(lane, self.num_b - 1)
+        return (n0 + bsel * self.n_out) // FP8_BLOCK
 
     def _lookahead_depth(self) -> int:
         """k-tiles of scale loads in flight (``scale_lookahead``): the largest divisor of K/128 up to it,
@@ -1440,16 +1455,10 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         expert = cutlass.Int32(0)
         tile_id = unit0
         while tile_id < total_tiles:
-            expert, row0, row_end, n_tile = self._locate(sOff, sCum, tile_id, expert)
-            if cutlass.const_expr(self.cluster_n > 1):
-                n_tile = n_tile * self.cluster_n + cta_rank
-            sc_rows = [cutlass.min(row0 + lane + 32 * j, row_end - 1) for j in range(rows)]
+            expert, n_tile, sc_rows = self._scale_unit(sOff, sCum, tile_id, expert, cta_rank, lane)
             for half in cutlass.range_constexpr(self.halves):
                 n0 = self._n0(n_tile, half)
-                bsel = 0
-                if cutlass.const_expr(self.num_b > 1):
-                    bsel = cutlass.min(lane, self.num_b - 1)
-                b_blk = (n0 + bsel * self.n_out) // FP8_BLOCK
+                b_blk = self._b_block(n0, lane)
                 for d in cutlass.range_constexpr(depth):
                     self._fetch_scales(pend, d * width, mAScale, mBScale, sc_rows, expert, b_blk, d)
                 for k0 in range(0, self.k_tiles, depth):
@@ -1490,10 +1499,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         release the consumers acquire when they wait on the stage (no consumer-side global load).
         With ``scale_warp`` (v35) the scale warp calls it and its arrival carries no bytes."""
         a_sc = [mAScale[r, k_tile] for r in sc_rows]  # a comprehension: traced as plain Python
-        bsel = 0
-        if cutlass.const_expr(self.num_b > 1):
-            bsel = cutlass.min(lane, self.num_b - 1)
-        b_sc = mBScale[expert, (n0 + bsel * self.n_out) // FP8_BLOCK, k_tile]
+        b_sc = mBScale[expert, self._b_block(n0, lane), k_tile]
         ab_pipeline.sync_object_empty.wait(prod_state.index, prod_state.phase)
         base = prod_state.index * SCALE_SLOT
         for j in cutlass.range_constexpr(len(sc_rows)):
