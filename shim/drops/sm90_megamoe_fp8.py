@@ -357,6 +357,11 @@ def fp8_fused_quant_available(activation: str, n: int, k: int, num_experts: int,
     return fused_quant_possible(_gemm_key(activation, n, k, num_experts, scale_rows, False, False, fused_quant=True))
 
 
+#: drop v66's ``pair_amax`` needs more k-tiles per unit than the kernel's pipeline stages; the drop
+#: caps those at 8 (``Fp8BlockScaledGroupedGemmSm90._num_stages``) and refuses fewer k-tiles itself
+PAIR_AMAX_MAX_STAGES = 8
+
+
 def fused_quant_possible(key: Fp8Key) -> bool:
     """Whether a GEMM key's kernel can write FC2's e4m3 input from idle warps (drop v39,
     ``fused_quant``): the wide gated swiglu FC1 in clusters of 2, whose two CTAs cover one 128-column group;
@@ -364,9 +369,6 @@ def fused_quant_possible(key: Fp8Key) -> bool:
     return (key.activation == "swiglu" and key.wide_gated and key.cluster_n == 2 and not key.requant
             and not key.gather_a and (not key.pair_amax or key.k // 128 > PAIR_AMAX_MAX_STAGES))
 
-
-#: drop v66's ``pair_amax`` needs more k-tiles per unit than the kernel's pipeline stages (at most 8)
-PAIR_AMAX_MAX_STAGES = 8
 
 
 def _compiled_gemm(key: Fp8Key) -> Any:
