@@ -370,7 +370,6 @@ def fused_quant_possible(key: Fp8Key) -> bool:
             and not key.gather_a and (not key.pair_amax or key.k // 128 > PAIR_AMAX_MAX_STAGES))
 
 
-
 def _compiled_gemm(key: Fp8Key) -> Any:
     """The compiled GEMM of ``key``: the in-process cache, else the disk cache, else compile."""
     name = f"fp8_gemm_{key.activation}" + ("_requant" if key.requant else "") + \

@@ -1073,29 +1073,13 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         rF = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
         rF.store(rH.load().to(cutlass.Float32))
         am_lo, am_hi = self._row_amaxes(rF, n_elems)
-        # half 0's bf16 values wait in shared memory (registers are short in the overlapped
-        # schedule): 16-byte slot j of thread t at byte (j * tile_threads + t) * 16 of sC
+        # half 0's bf16 values wait in shared memory (registers are short in the overlapped schedule)
         q_base = sC.iterator.toint()
-        rH32 = cute.recast_tensor(rH, cutlass.Int32)
-        flat = cute.make_rmem_tensor(cute.make_layout(n_elems // 2), cutlass.Int32)
-        n_vec = n_elems // 8
         if cutlass.const_expr(half == 0):
-            for p in cutlass.range_constexpr(n_elems // 2):
-                flat[p] = rH32[p]
-            for j in cutlass.range_constexpr(n_vec):
-                ptr = cute.make_ptr(cutlass.Int32, q_base + (j * self.tile_threads + mma_tidx) * 16,
-                                    cute.AddressSpace.smem, assumed_align=16)
-                cute.make_tensor(ptr, cute.make_layout(4)).store(cute.local_tile(flat, (4,), (j,)).load())
+            self._park(rH, sC, mma_tidx)
             return am_lo, am_hi
         am_lo0, am_hi0 = kept
-        rH0 = cute.make_rmem_tensor(acc_shape, cutlass.BFloat16)
-        rH0_32 = cute.recast_tensor(rH0, cutlass.Int32)
-        for j in cutlass.range_constexpr(n_vec):
-            ptr = cute.make_ptr(cutlass.Int32, q_base + (j * self.tile_threads + mma_tidx) * 16,
-                                cute.AddressSpace.smem, assumed_align=16)
-            cute.local_tile(flat, (4,), (j,)).store(cute.make_tensor(ptr, cute.make_layout(4)).load())
-        for p in cutlass.range_constexpr(n_elems // 2):
-            rH0_32[p] = flat[p]
+        rH0 = self._unpark(acc_shape, sC, mma_tidx)
         epi_barrier.arrive_and_wait()  # every thread has its half 0 back: sC becomes the e4m3 tile
         am_lo = cute.arch.fmax(am_lo, am_lo0, nan=True)
         am_hi = cute.arch.fmax(am_hi, am_hi0, nan=True)
@@ -1220,8 +1204,9 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
 
     @cute.jit
     def _park(self, rH, sC, mma_tidx):
-        """Unit ``u``'s bf16 values wait in ``sC`` until unit ``u + 1``'s epilogue: 16-byte slot ``j``
-        of consumer thread ``t`` at byte ``(j * tile_threads + t) * 16`` (each thread reads back its own)."""
+        """This thread's bf16 values (``rH``) wait in ``sC`` (requant: half 0 for half 1; pair_amax:
+        unit u for unit u + 1's epilogue): 16-byte slot ``j`` of consumer thread ``t`` at byte
+        ``(j * tile_threads + t) * 16``; each thread reads back its own (:meth:`_unpark`)."""
         rH32 = cute.recast_tensor(rH, cutlass.Int32)
         q_base = sC.iterator.toint()
         for j in cutlass.range_constexpr(cute.size(rH32) // 4):
@@ -1231,6 +1216,20 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
             for w in cutlass.range_constexpr(4):
                 v[w] = rH32[4 * j + w]
             cute.make_tensor(ptr, cute.make_layout(4)).store(v.load())
+
+    @cute.jit
+    def _unpark(self, acc_shape, sC, mma_tidx):
+        """The bf16 values this thread parked with :meth:`_park`, as a fragment of ``acc_shape``."""
+        rH = cute.make_rmem_tensor(acc_shape, cutlass.BFloat16)
+        rH32 = cute.recast_tensor(rH, cutlass.Int32)
+        q_base = sC.iterator.toint()
+        for j in cutlass.range_constexpr(cute.size(rH32) // 4):
+            ptr = cute.make_ptr(cutlass.Int32, q_base + (j * self.tile_threads + mma_tidx) * 16,
+                                cute.AddressSpace.smem, assumed_align=16)
+            v = cute.make_tensor(ptr, cute.make_layout(4)).load()
+            for w in cutlass.range_constexpr(4):
+                rH32[4 * j + w] = v[w]
+        return rH
 
     @cute.jit
     def _pair_finish(self, acc_shape, n_elems: int, tCcC, sC, outs, row0, rows_left, r_lo, r_hi, group, q_unit,
@@ -1243,15 +1242,8 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         buffers alternate by unit: a CTA cannot be two units ahead of its peer, as the A tiles it
         multicasts wait for the peer's consumers (more k-tiles per unit than pipeline stages)."""
         mQ, mQScale = outs
-        rH = cute.make_rmem_tensor(acc_shape, cutlass.BFloat16)
-        rH32 = cute.recast_tensor(rH, cutlass.Int32)
+        rH = self._unpark(acc_shape, sC, mma_tidx)
         q_base = sC.iterator.toint()
-        for j in cutlass.range_constexpr(cute.size(rH32) // 4):  # the thread's own slots (see _park)
-            ptr = cute.make_ptr(cutlass.Int32, q_base + (j * self.tile_threads + mma_tidx) * 16,
-                                cute.AddressSpace.smem, assumed_align=16)
-            v = cute.make_tensor(ptr, cute.make_layout(4)).load()
-            for w in cutlass.range_constexpr(4):
-                rH32[4 * j + w] = v[w]
         rF = cute.make_rmem_tensor(acc_shape, cutlass.Float32)
         rF.store(rH.load().to(cutlass.Float32))
         buf = q_unit % 2
