@@ -175,6 +175,8 @@ def test_shim_switch_and_key(monkeypatch):
     monkeypatch.delenv("MOE_EP_FP8_SMEM_SCALES", raising=False)
     monkeypatch.delenv("MOE_EP_FP8_OVERLAP", raising=False)
     monkeypatch.delenv("MOE_EP_FP8_SCALE_WARP", raising=False)
+    # the rules of staged scales, with drop v69's unit_scales (which replaces them from K 4096) off
+    monkeypatch.setenv("MOE_EP_FP8_UNIT_SCALES", "0")
     # default: staged scales on the overlapped schedule up to K = 2048 (Qwen3's FC1 and FC2), and
     # for the non-gated GEMM (FC2) from K = 4096 (eighteenth session: Mixtral's FC2 1.036x)
     assert s.use_fp8_smem_scales(True, 768) and s.use_fp8_smem_scales(True, 2048)

@@ -246,6 +246,7 @@ class Fp8Key:
     quant_items: int = 1
     scale_lookahead: int = 1
     pair_amax: bool = False
+    unit_scales: bool = False
 
 
 #: ``MOE_EP_FP8_FUSED_QUANT``'s values: off, the quantising warps (drop v39), the epilogue (drop v66)
@@ -278,6 +279,41 @@ def use_fp8_scale_lookahead(scale_warp: bool) -> int:
     return ahead if scale_warp else 1
 
 
+#: reduction size from which the FP8 GEMMs load their scales by TMA by default (use_fp8_unit_scales)
+UNIT_SCALES_MIN_K = 4096
+#: ``MOE_EP_FP8_UNIT_SCALES``' values: from UNIT_SCALES_MIN_K (default), wherever the kernel can, never
+UNIT_SCALES_MODES = ("auto", "1", "0")
+#: the switches of the staged scales (drops v34 / v35 / v65): set, "auto" leaves the scales to them
+_STAGED_SCALE_SWITCHES = ("MOE_EP_FP8_SMEM_SCALES", "MOE_EP_FP8_SCALE_WARP", "MOE_EP_FP8_SCALE_LOOKAHEAD")
+
+
+def use_fp8_unit_scales(k: int) -> bool:
+    """Whether the plain overlapped FP8 GEMM with reduction size ``k`` has its scales loaded by TMA, 8
+    k-tiles per copy into double-buffered shared memory (drop v69, ``unit_scales``; the same bits). It
+    replaces the consumers' global scale loads and the staged scales (``smem_scales`` / ``scale_warp``).
+    The kernel needs K/128 to be a multiple of UNIT_SCALE_KC (and of the chunked schedule's chunk).
+    ``MOE_EP_FP8_UNIT_SCALES``: "auto" (default) from K = UNIT_SCALES_MIN_K unless one of the staged
+    scales' switches (``MOE_EP_FP8_SMEM_SCALES``, ``MOE_EP_FP8_SCALE_WARP``, ``MOE_EP_FP8_SCALE_LOOKAHEAD``)
+    is set, so those still select what they did; "1" wherever the kernel can; "0" never; anything else
+    raises ValueError.
+
+    Twenty-eighth session, H200, drop runner at the 700 W cap (each GEMM back to back for a second,
+    three interleaved rounds, bit-identical): Mixtral's FC1 (K 4096) 3.488 ms against 3.657 with
+    global scales (1.049x), its FC2 (K 14336) 1.778 against 1.827 with the scale warp (1.028x);
+    Qwen3's FC1 (K 2048) 0.443 against 0.439 staged by the TMA warp (0.993x). The FP8 layer with
+    it on wherever it can, three interleaved rounds, per call / back to back / CUDA graph TFLOP/s:
+    Mixtral 999-1027 / 1025-1028 / 1024-1027 against 949-978 / 995-997 / 1001-1005; Qwen3 (FC1 only)
+    549-569 / 668-673 / 676-701 against 554-562 / 674-684 / 712-728 -- slower, hence "auto"."""
+    mode = os.environ.get("MOE_EP_FP8_UNIT_SCALES", "auto")
+    if mode not in UNIT_SCALES_MODES:
+        raise ValueError(f"MOE_EP_FP8_UNIT_SCALES must be one of {', '.join(UNIT_SCALES_MODES)}, got {mode!r}")
+    kc = CONSTANTS.value("sm90_megamoe.unit_scales", "UNIT_SCALE_KC")
+    k_tiles = k // CONSTANTS.value("sm90_megamoe.fp8_gemm", "FP8_BLOCK")
+    possible = k_tiles % kc == 0 and fp8_overlap_chunk(k) % kc == 0
+    staged_asked = any(os.environ.get(v) for v in _STAGED_SCALE_SWITCHES)
+    return possible and (mode == "1" or (mode == "auto" and k >= UNIT_SCALES_MIN_K and not staged_asked))
+
+
 def use_fp8_quant_items() -> int:
     """Warp items per loop pass of the FP8 row quantisers (drop v54, ``items``: the pass's loads
     issued together, more bytes in flight; the same bits for every value): ``MOE_EP_FP8_QUANT_ITEMS``
@@ -301,7 +337,8 @@ def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_row
          raster_m: int = 0, overlap_promotion: bool = False, requant: bool = False, gather_a: bool = False,
          fused_quant: bool = False) -> Fp8Key:
     plain = kind == "gemm" and not requant and not gather_a
-    smem = kind == "gemm" and not gather_a and use_fp8_smem_scales(overlap_promotion, k, activation)
+    unit = plain and not fused_quant and bool(overlap_promotion) and use_fp8_unit_scales(k)
+    smem = kind == "gemm" and not gather_a and not unit and use_fp8_smem_scales(overlap_promotion, k, activation)
     scale_warp = smem and use_fp8_scale_warp(activation, k)
     return Fp8Key(CONSTANTS.value(PKG, "DROP_VERSION"), _cutlass_version(), "sm_90a", kind, activation, n, k,
                   num_experts, bool(scale_rows), use_tvm_ffi(), int(raster_m), bool(overlap_promotion),
@@ -312,7 +349,7 @@ def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_row
                   kind == "gemm" and use_fp8_tanh_sigmoid(activation),
                   use_fp8_quant_items() if kind.startswith("quantize") else 1,
                   use_fp8_scale_lookahead(scale_warp and plain and not fused_quant),
-                  bool(fused_quant) and fp8_fused_quant_mode() == "epilogue")
+                  bool(fused_quant) and fp8_fused_quant_mode() == "epilogue", unit)
 
 
 def _gemm_key(activation: str, n: int, k: int, num_experts: int, scale_rows: bool, requant: bool,
@@ -329,7 +366,8 @@ def _gemm_options(key: Fp8Key) -> dict:
                 overlap_promotion=key.overlap_promotion, requant=key.requant, wide_gated=key.wide_gated,
                 gather_a=key.gather_a, cluster_n=key.cluster_n, smem_scales=key.smem_scales,
                 scale_warp=key.scale_warp, fused_quant=key.fused_quant, deferred_epilogue=key.deferred_epilogue,
-                tanh_sigmoid=key.tanh_sigmoid, scale_lookahead=key.scale_lookahead, pair_amax=key.pair_amax)
+                tanh_sigmoid=key.tanh_sigmoid, scale_lookahead=key.scale_lookahead, pair_amax=key.pair_amax,
+                unit_scales=key.unit_scales)
 
 
 def _checked_gemm_key(activation: str, n: int, k: int, num_experts: int, scale_rows: bool, requant: bool,
@@ -375,7 +413,8 @@ def _compiled_gemm(key: Fp8Key) -> Any:
     name = f"fp8_gemm_{key.activation}" + ("_requant" if key.requant else "") + \
         ("_gather" if key.gather_a else "") + (f"_cluster{key.cluster_n}" if key.cluster_n > 1 else "") + \
         ("_fusedq" if key.fused_quant else "") + ("_pair" if key.pair_amax else "") + ("_defer" if key.deferred_epilogue else "") + \
-        ("_tanh" if key.tanh_sigmoid else "") + (f"_ahead{key.scale_lookahead}" if key.scale_lookahead > 1 else "")
+        ("_tanh" if key.tanh_sigmoid else "") + (f"_ahead{key.scale_lookahead}" if key.scale_lookahead > 1 else "") + \
+        ("_us" if key.unit_scales else "")
 
     def build():
         fl = _load("sm90_megamoe.fp8_launch")

@@ -155,6 +155,7 @@ from .gather_producer import row_tma_atom, stage_producers
 from .pdl import PDL, wait_previous_grid
 from .constants import MAX_EXPERTS
 from .grouped_gemm import GroupedGemmSm90, LayoutEnum, get_smem_capacity_in_bytes, silu
+from .unit_scales import UNIT_SCALE_BUF, UNIT_SCALE_BUFS, UNIT_SCALE_KC, UnitScales, unit_scales_reason
 
 FP8_BLOCK = 128
 #: k-tiles up to which ``overlap_promotion`` unrolls the whole k-loop (a WGMMA group still in flight
@@ -266,7 +267,7 @@ def can_implement(activation: str, n: int, k: int, num_experts: int,
     return None
 
 
-class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
+class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
     """FP8 block-scaled varlen-M grouped GEMM (see the module docstring).
 
     :param activation: "identity" or "swiglu" (compile time).
@@ -295,7 +296,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                  num_stages: Optional[int] = None, raster_m: int = 1, overlap_promotion: bool = False,
                  wide_gated: bool = False, cluster_n: int = 1, smem_scales: bool = False,
                  scale_warp: bool = False, deferred_epilogue: bool = False, tanh_sigmoid: bool = False,
-                 scale_lookahead: int = 1):
+                 scale_lookahead: int = 1, unit_scales: bool = False):
         if tile_n is None:
             tile_n = default_tile_n(activation)
         reason = can_implement(activation, 2 * FP8_BLOCK, FP8_BLOCK, 1, tile_n)
@@ -331,6 +332,12 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
             raise ValueError("scale_lookahead > 1 needs scale_warp (the scale warp keeps the loads in flight)")
         # drop v65: the scale warp keeps the next scale_lookahead k-tiles' scale loads in flight
         self.scale_lookahead = int(scale_lookahead)
+        if unit_scales and (smem_scales or not overlap_promotion or self.requant or self.fused_quant
+                            or self.gather_a):
+            raise ValueError("unit_scales is a way of loading the scales of the plain overlapped kernel: it needs "
+                             "overlap_promotion and refuses smem_scales, requant, fused_quant and gather_a")
+        # drop v69: the TMA warp loads the scales of UNIT_SCALE_KC k-tiles per copy (:mod:`.unit_scales`)
+        self.unit_scales = bool(unit_scales)
         if deferred_epilogue and not (self.overlap_promotion and not self.requant and not self.fused_quant):
             raise ValueError("deferred_epilogue needs overlap_promotion and the plain bf16 epilogue "
                              "(not requant, not fused_quant)")
@@ -390,6 +397,8 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         reserved = 1024 + 8 * (num_experts + 2) + 1024
         reserved += self.epi_smem_elems * 2 * self.num_epi_bufs
         reserved += self.recv_smem_elems * 2 + self.amax_smem_bytes
+        if self.unit_scales:  # the two chunk buffers and their four barriers
+            reserved += UNIT_SCALE_BUFS * UNIT_SCALE_BUF * 4 + 128
         stages = min((self.smem_capacity - reserved) // per_stage, 8)
         if self.num_stages_override is not None:
             stages = min(stages, self.num_stages_override)
@@ -415,8 +424,13 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         if cutlass.const_expr(mC.element_type != cutlass.BFloat16):
             raise TypeError("C must be bfloat16")
         setup = self._setup(mA, mAScale, mB, mBScale, mOffsets)
-        self._launch(self.kernel(setup[0], setup[1], setup[2], setup[3], mAScale, mBScale, mC, mOffsets, mRowScale,
-                                 *setup[4:]), max_active_ctas, stream)
+        if cutlass.const_expr(self.unit_scales):
+            self._launch(self.kernel_unit_scales(setup[0], setup[1], setup[2], setup[3], mAScale, mBScale, mC,
+                                                 mOffsets, mRowScale, *setup[4:],
+                                                 *self._unit_scale_atoms(mAScale, mBScale)), max_active_ctas, stream)
+        else:
+            self._launch(self.kernel(setup[0], setup[1], setup[2], setup[3], mAScale, mBScale, mC, mOffsets,
+                                     mRowScale, *setup[4:]), max_active_ctas, stream)
 
     @cute.jit
     def _check_inputs(self, mA, mAScale, mB, mBScale, mOffsets):
@@ -497,6 +511,10 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         if cutlass.const_expr(self.deferred_epilogue and self.overlap_chunk):
             raise ValueError(f"deferred_epilogue runs on the unrolled overlapped schedule (K <= "
                              f"{OVERLAP_MAX_K_TILES * FP8_BLOCK}), not the chunked one (K={k_size})")
+        if cutlass.const_expr(self.unit_scales):
+            reason = unit_scales_reason(self.k_tiles, self.overlap_chunk)
+            if cutlass.const_expr(reason is not None):
+                raise ValueError(reason)
         self.n_out_divisible = True
         self.num_stages = self._num_stages(num_experts)
         if cutlass.const_expr(self.pair_amax and self.k_tiles <= self.num_stages):
@@ -546,6 +564,9 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         }
         if cutlass.const_expr(self.smem_scales):  # last, so the other fields keep their offsets
             fields["sScale"] = cute.struct.Align[cute.struct.MemRange[self.acc_dtype, self.num_stages * SCALE_SLOT], 16]
+        if cutlass.const_expr(self.unit_scales):  # last too: the chunk buffers, "full" x 2, "empty" x 2
+            fields["sUS"] = cute.struct.Align[cute.struct.MemRange[self.acc_dtype, UNIT_SCALE_BUFS * UNIT_SCALE_BUF], 128]
+            fields["usbar"] = cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 2 * UNIT_SCALE_BUFS], 8]
         if cutlass.const_expr(self.pair_amax):  # after them: the peer's row amaxes of units 0, 1 (mod 2)
             fields["sAmax"] = cute.struct.Align[cute.struct.MemRange[self.acc_dtype, 2 * self.tile_m], 16]
             fields["abar"] = cute.struct.Align[cute.struct.MemRange[cutlass.Int64, 2], 8]
@@ -585,14 +606,42 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         self._body(tma_atom_a, mA_tma, tma_atom_b, mB_tma, mAScale, mBScale, (mC,), mOffsets, mRowScale,
                    tiled_mma, tiled_mma_epi, a_smem_layout, b_smem_layout, b_smem_layout_mma)
 
+    @cute.kernel
+    def kernel_unit_scales(
+        self,
+        tma_atom_a: cute.CopyAtom,
+        mA_tma: cute.Tensor,
+        tma_atom_b: cute.CopyAtom,
+        mB_tma: cute.Tensor,
+        mAScale: cute.Tensor,
+        mBScale: cute.Tensor,
+        mC: cute.Tensor,
+        mOffsets: cute.Tensor,
+        mRowScale: cute.Tensor,
+        tiled_mma: cute.TiledMma,
+        tiled_mma_epi: cute.TiledMma,
+        a_smem_layout: cute.ComposedLayout,
+        b_smem_layout: cute.ComposedLayout,
+        b_smem_layout_mma: cute.ComposedLayout,
+        tma_atom_as: cute.CopyAtom,
+        mAS_tma: cute.Tensor,
+        tma_atom_bs: cute.CopyAtom,
+        mBS_tma: cute.Tensor,
+    ):
+        """``unit_scales`` (drop v69): the plain kernel with the scales' TMA atoms."""
+        self._body(tma_atom_a, mA_tma, tma_atom_b, mB_tma, mAScale, mBScale, (mC,), mOffsets, mRowScale,
+                   tiled_mma, tiled_mma_epi, a_smem_layout, b_smem_layout, b_smem_layout_mma,
+                   us_tma=(tma_atom_as, mAS_tma, tma_atom_bs, mBS_tma))
+
     @cute.jit
     def _body(self, tma_atom_a, mA_tma, tma_atom_b, mB_tma, mAScale, mBScale, outs, mOffsets, mRowScale,
-              tiled_mma, tiled_mma_epi, a_smem_layout, b_smem_layout, b_smem_layout_mma, gather=None):
+              tiled_mma, tiled_mma_epi, a_smem_layout, b_smem_layout, b_smem_layout_mma, gather=None, us_tma=None):
         """The kernel (traced inline into each variant's ``@cute.kernel``). ``outs``: ``(mC,)``, or
         ``(mQ, mQScale)`` for the requantising variant, whose unit of work is the pair of n-tiles
         of one 128-column group (``self.halves`` = 2), one after the other. ``gather``: ``(mA,
         mIdx)`` for the gathering variant (``self.gather_a``): grouped row r is ``mA[mIdx[r]]``,
-        loaded by the producer warpgroup with cp.async, and its scales ``mAScale[mIdx[r]]``."""
+        loaded by the producer warpgroup with cp.async, and its scales ``mAScale[mIdx[r]]``.
+        ``us_tma``: ``unit_scales``' ``(atom_as, tma_as, atom_bs, tma_bs)``."""
         wait_previous_grid()
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -603,6 +652,9 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_atom_a)
             cpasync.prefetch_descriptor(tma_atom_b)
+            if cutlass.const_expr(self.unit_scales):
+                cpasync.prefetch_descriptor(us_tma[0])
+                cpasync.prefetch_descriptor(us_tma[2])
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -645,6 +697,14 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
             if tidx == 0:  # initialised before the pipeline's fence and cluster sync, which cover them
                 cute.arch.mbarrier_init(qbar, 1)  # arrive.expect_tx of the local warpgroup + the peer's bytes
                 cute.arch.mbarrier_init(qbar + 1, 2 * len(self.quant_warps))  # each quantising warp of both CTAs
+        us, us_bar = None, None  # unit_scales: (atoms, TMA tensors, chunk buffers); "full" x 2, "empty" x 2
+        if cutlass.const_expr(self.unit_scales):
+            us_bar = storage.usbar.data_ptr()
+            if tidx == 0:  # as above: covered by the pipeline's fence and cluster sync
+                for b in cutlass.range_constexpr(UNIT_SCALE_BUFS):
+                    cute.arch.mbarrier_init(us_bar + b, 1)
+                    cute.arch.mbarrier_init(us_bar + UNIT_SCALE_BUFS + b, self.tile_threads)
+            us = (*us_tma, storage.sUS.get_tensor(cute.make_layout(UNIT_SCALE_BUFS * UNIT_SCALE_BUF)))
         a_smem_one = cute.slice_(a_smem_layout, (None, None, 0))
         b_smem_one = cute.slice_(b_smem_layout, (None, None, 0))
         tma_bytes, producers = stage_producers(self, a_smem_one, b_smem_one)
@@ -693,6 +753,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                     tAsA = cute.group_modes(sA, 0, 2)
                     tBsB = cute.group_modes(sB, 0, 2)
                     expert = cutlass.Int32(0)
+                    us_unit = cutlass.Int32(0)  # unit_scales: this CTA's units so far (chunk count / unit)
                     tile_id = unit0
                     while tile_id < total_tiles:
                         expert, row0, row_end, n_tile = self._locate(sOff, sCum, tile_id, expert)
@@ -725,6 +786,11 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                                 )
                                 tBgBs.append(tBgB)
                             for k_tile in range(k_tiles):
+                                if cutlass.const_expr(self.unit_scales):  # a chunk's scales, before its first stage
+                                    if k_tile % UNIT_SCALE_KC == 0:
+                                        self._load_unit_scales(us, us_bar,
+                                                               us_unit * (k_tiles // UNIT_SCALE_KC)
+                                                               + k_tile // UNIT_SCALE_KC, row0, expert, n0, lane)
                                 if cutlass.const_expr(self.smem_scales and not self.scale_warp):
                                     self._stage_scales(ab_pipeline, prod_state, mAScale, mBScale, sScale, sc_rows,
                                                        expert, n0, k_tile, lane)
@@ -744,6 +810,8 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                                 ab_pipeline.producer_commit(prod_state)
                                 prod_state.advance()
                         tile_id = tile_id + unit_step
+                        if cutlass.const_expr(self.unit_scales):
+                            us_unit = us_unit + 1
                     ab_pipeline.producer_tail(prod_state)
                 if cutlass.const_expr(self.scale_warp and self.scale_lookahead > 1):
                     if warp_idx == 1:
@@ -812,6 +880,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
             r_hi = tCcC[2][0]
             expert = cutlass.Int32(0)
             q_unit = cutlass.Int32(0)  # fused_quant: units this CTA has stored
+            us_unit = cutlass.Int32(0)  # unit_scales: units this CTA has computed
             # deferred_epilogue: the unit whose tile waits in ``accs`` to be stored (none yet: 0 rows)
             prev_row0 = cutlass.Int32(0)
             prev_rows = cutlass.Int32(0)
@@ -841,6 +910,9 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                 for half in cutlass.range_constexpr(self.halves):
                     n0 = self._n0(n_tile, half)
                     sc = (mAScale, mBScale, sr_lo, sr_hi, expert, n0, sScale, r_lo, r_hi)  # for _scales
+                    usc = None  # unit_scales: (chunk buffers, barriers, the unit's first chunk)
+                    if cutlass.const_expr(self.unit_scales):
+                        usc = (us[4], us_bar, us_unit * (k_tiles // UNIT_SCALE_KC))
                     if cutlass.const_expr(not self.deferred_epilogue):
                         for h in cutlass.range_constexpr(self.n_mma):
                             accs[h].fill(0.0)
@@ -851,7 +923,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                         ab_pipeline.consumer_wait(state)
                         tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts, state.index, num_k_blocks)
                         state.advance()
-                        a_lo, a_hi, a_b0, a_b1 = self._scales(sc, state, True, 0)
+                        a_lo, a_hi, a_b0, a_b1 = self._scales(sc, state, True, 0, self._us_at(usc, 0))
                         if cutlass.const_expr(self.deferred_epilogue):
                             # drop v48: the previous unit's tile is stored while k-tile 0 runs (no
                             # WGMMA group crosses the unit loop's back-edge: only finished sums wait)
@@ -866,7 +938,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                             ab_pipeline.consumer_wait(state)
                             tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts2, state.index, num_k_blocks)
                             state.advance()
-                            b_lo, b_hi, b_b0, b_b1 = self._scales(sc, state, True, t)
+                            b_lo, b_hi, b_b0, b_b1 = self._scales(sc, state, True, t, self._us_at(usc, t))
                             warpgroup.wait_group(1)  # set A's group (t - 1) is done; B's may run
                             self._fence(parts, n_mma_elems)
                             ab_pipeline.consumer_release(rel)
@@ -875,7 +947,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                             ab_pipeline.consumer_wait(state)
                             tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts, state.index, num_k_blocks)
                             state.advance()
-                            a_lo, a_hi, a_b0, a_b1 = self._scales(sc, state, True, t + 1)
+                            a_lo, a_hi, a_b0, a_b1 = self._scales(sc, state, True, t + 1, self._us_at(usc, t + 1))
                             warpgroup.wait_group(1)  # set B's group (t) is done
                             self._fence(parts2, n_mma_elems)
                             ab_pipeline.consumer_release(rel)
@@ -886,7 +958,8 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                             ab_pipeline.consumer_wait(state)
                             tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts2, state.index, num_k_blocks)
                             state.advance()
-                            b_lo, b_hi, b_b0, b_b1 = self._scales(sc, state, True, k_tiles - 1)
+                            b_lo, b_hi, b_b0, b_b1 = self._scales(sc, state, True, k_tiles - 1,
+                                                                  self._us_at(usc, k_tiles - 1))
                             warpgroup.wait_group(1)
                             self._fence(parts, n_mma_elems)
                             ab_pipeline.consumer_release(rel)
@@ -914,13 +987,14 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                             ab_pipeline.consumer_wait(state)
                             tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts, state.index, num_k_blocks)
                             state.advance()
-                            a_lo, a_hi, a_b0, a_b1 = self._scales(sc, state, True, k0)
+                            a_lo, a_hi, a_b0, a_b1 = self._scales(sc, state, True, k0, self._us_at(usc, 0, chunk, C))
                             for p in cutlass.range_constexpr(C // 2):
                                 t = k0 + 1 + 2 * p
                                 ab_pipeline.consumer_wait(state)
                                 tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts2, state.index, num_k_blocks)
                                 state.advance()
-                                b_lo, b_hi, b_b0, b_b1 = self._scales(sc, state, True, t)
+                                b_lo, b_hi, b_b0, b_b1 = self._scales(sc, state, True, t,
+                                                                      self._us_at(usc, 1 + 2 * p, chunk, C))
                                 warpgroup.wait_group(1)  # set A's group (t - 1) is done; B's may run
                                 self._fence(parts, n_mma_elems)
                                 ab_pipeline.consumer_release(rel)
@@ -930,7 +1004,8 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                                     ab_pipeline.consumer_wait(state)
                                     tiled_mma = self._issue(tiled_mma, tCrA, tCrB, parts, state.index, num_k_blocks)
                                     state.advance()
-                                    a_lo, a_hi, a_b0, a_b1 = self._scales(sc, state, True, t + 1)
+                                    a_lo, a_hi, a_b0, a_b1 = self._scales(
+                                        sc, state, True, t + 1, self._us_at(usc, 2 + 2 * p, chunk, C))
                                     warpgroup.wait_group(1)  # set B's group (t) is done
                                 else:  # t = k0 + C - 1, the chunk's last: drain
                                     warpgroup.wait_group(0)
@@ -981,6 +1056,8 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
                         self._epilogue([acc0], tCsC, sC, outs[0], row0, rows_left, n0, mma_tidx, epi_barrier)
                 if cutlass.const_expr(self.fused_quant):  # pair_amax too
                     q_unit = q_unit + 1
+                if cutlass.const_expr(self.unit_scales):
+                    us_unit = us_unit + 1
                 tile_id = tile_id + unit_step
             if cutlass.const_expr(self.pair_amax):
                 if q_unit > 0:  # the last unit (none if this CTA had no unit)
@@ -1510,11 +1587,24 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90):
         for h in range(self.n_mma):
             _fence_operand(parts[h], n_elems)
 
-    def _scales(self, sc, state, behind: bool, k_tile):
+    def _us_at(self, usc, t: int, chunk=None, chunk_k_tiles: int = 0):
+        """``unit_scales``: ``(buffers, barriers, chunk, j)`` of the k-tile ``t`` k-tiles into its unit
+        (chunked schedule: into chunk ``chunk`` of ``chunk_k_tiles``), or None without unit_scales."""
+        if not self.unit_scales:
+            return None
+        sUS, us_bar, c0 = usc
+        if chunk is not None:
+            c0 = c0 + chunk * (chunk_k_tiles // UNIT_SCALE_KC)
+        return sUS, us_bar, c0 + t // UNIT_SCALE_KC, t % UNIT_SCALE_KC
+
+    def _scales(self, sc, state, behind: bool, k_tile, us=None):
         """(a_scale of the thread's two rows, b_scale of each accumulator) of one k-tile. ``sc``:
         ``(mAScale, mBScale, sr_lo, sr_hi, expert, n0, sScale, r_lo, r_hi)``; with smem_scales the
-        k-tile's stage slot, the stage of ``state`` (``behind``: the one before it)."""
+        k-tile's stage slot, the stage of ``state`` (``behind``: the one before it); with unit_scales
+        the chunk buffer ``us`` (:meth:`_us_at`)."""
         mAScale, mBScale, ra_lo, ra_hi, expert, n0, sScale, r_lo, r_hi = sc
+        if self.unit_scales:
+            return self._read_unit_scales(us[0], us[1], us[2], us[3], r_lo, r_hi)
         if self.smem_scales:
             stage = state.index
             if behind:

@@ -82,14 +82,17 @@ class CompiledFp8Gemm:
     epilogue runs while the next unit's first k-tile is on the tensor cores (same bits);
     ``tanh_sigmoid`` (drop v50; swiglu; v51: every variant, so they keep one another's bits): sigmoid as
     0.5 + 0.5 tanh.approx(g / 2), one MUFU op per output instead of two (not the same bits as without:
-    tanh.approx's relative error is ~2^-11)."""
+    tanh.approx's relative error is ~2^-11);
+    ``unit_scales`` (drop v69; overlap_promotion, the plain kernel, K/128 a multiple of 8): the TMA warp
+    loads the scales of 8 k-tiles per TMA copy into double-buffered shared memory
+    (:mod:`.unit_scales`; same bits)."""
 
     def __init__(self, activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
                  compiled=None, tvm_ffi: bool = False, raster_m: int = 1, overlap_promotion: bool = False,
                  requant: bool = False, wide_gated: bool = False, gather_a: bool = False, cluster_n: int = 1,
                  smem_scales: bool = False, scale_warp: bool = False, fused_quant: bool = False,
                  gather_tma: bool = False, deferred_epilogue: bool = False, tanh_sigmoid: bool = False,
-                 scale_lookahead: int = 1, pair_amax: bool = False):
+                 scale_lookahead: int = 1, pair_amax: bool = False, unit_scales: bool = False):
         reason = can_implement(activation, n, k, num_experts)
         if reason is None and gather_tma and not gather_a:
             reason = "gather_tma is a way of gathering: it needs gather_a=True"
@@ -109,6 +112,10 @@ class CompiledFp8Gemm:
             reason = "scale_lookahead > 1 needs scale_warp and the plain kernel (not requant, not fused_quant)"
         if reason is None and fused_quant and not (wide_gated and cluster_n == 2 and not requant and not gather_a):
             reason = "fused_quant needs wide_gated and cluster_n = 2 (not requant, not gather_a)"
+        if reason is None and unit_scales and (smem_scales or not overlap_promotion or requant or fused_quant
+                                               or gather_a):
+            reason = ("unit_scales needs overlap_promotion and the plain kernel (not smem_scales, requant, "
+                      "fused_quant or gather_a)")
         if reason is None and pair_amax and not fused_quant:
             reason = "pair_amax is a way of fusing the quantiser: it needs fused_quant=True"
         if reason is None and deferred_epilogue and (not overlap_promotion or requant or fused_quant):
@@ -138,6 +145,7 @@ class CompiledFp8Gemm:
         self.deferred_epilogue = bool(deferred_epilogue)
         self.tanh_sigmoid = bool(tanh_sigmoid)
         self.scale_lookahead = int(scale_lookahead)
+        self.unit_scales = bool(unit_scales)
         # the grid of a clustered launch, worked out here (not while a CUDA graph is captured)
         self._max_ctas = cluster_ctas(self.cluster_n) if self.cluster_n > 1 and torch.cuda.is_available() else None
         if compiled is None:
@@ -163,7 +171,8 @@ class CompiledFp8Gemm:
                                                        **({"deferred_epilogue": True} if self.deferred_epilogue else {}),
                                                        **({"tanh_sigmoid": True} if self.tanh_sigmoid else {}),
                                                        **({"scale_lookahead": self.scale_lookahead}
-                                                          if self.scale_lookahead > 1 else {}))
+                                                          if self.scale_lookahead > 1 else {}),
+                                                       **({"unit_scales": True} if self.unit_scales else {}))
             opts = "--gpu-arch sm_90a" + (" --enable-tvm-ffi" if self.tvm_ffi else "")
             compiled = cute.compile(kernel, *fake_args(num_experts, n, k, activation, self.tvm_ffi, self.requant,
                                                        self.gather_a, self.fused_quant), options=opts)

@@ -12,6 +12,7 @@
                                                             #   or by a second producer warp (v35),
                                                             #   with loads in flight (v65)
                                       [--fused-quant]       # + FC1 writing FC2's e4m3 input too (v37, v66)
+                                      [--unit-scales]       # + scales by TMA, 8 k-tiles per copy (v69)
 
 Per model, FC1 (swiglu, w13 [E, 2I, H]) and FC2 (identity + router row scale, w2 [E, H, I]):
 * every machine: compile for sm_90a from fake tensors and check the PTX (FP8 WGMMA
@@ -37,7 +38,12 @@ Per model, FC1 (swiglu, w13 [E, 2I, H]) and FC2 (identity + router row scale, w2
   (:class:`.fp8_gemm.Fp8SwigluFusedQuantGroupedGemmSm90`), and the same FC1 quantising in its
   epilogue with the pair's row amaxes swapped (v66 ``pair_amax``), against the same FC1 followed
   by the row quantiser: e4m3 rows and scales bit for bit (poisoned), then all three timed,
-  interleaved over two rounds.
+  interleaved over two rounds;
+* ``--unit-scales``: each layer GEMM whose K/128 is a multiple of 8, with the schedule the layer runs
+  (overlapped, clusters of 2, staged scales where the layer stages them), against the same GEMM with
+  ``unit_scales`` (drop v69: the scales loaded by TMA, 8 k-tiles per copy): the same bits
+  (NaN-poisoned) on uniform and skewed routing and on 1, 37 and 300 rows, then both timed at the
+  power cap (each back to back for a second before 60 timed launches), interleaved, 3 rounds.
 """
 
 from __future__ import annotations
@@ -725,6 +731,71 @@ def check_deferred_epilogue(model: str, routing: str, reps: int) -> bool:
     return ok
 
 
+def check_unit_scales(model: str, reps: int = 60) -> bool:
+    """Drop v69: ``unit_scales`` against the layer's schedule of each GEMM it can run (module docstring)."""
+    from .fp8_launch import CompiledFp8Gemm
+    from .unit_scales import unit_scales_reason
+
+    h, i, E, topk, tokens = MODELS[model]
+    m_total = tokens * topk
+    ok = True
+    for name, act, n, k in (("fc1", "swiglu", 2 * i, h), ("fc2", "identity", h, i)):
+        k_tiles = k // FP8_BLOCK
+        why = unit_scales_reason(k_tiles, overlap_chunk(k_tiles))
+        if why is not None:
+            print(f"[{model} {name} unit_scales] K={k}: {why}; not covered", flush=True)
+            continue
+        sr = act == "identity"
+        kw = dict(raster_m=max(1, min(16, (24 << 20) // (128 * k))), overlap_promotion=True,
+                  wide_gated=act == "swiglu", cluster_n=2, tanh_sigmoid=act == "swiglu")
+        layer_kw = dict(kw, smem_scales=k <= 2048 or (sr and k >= 4096), scale_warp=sr and k >= 4096)
+        fns = [CompiledFp8Gemm(act, n, k, E, sr, **layer_kw), CompiledFp8Gemm(act, n, k, E, sr, unit_scales=True, **kw)]
+        ctas = max_active_ctas(2)
+        for routing, m in (("uniform", m_total), ("skewed", m_total), ("uniform", 1), ("skewed", 37), ("uniform", 300)):
+            a, a_s, b, b_s, offs, rs = make_inputs(m, n, k, E, routing, sr, seed=11 + m)
+            if rs is None:
+                rs = torch.ones(1, device="cuda")
+            outs = [torch.full((m, fns[0].n_out), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in fns]
+            for f, o in zip(fns, outs):
+                f(a, a_s, b, b_s, offs, out=o, row_scale=rs, max_active_ctas=ctas)
+                f(a, a_s, b, b_s, offs, out=o, row_scale=rs, max_active_ctas=ctas)  # barrier phases carry over
+            torch.cuda.synchronize()
+            same = torch.equal(outs[0], outs[1]) and not bool(torch.isnan(outs[1]).any())
+            ok &= same
+            print(f"[{model} {name} unit_scales] {routing} M={m}: bit-identical={same}", flush=True)
+            if m != m_total or routing != "uniform":
+                continue
+            calls = [lambda f=f, o=o: f(a, a_s, b, b_s, offs, out=o, row_scale=rs, max_active_ctas=ctas)
+                     for f, o in zip(fns, outs)]
+            ms = [[], []]
+            for r in range(3):
+                for j in ((0, 1) if r % 2 == 0 else (1, 0)):
+                    ms[j].append(_time_at_cap(calls[j], reps))
+            base, us = statistics.median(ms[0]), statistics.median(ms[1])
+            flops = 2.0 * m_total * n * k
+            print(f"[{model} {name} unit_scales] at the cap: {us:.4f} ms = {flops / us / 1e9:.1f} TFLOP/s vs the "
+                  f"layer's schedule {base:.4f} ms ({base / us:.3f}x; rounds {' '.join(f'{x:.4f}' for x in ms[1])} / "
+                  f"{' '.join(f'{x:.4f}' for x in ms[0])})", flush=True)
+    return ok
+
+
+def _time_at_cap(fn, reps: int, warm_s: float = 1.0) -> float:
+    """Milliseconds per call of ``fn`` over ``reps`` back-to-back launches, after ``warm_s`` seconds
+    of them (the GPU settles at its power cap), one pair of CUDA events."""
+    t0 = time.time()
+    while time.time() - t0 < warm_s:
+        for _ in range(10):
+            fn()
+        torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(reps):
+        fn()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e) / reps
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(MODELS), default="qwen3")
@@ -748,6 +819,9 @@ def main(argv=None):
     p.add_argument("--deferred-epilogue", action="store_true",
                    help="also each layer GEMM with its epilogue under the next unit's first k-tile (drop v48; "
                         "checked bit-identical, timed)")
+    p.add_argument("--unit-scales", action="store_true",
+                   help="also each layer GEMM with its scales loaded by TMA, 8 k-tiles per copy (drop v69; checked "
+                        "bit-identical to the layer's schedule, timed at the power cap)")
     p.add_argument("--raster-m", default="1", help="m-tiles per raster group, comma-separated: each is timed, "
                                                   "the first is also checked")
     args = p.parse_args(argv)
@@ -762,6 +836,8 @@ def main(argv=None):
             ok &= check_fused_quant(args.model, args.routing, args.reps)
         if args.deferred_epilogue:
             ok &= check_deferred_epilogue(args.model, args.routing, args.reps)
+        if args.unit_scales:
+            ok &= check_unit_scales(args.model)
     else:
         print("no SM90 GPU: compile checks only")
     raise SystemExit(0 if ok else 1)
