@@ -90,7 +90,7 @@ def test_unit_scales_refusals():
 def test_shim_switch_and_keys(monkeypatch):
     from moe_ep.shim.drops import sm90_megamoe_fp8 as s
 
-    for var in ("MOE_EP_FP8_UNIT_SCALES",) + s._STAGED_SCALE_SWITCHES:
+    for var in ("MOE_EP_FP8_UNIT_SCALES", "MOE_EP_FP8_DEFERRED_EPILOGUE") + s._STAGED_SCALE_SWITCHES:
         monkeypatch.delenv(var, raising=False)
     mixtral_fc1 = lambda: s._key("gemm", "swiglu", 28672, 4096, 8, False, overlap_promotion=True)  # noqa: E731
     mixtral_fc2 = lambda: s._key("gemm", "identity", 4096, 14336, 8, True, overlap_promotion=True)  # noqa: E731
@@ -116,8 +116,15 @@ def test_shim_switch_and_keys(monkeypatch):
     monkeypatch.setenv("MOE_EP_FP8_UNIT_SCALES", "0")
     assert not mixtral_fc2().unit_scales and mixtral_fc2().smem_scales and mixtral_fc2().scale_warp
     assert not mixtral_fc1().unit_scales and not mixtral_fc1().smem_scales
+    # not with the deferred epilogue (K <= 1024 by default; forced on, Mixtral's FC1 keeps global scales)
+    monkeypatch.setenv("MOE_EP_FP8_UNIT_SCALES", "1")
+    assert not s._key("gemm", "identity", 2048, 1024, 128, True, overlap_promotion=True).unit_scales
+    monkeypatch.setenv("MOE_EP_FP8_DEFERRED_EPILOGUE", "1")
+    assert mixtral_fc1().deferred_epilogue and not mixtral_fc1().unit_scales
+    monkeypatch.delenv("MOE_EP_FP8_DEFERRED_EPILOGUE")
     # "auto" leaves the scales to an explicitly set staged-scale switch
     monkeypatch.delenv("MOE_EP_FP8_UNIT_SCALES")
+    assert mixtral_fc1().unit_scales
     monkeypatch.setenv("MOE_EP_FP8_SCALE_LOOKAHEAD", "4")
     assert not mixtral_fc2().unit_scales and mixtral_fc2().scale_lookahead == 4
     monkeypatch.delenv("MOE_EP_FP8_SCALE_LOOKAHEAD")

@@ -337,7 +337,9 @@ def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_row
          raster_m: int = 0, overlap_promotion: bool = False, requant: bool = False, gather_a: bool = False,
          fused_quant: bool = False) -> Fp8Key:
     plain = kind == "gemm" and not requant and not gather_a
-    unit = plain and not fused_quant and bool(overlap_promotion) and use_fp8_unit_scales(k)
+    deferred = kind == "gemm" and use_fp8_deferred_epilogue(overlap_promotion, k, requant, fused_quant)
+    # drop v69's TMA-loaded scales; not with the deferred epilogue (the pair has not run on a GPU)
+    unit = plain and not fused_quant and not deferred and bool(overlap_promotion) and use_fp8_unit_scales(k)
     smem = kind == "gemm" and not gather_a and not unit and use_fp8_smem_scales(overlap_promotion, k, activation)
     scale_warp = smem and use_fp8_scale_warp(activation, k)
     return Fp8Key(CONSTANTS.value(PKG, "DROP_VERSION"), _cutlass_version(), "sm_90a", kind, activation, n, k,
@@ -345,7 +347,7 @@ def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_row
                   bool(requant), kind == "gemm" and use_fp8_wide_gated(activation), bool(gather_a),
                   use_fp8_cluster(activation, n, k) if plain else 1,
                   smem, scale_warp, bool(fused_quant),
-                  kind == "gemm" and use_fp8_deferred_epilogue(overlap_promotion, k, requant, fused_quant),
+                  deferred,
                   kind == "gemm" and use_fp8_tanh_sigmoid(activation),
                   use_fp8_quant_items() if kind.startswith("quantize") else 1,
                   use_fp8_scale_lookahead(scale_warp and plain and not fused_quant),
