@@ -99,6 +99,13 @@ Design (differences from :mod:`.grouped_gemm`, whose scheduler and smem epilogue
   warp, not the operands, can set the pace. With D loads in flight it stages D per round trip. The
   k-loop steps by the largest divisor of K/128 up to D (the slots are registers named at trace time);
   the loads past a unit's last k-tile are clamped to it (read, never stored). Same values: the same bits.
+* ``unit_scales=True`` (drop v69; the overlapped schedule, not with ``smem_scales``, K/128 and the
+  chunked schedule's chunk multiples of UNIT_SCALE_KC = 8): the TMA warp loads the scales of 8
+  k-tiles per copy -- a 128-row x 8 box of ``mAScale`` and an 8-wide box of ``mBScale`` per weight
+  block -- into one of two shared-memory buffers with their own full / empty barriers, and the
+  consumers read each k-tile's scales from there (:mod:`.unit_scales`; kernel entry
+  ``kernel_unit_scales``). Why: the consumers' global scale loads and the staged scales of v34 / v35
+  cost Mixtral's GEMMs 4-6% at the 700 W cap. Same values, same promotion: the same bits.
 * ``deferred_epilogue=True`` (drop v48; the unrolled overlapped schedule, K <= OVERLAP_MAX_K_TILES *
   128, the plain bf16 output): a unit's epilogue (activation, row scale, staged bf16 stores) runs
   after the *next* unit's first k-tile has been issued, so the tensor cores work on that k-tile

@@ -7,7 +7,7 @@ eight rows per warp instruction). Or a producer warp gathers them and stores the
 (``smem_scales`` / ``scale_warp``, drops v34 / v35). Twenty-eighth session, H200, at the 700 W cap: the
 same GEMMs with the consumers reading their scales from shared memory that nobody loads took
 0.946x (Mixtral FC1), 0.959x (Mixtral FC2) and 0.954x (Qwen3 FC1) of the default's time. With no
-scale reads at all: 0.866x / 0.938x / 0.913x. So getting scales into shared memory costs 4-5% of
+scale reads at all: 0.866x / 0.938x / 0.914x. So getting scales into shared memory costs 4-5% of
 these GEMMs today.
 
 What it does: the TMA warp loads the scales of UNIT_SCALE_KC consecutive k-tiles at once, with
@@ -90,7 +90,7 @@ class UnitScales:
         atom_as, tma_as, atom_bs, tma_bs, sUS = us
         kc = UNIT_SCALE_KC
         buf = chunk % UNIT_SCALE_BUFS
-        k_chunk = (chunk % (self.k_tiles // kc))  # the chunk's place in its unit
+        k_chunk = chunk % (self.k_tiles // kc)  # the chunk's place in its unit
         cute.arch.mbarrier_wait(us_bar + UNIT_SCALE_BUFS + buf, ((chunk // UNIT_SCALE_BUFS) % 2) ^ 1)
         full = us_bar + buf
         if lane == 0:
