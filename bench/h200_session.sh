@@ -47,7 +47,7 @@
 # ncu:           Nsight Compute on the FP8 GEMMs (ours on Mixtral with and without clusters, Qwen3) and on
 #                cuBLAS's block-wise _scaled_mm (Mixtral) -> $OUT/ncu_*.log
 # layers:        both layers profiled (kernel table + the last forward's timeline), FlashInfer BF16 + FP8
-#                beside (carry .device/fi), then the GPU suite's groups in what is left of CALL_BUDGET (500 s)
+#                beside (carry .device/fi; QUANT is ignored: each pass sets its own), then the GPU suite's groups in what is left of CALL_BUDGET (500 s)
 #                -> $OUT/layers_*, $OUT/tests_*.log.
 # fp8ab:         the FP8 layer with (requant, wide) in {0,1}x{0,1}, interleaved, 2 rounds -> $OUT/fp8ab_*.{log,csv};
 #                verify2: the virtual-rank tests with PDL
@@ -120,6 +120,7 @@ python3 -c "import moe_ep.bench.report" || { echo "h200_session: moe_ep not impo
 echo "h200_session: mode=$mode models=$MODELS tokens=$TOKENS iters=$ITERS N=$N out=$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader 2>/dev/null | head -n "$N"
 common=(--model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" --rounds "${BENCH_ROUNDS:-1}")
+unquantised=("${common[@]}")  # the layers mode picks BF16 and FP8 itself (QUANT would make both FP8)
 # QUANT=fp8_block128: FP8 weights for moe_ep (pass BENCH_ARGS="--backend sm90_fp8_cutedsl ..." to pick
 # the experimental backend) and FlashInfer's FP8 backend (--backend fp8) beside it
 [ -n "${QUANT:-}" ] && common+=(--quant "$QUANT")
@@ -394,14 +395,14 @@ if [ "$mode" = layers ]; then
   # idle gaps between kernels), FlashInfer BF16 + FP8 at the same shapes in the same call (carry
   # .device/fi), then GPU tests in what is left of CALL_BUDGET (500 s)
   for q in "" fp8_block128; do
-    step "layer ${q:-bf16}, profiled" "$OUT/layers_${q:-bf16}.log" -- python3 -m moe_ep.bench "${common[@]}" \
+    step "layer ${q:-bf16}, profiled" "$OUT/layers_${q:-bf16}.log" -- python3 -m moe_ep.bench "${unquantised[@]}" \
         ${q:+--quant $q} --no-reference --no-decode --profile --csv "$OUT/layers_${q:-bf16}.csv"
   done
   if [ -f .device/fi/pkg/setup.sh ]; then
     for q in "" fp8_block128; do
       step "FlashInfer peer ${q:-bf16}" "$OUT/layers_fi_${q:-bf16}.log" -- bash -c '
         source .device/fi/pkg/setup.sh || exit 3
-        exec python3 -m moe_ep.bench "$@"' fi "${common[@]}" ${q:+--quant $q} "${peer_args[@]}" --peer flashinfer \
+        exec python3 -m moe_ep.bench "$@"' fi "${unquantised[@]}" ${q:+--quant $q} "${peer_args[@]}" --peer flashinfer \
           --peer-script-fi .device/fi/bench_fi.py --csv "$OUT/layers_fi_${q:-bf16}.csv"
     done
   fi
