@@ -130,6 +130,20 @@ def layer_outputs_with_switch(monkeypatch, switch, cfg, backend, inputs, check_i
     return outs
 
 
+def fp8_layer_inputs(E, H, I, K, T, seed) -> tuple:
+    """Tokens, routing (top-k of random logits) and FP8 block-128 weights of one layer, on the GPU:
+    (x [T, H] bf16, ids [T, K] int32, w [T, K] f32 softmax, w13, w2 as ``quantize_fp8_block128`` gives them)."""
+    from moe_ep.api.quant import quantize_fp8_block128
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16).cuda()
+    ids = torch.randn(T, E, generator=g).topk(K, -1).indices.to(torch.int32).cuda()
+    w = torch.softmax(torch.randn(T, K, generator=g), -1).cuda()
+    w13 = quantize_fp8_block128((torch.randn(E, 2 * I, H, generator=g) * H ** -0.5).cuda())
+    w2 = quantize_fp8_block128((torch.randn(E, H, I, generator=g) * I ** -0.5).cuda())
+    return x, ids, w, w13, w2
+
+
 def fp8_gemm_problem(m_total, n, k, E, routing, seed, scale_rows) -> tuple:
     """Random CPU inputs of one FP8 block-scaled grouped GEMM, quantised by the drop's reference
     (the calling test module has registered the sm90 drop): (a [m_total, k] e4m3, a_s [m_total,

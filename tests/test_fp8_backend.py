@@ -8,7 +8,7 @@ import torch
 pytest.importorskip("cutlass")
 
 from moe_ep.api import EPGroup, MoEConfig, MoELayer  # noqa: E402
-from moe_oracle import capture_graph, layer_outputs_with_switch, replay_poisoned  # noqa: E402
+from moe_oracle import capture_graph, fp8_layer_inputs, layer_outputs_with_switch, replay_poisoned  # noqa: E402
 from recorders import rec_layout  # noqa: E402
 from moe_ep.backends import UnsupportedBackendError, get  # noqa: E402
 
@@ -228,16 +228,7 @@ def test_fp8_layer_sync_free_allocation_free_deterministic_graph():
 
 def _qwen_fp8_inputs(T, seed):
     """Qwen3-shaped tokens, routing (top-k of random logits) and FP8 block-128 weights, on the GPU."""
-    from moe_ep.api.quant import quantize_fp8_block128
-
-    E, H, I, K = QWEN["num_experts"], QWEN["hidden"], QWEN["intermediate"], QWEN["top_k"]
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, H, generator=g).to(torch.bfloat16).cuda()
-    ids = torch.randn(T, E, generator=g).topk(K, -1).indices.to(torch.int32).cuda()
-    w = torch.softmax(torch.randn(T, K, generator=g), -1).cuda()
-    w13 = quantize_fp8_block128((torch.randn(E, 2 * I, H, generator=g) * H ** -0.5).cuda())
-    w2 = quantize_fp8_block128((torch.randn(E, H, I, generator=g) * I ** -0.5).cuda())
-    return x, ids, w, w13, w2
+    return fp8_layer_inputs(QWEN["num_experts"], QWEN["hidden"], QWEN["intermediate"], QWEN["top_k"], T, seed)
 
 
 @pytest.mark.gpu

@@ -15,7 +15,7 @@ from moe_ep.shim import drop_src, register_drop  # noqa: E402
 
 register_drop(drop_src("sm90", "megamoe"))
 
-from moe_oracle import fp8_gemm_problem, layer_outputs_with_switch  # noqa: E402
+from moe_oracle import fp8_gemm_problem, fp8_layer_inputs, layer_outputs_with_switch  # noqa: E402
 
 # (activation, N, K, E, the layer's schedule without unit_scales): Qwen3's FC1 (16 k-tiles, unrolled),
 # Mixtral's FC1 (32, unrolled) and an FC2 on the chunked schedule (48 k-tiles: chunks of 16)
@@ -167,18 +167,6 @@ def test_unit_scales_bit_identical(act, n, k, experts, kw, m, routing):
     assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
 
 
-def _layer_inputs(E, H, I, K, T, seed):
-    from moe_ep.api.quant import quantize_fp8_block128
-
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(T, H, generator=g).to(torch.bfloat16).cuda()
-    ids = torch.randn(T, E, generator=g).topk(K, -1).indices.to(torch.int32).cuda()
-    w = torch.softmax(torch.randn(T, K, generator=g), -1).cuda()
-    w13 = quantize_fp8_block128((torch.randn(E, 2 * I, H, generator=g) * H ** -0.5).cuda())
-    w2 = quantize_fp8_block128((torch.randn(E, H, I, generator=g) * I ** -0.5).cuda())
-    return x, ids, w, w13, w2
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 700])
 @pytest.mark.parametrize("shape,values,fc1_on,fc2_on", [
@@ -199,7 +187,7 @@ def test_layer_with_unit_scales_is_bit_identical(monkeypatch, T, shape, values, 
     def check(impl, on):
         assert impl.fc1.unit_scales == (on and fc1_on) and impl.fc2.unit_scales == (on and fc2_on)
 
-    inputs = _layer_inputs(shape["num_experts"], shape["hidden"], shape["intermediate"], shape["top_k"], T, 41 + T)
+    inputs = fp8_layer_inputs(shape["num_experts"], shape["hidden"], shape["intermediate"], shape["top_k"], T, 41 + T)
     outs = layer_outputs_with_switch(monkeypatch, "MOE_EP_FP8_UNIT_SCALES", cfg, "sm90_fp8_cutedsl", inputs, check,
                                      values=values)
     assert torch.equal(outs[0], outs[1]) and torch.isfinite(outs[1]).all()
