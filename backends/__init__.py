@@ -8,7 +8,7 @@ backend can run a configuration and raises :class:`UnsupportedBackendError` with
 """
 
 from moe_ep.shim import (BackendWarning, BootstrapError, CapacityError, CaptureError, CompileCacheWarning,
-                         DeviceStallError, MoEError, RoutingValueError, ShimError, StaleHandleError,
+                         LaunchPathWarning, launch_path, DeviceStallError, MoEError, RoutingValueError, ShimError, StaleHandleError,
                          SymmetricHeapError, COMPILE_EVENTS, compile_cache_root, list_cache_entries,
                          set_compile_cache_dir, verify_cache_entry)
 
@@ -86,9 +86,9 @@ def retain_runtime(group, device_index: int | None = None):
 
 ERRORS = ("MoEError", "UnsupportedBackendError", "CapacityError", "RoutingValueError", "StaleHandleError",
           "DeviceStallError", "ShimError", "CaptureError", "SymmetricHeapError", "BootstrapError", "BackendWarning",
-          "CompileCacheWarning")
+          "CompileCacheWarning", "LaunchPathWarning")
 
-__all__ = [*ERRORS, "retain_runtime", "workspace_bytes", "BackendImpl", "BackendSpec", "UnsupportedBackendError", "Verdict",
+__all__ = [*ERRORS, "launch_path", "retain_runtime", "workspace_bytes", "BackendImpl", "BackendSpec", "UnsupportedBackendError", "Verdict",
            "available", "explain", "get", "register", "select", "unregister", "prebuild", "compile_cache_root",
            "list_cache_entries", "set_compile_cache_dir", "verify_cache_entry", "PREBUILD_ARCHES", "COMPILE_EVENTS"]
 

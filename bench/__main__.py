@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from moe_ep.api import EPGroup, MoEConfig, MoELayer, init_distributed
-from moe_ep.backends import available, retain_runtime
+from moe_ep.backends import available, launch_path, retain_runtime
 
 from .models import MODELS, draw_routing, model_config
 from .report import LEGEND, Row, env_line, format_tables, make_row, write_csv
@@ -71,7 +71,8 @@ def make_inputs(cfg: MoEConfig, T: int, group: EPGroup, device, seed: int, skew:
 
 
 def environment(cuda: bool) -> dict:
-    """GPU name, torch version (+ CUDA), moe_ep commit (``MOE_EP_COMMIT`` or ``git rev-parse``)."""
+    """GPU name, torch version (+ CUDA), moe_ep commit (``MOE_EP_COMMIT`` or ``git rev-parse``), kernel
+    launch path (``tvm-ffi`` or why classic: the classic path adds ~0.1 ms of host time per launch)."""
     gpu = torch.cuda.get_device_name() if cuda else "cpu (no CUDA GPU)"
     tv = torch.__version__ + (f" (CUDA {torch.version.cuda})" if cuda and torch.version.cuda else "")
     commit = os.environ.get("MOE_EP_COMMIT", "")
@@ -89,7 +90,7 @@ def environment(cuda: bool) -> dict:
                     break
             except (OSError, subprocess.SubprocessError):
                 pass
-    return dict(gpu=gpu, torch=tv, commit=commit or "n/a")
+    return dict(gpu=gpu, torch=tv, commit=commit or "n/a", launches=launch_path())
 
 
 def model_info(key: str, cfg: MoEConfig, T: int) -> str:
@@ -155,6 +156,9 @@ def bench_backends(args, key: str, cfg: MoEConfig, T: int, group: EPGroup, devic
                 note = (note + "; " if note else "") + f"median of {args.rounds} interleaved rounds: per call " + \
                     " ".join(f"{t:.3f}" for t in pcs) + (" | b2b " + " ".join(f"{t:.3f}" for t in b2bs) if b2bs else "") + \
                     (" | graph " + " ".join(f"{t:.3f}" for t in gmss) if gmss else "") + " ms"
+            if cuda and layer.backend_name != "reference" and env.get("launches", "tvm-ffi") != "tvm-ffi":
+                # a row timed on the slow launch path says so
+                note = (note + "; " if note else "") + f"kernel launches: {env['launches']}"
             rows.append(make_row(MODELS[key]["name"], layer.backend_name + suffix, "moe_ep", T, group.world_size,
                                  cfg.flops(T), pc, b2b, gms, env, note=note))
             if args.profile and cuda and group.rank == 0:

@@ -12,6 +12,12 @@
 #   source .device/b/env.sh && bash bench/h200_session.sh decide   # PDL off/on, interleaved, 3 rounds each
 #   source .device/b/env.sh && bash bench/h200_session.sh suite1|suite2|suite3  # the GPU suite in 3 calls
 #
+# apache-tvm-ffi must be importable there: ../shared/device/stage.sh does not bring it, and without it every
+# kernel launch takes CuTeDSL's classic path (~0.1 ms more host time each; the twenty-eighth session's layer
+# numbers ran so). env.sh installs every wheel in .device/b, so put its wheel there once:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
+#     apache-tvm-ffi==0.1.15.post2 -d .device/b
+# The script stops when it is missing (ALLOW_CLASSIC_LAUNCH=1 runs anyway; the rows then say so).
 # Carry .device/aot too (a few MB; see below) to start from kernels compiled here:
 #   for t in 128 256; do python -m moe_ep.aot build --arch sm_90a --model qwen3,mixtral --max-tokens $t \
 #     --out .device/aot; done        # (the defaults: PDL launches, LocalRoute; SM90_MEGAMOE_PDL=0 for the others)
@@ -117,6 +123,11 @@ if ! python3 -c "import moe_ep.bench.report" 2>/dev/null; then
   fi
 fi
 python3 -c "import moe_ep.bench.report" || { echo "h200_session: moe_ep not importable; source .device/b/env.sh first" >&2; exit 3; }
+if [ "$mode" != liger ] && [ "$mode" != fi ] && [ "${ALLOW_CLASSIC_LAUNCH:-0}" != 1 ] && ! python3 -c "import tvm_ffi" 2>/dev/null; then
+  echo "h200_session: apache-tvm-ffi is not importable, so moe_ep would launch through CuTeDSL's classic path" \
+       "(slower on the host): put its wheel into .device/b (this script's header) or set ALLOW_CLASSIC_LAUNCH=1" >&2
+  exit 4
+fi
 echo "h200_session: mode=$mode models=$MODELS tokens=$TOKENS iters=$ITERS N=$N out=$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader 2>/dev/null | head -n "$N"
 common=(--model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" --rounds "${BENCH_ROUNDS:-1}")

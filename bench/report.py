@@ -120,8 +120,9 @@ def format_tables(rows: list[Row], model_info: dict[str, str] | None = None) -> 
 
 
 def env_line(env: dict) -> str:
+    launches = f" | kernel launches {env['launches']}" if env.get("launches") else ""
     return (f"GPU: {env.get('gpu') or 'n/a'} | torch {env.get('torch') or 'n/a'} | "
-            f"moe_ep commit {env.get('commit') or 'n/a'}")
+            f"moe_ep commit {env.get('commit') or 'n/a'}{launches}")
 
 
 def env_lines(rows: list[Row]) -> list[str]:

@@ -87,3 +87,8 @@ class BootstrapError(ShimError):
 
 class BackendWarning(UserWarning):
     """``backend="auto"`` passed over a faster backend (the message says why)."""
+
+
+class LaunchPathWarning(UserWarning):
+    """Kernels launch through CuTeDSL's classic path because apache-tvm-ffi is missing (slower on the
+    host; :func:`moe_ep.backends.launch_path` says which path is taken)."""

@@ -35,6 +35,7 @@ def test_bench_runs_on_cpu():
     assert float(row[-4]) > 0 and float(row[-3]) > 0
     assert row[-2:] == ["n/a", "n/a"]
     assert "GPU: cpu" in p.stdout and "torch " + __import__("torch").__version__ in p.stdout
+    assert "| kernel launches " in p.stdout  # which launch path the timed kernels took
 
 
 def test_bench_fp8_weights_on_cpu():
