@@ -8,9 +8,9 @@ backend can run a configuration and raises :class:`UnsupportedBackendError` with
 """
 
 from moe_ep.shim import (BackendWarning, BootstrapError, CapacityError, CaptureError, CompileCacheWarning,
-                         LaunchPathWarning, launch_path, DeviceStallError, MoEError, RoutingValueError, ShimError, StaleHandleError,
-                         SymmetricHeapError, COMPILE_EVENTS, compile_cache_root, list_cache_entries,
-                         set_compile_cache_dir, verify_cache_entry)
+                         DeviceStallError, LaunchPathWarning, MoEError, RoutingValueError, ShimError,
+                         StaleHandleError, SymmetricHeapError, COMPILE_EVENTS, compile_cache_root, launch_path,
+                         list_cache_entries, set_compile_cache_dir, verify_cache_entry)
 
 from . import reference as _reference
 from .quantized import quantized_rows_bytes
@@ -88,7 +88,8 @@ ERRORS = ("MoEError", "UnsupportedBackendError", "CapacityError", "RoutingValueE
           "DeviceStallError", "ShimError", "CaptureError", "SymmetricHeapError", "BootstrapError", "BackendWarning",
           "CompileCacheWarning", "LaunchPathWarning")
 
-__all__ = [*ERRORS, "launch_path", "retain_runtime", "workspace_bytes", "BackendImpl", "BackendSpec", "UnsupportedBackendError", "Verdict",
+__all__ = [*ERRORS, "launch_path", "retain_runtime", "workspace_bytes", "BackendImpl", "BackendSpec",
+           "UnsupportedBackendError", "Verdict",
            "available", "explain", "get", "register", "select", "unregister", "prebuild", "compile_cache_root",
            "list_cache_entries", "set_compile_cache_dir", "verify_cache_entry", "PREBUILD_ARCHES", "COMPILE_EVENTS"]
 

@@ -66,8 +66,8 @@ from .drops.sm120_mxfp8 import mxfp8_gemm as sm120_mxfp8_gemm
 from .drops.sm120_mxfp8 import pick_tile_tokens as sm120_pick_tile_tokens
 from .drops.sm120_mxfp8 import quantize_rows as sm120_quantize_rows
 from .errors import (BackendWarning, BootstrapError, CapacityError, CaptureError, ConstantDriftError,
-                     DeviceStallError, DropCollisionError, LaunchPathWarning, MoEError, NvshmemOwnershipError, RoutingValueError,
-                     ShimError, StaleHandleError, SymmetricHeapError, UnsupportedBackendError)
+                     DeviceStallError, DropCollisionError, LaunchPathWarning, MoEError, NvshmemOwnershipError,
+                     RoutingValueError, ShimError, StaleHandleError, SymmetricHeapError, UnsupportedBackendError)
 from .nvshmem_boot import CounterContract, NvshmemRuntime, parse_size, zero_counter_regions
 from .nvshmem_boot import acquire as nvshmem_acquire
 from .nvshmem_boot import current as nvshmem_current
@@ -75,8 +75,8 @@ from .launch_mode import launch_path
 from .paths import drop_src, kernel_src_root, register_drop
 
 __all__ = [
-    "LaunchPathWarning", "launch_path", "BackendWarning", "BootstrapError", "CapacityError", "MoEError", "RoutingValueError", "StaleHandleError",
-    "SymmetricHeapError", "UnsupportedBackendError",
+    "BackendWarning", "BootstrapError", "CapacityError", "MoEError", "RoutingValueError", "StaleHandleError",
+    "SymmetricHeapError", "UnsupportedBackendError", "LaunchPathWarning", "launch_path",
     "AttributeUse", "COMPILE_CACHE", "CallableUse", "CaptureError", "CompileCache", "ConstantDriftError",
     "CounterContract", "DeviceStallError", "DropCollisionError", "DropContract", "ImportUse",
     "MirroredConstants", "NvshmemOwnershipError", "NvshmemRuntime", "ShimError", "drop_contracts",

@@ -23,42 +23,44 @@ import warnings
 from .errors import LaunchPathWarning
 
 _CHOICES = ("auto", "0", "1")
+_MISSING = "classic (apache-tvm-ffi missing)"
 _warned_classic = False
-
-
-def _mode() -> str:
-    mode = os.environ.get("MOE_EP_TVM_FFI", "auto").strip().lower() or "auto"
-    if mode not in _CHOICES:
-        raise ValueError(f"MOE_EP_TVM_FFI={mode!r}: expected one of {_CHOICES}")
-    return mode
 
 
 def _have_tvm_ffi() -> bool:
     return importlib.util.find_spec("tvm_ffi") is not None
 
 
+def _choice() -> tuple[bool, str]:
+    """``(launch through TVM-FFI, the path's name)`` per ``MOE_EP_TVM_FFI`` and the installation."""
+    mode = os.environ.get("MOE_EP_TVM_FFI", "auto").strip().lower() or "auto"
+    if mode not in _CHOICES:
+        raise ValueError(f"MOE_EP_TVM_FFI={mode!r}: expected one of {_CHOICES}")
+    if mode == "0":
+        return False, "classic (MOE_EP_TVM_FFI=0)"
+    if _have_tvm_ffi():
+        return True, "tvm-ffi"
+    if mode == "1":
+        raise RuntimeError("MOE_EP_TVM_FFI=1 but apache-tvm-ffi is not installed (pip install apache-tvm-ffi)")
+    return False, _MISSING
+
+
 def use_tvm_ffi() -> bool:
     """True when kernels should be compiled for, and launched through, TVM-FFI."""
     global _warned_classic
-    mode = _mode()
-    if mode == "0":
-        return False
-    have = _have_tvm_ffi()
-    if mode == "1" and not have:
-        raise RuntimeError("MOE_EP_TVM_FFI=1 but apache-tvm-ffi is not installed (pip install apache-tvm-ffi)")
-    if not have and not _warned_classic:
+    use, path = _choice()
+    if path == _MISSING and not _warned_classic:
         _warned_classic = True
         warnings.warn("apache-tvm-ffi is not installed (a dependency of moe_ep): kernels launch through "
                       "CuTeDSL's classic path, which costs ~0.1 ms more host time per launch on an H200 host "
                       "(an FP8 forward's host time 126 -> 590-810 us). pip install apache-tvm-ffi; "
                       "MOE_EP_TVM_FFI=0 picks the classic path without this warning.",
                       LaunchPathWarning, stacklevel=2)
-    return have
+    return use
 
 
 def launch_path() -> str:
     """How kernels compiled now will be launched: ``"tvm-ffi"``, ``"classic (MOE_EP_TVM_FFI=0)"`` or
-    ``"classic (apache-tvm-ffi missing)"`` (what :func:`use_tvm_ffi` picks, without its warning)."""
-    if _mode() == "0":
-        return "classic (MOE_EP_TVM_FFI=0)"
-    return "tvm-ffi" if _have_tvm_ffi() else "classic (apache-tvm-ffi missing)"
+    ``"classic (apache-tvm-ffi missing)"`` -- :func:`use_tvm_ffi`'s choice, without its warning
+    (and the same errors: a bad ``MOE_EP_TVM_FFI``, or ``1`` without apache-tvm-ffi)."""
+    return _choice()[1]

@@ -45,8 +45,9 @@ def test_installed_tvm_ffi_is_used_without_a_warning(fresh):
 def test_required_but_missing_and_bad_values_raise(fresh):
     fresh.setattr(launch_mode, "_have_tvm_ffi", lambda: False)
     fresh.setenv("MOE_EP_TVM_FFI", "1")
-    with pytest.raises(RuntimeError, match="apache-tvm-ffi"):
-        launch_mode.use_tvm_ffi()
+    for f in (launch_mode.use_tvm_ffi, launch_mode.launch_path):
+        with pytest.raises(RuntimeError, match="apache-tvm-ffi"):
+            f()
     fresh.setenv("MOE_EP_TVM_FFI", "yes")
     for f in (launch_mode.use_tvm_ffi, launch_mode.launch_path):
         with pytest.raises(ValueError, match="MOE_EP_TVM_FFI"):
