@@ -25,21 +25,16 @@ def test_missing_tvm_ffi_warns_once_and_launches_classic(fresh):
     assert launch_mode.launch_path() == "classic (apache-tvm-ffi missing)"
 
 
-def test_classic_by_choice_does_not_warn(fresh):
+@pytest.mark.parametrize("env, use, path", [("0", False, "classic (MOE_EP_TVM_FFI=0)"),  # classic by choice
+                                              (None, True, "tvm-ffi")])                    # installed
+def test_chosen_paths_do_not_warn(fresh, env, use, path):
     fresh.setattr(launch_mode, "_have_tvm_ffi", lambda: True)
-    fresh.setenv("MOE_EP_TVM_FFI", "0")
+    if env is not None:
+        fresh.setenv("MOE_EP_TVM_FFI", env)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert launch_mode.use_tvm_ffi() is False
-    assert launch_mode.launch_path() == "classic (MOE_EP_TVM_FFI=0)"
-
-
-def test_installed_tvm_ffi_is_used_without_a_warning(fresh):
-    fresh.setattr(launch_mode, "_have_tvm_ffi", lambda: True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        assert launch_mode.use_tvm_ffi() is True
-    assert launch_mode.launch_path() == "tvm-ffi"
+        assert launch_mode.use_tvm_ffi() is use
+    assert launch_mode.launch_path() == path
 
 
 def test_required_but_missing_and_bad_values_raise(fresh):
