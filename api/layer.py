@@ -64,6 +64,14 @@ def _inference_only(**tensors: torch.Tensor | None) -> tuple[torch.Tensor | None
     return tuple(out)
 
 
+def _tracks_grad(*tensors: Any) -> bool:
+    """Whether any argument is a tensor that requires grad (then :func:`_inference_only` runs)."""
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.requires_grad:
+            return True
+    return False
+
+
 class MoELayer:
     """An expert-parallel MoE layer (router outside, expert MLP + token exchange inside).
 
@@ -108,6 +116,7 @@ class MoELayer:
         self.device = device
         self.check_values = bool(check_values)
         self.e_local = config.local_experts(group.world_size)
+        self._check = V.ForwardCheck(config, self.e_local, device)
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ValueError(f"timeout_s must be a number > 0, got {timeout_s!r}")
         spec = _backends.select(backend, config, group, device)
@@ -212,14 +221,22 @@ class MoELayer:
         """
         self._alive()
         cfg = self.config
-        x, topk_weights, w13, w2, b13, b2 = _inference_only(
-            x=x, topk_weights=topk_weights, w13=w13, w2=w2, b13=b13, b2=b2)
-        V.check_routing(cfg, x, topk_ids, topk_weights, self.device,
-                        check_values=self.check_values and not _is_capturing())
-        w13, w2 = V.pack_fp8_block128(cfg, w13, w2, w13_scale, w2_scale)
-        V.check_weights(cfg, self.e_local, w13, w2, self.device)
-        V.check_biases(cfg, self.e_local, b13, b2, self.device)
-        V.check_out(cfg, out, x.shape[0], self.device)
+        if _tracks_grad(x, topk_weights, w13, w2, b13, b2):
+            x, topk_weights, w13, w2, b13, b2 = _inference_only(
+                x=x, topk_weights=topk_weights, w13=w13, w2=w2, b13=b13, b2=b2)
+        # the common case passes one conjunction of checks; anything else (or check_values) runs the
+        # checks that name the bad argument
+        packed = None if self.check_values else self._check.args(x, topk_ids, topk_weights, w13, w2, out, b13, b2,
+                                                                  w13_scale, w2_scale)
+        if packed is not None:
+            w13, w2 = packed
+        else:
+            V.check_routing(cfg, x, topk_ids, topk_weights, self.device,
+                            check_values=self.check_values and not _is_capturing())
+            w13, w2 = V.pack_fp8_block128(cfg, w13, w2, w13_scale, w2_scale)
+            V.check_weights(cfg, self.e_local, w13, w2, self.device)
+            V.check_biases(cfg, self.e_local, b13, b2, self.device)
+            V.check_out(cfg, out, x.shape[0], self.device)
         self._epoch += 1
         return self._impl.forward(x, topk_ids, topk_weights, w13, w2, out, b13=b13, b2=b2)
 
@@ -244,8 +261,9 @@ class MoELayer:
         ``MOE_EP_FP8_WIRE=1`` (rows cross as E4M3) raises :class:`UnsupportedBackendError`.
         """
         self._alive()
-        V.check_routing(self.config, x, topk_ids, topk_weights, self.device,
-                        check_values=self.check_values and not _is_capturing())
+        if self.check_values or not self._check.routing(x, topk_ids, topk_weights):
+            V.check_routing(self.config, x, topk_ids, topk_weights, self.device,
+                            check_values=self.check_values and not _is_capturing())
         self._epoch += 1
         recv_x, offsets, state = self._impl.dispatch(x, topk_ids, topk_weights)
         handle = DispatchHandle(x.shape[0], recv_x.shape[0], offsets, self.backend_name, state, id(self),
