@@ -87,6 +87,13 @@ def test_bench_rounds_report_the_median_of_interleaved_rounds():
     assert abs(float(row[-4]) - sorted(times)[1]) < 1e-3 + 1e-3 * sorted(times)[1], (row, times)
 
 
+def test_bench_no_b2b_says_so_in_the_note():
+    """--no-b2b drops the back-to-back phase (on a GPU; on CPU there is none) and the row says so."""
+    p = _bench("--tokens", "8", "--iters", "1", "--warmup", "0", "--no-decode", "--no-b2b")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert any("no back-to-back phase (--no-b2b)" in line for line in p.stdout.splitlines())
+
+
 @pytest.mark.parametrize("args", [["--model", "qwen4"], ["--peer", "sonic"], ["--peers-only"], ["--rounds", "0"]])
 def test_bench_rejects_bad_arguments(args):
     p = _bench(*args, timeout=120)
