@@ -239,7 +239,7 @@ def bench_peers(args, key: str, cfg: MoEConfig, T: int, group: EPGroup, device, 
                 continue
             script, extra = opts
             res = run_peer(peer, key, MODELS[key], T, nproc, args.iters, script=script, timeout=args.peer_timeout,
-                           log_dir=args.peer_log_dir, say=say, extra_args=extra)
+                           log_dir=args.peer_log_dir, say=say, extra_args=extra, b2b=not args.no_b2b)
             if "error" in res:
                 say(f"peer {peer} on {MODELS[key]['name']} FAILED: {res['error']}")
                 if res.get("tail"):
@@ -405,9 +405,9 @@ def main(argv=None) -> int:
                    help="timed iterations per-call / forwards per back-to-back run (default 30 on GPU, 3 on CPU)")
     p.add_argument("--b2b-runs", type=int, default=5, help="back-to-back runs (median of their per-forward averages)")
     p.add_argument("--no-b2b", action="store_true",
-                   help="skip the back-to-back phase: CUDA-graph replays then follow the per-call phase, the "
-                        "order of harnesses that time eager then graph (SonicMoE's). Under the 700 W cap the "
-                        "phase after the back-to-back one starts on a hotter GPU")
+                   help="skip the back-to-back phase (ours and the --peer runs'): CUDA-graph replays then follow "
+                        "the per-call phase, the order of harnesses that time eager then graph (SonicMoE's). Under "
+                        "the 700 W cap the phase after the back-to-back one starts on a hotter GPU")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rounds", type=int, default=1,
                    help="time per-call, back-to-back and graph this many times, interleaved; report the medians")

@@ -171,10 +171,11 @@ PARSERS = {"liger": parse_liger, "flashinfer": parse_flashinfer}
 
 # ---- running one ---------------------------------------------------------------------------
 def peer_command(peer: str, script: Path, model_key: str, dims: dict, tokens: int, nproc: int, iters: int,
-                 json_out: Path, graph: bool = True, extra_args: list[str] | None = None) -> list[str]:
+                 json_out: Path, graph: bool = True, extra_args: list[str] | None = None,
+                 b2b: bool = True) -> list[str]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script),
-           *model_args(model_key, dims), "--tokens", str(tokens), "--iters", str(iters), "--b2b",
-           "--json-out", str(json_out)]
+           *model_args(model_key, dims), "--tokens", str(tokens), "--iters", str(iters),
+           *(["--b2b"] if b2b else []), "--json-out", str(json_out)]
     if peer == "liger":
         cmd.append("--skip-torch")
     elif graph:
@@ -218,7 +219,7 @@ def _run(cmd: list[str], env: dict, timeout: int) -> tuple[str, int | None]:
 
 def run_peer(peer: str, model_key: str, dims: dict, tokens: int, nproc: int, iters: int,
              script: str | None = None, timeout: int = 900, log_dir: str | None = None, say=print,
-             extra_args: list[str] | None = None, log_suffix: str = "") -> dict:
+             extra_args: list[str] | None = None, log_suffix: str = "", b2b: bool = True) -> dict:
     """Run one peer in its own ``torchrun``; returns the parsed result (see the parsers) or
     ``{"error": ..., "tail": last lines of its output}``. Its whole output goes to
     ``log_dir/peer_<peer>_<model>_ep<N>.log`` when ``log_dir`` is given."""
@@ -228,7 +229,7 @@ def run_peer(peer: str, model_key: str, dims: dict, tokens: int, nproc: int, ite
         return {"error": f"{peer}: benchmark script not found (pass {opt})", "tail": ""}
     with tempfile.TemporaryDirectory() as d:
         jout = Path(d) / f"{peer}.json"
-        cmd = peer_command(peer, path, model_key, dims, tokens, nproc, iters, jout, extra_args=extra_args)
+        cmd = peer_command(peer, path, model_key, dims, tokens, nproc, iters, jout, extra_args=extra_args, b2b=b2b)
         say(f"peer {peer}: {' '.join(cmd[2:])}")
         env = {k: v for k, v in os.environ.items() if not k.startswith(_TORCHRUN_ENV)}
         text, rc = _run(cmd, env, timeout)

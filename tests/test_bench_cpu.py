@@ -318,6 +318,9 @@ def test_peer_commands_and_scripts(tmp_path, monkeypatch):
     assert {"--graph", "--b2b", "--json-out"} <= set(fi) and fi[fi.index("--tokens") + 1] == "8192"
     lg = peer_command("liger", tmp_path / "liger_bench.py", "qwen3", MODELS["qwen3"], 8192, 1, 30, tmp_path / "o")
     assert "--skip-torch" in lg and "--b2b" in lg and "--graph" not in lg   # liger_bench.py has no --graph
+    no_b2b = peer_command("flashinfer", tmp_path / "bench_fi.py", "qwen3", MODELS["qwen3"], 8192, 2, 30,
+                          tmp_path / "o", b2b=False)  # --no-b2b: the peer skips its back-to-back phase too
+    assert "--b2b" not in no_b2b and [a for a in fi if a != "--b2b"] == no_b2b
     fp8 = peer_command("flashinfer", tmp_path / "bench_fi.py", "qwen3", MODELS["qwen3"], 8192, 1, 30, tmp_path / "o",
                        extra_args=["--backend", "fp8"])
     assert fp8[-2:] == ["--backend", "fp8"] and fp8[:-2] == peer_command(
