@@ -36,6 +36,12 @@
 #                then LigerCute at PEER_DECODE_TOKENS (1,8,32,128,256) -> $OUT/decode_liger.csv.
 #                Stage it here first: `bash ../shared/device/stage-liger.sh && cp ../shared/peers/liger_bench.py
 #                .device/liger/` (the stage script does not copy the benchmark script; without it every row fails).
+# sonic:         SonicMoE beside ours on one machine (carry .device/sonic only: with .device/b it passes the 64 MiB
+#                of one call, so run it right after a call that sourced .device/b/env.sh, whose install in /tmp/site
+#                and /tmp/proj this mode reuses; stage .device/sonic here with ../shared/peers/sonicmoe/stage.sh):
+#                ours (BF16, MODELS, --no-b2b: per call then graph, SonicMoE's order), SonicMoE (`run_device.sh
+#                --skip-tuned` + SONIC_ARGS, e.g. "--shapes qwen3" for its autotuning instead), ours again
+#                -> $OUT/sonic_ours_<1|2>.{log,csv}, $OUT/sonic_peer.log, $OUT/sonic_results.json.
 # extra:         python -m moe_ep.bench startup (warmup cold/warm, forward host time) -> $OUT/startup.log;
 #                python -m moe_ep.bench hf (Qwen3-MoE block via transformers, needs transformers) -> $OUT/hf.log;
 #                the decode sweep of $MODELS with --decode-csv $OUT/decode.csv --plot $OUT/decode.png;
@@ -96,6 +102,8 @@
 #                1 = layer, FP8 backend, activations/bias; 2 = the other GPU files; 3 = the virtual-rank file.
 # Knobs (environment): MODELS (qwen3,mixtral), TOKENS (8192), ITERS (30), N (GPUs = EP size, 1),
 #   BENCH_ROUNDS (moe_ep.bench --rounds: per-call / b2b / graph timed that many times, interleaved; 1),
+#   NO_B2B=1 (moe_ep.bench --no-b2b, ours and the peers': per call then graph, no back-to-back phase, whose
+#   heat would reach the graph phase under the 700 W cap; docs/LIMITS.md),
 #   STEP_TIMEOUT (s per part, 420), PEER_TIMEOUT (s per peer run, 240), BENCH_ARGS (extra moe_ep.bench args),
 #   QUANT (fp8_block128: FP8 block-scaled weights, FlashInfer's FP8 backend beside them),
 #   MOE_EP_COMMIT (the commit to print: the host's copy of .git can be older than its tree, see above),
@@ -103,7 +111,7 @@
 #   different processes compare; untried on the H200 as of the twenty-fourth session).
 set -uo pipefail
 mode=${1:-all}
-modes="all|moe|fi|liger|extra|verify|verify2|ncu|layers|fp8ab|envab|power|sustained|sustab|defer|dropab|commitab|ceiling|decide|decode|suite|suite1|suite2|suite3"
+modes="all|moe|fi|liger|sonic|extra|verify|verify2|ncu|layers|fp8ab|envab|power|sustained|sustab|defer|dropab|commitab|ceiling|decide|decode|suite|suite1|suite2|suite3"
 case "|$modes|" in *"|$mode|"*) ;; *) echo "usage: bash bench/h200_session.sh [$modes]" >&2; exit 2 ;; esac
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -122,6 +130,10 @@ if ! python3 -c "import moe_ep.bench.report" 2>/dev/null; then
     mkdir -p /tmp/moe_ep_src && ln -sfn "$PWD" /tmp/moe_ep_src/moe_ep && export PYTHONPATH=/tmp/moe_ep_src${PYTHONPATH:+:$PYTHONPATH}
   fi
 fi
+# CuTeDSL from an earlier call's .device/b/env.sh install (a call carrying only a peer's files)
+if [ -f /tmp/site/.ok ] && ! python3 -c "import cutlass" 2>/dev/null; then
+  export PYTHONPATH=/tmp/site/nvidia_cutlass_dsl/dsl_packages:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 python3 -c "import moe_ep.bench.report" || { echo "h200_session: moe_ep not importable; source .device/b/env.sh first" >&2; exit 3; }
 if [ "$mode" != liger ] && [ "$mode" != fi ] && [ "${ALLOW_CLASSIC_LAUNCH:-0}" != 1 ] && ! python3 -c "import tvm_ffi" 2>/dev/null; then
   echo "h200_session: apache-tvm-ffi is not importable, so moe_ep would launch through CuTeDSL's classic path" \
@@ -131,6 +143,7 @@ fi
 echo "h200_session: mode=$mode models=$MODELS tokens=$TOKENS iters=$ITERS N=$N out=$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader 2>/dev/null | head -n "$N"
 common=(--model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" --rounds "${BENCH_ROUNDS:-1}")
+[ "${NO_B2B:-0}" = 1 ] && common+=(--no-b2b)
 unquantised=("${common[@]}")  # the layers mode picks BF16 and FP8 itself (QUANT would make both FP8)
 # QUANT=fp8_block128: FP8 weights for moe_ep (pass BENCH_ARGS="--backend sm90_fp8_cutedsl ..." to pick
 # the experimental backend) and FlashInfer's FP8 backend (--backend fp8) beside it
@@ -495,6 +508,15 @@ if [ "$mode" = suite2 ]; then
 fi
 if [ "$mode" = suite3 ]; then
   step "GPU suite 3/3" "$OUT/suite3.log" -- "${suite_common[@]}" tests/test_ep_virtual_gpu.py
+fi
+if [ "$mode" = sonic ]; then
+  if [ ! -f .device/sonic/run_device.sh ]; then echo "sonic: .device/sonic is missing (carry it)" >&2; exit 2; fi
+  ours=(python3 -m moe_ep.bench "${unquantised[@]}" --no-b2b --no-reference --no-decode)
+  step "ours, before SonicMoE" "$OUT/sonic_ours_1.log" -- "${ours[@]}" --csv "$OUT/sonic_ours_1.csv"
+  # shellcheck disable=SC2086
+  step "SonicMoE peer" "$OUT/sonic_peer.log" -- env -u PYTHONPATH OUT="$OUT" bash .device/sonic/run_device.sh \
+      ${SONIC_ARGS:---skip-tuned}
+  step "ours, after SonicMoE" "$OUT/sonic_ours_2.log" -- "${ours[@]}" --csv "$OUT/sonic_ours_2.csv"
 fi
 if [ "$mode" = liger ]; then
   lscript=(); [ -f .device/liger/liger_bench.py ] && lscript=(--peer-script .device/liger/liger_bench.py)

@@ -482,6 +482,17 @@ def test_h200_session_accepts_every_mode_it_runs():
     assert run and run <= accepted, f"modes run but refused: {sorted(run - accepted)}"
 
 
+def test_h200_session_sonic_mode_needs_its_staged_files(tmp_path):
+    """`h200_session.sh sonic` without .device/sonic stops before running anything, naming what is missing."""
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "h200_session.sh"
+    p = subprocess.run(["bash", str(script), "sonic"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                       env={**CPU_ENV, "OUT": str(tmp_path / "out"), "ALLOW_CLASSIC_LAUNCH": "1"})
+    assert p.returncode == 2 and ".device/sonic is missing" in p.stderr, (p.stdout[-2000:], p.stderr[-2000:])
+
+
 def test_ceiling_fp8_operands_are_the_block_wise_scaled_mm_layout():
     """`bench ceiling`'s FP8 operands: what torch._scaled_mm computes from them (emulated here in
     float64: out[m, n] = sum_k a_q[m, k] sa[m, k/128] b_q[k, n] sb[k/128, n/128]) is a @ w.T up to
