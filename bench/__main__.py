@@ -104,6 +104,11 @@ def layer_kwargs(args) -> dict:
     return {}
 
 
+def _and(note: str, more: str) -> str:
+    """A row's note with one more clause."""
+    return f"{note}; {more}" if note else more
+
+
 def _barrier(group: EPGroup) -> None:
     if group.world_size > 1:
         import torch.distributed as dist
@@ -153,14 +158,15 @@ def bench_backends(args, key: str, cfg: MoEConfig, T: int, group: EPGroup, devic
             b2b = statistics.median(b2bs) if b2bs else None
             gms = statistics.median(gmss) if gmss and not note else None
             if args.rounds > 1:
-                note = (note + "; " if note else "") + f"median of {args.rounds} interleaved rounds: per call " + \
-                    " ".join(f"{t:.3f}" for t in pcs) + (" | b2b " + " ".join(f"{t:.3f}" for t in b2bs) if b2bs else "") + \
-                    (" | graph " + " ".join(f"{t:.3f}" for t in gmss) if gmss else "") + " ms"
+                note = _and(note, f"median of {args.rounds} interleaved rounds: per call "
+                            + " ".join(f"{t:.3f}" for t in pcs)
+                            + (" | b2b " + " ".join(f"{t:.3f}" for t in b2bs) if b2bs else "")
+                            + (" | graph " + " ".join(f"{t:.3f}" for t in gmss) if gmss else "") + " ms")
             if args.no_b2b:  # the graph phase then follows the per-call one, as in SonicMoE's harness
-                note = (note + "; " if note else "") + "no back-to-back phase (--no-b2b)"
+                note = _and(note, "no back-to-back phase (--no-b2b)")
             if cuda and layer.backend_name != "reference" and env.get("launches", "tvm-ffi") != "tvm-ffi":
                 # a row timed on the slow launch path says so
-                note = (note + "; " if note else "") + f"kernel launches: {env['launches']}"
+                note = _and(note, f"kernel launches: {env['launches']}")
             rows.append(make_row(MODELS[key]["name"], layer.backend_name + suffix, "moe_ep", T, group.world_size,
                                  cfg.flops(T), pc, b2b, gms, env, note=note))
             if args.profile and cuda and group.rank == 0:
