@@ -35,7 +35,9 @@ def test_compiles_with_wgmma_and_tma(act, n, k, scale, bias, needles, tmp_path, 
 
 @pytest.mark.parametrize("act,n,k,scale,tile_n", [
     ("identity", 2048, 768, True, 128),   # FC2 of Qwen3 on the pingpong schedule
+    ("identity", 2048, 768, True, 192),   # ... with the shim's 128 x 192 tiles (drop v71)
     ("swiglu", 1536, 2048, False, 64),    # a gated FC1: 2 x 64-wide accumulators per warpgroup
+    ("swiglu", 1536, 2048, False, 96),    # ... 2 x 96: 192 accumulator registers, the limit
 ])
 def test_pingpong_schedule_compiles(act, n, k, scale, tile_n, tmp_path):
     """The pingpong schedule compiles for sm_90a without spills and orders its two consumer
@@ -50,6 +52,8 @@ def test_pingpong_schedule_compiles(act, n, k, scale, tile_n, tmp_path):
     assert "ld.local" not in ptx and "st.local" not in ptx
     with pytest.raises(ValueError, match="pingpong needs"):
         gg.GroupedGemmSm90("swiglu", tile_n=128, schedule="pingpong")
+    with pytest.raises(ValueError, match="pingpong needs"):
+        gg.GroupedGemmSm90("identity", tile_n=208, schedule="pingpong")
 
 
 def test_raster_choice_by_k():
@@ -62,13 +66,26 @@ def test_raster_choice_by_k():
     assert sm90_pick_raster_m(10**7) == 1
 
 
-def test_schedule_choice():
-    """Measured on the H200 (see docs/PERFORMANCE.md): pingpong with 128-wide tiles is no faster
-    than the cooperative 128 x 256 tiles on any model's FC2, so the shim picks cooperative."""
+def test_schedule_choice(monkeypatch):
+    """Measured on the H200 (docs/PERFORMANCE.md, thirty-first session): pingpong with 128 x 192
+    tiles beats cooperative 128 x 256 on short-K FC2s (Qwen3, K 768) and loses on long ones
+    (Mixtral, K 14336); gated GEMMs stay cooperative; MOE_EP_PINGPONG_MAX_K moves the bound (0 =
+    never) and refuses what is not an integer."""
     from moe_ep.shim import sm90_pick_schedule
 
-    for act, k in (("identity", 768), ("identity", 2048), ("swiglu", 2048), ("clamped_swiglu", 2880)):
+    monkeypatch.delenv("MOE_EP_PINGPONG_MAX_K", raising=False)
+    assert sm90_pick_schedule("identity", 768) == ("pingpong", 192)
+    assert sm90_pick_schedule("squared_relu", 768) == ("pingpong", 192)
+    for act, k in (("identity", 14336), ("swiglu", 2048), ("swiglu", 768), ("clamped_swiglu", 2880)):
         assert sm90_pick_schedule(act, k)[0] == "cooperative"
+    assert sm90_pick_schedule("identity", 768, 4)[0] == "swapab"  # decode keeps swap-AB
+    monkeypatch.setenv("MOE_EP_PINGPONG_MAX_K", "0")
+    assert sm90_pick_schedule("identity", 768) == ("cooperative", 256)
+    monkeypatch.setenv("MOE_EP_PINGPONG_MAX_K", "20000")
+    assert sm90_pick_schedule("identity", 14336) == ("pingpong", 192)
+    monkeypatch.setenv("MOE_EP_PINGPONG_MAX_K", "big")
+    with pytest.raises(ValueError, match="MOE_EP_PINGPONG_MAX_K must be an integer"):
+        sm90_pick_schedule("identity", 768)
 
 
 def test_constant_drift_detected(monkeypatch):

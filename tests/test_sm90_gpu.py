@@ -218,7 +218,8 @@ def test_bias_argument_contract():
         fn(a, b, offs, out=out, bias=torch.zeros(2, 256, device="cuda"))
 
 
-@pytest.mark.parametrize("schedule,tile_n", [("pingpong", 128), ("cooperative", 128), ("cooperative", 256)])
+@pytest.mark.parametrize("schedule,tile_n", [("pingpong", 128), ("pingpong", 192), ("cooperative", 128),
+                                             ("cooperative", 256)])
 def test_schedules_agree(schedule, tile_n):
     """Both schedules and tile widths on FC2 (identity + row scale) of Qwen3 and the DeepSeek-V3
     shard, and pingpong on a gated FC1 with 64-wide tiles: 1 row, skewed, odd counts (a CTA whose

@@ -75,8 +75,8 @@ def test_shim_picks_wide_only_when_asked(monkeypatch):
     monkeypatch.setenv("MOE_EP_WIDE_GATED", "1")
     for act, k in (("swiglu", 2048), ("gelu_glu", 4096), ("clamped_swiglu", 2880)):
         assert sm90_pick_schedule(act, k) == ("wide", 128)
-    assert sm90_pick_schedule("identity", 768)[0] == "cooperative"
-    assert sm90_pick_schedule("squared_relu", 2048)[0] == "cooperative"
+    assert sm90_pick_schedule("identity", 768)[0] == "pingpong"  # the wide switch leaves FC2 alone
+    assert sm90_pick_schedule("identity", 14336)[0] == "cooperative"
     assert sm90_pick_schedule("swiglu", 2048, 4)[0] == "swapab"  # decode keeps swap-AB
 
 

@@ -48,6 +48,7 @@ from ..errors import CapacityError, DeviceStallError
 from ..launch_mode import use_tvm_ffi
 from ..nvshmem_boot import CounterContract
 from .sm90_megamoe_switches import (  # noqa: F401  (re-exported: the shim reads them here, tests too)
+    pingpong_max_k,
     use_bf16_cluster,
     use_bf16_tanh_sigmoid,
     use_gather_tma,
@@ -58,7 +59,7 @@ from .sm90_megamoe_switches import (  # noqa: F401  (re-exported: the shim reads
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 70},
+    "sm90_megamoe": {"DROP_VERSION": 71},
     "sm90_megamoe.fp8_gemm": {"FP8_BLOCK": 128, "OVERLAP_MAX_K_TILES": 32, "OVERLAP_MAX_CHUNK": 16,
                                "MAX_SCALE_LOOKAHEAD": 4},
     "sm90_megamoe.unit_scales": {"UNIT_SCALE_KC": 8},
@@ -304,8 +305,15 @@ def pick_raster_m(k: int) -> int:
     return max(1, min(16, RASTER_L2_BUDGET // (128 * k * 2)))
 
 
-#: reduction sizes up to which the non-gated GEMM (FC2) runs the pingpong schedule
-PINGPONG_MAX_K = 0
+#: reduction sizes up to which the non-gated GEMM (FC2) runs the pingpong schedule with
+#: :data:`PINGPONG_TILE_N`-wide tiles (drop v71; ``MOE_EP_PINGPONG_MAX_K`` overrides it, 0 = never):
+#: short k-loops, where one warpgroup's epilogue under the other's mainloop pays. H200, drop
+#: runner, FC2 on a layer's routing: Qwen3 (K 768) 0.348-0.351 ms vs 0.366-0.368 cooperative
+#: 128 x 256; Mixtral (K 14336) 0.79-0.83x, so not there
+PINGPONG_MAX_K = 1024
+#: the pingpong tile's width: a warpgroup holds the whole 128 x 192 fp32 accumulator (the drop's
+#: limit; 128-wide tiles: Qwen3's FC2 0.386 ms, slower than cooperative 128 x 256)
+PINGPONG_TILE_N = 192
 #: mean rows per expert (at the layer's capacity, uniform routing) up to which a GEMM runs the
 #: swap-AB kernel: the weight rows fill the 64-row WGMMA side and the few tokens sit in N, so
 #: decode streams weights instead of padding 128-row tiles (H200, both GEMMs of Qwen3 and
@@ -322,16 +330,17 @@ def pick_schedule(activation: str, k: int, rows_per_expert: float | None = None)
     * ``swapab`` when ``rows_per_expert`` (the mean rows per expert at the layer's capacity) is at
       most :data:`SWAPAB_MAX_ROWS_PER_EXPERT`; its token tile is the smallest of
       :data:`SWAPAB_TILE_T` holding twice the mean, so most experts need one tile;
-    * ``pingpong`` with 128-wide tiles for the non-gated GEMMs with K <= :data:`PINGPONG_MAX_K`
-      (short mainloops, where overlapping one warpgroup's epilogue with the other's mainloop pays);
+    * ``pingpong`` with :data:`PINGPONG_TILE_N`-wide tiles for the non-gated GEMMs with K <=
+      :func:`pingpong_max_k` (short mainloops, where one warpgroup's epilogue overlapping the
+      other's mainloop pays);
     * ``wide`` for the gated GEMMs (FC1) with the drop's 128-wide tile when
       ``MOE_EP_WIDE_GATED=1`` (:func:`use_wide_gated`; opt-in: no faster on the H200);
     * else ``cooperative`` with the drop's default tile."""
     if rows_per_expert is not None and rows_per_expert <= SWAPAB_MAX_ROWS_PER_EXPERT:
         tile_t = next((t for t in SWAPAB_TILE_T if t >= 2 * rows_per_expert), SWAPAB_TILE_T[-1])
         return "swapab", tile_t
-    if activation not in GEMM_GATED and k <= PINGPONG_MAX_K:
-        return "pingpong", 128
+    if activation not in GEMM_GATED and k <= pingpong_max_k(PINGPONG_MAX_K):
+        return "pingpong", PINGPONG_TILE_N
     tile = _C["DEFAULT_TILE_N"][activation]
     if activation in GEMM_GATED and tile <= 128 and use_wide_gated():
         return "wide", tile

@@ -17,6 +17,19 @@ def use_wide_gated() -> bool:
     return os.environ.get("MOE_EP_WIDE_GATED", "0") == "1"
 
 
+def pingpong_max_k(default: int) -> int:
+    """The largest K at which the non-gated GEMM (FC2) takes the pingpong schedule (drop v71,
+    128 x 192 tiles): ``MOE_EP_PINGPONG_MAX_K`` (an integer; 0 = never, the cooperative 128 x 256
+    tiles of drop v70's default) or ``default`` (the shim's measured choice)."""
+    raw = os.environ.get("MOE_EP_PINGPONG_MAX_K")
+    if raw is None or raw == "":
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"MOE_EP_PINGPONG_MAX_K must be an integer (0 = never), got {raw!r}") from None
+
+
 def use_bf16_cluster(schedule: str, gather_a: bool = False) -> int:
     """CTAs per cluster of the BF16 grouped GEMM (drop v29, ``cluster_m``): 2 with
     ``MOE_EP_BF16_CLUSTER=1`` for the cooperative and wide schedules (not pingpong, swap-AB or the

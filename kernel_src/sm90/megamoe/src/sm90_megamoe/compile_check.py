@@ -102,8 +102,9 @@ def main():
         print(f"{act:15s} N={n} K={k} scale_rows={sr} bias={bias} raster_m={raster}: "
               f"compile {dt:.2f}s  wgmma+tma in PTX: {ok}")
         assert ok
-    # the pingpong schedule: FC2 (identity, tile_n 128) and a gated FC1 with tile_n 64
-    for act, n, k, sr, tn in (("identity", 2048, 768, True, 128), ("swiglu", 1536, 2048, False, 64)):
+    # the pingpong schedule: FC2 (identity, tile_n 128 and 192) and gated FC1s with tile_n 64 and 96
+    for act, n, k, sr, tn in (("identity", 2048, 768, True, 128), ("identity", 2048, 768, True, 192),
+                              ("swiglu", 1536, 2048, False, 64), ("swiglu", 1536, 2048, False, 96)):
         t0 = time.time()
         c = compile_for_arch(act, n, k, sr, tile_n=tn, schedule="pingpong")
         dt = time.time() - t0

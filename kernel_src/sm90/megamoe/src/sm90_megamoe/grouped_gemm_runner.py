@@ -5,6 +5,8 @@
     python -m sm90_megamoe.grouped_gemm_runner --suite          # everything in one process
     python -m sm90_megamoe.grouped_gemm_runner --wide [--model qwen3,mixtral]   # schedule "wide" vs
         # "cooperative" on the models' FC1 shapes: bit identity and time, torch._grouped_mm beside
+    python -m sm90_megamoe.grouped_gemm_runner --pingpong --model qwen3,dsv3_shard,gpt_oss,mixtral
+        # drop v71: FC2 on pingpong 128 x 192 vs cooperative 128 x 256, bits and time
     python -m sm90_megamoe.grouped_gemm_runner --gather-tma --model qwen3   # drop v41: FC1 gathering
         # rows by one TMA load per row vs by cp.async vs the plain FC1 on copied rows
 """
@@ -297,6 +299,38 @@ def cluster(models, iters=20) -> bool:
     return ok
 
 
+def pingpong(models, tile_n=192, iters=20) -> bool:
+    """Drop v71: the pingpong schedule with 128 x ``tile_n`` tiles against cooperative 128 x 256 on
+    --model's FC2 shapes (identity, row scale, the model's bias): the same bits (NaN-poisoned
+    outputs) on a layer's routing (topk8), an eighth of its rows, skewed and one row, then the
+    float reference, then both timed on topk8 at both row counts, interleaved twice."""
+    ok = True
+    variants = (("cooperative", 256), ("pingpong", tile_n))
+    for name in models:
+        n1, k1, e, m, _, bias = WIDE_SHAPES[name]
+        n, k = k1, n1 // 2
+        fns = {v: get_grouped_gemm("identity", n, k, e, scale_rows=True, bias_dtype=bias, schedule=v[0],
+                                   tile_n=v[1]) for v in variants}
+        for m_, routing, seed in ((m, "topk8", 1), (m // 8, "topk8", 2), (4133, "skewed", 3), (1, "skewed", 4)):
+            a, b, offs, rs, bs = make_inputs(m_, n, k, e, "identity", routing, True, seed=seed, bias_dtype=bias)
+            outs = []
+            for v in variants:
+                out = torch.full((m_, n), float("nan"), dtype=torch.bfloat16, device="cuda")
+                fns[v](a, b, offs, out=out, row_scale=rs, bias=bs)
+                outs.append(out)
+            torch.cuda.synchronize()
+            same = torch.equal(outs[0], outs[1]) and not bool(torch.isnan(outs[1]).any())
+            ok &= same
+            print(f"[pingpong] {name} FC2 N={n} K={k} M={m_} {routing}: bit-identical to cooperative={same}",
+                  flush=True)
+        ok &= check(fns[variants[1]], 5003, n, k, e, "identity", "skewed", True)
+        for _ in range(2):
+            for m_ in (m, m // 8):
+                for v in variants:
+                    bench(fns[v], m_, n, k, e, "identity", "topk8", True, iters=iters)
+    return ok
+
+
 def half_tiles(models, iters=20) -> bool:
     """Drop v46: tiles of <= 64 rows split along N (``half_tiles``) against the plain cooperative
     kernel on --model's FC1 and FC2 shapes: the same bits (NaN-poisoned outputs) on a layer's routing
@@ -442,6 +476,8 @@ def main():
     p.add_argument("--model", default="qwen3,mixtral", help=f"--wide, --cluster: comma list of {sorted(WIDE_SHAPES)}")
     p.add_argument("--cluster", action="store_true",
                    help="clusters of 2 (weight multicast) vs single CTAs on --model's FC1 and FC2 shapes")
+    p.add_argument("--pingpong", action="store_true",
+                   help="pingpong 128 x 192 vs cooperative 128 x 256 on --model's FC2 shapes (drop v71)")
     p.add_argument("--half-tiles", action="store_true",
                    help="tiles of <= 64 rows split along N vs whole tiles on --model's FC1 and FC2 shapes")
     p.add_argument("--tanh-sigmoid", action="store_true",
@@ -459,6 +495,8 @@ def main():
         raise SystemExit(0 if wide(args.model.split(",")) else 1)
     if args.cluster:
         raise SystemExit(0 if cluster(args.model.split(",")) else 1)
+    if args.pingpong:
+        raise SystemExit(0 if pingpong(args.model.split(",")) else 1)
     if args.half_tiles:
         raise SystemExit(0 if half_tiles(args.model.split(",")) else 1)
     if args.tanh_sigmoid:
