@@ -76,7 +76,9 @@ def test_schedule_choice(monkeypatch):
     monkeypatch.delenv("MOE_EP_PINGPONG_MAX_K", raising=False)
     assert sm90_pick_schedule("identity", 768) == ("pingpong", 192)
     assert sm90_pick_schedule("squared_relu", 768) == ("pingpong", 192)
-    for act, k in (("identity", 14336), ("swiglu", 2048), ("swiglu", 768), ("clamped_swiglu", 2880)):
+    assert sm90_pick_schedule("identity", 2880) == ("pingpong", 192)  # gpt-oss's FC2
+    for act, k in (("identity", 14336), ("identity", 4096), ("swiglu", 2048), ("swiglu", 768),
+                   ("clamped_swiglu", 2880)):
         assert sm90_pick_schedule(act, k)[0] == "cooperative"
     assert sm90_pick_schedule("identity", 768, 4)[0] == "swapab"  # decode keeps swap-AB
     monkeypatch.setenv("MOE_EP_PINGPONG_MAX_K", "0")
