@@ -144,11 +144,17 @@ def test_gpu_cluster_is_bit_identical(act, n, k, kw, m_total, routing):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T", [1, 333, 4096])
-def test_gpu_layer_with_clusters_is_bit_identical(monkeypatch, T):
-    """MOE_EP_BF16_CLUSTER=1 (FC1 and FC2 in clusters of 2) gives the layer's default bits, eager
-    and replayed from a poisoned CUDA graph."""
+@pytest.mark.parametrize("T,pingpong_max_k", [(1, "0"), (333, "0"), (4096, "0"), (4096, None)])
+def test_gpu_layer_with_clusters_is_bit_identical(monkeypatch, T, pingpong_max_k):
+    """MOE_EP_BF16_CLUSTER=1 gives the layer's default bits, eager and replayed from a poisoned CUDA
+    graph: FC1 and FC2 in clusters of 2 with FC2 kept cooperative (MOE_EP_PINGPONG_MAX_K=0), and
+    with the shim's default, where Qwen3's FC2 (K 768) runs pingpong, which has no clusters."""
     _sm90()
+    if pingpong_max_k is None:
+        monkeypatch.delenv("MOE_EP_PINGPONG_MAX_K", raising=False)
+    else:
+        monkeypatch.setenv("MOE_EP_PINGPONG_MAX_K", pingpong_max_k)
+    fc2_clustered = pingpong_max_k == "0"
     from moe_oracle import layer_outputs_with_switch
 
     from moe_ep.api import MoEConfig
@@ -163,7 +169,9 @@ def test_gpu_layer_with_clusters_is_bit_identical(monkeypatch, T):
     w2 = (torch.randn(E, H, I, generator=g) / I ** 0.5).to(torch.bfloat16).cuda()
 
     def check(impl, on):
-        assert impl.fc1.compiled.cluster_m == impl.fc2.compiled.cluster_m == (2 if on else 1)
+        assert impl.fc1.compiled.cluster_m == (2 if on else 1)
+        assert impl.fc2.compiled.cluster_m == (2 if on and fc2_clustered else 1)
+        assert impl.fc2.compiled.schedule == ("cooperative" if fc2_clustered else "pingpong")
 
     outs = layer_outputs_with_switch(monkeypatch, "MOE_EP_BF16_CLUSTER", cfg, "sm90_bf16_cutedsl",
                                      (x, ids, w, w13, w2), check)

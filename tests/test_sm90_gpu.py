@@ -233,3 +233,31 @@ def test_schedules_agree(schedule, tile_n):
     if schedule == "pingpong":
         H, I, E = SHAPES["qwen3"]
         run_case("swiglu", 2 * I, H, E, 4133, "skewed", gen, schedule="pingpong", tile_n=64)
+
+
+@pytest.mark.parametrize("model,T", [("qwen3", 333), ("qwen3", 4096), ("gpt_oss_like", 2000)])
+def test_layer_fc2_pingpong_matches_cooperative(monkeypatch, model, T):
+    """The shim's default FC2 for K <= 2880 -- pingpong with 128 x 192 tiles (drop v71) -- gives
+    the same layer bits as cooperative 128 x 256 (MOE_EP_PINGPONG_MAX_K=0), eager and replayed from
+    a poisoned CUDA graph, and match the float64 oracle on a sample of rows (Qwen3: K 768; a gpt-oss-like
+    layer: I 2880, the bound, with a ragged last tile of N = 2880 = 15 x 192)."""
+    _sm90()
+    from moe_oracle import layer_outputs_with_switch, make_problem, oracle_f64, rel_err
+
+    from moe_ep.api import MoEConfig
+
+    E, H, I, K = (128, 2048, 768, 8) if model == "qwen3" else (32, 2880, 2880, 4)
+    cfg = MoEConfig(num_experts=E, hidden=H, intermediate=I, top_k=K, max_tokens_per_rank=4096)
+    problem = make_problem(E, H, I, K, T, seed=zlib.crc32(f"pp/{model}/{T}".encode()))
+    x, ids, w, w13, w2 = (t.cuda() for t in problem)
+
+    def check(impl, on):
+        assert (impl.fc2.compiled.schedule, impl.fc2.compiled.kernel.tile_n) == (
+            ("pingpong", 192) if on else ("cooperative", 256))
+
+    outs = layer_outputs_with_switch(monkeypatch, "MOE_EP_PINGPONG_MAX_K", cfg, "sm90_bf16_cutedsl",
+                                     (x, ids, w, w13, w2), check, values=("0", "2880"))
+    assert torch.isfinite(outs[1].float()).all() and torch.equal(outs[0], outs[1])
+    n = 48  # the float64 oracle walks token-expert pairs one by one: a sample of the rows
+    want = oracle_f64(*(t[:n] for t in problem[:3]), problem[3], problem[4], "swiglu", I)
+    assert rel_err(outs[1][:n].cpu(), want) < 1e-2
