@@ -310,7 +310,7 @@ def pick_raster_m(k: int) -> int:
 #: short k-loops, where one warpgroup's epilogue under the other's mainloop pays. H200, drop
 #: runner ``--pingpong`` (31st session), FC2 on a layer's routing, pingpong / cooperative
 #: 128 x 256: Qwen3 (K 768) 1.06x, gpt-oss (K 2880) 1.08x, the DeepSeek-V3 shard (K 2048) 1.03x
-#: and 0.93x in two rounds (1.09x at an eighth of the rows); Mixtral (K 14336) 0.80-0.93x: not there.
+#: and 0.93x in two rounds (1.09x at an eighth of the rows); Mixtral (K 14336) 0.79-0.94x: not there.
 #: The Qwen3 BF16 layer, three interleaved rounds: per call 513.8-530.8 vs 509.2-515.9 TFLOP/s
 PINGPONG_MAX_K = 2880
 #: the pingpong tile's width: a warpgroup holds the whole 128 x 192 fp32 accumulator (the drop's
