@@ -382,6 +382,32 @@ def _line(path: Path, needle: str) -> int:
     return next(i for i, ln in enumerate(path.read_text().splitlines(), 1) if needle in ln)
 
 
+def _drop_versions(markdown: str) -> dict[str, str]:
+    """{"arch/drop": version} from the ``## arch/drop`` sections' "- drop version:" bullets."""
+    out, drop = {}, None
+    for line in markdown.splitlines():
+        if line.startswith("## "):
+            drop = line[3:].strip()
+        elif line.startswith("- drop version:") and drop and "/" in drop:
+            out[drop] = line.split(":", 1)[1].strip()
+    return out
+
+
+def test_real_repository_contract_versions_match_vendor_md():
+    """Each contract's version (what ``--print-record`` writes) is the drop's mirrored DROP_VERSION
+    and VENDOR.md's "drop version" bullet (a contract once said 36 while the drop was at 70)."""
+    p = subprocess.run([sys.executable, "-m", "moe_ep.shim.audit", "--print-record"], cwd=REPO,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    printed = _drop_versions(p.stdout)
+    recorded = _drop_versions((REPO / "VENDOR.md").read_text())
+    assert printed and set(printed) <= set(recorded), (printed, recorded)
+    assert {d: recorded[d] for d in printed} == printed
+    from moe_ep.shim.drops import sm90_megamoe
+
+    assert sm90_megamoe.CONTRACT.version == sm90_megamoe.CONSTANTS.value("sm90_megamoe", "DROP_VERSION")
+
+
 def test_attribute_use_declaration():
     from moe_ep.shim.contract import AttributeUse, DropContract
 

@@ -44,7 +44,7 @@ CONSTANTS = MirroredConstants("sm100/w4a16", {
 })
 
 CONTRACT = DropContract(
-    arch="sm100", drop="w4a16", version=1, packages=(PKG,), constants=CONSTANTS,
+    arch="sm100", drop="w4a16", version=CONSTANTS.value(PKG, "DROP_VERSION"), packages=(PKG,), constants=CONSTANTS,
     callables=(
         CallableUse("sm100_w4a16.grouped_gemm:can_implement", ("epilogue", "n", "k", "num_experts", "tile_n")),
         CallableUse("sm100_w4a16.launch:compile_w4a16_gemm",

@@ -46,7 +46,7 @@ CONSTANTS = MirroredConstants("sm120/mxfp8", {
 })
 
 CONTRACT = DropContract(
-    arch="sm120", drop="mxfp8", version=1, packages=(PKG,), constants=CONSTANTS,
+    arch="sm120", drop="mxfp8", version=CONSTANTS.value(PKG, "DROP_VERSION"), packages=(PKG,), constants=CONSTANTS,
     callables=(
         CallableUse("sm120_mxfp8.grouped_gemm:can_implement",
                     ("epilogue", "n", "k", "num_experts", "tile_tokens", "num_stages")),

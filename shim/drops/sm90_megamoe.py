@@ -96,7 +96,7 @@ CONSTANTS = MirroredConstants("sm90/megamoe", {
 })
 
 CONTRACT = DropContract(
-    arch="sm90", drop="megamoe", version=36, packages=(PKG,), constants=CONSTANTS,
+    arch="sm90", drop="megamoe", version=CONSTANTS.value(PKG, "DROP_VERSION"), packages=(PKG,), constants=CONSTANTS,
     callables=(
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.__init__",
                     ("activation", "n", "k", "num_experts", "scale_rows", "tile_n", "bias_dtype",
