@@ -222,7 +222,8 @@ def test_decode_kernels_are_a_static_per_shape_choice():
     assert sm90_pick_schedule("swiglu", 2048, 8) == ("swapab", 16)
     assert sm90_pick_schedule("identity", 768, 32) == ("swapab", 64)
     assert sm90_pick_schedule("swiglu", 2048, 33)[0] == "cooperative"
-    assert sm90_pick_schedule("identity", 768, None)[0] == "cooperative"
+    assert sm90_pick_schedule("identity", 768, 33)[0] == "pingpong"  # FC2 past decode (drop v71)
+    assert sm90_pick_schedule("identity", 768, None)[0] == "pingpong"
     qwen = dict(num_experts=128, hidden=2048, intermediate=768, top_k=8, dtype=torch.bfloat16)
     small = _gemm_specs(MoEConfig(max_tokens_per_rank=256, **qwen), 128)
     assert set(small) == {"fc1", "fc2"} and small["fc1"]["rows_per_expert"] == 16
