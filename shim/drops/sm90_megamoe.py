@@ -50,6 +50,7 @@ from ..nvshmem_boot import CounterContract
 from .sm90_megamoe_switches import (  # noqa: F401  (re-exported: the shim reads them here, tests too)
     pingpong_max_k,
     use_bf16_cluster,
+    use_bf16_cluster_n,
     use_bf16_tanh_sigmoid,
     use_gather_tma,
     use_half_tiles,
@@ -59,7 +60,7 @@ from .sm90_megamoe_switches import (  # noqa: F401  (re-exported: the shim reads
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 71},
+    "sm90_megamoe": {"DROP_VERSION": 72},
     "sm90_megamoe.fp8_gemm": {"FP8_BLOCK": 128, "OVERLAP_MAX_K_TILES": 32, "OVERLAP_MAX_CHUNK": 16,
                                "MAX_SCALE_LOOKAHEAD": 4},
     "sm90_megamoe.unit_scales": {"UNIT_SCALE_KC": 8},
@@ -101,7 +102,8 @@ CONTRACT = DropContract(
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.__init__",
                     ("activation", "n", "k", "num_experts", "scale_rows", "tile_n", "bias_dtype",
                      "raster_m", "swiglu_alpha", "swiglu_limit", "schedule", "compiled", "tvm_ffi",
-                     "early_weights", "gather_a", "cluster_m", "gather_tma", "half_tiles", "tanh_sigmoid")),
+                     "early_weights", "gather_a", "cluster_m", "gather_tma", "half_tiles", "tanh_sigmoid",
+                     "cluster_n")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_converted",
                     ("args", "max_active_ctas", "stream")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_tensors",
@@ -311,7 +313,9 @@ def pick_raster_m(k: int) -> int:
 #: runner ``--pingpong`` (31st session), FC2 on a layer's routing, pingpong / cooperative
 #: 128 x 256: Qwen3 (K 768) 1.06x, gpt-oss (K 2880) 1.08x, the DeepSeek-V3 shard (K 2048) 1.03x
 #: and 0.93x in two rounds (1.09x at an eighth of the rows); Mixtral (K 14336) 0.79-0.94x: not there.
-#: The Qwen3 BF16 layer, three interleaved rounds: per call 513.8-530.8 vs 509.2-515.9 TFLOP/s
+#: The Qwen3 BF16 layer, three interleaved rounds: per call 513.8-530.8 vs 509.2-515.9 TFLOP/s.
+#: With a bias (gpt-oss's FC2) the 128 x 192 pingpong kernel spills 312 bytes per thread (ptxas:
+#: the bias of a thread's 48 columns on top of 192 accumulators); that FC2 still ran 1.08x
 PINGPONG_MAX_K = 2880
 #: the pingpong tile's width: a warpgroup holds the whole 128 x 192 fp32 accumulator (the drop's
 #: limit; 128-wide tiles: Qwen3's FC2 0.386 ms, slower than cooperative 128 x 256)
@@ -376,6 +380,7 @@ class GemmKey:
     gather_tma: bool = False
     half_tiles: bool = False
     tanh_sigmoid: bool = False
+    cluster_n: int = 1
 
 
 class GroupedGemm:
@@ -511,7 +516,8 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
     key = GemmKey(CONSTANTS.value(PKG, "DROP_VERSION"), _C["ABI_VERSION"], _cutlass_version(), "sm_90a",
                   "bf16", activation, n, k, num_experts, bool(scale_rows), tile, bias, raster, alpha, limit,
                   schedule, ffi, early, bool(gather_a), cluster, use_gather_tma(gather_a),
-                  use_half_tiles(schedule, tile, gather_a, cluster), use_bf16_tanh_sigmoid(activation))
+                  use_half_tiles(schedule, tile, gather_a, cluster), use_bf16_tanh_sigmoid(activation),
+                  use_bf16_cluster_n(schedule, activation in GEMM_GATED, gather_a))
 
     def build():
         launch = _load("sm90_megamoe.launch")
@@ -525,6 +531,8 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
             kw.update(gather_tma=True)
         if key.cluster_m > 1:
             kw.update(cluster_m=key.cluster_m)
+        if key.cluster_n > 1:
+            kw.update(cluster_n=key.cluster_n)
         if key.half_tiles:
             kw.update(half_tiles=True)
         if key.tanh_sigmoid:
@@ -532,7 +540,8 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
         if activation == "clamped_swiglu":
             kw.update(swiglu_alpha=alpha, swiglu_limit=limit)
         name = (f"gemm_{activation}" + ("_gather" if gather_a else "") + ("_tma" if key.gather_tma else "")
-                + ("_cluster2" if key.cluster_m > 1 else "") + ("_half" if key.half_tiles else "")
+                + ("_cluster2" if key.cluster_m > 1 else "") + ("_clustern2" if key.cluster_n > 1 else "")
+                + ("_half" if key.half_tiles else "")
                 + ("_tanh" if key.tanh_sigmoid else ""))
         fn = disk_cache.get_or_build(cache_namespace(), name, key,
                                      lambda: launch.CompiledGroupedGemm(**kw).compiled, tvm_ffi=ffi)

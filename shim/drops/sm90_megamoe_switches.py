@@ -1,5 +1,6 @@
 """Environment switches of the SM90 BF16 grouped GEMM (drop ``sm90_megamoe``): which kernel
-variants the shim compiles (all opt-in but the tanh sigmoid, an opt-out). Each is read when a GEMM
+variants the shim compiles (opt-in, but for the tanh sigmoid and the pingpong FC2 bound: defaults one
+can turn off). Each is read when a GEMM
 is built (its key), never in ``forward``; each says what the H200 measured. Same drop and contract as :mod:`.sm90_megamoe` (which re-exports these
 names); kept apart only to keep files short."""
 
@@ -39,6 +40,17 @@ def use_bf16_cluster(schedule: str, gather_a: bool = False) -> int:
     if os.environ.get("MOE_EP_BF16_CLUSTER", "0") != "1" or gather_a:
         return 1
     return 2 if schedule in ("cooperative", "wide") else 1
+
+
+def use_bf16_cluster_n(schedule: str, gated: bool, gather_a: bool = False) -> int:
+    """CTAs per cluster along N of the BF16 grouped GEMM (drop v72, ``cluster_n``): 2 with
+    ``MOE_EP_BF16_CLUSTER_N=1`` for the non-gated GEMMs (FC2) on the cooperative and pingpong
+    schedules -- the two CTAs of a cluster compute an n-tile pair of one m-tile and each loads half
+    of the A tile, multicast into both (SonicMoE's FC2 choice for Qwen3) -- else 1. Opt-in: not yet
+    run on a GPU (thirty-first session; PTX checked on the CPU machine)."""
+    if os.environ.get("MOE_EP_BF16_CLUSTER_N", "0") != "1" or gather_a or gated:
+        return 1
+    return 2 if schedule in ("cooperative", "pingpong") else 1
 
 
 def use_gather_tma(gather_a: bool) -> bool:

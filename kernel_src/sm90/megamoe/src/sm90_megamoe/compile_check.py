@@ -65,6 +65,7 @@ def compile_for_arch(
     gather_a: bool = False,
     half_tiles: bool = False,
     tanh_sigmoid: bool = False,
+    cluster_n: int = 1,
 ):
     """Compile one variant for ``arch`` from fake tensors. ``bias_dtype``: None (no bias),
     "float32" or "bfloat16"; ``gather_a``: the gathering kernel (:mod:`.grouped_gemm_gather`)."""
@@ -75,7 +76,8 @@ def compile_for_arch(
                  has_bias=bias_dtype is not None, raster_m=raster_m,
                  swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, schedule=schedule,
                  **({"half_tiles": True} if half_tiles else {}),
-                 **({"tanh_sigmoid": True} if tanh_sigmoid else {}))
+                 **({"tanh_sigmoid": True} if tanh_sigmoid else {}),
+                 **({"cluster_n": cluster_n} if cluster_n > 1 else {}))
     args = fake_args(kernel, num_experts, n, k, bias_dtype=bias_dtype or "float32")
     opts = f"--gpu-arch {arch} --keep-ptx {extra_options}".strip()
     return cute.compile(kernel, *args, options=opts)
@@ -112,6 +114,16 @@ def main():
         ok = "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx and not ptx_problems(ptx)
         print(f"{act:15s} N={n} K={k} scale_rows={sr} pingpong tile_n={tn}: "
               f"compile {dt:.2f}s  wgmma+tma in PTX: {ok}")
+        assert ok
+    # drop v72: FC2 in clusters of 2 along N (A multicast), pingpong 128 x 192 (11 n-tiles: the last
+    # pair half empty) and cooperative 128 x 256
+    for sched, tn in (("pingpong", 192), ("cooperative", 256)):
+        t0 = time.time()
+        c = compile_for_arch("identity", 2048, 768, True, tile_n=tn, schedule=sched, cluster_n=2)
+        ptx = c.__ptx__
+        ok = "wgmma.mma_async" in ptx and ".multicast::cluster" in ptx and not ptx_problems(ptx)
+        print(f"identity        N=2048 K=768 {sched} tile_n={tn} cluster_n=2: compile {time.time() - t0:.2f}s  "
+              f"wgmma+multicast TMA in PTX: {ok}")
         assert ok
 
 

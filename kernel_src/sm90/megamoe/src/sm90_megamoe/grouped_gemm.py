@@ -71,6 +71,12 @@ Design
   each stage's weight tile by a multicast TMA into both CTAs, whose consumer warps all release the
   stage. The launch clamps its grid to the clusters that fit at once. Same WGMMAs per tile: the
   same bits as single CTAs.
+* ``cluster_n=2`` (drop v72; non-gated, cooperative / pingpong): clusters of 2 CTAs along N, as the
+  FP8 kernel's (drop v28). A unit is an n-tile pair of one m-tile; CTA r computes n-tile
+  ``2 u + r`` (for an odd n-tile count the last pair's second tile lies past N: computed, never
+  stored) and loads half of each stage's A tile by a multicast TMA into both CTAs. Pingpong FC2
+  with 128 x 208 tiles and A multicast is what SonicMoE's autotuner picks for Qwen3; here with
+  the 128 x 192 tiles of drop v71. Same WGMMAs per tile: the same bits as single CTAs.
 
 Tensors (torch view; all contiguous, 16-byte aligned base pointers)
 -------------------------------------------------------------------
@@ -172,6 +178,8 @@ class GroupedGemmSm90:
     gather_tma = False  # drop v41: ... by one TMA load per row (``GroupedGemmGatherSm90(tma_rows=True)``)
     #: CTAs per cluster along M (drop v29: 2 = one m-tile pair per cluster, B multicast; set in __init__)
     cluster_m = 1
+    #: CTAs per cluster along N (drop v72: 2 = one n-tile pair per cluster, A multicast; set in __init__)
+    cluster_n = 1
     #: drop v46: tiles of <= 64 rows split along N (set in __init__; subclasses with their own
     #: __init__, e.g. the FP8 GEMM, reuse the epilogue without it)
     half_tiles = False
@@ -195,6 +203,7 @@ class GroupedGemmSm90:
         cluster_m: int = 1,
         half_tiles: bool = False,
         tanh_sigmoid: bool = False,
+        cluster_n: int = 1,
     ):
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
@@ -281,6 +290,13 @@ class GroupedGemmSm90:
             raise ValueError(f"half_tiles needs the cooperative schedule without clusters or gathering, the "
                              f"smem epilogue and tile_n / 2 a multiple of {self.epi_n}; got {schedule!r}, "
                              f"cluster_m {cluster_m}, epilogue {epilogue!r}, tile_n {tile_n}")
+        if cluster_n not in (1, 2):
+            raise ValueError(f"cluster_n must be 1 or 2, got {cluster_n}")
+        if cluster_n > 1 and (self.gated or self.wide or self.cluster_m > 1 or self.gather_a or self.half_tiles):
+            raise ValueError("cluster_n = 2 is for the non-gated TMA kernel's cooperative / pingpong schedules "
+                             "(not gated, not with cluster_m, gather_a or half_tiles)")
+        if cluster_n > 1:  # drop v72: the pair's CTAs take A's halves and multicast them
+            self.cluster_n = 2
 
     # ------------------------------------------------------------------ host helpers
     def static_shapes(self, n: int, k: int) -> Tuple[int, int]:
@@ -342,9 +358,9 @@ class GroupedGemmSm90:
     def _launch(self, kernel, max_active_ctas, stream) -> None:
         """One persistent CTA per ``max_active_ctas``, launched with PDL like every kernel of the drop."""
         kernel.launch(
-            grid=[max_active_ctas // self.cluster_m * self.cluster_m, 1, 1],
+            grid=[max_active_ctas // (self.cluster_m * self.cluster_n) * (self.cluster_m * self.cluster_n), 1, 1],
             block=[self.threads_per_cta, 1, 1],
-            cluster=[self.cluster_m, 1, 1],
+            cluster=[self.cluster_m * self.cluster_n, 1, 1],
             min_blocks_per_mp=1,
             stream=stream,
             use_pdl=PDL,
@@ -366,6 +382,9 @@ class GroupedGemmSm90:
         self.n_tiles = n_tiles
         self.k_tiles = (k_size + self.tile_k - 1) // self.tile_k
         self.n_out_divisible = n_out % self.tile_n == 0
+        if cutlass.const_expr(self.cluster_n > 1):  # drop v72: one unit = the cluster's adjacent n-tiles
+            self.n_out_divisible = self.n_out_divisible and n_tiles % self.cluster_n == 0
+            self.n_tiles = (n_tiles + self.cluster_n - 1) // self.cluster_n
         self.num_stages = self._num_stages(num_experts)
 
         # B as (N, K, E): expert becomes the batch (third) TMA coordinate
@@ -425,10 +444,11 @@ class GroupedGemmSm90:
             tma_atom_a, tma_tensor_a = row_tma_atom(mA, a_smem_layout, self.tile_k)
         else:
             tma_atom_a, tma_tensor_a = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SOp(),
+                cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cluster_n > 1 else cpasync.CopyBulkTensorTileG2SOp(),
                 mA,
                 cute.slice_(a_smem_layout, (None, None, 0)),
                 (self.tile_m, self.tile_k),
+                **({"num_multicast": self.cluster_n} if self.cluster_n > 1 else {}),
             )
         tma_atom_b, tma_tensor_b = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cluster_m > 1 else cpasync.CopyBulkTensorTileG2SOp(),
@@ -471,7 +491,8 @@ class GroupedGemmSm90:
         m-tile and n-tile in the grouped raster.
 
         Returns (expert, first row of the tile, end row of the expert, n-tile). With ``cluster_m``
-        = 2 the m-tiles are pairs (256 rows): the row is the pair's first."""
+        = 2 the m-tiles are pairs (256 rows): the row is the pair's first; with ``cluster_n`` = 2
+        the "n-tile" is an n-tile pair (``self.n_tiles`` counts pairs then)."""
         n_tiles = self.n_tiles
         m_tile_global = tile_id // n_tiles
         e = expert
@@ -587,20 +608,21 @@ class GroupedGemmSm90:
             barrier_storage=storage.mbar.data_ptr(),
             num_stages=self.num_stages,
             producer_group=producers,
-            # cluster: a stage is free once the consumer warps of both CTAs (B multicast into both) are done
+            # cluster: a stage is free once the consumer warps of both CTAs (B or A multicast into both) are done
             consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, self.stage_consumer_warps * self.cluster_m
+                pipeline.Agent.Thread, self.stage_consumer_warps * self.cluster_m * self.cluster_n
             ),
             tx_count=tma_bytes,
-            cta_layout_vmnk=cute.make_layout((1, self.cluster_m, 1, 1)),
+            cta_layout_vmnk=cute.make_layout((1, self.cluster_m, self.cluster_n, 1)),
         )
         cute.arch.sync_threads()
-        # the persistent schedule: one unit (tile, or the cluster's m-tile pair) per CTA (cluster);
-        # CTA r of a cluster computes m-tile 2 p + r of the pair (past the expert's rows: no stores)
+        # the persistent schedule: one unit (tile, or the cluster's m- or n-tile pair) per CTA (cluster);
+        # CTA r of a cluster computes m-tile 2 p + r of the pair (past the expert's rows: no stores),
+        # or n-tile 2 u + r (cluster_n; past N: no stores)
         unit0, unit_step, cta_rank = bidx, gdim, 0
-        if cutlass.const_expr(self.cluster_m > 1):
+        if cutlass.const_expr(self.cluster_m * self.cluster_n > 1):
             cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-            unit0, unit_step = bidx // self.cluster_m, gdim // self.cluster_m
+            unit0, unit_step = bidx // (self.cluster_m * self.cluster_n), gdim // (self.cluster_m * self.cluster_n)
 
         sA = storage.sA.get_tensor(a_smem_layout.outer, swizzle=a_smem_layout.inner)
         sB = storage.sB.get_tensor(b_smem_layout.outer, swizzle=b_smem_layout.inner)
@@ -634,6 +656,8 @@ class GroupedGemmSm90:
                         expert, row0, row_end, n_tile = self._locate(sOff, sCum, tile_id, expert)
                         if cutlass.const_expr(self.cluster_m > 1):
                             row0 = row0 + cta_rank * self.tile_m
+                        if cutlass.const_expr(self.cluster_n > 1):
+                            n_tile = n_tile * self.cluster_n + cta_rank
 
                         # A rows [row0, row0 + tile_m): (bM, bK, RestK)
                         gA = cute.local_tile(
@@ -641,8 +665,10 @@ class GroupedGemmSm90:
                             (self.tile_m, self.tile_k),
                             (0, None),
                         )
+                        # cluster_n: this CTA loads its half of the A tile into both CTAs
                         tAsA_p, tAgA = cpasync.tma_partition(
-                            tma_atom_a, 0, cute.make_layout(1), tAsA, cute.group_modes(gA, 0, 2)
+                            tma_atom_a, cta_rank if self.cluster_n > 1 else 0, cute.make_layout(self.cluster_n),
+                            tAsA, cute.group_modes(gA, 0, 2)
                         )
                         # B of this expert, rows [n0, n0 + bn) (gated: + up rows [I + n0, I + n0 + bn),
                         # an element offset, so I need not be a multiple of the tile): (bN, bK, RestK)
@@ -656,7 +682,7 @@ class GroupedGemmSm90:
                             )
                             # cluster: this CTA loads its half of the B tile into both CTAs
                             tBsB_p, tBgB = cpasync.tma_partition(
-                                tma_atom_b, cta_rank, cute.make_layout(self.cluster_m), tBsB,
+                                tma_atom_b, cta_rank if self.cluster_m > 1 else 0, cute.make_layout(self.cluster_m), tBsB,
                                 cute.group_modes(gB, 0, 2)
                             )
                             tBgBs.append(tBgB)
@@ -668,6 +694,8 @@ class GroupedGemmSm90:
                                 tAgA[(None, k_tile)],
                                 tAsA_p[(None, prod_state.index)],
                                 tma_bar_ptr=bar,
+                                **({"mcast_mask": cutlass.Int16((1 << self.cluster_n) - 1)}
+                                   if self.cluster_n > 1 else {}),
                             )
                             for h in cutlass.range_constexpr(self.num_b):
                                 # gated: h=0 gate rows [n0, n0+bn), h=1 up rows [I+n0, I+n0+bn)
@@ -772,8 +800,8 @@ class GroupedGemmSm90:
             tile_step = unit_step
             if cutlass.const_expr(self.pingpong):
                 # skip the stages of the other warpgroup's tiles (the producer loads every tile)
-                tile_id = bidx + wg * gdim
-                tile_step = 2 * gdim
+                tile_id = unit0 + wg * unit_step
+                tile_step = 2 * unit_step
                 for _ in range(wg * k_tiles):
                     read_state.advance()
                     release_state.advance()
@@ -781,10 +809,12 @@ class GroupedGemmSm90:
                 expert, row0, row_end, n_tile = self._locate(sOff, sCum, tile_id, expert)
                 if cutlass.const_expr(self.cluster_m > 1):
                     row0 = row0 + cta_rank * self.tile_m
+                if cutlass.const_expr(self.cluster_n > 1):
+                    n_tile = n_tile * self.cluster_n + cta_rank
 
                 # ---------------- mainloop: keep one WGMMA batch in flight
                 if cutlass.const_expr(self.pingpong):
-                    if tile_id != bidx:  # all but warpgroup 0's first tile wait for their turn
+                    if tile_id != unit0:  # all but warpgroup 0's first tile wait for their turn
                         order_mine.arrive_and_wait()
                 if cutlass.const_expr(self.wide):
                     acc_wide.fill(0.0)
@@ -809,12 +839,12 @@ class GroupedGemmSm90:
                     else:
                         read_state, release_state, tiled_mma = self._mainloop(
                             ab_pipeline, read_state, release_state, tiled_mma, accs, acc_wide, tCrA, tCrB,
-                            num_k_blocks, k_tiles, order_next, tile_id + gdim < total_tiles,
+                            num_k_blocks, k_tiles, order_next, tile_id + unit_step < total_tiles,
                         )
                 else:
                     read_state, release_state, tiled_mma = self._mainloop(
                         ab_pipeline, read_state, release_state, tiled_mma, accs, acc_wide, tCrA, tCrB,
-                        num_k_blocks, k_tiles, order_next, tile_id + gdim < total_tiles,
+                        num_k_blocks, k_tiles, order_next, tile_id + unit_step < total_tiles,
                     )
                 if cutlass.const_expr(self.wide):  # split into the gate and up accumulators
                     for i in cutlass.range_constexpr(n_elems):

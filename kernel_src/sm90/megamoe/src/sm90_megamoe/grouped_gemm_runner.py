@@ -7,6 +7,8 @@
         # "cooperative" on the models' FC1 shapes: bit identity and time, torch._grouped_mm beside
     python -m sm90_megamoe.grouped_gemm_runner --pingpong --model qwen3,dsv3_shard,gpt_oss,mixtral
         # drop v71: FC2 on pingpong 128 x 192 vs cooperative 128 x 256, bits and time
+    python -m sm90_megamoe.grouped_gemm_runner --cluster-n --model qwen3,gpt_oss   # drop v72: FC2 in
+        # clusters of 2 along N (A multicast) vs pingpong 128 x 192 alone
     python -m sm90_megamoe.grouped_gemm_runner --gather-tma --model qwen3   # drop v41: FC1 gathering
         # rows by one TMA load per row vs by cp.async vs the plain FC1 on copied rows
 """
@@ -122,7 +124,7 @@ def bench(fn: CompiledGroupedGemm, m_total, n, k, experts, activation, routing, 
     t_torch = timed(lambda i: torch._grouped_mm(sets[i][0], bt[i], offs=ends[i]))
     print(
         f"[bench] {activation:14s} scale={int(scale_rows)} raster={fn.raster_m} {fn.schedule}"
-        f"{' cluster2' if fn.cluster_m > 1 else ''} M={m_total} N={n} K={k} E={experts} "
+        f"{' cluster2' if fn.cluster_m > 1 else ''}{' cluster_n2' if fn.cluster_n > 1 else ''} M={m_total} N={n} K={k} E={experts} "
         f"routing={routing}: ours {t_ours*1e3:.3f} ms {flops/t_ours/1e12:.1f} TFLOP/s | "
         f"torch._grouped_mm {t_torch*1e3:.3f} ms {flops/t_torch/1e12:.1f} TFLOP/s | "
         f"ratio {t_torch/t_ours:.3f}x",
@@ -299,18 +301,24 @@ def cluster(models, iters=20) -> bool:
     return ok
 
 
-def pingpong(models, tile_n=192, iters=20) -> bool:
-    """Drop v71: the pingpong schedule with 128 x ``tile_n`` tiles against cooperative 128 x 256 on
-    --model's FC2 shapes (identity, row scale, the model's bias): the same bits (NaN-poisoned
+#: FC2 variants (schedule, tile_n, cluster_n) --pingpong (drop v71) and --cluster-n (drop v72) compare
+FC2_VARIANTS = {
+    "pingpong": (("cooperative", 256, 1), ("pingpong", 192, 1)),
+    "cluster_n": (("pingpong", 192, 1), ("pingpong", 192, 2), ("cooperative", 256, 2)),
+}
+
+
+def fc2_variants(models, variants, tag, iters=20) -> bool:
+    """FC2 ``variants`` ((schedule, tile_n, cluster_n), the first the baseline) on --model's FC2
+    shapes (identity, row scale, the model's bias): the same bits as the first (NaN-poisoned
     outputs) on a layer's routing (topk8), an eighth of its rows, skewed and one row, then the
-    float reference, then both timed on topk8 at both row counts, interleaved twice."""
+    float reference, then all timed on topk8 at both row counts, interleaved twice."""
     ok = True
-    variants = (("cooperative", 256), ("pingpong", tile_n))
     for name in models:
         n1, k1, e, m, _, bias = WIDE_SHAPES[name]
         n, k = k1, n1 // 2
         fns = {v: get_grouped_gemm("identity", n, k, e, scale_rows=True, bias_dtype=bias, schedule=v[0],
-                                   tile_n=v[1]) for v in variants}
+                                   tile_n=v[1], cluster_n=v[2]) for v in variants}
         for m_, routing, seed in ((m, "topk8", 1), (m // 8, "topk8", 2), (4133, "skewed", 3), (1, "skewed", 4)):
             a, b, offs, rs, bs = make_inputs(m_, n, k, e, "identity", routing, True, seed=seed, bias_dtype=bias)
             outs = []
@@ -319,11 +327,12 @@ def pingpong(models, tile_n=192, iters=20) -> bool:
                 fns[v](a, b, offs, out=out, row_scale=rs, bias=bs)
                 outs.append(out)
             torch.cuda.synchronize()
-            same = torch.equal(outs[0], outs[1]) and not bool(torch.isnan(outs[1]).any())
-            ok &= same
-            print(f"[pingpong] {name} FC2 N={n} K={k} M={m_} {routing}: bit-identical to cooperative={same}",
-                  flush=True)
-        ok &= check(fns[variants[1]], 5003, n, k, e, "identity", "skewed", True)
+            same = [torch.equal(outs[0], o) and not bool(torch.isnan(o).any()) for o in outs[1:]]
+            ok &= all(same)
+            print(f"[{tag}] {name} FC2 N={n} K={k} M={m_} {routing}: {list(variants[1:])} bit-identical to "
+                  f"{variants[0]}: {same}", flush=True)
+        for v in variants[1:]:
+            ok &= check(fns[v], 5003, n, k, e, "identity", "skewed", True)
         for _ in range(2):
             for m_ in (m, m // 8):
                 for v in variants:
@@ -478,6 +487,8 @@ def main():
                    help="clusters of 2 (weight multicast) vs single CTAs on --model's FC1 and FC2 shapes")
     p.add_argument("--pingpong", action="store_true",
                    help="pingpong 128 x 192 vs cooperative 128 x 256 on --model's FC2 shapes (drop v71)")
+    p.add_argument("--cluster-n", action="store_true",
+                   help="FC2 in clusters of 2 along N (A multicast) vs pingpong 128 x 192 alone (drop v72)")
     p.add_argument("--half-tiles", action="store_true",
                    help="tiles of <= 64 rows split along N vs whole tiles on --model's FC1 and FC2 shapes")
     p.add_argument("--tanh-sigmoid", action="store_true",
@@ -495,8 +506,9 @@ def main():
         raise SystemExit(0 if wide(args.model.split(",")) else 1)
     if args.cluster:
         raise SystemExit(0 if cluster(args.model.split(",")) else 1)
-    if args.pingpong:
-        raise SystemExit(0 if pingpong(args.model.split(",")) else 1)
+    if args.pingpong or args.cluster_n:
+        tag = "pingpong" if args.pingpong else "cluster_n"
+        raise SystemExit(0 if fc2_variants(args.model.split(","), FC2_VARIANTS[tag], tag) else 1)
     if args.half_tiles:
         raise SystemExit(0 if half_tiles(args.model.split(",")) else 1)
     if args.tanh_sigmoid:

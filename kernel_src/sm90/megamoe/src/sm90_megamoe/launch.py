@@ -126,7 +126,8 @@ class CompiledGroupedGemm:
                  swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
                  schedule: str = "cooperative", compiled=None, tvm_ffi: bool = False,
                  early_weights: bool = False, gather_a: bool = False, cluster_m: int = 1,
-                 gather_tma: bool = False, half_tiles: bool = False, tanh_sigmoid: bool = False):
+                 gather_tma: bool = False, half_tiles: bool = False, tanh_sigmoid: bool = False,
+                 cluster_n: int = 1):
         """``compiled``: this variant's kernel compiled earlier (e.g. loaded from an exported
         object file, ``cute.runtime.load_module``); None compiles it here (sm_90a).
         ``tvm_ffi``: compile for (and launch through) TVM-FFI: :meth:`launch_tensors`.
@@ -142,7 +143,9 @@ class CompiledGroupedGemm:
         when constructed with a GPU).
         ``half_tiles`` (cooperative, no clusters, no gathering, tile_n % 128 == 0; drop v46): tiles of
         <= 64 rows split along N (:class:`GroupedGemmSm90`).
-        ``tanh_sigmoid`` (swiglu, every schedule; drop v52): the sigmoid from one ``tanh.approx``."""
+        ``tanh_sigmoid`` (swiglu, every schedule; drop v52): the sigmoid from one ``tanh.approx``.
+        ``cluster_n`` = 2 (non-gated, cooperative / pingpong; drop v72): clusters of 2 CTAs computing
+        an n-tile pair and multicasting A's halves; the grid is clamped as for ``cluster_m``."""
         from .compile_check import fake_args
 
         if bias_dtype not in _TORCH_BIAS:
@@ -162,6 +165,8 @@ class CompiledGroupedGemm:
                 raise ValueError("early_weights is a swap-AB option (schedule='swapab')")
             if cluster_m > 1 and gather_a:
                 raise ValueError("cluster_m = 2 does not combine with gather_a")
+            if cluster_n > 1 and gather_a:
+                raise ValueError("cluster_n = 2 does not combine with gather_a")
             if gather_tma and not gather_a:
                 raise ValueError("gather_tma is a way of gathering: it needs gather_a=True")
             cls = GroupedGemmSm90
@@ -176,12 +181,15 @@ class CompiledGroupedGemm:
                                           schedule=schedule,
                                           **({"cluster_m": cluster_m} if cluster_m > 1 else {}),
                                           **({"half_tiles": True} if half_tiles else {}),
-                                          **({"tanh_sigmoid": True} if tanh_sigmoid else {}))
-        if (gather_a or cluster_m > 1) and schedule == "swapab":
-            raise ValueError("gather_a and cluster_m are 128-row kernel options (not schedule='swapab')")
+                                          **({"tanh_sigmoid": True} if tanh_sigmoid else {}),
+                                          **({"cluster_n": cluster_n} if cluster_n > 1 else {}))
+        if (gather_a or cluster_m > 1 or cluster_n > 1) and schedule == "swapab":
+            raise ValueError("gather_a, cluster_m and cluster_n are 128-row kernel options (not schedule='swapab')")
         self.cluster_m = int(cluster_m)
+        self.cluster_n = int(cluster_n)
+        self.cluster = self.cluster_m * self.cluster_n  # CTAs per cluster
         # the grid of a clustered launch, worked out here (not while a CUDA graph is captured)
-        self._max_ctas = cluster_ctas(self.cluster_m) if self.cluster_m > 1 and torch.cuda.is_available() else None
+        self._max_ctas = cluster_ctas(self.cluster) if self.cluster > 1 and torch.cuda.is_available() else None
         self.gather_a = bool(gather_a)
         self.gather_tma = bool(gather_tma)
         self.half_tiles = bool(half_tiles)
@@ -326,9 +334,9 @@ class CompiledGroupedGemm:
     def _grid(self, max_active_ctas: Optional[int], device=None) -> int:
         """CTAs to launch: ``max_active_ctas`` or one per SM, no more than the clusters that fit."""
         ctas = max_active_ctas if max_active_ctas is not None else _num_sms(device)
-        if self.cluster_m > 1:
+        if self.cluster > 1:
             if self._max_ctas is None:
-                self._max_ctas = cluster_ctas(self.cluster_m, device)
+                self._max_ctas = cluster_ctas(self.cluster, device)
             ctas = min(ctas, self._max_ctas)
         return ctas
 
@@ -339,21 +347,21 @@ def get_grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_ro
                      raster_m: Optional[int] = None, swiglu_alpha: float = 1.702,
                      swiglu_limit: float = 7.0, schedule: str = "cooperative",
                      tvm_ffi: bool = False, cluster_m: int = 1, half_tiles: bool = False,
-                     tanh_sigmoid: bool = False) -> CompiledGroupedGemm:
+                     tanh_sigmoid: bool = False, cluster_n: int = 1) -> CompiledGroupedGemm:
     """Cached compile. Key: everything static; routing and M_total are runtime."""
     if raster_m is None:
         raster_m = pick_raster_m(k)
     key = (ABI_VERSION, DROP_VERSION, cutlass.__version__ if hasattr(cutlass, "__version__") else "",
            activation, n, k, num_experts, bool(scale_rows), tile_n, num_stages, epilogue, bias_dtype,
            raster_m, float(swiglu_alpha), float(swiglu_limit), schedule, bool(tvm_ffi), "sm_90a", int(cluster_m),
-           bool(half_tiles), bool(tanh_sigmoid))
+           bool(half_tiles), bool(tanh_sigmoid), int(cluster_n))
     fn = _CACHE.get(key)
     if fn is None:
         fn = CompiledGroupedGemm(activation, n, k, num_experts, scale_rows, tile_n, num_stages,
                                  epilogue, bias_dtype=bias_dtype, raster_m=raster_m,
                                  swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
                                  schedule=schedule, tvm_ffi=tvm_ffi, cluster_m=cluster_m, half_tiles=half_tiles,
-                                 tanh_sigmoid=tanh_sigmoid)
+                                 tanh_sigmoid=tanh_sigmoid, cluster_n=cluster_n)
         _CACHE[key] = fn
     return fn
 
