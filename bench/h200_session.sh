@@ -77,6 +77,9 @@
 #                VAR=value; an empty one is the defaults, so end SUSTAB with '|' to time them too: "A=1|"),
 #                SUSTAIN_ROUNDS (1) rounds within each run; cuBLAS's
 #                kernels run beside ours in every run (a same-call baseline) -> $OUT/sustab_s<i>.log.
+# clustern:      drop v72's FC2 in clusters along N (not yet run on a GPU): tests/test_bf16_cluster_n.py (TEST_BUDGET,
+#                240 s), then -- if they pass -- the drop runner's --cluster-n (CLUSTERN_MODELS, qwen3,gpt_oss) and the
+#                layer with MOE_EP_BF16_CLUSTER_N 0 / 1 (MODELS, ENVAB_ROUNDS rounds) -> $OUT/clustern_*.
 # envab:         the layer (MODELS, QUANT) under each setting of ENVAB ('|'-separated, each a list of
 #                VAR=value; end it with '|' for the defaults), interleaved, ENVAB_ROUNDS (2) rounds -> $OUT/envab_s<i>_r<r>.{log,csv}.
 # dropab:        DROPAB_GROUPS' GPU tests, then the BF16 and FP8 layers with the checkout's drop files and with
@@ -111,7 +114,7 @@
 #   different processes compare; untried on the H200 as of the twenty-fourth session).
 set -uo pipefail
 mode=${1:-all}
-modes="all|moe|fi|liger|sonic|extra|verify|verify2|ncu|layers|fp8ab|envab|power|sustained|sustab|defer|dropab|commitab|ceiling|decide|decode|suite|suite1|suite2|suite3"
+modes="all|moe|fi|liger|sonic|extra|verify|verify2|ncu|layers|fp8ab|envab|clustern|power|sustained|sustab|defer|dropab|commitab|ceiling|decide|decode|suite|suite1|suite2|suite3"
 case "|$modes|" in *"|$mode|"*) ;; *) echo "usage: bash bench/h200_session.sh [$modes]" >&2; exit 2 ;; esac
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -350,6 +353,22 @@ if [ "$mode" = envab ]; then
     step "layer, setting $i (${settings[$i]:-defaults}), round $r" "$OUT/envab_s${i}_r$r.log" -- env ${settings[$i]} \
         python3 -m moe_ep.bench "${common[@]}" --no-reference --no-decode --csv "$OUT/envab_s${i}_r$r.csv"
   done; done
+fi
+if [ "$mode" = clustern ]; then
+  # drop v72 (written in the thirty-first session, not yet run on a GPU): FC2 in clusters of 2 along N
+  # sharing the token tile by multicast TMA (MOE_EP_BF16_CLUSTER_N=1). 1. its GPU tests, under a timeout
+  # (a wrong barrier count would hang); 2. if they all pass, the drop runner's --cluster-n (bits and time
+  # on CLUSTERN_MODELS); 3. the layer (MODELS) with the switch off / on, interleaved, ENVAB_ROUNDS rounds.
+  STEP_TIMEOUT=${TEST_BUDGET:-240} step "cluster_n GPU tests" "$OUT/clustern_tests.log" -- \
+      python3 -m pytest -m gpu -q -W ignore -p no:cacheprovider -rfE --tb=short tests/test_bf16_cluster_n.py
+  if grep -q " passed" "$OUT/clustern_tests.log" && ! grep -qE "[0-9]+ (failed|error)" "$OUT/clustern_tests.log"; then
+    STEP_TIMEOUT=240 step "grouped_gemm_runner --cluster-n" "$OUT/clustern_runner.log" -- bash -c \
+        "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.grouped_gemm_runner --cluster-n --model ${CLUSTERN_MODELS:-qwen3,gpt_oss}"
+    for r in $(seq 1 "${ENVAB_ROUNDS:-2}"); do for on in 0 1; do
+      step "layer, MOE_EP_BF16_CLUSTER_N=$on, round $r" "$OUT/clustern_layer_${on}_r$r.log" -- env MOE_EP_BF16_CLUSTER_N=$on \
+          python3 -m moe_ep.bench "${common[@]}" --no-reference --no-decode --csv "$OUT/clustern_layer_${on}_r$r.csv"
+    done; done
+  fi
 fi
 if [ "$mode" = dropab ]; then
   # a drop edit against the drop as it was: DROPAB_GROUPS (pytest groups, ';'-separated words, '|' between
