@@ -180,6 +180,11 @@ class GroupedGemmSm90:
     cluster_m = 1
     #: CTAs per cluster along N (drop v72: 2 = one n-tile pair per cluster, A multicast; set in __init__)
     cluster_n = 1
+
+    @property
+    def ctas_per_cluster(self) -> int:
+        """CTAs per cluster: ``cluster_m * cluster_n`` (at most one of them is 2)."""
+        return self.cluster_m * self.cluster_n
     #: drop v46: tiles of <= 64 rows split along N (set in __init__; subclasses with their own
     #: __init__, e.g. the FP8 GEMM, reuse the epilogue without it)
     half_tiles = False
@@ -358,9 +363,9 @@ class GroupedGemmSm90:
     def _launch(self, kernel, max_active_ctas, stream) -> None:
         """One persistent CTA per ``max_active_ctas``, launched with PDL like every kernel of the drop."""
         kernel.launch(
-            grid=[max_active_ctas // (self.cluster_m * self.cluster_n) * (self.cluster_m * self.cluster_n), 1, 1],
+            grid=[max_active_ctas // self.ctas_per_cluster * self.ctas_per_cluster, 1, 1],
             block=[self.threads_per_cta, 1, 1],
-            cluster=[self.cluster_m * self.cluster_n, 1, 1],
+            cluster=[self.ctas_per_cluster, 1, 1],
             min_blocks_per_mp=1,
             stream=stream,
             use_pdl=PDL,
@@ -610,7 +615,7 @@ class GroupedGemmSm90:
             producer_group=producers,
             # cluster: a stage is free once the consumer warps of both CTAs (B or A multicast into both) are done
             consumer_group=pipeline.CooperativeGroup(
-                pipeline.Agent.Thread, self.stage_consumer_warps * self.cluster_m * self.cluster_n
+                pipeline.Agent.Thread, self.stage_consumer_warps * self.ctas_per_cluster
             ),
             tx_count=tma_bytes,
             cta_layout_vmnk=cute.make_layout((1, self.cluster_m, self.cluster_n, 1)),
@@ -620,9 +625,9 @@ class GroupedGemmSm90:
         # CTA r of a cluster computes m-tile 2 p + r of the pair (past the expert's rows: no stores),
         # or n-tile 2 u + r (cluster_n; past N: no stores)
         unit0, unit_step, cta_rank = bidx, gdim, 0
-        if cutlass.const_expr(self.cluster_m * self.cluster_n > 1):
+        if cutlass.const_expr(self.ctas_per_cluster > 1):
             cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
-            unit0, unit_step = bidx // (self.cluster_m * self.cluster_n), gdim // (self.cluster_m * self.cluster_n)
+            unit0, unit_step = bidx // self.ctas_per_cluster, gdim // self.ctas_per_cluster
 
         sA = storage.sA.get_tensor(a_smem_layout.outer, swizzle=a_smem_layout.inner)
         sB = storage.sB.get_tensor(b_smem_layout.outer, swizzle=b_smem_layout.inner)
