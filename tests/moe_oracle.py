@@ -7,6 +7,15 @@ import math
 import torch
 
 
+def require_sm90() -> None:
+    """Skip the calling test unless an SM90 GPU is present; fp32 matmuls in full precision (no TF32)."""
+    import pytest
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+
 def make_problem(E, H, I, K, T, *, gated=True, skew=False, seed=0, dtype=torch.bfloat16):
     """Global problem: x [T,H], ids [T,K] int64 (distinct per row), w [T,K] f32, w13 [E,rows,H], w2 [E,H,I].
 

@@ -17,12 +17,7 @@ from moe_ep.shim import drop_src, register_drop  # noqa: E402
 register_drop(drop_src("sm90", "megamoe"))
 
 from sm90_megamoe.grouped_gemm import GroupedGemmSm90  # noqa: E402
-
-
-def _sm90():
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("needs an SM90 GPU")
-    torch.backends.cuda.matmul.allow_tf32 = False
+from moe_oracle import require_sm90  # noqa: E402
 
 
 # ---------------------------------------------------------------------------- compile (CPU)
@@ -116,7 +111,7 @@ def test_gpu_cluster_is_bit_identical(act, n, k, kw, m_total, routing):
     """Clusters of 2 give the single-CTA kernel's bits (each tile's WGMMAs are the same; only
     where B's bytes come from differs), every row written (NaN-poisoned output), and agree with a
     float64 computation."""
-    _sm90()
+    require_sm90()
     from sm90_megamoe.launch import CompiledGroupedGemm
     from sm90_megamoe.reference import grouped_gemm_reference
 
@@ -149,7 +144,7 @@ def test_gpu_layer_with_clusters_is_bit_identical(monkeypatch, T, pingpong_max_k
     """MOE_EP_BF16_CLUSTER=1 gives the layer's default bits, eager and replayed from a poisoned CUDA
     graph: FC1 and FC2 in clusters of 2 with FC2 kept cooperative (MOE_EP_PINGPONG_MAX_K=0), and
     with the shim's default, where Qwen3's FC2 (K 768) runs pingpong, which has no clusters."""
-    _sm90()
+    require_sm90()
     if pingpong_max_k is None:
         monkeypatch.delenv("MOE_EP_PINGPONG_MAX_K", raising=False)
     else:

@@ -18,12 +18,7 @@ from moe_ep.shim import drop_src, register_drop  # noqa: E402
 register_drop(drop_src("sm90", "megamoe"))
 
 from sm90_megamoe.grouped_gemm import GroupedGemmSm90  # noqa: E402
-
-
-def _sm90():
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("needs an SM90 GPU")
-    torch.backends.cuda.matmul.allow_tf32 = False
+from moe_oracle import require_sm90  # noqa: E402
 
 
 # ---------------------------------------------------------------------------- compile (CPU)
@@ -97,7 +92,7 @@ def test_gpu_cluster_n_is_bit_identical(n, k, kw, m_total, routing):
     """Clusters along N give the single-CTA kernel's bits (the same WGMMAs per tile; only where A's
     bytes come from differs), every element written (NaN-poisoned output; the odd count's last
     pair writes nothing past N), and agree with a float64 computation."""
-    _sm90()
+    require_sm90()
     from sm90_megamoe.grouped_gemm_runner import make_offsets
     from sm90_megamoe.launch import CompiledGroupedGemm
     from sm90_megamoe.reference import grouped_gemm_reference
@@ -134,7 +129,7 @@ def test_gpu_cluster_n_is_bit_identical(n, k, kw, m_total, routing):
 def test_gpu_layer_with_cluster_n_is_bit_identical(monkeypatch, T):
     """MOE_EP_BF16_CLUSTER_N=1 (Qwen3's FC2 on pingpong 128 x 192 in clusters along N) gives the
     layer's default bits, eager and replayed from a poisoned CUDA graph; FC1 stays single-CTA."""
-    _sm90()
+    require_sm90()
     monkeypatch.delenv("MOE_EP_PINGPONG_MAX_K", raising=False)
     from moe_oracle import layer_outputs_with_switch, make_problem
 

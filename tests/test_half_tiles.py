@@ -18,12 +18,7 @@ from moe_ep.shim import drop_src, register_drop  # noqa: E402
 register_drop(drop_src("sm90", "megamoe"))
 
 from sm90_megamoe.grouped_gemm import GroupedGemmSm90  # noqa: E402
-
-
-def _sm90():
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("needs an SM90 GPU")
-    torch.backends.cuda.matmul.allow_tf32 = False
+from moe_oracle import require_sm90  # noqa: E402
 
 
 # ---------------------------------------------------------------------------- compile (CPU)
@@ -110,7 +105,7 @@ def _offsets(counts):
 def test_gpu_half_tiles_are_bit_identical(act, n, k, kw, routing):
     """Half tiles give the whole-tile kernel's bits (same k order per element), write every row
     (NaN-poisoned outputs) and agree with a float64 computation."""
-    _sm90()
+    require_sm90()
     from sm90_megamoe.grouped_gemm_runner import make_offsets
     from sm90_megamoe.launch import get_grouped_gemm  # cached per variant across the routings
     from sm90_megamoe.reference import grouped_gemm_reference
@@ -153,7 +148,7 @@ def test_gpu_half_tiles_are_bit_identical(act, n, k, kw, routing):
 def test_gpu_layer_with_half_tiles_is_bit_identical(monkeypatch, T):
     """MOE_EP_HALF_TILES=1 (opt-in) gives the default's bits (=0), eager and replayed from a poisoned
     CUDA graph."""
-    _sm90()
+    require_sm90()
     from moe_oracle import layer_outputs_with_switch
 
     from moe_ep.api import MoEConfig
