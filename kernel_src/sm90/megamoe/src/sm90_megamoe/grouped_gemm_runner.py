@@ -92,6 +92,22 @@ def check(fn: CompiledGroupedGemm, m_total, n, k, experts, activation, routing, 
     return ok
 
 
+def same_bits(fns, m_total, n, k, experts, activation, routing, scale_rows, seed, bias_dtype=None) -> list[bool]:
+    """Run every kernel of ``fns`` (the first the baseline) on one set of fresh inputs, each into its
+    own NaN-poisoned output; per later kernel: bit-identical to the first and NaN-free. Shared by
+    the variant comparisons (--wide, --cluster, --pingpong / --cluster-n, --half-tiles)."""
+    a, b, offs, rs, bias = make_inputs(m_total, n, k, experts, activation, routing, scale_rows, seed=seed,
+                                       bias_dtype=bias_dtype)
+    n_out = n // 2 if activation in GATED_ACTIVATIONS else n
+    outs = []
+    for fn in fns:
+        out = torch.full((m_total, n_out), float("nan"), dtype=torch.bfloat16, device="cuda")
+        fn(a, b, offs, out=out, row_scale=rs, bias=bias)
+        outs.append(out)
+    torch.cuda.synchronize()
+    return [torch.equal(outs[0], o) and not bool(torch.isnan(o).any()) for o in outs[1:]]
+
+
 def bench(fn: CompiledGroupedGemm, m_total, n, k, experts, activation, routing, scale_rows,
           iters=20, rotate=3):
     sets = [make_inputs(m_total, n, k, experts, activation, routing, scale_rows, seed=s,
@@ -252,14 +268,7 @@ def wide(models, iters=20) -> bool:
         fns = {s: get_grouped_gemm(act, n, k, e, bias_dtype=bias, schedule=s) for s in ("cooperative", "wide")}
         print(f"[wide] {name}: compiled both in {time.time() - t:.1f}s (raster_m {fns['wide'].raster_m})", flush=True)
         for m_, routing, seed in ((m, "uniform", 1), (4133, "skewed", 2), (1, "skewed", 3)):
-            a, b, offs, rs, bs = make_inputs(m_, n, k, e, act, routing, False, seed=seed, bias_dtype=bias)
-            outs = []
-            for s in ("cooperative", "wide"):
-                out = torch.full((m_, n // 2), float("nan"), dtype=torch.bfloat16, device="cuda")
-                fns[s](a, b, offs, out=out, bias=bs)
-                outs.append(out)
-            torch.cuda.synchronize()
-            same = torch.equal(outs[0], outs[1]) and not bool(torch.isnan(outs[1]).any())
+            [same] = same_bits((fns["cooperative"], fns["wide"]), m_, n, k, e, act, routing, False, seed, bias)
             ok &= same
             print(f"[wide] {name} M={m_} {routing}: bit-identical to cooperative={same}", flush=True)
         ok &= check(fns["wide"], 5003, n, k, e, act, "skewed", False)  # and against the fp32 reference
@@ -282,16 +291,8 @@ def cluster(models, iters=20) -> bool:
             fns = {c: get_grouped_gemm(a_, n, k, e, scale_rows=sr, bias_dtype=bd, cluster_m=c) for c in (1, 2)}
             print(f"[cluster] {name} {a_} N={n} K={k}: compiled both in {time.time() - t:.1f}s (raster_m "
                   f"{fns[2].raster_m}, {fns[2]._grid(None)} CTAs in clusters of 2)", flush=True)
-            n_out = n // 2 if a_ in GATED_ACTIVATIONS else n
             for m_, routing, seed in ((m, "uniform", 1), (4133, "skewed", 2), (300, "skewed", 4), (1, "skewed", 3)):
-                a, b, offs, rs, bs = make_inputs(m_, n, k, e, a_, routing, sr, seed=seed, bias_dtype=bd)
-                outs = []
-                for c in (1, 2):
-                    out = torch.full((m_, n_out), float("nan"), dtype=torch.bfloat16, device="cuda")
-                    fns[c](a, b, offs, out=out, row_scale=rs, bias=bs)
-                    outs.append(out)
-                torch.cuda.synchronize()
-                same = torch.equal(outs[0], outs[1]) and not bool(torch.isnan(outs[1]).any())
+                [same] = same_bits((fns[1], fns[2]), m_, n, k, e, a_, routing, sr, seed, bd)
                 ok &= same
                 print(f"[cluster] {name} {a_} M={m_} {routing}: bit-identical to single CTAs={same}", flush=True)
             ok &= check(fns[2], 5003, n, k, e, a_, "skewed", sr)
@@ -320,14 +321,7 @@ def fc2_variants(models, variants, tag, iters=20) -> bool:
         fns = {v: get_grouped_gemm("identity", n, k, e, scale_rows=True, bias_dtype=bias, schedule=v[0],
                                    tile_n=v[1], cluster_n=v[2]) for v in variants}
         for m_, routing, seed in ((m, "topk8", 1), (m // 8, "topk8", 2), (4133, "skewed", 3), (1, "skewed", 4)):
-            a, b, offs, rs, bs = make_inputs(m_, n, k, e, "identity", routing, True, seed=seed, bias_dtype=bias)
-            outs = []
-            for v in variants:
-                out = torch.full((m_, n), float("nan"), dtype=torch.bfloat16, device="cuda")
-                fns[v](a, b, offs, out=out, row_scale=rs, bias=bs)
-                outs.append(out)
-            torch.cuda.synchronize()
-            same = [torch.equal(outs[0], o) and not bool(torch.isnan(o).any()) for o in outs[1:]]
+            same = same_bits([fns[v] for v in variants], m_, n, k, e, "identity", routing, True, seed, bias)
             ok &= all(same)
             print(f"[{tag}] {name} FC2 N={n} K={k} M={m_} {routing}: {list(variants[1:])} bit-identical to "
                   f"{variants[0]}: {same}", flush=True)
@@ -352,17 +346,9 @@ def half_tiles(models, iters=20) -> bool:
             t = time.time()
             fns = {h: get_grouped_gemm(a_, n, k, e, scale_rows=sr, bias_dtype=bd, half_tiles=h) for h in (False, True)}
             print(f"[half] {name} {a_} N={n} K={k}: compiled both in {time.time() - t:.1f}s", flush=True)
-            n_out = n // 2 if a_ in GATED_ACTIVATIONS else n
             for m_, routing, seed in ((m, "topk8", 1), (4133, "skewed", 2), (300, "skewed", 4), (1, "skewed", 3),
                                       (64 * e, "uniform", 5)):
-                a, b, offs, rs, bs = make_inputs(m_, n, k, e, a_, routing, sr, seed=seed, bias_dtype=bd)
-                outs = []
-                for h in (False, True):
-                    out = torch.full((m_, n_out), float("nan"), dtype=torch.bfloat16, device="cuda")
-                    fns[h](a, b, offs, out=out, row_scale=rs, bias=bs)
-                    outs.append(out)
-                torch.cuda.synchronize()
-                same = torch.equal(outs[0], outs[1]) and not bool(torch.isnan(outs[1]).any())
+                [same] = same_bits((fns[False], fns[True]), m_, n, k, e, a_, routing, sr, seed, bd)
                 ok &= same
                 print(f"[half] {name} {a_} M={m_} {routing}: bit-identical to whole tiles={same}", flush=True)
             ok &= check(fns[True], 5003, n, k, e, a_, "skewed", sr)
