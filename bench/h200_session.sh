@@ -77,9 +77,11 @@
 #                VAR=value; an empty one is the defaults, so end SUSTAB with '|' to time them too: "A=1|"),
 #                SUSTAIN_ROUNDS (1) rounds within each run; cuBLAS's
 #                kernels run beside ours in every run (a same-call baseline) -> $OUT/sustab_s<i>.log.
-# clustern:      drop v72's FC2 in clusters along N (not yet run on a GPU): tests/test_bf16_cluster_n.py (TEST_BUDGET,
-#                240 s), then -- if they pass -- the drop runner's --cluster-n (CLUSTERN_MODELS, qwen3,gpt_oss) and the
-#                layer with MOE_EP_BF16_CLUSTER_N 0 / 1 (MODELS, ENVAB_ROUNDS rounds) -> $OUT/clustern_*.
+# newab:         code not yet run on a GPU: NEWAB_TESTS' GPU tests (space-separated files, TEST_BUDGET, 240 s: a
+#                wrong barrier count would hang), then -- if they pass -- the drop runner with NEWAB_RUNNER's
+#                arguments (e.g. "--gather-l2 --model qwen3") and the layer under each ENVAB setting (MODELS,
+#                interleaved, ENVAB_ROUNDS rounds; as envab) -> $OUT/newab_tests.log, newab_runner.log, envab_s<i>_r<r>.*.
+#                (The thirty-second session ran drop v72's clusters along N this way, as mode "clustern".)
 # envab:         the layer (MODELS, QUANT) under each setting of ENVAB ('|'-separated, each a list of
 #                VAR=value; end it with '|' for the defaults), interleaved, ENVAB_ROUNDS (2) rounds -> $OUT/envab_s<i>_r<r>.{log,csv}.
 # dropab:        DROPAB_GROUPS' GPU tests, then the BF16 and FP8 layers with the checkout's drop files and with
@@ -114,7 +116,7 @@
 #   different processes compare; untried on the H200 as of the twenty-fourth session).
 set -uo pipefail
 mode=${1:-all}
-modes="all|moe|fi|liger|sonic|extra|verify|verify2|ncu|layers|fp8ab|envab|clustern|power|sustained|sustab|defer|dropab|commitab|ceiling|decide|decode|suite|suite1|suite2|suite3"
+modes="all|moe|fi|liger|sonic|extra|verify|verify2|ncu|layers|fp8ab|envab|newab|power|sustained|sustab|defer|dropab|commitab|ceiling|decide|decode|suite|suite1|suite2|suite3"
 case "|$modes|" in *"|$mode|"*) ;; *) echo "usage: bash bench/h200_session.sh [$modes]" >&2; exit 2 ;; esac
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -208,7 +210,7 @@ suite_groups=(
   "tests/test_ep_gpu.py;tests/test_disk_cache.py;tests/test_transformers_integration.py;tests/test_blackwell_backends.py"
   "tests/test_sm90_fp8_quant.py;tests/test_fp8_quant_div.py;tests/test_fp8_quant_items.py;tests/test_fp8_scatter_quant.py;tests/test_fp8_cluster.py"
   "tests/test_fp8_plain_schedule.py;tests/test_fp8_smem_scales.py;tests/test_fp8_unit_scales.py;tests/test_fp8_deferred_epilogue.py;tests/test_bf16_cluster.py"
-  "tests/test_sm90_fp8_compile.py" "tests/test_sm90_swapab_compile.py;tests/test_gather_tma.py;tests/test_half_tiles.py;tests/test_fp8_tanh_sigmoid.py;tests/test_bf16_tanh_sigmoid.py;tests/test_bf16_cluster_n.py"
+  "tests/test_sm90_fp8_compile.py" "tests/test_sm90_swapab_compile.py;tests/test_gather_tma.py;tests/test_half_tiles.py;tests/test_fp8_tanh_sigmoid.py;tests/test_bf16_tanh_sigmoid.py;tests/test_bf16_cluster_n.py;tests/test_gather_l2.py"
 )
 # SUITE_PICK="i j ...": only those of the groups above (0-based), e.g. the ones a cut call left unrun
 if [ -n "${SUITE_PICK:-}" ]; then
@@ -344,30 +346,28 @@ if [ "$mode" = power ]; then
     python3 -m moe_ep.bench.power "$OUT/power_$tag.csv" "$OUT/phases_$tag.txt" | tee "$OUT/power_${tag}_summary.log"
   done
 fi
-if [ "$mode" = envab ]; then
-  # settings compared on the layer (QUANT, MODELS), interleaved, ENVAB_ROUNDS (2) rounds: ENVAB is a
-  # '|'-separated list of settings, each a space-separated list of VAR=value (empty: the defaults)
+layer_settings() {  # layer_settings: the layer (QUANT, MODELS) under each ENVAB setting ('|'-separated, each a
+  # space-separated list of VAR=value, empty: the defaults), interleaved, ENVAB_ROUNDS (2) rounds
   IFS='|' read -r -a settings <<< "${ENVAB:-}|"  # the extra "|" keeps a trailing empty setting (read drops one)
   for r in $(seq 1 "${ENVAB_ROUNDS:-2}"); do for i in "${!settings[@]}"; do
     # shellcheck disable=SC2086
     step "layer, setting $i (${settings[$i]:-defaults}), round $r" "$OUT/envab_s${i}_r$r.log" -- env ${settings[$i]} \
         python3 -m moe_ep.bench "${common[@]}" --no-reference --no-decode --csv "$OUT/envab_s${i}_r$r.csv"
   done; done
+}
+if [ "$mode" = envab ]; then
+  layer_settings
 fi
-if [ "$mode" = clustern ]; then
-  # drop v72 (written in the thirty-first session, not yet run on a GPU): FC2 in clusters of 2 along N
-  # sharing the token tile by multicast TMA (MOE_EP_BF16_CLUSTER_N=1). 1. its GPU tests, under a timeout
-  # (a wrong barrier count would hang); 2. if they all pass, the drop runner's --cluster-n (bits and time
-  # on CLUSTERN_MODELS); 3. the layer (MODELS) with the switch off / on, interleaved, ENVAB_ROUNDS rounds.
-  STEP_TIMEOUT=${TEST_BUDGET:-240} step "cluster_n GPU tests" "$OUT/clustern_tests.log" -- \
-      python3 -m pytest -m gpu -q -W ignore -p no:cacheprovider -rfE --tb=short tests/test_bf16_cluster_n.py
-  if grep -q " passed" "$OUT/clustern_tests.log" && ! grep -qE "[0-9]+ (failed|error)" "$OUT/clustern_tests.log"; then
-    STEP_TIMEOUT=240 step "grouped_gemm_runner --cluster-n" "$OUT/clustern_runner.log" -- bash -c \
-        "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.grouped_gemm_runner --cluster-n --model ${CLUSTERN_MODELS:-qwen3,gpt_oss}"
-    for r in $(seq 1 "${ENVAB_ROUNDS:-2}"); do for on in 0 1; do
-      step "layer, MOE_EP_BF16_CLUSTER_N=$on, round $r" "$OUT/clustern_layer_${on}_r$r.log" -- env MOE_EP_BF16_CLUSTER_N=$on \
-          python3 -m moe_ep.bench "${common[@]}" --no-reference --no-decode --csv "$OUT/clustern_layer_${on}_r$r.csv"
-    done; done
+if [ "$mode" = newab ]; then
+  # shellcheck disable=SC2086
+  STEP_TIMEOUT=${TEST_BUDGET:-240} step "GPU tests of ${NEWAB_TESTS:?set NEWAB_TESTS}" "$OUT/newab_tests.log" -- \
+      python3 -m pytest -m gpu -q -W ignore -p no:cacheprovider -rfE --tb=short $NEWAB_TESTS
+  if grep -q " passed" "$OUT/newab_tests.log" && ! grep -qE "[0-9]+ (failed|error)" "$OUT/newab_tests.log"; then
+    if [ -n "${NEWAB_RUNNER:-}" ]; then
+      STEP_TIMEOUT=240 step "grouped_gemm_runner $NEWAB_RUNNER" "$OUT/newab_runner.log" -- bash -c \
+          "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.grouped_gemm_runner $NEWAB_RUNNER"
+    fi
+    layer_settings
   fi
 fi
 if [ "$mode" = dropab ]; then
@@ -523,7 +523,7 @@ if [ "$mode" = suite2 ]; then
       tests/test_sm90_fp8_compile.py tests/test_sm90_swapab_compile.py tests/test_blackwell_backends.py \
       tests/test_sm90_fp8_gather.py tests/test_gather_fc1.py tests/test_fp8_quant_div.py tests/test_fp8_quant_items.py tests/test_fp8_scatter_quant.py tests/test_fp8_cluster.py \
       tests/test_bf16_cluster.py tests/test_fp8_plain_schedule.py tests/test_fp8_smem_scales.py tests/test_fp8_unit_scales.py tests/test_fp8_deferred_epilogue.py tests/test_fp8_tanh_sigmoid.py tests/test_bf16_tanh_sigmoid.py tests/test_fp8_fused_quant.py \
-      tests/test_gather_tma.py tests/test_half_tiles.py tests/test_bf16_cluster_n.py
+      tests/test_gather_tma.py tests/test_half_tiles.py tests/test_bf16_cluster_n.py tests/test_gather_l2.py
 fi
 if [ "$mode" = suite3 ]; then
   step "GPU suite 3/3" "$OUT/suite3.log" -- "${suite_common[@]}" tests/test_ep_virtual_gpu.py

@@ -52,6 +52,7 @@ from .sm90_megamoe_switches import (  # noqa: F401  (re-exported: the shim reads
     use_bf16_cluster,
     use_bf16_cluster_n,
     use_bf16_tanh_sigmoid,
+    use_gather_l2,
     use_gather_tma,
     use_half_tiles,
     use_wide_gated,
@@ -60,7 +61,7 @@ from .sm90_megamoe_switches import (  # noqa: F401  (re-exported: the shim reads
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 74},
+    "sm90_megamoe": {"DROP_VERSION": 75},
     "sm90_megamoe.fp8_gemm": {"FP8_BLOCK": 128, "OVERLAP_MAX_K_TILES": 32, "OVERLAP_MAX_CHUNK": 16,
                                "MAX_SCALE_LOOKAHEAD": 4},
     "sm90_megamoe.unit_scales": {"UNIT_SCALE_KC": 8},
@@ -103,7 +104,7 @@ CONTRACT = DropContract(
                     ("activation", "n", "k", "num_experts", "scale_rows", "tile_n", "bias_dtype",
                      "raster_m", "swiglu_alpha", "swiglu_limit", "schedule", "compiled", "tvm_ffi",
                      "early_weights", "gather_a", "cluster_m", "gather_tma", "half_tiles", "tanh_sigmoid",
-                     "cluster_n")),
+                     "cluster_n", "gather_l2")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_converted",
                     ("args", "max_active_ctas", "stream")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_tensors",
@@ -381,6 +382,7 @@ class GemmKey:
     half_tiles: bool = False
     tanh_sigmoid: bool = False
     cluster_n: int = 1
+    gather_l2: int = 0
 
 
 class GroupedGemm:
@@ -493,7 +495,8 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
     swap-AB schedule with PDL launches (:func:`pdl_launches`), else the plain kernel is used.
     ``gather_a`` (drop v23; cooperative / wide, K % 64 == 0): A is the source rows and a call
     passes ``idx`` (grouped row r = ``a[idx[r]]``); with ``MOE_EP_GATHER_TMA=1`` its rows come by one
-    TMA copy each (:func:`use_gather_tma`)."""
+    TMA copy each (:func:`use_gather_tma`), with ``MOE_EP_GATHER_L2=1|2`` under L2 eviction
+    priorities (:func:`use_gather_l2`)."""
     check_gemm_shapes(activation, n, k, num_experts, tile_n)
     if schedule is None:
         schedule, picked_tile = pick_schedule(activation, k, rows_per_expert)
@@ -517,7 +520,8 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
                   "bf16", activation, n, k, num_experts, bool(scale_rows), tile, bias, raster, alpha, limit,
                   schedule, ffi, early, bool(gather_a), cluster, use_gather_tma(gather_a),
                   use_half_tiles(schedule, tile, gather_a, cluster), use_bf16_tanh_sigmoid(activation),
-                  use_bf16_cluster_n(schedule, activation in GEMM_GATED, gather_a))
+                  use_bf16_cluster_n(schedule, activation in GEMM_GATED, gather_a),
+                  use_gather_l2(gather_a, use_gather_tma(gather_a)))
 
     def build():
         launch = _load("sm90_megamoe.launch")
@@ -529,6 +533,8 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
             kw.update(gather_a=True)
         if key.gather_tma:
             kw.update(gather_tma=True)
+        if key.gather_l2:
+            kw.update(gather_l2=key.gather_l2)
         if key.cluster_m > 1:
             kw.update(cluster_m=key.cluster_m)
         if key.cluster_n > 1:
@@ -540,6 +546,7 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
         if activation == "clamped_swiglu":
             kw.update(swiglu_alpha=alpha, swiglu_limit=limit)
         name = (f"gemm_{activation}" + ("_gather" if gather_a else "") + ("_tma" if key.gather_tma else "")
+                + (f"_l2h{key.gather_l2}" if key.gather_l2 else "")
                 + ("_cluster2" if key.cluster_m > 1 else "") + ("_clustern2" if key.cluster_n > 1 else "")
                 + ("_half" if key.half_tiles else "")
                 + ("_tanh" if key.tanh_sigmoid else ""))

@@ -61,6 +61,18 @@ def use_gather_tma(gather_a: bool) -> bool:
     return bool(gather_a) and os.environ.get("MOE_EP_GATHER_TMA", "0") == "1"
 
 
+def use_gather_l2(gather_a: bool, gather_tma: bool) -> int:
+    """L2 eviction priorities of a gathering BF16 GEMM's cp.async rows (drop v75, ``gather_l2``):
+    ``MOE_EP_GATHER_L2`` = 1 keeps the gathered token rows in L2 (``evict_last``), 2 also lets the
+    weight tiles go first (``evict_first``); 0 or unset: none. Not with ``MOE_EP_GATHER_TMA``. Opt-in,
+    not yet run on a GPU (32nd session: in the layer the gathering FC1 lost to the row copy by the
+    copy's own time, plausibly because the token rows leave L2 between their uses)."""
+    raw = os.environ.get("MOE_EP_GATHER_L2", "")
+    if raw not in ("", "0", "1", "2"):
+        raise ValueError(f"MOE_EP_GATHER_L2 must be 0, 1 or 2, got {raw!r}")
+    return int(raw or 0) if gather_a and not gather_tma else 0
+
+
 def use_half_tiles(schedule: str, tile: int, gather_a: bool, cluster_m: int) -> bool:
     """Drop v46 ``half_tiles``: a cooperative tile of <= 64 rows (an expert's last) is split along N
     between the two warpgroups (tile % 128 == 0, no clusters, no gathering; same bits). Opt-in,

@@ -66,13 +66,19 @@ def compile_for_arch(
     half_tiles: bool = False,
     tanh_sigmoid: bool = False,
     cluster_n: int = 1,
+    gather_l2: int = 0,
 ):
     """Compile one variant for ``arch`` from fake tensors. ``bias_dtype``: None (no bias),
-    "float32" or "bfloat16"; ``gather_a``: the gathering kernel (:mod:`.grouped_gemm_gather`)."""
+    "float32" or "bfloat16"; ``gather_a``: the gathering kernel (:mod:`.grouped_gemm_gather`),
+    ``gather_l2`` its L2 policies (drop v75)."""
     cls = GroupedGemmSm90
+    extra = {}
     if gather_a:
         from .grouped_gemm_gather import GroupedGemmGatherSm90 as cls
-    kernel = cls(activation, tile_n=tile_n, scale_rows=scale_rows, epilogue=epilogue,
+        extra = {"l2_hints": gather_l2} if gather_l2 else {}
+    elif gather_l2:
+        raise ValueError("gather_l2 needs gather_a=True")
+    kernel = cls(activation, **extra, tile_n=tile_n, scale_rows=scale_rows, epilogue=epilogue,
                  has_bias=bias_dtype is not None, raster_m=raster_m,
                  swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, schedule=schedule,
                  **({"half_tiles": True} if half_tiles else {}),

@@ -21,6 +21,17 @@ stage's full barrier is then the plain kernel's (one ``arrive.expect_tx`` of A's
 warp 0); each producer warp issues its 32 rows one at a time (CuTeDSL's TMA copy elects one lane,
 so the row index is made warp-uniform by a shuffle). K needs no tail (K % tile_k == 0).
 
+``gather_l2`` (drop v75; BF16, cp.async rows; not yet run on a GPU): L2 eviction priorities for the
+layer's FC1, where the token rows (33 MB for 8192 Qwen3 tokens, each read by its K experts' tiles)
+fall out of the 50 MB L2 between their uses while the weights stream through it (32nd session: the
+gathering FC1 ran 106 us longer than the plain one in the layer, 43 us in the runner, whose one
+token tensor stays in L2). 1: each gathered row's ``cp.async`` carries an ``evict_last`` policy
+(``createpolicy.fractional``, fraction 1.0); 2: also ``evict_first`` on the weight tiles' TMA loads.
+CuTeDSL's cp.async atom takes no cache policy, so these copies are inline PTX aimed at the physical
+(swizzled) shared address: the A stage is 1024-byte aligned and its rows are 128-byte lines under
+the 128-byte swizzle, so byte address ``a`` lands at ``a ^ (((a >> 7) & 7) << 4)``, the address
+the atom's copy computes.
+
 The host class provides ``num_stages``, ``ab_dtype``, ``tile_m``, ``tile_n``, ``tile_k``,
 ``k_tiles``, ``threads_per_wg``, ``num_b``, ``n_out``, ``_locate`` and ``_n0``.
 """
@@ -30,7 +41,37 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+#: ``gather_l2`` levels: 0 none, 1 gathered rows evict_last, 2 and weight tiles evict_first
+GATHER_L2_LEVELS = (0, 1, 2)
+
+
+@dsl_user_op
+def _l2_policy(priority: str, *, loc=None, ip=None):
+    """A 64-bit L2 cache policy giving every line it touches ``priority`` ("evict_last" or
+    "evict_first")."""
+    return cutlass.Int64(llvm.inline_asm(T.i64(), [], f"createpolicy.fractional.L2::{priority}.b64 $0, 1.0;", "=l",
+                                         has_side_effects=True, is_align_stack=False,
+                                         asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@dsl_user_op
+def _cp_async_16_policy(dst_smem, src_gmem, policy, *, loc=None, ip=None):
+    """16 bytes global -> shared (``cp.async.cg``, L2 only) under the L2 cache ``policy``;
+    ``dst_smem`` is the physical shared::cta byte address."""
+    args = [cutlass.Int32(dst_smem).ir_value(loc=loc, ip=ip), cutlass.Int64(src_gmem).ir_value(loc=loc, ip=ip),
+            cutlass.Int64(policy).ir_value(loc=loc, ip=ip)]
+    llvm.inline_asm(None, args, "cp.async.cg.shared.global.L2::cache_hint [$0], [$1], 16, 16, $2;", "r,l,l",
+                    has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+def _swizzle_128b(addr):
+    """Physical shared address of byte ``addr`` of a 1024-byte aligned buffer of 128-byte rows
+    under the 128-byte swizzle (16-byte chunk c of row r lands in chunk c ^ (r % 8))."""
+    return addr ^ (((addr >> 7) & 7) << 4)
 
 
 def stage_producers(kernel, a_smem_one, b_smem_one):
@@ -62,6 +103,7 @@ class GatherAProducer:
     producer warpgroup's loops (module docstring)."""
 
     gather_tma = False
+    gather_l2 = 0
 
     # plain methods, traced inline into the producer loops (their loops are over compile-time values)
     def _b_views(self, tma_atom_b, mB_tma, tBsB, n_tile, expert):
@@ -77,13 +119,14 @@ class GatherAProducer:
             tBgBs.append(tBgB)
         return tBsB_p, tBgBs
 
-    def _arm_stage_copy_b(self, ab_pipeline, prod_state, tma_atom_b, tBsB_p, tBgBs, k_tile, bar):
+    def _arm_stage_copy_b(self, ab_pipeline, prod_state, tma_atom_b, tBsB_p, tBgBs, k_tile, bar, b_policy=None):
         """Warp 0: the stage's one elected arrive on its full barrier (with the bytes the pipeline
-        expects) and B's TMA copies of k-tile ``k_tile``."""
+        expects) and B's TMA copies of k-tile ``k_tile`` (under L2 policy ``b_policy`` if given)."""
         ab_pipeline.sync_object_full.arrive(prod_state.index, ab_pipeline.producer_mask)
+        hint = {} if b_policy is None else {"cache_policy": b_policy}
         for h in range(self.num_b):
             cute.copy(tma_atom_b, tBgBs[h][(None, k_tile)], tBsB_p[(None, prod_state.index * self.num_b + h)],
-                      tma_bar_ptr=bar)
+                      tma_bar_ptr=bar, **hint)
 
     @cute.jit
     def _produce_gathered_tma(self, ab_pipeline, mIdx, tma_atom_a, mA_tma, a_smem_layout, tma_atom_b, mB_tma,
@@ -141,6 +184,9 @@ class GatherAProducer:
         a_base = mA.iterator.toint()  # bytes
         elem_bytes = self.ab_dtype.width // 8
         col = tAcA[(0, 0, 0)][1]
+        # gather_l2 (drop v75): the rows' and (2) the weights' L2 policies, made once per thread
+        a_policy = _l2_policy("evict_last") if cutlass.const_expr(self.gather_l2 >= 1) else None
+        b_policy = _l2_policy("evict_first") if cutlass.const_expr(self.gather_l2 >= 2) else None
         expert = cutlass.Int32(0)
         tile_id = bidx
         while tile_id < total_tiles:
@@ -152,14 +198,19 @@ class GatherAProducer:
                 ab_pipeline.sync_object_empty.wait(prod_state.index, prod_state.phase)
                 bar = ab_pipeline.producer_get_barrier(prod_state)
                 if warp_idx == 0:  # B: one elected arrive with B's bytes, then its TMA copies
-                    self._arm_stage_copy_b(ab_pipeline, prod_state, tma_atom_b, tBsB_p, tBgBs, k_tile, bar)
+                    self._arm_stage_copy_b(ab_pipeline, prod_state, tma_atom_b, tBsB_p, tBgBs, k_tile, bar,
+                                           b_policy)
                 for i in cutlass.range_constexpr(passes):
                     dst = tAsA[(None, i, 0, prod_state.index)]
                     offset = cutlass.Int64(srcs[i]) * k_size + k_tile * self.tile_k + col  # in values
                     if cutlass.const_expr(elem_bytes != 1):
                         offset = offset * elem_bytes  # a_base is a byte address
-                    p_src = cute.make_ptr(self.ab_dtype, a_base + offset, cute.AddressSpace.gmem, assumed_align=16)
-                    cute.copy(atom, cute.make_tensor(p_src, cute.make_layout(dst.shape)), dst)
+                    if cutlass.const_expr(self.gather_l2 >= 1):
+                        _cp_async_16_policy(_swizzle_128b(dst.iterator.toint()), a_base + offset, a_policy)
+                    else:
+                        p_src = cute.make_ptr(self.ab_dtype, a_base + offset, cute.AddressSpace.gmem,
+                                              assumed_align=16)
+                        cute.copy(atom, cute.make_tensor(p_src, cute.make_layout(dst.shape)), dst)
                 cute.arch.cp_async_mbarrier_arrive_noinc(bar)
                 prod_state.advance()
             tile_id = tile_id + gdim

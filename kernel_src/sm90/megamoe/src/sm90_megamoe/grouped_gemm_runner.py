@@ -11,6 +11,8 @@
         # clusters of 2 along N (A multicast) vs pingpong 128 x 192 alone
     python -m sm90_megamoe.grouped_gemm_runner --gather-tma --model qwen3   # drop v41: FC1 gathering
         # rows by one TMA load per row vs by cp.async vs the plain FC1 on copied rows
+    python -m sm90_megamoe.grouped_gemm_runner --gather-l2 --model qwen3    # drop v75: the cp.async
+        # gathering FC1 under L2 eviction priorities vs the row copy + plain FC1, L2 warm and cold
 """
 
 from __future__ import annotations
@@ -452,6 +454,80 @@ def gather_tma(models, iters=20) -> bool:
     return ok
 
 
+def gather_l2(models, iters=20) -> bool:
+    """Drop v75 (not yet run on a GPU): the cp.async gathering FC1 with L2 eviction priorities
+    (``gather_l2`` 1: the token rows evict_last, 2: and the weights evict_first) against level 0
+    and the plain FC1 on the rows copied into expert order, on --model's FC1 shapes: the same bits
+    (NaN-poisoned outputs) on uniform, skewed, few and one rows, then each timed twice, interleaved,
+    with L2 warm (the same tokens call after call, as a loop over one FC1 leaves them) and cold (a
+    256 MB write before each call, as the rest of a layer's forward leaves L2 for the next FC1)."""
+    from .fp8_runner import time_fn  # CUDA-event median after warm-ups, as the FP8 runner times
+
+    def time_cold(run, reps, scratch):
+        for _ in range(3):
+            run()
+        ts = []
+        for _ in range(reps):
+            scratch.add_(1)  # evicts L2 (stream-ordered before the start event)
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            run()
+            e.record()
+            e.synchronize()
+            ts.append(s.elapsed_time(e))
+        return statistics.median(ts)
+
+    levels = (0, 1, 2)
+    ok = True
+    scratch = torch.zeros(64 * 1024 * 1024, dtype=torch.float32, device="cuda")
+    for name in models:
+        n, k, e, m, act, bias = WIDE_SHAPES[name]
+        t = time.time()
+        plain = CompiledGroupedGemm(act, n, k, e, False, bias_dtype=bias)
+        gath = {lvl: CompiledGroupedGemm(act, n, k, e, False, bias_dtype=bias, gather_a=True, gather_l2=lvl)
+                for lvl in levels}
+        print(f"[gather_l2] {name} N={n} K={k}: compiled four FC1s in {time.time() - t:.1f}s", flush=True)
+        n_out = n // 2 if act in GATED_ACTIVATIONS else n
+        for m_, routing, seed in ((m, "uniform", 1), (4133, "skewed", 2), (300, "skewed", 4), (1, "skewed", 3)):
+            _, b, offs, _, bs = make_inputs(m_, n, k, e, act, routing, False, seed=seed, bias_dtype=bias)
+            g = torch.Generator(device="cuda").manual_seed(seed)
+            tokens = max(1, m_ // 8)
+            x = torch.randn(tokens, k, device="cuda", generator=g).to(torch.bfloat16)
+            idx = torch.randint(0, tokens, (m_,), device="cuda", generator=g, dtype=torch.int32)
+            outs = [torch.full((m_, n_out), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(4)]
+            plain(x.index_select(0, idx.long()), b, offs, out=outs[0], bias=bs)
+            for lvl in levels:
+                gath[lvl](x, b, offs, out=outs[1 + lvl], bias=bs, idx=idx)
+            torch.cuda.synchronize()
+            same = [torch.equal(outs[0], o) and not bool(torch.isnan(o).any()) for o in outs[1:]]
+            ok &= all(same)
+            print(f"[gather_l2] {name} M={m_} {routing}: levels {levels} = plain on copied rows: {same}", flush=True)
+        _, b, offs, _, bs = make_inputs(m, n, k, e, act, "uniform", False, seed=5, bias_dtype=bias)
+        x = torch.randn(m // 8, k, device="cuda").to(torch.bfloat16)
+        idx = torch.randint(0, m // 8, (m,), device="cuda", dtype=torch.int32)
+        idx64 = idx.long()
+        xs = x.index_select(0, idx64)
+        out = torch.empty(m, n_out, dtype=torch.bfloat16, device="cuda")
+
+        def copy_and_plain():
+            torch.index_select(x, 0, idx64, out=xs)
+            plain(xs, b, offs, out=out, bias=bs)
+
+        runs = {"copy rows + plain": copy_and_plain,
+                **{f"gather l2={lvl}": (lambda lvl=lvl: gath[lvl](x, b, offs, out=out, bias=bs, idx=idx))
+                   for lvl in levels}}
+        times = {(key, c): [] for key in runs for c in ("warm", "cold")}
+        for _ in range(2):
+            for key, run in runs.items():
+                times[(key, "warm")].append(time_fn(run, iters))
+                times[(key, "cold")].append(time_cold(run, iters, scratch))
+        for c in ("warm", "cold"):
+            print(f"[gather_l2] {name} M={m}, L2 {c}: " + ", ".join(
+                f"{key} {min(times[(key, c)]):.3f} ms" for key in runs)
+                + f" (best of 2 interleaved rounds, median of {iters})", flush=True)
+    return ok
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--m-total", type=int, default=65536)
@@ -481,6 +557,8 @@ def main():
                    help="swiglu's sigmoid by tanh.approx vs ex2 + rcp on --model's FC1 shapes (drop v52)")
     p.add_argument("--gather-tma", action="store_true",
                    help="FC1 gathering rows by one TMA load per row vs cp.async vs plain, on --model's FC1 shapes")
+    p.add_argument("--gather-l2", action="store_true",
+                   help="FC1 gathering rows under L2 policies (levels 0/1/2) vs copy + plain, L2 warm and cold (v75)")
     p.add_argument("--raster-bench", action="store_true", help="--suite --bench: also raster_m=1 vs default")
     p.add_argument("--bench", action="store_true")
     p.add_argument("--suite", action="store_true")
@@ -501,6 +579,8 @@ def main():
         raise SystemExit(0 if tanh_sigmoid(args.model.split(",")) else 1)
     if args.gather_tma:
         raise SystemExit(0 if gather_tma(args.model.split(",")) else 1)
+    if args.gather_l2:
+        raise SystemExit(0 if gather_l2(args.model.split(",")) else 1)
     t = time.time()
     fn = get_grouped_gemm(args.activation, args.n, args.k, args.experts, scale_rows=args.scale_rows,
                           tile_n=args.tile_n, num_stages=args.num_stages, epilogue=args.epilogue,

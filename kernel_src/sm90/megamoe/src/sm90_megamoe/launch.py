@@ -127,7 +127,7 @@ class CompiledGroupedGemm:
                  schedule: str = "cooperative", compiled=None, tvm_ffi: bool = False,
                  early_weights: bool = False, gather_a: bool = False, cluster_m: int = 1,
                  gather_tma: bool = False, half_tiles: bool = False, tanh_sigmoid: bool = False,
-                 cluster_n: int = 1):
+                 cluster_n: int = 1, gather_l2: int = 0):
         """``compiled``: this variant's kernel compiled earlier (e.g. loaded from an exported
         object file, ``cute.runtime.load_module``); None compiles it here (sm_90a).
         ``tvm_ffi``: compile for (and launch through) TVM-FFI: :meth:`launch_tensors`.
@@ -137,7 +137,10 @@ class CompiledGroupedGemm:
         ``early_weights``: swap-AB only, see :class:`~.swapab_gemm.SwapABGroupedGemmSm90`.
         ``gather_a`` (cooperative / wide; drop v23): A is the source rows and a call passes
         ``idx``, grouped row r = ``a[idx[r]]`` (:class:`~.grouped_gemm_gather.GroupedGemmGatherSm90`).
-        ``gather_tma`` (with ``gather_a``; drop v41, not yet run on a GPU): one TMA load per A row.
+        ``gather_tma`` (with ``gather_a``; drop v41): one TMA load per A row.
+        ``gather_l2`` (with ``gather_a``, not ``gather_tma``; drop v75, not yet run on a GPU): 1 = the
+        gathered rows' cp.async with an L2 ``evict_last`` policy, 2 = and the weights' TMA loads
+        ``evict_first`` (:mod:`.gather_producer`).
         ``cluster_m`` = 2 (cooperative / wide; drop v29): clusters of 2 CTAs computing an m-tile pair
         and multicasting B's halves; a call launches at most :func:`cluster_ctas` CTAs (worked out
         when constructed with a GPU).
@@ -169,11 +172,13 @@ class CompiledGroupedGemm:
                 raise ValueError("cluster_n = 2 does not combine with gather_a")
             if gather_tma and not gather_a:
                 raise ValueError("gather_tma is a way of gathering: it needs gather_a=True")
+            if gather_l2 and not gather_a:
+                raise ValueError("gather_l2 is for the gathering GEMM: it needs gather_a=True")
             cls = GroupedGemmSm90
             extra = {}
             if gather_a:
                 from .grouped_gemm_gather import GroupedGemmGatherSm90 as cls
-                extra = {"tma_rows": bool(gather_tma)}
+                extra = {"tma_rows": bool(gather_tma), **({"l2_hints": int(gather_l2)} if gather_l2 else {})}
             self.kernel = cls(activation, **extra, tile_n=tile_n, scale_rows=scale_rows,
                                           num_stages=num_stages, epilogue=epilogue,
                                           has_bias=bias_dtype is not None, raster_m=raster_m,
@@ -192,6 +197,7 @@ class CompiledGroupedGemm:
         self._max_ctas = cluster_ctas(self.cluster) if self.cluster > 1 and torch.cuda.is_available() else None
         self.gather_a = bool(gather_a)
         self.gather_tma = bool(gather_tma)
+        self.gather_l2 = int(gather_l2)
         self.half_tiles = bool(half_tiles)
         self.tanh_sigmoid = bool(tanh_sigmoid)
         self.activation = activation
