@@ -183,7 +183,8 @@ CONTRACT = DropContract(
         ImportUse("sm90_megamoe.layout_launch", "Layout", "shim/drops/sm90_megamoe.py"),
         ImportUse("sm90_megamoe.layout_launch", "KINDS", "shim/drops/sm90_megamoe.py"),
     ),
-    consumers=("shim/drops/sm90_megamoe.py", "shim/drops/sm90_megamoe_fp8.py"),
+    consumers=("shim/drops/sm90_megamoe.py", "shim/drops/sm90_megamoe_ep.py", "shim/drops/sm90_megamoe_layout.py",
+               "shim/drops/sm90_megamoe_fp8.py"),
     # every attribute the shim (and, through GroupedGemm.compiled / EpSession.bufs, its callers)
     # reads off drop modules and objects; the audit checks each statically against the drop
     attributes=(
