@@ -10,3 +10,30 @@ def rec_layout(calls: list):
     return type("L", (), {"__call__": lambda self, *a, **k: calls.append(("layout", a, k)),
                           "route": lambda self, *a, **k: calls.append(("route", a, k)),
                           "prepare_route": prepare_route})()
+
+
+def record_gemm_builds(monkeypatch) -> tuple:
+    """``(built, names)``: the shim's ``compiled_grouped_gemm`` then records what it would build
+    instead of compiling -- each ``CompiledGroupedGemm`` keyword set in ``built``, each disk-cache
+    kernel name in ``names`` -- with a fresh compile cache (``moe_ep.shim.cache.COMPILE_CACHE``)."""
+    import sm90_megamoe.launch as launch
+
+    from moe_ep.shim import cache
+    from moe_ep.shim.drops import sm90_megamoe as s
+
+    built, names = [], []
+
+    class Fake:
+        def __init__(self, **kw):
+            built.append(kw)
+            self.compiled = object()
+
+    def get_or_build(ns, name, key, build, tvm_ffi=False):
+        names.append(name)
+        return build()
+
+    monkeypatch.setattr(launch, "CompiledGroupedGemm", Fake)
+    monkeypatch.setattr(s.disk_cache, "get_or_build", get_or_build)
+    monkeypatch.setattr(cache, "COMPILE_CACHE", cache.CompileCache())
+    monkeypatch.setattr(s, "COMPILE_CACHE", cache.COMPILE_CACHE)
+    return built, names

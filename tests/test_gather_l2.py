@@ -116,25 +116,12 @@ def test_shim_switch_and_key(monkeypatch):
 def test_shim_builds_the_hinted_launcher(monkeypatch):
     """compiled_grouped_gemm(gather_a=True) under MOE_EP_GATHER_L2=2 keys and builds the hinted
     launcher (recorded: no compile) under its own kernel name; without the switch the plain one."""
-    import sm90_megamoe.launch as launch
+    from recorders import record_gemm_builds
+
     from moe_ep.shim import cache
     from moe_ep.shim.drops import sm90_megamoe as s
 
-    built, names = [], []
-
-    class Fake:
-        def __init__(self, **kw):
-            built.append(kw)
-            self.compiled = object()
-
-    def get_or_build(ns, name, key, build, tvm_ffi=False):
-        names.append(name)
-        return build()
-
-    monkeypatch.setattr(launch, "CompiledGroupedGemm", Fake)
-    monkeypatch.setattr(s.disk_cache, "get_or_build", get_or_build)
-    monkeypatch.setattr(cache, "COMPILE_CACHE", cache.CompileCache())
-    monkeypatch.setattr(s, "COMPILE_CACHE", cache.COMPILE_CACHE)
+    built, names = record_gemm_builds(monkeypatch)
     monkeypatch.delenv("MOE_EP_GATHER_TMA", raising=False)
     for flag in ("2", "0"):
         monkeypatch.setenv("MOE_EP_GATHER_L2", flag)

@@ -167,21 +167,12 @@ def test_shim_switch_and_key(monkeypatch):
 def test_shim_builds_the_row_tma_launcher(monkeypatch):
     """compiled_grouped_gemm(gather_a=True) under MOE_EP_GATHER_TMA=1 keys and builds the row-TMA
     launcher (recorded: no compile), and without the switch the cp.async one; the two keys differ."""
-    import sm90_megamoe.launch as launch
+    from recorders import record_gemm_builds
+
     from moe_ep.shim import cache
     from moe_ep.shim.drops import sm90_megamoe as s
 
-    built = []
-
-    class Fake:
-        def __init__(self, **kw):
-            built.append(kw)
-            self.compiled = object()
-
-    monkeypatch.setattr(launch, "CompiledGroupedGemm", Fake)
-    monkeypatch.setattr(s.disk_cache, "get_or_build", lambda ns, name, key, build, tvm_ffi=False: build())
-    monkeypatch.setattr(cache, "COMPILE_CACHE", cache.CompileCache())
-    monkeypatch.setattr(s, "COMPILE_CACHE", cache.COMPILE_CACHE)
+    built, _ = record_gemm_builds(monkeypatch)
     for flag in ("1", "0"):
         monkeypatch.setenv("MOE_EP_GATHER_TMA", flag)
         s.compiled_grouped_gemm("swiglu", 1536, 2048, 128, schedule="cooperative", gather_a=True)
