@@ -398,13 +398,69 @@ def tanh_sigmoid(models, iters=20) -> bool:
     return ok
 
 
+#: (rows, routing, seed) the gathering comparisons check bits at: a layer's rows, skewed, few and one
+GATHER_CHECKS = ((None, "uniform", 1), (4133, "skewed", 2), (300, "skewed", 4), (1, "skewed", 3))
+
+
+def gathered_problem(m_total, n, k, experts, activation, routing, seed, bias_dtype=None):
+    """``(b, offsets, bias, x, idx)``: fresh weights and routing for ``m_total`` grouped rows, and
+    the ``m_total // 8`` (>= 1) source rows ``x`` [T, k] bf16 they gather by ``idx`` [m_total] int32."""
+    _, b, offs, _, bias = make_inputs(m_total, n, k, experts, activation, routing, False, seed=seed,
+                                      bias_dtype=bias_dtype)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    tokens = max(1, m_total // 8)
+    x = torch.randn(tokens, k, device="cuda", generator=g).to(torch.bfloat16)
+    idx = torch.randint(0, tokens, (m_total,), device="cuda", generator=g, dtype=torch.int32)
+    return b, offs, bias, x, idx
+
+
+def gathered_same_bits(plain, gathering, m_total, n, k, experts, activation, routing, seed, bias_dtype=None):
+    """The plain FC1 on the rows copied into expert order, then each kernel of ``gathering`` reading
+    them by index, each into its own NaN-poisoned output; per gathering kernel: bit-identical to the
+    plain one and NaN-free."""
+    b, offs, bias, x, idx = gathered_problem(m_total, n, k, experts, activation, routing, seed, bias_dtype)
+    n_out = n // 2 if activation in GATED_ACTIVATIONS else n
+    outs = [torch.full((m_total, n_out), float("nan"), dtype=torch.bfloat16, device="cuda")
+            for _ in range(1 + len(gathering))]
+    plain(x.index_select(0, idx.long()), b, offs, out=outs[0], bias=bias)
+    for fn, out in zip(gathering, outs[1:]):
+        fn(x, b, offs, out=out, bias=bias, idx=idx)
+    torch.cuda.synchronize()
+    return [torch.equal(outs[0], o) and not bool(torch.isnan(o).any()) for o in outs[1:]]
+
+
+def gathered_runs(plain, gathering, m_total, n, k, experts, activation, bias_dtype=None) -> dict:
+    """``{label: no-argument launch}`` on one uniform problem of ``m_total`` rows: "copy rows" (the
+    ``index_select`` into expert order the plain FC1 needs), "plain" (FC1 on the copied rows) and
+    each ``gathering[label]`` reading the rows by index."""
+    b, offs, bias, x, idx = gathered_problem(m_total, n, k, experts, activation, "uniform", 5, bias_dtype)
+    idx64 = idx.long()
+    xs = x.index_select(0, idx64)
+    n_out = n // 2 if activation in GATED_ACTIVATIONS else n
+    out = torch.empty(m_total, n_out, dtype=torch.bfloat16, device="cuda")
+    return {"copy rows": lambda: torch.index_select(x, 0, idx64, out=xs),
+            "plain": lambda: plain(xs, b, offs, out=out, bias=bias),
+            **{label: (lambda fn=fn: fn(x, b, offs, out=out, bias=bias, idx=idx)) for label, fn in gathering.items()}}
+
+
+def time_rounds(runs: dict, timers: dict, rounds: int = 2) -> dict:
+    """``{(label, timer): best ms}``: every run under every ``timers[timer](run)``, interleaved over
+    ``rounds`` rounds; the best round of each."""
+    times = {(label, t): [] for label in runs for t in timers}
+    for _ in range(rounds):
+        for label, run in runs.items():
+            for t, timer in timers.items():
+                times[(label, t)].append(timer(run))
+    return {key: min(v) for key, v in times.items()}
+
+
 def gather_tma(models, iters=20) -> bool:
-    """Drop v41 (not yet run on a GPU): FC1 gathering its A rows by index with one TMA load per row
-    (``gather_tma``) against the cp.async gathering FC1 (drop v23) and the plain FC1 on the rows
-    copied into expert order first, on --model's FC1 shapes: the same bits (NaN-poisoned outputs) on
-    uniform, skewed, few and one rows, then the three timed, interleaved twice, with the row copy
-    (``index_select``) the plain FC1 needs timed beside. Run :mod:`.tma_rows_probe` first: if one-row
-    TMA loads do not land swizzled, this variant computes wrong values."""
+    """Drop v41: FC1 gathering its A rows by index with one TMA load per row (``gather_tma``)
+    against the cp.async gathering FC1 (drop v23) and the plain FC1 on the rows copied into expert
+    order first, on --model's FC1 shapes: the same bits (NaN-poisoned outputs) on uniform, skewed,
+    few and one rows, then the three timed, interleaved twice, with the row copy (``index_select``)
+    the plain FC1 needs timed beside. Run :mod:`.tma_rows_probe` first: if one-row TMA loads do not
+    land swizzled, this variant computes wrong values."""
     from .fp8_runner import time_fn  # CUDA-event median after warm-ups, as the FP8 runner times
 
     ok = True
@@ -415,42 +471,18 @@ def gather_tma(models, iters=20) -> bool:
         cpa = CompiledGroupedGemm(act, n, k, e, False, bias_dtype=bias, gather_a=True)
         tma = CompiledGroupedGemm(act, n, k, e, False, bias_dtype=bias, gather_a=True, gather_tma=True)
         print(f"[gather_tma] {name} N={n} K={k}: compiled three FC1s in {time.time() - t:.1f}s", flush=True)
-        n_out = n // 2 if act in GATED_ACTIVATIONS else n
-        for m_, routing, seed in ((m, "uniform", 1), (4133, "skewed", 2), (300, "skewed", 4), (1, "skewed", 3)):
-            _, b, offs, _, bs = make_inputs(m_, n, k, e, act, routing, False, seed=seed, bias_dtype=bias)
-            g = torch.Generator(device="cuda").manual_seed(seed)
-            tokens = max(1, m_ // 8)
-            x = torch.randn(tokens, k, device="cuda", generator=g).to(torch.bfloat16)
-            idx = torch.randint(0, tokens, (m_,), device="cuda", generator=g, dtype=torch.int32)
-            outs = [torch.full((m_, n_out), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(3)]
-            plain(x.index_select(0, idx.long()), b, offs, out=outs[0], bias=bs)
-            cpa(x, b, offs, out=outs[1], bias=bs, idx=idx)
-            tma(x, b, offs, out=outs[2], bias=bs, idx=idx)
-            torch.cuda.synchronize()
-            same = (torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-                    and not bool(torch.isnan(outs[2]).any()))
+        for m_, routing, seed in GATHER_CHECKS:
+            same = all(gathered_same_bits(plain, (cpa, tma), m_ or m, n, k, e, act, routing, seed, bias))
             ok &= same
-            print(f"[gather_tma] {name} M={m_} {routing}: TMA rows = cp.async rows = plain on copied rows: {same}",
-                  flush=True)
-        _, b, offs, _, bs = make_inputs(m, n, k, e, act, "uniform", False, seed=5, bias_dtype=bias)
-        x = torch.randn(m // 8, k, device="cuda").to(torch.bfloat16)
-        idx = torch.randint(0, m // 8, (m,), device="cuda", dtype=torch.int32)
-        idx64 = idx.long()
-        xs = x.index_select(0, idx64)
-        out = torch.empty(m, n_out, dtype=torch.bfloat16, device="cuda")
-        runs = {"copy rows": lambda: torch.index_select(x, 0, idx64, out=xs),
-                "plain": lambda: plain(xs, b, offs, out=out, bias=bs),
-                "cp.async rows": lambda: cpa(x, b, offs, out=out, bias=bs, idx=idx),
-                "TMA rows": lambda: tma(x, b, offs, out=out, bias=bs, idx=idx)}
-        times = {key: [] for key in runs}
-        for _ in range(2):
-            for key, run in runs.items():
-                times[key].append(time_fn(run, iters))
+            print(f"[gather_tma] {name} M={m_ or m} {routing}: TMA rows = cp.async rows = plain on copied rows: "
+                  f"{same}", flush=True)
+        runs = gathered_runs(plain, {"cp.async rows": cpa, "TMA rows": tma}, m, n, k, e, act, bias)
+        best = time_rounds(runs, {"": lambda run: time_fn(run, iters)})
         flops = 2.0 * m * n * k
         print(f"[gather_tma] {name} M={m}: " + ", ".join(
-            f"{key} {min(v):.3f} ms" + ("" if key == "copy rows" else f" ({flops / min(v) / 1e9:.1f} TFLOP/s)")
-            for key, v in times.items()) + " (best of 2 interleaved rounds, median of "
-            f"{iters})", flush=True)
+            f"{label} {best[(label, '')]:.3f} ms"
+            + ("" if label == "copy rows" else f" ({flops / best[(label, '')] / 1e9:.1f} TFLOP/s)")
+            for label in runs) + f" (best of 2 interleaved rounds, median of {iters})", flush=True)
     return ok
 
 
@@ -463,11 +495,13 @@ def gather_l2(models, iters=20) -> bool:
     256 MB write before each call, as the rest of a layer's forward leaves L2 for the next FC1)."""
     from .fp8_runner import time_fn  # CUDA-event median after warm-ups, as the FP8 runner times
 
-    def time_cold(run, reps, scratch):
+    scratch = torch.zeros(64 * 1024 * 1024, dtype=torch.float32, device="cuda")
+
+    def time_cold(run):
         for _ in range(3):
             run()
         ts = []
-        for _ in range(reps):
+        for _ in range(iters):
             scratch.add_(1)  # evicts L2 (stream-ordered before the start event)
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
@@ -479,7 +513,6 @@ def gather_l2(models, iters=20) -> bool:
 
     levels = (0, 1, 2)
     ok = True
-    scratch = torch.zeros(64 * 1024 * 1024, dtype=torch.float32, device="cuda")
     for name in models:
         n, k, e, m, act, bias = WIDE_SHAPES[name]
         t = time.time()
@@ -487,46 +520,17 @@ def gather_l2(models, iters=20) -> bool:
         gath = {lvl: CompiledGroupedGemm(act, n, k, e, False, bias_dtype=bias, gather_a=True, gather_l2=lvl)
                 for lvl in levels}
         print(f"[gather_l2] {name} N={n} K={k}: compiled four FC1s in {time.time() - t:.1f}s", flush=True)
-        n_out = n // 2 if act in GATED_ACTIVATIONS else n
-        for m_, routing, seed in ((m, "uniform", 1), (4133, "skewed", 2), (300, "skewed", 4), (1, "skewed", 3)):
-            _, b, offs, _, bs = make_inputs(m_, n, k, e, act, routing, False, seed=seed, bias_dtype=bias)
-            g = torch.Generator(device="cuda").manual_seed(seed)
-            tokens = max(1, m_ // 8)
-            x = torch.randn(tokens, k, device="cuda", generator=g).to(torch.bfloat16)
-            idx = torch.randint(0, tokens, (m_,), device="cuda", generator=g, dtype=torch.int32)
-            outs = [torch.full((m_, n_out), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(4)]
-            plain(x.index_select(0, idx.long()), b, offs, out=outs[0], bias=bs)
-            for lvl in levels:
-                gath[lvl](x, b, offs, out=outs[1 + lvl], bias=bs, idx=idx)
-            torch.cuda.synchronize()
-            same = [torch.equal(outs[0], o) and not bool(torch.isnan(o).any()) for o in outs[1:]]
+        for m_, routing, seed in GATHER_CHECKS:
+            same = gathered_same_bits(plain, [gath[lvl] for lvl in levels], m_ or m, n, k, e, act, routing, seed, bias)
             ok &= all(same)
-            print(f"[gather_l2] {name} M={m_} {routing}: levels {levels} = plain on copied rows: {same}", flush=True)
-        _, b, offs, _, bs = make_inputs(m, n, k, e, act, "uniform", False, seed=5, bias_dtype=bias)
-        x = torch.randn(m // 8, k, device="cuda").to(torch.bfloat16)
-        idx = torch.randint(0, m // 8, (m,), device="cuda", dtype=torch.int32)
-        idx64 = idx.long()
-        xs = x.index_select(0, idx64)
-        out = torch.empty(m, n_out, dtype=torch.bfloat16, device="cuda")
-
-        def copy_and_plain():
-            torch.index_select(x, 0, idx64, out=xs)
-            plain(xs, b, offs, out=out, bias=bs)
-
-        runs = {"copy rows + plain": copy_and_plain,
-                **{f"gather l2={lvl}": (lambda lvl=lvl: gath[lvl](x, b, offs, out=out, bias=bs, idx=idx))
-                   for lvl in levels}}
-        times = {(key, c): [] for key in runs for c in ("warm", "cold")}
-        for _ in range(2):
-            for key, run in runs.items():
-                times[(key, "warm")].append(time_fn(run, iters))
-                times[(key, "cold")].append(time_cold(run, iters, scratch))
+            print(f"[gather_l2] {name} M={m_ or m} {routing}: levels {levels} = plain on copied rows: {same}",
+                  flush=True)
+        runs = gathered_runs(plain, {f"gather l2={lvl}": gath[lvl] for lvl in levels}, m, n, k, e, act, bias)
+        best = time_rounds(runs, {"warm": lambda run: time_fn(run, iters), "cold": time_cold})
         for c in ("warm", "cold"):
-            print(f"[gather_l2] {name} M={m}, L2 {c}: " + ", ".join(
-                f"{key} {min(times[(key, c)]):.3f} ms" for key in runs)
-                + f" (best of 2 interleaved rounds, median of {iters})", flush=True)
+            print(f"[gather_l2] {name} M={m}, L2 {c}: " + ", ".join(f"{label} {best[(label, c)]:.3f} ms" for label in runs)
+                  + f" (best of 2 interleaved rounds, median of {iters})", flush=True)
     return ok
-
 
 def main():
     p = argparse.ArgumentParser()
