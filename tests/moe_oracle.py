@@ -139,6 +139,23 @@ def layer_outputs_with_switch(monkeypatch, switch, cfg, backend, inputs, check_i
     return outs
 
 
+def qwen3_gather_layer(T: int, seed: int) -> tuple:
+    """``(cfg, (x, ids, w, w13, w2))`` of the gathering-FC1 layer tests: Qwen3's shapes (E 128, H 2048,
+    I 768, top-8; capacity 4096 tokens), ``T`` tokens with uniform random ids and weights, BF16
+    weights, all drawn on the GPU from ``seed``."""
+    from moe_ep.api import MoEConfig
+
+    E, H, I, K = 128, 2048, 768, 8
+    cfg = MoEConfig(num_experts=E, hidden=H, intermediate=I, top_k=K, max_tokens_per_rank=4096)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
+    ids = torch.randint(0, E, (T, K), device="cuda", generator=g, dtype=torch.int32)
+    w = torch.rand(T, K, device="cuda", generator=g)
+    w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) * H ** -0.5).bfloat16()
+    w2 = (torch.randn(E, H, I, device="cuda", generator=g) * I ** -0.5).bfloat16()
+    return cfg, (x, ids, w, w13, w2)
+
+
 def fp8_layer_inputs(E, H, I, K, T, seed) -> tuple:
     """Tokens, routing (top-k of random logits) and FP8 block-128 weights of one layer, on the GPU:
     (x [T, H] bf16, ids [T, K] int32, w [T, K] f32 softmax, w13, w2 as ``quantize_fp8_block128`` gives them)."""

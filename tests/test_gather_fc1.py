@@ -180,22 +180,13 @@ def test_gather_fc1_layer_is_bit_identical(monkeypatch, T):
     """MOE_EP_GATHER_FC1=1: the layer's output is the same bits as without, eager and CUDA graph."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
-    from moe_oracle import layer_outputs_with_switch
+    from moe_oracle import layer_outputs_with_switch, qwen3_gather_layer
 
-    from moe_ep.api import MoEConfig
-
-    E, H, I, K = 128, 2048, 768, 8
-    cfg = MoEConfig(num_experts=E, hidden=H, intermediate=I, top_k=K, max_tokens_per_rank=4096)
-    g = torch.Generator(device="cuda").manual_seed(T)
-    x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
-    ids = torch.randint(0, E, (T, K), device="cuda", generator=g, dtype=torch.int32)
-    w = torch.rand(T, K, device="cuda", generator=g)
-    w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) * H ** -0.5).bfloat16()
-    w2 = (torch.randn(E, H, I, device="cuda", generator=g) * I ** -0.5).bfloat16()
+    cfg, inputs = qwen3_gather_layer(T, seed=T)
 
     def check(impl, on):
         assert impl.fc1.gather_a == on
 
     outs = layer_outputs_with_switch(monkeypatch, "MOE_EP_GATHER_FC1", cfg, "sm90_bf16_cutedsl",
-                                     (x, ids, w, w13, w2), check)
+                                     inputs, check)
     assert torch.isfinite(outs[1].float()).all() and torch.equal(outs[0], outs[1])

@@ -170,18 +170,9 @@ def test_gpu_gather_l2_layer_is_bit_identical(monkeypatch, T):
     from moe_oracle import require_sm90
 
     require_sm90()
-    from moe_oracle import layer_outputs_with_switch
+    from moe_oracle import layer_outputs_with_switch, qwen3_gather_layer
 
-    from moe_ep.api import MoEConfig
-
-    E, H, I, K = 128, 2048, 768, 8
-    cfg = MoEConfig(num_experts=E, hidden=H, intermediate=I, top_k=K, max_tokens_per_rank=4096)
-    g = torch.Generator(device="cuda").manual_seed(T + 3)
-    x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
-    ids = torch.randint(0, E, (T, K), device="cuda", generator=g, dtype=torch.int32)
-    w = torch.rand(T, K, device="cuda", generator=g)
-    w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) * H ** -0.5).bfloat16()
-    w2 = (torch.randn(E, H, I, device="cuda", generator=g) * I ** -0.5).bfloat16()
+    cfg, inputs = qwen3_gather_layer(T, seed=T + 3)
     monkeypatch.setenv("MOE_EP_GATHER_FC1", "1")
     monkeypatch.delenv("MOE_EP_GATHER_TMA", raising=False)
 
@@ -189,5 +180,5 @@ def test_gpu_gather_l2_layer_is_bit_identical(monkeypatch, T):
         assert impl.fc1.gather_a and impl.fc1.compiled.gather_l2 == (2 if on else 0)
 
     outs = layer_outputs_with_switch(monkeypatch, "MOE_EP_GATHER_L2", cfg, "sm90_bf16_cutedsl",
-                                     (x, ids, w, w13, w2), check, values=("0", "2"))
+                                     inputs, check, values=("0", "2"))
     assert torch.isfinite(outs[1].float()).all() and torch.equal(outs[0], outs[1])

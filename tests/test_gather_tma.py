@@ -132,25 +132,16 @@ def test_gpu_gather_tma_layer_is_bit_identical(monkeypatch, T):
     eager and CUDA graph (the cp.async gather's bits are the plain FC1's: test_gather_fc1)."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
-    from moe_oracle import layer_outputs_with_switch
+    from moe_oracle import layer_outputs_with_switch, qwen3_gather_layer
 
-    from moe_ep.api import MoEConfig
-
-    E, H, I, K = 128, 2048, 768, 8
-    cfg = MoEConfig(num_experts=E, hidden=H, intermediate=I, top_k=K, max_tokens_per_rank=4096)
-    g = torch.Generator(device="cuda").manual_seed(T + 1)
-    x = torch.randn(T, H, device="cuda", generator=g).bfloat16()
-    ids = torch.randint(0, E, (T, K), device="cuda", generator=g, dtype=torch.int32)
-    w = torch.rand(T, K, device="cuda", generator=g)
-    w13 = (torch.randn(E, 2 * I, H, device="cuda", generator=g) * H ** -0.5).bfloat16()
-    w2 = (torch.randn(E, H, I, device="cuda", generator=g) * I ** -0.5).bfloat16()
+    cfg, inputs = qwen3_gather_layer(T, seed=T + 1)
     monkeypatch.setenv("MOE_EP_GATHER_FC1", "1")
 
     def check(impl, on):
         assert impl.fc1.gather_a and impl.fc1.gather_tma == on
 
     outs = layer_outputs_with_switch(monkeypatch, "MOE_EP_GATHER_TMA", cfg, "sm90_bf16_cutedsl",
-                                     (x, ids, w, w13, w2), check)
+                                     inputs, check)
     assert torch.isfinite(outs[1].float()).all() and torch.equal(outs[0], outs[1])
 
 

@@ -266,12 +266,16 @@ def max_active_ctas(cluster_n: int = 1) -> int:
     return cluster_ctas(cluster_n, torch.cuda.current_device())
 
 
-def time_fn(fn, reps: int) -> float:
-    """Median milliseconds of ``fn`` over ``reps`` CUDA-event-timed calls (after 3 warm-ups)."""
+def time_fn(fn, reps: int, before=None) -> float:
+    """Median milliseconds of ``fn`` over ``reps`` CUDA-event-timed calls (after 3 warm-ups);
+    ``before()``, if given, runs untimed ahead of each timed call (stream-ordered before its start
+    event), e.g. a large write that evicts L2."""
     for _ in range(3):
         fn()
     times = []
     for _ in range(reps):
+        if before is not None:
+            before()
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
         fn()

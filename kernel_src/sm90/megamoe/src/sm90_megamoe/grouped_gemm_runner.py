@@ -497,20 +497,6 @@ def gather_l2(models, iters=20) -> bool:
 
     scratch = torch.zeros(64 * 1024 * 1024, dtype=torch.float32, device="cuda")
 
-    def time_cold(run):
-        for _ in range(3):
-            run()
-        ts = []
-        for _ in range(iters):
-            scratch.add_(1)  # evicts L2 (stream-ordered before the start event)
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            run()
-            e.record()
-            e.synchronize()
-            ts.append(s.elapsed_time(e))
-        return statistics.median(ts)
-
     levels = (0, 1, 2)
     ok = True
     for name in models:
@@ -526,7 +512,9 @@ def gather_l2(models, iters=20) -> bool:
             print(f"[gather_l2] {name} M={m_ or m} {routing}: levels {levels} = plain on copied rows: {same}",
                   flush=True)
         runs = gathered_runs(plain, {f"gather l2={lvl}": gath[lvl] for lvl in levels}, m, n, k, e, act, bias)
-        best = time_rounds(runs, {"warm": lambda run: time_fn(run, iters), "cold": time_cold})
+        # cold: a 256 MB write before each timed call evicts L2, as the rest of a forward does
+        best = time_rounds(runs, {"warm": lambda run: time_fn(run, iters),
+                                  "cold": lambda run: time_fn(run, iters, before=lambda: scratch.add_(1))})
         for c in ("warm", "cold"):
             print(f"[gather_l2] {name} M={m}, L2 {c}: " + ", ".join(f"{label} {best[(label, c)]:.3f} ms" for label in runs)
                   + f" (best of 2 interleaved rounds, median of {iters})", flush=True)
