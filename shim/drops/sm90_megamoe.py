@@ -53,13 +53,14 @@ from .sm90_megamoe_switches import (  # noqa: F401  (re-exported: the shim reads
     use_gather_l2,
     use_gather_tma,
     use_half_tiles,
+    use_m64_tails,
     use_wide_gated,
 )
 
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 77},
+    "sm90_megamoe": {"DROP_VERSION": 78},
     "sm90_megamoe.fp8_gemm": {"FP8_BLOCK": 128, "OVERLAP_MAX_K_TILES": 32, "OVERLAP_MAX_CHUNK": 16,
                                "MAX_SCALE_LOOKAHEAD": 4},
     "sm90_megamoe.unit_scales": {"UNIT_SCALE_KC": 8},
@@ -102,7 +103,7 @@ CONTRACT = DropContract(
                     ("activation", "n", "k", "num_experts", "scale_rows", "tile_n", "bias_dtype",
                      "raster_m", "swiglu_alpha", "swiglu_limit", "schedule", "compiled", "tvm_ffi",
                      "early_weights", "gather_a", "cluster_m", "gather_tma", "half_tiles", "tanh_sigmoid",
-                     "cluster_n", "gather_l2")),
+                     "cluster_n", "gather_l2", "m64_tails")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_converted",
                     ("args", "max_active_ctas", "stream")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_tensors",
@@ -382,6 +383,7 @@ class GemmKey:
     tanh_sigmoid: bool = False
     cluster_n: int = 1
     gather_l2: int = 0
+    m64_tails: bool = False
 
 
 class GroupedGemm:
@@ -520,7 +522,7 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
                   schedule, ffi, early, bool(gather_a), cluster, use_gather_tma(gather_a),
                   use_half_tiles(schedule, tile, gather_a, cluster), use_bf16_tanh_sigmoid(activation),
                   use_bf16_cluster_n(schedule, activation in GEMM_GATED, gather_a),
-                  use_gather_l2(gather_a, use_gather_tma(gather_a)))
+                  use_gather_l2(gather_a, use_gather_tma(gather_a)), use_m64_tails(schedule))
 
     def build():
         launch = _load("sm90_megamoe.launch")
@@ -542,12 +544,14 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
             kw.update(half_tiles=True)
         if key.tanh_sigmoid:
             kw.update(tanh_sigmoid=True)
+        if key.m64_tails:
+            kw.update(m64_tails=True)
         if activation == "clamped_swiglu":
             kw.update(swiglu_alpha=alpha, swiglu_limit=limit)
         name = (f"gemm_{activation}" + ("_gather" if gather_a else "") + ("_tma" if key.gather_tma else "")
                 + (f"_l2h{key.gather_l2}" if key.gather_l2 else "")
                 + ("_cluster2" if key.cluster_m > 1 else "") + ("_clustern2" if key.cluster_n > 1 else "")
-                + ("_half" if key.half_tiles else "")
+                + ("_half" if key.half_tiles else "") + ("_m64t" if key.m64_tails else "")
                 + ("_tanh" if key.tanh_sigmoid else ""))
         fn = disk_cache.get_or_build(cache_namespace(), name, key,
                                      lambda: launch.CompiledGroupedGemm(**kw).compiled, tvm_ffi=ffi)

@@ -64,9 +64,10 @@ def use_gather_tma(gather_a: bool) -> bool:
 def use_gather_l2(gather_a: bool, gather_tma: bool) -> int:
     """L2 eviction priorities of a gathering BF16 GEMM's cp.async rows (drop v75, ``gather_l2``):
     ``MOE_EP_GATHER_L2`` = 1 keeps the gathered token rows in L2 (``evict_last``), 2 also lets the
-    weight tiles go first (``evict_first``); 0 or unset: none. Not with ``MOE_EP_GATHER_TMA``. Opt-in,
-    not yet run on a GPU (32nd session: in the layer the gathering FC1 lost to the row copy by the
-    copy's own time, plausibly because the token rows leave L2 between their uses)."""
+    weight tiles go first (``evict_first``); 0 or unset: none. Not with ``MOE_EP_GATHER_TMA``. Opt-in:
+    bit-identical on the H200 but slower (33rd session: the runner's gathering FC1 0.891 ms at levels
+    1 and 2 against 0.864 at 0, L2 warm; the Qwen3 layer per call 511-514 / 495-497 TFLOP/s at levels
+    1 / 2 against 494-502 at 0 and 514-523 without gathering)."""
     raw = os.environ.get("MOE_EP_GATHER_L2", "")
     if raw not in ("", "0", "1", "2"):
         raise ValueError(f"MOE_EP_GATHER_L2 must be 0, 1 or 2, got {raw!r}")
@@ -79,6 +80,16 @@ def use_half_tiles(schedule: str, tile: int, gather_a: bool, cluster_m: int) -> 
     ``MOE_EP_HALF_TILES=1``: slower on the H200 (seventeenth session; docs/LIMITS.md)."""
     return (os.environ.get("MOE_EP_HALF_TILES", "0") == "1" and schedule == "cooperative"
             and tile % 128 == 0 and not gather_a and cluster_m == 1)
+
+
+def use_m64_tails(schedule: str) -> bool:
+    """Drop v78 ``m64_tails``: a pingpong tile of <= 64 rows (an expert's last) runs one 64-row WGMMA
+    per k-block instead of two (same bits). ``MOE_EP_M64_TAILS=1``; opt-in until it has run on the
+    H200 (33rd session)."""
+    raw = os.environ.get("MOE_EP_M64_TAILS", "0")
+    if raw not in ("0", "1"):
+        raise ValueError(f"MOE_EP_M64_TAILS must be 0 or 1, got {raw!r}")
+    return raw == "1" and schedule == "pingpong"
 
 
 def use_bf16_tanh_sigmoid(activation: str) -> bool:

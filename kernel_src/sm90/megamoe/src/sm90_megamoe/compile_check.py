@@ -67,10 +67,11 @@ def compile_for_arch(
     tanh_sigmoid: bool = False,
     cluster_n: int = 1,
     gather_l2: int = 0,
+    m64_tails: bool = False,
 ):
     """Compile one variant for ``arch`` from fake tensors. ``bias_dtype``: None (no bias),
     "float32" or "bfloat16"; ``gather_a``: the gathering kernel (:mod:`.grouped_gemm_gather`),
-    ``gather_l2`` its L2 policies (drop v75)."""
+    ``gather_l2`` its L2 policies (drop v75); ``m64_tails``: pingpong's 64-row tiles (drop v78)."""
     cls = GroupedGemmSm90
     extra = {}
     if gather_a:
@@ -83,7 +84,8 @@ def compile_for_arch(
                  swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, schedule=schedule,
                  **({"half_tiles": True} if half_tiles else {}),
                  **({"tanh_sigmoid": True} if tanh_sigmoid else {}),
-                 **({"cluster_n": cluster_n} if cluster_n > 1 else {}))
+                 **({"cluster_n": cluster_n} if cluster_n > 1 else {}),
+                 **({"m64_tails": True} if m64_tails else {}))
     args = fake_args(kernel, num_experts, n, k, bias_dtype=bias_dtype or "float32")
     opts = f"--gpu-arch {arch} --keep-ptx {extra_options}".strip()
     return cute.compile(kernel, *args, options=opts)

@@ -77,6 +77,13 @@ Design
   stored) and loads half of each stage's A tile by a multicast TMA into both CTAs. Pingpong FC2
   with 128 x 208 tiles and A multicast is what SonicMoE's autotuner picks for Qwen3; here with
   the 128 x 192 tiles of drop v71. Same WGMMAs per tile: the same bits as single CTAs.
+* ``m64_tails`` (drop v78; pingpong): a tile whose rows all lie in its first 64 (an expert's last
+  m-tile holding <= 64 rows: Qwen3 at 8192 tokens, 67 of 579 m-tiles) issues only the first of its
+  warpgroup's two 64-row WGMMAs per k-block, over rows 0-63 of the stage's A and the first half of
+  the accumulator. In pingpong the two warpgroups' mainloops take turns on the tensor cores, so the
+  other warpgroup's turn comes that much sooner (cooperative, v44, the partner warpgroup still
+  waited for the stage). The producer is unchanged (it loads the full A box); rows 64-127 of such a
+  tile lie past the expert and are never stored. Same k order per element: the same bits.
 
 Tensors (torch view; all contiguous, 16-byte aligned base pointers)
 -------------------------------------------------------------------
@@ -172,6 +179,7 @@ class GroupedGemmSm90:
     :param epilogue: "smem" (default; stage through smem, coalesced 16-byte stores) or "direct"
         (predicated 32-bit stores straight from the accumulator registers, no smem).
     :param tanh_sigmoid: swiglu only (drop v52): the sigmoid from one ``tanh.approx`` (module docstring).
+    :param m64_tails: pingpong only (drop v78): tiles of <= 64 rows run one 64-row WGMMA per k-block.
     """
 
     gather_a = False  # drop v23: A rows gathered by index (:class:`.grouped_gemm_gather.GroupedGemmGatherSm90`)
@@ -190,6 +198,8 @@ class GroupedGemmSm90:
     half_tiles = False
     #: drop v52: swiglu's sigmoid from one tanh.approx (set in __init__)
     tanh_sigmoid = False
+    #: drop v78: pingpong tiles of <= 64 rows run one 64-row WGMMA per k-block (set in __init__)
+    m64_tails = False
 
     def __init__(
         self,
@@ -209,6 +219,7 @@ class GroupedGemmSm90:
         half_tiles: bool = False,
         tanh_sigmoid: bool = False,
         cluster_n: int = 1,
+        m64_tails: bool = False,
     ):
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
@@ -302,6 +313,10 @@ class GroupedGemmSm90:
                              "(not gated, not with cluster_m, gather_a or half_tiles)")
         if cluster_n > 1:  # drop v72: the pair's CTAs take A's halves and multicast them
             self.cluster_n = 2
+        if m64_tails and not self.pingpong:
+            raise ValueError(f"m64_tails is for the pingpong schedule (a warpgroup's two 64-row WGMMAs), "
+                             f"got schedule {schedule!r}")
+        self.m64_tails = bool(m64_tails)
 
     # ------------------------------------------------------------------ host helpers
     def static_shapes(self, n: int, k: int) -> Tuple[int, int]:
@@ -778,6 +793,17 @@ class GroupedGemmSm90:
                     [cute.make_tensor(accs[h].iterator, cute.make_layout(acc_shape_h))
                      for h in range(self.num_b)],
                 )
+            # m64 tails: rows 0-63 of every stage's A and the first half of each accumulator (its
+            # 64-row block 0: the accumulator is compact with M_rep = 2 the slower mode)
+            tCrA_top = tCrA
+            accs_top = accs
+            if cutlass.const_expr(self.m64_tails):
+                tCrA_top = tiled_mma.make_fragment_A(thr_mma.partition_A(
+                    cute.local_tile(sA, (self.tile_m // 2, self.tile_k, self.num_stages), (0, 0, 0))))
+                acc_shape_top = tiled_mma.partition_shape_C((self.tile_m // 2, self.tile_n))
+                assert cute.size(acc_shape_top) * 2 == n_elems, (acc_shape_top, n_elems)
+                accs_top = [cute.make_tensor(accs[h].iterator, cute.make_layout(acc_shape_top))
+                            for h in range(self.num_b)]
             # epilogue staging buffer (tile_m, epi_n), pitch epi_n + pad (one per warpgroup in
             # pingpong), and this thread's slots in it
             sC_all = storage.sC.get_tensor(cute.make_layout(self.epi_smem_elems * self.num_epi_bufs))
@@ -841,6 +867,17 @@ class GroupedGemmSm90:
                                 for i in cutlass.range_constexpr(n_elems // 2):
                                     accs[h][n_elems // 2 + i] = accs[h][i]
                         row_shift = wg_half * (self.tile_m // 2)
+                    else:
+                        read_state, release_state, tiled_mma = self._mainloop(
+                            ab_pipeline, read_state, release_state, tiled_mma, accs, acc_wide, tCrA, tCrB,
+                            num_k_blocks, k_tiles, order_next, tile_id + unit_step < total_tiles,
+                        )
+                elif cutlass.const_expr(self.m64_tails):
+                    if row_end - row0 <= self.tile_m // 2:  # drop v78: rows 0-63 only
+                        read_state, release_state, tiled_mma = self._mainloop(
+                            ab_pipeline, read_state, release_state, tiled_mma, accs_top, acc_wide, tCrA_top,
+                            tCrB, num_k_blocks, k_tiles, order_next, tile_id + unit_step < total_tiles,
+                        )
                     else:
                         read_state, release_state, tiled_mma = self._mainloop(
                             ab_pipeline, read_state, release_state, tiled_mma, accs, acc_wide, tCrA, tCrB,

@@ -9,6 +9,8 @@
         # drop v71: FC2 on pingpong 128 x 192 vs cooperative 128 x 256, bits and time
     python -m sm90_megamoe.grouped_gemm_runner --cluster-n --model qwen3,gpt_oss   # drop v72: FC2 in
         # clusters of 2 along N (A multicast) vs pingpong 128 x 192 alone
+    python -m sm90_megamoe.grouped_gemm_runner --m64-tails --model qwen3,gpt_oss   # drop v78: pingpong
+        # tiles of <= 64 rows on one 64-row WGMMA vs without (FC2), and FC1 on pingpong vs cooperative
     python -m sm90_megamoe.grouped_gemm_runner --gather-tma --model qwen3   # drop v41: FC1 gathering
         # rows by one TMA load per row vs by cp.async vs the plain FC1 on copied rows
     python -m sm90_megamoe.grouped_gemm_runner --gather-l2 --model qwen3    # drop v75: the cp.async
@@ -142,7 +144,8 @@ def bench(fn: CompiledGroupedGemm, m_total, n, k, experts, activation, routing, 
     t_torch = timed(lambda i: torch._grouped_mm(sets[i][0], bt[i], offs=ends[i]))
     print(
         f"[bench] {activation:14s} scale={int(scale_rows)} raster={fn.raster_m} {fn.schedule}"
-        f"{' cluster2' if fn.cluster_m > 1 else ''}{' cluster_n2' if fn.cluster_n > 1 else ''} M={m_total} N={n} K={k} E={experts} "
+        f"{' cluster2' if fn.cluster_m > 1 else ''}{' cluster_n2' if fn.cluster_n > 1 else ''}"
+        f"{' m64_tails' if fn.m64_tails else ''} tile_n={getattr(fn.kernel, 'tile_n', '-')} M={m_total} N={n} K={k} E={experts} "
         f"routing={routing}: ours {t_ours*1e3:.3f} ms {flops/t_ours/1e12:.1f} TFLOP/s | "
         f"torch._grouped_mm {t_torch*1e3:.3f} ms {flops/t_torch/1e12:.1f} TFLOP/s | "
         f"ratio {t_torch/t_ours:.3f}x",
@@ -304,35 +307,42 @@ def cluster(models, iters=20) -> bool:
     return ok
 
 
-#: FC2 variants (schedule, tile_n, cluster_n) --pingpong (drop v71) and --cluster-n (drop v72) compare
-FC2_VARIANTS = {
-    "pingpong": (("cooperative", 256, 1), ("pingpong", 192, 1)),
-    "cluster_n": (("pingpong", 192, 1), ("pingpong", 192, 2), ("cooperative", 256, 2)),
+#: variants (schedule, tile_n, cluster_n, m64_tails), the first the baseline, that --pingpong (drop
+#: v71), --cluster-n (drop v72) and --m64-tails (drop v78) compare, per GEMM (1 = FC1, 2 = FC2)
+GEMM_VARIANTS = {
+    "pingpong": {2: (("cooperative", 256, 1, False), ("pingpong", 192, 1, False))},
+    "cluster_n": {2: (("pingpong", 192, 1, False), ("pingpong", 192, 2, False), ("cooperative", 256, 2, False))},
+    # FC1's default is cooperative 128-wide; its pingpong tile is 96 (two 96-wide accumulators)
+    "m64_tails": {2: (("pingpong", 192, 1, False), ("pingpong", 192, 1, True), ("cooperative", 256, 1, False)),
+                  1: (("cooperative", 128, 1, False), ("pingpong", 96, 1, False), ("pingpong", 96, 1, True))},
 }
 
 
-def fc2_variants(models, variants, tag, iters=20) -> bool:
-    """FC2 ``variants`` ((schedule, tile_n, cluster_n), the first the baseline) on --model's FC2
-    shapes (identity, row scale, the model's bias): the same bits as the first (NaN-poisoned
-    outputs) on a layer's routing (topk8), an eighth of its rows, skewed and one row, then the
-    float reference, then all timed on topk8 at both row counts, interleaved twice."""
+def gemm_variants(models, variants, tag, iters=20) -> bool:
+    """``variants`` ({1 | 2: ((schedule, tile_n, cluster_n, m64_tails), ...)}, the first of each the
+    baseline) on --model's FC1 (its activation and bias; swiglu with the tanh sigmoid, as the layer
+    runs it) and FC2 (identity, row scale, the model's bias) shapes: the same bits as the baseline
+    (NaN-poisoned outputs) on a layer's routing (topk8), an eighth of its rows, skewed and one row,
+    then the float reference, then all timed on topk8 at both row counts, interleaved twice."""
     ok = True
     for name in models:
-        n1, k1, e, m, _, bias = WIDE_SHAPES[name]
-        n, k = k1, n1 // 2
-        fns = {v: get_grouped_gemm("identity", n, k, e, scale_rows=True, bias_dtype=bias, schedule=v[0],
-                                   tile_n=v[1], cluster_n=v[2]) for v in variants}
-        for m_, routing, seed in ((m, "topk8", 1), (m // 8, "topk8", 2), (4133, "skewed", 3), (1, "skewed", 4)):
-            same = same_bits([fns[v] for v in variants], m_, n, k, e, "identity", routing, True, seed, bias)
-            ok &= all(same)
-            print(f"[{tag}] {name} FC2 N={n} K={k} M={m_} {routing}: {list(variants[1:])} bit-identical to "
-                  f"{variants[0]}: {same}", flush=True)
-        for v in variants[1:]:
-            ok &= check(fns[v], 5003, n, k, e, "identity", "skewed", True)
-        for _ in range(2):
-            for m_ in (m, m // 8):
-                for v in variants:
-                    bench(fns[v], m_, n, k, e, "identity", "topk8", True, iters=iters)
+        n1, k1, e, m, act1, bias = WIDE_SHAPES[name]
+        for fc, vs in sorted(variants.items()):
+            n, k, act, sr = (n1, k1, act1, False) if fc == 1 else (k1, n1 // 2, "identity", True)
+            fns = {v: get_grouped_gemm(act, n, k, e, scale_rows=sr, bias_dtype=bias, schedule=v[0], tile_n=v[1],
+                                       cluster_n=v[2], m64_tails=v[3], tanh_sigmoid=act == "swiglu")
+                   for v in vs}
+            for m_, routing, seed in ((m, "topk8", 1), (m // 8, "topk8", 2), (4133, "skewed", 3), (1, "skewed", 4)):
+                same = same_bits([fns[v] for v in vs], m_, n, k, e, act, routing, sr, seed, bias)
+                ok &= all(same)
+                print(f"[{tag}] {name} FC{fc} N={n} K={k} M={m_} {routing}: {list(vs[1:])} bit-identical to "
+                      f"{vs[0]}: {same}", flush=True)
+            for v in vs[1:]:
+                ok &= check(fns[v], 5003, n, k, e, act, "skewed", sr)
+            for _ in range(2):
+                for m_ in (m, m // 8):
+                    for v in vs:
+                        bench(fns[v], m_, n, k, e, act, "topk8", sr, iters=iters)
     return ok
 
 
@@ -543,6 +553,9 @@ def main():
                    help="pingpong 128 x 192 vs cooperative 128 x 256 on --model's FC2 shapes (drop v71)")
     p.add_argument("--cluster-n", action="store_true",
                    help="FC2 in clusters of 2 along N (A multicast) vs pingpong 128 x 192 alone (drop v72)")
+    p.add_argument("--m64-tails", action="store_true",
+                   help="pingpong tiles of <= 64 rows on one 64-row WGMMA (drop v78) vs without, and vs "
+                        "cooperative, on --model's FC1 and FC2 shapes")
     p.add_argument("--half-tiles", action="store_true",
                    help="tiles of <= 64 rows split along N vs whole tiles on --model's FC1 and FC2 shapes")
     p.add_argument("--tanh-sigmoid", action="store_true",
@@ -562,9 +575,9 @@ def main():
         raise SystemExit(0 if wide(args.model.split(",")) else 1)
     if args.cluster:
         raise SystemExit(0 if cluster(args.model.split(",")) else 1)
-    if args.pingpong or args.cluster_n:
-        tag = "pingpong" if args.pingpong else "cluster_n"
-        raise SystemExit(0 if fc2_variants(args.model.split(","), FC2_VARIANTS[tag], tag) else 1)
+    if args.pingpong or args.cluster_n or args.m64_tails:
+        tag = "pingpong" if args.pingpong else "cluster_n" if args.cluster_n else "m64_tails"
+        raise SystemExit(0 if gemm_variants(args.model.split(","), GEMM_VARIANTS[tag], tag) else 1)
     if args.half_tiles:
         raise SystemExit(0 if half_tiles(args.model.split(",")) else 1)
     if args.tanh_sigmoid:
