@@ -84,8 +84,10 @@ def use_half_tiles(schedule: str, tile: int, gather_a: bool, cluster_m: int) -> 
 
 def use_m64_tails(schedule: str) -> bool:
     """Drop v78 ``m64_tails``: a pingpong tile of <= 64 rows (an expert's last) runs one 64-row WGMMA
-    per k-block instead of two (same bits). ``MOE_EP_M64_TAILS=1``; opt-in until it has run on the
-    H200 (33rd session)."""
+    per k-block instead of two (same bits). ``MOE_EP_M64_TAILS=1``. Opt-in: bit-identical on the H200
+    and 1-3% faster where every tile is a tail, but with many rows per expert the kernel is slower,
+    even with no tail at all (33rd session: Nemotron's GEMMs 9-10% on uniform routing, its layer
+    7-9%; the busy path's SASS is unchanged, the code grows; docs/LIMITS.md)."""
     raw = os.environ.get("MOE_EP_M64_TAILS", "0")
     if raw not in ("0", "1"):
         raise ValueError(f"MOE_EP_M64_TAILS must be 0 or 1, got {raw!r}")
