@@ -183,3 +183,39 @@ def fp8_gemm_problem(m_total, n, k, E, routing, seed, scale_rows) -> tuple:
     b, b_s = ref.quantize_weight_block128(torch.randn(E, n, k, generator=g) / k ** 0.5)
     rs = torch.rand(m_total, generator=g) if scale_rows else None
     return a, a_s, b, b_s, offs, rs
+
+
+def bf16_gemm_problem(m_total, n, k, E, routing, seed, scale_rows, bias_dtype=None) -> tuple:
+    """Random GPU inputs of one BF16 grouped GEMM (the calling test module has registered the sm90
+    drop): (a [m_total, k] bf16, b [E, n, k] bf16, offs [E + 1] int32 of ``routing`` ("uniform" /
+    "skewed"), row scales [m_total] f32 or None, bias [E, n] of ``bias_dtype`` or None)."""
+    from sm90_megamoe.grouped_gemm_runner import make_offsets
+
+    offs = make_offsets(m_total, E, routing, torch.Generator().manual_seed(seed)).cuda()
+    g = torch.Generator(device="cuda").manual_seed(seed + 1)
+    a = (torch.randn(m_total, k, device="cuda", generator=g) * 0.5).to(torch.bfloat16)
+    b = (torch.randn(E, n, k, device="cuda", generator=g) / k ** 0.5).to(torch.bfloat16)
+    rs = torch.rand(m_total, device="cuda", generator=g) if scale_rows else None
+    bias = None if bias_dtype is None else (torch.randn(E, n, device="cuda", generator=g) * 0.5).to(bias_dtype)
+    return a, b, offs, rs, bias
+
+
+def variants_same_bits(fns, a, b, offs, n_out, row_scale=None, bias=None) -> torch.Tensor:
+    """Run each grouped GEMM of ``fns`` (the first the baseline) into a NaN-poisoned output with a
+    guard band behind it; assert that no variant stores past its output, leaves an element
+    unwritten, or differs from the baseline by one bit. Returns the last variant's output."""
+    m_total = a.shape[0]
+    size = m_total * n_out
+    outs = []
+    for fn in fns:
+        # stores past n_out land in the next row (the comparison catches them) or, on the last row,
+        # in the guard band
+        buf = torch.full((size + 4096,), float("nan"), dtype=torch.bfloat16, device="cuda")
+        fn(a, b, offs, out=buf[:size].view(m_total, n_out), row_scale=row_scale, bias=bias)
+        outs.append(buf)
+    torch.cuda.synchronize()
+    for buf in outs[1:]:
+        assert torch.isnan(buf[size:]).all(), "a store past the output"
+        assert not bool(torch.isnan(buf[:size]).any()), "elements left unwritten (NaN poison survived)"
+        assert torch.equal(outs[0][:size], buf[:size])
+    return outs[-1][:size].view(m_total, n_out)

@@ -93,32 +93,16 @@ def test_gpu_cluster_n_is_bit_identical(n, k, kw, m_total, routing):
     bytes come from differs), every element written (NaN-poisoned output; the odd count's last
     pair writes nothing past N), and agree with a float64 computation."""
     require_sm90()
-    from sm90_megamoe.grouped_gemm_runner import make_offsets
+    from moe_oracle import bf16_gemm_problem, variants_same_bits
     from sm90_megamoe.launch import CompiledGroupedGemm
     from sm90_megamoe.reference import grouped_gemm_reference
 
-    E, seed = 16, 700 + m_total + n
-    offs = make_offsets(m_total, E, routing, torch.Generator().manual_seed(seed)).cuda()
-    g = torch.Generator(device="cuda").manual_seed(seed + 1)
-    a = (torch.randn(m_total, k, device="cuda", generator=g) * 0.5).to(torch.bfloat16)
-    b = (torch.randn(E, n, k, device="cuda", generator=g) / k ** 0.5).to(torch.bfloat16)
-    rs = torch.rand(m_total, device="cuda", generator=g)
-    bias_dtype = kw.get("bias")
-    bias = None if bias_dtype is None else (torch.randn(E, n, device="cuda", generator=g) * 0.5).to(bias_dtype)
-    outs = []
-    for c in (1, 2):
-        fn = CompiledGroupedGemm("identity", n, k, E, True, tile_n=kw["tile_n"], schedule=kw["schedule"],
-                                 raster_m=16, cluster_n=c, bias_dtype=None if bias is None else "float32")
-        # a guard band after the output catches stores past N of the last row (past N elsewhere
-        # they land in the next row, which the comparison below catches)
-        buf = torch.full((m_total * n + 4096,), float("nan"), dtype=torch.bfloat16, device="cuda")
-        fn(a, b, offs, out=buf[:m_total * n].view(m_total, n), row_scale=rs, bias=bias)
-        outs.append(buf)
-    torch.cuda.synchronize()
-    assert torch.isnan(outs[1][m_total * n:]).all(), "a store past the output"
-    got = outs[1][:m_total * n].view(m_total, n)
-    assert not bool(torch.isnan(got).any()), "elements left unwritten (NaN poison survived)"
-    assert torch.equal(outs[0][:m_total * n].view(m_total, n), got)
+    E = 16
+    a, b, offs, rs, bias = bf16_gemm_problem(m_total, n, k, E, routing, 700 + m_total + n, True, kw.get("bias"))
+    fns = [CompiledGroupedGemm("identity", n, k, E, True, tile_n=kw["tile_n"], schedule=kw["schedule"],
+                               raster_m=16, cluster_n=c, bias_dtype=None if bias is None else "float32")
+           for c in (1, 2)]
+    got = variants_same_bits(fns, a, b, offs, n, row_scale=rs, bias=bias)
     want = grouped_gemm_reference(a.double(), b.double(), offs, "identity", rs.double(),
                                   bias=None if bias is None else bias.double()).double()
     assert float((got.double() - want).norm() / want.norm().clamp_min(1e-30)) < 1e-2
