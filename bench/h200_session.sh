@@ -82,6 +82,10 @@
 #                arguments (e.g. "--gather-l2 --model qwen3") and the layer under each ENVAB setting (MODELS,
 #                interleaved, ENVAB_ROUNDS rounds; as envab) -> $OUT/newab_tests.log, newab_runner.log, envab_s<i>_r<r>.*.
 #                (The thirty-second session ran drop v72's clusters along N this way, as mode "clustern".)
+# ncuab:         Nsight Compute (speed of light, warp states, schedulers, instruction mix) on one FC1 + one FC2
+#                launch of each of MODELS' BF16 GEMMs (bench/ncu_gemm.py) under each ENVAB setting, e.g.
+#                ENVAB="|MOE_EP_M64_TAILS=1" MODELS=nemotron (33rd session's question: does the grown kernel miss
+#                the instruction cache?) -> $OUT/ncuab_<model>_s<i>.log.
 # envab:         the layer (MODELS, QUANT) under each setting of ENVAB ('|'-separated, each a list of
 #                VAR=value; end it with '|' for the defaults), interleaved, ENVAB_ROUNDS (2) rounds -> $OUT/envab_s<i>_r<r>.{log,csv}.
 # dropab:        DROPAB_GROUPS' GPU tests, then the BF16 and FP8 layers with the checkout's drop files and with
@@ -116,7 +120,7 @@
 #   different processes compare; untried on the H200 as of the twenty-fourth session).
 set -uo pipefail
 mode=${1:-all}
-modes="all|moe|fi|liger|sonic|extra|verify|verify2|ncu|layers|fp8ab|envab|newab|power|sustained|sustab|defer|dropab|commitab|ceiling|decide|decode|suite|suite1|suite2|suite3"
+modes="all|moe|fi|liger|sonic|extra|verify|verify2|ncu|ncuab|layers|fp8ab|envab|newab|power|sustained|sustab|defer|dropab|commitab|ceiling|decide|decode|suite|suite1|suite2|suite3"
 case "|$modes|" in *"|$mode|"*) ;; *) echo "usage: bash bench/h200_session.sh [$modes]" >&2; exit 2 ;; esac
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -357,6 +361,19 @@ layer_settings() {  # layer_settings: the layer (QUANT, MODELS) under each ENVAB
 }
 if [ "$mode" = envab ]; then
   layer_settings
+fi
+if [ "$mode" = ncuab ]; then
+  # Nsight Compute on one FC1 + one FC2 launch of the BF16 GEMMs (bench/ncu_gemm.py, uniform routing) of
+  # each of MODELS under each ENVAB setting ('|'-separated as in envab; an empty one: the defaults):
+  # speed of light, warp states (e.g. "No Instruction": instruction-cache misses), schedulers, instruction mix
+  IFS='|' read -r -a settings <<< "${ENVAB:-}|"
+  IFS=',' read -r -a ncu_models <<< "$MODELS"
+  for mdl in "${ncu_models[@]}"; do for i in "${!settings[@]}"; do
+    # shellcheck disable=SC2086
+    step "ncu BF16 $mdl, setting $i (${settings[$i]:-defaults})" "$OUT/ncuab_${mdl}_s$i.log" -- env ${settings[$i]} \
+        ncu --profile-from-start off --clock-control none --section SpeedOfLight --section WarpStateStats \
+        --section SchedulerStats --section InstructionStats python3 -m moe_ep.bench.ncu_gemm --model "$mdl"
+  done; done
 fi
 if [ "$mode" = newab ]; then
   # shellcheck disable=SC2086
