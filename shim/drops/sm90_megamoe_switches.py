@@ -9,6 +9,15 @@ from __future__ import annotations
 import os
 
 
+def _env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    """Environment variable ``name`` (unset or empty: ``default``), refused with a ValueError naming it
+    unless it is one of ``choices``."""
+    raw = os.environ.get(name) or default
+    if raw not in choices:
+        raise ValueError(f"{name} must be {', '.join(choices[:-1])} or {choices[-1]}, got {raw!r}")
+    return raw
+
+
 def use_wide_gated() -> bool:
     """``MOE_EP_WIDE_GATED=1``: the gated GEMM (FC1) issues one m64n256 WGMMA over its gate and up
     tiles per k-block instead of two m64n128 ones (drop v22, schedule ``wide``). Bit-identical to
@@ -68,10 +77,8 @@ def use_gather_l2(gather_a: bool, gather_tma: bool) -> int:
     bit-identical on the H200 but slower (33rd session: the runner's gathering FC1 0.891 ms at levels
     1 and 2 against 0.864 at 0, L2 warm; the Qwen3 layer per call 511-514 / 495-497 TFLOP/s at levels
     1 / 2 against 494-502 at 0 and 514-523 without gathering)."""
-    raw = os.environ.get("MOE_EP_GATHER_L2", "")
-    if raw not in ("", "0", "1", "2"):
-        raise ValueError(f"MOE_EP_GATHER_L2 must be 0, 1 or 2, got {raw!r}")
-    return int(raw or 0) if gather_a and not gather_tma else 0
+    level = int(_env_choice("MOE_EP_GATHER_L2", ("0", "1", "2"), "0"))
+    return level if gather_a and not gather_tma else 0
 
 
 def use_half_tiles(schedule: str, tile: int, gather_a: bool, cluster_m: int) -> bool:
@@ -88,10 +95,7 @@ def use_m64_tails(schedule: str) -> bool:
     and 1-3% faster where every tile is a tail, but with many rows per expert the kernel is slower,
     even with no tail at all (33rd session: Nemotron's GEMMs 9-10% on uniform routing, its layer
     7-9%; the busy path's SASS is unchanged, the code grows; docs/LIMITS.md)."""
-    raw = os.environ.get("MOE_EP_M64_TAILS", "0")
-    if raw not in ("0", "1"):
-        raise ValueError(f"MOE_EP_M64_TAILS must be 0 or 1, got {raw!r}")
-    return raw == "1" and schedule == "pingpong"
+    return _env_choice("MOE_EP_M64_TAILS", ("0", "1"), "0") == "1" and schedule == "pingpong"
 
 
 def use_bf16_tanh_sigmoid(activation: str) -> bool:
