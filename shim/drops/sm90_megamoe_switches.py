@@ -94,7 +94,8 @@ def use_m64_tails(schedule: str) -> bool:
     per k-block instead of two (same bits). ``MOE_EP_M64_TAILS=1``. Opt-in: bit-identical on the H200
     and 1-3% faster where every tile is a tail, but with many rows per expert the kernel is slower,
     even with no tail at all (33rd session: Nemotron's GEMMs 9-10% on uniform routing, its layer
-    7-9%; the busy path's SASS is unchanged, the code grows; docs/LIMITS.md)."""
+    7-9%; the full tiles' mainloop SASS is unchanged, the code grows and the epilogue is scheduled
+    differently; docs/LIMITS.md)."""
     return _env_choice("MOE_EP_M64_TAILS", ("0", "1"), "0") == "1" and schedule == "pingpong"
 
 
