@@ -219,3 +219,18 @@ def variants_same_bits(fns, a, b, offs, n_out, row_scale=None, bias=None) -> tor
         assert not bool(torch.isnan(buf[:size]).any()), "elements left unwritten (NaN poison survived)"
         assert torch.equal(outs[0][:size], buf[:size])
     return outs[-1][:size].view(m_total, n_out)
+
+
+def gathered_bf16_problem(m_total: int, routing: str, b_seed: int, src_seed: int, idx_seed: int) -> tuple:
+    """GPU inputs of the gathering BF16 FC1 tests (Qwen3's FC1 shape, 16 experts; the calling module
+    has registered the sm90 drop): (src [700, 2048] bf16 tokens, idx [m_total] int32 rows of src,
+    a = src[idx] [m_total, 2048] bf16, b [16, 1536, 2048] bf16, offs [17] int32 of ``routing``)."""
+    from sm90_megamoe.grouped_gemm_runner import make_inputs
+
+    E, t_src, n, k = 16, 700, 1536, 2048
+    _, b, offs, _, _ = make_inputs(m_total, n, k, E, "swiglu", routing, False, seed=b_seed)
+    g = torch.Generator(device="cuda").manual_seed(src_seed)
+    src = (torch.randn(t_src, k, device="cuda", generator=g) * 0.5).to(torch.bfloat16)
+    idx = torch.randint(0, t_src, (m_total,), generator=torch.Generator().manual_seed(idx_seed),
+                        dtype=torch.int32).cuda()
+    return src, idx, src[idx.long()].contiguous(), b, offs

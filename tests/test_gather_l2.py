@@ -138,16 +138,12 @@ def test_gpu_gather_l2_is_bit_identical(routing, m_total):
     from moe_oracle import require_sm90
 
     require_sm90()
-    from sm90_megamoe.grouped_gemm_runner import make_inputs
+    from moe_oracle import gathered_bf16_problem
     from sm90_megamoe.launch import CompiledGroupedGemm
     from sm90_megamoe.reference import grouped_gemm_reference
 
-    E, t_src, n, k = 16, 700, 1536, 2048
-    _, b, offs, _, _ = make_inputs(m_total, n, k, E, "swiglu", routing, False, seed=47)
-    g = torch.Generator(device="cuda").manual_seed(11)
-    src = (torch.randn(t_src, k, device="cuda", generator=g) * 0.5).to(torch.bfloat16)  # the tokens
-    idx = torch.randint(0, t_src, (m_total,), generator=torch.Generator().manual_seed(7), dtype=torch.int32).cuda()
-    a = src[idx.long()].contiguous()
+    E, n, k = 16, 1536, 2048
+    src, idx, a, b, offs = gathered_bf16_problem(m_total, routing, b_seed=47, src_seed=11, idx_seed=7)
     plain = CompiledGroupedGemm("swiglu", n, k, E, False)
     gathers = [CompiledGroupedGemm("swiglu", n, k, E, False, gather_a=True, gather_l2=lvl) for lvl in (0, 1, 2)]
     outs = [torch.full((m_total, n // 2), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(4)]

@@ -80,16 +80,12 @@ def test_gather_tma_needs_gather_a():
 def test_gpu_bf16_gather_tma_is_bit_identical(routing, m_total):
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
-    from sm90_megamoe.grouped_gemm_runner import make_inputs
+    from moe_oracle import gathered_bf16_problem
     from sm90_megamoe.launch import CompiledGroupedGemm
     from sm90_megamoe.reference import grouped_gemm_reference
 
-    E, t_src, n, k = 16, 700, 1536, 2048
-    _, b, offs, _, _ = make_inputs(m_total, n, k, E, "swiglu", routing, False, seed=43)
-    g = torch.Generator(device="cuda").manual_seed(9)
-    src = (torch.randn(t_src, k, device="cuda", generator=g) * 0.5).to(torch.bfloat16)  # the tokens
-    idx = torch.randint(0, t_src, (m_total,), generator=torch.Generator().manual_seed(5), dtype=torch.int32).cuda()
-    a = src[idx.long()].contiguous()
+    E, n, k = 16, 1536, 2048
+    src, idx, a, b, offs = gathered_bf16_problem(m_total, routing, b_seed=43, src_seed=9, idx_seed=5)
     plain = CompiledGroupedGemm("swiglu", n, k, E, False)
     rows = CompiledGroupedGemm("swiglu", n, k, E, False, gather_a=True, gather_tma=True)
     outs = [torch.full((m_total, n // 2), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in range(2)]
