@@ -85,7 +85,8 @@
 # ncuab:         Nsight Compute (speed of light, warp states, schedulers, instruction mix) on one FC1 + one FC2
 #                launch of each of MODELS' BF16 GEMMs (bench/ncu_gemm.py) under each ENVAB setting, e.g.
 #                ENVAB="|MOE_EP_M64_TAILS=1" MODELS=nemotron (33rd session's question: does the grown kernel miss
-#                the instruction cache?) -> $OUT/ncuab_<model>_s<i>.log.
+#                the instruction cache?; with drop v79 also "|MOE_EP_JUMP_STAGES=1|MOE_EP_JUMP_STAGES=1 MOE_EP_M64_TAILS=1")
+#                -> $OUT/ncuab_<model>_s<i>.log.
 # envab:         the layer (MODELS, QUANT) under each setting of ENVAB ('|'-separated, each a list of
 #                VAR=value; end it with '|' for the defaults), interleaved, ENVAB_ROUNDS (2) rounds -> $OUT/envab_s<i>_r<r>.{log,csv}.
 # dropab:        DROPAB_GROUPS' GPU tests, then the BF16 and FP8 layers with the checkout's drop files and with
@@ -214,7 +215,7 @@ suite_groups=(
   "tests/test_ep_gpu.py;tests/test_disk_cache.py;tests/test_transformers_integration.py;tests/test_blackwell_backends.py"
   "tests/test_sm90_fp8_quant.py;tests/test_fp8_quant_div.py;tests/test_fp8_quant_items.py;tests/test_fp8_scatter_quant.py;tests/test_fp8_cluster.py"
   "tests/test_fp8_plain_schedule.py;tests/test_fp8_smem_scales.py;tests/test_fp8_unit_scales.py;tests/test_fp8_deferred_epilogue.py;tests/test_bf16_cluster.py"
-  "tests/test_sm90_fp8_compile.py" "tests/test_sm90_swapab_compile.py;tests/test_gather_tma.py;tests/test_half_tiles.py;tests/test_fp8_tanh_sigmoid.py;tests/test_bf16_tanh_sigmoid.py;tests/test_bf16_cluster_n.py;tests/test_gather_l2.py;tests/test_m64_tails.py"
+  "tests/test_sm90_fp8_compile.py" "tests/test_sm90_swapab_compile.py;tests/test_gather_tma.py;tests/test_half_tiles.py;tests/test_fp8_tanh_sigmoid.py;tests/test_bf16_tanh_sigmoid.py;tests/test_bf16_cluster_n.py;tests/test_gather_l2.py;tests/test_m64_tails.py;tests/test_jump_stages.py"
 )
 # SUITE_PICK="i j ...": only those of the groups above (0-based), e.g. the ones a cut call left unrun
 if [ -n "${SUITE_PICK:-}" ]; then
@@ -540,7 +541,7 @@ if [ "$mode" = suite2 ]; then
       tests/test_sm90_fp8_compile.py tests/test_sm90_swapab_compile.py tests/test_blackwell_backends.py \
       tests/test_sm90_fp8_gather.py tests/test_gather_fc1.py tests/test_fp8_quant_div.py tests/test_fp8_quant_items.py tests/test_fp8_scatter_quant.py tests/test_fp8_cluster.py \
       tests/test_bf16_cluster.py tests/test_fp8_plain_schedule.py tests/test_fp8_smem_scales.py tests/test_fp8_unit_scales.py tests/test_fp8_deferred_epilogue.py tests/test_fp8_tanh_sigmoid.py tests/test_bf16_tanh_sigmoid.py tests/test_fp8_fused_quant.py \
-      tests/test_gather_tma.py tests/test_half_tiles.py tests/test_bf16_cluster_n.py tests/test_gather_l2.py tests/test_m64_tails.py
+      tests/test_gather_tma.py tests/test_half_tiles.py tests/test_bf16_cluster_n.py tests/test_gather_l2.py tests/test_m64_tails.py tests/test_jump_stages.py
 fi
 if [ "$mode" = suite3 ]; then
   step "GPU suite 3/3" "$OUT/suite3.log" -- "${suite_common[@]}" tests/test_ep_virtual_gpu.py

@@ -53,6 +53,7 @@ from .sm90_megamoe_switches import (  # noqa: F401  (re-exported: the shim reads
     use_gather_l2,
     use_gather_tma,
     use_half_tiles,
+    use_jump_stages,
     use_m64_tails,
     use_wide_gated,
 )
@@ -60,7 +61,7 @@ from .sm90_megamoe_switches import (  # noqa: F401  (re-exported: the shim reads
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 78},
+    "sm90_megamoe": {"DROP_VERSION": 79},
     "sm90_megamoe.fp8_gemm": {"FP8_BLOCK": 128, "OVERLAP_MAX_K_TILES": 32, "OVERLAP_MAX_CHUNK": 16,
                                "MAX_SCALE_LOOKAHEAD": 4},
     "sm90_megamoe.unit_scales": {"UNIT_SCALE_KC": 8},
@@ -103,7 +104,7 @@ CONTRACT = DropContract(
                     ("activation", "n", "k", "num_experts", "scale_rows", "tile_n", "bias_dtype",
                      "raster_m", "swiglu_alpha", "swiglu_limit", "schedule", "compiled", "tvm_ffi",
                      "early_weights", "gather_a", "cluster_m", "gather_tma", "half_tiles", "tanh_sigmoid",
-                     "cluster_n", "gather_l2", "m64_tails")),
+                     "cluster_n", "gather_l2", "m64_tails", "jump_stages")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_converted",
                     ("args", "max_active_ctas", "stream")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_tensors",
@@ -384,6 +385,7 @@ class GemmKey:
     cluster_n: int = 1
     gather_l2: int = 0
     m64_tails: bool = False
+    jump_stages: bool = False
 
 
 class GroupedGemm:
@@ -522,7 +524,8 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
                   schedule, ffi, early, bool(gather_a), cluster, use_gather_tma(gather_a),
                   use_half_tiles(schedule, tile, gather_a, cluster), use_bf16_tanh_sigmoid(activation),
                   use_bf16_cluster_n(schedule, activation in GEMM_GATED, gather_a),
-                  use_gather_l2(gather_a, use_gather_tma(gather_a)), use_m64_tails(schedule))
+                  use_gather_l2(gather_a, use_gather_tma(gather_a)), use_m64_tails(schedule),
+                  use_jump_stages(schedule))
 
     def build():
         launch = _load("sm90_megamoe.launch")
@@ -546,12 +549,15 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
             kw.update(tanh_sigmoid=True)
         if key.m64_tails:
             kw.update(m64_tails=True)
+        if key.jump_stages:
+            kw.update(jump_stages=True)
         if activation == "clamped_swiglu":
             kw.update(swiglu_alpha=alpha, swiglu_limit=limit)
         name = (f"gemm_{activation}" + ("_gather" if gather_a else "") + ("_tma" if key.gather_tma else "")
                 + (f"_l2h{key.gather_l2}" if key.gather_l2 else "")
                 + ("_cluster2" if key.cluster_m > 1 else "") + ("_clustern2" if key.cluster_n > 1 else "")
                 + ("_half" if key.half_tiles else "") + ("_m64t" if key.m64_tails else "")
+                + ("_js" if key.jump_stages else "")
                 + ("_tanh" if key.tanh_sigmoid else ""))
         fn = disk_cache.get_or_build(cache_namespace(), name, key,
                                      lambda: launch.CompiledGroupedGemm(**kw).compiled, tvm_ffi=ffi)

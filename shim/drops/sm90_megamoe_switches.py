@@ -99,6 +99,16 @@ def use_m64_tails(schedule: str) -> bool:
     return _env_choice("MOE_EP_M64_TAILS", ("0", "1"), "0") == "1" and schedule == "pingpong"
 
 
+def use_jump_stages(schedule: str) -> bool:
+    """Drop v79 ``jump_stages``: after each tile a pingpong warpgroup skips the other warpgroup's
+    stages in one index / phase step instead of ``k_tiles`` unrolled single advances (same stages,
+    same bits; Nemotron's FC1 kernel 2032 -> 1696 SASS instructions, Qwen3's FC2 1728 -> 1624).
+    ``MOE_EP_JUMP_STAGES=1``. Opt-in until it has run on the H200: drop v78's slowdown with an
+    unused branch (docs/LIMITS.md) says code size alone can cost the busy path, so it is timed
+    against the unrolled skip before it becomes the default."""
+    return _env_choice("MOE_EP_JUMP_STAGES", ("0", "1"), "0") == "1" and schedule == "pingpong"
+
+
 def use_bf16_tanh_sigmoid(activation: str) -> bool:
     """Drop v52 ``tanh_sigmoid``: the BF16 swiglu GEMM (FC1; every schedule -- cooperative, wide,
     gathering, swap-AB -- so the kernels that give one another's bits without it, e.g. the gathering

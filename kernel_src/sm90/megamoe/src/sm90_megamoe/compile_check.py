@@ -68,10 +68,12 @@ def compile_for_arch(
     cluster_n: int = 1,
     gather_l2: int = 0,
     m64_tails: bool = False,
+    jump_stages: bool = False,
 ):
     """Compile one variant for ``arch`` from fake tensors. ``bias_dtype``: None (no bias),
     "float32" or "bfloat16"; ``gather_a``: the gathering kernel (:mod:`.grouped_gemm_gather`),
-    ``gather_l2`` its L2 policies (drop v75); ``m64_tails``: pingpong's 64-row tiles (drop v78)."""
+    ``gather_l2`` its L2 policies (drop v75); ``m64_tails``: pingpong's 64-row tiles (drop v78); ``jump_stages``: pingpong's
+    one-step skip of the other warpgroup's stages (drop v79)."""
     cls = GroupedGemmSm90
     extra = {}
     if gather_a:
@@ -85,7 +87,8 @@ def compile_for_arch(
                  **({"half_tiles": True} if half_tiles else {}),
                  **({"tanh_sigmoid": True} if tanh_sigmoid else {}),
                  **({"cluster_n": cluster_n} if cluster_n > 1 else {}),
-                 **({"m64_tails": True} if m64_tails else {}))
+                 **({"m64_tails": True} if m64_tails else {}),
+                 **({"jump_stages": True} if jump_stages else {}))
     args = fake_args(kernel, num_experts, n, k, bias_dtype=bias_dtype or "float32")
     opts = f"--gpu-arch {arch} --keep-ptx {extra_options}".strip()
     return cute.compile(kernel, *args, options=opts)

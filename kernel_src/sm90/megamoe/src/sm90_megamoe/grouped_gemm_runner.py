@@ -11,6 +11,8 @@
         # clusters of 2 along N (A multicast) vs pingpong 128 x 192 alone
     python -m sm90_megamoe.grouped_gemm_runner --m64-tails --model qwen3,gpt_oss   # drop v78: pingpong
         # tiles of <= 64 rows on one 64-row WGMMA vs without (FC2), and FC1 on pingpong vs cooperative
+    python -m sm90_megamoe.grouped_gemm_runner --jump-stages --model qwen3,nemotron   # drop v79:
+        # pingpong skipping the other warpgroup's stages in one step vs unrolled (alone, with m64_tails)
     python -m sm90_megamoe.grouped_gemm_runner --gather-tma --model qwen3   # drop v41: FC1 gathering
         # rows by one TMA load per row vs by cp.async vs the plain FC1 on copied rows
     python -m sm90_megamoe.grouped_gemm_runner --gather-l2 --model qwen3    # drop v75: the cp.async
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import NamedTuple
 
 import torch
 
@@ -145,7 +148,7 @@ def bench(fn: CompiledGroupedGemm, m_total, n, k, experts, activation, routing, 
     print(
         f"[bench] {activation:14s} scale={int(scale_rows)} raster={fn.raster_m} {fn.schedule}"
         f"{' cluster2' if fn.cluster_m > 1 else ''}{' cluster_n2' if fn.cluster_n > 1 else ''}"
-        f"{' m64_tails' if fn.m64_tails else ''} tile_n={getattr(fn.kernel, 'tile_n', '-')} M={m_total} N={n} K={k} E={experts} "
+        f"{' m64_tails' if fn.m64_tails else ''}{' jump_stages' if fn.jump_stages else ''} tile_n={getattr(fn.kernel, 'tile_n', '-')} M={m_total} N={n} K={k} E={experts} "
         f"routing={routing}: ours {t_ours*1e3:.3f} ms {flops/t_ours/1e12:.1f} TFLOP/s | "
         f"torch._grouped_mm {t_torch*1e3:.3f} ms {flops/t_torch/1e12:.1f} TFLOP/s | "
         f"ratio {t_torch/t_ours:.3f}x",
@@ -260,6 +263,7 @@ WIDE_SHAPES = {
     "mixtral": (28672, 4096, 8, 16384, "swiglu", None),
     "dsv3_shard": (4096, 7168, 32, 65536, "swiglu", None),
     "gpt_oss": (5760, 2880, 128, 32768, "clamped_swiglu", "float32"),
+    "nemotron": (1856, 2688, 128, 49152, "squared_relu", None),  # not gated: FC2's K is N
 }
 
 
@@ -307,30 +311,53 @@ def cluster(models, iters=20) -> bool:
     return ok
 
 
-#: variants (schedule, tile_n, cluster_n, m64_tails), the first the baseline, that --pingpong (drop
-#: v71), --cluster-n (drop v72) and --m64-tails (drop v78) compare, per GEMM (1 = FC1, 2 = FC2)
+class Variant(NamedTuple):
+    """One compiled variant of a GEMM shape (the :func:`get_grouped_gemm` options it differs by)."""
+
+    schedule: str
+    tile_n: int
+    cluster_n: int = 1
+    m64_tails: bool = False
+    jump_stages: bool = False
+
+
+_PP192, _PP96 = Variant("pingpong", 192), Variant("pingpong", 96)
+#: the variants, the first the baseline, that --pingpong (drop v71), --cluster-n (drop v72),
+#: --m64-tails (drop v78) and --jump-stages (drop v79) compare, per GEMM (1 = FC1, 2 = FC2)
 GEMM_VARIANTS = {
-    "pingpong": {2: (("cooperative", 256, 1, False), ("pingpong", 192, 1, False))},
-    "cluster_n": {2: (("pingpong", 192, 1, False), ("pingpong", 192, 2, False), ("cooperative", 256, 2, False))},
-    # FC1's default is cooperative 128-wide; its pingpong tile is 96 (two 96-wide accumulators)
-    "m64_tails": {2: (("pingpong", 192, 1, False), ("pingpong", 192, 1, True), ("cooperative", 256, 1, False)),
-                  1: (("cooperative", 128, 1, False), ("pingpong", 96, 1, False), ("pingpong", 96, 1, True))},
+    "pingpong": {2: (Variant("cooperative", 256), _PP192)},
+    "cluster_n": {2: (_PP192, _PP192._replace(cluster_n=2), Variant("cooperative", 256, cluster_n=2))},
+    # FC1's default is cooperative 128-wide (gated; non-gated FC1 is pingpong 192 as FC2); the gated
+    # pingpong tile is 96 (two 96-wide accumulators)
+    "m64_tails": {2: (_PP192, _PP192._replace(m64_tails=True), Variant("cooperative", 256)),
+                  1: (Variant("cooperative", 128), _PP96, _PP96._replace(m64_tails=True))},
+    "jump_stages": {2: (_PP192, _PP192._replace(jump_stages=True), _PP192._replace(m64_tails=True),
+                        _PP192._replace(m64_tails=True, jump_stages=True)),
+                    1: (_PP96, _PP96._replace(jump_stages=True))},
 }
+#: a non-gated FC1 (squared_relu) runs on FC2's pingpong 192 tile: --m64-tails / --jump-stages take
+#: FC2's variants for it
+_NON_GATED_FC1 = {"m64_tails", "jump_stages"}
 
 
 def gemm_variants(models, variants, tag, iters=20) -> bool:
-    """``variants`` ({1 | 2: ((schedule, tile_n, cluster_n, m64_tails), ...)}, the first of each the
-    baseline) on --model's FC1 (its activation and bias; swiglu with the tanh sigmoid, as the layer
-    runs it) and FC2 (identity, row scale, the model's bias) shapes: the same bits as the baseline
+    """``variants`` ({1 | 2: (:class:`Variant`, ...)}, the first of each the baseline) on --model's
+    FC1 (its activation and bias; swiglu with the tanh sigmoid, as the layer runs it; a non-gated
+    FC1 takes FC2's variants) and FC2 (identity, row scale, the model's bias) shapes: the same bits as the baseline
     (NaN-poisoned outputs) on a layer's routing (topk8), an eighth of its rows, skewed and one row,
     then the float reference, then all timed on topk8 at both row counts, interleaved twice."""
     ok = True
     for name in models:
         n1, k1, e, m, act1, bias = WIDE_SHAPES[name]
-        for fc, vs in sorted(variants.items()):
-            n, k, act, sr = (n1, k1, act1, False) if fc == 1 else (k1, n1 // 2, "identity", True)
-            fns = {v: get_grouped_gemm(act, n, k, e, scale_rows=sr, bias_dtype=bias, schedule=v[0], tile_n=v[1],
-                                       cluster_n=v[2], m64_tails=v[3], tanh_sigmoid=act == "swiglu")
+        gated = act1 in GATED_ACTIVATIONS
+        per_fc = dict(variants)
+        if not gated and tag in _NON_GATED_FC1 and 2 in per_fc:
+            per_fc[1] = per_fc[2]
+        for fc, vs in sorted(per_fc.items()):
+            n, k, act, sr = (n1, k1, act1, False) if fc == 1 else (k1, n1 // 2 if gated else n1, "identity", True)
+            fns = {v: get_grouped_gemm(act, n, k, e, scale_rows=sr, bias_dtype=bias, schedule=v.schedule,
+                                       tile_n=v.tile_n, cluster_n=v.cluster_n, m64_tails=v.m64_tails,
+                                       jump_stages=v.jump_stages, tanh_sigmoid=act == "swiglu")
                    for v in vs}
             for m_, routing, seed in ((m, "topk8", 1), (m // 8, "topk8", 2), (4133, "skewed", 3), (1, "skewed", 4)):
                 same = same_bits([fns[v] for v in vs], m_, n, k, e, act, routing, sr, seed, bias)
@@ -556,6 +583,9 @@ def main():
     p.add_argument("--m64-tails", action="store_true",
                    help="pingpong tiles of <= 64 rows on one 64-row WGMMA (drop v78) vs without, and vs "
                         "cooperative, on --model's FC1 and FC2 shapes")
+    p.add_argument("--jump-stages", action="store_true",
+                   help="pingpong skipping the other warpgroup's stages in one step (drop v79) vs unrolled, "
+                        "alone and with m64_tails, on --model's FC1 and FC2 shapes")
     p.add_argument("--half-tiles", action="store_true",
                    help="tiles of <= 64 rows split along N vs whole tiles on --model's FC1 and FC2 shapes")
     p.add_argument("--tanh-sigmoid", action="store_true",
@@ -575,8 +605,8 @@ def main():
         raise SystemExit(0 if wide(args.model.split(",")) else 1)
     if args.cluster:
         raise SystemExit(0 if cluster(args.model.split(",")) else 1)
-    if args.pingpong or args.cluster_n or args.m64_tails:
-        tag = "pingpong" if args.pingpong else "cluster_n" if args.cluster_n else "m64_tails"
+    if args.pingpong or args.cluster_n or args.m64_tails or args.jump_stages:
+        tag = next(t for t in GEMM_VARIANTS if getattr(args, t))
         raise SystemExit(0 if gemm_variants(args.model.split(","), GEMM_VARIANTS[tag], tag) else 1)
     if args.half_tiles:
         raise SystemExit(0 if half_tiles(args.model.split(",")) else 1)

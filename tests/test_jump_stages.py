@@ -1,0 +1,151 @@
+"""Drop v79: a pingpong warpgroup skips the other warpgroup's stages in one step (``jump_stages``;
+``MOE_EP_JUMP_STAGES``). In the pingpong schedule the producer loads every tile into one stage
+ring and the two consumer warpgroups take tiles in turn, so after each tile a warpgroup advances
+its read and release states past the other's ``k_tiles`` stages. Without the option that is
+``k_tiles`` single advances, unrolled (a compare and a select per stage and state); with it, one
+index / phase computation per state.
+
+CPU: the variants compile for sm_90a with the same WGMMAs, no spills and without the per-stage
+compares; refusals; the shim's switch, key and kernel name. GPU: the same bits as the pingpong
+kernel without it (every tile count per CTA, odd and even, so both warpgroups end on every
+phase), a float64 reference, and the layer with the switch off and on (eager and CUDA graph)."""
+
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass")
+
+from moe_ep.shim import drop_src, register_drop  # noqa: E402
+
+register_drop(drop_src("sm90", "megamoe"))
+
+from moe_oracle import require_sm90  # noqa: E402
+
+#: (activation, N, K, tile_n, scale_rows, m64_tails): Qwen3's FC2 (the default pingpong, 12 k-tiles),
+#: Nemotron's squared-ReLU FC1 (42 k-tiles), a gated FC1 on 96-wide tiles (two accumulators), and
+#: Qwen3's FC2 with drop v78's 64-row tails (two mainloops before the skip)
+SHAPES = [("identity", 2048, 768, 192, True, False), ("squared_relu", 1856, 2688, 192, False, False),
+          ("swiglu", 1536, 2048, 96, False, False), ("identity", 2048, 768, 192, True, True)]
+
+
+# ---------------------------------------------------------------------------- compile (CPU)
+@pytest.mark.parametrize("act,n,k,tile_n,sr,m64", SHAPES)
+def test_jump_stages_drops_the_unrolled_skip(act, n, k, tile_n, sr, m64, tmp_path, monkeypatch):
+    """Same WGMMAs (shape and count), no spills; the unrolled skip's per-stage compares
+    (``setp.eq.b32`` of the stage index against the ring size: two states x k_tiles) are gone."""
+    monkeypatch.chdir(tmp_path)
+    from sm90_megamoe.compile_check import compile_for_arch
+    from sm90_megamoe.layout_compile_check import ptxas_info
+
+    wgmmas, compares = [], []
+    for jump in (False, True):
+        ptx = compile_for_arch(act, n, k, sr, tile_n=tile_n, schedule="pingpong", raster_m=16,
+                               **({"m64_tails": True} if m64 else {}), **({"jump_stages": True} if jump else {})).__ptx__
+        shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))
+        assert shapes == {f"m64n{tile_n}k16"}, shapes
+        wgmmas.append(len(re.findall(r"wgmma\.mma_async", ptx)))
+        compares.append(len(re.findall(r"setp\.eq\.b32", ptx)))
+        info = ptxas_info(ptx, "sm_90a")
+        if info is not None:
+            assert info[1] == 0, info  # no spills
+    k_tiles = k // 64
+    assert wgmmas[0] == wgmmas[1], wgmmas
+    assert compares[0] - compares[1] >= 2 * k_tiles, (compares, k_tiles)
+
+
+def test_jump_stages_refusals():
+    from sm90_megamoe.grouped_gemm import GroupedGemmSm90
+    from sm90_megamoe.launch import CompiledGroupedGemm
+
+    for schedule in ("cooperative", "wide"):
+        with pytest.raises(ValueError, match="jump_stages is for the pingpong schedule"):
+            GroupedGemmSm90("swiglu", schedule=schedule, jump_stages=True)
+    fn = CompiledGroupedGemm("identity", 2048, 768, 16, True, tile_n=192, schedule="pingpong",
+                             jump_stages=True, compiled=object())
+    assert fn.jump_stages and fn.kernel.jump_stages and not fn.m64_tails
+
+
+def test_shim_switch_and_key(monkeypatch):
+    from moe_ep.shim.drops import sm90_megamoe as s
+
+    monkeypatch.delenv("MOE_EP_JUMP_STAGES", raising=False)
+    assert not s.use_jump_stages("pingpong")  # opt-in
+    monkeypatch.setenv("MOE_EP_JUMP_STAGES", "1")
+    assert s.use_jump_stages("pingpong")
+    assert not any(s.use_jump_stages(x) for x in ("cooperative", "wide", "swapab"))
+    for bad in ("2", "true", " 1"):
+        monkeypatch.setenv("MOE_EP_JUMP_STAGES", bad)
+        with pytest.raises(ValueError, match="MOE_EP_JUMP_STAGES"):
+            s.use_jump_stages("pingpong")
+    assert s.GemmKey.__dataclass_fields__["jump_stages"].default is False
+
+
+def test_shim_builds_the_jumping_launcher(monkeypatch):
+    """Under MOE_EP_JUMP_STAGES=1 the shim keys and builds (recorded: no compile) Qwen3's pingpong FC2
+    with ``jump_stages`` under its own kernel name, and leaves the cooperative FC1 alone; with
+    MOE_EP_M64_TAILS=1 as well, the two combine."""
+    from recorders import record_gemm_builds
+
+    from moe_ep.shim import cache
+    from moe_ep.shim.drops import sm90_megamoe as s
+
+    built, names = record_gemm_builds(monkeypatch)
+    monkeypatch.delenv("MOE_EP_PINGPONG_MAX_K", raising=False)
+    monkeypatch.delenv("MOE_EP_M64_TAILS", raising=False)
+    for flag in ("1", "0"):
+        monkeypatch.setenv("MOE_EP_JUMP_STAGES", flag)
+        s.compiled_grouped_gemm("identity", 2048, 768, 128, scale_rows=True)
+    monkeypatch.setenv("MOE_EP_JUMP_STAGES", "1")
+    s.compiled_grouped_gemm("swiglu", 1536, 2048, 128)
+    monkeypatch.setenv("MOE_EP_M64_TAILS", "1")
+    s.compiled_grouped_gemm("identity", 2048, 768, 128, scale_rows=True)
+    assert [kw.get("schedule") for kw in built[::2]] == ["pingpong", "pingpong", "cooperative", "pingpong"]
+    assert [kw.get("jump_stages", False) for kw in built[::2]] == [True, False, False, True]
+    assert [kw.get("m64_tails", False) for kw in built[::2]] == [False, False, False, True]
+    assert ["_js" in n for n in names] == [True, False, False, True], names
+    assert sorted(k.jump_stages for k in cache.COMPILE_CACHE._store) == [False, False, True, True]
+
+
+# ---------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("act,n,k,tile_n,sr,m64", [SHAPES[0], SHAPES[1], SHAPES[3]])
+@pytest.mark.parametrize("routing,m_total", [("uniform", 5000), ("skewed", 5000), ("skewed", 300),
+                                             ("uniform", 40000), ("skewed", 1)])
+def test_gpu_jump_stages_is_bit_identical(act, n, k, tile_n, sr, m64, routing, m_total):
+    """The same bits as pingpong without it, at 1 to ~26 tiles per CTA (so each warpgroup skips the
+    other's stages many times, across ring laps of either phase). NaN-poisoned output with a guard
+    band; then a float64 reference. (Kernels from the drop's compile cache: one per variant.)"""
+    require_sm90()
+    from moe_oracle import bf16_gemm_problem, variants_same_bits
+    from sm90_megamoe.launch import get_grouped_gemm
+    from sm90_megamoe.reference import grouped_gemm_reference
+
+    E = 16
+    a, b, offs, rs, _ = bf16_gemm_problem(m_total, n, k, E, routing, 7900 + m_total + n, sr)
+    fns = [get_grouped_gemm(act, n, k, E, scale_rows=sr, tile_n=tile_n, schedule="pingpong", raster_m=16,
+                            m64_tails=m64, jump_stages=jump) for jump in (False, True)]
+    got = variants_same_bits(fns, a, b, offs, n // 2 if act == "swiglu" else n, row_scale=rs)
+    want = grouped_gemm_reference(a.double(), b.double(), offs, act, None if rs is None else rs.double()).double()
+    assert float((got.double() - want).norm() / want.norm().clamp_min(1e-30)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [333, 4096])
+def test_gpu_layer_with_jump_stages_is_bit_identical(monkeypatch, T):
+    """MOE_EP_JUMP_STAGES=1 (Qwen3's pingpong FC2 skipping in one step) gives the layer's default
+    bits, eager and replayed from a poisoned CUDA graph; the cooperative FC1 is untouched."""
+    require_sm90()
+    monkeypatch.delenv("MOE_EP_PINGPONG_MAX_K", raising=False)
+    monkeypatch.delenv("MOE_EP_M64_TAILS", raising=False)
+    from moe_oracle import layer_outputs_with_switch, qwen3_gather_layer
+
+    cfg, inputs = qwen3_gather_layer(T, seed=T + 79)
+
+    def check(impl, on):
+        assert impl.fc2.compiled.schedule == "pingpong" and impl.fc2.compiled.jump_stages == on
+        assert not impl.fc1.compiled.jump_stages
+
+    outs = layer_outputs_with_switch(monkeypatch, "MOE_EP_JUMP_STAGES", cfg, "sm90_bf16_cutedsl", inputs, check)
+    assert torch.isfinite(outs[1].float()).all() and torch.equal(outs[0], outs[1])
