@@ -158,6 +158,10 @@ class _RowPlan:
 
     Lane ``l`` handles vectors ``c*32*U + u*32 + l`` for chunk c and unroll slot u: each chunk
     issues U independent 16-byte loads per lane before any store (U*16 B in flight per lane).
+    Drop v80: the kernels' row loops share its chunk helpers -- :meth:`load_chunk` +
+    :meth:`store_chunk` (a row copy: dispatch, GatherRows, LayoutPlace) and :meth:`add_chunk` +
+    :meth:`store_sum` (a float32 sum of rows: CombineSend, CombineLocal, CombineReduce); their PTX
+    is byte-identical to v79's inline loops.
     """
 
     def __init__(self, hidden: int, unroll: int = EP_UNROLL):
@@ -175,6 +179,61 @@ class _RowPlan:
             if vbase < self.nvec:
                 out.append((u, vbase, vbase + 32 > self.nvec))
         return out
+
+    def vec(self, lane: Int32, vbase: int, pred: bool) -> Int32:
+        """Lane ``lane``'s vector of the slot at ``vbase``; in a slot reaching past the row
+        (``pred``) the index is clamped to the last vector, so the load stays inside the row (the
+        caller masks the store)."""
+        vi = lane + vbase
+        if pred:
+            vi = cutlass.min(vi, Int32(self.nvec - 1))
+        return vi
+
+    def load_chunk(self, slots, row: Int64, lane: Int32):
+        """Issue chunk ``slots``' 16-byte loads of the row at byte address ``row``, all before any
+        store (traced inline): ``(offsets, vectors)``, one per slot."""
+        offs, vals = [], []
+        for u, vbase, pred in slots:
+            off = Int64(self.vec(lane, vbase, pred)) * EP_VEC_BYTES
+            offs.append(off)
+            vals.append(_ld_vec(row + off))
+        return offs, vals
+
+    def add_chunk(self, accs, slots, row: Int64, lane: Int32, weight=None):
+        """``accs[j] += (weight *) float32(row's vector of slot j)`` for chunk ``slots`` of the bf16
+        row at byte address ``row`` (traced inline; ``weight`` None: unweighted)."""
+        for j in range(len(slots)):
+            u, vbase, pred = slots[j]
+            v = _ld_bf16x8_f32(row + Int64(self.vec(lane, vbase, pred)) * EP_VEC_BYTES)
+            if weight is not None:
+                v = v * weight
+            accs[j].store(accs[j].load() + v)
+
+    @cute.jit
+    def store_sum(self, accs, slots, row: Int64, lane: Int32):
+        """Chunk ``slots``' float32 sums ``accs`` as bf16 vectors into the row at byte address
+        ``row``; lanes past the row store nothing (traced inline)."""
+        for j in cutlass.range_constexpr(len(slots)):
+            u, vbase, pred = slots[j]
+            o = accs[j].load().to(BFloat16)
+            off = Int64(lane + vbase) * EP_VEC_BYTES
+            if cutlass.const_expr(pred):
+                if lane + vbase < self.nvec:
+                    cute.arch.store(_gptr(BFloat16, row + off, 16), o.ir_value())
+            else:
+                cute.arch.store(_gptr(BFloat16, row + off, 16), o.ir_value())
+
+    @cute.jit
+    def store_chunk(self, slots, row: Int64, offs, vals, lane: Int32):
+        """Chunk ``slots``' vectors ``vals`` (from :meth:`load_chunk`) into the row at byte address
+        ``row`` (own or a peer's) at ``offs``; lanes past the row store nothing (traced inline)."""
+        for j in cutlass.range_constexpr(len(slots)):
+            u, vbase, pred = slots[j]
+            if cutlass.const_expr(pred):
+                if lane + vbase < self.nvec:
+                    _st_vec(row + offs[j], vals[j])
+            else:
+                _st_vec(row + offs[j], vals[j])
 
 
 @cute.jit
@@ -374,24 +433,10 @@ class EpDispatch:
                 dst_row_off = Int64(slot) * self.plan.row_bytes
                 for c in cutlass.range_constexpr(self.plan.chunks):
                     slots = self.plan.slots(c)
-                    offs = []
-                    vals = []
-                    for u, vbase, pred in slots:
-                        vi = lane + vbase
-                        if cutlass.const_expr(pred):
-                            vi = cutlass.min(vi, Int32(self.plan.nvec - 1))
-                        off = Int64(vi) * EP_VEC_BYTES
-                        offs.append(off)
-                        vals.append(_ld_vec(src_row + off))
+                    offs, vals = self.plan.load_chunk(slots, src_row, lane)
                     for d in cutlass.range_constexpr(W):
                         if ((mask >> d) & 1) != 0:
-                            for j in cutlass.range_constexpr(len(slots)):
-                                u, vbase, pred = slots[j]
-                                if cutlass.const_expr(pred):
-                                    if lane + vbase < self.plan.nvec:
-                                        _st_vec(px[d] + dst_row_off + offs[j], vals[j])
-                                else:
-                                    _st_vec(px[d] + dst_row_off + offs[j], vals[j])
+                            self.plan.store_chunk(slots, px[d] + dst_row_off, offs, vals, lane)
 
             # Grid completion: the last CTA publishes count + flag on every peer.
             cute.arch.sync_threads()
@@ -521,22 +566,8 @@ class GatherRows:
                 src_row = src_addr + Int64(r) * self.plan.row_bytes
                 for c in cutlass.range_constexpr(self.plan.chunks):
                     slots = self.plan.slots(c)
-                    offs = []
-                    vals = []
-                    for u, vbase, pred in slots:
-                        vi = lane + vbase
-                        if cutlass.const_expr(pred):
-                            vi = cutlass.min(vi, Int32(self.plan.nvec - 1))
-                        off = Int64(vi) * EP_VEC_BYTES
-                        offs.append(off)
-                        vals.append(_ld_vec(src_row + off))
-                    for j in cutlass.range_constexpr(len(slots)):
-                        u, vbase, pred = slots[j]
-                        if cutlass.const_expr(pred):
-                            if lane + vbase < self.plan.nvec:
-                                _st_vec(out_row + offs[j], vals[j])
-                        else:
-                            _st_vec(out_row + offs[j], vals[j])
+                    offs, vals = self.plan.load_chunk(slots, src_row, lane)
+                    self.plan.store_chunk(slots, out_row, offs, vals, lane)
             else:
                 for c in cutlass.range_constexpr(self.plan.chunks):
                     for u, vbase, pred in self.plan.slots(c):
@@ -640,26 +671,8 @@ class CombineSend:
                                     wk = cute.arch.shuffle_sync(w_lane, k)
                                 if ((any_mask >> k) & 1) != 0:
                                     row = y_addr + Int64(p) * self.plan.row_bytes
-                                    for j in cutlass.range_constexpr(len(slots)):
-                                        u, vbase, pred = slots[j]
-                                        vi = lane + vbase
-                                        if cutlass.const_expr(pred):
-                                            vi = cutlass.min(vi, Int32(self.plan.nvec - 1))
-                                        v = _ld_bf16x8_f32(row + Int64(vi) * EP_VEC_BYTES)
-                                        if cutlass.const_expr(self.weighted):
-                                            v = v * wk
-                                        accs[j].store(accs[j].load() + v)
-                            for j in cutlass.range_constexpr(len(slots)):
-                                u, vbase, pred = slots[j]
-                                o = accs[j].load().to(BFloat16)
-                                off = Int64(lane + vbase) * EP_VEC_BYTES
-                                if cutlass.const_expr(pred):
-                                    if lane + vbase < self.plan.nvec:
-                                        cute.arch.store(_gptr(BFloat16, dst_row + off, 16),
-                                                        o.ir_value())
-                                else:
-                                    cute.arch.store(_gptr(BFloat16, dst_row + off, 16),
-                                                    o.ir_value())
+                                    self.plan.add_chunk(accs, slots, row, lane, wk if self.weighted else None)
+                            self.plan.store_sum(accs, slots, dst_row, lane)
 
             cute.arch.sync_threads()
             if tidx == 0:
@@ -746,22 +759,8 @@ class CombineLocal:
                         p = cute.arch.shuffle_sync(p_lane, k)
                         if ((any_mask >> k) & 1) != 0:
                             row = y_addr + Int64(p) * self.plan.row_bytes
-                            for j in cutlass.range_constexpr(len(slots)):
-                                u, vbase, pred = slots[j]
-                                vi = lane + vbase
-                                if cutlass.const_expr(pred):
-                                    vi = cutlass.min(vi, Int32(self.plan.nvec - 1))
-                                v = _ld_bf16x8_f32(row + Int64(vi) * EP_VEC_BYTES)
-                                accs[j].store(accs[j].load() + v)
-                    for j in cutlass.range_constexpr(len(slots)):
-                        u, vbase, pred = slots[j]
-                        o = accs[j].load().to(BFloat16)  # zeros when no choice is valid
-                        off = Int64(lane + vbase) * EP_VEC_BYTES
-                        if cutlass.const_expr(pred):
-                            if lane + vbase < self.plan.nvec:
-                                cute.arch.store(_gptr(BFloat16, dst_row + off, 16), o.ir_value())
-                        else:
-                            cute.arch.store(_gptr(BFloat16, dst_row + off, 16), o.ir_value())
+                            self.plan.add_chunk(accs, slots, row, lane)
+                    self.plan.store_sum(accs, slots, dst_row, lane)  # zeros when no choice is valid
 
 
 # =============================================================================================
@@ -847,21 +846,5 @@ class CombineReduce:
                         for d in cutlass.range_constexpr(W):
                             if ((mask >> d) & 1) != 0:
                                 row = comb_addr + (Int64(d) * T_max + Int64(t)) * self.plan.row_bytes
-                                for j in cutlass.range_constexpr(len(slots)):
-                                    u, vbase, pred = slots[j]
-                                    vi = lane + vbase
-                                    if cutlass.const_expr(pred):
-                                        vi = cutlass.min(vi, Int32(self.plan.nvec - 1))
-                                    v = _ld_bf16x8_f32(row + Int64(vi) * EP_VEC_BYTES)
-                                    accs[j].store(accs[j].load() + v)
-                        for j in cutlass.range_constexpr(len(slots)):
-                            u, vbase, pred = slots[j]
-                            o = accs[j].load().to(BFloat16)
-                            off = Int64(lane + vbase) * EP_VEC_BYTES
-                            if cutlass.const_expr(pred):
-                                if lane + vbase < self.plan.nvec:
-                                    cute.arch.store(_gptr(BFloat16, out_row + off, 16),
-                                                    o.ir_value())
-                            else:
-                                cute.arch.store(_gptr(BFloat16, out_row + off, 16),
-                                                o.ir_value())
+                                self.plan.add_chunk(accs, slots, row, lane)
+                        self.plan.store_sum(accs, slots, out_row, lane)

@@ -59,13 +59,12 @@ from __future__ import annotations
 import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64, Uint32
+from cutlass import Float32, Int32, Int64
 
 from .pdl import PDL, wait_previous_grid
 from .ep_constants import (
     CTRL_DISPATCH_ARRIVE,
     CTRL_EPOCH,
-    EP_VEC_BYTES,
     ERR_CAPACITY,
     ERR_CODE,
     ERR_TIMEOUT,
@@ -78,10 +77,8 @@ from .ep_kernels import (
     _check_choice,
     _gptr,
     _ld_i32_relaxed_gpu,
-    _ld_vec,
     _report_error,
     _spin_wait_eq,
-    _st_vec,
     _store_bad_values,
 )
 
@@ -551,22 +548,8 @@ class LayoutPlace:
                     src_row = x_addr + Int64(s) * rb
                     for c in cutlass.range_constexpr(self.plan.chunks):
                         slots = self.plan.slots(c)
-                        offs = []
-                        vals = []
-                        for u, vbase, pred in slots:
-                            vi = lane + vbase
-                            if cutlass.const_expr(pred):
-                                vi = cutlass.min(vi, Int32(self.plan.nvec - 1))
-                            off = Int64(vi) * EP_VEC_BYTES
-                            offs.append(off)
-                            vals.append(_ld_vec(src_row + off))
+                        offs, vals = self.plan.load_chunk(slots, src_row, lane)
                         for k in cutlass.range_constexpr(K):
                             if ((mask >> k) & 1) != 0:
                                 dst_row = xs_addr + Int64(rows[k]) * rb
-                                for j in cutlass.range_constexpr(len(slots)):
-                                    u, vbase, pred = slots[j]
-                                    if cutlass.const_expr(pred):
-                                        if lane + vbase < self.plan.nvec:
-                                            _st_vec(dst_row + offs[j], vals[j])
-                                    else:
-                                        _st_vec(dst_row + offs[j], vals[j])
+                                self.plan.store_chunk(slots, dst_row, offs, vals, lane)
