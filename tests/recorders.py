@@ -37,3 +37,26 @@ def record_gemm_builds(monkeypatch) -> tuple:
     monkeypatch.setattr(cache, "COMPILE_CACHE", cache.CompileCache())
     monkeypatch.setattr(s, "COMPILE_CACHE", cache.COMPILE_CACHE)
     return built, names
+
+
+def check_pingpong_switch(monkeypatch, env: str, use, key_field: str) -> None:
+    """The shim's opt-in 0/1 switch ``env`` of a pingpong-only GEMM option: ``use(schedule)`` is off
+    unset and under "0", on under "1" for "pingpong" only, any other value raises a ValueError
+    naming ``env``; ``GemmKey.<key_field>`` defaults to False (drops v78 ``m64_tails``, v79
+    ``jump_stages``)."""
+    import pytest
+
+    from moe_ep.shim.drops import sm90_megamoe as s
+
+    monkeypatch.delenv(env, raising=False)
+    assert not use("pingpong")  # opt-in
+    monkeypatch.setenv(env, "0")
+    assert not use("pingpong")
+    monkeypatch.setenv(env, "1")
+    assert use("pingpong")
+    assert not any(use(x) for x in ("cooperative", "wide", "swapab"))
+    for bad in ("2", "yes", "true", " 1"):
+        monkeypatch.setenv(env, bad)
+        with pytest.raises(ValueError, match=env):
+            use("pingpong")
+    assert s.GemmKey.__dataclass_fields__[key_field].default is False

@@ -68,18 +68,11 @@ def test_jump_stages_refusals():
 
 
 def test_shim_switch_and_key(monkeypatch):
+    from recorders import check_pingpong_switch
+
     from moe_ep.shim.drops import sm90_megamoe as s
 
-    monkeypatch.delenv("MOE_EP_JUMP_STAGES", raising=False)
-    assert not s.use_jump_stages("pingpong")  # opt-in
-    monkeypatch.setenv("MOE_EP_JUMP_STAGES", "1")
-    assert s.use_jump_stages("pingpong")
-    assert not any(s.use_jump_stages(x) for x in ("cooperative", "wide", "swapab"))
-    for bad in ("2", "true", " 1"):
-        monkeypatch.setenv("MOE_EP_JUMP_STAGES", bad)
-        with pytest.raises(ValueError, match="MOE_EP_JUMP_STAGES"):
-            s.use_jump_stages("pingpong")
-    assert s.GemmKey.__dataclass_fields__["jump_stages"].default is False
+    check_pingpong_switch(monkeypatch, "MOE_EP_JUMP_STAGES", s.use_jump_stages, "jump_stages")
 
 
 def test_shim_builds_the_jumping_launcher(monkeypatch):

@@ -64,18 +64,11 @@ def test_m64_tails_refusals():
 
 
 def test_shim_switch_and_key(monkeypatch):
+    from recorders import check_pingpong_switch
+
     from moe_ep.shim.drops import sm90_megamoe as s
 
-    monkeypatch.delenv("MOE_EP_M64_TAILS", raising=False)
-    assert not s.use_m64_tails("pingpong")  # opt-in
-    monkeypatch.setenv("MOE_EP_M64_TAILS", "1")
-    assert s.use_m64_tails("pingpong")
-    assert not any(s.use_m64_tails(x) for x in ("cooperative", "wide", "swapab"))
-    for bad in ("2", "yes", "on"):
-        monkeypatch.setenv("MOE_EP_M64_TAILS", bad)
-        with pytest.raises(ValueError, match="MOE_EP_M64_TAILS"):
-            s.use_m64_tails("pingpong")
-    assert s.GemmKey.__dataclass_fields__["m64_tails"].default is False
+    check_pingpong_switch(monkeypatch, "MOE_EP_M64_TAILS", s.use_m64_tails, "m64_tails")
 
 
 def test_shim_builds_the_tail_launcher(monkeypatch):
