@@ -11,6 +11,7 @@ Public surface (``__all__``) used by :mod:`moe_ep.backends`:
   (:class:`CounterContract`, :func:`zero_counter_regions`);
 * the disk compile cache (:func:`set_compile_cache_dir`, :data:`COMPILE_EVENTS`, ...; see
   :mod:`moe_ep.shim.disk_cache`);
+* environment switches read by one rule (:func:`env_flag`; :mod:`moe_ep.shim.env`);
 * per-drop wrappers (``sm90_*``).
 """
 
@@ -71,12 +72,13 @@ from .errors import (BackendWarning, BootstrapError, CapacityError, CaptureError
 from .nvshmem_boot import CounterContract, NvshmemRuntime, parse_size, zero_counter_regions
 from .nvshmem_boot import acquire as nvshmem_acquire
 from .nvshmem_boot import current as nvshmem_current
+from .env import env_flag
 from .launch_mode import launch_path
 from .paths import drop_src, kernel_src_root, register_drop
 
 __all__ = [
     "BackendWarning", "BootstrapError", "CapacityError", "MoEError", "RoutingValueError", "StaleHandleError",
-    "SymmetricHeapError", "UnsupportedBackendError", "LaunchPathWarning", "launch_path",
+    "SymmetricHeapError", "UnsupportedBackendError", "LaunchPathWarning", "launch_path", "env_flag",
     "AttributeUse", "COMPILE_CACHE", "CallableUse", "CaptureError", "CompileCache", "ConstantDriftError",
     "CounterContract", "DeviceStallError", "DropCollisionError", "DropContract", "ImportUse",
     "MirroredConstants", "NvshmemOwnershipError", "NvshmemRuntime", "ShimError", "drop_contracts",

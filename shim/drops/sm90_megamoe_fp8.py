@@ -21,6 +21,7 @@ from typing import Any
 
 from .. import disk_cache
 from ..cache import COMPILE_CACHE
+from ..env import env_choice, env_flag, env_forced
 from ..launch_mode import use_tvm_ffi
 from .sm90_megamoe import CONSTANTS, PKG, RASTER_L2_BUDGET, _cutlass_version, _load, cache_namespace
 
@@ -54,16 +55,16 @@ def use_fp8_overlap(k: int, wide_gated: bool = False) -> bool:
     twelfth session (the Mixtral FP8 layer, CUDA graph, two interleaved rounds: 976.0 / 984.7
     TFLOP/s against 945.4 / 949.1 with FC2 on the plain schedule; the drop runner alone had shown
     no gain). ``MOE_EP_FP8_CHUNKED_OVERLAP=0`` turns it off."""
-    if os.environ.get("MOE_EP_FP8_OVERLAP", "1") == "0":
+    if not env_flag("MOE_EP_FP8_OVERLAP", True):
         return False
     k_tiles = k // CONSTANTS.value("sm90_megamoe.fp8_gemm", "FP8_BLOCK")
     if k_tiles > CONSTANTS.value("sm90_megamoe.fp8_gemm", "OVERLAP_MAX_K_TILES"):
-        if os.environ.get("MOE_EP_FP8_CHUNKED_OVERLAP", "1") == "0" or not fp8_overlap_chunk(k):
+        if not env_flag("MOE_EP_FP8_CHUNKED_OVERLAP", True) or not fp8_overlap_chunk(k):
             return False
     if not wide_gated:
         return True
-    forced = os.environ.get("MOE_EP_FP8_WIDE_OVERLAP", "")
-    return forced == "1" if forced in ("0", "1") else (k >= WIDE_OVERLAP_MIN_K or _smem_scales_wanted(k))
+    forced = env_forced("MOE_EP_FP8_WIDE_OVERLAP")
+    return forced if forced is not None else (k >= WIDE_OVERLAP_MIN_K or _smem_scales_wanted(k))
 
 
 def fp8_overlap_chunk(k: int) -> int:
@@ -91,7 +92,7 @@ def use_fp8_cluster(activation: str, n: int, k: int) -> int:
     ``MOE_EP_FP8_CLUSTER=1`` / ``0`` force it on (where the n-tiles pair up) / off;
     ``MOE_EP_FP8_CLUSTER=4``: clusters of 4 (drop v49: four n-tiles share A's quarters) wherever
     clusters of 2 run by default and the n-tiles come in fours."""
-    forced = os.environ.get("MOE_EP_FP8_CLUSTER", "")
+    forced = env_choice("MOE_EP_FP8_CLUSTER", ("0", "1", "4"), "")
     short_k = use_fp8_smem_scales(compiled_key_overlap(activation, k), k, activation)  # staged scales
     if forced == "0" or (forced != "1" and k < CLUSTER_MIN_K and not short_k):
         return 1
@@ -110,9 +111,9 @@ def _smem_scales_wanted(k: int, activation: str = "swiglu") -> bool:
     """``MOE_EP_FP8_SMEM_SCALES=1`` / ``0``: staged scales at any K / never; unset: K <= SMEM_SCALES_MAX_K,
     or the non-gated GEMM (FC2) from K = CLUSTER_MIN_K, where it runs in clusters anyway -- with the
     scale warp (:func:`use_fp8_scale_warp`). (K between the two keeps global scales: not measured.)"""
-    forced = os.environ.get("MOE_EP_FP8_SMEM_SCALES", "")
-    if forced in ("0", "1"):
-        return forced == "1"
+    forced = env_forced("MOE_EP_FP8_SMEM_SCALES")
+    if forced is not None:
+        return forced
     return k <= SMEM_SCALES_MAX_K or (activation == "identity" and k >= CLUSTER_MIN_K)
 
 
@@ -152,9 +153,9 @@ def use_fp8_scale_warp(activation: str = "swiglu", k: int = 0) -> bool:
     graphs, two interleaved rounds), so short K keeps the TMA warp staging; fourteenth: Mixtral
     with staged scales and the scale warp on both GEMMs slower (936.4-937.9 vs 956.5-958.7 graph):
     its FC1 loses what its FC2 gains (eighteenth session, :func:`use_fp8_smem_scales`)."""
-    forced = os.environ.get("MOE_EP_FP8_SCALE_WARP", "")
-    if forced in ("0", "1"):
-        return forced == "1"
+    forced = env_forced("MOE_EP_FP8_SCALE_WARP")
+    if forced is not None:
+        return forced
     return activation == "identity" and k >= CLUSTER_MIN_K
 
 
@@ -176,9 +177,9 @@ def use_fp8_deferred_epilogue(overlap_promotion: bool, k: int, requant: bool = F
     k_tiles = k // CONSTANTS.value("sm90_megamoe.fp8_gemm", "FP8_BLOCK")
     possible = (bool(overlap_promotion) and not requant and not fused_quant
                 and k_tiles <= CONSTANTS.value("sm90_megamoe.fp8_gemm", "OVERLAP_MAX_K_TILES"))
-    forced = os.environ.get("MOE_EP_FP8_DEFERRED_EPILOGUE", "")
-    if forced in ("0", "1"):
-        return possible and forced == "1"
+    forced = env_forced("MOE_EP_FP8_DEFERRED_EPILOGUE")
+    if forced is not None:
+        return possible and forced
     return possible and k <= DEFERRED_EPILOGUE_MAX_K
 
 
@@ -187,7 +188,7 @@ def use_fp8_wide_gated(activation: str) -> bool:
     instead of two m64n64 ones (drop v21, ``wide_gated``): bit-identical (H200, fp8_runner --wide),
     FC1 1.12x (Qwen3) and 1.14x (Mixtral) faster. On by default; ``MOE_EP_FP8_WIDE_GATED=0`` turns
     it off."""
-    return activation == "swiglu" and os.environ.get("MOE_EP_FP8_WIDE_GATED", "1") != "0"
+    return activation == "swiglu" and env_flag("MOE_EP_FP8_WIDE_GATED", True)
 
 
 def compiled_key_overlap(activation: str, k: int) -> bool:
@@ -259,10 +260,7 @@ def fp8_fused_quant_mode() -> str:
     the consumers in the epilogue, the cluster's two CTAs swapping each row's |max| (drop v66,
     ``pair_amax``). Both forms give the bits of FC1 + the quantiser; neither is faster on the layer
     (the backend's ``fused_quant`` says what was measured). Anything else raises ValueError."""
-    mode = os.environ.get("MOE_EP_FP8_FUSED_QUANT", "0")
-    if mode not in FUSED_QUANT_MODES:
-        raise ValueError(f"MOE_EP_FP8_FUSED_QUANT must be one of {', '.join(FUSED_QUANT_MODES)}, got {mode!r}")
-    return mode
+    return env_choice("MOE_EP_FP8_FUSED_QUANT", FUSED_QUANT_MODES, "0")
 
 
 def use_fp8_scale_lookahead(scale_warp: bool) -> int:
@@ -304,9 +302,7 @@ def use_fp8_unit_scales(k: int) -> bool:
     it on wherever it can, three interleaved rounds, per call / back to back / CUDA graph TFLOP/s:
     Mixtral 999-1027 / 1025-1028 / 1024-1027 against 949-978 / 995-997 / 1001-1005; Qwen3 (FC1 only)
     549-569 / 668-673 / 676-701 against 554-562 / 674-684 / 712-728 -- slower, hence "auto"."""
-    mode = os.environ.get("MOE_EP_FP8_UNIT_SCALES", "auto")
-    if mode not in UNIT_SCALES_MODES:
-        raise ValueError(f"MOE_EP_FP8_UNIT_SCALES must be one of {', '.join(UNIT_SCALES_MODES)}, got {mode!r}")
+    mode = env_choice("MOE_EP_FP8_UNIT_SCALES", UNIT_SCALES_MODES, "auto")
     kc = CONSTANTS.value("sm90_megamoe.unit_scales", "UNIT_SCALE_KC")
     k_tiles = k // CONSTANTS.value("sm90_megamoe.fp8_gemm", "FP8_BLOCK")
     possible = k_tiles % kc == 0 and fp8_overlap_chunk(k) % kc == 0
@@ -330,7 +326,7 @@ def use_fp8_tanh_sigmoid(activation: str) -> bool:
     gets next (the same float64 error on the H200). On by default since the twenty-first session (the
     whole GPU suite passed with it); ``MOE_EP_FP8_TANH_SIGMOID=0`` takes the exact-form sigmoid
     (``ex2`` + ``rcp``; other bits)."""
-    return activation == "swiglu" and os.environ.get("MOE_EP_FP8_TANH_SIGMOID", "1") != "0"
+    return activation == "swiglu" and env_flag("MOE_EP_FP8_TANH_SIGMOID", True)
 
 
 def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_rows: bool,

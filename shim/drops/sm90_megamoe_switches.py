@@ -8,14 +8,7 @@ from __future__ import annotations
 
 import os
 
-
-def _env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
-    """Environment variable ``name`` (unset or empty: ``default``), refused with a ValueError naming it
-    unless it is one of ``choices``."""
-    raw = os.environ.get(name) or default
-    if raw not in choices:
-        raise ValueError(f"{name} must be {', '.join(choices[:-1])} or {choices[-1]}, got {raw!r}")
-    return raw
+from ..env import env_choice, env_flag
 
 
 def use_wide_gated() -> bool:
@@ -24,7 +17,7 @@ def use_wide_gated() -> bool:
     ``cooperative`` on the H200 (e82f1e5, drop runner: Qwen3 and Mixtral FC1, uniform, skewed, one
     row) but no faster (Qwen3 FC1 0.590 / 0.646 ms vs 0.592 / 0.593 cooperative in two rounds,
     Mixtral 5.625 / 6.061 vs 5.555 / 5.717; the layer 477 vs 473 TFLOP/s), so it stays opt-in."""
-    return os.environ.get("MOE_EP_WIDE_GATED", "0") == "1"
+    return env_flag("MOE_EP_WIDE_GATED", False)
 
 
 def pingpong_max_k(default: int) -> int:
@@ -46,7 +39,7 @@ def use_bf16_cluster(schedule: str, gather_a: bool = False) -> int:
     gathering kernel) -- the two CTAs of a cluster compute an m-tile pair of one expert and each
     loads half of the weight tile, multicast into both; else 1. Opt-in: bit-identical on the H200
     but no faster (eleventh session, docs/PERFORMANCE.md)."""
-    if os.environ.get("MOE_EP_BF16_CLUSTER", "0") != "1" or gather_a:
+    if not env_flag("MOE_EP_BF16_CLUSTER", False) or gather_a:
         return 1
     return 2 if schedule in ("cooperative", "wide") else 1
 
@@ -58,7 +51,7 @@ def use_bf16_cluster_n(schedule: str, gated: bool, gather_a: bool = False) -> in
     of the A tile, multicast into both (SonicMoE's FC2 choice for Qwen3) -- else 1. Opt-in: on the
     H200 bit-identical but slower (32nd session: Qwen3's FC2 0.367 vs 0.350 ms, the layer within
     its spread)."""
-    if os.environ.get("MOE_EP_BF16_CLUSTER_N", "0") != "1" or gather_a or gated:
+    if not env_flag("MOE_EP_BF16_CLUSTER_N", False) or gather_a or gated:
         return 1
     return 2 if schedule in ("cooperative", "pingpong") else 1
 
@@ -67,7 +60,7 @@ def use_gather_tma(gather_a: bool) -> bool:
     """Whether a gathering BF16 GEMM (``gather_a``) loads each A row by one TMA copy (drop v41,
     ``gather_tma``): with ``MOE_EP_GATHER_TMA=1``. Opt-in: bit-identical but slower on the H200
     (Qwen3 FC1 0.892 ms vs 0.768 with cp.async rows; docs/LIMITS.md)."""
-    return bool(gather_a) and os.environ.get("MOE_EP_GATHER_TMA", "0") == "1"
+    return bool(gather_a) and env_flag("MOE_EP_GATHER_TMA", False)
 
 
 def use_gather_l2(gather_a: bool, gather_tma: bool) -> int:
@@ -77,7 +70,7 @@ def use_gather_l2(gather_a: bool, gather_tma: bool) -> int:
     bit-identical on the H200 but slower (33rd session: the runner's gathering FC1 0.891 ms at levels
     1 and 2 against 0.864 at 0, L2 warm; the Qwen3 layer per call 511-514 / 495-497 TFLOP/s at levels
     1 / 2 against 494-502 at 0 and 514-523 without gathering)."""
-    level = int(_env_choice("MOE_EP_GATHER_L2", ("0", "1", "2"), "0"))
+    level = int(env_choice("MOE_EP_GATHER_L2", ("0", "1", "2"), "0"))
     return level if gather_a and not gather_tma else 0
 
 
@@ -85,7 +78,7 @@ def use_half_tiles(schedule: str, tile: int, gather_a: bool, cluster_m: int) -> 
     """Drop v46 ``half_tiles``: a cooperative tile of <= 64 rows (an expert's last) is split along N
     between the two warpgroups (tile % 128 == 0, no clusters, no gathering; same bits). Opt-in,
     ``MOE_EP_HALF_TILES=1``: slower on the H200 (seventeenth session; docs/LIMITS.md)."""
-    return (os.environ.get("MOE_EP_HALF_TILES", "0") == "1" and schedule == "cooperative"
+    return (env_flag("MOE_EP_HALF_TILES", False) and schedule == "cooperative"
             and tile % 128 == 0 and not gather_a and cluster_m == 1)
 
 
@@ -96,7 +89,7 @@ def use_m64_tails(schedule: str) -> bool:
     even with no tail at all (33rd session: Nemotron's GEMMs 9-10% on uniform routing, its layer
     7-9%; the full tiles' mainloop SASS is unchanged, the code grows and the epilogue is scheduled
     differently; docs/LIMITS.md)."""
-    return _env_choice("MOE_EP_M64_TAILS", ("0", "1"), "0") == "1" and schedule == "pingpong"
+    return env_flag("MOE_EP_M64_TAILS", False) and schedule == "pingpong"
 
 
 def use_jump_stages(schedule: str) -> bool:
@@ -106,7 +99,7 @@ def use_jump_stages(schedule: str) -> bool:
     ``MOE_EP_JUMP_STAGES=1``. Opt-in until it has run on the H200: drop v78's slowdown with an
     unused branch (docs/LIMITS.md) says code size alone can cost the busy path, so it is timed
     against the unrolled skip before it becomes the default."""
-    return _env_choice("MOE_EP_JUMP_STAGES", ("0", "1"), "0") == "1" and schedule == "pingpong"
+    return env_flag("MOE_EP_JUMP_STAGES", False) and schedule == "pingpong"
 
 
 def use_bf16_tanh_sigmoid(activation: str) -> bool:
@@ -117,4 +110,4 @@ def use_bf16_tanh_sigmoid(activation: str) -> bool:
     ~2^-11, below the bf16 rounding of FC1's output). On by default since the twenty-second session
     (the whole GPU suite passed with it); ``MOE_EP_BF16_TANH_SIGMOID=0`` takes the exact-form
     sigmoid (``ex2`` + ``rcp``; other bits)."""
-    return activation == "swiglu" and os.environ.get("MOE_EP_BF16_TANH_SIGMOID", "1") != "0"
+    return activation == "swiglu" and env_flag("MOE_EP_BF16_TANH_SIGMOID", True)

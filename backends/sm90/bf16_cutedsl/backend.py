@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from moe_ep.shim import (COMPILE_EVENTS, SM90_DECODE_MAX_ROWS_PER_EXPERT, Sm90EpSession, Sm90LayoutSession, StaleHandleError,
-                         sm90_check_gemm_shapes, sm90_compiled_grouped_gemm, sm90_grouped_gemm, sm90_new_verr,
+                         env_flag, sm90_check_gemm_shapes, sm90_compiled_grouped_gemm, sm90_grouped_gemm, sm90_new_verr,
                          sm90_prebuild_ep, sm90_prebuild_layout)
 
 from ...registry import BackendImpl, UnsupportedBackendError, require_cuda_arch, routing_value_error
@@ -51,11 +51,9 @@ BIAS_DTYPES = (None, torch.float32, torch.bfloat16)
 
 
 def env_switch(name: str, default: bool) -> bool:
-    """An on/off switch read from the environment at bind time: a default-on switch is off only
-    with ``name=0``, a default-off one on only with ``name=1``."""
-    if default:
-        return os.environ.get(name, "1") != "0"
-    return os.environ.get(name, "0") == "1"
+    """An on/off switch read from the environment at bind time: ``name=1`` on, ``name=0`` off,
+    unset ``default``; any other value raises a ValueError naming it (the shim's ``env_flag``)."""
+    return env_flag(name, default)
 
 
 def local_combine() -> bool:
