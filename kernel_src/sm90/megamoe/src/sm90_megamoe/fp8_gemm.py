@@ -158,10 +158,10 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .fp8_quant import FAST_DIV_MAX_SCALE, FAST_DIV_MIN_SCALE, _div_rn, _divide_by_scale
-from .gather_producer import row_tma_atom, stage_producers
+from .gather_producer import stage_producers
 from .pdl import PDL, wait_previous_grid
 from .constants import MAX_EXPERTS
-from .grouped_gemm import GroupedGemmSm90, LayoutEnum, get_smem_capacity_in_bytes, silu
+from .grouped_gemm import GroupedGemmSm90, get_smem_capacity_in_bytes, silu
 from .unit_scales import UNIT_SCALE_BUF, UNIT_SCALE_BUFS, UNIT_SCALE_KC, UnitScales, unit_scales_reason
 
 FP8_BLOCK = 128
@@ -528,47 +528,10 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
             raise ValueError(f"pair_amax needs more k-tiles per unit than pipeline stages (K/128 = {self.k_tiles}, "
                              f"{self.num_stages} stages): the pair's amax buffers alternate by unit")
 
-        mB_nke = cute.make_tensor(mB.iterator, cute.select(mB.layout, mode=[1, 2, 0]))
-        a_layout = LayoutEnum.from_tensor(mA)
-        b_layout = LayoutEnum.from_tensor(mB_nke)
-        tile_mnk = (self.tile_m, self.tile_n, self.tile_k)
-        tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            self.ab_dtype, self.ab_dtype,
-            a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
-            self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.tile_n * (2 if self.wide_gated else 1)),
-        )
-        # the C layout restricted to one epi_n-wide chunk (partitions the epilogue staging buffer;
-        # any WGMMA of the same M and N gives the same C layout)
-        tiled_mma_epi = sm90_utils.make_trivial_tiled_mma(
-            self.ab_dtype, self.ab_dtype,
-            a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
-            self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.epi_n),
-        )
-        a_smem_layout = sm90_utils.make_smem_layout_a(a_layout, tile_mnk, self.ab_dtype, self.num_stages)
-        b_smem_layout = sm90_utils.make_smem_layout_b(
-            b_layout, tile_mnk, self.ab_dtype, self.num_stages * self.num_b
-        )
-        if cutlass.const_expr(self.gather_a and self.gather_tma):  # drop v41: one source row per copy
-            tma_atom_a, tma_tensor_a = row_tma_atom(mA, a_smem_layout, self.tile_k)
-        else:
-            tma_atom_a, tma_tensor_a = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cluster_n > 1 else cpasync.CopyBulkTensorTileG2SOp(),
-                mA, cute.slice_(a_smem_layout, (None, None, 0)), (self.tile_m, self.tile_k),
-                **({"num_multicast": self.cluster_n} if self.cluster_n > 1 else {}),
-            )
-        tma_atom_b, tma_tensor_b = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mB_nke,
-            cute.slice_(b_smem_layout, (None, None, 0)), (self.tile_n, self.tile_k),
-        )
+        (b_layout, tiled_mma, tiled_mma_epi, a_smem_layout, b_smem_layout, tma_atom_a, tma_tensor_a,
+         tma_atom_b, tma_tensor_b) = self._operands(mA, mB, self.wide_gated)
 
-        fields = {
-            "mbar": cute.struct.MemRange[cutlass.Int64, self.num_stages * 2],
-            "sched_off": cute.struct.MemRange[cutlass.Int32, num_experts + 1],
-            "sched_cum": cute.struct.MemRange[cutlass.Int32, num_experts + 1],
-            "sA": cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem_layout)], 1024],
-            "sB": cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem_layout)], 1024],
-            "sC": cute.struct.Align[cute.struct.MemRange[self.c_dtype, self.epi_smem_elems * self.num_epi_bufs], 128],
-        }
+        fields = self._storage_fields(num_experts, a_smem_layout, b_smem_layout)
         if cutlass.const_expr(self.smem_scales):  # last, so the other fields keep their offsets
             fields["sScale"] = cute.struct.Align[cute.struct.MemRange[self.acc_dtype, self.num_stages * SCALE_SLOT], 16]
         if cutlass.const_expr(self.unit_scales):  # last too: the chunk buffers, "full" x 2, "empty" x 2

@@ -169,6 +169,19 @@ def silu(g, tanh_sigmoid: bool):
     return g * cute.arch.rcp_approx(den)
 
 
+def check_bf16_operands(mA, mB, mC, mOffsets, mBias) -> None:
+    """The BF16 GEMMs' operand dtypes, checked at compile time (this kernel and the swap-AB one,
+    :mod:`.swapab_gemm`): bf16 A, B and C, int32 offsets, a float32 or bf16 bias tensor."""
+    if mA.element_type != cutlass.BFloat16 or mB.element_type != cutlass.BFloat16:
+        raise TypeError("A and B must be bfloat16")
+    if mC.element_type != cutlass.BFloat16:
+        raise TypeError("C must be bfloat16")
+    if mOffsets.element_type != cutlass.Int32:
+        raise TypeError("offsets must be int32")
+    if mBias.element_type not in (cutlass.Float32, cutlass.BFloat16):
+        raise TypeError("bias must be float32 or bfloat16")
+
+
 class GroupedGemmSm90:
     """Varlen-M grouped GEMM (see module docstring for semantics and layouts).
 
@@ -378,15 +391,8 @@ class GroupedGemmSm90:
                                  *self.half_args), max_active_ctas, stream)
 
     def _check_inputs(self, mA, mB, mC, mOffsets, mBias) -> None:
-        """The operands' dtypes (compile time; shared by the variants)."""
-        if mA.element_type != cutlass.BFloat16 or mB.element_type != cutlass.BFloat16:
-            raise TypeError("A and B must be bfloat16")
-        if mC.element_type != cutlass.BFloat16:
-            raise TypeError("C must be bfloat16")
-        if mOffsets.element_type != cutlass.Int32:
-            raise TypeError("offsets must be int32")
-        if mBias.element_type not in (cutlass.Float32, cutlass.BFloat16):
-            raise TypeError("bias must be float32 or bfloat16")
+        """The operands' dtypes (compile time; shared by the variants): :func:`check_bf16_operands`."""
+        check_bf16_operands(mA, mB, mC, mOffsets, mBias)
 
     def _launch(self, kernel, max_active_ctas, stream) -> None:
         """One persistent CTA per ``max_active_ctas``, launched with PDL like every kernel of the drop."""
@@ -420,37 +426,8 @@ class GroupedGemmSm90:
             self.n_tiles = (n_tiles + self.cluster_n - 1) // self.cluster_n
         self.num_stages = self._num_stages(num_experts)
 
-        # B as (N, K, E): expert becomes the batch (third) TMA coordinate
-        mB_nke = cute.make_tensor(mB.iterator, cute.select(mB.layout, mode=[1, 2, 0]))
-
-        a_layout = LayoutEnum.from_tensor(mA)
-        b_layout = LayoutEnum.from_tensor(mB_nke)
-        tile_mnk = (self.tile_m, self.tile_n, self.tile_k)
-        # wide: one WGMMA of N = 2 tile_n over the gate and up slots of a stage
-        tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            self.ab_dtype,
-            self.ab_dtype,
-            a_layout.sm90_mma_major_mode(),
-            b_layout.sm90_mma_major_mode(),
-            self.acc_dtype,
-            self.atom_layout_mnk,
-            tiler_mn=(64, self.tile_n * (2 if self.wide else 1)),
-        )
-        # same WGMMA C layout restricted to one epi_n-wide chunk (partitions the staging buffer)
-        tiled_mma_epi = sm90_utils.make_trivial_tiled_mma(
-            self.ab_dtype,
-            self.ab_dtype,
-            a_layout.sm90_mma_major_mode(),
-            b_layout.sm90_mma_major_mode(),
-            self.acc_dtype,
-            self.atom_layout_mnk,
-            tiler_mn=(64, self.epi_n),
-        )
-        a_smem_layout = sm90_utils.make_smem_layout_a(a_layout, tile_mnk, self.ab_dtype, self.num_stages)
-        # swiglu: slots 2s (gate) and 2s+1 (up) belong to stage s
-        b_smem_layout = sm90_utils.make_smem_layout_b(
-            b_layout, tile_mnk, self.ab_dtype, self.num_stages * self.num_b
-        )
+        (b_layout, tiled_mma, tiled_mma_epi, a_smem_layout, b_smem_layout, tma_atom_a, tma_tensor_a,
+         tma_atom_b, tma_tensor_b) = self._operands(mA, mB, self.wide)
         # wide: slots 2s and 2s + 1 (tile_n rows of 128 bytes each, 8-row swizzle atoms) are the
         # same bytes as one 2 tile_n-row tile of stage s: the mainloop's view of B
         b_smem_layout_main = b_smem_layout
@@ -464,7 +441,7 @@ class GroupedGemmSm90:
         if cutlass.const_expr(self.half_tiles):
             self.half_args = (
                 sm90_utils.make_trivial_tiled_mma(
-                    self.ab_dtype, self.ab_dtype, a_layout.sm90_mma_major_mode(),
+                    self.ab_dtype, self.ab_dtype, LayoutEnum.from_tensor(mA).sm90_mma_major_mode(),
                     b_layout.sm90_mma_major_mode(), self.acc_dtype, (1, 1, 1),
                     tiler_mn=(64, self.tile_n // 2),
                 ),
@@ -473,43 +450,64 @@ class GroupedGemmSm90:
                     self.num_stages * self.num_b * 2,
                 ),
             )
+        # cute.struct reads a class's annotations: build the class from the field table
+        self.shared_storage = cute.struct(type("SharedStorage", (), {
+            "__annotations__": self._storage_fields(num_experts, a_smem_layout, b_smem_layout)}))
+        return (tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, tiled_mma, tiled_mma_epi, a_smem_layout,
+                b_smem_layout, b_smem_layout_main)
+
+    def _operands(self, mA: cute.Tensor, mB: cute.Tensor, wide: bool):
+        """The operand set-up this kernel and the FP8 one (:mod:`.fp8_gemm`) share (traced inline):
+        B viewed as (N, K, E) so the expert is the third TMA coordinate; the tiled MMA (``wide``: one
+        WGMMA of N = 2 tile_n over a stage's gate and up slots) and its twin over one epi_n-wide
+        chunk (same C layout: it partitions the epilogue's staging buffer); A's and B's smem layouts
+        (B: ``num_b`` slots per stage; swiglu: slots 2s gate, 2s + 1 up); their TMA atoms (A: one
+        row per copy when gathering by TMA, else multicast over a ``cluster_n`` pair; B multicast
+        over a ``cluster_m`` pair). Returns ``(b_layout, tiled_mma, tiled_mma_epi, a_smem_layout,
+        b_smem_layout, tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b)``."""
+        mB_nke = cute.make_tensor(mB.iterator, cute.select(mB.layout, mode=[1, 2, 0]))
+        a_layout = LayoutEnum.from_tensor(mA)
+        b_layout = LayoutEnum.from_tensor(mB_nke)
+        tile_mnk = (self.tile_m, self.tile_n, self.tile_k)
+        tiled_mma = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype, a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
+            self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.tile_n * (2 if wide else 1)),
+        )
+        tiled_mma_epi = sm90_utils.make_trivial_tiled_mma(
+            self.ab_dtype, self.ab_dtype, a_layout.sm90_mma_major_mode(), b_layout.sm90_mma_major_mode(),
+            self.acc_dtype, self.atom_layout_mnk, tiler_mn=(64, self.epi_n),
+        )
+        a_smem_layout = sm90_utils.make_smem_layout_a(a_layout, tile_mnk, self.ab_dtype, self.num_stages)
+        b_smem_layout = sm90_utils.make_smem_layout_b(b_layout, tile_mnk, self.ab_dtype, self.num_stages * self.num_b)
         if cutlass.const_expr(self.gather_a and self.gather_tma):  # drop v41: one source row per copy
             tma_atom_a, tma_tensor_a = row_tma_atom(mA, a_smem_layout, self.tile_k)
         else:
             tma_atom_a, tma_tensor_a = cpasync.make_tiled_tma_atom(
                 cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cluster_n > 1 else cpasync.CopyBulkTensorTileG2SOp(),
-                mA,
-                cute.slice_(a_smem_layout, (None, None, 0)),
-                (self.tile_m, self.tile_k),
+                mA, cute.slice_(a_smem_layout, (None, None, 0)), (self.tile_m, self.tile_k),
                 **({"num_multicast": self.cluster_n} if self.cluster_n > 1 else {}),
             )
         tma_atom_b, tma_tensor_b = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cluster_m > 1 else cpasync.CopyBulkTensorTileG2SOp(),
-            mB_nke,
-            cute.slice_(b_smem_layout, (None, None, 0)),
-            (self.tile_n, self.tile_k),
+            mB_nke, cute.slice_(b_smem_layout, (None, None, 0)), (self.tile_n, self.tile_k),
             **({"num_multicast": self.cluster_m} if self.cluster_m > 1 else {}),
         )
+        return (b_layout, tiled_mma, tiled_mma_epi, a_smem_layout, b_smem_layout, tma_atom_a, tma_tensor_a,
+                tma_atom_b, tma_tensor_b)
 
-        @cute.struct
-        class SharedStorage:
-            mbar: cute.struct.MemRange[cutlass.Int64, self.num_stages * 2]
+    def _storage_fields(self, num_experts: int, a_smem_layout, b_smem_layout) -> dict:
+        """The shared-storage fields this kernel and the FP8 one share, in order (the FP8 variants
+        append theirs after them, so these keep their offsets): the stage barriers, the scheduler's
+        offsets and m-tile prefix sums, A's and B's stages, the epilogue's staging buffer(s)."""
+        return {
+            "mbar": cute.struct.MemRange[cutlass.Int64, self.num_stages * 2],
             # offsets[0..E] and inclusive prefix sum of m-tiles per expert
-            sched_off: cute.struct.MemRange[cutlass.Int32, num_experts + 1]
-            sched_cum: cute.struct.MemRange[cutlass.Int32, num_experts + 1]
-            sA: cute.struct.Align[
-                cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem_layout)], 1024
-            ]
-            sB: cute.struct.Align[
-                cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem_layout)], 1024
-            ]
-            sC: cute.struct.Align[
-                cute.struct.MemRange[self.c_dtype, self.epi_smem_elems * self.num_epi_bufs], 128
-            ]
-
-        self.shared_storage = SharedStorage
-        return (tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b, tiled_mma, tiled_mma_epi, a_smem_layout,
-                b_smem_layout, b_smem_layout_main)
+            "sched_off": cute.struct.MemRange[cutlass.Int32, num_experts + 1],
+            "sched_cum": cute.struct.MemRange[cutlass.Int32, num_experts + 1],
+            "sA": cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(a_smem_layout)], 1024],
+            "sB": cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem_layout)], 1024],
+            "sC": cute.struct.Align[cute.struct.MemRange[self.c_dtype, self.epi_smem_elems * self.num_epi_bufs], 128],
+        }
 
     # ------------------------------------------------------------------ scheduler helper
     @cute.jit

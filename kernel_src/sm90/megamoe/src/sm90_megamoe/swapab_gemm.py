@@ -68,7 +68,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from .grouped_gemm import silu
+from .grouped_gemm import check_bf16_operands, silu
 from .pdl import PDL, wait_previous_grid
 from .constants import ACTIVATIONS, ALIGN_K_ELEMS, ALIGN_N_ELEMS, GATED_ACTIVATIONS, MAX_EXPERTS
 
@@ -244,14 +244,7 @@ class SwapABGroupedGemmSm90:
         max_active_ctas: cutlass.Int32,
         stream: cuda.CUstream,
     ):
-        if cutlass.const_expr(mA.element_type != cutlass.BFloat16 or mB.element_type != cutlass.BFloat16):
-            raise TypeError("A and B must be bfloat16")
-        if cutlass.const_expr(mC.element_type != cutlass.BFloat16):
-            raise TypeError("C must be bfloat16")
-        if cutlass.const_expr(mOffsets.element_type != cutlass.Int32):
-            raise TypeError("offsets must be int32")
-        if cutlass.const_expr(mBias.element_type not in (cutlass.Float32, cutlass.BFloat16)):
-            raise TypeError("bias must be float32 or bfloat16")
+        check_bf16_operands(mA, mB, mC, mOffsets, mBias)
         num_experts = cute.size(mOffsets, mode=[0]) - 1
         n_rows_b = cute.size(mB, mode=[1])
         k_size = cute.size(mB, mode=[2])
