@@ -79,7 +79,8 @@
 #                kernels run beside ours in every run (a same-call baseline) -> $OUT/sustab_s<i>.log.
 # newab:         code not yet run on a GPU: NEWAB_TESTS' GPU tests (space-separated files, TEST_BUDGET, 240 s: a
 #                wrong barrier count would hang), then -- if they pass -- the drop runner with NEWAB_RUNNER's
-#                arguments (e.g. "--gather-l2 --model qwen3") and the layer under each ENVAB setting (MODELS,
+#                arguments (e.g. "--gather-l2 --model qwen3"), the FP8 runner with NEWAB_FP8_RUNNER's
+#                (e.g. "--model mixtral --chunk-k-tiles 8,16") and the layer under each ENVAB setting (MODELS, QUANT,
 #                interleaved, ENVAB_ROUNDS rounds; as envab) -> $OUT/newab_tests.log, newab_runner.log, envab_s<i>_r<r>.*.
 #                (The thirty-second session ran drop v72's clusters along N this way, as mode "clustern".)
 # ncuab:         Nsight Compute (speed of light, warp states, schedulers, instruction mix) on one FC1 + one FC2
@@ -215,7 +216,7 @@ suite_groups=(
   "tests/test_ep_gpu.py;tests/test_disk_cache.py;tests/test_transformers_integration.py;tests/test_blackwell_backends.py"
   "tests/test_sm90_fp8_quant.py;tests/test_fp8_quant_div.py;tests/test_fp8_quant_items.py;tests/test_fp8_scatter_quant.py;tests/test_fp8_cluster.py"
   "tests/test_fp8_plain_schedule.py;tests/test_fp8_smem_scales.py;tests/test_fp8_unit_scales.py;tests/test_fp8_deferred_epilogue.py;tests/test_bf16_cluster.py"
-  "tests/test_sm90_fp8_compile.py" "tests/test_sm90_swapab_compile.py;tests/test_gather_tma.py;tests/test_half_tiles.py;tests/test_fp8_tanh_sigmoid.py;tests/test_bf16_tanh_sigmoid.py;tests/test_bf16_cluster_n.py;tests/test_gather_l2.py;tests/test_m64_tails.py;tests/test_jump_stages.py"
+  "tests/test_sm90_fp8_compile.py" "tests/test_sm90_swapab_compile.py;tests/test_gather_tma.py;tests/test_half_tiles.py;tests/test_fp8_tanh_sigmoid.py;tests/test_bf16_tanh_sigmoid.py;tests/test_bf16_cluster_n.py;tests/test_gather_l2.py;tests/test_m64_tails.py;tests/test_jump_stages.py;tests/test_fp8_chunk_k_tiles.py"
 )
 # SUITE_PICK="i j ...": only those of the groups above (0-based), e.g. the ones a cut call left unrun
 if [ -n "${SUITE_PICK:-}" ]; then
@@ -385,6 +386,10 @@ if [ "$mode" = newab ]; then
       STEP_TIMEOUT=240 step "grouped_gemm_runner $NEWAB_RUNNER" "$OUT/newab_runner.log" -- bash -c \
           "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.grouped_gemm_runner $NEWAB_RUNNER"
     fi
+    if [ -n "${NEWAB_FP8_RUNNER:-}" ]; then
+      STEP_TIMEOUT=240 step "fp8_runner $NEWAB_FP8_RUNNER" "$OUT/newab_fp8_runner.log" -- bash -c \
+          "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.fp8_runner $NEWAB_FP8_RUNNER"
+    fi
     layer_settings
   fi
 fi
@@ -541,7 +546,7 @@ if [ "$mode" = suite2 ]; then
       tests/test_sm90_fp8_compile.py tests/test_sm90_swapab_compile.py tests/test_blackwell_backends.py \
       tests/test_sm90_fp8_gather.py tests/test_gather_fc1.py tests/test_fp8_quant_div.py tests/test_fp8_quant_items.py tests/test_fp8_scatter_quant.py tests/test_fp8_cluster.py \
       tests/test_bf16_cluster.py tests/test_fp8_plain_schedule.py tests/test_fp8_smem_scales.py tests/test_fp8_unit_scales.py tests/test_fp8_deferred_epilogue.py tests/test_fp8_tanh_sigmoid.py tests/test_bf16_tanh_sigmoid.py tests/test_fp8_fused_quant.py \
-      tests/test_gather_tma.py tests/test_half_tiles.py tests/test_bf16_cluster_n.py tests/test_gather_l2.py tests/test_m64_tails.py tests/test_jump_stages.py
+      tests/test_gather_tma.py tests/test_half_tiles.py tests/test_bf16_cluster_n.py tests/test_gather_l2.py tests/test_m64_tails.py tests/test_jump_stages.py tests/test_fp8_chunk_k_tiles.py
 fi
 if [ "$mode" = suite3 ]; then
   step "GPU suite 3/3" "$OUT/suite3.log" -- "${suite_common[@]}" tests/test_ep_virtual_gpu.py

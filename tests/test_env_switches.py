@@ -91,6 +91,7 @@ def test_switches_with_more_values(monkeypatch):
         ("MOE_EP_GATHER_L2", lambda: s.use_gather_l2(True, False), ("0", "1", "2"), ("3", "yes")),
         ("MOE_EP_FP8_FUSED_QUANT", f.fp8_fused_quant_mode, ("0", "1", "epilogue"), ("2", "Epilogue")),
         ("MOE_EP_FP8_UNIT_SCALES", lambda: f.use_fp8_unit_scales(4096), ("auto", "0", "1"), ("on", "AUTO")),
+        ("MOE_EP_FP8_OVERLAP_CHUNK", lambda: f.use_fp8_chunk_k_tiles(4096, True, False, True), ("8", "16"), ("4", "1")),
     ):
         for raw in good:
             monkeypatch.setenv(var, raw)

@@ -61,7 +61,7 @@ from .sm90_megamoe_switches import (  # noqa: F401  (re-exported: the shim reads
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 81},
+    "sm90_megamoe": {"DROP_VERSION": 82},
     "sm90_megamoe.fp8_gemm": {"FP8_BLOCK": 128, "OVERLAP_MAX_K_TILES": 32, "OVERLAP_MAX_CHUNK": 16,
                                "MAX_SCALE_LOOKAHEAD": 4},
     "sm90_megamoe.unit_scales": {"UNIT_SCALE_KC": 8},
@@ -157,12 +157,12 @@ CONTRACT = DropContract(
         CallableUse("sm90_megamoe.layout_kernels:counts_len", ("num_chunks", "local_experts")),
         CallableUse("sm90_megamoe.fp8_gemm:can_implement", ("activation", "n", "k", "num_experts")),
         CallableUse("sm90_megamoe.fp8_gemm:default_tile_n", ("activation",)),
-        CallableUse("sm90_megamoe.fp8_gemm:overlap_chunk", ("k_tiles",)),
+        CallableUse("sm90_megamoe.fp8_gemm:overlap_chunk", ("k_tiles", "halves", "limit")),
         CallableUse("sm90_megamoe.fp8_launch:CompiledFp8Gemm.__init__",
                     ("activation", "n", "k", "num_experts", "scale_rows", "compiled", "tvm_ffi", "raster_m",
                      "overlap_promotion", "requant", "wide_gated", "gather_a", "cluster_n", "smem_scales",
                      "scale_warp", "deferred_epilogue", "tanh_sigmoid", "scale_lookahead", "pair_amax",
-                     "unit_scales")),
+                     "unit_scales", "chunk_k_tiles")),
         CallableUse("sm90_megamoe.fp8_launch:CompiledFp8Gemm.__call__",
                     ("a", "a_scale", "b", "b_scale", "offsets", "out", "row_scale", "max_active_ctas", "stream",
                      "out_scale", "idx")),

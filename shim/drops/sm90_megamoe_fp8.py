@@ -248,6 +248,7 @@ class Fp8Key:
     scale_lookahead: int = 1
     pair_amax: bool = False
     unit_scales: bool = False
+    chunk_k_tiles: int = 0
 
 
 #: ``MOE_EP_FP8_FUSED_QUANT``'s values: off, the quantising warps (drop v39), the epilogue (drop v66)
@@ -317,6 +318,26 @@ def use_fp8_quant_items() -> int:
     return _env_int("MOE_EP_FP8_QUANT_ITEMS", 1, 4)
 
 
+def use_fp8_chunk_k_tiles(k: int, overlap_promotion: bool, deferred: bool, unit_scales: bool) -> int:
+    """``MOE_EP_FP8_OVERLAP_CHUNK`` = 8 / 16 (drop v82, ``chunk_k_tiles``): the overlapped k-loop of every
+    FP8 GEMM longer than that runs in chunks of at most that many k-tiles instead of unrolled whole
+    up to 32 (Qwen3's FC1: 16 k-tiles, 3152 -> 2072 SASS instructions in chunks of 8; Mixtral's FC1:
+    32, 4096 -> 2032 / 3064 in chunks of 8 / 16; its FC2 keeps chunks of 16 unless 8 is asked). The
+    same bits; one more drain per chunk for a loop that no longer streams through the instruction
+    cache each tile. Not where the GEMM defers its epilogue (that needs the unrolled loop), nor where
+    the chunk would not be a multiple of 8 k-tiles under ``unit_scales``. Unset: 0, the default
+    rule. Opt-in until it has run on the H200 (the same question as drop v79's ``jump_stages``)."""
+    raw = env_choice("MOE_EP_FP8_OVERLAP_CHUNK", ("8", "16"), "")
+    if not raw or not overlap_promotion or deferred:
+        return 0
+    fg = _load("sm90_megamoe.fp8_gemm")
+    k_tiles = k // CONSTANTS.value("sm90_megamoe.fp8_gemm", "FP8_BLOCK")
+    chunk = fg.overlap_chunk(k_tiles, 1, int(raw))
+    if chunk == 0 or chunk == fg.overlap_chunk(k_tiles) or (unit_scales and chunk % 8):
+        return 0
+    return int(raw)
+
+
 def use_fp8_tanh_sigmoid(activation: str) -> bool:
     """Whether the swiglu FP8 GEMM (FC1; drop v51: every variant -- plain, requantising, fused-quant,
     gathering -- so switching between them keeps the bits) takes its sigmoid from one ``tanh.approx``
@@ -347,7 +368,9 @@ def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_row
                   kind == "gemm" and use_fp8_tanh_sigmoid(activation),
                   use_fp8_quant_items() if kind.startswith("quantize") else 1,
                   use_fp8_scale_lookahead(scale_warp and plain and not fused_quant),
-                  bool(fused_quant) and fp8_fused_quant_mode() == "epilogue", unit)
+                  bool(fused_quant) and fp8_fused_quant_mode() == "epilogue", unit,
+                  use_fp8_chunk_k_tiles(k, overlap_promotion, deferred, unit)
+                  if kind == "gemm" and not requant and not fused_quant else 0)
 
 
 def _gemm_key(activation: str, n: int, k: int, num_experts: int, scale_rows: bool, requant: bool,
@@ -365,7 +388,7 @@ def _gemm_options(key: Fp8Key) -> dict:
                 gather_a=key.gather_a, cluster_n=key.cluster_n, smem_scales=key.smem_scales,
                 scale_warp=key.scale_warp, fused_quant=key.fused_quant, deferred_epilogue=key.deferred_epilogue,
                 tanh_sigmoid=key.tanh_sigmoid, scale_lookahead=key.scale_lookahead, pair_amax=key.pair_amax,
-                unit_scales=key.unit_scales)
+                unit_scales=key.unit_scales, **({"chunk_k_tiles": key.chunk_k_tiles} if key.chunk_k_tiles else {}))
 
 
 def _checked_gemm_key(activation: str, n: int, k: int, num_experts: int, scale_rows: bool, requant: bool,
@@ -412,7 +435,7 @@ def _compiled_gemm(key: Fp8Key) -> Any:
         ("_gather" if key.gather_a else "") + (f"_cluster{key.cluster_n}" if key.cluster_n > 1 else "") + \
         ("_fusedq" if key.fused_quant else "") + ("_pair" if key.pair_amax else "") + ("_defer" if key.deferred_epilogue else "") + \
         ("_tanh" if key.tanh_sigmoid else "") + (f"_ahead{key.scale_lookahead}" if key.scale_lookahead > 1 else "") + \
-        ("_us" if key.unit_scales else "")
+        ("_us" if key.unit_scales else "") + (f"_chunk{key.chunk_k_tiles}" if key.chunk_k_tiles else "")
 
     def build():
         fl = _load("sm90_megamoe.fp8_launch")

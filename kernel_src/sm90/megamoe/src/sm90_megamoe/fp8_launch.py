@@ -85,14 +85,18 @@ class CompiledFp8Gemm:
     tanh.approx's relative error is ~2^-11);
     ``unit_scales`` (drop v69; overlap_promotion, the plain kernel, K/128 a multiple of 8): the TMA warp
     loads the scales of 8 k-tiles per TMA copy into double-buffered shared memory
-    (:mod:`.unit_scales`; same bits)."""
+    (:mod:`.unit_scales`; same bits);
+    ``chunk_k_tiles`` (drop v82; overlap_promotion, the plain or gathering kernel, not with
+    deferred_epilogue; 0 or even, <= 16): the overlapped k-loop in chunks of at most that many k-tiles
+    whenever it is longer (less code per tile; same bits)."""
 
     def __init__(self, activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
                  compiled=None, tvm_ffi: bool = False, raster_m: int = 1, overlap_promotion: bool = False,
                  requant: bool = False, wide_gated: bool = False, gather_a: bool = False, cluster_n: int = 1,
                  smem_scales: bool = False, scale_warp: bool = False, fused_quant: bool = False,
                  gather_tma: bool = False, deferred_epilogue: bool = False, tanh_sigmoid: bool = False,
-                 scale_lookahead: int = 1, pair_amax: bool = False, unit_scales: bool = False):
+                 scale_lookahead: int = 1, pair_amax: bool = False, unit_scales: bool = False,
+                 chunk_k_tiles: int = 0):
         reason = can_implement(activation, n, k, num_experts)
         if reason is None and gather_tma and not gather_a:
             reason = "gather_tma is a way of gathering: it needs gather_a=True"
@@ -120,6 +124,8 @@ class CompiledFp8Gemm:
             reason = "pair_amax is a way of fusing the quantiser: it needs fused_quant=True"
         if reason is None and deferred_epilogue and (not overlap_promotion or requant or fused_quant):
             reason = "deferred_epilogue needs overlap_promotion and the bf16 output (not requant, not fused_quant)"
+        if reason is None and chunk_k_tiles and (not overlap_promotion or requant or fused_quant):
+            reason = "chunk_k_tiles needs overlap_promotion and the plain or gathering kernel (not requant, not fused_quant)"
         if reason is None and tanh_sigmoid and activation != "swiglu":
             reason = f"tanh_sigmoid is swiglu's sigmoid: it needs activation 'swiglu', got {activation!r}"
         for flag, on in (("requant", requant), ("wide_gated", wide_gated)):
@@ -146,6 +152,7 @@ class CompiledFp8Gemm:
         self.tanh_sigmoid = bool(tanh_sigmoid)
         self.scale_lookahead = int(scale_lookahead)
         self.unit_scales = bool(unit_scales)
+        self.chunk_k_tiles = int(chunk_k_tiles)
         # the grid of a clustered launch, worked out here (not while a CUDA graph is captured)
         self._max_ctas = cluster_ctas(self.cluster_n) if self.cluster_n > 1 and torch.cuda.is_available() else None
         if compiled is None:
@@ -172,7 +179,9 @@ class CompiledFp8Gemm:
                                                        **({"tanh_sigmoid": True} if self.tanh_sigmoid else {}),
                                                        **({"scale_lookahead": self.scale_lookahead}
                                                           if self.scale_lookahead > 1 else {}),
-                                                       **({"unit_scales": True} if self.unit_scales else {}))
+                                                       **({"unit_scales": True} if self.unit_scales else {}),
+                                                       **({"chunk_k_tiles": self.chunk_k_tiles}
+                                                          if self.chunk_k_tiles else {}))
             opts = "--gpu-arch sm_90a" + (" --enable-tvm-ffi" if self.tvm_ffi else "")
             compiled = cute.compile(kernel, *fake_args(num_experts, n, k, activation, self.tvm_ffi, self.requant,
                                                        self.gather_a, self.fused_quant), options=opts)

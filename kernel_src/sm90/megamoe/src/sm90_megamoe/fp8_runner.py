@@ -13,6 +13,7 @@
                                                             #   with loads in flight (v65)
                                       [--fused-quant]       # + FC1 writing FC2's e4m3 input too (v37, v66)
                                       [--unit-scales]       # + scales by TMA, 8 k-tiles per copy (v69)
+                                      [--chunk-k-tiles 8,16] # + the k-loop in chunks of <= 8 / 16 k-tiles (v82)
 
 Per model, FC1 (swiglu, w13 [E, 2I, H]) and FC2 (identity + router row scale, w2 [E, H, I]):
 * every machine: compile for sm_90a from fake tensors and check the PTX (FP8 WGMMA
@@ -43,7 +44,10 @@ Per model, FC1 (swiglu, w13 [E, 2I, H]) and FC2 (identity + router row scale, w2
   (overlapped, clusters of 2, staged scales where the layer stages them), against the same GEMM with
   ``unit_scales`` (drop v69: the scales loaded by TMA, 8 k-tiles per copy): the same bits
   (NaN-poisoned) on uniform and skewed routing and on 1, 37 and 300 rows, then both timed at the
-  power cap (each back to back for a second before 60 timed launches), interleaved, 3 rounds.
+  power cap (each back to back for a second before 60 timed launches), interleaved, 3 rounds;
+* ``--chunk-k-tiles 8[,16]``: each layer GEMM with the layer's schedule against the same GEMM with
+  its overlapped k-loop in chunks of at most that many k-tiles (drop v82: less code per tile), the
+  same checks and timing as ``--unit-scales``.
 """
 
 from __future__ import annotations
@@ -735,25 +739,37 @@ def check_deferred_epilogue(model: str, routing: str, reps: int) -> bool:
     return ok
 
 
-def check_unit_scales(model: str, reps: int = 60) -> bool:
-    """Drop v69: ``unit_scales`` against the layer's schedule of each GEMM it can run (module docstring)."""
+def _layer_kw(act: str, k: int) -> dict:
+    """The schedule the layer runs for a GEMM (the shim's defaults since drop v69): overlapped, wide
+    gated (FC1), clusters of 2, the tanh sigmoid; scales by TMA from K 4096 (``unit_scales``),
+    staged in shared memory up to K 2048; the deferred epilogue up to K 1024."""
+    kw = dict(raster_m=max(1, min(16, (24 << 20) // (128 * k))), overlap_promotion=True,
+              wide_gated=act == "swiglu", cluster_n=2, tanh_sigmoid=act == "swiglu")
+    if k >= 4096:
+        kw.update(unit_scales=True)
+    elif k <= 2048:
+        kw.update(smem_scales=True, deferred_epilogue=k <= 1024 and act == "identity")
+    return kw
+
+
+def compare_to_layer(model: str, tag: str, pair, reps: int = 60) -> bool:
+    """Each of --model's GEMMs (FC1, FC2) as ``pair(act, k)`` gives it -- ``(baseline kwargs, variant
+    kwargs)`` of :class:`.fp8_launch.CompiledFp8Gemm`, or a string saying why the variant does not
+    apply: the same bits (NaN-poisoned) on uniform and skewed routing and on 1, 37 and 300 rows, then
+    both timed at the power cap (each back to back for a second before ``reps`` timed launches),
+    interleaved, 3 rounds. Shared by ``--unit-scales`` and ``--chunk-k-tiles``."""
     from .fp8_launch import CompiledFp8Gemm
-    from .unit_scales import unit_scales_reason
 
     h, i, E, topk, tokens = MODELS[model]
     m_total = tokens * topk
     ok = True
     for name, act, n, k in (("fc1", "swiglu", 2 * i, h), ("fc2", "identity", h, i)):
-        k_tiles = k // FP8_BLOCK
-        why = unit_scales_reason(k_tiles, overlap_chunk(k_tiles))
-        if why is not None:
-            print(f"[{model} {name} unit_scales] K={k}: {why}; not covered", flush=True)
+        kws = pair(act, k)
+        if isinstance(kws, str):
+            print(f"[{model} {name} {tag}] K={k}: {kws}; not covered", flush=True)
             continue
         sr = act == "identity"
-        kw = dict(raster_m=max(1, min(16, (24 << 20) // (128 * k))), overlap_promotion=True,
-                  wide_gated=act == "swiglu", cluster_n=2, tanh_sigmoid=act == "swiglu")
-        layer_kw = dict(kw, smem_scales=k <= 2048 or (sr and k >= 4096), scale_warp=sr and k >= 4096)
-        fns = [CompiledFp8Gemm(act, n, k, E, sr, **layer_kw), CompiledFp8Gemm(act, n, k, E, sr, unit_scales=True, **kw)]
+        fns = [CompiledFp8Gemm(act, n, k, E, sr, **kw) for kw in kws]
         ctas = max_active_ctas(2)
         for routing, m in (("uniform", m_total), ("skewed", m_total), ("uniform", 1), ("skewed", 37), ("uniform", 300)):
             a, a_s, b, b_s, offs, rs = make_inputs(m, n, k, E, routing, sr, seed=11 + m)
@@ -766,7 +782,7 @@ def check_unit_scales(model: str, reps: int = 60) -> bool:
             torch.cuda.synchronize()
             same = torch.equal(outs[0], outs[1]) and not bool(torch.isnan(outs[1]).any())
             ok &= same
-            print(f"[{model} {name} unit_scales] {routing} M={m}: bit-identical={same}", flush=True)
+            print(f"[{model} {name} {tag}] {routing} M={m}: bit-identical={same}", flush=True)
             if m != m_total or routing != "uniform":
                 continue
             calls = [lambda f=f, o=o: f(a, a_s, b, b_s, offs, out=o, row_scale=rs, max_active_ctas=ctas)
@@ -775,12 +791,48 @@ def check_unit_scales(model: str, reps: int = 60) -> bool:
             for r in range(3):
                 for j in ((0, 1) if r % 2 == 0 else (1, 0)):
                     ms[j].append(_time_at_cap(calls[j], reps))
-            base, us = statistics.median(ms[0]), statistics.median(ms[1])
+            base, var = statistics.median(ms[0]), statistics.median(ms[1])
             flops = 2.0 * m_total * n * k
-            print(f"[{model} {name} unit_scales] at the cap: {us:.4f} ms = {flops / us / 1e9:.1f} TFLOP/s vs the "
-                  f"layer's schedule {base:.4f} ms ({base / us:.3f}x; rounds {' '.join(f'{x:.4f}' for x in ms[1])} / "
+            print(f"[{model} {name} {tag}] at the cap: {var:.4f} ms = {flops / var / 1e9:.1f} TFLOP/s vs the "
+                  f"layer's schedule {base:.4f} ms ({base / var:.3f}x; rounds {' '.join(f'{x:.4f}' for x in ms[1])} / "
                   f"{' '.join(f'{x:.4f}' for x in ms[0])})", flush=True)
     return ok
+
+
+def check_unit_scales(model: str, reps: int = 60) -> bool:
+    """Drop v69: ``unit_scales`` against the schedule the layer ran before it (staged scales where it
+    staged them) on each GEMM whose K/128 is a multiple of 8 (module docstring)."""
+    from .unit_scales import unit_scales_reason
+
+    def pair(act, k):
+        why = unit_scales_reason(k // FP8_BLOCK, overlap_chunk(k // FP8_BLOCK))
+        if why is not None:
+            return why
+        kw = {x: v for x, v in _layer_kw(act, k).items() if x not in ("unit_scales", "smem_scales", "deferred_epilogue")}
+        sr = act == "identity"
+        return dict(kw, smem_scales=k <= 2048 or (sr and k >= 4096), scale_warp=sr and k >= 4096), \
+            dict(kw, unit_scales=True)
+
+    return compare_to_layer(model, "unit_scales", pair, reps)
+
+
+def check_chunk_k_tiles(model: str, chunk: int, reps: int = 60) -> bool:
+    """Drop v82: each GEMM the layer runs against the same GEMM with its overlapped k-loop in chunks
+    of at most ``chunk`` k-tiles (module docstring); a k-loop no longer than ``chunk``, or one the
+    layer runs with the deferred epilogue, is not covered (nothing changes / not combinable)."""
+    def pair(act, k):
+        kw = _layer_kw(act, k)
+        k_tiles = k // FP8_BLOCK
+        if kw.get("deferred_epilogue"):
+            return "the layer defers this GEMM's epilogue, which needs the unrolled loop"
+        c = overlap_chunk(k_tiles, 1, chunk)
+        if c == 0 or c == overlap_chunk(k_tiles):
+            return f"{k_tiles} k-tiles run the same loop with chunk_k_tiles={chunk}"
+        if kw.get("unit_scales") and c % 8:
+            return f"unit_scales needs chunks of a multiple of 8 k-tiles, chunk_k_tiles={chunk} gives {c}"
+        return kw, dict(kw, chunk_k_tiles=chunk)
+
+    return compare_to_layer(model, f"chunk_k_tiles={chunk}", pair, reps)
 
 
 def _time_at_cap(fn, reps: int, warm_s: float = 1.0) -> float:
@@ -826,6 +878,9 @@ def main(argv=None):
     p.add_argument("--unit-scales", action="store_true",
                    help="also each layer GEMM with its scales loaded by TMA, 8 k-tiles per copy (drop v69; checked "
                         "bit-identical to the layer's schedule, timed at the power cap)")
+    p.add_argument("--chunk-k-tiles", type=lambda v: [int(x) for x in v.split(",") if x.strip()], default=[],
+                   help="comma list: also each layer GEMM with its overlapped k-loop in chunks of at most this many "
+                        "k-tiles (drop v82; checked bit-identical to the layer's schedule, timed at the power cap)")
     p.add_argument("--raster-m", default="1", help="m-tiles per raster group, comma-separated: each is timed, "
                                                   "the first is also checked")
     args = p.parse_args(argv)
@@ -842,6 +897,8 @@ def main(argv=None):
             ok &= check_deferred_epilogue(args.model, args.routing, args.reps)
         if args.unit_scales:
             ok &= check_unit_scales(args.model)
+        for chunk in args.chunk_k_tiles:
+            ok &= check_chunk_k_tiles(args.model, chunk)
     else:
         print("no SM90 GPU: compile checks only")
     raise SystemExit(0 if ok else 1)
