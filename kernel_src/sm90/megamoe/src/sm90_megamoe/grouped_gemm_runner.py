@@ -333,7 +333,7 @@ GEMM_VARIANTS = {
                   1: (Variant("cooperative", 128), _PP96, _PP96._replace(m64_tails=True))},
     "jump_stages": {2: (_PP192, _PP192._replace(jump_stages=True), _PP192._replace(m64_tails=True),
                         _PP192._replace(m64_tails=True, jump_stages=True)),
-                    1: (_PP96, _PP96._replace(jump_stages=True))},
+                    1: (Variant("cooperative", 128), _PP96, _PP96._replace(jump_stages=True))},
 }
 #: a non-gated FC1 (squared_relu) runs on FC2's pingpong 192 tile: --m64-tails / --jump-stages take
 #: FC2's variants for it
