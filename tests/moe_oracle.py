@@ -221,6 +221,26 @@ def variants_same_bits(fns, a, b, offs, n_out, row_scale=None, bias=None) -> tor
     return outs[-1][:size].view(m_total, n_out)
 
 
+def fp8_variants_same_bits(fns, problem) -> None:
+    """Run FP8 grouped GEMM launchers (``CompiledFp8Gemm``, the first the baseline) on ``problem`` (the
+    CPU tuple :func:`fp8_gemm_problem` gives, moved to the GPU), each into its own NaN-poisoned bf16
+    output, every variant twice in a row (barrier phases carry over between launches); assert the
+    baseline's output finite and every variant's run equal to it bit for bit."""
+    a, a_s, b, b_s, offs, rs = (t.cuda() if t is not None else None for t in problem)
+    if rs is None:
+        rs = torch.ones(1, device="cuda")
+    m = a.shape[0]
+    outs = []
+    for g in [fns[0]] + [f for f in fns[1:] for _ in range(2)]:
+        out = torch.full((m, g.n_out), float("nan"), dtype=torch.bfloat16, device="cuda")
+        g(a, a_s, b, b_s, offs, out=out, row_scale=rs)
+        outs.append(out)
+    torch.cuda.synchronize()
+    assert torch.isfinite(outs[0]).all()
+    for out in outs[1:]:
+        assert torch.equal(out, outs[0])
+
+
 def gathered_bf16_problem(m_total: int, routing: str, b_seed: int, src_seed: int, idx_seed: int) -> tuple:
     """GPU inputs of the gathering BF16 FC1 tests (Qwen3's FC1 shape, 16 experts; the calling module
     has registered the sm90 drop): (src [700, 2048] bf16 tokens, idx [m_total] int32 rows of src,

@@ -20,7 +20,8 @@ from moe_ep.shim import drop_src, register_drop  # noqa: E402
 
 register_drop(drop_src("sm90", "megamoe"))
 
-from moe_oracle import fp8_gemm_problem, fp8_layer_inputs, layer_outputs_with_switch  # noqa: E402
+from moe_oracle import (fp8_gemm_problem, fp8_layer_inputs, fp8_variants_same_bits,  # noqa: E402
+                         layer_outputs_with_switch)
 
 # (activation, N, K, E, the layer's schedule): Qwen3's FC1 (16 k-tiles, staged scales), Mixtral's
 # FC1 (32, TMA-loaded scales) and a chunked FC2 (48 k-tiles: chunks of 16 by default)
@@ -145,18 +146,7 @@ def test_chunked_loop_bit_identical(act, n, k, experts, kw, m, routing):
     sr = act == "identity"
     base = CompiledFp8Gemm(act, n, k, experts, sr, raster_m=16, overlap_promotion=True, **kw)
     chunked = CompiledFp8Gemm(act, n, k, experts, sr, raster_m=16, overlap_promotion=True, chunk_k_tiles=8, **kw)
-    a, a_s, b, b_s, offs, rs = (t.cuda() if t is not None else None
-                                for t in fp8_gemm_problem(m, n, k, experts, routing, 820 + m, sr))
-    if rs is None:
-        rs = torch.ones(1, device="cuda")
-    outs = []
-    for g in (base, chunked, chunked):
-        out = torch.full((m, g.n_out), float("nan"), dtype=torch.bfloat16, device="cuda")
-        g(a, a_s, b, b_s, offs, out=out, row_scale=rs)
-        outs.append(out)
-    torch.cuda.synchronize()
-    assert torch.isfinite(outs[0]).all()
-    assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
+    fp8_variants_same_bits([base, chunked], fp8_gemm_problem(m, n, k, experts, routing, 820 + m, sr))
 
 
 @pytest.mark.gpu

@@ -15,7 +15,8 @@ from moe_ep.shim import drop_src, register_drop  # noqa: E402
 
 register_drop(drop_src("sm90", "megamoe"))
 
-from moe_oracle import fp8_gemm_problem, fp8_layer_inputs, layer_outputs_with_switch  # noqa: E402
+from moe_oracle import (fp8_gemm_problem, fp8_layer_inputs, fp8_variants_same_bits,  # noqa: E402
+                         layer_outputs_with_switch)
 
 # (activation, N, K, E, the layer's schedule without unit_scales): Qwen3's FC1 (16 k-tiles, unrolled),
 # Mixtral's FC1 (32, unrolled) and an FC2 on the chunked schedule (48 k-tiles: chunks of 16)
@@ -153,18 +154,7 @@ def test_unit_scales_bit_identical(act, n, k, experts, kw, m, routing):
     base = CompiledFp8Gemm(act, n, k, experts, sr, raster_m=16, overlap_promotion=True, **kw)
     unit_kw = {key: v for key, v in kw.items() if key not in ("smem_scales", "scale_warp")}
     unit = CompiledFp8Gemm(act, n, k, experts, sr, raster_m=16, overlap_promotion=True, unit_scales=True, **unit_kw)
-    a, a_s, b, b_s, offs, rs = (t.cuda() if t is not None else None
-                                for t in fp8_gemm_problem(m, n, k, experts, routing, 300 + m, sr))
-    if rs is None:
-        rs = torch.ones(1, device="cuda")
-    outs = []
-    for g in (base, unit, unit):
-        out = torch.full((m, g.n_out), float("nan"), dtype=torch.bfloat16, device="cuda")
-        g(a, a_s, b, b_s, offs, out=out, row_scale=rs)
-        outs.append(out)
-    torch.cuda.synchronize()
-    assert torch.isfinite(outs[0]).all()
-    assert torch.equal(outs[1], outs[0]) and torch.equal(outs[2], outs[0])
+    fp8_variants_same_bits([base, unit], fp8_gemm_problem(m, n, k, experts, routing, 300 + m, sr))
 
 
 @pytest.mark.gpu
