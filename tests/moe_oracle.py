@@ -221,6 +221,37 @@ def variants_same_bits(fns, a, b, offs, n_out, row_scale=None, bias=None) -> tor
     return outs[-1][:size].view(m_total, n_out)
 
 
+def pingpong_option_bits(act, n, k, tile_n, scale_rows, routing, m_total, seed, option: dict, base: dict = None):
+    """A BF16 pingpong GEMM with ``option`` (e.g. ``{"jump_stages": True}``) against the same GEMM
+    without it (both with ``base``), 16 experts, on :func:`bf16_gemm_problem`'s inputs: the same
+    bits (:func:`variants_same_bits`: NaN poison, guard band), then the variant against float64."""
+    from sm90_megamoe.launch import get_grouped_gemm
+    from sm90_megamoe.reference import grouped_gemm_reference
+
+    E = 16
+    a, b, offs, rs, _ = bf16_gemm_problem(m_total, n, k, E, routing, seed, scale_rows)
+    fns = [get_grouped_gemm(act, n, k, E, scale_rows=scale_rows, tile_n=tile_n, schedule="pingpong", raster_m=16,
+                            **(base or {}), **opt) for opt in ({}, option)]
+    got = variants_same_bits(fns, a, b, offs, n // 2 if act in ("swiglu", "gelu_glu", "clamped_swiglu") else n,
+                             row_scale=rs)
+    want = grouped_gemm_reference(a.double(), b.double(), offs, act, None if rs is None else rs.double()).double()
+    assert float((got.double() - want).norm() / want.norm().clamp_min(1e-30)) < 1e-2
+
+
+def qwen3_pingpong_switch_outputs(monkeypatch, switch: str, attr: str, T: int, seed: int) -> list:
+    """Qwen3's BF16 layer (:func:`qwen3_gather_layer`) with environment ``switch`` off, then on
+    (:func:`layer_outputs_with_switch`: eager and CUDA graph), asserting that its pingpong FC2 takes
+    the kernel option ``attr`` exactly when on and its cooperative FC1 never; returns both outputs."""
+    monkeypatch.delenv("MOE_EP_PINGPONG_MAX_K", raising=False)
+    cfg, inputs = qwen3_gather_layer(T, seed=seed)
+
+    def check(impl, on):
+        assert impl.fc2.compiled.schedule == "pingpong" and getattr(impl.fc2.compiled, attr) == on
+        assert not getattr(impl.fc1.compiled, attr)
+
+    return layer_outputs_with_switch(monkeypatch, switch, cfg, "sm90_bf16_cutedsl", inputs, check)
+
+
 def fp8_variants_same_bits(fns, problem) -> None:
     """Run FP8 grouped GEMM launchers (``CompiledFp8Gemm``, the first the baseline) on ``problem`` (the
     CPU tuple :func:`fp8_gemm_problem` gives, moved to the GPU), each into its own NaN-poisoned bf16

@@ -60,3 +60,20 @@ def check_pingpong_switch(monkeypatch, env: str, use, key_field: str) -> None:
         with pytest.raises(ValueError, match=env):
             use("pingpong")
     assert s.GemmKey.__dataclass_fields__[key_field].default is False
+
+
+def check_pingpong_only_option(option: str) -> None:
+    """A pingpong-only option of the drop's BF16 GEMM (drops v78 ``m64_tails``, v79 ``jump_stages``):
+    refused on the cooperative and wide schedules with a ValueError naming it; on pingpong the
+    launcher and its kernel carry it (and no other such option)."""
+    import pytest
+    from sm90_megamoe.grouped_gemm import GroupedGemmSm90
+    from sm90_megamoe.launch import CompiledGroupedGemm
+
+    for schedule in ("cooperative", "wide"):
+        with pytest.raises(ValueError, match=f"{option} is for the pingpong schedule"):
+            GroupedGemmSm90("swiglu", schedule=schedule, **{option: True})
+    fn = CompiledGroupedGemm("identity", 2048, 768, 16, True, tile_n=192, schedule="pingpong",
+                             compiled=object(), **{option: True})
+    assert getattr(fn, option) and getattr(fn.kernel, option)
+    assert not any(getattr(fn, o) for o in ("m64_tails", "jump_stages") if o != option)

@@ -21,7 +21,7 @@ from moe_ep.shim import drop_src, register_drop  # noqa: E402
 register_drop(drop_src("sm90", "megamoe"))
 
 from moe_oracle import (fp8_gemm_problem, fp8_layer_inputs, fp8_variants_same_bits,  # noqa: E402
-                         layer_outputs_with_switch)
+                         layer_outputs_with_switch, require_sm90)
 
 # (activation, N, K, E, the layer's schedule): Qwen3's FC1 (16 k-tiles, staged scales), Mixtral's
 # FC1 (32, TMA-loaded scales) and a chunked FC2 (48 k-tiles: chunks of 16 by default)
@@ -130,17 +130,12 @@ def test_shim_switch_key_and_name(monkeypatch):
 
 
 # ---------------------------------------------------------------------------- GPU
-def _needs_sm90():
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("needs an SM90 GPU")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("act,n,k,experts,kw", SHAPES)
 @pytest.mark.parametrize("m,routing", [(1, "uniform"), (37, "skewed"), (700, "uniform"), (3000, "skewed")])
 def test_chunked_loop_bit_identical(act, n, k, experts, kw, m, routing):
     """The same bits as the layer's schedule; every row written (NaN-poisoned); twice in a row."""
-    _needs_sm90()
+    require_sm90()
     from sm90_megamoe.fp8_launch import CompiledFp8Gemm
 
     sr = act == "identity"
@@ -159,7 +154,7 @@ def test_chunked_loop_bit_identical(act, n, k, experts, kw, m, routing):
 ])
 def test_layer_with_chunked_loops_is_bit_identical(monkeypatch, T, shape, fc1_on, fc2_on):
     """The FP8 layer with MOE_EP_FP8_OVERLAP_CHUNK unset / 8: the same bits, eager and under a CUDA graph."""
-    _needs_sm90()
+    require_sm90()
     from moe_ep.api import MoEConfig
 
     cfg = MoEConfig(max_tokens_per_rank=1024, quant="fp8_block128", **shape)

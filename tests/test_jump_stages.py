@@ -56,15 +56,9 @@ def test_jump_stages_drops_the_unrolled_skip(act, n, k, tile_n, sr, m64, tmp_pat
 
 
 def test_jump_stages_refusals():
-    from sm90_megamoe.grouped_gemm import GroupedGemmSm90
-    from sm90_megamoe.launch import CompiledGroupedGemm
+    from recorders import check_pingpong_only_option
 
-    for schedule in ("cooperative", "wide"):
-        with pytest.raises(ValueError, match="jump_stages is for the pingpong schedule"):
-            GroupedGemmSm90("swiglu", schedule=schedule, jump_stages=True)
-    fn = CompiledGroupedGemm("identity", 2048, 768, 16, True, tile_n=192, schedule="pingpong",
-                             jump_stages=True, compiled=object())
-    assert fn.jump_stages and fn.kernel.jump_stages and not fn.m64_tails
+    check_pingpong_only_option("jump_stages")
 
 
 def test_shim_switch_and_key(monkeypatch):
@@ -111,17 +105,10 @@ def test_gpu_jump_stages_is_bit_identical(act, n, k, tile_n, sr, m64, routing, m
     other's stages many times, across ring laps of either phase). NaN-poisoned output with a guard
     band; then a float64 reference. (Kernels from the drop's compile cache: one per variant.)"""
     require_sm90()
-    from moe_oracle import bf16_gemm_problem, variants_same_bits
-    from sm90_megamoe.launch import get_grouped_gemm
-    from sm90_megamoe.reference import grouped_gemm_reference
+    from moe_oracle import pingpong_option_bits
 
-    E = 16
-    a, b, offs, rs, _ = bf16_gemm_problem(m_total, n, k, E, routing, 7900 + m_total + n, sr)
-    fns = [get_grouped_gemm(act, n, k, E, scale_rows=sr, tile_n=tile_n, schedule="pingpong", raster_m=16,
-                            m64_tails=m64, jump_stages=jump) for jump in (False, True)]
-    got = variants_same_bits(fns, a, b, offs, n // 2 if act == "swiglu" else n, row_scale=rs)
-    want = grouped_gemm_reference(a.double(), b.double(), offs, act, None if rs is None else rs.double()).double()
-    assert float((got.double() - want).norm() / want.norm().clamp_min(1e-30)) < 1e-2
+    pingpong_option_bits(act, n, k, tile_n, sr, routing, m_total, 7900 + m_total + n, {"jump_stages": True},
+                         {"m64_tails": True} if m64 else {})
 
 
 @pytest.mark.gpu
@@ -130,15 +117,8 @@ def test_gpu_layer_with_jump_stages_is_bit_identical(monkeypatch, T):
     """MOE_EP_JUMP_STAGES=1 (Qwen3's pingpong FC2 skipping in one step) gives the layer's default
     bits, eager and replayed from a poisoned CUDA graph; the cooperative FC1 is untouched."""
     require_sm90()
-    monkeypatch.delenv("MOE_EP_PINGPONG_MAX_K", raising=False)
     monkeypatch.delenv("MOE_EP_M64_TAILS", raising=False)
-    from moe_oracle import layer_outputs_with_switch, qwen3_gather_layer
+    from moe_oracle import qwen3_pingpong_switch_outputs
 
-    cfg, inputs = qwen3_gather_layer(T, seed=T + 79)
-
-    def check(impl, on):
-        assert impl.fc2.compiled.schedule == "pingpong" and impl.fc2.compiled.jump_stages == on
-        assert not impl.fc1.compiled.jump_stages
-
-    outs = layer_outputs_with_switch(monkeypatch, "MOE_EP_JUMP_STAGES", cfg, "sm90_bf16_cutedsl", inputs, check)
+    outs = qwen3_pingpong_switch_outputs(monkeypatch, "MOE_EP_JUMP_STAGES", "jump_stages", T, T + 79)
     assert torch.isfinite(outs[1].float()).all() and torch.equal(outs[0], outs[1])

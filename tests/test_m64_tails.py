@@ -52,15 +52,9 @@ def test_m64_tails_compiles_a_64_row_mainloop(act, n, k, tile_n, sr, tmp_path, m
 
 
 def test_m64_tails_refusals():
-    from sm90_megamoe.grouped_gemm import GroupedGemmSm90
-    from sm90_megamoe.launch import CompiledGroupedGemm
+    from recorders import check_pingpong_only_option
 
-    for schedule in ("cooperative", "wide"):
-        with pytest.raises(ValueError, match="m64_tails is for the pingpong schedule"):
-            GroupedGemmSm90("swiglu", schedule=schedule, m64_tails=True)
-    fn = CompiledGroupedGemm("identity", 2048, 768, 16, True, tile_n=192, schedule="pingpong",
-                             m64_tails=True, compiled=object())
-    assert fn.m64_tails and fn.kernel.m64_tails
+    check_pingpong_only_option("m64_tails")
 
 
 def test_shim_switch_and_key(monkeypatch):
@@ -102,17 +96,9 @@ def test_gpu_m64_tails_is_bit_identical(act, n, k, tile_n, sr, routing, m_total)
     exactly 64 rows per expert (1024 uniform: every tile a tail of 64), one row. NaN-poisoned
     output with a guard band; then a float64 reference."""
     require_sm90()
-    from moe_oracle import bf16_gemm_problem, variants_same_bits
-    from sm90_megamoe.launch import CompiledGroupedGemm
-    from sm90_megamoe.reference import grouped_gemm_reference
+    from moe_oracle import pingpong_option_bits
 
-    E = 16
-    a, b, offs, rs, _ = bf16_gemm_problem(m_total, n, k, E, routing, 7800 + m_total + n, sr)
-    fns = [CompiledGroupedGemm(act, n, k, E, sr, tile_n=tile_n, schedule="pingpong", raster_m=16, m64_tails=m64)
-           for m64 in (False, True)]
-    got = variants_same_bits(fns, a, b, offs, n // 2 if act == "swiglu" else n, row_scale=rs)
-    want = grouped_gemm_reference(a.double(), b.double(), offs, act, None if rs is None else rs.double()).double()
-    assert float((got.double() - want).norm() / want.norm().clamp_min(1e-30)) < 1e-2
+    pingpong_option_bits(act, n, k, tile_n, sr, routing, m_total, 7800 + m_total + n, {"m64_tails": True})
 
 
 @pytest.mark.gpu
@@ -121,14 +107,7 @@ def test_gpu_layer_with_m64_tails_is_bit_identical(monkeypatch, T):
     """MOE_EP_M64_TAILS=1 (Qwen3's pingpong FC2 with 64-row tails) gives the layer's default bits,
     eager and replayed from a poisoned CUDA graph; the cooperative FC1 is untouched."""
     require_sm90()
-    monkeypatch.delenv("MOE_EP_PINGPONG_MAX_K", raising=False)
-    from moe_oracle import layer_outputs_with_switch, qwen3_gather_layer
+    from moe_oracle import qwen3_pingpong_switch_outputs
 
-    cfg, inputs = qwen3_gather_layer(T, seed=T + 78)
-
-    def check(impl, on):
-        assert impl.fc2.compiled.schedule == "pingpong" and impl.fc2.compiled.m64_tails == on
-        assert not impl.fc1.compiled.m64_tails
-
-    outs = layer_outputs_with_switch(monkeypatch, "MOE_EP_M64_TAILS", cfg, "sm90_bf16_cutedsl", inputs, check)
+    outs = qwen3_pingpong_switch_outputs(monkeypatch, "MOE_EP_M64_TAILS", "m64_tails", T, T + 78)
     assert torch.isfinite(outs[1].float()).all() and torch.equal(outs[0], outs[1])
