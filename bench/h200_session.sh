@@ -80,7 +80,8 @@
 # newab:         code not yet run on a GPU: NEWAB_TESTS' GPU tests (space-separated files, TEST_BUDGET, 240 s: a
 #                wrong barrier count would hang), then -- if they pass -- the drop runner with NEWAB_RUNNER's
 #                arguments (e.g. "--gather-l2 --model qwen3"), the FP8 runner with NEWAB_FP8_RUNNER's
-#                (e.g. "--model mixtral --chunk-k-tiles 8,16") and the layer under each ENVAB setting (MODELS, QUANT,
+#                (e.g. "--model qwen3 --chunk-k-tiles 8"; FP8_RUNNER_BUDGET, 300 s) and the layer under each
+#                ENVAB setting (MODELS, QUANT,
 #                interleaved, ENVAB_ROUNDS rounds; as envab) -> $OUT/newab_tests.log, newab_runner.log, envab_s<i>_r<r>.*.
 #                (The thirty-second session ran drop v72's clusters along N this way, as mode "clustern".)
 # ncuab:         Nsight Compute (speed of light, warp states, schedulers, instruction mix) on one FC1 + one FC2
@@ -387,7 +388,7 @@ if [ "$mode" = newab ]; then
           "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.grouped_gemm_runner $NEWAB_RUNNER"
     fi
     if [ -n "${NEWAB_FP8_RUNNER:-}" ]; then
-      STEP_TIMEOUT=240 step "fp8_runner $NEWAB_FP8_RUNNER" "$OUT/newab_fp8_runner.log" -- bash -c \
+      STEP_TIMEOUT=${FP8_RUNNER_BUDGET:-300} step "fp8_runner $NEWAB_FP8_RUNNER" "$OUT/newab_fp8_runner.log" -- bash -c \
           "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.fp8_runner $NEWAB_FP8_RUNNER"
     fi
     layer_settings
