@@ -77,3 +77,19 @@ def check_pingpong_only_option(option: str) -> None:
                              compiled=object(), **{option: True})
     assert getattr(fn, option) and getattr(fn.kernel, option)
     assert not any(getattr(fn, o) for o in ("m64_tails", "jump_stages") if o != option)
+
+
+def record_pingpong_switch_builds(monkeypatch, env: str) -> tuple:
+    """``(built, names)`` of :func:`record_gemm_builds` after the shim built Qwen3's FC2 (pingpong)
+    under ``env`` = 1, then 0, and its FC1 (cooperative) under 1 -- the builds every pingpong-only
+    switch's wiring test starts from (drops v78 ``m64_tails``, v79 ``jump_stages``)."""
+    from moe_ep.shim.drops import sm90_megamoe as s
+
+    built, names = record_gemm_builds(monkeypatch)
+    monkeypatch.delenv("MOE_EP_PINGPONG_MAX_K", raising=False)
+    for flag in ("1", "0"):
+        monkeypatch.setenv(env, flag)
+        s.compiled_grouped_gemm("identity", 2048, 768, 128, scale_rows=True)
+    monkeypatch.setenv(env, "1")
+    s.compiled_grouped_gemm("swiglu", 1536, 2048, 128)
+    return built, names

@@ -73,19 +73,13 @@ def test_shim_builds_the_jumping_launcher(monkeypatch):
     """Under MOE_EP_JUMP_STAGES=1 the shim keys and builds (recorded: no compile) Qwen3's pingpong FC2
     with ``jump_stages`` under its own kernel name, and leaves the cooperative FC1 alone; with
     MOE_EP_M64_TAILS=1 as well, the two combine."""
-    from recorders import record_gemm_builds
+    from recorders import record_pingpong_switch_builds
 
     from moe_ep.shim import cache
     from moe_ep.shim.drops import sm90_megamoe as s
 
-    built, names = record_gemm_builds(monkeypatch)
-    monkeypatch.delenv("MOE_EP_PINGPONG_MAX_K", raising=False)
     monkeypatch.delenv("MOE_EP_M64_TAILS", raising=False)
-    for flag in ("1", "0"):
-        monkeypatch.setenv("MOE_EP_JUMP_STAGES", flag)
-        s.compiled_grouped_gemm("identity", 2048, 768, 128, scale_rows=True)
-    monkeypatch.setenv("MOE_EP_JUMP_STAGES", "1")
-    s.compiled_grouped_gemm("swiglu", 1536, 2048, 128)
+    built, names = record_pingpong_switch_builds(monkeypatch, "MOE_EP_JUMP_STAGES")
     monkeypatch.setenv("MOE_EP_M64_TAILS", "1")
     s.compiled_grouped_gemm("identity", 2048, 768, 128, scale_rows=True)
     assert [kw.get("schedule") for kw in built[::2]] == ["pingpong", "pingpong", "cooperative", "pingpong"]

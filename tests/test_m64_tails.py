@@ -68,18 +68,11 @@ def test_shim_switch_and_key(monkeypatch):
 def test_shim_builds_the_tail_launcher(monkeypatch):
     """Under MOE_EP_M64_TAILS=1 the shim keys and builds (recorded: no compile) Qwen3's pingpong FC2
     with ``m64_tails`` under its own kernel name, and leaves the cooperative FC1 alone."""
-    from recorders import record_gemm_builds
+    from recorders import record_pingpong_switch_builds
 
     from moe_ep.shim import cache
-    from moe_ep.shim.drops import sm90_megamoe as s
 
-    built, names = record_gemm_builds(monkeypatch)
-    monkeypatch.delenv("MOE_EP_PINGPONG_MAX_K", raising=False)
-    for flag in ("1", "0"):
-        monkeypatch.setenv("MOE_EP_M64_TAILS", flag)
-        s.compiled_grouped_gemm("identity", 2048, 768, 128, scale_rows=True)
-    monkeypatch.setenv("MOE_EP_M64_TAILS", "1")
-    s.compiled_grouped_gemm("swiglu", 1536, 2048, 128)
+    built, names = record_pingpong_switch_builds(monkeypatch, "MOE_EP_M64_TAILS")
     assert [kw.get("schedule") for kw in built[::2]] == ["pingpong", "pingpong", "cooperative"]
     assert [kw.get("m64_tails", False) for kw in built[::2]] == [True, False, False]
     assert ["_m64t" in n for n in names] == [True, False, False], names
