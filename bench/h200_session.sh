@@ -50,9 +50,7 @@
 # verify:        what has not yet run on a GPU (now: drop v40's TMA row-gather probe, then -- if one-row TMA
 #                loads land swizzled -- drop v41's gathering FC1 on them: its GPU tests and the drop runner's
 #                --gather-tma comparison on VERIFY_GATHER_MODELS (qwen3)) -> $OUT/verify_*;
-#                VERIFY_FUSED=1 adds drop v39's fused_quant checks and timings (GPU tests, the drop runner
-#                per VERIFY_RUNNER_MODELS, the FP8 layer with the switch off / on, VERIFY_ROUNDS (2) rounds)
-#                -> $OUT/verify_*, $OUT/tests_*.log (earlier sessions' verify: git history);
+#                (earlier sessions' verify, e.g. drop v39's fused_quant: git history);
 # defer:         drop v48's deferred epilogue (FP8): the drop runner per model (VERIFY_RUNNER_MODELS), the
 #                steady-state FP8 GEMMs and the FP8 layer (VERIFY_ROUNDS rounds) with it off / on, FlashInfer's
 #                FP8 layer beside them (carry .device/fi), then its GPU tests in what is left of CALL_BUDGET (560 s) -> $OUT/defer_*, $OUT/tests_*.log
@@ -61,8 +59,7 @@
 # layers:        both layers profiled (kernel table + the last forward's timeline), FlashInfer BF16 + FP8
 #                beside (carry .device/fi; QUANT is ignored: each pass sets its own), then the GPU suite's groups in what is left of CALL_BUDGET (500 s)
 #                -> $OUT/layers_*, $OUT/tests_*.log.
-# fp8ab:         the FP8 layer with (requant, wide) in {0,1}x{0,1}, interleaved, 2 rounds -> $OUT/fp8ab_*.{log,csv};
-#                verify2: the virtual-rank tests with PDL
+# verify2:       the virtual-rank tests with PDL
 #                once more, then the decode sweep with (PDL, token grid, layout chunks) = (0,0,all) (1,0,all)
 #                (0,1,all) (0,1,32) (0,1,8) (1,1,32), and the FP8 layer's decode sweep
 #                -> $OUT/decode_p*g*c*.{log,csv}. Each half is meant to fit one 600 s device call.
@@ -123,7 +120,7 @@
 #   different processes compare; untried on the H200 as of the twenty-fourth session).
 set -uo pipefail
 mode=${1:-all}
-modes="all|moe|fi|liger|sonic|extra|verify|verify2|ncu|ncuab|layers|fp8ab|envab|newab|power|sustained|sustab|defer|dropab|commitab|ceiling|decide|decode|suite|suite1|suite2|suite3"
+modes="all|moe|fi|liger|sonic|extra|verify|verify2|ncu|ncuab|layers|envab|newab|power|sustained|sustab|defer|dropab|commitab|ceiling|decide|decode|suite|suite1|suite2|suite3"
 case "|$modes|" in *"|$mode|"*) ;; *) echo "usage: bash bench/h200_session.sh [$modes]" >&2; exit 2 ;; esac
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -213,7 +210,7 @@ suite_groups=(
   "tests/test_layer_gpu.py;-k;$ltop" "tests/test_layer_gpu.py;-k;not ($ltop)"
   "tests/test_sm90_gpu.py;-k;$gtop" "tests/test_sm90_gpu.py;-k;not ($gtop)"
   "tests/test_ep_virtual_gpu.py;-k;matches_reference" "tests/test_ep_virtual_gpu.py;-k;not matches_reference"
-  "tests/test_fp8_backend.py;tests/test_activations_bias.py;tests/test_sm90_fp8_gather.py;tests/test_gather_fc1.py;tests/test_fp8_fused_quant.py"
+  "tests/test_fp8_backend.py;tests/test_activations_bias.py;tests/test_sm90_fp8_gather.py;tests/test_gather_fc1.py"
   "tests/test_ep_gpu.py;tests/test_disk_cache.py;tests/test_transformers_integration.py;tests/test_blackwell_backends.py"
   "tests/test_sm90_fp8_quant.py;tests/test_fp8_quant_div.py;tests/test_fp8_quant_items.py;tests/test_fp8_scatter_quant.py;tests/test_fp8_cluster.py"
   "tests/test_fp8_plain_schedule.py;tests/test_fp8_smem_scales.py;tests/test_fp8_unit_scales.py;tests/test_fp8_deferred_epilogue.py;tests/test_bf16_cluster.py"
@@ -263,18 +260,6 @@ if [ "$mode" = verify ]; then
     run_groups "${TEST_BUDGET:-200}" "tests/test_gather_tma.py"
     step "grouped_gemm_runner --gather-tma" "$OUT/verify_gather_tma.log" -- bash -c \
         "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.grouped_gemm_runner --gather-tma --model ${VERIFY_GATHER_MODELS:-qwen3}"
-  fi
-  # 2. VERIFY_FUSED=1: drop v39's fused_quant (ran in the fifteenth session: bit-identical, no faster):
-  # its GPU tests, the drop runner's --fused-quant timing per model (VERIFY_RUNNER_MODELS, e.g.
-  # "qwen3 mixtral"), then the FP8 layer with MOE_EP_FP8_FUSED_QUANT off / on, interleaved,
-  # VERIFY_ROUNDS (2) rounds. Earlier sessions' verify modes: git history (14th session: 4b539a6).
-  if [ "${VERIFY_FUSED:-0}" = 1 ]; then
-    run_groups "${TEST_BUDGET:-200}" "tests/test_fp8_fused_quant.py" "tests/test_fp8_backend.py;-k;fused_quant"
-    for m in ${VERIFY_RUNNER_MODELS-}; do
-      step "fp8_runner $m --fused-quant" "$OUT/verify_runner_$m.log" -- bash -c \
-          "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.fp8_runner --model $m --fused-quant"
-    done
-    fp8_layer_ab verify_fp8 "${VERIFY_MODELS:-qwen3,mixtral}" MOE_EP_FP8_FUSED_QUANT=1
   fi
 fi
 if [ "$mode" = defer ]; then
@@ -476,14 +461,6 @@ if [ "$mode" = layers ]; then
   left=$(( ${CALL_BUDGET:-500} - SECONDS ))
   [ "$left" -gt 60 ] && run_groups "$left" "${suite_groups[@]}"  # the whole GPU suite, as far as it gets
 fi
-if [ "$mode" = fp8ab ]; then  # FC1 variants one at a time, interleaved over 2 rounds (FP8 layer, 8192 tokens)
-  for r in 1 2; do for v in "0 0" "1 0" "0 1" "1 1"; do
-    set -- $v
-    step "FP8 layer, requant $1, wide $2, round $r" "$OUT/fp8ab_q$1w$2_r$r.log" -- env MOE_EP_FP8_FUSED_REQUANT=$1 \
-        MOE_EP_FP8_WIDE_GATED=$2 python3 -m moe_ep.bench --model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" \
-        --quant fp8_block128 --no-reference --no-decode --csv "$OUT/fp8ab_q$1w$2_r$r.csv"
-  done; done
-fi
 if [ "$mode" = verify2 ]; then  # the second half of verify (one device call each: 600 s per call)
   step "virtual-rank tests, PDL on (2)" "$OUT/verify_pdl2.log" -- env SM90_MEGAMOE_PDL=1 \
       python3 -m pytest -m gpu -q -W ignore -p no:cacheprovider tests/test_ep_virtual_gpu.py --tb=short
@@ -546,7 +523,7 @@ if [ "$mode" = suite2 ]; then
       tests/test_disk_cache.py tests/test_transformers_integration.py tests/test_sm90_fp8_quant.py \
       tests/test_sm90_fp8_compile.py tests/test_sm90_swapab_compile.py tests/test_blackwell_backends.py \
       tests/test_sm90_fp8_gather.py tests/test_gather_fc1.py tests/test_fp8_quant_div.py tests/test_fp8_quant_items.py tests/test_fp8_scatter_quant.py tests/test_fp8_cluster.py \
-      tests/test_bf16_cluster.py tests/test_fp8_plain_schedule.py tests/test_fp8_smem_scales.py tests/test_fp8_unit_scales.py tests/test_fp8_deferred_epilogue.py tests/test_fp8_tanh_sigmoid.py tests/test_bf16_tanh_sigmoid.py tests/test_fp8_fused_quant.py \
+      tests/test_bf16_cluster.py tests/test_fp8_plain_schedule.py tests/test_fp8_smem_scales.py tests/test_fp8_unit_scales.py tests/test_fp8_deferred_epilogue.py tests/test_fp8_tanh_sigmoid.py tests/test_bf16_tanh_sigmoid.py \
       tests/test_gather_tma.py tests/test_half_tiles.py tests/test_bf16_cluster_n.py tests/test_gather_l2.py tests/test_m64_tails.py tests/test_jump_stages.py tests/test_fp8_chunk_k_tiles.py
 fi
 if [ "$mode" = suite3 ]; then

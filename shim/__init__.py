@@ -51,8 +51,6 @@ from .drops.sm90_megamoe_fp8 import check_fp8_gemm as sm90_check_fp8_gemm
 from .drops.sm90_megamoe_fp8 import compiled_fp8_gemm as sm90_compiled_fp8_gemm
 from .drops.sm90_megamoe_fp8 import compiled_fp8_quantize_rows as sm90_compiled_fp8_quantize_rows
 from .drops.sm90_megamoe_fp8 import fp8_gemm as sm90_fp8_gemm
-from .drops.sm90_megamoe_fp8 import fp8_fused_quant_available as sm90_fp8_fused_quant_available
-from .drops.sm90_megamoe_fp8 import fp8_fused_quant_mode as sm90_fp8_fused_quant_mode
 from .drops.sm90_megamoe_fp8 import fp8_quantize_rows as sm90_fp8_quantize_rows
 from .drops.sm100_w4a16 import check_gemm as sm100_check_w4a16_gemm
 from .drops.sm100_w4a16 import compile_gemm_ptx as sm100_compile_w4a16_ptx
@@ -91,7 +89,7 @@ __all__ = [
     "COMPILE_EVENTS", "CacheEvent", "CompileCacheWarning", "compile_cache_root", "list_cache_entries",
     "set_compile_cache_dir", "verify_cache_entry", "sm90_cache_namespace", "sm90_compiled_grouped_gemm",
     "sm90_prebuild_ep", "sm90_prebuild_layout", "SM90_EP_ARCHS", "sm90_check_fp8_gemm", "sm90_compiled_fp8_gemm",
-    "sm90_compiled_fp8_quantize_rows", "sm90_fp8_gemm", "sm90_fp8_fused_quant_available", "sm90_fp8_fused_quant_mode", "sm90_fp8_quantize_rows",
+    "sm90_compiled_fp8_quantize_rows", "sm90_fp8_gemm", "sm90_fp8_quantize_rows",
     "sm100_check_w4a16_gemm", "sm100_compile_w4a16_ptx", "sm100_compiled_w4a16_gemm", "sm100_w4a16_gemm",
     "sm120_check_mxfp8_gemm", "sm120_check_mxfp8_quantize", "sm120_compile_mxfp8_ptx",
     "sm120_compiled_mxfp8_gemm", "sm120_compiled_quantize_rows", "sm120_mxfp8_gemm", "sm120_pick_tile_tokens",

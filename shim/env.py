@@ -11,6 +11,28 @@ from __future__ import annotations
 
 import os
 
+#: switches (and values) whose variants a drop version removed, with why: set to anything but their
+#: old default they raise, so an A/B script that still sets one learns the variant is gone rather
+#: than timing the default twice (the measurements stay in docs/PERFORMANCE.md)
+REMOVED = {
+    "MOE_EP_FP8_FUSED_QUANT": ("0", "drop v84 removed FC1's fused quantisers (drops v39, v66): no faster on the H200"),
+    "MOE_EP_FP8_FUSED_REQUANT": ("0", "drop v84 removed the requantising FC1 (drops v21, v33): 0.95x on the layer"),
+    "MOE_EP_FP8_SCALE_LOOKAHEAD": ("1", "drop v84 removed the scale warp's look-ahead (drop v65): 0.96x on Mixtral's FC2"),
+}
+#: removed values of switches that remain
+REMOVED_VALUES = {
+    ("MOE_EP_FP8_CLUSTER", "4"): "drop v84 removed clusters of 4 (drop v49): ~4% slower, only 120 of 132 SMs take them",
+}
+
+
+def check_removed() -> None:
+    """Raise a ValueError naming the first removed switch (:data:`REMOVED`) that is set to anything but
+    its old default (called where the kernels those switches chose are built)."""
+    for name, (default, why) in REMOVED.items():
+        raw = os.environ.get(name, "")
+        if raw not in ("", default):
+            raise ValueError(f"{name}={raw!r}: {why}; unset it")
+
 
 def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
     """Environment variable ``name`` (unset or empty: ``default``), refused with a ValueError naming it
@@ -19,6 +41,9 @@ def env_choice(name: str, choices: tuple[str, ...], default: str) -> str:
     if raw == "":
         return default
     if raw not in choices:
+        why = REMOVED_VALUES.get((name, raw))
+        if why is not None:
+            raise ValueError(f"{name}={raw!r}: {why}; use one of {', '.join(choices)} (or unset)")
         raise ValueError(f"{name} must be one of {', '.join(choices)} (or unset), got {raw!r}")
     return raw
 

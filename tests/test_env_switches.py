@@ -67,7 +67,6 @@ SWITCHES = [
     ("MOE_EP_FP8_WIRE", fb.fp8_wire, False),
     ("MOE_EP_FP8_FUSED_GATHER", fb.fused_gather_quant, True),
     ("MOE_EP_FP8_SCATTER_QUANT", fb.scatter_quant, True),
-    ("MOE_EP_FP8_FUSED_REQUANT", fb.fused_requant, False),
     ("MOE_EP_FP8_GATHER_FC1", fb.gather_fc1, False),
 ]
 
@@ -87,9 +86,8 @@ def test_every_switch_refuses_an_unknown_value(monkeypatch, var, read, default):
 def test_switches_with_more_values(monkeypatch):
     """The switches that take more than on/off keep their own choices, by the same rule."""
     for var, read, good, bad in (
-        ("MOE_EP_FP8_CLUSTER", lambda: f.use_fp8_cluster("identity", 4096, 14336), ("0", "1", "4"), ("2", "on")),
+        ("MOE_EP_FP8_CLUSTER", lambda: f.use_fp8_cluster("identity", 4096, 14336), ("0", "1"), ("2", "on", "4")),
         ("MOE_EP_GATHER_L2", lambda: s.use_gather_l2(True, False), ("0", "1", "2"), ("3", "yes")),
-        ("MOE_EP_FP8_FUSED_QUANT", f.fp8_fused_quant_mode, ("0", "1", "epilogue"), ("2", "Epilogue")),
         ("MOE_EP_FP8_UNIT_SCALES", lambda: f.use_fp8_unit_scales(4096), ("auto", "0", "1"), ("on", "AUTO")),
         ("MOE_EP_FP8_OVERLAP_CHUNK", lambda: f.use_fp8_chunk_k_tiles(4096, True, False, True), ("8", "16"), ("4", "1")),
     ):

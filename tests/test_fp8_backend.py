@@ -283,30 +283,21 @@ def test_local_route_is_bit_identical_fp8(monkeypatch, T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("switch", ["MOE_EP_FP8_FUSED_REQUANT", "MOE_EP_FP8_WIDE_GATED", "MOE_EP_FP8_GATHER_FC1",
-                                    "MOE_EP_FP8_SCATTER_QUANT", "MOE_EP_FP8_CLUSTER", "MOE_EP_FP8_FUSED_QUANT",
-                                    "MOE_EP_FP8_FUSED_QUANT=epilogue", "MOE_EP_FP8_DEFERRED_EPILOGUE"])
+@pytest.mark.parametrize("switch", ["MOE_EP_FP8_WIDE_GATED", "MOE_EP_FP8_GATHER_FC1", "MOE_EP_FP8_SCATTER_QUANT",
+                                    "MOE_EP_FP8_CLUSTER", "MOE_EP_FP8_DEFERRED_EPILOGUE"])
 @pytest.mark.parametrize("T", [1, 700])
 def test_fp8_fc1_variants_are_bit_identical(monkeypatch, T, switch):
-    """Drop v21's FC1 variants: MOE_EP_FP8_FUSED_REQUANT=1 (FC1's epilogue writes FC2's e4m3 input)
-    and MOE_EP_FP8_WIDE_GATED=1 (one m64n128 gate+up WGMMA); drop v22's MOE_EP_FP8_GATHER_FC1=1 (the
-    tokens quantised once, FC1 gathering them by idx); drop v25's MOE_EP_FP8_SCATTER_QUANT=1 (each
-    token quantised once, stored in its grouped rows); drop v28's MOE_EP_FP8_CLUSTER=1 (both GEMMs
-    in clusters of 2 CTAs multicasting A); drop v38's MOE_EP_FP8_FUSED_QUANT=1 (FC1's idle warps
-    quantise FC2's input; drop v66's MOE_EP_FP8_FUSED_QUANT=epilogue: its consumers, swapping row
-    amaxes with the peer CTA); drop v48's MOE_EP_FP8_DEFERRED_EPILOGUE=1 (each GEMM stores a tile under
-    the next tile's first k-tile): the layer's output is the same bits as without, eager and CUDA graph."""
+    """Drop v21's MOE_EP_FP8_WIDE_GATED=1 (one m64n128 gate+up WGMMA); drop v22's
+    MOE_EP_FP8_GATHER_FC1=1 (the tokens quantised once, FC1 gathering them by idx); drop v25's
+    MOE_EP_FP8_SCATTER_QUANT=1 (each token quantised once, stored in its grouped rows); drop v28's
+    MOE_EP_FP8_CLUSTER=1 (both GEMMs in clusters of 2 CTAs multicasting A); drop v48's
+    MOE_EP_FP8_DEFERRED_EPILOGUE=1 (each GEMM stores a tile under the next tile's first k-tile): the
+    layer's output is the same bits as without, eager and CUDA graph."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
-    switch, _, on_value = switch.partition("=")
 
     def check(impl, on):
-        if switch == "MOE_EP_FP8_FUSED_REQUANT":
-            assert impl.fused_requant == on and (impl.quant_h is None) == on
-        elif switch == "MOE_EP_FP8_FUSED_QUANT":  # drop v38: Qwen3's FC1 runs in clusters of 2
-            assert impl.fused_quant == on and impl.fc1.fused_quant == on and (impl.quant_h is None) == on
-            assert impl.fc1.pair_amax == (on and on_value == "epilogue")
-        elif switch == "MOE_EP_FP8_GATHER_FC1":  # one rank, LocalRoute (the defaults)
+        if switch == "MOE_EP_FP8_GATHER_FC1":  # one rank, LocalRoute (the defaults)
             assert impl.gather_fc1 == on and impl.fc1.gather_a == on
         elif switch == "MOE_EP_FP8_SCATTER_QUANT":  # drop v25: each token quantised once into its rows
             assert impl.scatter_quant == on and impl.quant_x.scatter_topk == (8 if on else 0)
@@ -317,7 +308,7 @@ def test_fp8_fc1_variants_are_bit_identical(monkeypatch, T, switch):
         else:
             assert impl.fc1.wide_gated == on and not impl.fc2.wide_gated
 
-    outs = _fp8_outputs_with_switch(monkeypatch, switch, T, 91 + T, check, on_value or "1")
+    outs = _fp8_outputs_with_switch(monkeypatch, switch, T, 91 + T, check)
     assert torch.equal(outs[0], outs[1]) and torch.isfinite(outs[1]).all()
 
 
@@ -333,7 +324,7 @@ class _RecLauncher:
         self.calls.append((self.name, a, k))
 
     def prepare(self, *a, **k):
-        if self.kind == "gemm":  # prepare(a, a_scale, offsets, out, row_scale, ctas, out_scale=, idx=)
+        if self.kind == "gemm":  # prepare(a, a_scale, offsets, out, row_scale, ctas, idx=)
             a_, s_, off, out, rs, ctas = a
             kw = {"out": out, "row_scale": rs, "max_active_ctas": ctas,
                   **{n: v for n, v in k.items() if v is not None}}
@@ -343,7 +334,7 @@ class _RecLauncher:
         return lambda x: self.calls.append((self.name, (x, q, sc), dict(fixed)))
 
 
-def _recorded_steps(calls, *, fused, route, requant=False, scatter=False, gather_fc1=False, fused_quant=False):
+def _recorded_steps(calls, *, fused, route, scatter=False, gather_fc1=False):
     """An FP8 backend with recording stand-ins for every launcher (no kernel runs), run through
     steps 1-4: returns (backend, its buffers by name, x, ids, w, w13, w2); ``calls`` gets
     (name, args, kwargs) per launch in order."""
@@ -359,7 +350,7 @@ def _recorded_steps(calls, *, fused, route, requant=False, scatter=False, gather
                                       "hq_scale", "y", "rows", "recv_x", "recv_count", "count")}
     x, ids, w = torch.zeros(3, 4), torch.zeros(3, 2, dtype=torch.int32), torch.zeros(3, 2)
     b.fused_gather, b.scatter_quant, b.local_route, b.token_grid, b._routing = fused, scatter, route, False, None
-    b.fused_requant, b.gather_fc1, b.fp8_wire, b.fused_quant = requant, gather_fc1, False, fused_quant
+    b.gather_fc1, b.fp8_wire = gather_fc1, False
     b.fc1_decode, b.local_combine = None, False
     b.fc1, b.fc2 = _RecLauncher(calls, "fc1", "gemm"), _RecLauncher(calls, "fc2", "gemm")
     b.layout = rec_layout(calls)
@@ -380,19 +371,17 @@ def _recorded_steps(calls, *, fused, route, requant=False, scatter=False, gather
     return b, t, x, ids, w, w13, w2
 
 
-@pytest.mark.parametrize("fused,route,requant", [(False, False, False), (True, False, False), (False, True, False),
-                                                 (True, True, False), (True, True, True), (False, False, True)])
-def test_fused_gather_wiring_on_cpu(fused, route, requant):
+@pytest.mark.parametrize("fused,route", [(False, False), (True, False), (False, True), (True, True)])
+def test_fused_gather_wiring_on_cpu(fused, route):
     """Steps 1-4 of the FP8 backend pass the right buffers (recorded, no kernel runs): fused, the
     layout gets no BF16 row buffer and FC1's quantiser reads the receive buffer through idx --
     or, one rank without a dispatch (MOE_EP_LOCAL_ROUTE=1), the caller's x; step 1 then launches
-    nothing and step 2 is the layout's ``route`` with the caller's routing. ``requant``
-    (MOE_EP_FP8_FUSED_REQUANT=1): FC1 writes ``hq`` and its scales, no FC2-input quantiser runs."""
+    nothing and step 2 is the layout's ``route`` with the caller's routing. FC1 writes ``h``, the
+    quantiser turns it into FC2's ``hq`` and its scales."""
     calls = []
-    b, t, x, ids, w, _, _ = _recorded_steps(calls, fused=fused, route=route, requant=requant)
+    b, t, x, ids, w, _, _ = _recorded_steps(calls, fused=fused, route=route)
     names = [c[0] for c in calls]
-    assert names == (["route"] if route else ["dispatch", "layout"]) + ["quant_x", "fc1"] + \
-        ([] if requant else ["quant_h"]) + ["fc2"]
+    assert names == (["route"] if route else ["dispatch", "layout"]) + ["quant_x", "fc1", "quant_h", "fc2"]
     layout_args, layout_kw = calls[0 if route else 1][1], calls[0 if route else 1][2]
     if route:
         assert layout_args[1:4] == (x, ids, w) and b._routing is None
@@ -404,8 +393,9 @@ def test_fused_gather_wiring_on_cpu(fused, route, requant):
     assert (qx_kw.get("idx") is t["idx"]) if fused else ("idx" not in qx_kw)
     fc1_args, fc1_kw = calls[k + 1][1], calls[k + 1][2]
     assert fc1_args[:5] == (t["xq"], t["xq_scale"], "v13", "s13", t["offsets"])
-    assert fc1_kw["out"] is (t["hq"] if requant else t["h"]) and fc1_kw.get("out_scale") is (
-        t["hq_scale"] if requant else None)
+    assert fc1_kw["out"] is t["h"] and "out_scale" not in fc1_kw
+    qh_args = calls[names.index("quant_h")][1]
+    assert qh_args == (t["h"], t["hq"], t["hq_scale"])
     fc2_args, fc2_kw = calls[names.index("fc2")][1], calls[names.index("fc2")][2]
     assert fc2_args[:4] == (t["hq"], t["hq_scale"], "v2", "s2") and fc2_kw["out"] is t["y"]
     assert fc2_kw["row_scale"] is t["ws_rows"]
@@ -650,9 +640,10 @@ def test_fp8_split_pair_matches_float64():
     layer.destroy()
 
 
-def test_fused_requant_prebuilds_its_kernels(monkeypatch, tmp_path):
-    """MOE_EP_FP8_FUSED_REQUANT=1 builds FC1's requantising GEMM and no FC2-input quantiser;
-    unset (the default until it has run on a GPU), the plain FC1 and the quantiser."""
+def test_prebuild_builds_the_layer_kernels(monkeypatch, tmp_path):
+    """prebuild compiles the kernels a layer binds: FC1 and FC2 (K 256: the short-K schedule, deferred
+    epilogue) and the two row quantisers; ``MOE_EP_FP8_WIDE_GATED=0`` a second FC1 (another key, the
+    same name) and nothing else."""
     pytest.importorskip("cutlass")
     monkeypatch.setenv("MOE_EP_CACHE_DIR", str(tmp_path))
     from moe_ep.backends.sm90.fp8_cutedsl.backend import prebuild
@@ -660,32 +651,30 @@ def test_fused_requant_prebuilds_its_kernels(monkeypatch, tmp_path):
 
     cfg = MoEConfig(num_experts=8, hidden=256, intermediate=256, top_k=2, max_tokens_per_rank=64,
                     quant="fp8_block128")
-    got = {}
-    for flag in (None, "1"):
-        if flag is None:
-            monkeypatch.delenv("MOE_EP_FP8_FUSED_REQUANT", raising=False)
-        else:
-            monkeypatch.setenv("MOE_EP_FP8_FUSED_REQUANT", flag)
-        seen = len(COMPILE_EVENTS)
-        prebuild(cfg, 1, kernels=("fc1", "fc2"))
-        got[flag] = sorted(e.name for e in COMPILE_EVENTS[seen:])
-    assert got[None] == ["fp8_gemm_identity_cluster2_defer", "fp8_gemm_swiglu_cluster2_defer_tanh", "fp8_quantize_rows",
-                         "fp8_scatter_quantize_rows"]  # K 256: the short-K schedule, deferred epilogue
-    assert got["1"] == ["fp8_gemm_swiglu_requant_tanh"]  # the rest was built above (same keys)
+    seen = len(COMPILE_EVENTS)
+    prebuild(cfg, 1, kernels=("fc1", "fc2"))
+    assert sorted(e.name for e in COMPILE_EVENTS[seen:]) == [
+        "fp8_gemm_identity_cluster2_defer", "fp8_gemm_swiglu_cluster2_defer_tanh", "fp8_quantize_rows",
+        "fp8_scatter_quantize_rows"]
     monkeypatch.setenv("MOE_EP_FP8_WIDE_GATED", "0")  # the default is wide; only FC1 (gated) has a wide form
     seen = len(COMPILE_EVENTS)
     prebuild(cfg, 1, kernels=("fc1", "fc2"))
-    assert sorted(e.name for e in COMPILE_EVENTS[seen:]) == ["fp8_gemm_swiglu_requant_tanh"]
+    assert sorted(e.name for e in COMPILE_EVENTS[seen:]) == ["fp8_gemm_swiglu_cluster2_defer_tanh"]
 
 
-def test_fused_quant_wiring_on_cpu():
-    """MOE_EP_FP8_FUSED_QUANT=1 (drop v38): FC1 writes FC2's e4m3 input and its scales (no bf16
-    ``h``), no FC2-input quantiser runs, FC2 reads ``hq`` (recorded, no kernel runs)."""
-    calls = []
-    _, t, _, _, _, _, _ = _recorded_steps(calls, fused=True, route=True, scatter=True, fused_quant=True)
-    names = [c[0] for c in calls]
-    assert names == ["route", "quant_x", "fc1", "fc2"]
-    fc1_args, fc1_kw = calls[2][1], calls[2][2]
-    assert fc1_args[:2] == (t["xq"], t["xq_scale"])
-    assert fc1_kw["out"] is t["hq"] and fc1_kw["out_scale"] is t["hq_scale"]
-    assert calls[3][1][:2] == (t["hq"], t["hq_scale"])
+@pytest.mark.parametrize("switch,value", [("MOE_EP_FP8_FUSED_QUANT", "1"), ("MOE_EP_FP8_FUSED_QUANT", "epilogue"),
+                                          ("MOE_EP_FP8_FUSED_REQUANT", "1"), ("MOE_EP_FP8_SCALE_LOOKAHEAD", "4"),
+                                          ("MOE_EP_FP8_CLUSTER", "4")])
+def test_removed_switches_raise_naming_the_variable(monkeypatch, switch, value):
+    """Drop v84 removed the variants behind these settings (measured slower or no faster): set, the
+    layer's kernels refuse to build with a ValueError naming the variable and the drop version, rather
+    than quietly timing the default; their old defaults (and unset) still build."""
+    from moe_ep.shim.drops import sm90_megamoe_fp8 as s
+
+    monkeypatch.setenv(switch, value)
+    with pytest.raises(ValueError, match=f"{switch}={value!r}: drop v84 removed"):
+        s._gemm_key("swiglu", 1536, 2048, 128, False, False)
+    monkeypatch.setenv(switch, {"MOE_EP_FP8_SCALE_LOOKAHEAD": "1", "MOE_EP_FP8_CLUSTER": "1"}.get(switch, "0"))
+    s._gemm_key("swiglu", 1536, 2048, 128, False, False)
+    monkeypatch.delenv(switch)
+    assert s._gemm_key("swiglu", 1536, 2048, 128, False, False).cluster_n == 2

@@ -87,10 +87,10 @@ def test_chunk_k_tiles_refusals():
     with pytest.raises(ValueError, match="chunk_k_tiles must be 0 or an even number"):  # the plain schedule
         Fp8BlockScaledGroupedGemmSm90("swiglu", chunk_k_tiles=8)
     with pytest.raises(ValueError, match="chunk_k_tiles needs overlap_promotion"):
-        CompiledFp8Gemm("swiglu", 1536, 2048, 8, overlap_promotion=True, requant=True, chunk_k_tiles=8)
+        CompiledFp8Gemm("swiglu", 1536, 2048, 8, chunk_k_tiles=8)
     # the chunk: the largest even divisor of K/128 up to the limit, 0 when the loop is no longer
-    assert [overlap_chunk(kt, 1, 8) for kt in (6, 8, 16, 32, 112, 20)] == [0, 0, 8, 8, 8, 4]
-    assert [overlap_chunk(kt, 1, 16) for kt in (16, 32, 112)] == [0, 16, 16]
+    assert [overlap_chunk(kt, 8) for kt in (6, 8, 16, 32, 112, 20)] == [0, 0, 8, 8, 8, 4]
+    assert [overlap_chunk(kt, 16) for kt in (16, 32, 112)] == [0, 16, 16]
     assert [overlap_chunk(kt) for kt in (16, 32, 48, 112)] == [0, 0, 16, 16]  # the default rule, unchanged
     with pytest.raises(Exception, match="deferred_epilogue runs on the unrolled"):  # raised while tracing
         _compile("identity", 2048, 2048, 8, dict(cluster_n=2, smem_scales=True, deferred_epilogue=True), 8)
@@ -114,10 +114,9 @@ def test_shim_switch_key_and_name(monkeypatch):
     monkeypatch.setenv("MOE_EP_FP8_OVERLAP_CHUNK", "16")
     # Qwen3's 16 k-tiles and Mixtral's FC2 (chunks of 16 already) run as before: no new key
     assert [key(*g).chunk_k_tiles for g in (qwen_fc1, qwen_fc2, mixtral_fc1, mixtral_fc2)] == [0, 0, 16, 0]
-    # never on the plain schedule, the requantising or fused-quant FC1
+    # never on the plain schedule, nor for a quantiser
     assert s._key("gemm", *mixtral_fc1, overlap_promotion=False).chunk_k_tiles == 0
-    assert s._key("gemm", *mixtral_fc1, overlap_promotion=True, requant=True).chunk_k_tiles == 0
-    assert s._key("gemm", *mixtral_fc1, overlap_promotion=True, fused_quant=True).chunk_k_tiles == 0
+    assert s._key("quantize", "", 0, 4096, 0, False, overlap_promotion=True).chunk_k_tiles == 0
     # under unit_scales a chunk must be a multiple of 8 k-tiles: K/128 = 20 in chunks of <= 8 gives 4
     monkeypatch.setenv("MOE_EP_FP8_OVERLAP_CHUNK", "8")
     monkeypatch.setenv("MOE_EP_FP8_UNIT_SCALES", "1")

@@ -1,8 +1,8 @@
 """Drop v28: the plain FP8 grouped GEMM in clusters of 2 CTAs (``cluster_n=2``): the two CTAs of a
-cluster compute one m-tile's two adjacent n-tiles and multicast A's halves to each other; drop v49:
-clusters of 4 (four n-tiles, A's quarters). CPU: the PTX (multicast TMA for A only, the remote stage
-release, the cluster barrier), no spills, the refusals, the shim's switch (on from K = 4096;
-``MOE_EP_FP8_CLUSTER=4``). GPU: the same bits as single CTAs, and float64 agreement."""
+cluster compute one m-tile's two adjacent n-tiles and multicast A's halves to each other (drop v49's
+clusters of 4 were removed in v84). CPU: the PTX (multicast TMA for A only, the remote stage
+release, the cluster barrier), no spills, the refusals, the shim's switch (on from K = 4096). GPU:
+the same bits as single CTAs, and float64 agreement."""
 
 import re
 
@@ -30,8 +30,7 @@ def _sm90():
     ("swiglu", 1536, 2048, 128, False, True, 2),    # Qwen3 FC1 (the backend's wide schedule)
     ("identity", 2048, 768, 128, True, False, 2),   # Qwen3 FC2, overlapped promotion
     ("identity", 4096, 14336, 8, False, False, 2),  # Mixtral FC2 (112 k-tiles)
-    ("swiglu", 28672, 4096, 8, True, True, 4),      # drop v49: Mixtral FC1's layer schedule in fours
-    ("identity", 2048, 768, 128, True, False, 4),   # ... Qwen3 FC2's
+    ("swiglu", 28672, 4096, 8, True, True, 2),      # Mixtral FC1's layer schedule
 ])
 def test_cluster_ptx_multicasts_a_only(act, n, k, experts, overlap, wide, cluster_n):
     from sm90_megamoe.fp8_runner import compile_variant, ptx_report
@@ -71,18 +70,17 @@ def test_cluster_refusals():
     from sm90_megamoe.fp8_launch import CompiledFp8Gemm
     from sm90_megamoe.fp8_runner import compile_variant
 
-    with pytest.raises(ValueError, match="cluster_n must be 1, 2 or 4"):
-        Fp8BlockScaledGroupedGemmSm90("identity", cluster_n=8)
+    for bad in (4, 8):  # drop v84 removed clusters of 4
+        with pytest.raises(ValueError, match="cluster_n must be 1 or 2"):
+            Fp8BlockScaledGroupedGemmSm90("identity", cluster_n=bad)
     with pytest.raises(ValueError, match="cluster_n > 1 is for the plain TMA kernel"):
         Fp8GatherGroupedGemmSm90("swiglu", cluster_n=2)
     with pytest.raises(ValueError, match="multiple of 2 n-tiles"):  # N 384: 3 n-tiles of 128
         compile_variant("identity", 384, 256, 4, False, cluster_n=2)
-    with pytest.raises(ValueError, match="multiple of 4 n-tiles"):  # N 768: 6 n-tiles of 128
-        compile_variant("identity", 768, 256, 4, False, cluster_n=4)
-    with pytest.raises(ValueError, match="does not combine with requant or gather_a"):
-        CompiledFp8Gemm("swiglu", 1536, 2048, 8, requant=True, cluster_n=4)
-    with pytest.raises(ValueError, match="cluster_n must be 1, 2 or 4"):
-        CompiledFp8Gemm("identity", 2048, 768, 8, cluster_n=3)
+    with pytest.raises(ValueError, match="does not combine with gather_a"):
+        CompiledFp8Gemm("swiglu", 1536, 2048, 8, gather_a=True, cluster_n=2)
+    with pytest.raises(ValueError, match="cluster_n must be 1 or 2"):
+        CompiledFp8Gemm("identity", 2048, 768, 8, cluster_n=4)
 
 
 def test_shim_switch_and_key(monkeypatch):
@@ -111,20 +109,15 @@ def test_shim_switch_and_key(monkeypatch):
     assert s.use_fp8_cluster("identity", 2048, 768) == 2    # 16 n-tiles of 128
     assert s.use_fp8_cluster("identity", 384, 256) == 1
     assert s._key("gemm", "identity", 2048, 768, 128, True).cluster_n == 2
-    # the requantising and gathering kernels and the quantisers stay single-CTA
-    assert s._key("gemm", "swiglu", 1536, 2048, 128, False, requant=True).cluster_n == 1
+    # the gathering kernel and the quantisers stay single-CTA
     assert s._key("gemm", "swiglu", 1536, 2048, 128, False, gather_a=True).cluster_n == 1
     assert s._key("quantize", "", 0, 2048, 0, False).cluster_n == 1
     monkeypatch.setenv("MOE_EP_FP8_CLUSTER", "0")          # forced off
     assert s.use_fp8_cluster("identity", 4096, 14336) == 1
-    # drop v49: clusters of 4 where clusters of 2 run by default and the n-tiles come in fours
+    # drop v84 removed clusters of 4: the value raises, naming the variable and why
     monkeypatch.setenv("MOE_EP_FP8_CLUSTER", "4")
-    assert s.use_fp8_cluster("swiglu", 28672, 4096) == s.use_fp8_cluster("identity", 4096, 14336) == 4
-    assert s.use_fp8_cluster("swiglu", 1536, 2048) == s.use_fp8_cluster("identity", 2048, 768) == 4
-    assert s.use_fp8_cluster("identity", 768, 4096) == 2    # 6 n-tiles: pairs, not fours
-    assert s.use_fp8_cluster("identity", 2048, 2560) == 1   # single CTAs by default there
-    key = s._key("gemm", "swiglu", 28672, 4096, 8, False)
-    assert key.cluster_n == 4 and s._gemm_options(key)["cluster_n"] == 4
+    with pytest.raises(ValueError, match="MOE_EP_FP8_CLUSTER='4': drop v84 removed clusters of 4"):
+        s.use_fp8_cluster("swiglu", 28672, 4096)
 
 
 # ---------------------------------------------------------------------------- GPU
@@ -150,7 +143,7 @@ def test_gpu_cluster_is_bit_identical(act, n, k, overlap, wide, m_total, routing
     a, a_s, b, b_s, offs, rs = (None if t is None else t.cuda()
                                 for t in fp8_gemm_problem(m_total, n, k, E, routing, 40 + m_total, sr))
     outs = []
-    sizes = (1, 2, 4)  # every case's n-tiles come in fours (drop v49)
+    sizes = (1, 2)
     for cluster_n in sizes:
         fn = Fp8GroupedGemm(act, n, k, E, sr, raster_m=16, overlap_promotion=overlap, wide_gated=wide,
                             cluster_n=cluster_n)
@@ -171,7 +164,7 @@ def test_gpu_cluster_is_bit_identical(act, n, k, overlap, wide, m_total, routing
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cluster_n", [2, 4])
+@pytest.mark.parametrize("cluster_n", [2])
 def test_gpu_cluster_launcher_clamps_the_grid(cluster_n):
     """The launcher never starts more CTAs than the clusters that fit (a grid of one per SM would
     leave its last clusters waiting for a whole pass): the same bits with any requested count."""
@@ -193,7 +186,7 @@ def test_gpu_cluster_launcher_clamps_the_grid(cluster_n):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("cluster", ["0", "1", "4"])
+@pytest.mark.parametrize("cluster", ["0", "1"])
 def test_gpu_backend_launcher_matches_float64(monkeypatch, cluster):
     """``moe_ep.backends.sm90.fp8_cutedsl.grouped_gemm_fp8`` (the launcher the benchmarks and
     ``bench.ncu_gemm`` use) on the backend's schedule, single CTAs and clusters: against a float64
@@ -209,7 +202,7 @@ def test_gpu_backend_launcher_matches_float64(monkeypatch, cluster):
     w = quantize_fp8_block128(torch.randn(E, n, k, device="cuda", generator=g) / k ** 0.5)
     offs = ref.make_offsets(m_total, E, "skewed", torch.Generator().manual_seed(3)).cuda()
     fn = grouped_gemm_fp8("swiglu", n, k, E)
-    assert fn.cluster_n == {"0": 1, "1": 2, "4": 4}[cluster]
+    assert fn.cluster_n == {"0": 1, "1": 2}[cluster]
     out = torch.full((m_total, n // 2), float("nan"), dtype=torch.bfloat16, device="cuda")
     fn(a, a_s, w.values, w.scale, offs, out=out, row_scale=torch.ones(1, device="cuda"))
     torch.cuda.synchronize()

@@ -64,7 +64,7 @@ def test_deferred_epilogue_refusals():
     with pytest.raises(ValueError, match="deferred_epilogue needs overlap_promotion"):
         Fp8BlockScaledGroupedGemmSm90("identity", deferred_epilogue=True)
     with pytest.raises(ValueError, match="deferred_epilogue needs overlap_promotion"):
-        CompiledFp8Gemm("swiglu", 1536, 2048, 8, requant=True, overlap_promotion=True, deferred_epilogue=True)
+        CompiledFp8Gemm("swiglu", 1536, 2048, 8, deferred_epilogue=True)
     with pytest.raises(ValueError, match="not the chunked one"):  # K 14336: 112 k-tiles, chunked
         compile_variant("identity", 1024, 14336, 8, True, overlap_promotion=True, deferred_epilogue=True)
 
@@ -75,24 +75,21 @@ def test_shim_switch_and_key(monkeypatch):
     monkeypatch.delenv("MOE_EP_FP8_DEFERRED_EPILOGUE", raising=False)
     # default: short K only (nineteenth session, at the 700 W cap: Qwen3 FC2, K 768, 1.058x; K 2048
     # and 4096 slower)
-    assert s._gemm_key("identity", 2048, 768, 128, True, False, False).deferred_epilogue
-    assert s._gemm_key("identity", 2048, 1024, 128, True, False, False).deferred_epilogue
-    assert not s._gemm_key("swiglu", 1536, 2048, 128, False, False, False).deferred_epilogue
-    assert not s._gemm_key("swiglu", 28672, 4096, 8, False, False, False).deferred_epilogue
+    assert s._gemm_key("identity", 2048, 768, 128, True, False).deferred_epilogue
+    assert s._gemm_key("identity", 2048, 1024, 128, True, False).deferred_epilogue
+    assert not s._gemm_key("swiglu", 1536, 2048, 128, False, False).deferred_epilogue
+    assert not s._gemm_key("swiglu", 28672, 4096, 8, False, False).deferred_epilogue
     monkeypatch.setenv("MOE_EP_FP8_DEFERRED_EPILOGUE", "0")
-    assert not s._gemm_key("identity", 2048, 768, 128, True, False, False).deferred_epilogue
+    assert not s._gemm_key("identity", 2048, 768, 128, True, False).deferred_epilogue
     monkeypatch.setenv("MOE_EP_FP8_DEFERRED_EPILOGUE", "1")
-    assert s._gemm_key("swiglu", 1536, 2048, 128, False, False, False).deferred_epilogue
-    assert s._gemm_key("identity", 2048, 768, 128, True, False, False).deferred_epilogue
-    assert s._gemm_key("swiglu", 28672, 4096, 8, False, False, False).deferred_epilogue
-    # never where the kernel cannot: the chunked schedule, the requantising / fused-quant FC1s,
-    # the plain schedule, the quantisers
-    assert not s._gemm_key("identity", 4096, 14336, 8, True, False, False).deferred_epilogue
-    assert not s._gemm_key("swiglu", 1536, 2048, 128, False, True, False).deferred_epilogue
-    assert not s._key("gemm", "swiglu", 1536, 2048, 128, False, 16, True, fused_quant=True).deferred_epilogue
+    assert s._gemm_key("swiglu", 1536, 2048, 128, False, False).deferred_epilogue
+    assert s._gemm_key("identity", 2048, 768, 128, True, False).deferred_epilogue
+    assert s._gemm_key("swiglu", 28672, 4096, 8, False, False).deferred_epilogue
+    # never where the kernel cannot: the chunked schedule, the plain schedule, the quantisers
+    assert not s._gemm_key("identity", 4096, 14336, 8, True, False).deferred_epilogue
     assert not s._key("gemm", "identity", 2048, 768, 128, True, 16, False).deferred_epilogue
     assert not s._key("quantize", "", 0, 2048, 0, False).deferred_epilogue
-    assert s._gemm_options(s._gemm_key("identity", 2048, 768, 128, True, False, False))["deferred_epilogue"]
+    assert s._gemm_options(s._gemm_key("identity", 2048, 768, 128, True, False))["deferred_epilogue"]
 
 
 # ---------------------------------------------------------------------------- GPU

@@ -1,5 +1,5 @@
 """The FP8 GEMM's plain k-loop (no overlapped promotion: Qwen3's wide FC1, Mixtral's FC2, the
-requantising and gathering FC1s) at even and odd k-tile counts, 1 included (written with drop
+gathering FC1) at even and odd k-tile counts, 1 included (written with drop
 v31, kept when v32 restored the earlier loop). CPU: each kernel compiles without spills. GPU: the
 plain schedule gives the overlapped schedule's bits (same WGMMAs, same promotion order) and agrees
 with float64."""

@@ -3,8 +3,8 @@ v35's ``scale_warp=True``: by a second producer warp, the TMA warp's loop unchan
 producer warp loads each k-tile's 128 A-row scales and the weight block's scale(s) before it
 waits for a free stage, stores them into the stage's slot and only then arms the stage's full
 barrier, so the consumers read them from shared memory instead of waiting on global loads after
-issuing the k-tile's WGMMAs. Drop v65's ``scale_lookahead``: the scale warp keeps the next k-tiles'
-scale loads in flight, so no stage's stores wait on loads issued for that stage. CPU: the PTX (loads before the wait, a warp barrier between the
+issuing the k-tile's WGMMAs. (Drop v65's look-ahead of the scale warp was removed in v84.) CPU:
+the PTX (loads before the wait, a warp barrier between the
 stores and the barrier's arrive), no spills, the refusals, the shim's switch. GPU: the same bits
 as the global-memory kernel on every schedule the layer runs, every row written, and float64
 agreement."""
@@ -40,7 +40,7 @@ def _producer_blocks(ptx: str):
     ("swiglu", 1536, 2048, 128, dict(wide_gated=True)),                            # Qwen3 FC1
     ("identity", 2048, 768, 128, dict(overlap_promotion=True)),                    # Qwen3 FC2
     ("identity", 4096, 14336, 8, dict(cluster_n=2)),                               # Mixtral FC2
-    ("swiglu", 28672, 4096, 8, dict(wide_gated=True, overlap_promotion=True, requant=True)),  # v33's requant
+    ("swiglu", 28672, 4096, 8, dict(wide_gated=True, overlap_promotion=True, cluster_n=2)),  # Mixtral FC1
 ])
 def test_smem_scales_ptx(act, n, k, experts, kw):
     from sm90_megamoe.fp8_runner import compile_variant, ptx_report
@@ -67,7 +67,6 @@ def test_smem_scales_ptx(act, n, k, experts, kw):
     ("identity", 4096, 14336, 8, dict(cluster_n=2)),                                # Mixtral FC2, plain
     ("identity", 4096, 14336, 8, dict(overlap_promotion=True, cluster_n=2)),       # Mixtral FC2, the default
     ("swiglu", 1536, 2048, 128, dict(wide_gated=True, overlap_promotion=True, cluster_n=2)),  # Qwen3 FC1
-    ("swiglu", 1024, 1024, 8, dict(wide_gated=True, overlap_promotion=True, requant=True)),
 ])
 def test_scale_warp_ptx(act, n, k, experts, kw):
     """Drop v35: the scales staged by producer warp 1 -- full barriers initialised for two
@@ -93,7 +92,7 @@ def test_scale_warp_ptx(act, n, k, experts, kw):
 def _scale_windows(ptx: str):
     """Per stretch of PTX between two warp barriers that stores staged scales and loads some: (stored,
     loaded, stored registers loaded in the same stretch). v35's warp loads what it stores right
-    before it (all of them); with a lookahead each stretch refills registers stored later (none)."""
+    before it (all of them)."""
     out = []
     for part in ptx.split("bar.warp.sync")[1:-1]:
         stored = re.findall(r"st\.shared\.b32\s+\[[^\]]+\],\s*(%r\d+);", part)
@@ -103,35 +102,25 @@ def _scale_windows(ptx: str):
     return out
 
 
-@pytest.mark.parametrize("act,n,k,experts,kw,depth", [
-    ("identity", 4096, 14336, 8, dict(cluster_n=2), 4),                           # Mixtral FC2 (112 k-tiles)
-    ("swiglu", 28672, 4096, 8, dict(wide_gated=True, cluster_n=2), 4),            # Mixtral FC1 (32)
-    ("identity", 2048, 768, 128, dict(cluster_n=2), 3),                           # Qwen3 FC2 (6: steps of 3)
+@pytest.mark.parametrize("act,n,k,experts,kw", [
+    ("identity", 4096, 14336, 8, dict(cluster_n=2)),                           # Mixtral FC2 (112 k-tiles)
+    ("identity", 2048, 768, 128, dict(cluster_n=2)),                           # Qwen3 FC2 (6)
 ])
-def test_scale_lookahead_ptx(act, n, k, experts, kw, depth):
-    """Drop v65: with ``scale_lookahead=4`` the scale warp's k-loop steps by the largest divisor of
-    K/128 up to 4, and no stretch between its warp barriers stores a register it also loads there
-    (the loads were issued ``depth`` k-tiles earlier); with 1 (v35) every stored register is loaded
-    in its own stretch. Same staging otherwise: the stores, one warp barrier and an arrive per stage;
-    no spills, no local memory."""
+def test_scale_warp_stores_what_it_just_loaded_ptx(act, n, k, experts, kw):
+    """Drop v35's scale warp stages one k-tile per round: every register it stores between two warp
+    barriers was loaded in that same stretch (its loads are not issued ahead); no spills, no local
+    memory."""
     from sm90_megamoe.fp8_runner import compile_variant, ptx_report
 
-    for ahead in (1, 4):
-        kernel, compiled = compile_variant(act, n, k, experts, act == "identity", raster_m=16,
-                                           overlap_promotion=True, smem_scales=True, scale_warp=True,
-                                           scale_lookahead=ahead, **kw)
-        wins = _scale_windows(compiled.__ptx__)
-        assert wins, "no staging stretch found"
-        if ahead == 1:
-            assert all(both == stored for stored, _, both in wins), wins
-        else:
-            assert kernel._lookahead_depth() == depth
-            assert all(both == 0 for _, _, both in wins), wins
-            assert len(wins) >= depth - 1  # one stretch per slot of the unrolled step
-        r = ptx_report(kernel, compiled)
-        assert r["fp8_wgmma"] and r["tma"] and r["pdl"] and not r["local"]
-        if r["ptxas_spill_bytes"] is not None:
-            assert r["ptxas_spill_bytes"] == 0, r
+    kernel, compiled = compile_variant(act, n, k, experts, act == "identity", raster_m=16,
+                                       overlap_promotion=True, smem_scales=True, scale_warp=True, **kw)
+    wins = _scale_windows(compiled.__ptx__)
+    assert wins, "no staging stretch found"
+    assert all(both == stored for stored, _, both in wins), wins
+    r = ptx_report(kernel, compiled)
+    assert r["fp8_wgmma"] and r["tma"] and r["pdl"] and not r["local"]
+    if r["ptxas_spill_bytes"] is not None:
+        assert r["ptxas_spill_bytes"] == 0, r
 
 
 def test_global_scale_kernel_is_unchanged():
@@ -155,18 +144,8 @@ def test_smem_scales_refusals():
         Fp8BlockScaledGroupedGemmSm90("identity", scale_warp=True)
     with pytest.raises(ValueError, match="scale_warp needs smem_scales"):
         CompiledFp8Gemm("identity", 2048, 768, 8, scale_warp=True)
-    # drop v65: the lookahead is the scale warp's, 1 ... MAX_SCALE_LOOKAHEAD, on the plain kernel
-    with pytest.raises(ValueError, match="scale_lookahead > 1 needs scale_warp"):
-        Fp8BlockScaledGroupedGemmSm90("identity", smem_scales=True, scale_lookahead=2)
-    with pytest.raises(ValueError, match="scale_lookahead must be in 1 ... 4, got 5"):
-        Fp8BlockScaledGroupedGemmSm90("identity", smem_scales=True, scale_warp=True, scale_lookahead=5)
-    with pytest.raises(ValueError, match="scale_lookahead must be in 1 ... 4, got 0"):
-        CompiledFp8Gemm("identity", 2048, 768, 8, smem_scales=True, scale_warp=True, scale_lookahead=0)
-    with pytest.raises(ValueError, match="scale_lookahead > 1 needs scale_warp and the plain kernel"):
-        CompiledFp8Gemm("swiglu", 1024, 1024, 8, overlap_promotion=True, requant=True, smem_scales=True,
-                        scale_warp=True, scale_lookahead=2)
-    with pytest.raises(ValueError, match="scale_lookahead > 1 needs scale_warp and the plain kernel"):
-        CompiledFp8Gemm("identity", 2048, 768, 8, smem_scales=True, scale_lookahead=2)
+    with pytest.raises(TypeError, match="scale_lookahead"):  # drop v84 removed it
+        Fp8BlockScaledGroupedGemmSm90("identity", smem_scales=True, scale_warp=True, scale_lookahead=2)
 
 
 def test_shim_switch_and_key(monkeypatch):
@@ -196,8 +175,6 @@ def test_shim_switch_and_key(monkeypatch):
         assert s.use_fp8_smem_scales(False, 768) is False  # never on the plain schedule
         assert s._key("gemm", "identity", 4096, 14336, 8, True, overlap_promotion=True).smem_scales is on
         assert s._key("gemm", "identity", 4096, 14336, 8, True, overlap_promotion=False).smem_scales is False
-        assert s._key("gemm", "swiglu", 1536, 2048, 128, False, overlap_promotion=True,
-                      requant=True).smem_scales is on
         # the gathering FC1 has its own producer, the quantisers no scales to stage
         assert s._key("gemm", "swiglu", 1536, 2048, 128, False, overlap_promotion=True,
                       gather_a=True).smem_scales is False
@@ -214,40 +191,15 @@ def test_shim_switch_and_key(monkeypatch):
     assert s._key("gemm", "identity", 4096, 14336, 8, True, overlap_promotion=True).scale_warp is False
 
 
-def test_shim_scale_lookahead_switch(monkeypatch):
-    """Drop v65's lookahead: 1 unless ``MOE_EP_FP8_SCALE_LOOKAHEAD`` says otherwise, and only where the
-    scale warp runs (not the requantising FC1); a bad value raises naming the variable."""
-    from moe_ep.shim.drops import sm90_megamoe_fp8 as s
-
-    for var in ("MOE_EP_FP8_SMEM_SCALES", "MOE_EP_FP8_OVERLAP", "MOE_EP_FP8_SCALE_WARP", "MOE_EP_FP8_SCALE_LOOKAHEAD"):
-        monkeypatch.delenv(var, raising=False)
-    fc2 = lambda: s._key("gemm", "identity", 4096, 14336, 8, True, overlap_promotion=True)  # noqa: E731
-    fc1 = lambda **kw: s._key("gemm", "swiglu", 28672, 4096, 8, False, overlap_promotion=True, **kw)  # noqa: E731
-    assert fc2().scale_lookahead == 1 and fc1().scale_lookahead == 1
-    monkeypatch.setenv("MOE_EP_FP8_SCALE_LOOKAHEAD", "4")
-    assert fc2().scale_lookahead == 4 and fc2().scale_warp
-    assert fc1().scale_lookahead == 1  # Mixtral's FC1 reads its scales from global memory by default
-    monkeypatch.setenv("MOE_EP_FP8_SMEM_SCALES", "1")
-    monkeypatch.setenv("MOE_EP_FP8_SCALE_WARP", "1")
-    assert fc1().scale_lookahead == 4 and fc1().scale_warp
-    assert fc1(requant=True).scale_lookahead == 1 and fc1(requant=True).scale_warp
-    assert s._key("quantize", "", 0, 2048, 0, False).scale_lookahead == 1
-    assert s._gemm_options(fc1())["scale_lookahead"] == 4
-    for bad in ("0", "5", "two"):
-        monkeypatch.setenv("MOE_EP_FP8_SCALE_LOOKAHEAD", bad)
-        with pytest.raises(ValueError, match="MOE_EP_FP8_SCALE_LOOKAHEAD"):
-            fc2()
-
-
 def test_shim_fp8_raster_switch(monkeypatch):
     """``MOE_EP_FP8_RASTER_M`` overrides the FP8 GEMMs' L2 raster (the key and the kernel options carry
     it); unset, K decides (Mixtral's FC2 13, its FC1 16); a bad value raises naming the variable."""
     from moe_ep.shim.drops import sm90_megamoe_fp8 as s
 
     monkeypatch.delenv("MOE_EP_FP8_RASTER_M", raising=False)
-    fc2 = lambda: s._gemm_key("identity", 4096, 14336, 8, True, False, False)  # noqa: E731
+    fc2 = lambda: s._gemm_key("identity", 4096, 14336, 8, True, False)  # noqa: E731
     assert fc2().raster_m == 13 == (24 << 20) // (128 * 14336)
-    assert s._gemm_key("swiglu", 28672, 4096, 8, False, False, False).raster_m == 16
+    assert s._gemm_key("swiglu", 28672, 4096, 8, False, False).raster_m == 16
     monkeypatch.setenv("MOE_EP_FP8_RASTER_M", "16")
     assert fc2().raster_m == 16 and s._gemm_options(fc2())["raster_m"] == 16
     for bad in ("0", "65", "x"):
@@ -281,10 +233,9 @@ def test_gpu_smem_scales_is_bit_identical(act, n, k, kw, m_total, routing):
     a, a_s, b, b_s, offs, rs = (None if t is None else t.cuda()
                                 for t in fp8_gemm_problem(m_total, n, k, E, routing, 70 + m_total, sr))
     outs = []
-    # global, staged (v34), scale warp (v35), the scale warp with 4 k-tiles of loads in flight (v65)
-    for smem, warp, ahead in ((False, False, 1), (True, False, 1), (True, True, 1), (True, True, 4)):
-        fn = Fp8GroupedGemm(act, n, k, E, sr, raster_m=16, smem_scales=smem, scale_warp=warp,
-                            scale_lookahead=ahead, **kw)
+    # global, staged (v34), scale warp (v35)
+    for smem, warp in ((False, False), (True, False), (True, True)):
+        fn = Fp8GroupedGemm(act, n, k, E, sr, raster_m=16, smem_scales=smem, scale_warp=warp, **kw)
         out = torch.full((m_total, fn.n_out), float("nan"), dtype=torch.bfloat16, device="cuda")
         fn.launch(fn.prepare(a, a_s, b, b_s, out, offs, rs))
         outs.append(out)
@@ -296,34 +247,3 @@ def test_gpu_smem_scales_is_bit_identical(act, n, k, kw, m_total, routing):
                                           None if rs is None else rs.cpu(), dtype=torch.float64)
     rel = float((outs[1].double().cpu() - want).norm() / want.norm().clamp_min(1e-30))
     assert rel < 1e-2, rel
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("wide", [False, True])
-def test_gpu_smem_scales_requant_is_bit_identical(wide):
-    """The requantising FC1 (two 64-column halves per unit: each half stages its own weight-block
-    scales) with staged scales writes the global-memory kernel's e4m3 rows and scales."""
-    _sm90()
-    from sm90_megamoe.fp8_runner import Fp8GroupedGemm
-
-    E, n, k, m_total = 8, 1024, 1024, 2500
-    a, a_s, b, b_s, offs, _ = (None if t is None else t.cuda()
-                               for t in fp8_gemm_problem(m_total, n, k, E, "skewed", 11, False))
-    outs = []
-    for smem, warp in ((False, False), (True, False), (True, True)):
-        fn = Fp8GroupedGemm("swiglu", n, k, E, False, raster_m=16, overlap_promotion=True, requant=True,
-                            wide_gated=wide, smem_scales=smem, scale_warp=warp)
-        q = torch.full((m_total, n // 2), 0x7F, dtype=torch.uint8, device="cuda")  # e4m3 NaN
-        s = torch.full((m_total, n // 2 // 128), float("nan"), dtype=torch.float32, device="cuda")
-        fn.launch(fn.prepare(a, a_s, b, b_s, q, offs, None, s))
-        outs.append((q, s))
-    torch.cuda.synchronize()
-    for q, sc in outs[1:]:
-        assert torch.isfinite(sc).all(), "scales left unwritten"
-        assert torch.equal(outs[0][0], q) and torch.equal(outs[0][1], sc)
-    # and the values are FC1's: dequantised, against float64 (e4m3 keeps ~3 bits: a loose bound)
-    want = ref.fp8_grouped_gemm_reference(a.cpu(), a_s.cpu(), b.cpu(), b_s.cpu(), offs.cpu(), "swiglu",
-                                          dtype=torch.float64)
-    got = (outs[1][0].cpu().view(torch.float8_e4m3fn).double().view(m_total, -1, 128)
-           * outs[1][1].cpu().double().unsqueeze(-1)).view(m_total, -1)
-    assert float((got - want).norm() / want.norm()) < 5e-2

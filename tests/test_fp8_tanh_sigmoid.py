@@ -1,7 +1,7 @@
 """Drop v50: the swiglu FP8 GEMM (FC1) takes its sigmoid from one ``tanh.approx``
 (``tanh_sigmoid=True``: sigmoid(g) = 0.5 + 0.5 tanh(g / 2), one MUFU op per output instead of
 ``ex2`` + ``rcp``; the SwiGLU epilogue is MUFU-bound); drop v51: every FC1 variant takes it. CPU: the
-PTX (tanh.approx, no ex2 / rcp; the requantising, fused-quant and gathering variants too), no
+PTX (tanh.approx, no ex2 / rcp; the gathering variant too), no
 spills, the kernel without the flag unchanged, the refusals, the shim's switch and key. GPU: the
 kernel against float64 with the exact SiLU and against the ``ex2`` + ``rcp`` kernel, every row
 written; the FP8 layer with the opt-out (``MOE_EP_FP8_TANH_SIGMOID=0``; the tanh is the default since the
@@ -51,24 +51,17 @@ def test_tanh_sigmoid_ptx(n, k, experts, kw):
 
 def _variant_ptx(variant: str, tanh: bool) -> str:
     """PTX of an FC1 variant at Qwen3's shape (wide gated, overlapped promotion)."""
-    import cutlass.cute as cute
-    from sm90_megamoe.fp8_gemm import Fp8SwigluFusedQuantGroupedGemmSm90
-    from sm90_megamoe.fp8_launch import fake_args
     from sm90_megamoe.fp8_runner import compile_variant
 
-    if variant == "fused_quant":
-        kernel = Fp8SwigluFusedQuantGroupedGemmSm90(overlap_promotion=True, tanh_sigmoid=tanh)
-        return cute.compile(kernel, *fake_args(128, 1536, 2048, "swiglu", fused_quant=True),
-                            options="--gpu-arch sm_90a --keep-ptx").__ptx__
     _, compiled = compile_variant("swiglu", 1536, 2048, 128, False, raster_m=16, overlap_promotion=True,
                                   wide_gated=True, tanh_sigmoid=tanh, **{variant: True})
     return compiled.__ptx__
 
 
-@pytest.mark.parametrize("variant", ["requant", "gather_a", "fused_quant"])
+@pytest.mark.parametrize("variant", ["gather_a"])
 def test_tanh_sigmoid_ptx_of_the_fc1_variants(variant):
-    """Drop v51: the requantising, gathering and fused-quant FC1s take the switch too (the layer's
-    FC1 variants keep one another's bits with it on)."""
+    """Drop v51: the gathering FC1 takes the switch too (the layer's FC1 variants keep one another's
+    bits with it on)."""
     ptx, base = _variant_ptx(variant, True), _variant_ptx(variant, False)
     assert "tanh.approx.f32" in ptx and "ex2.approx" not in ptx
     assert "tanh.approx" not in base and "ex2.approx" in base
@@ -92,13 +85,11 @@ def test_shim_switch_and_key(monkeypatch):
     assert key.tanh_sigmoid and s._gemm_options(key)["tanh_sigmoid"]
     assert not s._key("gemm", "identity", 4096, 14336, 8, True).tanh_sigmoid      # FC2 has no sigmoid
     # drop v51: every FC1 variant, so switching between them keeps the bits
-    assert s._key("gemm", "swiglu", 1536, 2048, 128, False, requant=True).tanh_sigmoid
     assert s._key("gemm", "swiglu", 1536, 2048, 128, False, gather_a=True).tanh_sigmoid
-    assert s._key("gemm", "swiglu", 1536, 2048, 128, False, fused_quant=True).tanh_sigmoid
     assert not s._key("quantize", "", 0, 2048, 0, False).tanh_sigmoid
     monkeypatch.setenv("MOE_EP_FP8_TANH_SIGMOID", "0")  # the opt-out: ex2 + rcp in every FC1 variant
     assert not s._key("gemm", "swiglu", 28672, 4096, 8, False).tanh_sigmoid
-    assert not s._key("gemm", "swiglu", 1536, 2048, 128, False, requant=True).tanh_sigmoid
+    assert not s._key("gemm", "swiglu", 1536, 2048, 128, False, gather_a=True).tanh_sigmoid
     monkeypatch.setenv("MOE_EP_FP8_TANH_SIGMOID", "1")
     assert s._key("gemm", "swiglu", 28672, 4096, 8, False).tanh_sigmoid
 
@@ -153,10 +144,10 @@ def test_gpu_fp8_layer_with_exact_sigmoid(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("switch", ["MOE_EP_FP8_FUSED_REQUANT", "MOE_EP_FP8_GATHER_FC1", "MOE_EP_FP8_FUSED_QUANT"])
+@pytest.mark.parametrize("switch", ["MOE_EP_FP8_GATHER_FC1", "MOE_EP_FP8_WIDE_GATED"])
 def test_gpu_fc1_variants_keep_bits_with_exact_sigmoid(monkeypatch, switch):
-    """Drop v51: with ``MOE_EP_FP8_TANH_SIGMOID=0`` (the opt-out) the FC1 variants (requantising,
-    gathering, fused-quant) give that path's bits too, eager and under a poisoned CUDA graph -- as
+    """Drop v51: with ``MOE_EP_FP8_TANH_SIGMOID=0`` (the opt-out) the FC1 variants (gathering,
+    narrow gated) give that path's bits too, eager and under a poisoned CUDA graph -- as
     test_fp8_backend's variant test checks them at the default (tanh)."""
     _sm90()
     from test_fp8_backend import test_fp8_fc1_variants_are_bit_identical as variants_test

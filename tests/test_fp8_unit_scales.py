@@ -80,7 +80,7 @@ def test_unit_scales_refusals():
     with pytest.raises(ValueError, match="needs overlap_promotion"):
         CompiledFp8Gemm("identity", 1024, 6144, 8, unit_scales=True)  # the plain schedule
     with pytest.raises(ValueError, match="unit_scales needs overlap_promotion"):
-        CompiledFp8Gemm("swiglu", 1536, 2048, 8, overlap_promotion=True, requant=True, unit_scales=True)
+        CompiledFp8Gemm("swiglu", 1536, 2048, 8, overlap_promotion=True, gather_a=True, unit_scales=True)
     assert "K/128 = 6 must be a multiple of 8" in unit_scales_reason(6, 0)  # Qwen3's FC2 (K 768)
     assert "chunk (10 k-tiles)" in unit_scales_reason(40, 10)
     assert unit_scales_reason(112, 16) is None and unit_scales_reason(16, 0) is None
@@ -103,10 +103,8 @@ def test_shim_switch_and_keys(monkeypatch):
         assert s._gemm_options(key)["unit_scales"] is True
     assert not qwen_fc1().unit_scales and qwen_fc1().smem_scales and qwen_fc1().cluster_n == 2
     assert not qwen_fc2().unit_scales and qwen_fc2().smem_scales
-    # never on the plain schedule, the requantising / fused-quant / gathering FC1 or a quantiser
+    # never on the plain schedule, the gathering FC1 or a quantiser
     assert not s._key("gemm", "identity", 4096, 14336, 8, True, overlap_promotion=False).unit_scales
-    assert not s._key("gemm", "swiglu", 28672, 4096, 8, False, overlap_promotion=True, requant=True).unit_scales
-    assert not s._key("gemm", "swiglu", 28672, 4096, 8, False, overlap_promotion=True, fused_quant=True).unit_scales
     assert not s._key("gemm", "swiglu", 28672, 4096, 8, False, overlap_promotion=True, gather_a=True).unit_scales
     assert not s._key("quantize", "", 0, 4096, 0, False).unit_scales
     # K/128 not a multiple of 8 (DeepSeek-V3's FC1, K 7168: chunks of 14 k-tiles) keeps the old path
@@ -126,9 +124,9 @@ def test_shim_switch_and_keys(monkeypatch):
     # "auto" leaves the scales to an explicitly set staged-scale switch
     monkeypatch.delenv("MOE_EP_FP8_UNIT_SCALES")
     assert mixtral_fc1().unit_scales
-    monkeypatch.setenv("MOE_EP_FP8_SCALE_LOOKAHEAD", "4")
-    assert not mixtral_fc2().unit_scales and mixtral_fc2().scale_lookahead == 4
-    monkeypatch.delenv("MOE_EP_FP8_SCALE_LOOKAHEAD")
+    monkeypatch.setenv("MOE_EP_FP8_SCALE_WARP", "1")
+    assert not mixtral_fc2().unit_scales and mixtral_fc2().scale_warp
+    monkeypatch.delenv("MOE_EP_FP8_SCALE_WARP")
     for bad in ("yes", "2", "on"):
         monkeypatch.setenv("MOE_EP_FP8_UNIT_SCALES", bad)
         with pytest.raises(ValueError, match="MOE_EP_FP8_UNIT_SCALES"):
@@ -170,7 +168,7 @@ def test_layer_with_unit_scales_is_bit_identical(monkeypatch, T, shape, values, 
     _needs_sm90()
     from moe_ep.api import MoEConfig
 
-    for var in ("MOE_EP_FP8_SMEM_SCALES", "MOE_EP_FP8_SCALE_WARP", "MOE_EP_FP8_SCALE_LOOKAHEAD"):
+    for var in ("MOE_EP_FP8_SMEM_SCALES", "MOE_EP_FP8_SCALE_WARP"):
         monkeypatch.delenv(var, raising=False)
     cfg = MoEConfig(max_tokens_per_rank=1024, quant="fp8_block128", **shape)
 

@@ -285,7 +285,7 @@ def test_gpu_against_float64(act, n, k, scale_rows, routing, overlap):
             assert float((got[o[e]:o[e + 1]] - d).norm() / d.norm().clamp_min(1e-30)) < 1e-2, e
 
 
-# ---------------------------------------------------------------------------- FC1 requantising (drop v21)
+# ---------------------------------------------------------------------------- asynchronous WGMMAs, no spills
 def _assert_fits_async_no_spills(kernel, compiled, ptxas_words):
     """No local memory, PDL and TMA present, shared memory within 227 KB, 0 spill bytes and none
     of ``ptxas_words`` (WGMMA serialisation warnings) in ``ptxas -v``'s output."""
@@ -302,101 +302,25 @@ def _assert_fits_async_no_spills(kernel, compiled, ptxas_words):
     assert not any(w in err for w in ptxas_words), err[-2000:]
 
 
+# ---------------------------------------------------------------------------- FC1 wide gate+up WGMMA (drop v21)
 @pytest.mark.parametrize("n,k,experts,overlap", [
     (1536, 2048, 128, False),   # Qwen3 FC1
-    (1536, 2048, 128, True),    # ... on the overlapped-promotion schedule
-    (28672, 4096, 8, False),    # Mixtral FC1
+    (1536, 2048, 128, True),    # ... overlapped promotion
+    (28672, 4096, 8, True),     # Mixtral FC1, 32 k-tiles unrolled
 ])
-def test_requant_variant_compiles(n, k, experts, overlap):
-    """FC1 writing FC2's e4m3 input itself: the FP8 WGMMA, one e4m3x2 conversion per value pair
-    (2 halves x 16 pairs per thread), IEEE divisions, 16-byte global stores, the quad's amax
-    shuffle, no local memory and no spills (half 0 waits in shared memory, not registers)."""
-    from sm90_megamoe.fp8_runner import compile_variant
-
-    kernel, compiled = compile_variant("swiglu", n, k, experts, False, overlap_promotion=overlap, requant=True)
-    ptx = compiled.__ptx__
-    assert set(re.findall(r"wgmma\.mma_async[\w.]*", ptx)) == {"wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3"}
-    assert len(re.findall(r"cvt\.rn\.satfinite\.e4m3x2\.f32", ptx)) == 32
-    assert len(re.findall(r"div\.rn\.f32", ptx)) == 66  # 64 values + 2 row scales per thread
-    assert len(re.findall(r"shfl\.sync\.bfly", ptx)) == 4
-    assert len(re.findall(r"st\.global\.v4", ptx)) == 4
-    _assert_fits_async_no_spills(kernel, compiled, ("C7514",))
-
-
-def test_requant_refuses_identity():
-    from sm90_megamoe.fp8_launch import CompiledFp8Gemm
-
-    with pytest.raises(ValueError, match="requant needs activation 'swiglu'"):
-        CompiledFp8Gemm("identity", 2048, 768, 128, requant=True)
-
-
-def test_overlap_chunk_counts_the_requant_halves():
-    """Drop v33: the requantising FC1 traces its k-loop once per 64-column half, so the overlapped
-    schedule chunks it once k_tiles x 2 passes the unrolling limit (Mixtral, K 4096: 16 k-tiles
-    per chunk; a 116 KB cubin instead of 184 KB); one half as before; an odd count unrolls whole."""
-    from sm90_megamoe.fp8_gemm import OVERLAP_MAX_K_TILES, overlap_chunk
-
-    assert overlap_chunk(32) == 0 and overlap_chunk(112) == 16 and overlap_chunk(31, 2) == 0
-    assert overlap_chunk(16, 2) == 0 and overlap_chunk(32, 2) == 16 and overlap_chunk(24, 2) == 12
-    assert all(overlap_chunk(t) == overlap_chunk(t, 1) for t in range(1, 4 * OVERLAP_MAX_K_TILES))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("overlap", [False, True])
-@pytest.mark.parametrize("routing", ["uniform", "skewed"])
-@pytest.mark.parametrize("n,k,wide", [(1536, 2048, False), (512, 1024, False), (512, 4096, True)])
-def test_gpu_requant_is_fc1_then_quantiser(n, k, wide, routing, overlap):
-    """The requantising FC1 writes exactly the torch quantiser's values and scales of the plain
-    FC1's bf16 output (every row of every expert, ragged m-tiles, an empty expert when skewed);
-    K 4096 with the wide WGMMA: Mixtral's configuration, overlapped in chunks (drop v33)."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("needs an SM90 GPU")
-    from sm90_megamoe.fp8_runner import Fp8GroupedGemm
-
-    E, m_total = 16, 5000
-    gen = torch.Generator().manual_seed(11 + k)
-    offs = ref.make_offsets(m_total, E, routing, gen).cuda()
-    g = torch.Generator().manual_seed(5 + n)
-    a, a_s = (t.cuda() for t in ref.quantize_rows128(torch.randn(m_total, k, generator=g)))
-    b, b_s = (t.cuda() for t in ref.quantize_weight_block128(torch.randn(E, n, k, generator=g) / k ** 0.5))
-    plain = Fp8GroupedGemm("swiglu", n, k, E, False, overlap_promotion=overlap, wide_gated=wide)
-    h = torch.full((m_total, n // 2), float("nan"), dtype=torch.bfloat16, device="cuda")
-    plain.launch(plain.prepare(a, a_s, b, b_s, h, offs, None))
-    want_q, want_s = ref.quantize_rows128(h)
-    rq = Fp8GroupedGemm("swiglu", n, k, E, False, overlap_promotion=overlap, requant=True, wide_gated=wide)
-    q = torch.full((m_total, n // 2), 0x7F, dtype=torch.uint8, device="cuda")  # e4m3 NaN
-    s = torch.full((m_total, n // 256), float("nan"), dtype=torch.float32, device="cuda")
-    rq.launch(rq.prepare(a, a_s, b, b_s, q, offs, None, s))
-    torch.cuda.synchronize()
-    assert torch.isfinite(h.float()).all()
-    assert torch.equal(s, want_s), (s != want_s).any(dim=1).nonzero()[:8].flatten().tolist()
-    assert torch.equal(q, want_q.view(torch.uint8)), (q != want_q.view(torch.uint8)).any(dim=1).nonzero()[:8]
-
-
-# ---------------------------------------------------------------------------- FC1 wide gate+up WGMMA (drop v21)
-@pytest.mark.parametrize("n,k,experts,overlap,requant", [
-    (1536, 2048, 128, False, False),   # Qwen3 FC1
-    (1536, 2048, 128, True, False),    # ... overlapped promotion
-    (28672, 4096, 8, True, False),     # Mixtral FC1, 32 k-tiles unrolled
-    (1536, 2048, 128, True, True),     # ... and requantising
-    (28672, 4096, 8, True, True),      # Mixtral FC1 requantising: 2 halves x 32 k-tiles, chunks of 16 (v33)
-])
-def test_wide_gated_compiles(n, k, experts, overlap, requant):
+def test_wide_gated_compiles(n, k, experts, overlap):
     """``wide_gated``: FC1's gate and up tiles (adjacent smem slots) feed one m64n128 WGMMA per
     k-block (4 per k-tile instead of 8); asynchronous (no C7514), no spills, no local memory."""
     from sm90_megamoe.fp8_runner import compile_variant
 
-    kernel, compiled = compile_variant("swiglu", n, k, experts, False, overlap_promotion=overlap, requant=requant,
-                                       wide_gated=True)
+    kernel, compiled = compile_variant("swiglu", n, k, experts, False, overlap_promotion=overlap, wide_gated=True)
     ptx = compiled.__ptx__
     assert set(re.findall(r"wgmma\.mma_async[\w.]*", ptx)) == {"wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3"}
     from sm90_megamoe.fp8_gemm import overlap_chunk
 
-    halves = 2 if requant else 1
-    # with overlap: the whole k-loop unrolled, or one chunk of it (drop v33: the requantising FC1's
-    # two halves count towards the unrolling limit); without: one loop body
-    traced = (overlap_chunk(k // 128, halves) or k // 128) if overlap else 1
-    assert len(re.findall(r"wgmma\.mma_async", ptx)) == 4 * traced * halves
+    # with overlap: the whole k-loop unrolled, or one chunk of it; without: one loop body
+    traced = (overlap_chunk(k // 128) or k // 128) if overlap else 1
+    assert len(re.findall(r"wgmma\.mma_async", ptx)) == 4 * traced
     _assert_fits_async_no_spills(kernel, compiled, ("C7514", "serialized"))
 
 
@@ -434,7 +358,7 @@ def test_accumulator_coordinates_the_fc1_variants_rely_on(tmp_path):
     """What drop v21's FC1 variants assume about the WGMMA accumulator (CuTe's own partition of
     an identity tile, every thread of the two consumer warpgroups): elements (2p, 2p+1) are
     adjacent columns of one row; element i sits in row r or r + 8 by (i // 2) % 2; the 4 lanes of
-    a quad share their rows (the requant amax shuffles over lanes ^1, ^2); and in the 128-wide
+    a quad share their rows; and in the 128-wide
     (gate | up) accumulator element i < 32 is the 64-wide tile's element i and element i + 32 is
     the same place 64 columns on (the up value of that gate value)."""
     import json

@@ -46,11 +46,11 @@ def test_gather_variant_compiles(n, k, experts, overlap, wide):
     assert r["ptxas_spill_bytes"] == 0, r
 
 
-def test_gather_refuses_requant_and_missing_idx():
+def test_gather_refuses_clusters_and_missing_idx():
     from sm90_megamoe.fp8_launch import CompiledFp8Gemm
 
-    with pytest.raises(ValueError, match="gather_a and requant"):
-        CompiledFp8Gemm("swiglu", 1536, 2048, 128, requant=True, gather_a=True, compiled=object())
+    with pytest.raises(ValueError, match="does not combine with gather_a"):
+        CompiledFp8Gemm("swiglu", 1536, 2048, 128, cluster_n=2, gather_a=True, compiled=object())
     fn = CompiledFp8Gemm("swiglu", 1536, 2048, 128, gather_a=True, compiled=object())
     z = torch.zeros(1)
     with pytest.raises(ValueError, match="idx is required"):

@@ -21,7 +21,7 @@ from typing import Any
 
 from .. import disk_cache
 from ..cache import COMPILE_CACHE
-from ..env import env_choice, env_flag, env_forced
+from ..env import check_removed, env_choice, env_flag, env_forced
 from ..launch_mode import use_tvm_ffi
 from .sm90_megamoe import CONSTANTS, PKG, RASTER_L2_BUDGET, _cutlass_version, _load, cache_namespace
 
@@ -89,17 +89,14 @@ def use_fp8_cluster(activation: str, n: int, k: int) -> int:
     (drop runner 0.98-1.00x, layer 672.6 / 666.8 / 654.8 / 654.5) -- with global scales; with
     staged scales (the short-K schedule, :func:`use_fp8_smem_scales`) they are: FC2 1.06x in the
     drop runner, so the GEMMs that stage their scales run in clusters too (twelfth session).
-    ``MOE_EP_FP8_CLUSTER=1`` / ``0`` force it on (where the n-tiles pair up) / off;
-    ``MOE_EP_FP8_CLUSTER=4``: clusters of 4 (drop v49: four n-tiles share A's quarters) wherever
-    clusters of 2 run by default and the n-tiles come in fours."""
-    forced = env_choice("MOE_EP_FP8_CLUSTER", ("0", "1", "4"), "")
+    ``MOE_EP_FP8_CLUSTER=1`` / ``0`` force it on (where the n-tiles pair up) / off. (Clusters of 4,
+    drop v49, ran ~4% slower: only 120 of 132 SMs take them; removed in drop v84.)"""
+    forced = env_choice("MOE_EP_FP8_CLUSTER", ("0", "1"), "")
     short_k = use_fp8_smem_scales(compiled_key_overlap(activation, k), k, activation)  # staged scales
     if forced == "0" or (forced != "1" and k < CLUSTER_MIN_K and not short_k):
         return 1
     tile_n = _load("sm90_megamoe.fp8_gemm").default_tile_n(activation)  # the drop's tile width
     n_tiles = (n // 2 if activation == "swiglu" else n) // tile_n
-    if forced == "4" and n_tiles % 4 == 0:
-        return 4
     return 2 if n_tiles % 2 == 0 else 1
 
 
@@ -163,11 +160,10 @@ def use_fp8_scale_warp(activation: str = "swiglu", k: int = 0) -> bool:
 DEFERRED_EPILOGUE_MAX_K = 1024
 
 
-def use_fp8_deferred_epilogue(overlap_promotion: bool, k: int, requant: bool = False,
-                              fused_quant: bool = False) -> bool:
+def use_fp8_deferred_epilogue(overlap_promotion: bool, k: int) -> bool:
     """Whether the FP8 GEMM stores each tile while the next tile's first k-tile runs (drop v48,
     ``deferred_epilogue``; bit-identical on the H200): possible on the unrolled overlapped schedule
-    (K <= 32·128) with the bf16 output (not requant / fused_quant); by default for K <=
+    (K <= 32·128); by default for K <=
     DEFERRED_EPILOGUE_MAX_K, where a tile's k-loop is short next to its epilogue.
 
     H200, nineteenth session (``bash bench/h200_session.sh defer``; ``bench sustained``, each GEMM 2 s
@@ -175,7 +171,7 @@ def use_fp8_deferred_epilogue(overlap_promotion: bool, k: int, requant: bool = F
     Qwen3 FC1 (K 2048) 0.470 / 0.475; Mixtral FC1 (K 4096) 3.766 / 3.922 -- so only short K.
     ``MOE_EP_FP8_DEFERRED_EPILOGUE=1`` / ``0``: on wherever possible / off."""
     k_tiles = k // CONSTANTS.value("sm90_megamoe.fp8_gemm", "FP8_BLOCK")
-    possible = (bool(overlap_promotion) and not requant and not fused_quant
+    possible = (bool(overlap_promotion)
                 and k_tiles <= CONSTANTS.value("sm90_megamoe.fp8_gemm", "OVERLAP_MAX_K_TILES"))
     forced = env_forced("MOE_EP_FP8_DEFERRED_EPILOGUE")
     if forced is not None:
@@ -235,55 +231,24 @@ class Fp8Key:
     tvm_ffi: bool
     raster_m: int
     overlap_promotion: bool = False
-    requant: bool = False
     wide_gated: bool = False
     gather_a: bool = False
     cluster_n: int = 1
     smem_scales: bool = False
     scale_warp: bool = False
-    fused_quant: bool = False
     deferred_epilogue: bool = False
     tanh_sigmoid: bool = False
     quant_items: int = 1
-    scale_lookahead: int = 1
-    pair_amax: bool = False
     unit_scales: bool = False
     chunk_k_tiles: int = 0
-
-
-#: ``MOE_EP_FP8_FUSED_QUANT``'s values: off, the quantising warps (drop v39), the epilogue (drop v66)
-FUSED_QUANT_MODES = ("0", "1", "epilogue")
-
-
-def fp8_fused_quant_mode() -> str:
-    """``MOE_EP_FP8_FUSED_QUANT``: "0" (default) FC2's input is quantised by its own kernel; "1" FC1
-    writes it, quantised by idle producer warps (drop v39); "epilogue" FC1 writes it, quantised by
-    the consumers in the epilogue, the cluster's two CTAs swapping each row's |max| (drop v66,
-    ``pair_amax``). Both forms give the bits of FC1 + the quantiser; neither is faster on the layer
-    (the backend's ``fused_quant`` says what was measured). Anything else raises ValueError."""
-    return env_choice("MOE_EP_FP8_FUSED_QUANT", FUSED_QUANT_MODES, "0")
-
-
-def use_fp8_scale_lookahead(scale_warp: bool) -> int:
-    """k-tiles of scale loads the scale warp keeps in flight (drop v65, ``scale_lookahead``; the same
-    bits): ``MOE_EP_FP8_SCALE_LOOKAHEAD`` in 1 ... MAX_SCALE_LOOKAHEAD, default 1 (v35's warp, one
-    k-tile's loads at a time). Only where the scale warp runs (:func:`use_fp8_scale_warp`); 1 elsewhere.
-    Why it may pay: v35's warp stores a k-tile's scales only after their loads return, so it stages
-    at most one k-tile per L2 round trip, which under load can take longer than the tensor cores take
-    for a 128 x 128 x 128 k-tile. Twenty-sixth session, H200 (``bench sustained``, each GEMM 2 s at
-    the 700 W cap, four interleaved runs): Mixtral's FC2 1.952-1.955 ms with 4 against 1.881-1.887
-    with 1 (0.964x, cuBLAS 1.756 in every run); its FC1 staged with the warp and 4: 3.875 against
-    3.718-3.729 global. The warp was not what held FC2 back, so 1 stays the default."""
-    ahead = _env_int("MOE_EP_FP8_SCALE_LOOKAHEAD", 1, CONSTANTS.value("sm90_megamoe.fp8_gemm", "MAX_SCALE_LOOKAHEAD"))
-    return ahead if scale_warp else 1
 
 
 #: reduction size from which the FP8 GEMMs load their scales by TMA by default (use_fp8_unit_scales)
 UNIT_SCALES_MIN_K = 4096
 #: ``MOE_EP_FP8_UNIT_SCALES``' values: from UNIT_SCALES_MIN_K (default), wherever the kernel can, never
 UNIT_SCALES_MODES = ("auto", "1", "0")
-#: the switches of the staged scales (drops v34 / v35 / v65): set, "auto" leaves the scales to them
-_STAGED_SCALE_SWITCHES = ("MOE_EP_FP8_SMEM_SCALES", "MOE_EP_FP8_SCALE_WARP", "MOE_EP_FP8_SCALE_LOOKAHEAD")
+#: the switches of the staged scales (drops v34 / v35): set, "auto" leaves the scales to them
+_STAGED_SCALE_SWITCHES = ("MOE_EP_FP8_SMEM_SCALES", "MOE_EP_FP8_SCALE_WARP")
 
 
 def use_fp8_unit_scales(k: int) -> bool:
@@ -292,8 +257,7 @@ def use_fp8_unit_scales(k: int) -> bool:
     replaces the consumers' global scale loads and the staged scales (``smem_scales`` / ``scale_warp``).
     The kernel needs K/128 to be a multiple of UNIT_SCALE_KC (and of the chunked schedule's chunk).
     ``MOE_EP_FP8_UNIT_SCALES``: "auto" (default) from K = UNIT_SCALES_MIN_K unless one of the staged
-    scales' switches (``MOE_EP_FP8_SMEM_SCALES``, ``MOE_EP_FP8_SCALE_WARP``, ``MOE_EP_FP8_SCALE_LOOKAHEAD``)
-    is set, so those still select what they did; "1" wherever the kernel can; "0" never; anything else
+    scales' switches (``MOE_EP_FP8_SMEM_SCALES``, ``MOE_EP_FP8_SCALE_WARP``) is set, so those still select what they did; "1" wherever the kernel can; "0" never; anything else
     raises ValueError.
 
     Twenty-eighth session, H200, drop runner at the 700 W cap (each GEMM back to back for a second,
@@ -332,15 +296,15 @@ def use_fp8_chunk_k_tiles(k: int, overlap_promotion: bool, deferred: bool, unit_
         return 0
     fg = _load("sm90_megamoe.fp8_gemm")
     k_tiles = k // CONSTANTS.value("sm90_megamoe.fp8_gemm", "FP8_BLOCK")
-    chunk = fg.overlap_chunk(k_tiles, 1, int(raw))
+    chunk = fg.overlap_chunk(k_tiles, int(raw))
     if chunk == 0 or chunk == fg.overlap_chunk(k_tiles) or (unit_scales and chunk % 8):
         return 0
     return int(raw)
 
 
 def use_fp8_tanh_sigmoid(activation: str) -> bool:
-    """Whether the swiglu FP8 GEMM (FC1; drop v51: every variant -- plain, requantising, fused-quant,
-    gathering -- so switching between them keeps the bits) takes its sigmoid from one ``tanh.approx``
+    """Whether the swiglu FP8 GEMM (FC1; drop v51: every variant -- plain and gathering -- so
+    switching between them keeps the bits) takes its sigmoid from one ``tanh.approx``
     (drop v50, ``tanh_sigmoid``: one MUFU op per output instead of ``ex2`` + ``rcp``; Nsight Compute,
     twentieth session: FC1's SwiGLU epilogue is MUFU-bound, 4.4% of Mixtral's FC1 cycles with the
     tensor pipe waiting). tanh.approx's relative error is ~2^-11, below the e4m3 rounding FC2's input
@@ -351,90 +315,52 @@ def use_fp8_tanh_sigmoid(activation: str) -> bool:
 
 
 def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_rows: bool,
-         raster_m: int = 0, overlap_promotion: bool = False, requant: bool = False, gather_a: bool = False,
-         fused_quant: bool = False) -> Fp8Key:
-    plain = kind == "gemm" and not requant and not gather_a
-    deferred = kind == "gemm" and use_fp8_deferred_epilogue(overlap_promotion, k, requant, fused_quant)
+         raster_m: int = 0, overlap_promotion: bool = False, gather_a: bool = False) -> Fp8Key:
+    check_removed()  # a switch of a removed (FP8) variant, still set, raises here
+    plain = kind == "gemm" and not gather_a
+    deferred = kind == "gemm" and use_fp8_deferred_epilogue(overlap_promotion, k)
     # drop v69's TMA-loaded scales; not with the deferred epilogue (the pair has not run on a GPU)
-    unit = plain and not fused_quant and not deferred and bool(overlap_promotion) and use_fp8_unit_scales(k)
+    unit = plain and not deferred and bool(overlap_promotion) and use_fp8_unit_scales(k)
     smem = kind == "gemm" and not gather_a and not unit and use_fp8_smem_scales(overlap_promotion, k, activation)
     scale_warp = smem and use_fp8_scale_warp(activation, k)
     return Fp8Key(CONSTANTS.value(PKG, "DROP_VERSION"), _cutlass_version(), "sm_90a", kind, activation, n, k,
                   num_experts, bool(scale_rows), use_tvm_ffi(), int(raster_m), bool(overlap_promotion),
-                  bool(requant), kind == "gemm" and use_fp8_wide_gated(activation), bool(gather_a),
+                  kind == "gemm" and use_fp8_wide_gated(activation), bool(gather_a),
                   use_fp8_cluster(activation, n, k) if plain else 1,
-                  smem, scale_warp, bool(fused_quant),
-                  deferred,
+                  smem, scale_warp, deferred,
                   kind == "gemm" and use_fp8_tanh_sigmoid(activation),
-                  use_fp8_quant_items() if kind.startswith("quantize") else 1,
-                  use_fp8_scale_lookahead(scale_warp and plain and not fused_quant),
-                  bool(fused_quant) and fp8_fused_quant_mode() == "epilogue", unit,
-                  use_fp8_chunk_k_tiles(k, overlap_promotion, deferred, unit)
-                  if kind == "gemm" and not requant and not fused_quant else 0)
+                  use_fp8_quant_items() if kind.startswith("quantize") else 1, unit,
+                  use_fp8_chunk_k_tiles(k, overlap_promotion, deferred, unit) if kind == "gemm" else 0)
 
 
-def _gemm_key(activation: str, n: int, k: int, num_experts: int, scale_rows: bool, requant: bool,
-              gather_a: bool, fused_quant: bool = False) -> Fp8Key:
+def _gemm_key(activation: str, n: int, k: int, num_experts: int, scale_rows: bool, gather_a: bool) -> Fp8Key:
     """The GEMM's key: every schedule choice made once, here (compiled code and launcher agree)."""
     return _key("gemm", activation, n, k, num_experts, scale_rows, pick_fp8_raster_m(k),
-                compiled_key_overlap(activation, k), requant, gather_a, fused_quant)
+                compiled_key_overlap(activation, k), gather_a)
 
 
 def _gemm_options(key: Fp8Key) -> dict:
     """``CompiledFp8Gemm``'s arguments (all but ``compiled``) for a GEMM key."""
     return dict(activation=key.activation, n=key.n, k=key.k, num_experts=key.num_experts,
                 scale_rows=key.scale_rows, tvm_ffi=key.tvm_ffi, raster_m=key.raster_m,
-                overlap_promotion=key.overlap_promotion, requant=key.requant, wide_gated=key.wide_gated,
+                overlap_promotion=key.overlap_promotion, wide_gated=key.wide_gated,
                 gather_a=key.gather_a, cluster_n=key.cluster_n, smem_scales=key.smem_scales,
-                scale_warp=key.scale_warp, fused_quant=key.fused_quant, deferred_epilogue=key.deferred_epilogue,
-                tanh_sigmoid=key.tanh_sigmoid, scale_lookahead=key.scale_lookahead, pair_amax=key.pair_amax,
-                unit_scales=key.unit_scales, **({"chunk_k_tiles": key.chunk_k_tiles} if key.chunk_k_tiles else {}))
+                scale_warp=key.scale_warp, deferred_epilogue=key.deferred_epilogue,
+                tanh_sigmoid=key.tanh_sigmoid, unit_scales=key.unit_scales, **({"chunk_k_tiles": key.chunk_k_tiles} if key.chunk_k_tiles else {}))
 
 
-def _checked_gemm_key(activation: str, n: int, k: int, num_experts: int, scale_rows: bool, requant: bool,
-                      gather_a: bool, fused_quant: bool = False) -> Fp8Key:
-    """:func:`_gemm_key` after the shape and variant checks (ValueError naming what is wrong)."""
+def _checked_gemm_key(activation: str, n: int, k: int, num_experts: int, scale_rows: bool,
+                      gather_a: bool) -> Fp8Key:
+    """:func:`_gemm_key` after the shape checks (ValueError naming what is wrong)."""
     check_fp8_gemm(activation, n, k, num_experts)
-    if requant and activation != "swiglu":
-        raise ValueError(f"sm90 FP8 GEMM: requant needs activation 'swiglu', got {activation!r}")
-    if requant and gather_a:
-        raise ValueError("sm90 FP8 GEMM: gather_a and requant do not combine")
-    key = _gemm_key(activation, n, k, num_experts, scale_rows, requant, gather_a, fused_quant)
-    if fused_quant and not fused_quant_possible(key):
-        raise ValueError(f"sm90 FP8 GEMM: fused_quant needs the wide gated swiglu FC1 in clusters of 2 (not "
-                         f"requant or gather_a); this shape and these settings give activation {activation!r}, "
-                         f"wide_gated={key.wide_gated}, cluster_n={key.cluster_n}")
-    return key
-
-
-def fp8_fused_quant_available(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False) -> bool:
-    """Whether :func:`fp8_gemm` with ``fused_quant=True`` takes this GEMM under the current settings
-    (drops v38 / v39: the wide gated swiglu FC1 in clusters of 2; :func:`use_fp8_cluster` decides those)."""
-    if activation != "swiglu":
-        return False
-    check_fp8_gemm(activation, n, k, num_experts)
-    return fused_quant_possible(_gemm_key(activation, n, k, num_experts, scale_rows, False, False, fused_quant=True))
-
-
-#: drop v66's ``pair_amax`` needs more k-tiles per unit than the kernel's pipeline stages; the drop
-#: caps those at 8 (``Fp8BlockScaledGroupedGemmSm90._num_stages``) and refuses fewer k-tiles itself
-PAIR_AMAX_MAX_STAGES = 8
-
-
-def fused_quant_possible(key: Fp8Key) -> bool:
-    """Whether a GEMM key's kernel can write FC2's e4m3 input from idle warps (drop v39,
-    ``fused_quant``): the wide gated swiglu FC1 in clusters of 2, whose two CTAs cover one 128-column group;
-    quantised in the epilogue (drop v66, ``pair_amax``), more than 8 k-tiles (K > 1024)."""
-    return (key.activation == "swiglu" and key.wide_gated and key.cluster_n == 2 and not key.requant
-            and not key.gather_a and (not key.pair_amax or key.k // 128 > PAIR_AMAX_MAX_STAGES))
+    return _gemm_key(activation, n, k, num_experts, scale_rows, gather_a)
 
 
 def _compiled_gemm(key: Fp8Key) -> Any:
     """The compiled GEMM of ``key``: the in-process cache, else the disk cache, else compile."""
-    name = f"fp8_gemm_{key.activation}" + ("_requant" if key.requant else "") + \
+    name = f"fp8_gemm_{key.activation}" + \
         ("_gather" if key.gather_a else "") + (f"_cluster{key.cluster_n}" if key.cluster_n > 1 else "") + \
-        ("_fusedq" if key.fused_quant else "") + ("_pair" if key.pair_amax else "") + ("_defer" if key.deferred_epilogue else "") + \
-        ("_tanh" if key.tanh_sigmoid else "") + (f"_ahead{key.scale_lookahead}" if key.scale_lookahead > 1 else "") + \
+        ("_defer" if key.deferred_epilogue else "") + ("_tanh" if key.tanh_sigmoid else "") + \
         ("_us" if key.unit_scales else "") + (f"_chunk{key.chunk_k_tiles}" if key.chunk_k_tiles else "")
 
     def build():
@@ -448,25 +374,19 @@ def _compiled_gemm(key: Fp8Key) -> Any:
 
 
 def compiled_fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
-                      requant: bool = False, gather_a: bool = False, fused_quant: bool = False) -> Any:
-    """Compiled code of the FP8 grouped GEMM (no GPU needed). ``requant`` (swiglu; drop v21): the
-    output is FC2's input, e4m3 rows and per-128 scales, quantised in the epilogue; swiglu with
-    :func:`use_fp8_wide_gated`: the one-WGMMA gate+up schedule; ``gather_a`` (drop v22; not with
-    requant): A is the source rows and a call passes ``idx`` (grouped row r = ``a[idx[r]]``);
-    ``fused_quant`` (drop v39; the wide gated FC1 in clusters of 2, :func:`fused_quant_possible`):
-    like ``requant``, the output is FC2's input -- quantised by idle warps from the epilogue tiles."""
-    return _compiled_gemm(_checked_gemm_key(activation, n, k, num_experts, scale_rows, requant, gather_a,
-                                            fused_quant))
+                      gather_a: bool = False) -> Any:
+    """Compiled code of the FP8 grouped GEMM (no GPU needed). Swiglu with :func:`use_fp8_wide_gated`:
+    the one-WGMMA gate+up schedule; ``gather_a`` (drop v22): A is the source rows and a call passes
+    ``idx`` (grouped row r = ``a[idx[r]]``)."""
+    return _compiled_gemm(_checked_gemm_key(activation, n, k, num_experts, scale_rows, gather_a))
 
 
 def fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
-             requant: bool = False, gather_a: bool = False, fused_quant: bool = False) -> Any:
+             gather_a: bool = False) -> Any:
     """A caller-owned launcher: ``gemm(a [M, k] e4m3, a_scale [M, k/128] f32, b [E, n, k] e4m3,
     b_scale [E, n/128, k/128] f32, offsets [E+1] i32, out=[M, n_out] bf16, row_scale=[M] f32)``;
-    ``requant``: ``out=[M, n_out] e4m3, out_scale=[M, n_out/128] f32`` instead of bf16 ``out``;
-    ``gather_a``: ``a [T, k]``, ``a_scale [T, k/128]`` are source rows and ``idx=[M] i32`` picks them;
-    ``fused_quant``: as ``requant`` (``out`` e4m3 + ``out_scale``), quantised by FC1's idle warps."""
-    key = _checked_gemm_key(activation, n, k, num_experts, scale_rows, requant, gather_a, fused_quant)
+    ``gather_a``: ``a [T, k]``, ``a_scale [T, k/128]`` are source rows and ``idx=[M] i32`` picks them."""
+    key = _checked_gemm_key(activation, n, k, num_experts, scale_rows, gather_a)
     return _load("sm90_megamoe.fp8_launch").CompiledFp8Gemm(compiled=_compiled_gemm(key), **_gemm_options(key))
 
 

@@ -17,8 +17,7 @@ The forward is the BF16 SM90 backend's, with steps 3-4 replaced:
    read of every grouped row less; same bits); with
    :func:`gather_fc1` (one rank), each token is quantised once instead and FC1 reads grouped row r
    from token ``idx[r]`` itself (drop v22's gathering FP8 GEMM: T rows quantised, not T * top_k);
-4. **FC2 + router weight** -- ``h`` quantised the same way, ``y = ws · (hq · wq2ᵀ)``; with
-   :func:`fused_requant`, FC1's epilogue has already written ``hq`` and its scales (same bits);
+4. **FC2 + router weight** -- ``h`` quantised the same way, ``y = ws · (hq · wq2ᵀ)``;
 5. **combine** -- as on BF16.
 
 Weights: ``MoEConfig.quant = "fp8_block128"``; ``w13``/``w2`` are
@@ -34,9 +33,7 @@ from typing import Any
 import torch
 
 from moe_ep.shim import (Sm90EpSession, Sm90LayoutSession, sm90_check_fp8_gemm, sm90_compiled_fp8_gemm,
-                         sm90_compiled_fp8_quantize_rows, sm90_fp8_fused_quant_available,
-                         sm90_fp8_fused_quant_mode, sm90_fp8_gemm,
-                         sm90_fp8_quantize_rows,
+                         sm90_compiled_fp8_quantize_rows, sm90_fp8_gemm, sm90_fp8_quantize_rows,
                          sm90_prebuild_ep, sm90_prebuild_layout)
 
 from ...quant import FP8_BLOCK, quantize_fp8_block128
@@ -113,50 +110,8 @@ def scatter_quant() -> bool:
     return env_switch("MOE_EP_FP8_SCATTER_QUANT", True)
 
 
-def fused_requant() -> bool:
-    """``MOE_EP_FP8_FUSED_REQUANT=1``: FC1's epilogue writes FC2's input itself, E4M3 rows and their
-    per-128 scales (drop v21's ``Fp8SwigluRequantGroupedGemmSm90``: the bf16 values FC1 would
-    store, quantised by the row quantiser's rule, so the same bits), instead of bf16 ``h`` that a
-    second kernel reads back: one launch and ``h``'s write + read fewer. Bit-identical on the H200
-    (a2012eb), 1.04-1.05x FC1 + quantiser on Qwen3 but 0.95x on Mixtral (0.61x with overlapped
-    promotion: the kernel's code outgrows the instruction cache), so off by default. Drop v33
-    chunks that overlapped schedule (16 k-tiles per half; a 116 KB cubin instead of 184 KB): 1.12x
-    FC1 + quantiser in the drop runner, yet the layer is slower with it (thirteenth session, two
-    interleaved rounds, CUDA graph TFLOP/s): Mixtral 928-934 vs 975, Qwen3 629-655 vs 684-692 --
-    the requantising FC1 has no clusters, and the quantiser it replaces starts under FC1's tail."""
-    return env_switch("MOE_EP_FP8_FUSED_REQUANT", False)
-
-
-def fused_quant() -> bool:
-    """``MOE_EP_FP8_FUSED_QUANT=1`` (``Fp8SwigluFusedQuantGroupedGemmSm90``; FC1 in clusters of 2,
-    i.e. K >= 4096 or the short-K schedule): FC1's output is FC2's E4M3 input, quantised by its idle
-    producer warps from the two CTAs' epilogue tiles while the consumers run the next unit -- no
-    bf16 ``h`` is written or read back, no quantiser launches; the same bits. Off: on the H200 no
-    form has been faster. Drop v37 (``h`` read back from L2 behind a gpu-scope fence per unit): FP8
-    layer 484-498 vs 619-671 TFLOP/s (Qwen3), 841-896 vs 952-970 (Mixtral), fourteenth session.
-    Drop v38 (the peer's epilogue tile over distributed shared memory behind cluster-scope barriers,
-    which ptxas turns into ``MEMBAR.ALL.GPU``): 594 vs 675-683 (Qwen3), 917-930 vs 970. Drop v39
-    (the peer's rows by one bulk copy, CTA-scope hand-offs only; fifteenth session): bit-identical,
-    FC1 1.00x (Qwen3) and 0.92-0.99x (Mixtral) of FC1 + the quantiser in the drop runner; the layer
-    649-667 vs 665-671 per call (Qwen3), 953-955 vs 954-970 (Mixtral) -- the quantising warps' ~10%
-    more instructions slow the k-loop about as much as the quantiser kernel they replace costs.
-    ``MOE_EP_FP8_FUSED_QUANT=epilogue`` (drop v66, ``pair_amax``): no quantising warps; FC1's consumers
-    quantise their 64 columns in the epilogue, the cluster's two CTAs swapping only each row's |max|
-    (512 bytes per unit); the same bits. Twenty-seventh session, H200: Qwen3's FC1 10-19 us under
-    FC1 + the quantiser, Mixtral's 23-139 us over; the Qwen3 layer per call 686 vs 674 TFLOP/s (five
-    interleaved rounds) but back to back 673 vs 684 and under CUDA graphs 688 vs 687, Mixtral 0.4-1.0%
-    slower: off."""
-    return sm90_fp8_fused_quant_mode() != "0"
-
-
-def _fuses_quant(fc1_spec: tuple, world_size: int) -> bool:
-    """Whether FC1 (``fc1_spec``: its GEMM arguments) writes FC2's input too (see fused_quant)."""
-    return (fused_quant() and not fused_requant() and not _gathers_fc1(world_size)
-            and sm90_fp8_fused_quant_available(*fc1_spec))
-
-
 def gather_fc1() -> bool:
-    """``MOE_EP_FP8_GATHER_FC1=1`` (one rank, with LocalRoute; not with requant): step 3 quantises the
+    """``MOE_EP_FP8_GATHER_FC1=1`` (one rank, with LocalRoute): step 3 quantises the
     caller's T tokens (not the T * top_k grouped rows) and FC1 loads grouped row r from quantised
     token ``idx[r]`` itself (drop v22's ``Fp8GatherGroupedGemmSm90``: the same bits as FC1 on the
     gathered rows, GPU tests at e82f1e5). Off: drop v22's cp.async producer was slow -- FC1 1.012
@@ -169,26 +124,23 @@ def gather_fc1() -> bool:
 
 def _gathers_fc1(world_size: int) -> bool:
     """Whether a layer of ``world_size`` ranks runs FC1 on the quantised tokens (see gather_fc1)."""
-    return world_size == 1 and gather_fc1() and local_route() and not fused_requant()
+    return world_size == 1 and gather_fc1() and local_route()
 
 
 def prebuild(config: Any, world_size: int, kernels: tuple = ("fc1", "fc2", "ep", "layout")) -> None:
     """Compile (or load from the disk compile cache) every kernel a layer needs, without a GPU;
-    "fc1"/"fc2" include the row quantiser of their input width (FC2's: unless FC1 requantises)."""
+    "fc1"/"fc2" include the row quantiser of their input width."""
     specs = _gemm_specs(config, config.local_experts(world_size))
-    requant = fused_requant()
     gather_a = _gathers_fc1(world_size)
-    fq = _fuses_quant(specs["fc1"], world_size)
 
     def gemm(name):
         gather = name == "fc1" and fused_gather_quant() and not gather_a
         scatter = config.top_k if gather and scatter_quant() else 0
         if name == "fc1":
-            return lambda: (sm90_compiled_fp8_gemm(*specs[name], requant=requant, gather_a=gather_a, fused_quant=fq),
+            return lambda: (sm90_compiled_fp8_gemm(*specs[name], gather_a=gather_a),
                             sm90_compiled_fp8_quantize_rows(specs[name][2], gather=gather and not scatter,
                                                             scatter_topk=scatter))
-        return lambda: (sm90_compiled_fp8_gemm(*specs[name]),
-                        None if requant or fq else sm90_compiled_fp8_quantize_rows(specs[name][2]))
+        return lambda: (sm90_compiled_fp8_gemm(*specs[name]), sm90_compiled_fp8_quantize_rows(specs[name][2]))
 
     prebuild_layer(config, world_size, kernels, {"fc1": gemm("fc1"), "fc2": gemm("fc2")})
     if world_size > 1 and fp8_wire():  # the wire's sender quantiser, row widths and E4M3 row layout
@@ -207,19 +159,14 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
 
     name = NAME
     fp8_wire = False  # set at bind (W > 1 and MOE_EP_FP8_WIRE=1)
-    fused_requant = False  # set at bind (MOE_EP_FP8_FUSED_REQUANT=1)
-    fused_quant = False  # set at bind (MOE_EP_FP8_FUSED_QUANT=1 where FC1 runs in clusters of 2)
     gather_fc1 = False  # set at bind (MOE_EP_FP8_GATHER_FC1=1, one rank with LocalRoute)
     scatter_quant = False  # set at bind (the default with the fused gather; MOE_EP_FP8_SCATTER_QUANT=0: off)
 
     def _bind_gemms(self, views: dict) -> None:
         cfg = self.cfg
         specs = _gemm_specs(cfg, self.E)
-        self.fused_requant = fused_requant()
         self.gather_fc1 = self.local_route and _gathers_fc1(self.W)
-        self.fused_quant = _fuses_quant(specs["fc1"], self.W)  # never with a gathering FC1
-        self.fc1 = sm90_fp8_gemm(*specs["fc1"], requant=self.fused_requant, gather_a=self.gather_fc1,
-                                 fused_quant=self.fused_quant)
+        self.fc1 = sm90_fp8_gemm(*specs["fc1"], gather_a=self.gather_fc1)
         self.fc2 = sm90_fp8_gemm(*specs["fc2"])
         self.fused_gather = fused_gather_quant() or self.gather_fc1  # no BF16 grouped rows either way
         gathers = self.fused_gather and not self.gather_fc1  # step 3 quantises the received rows
@@ -231,7 +178,7 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
             self.xq_tok = torch.empty(T, cfg.hidden, dtype=torch.float8_e4m3fn, device=self.device)
             self.xq_tok_scale = torch.empty(T, cfg.hidden // FP8_BLOCK, dtype=torch.float32, device=self.device)
             self._tok_count = torch.full((1,), T, dtype=torch.int32, device=self.device)
-        self.quant_h = None if self.fused_requant or self.fused_quant else sm90_fp8_quantize_rows(cfg.intermediate)
+        self.quant_h = sm90_fp8_quantize_rows(cfg.intermediate)
         self.fc1_decode = self.fc2_decode = None
         self._decode_max_tokens = 0
         self._gemms = (self.fc1, self.fc2)
@@ -256,11 +203,8 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
             self._quant_x_run = self.quant_x.prepare(self.xq, self.xq_scale, count=self._rows, idx=self.idx)
         else:  # the grouped BF16 rows step 2 wrote into xs
             self._quant_x_run = self.quant_x.prepare(self.xq, self.xq_scale, count=self._rows)
-        fc1_writes_hq = self.fused_requant or self.fused_quant  # FC1's epilogue writes FC2's E4M3 input
-        self._fc1_run = self.fc1.prepare(self.xq, self.xq_scale, self.offsets, self.hq if fc1_writes_hq else self.h,
-                                         self.ws_rows, self.num_ctas, out_scale=self.hq_scale if fc1_writes_hq else None)
-        if not fc1_writes_hq:
-            self._quant_h_run = self.quant_h.prepare(self.hq, self.hq_scale, count=self._rows)
+        self._fc1_run = self.fc1.prepare(self.xq, self.xq_scale, self.offsets, self.h, self.ws_rows, self.num_ctas)
+        self._quant_h_run = self.quant_h.prepare(self.hq, self.hq_scale, count=self._rows)
         self._fc2_run = self.fc2.prepare(self.hq, self.hq_scale, self.offsets, self.y, self.ws_rows, self.num_ctas)
 
     def _warm_weights(self, g: torch.Generator) -> tuple:
@@ -367,11 +311,9 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
         if not self.fp8_wire:
             self._quant_x_run(self._x_rows if self.fused_gather else self.xs)
             self._x_rows = None
-        # 3b. FC1 + SwiGLU (with fused_requant / fused_quant its epilogue writes FC2's E4M3 input);
-        # 4a. else the quantiser writes it from h; 4b. FC2 + router weight
+        # 3b. FC1 + SwiGLU; 4a. FC2's E4M3 input from h; 4b. FC2 + router weight
         self._fc1_run(w13.values, w13.scale)
-        if self._quant_h_run is not None:
-            self._quant_h_run(self.h)
+        self._quant_h_run(self.h)
         self._fc2_run(w2.values, w2.scale)
 
     def destroy(self):

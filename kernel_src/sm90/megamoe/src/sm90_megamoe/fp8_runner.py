@@ -4,14 +4,11 @@
                                       [--raster-m 1,4,16]   # time each raster (first one checked)
                                       [--overlap]           # + the overlapped-promotion schedule
                                                             #   (K > 4096: in chunks, v25)
-                                      [--requant]           # + FC1 requantising its output (v21)
                                       [--wide]              # + FC1 with one m64n128 gate+up WGMMA (v21)
                                       [--gather]            # + FC1 gathering its A rows by index (v22)
-                                      [--cluster]           # + clusters of 2 / 4 CTAs multicasting A (v28 / v49)
+                                      [--cluster]           # + clusters of 2 CTAs multicasting A (v28)
                                       [--smem-scales]       # + scales staged in smem by the producer (v34)
-                                                            #   or by a second producer warp (v35),
-                                                            #   with loads in flight (v65)
-                                      [--fused-quant]       # + FC1 writing FC2's e4m3 input too (v37, v66)
+                                                            #   or by a second producer warp (v35)
                                       [--unit-scales]       # + scales by TMA, 8 k-tiles per copy (v69)
                                       [--chunk-k-tiles 8,16] # + the k-loop in chunks of <= 8 / 16 k-tiles (v82)
 
@@ -23,23 +20,14 @@ Per model, FC1 (swiglu, w13 [E, 2I, H]) and FC2 (identity + router row scale, w2
   relative error against the float32 reference of the dequantised math, median time (CUDA events)
   and TFLOP/s next to torch's FP8 GEMMs (``torch._scaled_grouped_mm``, row-wise scales, and
   ``torch._scaled_mm`` per expert with block-wise scales, whichever this torch supports);
-* ``--requant``: FC1's requantising variant (:class:`.fp8_gemm.Fp8SwigluRequantGroupedGemmSm90`)
-  must write exactly what the row quantiser (:mod:`.fp8_quant`) writes for the plain FC1's bf16
-  output (values and scales bit for bit, NaN-poisoned outputs), timed against plain FC1 + quantiser;
 * ``--wide``: FC1 with ``wide_gated=True`` (one m64n128 WGMMA over the gate and up tiles) must
-  match the default FC1 bit for bit; timed beside it (and, with ``--requant``, its requantising form);
+  match the default FC1 bit for bit; timed beside it;
 * ``--gather``: FC1 reading grouped row r from source row idx[r] (:mod:`.fp8_gather`) must match the
   same FC1 on the gathered rows bit for bit; timed beside it (``--wide``: both wide);
 * ``--smem-scales``: each kernel the MoE layer runs (FC1 wide gated, FC2 on single CTAs and in
-  clusters of 2; with ``--overlap`` both schedules, with ``--requant`` the requantising FC1) with
-  its scales staged in shared memory by the producer warp (drop v34) against the same kernel
-  reading them from global memory: the same bits (NaN-poisoned), then both times, interleaved; the
-  scale warp with SCALE_LOOKAHEAD_CHECK k-tiles of scale loads in flight (v65) the same way;
-* ``--fused-quant``: FC1 in clusters of 2 whose idle producer warps quantise each staged unit
-  (:class:`.fp8_gemm.Fp8SwigluFusedQuantGroupedGemmSm90`), and the same FC1 quantising in its
-  epilogue with the pair's row amaxes swapped (v66 ``pair_amax``), against the same FC1 followed
-  by the row quantiser: e4m3 rows and scales bit for bit (poisoned), then all three timed,
-  interleaved over two rounds;
+  clusters of 2; with ``--overlap`` both schedules) with its scales staged in shared memory by the
+  producer warp (drop v34) and by a second producer warp (v35) against the same kernel reading them
+  from global memory: the same bits (NaN-poisoned), then the times, interleaved;
 * ``--unit-scales``: each layer GEMM whose K/128 is a multiple of 8, with the schedule the layer runs
   (overlapped, clusters of 2, staged scales where the layer stages them), against the same GEMM with
   ``unit_scales`` (drop v69: the scales loaded by TMA, 8 k-tiles per copy): the same bits
@@ -48,6 +36,9 @@ Per model, FC1 (swiglu, w13 [E, 2I, H]) and FC2 (identity + router row scale, w2
 * ``--chunk-k-tiles 8[,16]``: each layer GEMM with the layer's schedule against the same GEMM with
   its overlapped k-loop in chunks of at most that many k-tiles (drop v82: less code per tile), the
   same checks and timing as ``--unit-scales``.
+
+Drop v84 removed ``--requant`` and ``--fused-quant`` (their kernels), the scale warp's look-ahead and
+clusters of 4: the H200 measured them slower or no faster.
 """
 
 from __future__ import annotations
@@ -66,13 +57,9 @@ import cuda.bindings.driver as cuda
 from cutlass.cute.runtime import from_dlpack, make_fake_compact_tensor, make_fake_stream
 
 from .fp8_gather import Fp8GatherGroupedGemmSm90
-from .fp8_gemm import (FP8_BLOCK, OVERLAP_MAX_K_TILES, Fp8BlockScaledGroupedGemmSm90,
-                       Fp8SwigluRequantGroupedGemmSm90, can_implement, default_tile_n, overlap_chunk)
+from .fp8_gemm import FP8_BLOCK, OVERLAP_MAX_K_TILES, Fp8BlockScaledGroupedGemmSm90, can_implement, overlap_chunk
 from .fp8_reference import (fp8_grouped_gemm_reference, make_offsets, quantize_rows128,
                             quantize_weight_block128)
-
-#: the scale warp's lookahead ``--smem-scales`` checks and times (drop v65)
-SCALE_LOOKAHEAD_CHECK = 4
 
 MODELS = {  # hidden H, intermediate I, experts E, top-k, tokens
     "qwen3": (2048, 768, 128, 8, 8192),
@@ -86,10 +73,10 @@ def layers(model: str):
     return [("fc1", "swiglu", 2 * i, h, False), ("fc2", "identity", h, i, True)]
 
 
-def fake_args(num_experts: int, n: int, k: int, activation: str, requant: bool = False, gather_a: bool = False):
+def fake_args(num_experts: int, n: int, k: int, activation: str, gather_a: bool = False):
     """Fake (mA, mAScale, mB, mBScale, mC, mOffsets, mRowScale, ctas, stream): M_total dynamic,
-    fp8 operands as uint8 views (what :func:`cute_args` passes); ``requant``: mC is (mQ uint8,
-    mQScale float32); ``gather_a``: (mA, mAScale, mIdx, mB, ...), A with its own row count."""
+    fp8 operands as uint8 views (what :func:`cute_args` passes); ``gather_a``: (mA, mAScale, mIdx,
+    mB, ...), A with its own row count."""
     n_out = n // 2 if activation == "swiglu" else n
     m = cute.sym_int()
     m_a = cute.sym_int() if gather_a else m
@@ -102,75 +89,56 @@ def fake_args(num_experts: int, n: int, k: int, activation: str, requant: bool =
     mC = make_fake_compact_tensor(cutlass.BFloat16, (m, n_out), stride_order=(1, 0), assumed_align=16)
     mOff = make_fake_compact_tensor(cutlass.Int32, (num_experts + 1,), assumed_align=4)
     mRS = make_fake_compact_tensor(f32, (cute.sym_int(),), assumed_align=4)
-    out = (mC,)
-    if requant:
-        out = (make_fake_compact_tensor(u8, (m, n_out), stride_order=(1, 0), assumed_align=16),
-               make_fake_compact_tensor(f32, (m, n_out // FP8_BLOCK), stride_order=(1, 0), assumed_align=4))
     idx = (make_fake_compact_tensor(cutlass.Int32, (m,), assumed_align=4),) if gather_a else ()
-    return (mA, mAS, *idx, mB, mBS, *out, mOff, mRS, cutlass.Int32(132), make_fake_stream())
+    return (mA, mAS, *idx, mB, mBS, mC, mOff, mRS, cutlass.Int32(132), make_fake_stream())
 
 
-def cute_args(a, a_scale, b, b_scale, c, offsets, row_scale, c_scale=None, idx=None):
-    """CuTe views of contiguous torch tensors matching :func:`fake_args` (``c_scale``: requant;
-    ``idx``: gather_a)."""
+def cute_args(a, a_scale, b, b_scale, c, offsets, row_scale, idx=None):
+    """CuTe views of contiguous torch tensors matching :func:`fake_args` (``idx``: gather_a)."""
     u8 = lambda t: t.view(torch.uint8) if t.dtype != torch.uint8 else t  # noqa: E731
     dyn = lambda t, al: from_dlpack(t, assumed_align=al).mark_compact_shape_dynamic(  # noqa: E731
         mode=0, stride_order=(0, 1))
-    outs = (dyn(c, 16),) if c_scale is None else (dyn(u8(c), 16), dyn(c_scale, 4))
     ix = () if idx is None else (from_dlpack(idx, assumed_align=4).mark_compact_shape_dynamic(mode=0),)
     return (dyn(u8(a), 16), dyn(a_scale, 4), *ix, from_dlpack(u8(b), assumed_align=16),
-            from_dlpack(b_scale, assumed_align=4), *outs, from_dlpack(offsets, assumed_align=4),
+            from_dlpack(b_scale, assumed_align=4), dyn(c, 16), from_dlpack(offsets, assumed_align=4),
             from_dlpack(row_scale, assumed_align=4).mark_compact_shape_dynamic(mode=0))
 
 
 def compile_variant(activation: str, n: int, k: int, num_experts: int, scale_rows: bool,
                     arch: str = "sm_90a", tile_n: Optional[int] = None,
                     num_stages: Optional[int] = None, raster_m: int = 1, overlap_promotion: bool = False,
-                    requant: bool = False, wide_gated: bool = False, gather_a: bool = False, cluster_n: int = 1,
+                    wide_gated: bool = False, gather_a: bool = False, cluster_n: int = 1,
                     smem_scales: bool = False, scale_warp: bool = False, deferred_epilogue: bool = False,
-                    tanh_sigmoid: bool = False, scale_lookahead: int = 1):
+                    tanh_sigmoid: bool = False):
     """(kernel, compiled) for one variant, from fake tensors (no GPU needed), compiled once per
-    process (the checks, the GPU runs and the tests share it); ``requant``: FC1's requantising
-    variant, ``wide_gated``: FC1's one-WGMMA gate+up schedule (swiglu only); ``gather_a``: A rows
-    gathered by index (:mod:`.fp8_gather`); ``cluster_n`` = 2 / 4: clusters of 2 / 4 CTAs multicasting A;
+    process (the checks, the GPU runs and the tests share it); ``wide_gated``: FC1's one-WGMMA
+    gate+up schedule (swiglu only); ``gather_a``: A rows gathered by index (:mod:`.fp8_gather`);
+    ``cluster_n`` = 2: clusters of 2 CTAs multicasting A;
     ``smem_scales``: scales staged in shared memory by the producer warp (drop v34), ``scale_warp``:
     by a second producer warp (drop v35); ``deferred_epilogue``: a unit's epilogue under the next
     unit's first k-tile (drop v48; the unrolled overlapped schedule); ``tanh_sigmoid``: swiglu's
-    sigmoid from one tanh.approx (drop v50); ``scale_lookahead``: k-tiles of scale loads the scale warp
-    keeps in flight (drop v65; 1 = v35's one)."""
+    sigmoid from one tanh.approx (drop v50)."""
     return _compile_variant(activation, n, k, num_experts, bool(scale_rows), arch, tile_n, num_stages, int(raster_m),
-                            bool(overlap_promotion), bool(requant), bool(wide_gated), bool(gather_a), int(cluster_n),
-                            bool(smem_scales), bool(scale_warp), bool(deferred_epilogue), bool(tanh_sigmoid),
-                            int(scale_lookahead))
+                            bool(overlap_promotion), bool(wide_gated), bool(gather_a), int(cluster_n),
+                            bool(smem_scales), bool(scale_warp), bool(deferred_epilogue), bool(tanh_sigmoid))
 
 
 @functools.lru_cache(maxsize=None)
 def _compile_variant(activation, n, k, num_experts, scale_rows, arch, tile_n, num_stages, raster_m,
-                     overlap_promotion, requant, wide_gated, gather_a=False, cluster_n=1, smem_scales=False,
-                     scale_warp=False, deferred_epilogue=False, tanh_sigmoid=False, scale_lookahead=1):
+                     overlap_promotion, wide_gated, gather_a=False, cluster_n=1, smem_scales=False,
+                     scale_warp=False, deferred_epilogue=False, tanh_sigmoid=False):
     reason = can_implement(activation, n, k, num_experts, tile_n)
-    if reason is None and requant and activation != "swiglu":
-        reason = "requant needs swiglu"
-    if reason is None and requant and gather_a:
-        reason = "gather_a and requant do not combine"
     if reason is not None:
         raise ValueError(reason)
-    if requant:
-        kernel = Fp8SwigluRequantGroupedGemmSm90(scale_rows=scale_rows, num_stages=num_stages, raster_m=raster_m,
-                                                 overlap_promotion=overlap_promotion, wide_gated=wide_gated,
-                                                 smem_scales=smem_scales, scale_warp=scale_warp,
-                                                 tanh_sigmoid=tanh_sigmoid)
-    else:
-        cls = Fp8GatherGroupedGemmSm90 if gather_a else Fp8BlockScaledGroupedGemmSm90
-        kernel = cls(activation, scale_rows=scale_rows, tile_n=tile_n, num_stages=num_stages, raster_m=raster_m,
-                     overlap_promotion=overlap_promotion, wide_gated=wide_gated,
-                     **({"cluster_n": cluster_n} if cluster_n > 1 else {}),
-                     **({"smem_scales": True} if smem_scales else {}),
-                     **({"scale_warp": True} if scale_warp else {}),
-                     **({"deferred_epilogue": True} if deferred_epilogue else {}),
-                     **({"tanh_sigmoid": True} if tanh_sigmoid else {}),
-                     **({"scale_lookahead": scale_lookahead} if scale_lookahead > 1 else {}))
-    compiled = cute.compile(kernel, *fake_args(num_experts, n, k, activation, requant, gather_a),
+    cls = Fp8GatherGroupedGemmSm90 if gather_a else Fp8BlockScaledGroupedGemmSm90
+    kernel = cls(activation, scale_rows=scale_rows, tile_n=tile_n, num_stages=num_stages, raster_m=raster_m,
+                 overlap_promotion=overlap_promotion, wide_gated=wide_gated,
+                 **({"cluster_n": cluster_n} if cluster_n > 1 else {}),
+                 **({"smem_scales": True} if smem_scales else {}),
+                 **({"scale_warp": True} if scale_warp else {}),
+                 **({"deferred_epilogue": True} if deferred_epilogue else {}),
+                 **({"tanh_sigmoid": True} if tanh_sigmoid else {}))
+    compiled = cute.compile(kernel, *fake_args(num_experts, n, k, activation, gather_a),
                             options=f"--gpu-arch {arch} --keep-ptx")
     return kernel, compiled
 
@@ -228,28 +196,27 @@ class Fp8GroupedGemm:
     """One compiled variant, launched on CUDA tensors (classic path: pre-converted CuTe views)."""
 
     def __init__(self, activation, n, k, num_experts, scale_rows, tile_n=None, num_stages=None, raster_m=1,
-                 overlap_promotion=False, requant=False, wide_gated=False, gather_a=False, cluster_n=1,
-                 smem_scales=False, scale_warp=False, deferred_epilogue=False, tanh_sigmoid=False,
-                 scale_lookahead=1):
+                 overlap_promotion=False, wide_gated=False, gather_a=False, cluster_n=1,
+                 smem_scales=False, scale_warp=False, deferred_epilogue=False, tanh_sigmoid=False):
         self.kernel, self.compiled = compile_variant(activation, n, k, num_experts, scale_rows,
                                                      tile_n=tile_n, num_stages=num_stages, raster_m=raster_m,
-                                                     overlap_promotion=overlap_promotion, requant=requant,
+                                                     overlap_promotion=overlap_promotion,
                                                      wide_gated=wide_gated, gather_a=gather_a, cluster_n=cluster_n,
                                                      smem_scales=smem_scales, scale_warp=scale_warp,
                                                      deferred_epilogue=deferred_epilogue,
-                                                     tanh_sigmoid=tanh_sigmoid, scale_lookahead=scale_lookahead)
+                                                     tanh_sigmoid=tanh_sigmoid)
         self.cluster_n = int(cluster_n)
         self.activation, self.n, self.k, self.scale_rows = activation, n, k, scale_rows
         self.n_out = n // 2 if activation == "swiglu" else n
 
-    def prepare(self, a, a_s, b, b_s, out, offs, rs, out_scale=None, idx=None):
+    def prepare(self, a, a_s, b, b_s, out, offs, rs, idx=None):
         """CuTe views for :meth:`launch`; None when there are no rows (nothing to launch: TMA
         descriptors cannot describe an empty tensor)."""
         if a.shape[0] == 0:
             return None
         if rs is None:
             rs = torch.zeros(1, dtype=torch.float32, device=a.device)
-        return cute_args(a, a_s, b, b_s, out, offs, rs, out_scale, idx)
+        return cute_args(a, a_s, b, b_s, out, offs, rs, idx)
 
     def launch(self, args, ctas=None, stream=None):
         if args is None:
@@ -328,7 +295,7 @@ def torch_baselines(a, a_s, b, b_s, offs, reps):
 
 
 def run_gpu(model: str, routing: str, reps: int, rasters=(1,), overlap: bool = False,
-            requant: bool = False, wide: bool = False, gather: bool = False, cluster: bool = False,
+            wide: bool = False, gather: bool = False, cluster: bool = False,
             smem: bool = False) -> bool:
     h, i, E, topk, tokens = MODELS[model]
     m_total = tokens * topk
@@ -377,14 +344,9 @@ def run_gpu(model: str, routing: str, reps: int, rasters=(1,), overlap: bool = F
         if cluster:
             ok_all &= check_cluster(out, a, a_s, b, b_s, offs, rs, E, n, k, act, sr, rasters[0], overlap, reps)
         if smem:
-            ok_all &= check_smem_scales(out, a, a_s, b, b_s, offs, rs, E, n, k, act, sr, rasters[0], overlap, requant,
-                                        reps)
+            ok_all &= check_smem_scales(out, a, a_s, b, b_s, offs, rs, E, n, k, act, sr, rasters[0], overlap, reps)
         if gather and act == "swiglu":
             ok_all &= check_gather(a, a_s, b, b_s, offs, rs, out, E, n, k, sr, rasters[0], overlap, wide, reps)
-        if requant and act == "swiglu":
-            for w in ((False, True) if wide else (False,)):
-                ok_all &= check_requant(fn, a, a_s, b, b_s, offs, rs, out, E, n, k, sr, rasters[0], overlap, reps,
-                                        wide_gated=w)
         for bname, v in torch_baselines(a, a_s, b, b_s, offs, reps).items():
             if isinstance(v, float):
                 print(f"    {bname}: {v:.3f} ms = {flops / v / 1e9:.1f} TFLOP/s (GEMM only)")
@@ -417,24 +379,16 @@ def check_wide(fn, a, a_s, b, b_s, offs, rs, out, E, n, k, sr, raster_m, overlap
     return ok_all
 
 
-def cluster_sizes(act: str, n: int) -> tuple:
-    """The cluster sizes ``--cluster`` checks for a GEMM: 2 (drop v28), and 4 (drop v49) where its
-    n-tiles come in fours."""
-    n_tiles = (n // 2 if act == "swiglu" else n) // default_tile_n(act)
-    return (2, 4) if n_tiles % 4 == 0 else (2,)
-
-
 def check_cluster(out, a, a_s, b, b_s, offs, rs, E, n, k, act, sr, raster_m, overlap, reps) -> bool:
-    """Clusters of 2 (drop v28) and 4 (drop v49) CTAs multicasting A against the same schedule on
+    """Clusters of 2 CTAs (drop v28) multicasting A against the same schedule on
     single CTAs (``out`` holds the default kernel's result): the same bits (NaN-poisoned), then both
     times, interleaved over two rounds. FC1 runs the wide gated schedule (the backend's)."""
     ok_all = True
     flops = 2.0 * out.shape[0] * n * k
     wide = act == "swiglu"
-    for cn in cluster_sizes(act, n):
-        print(f"    clusters of {cn}: {max_active_ctas(cn)} CTAs of {max_active_ctas(1)} SMs", flush=True)
-    for ov, cn in [(ov, cn) for ov in ((False, True) if overlap and overlap_buildable(k) else (False,))
-                   for cn in cluster_sizes(act, n)]:
+    cn = 2
+    print(f"    clusters of {cn}: {max_active_ctas(cn)} CTAs of {max_active_ctas(1)} SMs", flush=True)
+    for ov in ((False, True) if overlap and overlap_buildable(k) else (False,)):
         base = Fp8GroupedGemm(act, n, k, E, sr, raster_m=raster_m, overlap_promotion=ov, wide_gated=wide)
         cl = Fp8GroupedGemm(act, n, k, E, sr, raster_m=raster_m, overlap_promotion=ov, wide_gated=wide, cluster_n=cn)
         o1, o2 = torch.full_like(out, float("nan")), torch.full_like(out, float("nan"))
@@ -459,51 +413,39 @@ def check_cluster(out, a, a_s, b, b_s, offs, rs, E, n, k, act, sr, raster_m, ove
     return ok_all
 
 
-def smem_scale_configs(act: str, n: int, k: int, overlap: bool, requant: bool):
-    """The ``(overlap_promotion, cluster_n, requant)`` kernels ``--smem-scales`` compares: those the
-    layer runs (FC1 wide gated on single CTAs, FC2 on single CTAs and in clusters of 2)."""
+def smem_scale_configs(act: str, n: int, k: int, overlap: bool):
+    """The ``(overlap_promotion, cluster_n)`` kernels ``--smem-scales`` compares: those the layer runs
+    (FC1 wide gated on single CTAs, FC2 on single CTAs and in clusters of 2)."""
     ovs = (False, True) if overlap and overlap_buildable(k) else (False,)
     if act == "swiglu":
-        return [(ov, 1, rq) for ov in ovs for rq in ((False, True) if requant else (False,))]
+        return [(ov, 1) for ov in ovs]
     clusters = (1, 2) if (n // 128) % 2 == 0 else (1,)
-    return [(ov, cn, False) for ov in ovs for cn in clusters]
+    return [(ov, cn) for ov in ovs for cn in clusters]
 
 
-def check_smem_scales(out, a, a_s, b, b_s, offs, rs, E, n, k, act, sr, raster_m, overlap, requant, reps) -> bool:
-    """Scales staged in smem -- by the TMA warp (drop v34), by a second producer warp (v35) and by
-    that warp with SCALE_LOOKAHEAD_CHECK k-tiles of loads in flight (v65; not the requantising FC1) --
+def check_smem_scales(out, a, a_s, b, b_s, offs, rs, E, n, k, act, sr, raster_m, overlap, reps) -> bool:
+    """Scales staged in smem -- by the TMA warp (drop v34) and by a second producer warp (v35) --
     against the same kernel reading them from global memory (``out``: the default kernel's bf16
-    result): the same bits (NaN-poisoned; the requantising FC1: its e4m3 rows and scales), then
-    the times, interleaved over two rounds."""
+    result): the same bits (NaN-poisoned), then the times, interleaved over two rounds."""
     ok_all = True
     m_total = out.shape[0]
     flops = 2.0 * m_total * n * k
     wide = act == "swiglu"
-    for ov, cn, rq in smem_scale_configs(act, n, k, overlap, requant):
+    for ov, cn in smem_scale_configs(act, n, k, overlap):
         runs, outs = [], []
-        settings = [(False, False, 1), (True, False, 1), (True, True, 1)]
-        if not rq:
-            settings.append((True, True, SCALE_LOOKAHEAD_CHECK))
-        for smem, warp, ahead in settings:
+        for smem, warp in ((False, False), (True, False), (True, True)):
             fn = Fp8GroupedGemm(act, n, k, E, sr, raster_m=raster_m, overlap_promotion=ov, wide_gated=wide,
-                                cluster_n=cn, requant=rq, smem_scales=smem, scale_warp=warp, scale_lookahead=ahead)
-            if rq:
-                o = (torch.full((m_total, fn.n_out), 0x7F, dtype=torch.uint8, device="cuda"),
-                     torch.full((m_total, fn.n_out // FP8_BLOCK), float("nan"), dtype=torch.float32, device="cuda"))
-                args = fn.prepare(a, a_s, b, b_s, o[0], offs, rs, o[1])
-            else:
-                o = (torch.full_like(out, float("nan")),)
-                args = fn.prepare(a, a_s, b, b_s, o[0], offs, rs)
+                                cluster_n=cn, smem_scales=smem, scale_warp=warp)
+            o = torch.full_like(out, float("nan"))
+            args = fn.prepare(a, a_s, b, b_s, o, offs, rs)
             fn.launch(args)
             runs.append((fn, args))
             outs.append(o)
         torch.cuda.synchronize()
-        same = all(torch.equal(x, y) for other in outs[1:] for x, y in zip(outs[0], other))
-        if not rq:
-            same = same and torch.equal(outs[0][0], out)
+        same = all(torch.equal(o, out) for o in outs)
         if not same:
-            for name, o in zip(("staged", "scale warp", "lookahead"), outs[1:]):
-                bad = ((o[0] != outs[0][0]) & ~(o[0].float().isnan() & outs[0][0].float().isnan())).any(dim=1)
+            for name, o in zip(("staged", "scale warp"), outs[1:]):
+                bad = ((o != outs[0]) & ~(o.isnan() & outs[0].isnan())).any(dim=1)
                 print(f"    {name}: {int(bad.sum())} of {m_total} rows differ, first {bad.nonzero().flatten()[:8].tolist()}",
                       flush=True)
         ok_all &= same
@@ -513,10 +455,8 @@ def check_smem_scales(out, a, a_s, b, b_s, offs, rs, E, n, k, act, sr, raster_m,
                 times[i].append(time_fn(lambda: fn.launch(args), reps))
         best = [min(t) for t in times]
         gm = best[0]
-        tag = (" overlap" if ov else "") + (" wide" if wide else "") + (f" cluster{cn}" if cn > 1 else "") + \
-            (" requant" if rq else "")
-        others = ", ".join(f"{name} {t:.3f} ms ({gm / t:.2f}x)"
-                           for name, t in zip(("staged", "scale warp", f"lookahead {SCALE_LOOKAHEAD_CHECK}"), best[1:]))
+        tag = (" overlap" if ov else "") + (" wide" if wide else "") + (f" cluster{cn}" if cn > 1 else "")
+        others = ", ".join(f"{name} {t:.3f} ms ({gm / t:.2f}x)" for name, t in zip(("staged", "scale warp"), best[1:]))
         print(f"    smem_scales{tag}: bit-identical={same}; {others} vs global {gm:.3f} ms = {flops / gm / 1e9:.1f} "
               f"TFLOP/s (rounds {' / '.join(' '.join(f'{x:.3f}' for x in t) for t in times)})", flush=True)
     return ok_all
@@ -557,143 +497,39 @@ def check_gather(a, a_s, b, b_s, offs, rs, out, E, n, k, sr, raster_m, overlap, 
     return ok_all
 
 
-def check_requant(fn, a, a_s, b, b_s, offs, rs, out, E, n, k, sr, raster_m, overlap, reps,
-                  wide_gated: bool = False) -> bool:
-    """FC1's requantising variant against plain FC1 (``fn``, whose bf16 ``out`` is computed) + the
-    row quantiser: values and scales bit for bit (outputs NaN-poisoned), then the times."""
-    from .fp8_quant import CompiledFp8QuantizeRows
-
-    ok_all = True
-    m_total, n_out = out.shape
-    quant = CompiledFp8QuantizeRows(n_out)
-    q_ref = torch.empty(m_total, n_out, dtype=torch.uint8, device="cuda")
-    s_ref = torch.empty(m_total, n_out // FP8_BLOCK, dtype=torch.float32, device="cuda")
-    quant(out, q_ref, s_ref)
-    torch.cuda.synchronize()
-    tq, ts = quantize_rows128(out)  # the torch rule, as a second opinion on the quantiser
-    same_rule = torch.equal(tq.view(torch.uint8), q_ref) and torch.equal(ts, s_ref)
-    ok_all &= same_rule
-    plain_args = fn.prepare(a, a_s, b, b_s, out, offs, rs)
-    plain_ms = time_fn(lambda: (fn.launch(plain_args), quant(out, q_ref, s_ref)), reps)
-    for ov in ((False, True) if overlap and overlap_buildable(k) else (False,)):
-        rq = Fp8GroupedGemm("swiglu", n, k, E, sr, raster_m=raster_m, overlap_promotion=ov, requant=True,
-                            wide_gated=wide_gated)
-        q = torch.full((m_total, n_out), 0x7F, dtype=torch.uint8, device="cuda")  # e4m3 NaN
-        s = torch.full((m_total, n_out // FP8_BLOCK), float("nan"), dtype=torch.float32, device="cuda")
-        rargs = rq.prepare(a, a_s, b, b_s, q, offs, rs, s)
-        rq.launch(rargs)
-        torch.cuda.synchronize()
-        same = torch.equal(q, q_ref) and torch.equal(s, s_ref)
-        if not same:
-            bad = (q != q_ref).any(dim=1) | (s != s_ref).any(dim=1)
-            rows = bad.nonzero().flatten()
-            print(f"    requant: {int(bad.sum())} of {m_total} rows differ, first {rows[:8].tolist()}", flush=True)
-        ok_all &= same
-        ms = time_fn(lambda: rq.launch(rargs), reps)
-        print(f"    requant{' overlap' if ov else ''}{' wide' if wide_gated else ''}: bit-identical to FC1 + quantiser={same} (quantiser = torch "
-              f"rule: {same_rule}); {ms:.3f} ms vs {plain_ms:.3f} ms for FC1 + quantiser "
-              f"({plain_ms / ms:.2f}x)", flush=True)
-    return ok_all
-
-
-def run_compile(model: str, overlap: bool = False, requant: bool = False, wide: bool = False,
+def run_compile(model: str, overlap: bool = False, wide: bool = False,
                 raster_m: int = 1, gather: bool = False, cluster: bool = False, smem: bool = False) -> bool:
     _, _, E, _, _ = MODELS[model]
     ok_all = True
-    variants = [(spec, ov, False, False, False) for spec in layers(model)
+    variants = [(spec, ov, False, False) for spec in layers(model)
                 for ov in ((False, True) if overlap and overlap_buildable(spec[3]) else (False,))]
     gated = [v for v in variants if v[0][1] == "swiglu"]
     if wide:
-        variants += [(spec, ov, False, True, False) for spec, ov, _, _, _ in gated]
-    if requant:
-        variants += [(spec, ov, True, w, False) for spec, ov, _, _, _ in gated
-                     for w in ((False, True) if wide else (False,))]
+        variants += [(spec, ov, True, False) for spec, ov, _, _ in gated]
     if gather:
-        variants += [(spec, ov, False, wide, True) for spec, ov, _, _, _ in gated]
+        variants += [(spec, ov, wide, True) for spec, ov, _, _ in gated]
     variants = [v + (1, 0) for v in variants]
-    if cluster:  # check_cluster's variants: FC1 wide gated, clusters of 2 and 4
-        variants += [(spec, ov, False, spec[1] == "swiglu", False, cn, 0) for spec in layers(model)
-                     for ov in ((False, True) if overlap and overlap_buildable(spec[3]) else (False,))
-                     for cn in cluster_sizes(spec[1], spec[2])]
-    if smem:  # check_smem_scales's variants, both ways
-        variants += [(spec, ov, rq, spec[1] == "swiglu", False, cn, sm) for spec in layers(model)
-                     for ov, cn, rq in smem_scale_configs(spec[1], spec[2], spec[3], overlap, requant)
-                     for sm in ((0, 1, 2) if rq else (0, 1, 2, 3))]
-    for (name, act, n, k, sr), ov, rq, w, g, cn, sm in variants:
+    if cluster:  # check_cluster's variants: FC1 wide gated, clusters of 2
+        variants += [(spec, ov, spec[1] == "swiglu", False, 2, 0) for spec in layers(model)
+                     for ov in ((False, True) if overlap and overlap_buildable(spec[3]) else (False,))]
+    if smem:  # check_smem_scales's variants, every way
+        variants += [(spec, ov, spec[1] == "swiglu", False, cn, sm) for spec in layers(model)
+                     for ov, cn in smem_scale_configs(spec[1], spec[2], spec[3], overlap)
+                     for sm in (0, 1, 2)]
+    for (name, act, n, k, sr), ov, w, g, cn, sm in variants:
         t0 = time.time()
-        kernel, compiled = compile_variant(act, n, k, E, sr, raster_m=raster_m, overlap_promotion=ov, requant=rq,
+        kernel, compiled = compile_variant(act, n, k, E, sr, raster_m=raster_m, overlap_promotion=ov,
                                            wide_gated=w, gather_a=g, cluster_n=cn, smem_scales=sm > 0,
-                                           scale_warp=sm > 1, scale_lookahead=SCALE_LOOKAHEAD_CHECK if sm > 2 else 1)
-        name = name + (" overlap" if ov else "") + (" requant" if rq else "") + (" wide" if w else "") + \
+                                           scale_warp=sm > 1)
+        name = name + (" overlap" if ov else "") + (" wide" if w else "") + \
             (" gather" if g else "") + (f" cluster{cn}" if cn > 1 else "") + \
-            {0: "", 1: " smem_scales", 2: " smem_scales scale_warp",
-             3: f" smem_scales scale_warp lookahead{SCALE_LOOKAHEAD_CHECK}"}[sm]
+            {0: "", 1: " smem_scales", 2: " smem_scales scale_warp"}[sm]
         r = ptx_report(kernel, compiled)
         ok = r["fp8_wgmma"] and r["tma"] and r["pdl"] and not r["local"] and r["ptxas_spill_bytes"] in (0, None)
         ok_all &= ok
         print(f"[{model} {name}] {act} N={n} K={k} E={E} scale_rows={sr}: compile "
               f"{time.time() - t0:.2f}s {r} -> {'OK' if ok else 'FAIL'}", flush=True)
     return ok_all
-
-
-def check_fused_quant(model: str, routing: str, reps: int) -> bool:
-    """Drops v38 / v39 / v66: FC1 (wide gated, overlapped, clusters of 2, the tanh sigmoid; staged scales
-    for K <= 2048, as the layer runs it) with ``fused_quant`` -- quantised by idle warps (v39) and by the
-    consumers with the pair's amaxes swapped (v66 ``pair_amax``) -- against the same FC1 +
-    :class:`.fp8_quant.Fp8QuantizeRows128Counted`: q and the scales bit for bit (NaN / 0x7f poisoned),
-    then all three timed, interleaved, 2 rounds."""
-    from .fp8_launch import CompiledFp8Gemm
-    from .fp8_quant import CompiledFp8QuantizeRows
-
-    h, i, E, topk, tokens = MODELS[model]
-    m_total, n, k = tokens * topk, 2 * i, h
-    kw = dict(raster_m=max(1, min(16, (24 << 20) // (128 * k))),  # as the shim picks it
-              overlap_promotion=True, wide_gated=True,
-              cluster_n=2, smem_scales=k <= 2048, tanh_sigmoid=True)
-    plain = CompiledFp8Gemm("swiglu", n, k, E, **kw)
-    fused = CompiledFp8Gemm("swiglu", n, k, E, fused_quant=True, **kw)
-    paired = CompiledFp8Gemm("swiglu", n, k, E, fused_quant=True, pair_amax=True, **kw)
-    quant = CompiledFp8QuantizeRows(i, counted=True)
-    a, a_s, b, b_s, offs, _ = make_inputs(m_total, n, k, E, routing, False, seed=5)
-    rs = torch.ones(1, device="cuda")
-    count = torch.full((1,), m_total, dtype=torch.int32, device="cuda")
-    h0 = torch.full((m_total, i), float("nan"), dtype=torch.bfloat16, device="cuda")
-    q0 = torch.full((m_total, i), 0x7F, dtype=torch.uint8, device="cuda")
-    s0 = torch.full((m_total, i // FP8_BLOCK), float("nan"), device="cuda")
-    q1, s1 = q0.clone(), s0.clone()
-    q2, s2 = q0.clone(), s0.clone()
-    ctas = max_active_ctas(2)
-
-    def base():
-        plain(a, a_s, b, b_s, offs, out=h0, row_scale=rs, max_active_ctas=ctas)
-        quant(h0, q0, s0, count=count)
-
-    def fq():
-        fused(a, a_s, b, b_s, offs, out=q1, row_scale=rs, max_active_ctas=ctas, out_scale=s1)
-
-    def pq():
-        paired(a, a_s, b, b_s, offs, out=q2, row_scale=rs, max_active_ctas=ctas, out_scale=s2)
-
-    base()
-    fq()
-    pq()
-    pq()  # twice: the amax barriers' phases carry over between launches
-    torch.cuda.synchronize()
-    same = torch.equal(q1, q0) and torch.equal(s1, s0) and not bool(torch.isnan(s1).any())
-    same_pair = torch.equal(q2, q0) and torch.equal(s2, s0) and not bool(torch.isnan(s2).any())
-    times = {"base": [], "warps": [], "pair": []}
-    for _ in range(2):
-        for name, fn in (("base", base), ("warps", fq), ("pair", pq)):
-            times[name].append(time_fn(fn, reps))
-    bm = min(times["base"])
-    flops = 2.0 * m_total * n * k
-    for name, ok in (("warps", same), ("pair", same_pair)):
-        fm = min(times[name])
-        print(f"[{model} fc1 fused_quant {name}] {routing}: bit-identical={ok}; {fm:.3f} ms = "
-              f"{flops / fm / 1e9:.1f} TFLOP/s vs FC1 + quantiser {bm:.3f} ms ({bm / fm:.2f}x; rounds "
-              f"{' '.join(f'{x:.3f}' for x in times[name])} / {' '.join(f'{x:.3f}' for x in times['base'])})",
-              flush=True)
-    return same and same_pair
 
 
 def check_deferred_epilogue(model: str, routing: str, reps: int) -> bool:
@@ -825,7 +661,7 @@ def check_chunk_k_tiles(model: str, chunk: int, reps: int = 60) -> bool:
         k_tiles = k // FP8_BLOCK
         if kw.get("deferred_epilogue"):
             return "the layer defers this GEMM's epilogue, which needs the unrolled loop"
-        c = overlap_chunk(k_tiles, 1, chunk)
+        c = overlap_chunk(k_tiles, chunk)
         if c == 0 or c == overlap_chunk(k_tiles):
             return f"{k_tiles} k-tiles run the same loop with chunk_k_tiles={chunk}"
         if kw.get("unit_scales") and c % 8:
@@ -859,19 +695,14 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--overlap", action="store_true",
                    help="also run the overlapped-promotion schedule (checked bit-identical, timed)")
-    p.add_argument("--requant", action="store_true",
-                   help="also FC1's requantising variant (checked bit-identical to FC1 + quantiser, timed)")
     p.add_argument("--wide", action="store_true",
                    help="also FC1 with one m64n128 gate+up WGMMA (checked bit-identical, timed)")
     p.add_argument("--gather", action="store_true",
                    help="also FC1 gathering its A rows by index (checked bit-identical, timed)")
     p.add_argument("--cluster", action="store_true",
-                   help="also clusters of 2 and 4 CTAs multicasting A (checked bit-identical, timed)")
+                   help="also clusters of 2 CTAs multicasting A (checked bit-identical, timed)")
     p.add_argument("--smem-scales", action="store_true",
                    help="also every layer kernel with its scales staged in smem (checked bit-identical, timed)")
-    p.add_argument("--fused-quant", action="store_true",
-                   help="also FC1 writing FC2's input, quantised by idle warps (v39) and in the epilogue (v66 "
-                        "pair_amax) (checked bit-identical to FC1 + quantiser, timed)")
     p.add_argument("--deferred-epilogue", action="store_true",
                    help="also each layer GEMM with its epilogue under the next unit's first k-tile (drop v48; "
                         "checked bit-identical, timed)")
@@ -885,14 +716,12 @@ def main(argv=None):
                                                   "the first is also checked")
     args = p.parse_args(argv)
     rasters = tuple(int(r) for r in args.raster_m.split(",") if r.strip())
-    ok = run_compile(args.model, args.overlap, args.requant, args.wide, rasters[0], args.gather,
+    ok = run_compile(args.model, args.overlap, args.wide, rasters[0], args.gather,
                      args.cluster, args.smem_scales)  # what the GPU runs
     if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
         torch.backends.cuda.matmul.allow_tf32 = False
-        ok &= run_gpu(args.model, args.routing, args.reps, rasters, args.overlap, args.requant, args.wide, args.gather,
+        ok &= run_gpu(args.model, args.routing, args.reps, rasters, args.overlap, args.wide, args.gather,
                       args.cluster, args.smem_scales)
-        if args.fused_quant:
-            ok &= check_fused_quant(args.model, args.routing, args.reps)
         if args.deferred_epilogue:
             ok &= check_deferred_epilogue(args.model, args.routing, args.reps)
         if args.unit_scales:

@@ -109,7 +109,7 @@ class GatherAProducer:
     def _b_views(self, tma_atom_b, mB_tma, tBsB, n_tile, expert):
         """``(smem view, [gmem view per weight block])`` of the unit's B tiles for TMA (gated: the
         gate rows, then the up rows ``n_out`` further)."""
-        n0 = self._n0(n_tile, 0)
+        n0 = self._n0(n_tile)
         tBgBs = []
         for h in range(self.num_b):
             gB = cute.local_tile(cute.domain_offset((n0 + h * self.n_out, 0, 0), mB_tma),

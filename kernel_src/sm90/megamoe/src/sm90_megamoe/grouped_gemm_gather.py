@@ -50,7 +50,7 @@ class GroupedGemmGatherSm90(GatherAProducer, GroupedGemmSm90):
         if self.pingpong:
             raise ValueError("the gathering GEMM runs the 'cooperative' or 'wide' schedule, not 'pingpong'")
 
-    def _n0(self, n_tile, half: int):
+    def _n0(self, n_tile):
         """First output column of n-tile ``n_tile`` (one unit = one n-tile)."""
         return n_tile * self.tile_n
 
