@@ -7,8 +7,7 @@
 #                                                                  #  not fit in one transfer with .device/b)
 #   ... bash bench/h200_session.sh moe | fi                        # one part only
 #   source .device/b/env.sh && bash bench/h200_session.sh extra    # start-up, transformers block, decode sweep
-#   source .device/b/env.sh && bash bench/h200_session.sh verify   # GPU checks of code not yet run on a GPU
-#   source .device/b/env.sh && bash bench/h200_session.sh verify2  # ... and its timings (a separate call)
+#   source .device/b/env.sh && bash bench/h200_session.sh verify2  # virtual ranks with PDL, the decode sweeps
 #   source .device/b/env.sh && bash bench/h200_session.sh decide   # PDL off/on, interleaved, 3 rounds each
 #   source .device/b/env.sh && bash bench/h200_session.sh suite1|suite2|suite3  # the GPU suite in 3 calls
 #
@@ -47,10 +46,6 @@
 #                the decode sweep of $MODELS with --decode-csv $OUT/decode.csv --plot $OUT/decode.png;
 #                with .device/fi carried, FlashInfer at PEER_DECODE_TOKENS (1,8,32,128,256) in the same
 #                call -> $OUT/decode_fi.csv, both plotted in $OUT/decode_all.png.
-# verify:        what has not yet run on a GPU (now: drop v40's TMA row-gather probe, then -- if one-row TMA
-#                loads land swizzled -- drop v41's gathering FC1 on them: its GPU tests and the drop runner's
-#                --gather-tma comparison on VERIFY_GATHER_MODELS (qwen3)) -> $OUT/verify_*;
-#                (earlier sessions' verify, e.g. drop v39's fused_quant: git history);
 # defer:         drop v48's deferred epilogue (FP8): the drop runner per model (VERIFY_RUNNER_MODELS), the
 #                steady-state FP8 GEMMs and the FP8 layer (VERIFY_ROUNDS rounds) with it off / on, FlashInfer's
 #                FP8 layer beside them (carry .device/fi), then its GPU tests in what is left of CALL_BUDGET (560 s) -> $OUT/defer_*, $OUT/tests_*.log
@@ -76,7 +71,7 @@
 #                kernels run beside ours in every run (a same-call baseline) -> $OUT/sustab_s<i>.log.
 # newab:         code not yet run on a GPU: NEWAB_TESTS' GPU tests (space-separated files, TEST_BUDGET, 240 s: a
 #                wrong barrier count would hang), then -- if they pass -- the drop runner with NEWAB_RUNNER's
-#                arguments (e.g. "--gather-l2 --model qwen3"), the FP8 runner with NEWAB_FP8_RUNNER's
+#                arguments (e.g. "--gather --model qwen3"), the FP8 runner with NEWAB_FP8_RUNNER's
 #                (e.g. "--model qwen3 --chunk-k-tiles 8"; FP8_RUNNER_BUDGET, 300 s) and the layer under each
 #                ENVAB setting (MODELS, QUANT,
 #                interleaved, ENVAB_ROUNDS rounds; as envab) -> $OUT/newab_tests.log, newab_runner.log, envab_s<i>_r<r>.*.
@@ -120,7 +115,7 @@
 #   different processes compare; untried on the H200 as of the twenty-fourth session).
 set -uo pipefail
 mode=${1:-all}
-modes="all|moe|fi|liger|sonic|extra|verify|verify2|ncu|ncuab|layers|envab|newab|power|sustained|sustab|defer|dropab|commitab|ceiling|decide|decode|suite|suite1|suite2|suite3"
+modes="all|moe|fi|liger|sonic|extra|verify2|ncu|ncuab|layers|envab|newab|power|sustained|sustab|defer|dropab|commitab|ceiling|decide|decode|suite|suite1|suite2|suite3"
 case "|$modes|" in *"|$mode|"*) ;; *) echo "usage: bash bench/h200_session.sh [$modes]" >&2; exit 2 ;; esac
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -214,7 +209,7 @@ suite_groups=(
   "tests/test_ep_gpu.py;tests/test_disk_cache.py;tests/test_transformers_integration.py;tests/test_blackwell_backends.py"
   "tests/test_sm90_fp8_quant.py;tests/test_fp8_quant_div.py;tests/test_fp8_quant_items.py;tests/test_fp8_scatter_quant.py;tests/test_fp8_cluster.py"
   "tests/test_fp8_plain_schedule.py;tests/test_fp8_smem_scales.py;tests/test_fp8_unit_scales.py;tests/test_fp8_deferred_epilogue.py;tests/test_bf16_cluster.py"
-  "tests/test_sm90_fp8_compile.py" "tests/test_sm90_swapab_compile.py;tests/test_gather_tma.py;tests/test_half_tiles.py;tests/test_fp8_tanh_sigmoid.py;tests/test_bf16_tanh_sigmoid.py;tests/test_bf16_cluster_n.py;tests/test_gather_l2.py;tests/test_m64_tails.py;tests/test_jump_stages.py;tests/test_fp8_chunk_k_tiles.py"
+  "tests/test_sm90_fp8_compile.py" "tests/test_sm90_swapab_compile.py;tests/test_half_tiles.py;tests/test_fp8_tanh_sigmoid.py;tests/test_bf16_tanh_sigmoid.py;tests/test_bf16_cluster_n.py;tests/test_m64_tails.py;tests/test_jump_stages.py;tests/test_fp8_chunk_k_tiles.py"
 )
 # SUITE_PICK="i j ...": only those of the groups above (0-based), e.g. the ones a cut call left unrun
 if [ -n "${SUITE_PICK:-}" ]; then
@@ -244,22 +239,6 @@ if [ "$mode" = extra ]; then
         --peer flashinfer --peer-script-fi .device/fi/bench_fi.py --peer-decode-tokens "${PEER_DECODE_TOKENS:-1,8,32,128,256}" \
         --decode-csv "$OUT/decode_fi.csv"
     python3 -m moe_ep.bench.decode "$OUT/decode.csv" "$OUT/decode_fi.csv" "$OUT/decode_all.png" || true
-  fi
-fi
-if [ "$mode" = verify ]; then
-  # 1. drop v40's probe (not yet run on a GPU): do 128 one-row TMA loads (box 1 x 128 bytes, 128-byte
-  # swizzle, destination base + 128 r) build the tile one TMA tile load builds? The premise of an FC1
-  # producer that gathers its A rows by index with TMA (sm90_megamoe/tma_rows_probe.py; v40's hung,
-  # mended in v43; a 150 s timeout so a hang cannot eat the call).
-  step "tma_rows_probe" "$OUT/verify_tma_rows_probe.log" -- bash -c \
-      "cd kernel_src/sm90/megamoe/src && exec timeout 150 python3 -m sm90_megamoe.tma_rows_probe"
-  # then drop v41's gathering FC1 on row TMA loads (gather_tma): its GPU tests and the drop runner's
-  # comparison with the cp.async gather and the plain FC1 on copied rows (VERIFY_GATHER_MODELS, qwen3)
-  plog="$OUT/verify_tma_rows_probe.log"
-  if grep -q "row loads = tile load: True" "$plog" 2>/dev/null && ! grep -q ": False" "$plog"; then
-    run_groups "${TEST_BUDGET:-200}" "tests/test_gather_tma.py"
-    step "grouped_gemm_runner --gather-tma" "$OUT/verify_gather_tma.log" -- bash -c \
-        "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.grouped_gemm_runner --gather-tma --model ${VERIFY_GATHER_MODELS:-qwen3}"
   fi
 fi
 if [ "$mode" = defer ]; then
@@ -461,7 +440,7 @@ if [ "$mode" = layers ]; then
   left=$(( ${CALL_BUDGET:-500} - SECONDS ))
   [ "$left" -gt 60 ] && run_groups "$left" "${suite_groups[@]}"  # the whole GPU suite, as far as it gets
 fi
-if [ "$mode" = verify2 ]; then  # the second half of verify (one device call each: 600 s per call)
+if [ "$mode" = verify2 ]; then  # one device call (600 s)
   step "virtual-rank tests, PDL on (2)" "$OUT/verify_pdl2.log" -- env SM90_MEGAMOE_PDL=1 \
       python3 -m pytest -m gpu -q -W ignore -p no:cacheprovider tests/test_ep_virtual_gpu.py --tb=short
   for v in "0 0 " "1 0 " "0 1 " "0 1 32" "0 1 8" "1 1 32"; do  # PDL, token grid, layout chunks
@@ -524,7 +503,7 @@ if [ "$mode" = suite2 ]; then
       tests/test_sm90_fp8_compile.py tests/test_sm90_swapab_compile.py tests/test_blackwell_backends.py \
       tests/test_sm90_fp8_gather.py tests/test_gather_fc1.py tests/test_fp8_quant_div.py tests/test_fp8_quant_items.py tests/test_fp8_scatter_quant.py tests/test_fp8_cluster.py \
       tests/test_bf16_cluster.py tests/test_fp8_plain_schedule.py tests/test_fp8_smem_scales.py tests/test_fp8_unit_scales.py tests/test_fp8_deferred_epilogue.py tests/test_fp8_tanh_sigmoid.py tests/test_bf16_tanh_sigmoid.py \
-      tests/test_gather_tma.py tests/test_half_tiles.py tests/test_bf16_cluster_n.py tests/test_gather_l2.py tests/test_m64_tails.py tests/test_jump_stages.py tests/test_fp8_chunk_k_tiles.py
+      tests/test_half_tiles.py tests/test_bf16_cluster_n.py tests/test_m64_tails.py tests/test_jump_stages.py tests/test_fp8_chunk_k_tiles.py
 fi
 if [ "$mode" = suite3 ]; then
   step "GPU suite 3/3" "$OUT/suite3.log" -- "${suite_common[@]}" tests/test_ep_virtual_gpu.py

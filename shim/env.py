@@ -18,6 +18,8 @@ REMOVED = {
     "MOE_EP_FP8_FUSED_QUANT": ("0", "drop v84 removed FC1's fused quantisers (drops v39, v66): no faster on the H200"),
     "MOE_EP_FP8_FUSED_REQUANT": ("0", "drop v84 removed the requantising FC1 (drops v21, v33): 0.95x on the layer"),
     "MOE_EP_FP8_SCALE_LOOKAHEAD": ("1", "drop v84 removed the scale warp's look-ahead (drop v65): 0.96x on Mixtral's FC2"),
+    "MOE_EP_GATHER_TMA": ("0", "drop v85 removed the one-TMA-per-row gathering FC1 (drop v41): FC1 0.892 vs 0.768 ms"),
+    "MOE_EP_GATHER_L2": ("0", "drop v85 removed the gathering FC1's L2 priorities (drop v75): 3% slower, the layer no faster"),
 }
 #: removed values of switches that remain
 REMOVED_VALUES = {

@@ -661,20 +661,3 @@ def test_prebuild_builds_the_layer_kernels(monkeypatch, tmp_path):
     prebuild(cfg, 1, kernels=("fc1", "fc2"))
     assert sorted(e.name for e in COMPILE_EVENTS[seen:]) == ["fp8_gemm_swiglu_cluster2_defer_tanh"]
 
-
-@pytest.mark.parametrize("switch,value", [("MOE_EP_FP8_FUSED_QUANT", "1"), ("MOE_EP_FP8_FUSED_QUANT", "epilogue"),
-                                          ("MOE_EP_FP8_FUSED_REQUANT", "1"), ("MOE_EP_FP8_SCALE_LOOKAHEAD", "4"),
-                                          ("MOE_EP_FP8_CLUSTER", "4")])
-def test_removed_switches_raise_naming_the_variable(monkeypatch, switch, value):
-    """Drop v84 removed the variants behind these settings (measured slower or no faster): set, the
-    layer's kernels refuse to build with a ValueError naming the variable and the drop version, rather
-    than quietly timing the default; their old defaults (and unset) still build."""
-    from moe_ep.shim.drops import sm90_megamoe_fp8 as s
-
-    monkeypatch.setenv(switch, value)
-    with pytest.raises(ValueError, match=f"{switch}={value!r}: drop v84 removed"):
-        s._gemm_key("swiglu", 1536, 2048, 128, False, False)
-    monkeypatch.setenv(switch, {"MOE_EP_FP8_SCALE_LOOKAHEAD": "1", "MOE_EP_FP8_CLUSTER": "1"}.get(switch, "0"))
-    s._gemm_key("swiglu", 1536, 2048, 128, False, False)
-    monkeypatch.delenv(switch)
-    assert s._gemm_key("swiglu", 1536, 2048, 128, False, False).cluster_n == 2

@@ -164,7 +164,7 @@ def test_shim_gemm_prepare_fixes_its_own_placeholders():
     seen = []
 
     class Compiled:
-        scale_rows, n_out, tvm_ffi, gather_a, gather_tma = False, 128, True, False, False
+        scale_rows, n_out, tvm_ffi, gather_a = False, 128, True, False
 
         def __init__(self, bias_dtype):
             self.bias_dtype = bias_dtype

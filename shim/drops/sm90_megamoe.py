@@ -43,6 +43,7 @@ from .. import disk_cache
 from ..cache import COMPILE_CACHE
 from ..constants import MirroredConstants
 from ..contract import AttributeUse, CallableUse, DropContract, ImportUse
+from ..env import check_removed
 from ..launch_mode import use_tvm_ffi
 from ..nvshmem_boot import CounterContract
 from .sm90_megamoe_switches import (  # noqa: F401  (re-exported: the shim reads them here, tests too)
@@ -50,8 +51,6 @@ from .sm90_megamoe_switches import (  # noqa: F401  (re-exported: the shim reads
     use_bf16_cluster,
     use_bf16_cluster_n,
     use_bf16_tanh_sigmoid,
-    use_gather_l2,
-    use_gather_tma,
     use_half_tiles,
     use_jump_stages,
     use_m64_tails,
@@ -61,7 +60,7 @@ from .sm90_megamoe_switches import (  # noqa: F401  (re-exported: the shim reads
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 84},
+    "sm90_megamoe": {"DROP_VERSION": 85},
     "sm90_megamoe.fp8_gemm": {"FP8_BLOCK": 128, "OVERLAP_MAX_K_TILES": 32, "OVERLAP_MAX_CHUNK": 16},
     "sm90_megamoe.unit_scales": {"UNIT_SCALE_KC": 8},
     "sm90_megamoe.constants": {
@@ -102,8 +101,8 @@ CONTRACT = DropContract(
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.__init__",
                     ("activation", "n", "k", "num_experts", "scale_rows", "tile_n", "bias_dtype",
                      "raster_m", "swiglu_alpha", "swiglu_limit", "schedule", "compiled", "tvm_ffi",
-                     "early_weights", "gather_a", "cluster_m", "gather_tma", "half_tiles", "tanh_sigmoid",
-                     "cluster_n", "gather_l2", "m64_tails", "jump_stages")),
+                     "early_weights", "gather_a", "cluster_m", "half_tiles", "tanh_sigmoid",
+                     "cluster_n", "m64_tails", "jump_stages")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_converted",
                     ("args", "max_active_ctas", "stream")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_tensors",
@@ -198,7 +197,7 @@ CONTRACT = DropContract(
                                                     "put_kernel", "kinds_for")),
         AttributeUse("sm90_megamoe.launch:CompiledGroupedGemm",
                      ("compiled", "scale_rows", "bias_dtype", "n_out", "tvm_ffi", "schedule", "launch_tensors",
-                      "launch_converted", "gather_a", "cluster_m", "gather_tma", "prepare")),
+                      "launch_converted", "gather_a", "cluster_m", "prepare")),
         AttributeUse("sm90_megamoe.ep_launch:EpRank",
                      ("dispatch", "wait", "gather", "combine_send", "combine_reduce", "combine_local",
                       "prepare_combine_local", "read_err", "read_verr", "reset_verr", "reset_state", "num_ctas")),
@@ -378,11 +377,9 @@ class GemmKey:
     early_weights: bool = False
     gather_a: bool = False
     cluster_m: int = 1
-    gather_tma: bool = False
     half_tiles: bool = False
     tanh_sigmoid: bool = False
     cluster_n: int = 1
-    gather_l2: int = 0
     m64_tails: bool = False
     jump_stages: bool = False
 
@@ -407,7 +404,6 @@ class GroupedGemm:
         self.n_out = compiled.n_out
         self.tvm_ffi = compiled.tvm_ffi
         self.gather_a = compiled.gather_a
-        self.gather_tma = compiled.gather_tma  # drop v41: the gathered rows by one TMA copy each
         self._to = to_cute_args
         self._last: tuple | None = None
         # unread arguments of variants without a row scale / bias (the drop's signature: fp32
@@ -496,10 +492,9 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
     a swap-AB kernel may prefetch its weights before the PDL wait; it takes effect only for the
     swap-AB schedule with PDL launches (:func:`pdl_launches`), else the plain kernel is used.
     ``gather_a`` (drop v23; cooperative / wide, K % 64 == 0): A is the source rows and a call
-    passes ``idx`` (grouped row r = ``a[idx[r]]``); with ``MOE_EP_GATHER_TMA=1`` its rows come by one
-    TMA copy each (:func:`use_gather_tma`), with ``MOE_EP_GATHER_L2=1|2`` under L2 eviction
-    priorities (:func:`use_gather_l2`)."""
+    passes ``idx`` (grouped row r = ``a[idx[r]]``)."""
     check_gemm_shapes(activation, n, k, num_experts, tile_n)
+    check_removed()  # a switch of a removed variant, still set, raises here
     if schedule is None:
         schedule, picked_tile = pick_schedule(activation, k, rows_per_expert)
         tile = tile_n or picked_tile
@@ -520,11 +515,10 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
     cluster = use_bf16_cluster(schedule, gather_a)
     key = GemmKey(CONSTANTS.value(PKG, "DROP_VERSION"), _C["ABI_VERSION"], _cutlass_version(), "sm_90a",
                   "bf16", activation, n, k, num_experts, bool(scale_rows), tile, bias, raster, alpha, limit,
-                  schedule, ffi, early, bool(gather_a), cluster, use_gather_tma(gather_a),
+                  schedule, ffi, early, bool(gather_a), cluster,
                   use_half_tiles(schedule, tile, gather_a, cluster), use_bf16_tanh_sigmoid(activation),
                   use_bf16_cluster_n(schedule, activation in GEMM_GATED, gather_a),
-                  use_gather_l2(gather_a, use_gather_tma(gather_a)), use_m64_tails(schedule),
-                  use_jump_stages(schedule))
+                  use_m64_tails(schedule), use_jump_stages(schedule))
 
     def build():
         launch = _load("sm90_megamoe.launch")
@@ -534,10 +528,6 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
             kw.update(early_weights=True)
         if gather_a:
             kw.update(gather_a=True)
-        if key.gather_tma:
-            kw.update(gather_tma=True)
-        if key.gather_l2:
-            kw.update(gather_l2=key.gather_l2)
         if key.cluster_m > 1:
             kw.update(cluster_m=key.cluster_m)
         if key.cluster_n > 1:
@@ -552,8 +542,7 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
             kw.update(jump_stages=True)
         if activation == "clamped_swiglu":
             kw.update(swiglu_alpha=alpha, swiglu_limit=limit)
-        name = (f"gemm_{activation}" + ("_gather" if gather_a else "") + ("_tma" if key.gather_tma else "")
-                + (f"_l2h{key.gather_l2}" if key.gather_l2 else "")
+        name = (f"gemm_{activation}" + ("_gather" if gather_a else "")
                 + ("_cluster2" if key.cluster_m > 1 else "") + ("_clustern2" if key.cluster_n > 1 else "")
                 + ("_half" if key.half_tiles else "") + ("_m64t" if key.m64_tails else "")
                 + ("_js" if key.jump_stages else "")

@@ -316,7 +316,7 @@ def use_fp8_tanh_sigmoid(activation: str) -> bool:
 
 def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_rows: bool,
          raster_m: int = 0, overlap_promotion: bool = False, gather_a: bool = False) -> Fp8Key:
-    check_removed()  # a switch of a removed (FP8) variant, still set, raises here
+    check_removed()  # a switch of a removed variant, still set, raises here
     plain = kind == "gemm" and not gather_a
     deferred = kind == "gemm" and use_fp8_deferred_epilogue(overlap_promotion, k)
     # drop v69's TMA-loaded scales; not with the deferred epilogue (the pair has not run on a GPU)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from ..env import env_choice, env_flag
+from ..env import env_flag
 
 
 def use_wide_gated() -> bool:
@@ -54,24 +54,6 @@ def use_bf16_cluster_n(schedule: str, gated: bool, gather_a: bool = False) -> in
     if not env_flag("MOE_EP_BF16_CLUSTER_N", False) or gather_a or gated:
         return 1
     return 2 if schedule in ("cooperative", "pingpong") else 1
-
-
-def use_gather_tma(gather_a: bool) -> bool:
-    """Whether a gathering BF16 GEMM (``gather_a``) loads each A row by one TMA copy (drop v41,
-    ``gather_tma``): with ``MOE_EP_GATHER_TMA=1``. Opt-in: bit-identical but slower on the H200
-    (Qwen3 FC1 0.892 ms vs 0.768 with cp.async rows; docs/LIMITS.md)."""
-    return bool(gather_a) and env_flag("MOE_EP_GATHER_TMA", False)
-
-
-def use_gather_l2(gather_a: bool, gather_tma: bool) -> int:
-    """L2 eviction priorities of a gathering BF16 GEMM's cp.async rows (drop v75, ``gather_l2``):
-    ``MOE_EP_GATHER_L2`` = 1 keeps the gathered token rows in L2 (``evict_last``), 2 also lets the
-    weight tiles go first (``evict_first``); 0 or unset: none. Not with ``MOE_EP_GATHER_TMA``. Opt-in:
-    bit-identical on the H200 but slower (33rd session: the runner's gathering FC1 0.891 ms at levels
-    1 and 2 against 0.864 at 0, L2 warm; the Qwen3 layer per call 511-514 / 495-497 TFLOP/s at levels
-    1 / 2 against 494-502 at 0 and 514-523 without gathering)."""
-    level = int(env_choice("MOE_EP_GATHER_L2", ("0", "1", "2"), "0"))
-    return level if gather_a and not gather_tma else 0
 
 
 def use_half_tiles(schedule: str, tile: int, gather_a: bool, cluster_m: int) -> bool:

@@ -82,13 +82,10 @@ def gather_fc1() -> bool:
     and read back, ~0.1 ms). Off by default: on the H200 (drop v24, which fixed v23's misaligned
     bf16 row offsets; GPU tests bit-identical) the layer gained under CUDA graph on Qwen3 (468.3 vs
     448.1 TFLOP/s) but lost per call (466.4 vs 475.8) and on Mixtral (560.1 vs 589.5 graph): the
-    cp.async producer feeds the WGMMAs more slowly than TMA, which eats the saved copy. With
-    ``MOE_EP_GATHER_TMA=1`` as well, FC1 loads each row by one TMA copy (drop v41; the shim's
-    ``use_gather_tma``): bit-identical on the H200 but slower than the cp.async gather (Qwen3 FC1
-    0.892 vs 0.768 ms; sixteenth session). ``MOE_EP_GATHER_L2=1|2`` (drop v75; the shim's
-    ``use_gather_l2``, not yet run on a GPU): the gathered rows under an L2 evict_last policy (2: and
-    the weights evict_first); in the 32nd session's profile the gathering FC1 ran 106 us longer
-    than the plain one in the layer, which cancels the row copy's saving."""
+    cp.async producer feeds the WGMMAs more slowly than TMA, which eats the saved copy; in the 32nd
+    session's profile the gathering FC1 ran 106 us longer than the plain one in the layer, which
+    cancels the row copy's saving. (Drop v85 removed the one-TMA-per-row producer, v41, and the L2
+    priorities, v75: both slower.)"""
     return env_switch("MOE_EP_GATHER_FC1", False)
 
 

@@ -66,22 +66,17 @@ def compile_for_arch(
     half_tiles: bool = False,
     tanh_sigmoid: bool = False,
     cluster_n: int = 1,
-    gather_l2: int = 0,
     m64_tails: bool = False,
     jump_stages: bool = False,
 ):
     """Compile one variant for ``arch`` from fake tensors. ``bias_dtype``: None (no bias),
-    "float32" or "bfloat16"; ``gather_a``: the gathering kernel (:mod:`.grouped_gemm_gather`),
-    ``gather_l2`` its L2 policies (drop v75); ``m64_tails``: pingpong's 64-row tiles (drop v78); ``jump_stages``: pingpong's
-    one-step skip of the other warpgroup's stages (drop v79)."""
+    "float32" or "bfloat16"; ``gather_a``: the gathering kernel (:mod:`.grouped_gemm_gather`);
+    ``m64_tails``: pingpong's 64-row tiles (drop v78); ``jump_stages``: pingpong's one-step skip of the
+    other warpgroup's stages (drop v79)."""
     cls = GroupedGemmSm90
-    extra = {}
     if gather_a:
         from .grouped_gemm_gather import GroupedGemmGatherSm90 as cls
-        extra = {"l2_hints": gather_l2} if gather_l2 else {}
-    elif gather_l2:
-        raise ValueError("gather_l2 needs gather_a=True")
-    kernel = cls(activation, **extra, tile_n=tile_n, scale_rows=scale_rows, epilogue=epilogue,
+    kernel = cls(activation, tile_n=tile_n, scale_rows=scale_rows, epilogue=epilogue,
                  has_bias=bias_dtype is not None, raster_m=raster_m,
                  swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, schedule=schedule,
                  **({"half_tiles": True} if half_tiles else {}),

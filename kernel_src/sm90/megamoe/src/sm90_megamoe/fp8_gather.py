@@ -14,8 +14,7 @@ Tensors (torch view)::
 
 Producer: :class:`.gather_producer.GatherAProducer` (the whole producer warpgroup loads A with
 16-byte cp.async, B by TMA; full barriers of 1 + 128 arrivals). The consumers are the base class's (any schedule: overlapped promotion, ``wide_gated``); only
-their A-scale rows go through ``mIdx``. Same bits as the base kernel on ``mA[mIdx]``. ``tma_rows=True``
-(drop v41): the producer loads each A row with one TMA copy instead (:mod:`.gather_producer`).
+their A-scale rows go through ``mIdx``. Same bits as the base kernel on ``mA[mIdx]``.
 """
 
 from __future__ import annotations
@@ -33,11 +32,6 @@ class Fp8GatherGroupedGemmSm90(GatherAProducer, Fp8BlockScaledGroupedGemmSm90):
     """The FP8 block-scaled grouped GEMM with A rows gathered by ``mIdx`` (module docstring)."""
 
     gather_a = True
-
-    def __init__(self, activation: str, tma_rows: bool = False, **kw):
-        super().__init__(activation, **kw)
-        # drop v41 (not yet run on a GPU): each A row by one TMA load (gather_producer, gather_tma)
-        self.gather_tma = bool(tma_rows)
 
     @cute.jit
     def __call__(

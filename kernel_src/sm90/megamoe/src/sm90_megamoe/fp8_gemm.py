@@ -222,7 +222,6 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
     """
 
     gather_a = False  # drop v22: A rows gathered by index (:class:`.fp8_gather.Fp8GatherGroupedGemmSm90`)
-    gather_tma = False  # drop v41: ... by one TMA load per row (``Fp8GatherGroupedGemmSm90(tma_rows=True)``)
 
     def __init__(self, activation: str, scale_rows: bool = False, tile_n: Optional[int] = None,
                  num_stages: Optional[int] = None, raster_m: int = 1, overlap_promotion: bool = False,
@@ -583,11 +582,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
         # =========================================================== producer warpgroup
         if warp_group_idx == 0:
             cute.arch.warpgroup_reg_dealloc(self.load_regs)
-            if cutlass.const_expr(self.gather_a and self.gather_tma):
-                self._produce_gathered_tma(ab_pipeline, gather[1], tma_atom_a, mA_tma, a_smem_layout, tma_atom_b,
-                                           mB_tma, storage.sA.data_ptr(), sB, sOff, sCum, total_tiles, tidx,
-                                           warp_idx, lane, bidx, gdim)
-            elif cutlass.const_expr(self.gather_a):
+            if cutlass.const_expr(self.gather_a):
                 self._produce_gathered(ab_pipeline, gather[0], gather[1], tma_atom_b, mB_tma, sA, sB, sOff, sCum,
                                        total_tiles, tidx, warp_idx, bidx, gdim)
             else:

@@ -61,7 +61,6 @@ class CompiledFp8Gemm:
     ``smem_scales`` (drop v34; not with gather_a): the producer warp stages each k-tile's scales in
     shared memory beside its operands, so the consumers never wait on a global scale load;
     ``scale_warp`` (drop v35; with smem_scales): a second producer warp stages them instead;
-    ``gather_tma`` (drop v41, with gather_a; not yet run on a GPU): one TMA load per gathered A row;
     ``deferred_epilogue`` (drop v48; overlap_promotion with K <= 4096): each unit's
     epilogue runs while the next unit's first k-tile is on the tensor cores (same bits);
     ``tanh_sigmoid`` (drop v50; swiglu; v51: every variant, so they keep one another's bits): sigmoid as
@@ -73,18 +72,16 @@ class CompiledFp8Gemm:
     ``chunk_k_tiles`` (drop v82; overlap_promotion, the plain or gathering kernel, not with
     deferred_epilogue; 0 or even, <= 16): the overlapped k-loop in chunks of at most that many k-tiles
     whenever it is longer (less code per tile; same bits).
-    Drop v84 removed ``requant``, ``fused_quant`` / ``pair_amax``, ``scale_lookahead`` and clusters of 4
-    (measured slower or no faster on the H200)."""
+    Drop v84 removed ``requant``, ``fused_quant`` / ``pair_amax``, ``scale_lookahead`` and clusters of 4,
+    v85 ``gather_tma`` (measured slower or no faster on the H200)."""
 
     def __init__(self, activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
                  compiled=None, tvm_ffi: bool = False, raster_m: int = 1, overlap_promotion: bool = False,
                  wide_gated: bool = False, gather_a: bool = False, cluster_n: int = 1,
-                 smem_scales: bool = False, scale_warp: bool = False, gather_tma: bool = False,
+                 smem_scales: bool = False, scale_warp: bool = False,
                  deferred_epilogue: bool = False, tanh_sigmoid: bool = False, unit_scales: bool = False,
                  chunk_k_tiles: int = 0):
         reason = can_implement(activation, n, k, num_experts)
-        if reason is None and gather_tma and not gather_a:
-            reason = "gather_tma is a way of gathering: it needs gather_a=True"
         if reason is None and cluster_n not in (1, 2):
             reason = f"cluster_n must be 1 or 2, got {cluster_n}"
         if reason is None and cluster_n > 1 and gather_a:
@@ -107,7 +104,6 @@ class CompiledFp8Gemm:
             raise ValueError(reason)
         self.wide_gated = bool(wide_gated)
         self.gather_a = bool(gather_a)
-        self.gather_tma = bool(gather_tma)
         self.activation, self.n, self.k, self.num_experts = activation, n, k, num_experts
         self.scale_rows = bool(scale_rows)
         self.n_out = n // 2 if activation == "swiglu" else n
@@ -125,7 +121,7 @@ class CompiledFp8Gemm:
         self._max_ctas = cluster_ctas(self.cluster_n) if self.cluster_n > 1 and torch.cuda.is_available() else None
         if compiled is None:
             cls = Fp8GatherGroupedGemmSm90 if self.gather_a else Fp8BlockScaledGroupedGemmSm90
-            kernel = cls(activation, **({"tma_rows": True} if self.gather_tma else {}), scale_rows=self.scale_rows,
+            kernel = cls(activation, scale_rows=self.scale_rows,
                          raster_m=self.raster_m, overlap_promotion=self.overlap_promotion,
                          wide_gated=self.wide_gated,
                          **({"cluster_n": self.cluster_n} if self.cluster_n > 1 else {}),

@@ -120,7 +120,7 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from .gather_producer import row_tma_atom, stage_producers
+from .gather_producer import stage_producers
 from .pdl import PDL, wait_previous_grid
 from .constants import (
     ACTIVATIONS,
@@ -202,7 +202,6 @@ class GroupedGemmSm90:
     """
 
     gather_a = False  # drop v23: A rows gathered by index (:class:`.grouped_gemm_gather.GroupedGemmGatherSm90`)
-    gather_tma = False  # drop v41: ... by one TMA load per row (``GroupedGemmGatherSm90(tma_rows=True)``)
     #: CTAs per cluster along M (drop v29: 2 = one m-tile pair per cluster, B multicast; set in __init__)
     cluster_m = 1
     #: CTAs per cluster along N (drop v72: 2 = one n-tile pair per cluster, A multicast; set in __init__)
@@ -461,9 +460,8 @@ class GroupedGemmSm90:
         B viewed as (N, K, E) so the expert is the third TMA coordinate; the tiled MMA (``wide``: one
         WGMMA of N = 2 tile_n over a stage's gate and up slots) and its twin over one epi_n-wide
         chunk (same C layout: it partitions the epilogue's staging buffer); A's and B's smem layouts
-        (B: ``num_b`` slots per stage; swiglu: slots 2s gate, 2s + 1 up); their TMA atoms (A: one
-        row per copy when gathering by TMA, else multicast over a ``cluster_n`` pair; B multicast
-        over a ``cluster_m`` pair). Returns ``(b_layout, tiled_mma, tiled_mma_epi, a_smem_layout,
+        (B: ``num_b`` slots per stage; swiglu: slots 2s gate, 2s + 1 up); their TMA atoms (A
+        multicast over a ``cluster_n`` pair, B over a ``cluster_m`` pair). Returns ``(b_layout, tiled_mma, tiled_mma_epi, a_smem_layout,
         b_smem_layout, tma_atom_a, tma_tensor_a, tma_atom_b, tma_tensor_b)``."""
         mB_nke = cute.make_tensor(mB.iterator, cute.select(mB.layout, mode=[1, 2, 0]))
         a_layout = LayoutEnum.from_tensor(mA)
@@ -479,14 +477,11 @@ class GroupedGemmSm90:
         )
         a_smem_layout = sm90_utils.make_smem_layout_a(a_layout, tile_mnk, self.ab_dtype, self.num_stages)
         b_smem_layout = sm90_utils.make_smem_layout_b(b_layout, tile_mnk, self.ab_dtype, self.num_stages * self.num_b)
-        if cutlass.const_expr(self.gather_a and self.gather_tma):  # drop v41: one source row per copy
-            tma_atom_a, tma_tensor_a = row_tma_atom(mA, a_smem_layout, self.tile_k)
-        else:
-            tma_atom_a, tma_tensor_a = cpasync.make_tiled_tma_atom(
-                cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cluster_n > 1 else cpasync.CopyBulkTensorTileG2SOp(),
-                mA, cute.slice_(a_smem_layout, (None, None, 0)), (self.tile_m, self.tile_k),
-                **({"num_multicast": self.cluster_n} if self.cluster_n > 1 else {}),
-            )
+        tma_atom_a, tma_tensor_a = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cluster_n > 1 else cpasync.CopyBulkTensorTileG2SOp(),
+            mA, cute.slice_(a_smem_layout, (None, None, 0)), (self.tile_m, self.tile_k),
+            **({"num_multicast": self.cluster_n} if self.cluster_n > 1 else {}),
+        )
         tma_atom_b, tma_tensor_b = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SMulticastOp() if self.cluster_m > 1 else cpasync.CopyBulkTensorTileG2SOp(),
             mB_nke, cute.slice_(b_smem_layout, (None, None, 0)), (self.tile_n, self.tile_k),
@@ -666,11 +661,7 @@ class GroupedGemmSm90:
         # =========================================================== producer warpgroup
         if warp_group_idx == 0:
             cute.arch.warpgroup_reg_dealloc(self.load_regs)
-            if cutlass.const_expr(self.gather_a and self.gather_tma):
-                self._produce_gathered_tma(ab_pipeline, gather[1], tma_atom_a, mA_tma, a_smem_layout, tma_atom_b,
-                                           mB_tma, storage.sA.data_ptr(), sB, sOff, sCum, total_tiles, tidx,
-                                           warp_idx, lane, bidx, gdim)
-            elif cutlass.const_expr(self.gather_a):
+            if cutlass.const_expr(self.gather_a):
                 self._produce_gathered(ab_pipeline, gather[0], gather[1], tma_atom_b, mB_tma, sA, sB, sOff, sCum,
                                        total_tiles, tidx, warp_idx, bidx, gdim)
             else:

@@ -15,10 +15,8 @@ Tensors (torch view)::
 Producer: :class:`.gather_producer.GatherAProducer` (the producer warpgroup loads A with 16-byte
 cp.async, eight lanes per 128-byte row line; B by TMA; full barriers of 1 + 128 arrivals). The
 consumers and epilogue are the base class's (``cooperative`` or ``wide``; not ``pingpong``).
-Same bits as the base kernel on ``mA[mIdx]``. ``tma_rows=True`` (drop v41): the producer loads each
-A row with one TMA copy instead (:mod:`.gather_producer`, ``gather_tma``; its premise is what
-:mod:`.tma_rows_probe` checks on the GPU). ``l2_hints`` = 1 / 2 (drop v75, ``gather_l2``): the rows'
-cp.async with an L2 ``evict_last`` policy / and the weight tiles' TMA with ``evict_first``.
+Same bits as the base kernel on ``mA[mIdx]``. (Drop v85 removed v41's one-TMA-per-row producer and
+v75's L2 priorities: both slower on the H200.)
 """
 
 from __future__ import annotations
@@ -28,7 +26,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 
-from .gather_producer import GATHER_L2_LEVELS, GatherAProducer
+from .gather_producer import GatherAProducer
 from .grouped_gemm import GroupedGemmSm90
 
 
@@ -37,16 +35,8 @@ class GroupedGemmGatherSm90(GatherAProducer, GroupedGemmSm90):
 
     gather_a = True
 
-    def __init__(self, activation: str, tma_rows: bool = False, l2_hints: int = 0, **kw):
+    def __init__(self, activation: str, **kw):
         super().__init__(activation, **kw)
-        # drop v41: each A row by one TMA load (gather_producer, gather_tma)
-        self.gather_tma = bool(tma_rows)
-        # drop v75 (not yet run on a GPU): L2 eviction priorities of the cp.async rows (gather_producer)
-        if l2_hints not in GATHER_L2_LEVELS:
-            raise ValueError(f"l2_hints must be one of {GATHER_L2_LEVELS}, got {l2_hints!r}")
-        if l2_hints and self.gather_tma:
-            raise ValueError("l2_hints is for the cp.async rows, not tma_rows")
-        self.gather_l2 = int(l2_hints)
         if self.pingpong:
             raise ValueError("the gathering GEMM runs the 'cooperative' or 'wide' schedule, not 'pingpong'")
 

@@ -13,10 +13,9 @@
         # tiles of <= 64 rows on one 64-row WGMMA vs without (FC2), and FC1 on pingpong vs cooperative
     python -m sm90_megamoe.grouped_gemm_runner --jump-stages --model qwen3,nemotron   # drop v79:
         # pingpong skipping the other warpgroup's stages in one step vs unrolled (alone, with m64_tails)
-    python -m sm90_megamoe.grouped_gemm_runner --gather-tma --model qwen3   # drop v41: FC1 gathering
-        # rows by one TMA load per row vs by cp.async vs the plain FC1 on copied rows
-    python -m sm90_megamoe.grouped_gemm_runner --gather-l2 --model qwen3    # drop v75: the cp.async
-        # gathering FC1 under L2 eviction priorities vs the row copy + plain FC1, L2 warm and cold
+    python -m sm90_megamoe.grouped_gemm_runner --gather --model qwen3   # drop v23: FC1 gathering its
+        # rows by index (cp.async) vs the row copy + the plain FC1 on the copied rows
+(Drop v85 removed ``--gather-tma`` and ``--gather-l2`` with their kernels: both slower on the H200.)
 """
 
 from __future__ import annotations
@@ -491,71 +490,31 @@ def time_rounds(runs: dict, timers: dict, rounds: int = 2) -> dict:
     return {key: min(v) for key, v in times.items()}
 
 
-def gather_tma(models, iters=20) -> bool:
-    """Drop v41: FC1 gathering its A rows by index with one TMA load per row (``gather_tma``)
-    against the cp.async gathering FC1 (drop v23) and the plain FC1 on the rows copied into expert
-    order first, on --model's FC1 shapes: the same bits (NaN-poisoned outputs) on uniform, skewed,
-    few and one rows, then the three timed, interleaved twice, with the row copy (``index_select``)
-    the plain FC1 needs timed beside. Run :mod:`.tma_rows_probe` first: if one-row TMA loads do not
-    land swizzled, this variant computes wrong values."""
+def gather(models, iters=20) -> bool:
+    """Drop v23: FC1 gathering its A rows by index (cp.async) against the plain FC1 on the rows
+    copied into expert order, on --model's FC1 shapes: the same bits (NaN-poisoned outputs) on
+    uniform, skewed, few and one rows, then the row copy (``index_select``), the plain FC1 and the
+    gathering FC1 timed, interleaved twice."""
     from .fp8_runner import time_fn  # CUDA-event median after warm-ups, as the FP8 runner times
 
     ok = True
     for name in models:
         n, k, e, m, act, bias = WIDE_SHAPES[name]
-        t = time.time()
         plain = CompiledGroupedGemm(act, n, k, e, False, bias_dtype=bias)
-        cpa = CompiledGroupedGemm(act, n, k, e, False, bias_dtype=bias, gather_a=True)
-        tma = CompiledGroupedGemm(act, n, k, e, False, bias_dtype=bias, gather_a=True, gather_tma=True)
-        print(f"[gather_tma] {name} N={n} K={k}: compiled three FC1s in {time.time() - t:.1f}s", flush=True)
+        gathering = CompiledGroupedGemm(act, n, k, e, False, bias_dtype=bias, gather_a=True)
         for m_, routing, seed in GATHER_CHECKS:
-            same = all(gathered_same_bits(plain, (cpa, tma), m_ or m, n, k, e, act, routing, seed, bias))
+            same = all(gathered_same_bits(plain, (gathering,), m_ or m, n, k, e, act, routing, seed, bias))
             ok &= same
-            print(f"[gather_tma] {name} M={m_ or m} {routing}: TMA rows = cp.async rows = plain on copied rows: "
-                  f"{same}", flush=True)
-        runs = gathered_runs(plain, {"cp.async rows": cpa, "TMA rows": tma}, m, n, k, e, act, bias)
+            print(f"[gather] {name} M={m_ or m} {routing}: gathering = plain on copied rows: {same}", flush=True)
+        runs = gathered_runs(plain, {"gathering": gathering}, m, n, k, e, act, bias)
         best = time_rounds(runs, {"": lambda run: time_fn(run, iters)})
         flops = 2.0 * m * n * k
-        print(f"[gather_tma] {name} M={m}: " + ", ".join(
+        print(f"[gather] {name} M={m}: " + ", ".join(
             f"{label} {best[(label, '')]:.3f} ms"
             + ("" if label == "copy rows" else f" ({flops / best[(label, '')] / 1e9:.1f} TFLOP/s)")
             for label in runs) + f" (best of 2 interleaved rounds, median of {iters})", flush=True)
     return ok
 
-
-def gather_l2(models, iters=20) -> bool:
-    """Drop v75 (not yet run on a GPU): the cp.async gathering FC1 with L2 eviction priorities
-    (``gather_l2`` 1: the token rows evict_last, 2: and the weights evict_first) against level 0
-    and the plain FC1 on the rows copied into expert order, on --model's FC1 shapes: the same bits
-    (NaN-poisoned outputs) on uniform, skewed, few and one rows, then each timed twice, interleaved,
-    with L2 warm (the same tokens call after call, as a loop over one FC1 leaves them) and cold (a
-    256 MB write before each call, as the rest of a layer's forward leaves L2 for the next FC1)."""
-    from .fp8_runner import time_fn  # CUDA-event median after warm-ups, as the FP8 runner times
-
-    scratch = torch.zeros(64 * 1024 * 1024, dtype=torch.float32, device="cuda")
-
-    levels = (0, 1, 2)
-    ok = True
-    for name in models:
-        n, k, e, m, act, bias = WIDE_SHAPES[name]
-        t = time.time()
-        plain = CompiledGroupedGemm(act, n, k, e, False, bias_dtype=bias)
-        gath = {lvl: CompiledGroupedGemm(act, n, k, e, False, bias_dtype=bias, gather_a=True, gather_l2=lvl)
-                for lvl in levels}
-        print(f"[gather_l2] {name} N={n} K={k}: compiled four FC1s in {time.time() - t:.1f}s", flush=True)
-        for m_, routing, seed in GATHER_CHECKS:
-            same = gathered_same_bits(plain, [gath[lvl] for lvl in levels], m_ or m, n, k, e, act, routing, seed, bias)
-            ok &= all(same)
-            print(f"[gather_l2] {name} M={m_ or m} {routing}: levels {levels} = plain on copied rows: {same}",
-                  flush=True)
-        runs = gathered_runs(plain, {f"gather l2={lvl}": gath[lvl] for lvl in levels}, m, n, k, e, act, bias)
-        # cold: a 256 MB write before each timed call evicts L2, as the rest of a forward does
-        best = time_rounds(runs, {"warm": lambda run: time_fn(run, iters),
-                                  "cold": lambda run: time_fn(run, iters, before=lambda: scratch.add_(1))})
-        for c in ("warm", "cold"):
-            print(f"[gather_l2] {name} M={m}, L2 {c}: " + ", ".join(f"{label} {best[(label, c)]:.3f} ms" for label in runs)
-                  + f" (best of 2 interleaved rounds, median of {iters})", flush=True)
-    return ok
 
 def main():
     p = argparse.ArgumentParser()
@@ -590,10 +549,8 @@ def main():
                    help="tiles of <= 64 rows split along N vs whole tiles on --model's FC1 and FC2 shapes")
     p.add_argument("--tanh-sigmoid", action="store_true",
                    help="swiglu's sigmoid by tanh.approx vs ex2 + rcp on --model's FC1 shapes (drop v52)")
-    p.add_argument("--gather-tma", action="store_true",
-                   help="FC1 gathering rows by one TMA load per row vs cp.async vs plain, on --model's FC1 shapes")
-    p.add_argument("--gather-l2", action="store_true",
-                   help="FC1 gathering rows under L2 policies (levels 0/1/2) vs copy + plain, L2 warm and cold (v75)")
+    p.add_argument("--gather", action="store_true",
+                   help="FC1 gathering rows by index vs the row copy + plain FC1, on --model's FC1 shapes (drop v23)")
     p.add_argument("--raster-bench", action="store_true", help="--suite --bench: also raster_m=1 vs default")
     p.add_argument("--bench", action="store_true")
     p.add_argument("--suite", action="store_true")
@@ -612,10 +569,8 @@ def main():
         raise SystemExit(0 if half_tiles(args.model.split(",")) else 1)
     if args.tanh_sigmoid:
         raise SystemExit(0 if tanh_sigmoid(args.model.split(",")) else 1)
-    if args.gather_tma:
-        raise SystemExit(0 if gather_tma(args.model.split(",")) else 1)
-    if args.gather_l2:
-        raise SystemExit(0 if gather_l2(args.model.split(",")) else 1)
+    if args.gather:
+        raise SystemExit(0 if gather(args.model.split(",")) else 1)
     t = time.time()
     fn = get_grouped_gemm(args.activation, args.n, args.k, args.experts, scale_rows=args.scale_rows,
                           tile_n=args.tile_n, num_stages=args.num_stages, epilogue=args.epilogue,

@@ -126,9 +126,8 @@ class CompiledGroupedGemm:
                  swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
                  schedule: str = "cooperative", compiled=None, tvm_ffi: bool = False,
                  early_weights: bool = False, gather_a: bool = False, cluster_m: int = 1,
-                 gather_tma: bool = False, half_tiles: bool = False, tanh_sigmoid: bool = False,
-                 cluster_n: int = 1, gather_l2: int = 0, m64_tails: bool = False,
-                 jump_stages: bool = False):
+                 half_tiles: bool = False, tanh_sigmoid: bool = False,
+                 cluster_n: int = 1, m64_tails: bool = False, jump_stages: bool = False):
         """``compiled``: this variant's kernel compiled earlier (e.g. loaded from an exported
         object file, ``cute.runtime.load_module``); None compiles it here (sm_90a).
         ``tvm_ffi``: compile for (and launch through) TVM-FFI: :meth:`launch_tensors`.
@@ -138,10 +137,6 @@ class CompiledGroupedGemm:
         ``early_weights``: swap-AB only, see :class:`~.swapab_gemm.SwapABGroupedGemmSm90`.
         ``gather_a`` (cooperative / wide; drop v23): A is the source rows and a call passes
         ``idx``, grouped row r = ``a[idx[r]]`` (:class:`~.grouped_gemm_gather.GroupedGemmGatherSm90`).
-        ``gather_tma`` (with ``gather_a``; drop v41): one TMA load per A row.
-        ``gather_l2`` (with ``gather_a``, not ``gather_tma``; drop v75, not yet run on a GPU): 1 = the
-        gathered rows' cp.async with an L2 ``evict_last`` policy, 2 = and the weights' TMA loads
-        ``evict_first`` (:mod:`.gather_producer`).
         ``cluster_m`` = 2 (cooperative / wide; drop v29): clusters of 2 CTAs computing an m-tile pair
         and multicasting B's halves; a call launches at most :func:`cluster_ctas` CTAs (worked out
         when constructed with a GPU).
@@ -175,16 +170,10 @@ class CompiledGroupedGemm:
                 raise ValueError("cluster_m = 2 does not combine with gather_a")
             if cluster_n > 1 and gather_a:
                 raise ValueError("cluster_n = 2 does not combine with gather_a")
-            if gather_tma and not gather_a:
-                raise ValueError("gather_tma is a way of gathering: it needs gather_a=True")
-            if gather_l2 and not gather_a:
-                raise ValueError("gather_l2 is for the gathering GEMM: it needs gather_a=True")
             cls = GroupedGemmSm90
-            extra = {}
             if gather_a:
                 from .grouped_gemm_gather import GroupedGemmGatherSm90 as cls
-                extra = {"tma_rows": bool(gather_tma), **({"l2_hints": int(gather_l2)} if gather_l2 else {})}
-            self.kernel = cls(activation, **extra, tile_n=tile_n, scale_rows=scale_rows,
+            self.kernel = cls(activation, tile_n=tile_n, scale_rows=scale_rows,
                                           num_stages=num_stages, epilogue=epilogue,
                                           has_bias=bias_dtype is not None, raster_m=raster_m,
                                           swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
@@ -203,8 +192,6 @@ class CompiledGroupedGemm:
         # the grid of a clustered launch, worked out here (not while a CUDA graph is captured)
         self._max_ctas = cluster_ctas(self.cluster) if self.cluster > 1 and torch.cuda.is_available() else None
         self.gather_a = bool(gather_a)
-        self.gather_tma = bool(gather_tma)
-        self.gather_l2 = int(gather_l2)
         self.half_tiles = bool(half_tiles)
         self.tanh_sigmoid = bool(tanh_sigmoid)
         self.m64_tails = bool(m64_tails)
