@@ -57,7 +57,7 @@
 # verify2:       the virtual-rank tests with PDL
 #                once more, then the decode sweep with (PDL, token grid, layout chunks) = (0,0,all) (1,0,all)
 #                (0,1,all) (0,1,32) (0,1,8) (1,1,32), and the FP8 layer's decode sweep
-#                -> $OUT/decode_p*g*c*.{log,csv}. Each half is meant to fit one 600 s device call.
+#                -> $OUT/decode_p*g*c*.{log,csv} (one 600 s device call).
 # power:         the layer (MODELS) in BF16 and FP8, --rounds POWER_ROUNDS (3), with nvidia-smi sampling power,
 #                SM clock and temperature every 50 ms; bench/power.py splits the samples by timing mode
 #                (per call / b2b / graph) -> $OUT/power_<bf16|fp8>.{csv,log}, phases_*.txt, power_*_summary.log.
@@ -209,7 +209,7 @@ suite_groups=(
   "tests/test_ep_gpu.py;tests/test_disk_cache.py;tests/test_transformers_integration.py;tests/test_blackwell_backends.py"
   "tests/test_sm90_fp8_quant.py;tests/test_fp8_quant_div.py;tests/test_fp8_quant_items.py;tests/test_fp8_scatter_quant.py;tests/test_fp8_cluster.py"
   "tests/test_fp8_plain_schedule.py;tests/test_fp8_smem_scales.py;tests/test_fp8_unit_scales.py;tests/test_fp8_deferred_epilogue.py;tests/test_bf16_cluster.py"
-  "tests/test_sm90_fp8_compile.py" "tests/test_sm90_swapab_compile.py;tests/test_half_tiles.py;tests/test_fp8_tanh_sigmoid.py;tests/test_bf16_tanh_sigmoid.py;tests/test_bf16_cluster_n.py;tests/test_m64_tails.py;tests/test_jump_stages.py;tests/test_fp8_chunk_k_tiles.py"
+  "tests/test_sm90_fp8_compile.py" "tests/test_sm90_swapab_compile.py;tests/test_fp8_tanh_sigmoid.py;tests/test_bf16_tanh_sigmoid.py;tests/test_bf16_cluster_n.py;tests/test_m64_tails.py;tests/test_jump_stages.py;tests/test_fp8_chunk_k_tiles.py"
 )
 # SUITE_PICK="i j ...": only those of the groups above (0-based), e.g. the ones a cut call left unrun
 if [ -n "${SUITE_PICK:-}" ]; then
@@ -503,7 +503,7 @@ if [ "$mode" = suite2 ]; then
       tests/test_sm90_fp8_compile.py tests/test_sm90_swapab_compile.py tests/test_blackwell_backends.py \
       tests/test_sm90_fp8_gather.py tests/test_gather_fc1.py tests/test_fp8_quant_div.py tests/test_fp8_quant_items.py tests/test_fp8_scatter_quant.py tests/test_fp8_cluster.py \
       tests/test_bf16_cluster.py tests/test_fp8_plain_schedule.py tests/test_fp8_smem_scales.py tests/test_fp8_unit_scales.py tests/test_fp8_deferred_epilogue.py tests/test_fp8_tanh_sigmoid.py tests/test_bf16_tanh_sigmoid.py \
-      tests/test_half_tiles.py tests/test_bf16_cluster_n.py tests/test_m64_tails.py tests/test_jump_stages.py tests/test_fp8_chunk_k_tiles.py
+      tests/test_bf16_cluster_n.py tests/test_m64_tails.py tests/test_jump_stages.py tests/test_fp8_chunk_k_tiles.py
 fi
 if [ "$mode" = suite3 ]; then
   step "GPU suite 3/3" "$OUT/suite3.log" -- "${suite_common[@]}" tests/test_ep_virtual_gpu.py

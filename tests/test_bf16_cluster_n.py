@@ -54,8 +54,7 @@ def test_cluster_n_refusals():
 
     with pytest.raises(ValueError, match="cluster_n must be 1 or 2"):
         GroupedGemmSm90("identity", cluster_n=4)
-    for kw in (dict(activation="swiglu"), dict(activation="identity", cluster_m=2),
-               dict(activation="identity", tile_n=256, half_tiles=True)):
+    for kw in (dict(activation="swiglu"), dict(activation="identity", cluster_m=2)):
         with pytest.raises(ValueError, match="cluster_n = 2 is for the non-gated"):
             GroupedGemmSm90(cluster_n=2, **kw)
     with pytest.raises(ValueError, match="cluster_n = 2 is for the non-gated"):

@@ -51,7 +51,6 @@ from .sm90_megamoe_switches import (  # noqa: F401  (re-exported: the shim reads
     use_bf16_cluster,
     use_bf16_cluster_n,
     use_bf16_tanh_sigmoid,
-    use_half_tiles,
     use_jump_stages,
     use_m64_tails,
     use_wide_gated,
@@ -60,7 +59,7 @@ from .sm90_megamoe_switches import (  # noqa: F401  (re-exported: the shim reads
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 85},
+    "sm90_megamoe": {"DROP_VERSION": 86},
     "sm90_megamoe.fp8_gemm": {"FP8_BLOCK": 128, "OVERLAP_MAX_K_TILES": 32, "OVERLAP_MAX_CHUNK": 16},
     "sm90_megamoe.unit_scales": {"UNIT_SCALE_KC": 8},
     "sm90_megamoe.constants": {
@@ -101,7 +100,7 @@ CONTRACT = DropContract(
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.__init__",
                     ("activation", "n", "k", "num_experts", "scale_rows", "tile_n", "bias_dtype",
                      "raster_m", "swiglu_alpha", "swiglu_limit", "schedule", "compiled", "tvm_ffi",
-                     "early_weights", "gather_a", "cluster_m", "half_tiles", "tanh_sigmoid",
+                     "early_weights", "gather_a", "cluster_m", "tanh_sigmoid",
                      "cluster_n", "m64_tails", "jump_stages")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_converted",
                     ("args", "max_active_ctas", "stream")),
@@ -377,7 +376,6 @@ class GemmKey:
     early_weights: bool = False
     gather_a: bool = False
     cluster_m: int = 1
-    half_tiles: bool = False
     tanh_sigmoid: bool = False
     cluster_n: int = 1
     m64_tails: bool = False
@@ -516,7 +514,7 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
     key = GemmKey(CONSTANTS.value(PKG, "DROP_VERSION"), _C["ABI_VERSION"], _cutlass_version(), "sm_90a",
                   "bf16", activation, n, k, num_experts, bool(scale_rows), tile, bias, raster, alpha, limit,
                   schedule, ffi, early, bool(gather_a), cluster,
-                  use_half_tiles(schedule, tile, gather_a, cluster), use_bf16_tanh_sigmoid(activation),
+                  use_bf16_tanh_sigmoid(activation),
                   use_bf16_cluster_n(schedule, activation in GEMM_GATED, gather_a),
                   use_m64_tails(schedule), use_jump_stages(schedule))
 
@@ -532,8 +530,6 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
             kw.update(cluster_m=key.cluster_m)
         if key.cluster_n > 1:
             kw.update(cluster_n=key.cluster_n)
-        if key.half_tiles:
-            kw.update(half_tiles=True)
         if key.tanh_sigmoid:
             kw.update(tanh_sigmoid=True)
         if key.m64_tails:
@@ -544,7 +540,7 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
             kw.update(swiglu_alpha=alpha, swiglu_limit=limit)
         name = (f"gemm_{activation}" + ("_gather" if gather_a else "")
                 + ("_cluster2" if key.cluster_m > 1 else "") + ("_clustern2" if key.cluster_n > 1 else "")
-                + ("_half" if key.half_tiles else "") + ("_m64t" if key.m64_tails else "")
+                + ("_m64t" if key.m64_tails else "")
                 + ("_js" if key.jump_stages else "")
                 + ("_tanh" if key.tanh_sigmoid else ""))
         fn = disk_cache.get_or_build(cache_namespace(), name, key,

@@ -56,14 +56,6 @@ def use_bf16_cluster_n(schedule: str, gated: bool, gather_a: bool = False) -> in
     return 2 if schedule in ("cooperative", "pingpong") else 1
 
 
-def use_half_tiles(schedule: str, tile: int, gather_a: bool, cluster_m: int) -> bool:
-    """Drop v46 ``half_tiles``: a cooperative tile of <= 64 rows (an expert's last) is split along N
-    between the two warpgroups (tile % 128 == 0, no clusters, no gathering; same bits). Opt-in,
-    ``MOE_EP_HALF_TILES=1``: slower on the H200 (seventeenth session; docs/LIMITS.md)."""
-    return (env_flag("MOE_EP_HALF_TILES", False) and schedule == "cooperative"
-            and tile % 128 == 0 and not gather_a and cluster_m == 1)
-
-
 def use_m64_tails(schedule: str) -> bool:
     """Drop v78 ``m64_tails``: a pingpong tile of <= 64 rows (an expert's last) runs one 64-row WGMMA
     per k-block instead of two (same bits). ``MOE_EP_M64_TAILS=1``. Opt-in: bit-identical on the H200

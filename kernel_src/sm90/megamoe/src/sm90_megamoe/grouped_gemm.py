@@ -55,13 +55,6 @@ Design
   global stores (row < expert end, col < N_out); a warp writes whole 128-byte row segments.
   (``epilogue="direct"`` stores 32-bit pairs straight from registers: ~25% slower at K=768.)
   The producer warp keeps prefetching the next tile's stages meanwhile.
-* ``half_tiles`` (drop v46; cooperative): a tile whose rows all lie in its first 64 (an expert's
-  last m-tile holding <= 64 rows: Qwen3 at 8192 tokens, 67 of 579 m-tiles) is split along N
-  instead of M: both consumers take rows 0-63 and consumer h the columns ``[h bn/2, (h+1) bn/2)``
-  (m64 x bn/2 WGMMAs over the same stage), so such a tile costs half the tensor-core time rather
-  than leaving one warpgroup's WGMMAs on rows past the expert. Same k order per element: the same
-  bits. The producer is unchanged (it still loads the full A and B boxes). Bit-identical on the
-  H200 but slower in the layer (drop v47's note: Qwen3 4-7% back to back): an option, off by default.
 * ``tanh_sigmoid`` (drop v52; swiglu): silu(g) = h + h tanh(h), h = g / 2, with one ``tanh.approx``
   (one MUFU op per output instead of ``ex2`` + ``rcp``: the SwiGLU epilogue is MUFU-bound while the
   tensor pipe waits). Relative error ~2^-11, below the bf16 rounding of the output; not the same bits.
@@ -77,6 +70,8 @@ Design
   stored) and loads half of each stage's A tile by a multicast TMA into both CTAs. Pingpong FC2
   with 128 x 208 tiles and A multicast is what SonicMoE's autotuner picks for Qwen3; here with
   the 128 x 192 tiles of drop v71. Same WGMMAs per tile: the same bits as single CTAs.
+  (Drop v86 removed v46's ``half_tiles``, the cooperative form of a tile of <= 64 rows split along
+  N: bit-identical on the H200 but the layer 4-7% slower, seventeenth session.)
 * ``m64_tails`` (drop v78; pingpong): a tile whose rows all lie in its first 64 (an expert's last
   m-tile holding <= 64 rows: Qwen3 at 8192 tokens, 67 of 579 m-tiles) issues only the first of its
   warpgroup's two 64-row WGMMAs per k-block, over rows 0-63 of the stage's A and the first half of
@@ -211,9 +206,6 @@ class GroupedGemmSm90:
     def ctas_per_cluster(self) -> int:
         """CTAs per cluster: ``cluster_m * cluster_n`` (at most one of them is 2)."""
         return self.cluster_m * self.cluster_n
-    #: drop v46: tiles of <= 64 rows split along N (set in __init__; subclasses with their own
-    #: __init__, e.g. the FP8 GEMM, reuse the epilogue without it)
-    half_tiles = False
     #: drop v52: swiglu's sigmoid from one tanh.approx (set in __init__)
     tanh_sigmoid = False
     #: drop v78: pingpong tiles of <= 64 rows run one 64-row WGMMA per k-block (set in __init__)
@@ -236,7 +228,6 @@ class GroupedGemmSm90:
         epilogue: str = "smem",
         schedule: str = "cooperative",
         cluster_m: int = 1,
-        half_tiles: bool = False,
         tanh_sigmoid: bool = False,
         cluster_n: int = 1,
         m64_tails: bool = False,
@@ -319,19 +310,11 @@ class GroupedGemmSm90:
         self.epi_n = 64 if tile_n % 64 == 0 else tile_n
         self.epi_pad = 8  # row pitch epi_n + 8 elements: conflict-free 32-bit fragment writes
         self.epi_smem_elems = self.tile_m * (self.epi_n + self.epi_pad)
-        # drop v46: tiles of <= 64 rows split along N (module docstring); each half must be whole
-        # epilogue chunks so a chunk's rows come from one warpgroup
-        self.half_tiles = bool(half_tiles)
-        if self.half_tiles and (schedule != "cooperative" or self.cluster_m > 1 or self.gather_a
-                                or epilogue != "smem" or (tile_n // 2) % self.epi_n != 0):
-            raise ValueError(f"half_tiles needs the cooperative schedule without clusters or gathering, the "
-                             f"smem epilogue and tile_n / 2 a multiple of {self.epi_n}; got {schedule!r}, "
-                             f"cluster_m {cluster_m}, epilogue {epilogue!r}, tile_n {tile_n}")
         if cluster_n not in (1, 2):
             raise ValueError(f"cluster_n must be 1 or 2, got {cluster_n}")
-        if cluster_n > 1 and (self.gated or self.wide or self.cluster_m > 1 or self.gather_a or self.half_tiles):
+        if cluster_n > 1 and (self.gated or self.wide or self.cluster_m > 1 or self.gather_a):
             raise ValueError("cluster_n = 2 is for the non-gated TMA kernel's cooperative / pingpong schedules "
-                             "(not gated, not with cluster_m, gather_a or half_tiles)")
+                             "(not gated, not with cluster_m or gather_a)")
         if cluster_n > 1:  # drop v72: the pair's CTAs take A's halves and multicast them
             self.cluster_n = 2
         if m64_tails and not self.pingpong:
@@ -386,8 +369,8 @@ class GroupedGemmSm90:
     ):
         self._check_inputs(mA, mB, mC, mOffsets, mBias)
         setup = self._setup(mA, mB, mOffsets)
-        self._launch(self.kernel(setup[0], setup[1], setup[2], setup[3], mC, mOffsets, mRowScale, mBias, *setup[4:],
-                                 *self.half_args), max_active_ctas, stream)
+        self._launch(self.kernel(setup[0], setup[1], setup[2], setup[3], mC, mOffsets, mRowScale, mBias, *setup[4:]),
+                     max_active_ctas, stream)
 
     def _check_inputs(self, mA, mB, mC, mOffsets, mBias) -> None:
         """The operands' dtypes (compile time; shared by the variants): :func:`check_bf16_operands`."""
@@ -433,21 +416,6 @@ class GroupedGemmSm90:
         if cutlass.const_expr(self.wide):
             b_smem_layout_main = sm90_utils.make_smem_layout_b(
                 b_layout, (self.tile_m, 2 * self.tile_n, self.tile_k), self.ab_dtype, self.num_stages
-            )
-        # half tiles: one warpgroup's m64 x tile_n/2 WGMMA, and B's slots seen as half-slots
-        # (slot j = half-slots 2j, 2j + 1: tile_n/2 rows of 128 bytes, whole 8-row swizzle atoms)
-        self.half_args = (tiled_mma, b_smem_layout)  # unread placeholders without half tiles
-        if cutlass.const_expr(self.half_tiles):
-            self.half_args = (
-                sm90_utils.make_trivial_tiled_mma(
-                    self.ab_dtype, self.ab_dtype, LayoutEnum.from_tensor(mA).sm90_mma_major_mode(),
-                    b_layout.sm90_mma_major_mode(), self.acc_dtype, (1, 1, 1),
-                    tiler_mn=(64, self.tile_n // 2),
-                ),
-                sm90_utils.make_smem_layout_b(
-                    b_layout, (self.tile_m, self.tile_n // 2, self.tile_k), self.ab_dtype,
-                    self.num_stages * self.num_b * 2,
-                ),
             )
         # cute.struct reads a class's annotations: build the class from the field table
         self.shared_storage = cute.struct(type("SharedStorage", (), {
@@ -555,11 +523,9 @@ class GroupedGemmSm90:
         a_smem_layout: cute.ComposedLayout,
         b_smem_layout: cute.ComposedLayout,
         b_smem_layout_main: cute.ComposedLayout,
-        tiled_mma_half: cute.TiledMma,
-        b_smem_layout_half: cute.ComposedLayout,
     ):
         self._body(tma_atom_a, mA_tma, tma_atom_b, mB_tma, mC, mOffsets, mRowScale, mBias, tiled_mma, tiled_mma_epi,
-                   a_smem_layout, b_smem_layout, b_smem_layout_main, half=(tiled_mma_half, b_smem_layout_half))
+                   a_smem_layout, b_smem_layout, b_smem_layout_main)
 
     @cute.jit
     def _body(
@@ -578,7 +544,6 @@ class GroupedGemmSm90:
         b_smem_layout: cute.ComposedLayout,
         b_smem_layout_main: cute.ComposedLayout,
         gather=None,
-        half=None,
     ):
         """The kernel (traced inline into each variant's ``@cute.kernel``). ``gather``: ``(mA,
         mIdx)`` for the gathering variant (``self.gather_a``, :mod:`.grouped_gemm_gather`): grouped
@@ -776,25 +741,6 @@ class GroupedGemmSm90:
             else:
                 tCcC = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
             n_elems = cute.size(accs[0])
-            # half tiles: rows 0-63 of A for both warpgroups, warpgroup h's half-slot of B, and
-            # the first half of each accumulator (columns < tile_n/2 in the WGMMA's element order)
-            wg_half = warp_group_idx - 1
-            half_frags = None
-            if cutlass.const_expr(self.half_tiles):
-                tiled_mma_h, b_smem_layout_h = half
-                thr_mma_h = tiled_mma_h.get_slice(mma_tidx % self.threads_per_wg)
-                sB_h = storage.sB.get_tensor(b_smem_layout_h.outer, swizzle=b_smem_layout_h.inner)
-                acc_shape_h = tiled_mma_h.partition_shape_C((64, self.tile_n // 2))
-                assert cute.size(acc_shape_h) * 2 == n_elems, (acc_shape_h, n_elems)
-                half_frags = (
-                    tiled_mma_h,
-                    # rows 0-63 of every stage's A
-                    tiled_mma_h.make_fragment_A(thr_mma_h.partition_A(
-                        cute.local_tile(sA, (self.tile_m // 2, self.tile_k, self.num_stages), (0, 0, 0)))),
-                    tiled_mma_h.make_fragment_B(thr_mma_h.partition_B(sB_h)),
-                    [cute.make_tensor(accs[h].iterator, cute.make_layout(acc_shape_h))
-                     for h in range(self.num_b)],
-                )
             # m64 tails: rows 0-63 of every stage's A and the first half of each accumulator (its
             # 64-row block 0: the accumulator is compact with M_rep = 2 the slower mode)
             tCrA_top = tCrA
@@ -858,27 +804,7 @@ class GroupedGemmSm90:
                 else:
                     for h in cutlass.range_constexpr(self.num_b):
                         accs[h].fill(0.0)
-                half_tile = False  # drop v46: all the tile's rows in its first 64 -> split along N
-                row_shift = cutlass.Int32(0)  # rows of this warpgroup's accumulator above its tile row
-                if cutlass.const_expr(self.half_tiles):
-                    half_tile = row_end - row0 <= self.tile_m // 2
-                    if half_tile:
-                        read_state, release_state = self._mainloop_half(
-                            ab_pipeline, read_state, release_state, half_frags, wg_half, k_tiles
-                        )
-                        # warpgroup 1's columns to where the cooperative epilogue expects them (its
-                        # rows sit 64 below the tile's there: row_shift)
-                        if wg_half == 1:
-                            for h in cutlass.range_constexpr(self.num_b):
-                                for i in cutlass.range_constexpr(n_elems // 2):
-                                    accs[h][n_elems // 2 + i] = accs[h][i]
-                        row_shift = wg_half * (self.tile_m // 2)
-                    else:
-                        read_state, release_state, tiled_mma = self._mainloop(
-                            ab_pipeline, read_state, release_state, tiled_mma, accs, acc_wide, tCrA, tCrB,
-                            num_k_blocks, k_tiles, order_next, tile_id + unit_step < total_tiles,
-                        )
-                elif cutlass.const_expr(self.m64_tails):
+                if cutlass.const_expr(self.m64_tails):
                     if row_end - row0 <= self.tile_m // 2:  # drop v78: rows 0-63 only
                         read_state, release_state, tiled_mma = self._mainloop(
                             ab_pipeline, read_state, release_state, tiled_mma, accs_top, acc_wide, tCrA_top,
@@ -902,10 +828,10 @@ class GroupedGemmSm90:
                 # ---------------- epilogue: bias, activation, row scale, masked bf16 stores
                 rows_left = row_end - row0
                 col0 = n_tile * self.tile_n
-                self._activate(accs, tCcC, mRowScale, mBias, expert, row0, rows_left, col0, n_elems, row_shift)
+                self._activate(accs, tCcC, mRowScale, mBias, expert, row0, rows_left, col0, n_elems)
                 if cutlass.const_expr(self.epilogue == "smem"):
                     self._epilogue(
-                        accs, tCsC, sC, mC, row0, rows_left, col0, mma_tidx, epi_barrier, half_tile,
+                        accs, tCsC, sC, mC, row0, rows_left, col0, mma_tidx, epi_barrier,
                     )
                 else:
                     gC = cute.local_tile(
@@ -971,45 +897,6 @@ class GroupedGemmSm90:
         return read_state, release_state, tiled_mma
 
     @cute.jit
-    def _mainloop_half(self, ab_pipeline, read_state, release_state, half_frags, wg_half, k_tiles: cutlass.Constexpr):
-        """A half tile's mainloop (drop v46): warpgroup ``wg_half`` multiplies rows 0-63 of each
-        stage's A by its half-slot of B (gated: of the gate and of the up slot) into the first half
-        of its accumulators. Both warpgroups still release every stage. Returns the two states."""
-        tiled_mma_h, tCrA_h, tCrB_h, accs_h = half_frags
-        num_k_blocks = cute.size(tCrA_h, mode=[2])
-        tiled_mma_h.set(warpgroup.Field.ACCUMULATE, True)
-        warpgroup.fence()
-        ab_pipeline.consumer_wait(read_state)
-        self._mma_k_tile_half(tiled_mma_h, accs_h, tCrA_h, tCrB_h, read_state.index, wg_half, num_k_blocks)
-        warpgroup.commit_group()
-        read_state.advance()
-        for k_tile in range(1, k_tiles):
-            ab_pipeline.consumer_wait(read_state)
-            self._mma_k_tile_half(tiled_mma_h, accs_h, tCrA_h, tCrB_h, read_state.index, wg_half, num_k_blocks)
-            warpgroup.commit_group()
-            warpgroup.wait_group(1)
-            ab_pipeline.consumer_release(release_state)
-            release_state.advance()
-            read_state.advance()
-        warpgroup.wait_group(0)
-        ab_pipeline.consumer_release(release_state)
-        release_state.advance()
-        return read_state, release_state
-
-    def _mma_k_tile_half(self, tiled_mma_h, accs_h, tCrA_h, tCrB_h, stage, wg_half, num_k_blocks: cutlass.Constexpr):
-        """A half tile's WGMMAs of one k-tile: A rows 0-63 (m-block 0), B half-slot
-        ``2 (stage num_b + h) + wg_half`` for accumulator ``h``."""
-        for kb in range(num_k_blocks):
-            for h in range(self.num_b):
-                cute.gemm(
-                    tiled_mma_h,
-                    accs_h[h],
-                    tCrA_h[(None, None, kb, stage)],
-                    tCrB_h[(None, None, kb, (stage * self.num_b + h) * 2 + wg_half)],
-                    accs_h[h],
-                )
-
-    @cute.jit
     def _activate(
         self,
         accs,
@@ -1021,10 +908,8 @@ class GroupedGemmSm90:
         rows_left: cutlass.Int32,
         col0: cutlass.Int32,
         n_elems: cutlass.Constexpr,
-        row_shift: cutlass.Int32 = 0,
     ):
-        """acc0 <- act(acc0 + bias (, acc1 + up bias)) * row_scale, in fp32 registers.
-        ``row_shift``: a half tile's warpgroup 1 holds tile row r at accumulator row r + 64."""
+        """acc0 <- act(acc0 + bias (, acc1 + up bias)) * row_scale, in fp32 registers."""
         acc0 = accs[0]
         if cutlass.const_expr(self.has_bias):
             # clamp the column so the ragged last tile's loads stay in bounds (those columns are
@@ -1061,7 +946,7 @@ class GroupedGemmSm90:
             # A thread owns only a few distinct rows; clamping keeps every load in bounds and
             # branch free, so the compiler merges the loads of one row (no stores in between).
             for i in cutlass.range_constexpr(n_elems):
-                r = cutlass.min(tCcC[i][0] - row_shift, rows_left - 1)
+                r = cutlass.min(tCcC[i][0], rows_left - 1)
                 acc0[i] = acc0[i] * mRowScale[row0 + r]
 
     @cute.jit
@@ -1076,12 +961,9 @@ class GroupedGemmSm90:
         col0: cutlass.Int32,
         mma_tidx: cutlass.Int32,
         epi_barrier,
-        half_tile=False,
     ):
         """Stage the tile through smem in epi_n-column chunks and store its rows below
-        ``rows_left``. ``half_tile`` (drop v46): the tile has rows 0-63 only; for the first tile_n/2
-        columns they are staged in rows 0-63 (warpgroup 0's accumulators), for the last tile_n/2
-        in rows 64-127 (warpgroup 1's), which store to tile rows 0-63."""
+        ``rows_left``."""
         acc0 = accs[0]
         rC = cute.make_rmem_tensor(acc0.shape, self.c_dtype)
         rC.store(acc0.load().to(self.c_dtype))
@@ -1116,18 +998,13 @@ class GroupedGemmSm90:
                 row = v // vec_per_row
                 cv = v % vec_per_row
                 col = col0 + c * self.epi_n + cv * 8
-                srow = row  # the staging row; ``row`` becomes the tile row it holds
                 pred = row < rows_left
-                if cutlass.const_expr(self.half_tiles and c * self.epi_n >= self.tile_n // 2):
-                    if half_tile:  # warpgroup 1's staging rows 64-127 hold tile rows 0-63
-                        row = row - self.tile_m // 2
-                        pred = row < rows_left and row >= 0
                 if cutlass.const_expr(not self.n_out_divisible):
                     pred = pred and col < n_out
                 if pred:
                     s_ptr = cute.make_ptr(
                         self.c_dtype,
-                        s_base + (srow * pitch + cv * 8) * 2,
+                        s_base + (row * pitch + cv * 8) * 2,
                         cute.AddressSpace.smem,
                         assumed_align=16,
                     )

@@ -101,7 +101,7 @@ def check(fn: CompiledGroupedGemm, m_total, n, k, experts, activation, routing, 
 def same_bits(fns, m_total, n, k, experts, activation, routing, scale_rows, seed, bias_dtype=None) -> list[bool]:
     """Run every kernel of ``fns`` (the first the baseline) on one set of fresh inputs, each into its
     own NaN-poisoned output; per later kernel: bit-identical to the first and NaN-free. Shared by
-    the variant comparisons (--wide, --cluster, --pingpong / --cluster-n, --half-tiles)."""
+    the variant comparisons (--wide, --cluster, --pingpong / --cluster-n)."""
     a, b, offs, rs, bias = make_inputs(m_total, n, k, experts, activation, routing, scale_rows, seed=seed,
                                        bias_dtype=bias_dtype)
     n_out = n // 2 if activation in GATED_ACTIVATIONS else n
@@ -372,31 +372,6 @@ def gemm_variants(models, variants, tag, iters=20) -> bool:
     return ok
 
 
-def half_tiles(models, iters=20) -> bool:
-    """Drop v46: tiles of <= 64 rows split along N (``half_tiles``) against the plain cooperative
-    kernel on --model's FC1 and FC2 shapes: the same bits (NaN-poisoned outputs) on a layer's routing
-    (topk8), skewed, few and one rows, the float reference, then both timed on topk8, interleaved
-    twice (torch._grouped_mm beside)."""
-    ok = True
-    for name in models:
-        n1, k1, e, m, act, bias = WIDE_SHAPES[name]
-        for n, k, a_, sr, bd in ((n1, k1, act, False, bias), (k1, n1 // 2, "identity", True, None)):
-            t = time.time()
-            fns = {h: get_grouped_gemm(a_, n, k, e, scale_rows=sr, bias_dtype=bd, half_tiles=h) for h in (False, True)}
-            print(f"[half] {name} {a_} N={n} K={k}: compiled both in {time.time() - t:.1f}s", flush=True)
-            for m_, routing, seed in ((m, "topk8", 1), (4133, "skewed", 2), (300, "skewed", 4), (1, "skewed", 3),
-                                      (64 * e, "uniform", 5)):
-                [same] = same_bits((fns[False], fns[True]), m_, n, k, e, a_, routing, sr, seed, bd)
-                ok &= same
-                print(f"[half] {name} {a_} M={m_} {routing}: bit-identical to whole tiles={same}", flush=True)
-            ok &= check(fns[True], 5003, n, k, e, a_, "skewed", sr)
-            for _ in range(2):
-                for h in (False, True):
-                    print(f"[half] half_tiles={h}", flush=True)
-                    bench(fns[h], m, n, k, e, a_, "topk8", sr, iters=iters)
-    return ok
-
-
 def tanh_sigmoid(models, iters=20) -> bool:
     """Drop v52: swiglu's sigmoid from one ``tanh.approx`` (``tanh_sigmoid``) against ``ex2`` + ``rcp``
     on --model's FC1 shapes (schedule wide, as the layer runs them): both against the fp32
@@ -545,8 +520,6 @@ def main():
     p.add_argument("--jump-stages", action="store_true",
                    help="pingpong skipping the other warpgroup's stages in one step (drop v79) vs unrolled, "
                         "alone and with m64_tails, on --model's FC1 and FC2 shapes")
-    p.add_argument("--half-tiles", action="store_true",
-                   help="tiles of <= 64 rows split along N vs whole tiles on --model's FC1 and FC2 shapes")
     p.add_argument("--tanh-sigmoid", action="store_true",
                    help="swiglu's sigmoid by tanh.approx vs ex2 + rcp on --model's FC1 shapes (drop v52)")
     p.add_argument("--gather", action="store_true",
@@ -565,8 +538,6 @@ def main():
     if args.pingpong or args.cluster_n or args.m64_tails or args.jump_stages:
         tag = next(t for t in GEMM_VARIANTS if getattr(args, t))
         raise SystemExit(0 if gemm_variants(args.model.split(","), GEMM_VARIANTS[tag], tag) else 1)
-    if args.half_tiles:
-        raise SystemExit(0 if half_tiles(args.model.split(",")) else 1)
     if args.tanh_sigmoid:
         raise SystemExit(0 if tanh_sigmoid(args.model.split(",")) else 1)
     if args.gather:

@@ -126,8 +126,8 @@ class CompiledGroupedGemm:
                  swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
                  schedule: str = "cooperative", compiled=None, tvm_ffi: bool = False,
                  early_weights: bool = False, gather_a: bool = False, cluster_m: int = 1,
-                 half_tiles: bool = False, tanh_sigmoid: bool = False,
-                 cluster_n: int = 1, m64_tails: bool = False, jump_stages: bool = False):
+                 tanh_sigmoid: bool = False, cluster_n: int = 1, m64_tails: bool = False,
+                 jump_stages: bool = False):
         """``compiled``: this variant's kernel compiled earlier (e.g. loaded from an exported
         object file, ``cute.runtime.load_module``); None compiles it here (sm_90a).
         ``tvm_ffi``: compile for (and launch through) TVM-FFI: :meth:`launch_tensors`.
@@ -140,8 +140,6 @@ class CompiledGroupedGemm:
         ``cluster_m`` = 2 (cooperative / wide; drop v29): clusters of 2 CTAs computing an m-tile pair
         and multicasting B's halves; a call launches at most :func:`cluster_ctas` CTAs (worked out
         when constructed with a GPU).
-        ``half_tiles`` (cooperative, no clusters, no gathering, tile_n % 128 == 0; drop v46): tiles of
-        <= 64 rows split along N (:class:`GroupedGemmSm90`).
         ``tanh_sigmoid`` (swiglu, every schedule; drop v52): the sigmoid from one ``tanh.approx``.
         ``cluster_n`` = 2 (non-gated, cooperative / pingpong; drop v72): clusters of 2 CTAs computing
         an n-tile pair and multicasting A's halves; the grid is clamped as for ``cluster_m``.
@@ -179,7 +177,6 @@ class CompiledGroupedGemm:
                                           swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
                                           schedule=schedule,
                                           **({"cluster_m": cluster_m} if cluster_m > 1 else {}),
-                                          **({"half_tiles": True} if half_tiles else {}),
                                           **({"tanh_sigmoid": True} if tanh_sigmoid else {}),
                                           **({"cluster_n": cluster_n} if cluster_n > 1 else {}),
                                           **({"m64_tails": True} if m64_tails else {}),
@@ -192,7 +189,6 @@ class CompiledGroupedGemm:
         # the grid of a clustered launch, worked out here (not while a CUDA graph is captured)
         self._max_ctas = cluster_ctas(self.cluster) if self.cluster > 1 and torch.cuda.is_available() else None
         self.gather_a = bool(gather_a)
-        self.half_tiles = bool(half_tiles)
         self.tanh_sigmoid = bool(tanh_sigmoid)
         self.m64_tails = bool(m64_tails)
         self.jump_stages = bool(jump_stages)
@@ -348,7 +344,7 @@ def get_grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_ro
                      epilogue: str = "smem", bias_dtype: Optional[str] = None,
                      raster_m: Optional[int] = None, swiglu_alpha: float = 1.702,
                      swiglu_limit: float = 7.0, schedule: str = "cooperative",
-                     tvm_ffi: bool = False, cluster_m: int = 1, half_tiles: bool = False,
+                     tvm_ffi: bool = False, cluster_m: int = 1,
                      tanh_sigmoid: bool = False, cluster_n: int = 1, m64_tails: bool = False,
                      jump_stages: bool = False) -> CompiledGroupedGemm:
     """Cached compile. Key: everything static; routing and M_total are runtime."""
@@ -357,13 +353,13 @@ def get_grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_ro
     key = (ABI_VERSION, DROP_VERSION, cutlass.__version__ if hasattr(cutlass, "__version__") else "",
            activation, n, k, num_experts, bool(scale_rows), tile_n, num_stages, epilogue, bias_dtype,
            raster_m, float(swiglu_alpha), float(swiglu_limit), schedule, bool(tvm_ffi), "sm_90a", int(cluster_m),
-           bool(half_tiles), bool(tanh_sigmoid), int(cluster_n), bool(m64_tails), bool(jump_stages))
+           bool(tanh_sigmoid), int(cluster_n), bool(m64_tails), bool(jump_stages))
     fn = _CACHE.get(key)
     if fn is None:
         fn = CompiledGroupedGemm(activation, n, k, num_experts, scale_rows, tile_n, num_stages,
                                  epilogue, bias_dtype=bias_dtype, raster_m=raster_m,
                                  swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
-                                 schedule=schedule, tvm_ffi=tvm_ffi, cluster_m=cluster_m, half_tiles=half_tiles,
+                                 schedule=schedule, tvm_ffi=tvm_ffi, cluster_m=cluster_m,
                                  tanh_sigmoid=tanh_sigmoid, cluster_n=cluster_n, m64_tails=m64_tails,
                                  jump_stages=jump_stages)
         _CACHE[key] = fn
