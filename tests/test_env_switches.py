@@ -65,7 +65,6 @@ SWITCHES = [
     ("MOE_EP_FP8_WIRE", fb.fp8_wire, False),
     ("MOE_EP_FP8_FUSED_GATHER", fb.fused_gather_quant, True),
     ("MOE_EP_FP8_SCATTER_QUANT", fb.scatter_quant, True),
-    ("MOE_EP_FP8_GATHER_FC1", fb.gather_fc1, False),
 ]
 
 
@@ -104,7 +103,7 @@ def test_switches_with_more_values(monkeypatch):
 
 @pytest.mark.parametrize("var", sorted(env.REMOVED))
 def test_removed_switches_raise_where_kernels_are_built(monkeypatch, var):
-    """Drops v84-v86 removed the variants behind these switches (measured slower or no faster on the
+    """Drops v84-v87 removed the variants behind these switches (measured slower or no faster on the
     H200): set to anything but their old default, both SM90 GEMM builders (BF16 and FP8) refuse with a
     ValueError naming the variable and the drop version -- before any compile -- instead of quietly
     building the default; their old default and unset build as before."""
@@ -112,12 +111,12 @@ def test_removed_switches_raise_where_kernels_are_built(monkeypatch, var):
     for var_ in env.REMOVED:
         monkeypatch.delenv(var_, raising=False)
     monkeypatch.setenv(var, "4" if default == "1" else "1")
-    with pytest.raises(ValueError, match=rf"{var}='.': drop v8[4-6] removed"):
+    with pytest.raises(ValueError, match=rf"{var}='.': drop v8[4-7] removed"):
         s.compiled_grouped_gemm("swiglu", 1536, 2048, 128, gather_a=True)
-    with pytest.raises(ValueError, match=rf"{var}='.': drop v8[4-6] removed"):
-        f._gemm_key("swiglu", 1536, 2048, 128, False, False)
+    with pytest.raises(ValueError, match=rf"{var}='.': drop v8[4-7] removed"):
+        f._gemm_key("swiglu", 1536, 2048, 128, False)
     monkeypatch.setenv(var, default)
     env.check_removed()
     monkeypatch.delenv(var)
     env.check_removed()
-    assert f._gemm_key("swiglu", 1536, 2048, 128, False, False).cluster_n == 2
+    assert f._gemm_key("swiglu", 1536, 2048, 128, False).cluster_n == 2

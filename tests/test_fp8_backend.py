@@ -283,12 +283,11 @@ def test_local_route_is_bit_identical_fp8(monkeypatch, T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("switch", ["MOE_EP_FP8_WIDE_GATED", "MOE_EP_FP8_GATHER_FC1", "MOE_EP_FP8_SCATTER_QUANT",
+@pytest.mark.parametrize("switch", ["MOE_EP_FP8_WIDE_GATED", "MOE_EP_FP8_SCATTER_QUANT",
                                     "MOE_EP_FP8_CLUSTER", "MOE_EP_FP8_DEFERRED_EPILOGUE"])
 @pytest.mark.parametrize("T", [1, 700])
 def test_fp8_fc1_variants_are_bit_identical(monkeypatch, T, switch):
-    """Drop v21's MOE_EP_FP8_WIDE_GATED=1 (one m64n128 gate+up WGMMA); drop v22's
-    MOE_EP_FP8_GATHER_FC1=1 (the tokens quantised once, FC1 gathering them by idx); drop v25's
+    """Drop v21's MOE_EP_FP8_WIDE_GATED=1 (one m64n128 gate+up WGMMA); drop v25's
     MOE_EP_FP8_SCATTER_QUANT=1 (each token quantised once, stored in its grouped rows); drop v28's
     MOE_EP_FP8_CLUSTER=1 (both GEMMs in clusters of 2 CTAs multicasting A); drop v48's
     MOE_EP_FP8_DEFERRED_EPILOGUE=1 (each GEMM stores a tile under the next tile's first k-tile): the
@@ -297,9 +296,7 @@ def test_fp8_fc1_variants_are_bit_identical(monkeypatch, T, switch):
         pytest.skip("needs an SM90 GPU")
 
     def check(impl, on):
-        if switch == "MOE_EP_FP8_GATHER_FC1":  # one rank, LocalRoute (the defaults)
-            assert impl.gather_fc1 == on and impl.fc1.gather_a == on
-        elif switch == "MOE_EP_FP8_SCATTER_QUANT":  # drop v25: each token quantised once into its rows
+        if switch == "MOE_EP_FP8_SCATTER_QUANT":  # drop v25: each token quantised once into its rows
             assert impl.scatter_quant == on and impl.quant_x.scatter_topk == (8 if on else 0)
         elif switch == "MOE_EP_FP8_CLUSTER":  # drop v28: Qwen3's FC1 (12 n-tiles) and FC2 (16) pair up
             assert impl.fc1.cluster_n == impl.fc2.cluster_n == (2 if on else 1)
@@ -324,7 +321,7 @@ class _RecLauncher:
         self.calls.append((self.name, a, k))
 
     def prepare(self, *a, **k):
-        if self.kind == "gemm":  # prepare(a, a_scale, offsets, out, row_scale, ctas, idx=)
+        if self.kind == "gemm":  # prepare(a, a_scale, offsets, out, row_scale, ctas)
             a_, s_, off, out, rs, ctas = a
             kw = {"out": out, "row_scale": rs, "max_active_ctas": ctas,
                   **{n: v for n, v in k.items() if v is not None}}
@@ -334,7 +331,7 @@ class _RecLauncher:
         return lambda x: self.calls.append((self.name, (x, q, sc), dict(fixed)))
 
 
-def _recorded_steps(calls, *, fused, route, scatter=False, gather_fc1=False):
+def _recorded_steps(calls, *, fused, route, scatter=False):
     """An FP8 backend with recording stand-ins for every launcher (no kernel runs), run through
     steps 1-4: returns (backend, its buffers by name, x, ids, w, w13, w2); ``calls`` gets
     (name, args, kwargs) per launch in order."""
@@ -350,7 +347,7 @@ def _recorded_steps(calls, *, fused, route, scatter=False, gather_fc1=False):
                                       "hq_scale", "y", "rows", "recv_x", "recv_count", "count")}
     x, ids, w = torch.zeros(3, 4), torch.zeros(3, 2, dtype=torch.int32), torch.zeros(3, 2)
     b.fused_gather, b.scatter_quant, b.local_route, b.token_grid, b._routing = fused, scatter, route, False, None
-    b.gather_fc1, b.fp8_wire = gather_fc1, False
+    b.fp8_wire = False
     b.fc1_decode, b.local_combine = None, False
     b.fc1, b.fc2 = _RecLauncher(calls, "fc1", "gemm"), _RecLauncher(calls, "fc2", "gemm")
     b.layout = rec_layout(calls)
@@ -360,8 +357,6 @@ def _recorded_steps(calls, *, fused, route, scatter=False, gather_fc1=False):
                            dispatch=rec("dispatch"))
     for n in ("offsets", "idx", "ws_rows", "pos", "xs", "xq", "xq_scale", "h", "hq", "hq_scale", "y"):
         setattr(b, n, t[n])
-    if gather_fc1:
-        b.xq_tok, b.xq_tok_scale, b._tok_count = torch.zeros(5, 4), torch.zeros(5, 1), t["count"]
     b._rows, b.num_ctas, b.dims = t["rows"], 7, SimpleNamespace(max_tokens=1024)
     b._prepare_launches()  # what bind does once the buffers are set
     w13, w2 = SimpleNamespace(values="v13", scale="s13"), SimpleNamespace(values="v2", scale="s2")
@@ -414,22 +409,6 @@ def test_scatter_quant_wiring_on_cpu(route):
     assert qa == ((x if route else t["recv_x"]), t["xq"], t["xq_scale"])
     assert qk == {"pos": t["pos"], "recv_count": t["recv_count"], "t_max": 1024}
     assert calls[names.index("fc1")][1][:2] == (t["xq"], t["xq_scale"])
-
-
-def test_gather_fc1_wiring_on_cpu():
-    """MOE_EP_FP8_GATHER_FC1=1 (one rank, LocalRoute): step 2 writes no grouped rows, step 3
-    quantises the caller's T tokens (counted, no idx) into the layer's token buffers and FC1 reads
-    them through idx; FC2 as usual (recorded, no kernel runs)."""
-    calls = []
-    b, t, x, _, _, _, _ = _recorded_steps(calls, fused=True, route=True, gather_fc1=True)
-    assert [c[0] for c in calls] == ["route", "quant_x", "fc1", "quant_h", "fc2"]
-    assert calls[0][1][-1] is None  # no grouped BF16 rows
-    (qa, qk), (fa, fk) = calls[1][1:], calls[2][1:]
-    assert qa[0] is x and qa[1].shape == (3, 4) and qa[1].data_ptr() == b.xq_tok.data_ptr()
-    assert qa[2].shape == (3, 1) and qk == {"count": t["count"]}
-    assert fa[0] is qa[1] and fa[1] is qa[2] and fa[2:5] == ("v13", "s13", t["offsets"])
-    assert fk["idx"] is t["idx"] and fk["out"] is t["h"]
-    assert calls[4][1][:2] == (t["hq"], t["hq_scale"]) and calls[4][2]["out"] is t["y"]
 
 
 @pytest.mark.parametrize("local", [False, True])

@@ -66,19 +66,14 @@ def test_single_cta_kernel_has_no_cluster_code():
 
 
 def test_cluster_refusals():
-    from sm90_megamoe.fp8_gather import Fp8GatherGroupedGemmSm90
     from sm90_megamoe.fp8_launch import CompiledFp8Gemm
     from sm90_megamoe.fp8_runner import compile_variant
 
     for bad in (4, 8):  # drop v84 removed clusters of 4
         with pytest.raises(ValueError, match="cluster_n must be 1 or 2"):
             Fp8BlockScaledGroupedGemmSm90("identity", cluster_n=bad)
-    with pytest.raises(ValueError, match="cluster_n > 1 is for the plain TMA kernel"):
-        Fp8GatherGroupedGemmSm90("swiglu", cluster_n=2)
     with pytest.raises(ValueError, match="multiple of 2 n-tiles"):  # N 384: 3 n-tiles of 128
         compile_variant("identity", 384, 256, 4, False, cluster_n=2)
-    with pytest.raises(ValueError, match="does not combine with gather_a"):
-        CompiledFp8Gemm("swiglu", 1536, 2048, 8, gather_a=True, cluster_n=2)
     with pytest.raises(ValueError, match="cluster_n must be 1 or 2"):
         CompiledFp8Gemm("identity", 2048, 768, 8, cluster_n=4)
 
@@ -110,7 +105,6 @@ def test_shim_switch_and_key(monkeypatch):
     assert s.use_fp8_cluster("identity", 384, 256) == 1
     assert s._key("gemm", "identity", 2048, 768, 128, True).cluster_n == 2
     # the gathering kernel and the quantisers stay single-CTA
-    assert s._key("gemm", "swiglu", 1536, 2048, 128, False, gather_a=True).cluster_n == 1
     assert s._key("quantize", "", 0, 2048, 0, False).cluster_n == 1
     monkeypatch.setenv("MOE_EP_FP8_CLUSTER", "0")          # forced off
     assert s.use_fp8_cluster("identity", 4096, 14336) == 1

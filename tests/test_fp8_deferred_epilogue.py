@@ -75,21 +75,21 @@ def test_shim_switch_and_key(monkeypatch):
     monkeypatch.delenv("MOE_EP_FP8_DEFERRED_EPILOGUE", raising=False)
     # default: short K only (nineteenth session, at the 700 W cap: Qwen3 FC2, K 768, 1.058x; K 2048
     # and 4096 slower)
-    assert s._gemm_key("identity", 2048, 768, 128, True, False).deferred_epilogue
-    assert s._gemm_key("identity", 2048, 1024, 128, True, False).deferred_epilogue
-    assert not s._gemm_key("swiglu", 1536, 2048, 128, False, False).deferred_epilogue
-    assert not s._gemm_key("swiglu", 28672, 4096, 8, False, False).deferred_epilogue
+    assert s._gemm_key("identity", 2048, 768, 128, True).deferred_epilogue
+    assert s._gemm_key("identity", 2048, 1024, 128, True).deferred_epilogue
+    assert not s._gemm_key("swiglu", 1536, 2048, 128, False).deferred_epilogue
+    assert not s._gemm_key("swiglu", 28672, 4096, 8, False).deferred_epilogue
     monkeypatch.setenv("MOE_EP_FP8_DEFERRED_EPILOGUE", "0")
-    assert not s._gemm_key("identity", 2048, 768, 128, True, False).deferred_epilogue
+    assert not s._gemm_key("identity", 2048, 768, 128, True).deferred_epilogue
     monkeypatch.setenv("MOE_EP_FP8_DEFERRED_EPILOGUE", "1")
-    assert s._gemm_key("swiglu", 1536, 2048, 128, False, False).deferred_epilogue
-    assert s._gemm_key("identity", 2048, 768, 128, True, False).deferred_epilogue
-    assert s._gemm_key("swiglu", 28672, 4096, 8, False, False).deferred_epilogue
+    assert s._gemm_key("swiglu", 1536, 2048, 128, False).deferred_epilogue
+    assert s._gemm_key("identity", 2048, 768, 128, True).deferred_epilogue
+    assert s._gemm_key("swiglu", 28672, 4096, 8, False).deferred_epilogue
     # never where the kernel cannot: the chunked schedule, the plain schedule, the quantisers
-    assert not s._gemm_key("identity", 4096, 14336, 8, True, False).deferred_epilogue
+    assert not s._gemm_key("identity", 4096, 14336, 8, True).deferred_epilogue
     assert not s._key("gemm", "identity", 2048, 768, 128, True, 16, False).deferred_epilogue
     assert not s._key("quantize", "", 0, 2048, 0, False).deferred_epilogue
-    assert s._gemm_options(s._gemm_key("identity", 2048, 768, 128, True, False))["deferred_epilogue"]
+    assert s._gemm_options(s._gemm_key("identity", 2048, 768, 128, True))["deferred_epilogue"]
 
 
 # ---------------------------------------------------------------------------- GPU

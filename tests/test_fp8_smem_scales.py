@@ -132,14 +132,9 @@ def test_global_scale_kernel_is_unchanged():
 
 
 def test_smem_scales_refusals():
-    from sm90_megamoe.fp8_gather import Fp8GatherGroupedGemmSm90
     from sm90_megamoe.fp8_gemm import Fp8BlockScaledGroupedGemmSm90
     from sm90_megamoe.fp8_launch import CompiledFp8Gemm
 
-    with pytest.raises(ValueError, match="smem_scales is for the TMA producer"):
-        Fp8GatherGroupedGemmSm90("swiglu", smem_scales=True)
-    with pytest.raises(ValueError, match="smem_scales does not combine with gather_a"):
-        CompiledFp8Gemm("swiglu", 1536, 2048, 8, gather_a=True, smem_scales=True)
     with pytest.raises(ValueError, match="scale_warp needs smem_scales"):
         Fp8BlockScaledGroupedGemmSm90("identity", scale_warp=True)
     with pytest.raises(ValueError, match="scale_warp needs smem_scales"):
@@ -175,9 +170,7 @@ def test_shim_switch_and_key(monkeypatch):
         assert s.use_fp8_smem_scales(False, 768) is False  # never on the plain schedule
         assert s._key("gemm", "identity", 4096, 14336, 8, True, overlap_promotion=True).smem_scales is on
         assert s._key("gemm", "identity", 4096, 14336, 8, True, overlap_promotion=False).smem_scales is False
-        # the gathering FC1 has its own producer, the quantisers no scales to stage
-        assert s._key("gemm", "swiglu", 1536, 2048, 128, False, overlap_promotion=True,
-                      gather_a=True).smem_scales is False
+        # the quantisers have no scales to stage
         assert s._key("quantize", "", 0, 2048, 0, False).smem_scales is False
     # drop v35's scale warp: by default only for FC2 past K = 2048, forced by the switch, and only
     # where scales are staged
@@ -197,9 +190,9 @@ def test_shim_fp8_raster_switch(monkeypatch):
     from moe_ep.shim.drops import sm90_megamoe_fp8 as s
 
     monkeypatch.delenv("MOE_EP_FP8_RASTER_M", raising=False)
-    fc2 = lambda: s._gemm_key("identity", 4096, 14336, 8, True, False)  # noqa: E731
+    fc2 = lambda: s._gemm_key("identity", 4096, 14336, 8, True)  # noqa: E731
     assert fc2().raster_m == 13 == (24 << 20) // (128 * 14336)
-    assert s._gemm_key("swiglu", 28672, 4096, 8, False, False).raster_m == 16
+    assert s._gemm_key("swiglu", 28672, 4096, 8, False).raster_m == 16
     monkeypatch.setenv("MOE_EP_FP8_RASTER_M", "16")
     assert fc2().raster_m == 16 and s._gemm_options(fc2())["raster_m"] == 16
     for bad in ("0", "65", "x"):

@@ -54,14 +54,14 @@ def _variant_ptx(variant: str, tanh: bool) -> str:
     from sm90_megamoe.fp8_runner import compile_variant
 
     _, compiled = compile_variant("swiglu", 1536, 2048, 128, False, raster_m=16, overlap_promotion=True,
-                                  wide_gated=True, tanh_sigmoid=tanh, **{variant: True})
+                                  wide_gated=True, tanh_sigmoid=tanh, **{variant: 2 if variant == "cluster_n" else True})
     return compiled.__ptx__
 
 
-@pytest.mark.parametrize("variant", ["gather_a"])
+@pytest.mark.parametrize("variant", ["cluster_n", "smem_scales"])
 def test_tanh_sigmoid_ptx_of_the_fc1_variants(variant):
-    """Drop v51: the gathering FC1 takes the switch too (the layer's FC1 variants keep one another's
-    bits with it on)."""
+    """Drop v51: every FC1 variant takes the switch (the layer's FC1 variants keep one another's bits
+    with it on): in clusters of 2, with staged scales."""
     ptx, base = _variant_ptx(variant, True), _variant_ptx(variant, False)
     assert "tanh.approx.f32" in ptx and "ex2.approx" not in ptx
     assert "tanh.approx" not in base and "ex2.approx" in base
@@ -85,11 +85,9 @@ def test_shim_switch_and_key(monkeypatch):
     assert key.tanh_sigmoid and s._gemm_options(key)["tanh_sigmoid"]
     assert not s._key("gemm", "identity", 4096, 14336, 8, True).tanh_sigmoid      # FC2 has no sigmoid
     # drop v51: every FC1 variant, so switching between them keeps the bits
-    assert s._key("gemm", "swiglu", 1536, 2048, 128, False, gather_a=True).tanh_sigmoid
     assert not s._key("quantize", "", 0, 2048, 0, False).tanh_sigmoid
     monkeypatch.setenv("MOE_EP_FP8_TANH_SIGMOID", "0")  # the opt-out: ex2 + rcp in every FC1 variant
     assert not s._key("gemm", "swiglu", 28672, 4096, 8, False).tanh_sigmoid
-    assert not s._key("gemm", "swiglu", 1536, 2048, 128, False, gather_a=True).tanh_sigmoid
     monkeypatch.setenv("MOE_EP_FP8_TANH_SIGMOID", "1")
     assert s._key("gemm", "swiglu", 28672, 4096, 8, False).tanh_sigmoid
 
@@ -144,7 +142,7 @@ def test_gpu_fp8_layer_with_exact_sigmoid(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("switch", ["MOE_EP_FP8_GATHER_FC1", "MOE_EP_FP8_WIDE_GATED"])
+@pytest.mark.parametrize("switch", ["MOE_EP_FP8_WIDE_GATED", "MOE_EP_FP8_CLUSTER"])
 def test_gpu_fc1_variants_keep_bits_with_exact_sigmoid(monkeypatch, switch):
     """Drop v51: with ``MOE_EP_FP8_TANH_SIGMOID=0`` (the opt-out) the FC1 variants (gathering,
     narrow gated) give that path's bits too, eager and under a poisoned CUDA graph -- as

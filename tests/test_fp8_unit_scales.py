@@ -79,8 +79,8 @@ def test_unit_scales_refusals():
         Fp8BlockScaledGroupedGemmSm90("identity", overlap_promotion=True, smem_scales=True, unit_scales=True)
     with pytest.raises(ValueError, match="needs overlap_promotion"):
         CompiledFp8Gemm("identity", 1024, 6144, 8, unit_scales=True)  # the plain schedule
-    with pytest.raises(ValueError, match="unit_scales needs overlap_promotion"):
-        CompiledFp8Gemm("swiglu", 1536, 2048, 8, overlap_promotion=True, gather_a=True, unit_scales=True)
+    with pytest.raises(ValueError, match="unit_scales needs overlap_promotion and refuses smem_scales"):
+        CompiledFp8Gemm("swiglu", 1536, 2048, 8, overlap_promotion=True, smem_scales=True, unit_scales=True)
     assert "K/128 = 6 must be a multiple of 8" in unit_scales_reason(6, 0)  # Qwen3's FC2 (K 768)
     assert "chunk (10 k-tiles)" in unit_scales_reason(40, 10)
     assert unit_scales_reason(112, 16) is None and unit_scales_reason(16, 0) is None
@@ -105,7 +105,6 @@ def test_shim_switch_and_keys(monkeypatch):
     assert not qwen_fc2().unit_scales and qwen_fc2().smem_scales
     # never on the plain schedule, the gathering FC1 or a quantiser
     assert not s._key("gemm", "identity", 4096, 14336, 8, True, overlap_promotion=False).unit_scales
-    assert not s._key("gemm", "swiglu", 28672, 4096, 8, False, overlap_promotion=True, gather_a=True).unit_scales
     assert not s._key("quantize", "", 0, 4096, 0, False).unit_scales
     # K/128 not a multiple of 8 (DeepSeek-V3's FC1, K 7168: chunks of 14 k-tiles) keeps the old path
     assert not s.use_fp8_unit_scales(7168) and not s.use_fp8_unit_scales(768)

@@ -58,42 +58,29 @@ def _e4m3(*shape):
 
 
 # ------------------------------------------------------------------------------ FP8 GEMM
-@pytest.mark.parametrize("variant", ["plain", "gather_a", "cluster2", "fc2"])
+@pytest.mark.parametrize("variant", ["plain", "cluster2", "fc2"])
 def test_fp8_gemm_prepared_passes_the_plain_arguments(variant):
     E, n, k, M, T = 4, 512, 256, 96, 40
     act = "identity" if variant == "fc2" else "swiglu"
-    kw = {"gather_a": dict(gather_a=True), "cluster2": dict(cluster_n=2)}.get(variant, {})
+    kw = {"cluster2": dict(cluster_n=2)}.get(variant, {})
     recs = [Recorder(), Recorder()]
     gemms = [CompiledFp8Gemm(act, n, k, E, scale_rows=variant == "fc2", compiled=r, tvm_ffi=True, **kw) for r in recs]
     for g in gemms:
         g._max_ctas = 66  # the clustered grid's cap, worked out on a GPU otherwise
     n_out = n // 2 if act == "swiglu" else n
-    rows_a = T if variant == "gather_a" else M
-    a, a_scale = _e4m3(rows_a, k), torch.rand(rows_a, k // 128)
+    a, a_scale = _e4m3(M, k), torch.rand(M, k // 128)
     out = torch.empty(M, n_out, dtype=torch.bfloat16)
-    idx = torch.randint(0, T, (M,), dtype=torch.int32) if variant == "gather_a" else None
     offsets, row_scale = torch.tensor([0, 10, 50, 50, 96], dtype=torch.int32), torch.rand(M)
     for ctas in (None, 7, 1):
         if ctas is None and variant != "cluster2":
             continue  # None means one CTA per SM: a GPU question
         b, b_scale = _e4m3(E, n, k), torch.rand(E, n // 128, k // 128)
-        gemms[0](a, a_scale, b, b_scale, offsets, out, row_scale, ctas or 132, idx=idx)
-        run = gemms[1].prepare(a, a_scale, offsets, out, row_scale, ctas or 132, idx=idx)
+        gemms[0](a, a_scale, b, b_scale, offsets, out, row_scale, ctas or 132)
+        run = gemms[1].prepare(a, a_scale, offsets, out, row_scale, ctas or 132)
         run(b, b_scale)
     _same_calls(*recs)
     if variant == "cluster2":  # at least one cluster, at most the clusters that fit
         assert [c[-1] for c in recs[1].calls] == [66, 7, 2]
-
-
-def test_fp8_gemm_prepare_refuses_what_the_call_refuses():
-    g = CompiledFp8Gemm("swiglu", 512, 256, 4, compiled=Recorder(), tvm_ffi=True)
-    a, s = _e4m3(8, 256), torch.rand(8, 2)
-    off, out, rs = torch.zeros(5, dtype=torch.int32), torch.empty(8, 256, dtype=torch.bfloat16), torch.rand(8)
-    with pytest.raises(ValueError, match="idx"):
-        g.prepare(a, s, off, out, rs, 4, idx=torch.zeros(8, dtype=torch.int32))
-    gathering = CompiledFp8Gemm("swiglu", 512, 256, 4, compiled=Recorder(), tvm_ffi=True, gather_a=True)
-    with pytest.raises(ValueError, match="idx is required"):
-        gathering.prepare(a, s, off, out, rs, 4)
 
 
 # ------------------------------------------------------------------------------ BF16 GEMM (drop v61, v63)

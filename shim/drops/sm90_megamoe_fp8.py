@@ -115,7 +115,7 @@ def _smem_scales_wanted(k: int, activation: str = "swiglu") -> bool:
 
 
 def use_fp8_smem_scales(overlap_promotion: bool, k: int, activation: str = "swiglu") -> bool:
-    """Whether a TMA-fed FP8 GEMM (all but the gathering one) with reduction size ``k`` stages each
+    """Whether the FP8 GEMM with reduction size ``k`` stages each
     k-tile's scales in shared memory from its producer warp (drop v34, ``smem_scales``) instead of
     every consumer thread loading them from global memory after issuing the k-tile's WGMMAs:
     bit-identical (H200). Only on the overlapped-promotion schedule, and by default for
@@ -232,7 +232,6 @@ class Fp8Key:
     raster_m: int
     overlap_promotion: bool = False
     wide_gated: bool = False
-    gather_a: bool = False
     cluster_n: int = 1
     smem_scales: bool = False
     scale_warp: bool = False
@@ -303,8 +302,8 @@ def use_fp8_chunk_k_tiles(k: int, overlap_promotion: bool, deferred: bool, unit_
 
 
 def use_fp8_tanh_sigmoid(activation: str) -> bool:
-    """Whether the swiglu FP8 GEMM (FC1; drop v51: every variant -- plain and gathering -- so
-    switching between them keeps the bits) takes its sigmoid from one ``tanh.approx``
+    """Whether the swiglu FP8 GEMM (FC1; drop v51: every variant, so switching between them keeps
+    the bits) takes its sigmoid from one ``tanh.approx``
     (drop v50, ``tanh_sigmoid``: one MUFU op per output instead of ``ex2`` + ``rcp``; Nsight Compute,
     twentieth session: FC1's SwiGLU epilogue is MUFU-bound, 4.4% of Mixtral's FC1 cycles with the
     tensor pipe waiting). tanh.approx's relative error is ~2^-11, below the e4m3 rounding FC2's input
@@ -315,17 +314,17 @@ def use_fp8_tanh_sigmoid(activation: str) -> bool:
 
 
 def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_rows: bool,
-         raster_m: int = 0, overlap_promotion: bool = False, gather_a: bool = False) -> Fp8Key:
+         raster_m: int = 0, overlap_promotion: bool = False) -> Fp8Key:
     check_removed()  # a switch of a removed variant, still set, raises here
-    plain = kind == "gemm" and not gather_a
+    plain = kind == "gemm"
     deferred = kind == "gemm" and use_fp8_deferred_epilogue(overlap_promotion, k)
     # drop v69's TMA-loaded scales; not with the deferred epilogue (the pair has not run on a GPU)
     unit = plain and not deferred and bool(overlap_promotion) and use_fp8_unit_scales(k)
-    smem = kind == "gemm" and not gather_a and not unit and use_fp8_smem_scales(overlap_promotion, k, activation)
+    smem = plain and not unit and use_fp8_smem_scales(overlap_promotion, k, activation)
     scale_warp = smem and use_fp8_scale_warp(activation, k)
     return Fp8Key(CONSTANTS.value(PKG, "DROP_VERSION"), _cutlass_version(), "sm_90a", kind, activation, n, k,
                   num_experts, bool(scale_rows), use_tvm_ffi(), int(raster_m), bool(overlap_promotion),
-                  kind == "gemm" and use_fp8_wide_gated(activation), bool(gather_a),
+                  kind == "gemm" and use_fp8_wide_gated(activation),
                   use_fp8_cluster(activation, n, k) if plain else 1,
                   smem, scale_warp, deferred,
                   kind == "gemm" and use_fp8_tanh_sigmoid(activation),
@@ -333,10 +332,10 @@ def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_row
                   use_fp8_chunk_k_tiles(k, overlap_promotion, deferred, unit) if kind == "gemm" else 0)
 
 
-def _gemm_key(activation: str, n: int, k: int, num_experts: int, scale_rows: bool, gather_a: bool) -> Fp8Key:
+def _gemm_key(activation: str, n: int, k: int, num_experts: int, scale_rows: bool) -> Fp8Key:
     """The GEMM's key: every schedule choice made once, here (compiled code and launcher agree)."""
     return _key("gemm", activation, n, k, num_experts, scale_rows, pick_fp8_raster_m(k),
-                compiled_key_overlap(activation, k), gather_a)
+                compiled_key_overlap(activation, k))
 
 
 def _gemm_options(key: Fp8Key) -> dict:
@@ -344,22 +343,20 @@ def _gemm_options(key: Fp8Key) -> dict:
     return dict(activation=key.activation, n=key.n, k=key.k, num_experts=key.num_experts,
                 scale_rows=key.scale_rows, tvm_ffi=key.tvm_ffi, raster_m=key.raster_m,
                 overlap_promotion=key.overlap_promotion, wide_gated=key.wide_gated,
-                gather_a=key.gather_a, cluster_n=key.cluster_n, smem_scales=key.smem_scales,
+                cluster_n=key.cluster_n, smem_scales=key.smem_scales,
                 scale_warp=key.scale_warp, deferred_epilogue=key.deferred_epilogue,
                 tanh_sigmoid=key.tanh_sigmoid, unit_scales=key.unit_scales, **({"chunk_k_tiles": key.chunk_k_tiles} if key.chunk_k_tiles else {}))
 
 
-def _checked_gemm_key(activation: str, n: int, k: int, num_experts: int, scale_rows: bool,
-                      gather_a: bool) -> Fp8Key:
+def _checked_gemm_key(activation: str, n: int, k: int, num_experts: int, scale_rows: bool) -> Fp8Key:
     """:func:`_gemm_key` after the shape checks (ValueError naming what is wrong)."""
     check_fp8_gemm(activation, n, k, num_experts)
-    return _gemm_key(activation, n, k, num_experts, scale_rows, gather_a)
+    return _gemm_key(activation, n, k, num_experts, scale_rows)
 
 
 def _compiled_gemm(key: Fp8Key) -> Any:
     """The compiled GEMM of ``key``: the in-process cache, else the disk cache, else compile."""
-    name = f"fp8_gemm_{key.activation}" + \
-        ("_gather" if key.gather_a else "") + (f"_cluster{key.cluster_n}" if key.cluster_n > 1 else "") + \
+    name = f"fp8_gemm_{key.activation}" + (f"_cluster{key.cluster_n}" if key.cluster_n > 1 else "") + \
         ("_defer" if key.deferred_epilogue else "") + ("_tanh" if key.tanh_sigmoid else "") + \
         ("_us" if key.unit_scales else "") + (f"_chunk{key.chunk_k_tiles}" if key.chunk_k_tiles else "")
 
@@ -373,20 +370,16 @@ def _compiled_gemm(key: Fp8Key) -> Any:
     return COMPILE_CACHE.get_or_compile(key, build)
 
 
-def compiled_fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
-                      gather_a: bool = False) -> Any:
+def compiled_fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False) -> Any:
     """Compiled code of the FP8 grouped GEMM (no GPU needed). Swiglu with :func:`use_fp8_wide_gated`:
-    the one-WGMMA gate+up schedule; ``gather_a`` (drop v22): A is the source rows and a call passes
-    ``idx`` (grouped row r = ``a[idx[r]]``)."""
-    return _compiled_gemm(_checked_gemm_key(activation, n, k, num_experts, scale_rows, gather_a))
+    the one-WGMMA gate+up schedule."""
+    return _compiled_gemm(_checked_gemm_key(activation, n, k, num_experts, scale_rows))
 
 
-def fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
-             gather_a: bool = False) -> Any:
+def fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False) -> Any:
     """A caller-owned launcher: ``gemm(a [M, k] e4m3, a_scale [M, k/128] f32, b [E, n, k] e4m3,
-    b_scale [E, n/128, k/128] f32, offsets [E+1] i32, out=[M, n_out] bf16, row_scale=[M] f32)``;
-    ``gather_a``: ``a [T, k]``, ``a_scale [T, k/128]`` are source rows and ``idx=[M] i32`` picks them."""
-    key = _checked_gemm_key(activation, n, k, num_experts, scale_rows, gather_a)
+    b_scale [E, n/128, k/128] f32, offsets [E+1] i32, out=[M, n_out] bf16, row_scale=[M] f32)``."""
+    key = _checked_gemm_key(activation, n, k, num_experts, scale_rows)
     return _load("sm90_megamoe.fp8_launch").CompiledFp8Gemm(compiled=_compiled_gemm(key), **_gemm_options(key))
 
 

@@ -14,9 +14,7 @@ The forward is the BF16 SM90 backend's, with steps 3-4 replaced:
    with per-k-block scale promotion ``h = swiglu(xq · wq13ᵀ)``; by default (:func:`fused_gather_quant`)
    step 2 skips the BF16 row gather and this step quantises each received token once straight
    into the grouped rows its choices took (:func:`scatter_quant`; one launch and a BF16 write +
-   read of every grouped row less; same bits); with
-   :func:`gather_fc1` (one rank), each token is quantised once instead and FC1 reads grouped row r
-   from token ``idx[r]`` itself (drop v22's gathering FP8 GEMM: T rows quantised, not T * top_k);
+   read of every grouped row less; same bits);
 4. **FC2 + router weight** -- ``h`` quantised the same way, ``y = ws · (hq · wq2ᵀ)``;
 5. **combine** -- as on BF16.
 
@@ -39,7 +37,7 @@ from moe_ep.shim import (Sm90EpSession, Sm90LayoutSession, sm90_check_fp8_gemm, 
 from ...quant import FP8_BLOCK, quantize_fp8_block128
 from ...quantized import check_quantized_config, quantized_activation_buffers
 from ...registry import UnsupportedBackendError, require_cuda_arch
-from ..bf16_cutedsl.backend import Sm90CuteDSLBackend, env_switch, local_route, prebuild_layer
+from ..bf16_cutedsl.backend import Sm90CuteDSLBackend, env_switch, prebuild_layer
 
 NAME = "sm90_fp8_cutedsl"
 
@@ -110,34 +108,16 @@ def scatter_quant() -> bool:
     return env_switch("MOE_EP_FP8_SCATTER_QUANT", True)
 
 
-def gather_fc1() -> bool:
-    """``MOE_EP_FP8_GATHER_FC1=1`` (one rank, with LocalRoute): step 3 quantises the
-    caller's T tokens (not the T * top_k grouped rows) and FC1 loads grouped row r from quantised
-    token ``idx[r]`` itself (drop v22's ``Fp8GatherGroupedGemmSm90``: the same bits as FC1 on the
-    gathered rows, GPU tests at e82f1e5). Off: drop v22's cp.async producer was slow -- FC1 1.012
-    ms vs ~0.45 with TMA on Qwen3 (8192 tokens), 7.78 vs ~3.7 ms on Mixtral; layer 422 vs 614
-    TFLOP/s; v23's coalesced producer (ninth session, H200) narrowed it but FC1 is still slower
-    than the TMA FC1 plus the gathering quantiser: 0.565 vs 0.455 ms on Qwen3 (the runner: 0.90x on
-    the same rows), 4.30 vs ~3.7 ms on Mixtral; layer 593.7 / 860.2 vs 605.6 / 912.4 graph."""
-    return env_switch("MOE_EP_FP8_GATHER_FC1", False)
-
-
-def _gathers_fc1(world_size: int) -> bool:
-    """Whether a layer of ``world_size`` ranks runs FC1 on the quantised tokens (see gather_fc1)."""
-    return world_size == 1 and gather_fc1() and local_route()
-
-
 def prebuild(config: Any, world_size: int, kernels: tuple = ("fc1", "fc2", "ep", "layout")) -> None:
     """Compile (or load from the disk compile cache) every kernel a layer needs, without a GPU;
     "fc1"/"fc2" include the row quantiser of their input width."""
     specs = _gemm_specs(config, config.local_experts(world_size))
-    gather_a = _gathers_fc1(world_size)
 
     def gemm(name):
-        gather = name == "fc1" and fused_gather_quant() and not gather_a
+        gather = name == "fc1" and fused_gather_quant()
         scatter = config.top_k if gather and scatter_quant() else 0
         if name == "fc1":
-            return lambda: (sm90_compiled_fp8_gemm(*specs[name], gather_a=gather_a),
+            return lambda: (sm90_compiled_fp8_gemm(*specs[name]),
                             sm90_compiled_fp8_quantize_rows(specs[name][2], gather=gather and not scatter,
                                                             scatter_topk=scatter))
         return lambda: (sm90_compiled_fp8_gemm(*specs[name]), sm90_compiled_fp8_quantize_rows(specs[name][2]))
@@ -159,25 +139,17 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
 
     name = NAME
     fp8_wire = False  # set at bind (W > 1 and MOE_EP_FP8_WIRE=1)
-    gather_fc1 = False  # set at bind (MOE_EP_FP8_GATHER_FC1=1, one rank with LocalRoute)
     scatter_quant = False  # set at bind (the default with the fused gather; MOE_EP_FP8_SCATTER_QUANT=0: off)
 
     def _bind_gemms(self, views: dict) -> None:
         cfg = self.cfg
         specs = _gemm_specs(cfg, self.E)
-        self.gather_fc1 = self.local_route and _gathers_fc1(self.W)
-        self.fc1 = sm90_fp8_gemm(*specs["fc1"], gather_a=self.gather_fc1)
+        self.fc1 = sm90_fp8_gemm(*specs["fc1"])
         self.fc2 = sm90_fp8_gemm(*specs["fc2"])
-        self.fused_gather = fused_gather_quant() or self.gather_fc1  # no BF16 grouped rows either way
-        gathers = self.fused_gather and not self.gather_fc1  # step 3 quantises the received rows
-        self.scatter_quant = gathers and scatter_quant()
-        self.quant_x = sm90_fp8_quantize_rows(cfg.hidden, gather=gathers and not self.scatter_quant,
+        self.fused_gather = fused_gather_quant()  # no BF16 grouped rows: step 3 quantises the received ones
+        self.scatter_quant = self.fused_gather and scatter_quant()
+        self.quant_x = sm90_fp8_quantize_rows(cfg.hidden, gather=self.fused_gather and not self.scatter_quant,
                                               scatter_topk=cfg.top_k if self.scatter_quant else 0)
-        if self.gather_fc1:  # the caller's tokens, quantised once (rows < T: T bounds the count)
-            T = self.dims.max_tokens
-            self.xq_tok = torch.empty(T, cfg.hidden, dtype=torch.float8_e4m3fn, device=self.device)
-            self.xq_tok_scale = torch.empty(T, cfg.hidden // FP8_BLOCK, dtype=torch.float32, device=self.device)
-            self._tok_count = torch.full((1,), T, dtype=torch.int32, device=self.device)
         self.quant_h = sm90_fp8_quantize_rows(cfg.intermediate)
         self.fc1_decode = self.fc2_decode = None
         self._decode_max_tokens = 0
@@ -191,11 +163,7 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
     def _prepare_expert_launches(self) -> None:
         """Steps 3-4's launches with this layer's buffers fixed, checked and packed once (drop
         v58; the BF16 backend prepares the route and combine): a call passes only the rows to
-        quantise (step 3) and the weights (FC1, FC2). The gathering FC1 (opt-in) slices its
-        buffers by the call's token count, so it keeps the plain launches."""
-        self._quant_x_run = self._fc1_run = self._quant_h_run = self._fc2_run = None
-        if self.gather_fc1:
-            return
+        quantise (step 3) and the weights (FC1, FC2)."""
         if self.scatter_quant:  # each received row once, into the grouped rows pos[s, :]
             self._quant_x_run = self.quant_x.prepare(self.xq, self.xq_scale, pos=self.pos,
                                                      recv_count=self.ep.bufs.recv_count, t_max=self.dims.max_tokens)
@@ -252,7 +220,7 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
         return (self.ep, self.ep_q, self.ep_s) if self.fp8_wire else (self.ep,)
 
     def _fc1_reads_tokens(self) -> bool:
-        return False  # step 3 below feeds FC1 itself (gather_fc1: the quantised tokens)
+        return False  # step 3 below feeds FC1 itself (the quantised rows)
 
     # ---- the split pair ------------------------------------------------------------------------
     def dispatch(self, x, topk_ids, topk_weights):
@@ -293,19 +261,6 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
         super()._step2_layout(gather_rows=not self.fused_gather)
 
     def _step34_experts(self, w13, w2, b13=None, b2=None) -> None:
-        if self.gather_fc1:  # 3a. the T tokens once; 3b. FC1 reads grouped row r from token idx[r]
-            fc1, fc2 = self._gemms
-            T = self._tokens  # the caller's x (step 2 kept it in _x_rows) has T rows
-            xq, xq_scale = self.xq_tok[:T], self.xq_tok_scale[:T]
-            if T:
-                self.quant_x(self._x_rows, xq, xq_scale, count=self._tok_count)
-            self._x_rows = None
-            fc1(xq, xq_scale, w13.values, w13.scale, self.offsets, out=self.h, row_scale=self.ws_rows,
-                max_active_ctas=self.num_ctas, idx=self.idx)
-            self.quant_h(self.h, self.hq, self.hq_scale, count=self._rows)
-            fc2(self.hq, self.hq_scale, w2.values, w2.scale, self.offsets, out=self.y, row_scale=self.ws_rows,
-                max_active_ctas=self.num_ctas)
-            return
         # 3a. FC1's E4M3 input: arrived quantised (FP8 wire), or quantised here from the received
         # rows (scattered into their grouped rows by default; the launch was prepared at bind)
         if not self.fp8_wire:
@@ -317,7 +272,7 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
         self._fc2_run(w2.values, w2.scale)
 
     def destroy(self):
-        self.xq = self.xq_scale = self.hq = self.hq_scale = self.xq_tok = self.xq_tok_scale = None
+        self.xq = self.xq_scale = self.hq = self.hq_scale = None
         self.ep_q = self.ep_s = self.layout_q = self.xq_send = self.sx_send = None
         self._quant_x_run = self._fc1_run = self._quant_h_run = self._fc2_run = None  # they hold the buffers
         super().destroy()

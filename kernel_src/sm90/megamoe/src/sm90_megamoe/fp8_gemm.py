@@ -72,7 +72,7 @@ Design (differences from :mod:`.grouped_gemm`, whose scheduler and smem epilogue
   a stage counts the consumer warps of both CTAs (either producer writes into both). The launch
   clamps its grid to the clusters that fit at once. Same WGMMAs and promotion order per tile:
   the same bits as single CTAs.
-* ``smem_scales=True`` (drop v34; the TMA producer, not ``gather_a``): the producer warp stages each
+* ``smem_scales=True`` (drop v34): the producer warp stages each
   k-tile's scales in shared memory beside its operands -- lane l loads the A scales of tile rows
   l + 32 j (clamped as above) and lanes 0 / 1 the gate / up weight block's scale, *before* waiting
   for a free stage (their L2 latency hides behind that wait), stores them into the stage's slot of
@@ -114,6 +114,8 @@ Drop v84 removed the variants the H200 measured slower or no faster (VENDOR.md, 
 clusters of 4 (v49), the scale warp's look-ahead (v65), FC1 writing FC2's e4m3 input in its
 epilogue (v21 / v33 ``Fp8SwigluRequantGroupedGemmSm90``) or by its producer warps (v37-v39, v66
 ``Fp8SwigluFusedQuantGroupedGemmSm90``). The PTX of every kept variant is byte-identical to v83's.
+Drop v87 removed the gathering FP8 GEMM (v22 / v23 ``Fp8GatherGroupedGemmSm90``: FC1 reading E4M3
+tokens by index, 0.565 vs 0.455 ms on Qwen3; the scattering quantiser, v25, took its place).
 """
 
 from __future__ import annotations
@@ -221,7 +223,6 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
     ``epi_pad``, ``tile_threads``, which this class sets itself.
     """
 
-    gather_a = False  # drop v22: A rows gathered by index (:class:`.fp8_gather.Fp8GatherGroupedGemmSm90`)
 
     def __init__(self, activation: str, scale_rows: bool = False, tile_n: Optional[int] = None,
                  num_stages: Optional[int] = None, raster_m: int = 1, overlap_promotion: bool = False,
@@ -244,21 +245,17 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
         self.wide_gated = bool(wide_gated)
         if cluster_n not in (1, 2):
             raise ValueError(f"cluster_n must be 1 or 2, got {cluster_n}")
-        if cluster_n > 1 and self.gather_a:
-            raise ValueError("cluster_n > 1 is for the plain TMA kernel (not gather_a)")
         # drop v28: 2 CTAs of a cluster take the two n-tiles of one m-tile and multicast A's halves
         self.cluster_n = int(cluster_n)
-        if smem_scales and self.gather_a:
-            raise ValueError("smem_scales is for the TMA producer (not gather_a)")
         # drop v34: the producer warp stages each k-tile's scales in shared memory with its operands
         self.smem_scales = bool(smem_scales)
         if scale_warp and not smem_scales:
             raise ValueError("scale_warp needs smem_scales")
         # drop v35: a second producer warp stages them instead, so the TMA warp never waits on them
         self.scale_warp = bool(scale_warp)
-        if unit_scales and (smem_scales or not overlap_promotion or self.gather_a):
+        if unit_scales and (smem_scales or not overlap_promotion):
             raise ValueError("unit_scales is a way of loading the scales of the plain overlapped kernel: it needs "
-                             "overlap_promotion and refuses smem_scales and gather_a")
+                             "overlap_promotion and refuses smem_scales")
         # drop v69: the TMA warp loads the scales of UNIT_SCALE_KC k-tiles per copy (:mod:`.unit_scales`)
         self.unit_scales = bool(unit_scales)
         if deferred_epilogue and not self.overlap_promotion:
@@ -491,11 +488,8 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
 
     @cute.jit
     def _body(self, tma_atom_a, mA_tma, tma_atom_b, mB_tma, mAScale, mBScale, outs, mOffsets, mRowScale,
-              tiled_mma, tiled_mma_epi, a_smem_layout, b_smem_layout, b_smem_layout_mma, gather=None, us_tma=None):
-        """The kernel (traced inline into each variant's ``@cute.kernel``). ``outs``: ``(mC,)``, or
-        ``gather``: ``(mA,
-        mIdx)`` for the gathering variant (``self.gather_a``): grouped row r is ``mA[mIdx[r]]``,
-        loaded by the producer warpgroup with cp.async, and its scales ``mAScale[mIdx[r]]``.
+              tiled_mma, tiled_mma_epi, a_smem_layout, b_smem_layout, b_smem_layout_mma, us_tma=None):
+        """The kernel (traced inline into each variant's ``@cute.kernel``). ``outs``: ``(mC,)``.
         ``us_tma``: ``unit_scales``' ``(atom_as, tma_as, atom_bs, tma_bs)``."""
         wait_previous_grid()
         tidx, _, _ = cute.arch.thread_idx()
@@ -582,80 +576,76 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
         # =========================================================== producer warpgroup
         if warp_group_idx == 0:
             cute.arch.warpgroup_reg_dealloc(self.load_regs)
-            if cutlass.const_expr(self.gather_a):
-                self._produce_gathered(ab_pipeline, gather[0], gather[1], tma_atom_b, mB_tma, sA, sB, sOff, sCum,
-                                       total_tiles, tidx, warp_idx, bidx, gdim)
-            else:
-                if warp_idx == 0:
-                    prod_state = pipeline.make_pipeline_state(
-                        pipeline.PipelineUserType.Producer, self.num_stages
+            if warp_idx == 0:
+                prod_state = pipeline.make_pipeline_state(
+                    pipeline.PipelineUserType.Producer, self.num_stages
+                )
+                tAsA = cute.group_modes(sA, 0, 2)
+                tBsB = cute.group_modes(sB, 0, 2)
+                expert = cutlass.Int32(0)
+                us_unit = cutlass.Int32(0)  # unit_scales: this CTA's units so far (chunk count / unit)
+                tile_id = unit0
+                while tile_id < total_tiles:
+                    expert, row0, row_end, n_tile = self._locate(sOff, sCum, tile_id, expert)
+                    if cutlass.const_expr(self.cluster_n > 1):
+                        n_tile = n_tile * self.cluster_n + cta_rank
+                    gA = cute.local_tile(
+                        cute.domain_offset((row0, 0), mA_tma), (self.tile_m, self.tile_k), (0, None)
                     )
-                    tAsA = cute.group_modes(sA, 0, 2)
-                    tBsB = cute.group_modes(sB, 0, 2)
-                    expert = cutlass.Int32(0)
-                    us_unit = cutlass.Int32(0)  # unit_scales: this CTA's units so far (chunk count / unit)
-                    tile_id = unit0
-                    while tile_id < total_tiles:
-                        expert, row0, row_end, n_tile = self._locate(sOff, sCum, tile_id, expert)
-                        if cutlass.const_expr(self.cluster_n > 1):
-                            n_tile = n_tile * self.cluster_n + cta_rank
-                        gA = cute.local_tile(
-                            cute.domain_offset((row0, 0), mA_tma), (self.tile_m, self.tile_k), (0, None)
+                    # cluster: this CTA loads its 1/cluster_n of A's rows into every CTA of the cluster
+                    tAsA_p, tAgA = cpasync.tma_partition(
+                        tma_atom_a, cta_rank, cute.make_layout(self.cluster_n), tAsA, cute.group_modes(gA, 0, 2)
+                    )
+                    # smem_scales: lane l stages the scales of tile rows l + 32 j, clamped to
+                    # the expert's last row as the consumers did (clamped rows are never stored)
+                    sc_rows = None
+                    if cutlass.const_expr(self.smem_scales and not self.scale_warp):
+                        sc_rows = [cutlass.min(row0 + lane + 32 * j, row_end - 1)
+                                   for j in range(self.tile_m // 32)]
+                    n0 = self._n0(n_tile)
+                    tBgBs = []
+                    for h in cutlass.range_constexpr(self.num_b):
+                        gB = cute.local_tile(
+                            cute.domain_offset((n0 + h * self.n_out, 0, 0), mB_tma),
+                            (self.tile_n, self.tile_k),
+                            (0, None, expert),
                         )
-                        # cluster: this CTA loads its 1/cluster_n of A's rows into every CTA of the cluster
-                        tAsA_p, tAgA = cpasync.tma_partition(
-                            tma_atom_a, cta_rank, cute.make_layout(self.cluster_n), tAsA, cute.group_modes(gA, 0, 2)
+                        tBsB_p, tBgB = cpasync.tma_partition(
+                            tma_atom_b, 0, cute.make_layout(1), tBsB, cute.group_modes(gB, 0, 2)
                         )
-                        # smem_scales: lane l stages the scales of tile rows l + 32 j, clamped to
-                        # the expert's last row as the consumers did (clamped rows are never stored)
-                        sc_rows = None
+                        tBgBs.append(tBgB)
+                    for k_tile in range(k_tiles):
+                        if cutlass.const_expr(self.unit_scales):  # a chunk's scales, before its first stage
+                            if k_tile % UNIT_SCALE_KC == 0:
+                                self._load_unit_scales(us, us_bar,
+                                                       us_unit * (k_tiles // UNIT_SCALE_KC)
+                                                       + k_tile // UNIT_SCALE_KC, row0, expert, n0, lane)
                         if cutlass.const_expr(self.smem_scales and not self.scale_warp):
-                            sc_rows = [cutlass.min(row0 + lane + 32 * j, row_end - 1)
-                                       for j in range(self.tile_m // 32)]
-                        n0 = self._n0(n_tile)
-                        tBgBs = []
+                            self._stage_scales(ab_pipeline, prod_state, mAScale, mBScale, sScale, sc_rows,
+                                               expert, n0, k_tile, lane)
+                        else:
+                            ab_pipeline.producer_acquire(prod_state)
+                        bar = ab_pipeline.producer_get_barrier(prod_state)
+                        cute.copy(tma_atom_a, tAgA[(None, k_tile)], tAsA_p[(None, prod_state.index)],
+                                  tma_bar_ptr=bar,
+                                  **({"mcast_mask": cutlass.Int16((1 << self.cluster_n) - 1)} if self.cluster_n > 1 else {}))
                         for h in cutlass.range_constexpr(self.num_b):
-                            gB = cute.local_tile(
-                                cute.domain_offset((n0 + h * self.n_out, 0, 0), mB_tma),
-                                (self.tile_n, self.tile_k),
-                                (0, None, expert),
+                            cute.copy(
+                                tma_atom_b,
+                                tBgBs[h][(None, k_tile)],
+                                tBsB_p[(None, prod_state.index * self.num_b + h)],
+                                tma_bar_ptr=bar,
                             )
-                            tBsB_p, tBgB = cpasync.tma_partition(
-                                tma_atom_b, 0, cute.make_layout(1), tBsB, cute.group_modes(gB, 0, 2)
-                            )
-                            tBgBs.append(tBgB)
-                        for k_tile in range(k_tiles):
-                            if cutlass.const_expr(self.unit_scales):  # a chunk's scales, before its first stage
-                                if k_tile % UNIT_SCALE_KC == 0:
-                                    self._load_unit_scales(us, us_bar,
-                                                           us_unit * (k_tiles // UNIT_SCALE_KC)
-                                                           + k_tile // UNIT_SCALE_KC, row0, expert, n0, lane)
-                            if cutlass.const_expr(self.smem_scales and not self.scale_warp):
-                                self._stage_scales(ab_pipeline, prod_state, mAScale, mBScale, sScale, sc_rows,
-                                                   expert, n0, k_tile, lane)
-                            else:
-                                ab_pipeline.producer_acquire(prod_state)
-                            bar = ab_pipeline.producer_get_barrier(prod_state)
-                            cute.copy(tma_atom_a, tAgA[(None, k_tile)], tAsA_p[(None, prod_state.index)],
-                                      tma_bar_ptr=bar,
-                                      **({"mcast_mask": cutlass.Int16((1 << self.cluster_n) - 1)} if self.cluster_n > 1 else {}))
-                            for h in cutlass.range_constexpr(self.num_b):
-                                cute.copy(
-                                    tma_atom_b,
-                                    tBgBs[h][(None, k_tile)],
-                                    tBsB_p[(None, prod_state.index * self.num_b + h)],
-                                    tma_bar_ptr=bar,
-                                )
-                            ab_pipeline.producer_commit(prod_state)
-                            prod_state.advance()
-                        tile_id = tile_id + unit_step
-                        if cutlass.const_expr(self.unit_scales):
-                            us_unit = us_unit + 1
-                    ab_pipeline.producer_tail(prod_state)
-                if cutlass.const_expr(self.scale_warp):
-                    if warp_idx == 1:
-                        self._scale_producer(ab_pipeline, mAScale, mBScale, sScale, sOff, sCum, total_tiles, unit0,
-                                             unit_step, cta_rank, lane)
+                        ab_pipeline.producer_commit(prod_state)
+                        prod_state.advance()
+                    tile_id = tile_id + unit_step
+                    if cutlass.const_expr(self.unit_scales):
+                        us_unit = us_unit + 1
+                ab_pipeline.producer_tail(prod_state)
+            if cutlass.const_expr(self.scale_warp):
+                if warp_idx == 1:
+                    self._scale_producer(ab_pipeline, mAScale, mBScale, sScale, sOff, sCum, total_tiles, unit0,
+                                         unit_step, cta_rank, lane)
 
         # =========================================================== consumer warpgroups
         if warp_group_idx > 0:
@@ -728,12 +718,8 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
                 # clamp to the expert's last row: always in bounds, never stored when clamped
                 ra_lo = row0 + cutlass.min(r_lo, rows_left - 1)
                 ra_hi = row0 + cutlass.min(r_hi, rows_left - 1)
-                sr_lo, sr_hi = ra_lo, ra_hi  # the rows of mAScale (gathering: the source rows)
-                if cutlass.const_expr(self.gather_a):
-                    sr_lo = gather[1][ra_lo]
-                    sr_hi = gather[1][ra_hi]
                 n0 = self._n0(n_tile)
-                sc = (mAScale, mBScale, sr_lo, sr_hi, expert, n0, sScale, r_lo, r_hi)  # for _scales
+                sc = (mAScale, mBScale, ra_lo, ra_hi, expert, n0, sScale, r_lo, r_hi)  # for _scales
                 usc = None  # unit_scales: (chunk buffers, barriers, the unit's first chunk)
                 if cutlass.const_expr(self.unit_scales):
                     usc = (us[4], us_bar, us_unit * (k_tiles // UNIT_SCALE_KC))

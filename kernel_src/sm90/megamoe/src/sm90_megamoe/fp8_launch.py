@@ -13,30 +13,25 @@ import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
-from .fp8_gather import Fp8GatherGroupedGemmSm90
 from .fp8_gemm import FP8_BLOCK, Fp8BlockScaledGroupedGemmSm90, can_implement
 from .launch import _num_sms, call_on_stream, cluster_ctas, ffi_fixed, ffi_function
 
 
-def fake_args(num_experts: int, n: int, k: int, activation: str, use_tvm_ffi: bool = False,
-              gather_a: bool = False):
+def fake_args(num_experts: int, n: int, k: int, activation: str, use_tvm_ffi: bool = False):
     """Fake ``(mA, mAScale, mB, mBScale, mC, mOffsets, mRowScale, ctas, stream)``: M_total
-    dynamic, the FP8 operands as uint8 views; ``gather_a``: ``(mA, mAScale, mIdx, mB, ...)``,
-    A and its scales with their own dynamic row count (the source rows)."""
+    dynamic, the FP8 operands as uint8 views."""
     n_out = n // 2 if activation == "swiglu" else n
     m = cute.sym_int()
-    m_a = cute.sym_int() if gather_a else m
     u8, f32 = cutlass.Uint8, cutlass.Float32
-    mA = make_fake_compact_tensor(u8, (m_a, k), stride_order=(1, 0), assumed_align=16)
-    mAS = make_fake_compact_tensor(f32, (m_a, k // FP8_BLOCK), stride_order=(1, 0), assumed_align=4)
+    mA = make_fake_compact_tensor(u8, (m, k), stride_order=(1, 0), assumed_align=16)
+    mAS = make_fake_compact_tensor(f32, (m, k // FP8_BLOCK), stride_order=(1, 0), assumed_align=4)
     mB = make_fake_compact_tensor(u8, (num_experts, n, k), stride_order=(2, 1, 0), assumed_align=16)
     mBS = make_fake_compact_tensor(f32, (num_experts, n // FP8_BLOCK, k // FP8_BLOCK), stride_order=(2, 1, 0),
                                    assumed_align=4)
     mC = make_fake_compact_tensor(cutlass.BFloat16, (m, n_out), stride_order=(1, 0), assumed_align=16)
     mOff = make_fake_compact_tensor(cutlass.Int32, (num_experts + 1,), assumed_align=4)
     mRS = make_fake_compact_tensor(f32, (cute.sym_int(),), assumed_align=4)
-    idx = (make_fake_compact_tensor(cutlass.Int32, (m,), assumed_align=4),) if gather_a else ()
-    return (mA, mAS, *idx, mB, mBS, mC, mOff, mRS, cutlass.Int32(132),
+    return (mA, mAS, mB, mBS, mC, mOff, mRS, cutlass.Int32(132),
             make_fake_stream(use_tvm_ffi_env_stream=use_tvm_ffi))
 
 
@@ -53,12 +48,11 @@ class CompiledFp8Gemm:
     ``raster_m``: m-tiles per raster group inside an expert; ``overlap_promotion``: the schedule
     that promotes k-tile t-1 while t's WGMMAs run (see :class:`.fp8_gemm.Fp8BlockScaledGroupedGemmSm90`);
     ``wide_gated`` (swiglu only): one m64n128 WGMMA over gate and up per k-block instead of two
-    m64n64 ones; ``gather_a``: A is the source rows and a call passes ``idx``,
-    grouped row r = ``a[idx[r]]`` (:class:`.fp8_gather.Fp8GatherGroupedGemmSm90`); ``cluster_n`` = 2
-    (drop v28; not with gather_a; N_out / tile_n even): clusters of 2 CTAs, each pair
+    m64n64 ones; ``cluster_n`` = 2
+    (drop v28; N_out / tile_n even): clusters of 2 CTAs, each pair
     computing one m-tile's two adjacent n-tiles and multicasting A's halves to each other -- a
     call then launches at most :func:`cluster_ctas` CTAs (worked out when constructed with a GPU);
-    ``smem_scales`` (drop v34; not with gather_a): the producer warp stages each k-tile's scales in
+    ``smem_scales`` (drop v34): the producer warp stages each k-tile's scales in
     shared memory beside its operands, so the consumers never wait on a global scale load;
     ``scale_warp`` (drop v35; with smem_scales): a second producer warp stages them instead;
     ``deferred_epilogue`` (drop v48; overlap_promotion with K <= 4096): each unit's
@@ -69,29 +63,25 @@ class CompiledFp8Gemm:
     ``unit_scales`` (drop v69; overlap_promotion, the plain kernel, K/128 a multiple of 8): the TMA warp
     loads the scales of 8 k-tiles per TMA copy into double-buffered shared memory
     (:mod:`.unit_scales`; same bits);
-    ``chunk_k_tiles`` (drop v82; overlap_promotion, the plain or gathering kernel, not with
+    ``chunk_k_tiles`` (drop v82; overlap_promotion, not with
     deferred_epilogue; 0 or even, <= 16): the overlapped k-loop in chunks of at most that many k-tiles
     whenever it is longer (less code per tile; same bits).
     Drop v84 removed ``requant``, ``fused_quant`` / ``pair_amax``, ``scale_lookahead`` and clusters of 4,
-    v85 ``gather_tma`` (measured slower or no faster on the H200)."""
+    v85 ``gather_tma``, v87 ``gather_a`` (measured slower or no faster on the H200)."""
 
     def __init__(self, activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
                  compiled=None, tvm_ffi: bool = False, raster_m: int = 1, overlap_promotion: bool = False,
-                 wide_gated: bool = False, gather_a: bool = False, cluster_n: int = 1,
+                 wide_gated: bool = False, cluster_n: int = 1,
                  smem_scales: bool = False, scale_warp: bool = False,
                  deferred_epilogue: bool = False, tanh_sigmoid: bool = False, unit_scales: bool = False,
                  chunk_k_tiles: int = 0):
         reason = can_implement(activation, n, k, num_experts)
         if reason is None and cluster_n not in (1, 2):
             reason = f"cluster_n must be 1 or 2, got {cluster_n}"
-        if reason is None and cluster_n > 1 and gather_a:
-            reason = "cluster_n > 1 does not combine with gather_a"
-        if reason is None and gather_a and smem_scales:
-            reason = "smem_scales does not combine with gather_a"
         if reason is None and scale_warp and not smem_scales:
             reason = "scale_warp needs smem_scales"
-        if reason is None and unit_scales and (smem_scales or not overlap_promotion or gather_a):
-            reason = "unit_scales needs overlap_promotion and the plain kernel (not smem_scales or gather_a)"
+        if reason is None and unit_scales and (smem_scales or not overlap_promotion):
+            reason = "unit_scales needs overlap_promotion and refuses smem_scales"
         if reason is None and deferred_epilogue and not overlap_promotion:
             reason = "deferred_epilogue needs overlap_promotion"
         if reason is None and chunk_k_tiles and not overlap_promotion:
@@ -103,7 +93,6 @@ class CompiledFp8Gemm:
         if reason is not None:
             raise ValueError(reason)
         self.wide_gated = bool(wide_gated)
-        self.gather_a = bool(gather_a)
         self.activation, self.n, self.k, self.num_experts = activation, n, k, num_experts
         self.scale_rows = bool(scale_rows)
         self.n_out = n // 2 if activation == "swiglu" else n
@@ -120,27 +109,20 @@ class CompiledFp8Gemm:
         # the grid of a clustered launch, worked out here (not while a CUDA graph is captured)
         self._max_ctas = cluster_ctas(self.cluster_n) if self.cluster_n > 1 and torch.cuda.is_available() else None
         if compiled is None:
-            cls = Fp8GatherGroupedGemmSm90 if self.gather_a else Fp8BlockScaledGroupedGemmSm90
-            kernel = cls(activation, scale_rows=self.scale_rows,
-                         raster_m=self.raster_m, overlap_promotion=self.overlap_promotion,
-                         wide_gated=self.wide_gated,
-                         **({"cluster_n": self.cluster_n} if self.cluster_n > 1 else {}),
-                         **({"smem_scales": True} if self.smem_scales else {}),
-                         **({"scale_warp": True} if self.scale_warp else {}),
-                         **({"deferred_epilogue": True} if self.deferred_epilogue else {}),
-                         **({"tanh_sigmoid": True} if self.tanh_sigmoid else {}),
-                         **({"unit_scales": True} if self.unit_scales else {}),
-                         **({"chunk_k_tiles": self.chunk_k_tiles} if self.chunk_k_tiles else {}))
+            kernel = Fp8BlockScaledGroupedGemmSm90(
+                activation, scale_rows=self.scale_rows, raster_m=self.raster_m,
+                overlap_promotion=self.overlap_promotion, wide_gated=self.wide_gated,
+                **({"cluster_n": self.cluster_n} if self.cluster_n > 1 else {}),
+                **({"smem_scales": True} if self.smem_scales else {}),
+                **({"scale_warp": True} if self.scale_warp else {}),
+                **({"deferred_epilogue": True} if self.deferred_epilogue else {}),
+                **({"tanh_sigmoid": True} if self.tanh_sigmoid else {}),
+                **({"unit_scales": True} if self.unit_scales else {}),
+                **({"chunk_k_tiles": self.chunk_k_tiles} if self.chunk_k_tiles else {}))
             opts = "--gpu-arch sm_90a" + (" --enable-tvm-ffi" if self.tvm_ffi else "")
-            compiled = cute.compile(kernel, *fake_args(num_experts, n, k, activation, self.tvm_ffi, self.gather_a),
-                                    options=opts)
+            compiled = cute.compile(kernel, *fake_args(num_experts, n, k, activation, self.tvm_ffi), options=opts)
         self.compiled = compiled
         self._fn = ffi_function(compiled) if self.tvm_ffi else None
-
-    def _check_optional(self, idx: Optional[torch.Tensor]) -> None:
-        """``idx`` is given exactly where this variant reads it."""
-        if self.gather_a != (idx is not None):
-            raise ValueError("idx is required with gather_a=True and refused without it")
 
     def _grid(self, max_active_ctas: Optional[int], device) -> int:
         """CTAs of a launch: ``max_active_ctas`` (None: one per SM); with clusters, no more than fit
@@ -154,13 +136,10 @@ class CompiledFp8Gemm:
 
     def __call__(self, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                  offsets: torch.Tensor, out: torch.Tensor, row_scale: torch.Tensor,
-                 max_active_ctas: Optional[int] = None, stream=None,
-                 idx: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 max_active_ctas: Optional[int] = None, stream=None) -> torch.Tensor:
         """
         a:         [M_total, K]        float8_e4m3fn (or uint8 bits), contiguous, CUDA
-                   (``gather_a``: [T_src, K], the source rows)
-        a_scale:   [M_total, K/128]    float32 (``gather_a``: [T_src, K/128])
-        idx:       [M_total]           int32, ``gather_a`` only (required there): source row of each grouped row
+        a_scale:   [M_total, K/128]    float32
         b:         [E, N, K]           float8_e4m3fn (or uint8 bits)
         b_scale:   [E, N/128, K/128]   float32
         offsets:   [E + 1]             int32 (device memory, never read by the host)
@@ -168,21 +147,18 @@ class CompiledFp8Gemm:
         row_scale: [>= 1]              float32 ([M_total] read when scale_rows, else a placeholder)
         stream:    torch.cuda.Stream or None (current); a CUstream on the classic path
         """
-        self._check_optional(idx)
-        ins = (_u8(a), a_scale) + ((idx,) if self.gather_a else ())
         if a.shape[0] == 0:
             return out
         ctas = self._grid(max_active_ctas, a.device)
         if self.tvm_ffi:
-            call_on_stream(self._fn, (*ins, _u8(b), b_scale, out, offsets, row_scale, ctas), stream)
+            call_on_stream(self._fn, (_u8(a), a_scale, _u8(b), b_scale, out, offsets, row_scale, ctas), stream)
             return out
         from cutlass.cute.runtime import from_dlpack
 
         def rows(t, align):
             return from_dlpack(t, assumed_align=align).mark_compact_shape_dynamic(mode=0, stride_order=(0, 1))
 
-        idx_args = (from_dlpack(idx, assumed_align=4).mark_compact_shape_dynamic(mode=0),) if self.gather_a else ()
-        args = (rows(_u8(a), 16), rows(a_scale, 4), *idx_args, from_dlpack(_u8(b), assumed_align=16),
+        args = (rows(_u8(a), 16), rows(a_scale, 4), from_dlpack(_u8(b), assumed_align=16),
                 from_dlpack(b_scale, assumed_align=4), rows(out, 16), from_dlpack(offsets, assumed_align=4),
                 from_dlpack(row_scale, assumed_align=4).mark_compact_shape_dynamic(mode=0))
         if stream is None:
@@ -191,20 +167,19 @@ class CompiledFp8Gemm:
         return out
 
     def prepare(self, a: torch.Tensor, a_scale: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor,
-                row_scale: torch.Tensor, max_active_ctas: Optional[int] = None,
-                idx: Optional[torch.Tensor] = None):
+                row_scale: torch.Tensor, max_active_ctas: Optional[int] = None):
         """A launch with every argument but the weights fixed (drop v58): ``run(b, b_scale)`` is
-        ``self(a, a_scale, b, b_scale, offsets, out, row_scale, max_active_ctas, idx=idx)`` -- same kernel, same arguments -- with the fixed arguments checked, viewed and
+        ``self(a, a_scale, b, b_scale, offsets, out, row_scale, max_active_ctas)`` -- same kernel, same
+        arguments -- with the fixed arguments checked, viewed and
         packed once here (a layer's own buffers), so a call costs the launch and little else.
         The fixed tensors are held (kept alive) and must keep their shapes while ``run`` is used."""
-        self._check_optional(idx)
         if not self.tvm_ffi or a.shape[0] == 0:
             def run_unpacked(b, b_scale):
-                self(a, a_scale, b, b_scale, offsets, out, row_scale, max_active_ctas, idx=idx)
+                self(a, a_scale, b, b_scale, offsets, out, row_scale, max_active_ctas)
             return run_unpacked
         ctas = self._grid(max_active_ctas, a.device)
         # the fixed tensors as TVM-FFI objects once (drop v61); b and b_scale stay torch tensors
-        head = ffi_fixed(_u8(a), a_scale, *((idx,) if self.gather_a else ()))
+        head = ffi_fixed(_u8(a), a_scale)
         tail = ffi_fixed(out, offsets, row_scale, ctas)
         fn = self._fn
 

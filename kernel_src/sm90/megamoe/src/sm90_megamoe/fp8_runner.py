@@ -5,7 +5,6 @@
                                       [--overlap]           # + the overlapped-promotion schedule
                                                             #   (K > 4096: in chunks, v25)
                                       [--wide]              # + FC1 with one m64n128 gate+up WGMMA (v21)
-                                      [--gather]            # + FC1 gathering its A rows by index (v22)
                                       [--cluster]           # + clusters of 2 CTAs multicasting A (v28)
                                       [--smem-scales]       # + scales staged in smem by the producer (v34)
                                                             #   or by a second producer warp (v35)
@@ -22,8 +21,6 @@ Per model, FC1 (swiglu, w13 [E, 2I, H]) and FC2 (identity + router row scale, w2
   ``torch._scaled_mm`` per expert with block-wise scales, whichever this torch supports);
 * ``--wide``: FC1 with ``wide_gated=True`` (one m64n128 WGMMA over the gate and up tiles) must
   match the default FC1 bit for bit; timed beside it;
-* ``--gather``: FC1 reading grouped row r from source row idx[r] (:mod:`.fp8_gather`) must match the
-  same FC1 on the gathered rows bit for bit; timed beside it (``--wide``: both wide);
 * ``--smem-scales``: each kernel the MoE layer runs (FC1 wide gated, FC2 on single CTAs and in
   clusters of 2; with ``--overlap`` both schedules) with its scales staged in shared memory by the
   producer warp (drop v34) and by a second producer warp (v35) against the same kernel reading them
@@ -38,7 +35,7 @@ Per model, FC1 (swiglu, w13 [E, 2I, H]) and FC2 (identity + router row scale, w2
   same checks and timing as ``--unit-scales``.
 
 Drop v84 removed ``--requant`` and ``--fused-quant`` (their kernels), the scale warp's look-ahead and
-clusters of 4: the H200 measured them slower or no faster.
+clusters of 4, v87 ``--gather`` (the gathering FP8 FC1): the H200 measured them slower or no faster.
 """
 
 from __future__ import annotations
@@ -56,7 +53,6 @@ import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 from cutlass.cute.runtime import from_dlpack, make_fake_compact_tensor, make_fake_stream
 
-from .fp8_gather import Fp8GatherGroupedGemmSm90
 from .fp8_gemm import FP8_BLOCK, OVERLAP_MAX_K_TILES, Fp8BlockScaledGroupedGemmSm90, can_implement, overlap_chunk
 from .fp8_reference import (fp8_grouped_gemm_reference, make_offsets, quantize_rows128,
                             quantize_weight_block128)
@@ -73,33 +69,29 @@ def layers(model: str):
     return [("fc1", "swiglu", 2 * i, h, False), ("fc2", "identity", h, i, True)]
 
 
-def fake_args(num_experts: int, n: int, k: int, activation: str, gather_a: bool = False):
+def fake_args(num_experts: int, n: int, k: int, activation: str):
     """Fake (mA, mAScale, mB, mBScale, mC, mOffsets, mRowScale, ctas, stream): M_total dynamic,
-    fp8 operands as uint8 views (what :func:`cute_args` passes); ``gather_a``: (mA, mAScale, mIdx,
-    mB, ...), A with its own row count."""
+    fp8 operands as uint8 views (what :func:`cute_args` passes)."""
     n_out = n // 2 if activation == "swiglu" else n
     m = cute.sym_int()
-    m_a = cute.sym_int() if gather_a else m
     u8, f32 = cutlass.Uint8, cutlass.Float32
-    mA = make_fake_compact_tensor(u8, (m_a, k), stride_order=(1, 0), assumed_align=16)
-    mAS = make_fake_compact_tensor(f32, (m_a, k // FP8_BLOCK), stride_order=(1, 0), assumed_align=4)
+    mA = make_fake_compact_tensor(u8, (m, k), stride_order=(1, 0), assumed_align=16)
+    mAS = make_fake_compact_tensor(f32, (m, k // FP8_BLOCK), stride_order=(1, 0), assumed_align=4)
     mB = make_fake_compact_tensor(u8, (num_experts, n, k), stride_order=(2, 1, 0), assumed_align=16)
     mBS = make_fake_compact_tensor(f32, (num_experts, n // FP8_BLOCK, k // FP8_BLOCK),
                                    stride_order=(2, 1, 0), assumed_align=4)
     mC = make_fake_compact_tensor(cutlass.BFloat16, (m, n_out), stride_order=(1, 0), assumed_align=16)
     mOff = make_fake_compact_tensor(cutlass.Int32, (num_experts + 1,), assumed_align=4)
     mRS = make_fake_compact_tensor(f32, (cute.sym_int(),), assumed_align=4)
-    idx = (make_fake_compact_tensor(cutlass.Int32, (m,), assumed_align=4),) if gather_a else ()
-    return (mA, mAS, *idx, mB, mBS, mC, mOff, mRS, cutlass.Int32(132), make_fake_stream())
+    return (mA, mAS, mB, mBS, mC, mOff, mRS, cutlass.Int32(132), make_fake_stream())
 
 
-def cute_args(a, a_scale, b, b_scale, c, offsets, row_scale, idx=None):
-    """CuTe views of contiguous torch tensors matching :func:`fake_args` (``idx``: gather_a)."""
+def cute_args(a, a_scale, b, b_scale, c, offsets, row_scale):
+    """CuTe views of contiguous torch tensors matching :func:`fake_args`."""
     u8 = lambda t: t.view(torch.uint8) if t.dtype != torch.uint8 else t  # noqa: E731
     dyn = lambda t, al: from_dlpack(t, assumed_align=al).mark_compact_shape_dynamic(  # noqa: E731
         mode=0, stride_order=(0, 1))
-    ix = () if idx is None else (from_dlpack(idx, assumed_align=4).mark_compact_shape_dynamic(mode=0),)
-    return (dyn(u8(a), 16), dyn(a_scale, 4), *ix, from_dlpack(u8(b), assumed_align=16),
+    return (dyn(u8(a), 16), dyn(a_scale, 4), from_dlpack(u8(b), assumed_align=16),
             from_dlpack(b_scale, assumed_align=4), dyn(c, 16), from_dlpack(offsets, assumed_align=4),
             from_dlpack(row_scale, assumed_align=4).mark_compact_shape_dynamic(mode=0))
 
@@ -107,38 +99,37 @@ def cute_args(a, a_scale, b, b_scale, c, offsets, row_scale, idx=None):
 def compile_variant(activation: str, n: int, k: int, num_experts: int, scale_rows: bool,
                     arch: str = "sm_90a", tile_n: Optional[int] = None,
                     num_stages: Optional[int] = None, raster_m: int = 1, overlap_promotion: bool = False,
-                    wide_gated: bool = False, gather_a: bool = False, cluster_n: int = 1,
+                    wide_gated: bool = False, cluster_n: int = 1,
                     smem_scales: bool = False, scale_warp: bool = False, deferred_epilogue: bool = False,
                     tanh_sigmoid: bool = False):
     """(kernel, compiled) for one variant, from fake tensors (no GPU needed), compiled once per
     process (the checks, the GPU runs and the tests share it); ``wide_gated``: FC1's one-WGMMA
-    gate+up schedule (swiglu only); ``gather_a``: A rows gathered by index (:mod:`.fp8_gather`);
+    gate+up schedule (swiglu only);
     ``cluster_n`` = 2: clusters of 2 CTAs multicasting A;
     ``smem_scales``: scales staged in shared memory by the producer warp (drop v34), ``scale_warp``:
     by a second producer warp (drop v35); ``deferred_epilogue``: a unit's epilogue under the next
     unit's first k-tile (drop v48; the unrolled overlapped schedule); ``tanh_sigmoid``: swiglu's
     sigmoid from one tanh.approx (drop v50)."""
     return _compile_variant(activation, n, k, num_experts, bool(scale_rows), arch, tile_n, num_stages, int(raster_m),
-                            bool(overlap_promotion), bool(wide_gated), bool(gather_a), int(cluster_n),
+                            bool(overlap_promotion), bool(wide_gated), int(cluster_n),
                             bool(smem_scales), bool(scale_warp), bool(deferred_epilogue), bool(tanh_sigmoid))
 
 
 @functools.lru_cache(maxsize=None)
 def _compile_variant(activation, n, k, num_experts, scale_rows, arch, tile_n, num_stages, raster_m,
-                     overlap_promotion, wide_gated, gather_a=False, cluster_n=1, smem_scales=False,
+                     overlap_promotion, wide_gated, cluster_n=1, smem_scales=False,
                      scale_warp=False, deferred_epilogue=False, tanh_sigmoid=False):
     reason = can_implement(activation, n, k, num_experts, tile_n)
     if reason is not None:
         raise ValueError(reason)
-    cls = Fp8GatherGroupedGemmSm90 if gather_a else Fp8BlockScaledGroupedGemmSm90
-    kernel = cls(activation, scale_rows=scale_rows, tile_n=tile_n, num_stages=num_stages, raster_m=raster_m,
+    kernel = Fp8BlockScaledGroupedGemmSm90(activation, scale_rows=scale_rows, tile_n=tile_n, num_stages=num_stages, raster_m=raster_m,
                  overlap_promotion=overlap_promotion, wide_gated=wide_gated,
                  **({"cluster_n": cluster_n} if cluster_n > 1 else {}),
                  **({"smem_scales": True} if smem_scales else {}),
                  **({"scale_warp": True} if scale_warp else {}),
                  **({"deferred_epilogue": True} if deferred_epilogue else {}),
                  **({"tanh_sigmoid": True} if tanh_sigmoid else {}))
-    compiled = cute.compile(kernel, *fake_args(num_experts, n, k, activation, gather_a),
+    compiled = cute.compile(kernel, *fake_args(num_experts, n, k, activation),
                             options=f"--gpu-arch {arch} --keep-ptx")
     return kernel, compiled
 
@@ -196,12 +187,12 @@ class Fp8GroupedGemm:
     """One compiled variant, launched on CUDA tensors (classic path: pre-converted CuTe views)."""
 
     def __init__(self, activation, n, k, num_experts, scale_rows, tile_n=None, num_stages=None, raster_m=1,
-                 overlap_promotion=False, wide_gated=False, gather_a=False, cluster_n=1,
+                 overlap_promotion=False, wide_gated=False, cluster_n=1,
                  smem_scales=False, scale_warp=False, deferred_epilogue=False, tanh_sigmoid=False):
         self.kernel, self.compiled = compile_variant(activation, n, k, num_experts, scale_rows,
                                                      tile_n=tile_n, num_stages=num_stages, raster_m=raster_m,
                                                      overlap_promotion=overlap_promotion,
-                                                     wide_gated=wide_gated, gather_a=gather_a, cluster_n=cluster_n,
+                                                     wide_gated=wide_gated, cluster_n=cluster_n,
                                                      smem_scales=smem_scales, scale_warp=scale_warp,
                                                      deferred_epilogue=deferred_epilogue,
                                                      tanh_sigmoid=tanh_sigmoid)
@@ -209,14 +200,14 @@ class Fp8GroupedGemm:
         self.activation, self.n, self.k, self.scale_rows = activation, n, k, scale_rows
         self.n_out = n // 2 if activation == "swiglu" else n
 
-    def prepare(self, a, a_s, b, b_s, out, offs, rs, idx=None):
+    def prepare(self, a, a_s, b, b_s, out, offs, rs):
         """CuTe views for :meth:`launch`; None when there are no rows (nothing to launch: TMA
         descriptors cannot describe an empty tensor)."""
         if a.shape[0] == 0:
             return None
         if rs is None:
             rs = torch.zeros(1, dtype=torch.float32, device=a.device)
-        return cute_args(a, a_s, b, b_s, out, offs, rs, idx)
+        return cute_args(a, a_s, b, b_s, out, offs, rs)
 
     def launch(self, args, ctas=None, stream=None):
         if args is None:
@@ -295,7 +286,7 @@ def torch_baselines(a, a_s, b, b_s, offs, reps):
 
 
 def run_gpu(model: str, routing: str, reps: int, rasters=(1,), overlap: bool = False,
-            wide: bool = False, gather: bool = False, cluster: bool = False,
+            wide: bool = False, cluster: bool = False,
             smem: bool = False) -> bool:
     h, i, E, topk, tokens = MODELS[model]
     m_total = tokens * topk
@@ -345,8 +336,6 @@ def run_gpu(model: str, routing: str, reps: int, rasters=(1,), overlap: bool = F
             ok_all &= check_cluster(out, a, a_s, b, b_s, offs, rs, E, n, k, act, sr, rasters[0], overlap, reps)
         if smem:
             ok_all &= check_smem_scales(out, a, a_s, b, b_s, offs, rs, E, n, k, act, sr, rasters[0], overlap, reps)
-        if gather and act == "swiglu":
-            ok_all &= check_gather(a, a_s, b, b_s, offs, rs, out, E, n, k, sr, rasters[0], overlap, wide, reps)
         for bname, v in torch_baselines(a, a_s, b, b_s, offs, reps).items():
             if isinstance(v, float):
                 print(f"    {bname}: {v:.3f} ms = {flops / v / 1e9:.1f} TFLOP/s (GEMM only)")
@@ -462,67 +451,28 @@ def check_smem_scales(out, a, a_s, b, b_s, offs, rs, E, n, k, act, sr, raster_m,
     return ok_all
 
 
-def check_gather(a, a_s, b, b_s, offs, rs, out, E, n, k, sr, raster_m, overlap, wide, reps) -> bool:
-    """FC1 gathering its rows (source rows = the first quarter of ``a``, a random idx) against the
-    same FC1 (same schedule) on the gathered rows: the same bits (NaN-poisoned), then both times."""
-    ok_all = True
-    m_total = out.shape[0]
-    t_src = max(1, m_total // 4)
-    idx = torch.randint(0, t_src, (m_total,), device="cuda", dtype=torch.int32,
-                        generator=torch.Generator(device="cuda").manual_seed(5))
-    src, src_s = a[:t_src].contiguous(), a_s[:t_src].contiguous()
-    a_g, a_g_s = src[idx.long()].contiguous(), src_s[idx.long()].contiguous()
-    flops = 2.0 * m_total * n * k
-    for ov in ((False, True) if overlap and overlap_buildable(k) else (False,)):
-        base = Fp8GroupedGemm("swiglu", n, k, E, sr, raster_m=raster_m, overlap_promotion=ov, wide_gated=wide)
-        o1 = torch.full_like(out, float("nan"))
-        bargs = base.prepare(a_g, a_g_s, b, b_s, o1, offs, rs)
-        ga = Fp8GroupedGemm("swiglu", n, k, E, sr, raster_m=raster_m, overlap_promotion=ov, wide_gated=wide,
-                            gather_a=True)
-        o2 = torch.full_like(out, float("nan"))
-        gargs = ga.prepare(src, src_s, b, b_s, o2, offs, rs, idx=idx)
-        base.launch(bargs)
-        ga.launch(gargs)
-        torch.cuda.synchronize()
-        same = torch.equal(o1, o2) and not bool(torch.isnan(o2).any())
-        if not same:
-            bad = ((o1 != o2) & ~(o1.isnan() & o2.isnan())).any(dim=1) | o2.isnan().any(dim=1)
-            print(f"    gather: {int(bad.sum())} of {m_total} rows differ, first {bad.nonzero().flatten()[:8].tolist()}",
-                  flush=True)
-        ok_all &= same
-        bms, gms = time_fn(lambda: base.launch(bargs), reps), time_fn(lambda: ga.launch(gargs), reps)
-        print(f"    gather_a{' overlap' if ov else ''}{' wide' if wide else ''}: bit-identical={same}; {gms:.3f} ms = "
-              f"{flops / gms / 1e9:.1f} TFLOP/s vs {bms:.3f} ms = {flops / bms / 1e9:.1f} on gathered rows "
-              f"({bms / gms:.2f}x)", flush=True)
-    return ok_all
-
-
 def run_compile(model: str, overlap: bool = False, wide: bool = False,
-                raster_m: int = 1, gather: bool = False, cluster: bool = False, smem: bool = False) -> bool:
+                raster_m: int = 1, cluster: bool = False, smem: bool = False) -> bool:
     _, _, E, _, _ = MODELS[model]
     ok_all = True
-    variants = [(spec, ov, False, False) for spec in layers(model)
+    variants = [(spec, ov, False) for spec in layers(model)
                 for ov in ((False, True) if overlap and overlap_buildable(spec[3]) else (False,))]
-    gated = [v for v in variants if v[0][1] == "swiglu"]
     if wide:
-        variants += [(spec, ov, True, False) for spec, ov, _, _ in gated]
-    if gather:
-        variants += [(spec, ov, wide, True) for spec, ov, _, _ in gated]
+        variants += [(spec, ov, True) for spec, ov, _ in variants if spec[1] == "swiglu"]
     variants = [v + (1, 0) for v in variants]
     if cluster:  # check_cluster's variants: FC1 wide gated, clusters of 2
-        variants += [(spec, ov, spec[1] == "swiglu", False, 2, 0) for spec in layers(model)
+        variants += [(spec, ov, spec[1] == "swiglu", 2, 0) for spec in layers(model)
                      for ov in ((False, True) if overlap and overlap_buildable(spec[3]) else (False,))]
     if smem:  # check_smem_scales's variants, every way
-        variants += [(spec, ov, spec[1] == "swiglu", False, cn, sm) for spec in layers(model)
+        variants += [(spec, ov, spec[1] == "swiglu", cn, sm) for spec in layers(model)
                      for ov, cn in smem_scale_configs(spec[1], spec[2], spec[3], overlap)
                      for sm in (0, 1, 2)]
-    for (name, act, n, k, sr), ov, w, g, cn, sm in variants:
+    for (name, act, n, k, sr), ov, w, cn, sm in variants:
         t0 = time.time()
         kernel, compiled = compile_variant(act, n, k, E, sr, raster_m=raster_m, overlap_promotion=ov,
-                                           wide_gated=w, gather_a=g, cluster_n=cn, smem_scales=sm > 0,
-                                           scale_warp=sm > 1)
+                                           wide_gated=w, cluster_n=cn, smem_scales=sm > 0, scale_warp=sm > 1)
         name = name + (" overlap" if ov else "") + (" wide" if w else "") + \
-            (" gather" if g else "") + (f" cluster{cn}" if cn > 1 else "") + \
+            (f" cluster{cn}" if cn > 1 else "") + \
             {0: "", 1: " smem_scales", 2: " smem_scales scale_warp"}[sm]
         r = ptx_report(kernel, compiled)
         ok = r["fp8_wgmma"] and r["tma"] and r["pdl"] and not r["local"] and r["ptxas_spill_bytes"] in (0, None)
@@ -697,8 +647,6 @@ def main(argv=None):
                    help="also run the overlapped-promotion schedule (checked bit-identical, timed)")
     p.add_argument("--wide", action="store_true",
                    help="also FC1 with one m64n128 gate+up WGMMA (checked bit-identical, timed)")
-    p.add_argument("--gather", action="store_true",
-                   help="also FC1 gathering its A rows by index (checked bit-identical, timed)")
     p.add_argument("--cluster", action="store_true",
                    help="also clusters of 2 CTAs multicasting A (checked bit-identical, timed)")
     p.add_argument("--smem-scales", action="store_true",
@@ -716,12 +664,11 @@ def main(argv=None):
                                                   "the first is also checked")
     args = p.parse_args(argv)
     rasters = tuple(int(r) for r in args.raster_m.split(",") if r.strip())
-    ok = run_compile(args.model, args.overlap, args.wide, rasters[0], args.gather,
-                     args.cluster, args.smem_scales)  # what the GPU runs
+    ok = run_compile(args.model, args.overlap, args.wide, rasters[0], args.cluster, args.smem_scales)  # what the GPU runs
     if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
         torch.backends.cuda.matmul.allow_tf32 = False
-        ok &= run_gpu(args.model, args.routing, args.reps, rasters, args.overlap, args.wide, args.gather,
-                      args.cluster, args.smem_scales)
+        ok &= run_gpu(args.model, args.routing, args.reps, rasters, args.overlap, args.wide, args.cluster,
+                      args.smem_scales)
         if args.deferred_epilogue:
             ok &= check_deferred_epilogue(args.model, args.routing, args.reps)
         if args.unit_scales:

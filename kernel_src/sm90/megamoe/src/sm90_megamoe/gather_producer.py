@@ -1,5 +1,6 @@
-"""The producer warpgroup of a grouped GEMM whose A rows are gathered by index (drop v23), shared by
-the FP8 (:mod:`.fp8_gather`) and BF16 (:mod:`.grouped_gemm_gather`) gathering GEMMs.
+"""The producer warpgroup of a grouped GEMM whose A rows are gathered by index (drop v23): the BF16
+gathering GEMM's (:mod:`.grouped_gemm_gather`; the FP8 one, v22, was removed in v87), and the
+stage barrier's producer count every GEMM of the drop shares (:func:`stage_producers`).
 
 TMA cannot gather rows on SM90, so the whole producer warpgroup (128 threads) loads A with 16-byte
 ``cp.async`` copies into the swizzled stage, the same bytes TMA would write: a k-tile row is one
