@@ -43,6 +43,7 @@ def test_env_helpers(monkeypatch):
 SWITCHES = [
     # the BF16 grouped GEMM (shim, read when a GEMM is built)
     ("MOE_EP_WIDE_GATED", lambda: s.use_wide_gated(), False),
+    ("MOE_EP_GATED_PINGPONG", lambda: s.use_gated_pingpong(), False),
     ("MOE_EP_BF16_CLUSTER", lambda: s.use_bf16_cluster("cooperative"), 1),
     ("MOE_EP_BF16_CLUSTER_N", lambda: s.use_bf16_cluster_n("pingpong", gated=False), 1),
     ("MOE_EP_BF16_TANH_SIGMOID", lambda: s.use_bf16_tanh_sigmoid("swiglu"), True),

@@ -51,6 +51,7 @@ from .sm90_megamoe_switches import (  # noqa: F401  (re-exported: the shim reads
     use_bf16_cluster,
     use_bf16_cluster_n,
     use_bf16_tanh_sigmoid,
+    use_gated_pingpong,
     use_jump_stages,
     use_m64_tails,
     use_wide_gated,
@@ -318,6 +319,9 @@ PINGPONG_MAX_K = 2880
 #: the pingpong tile's width: a warpgroup holds the whole 128 x 192 fp32 accumulator (the drop's
 #: limit; 128-wide tiles: Qwen3's FC2 0.386 ms, slower than cooperative 128 x 256)
 PINGPONG_TILE_N = 192
+#: the gated GEMM's pingpong tile width under ``MOE_EP_GATED_PINGPONG=1`` (two 128 x 96 fp32
+#: accumulators per warpgroup: 192 registers, the same budget as FC2's 128 x 192)
+GATED_PINGPONG_TILE_N = 96
 #: mean rows per expert (at the layer's capacity, uniform routing) up to which a GEMM runs the
 #: swap-AB kernel: the weight rows fill the 64-row WGMMA side and the few tokens sit in N, so
 #: decode streams weights instead of padding 128-row tiles (H200, both GEMMs of Qwen3 and
@@ -337,6 +341,8 @@ def pick_schedule(activation: str, k: int, rows_per_expert: float | None = None)
     * ``pingpong`` with :data:`PINGPONG_TILE_N`-wide tiles for the non-gated GEMMs with K <=
       :func:`pingpong_max_k` (short mainloops, where one warpgroup's epilogue overlapping the
       other's mainloop pays);
+    * ``pingpong`` with :data:`GATED_PINGPONG_TILE_N`-wide tiles for the gated GEMMs (FC1) when
+      ``MOE_EP_GATED_PINGPONG=1`` (:func:`use_gated_pingpong`; opt-in);
     * ``wide`` for the gated GEMMs (FC1) with the drop's 128-wide tile when
       ``MOE_EP_WIDE_GATED=1`` (:func:`use_wide_gated`; opt-in: no faster on the H200);
     * else ``cooperative`` with the drop's default tile."""
@@ -345,6 +351,8 @@ def pick_schedule(activation: str, k: int, rows_per_expert: float | None = None)
         return "swapab", tile_t
     if activation not in GEMM_GATED and k <= pingpong_max_k(PINGPONG_MAX_K):
         return "pingpong", PINGPONG_TILE_N
+    if activation in GEMM_GATED and use_gated_pingpong():
+        return "pingpong", GATED_PINGPONG_TILE_N
     tile = _C["DEFAULT_TILE_N"][activation]
     if activation in GEMM_GATED and tile <= 128 and use_wide_gated():
         return "wide", tile

@@ -20,6 +20,17 @@ def use_wide_gated() -> bool:
     return env_flag("MOE_EP_WIDE_GATED", False)
 
 
+def use_gated_pingpong() -> bool:
+    """``MOE_EP_GATED_PINGPONG=1``: the gated GEMM (FC1) runs the pingpong schedule on 96-wide tiles
+    (:data:`.sm90_megamoe.GATED_PINGPONG_TILE_N`: each warpgroup holds a 128 x 96 gate and a 128 x 96
+    up accumulator, the drop's register limit) instead of cooperative 128 x 128, so one warpgroup's
+    SwiGLU epilogue runs under the other's mainloop. Same k order per element: the same bits.
+    31st session (drop runner, Qwen3's FC1, before drop v79): 0.654 ms against 0.641 cooperative, so
+    opt-in; its per-tile stage skip was then an unrolled chain of 32 advances, which drop v79's
+    ``MOE_EP_JUMP_STAGES=1`` replaces by one step (not yet timed together on the H200)."""
+    return env_flag("MOE_EP_GATED_PINGPONG", False)
+
+
 def pingpong_max_k(default: int) -> int:
     """The largest K at which the non-gated GEMM (FC2) takes the pingpong schedule (drop v71,
     128 x 192 tiles): ``MOE_EP_PINGPONG_MAX_K`` (an integer; 0 = never, the cooperative 128 x 256

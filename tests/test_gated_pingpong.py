@@ -1,0 +1,104 @@
+"""``MOE_EP_GATED_PINGPONG=1``: the BF16 gated GEMM (FC1) on the pingpong schedule with 96-wide tiles
+instead of cooperative 128 x 128 (opt-in; the schedule is drop v71's, the switch only picks it for
+FC1 so that a layer A/B can time it together with drop v79's ``MOE_EP_JUMP_STAGES``).
+
+CPU: the shim picks it for every gated activation and nothing else, decode keeps swap-AB, and it
+builds (recorded, no compile) FC1 on pingpong 96 under the other pingpong switches. GPU: the kernel
+is bit-identical to cooperative FC1 (same k order per element) at 1 to ~26 tiles per CTA, agrees
+with float64, and the layer with the switch gives the default's bits, eager and under a CUDA graph."""
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass")
+
+from moe_ep.shim import drop_src, register_drop  # noqa: E402
+
+register_drop(drop_src("sm90", "megamoe"))
+
+from moe_oracle import require_sm90  # noqa: E402
+
+
+def test_shim_picks_pingpong_96_for_the_gated_gemm_only(monkeypatch):
+    from moe_ep.shim.drops import sm90_megamoe as s
+
+    for var in ("MOE_EP_GATED_PINGPONG", "MOE_EP_WIDE_GATED", "MOE_EP_PINGPONG_MAX_K"):
+        monkeypatch.delenv(var, raising=False)
+    assert s.pick_schedule("swiglu", 2048) == ("cooperative", 128)  # the default
+    monkeypatch.setenv("MOE_EP_GATED_PINGPONG", "1")
+    for act in ("swiglu", "gelu_glu", "clamped_swiglu"):
+        assert s.pick_schedule(act, 2048) == ("pingpong", s.GATED_PINGPONG_TILE_N) == ("pingpong", 96)
+        assert s.pick_schedule(act, 4096) == ("pingpong", 96)
+    assert s.pick_schedule("identity", 768) == ("pingpong", s.PINGPONG_TILE_N)  # FC2 as before
+    assert s.pick_schedule("identity", 14336) == ("cooperative", 256)
+    assert s.pick_schedule("squared_relu", 2688) == ("pingpong", 192)  # not gated: FC2's rule
+    assert s.pick_schedule("swiglu", 2048, rows_per_expert=4)[0] == "swapab"  # decode keeps swap-AB
+    monkeypatch.setenv("MOE_EP_WIDE_GATED", "1")  # the pingpong switch wins over the wide one
+    assert s.pick_schedule("swiglu", 2048) == ("pingpong", 96)
+    monkeypatch.setenv("MOE_EP_GATED_PINGPONG", "0")
+    assert s.pick_schedule("swiglu", 2048) == ("wide", 128)
+    for bad in ("on", "2"):
+        monkeypatch.setenv("MOE_EP_GATED_PINGPONG", bad)
+        with pytest.raises(ValueError, match="MOE_EP_GATED_PINGPONG"):
+            s.pick_schedule("swiglu", 2048)
+
+
+def test_shim_builds_fc1_on_pingpong_with_the_pingpong_switches(monkeypatch):
+    """Recorded builds (no compile): FC1 on pingpong 96 with the tanh sigmoid, with and without
+    drop v79's jump_stages; the gathering FC1 refuses the pingpong schedule by name."""
+    from recorders import record_gemm_builds
+
+    from moe_ep.shim.drops import sm90_megamoe as s
+
+    built, names = record_gemm_builds(monkeypatch)
+    monkeypatch.setenv("MOE_EP_GATED_PINGPONG", "1")
+    for jump in ("0", "1"):
+        monkeypatch.setenv("MOE_EP_JUMP_STAGES", jump)
+        s.compiled_grouped_gemm("swiglu", 1536, 2048, 128)
+    kws = built[::2]
+    assert [(kw["schedule"], kw["tile_n"]) for kw in kws] == [("pingpong", 96)] * 2
+    assert [kw.get("jump_stages", False) for kw in kws] == [False, True]
+    assert all(kw.get("tanh_sigmoid") for kw in kws) and ["_js" in n for n in names] == [False, True]
+    with pytest.raises(ValueError, match="gather_a needs the cooperative or wide schedule"):
+        s.compiled_grouped_gemm("swiglu", 1536, 2048, 128, gather_a=True)
+
+
+# ---------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("routing,m_total", [("uniform", 5000), ("skewed", 300), ("uniform", 40000), ("skewed", 1)])
+def test_gpu_pingpong_fc1_is_bit_identical_to_cooperative(routing, m_total):
+    """Qwen3's FC1 shape (swiglu, N 1536, K 2048) on pingpong 96 (with and without jump_stages)
+    against cooperative 128: the same bits (NaN poison, guard band), then float64."""
+    require_sm90()
+    from moe_oracle import bf16_gemm_problem, variants_same_bits
+
+    from sm90_megamoe.launch import get_grouped_gemm
+    from sm90_megamoe.reference import grouped_gemm_reference
+
+    E, n, k = 16, 1536, 2048
+    a, b, offs, _, _ = bf16_gemm_problem(m_total, n, k, E, routing, 8100 + m_total, False)
+    fns = [get_grouped_gemm("swiglu", n, k, E, tile_n=128, raster_m=16, tanh_sigmoid=True)]
+    fns += [get_grouped_gemm("swiglu", n, k, E, tile_n=96, schedule="pingpong", raster_m=16, tanh_sigmoid=True,
+                             jump_stages=jump) for jump in (False, True)]
+    got = variants_same_bits(fns, a, b, offs, n // 2)
+    want = grouped_gemm_reference(a.double(), b.double(), offs, "swiglu").double()
+    assert float((got.double() - want).norm() / want.norm().clamp_min(1e-30)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [333, 4096])
+def test_gpu_layer_with_gated_pingpong_is_bit_identical(monkeypatch, T):
+    """MOE_EP_GATED_PINGPONG=1 gives the Qwen3 layer's default bits (FC1 on pingpong 96 instead of
+    cooperative 128), eager and replayed from a poisoned CUDA graph."""
+    require_sm90()
+    from moe_oracle import layer_outputs_with_switch, qwen3_gather_layer
+
+    monkeypatch.delenv("MOE_EP_WIDE_GATED", raising=False)
+    cfg, inputs = qwen3_gather_layer(T, seed=T + 83)
+
+    def check(impl, on):
+        assert (impl.fc1.compiled.schedule, impl.fc1.compiled.kernel.tile_n) == (
+            ("pingpong", 96) if on else ("cooperative", 128))
+
+    outs = layer_outputs_with_switch(monkeypatch, "MOE_EP_GATED_PINGPONG", cfg, "sm90_bf16_cutedsl", inputs, check)
+    assert torch.isfinite(outs[1].float()).all() and torch.equal(outs[0], outs[1])
