@@ -45,7 +45,7 @@ def test_shim_picks_pingpong_96_for_the_gated_gemm_only(monkeypatch):
 
 def test_shim_builds_fc1_on_pingpong_with_the_pingpong_switches(monkeypatch):
     """Recorded builds (no compile): FC1 on pingpong 96 with the tanh sigmoid, with and without
-    drop v79's jump_stages; the gathering FC1 refuses the pingpong schedule by name."""
+    drop v79's jump_stages; with the gathering FC1 it refuses, naming both switches."""
     from recorders import record_gemm_builds
 
     from moe_ep.shim.drops import sm90_megamoe as s
@@ -59,7 +59,7 @@ def test_shim_builds_fc1_on_pingpong_with_the_pingpong_switches(monkeypatch):
     assert [(kw["schedule"], kw["tile_n"]) for kw in kws] == [("pingpong", 96)] * 2
     assert [kw.get("jump_stages", False) for kw in kws] == [False, True]
     assert all(kw.get("tanh_sigmoid") for kw in kws) and ["_js" in n for n in names] == [False, True]
-    with pytest.raises(ValueError, match="gather_a needs the cooperative or wide schedule"):
+    with pytest.raises(ValueError, match="MOE_EP_GATED_PINGPONG=1 .*MOE_EP_GATHER_FC1=1"):
         s.compiled_grouped_gemm("swiglu", 1536, 2048, 128, gather_a=True)
 
 

@@ -514,6 +514,9 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
     alpha, limit = (float(swiglu_alpha), float(swiglu_limit)) if activation == "clamped_swiglu" else (0.0, 0.0)
     ffi = use_tvm_ffi()
     early = bool(early_weights) and schedule == "swapab" and pdl_launches()
+    if gather_a and schedule == "pingpong" and activation in GEMM_GATED and use_gated_pingpong():
+        raise ValueError("sm90 grouped GEMM: MOE_EP_GATED_PINGPONG=1 puts FC1 on the pingpong schedule, which the "
+                         "gathering FC1 (MOE_EP_GATHER_FC1=1) cannot run; unset one of the two")
     if gather_a and (schedule not in ("cooperative", "wide") or k % _C["DEFAULT_TILE_K"]):
         raise ValueError(f"sm90 grouped GEMM: gather_a needs the cooperative or wide schedule and K % "
                          f"{_C['DEFAULT_TILE_K']} == 0, got {schedule!r}, K={k}")
