@@ -589,13 +589,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
                     expert, row0, row_end, n_tile = self._locate(sOff, sCum, tile_id, expert)
                     if cutlass.const_expr(self.cluster_n > 1):
                         n_tile = n_tile * self.cluster_n + cta_rank
-                    gA = cute.local_tile(
-                        cute.domain_offset((row0, 0), mA_tma), (self.tile_m, self.tile_k), (0, None)
-                    )
-                    # cluster: this CTA loads its 1/cluster_n of A's rows into every CTA of the cluster
-                    tAsA_p, tAgA = cpasync.tma_partition(
-                        tma_atom_a, cta_rank, cute.make_layout(self.cluster_n), tAsA, cute.group_modes(gA, 0, 2)
-                    )
+                    tAsA_p, tAgA = self._a_views(tma_atom_a, mA_tma, tAsA, row0, cta_rank)
                     # smem_scales: lane l stages the scales of tile rows l + 32 j, clamped to
                     # the expert's last row as the consumers did (clamped rows are never stored)
                     sc_rows = None
@@ -603,17 +597,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
                         sc_rows = [cutlass.min(row0 + lane + 32 * j, row_end - 1)
                                    for j in range(self.tile_m // 32)]
                     n0 = self._n0(n_tile)
-                    tBgBs = []
-                    for h in cutlass.range_constexpr(self.num_b):
-                        gB = cute.local_tile(
-                            cute.domain_offset((n0 + h * self.n_out, 0, 0), mB_tma),
-                            (self.tile_n, self.tile_k),
-                            (0, None, expert),
-                        )
-                        tBsB_p, tBgB = cpasync.tma_partition(
-                            tma_atom_b, 0, cute.make_layout(1), tBsB, cute.group_modes(gB, 0, 2)
-                        )
-                        tBgBs.append(tBgB)
+                    tBsB_p, tBgBs = self._b_views(tma_atom_b, mB_tma, tBsB, n0, expert, cta_rank)
                     for k_tile in range(k_tiles):
                         if cutlass.const_expr(self.unit_scales):  # a chunk's scales, before its first stage
                             if k_tile % UNIT_SCALE_KC == 0:
@@ -626,16 +610,8 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
                         else:
                             ab_pipeline.producer_acquire(prod_state)
                         bar = ab_pipeline.producer_get_barrier(prod_state)
-                        cute.copy(tma_atom_a, tAgA[(None, k_tile)], tAsA_p[(None, prod_state.index)],
-                                  tma_bar_ptr=bar,
-                                  **({"mcast_mask": cutlass.Int16((1 << self.cluster_n) - 1)} if self.cluster_n > 1 else {}))
-                        for h in cutlass.range_constexpr(self.num_b):
-                            cute.copy(
-                                tma_atom_b,
-                                tBgBs[h][(None, k_tile)],
-                                tBsB_p[(None, prod_state.index * self.num_b + h)],
-                                tma_bar_ptr=bar,
-                            )
+                        self._copy_stage(tma_atom_a, tAgA, tAsA_p, tma_atom_b, tBgBs, tBsB_p, k_tile,
+                                         prod_state.index, bar)
                         ab_pipeline.producer_commit(prod_state)
                         prod_state.advance()
                     tile_id = tile_id + unit_step

@@ -20,7 +20,7 @@ rows, 16th session) and the L2 priorities (v75 ``gather_l2``: the gathering FC1 
 no faster, 33rd session).
 
 The host class provides ``num_stages``, ``ab_dtype``, ``tile_m``, ``tile_n``, ``tile_k``,
-``k_tiles``, ``threads_per_wg``, ``num_b``, ``n_out``, ``_locate`` and ``_n0``.
+``k_tiles``, ``threads_per_wg``, ``num_b``, ``n_out``, ``_locate``, ``_n0`` and ``_b_views``.
 """
 
 from __future__ import annotations
@@ -48,19 +48,6 @@ class GatherAProducer:
     """Mixin: ``_produce_gathered`` (cp.async), the producer warpgroup's loop (module docstring)."""
 
     # plain methods, traced inline into the producer loops (their loops are over compile-time values)
-    def _b_views(self, tma_atom_b, mB_tma, tBsB, n_tile, expert):
-        """``(smem view, [gmem view per weight block])`` of the unit's B tiles for TMA (gated: the
-        gate rows, then the up rows ``n_out`` further)."""
-        n0 = self._n0(n_tile)
-        tBgBs = []
-        for h in range(self.num_b):
-            gB = cute.local_tile(cute.domain_offset((n0 + h * self.n_out, 0, 0), mB_tma),
-                                 (self.tile_n, self.tile_k), (0, None, expert))
-            tBsB_p, tBgB = cpasync.tma_partition(tma_atom_b, 0, cute.make_layout(1), tBsB,
-                                                 cute.group_modes(gB, 0, 2))
-            tBgBs.append(tBgB)
-        return tBsB_p, tBgBs
-
     def _arm_stage_copy_b(self, ab_pipeline, prod_state, tma_atom_b, tBsB_p, tBgBs, k_tile, bar):
         """Warp 0: the stage's one elected arrive on its full barrier (with the bytes the pipeline
         expects) and B's TMA copies of k-tile ``k_tile``."""
@@ -97,7 +84,7 @@ class GatherAProducer:
             expert, row0, row_end, n_tile = self._locate(sOff, sCum, tile_id, expert)
             # this thread's source rows (a row past the expert's end loads its last row: never stored)
             srcs = [mIdx[cutlass.min(row0 + tAcA[(0, i, 0)][0], row_end - 1)] for i in range(passes)]
-            tBsB_p, tBgBs = self._b_views(tma_atom_b, mB_tma, tBsB, n_tile, expert)
+            tBsB_p, tBgBs = self._b_views(tma_atom_b, mB_tma, tBsB, self._n0(n_tile), expert, 0)
             for k_tile in range(self.k_tiles):
                 ab_pipeline.sync_object_empty.wait(prod_state.index, prod_state.phase)
                 bar = ab_pipeline.producer_get_barrier(prod_state)

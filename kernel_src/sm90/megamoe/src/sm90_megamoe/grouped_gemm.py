@@ -646,54 +646,14 @@ class GroupedGemmSm90:
                         if cutlass.const_expr(self.cluster_n > 1):
                             n_tile = n_tile * self.cluster_n + cta_rank
 
-                        # A rows [row0, row0 + tile_m): (bM, bK, RestK)
-                        gA = cute.local_tile(
-                            cute.domain_offset((row0, 0), mA_tma),
-                            (self.tile_m, self.tile_k),
-                            (0, None),
-                        )
-                        # cluster_n: this CTA loads its half of the A tile into both CTAs
-                        tAsA_p, tAgA = cpasync.tma_partition(
-                            tma_atom_a, cta_rank if self.cluster_n > 1 else 0, cute.make_layout(self.cluster_n),
-                            tAsA, cute.group_modes(gA, 0, 2)
-                        )
-                        # B of this expert, rows [n0, n0 + bn) (gated: + up rows [I + n0, I + n0 + bn),
-                        # an element offset, so I need not be a multiple of the tile): (bN, bK, RestK)
-                        n0 = n_tile * self.tile_n
-                        tBgBs = []
-                        for h in cutlass.range_constexpr(self.num_b):
-                            gB = cute.local_tile(
-                                cute.domain_offset((n0 + h * self.n_out, 0, 0), mB_tma),
-                                (self.tile_n, self.tile_k),
-                                (0, None, expert),
-                            )
-                            # cluster: this CTA loads its half of the B tile into both CTAs
-                            tBsB_p, tBgB = cpasync.tma_partition(
-                                tma_atom_b, cta_rank if self.cluster_m > 1 else 0, cute.make_layout(self.cluster_m), tBsB,
-                                cute.group_modes(gB, 0, 2)
-                            )
-                            tBgBs.append(tBgB)
+                        tAsA_p, tAgA = self._a_views(tma_atom_a, mA_tma, tAsA, row0, cta_rank)
+                        tBsB_p, tBgBs = self._b_views(tma_atom_b, mB_tma, tBsB, n_tile * self.tile_n, expert,
+                                                      cta_rank)
                         for k_tile in range(k_tiles):
                             ab_pipeline.producer_acquire(prod_state)
                             bar = ab_pipeline.producer_get_barrier(prod_state)
-                            cute.copy(
-                                tma_atom_a,
-                                tAgA[(None, k_tile)],
-                                tAsA_p[(None, prod_state.index)],
-                                tma_bar_ptr=bar,
-                                **({"mcast_mask": cutlass.Int16((1 << self.cluster_n) - 1)}
-                                   if self.cluster_n > 1 else {}),
-                            )
-                            for h in cutlass.range_constexpr(self.num_b):
-                                # gated: h=0 gate rows [n0, n0+bn), h=1 up rows [I+n0, I+n0+bn)
-                                cute.copy(
-                                    tma_atom_b,
-                                    tBgBs[h][(None, k_tile)],
-                                    tBsB_p[(None, prod_state.index * self.num_b + h)],
-                                    tma_bar_ptr=bar,
-                                    **({"mcast_mask": cutlass.Int16((1 << self.cluster_m) - 1)}
-                                       if self.cluster_m > 1 else {}),
-                                )
+                            self._copy_stage(tma_atom_a, tAgA, tAsA_p, tma_atom_b, tBgBs, tBsB_p, k_tile,
+                                             prod_state.index, bar)
                             ab_pipeline.producer_commit(prod_state)
                             prod_state.advance()
                         tile_id = tile_id + unit_step
@@ -849,6 +809,39 @@ class GroupedGemmSm90:
                             read_state.advance()
                             release_state.advance()
                 tile_id = tile_id + tile_step
+
+    # ------------------------------------------------------------------ producer helpers
+    # (plain methods, traced inline into the producer loops of this kernel, the gathering one and the
+    # FP8 one; their loops are over compile-time values)
+    def _a_views(self, tma_atom_a, mA_tma, tAsA, row0, cta_rank):
+        """``(smem view, gmem view)`` of the A tile, rows ``[row0, row0 + tile_m)``, for TMA: (bM, bK,
+        RestK); ``cluster_n``: this CTA loads its 1/cluster_n of the rows into every CTA of the cluster."""
+        gA = cute.local_tile(cute.domain_offset((row0, 0), mA_tma), (self.tile_m, self.tile_k), (0, None))
+        return cpasync.tma_partition(tma_atom_a, cta_rank if self.cluster_n > 1 else 0,
+                                     cute.make_layout(self.cluster_n), tAsA, cute.group_modes(gA, 0, 2))
+
+    def _b_views(self, tma_atom_b, mB_tma, tBsB, n0, expert, cta_rank):
+        """``(smem view, [gmem view per weight block])`` of the expert's B tiles at output column ``n0``
+        for TMA: rows ``[n0, n0 + bn)`` (gated: and the up rows ``[I + n0, I + n0 + bn)``, an element
+        offset, so I need not be a multiple of the tile); ``cluster_m``: this CTA loads its half into
+        both CTAs."""
+        tBgBs = []
+        for h in range(self.num_b):
+            gB = cute.local_tile(cute.domain_offset((n0 + h * self.n_out, 0, 0), mB_tma),
+                                 (self.tile_n, self.tile_k), (0, None, expert))
+            tBsB_p, tBgB = cpasync.tma_partition(tma_atom_b, cta_rank if self.cluster_m > 1 else 0,
+                                                 cute.make_layout(self.cluster_m), tBsB, cute.group_modes(gB, 0, 2))
+            tBgBs.append(tBgB)
+        return tBsB_p, tBgBs
+
+    def _copy_stage(self, tma_atom_a, tAgA, tAsA_p, tma_atom_b, tBgBs, tBsB_p, k_tile, stage, bar):
+        """The TMA copies of k-tile ``k_tile`` into smem stage ``stage``, completing on ``bar``: A (multicast
+        over a ``cluster_n`` pair) and each weight block's B (multicast over a ``cluster_m`` pair)."""
+        cute.copy(tma_atom_a, tAgA[(None, k_tile)], tAsA_p[(None, stage)], tma_bar_ptr=bar,
+                  **({"mcast_mask": cutlass.Int16((1 << self.cluster_n) - 1)} if self.cluster_n > 1 else {}))
+        for h in range(self.num_b):
+            cute.copy(tma_atom_b, tBgBs[h][(None, k_tile)], tBsB_p[(None, stage * self.num_b + h)], tma_bar_ptr=bar,
+                      **({"mcast_mask": cutlass.Int16((1 << self.cluster_m) - 1)} if self.cluster_m > 1 else {}))
 
     def _mma_k_tile(self, tiled_mma, accs, acc_wide, tCrA, tCrB, stage, num_k_blocks: cutlass.Constexpr):
         """The WGMMAs of one k-tile (stage ``stage``): per k-block one over the wide B tile (wide)
