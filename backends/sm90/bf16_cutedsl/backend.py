@@ -50,18 +50,12 @@ ACTIVATION_MAP = {"swiglu": "swiglu", "squared_relu": "squared_relu", "gelu_glu"
 BIAS_DTYPES = (None, torch.float32, torch.bfloat16)
 
 
-def env_switch(name: str, default: bool) -> bool:
-    """An on/off switch read from the environment at bind time: ``name=1`` on, ``name=0`` off,
-    unset ``default``; any other value raises a ValueError naming it (the shim's ``env_flag``)."""
-    return env_flag(name, default)
-
-
 def local_combine() -> bool:
     """With one rank, step 5 is one launch (drop v14's CombineLocal: the K-row sum written straight
     into ``out``): bit-identical to send + reduce (GPU test), Qwen3 decode on the H200 1 token
     0.058 -> 0.054 ms, 128 tokens 0.311 -> 0.306 ms (CUDA graph). ``MOE_EP_LOCAL_COMBINE=0`` turns
     it off (to compare)."""
-    return env_switch("MOE_EP_LOCAL_COMBINE", True)
+    return env_flag("MOE_EP_LOCAL_COMBINE", True)
 
 
 def local_route() -> bool:
@@ -71,7 +65,7 @@ def local_route() -> bool:
     (GPU tests, BF16 and FP8). On the H200, Qwen3 decode under CUDA graphs 1 / 8 / 128 tokens
     0.0472 / 0.1411 / 0.2944 -> 0.0442 / 0.1393 / 0.2927 ms (docs/PERFORMANCE.md, seventh
     session). ``MOE_EP_LOCAL_ROUTE=0`` turns it off (to compare)."""
-    return env_switch("MOE_EP_LOCAL_ROUTE", True)
+    return env_flag("MOE_EP_LOCAL_ROUTE", True)
 
 
 def gather_fc1() -> bool:
@@ -86,7 +80,7 @@ def gather_fc1() -> bool:
     session's profile the gathering FC1 ran 106 us longer than the plain one in the layer, which
     cancels the row copy's saving. (Drop v85 removed the one-TMA-per-row producer, v41, and the L2
     priorities, v75: both slower.)"""
-    return env_switch("MOE_EP_GATHER_FC1", False)
+    return env_flag("MOE_EP_GATHER_FC1", False)
 
 
 def token_grid() -> bool:
@@ -95,7 +89,7 @@ def token_grid() -> bool:
     per token) instead of every SM: a decode step's dispatch then pays one CTA's completion fence
     and arrival atomic instead of one per SM. Same bits (GPU test passed); off by default because
     it measured no faster on the H200 (Qwen3 decode 1 / 8 / 128 tokens, docs/PERFORMANCE.md)."""
-    return env_switch("MOE_EP_TOKEN_GRID", False)
+    return env_flag("MOE_EP_TOKEN_GRID", False)
 
 
 def layout_chunks(num_ctas: int | None) -> int | None:

@@ -30,14 +30,14 @@ from typing import Any
 
 import torch
 
-from moe_ep.shim import (Sm90EpSession, Sm90LayoutSession, sm90_check_fp8_gemm, sm90_compiled_fp8_gemm,
+from moe_ep.shim import (Sm90EpSession, Sm90LayoutSession, env_flag, sm90_check_fp8_gemm, sm90_compiled_fp8_gemm,
                          sm90_compiled_fp8_quantize_rows, sm90_fp8_gemm, sm90_fp8_quantize_rows,
                          sm90_prebuild_ep, sm90_prebuild_layout)
 
 from ...quant import FP8_BLOCK, quantize_fp8_block128
 from ...quantized import check_quantized_config, quantized_activation_buffers
 from ...registry import UnsupportedBackendError, require_cuda_arch
-from ..bf16_cutedsl.backend import Sm90CuteDSLBackend, env_switch, prebuild_layer
+from ..bf16_cutedsl.backend import Sm90CuteDSLBackend, prebuild_layer
 
 NAME = "sm90_fp8_cutedsl"
 
@@ -54,7 +54,7 @@ def fp8_wire() -> bool:
     as ``hidden/64`` bf16 words, a multiple of 8). Bit-identical to BF16 rows on virtual ranks (W = 2
     and 4, H200); off by default until it has been timed on two GPUs. The split ``dispatch`` refuses
     it (its rows are BF16)."""
-    return env_switch("MOE_EP_FP8_WIRE", False)
+    return env_flag("MOE_EP_FP8_WIRE", False)
 
 
 def wire_views(bufs: dict, slots: int, hidden: int) -> tuple[dict, dict]:
@@ -95,7 +95,7 @@ def fused_gather_quant() -> bool:
     """Step 2 writes no BF16 grouped rows and step 3 gathers and quantises the received rows in one
     pass (drop v12's gathering quantiser): bit-identical to gather-then-quantise (GPU test), Qwen3
     8192 tokens 1.21 -> 1.10 ms on the H200. ``MOE_EP_FP8_FUSED_GATHER=0`` turns it off (to compare)."""
-    return env_switch("MOE_EP_FP8_FUSED_GATHER", True)
+    return env_flag("MOE_EP_FP8_FUSED_GATHER", True)
 
 
 def scatter_quant() -> bool:
@@ -105,7 +105,7 @@ def scatter_quant() -> bool:
     same rows and bits (GPU tests), 1/top_k of the reads and of the arithmetic. H200 (tenth
     session, PDL off, Qwen3 8192 tokens): 46.5 us against the gathering quantiser's 80.8.
     ``MOE_EP_FP8_SCATTER_QUANT=0`` turns it off (to compare)."""
-    return env_switch("MOE_EP_FP8_SCATTER_QUANT", True)
+    return env_flag("MOE_EP_FP8_SCATTER_QUANT", True)
 
 
 def prebuild(config: Any, world_size: int, kernels: tuple = ("fc1", "fc2", "ep", "layout")) -> None:
