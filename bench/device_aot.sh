@@ -14,10 +14,6 @@ build --model qwen3,mixtral,nemotron
 build --model qwen3,mixtral --quant fp8_block128
 # the queued switches (their GEMMs only; everything else is the defaults' above)
 MOE_EP_JUMP_STAGES=1 build --model qwen3,nemotron --kernels fc1,fc2
-MOE_EP_M64_TAILS=1 build --model qwen3,nemotron --kernels fc1,fc2
-MOE_EP_JUMP_STAGES=1 MOE_EP_M64_TAILS=1 build --model qwen3,nemotron --kernels fc1,fc2
 MOE_EP_GATED_PINGPONG=1 build --model qwen3 --kernels fc1
 MOE_EP_GATED_PINGPONG=1 MOE_EP_JUMP_STAGES=1 build --model qwen3 --kernels fc1
-MOE_EP_FP8_OVERLAP_CHUNK=8 build --model qwen3,mixtral --quant fp8_block128 --kernels fc1,fc2
-MOE_EP_FP8_OVERLAP_CHUNK=16 build --model mixtral --quant fp8_block128 --kernels fc1,fc2
 du -sh "$out"

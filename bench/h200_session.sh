@@ -72,14 +72,13 @@
 # newab:         code not yet run on a GPU: NEWAB_TESTS' GPU tests (space-separated files, TEST_BUDGET, 240 s: a
 #                wrong barrier count would hang), then -- if they pass -- the drop runner with NEWAB_RUNNER's
 #                arguments (e.g. "--gather --model qwen3"), the FP8 runner with NEWAB_FP8_RUNNER's
-#                (e.g. "--model qwen3 --chunk-k-tiles 8"; FP8_RUNNER_BUDGET, 300 s) and the layer under each
+#                (e.g. "--model qwen3 --unit-scales"; FP8_RUNNER_BUDGET, 300 s) and the layer under each
 #                ENVAB setting (MODELS, QUANT,
 #                interleaved, ENVAB_ROUNDS rounds; as envab) -> $OUT/newab_tests.log, newab_runner.log, envab_s<i>_r<r>.*.
 #                (The thirty-second session ran drop v72's clusters along N this way, as mode "clustern".)
 # ncuab:         Nsight Compute (speed of light, warp states, schedulers, instruction mix) on one FC1 + one FC2
 #                launch of each of MODELS' BF16 GEMMs (bench/ncu_gemm.py) under each ENVAB setting, e.g.
-#                ENVAB="|MOE_EP_M64_TAILS=1" MODELS=nemotron (33rd session's question: does the grown kernel miss
-#                the instruction cache?; with drop v79 also "|MOE_EP_JUMP_STAGES=1|MOE_EP_JUMP_STAGES=1 MOE_EP_M64_TAILS=1")
+#                ENVAB="|MOE_EP_JUMP_STAGES=1" MODELS=nemotron
 #                -> $OUT/ncuab_<model>_s<i>.log.
 # envab:         the layer (MODELS, QUANT) under each setting of ENVAB ('|'-separated, each a list of
 #                VAR=value; end it with '|' for the defaults), interleaved, ENVAB_ROUNDS (2) rounds -> $OUT/envab_s<i>_r<r>.{log,csv}.
@@ -209,7 +208,7 @@ suite_groups=(
   "tests/test_ep_gpu.py;tests/test_disk_cache.py;tests/test_transformers_integration.py;tests/test_blackwell_backends.py"
   "tests/test_sm90_fp8_quant.py;tests/test_fp8_quant_div.py;tests/test_fp8_quant_items.py;tests/test_fp8_scatter_quant.py;tests/test_fp8_cluster.py"
   "tests/test_fp8_plain_schedule.py;tests/test_fp8_smem_scales.py;tests/test_fp8_unit_scales.py;tests/test_fp8_deferred_epilogue.py;tests/test_bf16_cluster.py"
-  "tests/test_sm90_fp8_compile.py" "tests/test_sm90_swapab_compile.py;tests/test_fp8_tanh_sigmoid.py;tests/test_bf16_tanh_sigmoid.py;tests/test_bf16_cluster_n.py;tests/test_m64_tails.py;tests/test_jump_stages.py;tests/test_gated_pingpong.py;tests/test_fp8_chunk_k_tiles.py"
+  "tests/test_sm90_fp8_compile.py" "tests/test_sm90_swapab_compile.py;tests/test_fp8_tanh_sigmoid.py;tests/test_bf16_tanh_sigmoid.py;tests/test_bf16_cluster_n.py;tests/test_jump_stages.py;tests/test_gated_pingpong.py"
 )
 # SUITE_PICK="i j ...": only those of the groups above (0-based), e.g. the ones a cut call left unrun
 if [ -n "${SUITE_PICK:-}" ]; then
@@ -503,7 +502,7 @@ if [ "$mode" = suite2 ]; then
       tests/test_sm90_fp8_compile.py tests/test_sm90_swapab_compile.py tests/test_blackwell_backends.py \
       tests/test_gather_fc1.py tests/test_fp8_quant_div.py tests/test_fp8_quant_items.py tests/test_fp8_scatter_quant.py tests/test_fp8_cluster.py \
       tests/test_bf16_cluster.py tests/test_fp8_plain_schedule.py tests/test_fp8_smem_scales.py tests/test_fp8_unit_scales.py tests/test_fp8_deferred_epilogue.py tests/test_fp8_tanh_sigmoid.py tests/test_bf16_tanh_sigmoid.py \
-      tests/test_bf16_cluster_n.py tests/test_m64_tails.py tests/test_jump_stages.py tests/test_gated_pingpong.py tests/test_fp8_chunk_k_tiles.py
+      tests/test_bf16_cluster_n.py tests/test_jump_stages.py tests/test_gated_pingpong.py
 fi
 if [ "$mode" = suite3 ]; then
   step "GPU suite 3/3" "$OUT/suite3.log" -- "${suite_common[@]}" tests/test_ep_virtual_gpu.py

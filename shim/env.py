@@ -2,7 +2,7 @@
 read (when a kernel is built or a layer bound, never in ``forward``).
 
 Unset or empty means the switch's default. Any other value must be one the switch knows: a typo such
-as ``MOE_EP_FP8_OVERLAP=off`` or ``MOE_EP_M64_TAILS=true`` raises a ValueError naming the variable
+as ``MOE_EP_FP8_OVERLAP=off`` or ``MOE_EP_JUMP_STAGES=true`` raises a ValueError naming the variable
 rather than silently keeping the default (the A/B runs in docs/PERFORMANCE.md rely on a switch
 doing what it says).
 """
@@ -22,6 +22,9 @@ REMOVED = {
     "MOE_EP_GATHER_L2": ("0", "drop v85 removed the gathering FC1's L2 priorities (drop v75): 3% slower, the layer no faster"),
     "MOE_EP_HALF_TILES": ("0", "drop v86 removed the cooperative half tiles (drop v46): the layer 4-7% slower"),
     "MOE_EP_FP8_GATHER_FC1": ("0", "drop v87 removed the gathering FP8 FC1 (drops v22 / v23): FC1 0.565 vs 0.455 ms"),
+    "MOE_EP_M64_TAILS": ("0", "drop v89 removed the pingpong 64-row tails (drop v78): the layer 5-9% slower on Nemotron"),
+    "MOE_EP_FP8_OVERLAP_CHUNK": ("", "drop v89 removed the FP8 GEMMs' shorter k-loop chunks (drop v82): the layer "
+                                     "0.98-0.99x on Mixtral"),
 }
 #: removed values of switches that remain
 REMOVED_VALUES = {

@@ -221,9 +221,9 @@ def variants_same_bits(fns, a, b, offs, n_out, row_scale=None, bias=None) -> tor
     return outs[-1][:size].view(m_total, n_out)
 
 
-def pingpong_option_bits(act, n, k, tile_n, scale_rows, routing, m_total, seed, option: dict, base: dict = None):
+def pingpong_option_bits(act, n, k, tile_n, scale_rows, routing, m_total, seed, option: dict):
     """A BF16 pingpong GEMM with ``option`` (e.g. ``{"jump_stages": True}``) against the same GEMM
-    without it (both with ``base``), 16 experts, on :func:`bf16_gemm_problem`'s inputs: the same
+    without it, 16 experts, on :func:`bf16_gemm_problem`'s inputs: the same
     bits (:func:`variants_same_bits`: NaN poison, guard band), then the variant against float64."""
     from sm90_megamoe.launch import get_grouped_gemm
     from sm90_megamoe.reference import grouped_gemm_reference
@@ -231,7 +231,7 @@ def pingpong_option_bits(act, n, k, tile_n, scale_rows, routing, m_total, seed, 
     E = 16
     a, b, offs, rs, _ = bf16_gemm_problem(m_total, n, k, E, routing, seed, scale_rows)
     fns = [get_grouped_gemm(act, n, k, E, scale_rows=scale_rows, tile_n=tile_n, schedule="pingpong", raster_m=16,
-                            **(base or {}), **opt) for opt in ({}, option)]
+                            **opt) for opt in ({}, option)]
     got = variants_same_bits(fns, a, b, offs, n // 2 if act in ("swiglu", "gelu_glu", "clamped_swiglu") else n,
                              row_scale=rs)
     want = grouped_gemm_reference(a.double(), b.double(), offs, act, None if rs is None else rs.double()).double()

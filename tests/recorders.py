@@ -42,8 +42,7 @@ def record_gemm_builds(monkeypatch) -> tuple:
 def check_pingpong_switch(monkeypatch, env: str, use, key_field: str) -> None:
     """The shim's opt-in 0/1 switch ``env`` of a pingpong-only GEMM option: ``use(schedule)`` is off
     unset and under "0", on under "1" for "pingpong" only, any other value raises a ValueError
-    naming ``env``; ``GemmKey.<key_field>`` defaults to False (drops v78 ``m64_tails``, v79
-    ``jump_stages``)."""
+    naming ``env``; ``GemmKey.<key_field>`` defaults to False (drop v79 ``jump_stages``)."""
     import pytest
 
     from moe_ep.shim.drops import sm90_megamoe as s
@@ -63,7 +62,7 @@ def check_pingpong_switch(monkeypatch, env: str, use, key_field: str) -> None:
 
 
 def check_pingpong_only_option(option: str) -> None:
-    """A pingpong-only option of the drop's BF16 GEMM (drops v78 ``m64_tails``, v79 ``jump_stages``):
+    """A pingpong-only option of the drop's BF16 GEMM (drop v79 ``jump_stages``):
     refused on the cooperative and wide schedules with a ValueError naming it; on pingpong the
     launcher and its kernel carry it (and no other such option)."""
     import pytest
@@ -76,13 +75,13 @@ def check_pingpong_only_option(option: str) -> None:
     fn = CompiledGroupedGemm("identity", 2048, 768, 16, True, tile_n=192, schedule="pingpong",
                              compiled=object(), **{option: True})
     assert getattr(fn, option) and getattr(fn.kernel, option)
-    assert not any(getattr(fn, o) for o in ("m64_tails", "jump_stages") if o != option)
+    assert not any(getattr(fn, o) for o in ("jump_stages",) if o != option)
 
 
 def record_pingpong_switch_builds(monkeypatch, env: str) -> tuple:
     """``(built, names)`` of :func:`record_gemm_builds` after the shim built Qwen3's FC2 (pingpong)
     under ``env`` = 1, then 0, and its FC1 (cooperative) under 1 -- the builds every pingpong-only
-    switch's wiring test starts from (drops v78 ``m64_tails``, v79 ``jump_stages``)."""
+    switch's wiring test starts from (drop v79 ``jump_stages``)."""
     from moe_ep.shim.drops import sm90_megamoe as s
 
     built, names = record_gemm_builds(monkeypatch)

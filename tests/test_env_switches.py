@@ -47,7 +47,6 @@ SWITCHES = [
     ("MOE_EP_BF16_CLUSTER", lambda: s.use_bf16_cluster("cooperative"), 1),
     ("MOE_EP_BF16_CLUSTER_N", lambda: s.use_bf16_cluster_n("pingpong", gated=False), 1),
     ("MOE_EP_BF16_TANH_SIGMOID", lambda: s.use_bf16_tanh_sigmoid("swiglu"), True),
-    ("MOE_EP_M64_TAILS", lambda: s.use_m64_tails("pingpong"), False),
     ("MOE_EP_JUMP_STAGES", lambda: s.use_jump_stages("pingpong"), False),
     # the FP8 grouped GEMM (shim)
     ("MOE_EP_FP8_OVERLAP", lambda: f.use_fp8_overlap(2048), True),
@@ -86,7 +85,6 @@ def test_switches_with_more_values(monkeypatch):
     for var, read, good, bad in (
         ("MOE_EP_FP8_CLUSTER", lambda: f.use_fp8_cluster("identity", 4096, 14336), ("0", "1"), ("2", "on", "4")),
         ("MOE_EP_FP8_UNIT_SCALES", lambda: f.use_fp8_unit_scales(4096), ("auto", "0", "1"), ("on", "AUTO")),
-        ("MOE_EP_FP8_OVERLAP_CHUNK", lambda: f.use_fp8_chunk_k_tiles(4096, True, False, True), ("8", "16"), ("4", "1")),
     ):
         for raw in good:
             monkeypatch.setenv(var, raw)
@@ -104,7 +102,7 @@ def test_switches_with_more_values(monkeypatch):
 
 @pytest.mark.parametrize("var", sorted(env.REMOVED))
 def test_removed_switches_raise_where_kernels_are_built(monkeypatch, var):
-    """Drops v84-v87 removed the variants behind these switches (measured slower or no faster on the
+    """Drops v84-v89 removed the variants behind these switches (measured slower or no faster on the
     H200): set to anything but their old default, both SM90 GEMM builders (BF16 and FP8) refuse with a
     ValueError naming the variable and the drop version -- before any compile -- instead of quietly
     building the default; their old default and unset build as before."""
@@ -112,9 +110,9 @@ def test_removed_switches_raise_where_kernels_are_built(monkeypatch, var):
     for var_ in env.REMOVED:
         monkeypatch.delenv(var_, raising=False)
     monkeypatch.setenv(var, "4" if default == "1" else "1")
-    with pytest.raises(ValueError, match=rf"{var}='.': drop v8[4-7] removed"):
+    with pytest.raises(ValueError, match=rf"{var}='.': drop v8[4-9] removed"):
         s.compiled_grouped_gemm("swiglu", 1536, 2048, 128, gather_a=True)
-    with pytest.raises(ValueError, match=rf"{var}='.': drop v8[4-7] removed"):
+    with pytest.raises(ValueError, match=rf"{var}='.': drop v8[4-9] removed"):
         f._gemm_key("swiglu", 1536, 2048, 128, False)
     monkeypatch.setenv(var, default)
     env.check_removed()

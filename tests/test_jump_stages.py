@@ -23,16 +23,15 @@ register_drop(drop_src("sm90", "megamoe"))
 
 from moe_oracle import require_sm90  # noqa: E402
 
-#: (activation, N, K, tile_n, scale_rows, m64_tails): Qwen3's FC2 (the default pingpong, 12 k-tiles),
-#: Nemotron's squared-ReLU FC1 (42 k-tiles), a gated FC1 on 96-wide tiles (two accumulators), and
-#: Qwen3's FC2 with drop v78's 64-row tails (two mainloops before the skip)
-SHAPES = [("identity", 2048, 768, 192, True, False), ("squared_relu", 1856, 2688, 192, False, False),
-          ("swiglu", 1536, 2048, 96, False, False), ("identity", 2048, 768, 192, True, True)]
+#: (activation, N, K, tile_n, scale_rows): Qwen3's FC2 (the default pingpong, 12 k-tiles), Nemotron's
+#: squared-ReLU FC1 (42 k-tiles) and a gated FC1 on 96-wide tiles (two accumulators; MOE_EP_GATED_PINGPONG)
+SHAPES = [("identity", 2048, 768, 192, True), ("squared_relu", 1856, 2688, 192, False),
+          ("swiglu", 1536, 2048, 96, False)]
 
 
 # ---------------------------------------------------------------------------- compile (CPU)
-@pytest.mark.parametrize("act,n,k,tile_n,sr,m64", SHAPES)
-def test_jump_stages_drops_the_unrolled_skip(act, n, k, tile_n, sr, m64, tmp_path, monkeypatch):
+@pytest.mark.parametrize("act,n,k,tile_n,sr", SHAPES)
+def test_jump_stages_drops_the_unrolled_skip(act, n, k, tile_n, sr, tmp_path, monkeypatch):
     """Same WGMMAs (shape and count), no spills; the unrolled skip's per-stage compares
     (``setp.eq.b32`` of the stage index against the ring size: two states x k_tiles) are gone."""
     monkeypatch.chdir(tmp_path)
@@ -42,7 +41,7 @@ def test_jump_stages_drops_the_unrolled_skip(act, n, k, tile_n, sr, m64, tmp_pat
     wgmmas, compares = [], []
     for jump in (False, True):
         ptx = compile_for_arch(act, n, k, sr, tile_n=tile_n, schedule="pingpong", raster_m=16,
-                               **({"m64_tails": True} if m64 else {}), **({"jump_stages": True} if jump else {})).__ptx__
+                               **({"jump_stages": True} if jump else {})).__ptx__
         shapes = set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx))
         assert shapes == {f"m64n{tile_n}k16"}, shapes
         wgmmas.append(len(re.findall(r"wgmma\.mma_async", ptx)))
@@ -71,38 +70,32 @@ def test_shim_switch_and_key(monkeypatch):
 
 def test_shim_builds_the_jumping_launcher(monkeypatch):
     """Under MOE_EP_JUMP_STAGES=1 the shim keys and builds (recorded: no compile) Qwen3's pingpong FC2
-    with ``jump_stages`` under its own kernel name, and leaves the cooperative FC1 alone; with
-    MOE_EP_M64_TAILS=1 as well, the two combine."""
+    with ``jump_stages`` under its own kernel name, and leaves the cooperative FC1 alone."""
     from recorders import record_pingpong_switch_builds
 
     from moe_ep.shim import cache
     from moe_ep.shim.drops import sm90_megamoe as s
 
-    monkeypatch.delenv("MOE_EP_M64_TAILS", raising=False)
     built, names = record_pingpong_switch_builds(monkeypatch, "MOE_EP_JUMP_STAGES")
-    monkeypatch.setenv("MOE_EP_M64_TAILS", "1")
-    s.compiled_grouped_gemm("identity", 2048, 768, 128, scale_rows=True)
-    assert [kw.get("schedule") for kw in built[::2]] == ["pingpong", "pingpong", "cooperative", "pingpong"]
-    assert [kw.get("jump_stages", False) for kw in built[::2]] == [True, False, False, True]
-    assert [kw.get("m64_tails", False) for kw in built[::2]] == [False, False, False, True]
-    assert ["_js" in n for n in names] == [True, False, False, True], names
-    assert sorted(k.jump_stages for k in cache.COMPILE_CACHE._store) == [False, False, True, True]
+    assert [kw.get("schedule") for kw in built[::2]] == ["pingpong", "pingpong", "cooperative"]
+    assert [kw.get("jump_stages", False) for kw in built[::2]] == [True, False, False]
+    assert ["_js" in n for n in names] == [True, False, False], names
+    assert sorted(k.jump_stages for k in cache.COMPILE_CACHE._store) == [False, False, True]
 
 
 # ---------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
-@pytest.mark.parametrize("act,n,k,tile_n,sr,m64", [SHAPES[0], SHAPES[1], SHAPES[3]])
+@pytest.mark.parametrize("act,n,k,tile_n,sr", SHAPES[:2])
 @pytest.mark.parametrize("routing,m_total", [("uniform", 5000), ("skewed", 5000), ("skewed", 300),
                                              ("uniform", 40000), ("skewed", 1)])
-def test_gpu_jump_stages_is_bit_identical(act, n, k, tile_n, sr, m64, routing, m_total):
+def test_gpu_jump_stages_is_bit_identical(act, n, k, tile_n, sr, routing, m_total):
     """The same bits as pingpong without it, at 1 to ~26 tiles per CTA (so each warpgroup skips the
     other's stages many times, across ring laps of either phase). NaN-poisoned output with a guard
     band; then a float64 reference. (Kernels from the drop's compile cache: one per variant.)"""
     require_sm90()
     from moe_oracle import pingpong_option_bits
 
-    pingpong_option_bits(act, n, k, tile_n, sr, routing, m_total, 7900 + m_total + n, {"jump_stages": True},
-                         {"m64_tails": True} if m64 else {})
+    pingpong_option_bits(act, n, k, tile_n, sr, routing, m_total, 7900 + m_total + n, {"jump_stages": True})
 
 
 @pytest.mark.gpu
@@ -111,7 +104,6 @@ def test_gpu_layer_with_jump_stages_is_bit_identical(monkeypatch, T):
     """MOE_EP_JUMP_STAGES=1 (Qwen3's pingpong FC2 skipping in one step) gives the layer's default
     bits, eager and replayed from a poisoned CUDA graph; the cooperative FC1 is untouched."""
     require_sm90()
-    monkeypatch.delenv("MOE_EP_M64_TAILS", raising=False)
     from moe_oracle import qwen3_pingpong_switch_outputs
 
     outs = qwen3_pingpong_switch_outputs(monkeypatch, "MOE_EP_JUMP_STAGES", "jump_stages", T, T + 79)

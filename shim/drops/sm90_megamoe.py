@@ -53,14 +53,13 @@ from .sm90_megamoe_switches import (  # noqa: F401  (re-exported: the shim reads
     use_bf16_tanh_sigmoid,
     use_gated_pingpong,
     use_jump_stages,
-    use_m64_tails,
     use_wide_gated,
 )
 
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 88},
+    "sm90_megamoe": {"DROP_VERSION": 89},
     "sm90_megamoe.fp8_gemm": {"FP8_BLOCK": 128, "OVERLAP_MAX_K_TILES": 32, "OVERLAP_MAX_CHUNK": 16},
     "sm90_megamoe.unit_scales": {"UNIT_SCALE_KC": 8},
     "sm90_megamoe.constants": {
@@ -102,7 +101,7 @@ CONTRACT = DropContract(
                     ("activation", "n", "k", "num_experts", "scale_rows", "tile_n", "bias_dtype",
                      "raster_m", "swiglu_alpha", "swiglu_limit", "schedule", "compiled", "tvm_ffi",
                      "early_weights", "gather_a", "cluster_m", "tanh_sigmoid",
-                     "cluster_n", "m64_tails", "jump_stages")),
+                     "cluster_n", "jump_stages")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_converted",
                     ("args", "max_active_ctas", "stream")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_tensors",
@@ -155,12 +154,11 @@ CONTRACT = DropContract(
         CallableUse("sm90_megamoe.layout_kernels:counts_len", ("num_chunks", "local_experts")),
         CallableUse("sm90_megamoe.fp8_gemm:can_implement", ("activation", "n", "k", "num_experts")),
         CallableUse("sm90_megamoe.fp8_gemm:default_tile_n", ("activation",)),
-        CallableUse("sm90_megamoe.fp8_gemm:overlap_chunk", ("k_tiles", "limit")),
+        CallableUse("sm90_megamoe.fp8_gemm:overlap_chunk", ("k_tiles",)),
         CallableUse("sm90_megamoe.fp8_launch:CompiledFp8Gemm.__init__",
                     ("activation", "n", "k", "num_experts", "scale_rows", "compiled", "tvm_ffi", "raster_m",
                      "overlap_promotion", "wide_gated", "cluster_n", "smem_scales",
-                     "scale_warp", "deferred_epilogue", "tanh_sigmoid", "unit_scales",
-                     "chunk_k_tiles")),
+                     "scale_warp", "deferred_epilogue", "tanh_sigmoid", "unit_scales")),
         CallableUse("sm90_megamoe.fp8_launch:CompiledFp8Gemm.__call__",
                     ("a", "a_scale", "b", "b_scale", "offsets", "out", "row_scale", "max_active_ctas", "stream")),
         CallableUse("sm90_megamoe.fp8_launch:CompiledFp8Gemm.prepare",
@@ -385,7 +383,6 @@ class GemmKey:
     cluster_m: int = 1
     tanh_sigmoid: bool = False
     cluster_n: int = 1
-    m64_tails: bool = False
     jump_stages: bool = False
 
 
@@ -526,7 +523,7 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
                   schedule, ffi, early, bool(gather_a), cluster,
                   use_bf16_tanh_sigmoid(activation),
                   use_bf16_cluster_n(schedule, activation in GEMM_GATED, gather_a),
-                  use_m64_tails(schedule), use_jump_stages(schedule))
+                  use_jump_stages(schedule))
 
     def build():
         launch = _load("sm90_megamoe.launch")
@@ -542,15 +539,12 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
             kw.update(cluster_n=key.cluster_n)
         if key.tanh_sigmoid:
             kw.update(tanh_sigmoid=True)
-        if key.m64_tails:
-            kw.update(m64_tails=True)
         if key.jump_stages:
             kw.update(jump_stages=True)
         if activation == "clamped_swiglu":
             kw.update(swiglu_alpha=alpha, swiglu_limit=limit)
         name = (f"gemm_{activation}" + ("_gather" if gather_a else "")
                 + ("_cluster2" if key.cluster_m > 1 else "") + ("_clustern2" if key.cluster_n > 1 else "")
-                + ("_m64t" if key.m64_tails else "")
                 + ("_js" if key.jump_stages else "")
                 + ("_tanh" if key.tanh_sigmoid else ""))
         fn = disk_cache.get_or_build(cache_namespace(), name, key,

@@ -239,7 +239,6 @@ class Fp8Key:
     tanh_sigmoid: bool = False
     quant_items: int = 1
     unit_scales: bool = False
-    chunk_k_tiles: int = 0
 
 
 #: reduction size from which the FP8 GEMMs load their scales by TMA by default (use_fp8_unit_scales)
@@ -281,26 +280,6 @@ def use_fp8_quant_items() -> int:
     return _env_int("MOE_EP_FP8_QUANT_ITEMS", 1, 4)
 
 
-def use_fp8_chunk_k_tiles(k: int, overlap_promotion: bool, deferred: bool, unit_scales: bool) -> int:
-    """``MOE_EP_FP8_OVERLAP_CHUNK`` = 8 / 16 (drop v82, ``chunk_k_tiles``): the overlapped k-loop of every
-    FP8 GEMM longer than that runs in chunks of at most that many k-tiles instead of unrolled whole
-    up to 32 (Qwen3's FC1: 16 k-tiles, 3152 -> 2072 SASS instructions in chunks of 8; Mixtral's FC1:
-    32, 4096 -> 2032 / 3064 in chunks of 8 / 16; its FC2 keeps chunks of 16 unless 8 is asked). The
-    same bits; one more drain per chunk for a loop that no longer streams through the instruction
-    cache each tile. Not where the GEMM defers its epilogue (that needs the unrolled loop), nor where
-    the chunk would not be a multiple of 8 k-tiles under ``unit_scales``. Unset: 0, the default
-    rule. Opt-in until it has run on the H200 (the same question as drop v79's ``jump_stages``)."""
-    raw = env_choice("MOE_EP_FP8_OVERLAP_CHUNK", ("8", "16"), "")
-    if not raw or not overlap_promotion or deferred:
-        return 0
-    fg = _load("sm90_megamoe.fp8_gemm")
-    k_tiles = k // CONSTANTS.value("sm90_megamoe.fp8_gemm", "FP8_BLOCK")
-    chunk = fg.overlap_chunk(k_tiles, int(raw))
-    if chunk == 0 or chunk == fg.overlap_chunk(k_tiles) or (unit_scales and chunk % 8):
-        return 0
-    return int(raw)
-
-
 def use_fp8_tanh_sigmoid(activation: str) -> bool:
     """Whether the swiglu FP8 GEMM (FC1; drop v51: every variant, so switching between them keeps
     the bits) takes its sigmoid from one ``tanh.approx``
@@ -328,8 +307,7 @@ def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_row
                   use_fp8_cluster(activation, n, k) if plain else 1,
                   smem, scale_warp, deferred,
                   kind == "gemm" and use_fp8_tanh_sigmoid(activation),
-                  use_fp8_quant_items() if kind.startswith("quantize") else 1, unit,
-                  use_fp8_chunk_k_tiles(k, overlap_promotion, deferred, unit) if kind == "gemm" else 0)
+                  use_fp8_quant_items() if kind.startswith("quantize") else 1, unit)
 
 
 def _gemm_key(activation: str, n: int, k: int, num_experts: int, scale_rows: bool) -> Fp8Key:
@@ -345,7 +323,7 @@ def _gemm_options(key: Fp8Key) -> dict:
                 overlap_promotion=key.overlap_promotion, wide_gated=key.wide_gated,
                 cluster_n=key.cluster_n, smem_scales=key.smem_scales,
                 scale_warp=key.scale_warp, deferred_epilogue=key.deferred_epilogue,
-                tanh_sigmoid=key.tanh_sigmoid, unit_scales=key.unit_scales, **({"chunk_k_tiles": key.chunk_k_tiles} if key.chunk_k_tiles else {}))
+                tanh_sigmoid=key.tanh_sigmoid, unit_scales=key.unit_scales)
 
 
 def _checked_gemm_key(activation: str, n: int, k: int, num_experts: int, scale_rows: bool) -> Fp8Key:
@@ -358,7 +336,7 @@ def _compiled_gemm(key: Fp8Key) -> Any:
     """The compiled GEMM of ``key``: the in-process cache, else the disk cache, else compile."""
     name = f"fp8_gemm_{key.activation}" + (f"_cluster{key.cluster_n}" if key.cluster_n > 1 else "") + \
         ("_defer" if key.deferred_epilogue else "") + ("_tanh" if key.tanh_sigmoid else "") + \
-        ("_us" if key.unit_scales else "") + (f"_chunk{key.chunk_k_tiles}" if key.chunk_k_tiles else "")
+        ("_us" if key.unit_scales else "")
 
     def build():
         fl = _load("sm90_megamoe.fp8_launch")

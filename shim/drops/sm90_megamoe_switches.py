@@ -67,16 +67,6 @@ def use_bf16_cluster_n(schedule: str, gated: bool, gather_a: bool = False) -> in
     return 2 if schedule in ("cooperative", "pingpong") else 1
 
 
-def use_m64_tails(schedule: str) -> bool:
-    """Drop v78 ``m64_tails``: a pingpong tile of <= 64 rows (an expert's last) runs one 64-row WGMMA
-    per k-block instead of two (same bits). ``MOE_EP_M64_TAILS=1``. Opt-in: bit-identical on the H200
-    and 1-3% faster where every tile is a tail, but with many rows per expert the kernel is slower,
-    even with no tail at all (33rd session: Nemotron's GEMMs 9-10% on uniform routing, its layer
-    7-9%; the full tiles' mainloop SASS is unchanged, the code grows and the epilogue is scheduled
-    differently; docs/LIMITS.md)."""
-    return env_flag("MOE_EP_M64_TAILS", False) and schedule == "pingpong"
-
-
 def use_jump_stages(schedule: str) -> bool:
     """Drop v79 ``jump_stages``: after each tile a pingpong warpgroup skips the other warpgroup's
     stages in one index / phase step instead of ``k_tiles`` unrolled single advances (same stages,

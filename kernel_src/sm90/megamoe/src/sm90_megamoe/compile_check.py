@@ -65,13 +65,11 @@ def compile_for_arch(
     gather_a: bool = False,
     tanh_sigmoid: bool = False,
     cluster_n: int = 1,
-    m64_tails: bool = False,
     jump_stages: bool = False,
 ):
     """Compile one variant for ``arch`` from fake tensors. ``bias_dtype``: None (no bias),
     "float32" or "bfloat16"; ``gather_a``: the gathering kernel (:mod:`.grouped_gemm_gather`);
-    ``m64_tails``: pingpong's 64-row tiles (drop v78); ``jump_stages``: pingpong's one-step skip of the
-    other warpgroup's stages (drop v79)."""
+    ``jump_stages``: pingpong's one-step skip of the other warpgroup's stages (drop v79)."""
     cls = GroupedGemmSm90
     if gather_a:
         from .grouped_gemm_gather import GroupedGemmGatherSm90 as cls
@@ -80,7 +78,6 @@ def compile_for_arch(
                  swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, schedule=schedule,
                  **({"tanh_sigmoid": True} if tanh_sigmoid else {}),
                  **({"cluster_n": cluster_n} if cluster_n > 1 else {}),
-                 **({"m64_tails": True} if m64_tails else {}),
                  **({"jump_stages": True} if jump_stages else {}))
     args = fake_args(kernel, num_experts, n, k, bias_dtype=bias_dtype or "float32")
     opts = f"--gpu-arch {arch} --keep-ptx {extra_options}".strip()

@@ -102,13 +102,6 @@ Design (differences from :mod:`.grouped_gemm`, whose scheduler and smem epilogue
   finished sums in ``accs`` wait there, as ordinary registers), so ptxas keeps the WGMMAs
   asynchronous. The first unit stores nothing (its "previous" tile has 0 rows); after the loop
   the last unit's tile is stored. Same sums, same order: the same bits.
-* ``chunk_k_tiles=C`` (drop v82; the overlapped schedule, C even, <= OVERLAP_MAX_CHUNK): the k-loop
-  runs chunked (as beyond OVERLAP_MAX_K_TILES) whenever it is longer than C, in chunks of the
-  largest even divisor of K/128 up to C. Why: unrolled, Qwen3's FC1 (16 k-tiles) is 3152 SASS
-  instructions and Mixtral's (32) 4096, most of them the per-tile k-loop, which streams through the
-  instruction cache every tile; in chunks of 8 they are 2072 / 2032 (local ptxas, no C7514, no
-  spills), at the cost of one more drain per chunk. Same sums, same order: the same bits. Not with
-  ``deferred_epilogue`` (it needs the unrolled loop).
 
 Drop v84 removed the variants the H200 measured slower or no faster (VENDOR.md, docs/LIMITS.md):
 clusters of 4 (v49), the scale warp's look-ahead (v65), FC1 writing FC2's e4m3 input in its
@@ -116,6 +109,8 @@ epilogue (v21 / v33 ``Fp8SwigluRequantGroupedGemmSm90``) or by its producer warp
 ``Fp8SwigluFusedQuantGroupedGemmSm90``). The PTX of every kept variant is byte-identical to v83's.
 Drop v87 removed the gathering FP8 GEMM (v22 / v23 ``Fp8GatherGroupedGemmSm90``: FC1 reading E4M3
 tokens by index, 0.565 vs 0.455 ms on Qwen3; the scattering quantiser, v25, took its place).
+Drop v89 removed v82's ``chunk_k_tiles`` (the overlapped k-loop in chunks shorter than the default
+rule's, for less code per tile: the layer 0.98-0.99x on Mixtral, within the spread on Qwen3).
 """
 
 from __future__ import annotations
@@ -150,16 +145,13 @@ OVERLAP_MAX_CHUNK = 16
 SCALE_SLOT = 132
 
 
-def overlap_chunk(k_tiles: int, limit: int = 0) -> int:
+def overlap_chunk(k_tiles: int) -> int:
     """k-tiles per chunk of the overlapped schedule for a k-loop of ``k_tiles``: 0 when it unrolls
     whole (``k_tiles`` <= OVERLAP_MAX_K_TILES), else the largest even divisor <= OVERLAP_MAX_CHUNK
-    (0 if none: an odd k_tiles cannot run chunked, and unrolls whole as before). ``limit`` (drop v82,
-    ``chunk_k_tiles``): chunks of at most ``limit`` k-tiles whenever the loop is longer, in place of
-    both bounds."""
-    unrolled, largest = (limit, limit) if limit else (OVERLAP_MAX_K_TILES, OVERLAP_MAX_CHUNK)
-    if k_tiles <= unrolled:
+    (0 if none: an odd k_tiles cannot run chunked, and unrolls whole as before)."""
+    if k_tiles <= OVERLAP_MAX_K_TILES:
         return 0
-    return next((c for c in range(largest - largest % 2, 1, -2) if k_tiles % c == 0), 0)
+    return next((c for c in range(OVERLAP_MAX_CHUNK, 1, -2) if k_tiles % c == 0), 0)
 
 
 @dsl_user_op
@@ -215,8 +207,6 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
     :param tile_n: output columns per tile; None = 128 (identity) / 64 (swiglu).
     :param num_stages: smem pipeline depth; None = as many as fit (at most 8).
     :param raster_m: m-tiles per raster group inside an expert (as in :class:`GroupedGemmSm90`).
-    :param chunk_k_tiles: drop v82: the overlapped k-loop in chunks of at most this many k-tiles
-        (0: unrolled up to OVERLAP_MAX_K_TILES; see the module docstring).
 
     Only :meth:`_locate` and :meth:`_epilogue` are inherited; they read ``tile_m``, ``tile_n``,
     ``n_tiles``, ``raster_m``, ``n_out``, ``n_out_divisible``, ``c_dtype``, ``epi_n``,
@@ -228,7 +218,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
                  num_stages: Optional[int] = None, raster_m: int = 1, overlap_promotion: bool = False,
                  wide_gated: bool = False, cluster_n: int = 1, smem_scales: bool = False,
                  scale_warp: bool = False, deferred_epilogue: bool = False, tanh_sigmoid: bool = False,
-                 unit_scales: bool = False, chunk_k_tiles: int = 0):
+                 unit_scales: bool = False):
         if tile_n is None:
             tile_n = default_tile_n(activation)
         reason = can_implement(activation, 2 * FP8_BLOCK, FP8_BLOCK, 1, tile_n)
@@ -262,13 +252,6 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
             raise ValueError("deferred_epilogue needs overlap_promotion")
         # drop v48: a unit's epilogue runs while the next unit's first k-tile is on the tensor cores
         self.deferred_epilogue = bool(deferred_epilogue)
-        if chunk_k_tiles and not (overlap_promotion and chunk_k_tiles % 2 == 0
-                                  and 2 <= chunk_k_tiles <= OVERLAP_MAX_CHUNK):
-            raise ValueError(f"chunk_k_tiles must be 0 or an even number of k-tiles in 2 ... {OVERLAP_MAX_CHUNK}, "
-                             f"with overlap_promotion; got {chunk_k_tiles}")
-        # drop v82: the overlapped k-loop in chunks of at most chunk_k_tiles (0: the default rule,
-        # whole up to OVERLAP_MAX_K_TILES): less code per tile, one more drain per chunk
-        self.chunk_k_tiles = int(chunk_k_tiles)
         if tanh_sigmoid and activation != "swiglu":
             raise ValueError("tanh_sigmoid is swiglu's sigmoid: it needs activation 'swiglu'")
         # drop v50: sigmoid(g) = 0.5 + 0.5 tanh(g / 2), one MUFU op per output instead of two
@@ -401,8 +384,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
                 raise ValueError(f"cluster_n={self.cluster_n} needs a multiple of {self.cluster_n} n-tiles, got {n_tiles}")
             self.n_tiles = n_tiles // self.cluster_n
         self.k_tiles = k_size // self.tile_k
-        self.overlap_chunk = (overlap_chunk(self.k_tiles, self.chunk_k_tiles)
-                              if self.overlap_promotion else 0)
+        self.overlap_chunk = overlap_chunk(self.k_tiles) if self.overlap_promotion else 0
         if cutlass.const_expr(self.overlap_promotion and self.k_tiles > OVERLAP_MAX_K_TILES
                               and not self.overlap_chunk):
             raise ValueError(f"overlap_promotion: K={k_size} is unrolled up to {OVERLAP_MAX_K_TILES * FP8_BLOCK}, "

@@ -63,18 +63,14 @@ class CompiledFp8Gemm:
     ``unit_scales`` (drop v69; overlap_promotion, the plain kernel, K/128 a multiple of 8): the TMA warp
     loads the scales of 8 k-tiles per TMA copy into double-buffered shared memory
     (:mod:`.unit_scales`; same bits);
-    ``chunk_k_tiles`` (drop v82; overlap_promotion, not with
-    deferred_epilogue; 0 or even, <= 16): the overlapped k-loop in chunks of at most that many k-tiles
-    whenever it is longer (less code per tile; same bits).
     Drop v84 removed ``requant``, ``fused_quant`` / ``pair_amax``, ``scale_lookahead`` and clusters of 4,
-    v85 ``gather_tma``, v87 ``gather_a`` (measured slower or no faster on the H200)."""
+    v85 ``gather_tma``, v87 ``gather_a``, v89 ``chunk_k_tiles`` (measured slower or no faster on the H200)."""
 
     def __init__(self, activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
                  compiled=None, tvm_ffi: bool = False, raster_m: int = 1, overlap_promotion: bool = False,
                  wide_gated: bool = False, cluster_n: int = 1,
                  smem_scales: bool = False, scale_warp: bool = False,
-                 deferred_epilogue: bool = False, tanh_sigmoid: bool = False, unit_scales: bool = False,
-                 chunk_k_tiles: int = 0):
+                 deferred_epilogue: bool = False, tanh_sigmoid: bool = False, unit_scales: bool = False):
         reason = can_implement(activation, n, k, num_experts)
         if reason is None and cluster_n not in (1, 2):
             reason = f"cluster_n must be 1 or 2, got {cluster_n}"
@@ -84,8 +80,6 @@ class CompiledFp8Gemm:
             reason = "unit_scales needs overlap_promotion and refuses smem_scales"
         if reason is None and deferred_epilogue and not overlap_promotion:
             reason = "deferred_epilogue needs overlap_promotion"
-        if reason is None and chunk_k_tiles and not overlap_promotion:
-            reason = "chunk_k_tiles needs overlap_promotion"
         if reason is None and tanh_sigmoid and activation != "swiglu":
             reason = f"tanh_sigmoid is swiglu's sigmoid: it needs activation 'swiglu', got {activation!r}"
         if reason is None and wide_gated and activation != "swiglu":
@@ -105,7 +99,6 @@ class CompiledFp8Gemm:
         self.deferred_epilogue = bool(deferred_epilogue)
         self.tanh_sigmoid = bool(tanh_sigmoid)
         self.unit_scales = bool(unit_scales)
-        self.chunk_k_tiles = int(chunk_k_tiles)
         # the grid of a clustered launch, worked out here (not while a CUDA graph is captured)
         self._max_ctas = cluster_ctas(self.cluster_n) if self.cluster_n > 1 and torch.cuda.is_available() else None
         if compiled is None:
@@ -117,8 +110,7 @@ class CompiledFp8Gemm:
                 **({"scale_warp": True} if self.scale_warp else {}),
                 **({"deferred_epilogue": True} if self.deferred_epilogue else {}),
                 **({"tanh_sigmoid": True} if self.tanh_sigmoid else {}),
-                **({"unit_scales": True} if self.unit_scales else {}),
-                **({"chunk_k_tiles": self.chunk_k_tiles} if self.chunk_k_tiles else {}))
+                **({"unit_scales": True} if self.unit_scales else {}))
             opts = "--gpu-arch sm_90a" + (" --enable-tvm-ffi" if self.tvm_ffi else "")
             compiled = cute.compile(kernel, *fake_args(num_experts, n, k, activation, self.tvm_ffi), options=opts)
         self.compiled = compiled

@@ -9,7 +9,6 @@
                                       [--smem-scales]       # + scales staged in smem by the producer (v34)
                                                             #   or by a second producer warp (v35)
                                       [--unit-scales]       # + scales by TMA, 8 k-tiles per copy (v69)
-                                      [--chunk-k-tiles 8,16] # + the k-loop in chunks of <= 8 / 16 k-tiles (v82)
 
 Per model, FC1 (swiglu, w13 [E, 2I, H]) and FC2 (identity + router row scale, w2 [E, H, I]):
 * every machine: compile for sm_90a from fake tensors and check the PTX (FP8 WGMMA
@@ -30,12 +29,10 @@ Per model, FC1 (swiglu, w13 [E, 2I, H]) and FC2 (identity + router row scale, w2
   ``unit_scales`` (drop v69: the scales loaded by TMA, 8 k-tiles per copy): the same bits
   (NaN-poisoned) on uniform and skewed routing and on 1, 37 and 300 rows, then both timed at the
   power cap (each back to back for a second before 60 timed launches), interleaved, 3 rounds;
-* ``--chunk-k-tiles 8[,16]``: each layer GEMM with the layer's schedule against the same GEMM with
-  its overlapped k-loop in chunks of at most that many k-tiles (drop v82: less code per tile), the
-  same checks and timing as ``--unit-scales``.
 
 Drop v84 removed ``--requant`` and ``--fused-quant`` (their kernels), the scale warp's look-ahead and
-clusters of 4, v87 ``--gather`` (the gathering FP8 FC1): the H200 measured them slower or no faster.
+clusters of 4, v87 ``--gather`` (the gathering FP8 FC1), v89 ``--chunk-k-tiles`` (v82's shorter
+chunks): the H200 measured them slower or no faster.
 """
 
 from __future__ import annotations
@@ -543,7 +540,7 @@ def compare_to_layer(model: str, tag: str, pair, reps: int = 60) -> bool:
     kwargs)`` of :class:`.fp8_launch.CompiledFp8Gemm`, or a string saying why the variant does not
     apply: the same bits (NaN-poisoned) on uniform and skewed routing and on 1, 37 and 300 rows, then
     both timed at the power cap (each back to back for a second before ``reps`` timed launches),
-    interleaved, 3 rounds. Shared by ``--unit-scales`` and ``--chunk-k-tiles``."""
+    interleaved, 3 rounds (``--unit-scales``)."""
     from .fp8_launch import CompiledFp8Gemm
 
     h, i, E, topk, tokens = MODELS[model]
@@ -602,25 +599,6 @@ def check_unit_scales(model: str, reps: int = 60) -> bool:
     return compare_to_layer(model, "unit_scales", pair, reps)
 
 
-def check_chunk_k_tiles(model: str, chunk: int, reps: int = 60) -> bool:
-    """Drop v82: each GEMM the layer runs against the same GEMM with its overlapped k-loop in chunks
-    of at most ``chunk`` k-tiles (module docstring); a k-loop no longer than ``chunk``, or one the
-    layer runs with the deferred epilogue, is not covered (nothing changes / not combinable)."""
-    def pair(act, k):
-        kw = _layer_kw(act, k)
-        k_tiles = k // FP8_BLOCK
-        if kw.get("deferred_epilogue"):
-            return "the layer defers this GEMM's epilogue, which needs the unrolled loop"
-        c = overlap_chunk(k_tiles, chunk)
-        if c == 0 or c == overlap_chunk(k_tiles):
-            return f"{k_tiles} k-tiles run the same loop with chunk_k_tiles={chunk}"
-        if kw.get("unit_scales") and c % 8:
-            return f"unit_scales needs chunks of a multiple of 8 k-tiles, chunk_k_tiles={chunk} gives {c}"
-        return kw, dict(kw, chunk_k_tiles=chunk)
-
-    return compare_to_layer(model, f"chunk_k_tiles={chunk}", pair, reps)
-
-
 def _time_at_cap(fn, reps: int, warm_s: float = 1.0) -> float:
     """Milliseconds per call of ``fn`` over ``reps`` back-to-back launches, after ``warm_s`` seconds
     of them (the GPU settles at its power cap), one pair of CUDA events."""
@@ -657,9 +635,6 @@ def main(argv=None):
     p.add_argument("--unit-scales", action="store_true",
                    help="also each layer GEMM with its scales loaded by TMA, 8 k-tiles per copy (drop v69; checked "
                         "bit-identical to the layer's schedule, timed at the power cap)")
-    p.add_argument("--chunk-k-tiles", type=lambda v: [int(x) for x in v.split(",") if x.strip()], default=[],
-                   help="comma list: also each layer GEMM with its overlapped k-loop in chunks of at most this many "
-                        "k-tiles (drop v82; checked bit-identical to the layer's schedule, timed at the power cap)")
     p.add_argument("--raster-m", default="1", help="m-tiles per raster group, comma-separated: each is timed, "
                                                   "the first is also checked")
     args = p.parse_args(argv)
@@ -673,8 +648,6 @@ def main(argv=None):
             ok &= check_deferred_epilogue(args.model, args.routing, args.reps)
         if args.unit_scales:
             ok &= check_unit_scales(args.model)
-        for chunk in args.chunk_k_tiles:
-            ok &= check_chunk_k_tiles(args.model, chunk)
     else:
         print("no SM90 GPU: compile checks only")
     raise SystemExit(0 if ok else 1)

@@ -71,14 +71,10 @@ Design
   with 128 x 208 tiles and A multicast is what SonicMoE's autotuner picks for Qwen3; here with
   the 128 x 192 tiles of drop v71. Same WGMMAs per tile: the same bits as single CTAs.
   (Drop v86 removed v46's ``half_tiles``, the cooperative form of a tile of <= 64 rows split along
-  N: bit-identical on the H200 but the layer 4-7% slower, seventeenth session.)
-* ``m64_tails`` (drop v78; pingpong): a tile whose rows all lie in its first 64 (an expert's last
-  m-tile holding <= 64 rows: Qwen3 at 8192 tokens, 67 of 579 m-tiles) issues only the first of its
-  warpgroup's two 64-row WGMMAs per k-block, over rows 0-63 of the stage's A and the first half of
-  the accumulator. In pingpong the two warpgroups' mainloops take turns on the tensor cores, so the
-  other warpgroup's turn comes that much sooner (cooperative, v44, the partner warpgroup still
-  waited for the stage). The producer is unchanged (it loads the full A box); rows 64-127 of such a
-  tile lie past the expert and are never stored. Same k order per element: the same bits.
+  N: bit-identical on the H200 but the layer 4-7% slower, seventeenth session. Drop v89 removed
+  v78's ``m64_tails``, its pingpong form, one 64-row WGMMA per k-block for such a tile: the same
+  bits, Nemotron's layer 5-9% slower with or without v79's jump, thirty-third / thirty-fifth
+  sessions.)
 * ``jump_stages`` (drop v79; pingpong): after each tile a warpgroup skips the other warpgroup's
   tile's ``k_tiles`` stages of the ring. Without it that is ``k_tiles`` single advances of the read
   and release states, unrolled (two compares and selects each: ~300 SASS instructions per tile at
@@ -192,7 +188,6 @@ class GroupedGemmSm90:
     :param epilogue: "smem" (default; stage through smem, coalesced 16-byte stores) or "direct"
         (predicated 32-bit stores straight from the accumulator registers, no smem).
     :param tanh_sigmoid: swiglu only (drop v52): the sigmoid from one ``tanh.approx`` (module docstring).
-    :param m64_tails: pingpong only (drop v78): tiles of <= 64 rows run one 64-row WGMMA per k-block.
     :param jump_stages: pingpong only (drop v79): skip the other warpgroup's stages in one step.
     """
 
@@ -208,8 +203,6 @@ class GroupedGemmSm90:
         return self.cluster_m * self.cluster_n
     #: drop v52: swiglu's sigmoid from one tanh.approx (set in __init__)
     tanh_sigmoid = False
-    #: drop v78: pingpong tiles of <= 64 rows run one 64-row WGMMA per k-block (set in __init__)
-    m64_tails = False
     #: drop v79: pingpong skips the other warpgroup's stages in one step (set in __init__)
     jump_stages = False
 
@@ -230,7 +223,6 @@ class GroupedGemmSm90:
         cluster_m: int = 1,
         tanh_sigmoid: bool = False,
         cluster_n: int = 1,
-        m64_tails: bool = False,
         jump_stages: bool = False,
     ):
         if activation not in ACTIVATIONS:
@@ -317,10 +309,6 @@ class GroupedGemmSm90:
                              "(not gated, not with cluster_m or gather_a)")
         if cluster_n > 1:  # drop v72: the pair's CTAs take A's halves and multicast them
             self.cluster_n = 2
-        if m64_tails and not self.pingpong:
-            raise ValueError(f"m64_tails is for the pingpong schedule (a warpgroup's two 64-row WGMMAs), "
-                             f"got schedule {schedule!r}")
-        self.m64_tails = bool(m64_tails)
         if jump_stages and not self.pingpong:
             raise ValueError(f"jump_stages is for the pingpong schedule (a warpgroup skips the other's "
                              f"stages), got schedule {schedule!r}")
@@ -701,17 +689,6 @@ class GroupedGemmSm90:
             else:
                 tCcC = thr_mma.partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
             n_elems = cute.size(accs[0])
-            # m64 tails: rows 0-63 of every stage's A and the first half of each accumulator (its
-            # 64-row block 0: the accumulator is compact with M_rep = 2 the slower mode)
-            tCrA_top = tCrA
-            accs_top = accs
-            if cutlass.const_expr(self.m64_tails):
-                tCrA_top = tiled_mma.make_fragment_A(thr_mma.partition_A(
-                    cute.local_tile(sA, (self.tile_m // 2, self.tile_k, self.num_stages), (0, 0, 0))))
-                acc_shape_top = tiled_mma.partition_shape_C((self.tile_m // 2, self.tile_n))
-                assert cute.size(acc_shape_top) * 2 == n_elems, (acc_shape_top, n_elems)
-                accs_top = [cute.make_tensor(accs[h].iterator, cute.make_layout(acc_shape_top))
-                            for h in range(self.num_b)]
             # epilogue staging buffer (tile_m, epi_n), pitch epi_n + pad (one per warpgroup in
             # pingpong), and this thread's slots in it
             sC_all = storage.sC.get_tensor(cute.make_layout(self.epi_smem_elems * self.num_epi_bufs))
@@ -764,22 +741,10 @@ class GroupedGemmSm90:
                 else:
                     for h in cutlass.range_constexpr(self.num_b):
                         accs[h].fill(0.0)
-                if cutlass.const_expr(self.m64_tails):
-                    if row_end - row0 <= self.tile_m // 2:  # drop v78: rows 0-63 only
-                        read_state, release_state, tiled_mma = self._mainloop(
-                            ab_pipeline, read_state, release_state, tiled_mma, accs_top, acc_wide, tCrA_top,
-                            tCrB, num_k_blocks, k_tiles, order_next, tile_id + unit_step < total_tiles,
-                        )
-                    else:
-                        read_state, release_state, tiled_mma = self._mainloop(
-                            ab_pipeline, read_state, release_state, tiled_mma, accs, acc_wide, tCrA, tCrB,
-                            num_k_blocks, k_tiles, order_next, tile_id + unit_step < total_tiles,
-                        )
-                else:
-                    read_state, release_state, tiled_mma = self._mainloop(
-                        ab_pipeline, read_state, release_state, tiled_mma, accs, acc_wide, tCrA, tCrB,
-                        num_k_blocks, k_tiles, order_next, tile_id + unit_step < total_tiles,
-                    )
+                read_state, release_state, tiled_mma = self._mainloop(
+                    ab_pipeline, read_state, release_state, tiled_mma, accs, acc_wide, tCrA, tCrB,
+                    num_k_blocks, k_tiles, order_next, tile_id + unit_step < total_tiles,
+                )
                 if cutlass.const_expr(self.wide):  # split into the gate and up accumulators
                     for i in cutlass.range_constexpr(n_elems):
                         accs[0][i] = acc_wide[i]

@@ -9,13 +9,13 @@
         # drop v71: FC2 on pingpong 128 x 192 vs cooperative 128 x 256, bits and time
     python -m sm90_megamoe.grouped_gemm_runner --cluster-n --model qwen3,gpt_oss   # drop v72: FC2 in
         # clusters of 2 along N (A multicast) vs pingpong 128 x 192 alone
-    python -m sm90_megamoe.grouped_gemm_runner --m64-tails --model qwen3,gpt_oss   # drop v78: pingpong
-        # tiles of <= 64 rows on one 64-row WGMMA vs without (FC2), and FC1 on pingpong vs cooperative
     python -m sm90_megamoe.grouped_gemm_runner --jump-stages --model qwen3,nemotron   # drop v79:
-        # pingpong skipping the other warpgroup's stages in one step vs unrolled (alone, with m64_tails)
+        # pingpong skipping the other warpgroup's stages in one step vs unrolled; FC1 also on
+        # cooperative 128 (the default) beside pingpong 96
     python -m sm90_megamoe.grouped_gemm_runner --gather --model qwen3   # drop v23: FC1 gathering its
         # rows by index (cp.async) vs the row copy + the plain FC1 on the copied rows
-(Drop v85 removed ``--gather-tma`` and ``--gather-l2`` with their kernels: both slower on the H200.)
+(Drop v85 removed ``--gather-tma`` and ``--gather-l2`` with their kernels, drop v89 ``--m64-tails``
+with v78's 64-row tails: all slower on the H200.)
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def bench(fn: CompiledGroupedGemm, m_total, n, k, experts, activation, routing, 
     print(
         f"[bench] {activation:14s} scale={int(scale_rows)} raster={fn.raster_m} {fn.schedule}"
         f"{' cluster2' if fn.cluster_m > 1 else ''}{' cluster_n2' if fn.cluster_n > 1 else ''}"
-        f"{' m64_tails' if fn.m64_tails else ''}{' jump_stages' if fn.jump_stages else ''} tile_n={getattr(fn.kernel, 'tile_n', '-')} M={m_total} N={n} K={k} E={experts} "
+        f"{' jump_stages' if fn.jump_stages else ''} tile_n={getattr(fn.kernel, 'tile_n', '-')} M={m_total} N={n} K={k} E={experts} "
         f"routing={routing}: ours {t_ours*1e3:.3f} ms {flops/t_ours/1e12:.1f} TFLOP/s | "
         f"torch._grouped_mm {t_torch*1e3:.3f} ms {flops/t_torch/1e12:.1f} TFLOP/s | "
         f"ratio {t_torch/t_ours:.3f}x",
@@ -316,27 +316,23 @@ class Variant(NamedTuple):
     schedule: str
     tile_n: int
     cluster_n: int = 1
-    m64_tails: bool = False
     jump_stages: bool = False
 
 
 _PP192, _PP96 = Variant("pingpong", 192), Variant("pingpong", 96)
-#: the variants, the first the baseline, that --pingpong (drop v71), --cluster-n (drop v72),
-#: --m64-tails (drop v78) and --jump-stages (drop v79) compare, per GEMM (1 = FC1, 2 = FC2)
+#: the variants, the first the baseline, that --pingpong (drop v71), --cluster-n (drop v72) and
+#: --jump-stages (drop v79) compare, per GEMM (1 = FC1, 2 = FC2)
 GEMM_VARIANTS = {
     "pingpong": {2: (Variant("cooperative", 256), _PP192)},
     "cluster_n": {2: (_PP192, _PP192._replace(cluster_n=2), Variant("cooperative", 256, cluster_n=2))},
     # FC1's default is cooperative 128-wide (gated; non-gated FC1 is pingpong 192 as FC2); the gated
     # pingpong tile is 96 (two 96-wide accumulators)
-    "m64_tails": {2: (_PP192, _PP192._replace(m64_tails=True), Variant("cooperative", 256)),
-                  1: (Variant("cooperative", 128), _PP96, _PP96._replace(m64_tails=True))},
-    "jump_stages": {2: (_PP192, _PP192._replace(jump_stages=True), _PP192._replace(m64_tails=True),
-                        _PP192._replace(m64_tails=True, jump_stages=True)),
+    "jump_stages": {2: (_PP192, _PP192._replace(jump_stages=True)),
                     1: (Variant("cooperative", 128), _PP96, _PP96._replace(jump_stages=True))},
 }
-#: a non-gated FC1 (squared_relu) runs on FC2's pingpong 192 tile: --m64-tails / --jump-stages take
-#: FC2's variants for it
-_NON_GATED_FC1 = {"m64_tails", "jump_stages"}
+#: a non-gated FC1 (squared_relu) runs on FC2's pingpong 192 tile: --jump-stages takes FC2's
+#: variants for it
+_NON_GATED_FC1 = {"jump_stages"}
 
 
 def gemm_variants(models, variants, tag, iters=20) -> bool:
@@ -355,7 +351,7 @@ def gemm_variants(models, variants, tag, iters=20) -> bool:
         for fc, vs in sorted(per_fc.items()):
             n, k, act, sr = (n1, k1, act1, False) if fc == 1 else (k1, n1 // 2 if gated else n1, "identity", True)
             fns = {v: get_grouped_gemm(act, n, k, e, scale_rows=sr, bias_dtype=bias, schedule=v.schedule,
-                                       tile_n=v.tile_n, cluster_n=v.cluster_n, m64_tails=v.m64_tails,
+                                       tile_n=v.tile_n, cluster_n=v.cluster_n,
                                        jump_stages=v.jump_stages, tanh_sigmoid=act == "swiglu")
                    for v in vs}
             for m_, routing, seed in ((m, "topk8", 1), (m // 8, "topk8", 2), (4133, "skewed", 3), (1, "skewed", 4)):
@@ -514,12 +510,9 @@ def main():
                    help="pingpong 128 x 192 vs cooperative 128 x 256 on --model's FC2 shapes (drop v71)")
     p.add_argument("--cluster-n", action="store_true",
                    help="FC2 in clusters of 2 along N (A multicast) vs pingpong 128 x 192 alone (drop v72)")
-    p.add_argument("--m64-tails", action="store_true",
-                   help="pingpong tiles of <= 64 rows on one 64-row WGMMA (drop v78) vs without, and vs "
-                        "cooperative, on --model's FC1 and FC2 shapes")
     p.add_argument("--jump-stages", action="store_true",
                    help="pingpong skipping the other warpgroup's stages in one step (drop v79) vs unrolled, "
-                        "alone and with m64_tails, on --model's FC1 and FC2 shapes")
+                        "on --model's FC1 and FC2 shapes (FC1: cooperative 128 beside)")
     p.add_argument("--tanh-sigmoid", action="store_true",
                    help="swiglu's sigmoid by tanh.approx vs ex2 + rcp on --model's FC1 shapes (drop v52)")
     p.add_argument("--gather", action="store_true",
@@ -535,7 +528,7 @@ def main():
         raise SystemExit(0 if wide(args.model.split(",")) else 1)
     if args.cluster:
         raise SystemExit(0 if cluster(args.model.split(",")) else 1)
-    if args.pingpong or args.cluster_n or args.m64_tails or args.jump_stages:
+    if args.pingpong or args.cluster_n or args.jump_stages:
         tag = next(t for t in GEMM_VARIANTS if getattr(args, t))
         raise SystemExit(0 if gemm_variants(args.model.split(","), GEMM_VARIANTS[tag], tag) else 1)
     if args.tanh_sigmoid:

@@ -126,8 +126,7 @@ class CompiledGroupedGemm:
                  swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
                  schedule: str = "cooperative", compiled=None, tvm_ffi: bool = False,
                  early_weights: bool = False, gather_a: bool = False, cluster_m: int = 1,
-                 tanh_sigmoid: bool = False, cluster_n: int = 1, m64_tails: bool = False,
-                 jump_stages: bool = False):
+                 tanh_sigmoid: bool = False, cluster_n: int = 1, jump_stages: bool = False):
         """``compiled``: this variant's kernel compiled earlier (e.g. loaded from an exported
         object file, ``cute.runtime.load_module``); None compiles it here (sm_90a).
         ``tvm_ffi``: compile for (and launch through) TVM-FFI: :meth:`launch_tensors`.
@@ -143,8 +142,6 @@ class CompiledGroupedGemm:
         ``tanh_sigmoid`` (swiglu, every schedule; drop v52): the sigmoid from one ``tanh.approx``.
         ``cluster_n`` = 2 (non-gated, cooperative / pingpong; drop v72): clusters of 2 CTAs computing
         an n-tile pair and multicasting A's halves; the grid is clamped as for ``cluster_m``.
-        ``m64_tails`` (pingpong; drop v78): a tile of <= 64 rows runs one 64-row WGMMA per k-block
-        (:class:`GroupedGemmSm90`; the same bits).
         ``jump_stages`` (pingpong; drop v79): a warpgroup skips the other's stages in one index /
         phase step instead of unrolled single advances (:class:`GroupedGemmSm90`; the same bits)."""
         from .compile_check import fake_args
@@ -179,7 +176,6 @@ class CompiledGroupedGemm:
                                           **({"cluster_m": cluster_m} if cluster_m > 1 else {}),
                                           **({"tanh_sigmoid": True} if tanh_sigmoid else {}),
                                           **({"cluster_n": cluster_n} if cluster_n > 1 else {}),
-                                          **({"m64_tails": True} if m64_tails else {}),
                                           **({"jump_stages": True} if jump_stages else {}))
         if (gather_a or cluster_m > 1 or cluster_n > 1) and schedule == "swapab":
             raise ValueError("gather_a, cluster_m and cluster_n are 128-row kernel options (not schedule='swapab')")
@@ -190,7 +186,6 @@ class CompiledGroupedGemm:
         self._max_ctas = cluster_ctas(self.cluster) if self.cluster > 1 and torch.cuda.is_available() else None
         self.gather_a = bool(gather_a)
         self.tanh_sigmoid = bool(tanh_sigmoid)
-        self.m64_tails = bool(m64_tails)
         self.jump_stages = bool(jump_stages)
         self.activation = activation
         self.schedule = schedule
@@ -345,7 +340,7 @@ def get_grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_ro
                      raster_m: Optional[int] = None, swiglu_alpha: float = 1.702,
                      swiglu_limit: float = 7.0, schedule: str = "cooperative",
                      tvm_ffi: bool = False, cluster_m: int = 1,
-                     tanh_sigmoid: bool = False, cluster_n: int = 1, m64_tails: bool = False,
+                     tanh_sigmoid: bool = False, cluster_n: int = 1,
                      jump_stages: bool = False) -> CompiledGroupedGemm:
     """Cached compile. Key: everything static; routing and M_total are runtime."""
     if raster_m is None:
@@ -353,15 +348,14 @@ def get_grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_ro
     key = (ABI_VERSION, DROP_VERSION, cutlass.__version__ if hasattr(cutlass, "__version__") else "",
            activation, n, k, num_experts, bool(scale_rows), tile_n, num_stages, epilogue, bias_dtype,
            raster_m, float(swiglu_alpha), float(swiglu_limit), schedule, bool(tvm_ffi), "sm_90a", int(cluster_m),
-           bool(tanh_sigmoid), int(cluster_n), bool(m64_tails), bool(jump_stages))
+           bool(tanh_sigmoid), int(cluster_n), bool(jump_stages))
     fn = _CACHE.get(key)
     if fn is None:
         fn = CompiledGroupedGemm(activation, n, k, num_experts, scale_rows, tile_n, num_stages,
                                  epilogue, bias_dtype=bias_dtype, raster_m=raster_m,
                                  swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
                                  schedule=schedule, tvm_ffi=tvm_ffi, cluster_m=cluster_m,
-                                 tanh_sigmoid=tanh_sigmoid, cluster_n=cluster_n, m64_tails=m64_tails,
-                                 jump_stages=jump_stages)
+                                 tanh_sigmoid=tanh_sigmoid, cluster_n=cluster_n, jump_stages=jump_stages)
         _CACHE[key] = fn
     return fn
 
