@@ -167,3 +167,36 @@ def test_layout_runner_checks_on_cpu(tmp_path):
     p = subprocess.run([sys.executable, "-m", "sm90_megamoe.layout_runner", "--sim"], capture_output=True,
                        text=True, timeout=600, env=env, cwd=tmp_path)
     assert p.returncode == 0 and "ALL OK" in p.stdout and "route W=1" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
+
+
+_TRIGGER_SNIPPET = """
+import cutlass.cute as cute
+from sm90_megamoe.layout_compile_check import LayoutConfig, fake_args, make_kernel
+cfg = LayoutConfig(2048, 8, 1, 8192, 128)  # Qwen3, one rank: LocalRoute then LayoutPlace
+for kind in ("route", "place"):
+    ptx = cute.compile(make_kernel(kind, cfg), *fake_args(kind, cfg), options="--gpu-arch sm_90a --keep-ptx").__ptx__
+    w = ptx.index("griddepcontrol.wait")
+    t = ptx.index("griddepcontrol.launch_dependents")
+    print(kind, "|", " ".join(ptx[w:t].split()[1:]))
+"""
+
+
+def test_local_route_triggers_its_successor_early_only_for_small_grids(tmp_path):
+    """Drop v90: LocalRoute lets LayoutPlace launch early only when its grid leaves at least half the
+    SMs free (``2 * nctaid <= nsmid``): a full grid's early trigger placed LayoutPlace's CTAs beside
+    LocalRoute's, unevenly (H200, CUDA graph: 115-117 us against 88-90). LayoutPlace itself, whose
+    successor is a GEMM that needs a whole SM, still triggers right after its wait."""
+    import os
+    import subprocess
+    import sys
+
+    from moe_ep.shim import drop_src
+
+    env = dict(os.environ, PYTHONPATH=str(drop_src("sm90", "megamoe")) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run([sys.executable, "-c", _TRIGGER_SNIPPET], capture_output=True, text=True, timeout=600,
+                       env=env, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    between = dict(line.split(" | ", 1) for line in p.stdout.splitlines() if " | " in line)
+    route = between["route"]
+    assert "%nctaid.x" in route and "%nsmid" in route and "bra" in route, route  # a guarded trigger
+    assert "bra" not in between["place"] and "%nsmid" not in between["place"], between["place"]

@@ -42,9 +42,10 @@ EXPECT = {
     "place_nogather": ["match.any.sync.b32", "popc.b32"],
     # LocalRoute: shared histogram, the dispatch's first-bad-value record (CAS + min), the
     # arrival counter of the last CTA
-    "route": ["atom.shared.add", "atom.global.cas.b64", "atom.global.min.s64",
+    # (and the early PDL trigger only for grids of at most half the SMs: %nsmid, drop v90)
+    "route": ["%nsmid", "atom.shared.add", "atom.global.cas.b64", "atom.global.min.s64",
               "atom.global.acq_rel.add.u64", "fence.acq_rel.gpu", "ld.global.s32", "bar.sync"],
-    "route_i64": ["atom.shared.add", "atom.global.cas.b64", "atom.global.min.s64",
+    "route_i64": ["%nsmid", "atom.shared.add", "atom.global.cas.b64", "atom.global.min.s64",
                   "atom.global.acq_rel.add.u64", "fence.acq_rel.gpu", "ld.global.b64", "bar.sync"],
 }
 ABSENT = {"place_nogather": ["ld.global.v4.b32", "st.global.v4.b32"],

@@ -61,7 +61,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
-from .pdl import PDL, wait_previous_grid
+from .pdl import PDL, wait_previous_grid, wait_previous_grid_trigger_if_small
 from .ep_constants import (
     CTRL_DISPATCH_ARRIVE,
     CTRL_EPOCH,
@@ -270,7 +270,7 @@ class LocalRoute:
                mW: cute.Tensor, mRecvCount: cute.Tensor, mFlags: cute.Tensor, mCtrl: cute.Tensor,
                mErr: cute.Tensor, mVerr: cute.Tensor, mDestMask: cute.Tensor,
                mCounts: cute.Tensor, num_tokens: Int32):
-        wait_previous_grid()
+        wait_previous_grid_trigger_if_small()  # LayoutPlace next: see pdl.py
         K, T_max, E, NT = self.K, self.T_max, self.E, self.threads
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()

@@ -12,7 +12,9 @@ Correctness is unchanged because every kernel's first statement is :func:`wait_p
 before this one ends. Kernels that spin on other ranks' flags pass ``trigger=False`` (their
 successor then launches as their CTAs exit): a successor's CTAs parked on SMs must only ever wait
 for a grid that finishes on its own, never for one that waits on another rank, so that the
-virtual ranks of one GPU can never starve each other of SM slots.
+virtual ranks of one GPU can never starve each other of SM slots. LocalRoute triggers early only
+for small grids (:func:`wait_previous_grid_trigger_if_small`, drop v90): an early trigger from a
+full grid lets a successor of small CTAs be placed unevenly beside it.
 """
 
 from __future__ import annotations
@@ -35,6 +37,23 @@ def wait_previous_grid(trigger: bool = True) -> None:
     allow the next one to launch."""
     cute.arch.griddepcontrol_wait()
     if trigger:
+        cute.arch.griddepcontrol_launch_dependents()
+
+
+@cute.jit
+def wait_previous_grid_trigger_if_small() -> None:
+    """:func:`wait_previous_grid` for a kernel whose successor gives each of its CTAs one fixed
+    share of the work over about one CTA per SM (LocalRoute, then LayoutPlace): the early trigger
+    only while this grid leaves at least half the SMs free (decode-sized grids).
+
+    Why (drop v90, H200): triggered at the start of a full grid, LayoutPlace's CTAs were placed
+    while LocalRoute's still held a slot on most SMs, so some SMs took two of them and others none.
+    Eagerly the host's launch came late enough not to matter; replayed from a CUDA graph it came at
+    once, and LayoutPlace took 120 us instead of 93 on Qwen3 (8192 tokens). Without the trigger the
+    successor launches as this grid's CTAs exit, onto free SMs."""
+    cute.arch.griddepcontrol_wait()
+    gdim, _, _ = cute.arch.grid_dim()
+    if gdim * 2 <= cute.arch.nsmid():
         cute.arch.griddepcontrol_launch_dependents()
 
 
