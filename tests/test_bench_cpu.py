@@ -531,6 +531,14 @@ def test_ceiling_job_says_it_needs_a_gpu_on_cpu():
     assert "needs a CUDA GPU" in p.stdout
 
 
+def test_graph_timeline_says_it_needs_a_gpu_on_cpu():
+    """``python -m moe_ep.bench.graph_timeline`` (eager against CUDA-graph replay, with both kernel
+    timelines) imports and refuses cleanly where there is no GPU."""
+    p = subprocess.run([sys.executable, "-m", "moe_ep.bench.graph_timeline", "--model", "qwen3"],
+                       capture_output=True, text=True, timeout=300, env=CPU_ENV)
+    assert p.returncode != 0 and "graph_timeline needs a CUDA GPU" in p.stderr, p.stdout[-2000:] + p.stderr[-2000:]
+
+
 def test_layer_bits_compare_tells_one_flipped_bit(tmp_path, capsys):
     """``bench/layer_bits.py compare``: exit 0 only when every case is bit-identical, and it names
     the case that is not (a flipped low bit, a missing case)."""
