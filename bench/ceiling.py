@@ -30,6 +30,7 @@ from moe_ep.api.quant import dequantize_fp8_rows128, quantize_fp8_block128, quan
 
 from .ep import _time
 from .models import MODELS
+from .timing import capture_graph
 
 #: ``ep._time``'s group argument for one process (no barrier, no all-reduce)
 _ONE_RANK = SimpleNamespace(world_size=1)
@@ -66,21 +67,6 @@ def _sustained_ms(fn, iters: int) -> float:
         b.synchronize()
         avgs.append(a.elapsed_time(b) / iters)
     return statistics.median(avgs)
-
-
-def _graph(fn):
-    """``fn`` captured in a CUDA graph (after a warm-up on a side stream): the graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    torch.cuda.synchronize()
-    return g
 
 
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -159,11 +145,11 @@ def run_ceiling(args) -> int:
                 torch.cuda.synchronize()
                 errs = err()
                 ok = [e <= 5e-2 for e in errs]  # a wrong product is reported, never timed
-                ms1, ms2 = (_time(_graph(f).replay, _ONE_RANK, args.iters) if good else None
+                ms1, ms2 = (_time(capture_graph(f).replay, _ONE_RANK, args.iters) if good else None
                             for f, good in zip((fc1, fc2), ok))
                 cols = [f"{v:7.3f}" if v is not None else f"{'wrong':>7s}" for v in (ms1, ms2)]
                 if all(ok):
-                    g = _graph(lambda: (fc1(), fc2()))
+                    g = capture_graph(lambda: (fc1(), fc2()))
                     ms = _time(g.replay, _ONE_RANK, args.iters)
                     b2b = _sustained_ms(g.replay, args.iters)
                     del g

@@ -35,7 +35,7 @@ def main(argv=None) -> None:
     from .__main__ import make_inputs
     from .ep import _time
     from .models import model_config
-    from .timing import kernel_timeline
+    from .timing import capture_graph, kernel_timeline
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[1])
     p.add_argument("--model", default="qwen3")
@@ -58,18 +58,7 @@ def main(argv=None) -> None:
         def eager():
             layer.forward(x, ids, w, w13, w2, out=out)
 
-        eager()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            eager()
-        torch.cuda.current_stream().wait_stream(s)
-        torch.cuda.synchronize()
-        with torch.cuda.graph(g):
-            eager()
-        torch.cuda.synchronize()
+        g = capture_graph(eager)
         flops = cfg.flops(args.tokens)
         e_ms, g_ms = [], []
         for _ in range(args.rounds):

@@ -84,6 +84,22 @@ def back_to_back_ms(layer, inputs, iters: int, runs: int = 5) -> float:
     return slowest(statistics.median(avgs), layer.group)
 
 
+def capture_graph(fn) -> "torch.cuda.CUDAGraph":
+    """``fn`` captured in a CUDA graph, after one warm-up call on a side stream (what capture
+    needs: the caching allocator's pools and any lazy set-up outside the capture)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    return g
+
+
 def kernel_timeline(events, forwards: int) -> str:
     """The last of ``forwards`` profiled forwards as a timeline: each GPU kernel's start (us from
     the forward's first kernel), duration and the idle gap before it, then the busy / span sum --
