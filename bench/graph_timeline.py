@@ -5,8 +5,10 @@ Both modes are timed the same way (a sync, then one forward between two CUDA eve
 ``--iters``), interleaved ``--rounds`` times on one layer, so the GPU's clock and temperature
 reach both alike. Then each mode's last forward of five (a sync before each) under
 ``torch.profiler``: every kernel's start, duration and the idle gap before it. With PDL launches a
-kernel starts under its predecessor's tail, so eagerly the gaps read ~0; a graph whose capture
-kept the programmatic edges shows the same, one that lost them shows a gap per kernel.
+kernel starts under its predecessor's tail, so its duration includes the wait; compare where each
+kernel ends. A kernel that runs longer in the graph than eagerly is the one to read: in a graph
+every launch comes at once, so an early PDL trigger can place a successor beside its predecessor's
+CTAs (drop v90: LayoutPlace after LocalRoute, 115-120 us against 88-93 on Qwen3; LIMITS.md).
 Default backend, 8192 tokens, one rank. Needs a CUDA GPU.
 """
 
