@@ -604,7 +604,6 @@ def test_sustained_samples_and_checks(monkeypatch):
     one (torch stand-ins for our kernels on CPU: SwiGLU FC1, row-scaled FC2, FP8 dequantised math)."""
     import datetime as dt
 
-    import torch
     import torch.nn.functional as F
 
     from moe_ep.api.quant import dequantize_fp8_rows128
@@ -692,3 +691,43 @@ def test_host_profile_wraps_every_launcher_form():
     assert [m for m, _ in marks] == ["_combine_run >", "_combine_run <", "_route_run[True] >", "_route_run[True] <",
                                      "_expert_runs[False] fc2 >", "_expert_runs[False] fc2 <"]
     assert all(a <= b for (_, a), (_, b) in zip(marks, marks[1:])) and host_speed_us(3) > 0
+
+
+def test_schedule_model_counts_tiles_and_segments_as_the_kernel_runs_them(capsys):
+    """`bench/schedule_model.py` on toy cases worked by hand: every tile once, in the drop's
+    raster order; a segment is ready when the last of its rows' tiles ends; the combine work left
+    after FC2 is what the spare bandwidth could not serve; and the CLI prints both answers."""
+    import numpy as np
+
+    from moe_ep.bench import schedule_model as sm
+
+    counts = np.array([5, 0, 3])  # tile_m 2: expert 0 has m-tiles 0, 1, 2; expert 2 has 0, 1
+    order = sm.tile_schedule(counts, tile_m=2, n_tiles=2, raster_m=2)
+    assert sorted(order) == sorted([(0, m, n) for m in range(3) for n in range(2)]
+                                   + [(2, m, n) for m in range(2) for n in range(2)])
+    # raster groups of 2 m-tiles, the m-tile fast; expert 0's last group holds one m-tile
+    assert order[:6] == [(0, 0, 0), (0, 1, 0), (0, 0, 1), (0, 1, 1), (0, 2, 0), (0, 2, 1)]
+    assert sm.tile_schedule(counts, 2, 2, raster_m=1)[:4] == [(0, 0, 0), (0, 0, 1), (0, 1, 0), (0, 1, 1)]
+
+    # tokens 0-3 with K = 2; grouped rows: expert 0 = tokens 0, 1, 3 (rows 0-2), expert 1 = 0, 2
+    ids = np.array([[0, 1], [0, 2], [1, 2], [0, 3]])
+    counts = np.array([3, 2, 2, 1])
+    order = sm.tile_schedule(counts, tile_m=2, n_tiles=1, raster_m=1)
+    assert order == [(0, 0, 0), (0, 1, 0), (1, 0, 0), (2, 0, 0), (3, 0, 0)]
+    ready = sm.segment_ready(ids, counts, order, ctas=1, tile_m=2, n_tiles=1)
+    # one CTA: tile i ends at slot i + 1. token 0: expert 0 m-tile 0 (1), expert 1 m-tile 0 (3);
+    # token 1: e0 m0 (1), e2 m0 (4); token 2: e1 m0 (3), e2 m0 (4); token 3: e0 m1 (2), e3 m0 (5)
+    assert ready[:, 0].tolist() == [3, 4, 4, 5]
+    assert sm.segment_ready(ids, counts, order, ctas=2, tile_m=2, n_tiles=1)[:, 0].tolist() == [2, 2, 2, 3]
+
+    # 4 segments of 10 MB; all ready at the end: the whole 40 MB after FC2 at 2 TB/s = 20 us
+    assert sm.combine_left_us(np.full(4, 100.0), 40.0, 1.0, 2.0, 100.0) == 20.0
+    # all ready at 0, 1 TB/s spare for 100 us: nothing left
+    assert sm.combine_left_us(np.zeros(4), 40.0, 1.0, 2.0, 100.0) == 0.0
+    # two ready at 90 us, two at 100: 20 MB by 90, 10 served by 100, 30 left -> 15 us
+    assert abs(sm.combine_left_us(np.array([90.0, 90.0, 100.0, 100.0]), 40.0, 1.0, 2.0, 100.0) - 15.0) < 1e-12
+
+    sm.main(["--model", "qwen3", "--tokens", "1024", "--passes", "1", "2"])
+    out = capsys.readouterr().out
+    assert "1. m-tiles:" in out and "a separate tail launch re-reads" in out
+    assert "1 pass(es): segments ready" in out and "2 pass(es): segments ready" in out
