@@ -13,7 +13,5 @@ build() { python -m moe_ep.aot build --arch sm_90a --max-tokens 8192 --out "$out
 build --model qwen3,mixtral,nemotron
 build --model qwen3,mixtral --quant fp8_block128
 # the queued switches (their GEMMs only; everything else is the defaults' above)
-MOE_EP_JUMP_STAGES=1 build --model qwen3,nemotron --kernels fc1,fc2
-MOE_EP_GATED_PINGPONG=1 build --model qwen3 --kernels fc1
-MOE_EP_GATED_PINGPONG=1 MOE_EP_JUMP_STAGES=1 build --model qwen3 --kernels fc1
+MOE_EP_PLACE_FC1=1 build --model qwen3,mixtral --kernels fc1
 du -sh "$out"

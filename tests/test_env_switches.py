@@ -61,6 +61,7 @@ SWITCHES = [
     ("MOE_EP_LOCAL_COMBINE", bb.local_combine, True),
     ("MOE_EP_LOCAL_ROUTE", bb.local_route, True),
     ("MOE_EP_GATHER_FC1", bb.gather_fc1, False),
+    ("MOE_EP_PLACE_FC1", bb.place_fc1, False),
     ("MOE_EP_TOKEN_GRID", bb.token_grid, False),
     ("MOE_EP_FP8_WIRE", fb.fp8_wire, False),
     ("MOE_EP_FP8_FUSED_GATHER", fb.fused_gather_quant, True),

@@ -59,7 +59,8 @@ from .sm90_megamoe_switches import (  # noqa: F401  (re-exported: the shim reads
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 90},
+    "sm90_megamoe": {"DROP_VERSION": 91},
+    "sm90_megamoe.placing_producer": {"PLACE_SYNC_TAIL": 3},
     "sm90_megamoe.fp8_gemm": {"FP8_BLOCK": 128, "OVERLAP_MAX_K_TILES": 32, "OVERLAP_MAX_CHUNK": 16},
     "sm90_megamoe.unit_scales": {"UNIT_SCALE_KC": 8},
     "sm90_megamoe.constants": {
@@ -71,6 +72,7 @@ CONSTANTS = MirroredConstants("sm90/megamoe", {
         "DEFAULT_TILE_N": {"identity": 256, "squared_relu": 256, "swiglu": 128, "gelu_glu": 128,
                            "clamped_swiglu": 128},
         "DEFAULT_TILE_K": 64,
+        "DEFAULT_TILE_M": 128,
         "MAX_EXPERTS": 1024,
         "MAX_RASTER_M": 64,
     },
@@ -101,15 +103,16 @@ CONTRACT = DropContract(
                     ("activation", "n", "k", "num_experts", "scale_rows", "tile_n", "bias_dtype",
                      "raster_m", "swiglu_alpha", "swiglu_limit", "schedule", "compiled", "tvm_ffi",
                      "early_weights", "gather_a", "cluster_m", "tanh_sigmoid",
-                     "cluster_n", "jump_stages")),
+                     "cluster_n", "jump_stages", "place_a")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_converted",
                     ("args", "max_active_ctas", "stream")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_tensors",
-                    ("a", "b", "c", "offsets", "row_scale", "bias", "max_active_ctas", "stream", "idx")),
+                    ("a", "b", "c", "offsets", "row_scale", "bias", "max_active_ctas", "stream", "idx", "xs",
+                     "sync")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.prepare",
                     ("a", "out", "offsets", "row_scale", "bias", "max_active_ctas", "idx")),
         CallableUse("sm90_megamoe.launch:to_cute_args",
-                    ("a", "b", "c", "offsets", "row_scale", "bias", "idx")),
+                    ("a", "b", "c", "offsets", "row_scale", "bias", "idx", "xs", "sync")),
         CallableUse("sm90_megamoe.compile_check:compile_for_arch",
                     ("activation", "n", "k", "scale_rows", "arch", "num_experts", "tile_n",
                      "extra_options", "bias_dtype", "raster_m", "swiglu_alpha", "swiglu_limit",
@@ -384,6 +387,7 @@ class GemmKey:
     tanh_sigmoid: bool = False
     cluster_n: int = 1
     jump_stages: bool = False
+    place_a: bool = False
 
 
 class GroupedGemm:
@@ -391,7 +395,10 @@ class GroupedGemm:
 
     ``gemm(a [M, k] bf16, b [E, n, k] bf16, offsets [E+1] int32 (device), out [M, n_out] bf16,
     row_scale [M] f32 (only when compiled with scale_rows), bias [E, n] (only when compiled with
-    a bias dtype, of that dtype))``; ``n_out`` = n/2 for the gated activations. TVM-FFI kernels
+    a bias dtype, of that dtype))``; ``n_out`` = n/2 for the gated activations. A gathering
+    (``gather_a``) or placing (``place_a``) GEMM takes the source rows as ``a`` and ``idx`` [M]
+    int32; a placing one also ``xs`` [M, k] bf16 (written, then read as A) and ``sync``
+    (:func:`place_sync_len` int32, zero before its first launch; the kernel leaves it so). TVM-FFI kernels
     take the torch tensors as they are; on the classic path the converted (CuTe) arguments of
     the last call are kept, so a layer passing the same persistent buffers converts nothing per
     forward (they die with the launcher).
@@ -406,6 +413,7 @@ class GroupedGemm:
         self.n_out = compiled.n_out
         self.tvm_ffi = compiled.tvm_ffi
         self.gather_a = compiled.gather_a
+        self.place_a = compiled.place_a
         self._to = to_cute_args
         self._last: tuple | None = None
         # unread arguments of variants without a row scale / bias (the drop's signature: fp32
@@ -415,9 +423,13 @@ class GroupedGemm:
         self._ctas = _num_sms(device)
 
     def __call__(self, a, b, offsets, out, row_scale=None, max_active_ctas=None, stream=None, bias=None,
-                 idx=None):
-        if self.gather_a != (idx is not None):
-            raise ValueError("a gathering grouped GEMM takes idx (grouped row r = a[idx[r]]); any other refuses it")
+                 idx=None, xs=None, sync=None):
+        if (self.gather_a or self.place_a) != (idx is not None):
+            raise ValueError("a gathering or placing grouped GEMM takes idx (grouped row r = a[idx[r]]); any other "
+                             "refuses it")
+        if self.place_a != (xs is not None and sync is not None) or (not self.place_a and (xs, sync) != (None, None)):
+            raise ValueError("a placing grouped GEMM takes xs (the grouped rows it writes) and sync; any other "
+                             "refuses them")
         if a.shape[0] == 0:
             return out
         if self.scale_rows:
@@ -433,14 +445,17 @@ class GroupedGemm:
         else:
             bias = self._dummy_bias
         if self.tvm_ffi:
+            place = {} if xs is None else {"xs": xs, "sync": sync}
             self.compiled.launch_tensors(a=a, b=b, c=out, offsets=offsets, row_scale=row_scale, bias=bias,
-                                         max_active_ctas=max_active_ctas or self._ctas, stream=stream, idx=idx)
+                                         max_active_ctas=max_active_ctas or self._ctas, stream=stream, idx=idx,
+                                         **place)
             return out
-        ts = (a, b, out, offsets, row_scale, bias) + (() if idx is None else (idx,))
+        ts = (a, b, out, offsets, row_scale, bias) + (() if idx is None else (idx,)) + (() if xs is None else (xs, sync))
         key = tuple((t.data_ptr(), tuple(t.shape), t.dtype) for t in ts)
         if self._last is None or self._last[0] != key:
-            self._last = (key, self._to(a=a, b=b, c=out, offsets=offsets, row_scale=row_scale, bias=bias, idx=idx),
-                          ts)
+            place = {} if xs is None else {"xs": xs, "sync": sync}
+            self._last = (key, self._to(a=a, b=b, c=out, offsets=offsets, row_scale=row_scale, bias=bias, idx=idx,
+                                        **place), ts)
         self.compiled.launch_converted(args=self._last[1], max_active_ctas=max_active_ctas or self._ctas,
                                        stream=stream)
         return out
@@ -486,7 +501,7 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
                           tile_n: int | None = None, bias_dtype: Any = None, raster_m: int | None = None,
                           swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
                           schedule: str | None = None, rows_per_expert: float | None = None,
-                          early_weights: bool = False, gather_a: bool = False) -> Any:
+                          early_weights: bool = False, gather_a: bool = False, place_a: bool = False) -> Any:
     """The compiled grouped GEMM from the compile cache (compiled code only, no buffers).
     ``schedule``/``tile_n`` None: :func:`pick_schedule` (``rows_per_expert``: the mean rows per
     expert the caller expects at capacity; None = many, the prefill kernels). ``early_weights``:
@@ -494,7 +509,9 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
     a swap-AB kernel may prefetch its weights before the PDL wait; it takes effect only for the
     swap-AB schedule with PDL launches (:func:`pdl_launches`), else the plain kernel is used.
     ``gather_a`` (drop v23; cooperative / wide, K % 64 == 0): A is the source rows and a call
-    passes ``idx`` (grouped row r = ``a[idx[r]]``)."""
+    passes ``idx`` (grouped row r = ``a[idx[r]]``). ``place_a`` (drop v91; cooperative / wide): the
+    same, and the kernel's spare producer warps write the grouped rows into the call's ``xs`` while
+    it runs (a call passes ``xs`` and ``sync``: :func:`place_sync_len`)."""
     check_gemm_shapes(activation, n, k, num_experts, tile_n)
     check_removed()  # a switch of a removed variant, still set, raises here
     if schedule is None:
@@ -517,13 +534,16 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
     if gather_a and (schedule not in ("cooperative", "wide") or k % _C["DEFAULT_TILE_K"]):
         raise ValueError(f"sm90 grouped GEMM: gather_a needs the cooperative or wide schedule and K % "
                          f"{_C['DEFAULT_TILE_K']} == 0, got {schedule!r}, K={k}")
-    cluster = use_bf16_cluster(schedule, gather_a)
+    if place_a and (gather_a or schedule not in ("cooperative", "wide")):
+        raise ValueError(f"sm90 grouped GEMM: place_a needs the cooperative or wide schedule and no gather_a, got "
+                         f"{schedule!r}, gather_a={gather_a}")
+    cluster = use_bf16_cluster(schedule, gather_a or place_a)
     key = GemmKey(CONSTANTS.value(PKG, "DROP_VERSION"), _C["ABI_VERSION"], _cutlass_version(), "sm_90a",
                   "bf16", activation, n, k, num_experts, bool(scale_rows), tile, bias, raster, alpha, limit,
                   schedule, ffi, early, bool(gather_a), cluster,
                   use_bf16_tanh_sigmoid(activation),
                   use_bf16_cluster_n(schedule, activation in GEMM_GATED, gather_a),
-                  use_jump_stages(schedule))
+                  use_jump_stages(schedule), bool(place_a))
 
     def build():
         launch = _load("sm90_megamoe.launch")
@@ -533,6 +553,8 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
             kw.update(early_weights=True)
         if gather_a:
             kw.update(gather_a=True)
+        if place_a:
+            kw.update(place_a=True)
         if key.cluster_m > 1:
             kw.update(cluster_m=key.cluster_m)
         if key.cluster_n > 1:
@@ -543,7 +565,7 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
             kw.update(jump_stages=True)
         if activation == "clamped_swiglu":
             kw.update(swiglu_alpha=alpha, swiglu_limit=limit)
-        name = (f"gemm_{activation}" + ("_gather" if gather_a else "")
+        name = (f"gemm_{activation}" + ("_gather" if gather_a else "") + ("_place" if place_a else "")
                 + ("_cluster2" if key.cluster_m > 1 else "") + ("_clustern2" if key.cluster_n > 1 else "")
                 + ("_js" if key.jump_stages else "")
                 + ("_tanh" if key.tanh_sigmoid else ""))
@@ -559,22 +581,30 @@ def grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: 
                  raster_m: int | None = None, swiglu_alpha: float = 1.702,
                  swiglu_limit: float = 7.0, schedule: str | None = None,
                  rows_per_expert: float | None = None, early_weights: bool = False,
-                 gather_a: bool = False) -> GroupedGemm:
+                 gather_a: bool = False, place_a: bool = False) -> GroupedGemm:
     """A new :class:`GroupedGemm` launcher for ``device`` (default: the current CUDA device).
 
     ``bias_dtype``: None or torch.float32/bfloat16 (the variant adds ``bias [E, n]``);
     ``raster_m``: None = :func:`pick_raster_m` (k); ``swiglu_*``: clamped_swiglu's constants;
     ``schedule``: "cooperative", "pingpong", "swapab", "wide" or None = :func:`pick_schedule` (with
     ``rows_per_expert``, the mean rows per expert expected at capacity); ``early_weights``,
-    ``gather_a``: see :func:`compiled_grouped_gemm`."""
+    ``gather_a``, ``place_a``: see :func:`compiled_grouped_gemm`."""
     import torch
 
     compiled = compiled_grouped_gemm(activation, n, k, num_experts, scale_rows, tile_n, bias_dtype,
                                      raster_m, swiglu_alpha, swiglu_limit, schedule, rows_per_expert,
-                                     early_weights, gather_a)
+                                     early_weights, gather_a, place_a)
     launch = _load("sm90_megamoe.launch")
     dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
     return GroupedGemm(compiled, launch.to_cute_args, dev)
+
+
+def place_sync_len(rows: int, num_experts: int) -> int:
+    """Length of a placing FC1's ``sync`` buffer (int32) for calls of at most ``rows`` grouped rows over
+    ``num_experts`` experts: two counters per m-tile such rows can take, then the drop's tail slots
+    (claim, done, error word; mirrored ``PLACE_SYNC_TAIL``)."""
+    slots = (int(rows) + _C["DEFAULT_TILE_M"] - 1) // _C["DEFAULT_TILE_M"] + int(num_experts)
+    return 2 * slots + CONSTANTS.value("sm90_megamoe.placing_producer", "PLACE_SYNC_TAIL")
 
 
 def compile_gemm_ptx(activation: str, n: int, k: int, scale_rows: bool, arch: str = "sm_90a",
@@ -591,6 +621,9 @@ def compile_gemm_ptx(activation: str, n: int, k: int, scale_rows: bool, arch: st
         return compiled.__ptx__
 
 
+#: tail-clean: the GEMMs keep no state between launches, except the placing FC1's ``sync`` buffer
+#: (drop v91), which its own last readers and last copy warp zero before the kernel ends
+#: (tests/test_place_fc1.py: clean after consecutive launches)
 GEMM_COUNTERS = CounterContract("sm90_megamoe grouped GEMM", tail_clean=True)
 EP_COUNTERS = CounterContract("sm90_megamoe EP dispatch/combine", tail_clean=True)
 LAYOUT_COUNTERS = CounterContract("sm90_megamoe expert layout (stateless)", tail_clean=True)

@@ -1,0 +1,154 @@
+"""The producer warpgroup of a grouped GEMM that places its own A rows (drop v91; BF16 FC1 of a
+one-rank layer): :class:`PlaceAProducer`, mixed into :class:`.grouped_gemm_place.GroupedGemmPlaceSm90`.
+
+Why. A one-rank layer first copies every (token, choice) row into expert order (LayoutPlace:
+Qwen3 at 8192 tokens writes 65536 rows of 4 KB, ~88 us at the H200's write bandwidth), and only then
+does FC1 start. FC1 is bound by its tensor pipe and leaves most of the memory bandwidth idle, and
+its producer warpgroup has three warps that do nothing. Here those three warps do the row copy
+while the GEMM runs. FC1 reads A by TMA as before; its first tiles wait only for their own rows,
+not for all of them.
+
+The work is split in chunks of ``PLACE_CHUNK_ROWS`` rows of one m-tile (chunk ``c``: m-tile
+``c // chunks_per_tile`` in the scheduler's numbering, rows ``PLACE_CHUNK_ROWS * (c %
+chunks_per_tile)`` onward). A copy warp claims the next chunk with one atomic add, so the chunks
+are copied in the order the tiles need them, and any running CTA finishes every chunk: a CTA that
+is not resident yet never holds rows another one waits for. A warp copies row ``r`` from
+``x[idx[r]]`` to ``xs[r]`` with 16-byte loads and stores, then every lane fences (``fence.acq_rel.gpu``),
+the warp syncs, and lane 0 adds the chunk's row count to the m-tile's ready counter
+(``red.release.gpu``). Before a tile's first TMA load of A, the TMA warp spins
+(``ld.acquire.gpu``, bounded by ``%globaltimer``) until its m-tile's counter holds all the tile's
+rows, then issues ``fence.proxy.async.global`` so that its TMA (the async proxy) reads what the
+copy warps wrote through the generic proxy.
+
+The sync buffer ``mSync`` [2 S + 3] int32 (S >= the m-tiles of any call; zero before the first
+launch) is tail-clean: the last of an m-tile's ``n_tiles`` readers zeroes its ready and seen
+counters, and the last copy warp to finish zeroes the claim and done counters. Slot ``2 S + 2``
+is an error word: 1 + the m-tile when a wait timed out (the tile then computes on whatever its rows
+held; nothing hangs), 0 otherwise. It is never cleared by the kernel.
+
+The GEMM itself (stages, WGMMAs, epilogue) is :class:`.grouped_gemm.GroupedGemmSm90`'s: the same
+bits as the plain kernel on ``xs = x[idx]``.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64
+from cutlass._mlir import ir
+
+#: the sync buffer's slots after its 2 S counters (claim, done, error word): ``mSync`` [2 S + 3]
+PLACE_SYNC_TAIL = 3
+#: rows per copy chunk: small, so the first tiles wait for little (a warp moves ~16 KB per chunk)
+PLACE_CHUNK_ROWS = 4
+#: 16-byte vectors each lane keeps in flight while copying a row
+PLACE_UNROLL = 4
+#: how long the TMA warp waits for an m-tile's rows before it records an error and goes on
+PLACE_TIMEOUT_NS = 5_000_000_000
+#: the producer warpgroup's registers per thread with copy warps (plain kernel: 40), and the
+#: consumers' (plain: 232); 128 * 56 + 256 * 216 <= 65536
+PLACE_LOAD_REGS = 56
+PLACE_MMA_REGS = 216
+
+
+def _gptr(dtype, addr: Int64, align: int):
+    return cute.make_ptr(dtype, addr, cute.AddressSpace.gmem, assumed_align=align)
+
+
+class PlaceAProducer:
+    """Mixin: the TMA warp's wait for an m-tile's rows and the copy warps' loop (module docstring).
+    The host class provides ``tile_m``, ``n_tiles``, ``num_experts`` and ``_locate``'s tables."""
+
+    place_a = True
+
+    @staticmethod
+    def _sync_slots(mSync: cute.Tensor):
+        """``(byte address of mSync, S)``: ready counters at [0, S), seen at [S, 2 S), claim 2 S,
+        done 2 S + 1, error 2 S + 2."""
+        return mSync.iterator.toint(), (mSync.shape[0] - PLACE_SYNC_TAIL) // 2
+
+    @cute.jit
+    def _wait_rows_placed(self, mSync: cute.Tensor, sOff: cute.Tensor, sCum: cute.Tensor,
+                          expert: Int32, row0: Int32, row_end: Int32, lane: Int32):
+        """The TMA warp, before a tile's first A load: wait until the copy warps have placed every
+        row of the tile's m-tile (all lanes spin on the same word; lane 0 counts the reader)."""
+        base, slots = self._sync_slots(mSync)
+        mt = sCum[expert] + (row0 - sOff[expert]) // self.tile_m
+        want = cutlass.min(Int32(self.tile_m), row_end - row0)
+        ready = base + Int64(mt) * 4
+        t0 = cute.arch.globaltimer()
+        state = Int32(0)
+        while state == Int32(0):
+            if cute.arch.load(_gptr(Int32, ready, 4), Int32, sem="acquire", scope="gpu") == want:
+                state = Int32(1)
+            else:
+                if cute.arch.globaltimer() - t0 > Int64(PLACE_TIMEOUT_NS):
+                    state = Int32(2)
+        # the TMA loads that follow (async proxy) must see the rows written by generic stores
+        cute.arch.fence_proxy("async.global")
+        if lane == 0:
+            if state == Int32(2):
+                cute.arch.store(_gptr(Int32, base + Int64(2 * slots + 2) * 4, 4), mt + 1)
+            seen = base + Int64(slots + mt) * 4
+            if cute.arch.atomic_add(_gptr(Int32, seen, 4), Int32(1), sem="relaxed", scope="gpu") \
+                    == Int32(self.n_tiles - 1):
+                # the m-tile's last reader: both counters back to zero for the next launch
+                cute.arch.store(_gptr(Int32, ready, 4), Int32(0))
+                cute.arch.store(_gptr(Int32, seen, 4), Int32(0))
+
+    @cute.jit
+    def _place_rows(self, mX: cute.Tensor, mIdx: cute.Tensor, mXs: cute.Tensor, mSync: cute.Tensor,
+                    sOff: cute.Tensor, sCum: cute.Tensor, lane: Int32, copy_warps: Int32):
+        """A copy warp: claim chunks in order and copy their rows ``xs[r] = x[idx[r]]``."""
+        base, slots = self._sync_slots(mSync)
+        claim_ptr = _gptr(Int32, base + Int64(2 * slots) * 4, 4)
+        done_ptr = _gptr(Int32, base + Int64(2 * slots + 1) * 4, 4)
+        per_tile = self.tile_m // PLACE_CHUNK_ROWS
+        total = sCum[self.num_experts] * per_tile
+        k_size = cute.size(mXs, mode=[1])
+        nvec = k_size // 8  # 16-byte vectors per row
+        row_bytes = Int64(k_size * 2)
+        passes = (nvec + 32 * PLACE_UNROLL - 1) // (32 * PLACE_UNROLL)
+        x_base, xs_base = mX.iterator.toint(), mXs.iterator.toint()
+        v4 = ir.VectorType.get([4], Int32.mlir_type)
+        expert = Int32(0)
+        c = Int32(0)
+        if lane == 0:
+            c = cute.arch.atomic_add(claim_ptr, Int32(1), sem="relaxed", scope="gpu")
+        c = cute.arch.shuffle_sync(c, 0)
+        while c < total:
+            mt = c // per_tile
+            while sCum[expert + 1] <= mt:
+                expert = expert + 1
+            row0 = sOff[expert] + (mt - sCum[expert]) * self.tile_m + (c % per_tile) * PLACE_CHUNK_ROWS
+            rows = cutlass.max(cutlass.min(Int32(PLACE_CHUNK_ROWS), sOff[expert + 1] - row0), Int32(0))
+            src_lane = Int32(0)
+            if lane < rows:
+                src_lane = mIdx[row0 + lane]
+            for r in cutlass.range_constexpr(PLACE_CHUNK_ROWS):
+                if r < rows:
+                    src = x_base + Int64(cute.arch.shuffle_sync(src_lane, r)) * row_bytes
+                    dst = xs_base + Int64(row0 + r) * row_bytes
+                    for p in cutlass.range_constexpr(passes):
+                        vals, offs = [], []
+                        for u in cutlass.range_constexpr(PLACE_UNROLL):
+                            v = lane + (p * PLACE_UNROLL + u) * 32
+                            off = Int64(cutlass.min(v, Int32(nvec - 1))) * 16
+                            offs.append(off)
+                            vals.append(cute.arch.load(_gptr(Int32, src + off, 16), v4))
+                        for u in cutlass.range_constexpr(PLACE_UNROLL):
+                            if lane + (p * PLACE_UNROLL + u) * 32 < nvec:
+                                cute.arch.store(_gptr(Int32, dst + offs[u], 16), vals[u])
+            # publish the chunk: each lane's stores before lane 0's release of the count
+            cute.arch.fence_acq_rel_gpu()
+            cute.arch.sync_warp()
+            if lane == 0:
+                if rows > 0:
+                    cute.arch.red(_gptr(Int32, base + Int64(mt) * 4, 4), rows, op="add", dtype="s32",
+                                  sem="release", scope="gpu")
+                c = cute.arch.atomic_add(claim_ptr, Int32(1), sem="relaxed", scope="gpu")
+            c = cute.arch.shuffle_sync(c, 0)
+        if lane == 0:  # the last copy warp of the grid zeroes the claim and done counters
+            if cute.arch.atomic_add(done_ptr, Int32(1), sem="acq_rel", scope="gpu") == copy_warps - 1:
+                cute.arch.store(claim_ptr, Int32(0))
+                cute.arch.store(done_ptr, Int32(0))
