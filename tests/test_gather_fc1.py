@@ -4,6 +4,7 @@ idx[r], so step 2 copies no rows. CPU: compile (cp.async passes, mbarrier arriva
 refusals, which configs gather, the backend's wiring; GPU: bit identity with the plain kernel on
 the gathered rows (and float64), and the layer's output with the switch on and off."""
 
+import functools
 import re
 from types import SimpleNamespace
 
@@ -12,7 +13,7 @@ import torch
 
 pytest.importorskip("cutlass")
 
-from recorders import rec_layout  # noqa: E402
+from recorders import rec_gemm, rec_layout  # noqa: E402
 from moe_ep.shim import drop_src, register_drop  # noqa: E402
 
 SRC = drop_src("sm90", "megamoe")
@@ -86,13 +87,7 @@ def test_bf16_gather_wiring_on_cpu():
 
     calls = []
 
-    def rec(name, **attrs):
-        def prepare(self, a, offsets, out, row_scale=None, max_active_ctas=None, idx=None):
-            # drop v61: the prepared launch (made at bind) records the plain call it stands for
-            return lambda b, bias=None: calls.append((name, (a, b, offsets), dict(
-                out=out, row_scale=row_scale, max_active_ctas=max_active_ctas, bias=bias)))
-        return type(name, (), {"__call__": lambda self, *a, **k: calls.append((name, a, k)), "prepare": prepare,
-                               **attrs})()
+    rec = functools.partial(rec_gemm, calls)
 
     b = object.__new__(Sm90CuteDSLBackend)
     t = {n: torch.zeros(4) for n in ("offsets", "idx", "ws_rows", "pos", "xs", "h", "y")}

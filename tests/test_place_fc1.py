@@ -7,6 +7,7 @@ layers place, the backend's wiring and its error check. GPU (not yet run when wr
 bits as the plain kernel on x[idx], every row placed, the sync buffer clean after each launch, and
 the layer's output with the switch on and off (eager and CUDA graph)."""
 
+import functools
 import re
 from types import SimpleNamespace
 
@@ -15,7 +16,7 @@ import torch
 
 pytest.importorskip("cutlass")
 
-from recorders import rec_layout  # noqa: E402
+from recorders import rec_gemm, rec_layout  # noqa: E402
 from moe_ep.shim import drop_src, register_drop  # noqa: E402
 
 SRC = drop_src("sm90", "megamoe")
@@ -141,12 +142,7 @@ def test_bf16_place_wiring_on_cpu():
 
     calls = []
 
-    def rec(name, **attrs):
-        def prepare(self, a, offsets, out, row_scale=None, max_active_ctas=None, idx=None):
-            return lambda b, bias=None: calls.append((name, (a, b, offsets), dict(
-                out=out, row_scale=row_scale, max_active_ctas=max_active_ctas, bias=bias)))
-        return type(name, (), {"__call__": lambda self, *a, **k: calls.append((name, a, k)), "prepare": prepare,
-                               **attrs})()
+    rec = functools.partial(rec_gemm, calls)
 
     b = object.__new__(Sm90CuteDSLBackend)
     names = ("offsets", "idx", "ws_rows", "pos", "xs", "h", "y")
