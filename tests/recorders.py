@@ -15,13 +15,17 @@ def rec_layout(calls: list):
 def rec_gemm(calls: list, name: str, **attrs):
     """A recording stand-in for a GEMM launcher named ``name`` (with ``attrs``, e.g. ``gather_a``): its
     plain call records ``(name, args, kwargs)``, and its ``prepare`` (drop v61: the prepared launch made
-    at bind) returns a run that records the plain call it stands for."""
-    def prepare(self, a, offsets, out, row_scale=None, max_active_ctas=None, idx=None):
-        return lambda b, bias=None: calls.append((name, (a, b, offsets), dict(
-            out=out, row_scale=row_scale, max_active_ctas=max_active_ctas, bias=bias)))
+    at bind) returns a run that records the plain call it stands for (drop v91: with ``a=None`` the
+    run takes the source rows per call, ``run(b, bias, a=x)``, and records ``idx``, ``xs``, ``sync``)."""
+    def prepare(self, a, offsets, out, row_scale=None, max_active_ctas=None, idx=None, xs=None, sync=None):
+        extra = {k: v for k, v in (("idx", idx), ("xs", xs), ("sync", sync)) if v is not None}
+
+        def run(b, bias=None, **call):
+            calls.append((name, (call.get("a", a), b, offsets), dict(
+                out=out, row_scale=row_scale, max_active_ctas=max_active_ctas, bias=bias, **extra)))
+        return run
     return type(name, (), {"__call__": lambda self, *a, **k: calls.append((name, a, k)), "prepare": prepare,
                            **attrs})()
-
 
 def record_gemm_builds(monkeypatch) -> tuple:
     """``(built, names)``: the shim's ``compiled_grouped_gemm`` then records what it would build

@@ -83,6 +83,20 @@ def test_bf16_place_refusals():
     plain = CompiledGroupedGemm("swiglu", 1536, 2048, 128, False, compiled=object())
     with pytest.raises(ValueError, match="xs and sync are required with place_a=True and refused without it"):
         plain(z, z, z, out=z, xs=z, sync=i)
+    # prepared launches: only a gathering / placing kernel leaves its rows to each call, and then
+    # each call must pass them
+    launched = []
+    plain_ffi = CompiledGroupedGemm("swiglu", 1536, 2048, 128, False, compiled=launched.append, tvm_ffi=True)
+    out, off, rs, ph = torch.zeros(8, 768), torch.zeros(129, dtype=torch.int32), torch.zeros(1), torch.zeros(1, 8)
+    with pytest.raises(ValueError, match="only for a gathering or placing kernel"):
+        plain_ffi.prepare(None, out, off, rs, ph, 7)
+    place_ffi = CompiledGroupedGemm("swiglu", 1536, 2048, 128, False, place_a=True,
+                                    compiled=lambda *a: launched.append(a), tvm_ffi=True)
+    run = place_ffi.prepare(None, out, off, rs, ph, 7, idx=i, xs=torch.zeros(8, 2048), sync=i)
+    with pytest.raises(ValueError, match="pass a="):
+        run(z)
+    run(z, a=torch.zeros(0, 2048))  # no source rows: no launch
+    assert launched == []
     from moe_ep.shim import sm90_compiled_grouped_gemm
 
     with pytest.raises(ValueError, match="place_a needs the cooperative or wide schedule"):
@@ -158,8 +172,7 @@ def test_bf16_place_wiring_on_cpu():
         setattr(b, n, t[n])
     b._place_sync = torch.zeros(9, dtype=torch.int32)
     b.num_ctas, b.local_combine = 7, False
-    b._prepare_launches()
-    assert b._expert_runs[False][0] is None  # the placing FC1 keeps the plain call
+    b._prepare_launches()  # the placing FC1's launch is prepared too, its source rows per call
     b._step1_dispatch(x, ids, w)
     b._step2_layout()
     b._step34_experts("w13", "w2")

@@ -110,7 +110,7 @@ CONTRACT = DropContract(
                     ("a", "b", "c", "offsets", "row_scale", "bias", "max_active_ctas", "stream", "idx", "xs",
                      "sync")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.prepare",
-                    ("a", "out", "offsets", "row_scale", "bias", "max_active_ctas", "idx")),
+                    ("a", "out", "offsets", "row_scale", "bias", "max_active_ctas", "idx", "xs", "sync")),
         CallableUse("sm90_megamoe.launch:to_cute_args",
                     ("a", "b", "c", "offsets", "row_scale", "bias", "idx", "xs", "sync")),
         CallableUse("sm90_megamoe.compile_check:compile_for_arch",
@@ -404,6 +404,9 @@ class GroupedGemm:
     forward (they die with the launcher).
     """
 
+    #: drop v91: the kernel writes the grouped rows it reads (set from the compiled kernel)
+    place_a = False
+
     def __init__(self, compiled: Any, to_cute_args: Any, device: Any) -> None:
         import torch
 
@@ -413,7 +416,7 @@ class GroupedGemm:
         self.n_out = compiled.n_out
         self.tvm_ffi = compiled.tvm_ffi
         self.gather_a = compiled.gather_a
-        self.place_a = compiled.place_a
+        self.place_a = bool(getattr(compiled, "place_a", False))
         self._to = to_cute_args
         self._last: tuple | None = None
         # unread arguments of variants without a row scale / bias (the drop's signature: fp32
@@ -460,26 +463,36 @@ class GroupedGemm:
                                        stream=stream)
         return out
 
-    def prepare(self, a, offsets, out, row_scale=None, max_active_ctas=None, idx=None):
-        """``self(a, b, offsets, out, row_scale, max_active_ctas, bias=bias, idx=idx)`` with all but
-        the weights (and the bias, when compiled with one) fixed: ``run(b, bias=None)``, the same
-        launch. TVM-FFI kernels check and pack the fixed tensors once (the drop's
-        ``CompiledGroupedGemm.prepare``, with this launcher's placeholders); the classic path calls
-        this launcher (its converted arguments are cached anyway). The fixed tensors must keep
-        their shapes while ``run`` is used."""
-        if self.gather_a != (idx is not None):
-            raise ValueError("a gathering grouped GEMM takes idx (grouped row r = a[idx[r]]); any other refuses it")
+    def prepare(self, a, offsets, out, row_scale=None, max_active_ctas=None, idx=None, xs=None, sync=None):
+        """``self(a, b, offsets, out, row_scale, max_active_ctas, bias=bias, idx=idx, xs=xs, sync=sync)``
+        with all but the weights (and the bias, when compiled with one) fixed: ``run(b, bias=None)``,
+        the same launch. A gathering or placing GEMM may leave its source rows to each call
+        (``a=None``: ``run(b, bias=None, a=x)``). TVM-FFI kernels check and pack the fixed tensors
+        once (the drop's ``CompiledGroupedGemm.prepare``, with this launcher's placeholders); the
+        classic path calls this launcher (its converted arguments are cached anyway). The fixed
+        tensors must keep their shapes while ``run`` is used."""
+        if (self.gather_a or self.place_a) != (idx is not None):
+            raise ValueError("a gathering or placing grouped GEMM takes idx (grouped row r = a[idx[r]]); any other "
+                             "refuses it")
+        if self.place_a != (xs is not None and sync is not None):
+            raise ValueError("a placing grouped GEMM takes xs and sync; any other refuses them")
         if self.scale_rows and row_scale is None:
             raise ValueError("this grouped GEMM was compiled with scale_rows=True: pass row_scale")
         ctas = max_active_ctas or self._ctas
-        if not self.tvm_ffi or a.shape[0] == 0:  # (no rows: __call__ launches nothing)
+        place = {} if xs is None else {"xs": xs, "sync": sync}
+        if a is None:  # the source rows per call
+            if not self.tvm_ffi:
+                def run_rows_plain(b, bias=None, a=None):
+                    self(a, b, offsets, out, row_scale, ctas, bias=bias, idx=idx, **place)
+                return run_rows_plain
+        elif not self.tvm_ffi or a.shape[0] == 0:  # (no rows: __call__ launches nothing)
             def run_plain(b, bias=None):
-                self(a, b, offsets, out, row_scale, ctas, bias=bias, idx=idx)
+                self(a, b, offsets, out, row_scale, ctas, bias=bias, idx=idx, **place)
             return run_plain
         return self.compiled.prepare(a=a, out=out, offsets=offsets,
                                      row_scale=row_scale if self.scale_rows else self._dummy_scale,
                                      bias=None if self.bias_dtype is not None else self._dummy_bias,
-                                     max_active_ctas=ctas, idx=idx)
+                                     max_active_ctas=ctas, idx=idx, **place)
 
     def release(self) -> None:
         """Drop the cached converted arguments (they keep the last tensors alive, e.g. the

@@ -330,15 +330,20 @@ class Sm90CuteDSLBackend(BackendImpl):
 
     def _prepare_expert_launches(self) -> None:
         """FC1 (from the grouped rows ``xs``) and FC2 per GEMM path (drop v61): ``run(w, bias)``.
-        ``_expert_runs[decode]`` is ``(fc1, fc2)``; a gathering or placing FC1 reads the call's own
-        tokens, so it keeps the plain call."""
+        ``_expert_runs[decode]`` is ``(fc1, fc2)``; a gathering FC1 reads the call's own tokens, so it
+        keeps the plain call; a placing one (drop v91) takes them per call: ``run(w, bias, a=x)``."""
         self._expert_runs = {}
         for decode, (fc1, fc2) in ((False, (self.fc1, self.fc2)), (True, (self.fc1_decode, self.fc2_decode))):
             if fc1 is None:
                 continue
+            if getattr(fc1, "place_a", False):  # the grouped rows from the call's x, written into xs
+                run1 = fc1.prepare(None, self.offsets, self.h, max_active_ctas=self.num_ctas, idx=self.idx,
+                                   xs=self.xs, sync=self._place_sync)
+            else:
+                run1 = None if fc1.gather_a else fc1.prepare(self.xs, self.offsets, self.h,
+                                                             max_active_ctas=self.num_ctas)
             self._expert_runs[decode] = (
-                None if fc1.gather_a or getattr(fc1, "place_a", False)
-                else fc1.prepare(self.xs, self.offsets, self.h, max_active_ctas=self.num_ctas),
+                run1,
                 fc2.prepare(self.h, self.offsets, self.y, row_scale=self.ws_rows, max_active_ctas=self.num_ctas))
 
     def _rebind(self) -> None:
@@ -433,12 +438,12 @@ class Sm90CuteDSLBackend(BackendImpl):
         # 3. FC1 + activation into h; 4. FC2 + router weight into y (prepared at bind, per GEMM path)
         fc1_run, fc2_run = self._expert_runs[self._decode]
         src = getattr(self, "_fc1_src", None)
-        if src is not None:  # a gathering or placing FC1: grouped row r = x[idx[r]] of the call's x
+        if src is not None and fc1_run is not None:  # a placing FC1: the call's x, the rows written into xs
             self._fc1_src = None
-            # a placing FC1 also writes the grouped rows into xs, then reads them back by TMA
-            place = {"xs": self.xs, "sync": self._place_sync} if getattr(self._gemms[0], "place_a", False) else {}
-            self._gemms[0](src, w13, self.offsets, out=self.h, max_active_ctas=self.num_ctas, bias=b13, idx=self.idx,
-                           **place)
+            fc1_run(w13, b13, a=src)
+        elif src is not None:  # a gathering FC1: grouped row r = x[idx[r]] of the call's x
+            self._fc1_src = None
+            self._gemms[0](src, w13, self.offsets, out=self.h, max_active_ctas=self.num_ctas, bias=b13, idx=self.idx)
         else:
             fc1_run(w13, b13)
         fc2_run(w2, b2)

@@ -284,7 +284,7 @@ class CompiledGroupedGemm:
         if self.place_a and (sync.dtype != torch.int32 or sync.dim() != 1 or sync.numel() < 5):
             raise ValueError("sync must be a 1-d int32 tensor of 2 S + 3 >= 5 elements")
 
-    def prepare(self, a: torch.Tensor, out: torch.Tensor, offsets: torch.Tensor, row_scale: torch.Tensor,
+    def prepare(self, a: Optional[torch.Tensor], out: torch.Tensor, offsets: torch.Tensor, row_scale: torch.Tensor,
                 bias: Optional[torch.Tensor] = None, max_active_ctas: Optional[int] = None,
                 idx: Optional[torch.Tensor] = None, xs: Optional[torch.Tensor] = None,
                 sync: Optional[torch.Tensor] = None):
@@ -295,6 +295,8 @@ class CompiledGroupedGemm:
         (v64; :func:`ffi_fixed`). They are a layer's own buffers, held: they must keep their shapes
         while ``run`` is used.
 
+        a:         the fixed A, or None for a gathering / placing kernel whose source rows change per
+                   call (drop v91): ``run(b, bias=None, a=x)`` then takes them (no rows: no launch).
         row_scale: [M_total] fp32 with ``scale_rows``, else any fp32 [L] placeholder (never read).
         bias:      the fixed bias argument -- for a kernel without a bias, its fp32 [1, L]
                    placeholder -- or None: each call passes its own (``bias_dtype`` kernels only),
@@ -308,22 +310,41 @@ class CompiledGroupedGemm:
             raise ValueError("this grouped GEMM was compiled without a bias: pass its [1, L] float32 placeholder")
         # the fixed tensors as TVM-FFI objects once (drop v64; an empty `a` stays as it is); b,
         # and a per-call bias, stay torch tensors: TVM-FFI takes the stream from b
-        fixed = ffi_fixed if a.shape[0] else (lambda *t: t)
-        head = fixed(a, *(() if idx is None else (idx,)), *(() if xs is None else (xs, sync)))
+        if a is None and idx is None:
+            raise ValueError("a may be left to each call (a=None) only for a gathering or placing kernel")
+        fixed = ffi_fixed if (a is None or a.shape[0]) else (lambda *t: t)
+        head = fixed(*(() if a is None else (a,)), *(() if idx is None else (idx,)), *(() if xs is None else (xs, sync)))
         mid = fixed(out, offsets, row_scale)
-        ctas = self._grid(max_active_ctas, a.device)
+        ctas = self._grid(max_active_ctas, out.device)
         fn, (fixed_bias,) = self._fn, fixed(bias)
+        want, shape = _TORCH_BIAS[self.bias_dtype], (self.num_experts, self.n)
+
+        def check_bias(bias):
+            if bias is None or bias.dtype != want or tuple(bias.shape) != shape or not bias.is_contiguous():
+                raise ValueError(f"bias must be a contiguous {want} {list(shape)} tensor")
+
+        if a is None:  # the source rows per call (a gathering or placing kernel)
+            def run_rows(b, bias=None, a=None):
+                if a is None:
+                    raise ValueError("this launch takes its source rows per call: pass a=")
+                if fixed_bias is not None:
+                    if bias is not None:
+                        raise ValueError("this launch's bias was fixed at prepare: pass none per call")
+                    bias = fixed_bias
+                else:
+                    check_bias(bias)
+                if a.shape[0]:  # no rows: nothing to launch
+                    fn(a, *head, b, *mid, bias, ctas)
+            return run_rows
         if fixed_bias is not None:
             def run(b, bias=None):
                 if bias is not None:
                     raise ValueError("this launch's bias was fixed at prepare: pass none per call")
                 fn(*head, b, *mid, fixed_bias, ctas)
             return run
-        want, shape = _TORCH_BIAS[self.bias_dtype], (self.num_experts, self.n)
 
         def run_bias(b, bias=None):
-            if bias is None or bias.dtype != want or tuple(bias.shape) != shape or not bias.is_contiguous():
-                raise ValueError(f"bias must be a contiguous {want} {list(shape)} tensor")
+            check_bias(bias)
             fn(*head, b, *mid, bias, ctas)
         return run_bias
 
