@@ -123,7 +123,7 @@ def test_bf16_gather_split_dispatch_copies_rows_on_cpu():
     x, ids, w = torch.zeros(3, 4), torch.zeros(3, 2, dtype=torch.int32), torch.zeros(3, 2)
     b._ensure = lambda: None
     b.local_route, b.token_grid, b._routing, b.fc1_decode, b.fc2_decode = True, False, None, None, None
-    b.fc1 = SimpleNamespace(gather_a=True)
+    b.fc1 = SimpleNamespace(gather_a=True, prepare=lambda *a, **k: None)
     b.fc2 = SimpleNamespace(gather_a=False, prepare=lambda *a, **k: None)
     b.layout = rec_layout(calls)
     b.ws, b.ep = SimpleNamespace(seq=0), SimpleNamespace()

@@ -79,7 +79,8 @@ def gather_fc1() -> bool:
     cp.async producer feeds the WGMMAs more slowly than TMA, which eats the saved copy; in the 32nd
     session's profile the gathering FC1 ran 106 us longer than the plain one in the layer, which
     cancels the row copy's saving. (Drop v85 removed the one-TMA-per-row producer, v41, and the L2
-    priorities, v75: both slower.)"""
+    priorities, v75: both slower.) Since drop v91 its launch is prepared at bind like the plain FC1's
+    (the call's x passed per call), so the per-call host time no longer counts against it."""
     return env_flag("MOE_EP_GATHER_FC1", False)
 
 
@@ -330,8 +331,8 @@ class Sm90CuteDSLBackend(BackendImpl):
 
     def _prepare_expert_launches(self) -> None:
         """FC1 (from the grouped rows ``xs``) and FC2 per GEMM path (drop v61): ``run(w, bias)``.
-        ``_expert_runs[decode]`` is ``(fc1, fc2)``; a gathering FC1 reads the call's own tokens, so it
-        keeps the plain call; a placing one (drop v91) takes them per call: ``run(w, bias, a=x)``."""
+        ``_expert_runs[decode]`` is ``(fc1, fc2)``; a gathering or placing FC1 reads the call's own
+        tokens, which its run takes per call (drop v91): ``run(w, bias, a=x)``."""
         self._expert_runs = {}
         for decode, (fc1, fc2) in ((False, (self.fc1, self.fc2)), (True, (self.fc1_decode, self.fc2_decode))):
             if fc1 is None:
@@ -339,9 +340,10 @@ class Sm90CuteDSLBackend(BackendImpl):
             if getattr(fc1, "place_a", False):  # the grouped rows from the call's x, written into xs
                 run1 = fc1.prepare(None, self.offsets, self.h, max_active_ctas=self.num_ctas, idx=self.idx,
                                    xs=self.xs, sync=self._place_sync)
+            elif fc1.gather_a:  # the grouped rows read from the call's x by idx
+                run1 = fc1.prepare(None, self.offsets, self.h, max_active_ctas=self.num_ctas, idx=self.idx)
             else:
-                run1 = None if fc1.gather_a else fc1.prepare(self.xs, self.offsets, self.h,
-                                                             max_active_ctas=self.num_ctas)
+                run1 = fc1.prepare(self.xs, self.offsets, self.h, max_active_ctas=self.num_ctas)
             self._expert_runs[decode] = (
                 run1,
                 fc2.prepare(self.h, self.offsets, self.y, row_scale=self.ws_rows, max_active_ctas=self.num_ctas))
@@ -438,12 +440,9 @@ class Sm90CuteDSLBackend(BackendImpl):
         # 3. FC1 + activation into h; 4. FC2 + router weight into y (prepared at bind, per GEMM path)
         fc1_run, fc2_run = self._expert_runs[self._decode]
         src = getattr(self, "_fc1_src", None)
-        if src is not None and fc1_run is not None:  # a placing FC1: the call's x, the rows written into xs
+        if src is not None:  # a gathering or placing FC1: grouped row r = x[idx[r]] of the call's x
             self._fc1_src = None
             fc1_run(w13, b13, a=src)
-        elif src is not None:  # a gathering FC1: grouped row r = x[idx[r]] of the call's x
-            self._fc1_src = None
-            self._gemms[0](src, w13, self.offsets, out=self.h, max_active_ctas=self.num_ctas, bias=b13, idx=self.idx)
         else:
             fc1_run(w13, b13)
         fc2_run(w2, b2)
