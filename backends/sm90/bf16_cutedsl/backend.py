@@ -558,6 +558,8 @@ class Sm90CuteDSLBackend(BackendImpl):
             dist.barrier(group=self.group.pg)
         self.ep.reset()
         self.ep.reset_input_errors()
+        if getattr(self, "_place_sync", None) is not None:  # a placing FC1's counters and error word
+            self._place_sync.zero_()
         torch.cuda.synchronize(self.device)
         if self.W > 1 and not self.virtual:
             dist.barrier(group=self.group.pg)
