@@ -190,7 +190,7 @@ class CompiledGroupedGemm:
                                           **({"cluster_n": cluster_n} if cluster_n > 1 else {}),
                                           **({"jump_stages": True} if jump_stages else {}))
         if (gather_a or place_a or cluster_m > 1 or cluster_n > 1) and schedule == "swapab":
-            raise ValueError("gather_a, cluster_m and cluster_n are 128-row kernel options (not schedule='swapab')")
+            raise ValueError("gather_a, place_a, cluster_m and cluster_n are 128-row kernel options (not schedule='swapab')")
         self.cluster_m = int(cluster_m)
         self.cluster_n = int(cluster_n)
         self.cluster = self.cluster_m * self.cluster_n  # CTAs per cluster
