@@ -68,6 +68,10 @@ def test_bf16_place_refusals():
         GroupedGemmPlaceSm90("identity", tile_n=192, schedule="pingpong")
     with pytest.raises(ValueError, match="'cooperative' or 'wide'"):
         GroupedGemmPlaceSm90("swiglu", cluster_m=2)
+    with pytest.raises(ValueError, match="place_chunk_rows must be"):
+        GroupedGemmPlaceSm90("swiglu", place_chunk_rows=3)
+    with pytest.raises(ValueError, match="place_unroll 1, 2, 4 or 8"):
+        GroupedGemmPlaceSm90("swiglu", place_unroll=16)
     with pytest.raises(ValueError, match="place_a does not combine"):
         CompiledGroupedGemm("swiglu", 1536, 2048, 128, False, gather_a=True, place_a=True, compiled=object())
     with pytest.raises(ValueError, match="swapab"):

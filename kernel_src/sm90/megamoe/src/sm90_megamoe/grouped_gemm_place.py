@@ -32,16 +32,21 @@ import cutlass
 import cutlass.cute as cute
 
 from .grouped_gemm import GroupedGemmSm90
-from .placing_producer import PLACE_LOAD_REGS, PLACE_MMA_REGS, PlaceAProducer
+from .placing_producer import PLACE_CHUNK_ROWS, PLACE_LOAD_REGS, PLACE_MMA_REGS, PLACE_UNROLL, PlaceAProducer
 
 
 class GroupedGemmPlaceSm90(PlaceAProducer, GroupedGemmSm90):
     """The BF16 grouped GEMM whose producer warps place its A rows (module docstring)."""
 
-    def __init__(self, activation: str, **kw):
+    def __init__(self, activation: str, place_chunk_rows: int = PLACE_CHUNK_ROWS, place_unroll: int = PLACE_UNROLL,
+                 **kw):
         super().__init__(activation, **kw)
         if self.pingpong or self.cluster_m > 1 or self.cluster_n > 1:
             raise ValueError("the placing GEMM runs the 'cooperative' or 'wide' schedule, without clusters")
+        if place_chunk_rows not in (1, 2, 4, 8, 16, 32) or place_unroll not in (1, 2, 4, 8):
+            raise ValueError(f"place_chunk_rows must be 1, 2, 4, 8, 16 or 32 and place_unroll 1, 2, 4 or 8, got "
+                             f"{place_chunk_rows}, {place_unroll}")
+        self.place_chunk_rows, self.place_unroll = int(place_chunk_rows), int(place_unroll)
         self.load_regs = PLACE_LOAD_REGS
         self.mma_regs = PLACE_MMA_REGS
 

@@ -517,11 +517,17 @@ def placed_same_bits(plain, placing, m_total, n, k, experts, activation, routing
     return ok
 
 
+#: the placing FC1's copy settings the runner also times (``place_chunk_rows``, ``place_unroll``);
+#: the first is the kernel's default
+PLACE_VARIANTS = ((4, 4), (2, 4), (8, 4), (4, 8))
+
+
 def place(models, iters=20) -> bool:
     """Drop v91: FC1 whose producer's spare warps place its rows (``xs = x[idx]``) while it runs,
     against the row copy (``index_select``) + the plain FC1, on --model's FC1 shapes: the same bits,
-    rows and a clean sync buffer on uniform, skewed, few and one rows; then the row copy, the plain
-    FC1, both, and the placing FC1 timed, interleaved twice."""
+    rows and a clean sync buffer on uniform, skewed, few and one rows (the other copy settings of
+    :data:`PLACE_VARIANTS` on the skewed rows); then the row copy, the plain FC1, both, and each
+    placing FC1 timed, interleaved twice."""
     from .fp8_runner import time_fn
 
     ok = True
@@ -529,12 +535,15 @@ def place(models, iters=20) -> bool:
         n, k, e, m, act, bias = WIDE_SHAPES[name]
         tanh = {"tanh_sigmoid": True} if act == "swiglu" else {}  # the layer's FC1
         plain = CompiledGroupedGemm(act, n, k, e, False, bias_dtype=bias, **tanh)
-        placing = CompiledGroupedGemm(act, n, k, e, False, bias_dtype=bias, place_a=True, **tanh)
-        for m_, routing, seed in GATHER_CHECKS:
-            same = placed_same_bits(plain, placing, m_ or m, n, k, e, act, routing, seed, bias)
-            ok &= same
-            print(f"[place] {name} M={m_ or m} {routing}: placing = plain on copied rows, rows placed, "
-                  f"sync clean: {same}", flush=True)
+        placings = {f"placing chunk {cr} unroll {un}": CompiledGroupedGemm(
+            act, n, k, e, False, bias_dtype=bias, place_a=True, place_opts=dict(place_chunk_rows=cr, place_unroll=un),
+            **tanh) for cr, un in PLACE_VARIANTS}
+        for i, (label, placing) in enumerate(placings.items()):
+            for m_, routing, seed in GATHER_CHECKS if i == 0 else GATHER_CHECKS[1:2]:
+                same = placed_same_bits(plain, placing, m_ or m, n, k, e, act, routing, seed, bias)
+                ok &= same
+                print(f"[place] {name} {label} M={m_ or m} {routing}: placing = plain on copied rows, rows placed, "
+                      f"sync clean: {same}", flush=True)
         b, offs, bias_t, x, idx = gathered_problem(m, n, k, e, act, "uniform", 5, bias)
         idx64 = idx.long()
         xs = x.index_select(0, idx64)
@@ -548,7 +557,8 @@ def place(models, iters=20) -> bool:
         runs = {"copy rows": lambda: torch.index_select(x, 0, idx64, out=xs),
                 "plain": lambda: plain(xs, b, offs, out=out, bias=bias_t),
                 "copy + plain": copy_and_plain,
-                "placing": lambda: placing(x, b, offs, out=out, bias=bias_t, idx=idx, xs=xs, sync=sync)}
+                **{label: (lambda fn=fn: fn(x, b, offs, out=out, bias=bias_t, idx=idx, xs=xs, sync=sync))
+                   for label, fn in placings.items()}}
         best = time_rounds(runs, {"": lambda run: time_fn(run, iters)})
         flops = 2.0 * m * n * k
         print(f"[place] {name} M={m}: " + ", ".join(

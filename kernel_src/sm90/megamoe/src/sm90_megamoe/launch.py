@@ -131,7 +131,7 @@ class CompiledGroupedGemm:
                  schedule: str = "cooperative", compiled=None, tvm_ffi: bool = False,
                  early_weights: bool = False, gather_a: bool = False, cluster_m: int = 1,
                  tanh_sigmoid: bool = False, cluster_n: int = 1, jump_stages: bool = False,
-                 place_a: bool = False):
+                 place_a: bool = False, place_opts: Optional[dict] = None):
         """``compiled``: this variant's kernel compiled earlier (e.g. loaded from an exported
         object file, ``cute.runtime.load_module``); None compiles it here (sm_90a).
         ``tvm_ffi``: compile for (and launch through) TVM-FFI: :meth:`launch_tensors`.
@@ -151,7 +151,8 @@ class CompiledGroupedGemm:
         phase step instead of unrolled single advances (:class:`GroupedGemmSm90`; the same bits).
         ``place_a`` (cooperative / wide; drop v91): A is the source rows, and a call passes ``idx``,
         the grouped rows' buffer ``xs`` (written by the kernel, then read as A) and its ``sync``
-        buffer (:class:`~.grouped_gemm_place.GroupedGemmPlaceSm90`)."""
+        buffer (:class:`~.grouped_gemm_place.GroupedGemmPlaceSm90`; ``place_opts``: its
+        ``place_chunk_rows`` / ``place_unroll``, for the runner's tuning)."""
         from .compile_check import fake_args
 
         if bias_dtype not in _TORCH_BIAS:
@@ -188,7 +189,8 @@ class CompiledGroupedGemm:
                                           **({"cluster_m": cluster_m} if cluster_m > 1 else {}),
                                           **({"tanh_sigmoid": True} if tanh_sigmoid else {}),
                                           **({"cluster_n": cluster_n} if cluster_n > 1 else {}),
-                                          **({"jump_stages": True} if jump_stages else {}))
+                                          **({"jump_stages": True} if jump_stages else {}),
+                                          **(dict(place_opts or {}) if place_a else {}))
         if (gather_a or place_a or cluster_m > 1 or cluster_n > 1) and schedule == "swapab":
             raise ValueError("gather_a, place_a, cluster_m and cluster_n are 128-row kernel options (not schedule='swapab')")
         self.cluster_m = int(cluster_m)

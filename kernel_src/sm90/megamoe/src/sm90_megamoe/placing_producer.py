@@ -8,9 +8,9 @@ its producer warpgroup has three warps that do nothing. Here those three warps d
 while the GEMM runs. FC1 reads A by TMA as before; its first tiles wait only for their own rows,
 not for all of them.
 
-The work is split in chunks of ``PLACE_CHUNK_ROWS`` rows of one m-tile (chunk ``c``: m-tile
-``c // chunks_per_tile`` in the scheduler's numbering, rows ``PLACE_CHUNK_ROWS * (c %
-chunks_per_tile)`` onward). A copy warp claims the next chunk with one atomic add, so the chunks
+The work is split in chunks of ``chunk_rows`` rows of one m-tile (default
+:data:`PLACE_CHUNK_ROWS`; chunk ``c``: m-tile ``c // chunks_per_tile`` in the scheduler's numbering,
+rows ``chunk_rows * (c % chunks_per_tile)`` onward). A copy warp claims the next chunk with one atomic add, so the chunks
 are copied in the order the tiles need them, and any running CTA finishes every chunk: a CTA that
 is not resident yet never holds rows another one waits for. A warp copies row ``r`` from
 ``x[idx[r]]`` to ``xs[r]`` with 16-byte loads and stores, then every lane fences (``fence.acq_rel.gpu``),
@@ -39,7 +39,8 @@ from cutlass._mlir import ir
 
 #: the sync buffer's slots after its 2 S counters (claim, done, error word): ``mSync`` [2 S + 3]
 PLACE_SYNC_TAIL = 3
-#: rows per copy chunk: small, so the first tiles wait for little (a warp moves ~16 KB per chunk)
+#: rows per copy chunk: small, so the first tiles wait for little (a warp moves ~16 KB per chunk);
+#: a divisor of the tile's 128 rows, at most 32 (one lane reads each row's index)
 PLACE_CHUNK_ROWS = 4
 #: 16-byte vectors each lane keeps in flight while copying a row
 PLACE_UNROLL = 4
@@ -60,6 +61,9 @@ class PlaceAProducer:
     The host class provides ``tile_m``, ``n_tiles``, ``num_experts`` and ``_locate``'s tables."""
 
     place_a = True
+    #: the copy's chunk rows and per-lane vectors in flight (the host class may set its own)
+    place_chunk_rows = PLACE_CHUNK_ROWS
+    place_unroll = PLACE_UNROLL
 
     @staticmethod
     def _sync_slots(mSync: cute.Tensor):
@@ -103,12 +107,12 @@ class PlaceAProducer:
         base, slots = self._sync_slots(mSync)
         claim_ptr = _gptr(Int32, base + Int64(2 * slots) * 4, 4)
         done_ptr = _gptr(Int32, base + Int64(2 * slots + 1) * 4, 4)
-        per_tile = self.tile_m // PLACE_CHUNK_ROWS
+        per_tile = self.tile_m // self.place_chunk_rows
         total = sCum[self.num_experts] * per_tile
         k_size = cute.size(mXs, mode=[1])
         nvec = k_size // 8  # 16-byte vectors per row
         row_bytes = Int64(k_size * 2)
-        passes = (nvec + 32 * PLACE_UNROLL - 1) // (32 * PLACE_UNROLL)
+        passes = (nvec + 32 * self.place_unroll - 1) // (32 * self.place_unroll)
         x_base, xs_base = mX.iterator.toint(), mXs.iterator.toint()
         v4 = ir.VectorType.get([4], Int32.mlir_type)
         expert = Int32(0)
@@ -120,24 +124,24 @@ class PlaceAProducer:
             mt = c // per_tile
             while sCum[expert + 1] <= mt:
                 expert = expert + 1
-            row0 = sOff[expert] + (mt - sCum[expert]) * self.tile_m + (c % per_tile) * PLACE_CHUNK_ROWS
-            rows = cutlass.max(cutlass.min(Int32(PLACE_CHUNK_ROWS), sOff[expert + 1] - row0), Int32(0))
+            row0 = sOff[expert] + (mt - sCum[expert]) * self.tile_m + (c % per_tile) * self.place_chunk_rows
+            rows = cutlass.max(cutlass.min(Int32(self.place_chunk_rows), sOff[expert + 1] - row0), Int32(0))
             src_lane = Int32(0)
             if lane < rows:
                 src_lane = mIdx[row0 + lane]
-            for r in cutlass.range_constexpr(PLACE_CHUNK_ROWS):
+            for r in cutlass.range_constexpr(self.place_chunk_rows):
                 if r < rows:
                     src = x_base + Int64(cute.arch.shuffle_sync(src_lane, r)) * row_bytes
                     dst = xs_base + Int64(row0 + r) * row_bytes
                     for p in cutlass.range_constexpr(passes):
                         vals, offs = [], []
-                        for u in cutlass.range_constexpr(PLACE_UNROLL):
-                            v = lane + (p * PLACE_UNROLL + u) * 32
+                        for u in cutlass.range_constexpr(self.place_unroll):
+                            v = lane + (p * self.place_unroll + u) * 32
                             off = Int64(cutlass.min(v, Int32(nvec - 1))) * 16
                             offs.append(off)
                             vals.append(cute.arch.load(_gptr(Int32, src + off, 16), v4))
-                        for u in cutlass.range_constexpr(PLACE_UNROLL):
-                            if lane + (p * PLACE_UNROLL + u) * 32 < nvec:
+                        for u in cutlass.range_constexpr(self.place_unroll):
+                            if lane + (p * self.place_unroll + u) * 32 < nvec:
                                 cute.arch.store(_gptr(Int32, dst + offs[u], 16), vals[u])
             # publish the chunk: each lane's stores before lane 0's release of the count
             cute.arch.fence_acq_rel_gpu()
