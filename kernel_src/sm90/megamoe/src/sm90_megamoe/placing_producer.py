@@ -114,6 +114,7 @@ class PlaceAProducer:
         row_bytes = Int64(k_size * 2)
         passes = (nvec + 32 * self.place_unroll - 1) // (32 * self.place_unroll)
         x_base, xs_base = mX.iterator.toint(), mXs.iterator.toint()
+        n_src = mX.shape[0]
         v4 = ir.VectorType.get([4], Int32.mlir_type)
         expert = Int32(0)
         c = Int32(0)
@@ -127,8 +128,8 @@ class PlaceAProducer:
             row0 = sOff[expert] + (mt - sCum[expert]) * self.tile_m + (c % per_tile) * self.place_chunk_rows
             rows = cutlass.max(cutlass.min(Int32(self.place_chunk_rows), sOff[expert + 1] - row0), Int32(0))
             src_lane = Int32(0)
-            if lane < rows:
-                src_lane = mIdx[row0 + lane]
+            if lane < rows:  # clamped to x's rows, so a stale index (an error state) reads in bounds
+                src_lane = cutlass.min(cutlass.max(mIdx[row0 + lane], Int32(0)), n_src - 1)
             for r in cutlass.range_constexpr(self.place_chunk_rows):
                 if r < rows:
                     src = x_base + Int64(cute.arch.shuffle_sync(src_lane, r)) * row_bytes
