@@ -102,7 +102,7 @@ def test_bf16_gemm_prepared_passes_the_plain_arguments(variant):
     rows_by_index = variant in ("gather", "place")
     a = torch.randn(T if rows_by_index else M, k).to(torch.bfloat16)
     idx = torch.randint(0, T, (M,), dtype=torch.int32) if rows_by_index else None
-    place = dict(xs=torch.empty(M, k, dtype=torch.bfloat16), sync=torch.zeros(2 * 30 + 3, dtype=torch.int32)) \
+    place = dict(xs=torch.empty(M, k, dtype=torch.bfloat16), sync=torch.zeros(30 + 4, dtype=torch.int32)) \
         if variant == "place" else {}
     out = torch.empty(M, gemms[0].n_out, dtype=torch.bfloat16)
     offsets = torch.tensor([0, 10, 50, 50, 96], dtype=torch.int32)

@@ -60,7 +60,7 @@ PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
     "sm90_megamoe": {"DROP_VERSION": 91},
-    "sm90_megamoe.placing_producer": {"PLACE_SYNC_TAIL": 3},
+    "sm90_megamoe.placing_producer": {"PLACE_SYNC_TAIL": 4},
     "sm90_megamoe.fp8_gemm": {"FP8_BLOCK": 128, "OVERLAP_MAX_K_TILES": 32, "OVERLAP_MAX_CHUNK": 16},
     "sm90_megamoe.unit_scales": {"UNIT_SCALE_KC": 8},
     "sm90_megamoe.constants": {
@@ -614,10 +614,10 @@ def grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: 
 
 def place_sync_len(rows: int, num_experts: int) -> int:
     """Length of a placing FC1's ``sync`` buffer (int32) for calls of at most ``rows`` grouped rows over
-    ``num_experts`` experts: two counters per m-tile such rows can take, then the drop's tail slots
-    (claim, done, error word; mirrored ``PLACE_SYNC_TAIL``)."""
+    ``num_experts`` experts: one ready counter per m-tile such rows can take, then the drop's tail
+    slots (claim, done, finished, error word; mirrored ``PLACE_SYNC_TAIL``)."""
     slots = (int(rows) + _C["DEFAULT_TILE_M"] - 1) // _C["DEFAULT_TILE_M"] + int(num_experts)
-    return 2 * slots + CONSTANTS.value("sm90_megamoe.placing_producer", "PLACE_SYNC_TAIL")
+    return slots + CONSTANTS.value("sm90_megamoe.placing_producer", "PLACE_SYNC_TAIL")
 
 
 def compile_gemm_ptx(activation: str, n: int, k: int, scale_rows: bool, arch: str = "sm_90a",
@@ -635,7 +635,7 @@ def compile_gemm_ptx(activation: str, n: int, k: int, scale_rows: bool, arch: st
 
 
 #: tail-clean: the GEMMs keep no state between launches, except the placing FC1's ``sync`` buffer
-#: (drop v91), which its own last readers and last copy warp zero before the kernel ends
+#: (drop v91), which the grid's last TMA warp and last copy warp zero before the kernel ends
 #: (tests/test_place_fc1.py: clean after consecutive launches)
 GEMM_COUNTERS = CounterContract("sm90_megamoe grouped GEMM", tail_clean=True)
 EP_COUNTERS = CounterContract("sm90_megamoe EP dispatch/combine", tail_clean=True)

@@ -654,6 +654,8 @@ class GroupedGemmSm90:
                             ab_pipeline.producer_commit(prod_state)
                             prod_state.advance()
                         tile_id = tile_id + unit_step
+                    if cutlass.const_expr(self.place_a):  # the grid's last TMA warp resets the counters
+                        self._finish_placed(place[3], sCum, lane, gdim)
                     ab_pipeline.producer_tail(prod_state)
                 if cutlass.const_expr(self.place_a):
                     if warp_idx > 0:  # the three copy warps

@@ -13,8 +13,8 @@ Tensors (torch view)::
     mIdx      [M_total]           int32      grouped row r is source row mIdx[r] (< T_src)
     mXs       [M_total, K]        bfloat16   written here: xs[r] = x[idx[r]] for r < offsets[E];
                                              then read back by TMA as A
-    mSync     [2 S + 3]           int32      zero before the first launch, tail-clean (S >= the
-                                             m-tiles of a call; slot 2 S + 2: error word, see
+    mSync     [S + 4]             int32      zero before the first launch, tail-clean (S >= the
+                                             m-tiles of a call; slot S + 3: error word, see
                                              :mod:`.placing_producer`)
     mB, mC, mOffsets, mRowScale, mBias: as in the base class
 

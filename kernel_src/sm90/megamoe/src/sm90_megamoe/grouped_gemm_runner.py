@@ -493,7 +493,7 @@ def place_sync(m_total: int, experts: int) -> torch.Tensor:
     """A placing FC1's sync buffer for ``m_total`` rows over ``experts`` experts: zeros, S = the
     most m-tiles those rows can take (``grouped_gemm_place``)."""
     slots = (m_total + 127) // 128 + experts
-    return torch.zeros(2 * slots + 3, dtype=torch.int32, device="cuda")
+    return torch.zeros(slots + 4, dtype=torch.int32, device="cuda")
 
 
 def placed_same_bits(plain, placing, m_total, n, k, experts, activation, routing, seed, bias_dtype=None) -> bool:

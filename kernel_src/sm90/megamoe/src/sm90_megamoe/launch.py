@@ -249,7 +249,7 @@ class CompiledGroupedGemm:
         bias:      [E, N]            fp32/bf16 (this variant's bias dtype), required iff bias_dtype
         idx:       [M_total]         int32, required iff gather_a or place_a (then a is [T_src, K] and out
                                      is required)
-        xs, sync:  [M_total, K] bf16 and [2 S + 3] int32, required iff place_a (``sync`` zero before its
+        xs, sync:  [M_total, K] bf16 and [S + 4] int32, required iff place_a (``sync`` zero before its
                                      first launch; the kernel leaves it so)
         """
         self._check_index_args(idx, xs, sync)
@@ -284,7 +284,7 @@ class CompiledGroupedGemm:
         if self.place_a != (xs is not None) or self.place_a != (sync is not None):
             raise ValueError("xs and sync are required with place_a=True and refused without it")
         if self.place_a and (sync.dtype != torch.int32 or sync.dim() != 1 or sync.numel() < 5):
-            raise ValueError("sync must be a 1-d int32 tensor of 2 S + 3 >= 5 elements")
+            raise ValueError("sync must be a 1-d int32 tensor of S + 4 >= 5 elements")
 
     def prepare(self, a: Optional[torch.Tensor], out: torch.Tensor, offsets: torch.Tensor, row_scale: torch.Tensor,
                 bias: Optional[torch.Tensor] = None, max_active_ctas: Optional[int] = None,

@@ -20,11 +20,13 @@ the warp syncs, and lane 0 adds the chunk's row count to the m-tile's ready coun
 rows, then issues ``fence.proxy.async.global`` so that its TMA (the async proxy) reads what the
 copy warps wrote through the generic proxy.
 
-The sync buffer ``mSync`` [2 S + 3] int32 (S >= the m-tiles of any call; zero before the first
-launch) is tail-clean: the last of an m-tile's ``n_tiles`` readers zeroes its ready and seen
-counters, and the last copy warp to finish zeroes the claim and done counters. Slot ``2 S + 2``
-is an error word: 1 + the m-tile when a wait timed out (the tile then computes on whatever its rows
-held; nothing hangs), 0 otherwise. It is never cleared by the kernel.
+The sync buffer ``mSync`` [S + 4] int32 (S >= the m-tiles of any call; zero before the first
+launch): ready counters [0, S), then claim, done, finished and an error word. It is tail-clean:
+the last copy warp of the grid zeroes claim and done, and the last TMA warp of the grid (the
+``finished`` count) zeroes the ready counters of the launch's m-tiles -- every wait has passed
+by then, so no reader is left, and a TMA warp's per-tile wait is one acquire load, with no atomic
+on the path to its loads. The error word is 1 + the m-tile when a wait timed out (the tile then
+computes on whatever its rows held; nothing hangs), 0 otherwise; the kernel never clears it.
 
 The GEMM itself (stages, WGMMAs, epilogue) is :class:`.grouped_gemm.GroupedGemmSm90`'s: the same
 bits as the plain kernel on ``xs = x[idx]``.
@@ -37,8 +39,8 @@ import cutlass.cute as cute
 from cutlass import Int32, Int64
 from cutlass._mlir import ir
 
-#: the sync buffer's slots after its 2 S counters (claim, done, error word): ``mSync`` [2 S + 3]
-PLACE_SYNC_TAIL = 3
+#: the sync buffer's slots after its S ready counters (claim, done, finished, error word): ``mSync`` [S + 4]
+PLACE_SYNC_TAIL = 4
 #: rows per copy chunk: small, so the first tiles wait for little (a warp moves ~16 KB per chunk);
 #: a divisor of the tile's 128 rows, at most 32 (one lane reads each row's index)
 PLACE_CHUNK_ROWS = 4
@@ -67,15 +69,15 @@ class PlaceAProducer:
 
     @staticmethod
     def _sync_slots(mSync: cute.Tensor):
-        """``(byte address of mSync, S)``: ready counters at [0, S), seen at [S, 2 S), claim 2 S,
-        done 2 S + 1, error 2 S + 2."""
-        return mSync.iterator.toint(), (mSync.shape[0] - PLACE_SYNC_TAIL) // 2
+        """``(byte address of mSync, S)``: ready counters at [0, S), claim S, done S + 1, finished
+        S + 2, error S + 3."""
+        return mSync.iterator.toint(), mSync.shape[0] - PLACE_SYNC_TAIL
 
     @cute.jit
     def _wait_rows_placed(self, mSync: cute.Tensor, sOff: cute.Tensor, sCum: cute.Tensor,
                           expert: Int32, row0: Int32, row_end: Int32, lane: Int32):
         """The TMA warp, before a tile's first A load: wait until the copy warps have placed every
-        row of the tile's m-tile (all lanes spin on the same word; lane 0 counts the reader)."""
+        row of the tile's m-tile (all lanes spin on the same word)."""
         base, slots = self._sync_slots(mSync)
         mt = sCum[expert] + (row0 - sOff[expert]) // self.tile_m
         want = cutlass.min(Int32(self.tile_m), row_end - row0)
@@ -92,21 +94,31 @@ class PlaceAProducer:
         cute.arch.fence_proxy("async.global")
         if lane == 0:
             if state == Int32(2):
-                cute.arch.store(_gptr(Int32, base + Int64(2 * slots + 2) * 4, 4), mt + 1)
-            seen = base + Int64(slots + mt) * 4
-            if cute.arch.atomic_add(_gptr(Int32, seen, 4), Int32(1), sem="relaxed", scope="gpu") \
-                    == Int32(self.n_tiles - 1):
-                # the m-tile's last reader: both counters back to zero for the next launch
-                cute.arch.store(_gptr(Int32, ready, 4), Int32(0))
-                cute.arch.store(_gptr(Int32, seen, 4), Int32(0))
+                cute.arch.store(_gptr(Int32, base + Int64(slots + 3) * 4, 4), mt + 1)
+
+    @cute.jit
+    def _finish_placed(self, mSync: cute.Tensor, sCum: cute.Tensor, lane: Int32, ctas: Int32):
+        """The TMA warp, after its last tile: count this CTA as finished; the grid's last one zeroes
+        the ready counters of this launch's m-tiles (every wait of the grid has passed)."""
+        base, slots = self._sync_slots(mSync)
+        finished = _gptr(Int32, base + Int64(slots + 2) * 4, 4)
+        last = Int32(0)
+        if lane == 0:
+            last = cute.arch.atomic_add(finished, Int32(1), sem="acq_rel", scope="gpu")
+        last = cute.arch.shuffle_sync(last, 0)
+        if last == ctas - 1:
+            for mt in cutlass.range(lane, sCum[self.num_experts], 32):
+                cute.arch.store(_gptr(Int32, base + Int64(mt) * 4, 4), Int32(0))
+            if lane == 0:
+                cute.arch.store(finished, Int32(0))
 
     @cute.jit
     def _place_rows(self, mX: cute.Tensor, mIdx: cute.Tensor, mXs: cute.Tensor, mSync: cute.Tensor,
                     sOff: cute.Tensor, sCum: cute.Tensor, lane: Int32, copy_warps: Int32):
         """A copy warp: claim chunks in order and copy their rows ``xs[r] = x[idx[r]]``."""
         base, slots = self._sync_slots(mSync)
-        claim_ptr = _gptr(Int32, base + Int64(2 * slots) * 4, 4)
-        done_ptr = _gptr(Int32, base + Int64(2 * slots + 1) * 4, 4)
+        claim_ptr = _gptr(Int32, base + Int64(slots) * 4, 4)
+        done_ptr = _gptr(Int32, base + Int64(slots + 1) * 4, 4)
         per_tile = self.tile_m // self.place_chunk_rows
         total = sCum[self.num_experts] * per_tile
         k_size = cute.size(mXs, mode=[1])
