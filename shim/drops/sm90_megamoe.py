@@ -430,7 +430,7 @@ class GroupedGemm:
         if (self.gather_a or self.place_a) != (idx is not None):
             raise ValueError("a gathering or placing grouped GEMM takes idx (grouped row r = a[idx[r]]); any other "
                              "refuses it")
-        if self.place_a != (xs is not None and sync is not None) or (not self.place_a and (xs, sync) != (None, None)):
+        if self.place_a != (xs is not None) or self.place_a != (sync is not None):
             raise ValueError("a placing grouped GEMM takes xs (the grouped rows it writes) and sync; any other "
                              "refuses them")
         if a.shape[0] == 0:
@@ -474,7 +474,7 @@ class GroupedGemm:
         if (self.gather_a or self.place_a) != (idx is not None):
             raise ValueError("a gathering or placing grouped GEMM takes idx (grouped row r = a[idx[r]]); any other "
                              "refuses it")
-        if self.place_a != (xs is not None and sync is not None):
+        if self.place_a != (xs is not None) or self.place_a != (sync is not None):
             raise ValueError("a placing grouped GEMM takes xs and sync; any other refuses them")
         if self.scale_rows and row_scale is None:
             raise ValueError("this grouped GEMM was compiled with scale_rows=True: pass row_scale")

@@ -463,13 +463,24 @@ def time_rounds(runs: dict, timers: dict, rounds: int = 2) -> dict:
     return {key: min(v) for key, v in times.items()}
 
 
+def report_rounds(tag: str, name: str, m: int, runs: dict, flops: float, iters: int) -> None:
+    """Time ``runs`` (``{label: launch}``) interleaved over two rounds (:func:`time_rounds`, CUDA-event
+    medians of ``iters``) and print each label's best ms, with TFLOP/s at ``flops`` for all but the
+    row copy."""
+    from .fp8_runner import time_fn  # CUDA-event median after warm-ups, as the FP8 runner times
+
+    best = time_rounds(runs, {"": lambda run: time_fn(run, iters)})
+    print(f"[{tag}] {name} M={m}: " + ", ".join(
+        f"{label} {best[(label, '')]:.3f} ms"
+        + ("" if label == "copy rows" else f" ({flops / best[(label, '')] / 1e9:.1f} TFLOP/s)")
+        for label in runs) + f" (best of 2 interleaved rounds, median of {iters})", flush=True)
+
+
 def gather(models, iters=20) -> bool:
     """Drop v23: FC1 gathering its A rows by index (cp.async) against the plain FC1 on the rows
     copied into expert order, on --model's FC1 shapes: the same bits (NaN-poisoned outputs) on
     uniform, skewed, few and one rows, then the row copy (``index_select``), the plain FC1 and the
     gathering FC1 timed, interleaved twice."""
-    from .fp8_runner import time_fn  # CUDA-event median after warm-ups, as the FP8 runner times
-
     ok = True
     for name in models:
         n, k, e, m, act, bias = WIDE_SHAPES[name]
@@ -480,12 +491,7 @@ def gather(models, iters=20) -> bool:
             ok &= same
             print(f"[gather] {name} M={m_ or m} {routing}: gathering = plain on copied rows: {same}", flush=True)
         runs = gathered_runs(plain, {"gathering": gathering}, m, n, k, e, act, bias)
-        best = time_rounds(runs, {"": lambda run: time_fn(run, iters)})
-        flops = 2.0 * m * n * k
-        print(f"[gather] {name} M={m}: " + ", ".join(
-            f"{label} {best[(label, '')]:.3f} ms"
-            + ("" if label == "copy rows" else f" ({flops / best[(label, '')] / 1e9:.1f} TFLOP/s)")
-            for label in runs) + f" (best of 2 interleaved rounds, median of {iters})", flush=True)
+        report_rounds("gather", name, m, runs, 2.0 * m * n * k, iters)
     return ok
 
 
@@ -528,8 +534,6 @@ def place(models, iters=20) -> bool:
     rows and a clean sync buffer on uniform, skewed, few and one rows (the other copy settings of
     :data:`PLACE_VARIANTS` on the skewed rows); then the row copy, the plain FC1, both, and each
     placing FC1 timed, interleaved twice."""
-    from .fp8_runner import time_fn
-
     ok = True
     for name in models:
         n, k, e, m, act, bias = WIDE_SHAPES[name]
@@ -559,12 +563,7 @@ def place(models, iters=20) -> bool:
                 "copy + plain": copy_and_plain,
                 **{label: (lambda fn=fn: fn(x, b, offs, out=out, bias=bias_t, idx=idx, xs=xs, sync=sync))
                    for label, fn in placings.items()}}
-        best = time_rounds(runs, {"": lambda run: time_fn(run, iters)})
-        flops = 2.0 * m * n * k
-        print(f"[place] {name} M={m}: " + ", ".join(
-            f"{label} {best[(label, '')]:.3f} ms"
-            + ("" if label == "copy rows" else f" ({flops / best[(label, '')] / 1e9:.1f} TFLOP/s)")
-            for label in runs) + f" (best of 2 interleaved rounds, median of {iters})", flush=True)
+        report_rounds("place", name, m, runs, 2.0 * m * n * k, iters)
         torch.cuda.synchronize()
         if bool(sync.any()):
             print(f"[place] {name}: the sync buffer is not clean after the timed runs: {sync[-3:].tolist()}")
