@@ -337,11 +337,10 @@ class Sm90CuteDSLBackend(BackendImpl):
         for decode, (fc1, fc2) in ((False, (self.fc1, self.fc2)), (True, (self.fc1_decode, self.fc2_decode))):
             if fc1 is None:
                 continue
-            if getattr(fc1, "place_a", False):  # the grouped rows from the call's x, written into xs
-                run1 = fc1.prepare(None, self.offsets, self.h, max_active_ctas=self.num_ctas, idx=self.idx,
-                                   xs=self.xs, sync=self._place_sync)
-            elif fc1.gather_a:  # the grouped rows read from the call's x by idx
-                run1 = fc1.prepare(None, self.offsets, self.h, max_active_ctas=self.num_ctas, idx=self.idx)
+            placing = getattr(fc1, "place_a", False)  # also writes the grouped rows into xs
+            if fc1.gather_a or placing:  # the grouped rows read from the call's x by idx
+                place = {"xs": self.xs, "sync": self._place_sync} if placing else {}
+                run1 = fc1.prepare(None, self.offsets, self.h, max_active_ctas=self.num_ctas, idx=self.idx, **place)
             else:
                 run1 = fc1.prepare(self.xs, self.offsets, self.h, max_active_ctas=self.num_ctas)
             self._expert_runs[decode] = (
