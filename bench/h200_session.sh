@@ -72,7 +72,8 @@
 # newab:         code not yet run on a GPU: NEWAB_TESTS' GPU tests (space-separated files, TEST_BUDGET, 240 s: a
 #                wrong barrier count would hang), then -- if they pass -- the drop runner with NEWAB_RUNNER's
 #                arguments (e.g. "--gather --model qwen3"), the FP8 runner with NEWAB_FP8_RUNNER's
-#                (e.g. "--model qwen3 --unit-scales"; FP8_RUNNER_BUDGET, 300 s) and the layer under each
+#                (e.g. "--model qwen3 --unit-scales"; FP8_RUNNER_BUDGET, 300 s), drop v92's placing FP8 GEMMs'
+#                runner with NEWAB_FP8_PLACE_RUNNER's (e.g. "--model qwen3,mixtral") and the layer under each
 #                ENVAB setting (MODELS, QUANT,
 #                interleaved, ENVAB_ROUNDS rounds; as envab) -> $OUT/newab_tests.log, newab_runner.log, envab_s<i>_r<r>.*.
 #                (The thirty-second session ran drop v72's clusters along N this way, as mode "clustern".)
@@ -204,7 +205,7 @@ suite_groups=(
   "tests/test_layer_gpu.py;-k;$ltop" "tests/test_layer_gpu.py;-k;not ($ltop)"
   "tests/test_sm90_gpu.py;-k;$gtop" "tests/test_sm90_gpu.py;-k;not ($gtop)"
   "tests/test_ep_virtual_gpu.py;-k;matches_reference" "tests/test_ep_virtual_gpu.py;-k;not matches_reference"
-  "tests/test_fp8_backend.py;tests/test_activations_bias.py;tests/test_gather_fc1.py;tests/test_place_fc1.py"
+  "tests/test_fp8_backend.py;tests/test_activations_bias.py;tests/test_gather_fc1.py;tests/test_place_fc1.py;tests/test_fp8_place.py"
   "tests/test_ep_gpu.py;tests/test_disk_cache.py;tests/test_transformers_integration.py;tests/test_blackwell_backends.py"
   "tests/test_sm90_fp8_quant.py;tests/test_fp8_quant_div.py;tests/test_fp8_quant_items.py;tests/test_fp8_scatter_quant.py;tests/test_fp8_cluster.py"
   "tests/test_fp8_plain_schedule.py;tests/test_fp8_smem_scales.py;tests/test_fp8_unit_scales.py;tests/test_fp8_deferred_epilogue.py;tests/test_bf16_cluster.py"
@@ -354,6 +355,11 @@ if [ "$mode" = newab ]; then
       STEP_TIMEOUT=${FP8_RUNNER_BUDGET:-300} step "fp8_runner $NEWAB_FP8_RUNNER" "$OUT/newab_fp8_runner.log" -- bash -c \
           "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.fp8_runner $NEWAB_FP8_RUNNER"
     fi
+    if [ -n "${NEWAB_FP8_PLACE_RUNNER:-}" ]; then
+      STEP_TIMEOUT=${FP8_RUNNER_BUDGET:-300} step "fp8_place_runner $NEWAB_FP8_PLACE_RUNNER" \
+          "$OUT/newab_fp8_place_runner.log" -- bash -c \
+          "cd kernel_src/sm90/megamoe/src && exec python3 -m sm90_megamoe.fp8_place_runner $NEWAB_FP8_PLACE_RUNNER"
+    fi
     layer_settings
   fi
 fi
@@ -500,7 +506,7 @@ if [ "$mode" = suite2 ]; then
   step "GPU suite 2/3" "$OUT/suite2.log" -- "${suite_common[@]}" tests/test_sm90_gpu.py tests/test_ep_gpu.py \
       tests/test_disk_cache.py tests/test_transformers_integration.py tests/test_sm90_fp8_quant.py \
       tests/test_sm90_fp8_compile.py tests/test_sm90_swapab_compile.py tests/test_blackwell_backends.py \
-      tests/test_gather_fc1.py tests/test_place_fc1.py tests/test_fp8_quant_div.py tests/test_fp8_quant_items.py tests/test_fp8_scatter_quant.py tests/test_fp8_cluster.py \
+      tests/test_gather_fc1.py tests/test_place_fc1.py tests/test_fp8_place.py tests/test_fp8_quant_div.py tests/test_fp8_quant_items.py tests/test_fp8_scatter_quant.py tests/test_fp8_cluster.py \
       tests/test_bf16_cluster.py tests/test_fp8_plain_schedule.py tests/test_fp8_smem_scales.py tests/test_fp8_unit_scales.py tests/test_fp8_deferred_epilogue.py tests/test_fp8_tanh_sigmoid.py tests/test_bf16_tanh_sigmoid.py \
       tests/test_bf16_cluster_n.py tests/test_jump_stages.py tests/test_gated_pingpong.py
 fi

@@ -71,13 +71,13 @@ from .errors import (BackendWarning, BootstrapError, CapacityError, CaptureError
 from .nvshmem_boot import CounterContract, NvshmemRuntime, parse_size, zero_counter_regions
 from .nvshmem_boot import acquire as nvshmem_acquire
 from .nvshmem_boot import current as nvshmem_current
-from .env import env_flag
+from .env import env_choice, env_flag
 from .launch_mode import launch_path
 from .paths import drop_src, kernel_src_root, register_drop
 
 __all__ = [
     "BackendWarning", "BootstrapError", "CapacityError", "MoEError", "RoutingValueError", "StaleHandleError",
-    "SymmetricHeapError", "UnsupportedBackendError", "LaunchPathWarning", "launch_path", "env_flag",
+    "SymmetricHeapError", "UnsupportedBackendError", "LaunchPathWarning", "launch_path", "env_flag", "env_choice",
     "AttributeUse", "COMPILE_CACHE", "CallableUse", "CaptureError", "CompileCache", "ConstantDriftError",
     "CounterContract", "DeviceStallError", "DropCollisionError", "DropContract", "ImportUse",
     "MirroredConstants", "NvshmemOwnershipError", "NvshmemRuntime", "ShimError", "drop_contracts",

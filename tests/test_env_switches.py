@@ -86,6 +86,7 @@ def test_switches_with_more_values(monkeypatch):
     for var, read, good, bad in (
         ("MOE_EP_FP8_CLUSTER", lambda: f.use_fp8_cluster("identity", 4096, 14336), ("0", "1"), ("2", "on", "4")),
         ("MOE_EP_FP8_UNIT_SCALES", lambda: f.use_fp8_unit_scales(4096), ("auto", "0", "1"), ("on", "AUTO")),
+        ("MOE_EP_FP8_PLACE", lambda: fb.place_gemms(1), ("0", "fc1", "fc2", "1"), ("on", "FC1", "2", "fc1,fc2")),
     ):
         for raw in good:
             monkeypatch.setenv(var, raw)

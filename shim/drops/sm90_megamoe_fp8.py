@@ -239,6 +239,7 @@ class Fp8Key:
     tanh_sigmoid: bool = False
     quant_items: int = 1
     unit_scales: bool = False
+    place: str = ""  # drop v92: "" | "gather" (FC1: A = quantised x[idx]) | "rows" (FC2: A = quantised x)
 
 
 #: reduction size from which the FP8 GEMMs load their scales by TMA by default (use_fp8_unit_scales)
@@ -292,28 +293,37 @@ def use_fp8_tanh_sigmoid(activation: str) -> bool:
     return activation == "swiglu" and env_flag("MOE_EP_FP8_TANH_SIGMOID", True)
 
 
+#: what a placing FP8 GEMM (drop v92) reads: its A rows quantised from x[idx[r]] (FC1) or x[r] (FC2)
+PLACE_KINDS = ("", "gather", "rows")
+
+
 def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_rows: bool,
-         raster_m: int = 0, overlap_promotion: bool = False) -> Fp8Key:
+         raster_m: int = 0, overlap_promotion: bool = False, place: str = "") -> Fp8Key:
     check_removed()  # a switch of a removed variant, still set, raises here
+    if place not in PLACE_KINDS:
+        raise ValueError(f"sm90 FP8 GEMM: place must be one of {PLACE_KINDS}, got {place!r}")
     plain = kind == "gemm"
     deferred = kind == "gemm" and use_fp8_deferred_epilogue(overlap_promotion, k)
     # drop v69's TMA-loaded scales; not with the deferred epilogue (the pair has not run on a GPU)
     unit = plain and not deferred and bool(overlap_promotion) and use_fp8_unit_scales(k)
     smem = plain and not unit and use_fp8_smem_scales(overlap_promotion, k, activation)
     scale_warp = smem and use_fp8_scale_warp(activation, k)
+    if place and scale_warp:  # the placing kernel's warp 1 quantises
+        raise ValueError("sm90 FP8 GEMM: a placing GEMM (MOE_EP_FP8_PLACE) has no scale warp; unset "
+                         "MOE_EP_FP8_SCALE_WARP (or set it to 0) or the placement")
     return Fp8Key(CONSTANTS.value(PKG, "DROP_VERSION"), _cutlass_version(), "sm_90a", kind, activation, n, k,
                   num_experts, bool(scale_rows), use_tvm_ffi(), int(raster_m), bool(overlap_promotion),
                   kind == "gemm" and use_fp8_wide_gated(activation),
                   use_fp8_cluster(activation, n, k) if plain else 1,
                   smem, scale_warp, deferred,
                   kind == "gemm" and use_fp8_tanh_sigmoid(activation),
-                  use_fp8_quant_items() if kind.startswith("quantize") else 1, unit)
+                  use_fp8_quant_items() if kind.startswith("quantize") else 1, unit, place)
 
 
-def _gemm_key(activation: str, n: int, k: int, num_experts: int, scale_rows: bool) -> Fp8Key:
+def _gemm_key(activation: str, n: int, k: int, num_experts: int, scale_rows: bool, place: str = "") -> Fp8Key:
     """The GEMM's key: every schedule choice made once, here (compiled code and launcher agree)."""
     return _key("gemm", activation, n, k, num_experts, scale_rows, pick_fp8_raster_m(k),
-                compiled_key_overlap(activation, k))
+                compiled_key_overlap(activation, k), place)
 
 
 def _gemm_options(key: Fp8Key) -> dict:
@@ -323,20 +333,22 @@ def _gemm_options(key: Fp8Key) -> dict:
                 overlap_promotion=key.overlap_promotion, wide_gated=key.wide_gated,
                 cluster_n=key.cluster_n, smem_scales=key.smem_scales,
                 scale_warp=key.scale_warp, deferred_epilogue=key.deferred_epilogue,
-                tanh_sigmoid=key.tanh_sigmoid, unit_scales=key.unit_scales)
+                tanh_sigmoid=key.tanh_sigmoid, unit_scales=key.unit_scales,
+                **(dict(place_a=True, place_gather=key.place == "gather") if key.place else {}))
 
 
-def _checked_gemm_key(activation: str, n: int, k: int, num_experts: int, scale_rows: bool) -> Fp8Key:
+def _checked_gemm_key(activation: str, n: int, k: int, num_experts: int, scale_rows: bool,
+                      place: str = "") -> Fp8Key:
     """:func:`_gemm_key` after the shape checks (ValueError naming what is wrong)."""
     check_fp8_gemm(activation, n, k, num_experts)
-    return _gemm_key(activation, n, k, num_experts, scale_rows)
+    return _gemm_key(activation, n, k, num_experts, scale_rows, place)
 
 
 def _compiled_gemm(key: Fp8Key) -> Any:
     """The compiled GEMM of ``key``: the in-process cache, else the disk cache, else compile."""
     name = f"fp8_gemm_{key.activation}" + (f"_cluster{key.cluster_n}" if key.cluster_n > 1 else "") + \
         ("_defer" if key.deferred_epilogue else "") + ("_tanh" if key.tanh_sigmoid else "") + \
-        ("_us" if key.unit_scales else "")
+        ("_us" if key.unit_scales else "") + (f"_place{key.place}" if key.place else "")
 
     def build():
         fl = _load("sm90_megamoe.fp8_launch")
@@ -348,16 +360,21 @@ def _compiled_gemm(key: Fp8Key) -> Any:
     return COMPILE_CACHE.get_or_compile(key, build)
 
 
-def compiled_fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False) -> Any:
+def compiled_fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
+                      place: str = "") -> Any:
     """Compiled code of the FP8 grouped GEMM (no GPU needed). Swiglu with :func:`use_fp8_wide_gated`:
-    the one-WGMMA gate+up schedule."""
-    return _compiled_gemm(_checked_gemm_key(activation, n, k, num_experts, scale_rows))
+    the one-WGMMA gate+up schedule. ``place`` (drop v92): see :func:`fp8_gemm`."""
+    return _compiled_gemm(_checked_gemm_key(activation, n, k, num_experts, scale_rows, place))
 
 
-def fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False) -> Any:
+def fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False, place: str = "") -> Any:
     """A caller-owned launcher: ``gemm(a [M, k] e4m3, a_scale [M, k/128] f32, b [E, n, k] e4m3,
-    b_scale [E, n/128, k/128] f32, offsets [E+1] i32, out=[M, n_out] bf16, row_scale=[M] f32)``."""
-    key = _checked_gemm_key(activation, n, k, num_experts, scale_rows)
+    b_scale [E, n/128, k/128] f32, offsets [E+1] i32, out=[M, n_out] bf16, row_scale=[M] f32)``.
+    ``place`` (drop v92, opt-in): the GEMM quantises its own A rows while it runs, ``a`` and
+    ``a_scale`` being written by it: "gather" -- row r from ``x[idx[r]]`` (a call passes ``x=`` [T, k]
+    bf16, ``idx=`` [M] int32 and ``sync=``), "rows" -- row r from ``x[r]`` (``x=`` [M, k] bf16 and
+    ``sync=``); ``sync``: :func:`~.sm90_megamoe.place_sync_len` int32, zero before the first launch."""
+    key = _checked_gemm_key(activation, n, k, num_experts, scale_rows, place)
     return _load("sm90_megamoe.fp8_launch").CompiledFp8Gemm(compiled=_compiled_gemm(key), **_gemm_options(key))
 
 

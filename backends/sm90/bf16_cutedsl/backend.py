@@ -533,18 +533,21 @@ class Sm90CuteDSLBackend(BackendImpl):
         raise routing_value_error(self.cfg.num_experts, *(None if bad[n] is None else bad[n][1:]
                                                           for n in ("topk_ids", "topk_weights")))
 
-    def _check_placement(self) -> None:
-        """A placing FC1 (:func:`place_fc1`) records a tile that waited past its bound for its rows in
-        its sync buffer's last word (1 + the m-tile); the counters are then unreliable, so they are
-        zeroed here before this raises."""
+    def _placement_buffers(self) -> dict:
+        """The sync buffers of this layer's placing GEMMs, by what they place (none by default)."""
         sync = getattr(self, "_place_sync", None)
-        if sync is None:
-            return
-        word = int(sync[-1])
-        if word:
-            sync.zero_()
-            raise RuntimeError(f"sm90_bf16_cutedsl: FC1's row placement (MOE_EP_PLACE_FC1=1) timed out at m-tile "
-                               f"{word - 1}; the outputs of the forwards since the last check are invalid")
+        return {} if sync is None else {"FC1's row placement (MOE_EP_PLACE_FC1=1)": sync}
+
+    def _check_placement(self) -> None:
+        """A placing GEMM (:func:`place_fc1`; the FP8 backend's ``MOE_EP_FP8_PLACE``) records a tile
+        that waited past its bound for its rows in its sync buffer's last word (1 + the m-tile); the
+        counters are then unreliable, so they are zeroed here before this raises."""
+        for what, sync in self._placement_buffers().items():
+            word = int(sync[-1])
+            if word:
+                sync.zero_()
+                raise RuntimeError(f"{self.name}: {what} timed out at m-tile {word - 1}; the outputs of the "
+                                   "forwards since the last check are invalid")
 
     def reset_error_state(self) -> None:
         """Collective: clear every rank's EP flags/counters (shared by the workspace's layers)."""
@@ -557,8 +560,8 @@ class Sm90CuteDSLBackend(BackendImpl):
             dist.barrier(group=self.group.pg)
         self.ep.reset()
         self.ep.reset_input_errors()
-        if getattr(self, "_place_sync", None) is not None:  # a placing FC1's counters and error word
-            self._place_sync.zero_()
+        for sync in self._placement_buffers().values():  # a placing GEMM's counters and error word
+            sync.zero_()
         torch.cuda.synchronize(self.device)
         if self.W > 1 and not self.virtual:
             dist.barrier(group=self.group.pg)

@@ -26,13 +26,14 @@ be multiples of 128. The quantised activations live in buffers of this layer (al
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any
 
 import torch
 
-from moe_ep.shim import (Sm90EpSession, Sm90LayoutSession, env_flag, sm90_check_fp8_gemm, sm90_compiled_fp8_gemm,
-                         sm90_compiled_fp8_quantize_rows, sm90_fp8_gemm, sm90_fp8_quantize_rows,
-                         sm90_prebuild_ep, sm90_prebuild_layout)
+from moe_ep.shim import (Sm90EpSession, Sm90LayoutSession, env_choice, env_flag, sm90_check_fp8_gemm,
+                         sm90_compiled_fp8_gemm, sm90_compiled_fp8_quantize_rows, sm90_fp8_gemm,
+                         sm90_fp8_quantize_rows, sm90_place_sync_len, sm90_prebuild_ep, sm90_prebuild_layout)
 
 from ...quant import FP8_BLOCK, quantize_fp8_block128
 from ...quantized import check_quantized_config, quantized_activation_buffers
@@ -108,19 +109,44 @@ def scatter_quant() -> bool:
     return env_flag("MOE_EP_FP8_SCATTER_QUANT", True)
 
 
+def place_gemms(world_size: int) -> tuple[bool, bool]:
+    """``MOE_EP_FP8_PLACE`` (drop v92, opt-in): which GEMMs quantise their own input while they run,
+    their three spare producer warps writing the E4M3 rows and scales in the order the tiles need
+    them (``Fp8PlaceGroupedGemmSm90``; the same rule, so the same bits as the quantiser kernels):
+    "fc1" -- FC1 from the received tokens by ``idx`` (no step-3 quantiser), "fc2" -- FC2 from
+    ``h`` (no quantiser between the GEMMs), "1" -- both, "0" or unset -- neither. Why: Qwen3 at 8192
+    tokens spends ~58 + ~55 us in those two quantisers, during which no GEMM runs. Built and
+    checked on the CPU (PTX, ptxas), not yet run on a GPU. FC1's placement needs the fused gather
+    (the default) and BF16 rows on the wire: with ``MOE_EP_FP8_FUSED_GATHER=0`` or
+    ``MOE_EP_FP8_WIRE=1`` (W > 1) "fc1" / "1" raise ValueError naming both switches."""
+    mode = env_choice("MOE_EP_FP8_PLACE", ("0", "fc1", "fc2", "1"), "0")
+    fc1, fc2 = mode in ("fc1", "1"), mode in ("fc2", "1")
+    if fc1 and not fused_gather_quant():
+        raise ValueError(f"MOE_EP_FP8_PLACE={mode} has FC1 quantise the received tokens, which needs the fused "
+                         "gather: unset MOE_EP_FP8_FUSED_GATHER (or set it to 1), or use MOE_EP_FP8_PLACE=fc2")
+    if fc1 and world_size > 1 and fp8_wire():
+        raise ValueError(f"MOE_EP_FP8_PLACE={mode} has FC1 quantise its BF16 input, but MOE_EP_FP8_WIRE=1 sends it "
+                         "quantised already: unset one of them, or use MOE_EP_FP8_PLACE=fc2")
+    return fc1, fc2
+
+
 def prebuild(config: Any, world_size: int, kernels: tuple = ("fc1", "fc2", "ep", "layout")) -> None:
     """Compile (or load from the disk compile cache) every kernel a layer needs, without a GPU;
-    "fc1"/"fc2" include the row quantiser of their input width."""
+    "fc1"/"fc2" include the row quantiser of their input width (unless that GEMM places its input:
+    :func:`place_gemms`)."""
     specs = _gemm_specs(config, config.local_experts(world_size))
+    placing = dict(zip(("fc1", "fc2"), place_gemms(world_size)))
 
     def gemm(name):
+        place = ("gather" if name == "fc1" else "rows") if placing[name] else ""
         gather = name == "fc1" and fused_gather_quant()
         scatter = config.top_k if gather and scatter_quant() else 0
-        if name == "fc1":
-            return lambda: (sm90_compiled_fp8_gemm(*specs[name]),
-                            sm90_compiled_fp8_quantize_rows(specs[name][2], gather=gather and not scatter,
-                                                            scatter_topk=scatter))
-        return lambda: (sm90_compiled_fp8_gemm(*specs[name]), sm90_compiled_fp8_quantize_rows(specs[name][2]))
+
+        def build():
+            sm90_compiled_fp8_gemm(*specs[name], place=place)
+            if not place:  # the quantiser of this GEMM's input
+                sm90_compiled_fp8_quantize_rows(specs[name][2], gather=gather and not scatter, scatter_topk=scatter)
+        return build
 
     prebuild_layer(config, world_size, kernels, {"fc1": gemm("fc1"), "fc2": gemm("fc2")})
     if world_size > 1 and fp8_wire():  # the wire's sender quantiser, row widths and E4M3 row layout
@@ -140,17 +166,21 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
     name = NAME
     fp8_wire = False  # set at bind (W > 1 and MOE_EP_FP8_WIRE=1)
     scatter_quant = False  # set at bind (the default with the fused gather; MOE_EP_FP8_SCATTER_QUANT=0: off)
+    place_fc1 = place_fc2 = False  # set at bind (MOE_EP_FP8_PLACE): the GEMM quantises its own input
+    _fp8_place_syncs = MappingProxyType({})  # set at bind: the placing GEMMs' sync buffers, by GEMM
 
     def _bind_gemms(self, views: dict) -> None:
         cfg = self.cfg
         specs = _gemm_specs(cfg, self.E)
-        self.fc1 = sm90_fp8_gemm(*specs["fc1"])
-        self.fc2 = sm90_fp8_gemm(*specs["fc2"])
+        self.place_fc1, self.place_fc2 = place_gemms(self.W)  # FC1 / FC2 quantise their own input (drop v92)
+        self.fc1 = sm90_fp8_gemm(*specs["fc1"], place="gather" if self.place_fc1 else "")
+        self.fc2 = sm90_fp8_gemm(*specs["fc2"], place="rows" if self.place_fc2 else "")
         self.fused_gather = fused_gather_quant()  # no BF16 grouped rows: step 3 quantises the received ones
-        self.scatter_quant = self.fused_gather and scatter_quant()
-        self.quant_x = sm90_fp8_quantize_rows(cfg.hidden, gather=self.fused_gather and not self.scatter_quant,
-                                              scatter_topk=cfg.top_k if self.scatter_quant else 0)
-        self.quant_h = sm90_fp8_quantize_rows(cfg.intermediate)
+        self.scatter_quant = self.fused_gather and scatter_quant() and not self.place_fc1
+        self.quant_x = None if self.place_fc1 else sm90_fp8_quantize_rows(
+            cfg.hidden, gather=self.fused_gather and not self.scatter_quant,
+            scatter_topk=cfg.top_k if self.scatter_quant else 0)
+        self.quant_h = None if self.place_fc2 else sm90_fp8_quantize_rows(cfg.intermediate)
         self.fc1_decode = self.fc2_decode = None
         self._decode_max_tokens = 0
         self._gemms = (self.fc1, self.fc2)
@@ -159,21 +189,30 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
             bufs = quantized_activation_buffers(P, cfg.hidden, cfg.intermediate, FP8_BLOCK, torch.float32, self.device)
             self.xq, self.xq_scale, self.hq, self.hq_scale = bufs["xq"], bufs["xq_scale"], bufs["hq"], bufs["hq_scale"]
         self._rows = views["offsets"][-1:]  # grouped rows of a call, read on the device (no host sync)
+        # a placing GEMM's counters: zero once here, and the kernel leaves them so (tail-clean)
+        self._fp8_place_syncs = {
+            name: torch.zeros(sm90_place_sync_len(P, self.E), dtype=torch.int32, device=self.device)
+            for name, on in (("FC1", self.place_fc1), ("FC2", self.place_fc2)) if on}
 
     def _prepare_expert_launches(self) -> None:
         """Steps 3-4's launches with this layer's buffers fixed, checked and packed once (drop
         v58; the BF16 backend prepares the route and combine): a call passes only the rows to
         quantise (step 3) and the weights (FC1, FC2)."""
-        if self.scatter_quant:  # each received row once, into the grouped rows pos[s, :]
+        syncs = self._fp8_place_syncs
+        if self.place_fc1:  # FC1 quantises grouped row r from the call's received row idx[r] itself
+            self._quant_x_run = None
+        elif self.scatter_quant:  # each received row once, into the grouped rows pos[s, :]
             self._quant_x_run = self.quant_x.prepare(self.xq, self.xq_scale, pos=self.pos,
                                                      recv_count=self.ep.bufs.recv_count, t_max=self.dims.max_tokens)
         elif self.fused_gather:  # grouped row r = received row idx[r]
             self._quant_x_run = self.quant_x.prepare(self.xq, self.xq_scale, count=self._rows, idx=self.idx)
         else:  # the grouped BF16 rows step 2 wrote into xs
             self._quant_x_run = self.quant_x.prepare(self.xq, self.xq_scale, count=self._rows)
-        self._fc1_run = self.fc1.prepare(self.xq, self.xq_scale, self.offsets, self.h, self.ws_rows, self.num_ctas)
-        self._quant_h_run = self.quant_h.prepare(self.hq, self.hq_scale, count=self._rows)
-        self._fc2_run = self.fc2.prepare(self.hq, self.hq_scale, self.offsets, self.y, self.ws_rows, self.num_ctas)
+        self._fc1_run = self.fc1.prepare(self.xq, self.xq_scale, self.offsets, self.h, self.ws_rows, self.num_ctas,
+                                         **(dict(idx=self.idx, sync=syncs["FC1"]) if self.place_fc1 else {}))
+        self._quant_h_run = None if self.place_fc2 else self.quant_h.prepare(self.hq, self.hq_scale, count=self._rows)
+        self._fc2_run = self.fc2.prepare(self.hq, self.hq_scale, self.offsets, self.y, self.ws_rows, self.num_ctas,
+                                         **(dict(x=self.h, sync=syncs["FC2"]) if self.place_fc2 else {}))
 
     def _warm_weights(self, g: torch.Generator) -> tuple:
         cfg = self.cfg
@@ -262,19 +301,32 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
 
     def _step34_experts(self, w13, w2, b13=None, b2=None) -> None:
         # 3a. FC1's E4M3 input: arrived quantised (FP8 wire), or quantised here from the received
-        # rows (scattered into their grouped rows by default; the launch was prepared at bind)
+        # rows (scattered into their grouped rows by default; the launch was prepared at bind), or
+        # by FC1's own producer warps in 3b (MOE_EP_FP8_PLACE)
+        rows = None
         if not self.fp8_wire:
-            self._quant_x_run(self._x_rows if self.fused_gather else self.xs)
+            rows = self._x_rows if self.fused_gather else self.xs
             self._x_rows = None
-        # 3b. FC1 + SwiGLU; 4a. FC2's E4M3 input from h; 4b. FC2 + router weight
-        self._fc1_run(w13.values, w13.scale)
-        self._quant_h_run(self.h)
+            if not self.place_fc1:
+                self._quant_x_run(rows)
+        # 3b. FC1 + SwiGLU into h
+        if self.place_fc1:
+            self._fc1_run(w13.values, w13.scale, rows)
+        else:
+            self._fc1_run(w13.values, w13.scale)
+        # 4a. FC2's E4M3 input from h (or by FC2's own producer warps); 4b. FC2 + router weight
+        if not self.place_fc2:
+            self._quant_h_run(self.h)
         self._fc2_run(w2.values, w2.scale)
+
+    def _placement_buffers(self) -> dict:
+        return {f"{name} (MOE_EP_FP8_PLACE)": buf for name, buf in self._fp8_place_syncs.items()}
 
     def destroy(self):
         self.xq = self.xq_scale = self.hq = self.hq_scale = None
         self.ep_q = self.ep_s = self.layout_q = self.xq_send = self.sx_send = None
         self._quant_x_run = self._fc1_run = self._quant_h_run = self._fc2_run = None  # they hold the buffers
+        self._fp8_place_syncs = MappingProxyType({})
         super().destroy()
 
 

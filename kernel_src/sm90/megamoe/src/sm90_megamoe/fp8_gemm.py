@@ -470,9 +470,13 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
 
     @cute.jit
     def _body(self, tma_atom_a, mA_tma, tma_atom_b, mB_tma, mAScale, mBScale, outs, mOffsets, mRowScale,
-              tiled_mma, tiled_mma_epi, a_smem_layout, b_smem_layout, b_smem_layout_mma, us_tma=None):
+              tiled_mma, tiled_mma_epi, a_smem_layout, b_smem_layout, b_smem_layout_mma, us_tma=None,
+              place=None):
         """The kernel (traced inline into each variant's ``@cute.kernel``). ``outs``: ``(mC,)``.
-        ``us_tma``: ``unit_scales``' ``(atom_as, tma_as, atom_bs, tma_bs)``."""
+        ``us_tma``: ``unit_scales``' ``(atom_as, tma_as, atom_bs, tma_bs)``. ``place``: ``(mX, mIdx,
+        mA, mSync)`` for the quantising and placing variant (``self.place_a``, drop v92,
+        :mod:`.placing_quantiser`): the producer's warps 1-3 write A and ``mAScale`` while warp 0
+        loads them."""
         wait_previous_grid()
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -571,6 +575,8 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
                     expert, row0, row_end, n_tile = self._locate(sOff, sCum, tile_id, expert)
                     if cutlass.const_expr(self.cluster_n > 1):
                         n_tile = n_tile * self.cluster_n + cta_rank
+                    if cutlass.const_expr(self.place_a):  # this m-tile's rows and scales are written
+                        self._wait_rows_placed(place[3], sOff, sCum, expert, row0, row_end, lane)
                     tAsA_p, tAgA = self._a_views(tma_atom_a, mA_tma, tAsA, row0, cta_rank)
                     # smem_scales: lane l stages the scales of tile rows l + 32 j, clamped to
                     # the expert's last row as the consumers did (clamped rows are never stored)
@@ -599,7 +605,13 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
                     tile_id = tile_id + unit_step
                     if cutlass.const_expr(self.unit_scales):
                         us_unit = us_unit + 1
+                if cutlass.const_expr(self.place_a):  # the grid's last TMA warp resets the counters
+                    self._finish_placed(place[3], sCum, lane, gdim)
                 ab_pipeline.producer_tail(prod_state)
+            if cutlass.const_expr(self.place_a):
+                if warp_idx > 0:  # the three quantising warps
+                    self._place_quant_rows(place[0], place[1], place[2], mAScale, place[3], sOff, sCum, lane,
+                                           gdim * 3)
             if cutlass.const_expr(self.scale_warp):
                 if warp_idx == 1:
                     self._scale_producer(ab_pipeline, mAScale, mBScale, sScale, sOff, sCum, total_tiles, unit0,

@@ -35,6 +35,16 @@ def fake_args(num_experts: int, n: int, k: int, activation: str, use_tvm_ffi: bo
             make_fake_stream(use_tvm_ffi_env_stream=use_tvm_ffi))
 
 
+def fake_place_args(num_experts: int, n: int, k: int, activation: str, use_tvm_ffi: bool = False):
+    """Fake arguments of the placing kernel (drop v92): ``(mX, mIdx, mA, mAScale, mSync, mB, ...)``
+    -- the source rows with their own dynamic count, idx and sync of dynamic length."""
+    mA, mAS, *rest = fake_args(num_experts, n, k, activation, use_tvm_ffi)
+    mX = make_fake_compact_tensor(cutlass.BFloat16, (cute.sym_int(), k), stride_order=(1, 0), assumed_align=16)
+    mIdx = make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(),), assumed_align=4)
+    mSync = make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(),), assumed_align=4)
+    return (mX, mIdx, mA, mAS, mSync, *rest)
+
+
 def _u8(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype == torch.uint8 else t.view(torch.uint8)
 
@@ -63,6 +73,11 @@ class CompiledFp8Gemm:
     ``unit_scales`` (drop v69; overlap_promotion, the plain kernel, K/128 a multiple of 8): the TMA warp
     loads the scales of 8 k-tiles per TMA copy into double-buffered shared memory
     (:mod:`.unit_scales`; same bits);
+    ``place_a`` (drop v92; not with scale_warp): the kernel quantises its own A rows from bf16
+    source rows while it runs (:class:`~.fp8_gemm_place.Fp8PlaceGroupedGemmSm90`): a call passes
+    ``x`` (the source rows), ``sync`` and, with ``place_gather``, ``idx``, and ``a`` / ``a_scale``
+    are written by the kernel (``place_opts``: its ``place_chunk_rows`` / ``place_unroll`` /
+    ``place_vals``, for the runner's tuning).
     Drop v84 removed ``requant``, ``fused_quant`` / ``pair_amax``, ``scale_lookahead`` and clusters of 4,
     v85 ``gather_tma``, v87 ``gather_a``, v89 ``chunk_k_tiles`` (measured slower or no faster on the H200)."""
 
@@ -70,8 +85,11 @@ class CompiledFp8Gemm:
                  compiled=None, tvm_ffi: bool = False, raster_m: int = 1, overlap_promotion: bool = False,
                  wide_gated: bool = False, cluster_n: int = 1,
                  smem_scales: bool = False, scale_warp: bool = False,
-                 deferred_epilogue: bool = False, tanh_sigmoid: bool = False, unit_scales: bool = False):
+                 deferred_epilogue: bool = False, tanh_sigmoid: bool = False, unit_scales: bool = False,
+                 place_a: bool = False, place_gather: bool = True, place_opts: Optional[dict] = None):
         reason = can_implement(activation, n, k, num_experts)
+        if reason is None and place_a and scale_warp:
+            reason = "place_a does not combine with scale_warp (warp 1 quantises)"
         if reason is None and cluster_n not in (1, 2):
             reason = f"cluster_n must be 1 or 2, got {cluster_n}"
         if reason is None and scale_warp and not smem_scales:
@@ -99,10 +117,16 @@ class CompiledFp8Gemm:
         self.deferred_epilogue = bool(deferred_epilogue)
         self.tanh_sigmoid = bool(tanh_sigmoid)
         self.unit_scales = bool(unit_scales)
+        self.place_a = bool(place_a)
+        self.place_gather = bool(place_a and place_gather)
         # the grid of a clustered launch, worked out here (not while a CUDA graph is captured)
         self._max_ctas = cluster_ctas(self.cluster_n) if self.cluster_n > 1 and torch.cuda.is_available() else None
         if compiled is None:
-            kernel = Fp8BlockScaledGroupedGemmSm90(
+            cls, place_kw = Fp8BlockScaledGroupedGemmSm90, {}
+            if self.place_a:
+                from .fp8_gemm_place import Fp8PlaceGroupedGemmSm90 as cls
+                place_kw = dict(place_opts or {}, place_gather=self.place_gather)
+            kernel = cls(
                 activation, scale_rows=self.scale_rows, raster_m=self.raster_m,
                 overlap_promotion=self.overlap_promotion, wide_gated=self.wide_gated,
                 **({"cluster_n": self.cluster_n} if self.cluster_n > 1 else {}),
@@ -110,9 +134,10 @@ class CompiledFp8Gemm:
                 **({"scale_warp": True} if self.scale_warp else {}),
                 **({"deferred_epilogue": True} if self.deferred_epilogue else {}),
                 **({"tanh_sigmoid": True} if self.tanh_sigmoid else {}),
-                **({"unit_scales": True} if self.unit_scales else {}))
+                **({"unit_scales": True} if self.unit_scales else {}), **place_kw)
             opts = "--gpu-arch sm_90a" + (" --enable-tvm-ffi" if self.tvm_ffi else "")
-            compiled = cute.compile(kernel, *fake_args(num_experts, n, k, activation, self.tvm_ffi), options=opts)
+            fake = fake_place_args if self.place_a else fake_args
+            compiled = cute.compile(kernel, *fake(num_experts, n, k, activation, self.tvm_ffi), options=opts)
         self.compiled = compiled
         self._fn = ffi_function(compiled) if self.tvm_ffi else None
 
@@ -126,55 +151,108 @@ class CompiledFp8Gemm:
             ctas = max(min(ctas, self._max_ctas), self.cluster_n)
         return ctas
 
+    def _check_place_args(self, x, idx, sync, x_per_call: bool = False) -> None:
+        """``x`` and ``sync`` go with place_a, ``idx`` with place_gather, and nothing else
+        (``x_per_call``: a prepared launch may leave ``x`` to each call)."""
+        if (self.place_a != (x is not None) and not (x_per_call and x is None)) or self.place_a != (sync is not None):
+            raise ValueError("x and sync are required with place_a=True and refused without it")
+        if self.place_gather != (idx is not None):
+            raise ValueError("idx is required with place_a=True, place_gather=True and refused otherwise")
+        if self.place_a and (sync.dtype != torch.int32 or sync.dim() != 1 or sync.numel() < 5):
+            raise ValueError("sync must be a 1-d int32 tensor of S + 4 >= 5 elements")
+        if self.place_a and x is not None and (x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != self.k):
+            raise ValueError(f"x must be a bfloat16 [T, {self.k}] tensor")
+
+    def _place_args(self, x, idx, sync, device) -> tuple:
+        """The placing kernel's leading ``(x, idx)`` (idx: an unread placeholder for FC2) and its sync."""
+        if not self.place_a:
+            return (), ()
+        if idx is None:
+            if getattr(self, "_dummy_idx", None) is None or self._dummy_idx.device != device:
+                self._dummy_idx = torch.zeros(1, dtype=torch.int32, device=device)
+            idx = self._dummy_idx
+        return (x, idx), (sync,)
+
     def __call__(self, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                  offsets: torch.Tensor, out: torch.Tensor, row_scale: torch.Tensor,
-                 max_active_ctas: Optional[int] = None, stream=None) -> torch.Tensor:
+                 max_active_ctas: Optional[int] = None, stream=None, x: Optional[torch.Tensor] = None,
+                 idx: Optional[torch.Tensor] = None, sync: Optional[torch.Tensor] = None) -> torch.Tensor:
         """
-        a:         [M_total, K]        float8_e4m3fn (or uint8 bits), contiguous, CUDA
-        a_scale:   [M_total, K/128]    float32
+        a:         [M_total, K]        float8_e4m3fn (or uint8 bits), contiguous, CUDA (place_a:
+                                       written by the kernel, rows < offsets[E])
+        a_scale:   [M_total, K/128]    float32 (place_a: written by the kernel)
         b:         [E, N, K]           float8_e4m3fn (or uint8 bits)
         b_scale:   [E, N/128, K/128]   float32
         offsets:   [E + 1]             int32 (device memory, never read by the host)
         out:       [M_total, N_out]    bfloat16
         row_scale: [>= 1]              float32 ([M_total] read when scale_rows, else a placeholder)
         stream:    torch.cuda.Stream or None (current); a CUstream on the classic path
+        x:         [T, K] bfloat16, required iff place_a: the rows to quantise
+        idx:       [M_total] int32, required iff place_gather: row r of A is x[idx[r]] (else x[r])
+        sync:      [S + 4] int32, required iff place_a (zero before its first launch; the kernel
+                   leaves it so)
         """
+        self._check_place_args(x, idx, sync)
         if a.shape[0] == 0:
             return out
         ctas = self._grid(max_active_ctas, a.device)
+        head, mid = self._place_args(x, idx, sync, a.device)
         if self.tvm_ffi:
-            call_on_stream(self._fn, (_u8(a), a_scale, _u8(b), b_scale, out, offsets, row_scale, ctas), stream)
+            call_on_stream(self._fn, (*head, _u8(a), a_scale, *mid, _u8(b), b_scale, out, offsets, row_scale, ctas),
+                           stream)
             return out
         from cutlass.cute.runtime import from_dlpack
 
         def rows(t, align):
             return from_dlpack(t, assumed_align=align).mark_compact_shape_dynamic(mode=0, stride_order=(0, 1))
 
-        args = (rows(_u8(a), 16), rows(a_scale, 4), from_dlpack(_u8(b), assumed_align=16),
-                from_dlpack(b_scale, assumed_align=4), rows(out, 16), from_dlpack(offsets, assumed_align=4),
-                from_dlpack(row_scale, assumed_align=4).mark_compact_shape_dynamic(mode=0))
+        def vec(t):
+            return from_dlpack(t, assumed_align=4).mark_compact_shape_dynamic(mode=0)
+
+        lead = (rows(head[0], 16), vec(head[1])) if self.place_a else ()
+        args = (*lead, rows(_u8(a), 16), rows(a_scale, 4), *(vec(t) for t in mid),
+                from_dlpack(_u8(b), assumed_align=16), from_dlpack(b_scale, assumed_align=4), rows(out, 16),
+                from_dlpack(offsets, assumed_align=4), vec(row_scale))
         if stream is None:
             stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
         self.compiled(*args, cutlass.Int32(ctas), stream)
         return out
 
     def prepare(self, a: torch.Tensor, a_scale: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor,
-                row_scale: torch.Tensor, max_active_ctas: Optional[int] = None):
+                row_scale: torch.Tensor, max_active_ctas: Optional[int] = None, x: Optional[torch.Tensor] = None,
+                idx: Optional[torch.Tensor] = None, sync: Optional[torch.Tensor] = None):
         """A launch with every argument but the weights fixed (drop v58): ``run(b, b_scale)`` is
         ``self(a, a_scale, b, b_scale, offsets, out, row_scale, max_active_ctas)`` -- same kernel, same
         arguments -- with the fixed arguments checked, viewed and
         packed once here (a layer's own buffers), so a call costs the launch and little else.
-        The fixed tensors are held (kept alive) and must keep their shapes while ``run`` is used."""
+        The fixed tensors are held (kept alive) and must keep their shapes while ``run`` is used.
+        A placing kernel (place_a) also fixes ``idx`` and ``sync`` here, and its source rows either
+        here (``x``; FC2: FC1's output buffer) or per call: ``run(b, b_scale, x=rows)`` (FC1: the
+        call's tokens)."""
+        self._check_place_args(x, idx, sync, x_per_call=True)
         if not self.tvm_ffi or a.shape[0] == 0:
-            def run_unpacked(b, b_scale):
-                self(a, a_scale, b, b_scale, offsets, out, row_scale, max_active_ctas)
+            def run_unpacked(b, b_scale, x_call=None):
+                self(a, a_scale, b, b_scale, offsets, out, row_scale, max_active_ctas,
+                     **(dict(x=x if x_call is None else x_call, idx=idx, sync=sync) if self.place_a else {}))
             return run_unpacked
         ctas = self._grid(max_active_ctas, a.device)
         # the fixed tensors as TVM-FFI objects once (drop v61); b and b_scale stay torch tensors
-        head = ffi_fixed(_u8(a), a_scale)
+        lead, mid = self._place_args(x, idx, sync, a.device)
+        head = ffi_fixed(*lead[1:], _u8(a), a_scale, *mid)  # idx (placing), a, a_scale, sync (placing)
         tail = ffi_fixed(out, offsets, row_scale, ctas)
         fn = self._fn
+        if self.place_a:
+            fixed_x = None if x is None else ffi_fixed(x)[0]
+
+            def run_placing(b, b_scale, x_call=None):
+                if x_call is None and fixed_x is None:
+                    raise ValueError("this prepared placing launch takes its source rows per call: run(b, b_scale, x)")
+                if x_call is not None and x_call.shape[0] == 0:  # no source rows: no grouped rows either
+                    return
+                fn(fixed_x if x_call is None else x_call, *head, _u8(b), b_scale, *tail)
+            return run_placing
 
         def run(b, b_scale):
             fn(*head, _u8(b), b_scale, *tail)
         return run
+
