@@ -113,14 +113,52 @@ class PlaceAProducer:
                 cute.arch.store(finished, Int32(0))
 
     @cute.jit
+    def _claim(self, mSync: cute.Tensor, lane: Int32):
+        """A copy warp's next chunk (lane 0 takes it with one atomic; every lane gets it)."""
+        base, slots = self._sync_slots(mSync)
+        c = Int32(0)
+        if lane == 0:
+            c = cute.arch.atomic_add(_gptr(Int32, base + Int64(slots) * 4, 4), Int32(1), sem="relaxed", scope="gpu")
+        return cute.arch.shuffle_sync(c, 0)
+
+    @cute.jit
+    def _chunk(self, c: Int32, expert: Int32, sOff: cute.Tensor, sCum: cute.Tensor):
+        """Chunk ``c``: ``(m-tile, first grouped row, rows (0 past its expert's rows), expert)``;
+        ``expert``: the previous chunk's (chunks come in order)."""
+        per_tile = self.tile_m // self.place_chunk_rows
+        mt = c // per_tile
+        while sCum[expert + 1] <= mt:
+            expert = expert + 1
+        row0 = sOff[expert] + (mt - sCum[expert]) * self.tile_m + (c % per_tile) * self.place_chunk_rows
+        rows = cutlass.max(cutlass.min(Int32(self.place_chunk_rows), sOff[expert + 1] - row0), Int32(0))
+        return mt, row0, rows, expert
+
+    @cute.jit
+    def _publish(self, mSync: cute.Tensor, mt: Int32, rows: Int32, lane: Int32):
+        """The chunk's rows are written: each lane's stores before lane 0's release of the count."""
+        base, _ = self._sync_slots(mSync)
+        cute.arch.fence_acq_rel_gpu()
+        cute.arch.sync_warp()
+        if lane == 0:
+            if rows > 0:
+                cute.arch.red(_gptr(Int32, base + Int64(mt) * 4, 4), rows, op="add", dtype="s32",
+                              sem="release", scope="gpu")
+
+    @cute.jit
+    def _retire(self, mSync: cute.Tensor, lane: Int32, copy_warps: Int32):
+        """A copy warp is done: the last one of the grid zeroes the claim and done counters."""
+        base, slots = self._sync_slots(mSync)
+        if lane == 0:
+            done_ptr = _gptr(Int32, base + Int64(slots + 1) * 4, 4)
+            if cute.arch.atomic_add(done_ptr, Int32(1), sem="acq_rel", scope="gpu") == copy_warps - 1:
+                cute.arch.store(_gptr(Int32, base + Int64(slots) * 4, 4), Int32(0))
+                cute.arch.store(done_ptr, Int32(0))
+
+    @cute.jit
     def _place_rows(self, mX: cute.Tensor, mIdx: cute.Tensor, mXs: cute.Tensor, mSync: cute.Tensor,
                     sOff: cute.Tensor, sCum: cute.Tensor, lane: Int32, copy_warps: Int32):
         """A copy warp: claim chunks in order and copy their rows ``xs[r] = x[idx[r]]``."""
-        base, slots = self._sync_slots(mSync)
-        claim_ptr = _gptr(Int32, base + Int64(slots) * 4, 4)
-        done_ptr = _gptr(Int32, base + Int64(slots + 1) * 4, 4)
-        per_tile = self.tile_m // self.place_chunk_rows
-        total = sCum[self.num_experts] * per_tile
+        total = sCum[self.num_experts] * (self.tile_m // self.place_chunk_rows)
         k_size = cute.size(mXs, mode=[1])
         nvec = k_size // 8  # 16-byte vectors per row
         row_bytes = Int64(k_size * 2)
@@ -129,16 +167,9 @@ class PlaceAProducer:
         n_src = mX.shape[0]
         v4 = ir.VectorType.get([4], Int32.mlir_type)
         expert = Int32(0)
-        c = Int32(0)
-        if lane == 0:
-            c = cute.arch.atomic_add(claim_ptr, Int32(1), sem="relaxed", scope="gpu")
-        c = cute.arch.shuffle_sync(c, 0)
+        c = self._claim(mSync, lane)
         while c < total:
-            mt = c // per_tile
-            while sCum[expert + 1] <= mt:
-                expert = expert + 1
-            row0 = sOff[expert] + (mt - sCum[expert]) * self.tile_m + (c % per_tile) * self.place_chunk_rows
-            rows = cutlass.max(cutlass.min(Int32(self.place_chunk_rows), sOff[expert + 1] - row0), Int32(0))
+            mt, row0, rows, expert = self._chunk(c, expert, sOff, sCum)
             src_lane = Int32(0)
             if lane < rows:  # clamped to x's rows, so a stale index (an error state) reads in bounds
                 src_lane = cutlass.min(cutlass.max(mIdx[row0 + lane], Int32(0)), n_src - 1)
@@ -156,16 +187,6 @@ class PlaceAProducer:
                         for u in cutlass.range_constexpr(self.place_unroll):
                             if lane + (p * self.place_unroll + u) * 32 < nvec:
                                 cute.arch.store(_gptr(Int32, dst + offs[u], 16), vals[u])
-            # publish the chunk: each lane's stores before lane 0's release of the count
-            cute.arch.fence_acq_rel_gpu()
-            cute.arch.sync_warp()
-            if lane == 0:
-                if rows > 0:
-                    cute.arch.red(_gptr(Int32, base + Int64(mt) * 4, 4), rows, op="add", dtype="s32",
-                                  sem="release", scope="gpu")
-                c = cute.arch.atomic_add(claim_ptr, Int32(1), sem="relaxed", scope="gpu")
-            c = cute.arch.shuffle_sync(c, 0)
-        if lane == 0:  # the last copy warp of the grid zeroes the claim and done counters
-            if cute.arch.atomic_add(done_ptr, Int32(1), sem="acq_rel", scope="gpu") == copy_warps - 1:
-                cute.arch.store(claim_ptr, Int32(0))
-                cute.arch.store(done_ptr, Int32(0))
+            self._publish(mSync, mt, rows, lane)
+            c = self._claim(mSync, lane)
+        self._retire(mSync, lane, copy_warps)

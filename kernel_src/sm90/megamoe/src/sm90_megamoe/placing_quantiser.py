@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64
+from cutlass import Float32, Int32
 
 from .fp8_quant import E4M3_MAX, FP8_BLOCK, _divide_by_scale
-from .placing_producer import PlaceAProducer, _gptr
+from .placing_producer import PlaceAProducer
 
 #: 128-value groups per claimed chunk by default: the chunk's rows are the largest power of 2 (at
 #: most 32) whose groups stay within it (Qwen3 FC1 4 rows of 16 groups, FC2 8 of 6; Mixtral FC1 2
@@ -85,11 +85,7 @@ class PlaceQuantAProducer(PlaceAProducer):
                           copy_warps: Int32):
         """A copy warp: claim chunks in order; quantise their rows into ``mQ`` [M, K] e4m3 and
         ``mQScale`` [M, K / 128] float32; publish each chunk on its m-tile's ready counter."""
-        base, slots = self._sync_slots(mSync)
-        claim_ptr = _gptr(Int32, base + Int64(slots) * 4, 4)
-        done_ptr = _gptr(Int32, base + Int64(slots + 1) * 4, 4)
-        per_tile = self.tile_m // self.place_chunk_rows
-        total = sCum[self.num_experts] * per_tile
+        total = sCum[self.num_experts] * (self.tile_m // self.place_chunk_rows)
         V = self.place_vals
         lanes = FP8_BLOCK // V                        # lanes per group
         per_pass = 32 // lanes                        # groups per warp pass
@@ -99,16 +95,9 @@ class PlaceQuantAProducer(PlaceAProducer):
         tX = cute.zipped_divide(mX, (1, V))           # tile (r, j): x[r, V j : V j + V]
         tQ = cute.zipped_divide(mQ, (1, V))
         expert = Int32(0)
-        c = Int32(0)
-        if lane == 0:
-            c = cute.arch.atomic_add(claim_ptr, Int32(1), sem="relaxed", scope="gpu")
-        c = cute.arch.shuffle_sync(c, 0)
+        c = self._claim(mSync, lane)
         while c < total:
-            mt = c // per_tile
-            while sCum[expert + 1] <= mt:
-                expert = expert + 1
-            row0 = sOff[expert] + (mt - sCum[expert]) * self.tile_m + (c % per_tile) * self.place_chunk_rows
-            rows = cutlass.max(cutlass.min(Int32(self.place_chunk_rows), sOff[expert + 1] - row0), Int32(0))
+            mt, row0, rows, expert = self._chunk(c, expert, sOff, sCum)
             src_lane = Int32(0)
             if cutlass.const_expr(self.place_gather):  # clamped to x's rows (a stale index stays in bounds)
                 if lane < rows:
@@ -133,16 +122,6 @@ class PlaceQuantAProducer(PlaceAProducer):
                         tQ[(0, None), (row0 + r, j)].store(y.to(cutlass.Float8E4M3FN))
                         if sub == 0:
                             mQScale[row0 + r, g] = scale
-            # publish the chunk: each lane's stores before lane 0's release of the count
-            cute.arch.fence_acq_rel_gpu()
-            cute.arch.sync_warp()
-            if lane == 0:
-                if rows > 0:
-                    cute.arch.red(_gptr(Int32, base + Int64(mt) * 4, 4), rows, op="add", dtype="s32",
-                                  sem="release", scope="gpu")
-                c = cute.arch.atomic_add(claim_ptr, Int32(1), sem="relaxed", scope="gpu")
-            c = cute.arch.shuffle_sync(c, 0)
-        if lane == 0:  # the last copy warp of the grid zeroes the claim and done counters
-            if cute.arch.atomic_add(done_ptr, Int32(1), sem="acq_rel", scope="gpu") == copy_warps - 1:
-                cute.arch.store(claim_ptr, Int32(0))
-                cute.arch.store(done_ptr, Int32(0))
+            self._publish(mSync, mt, rows, lane)
+            c = self._claim(mSync, lane)
+        self._retire(mSync, lane, copy_warps)
