@@ -18,6 +18,10 @@ The forward is the BF16 SM90 backend's, with steps 3-4 replaced:
 4. **FC2 + router weight** -- ``h`` quantised the same way, ``y = ws · (hq · wq2ᵀ)``;
 5. **combine** -- as on BF16.
 
+With ``MOE_EP_FP8_PLACE`` (opt-in, :func:`place_gemms`) FC1 and / or FC2 quantise their own input
+in their spare producer warps while they run, and the quantiser kernel before that GEMM is not
+launched (the same bits).
+
 Weights: ``MoEConfig.quant = "fp8_block128"``; ``w13``/``w2`` are
 :class:`moe_ep.api.quant.FP8Block128Weight` (values ``float8_e4m3fn [E, N, K]``, scales float32
 ``[E, N/128, K/128]``; or raw e4m3 tensors with ``forward(w13_scale=, w2_scale=)``). H and I must
