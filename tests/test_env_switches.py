@@ -66,6 +66,7 @@ SWITCHES = [
     ("MOE_EP_FP8_WIRE", fb.fp8_wire, False),
     ("MOE_EP_FP8_FUSED_GATHER", fb.fused_gather_quant, True),
     ("MOE_EP_FP8_SCATTER_QUANT", fb.scatter_quant, True),
+    ("MOE_EP_FP8_PLACE_FC2", lambda: fb.place_gemms(1)[1], False),
 ]
 
 
@@ -86,7 +87,7 @@ def test_switches_with_more_values(monkeypatch):
     for var, read, good, bad in (
         ("MOE_EP_FP8_CLUSTER", lambda: f.use_fp8_cluster("identity", 4096, 14336), ("0", "1"), ("2", "on", "4")),
         ("MOE_EP_FP8_UNIT_SCALES", lambda: f.use_fp8_unit_scales(4096), ("auto", "0", "1"), ("on", "AUTO")),
-        ("MOE_EP_FP8_PLACE", lambda: fb.place_gemms(1), ("0", "fc1", "fc2", "1"), ("on", "FC1", "2", "fc1,fc2")),
+        ("MOE_EP_FP8_PLACE_FC1", lambda: fb.place_gemms(1), ("0", "quant", "copy"), ("1", "on", "Copy")),
     ):
         for raw in good:
             monkeypatch.setenv(var, raw)

@@ -239,7 +239,7 @@ class Fp8Key:
     tanh_sigmoid: bool = False
     quant_items: int = 1
     unit_scales: bool = False
-    place: str = ""  # drop v92: "" | "gather" (FC1: A = quantised x[idx]) | "rows" (FC2: A = quantised x)
+    place: str = ""  # drop v92: "" | "gather" | "rows" | "copy" (PLACE_KINDS)
 
 
 #: reduction size from which the FP8 GEMMs load their scales by TMA by default (use_fp8_unit_scales)
@@ -293,8 +293,10 @@ def use_fp8_tanh_sigmoid(activation: str) -> bool:
     return activation == "swiglu" and env_flag("MOE_EP_FP8_TANH_SIGMOID", True)
 
 
-#: what a placing FP8 GEMM (drop v92) reads: its A rows quantised from x[idx[r]] (FC1) or x[r] (FC2)
-PLACE_KINDS = ("", "gather", "rows")
+#: how a placing FP8 GEMM (drop v92) fills its A rows: "" -- it does not (the plain GEMM); "gather" --
+#: quantised from bf16 x[idx[r]] (FC1); "rows" -- quantised from bf16 x[r] (FC2); "copy" -- copied from
+#: e4m3 x[idx[r]] with its scales (FC1 from tokens quantised once each)
+PLACE_KINDS = ("", "gather", "rows", "copy")
 
 
 def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_rows: bool,
@@ -309,7 +311,7 @@ def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_row
     smem = plain and not unit and use_fp8_smem_scales(overlap_promotion, k, activation)
     scale_warp = smem and use_fp8_scale_warp(activation, k)
     if place and scale_warp:  # the placing kernel's warp 1 quantises
-        raise ValueError("sm90 FP8 GEMM: a placing GEMM (MOE_EP_FP8_PLACE) has no scale warp; unset "
+        raise ValueError("sm90 FP8 GEMM: a placing GEMM (MOE_EP_FP8_PLACE_FC1 / _FC2) has no scale warp; unset "
                          "MOE_EP_FP8_SCALE_WARP (or set it to 0) or the placement")
     return Fp8Key(CONSTANTS.value(PKG, "DROP_VERSION"), _cutlass_version(), "sm_90a", kind, activation, n, k,
                   num_experts, bool(scale_rows), use_tvm_ffi(), int(raster_m), bool(overlap_promotion),
@@ -334,7 +336,8 @@ def _gemm_options(key: Fp8Key) -> dict:
                 cluster_n=key.cluster_n, smem_scales=key.smem_scales,
                 scale_warp=key.scale_warp, deferred_epilogue=key.deferred_epilogue,
                 tanh_sigmoid=key.tanh_sigmoid, unit_scales=key.unit_scales,
-                **(dict(place_a=True, place_gather=key.place == "gather") if key.place else {}))
+                **(dict(place_a=True, place_gather=key.place == "gather", place_copy=key.place == "copy")
+                   if key.place else {}))
 
 
 def _checked_gemm_key(activation: str, n: int, k: int, num_experts: int, scale_rows: bool,
@@ -370,10 +373,12 @@ def compiled_fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_r
 def fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False, place: str = "") -> Any:
     """A caller-owned launcher: ``gemm(a [M, k] e4m3, a_scale [M, k/128] f32, b [E, n, k] e4m3,
     b_scale [E, n/128, k/128] f32, offsets [E+1] i32, out=[M, n_out] bf16, row_scale=[M] f32)``.
-    ``place`` (drop v92, opt-in): the GEMM quantises its own A rows while it runs, ``a`` and
-    ``a_scale`` being written by it: "gather" -- row r from ``x[idx[r]]`` (a call passes ``x=`` [T, k]
-    bf16, ``idx=`` [M] int32 and ``sync=``), "rows" -- row r from ``x[r]`` (``x=`` [M, k] bf16 and
-    ``sync=``); ``sync``: :func:`~.sm90_megamoe.place_sync_len` int32, zero before the first launch."""
+    ``place`` (drop v92, opt-in): the GEMM writes its own A rows and scales while it runs, ``a`` and
+    ``a_scale`` being written by it: "gather" -- row r quantised from ``x[idx[r]]`` (a call passes
+    ``x=`` [T, k] bf16, ``idx=`` [M] int32 and ``sync=``), "rows" -- from ``x[r]`` (``x=`` [M, k] bf16
+    and ``sync=``), "copy" -- copied from e4m3 ``x[idx[r]]`` and its scales (``x=`` [T, k] e4m3,
+    ``x_scale=`` [T, k/128] f32, ``idx=``, ``sync=``); ``sync``: :func:`~.sm90_megamoe.place_sync_len`
+    int32, zero before the first launch."""
     key = _checked_gemm_key(activation, n, k, num_experts, scale_rows, place)
     return _load("sm90_megamoe.fp8_launch").CompiledFp8Gemm(compiled=_compiled_gemm(key), **_gemm_options(key))
 

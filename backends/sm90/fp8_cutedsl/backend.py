@@ -18,9 +18,10 @@ The forward is the BF16 SM90 backend's, with steps 3-4 replaced:
 4. **FC2 + router weight** -- ``h`` quantised the same way, ``y = ws · (hq · wq2ᵀ)``;
 5. **combine** -- as on BF16.
 
-With ``MOE_EP_FP8_PLACE`` (opt-in, :func:`place_gemms`) FC1 and / or FC2 quantise their own input
-in their spare producer warps while they run, and the quantiser kernel before that GEMM is not
-launched (the same bits).
+With ``MOE_EP_FP8_PLACE_FC1`` / ``MOE_EP_FP8_PLACE_FC2`` (opt-in, :func:`place_gemms`) FC1 and / or
+FC2 write their own input rows in their spare producer warps while they run -- quantised there, or
+(FC1, "copy") copied from tokens quantised once each -- so the quantiser before that GEMM writes
+less or is not launched (the same bits).
 
 Weights: ``MoEConfig.quant = "fp8_block128"``; ``w13``/``w2`` are
 :class:`moe_ep.api.quant.FP8Block128Weight` (values ``float8_e4m3fn [E, N, K]``, scales float32
@@ -113,25 +114,34 @@ def scatter_quant() -> bool:
     return env_flag("MOE_EP_FP8_SCATTER_QUANT", True)
 
 
-def place_gemms(world_size: int) -> tuple[bool, bool]:
-    """``MOE_EP_FP8_PLACE`` (drop v92, opt-in): which GEMMs quantise their own input while they run,
-    their three spare producer warps writing the E4M3 rows and scales in the order the tiles need
-    them (``Fp8PlaceGroupedGemmSm90``; the same rule, so the same bits as the quantiser kernels):
-    "fc1" -- FC1 from the received tokens by ``idx`` (no step-3 quantiser), "fc2" -- FC2 from
-    ``h`` (no quantiser between the GEMMs), "1" -- both, "0" or unset -- neither. Why: Qwen3 at 8192
-    tokens spends ~58 + ~55 us in those two quantisers, during which no GEMM runs. Built and
-    checked on the CPU (PTX, ptxas), not yet run on a GPU. FC1's placement needs the fused gather
-    (the default) and BF16 rows on the wire: with ``MOE_EP_FP8_FUSED_GATHER=0`` or
-    ``MOE_EP_FP8_WIRE=1`` (W > 1) "fc1" / "1" raise ValueError naming both switches."""
-    mode = env_choice("MOE_EP_FP8_PLACE", ("0", "fc1", "fc2", "1"), "0")
-    fc1, fc2 = mode in ("fc1", "1"), mode in ("fc2", "1")
-    if fc1 and not fused_gather_quant():
-        raise ValueError(f"MOE_EP_FP8_PLACE={mode} has FC1 quantise the received tokens, which needs the fused "
-                         "gather: unset MOE_EP_FP8_FUSED_GATHER (or set it to 1), or use MOE_EP_FP8_PLACE=fc2")
-    if fc1 and world_size > 1 and fp8_wire():
-        raise ValueError(f"MOE_EP_FP8_PLACE={mode} has FC1 quantise its BF16 input, but MOE_EP_FP8_WIRE=1 sends it "
-                         "quantised already: unset one of them, or use MOE_EP_FP8_PLACE=fc2")
-    return fc1, fc2
+#: ``MOE_EP_FP8_PLACE_FC1``'s values: "0" (default), "quant", "copy" (:func:`place_gemms`)
+PLACE_FC1_MODES = ("0", "quant", "copy")
+
+
+def place_gemms(world_size: int) -> tuple[str, bool]:
+    """Which GEMMs write their own input while they run (drop v92, opt-in; ``Fp8PlaceGroupedGemmSm90``:
+    their three spare producer warps fill the E4M3 rows and scales in the order the tiles need them,
+    by the quantiser's rule, so the same bits). ``(fc1, fc2)``:
+
+    * ``MOE_EP_FP8_PLACE_FC1`` -- "quant": FC1 quantises grouped row r from the received token
+      ``idx[r]`` itself (no step-3 quantiser; the quantisation runs once per (token, choice)); "copy":
+      step 3 quantises each received token once, in token order (an eighth of the scattering
+      quantiser's writes at top-8), and FC1 copies row ``idx[r]`` and its scales; "0" or unset: neither.
+      Needs the fused gather (the default) and BF16 rows on the wire: with ``MOE_EP_FP8_FUSED_GATHER=0``
+      or ``MOE_EP_FP8_WIRE=1`` (W > 1) it raises ValueError naming both switches.
+    * ``MOE_EP_FP8_PLACE_FC2=1``: FC2 quantises row r of ``h`` itself (no quantiser between the GEMMs).
+
+    Why: Qwen3 at 8192 tokens spends ~58 + ~55 us in those two quantisers, during which no GEMM runs.
+    Built and checked on the CPU (PTX, ptxas), not yet run on a GPU."""
+    mode = env_choice("MOE_EP_FP8_PLACE_FC1", PLACE_FC1_MODES, "0")
+    fc2 = env_flag("MOE_EP_FP8_PLACE_FC2", False)
+    if mode != "0" and not fused_gather_quant():
+        raise ValueError(f"MOE_EP_FP8_PLACE_FC1={mode} places FC1's rows from the received tokens, which needs the "
+                         "fused gather: unset MOE_EP_FP8_FUSED_GATHER (or set it to 1), or MOE_EP_FP8_PLACE_FC1")
+    if mode != "0" and world_size > 1 and fp8_wire():
+        raise ValueError(f"MOE_EP_FP8_PLACE_FC1={mode} quantises FC1's BF16 input, but MOE_EP_FP8_WIRE=1 sends it "
+                         "quantised already: unset one of them")
+    return ("" if mode == "0" else mode), fc2
 
 
 def prebuild(config: Any, world_size: int, kernels: tuple = ("fc1", "fc2", "ep", "layout")) -> None:
@@ -139,16 +149,18 @@ def prebuild(config: Any, world_size: int, kernels: tuple = ("fc1", "fc2", "ep",
     "fc1"/"fc2" include the row quantiser of their input width (unless that GEMM places its input:
     :func:`place_gemms`)."""
     specs = _gemm_specs(config, config.local_experts(world_size))
-    placing = dict(zip(("fc1", "fc2"), place_gemms(world_size)))
+    fc1_mode, fc2_place = place_gemms(world_size)
+    place = {"fc1": {"": "", "quant": "gather", "copy": "copy"}[fc1_mode], "fc2": "rows" if fc2_place else ""}
 
     def gemm(name):
-        place = ("gather" if name == "fc1" else "rows") if placing[name] else ""
         gather = name == "fc1" and fused_gather_quant()
         scatter = config.top_k if gather and scatter_quant() else 0
+        if place[name] == "copy":  # the tokens quantised once each, in token order
+            scatter = 1
 
         def build():
-            sm90_compiled_fp8_gemm(*specs[name], place=place)
-            if not place:  # the quantiser of this GEMM's input
+            sm90_compiled_fp8_gemm(*specs[name], place=place[name])
+            if place[name] in ("", "copy"):  # the quantiser of this GEMM's input
                 sm90_compiled_fp8_quantize_rows(specs[name][2], gather=gather and not scatter, scatter_topk=scatter)
         return build
 
@@ -170,20 +182,24 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
     name = NAME
     fp8_wire = False  # set at bind (W > 1 and MOE_EP_FP8_WIRE=1)
     scatter_quant = False  # set at bind (the default with the fused gather; MOE_EP_FP8_SCATTER_QUANT=0: off)
-    place_fc1 = place_fc2 = False  # set at bind (MOE_EP_FP8_PLACE): the GEMM quantises its own input
+    place_fc1 = ""  # set at bind (MOE_EP_FP8_PLACE_FC1): "quant" / "copy" -- FC1 writes its own input rows
+    place_fc2 = False  # set at bind (MOE_EP_FP8_PLACE_FC2): FC2 quantises its own input rows
     _fp8_place_syncs = MappingProxyType({})  # set at bind: the placing GEMMs' sync buffers, by GEMM
 
     def _bind_gemms(self, views: dict) -> None:
         cfg = self.cfg
         specs = _gemm_specs(cfg, self.E)
-        self.place_fc1, self.place_fc2 = place_gemms(self.W)  # FC1 / FC2 quantise their own input (drop v92)
-        self.fc1 = sm90_fp8_gemm(*specs["fc1"], place="gather" if self.place_fc1 else "")
+        self.place_fc1, self.place_fc2 = place_gemms(self.W)  # FC1 / FC2 write their own input (drop v92)
+        self.fc1 = sm90_fp8_gemm(*specs["fc1"], place={"": "", "quant": "gather", "copy": "copy"}[self.place_fc1])
         self.fc2 = sm90_fp8_gemm(*specs["fc2"], place="rows" if self.place_fc2 else "")
         self.fused_gather = fused_gather_quant()  # no BF16 grouped rows: step 3 quantises the received ones
         self.scatter_quant = self.fused_gather and scatter_quant() and not self.place_fc1
-        self.quant_x = None if self.place_fc1 else sm90_fp8_quantize_rows(
-            cfg.hidden, gather=self.fused_gather and not self.scatter_quant,
-            scatter_topk=cfg.top_k if self.scatter_quant else 0)
+        self.quant_x = None
+        if self.place_fc1 == "copy":  # each received token once, in token order (its own row)
+            self.quant_x = sm90_fp8_quantize_rows(cfg.hidden, scatter_topk=1)
+        elif not self.place_fc1:
+            self.quant_x = sm90_fp8_quantize_rows(cfg.hidden, gather=self.fused_gather and not self.scatter_quant,
+                                                  scatter_topk=cfg.top_k if self.scatter_quant else 0)
         self.quant_h = None if self.place_fc2 else sm90_fp8_quantize_rows(cfg.intermediate)
         self.fc1_decode = self.fc2_decode = None
         self._decode_max_tokens = 0
@@ -197,14 +213,23 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
         self._fp8_place_syncs = {
             name: torch.zeros(sm90_place_sync_len(P, self.E), dtype=torch.int32, device=self.device)
             for name, on in (("FC1", self.place_fc1), ("FC2", self.place_fc2)) if on}
+        self.xq_tok = self.sx_tok = self._tok_pos = None
+        if self.place_fc1 == "copy":  # the received tokens quantised in token order: slot s -> row s
+            S = self.W * self.dims.max_tokens
+            self.xq_tok = torch.empty(S, cfg.hidden, dtype=torch.float8_e4m3fn, device=self.device)
+            self.sx_tok = torch.empty(S, cfg.hidden // FP8_BLOCK, dtype=torch.float32, device=self.device)
+            self._tok_pos = torch.arange(S, dtype=torch.int32, device=self.device).view(S, 1)
 
     def _prepare_expert_launches(self) -> None:
         """Steps 3-4's launches with this layer's buffers fixed, checked and packed once (drop
         v58; the BF16 backend prepares the route and combine): a call passes only the rows to
         quantise (step 3) and the weights (FC1, FC2)."""
         syncs = self._fp8_place_syncs
-        if self.place_fc1:  # FC1 quantises grouped row r from the call's received row idx[r] itself
+        if self.place_fc1 == "quant":  # FC1 quantises grouped row r from the call's received row idx[r] itself
             self._quant_x_run = None
+        elif self.place_fc1 == "copy":  # each valid slot s once into row s (FC1 then copies row idx[r])
+            self._quant_x_run = self.quant_x.prepare(self.xq_tok, self.sx_tok, pos=self._tok_pos,
+                                                     recv_count=self.ep.bufs.recv_count, t_max=self.dims.max_tokens)
         elif self.scatter_quant:  # each received row once, into the grouped rows pos[s, :]
             self._quant_x_run = self.quant_x.prepare(self.xq, self.xq_scale, pos=self.pos,
                                                      recv_count=self.ep.bufs.recv_count, t_max=self.dims.max_tokens)
@@ -212,8 +237,13 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
             self._quant_x_run = self.quant_x.prepare(self.xq, self.xq_scale, count=self._rows, idx=self.idx)
         else:  # the grouped BF16 rows step 2 wrote into xs
             self._quant_x_run = self.quant_x.prepare(self.xq, self.xq_scale, count=self._rows)
+        fc1_place = {}  # quantising: the call's rows per call; copying: the token-order rows fixed
+        if self.place_fc1:
+            fc1_place = dict(idx=self.idx, sync=syncs["FC1"])
+        if self.place_fc1 == "copy":
+            fc1_place.update(x=self.xq_tok, x_scale=self.sx_tok)
         self._fc1_run = self.fc1.prepare(self.xq, self.xq_scale, self.offsets, self.h, self.ws_rows, self.num_ctas,
-                                         **(dict(idx=self.idx, sync=syncs["FC1"]) if self.place_fc1 else {}))
+                                         **fc1_place)
         self._quant_h_run = None if self.place_fc2 else self.quant_h.prepare(self.hq, self.hq_scale, count=self._rows)
         self._fc2_run = self.fc2.prepare(self.hq, self.hq_scale, self.offsets, self.y, self.ws_rows, self.num_ctas,
                                          **(dict(x=self.h, sync=syncs["FC2"]) if self.place_fc2 else {}))
@@ -305,16 +335,16 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
 
     def _step34_experts(self, w13, w2, b13=None, b2=None) -> None:
         # 3a. FC1's E4M3 input: arrived quantised (FP8 wire), or quantised here from the received
-        # rows (scattered into their grouped rows by default; the launch was prepared at bind), or
-        # by FC1's own producer warps in 3b (MOE_EP_FP8_PLACE)
+        # rows (scattered into their grouped rows by default; the launch was prepared at bind) --
+        # or into token order for FC1 to copy ("copy"), or by FC1 itself in 3b ("quant")
         rows = None
         if not self.fp8_wire:
             rows = self._x_rows if self.fused_gather else self.xs
             self._x_rows = None
-            if not self.place_fc1:
+            if self.place_fc1 != "quant":
                 self._quant_x_run(rows)
         # 3b. FC1 + SwiGLU into h
-        if self.place_fc1:
+        if self.place_fc1 == "quant":
             self._fc1_run(w13.values, w13.scale, rows)
         else:
             self._fc1_run(w13.values, w13.scale)
@@ -324,10 +354,10 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
         self._fc2_run(w2.values, w2.scale)
 
     def _placement_buffers(self) -> dict:
-        return {f"{name} (MOE_EP_FP8_PLACE)": buf for name, buf in self._fp8_place_syncs.items()}
+        return {f"{name} (MOE_EP_FP8_PLACE_{name})": buf for name, buf in self._fp8_place_syncs.items()}
 
     def destroy(self):
-        self.xq = self.xq_scale = self.hq = self.hq_scale = None
+        self.xq = self.xq_scale = self.hq = self.hq_scale = self.xq_tok = self.sx_tok = self._tok_pos = None
         self.ep_q = self.ep_s = self.layout_q = self.xq_send = self.sx_send = None
         self._quant_x_run = self._fc1_run = self._quant_h_run = self._fc2_run = None  # they hold the buffers
         self._fp8_place_syncs = MappingProxyType({})

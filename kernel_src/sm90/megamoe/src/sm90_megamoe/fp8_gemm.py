@@ -474,8 +474,9 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
               place=None):
         """The kernel (traced inline into each variant's ``@cute.kernel``). ``outs``: ``(mC,)``.
         ``us_tma``: ``unit_scales``' ``(atom_as, tma_as, atom_bs, tma_bs)``. ``place``: ``(mX, mIdx,
-        mA, mSync)`` for the quantising and placing variant (``self.place_a``, drop v92,
-        :mod:`.placing_quantiser`): the producer's warps 1-3 write A and ``mAScale`` while warp 0
+        mA, mSync, mXScale)`` for the placing variant (``self.place_a``, drop v92,
+        :mod:`.fp8_gemm_place`): the producer's warps 1-3 write A and ``mAScale`` -- quantised from
+        bf16 rows, or copied from e4m3 rows and their scales (``self.place_copy``) -- while warp 0
         loads them."""
         wait_previous_grid()
         tidx, _, _ = cute.arch.thread_idx()
@@ -609,9 +610,13 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
                     self._finish_placed(place[3], sCum, lane, gdim)
                 ab_pipeline.producer_tail(prod_state)
             if cutlass.const_expr(self.place_a):
-                if warp_idx > 0:  # the three quantising warps
-                    self._place_quant_rows(place[0], place[1], place[2], mAScale, place[3], sOff, sCum, lane,
-                                           gdim * 3)
+                if warp_idx > 0:  # the three quantising (or copying) warps
+                    if cutlass.const_expr(self.place_copy):
+                        self._place_rows(place[0], place[1], place[2], place[3], sOff, sCum, lane, gdim * 3,
+                                         scales=(place[4], mAScale))
+                    else:
+                        self._place_quant_rows(place[0], place[1], place[2], mAScale, place[3], sOff, sCum, lane,
+                                               gdim * 3)
             if cutlass.const_expr(self.scale_warp):
                 if warp_idx == 1:
                     self._scale_producer(ab_pipeline, mAScale, mBScale, sScale, sOff, sCum, total_tiles, unit0,

@@ -5,7 +5,9 @@
 Per model, the layer's two FP8 GEMMs on the schedule the layer runs (:func:`.fp8_runner._layer_kw`):
 
 * FC1 (``place_gather``): grouped row r of A is token ``idx[r]``, quantised by the GEMM's own
-  producer warps, against the scattering quantiser (the layer's step 3) + the plain FC1;
+  producer warps, against the scattering quantiser (the layer's step 3) + the plain FC1; and
+  FC1 copying (``place_copy``) row ``idx[r]`` of the tokens quantised once each in token order,
+  after the token-order quantiser (the scattering one with top-k 1), against the same;
 * FC2: row r of A is row r of FC1's bf16 output ``h``, against the counted row quantiser + the plain
   FC2 (router row scale).
 
@@ -35,6 +37,8 @@ from .placing_quantiser import default_chunk_rows
 #: ``place_unroll``, ``place_vals``); the first is the default. More than 16 values in flight per
 #: lane take the wider register split (56 / 224).
 PLACE_SETTINGS = ((1, 2, 8), (2, 2, 8), (1, 1, 16), (1, 2, 16), (1, 4, 8))
+#: FC1's copy settings timed: (``place_chunk_rows`` as a multiple of the default, ``place_unroll``)
+COPY_SETTINGS = ((1, 4), (2, 4), (1, 8))
 #: (routing, tokens) of the bit checks; 0 = the model's bench tokens
 CHECKS = (("uniform", 0), ("skewed", 0), ("uniform", 1), ("skewed", 5), ("uniform", 37))
 
@@ -80,6 +84,8 @@ class Problem:
         self.rows = self.x.index_select(0, self.idx.long()) if fc == "fc1" else self.x
         self.a_ref, self.as_ref = quantize_rows128(self.rows)
         self.n_out = self.n // 2 if fc == "fc1" else self.n
+        if fc == "fc1":  # the tokens quantised once each, in token order (what a copying FC1 reads)
+            self.xq_tok, self.sx_tok = quantize_rows128(self.x)
 
     def out(self) -> torch.Tensor:
         return torch.full((self.m, self.n_out), float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -88,7 +94,9 @@ class Problem:
         a = torch.full((self.m, self.k), 0x7F, dtype=torch.uint8, device="cuda").view(torch.float8_e4m3fn)
         return a, torch.full((self.m, self.k // 128), float("nan"), device="cuda")
 
-    def place_args(self, sync) -> dict:
+    def place_args(self, sync, copy: bool = False) -> dict:
+        if copy:
+            return dict(x=self.xq_tok, x_scale=self.sx_tok, idx=self.idx, sync=sync)
         return dict(x=self.x, sync=sync, **({"idx": self.idx} if self.fc == "fc1" else {}))
 
 
@@ -101,7 +109,8 @@ def check(p: Problem, plain: CompiledFp8Gemm, placing: CompiledFp8Gemm, ctas: in
     for _ in range(2):
         out = p.out()
         a, a_s = p.poisoned_a()
-        placing(a, a_s, p.b, p.b_s, p.offs, out=out, row_scale=p.rs, max_active_ctas=ctas, **p.place_args(sync))
+        placing(a, a_s, p.b, p.b_s, p.offs, out=out, row_scale=p.rs, max_active_ctas=ctas,
+                **p.place_args(sync, placing.place_copy))
         torch.cuda.synchronize()
         ok &= torch.equal(out, want) and not bool(torch.isnan(out).any())
         ok &= torch.equal(a.view(torch.uint8), p.a_ref.view(torch.uint8)) and torch.equal(a_s, p.as_ref)
@@ -109,13 +118,18 @@ def check(p: Problem, plain: CompiledFp8Gemm, placing: CompiledFp8Gemm, ctas: in
     return ok
 
 
-def quantiser(p: Problem):
+def quantiser(p: Problem, token_order: bool = False):
     """The layer's quantiser of ``p``'s A as a launch: FC1 the scattering one (each token once into its
-    grouped rows), FC2 the counted row quantiser."""
+    grouped rows; ``token_order``: into its own row, top-k 1 -- what a copying FC1 reads), FC2 the
+    counted row quantiser."""
     a, a_s = p.poisoned_a()
     if p.fc == "fc1":
-        q = CompiledFp8QuantizeRows(p.k, scatter_topk=p.topk)
         count = torch.full((1,), p.tokens, dtype=torch.int32, device="cuda")
+        if token_order:
+            q = CompiledFp8QuantizeRows(p.k, scatter_topk=1)
+            pos = torch.arange(p.tokens, dtype=torch.int32, device="cuda").view(-1, 1)
+            return lambda: q(p.x, p.xq_tok, p.sx_tok, pos=pos, recv_count=count, t_max=p.tokens)
+        q = CompiledFp8QuantizeRows(p.k, scatter_topk=p.topk)
         return lambda: q(p.x, a, a_s, pos=p.pos, recv_count=count, t_max=p.tokens)
     q = CompiledFp8QuantizeRows(p.k, counted=True)
     return lambda: q(p.x, a, a_s, count=p.offs[-1:])
@@ -131,19 +145,27 @@ def run_model(model: str, reps: int) -> bool:
         n = 2 * i if fc == "fc1" else h
         kw = {x: v for x, v in _layer_kw(act, k).items() if x != "scale_warp"}
         plain = CompiledFp8Gemm(act, n, k, E, fc == "fc2", **kw)
-        placings = {}
+        placings = {}  # label: launcher
         for factor, unroll, vals in PLACE_SETTINGS:
             rows = min(32, default_chunk_rows(k) * factor)
-            placings[(rows, unroll, vals)] = CompiledFp8Gemm(
+            placings[f"quantising {rows}/{unroll}/{vals}"] = CompiledFp8Gemm(
                 act, n, k, E, fc == "fc2", **kw, place_a=True, place_gather=fc == "fc1",
                 place_opts=dict(place_chunk_rows=rows, place_unroll=unroll, place_vals=vals))
-        for j, (s, placing) in enumerate(placings.items()):
-            for kind, tokens in CHECKS if j == 0 else CHECKS[1:2]:
+        for factor, unroll in COPY_SETTINGS if fc == "fc1" else ():
+            rows = min(32, default_chunk_rows(k // 2) * factor)
+            placings[f"copying {rows}/{unroll}"] = CompiledFp8Gemm(
+                act, n, k, E, False, **kw, place_a=True, place_copy=True,
+                place_opts=dict(place_chunk_rows=rows, place_unroll=unroll))
+        # the first setting of each way (quantising, copying) on every check, the others on one
+        ways = [label.split()[0] for label in placings]
+        firsts = {label for j, label in enumerate(placings) if ways[j] not in ways[:j]}
+        for label, placing in placings.items():
+            for kind, tokens in CHECKS if label in firsts else CHECKS[1:2]:
                 p = Problem(model, fc, kind, tokens or MODELS[model][4], seed=7 + tokens)
                 same = check(p, plain, placing, ctas)
                 ok &= same
-                print(f"[place {model} {fc}] chunk/unroll/vals {s} {kind} M={p.m}: placing = quantiser + plain, "
-                      f"rows and scales placed, sync clean: {same}", flush=True)
+                print(f"[place {model} {fc}] {label} (chunk rows/unroll/vals) {kind} M={p.m}: placing = quantiser "
+                      f"+ plain, rows and scales placed, sync clean: {same}", flush=True)
         p = Problem(model, fc, "uniform", MODELS[model][4], seed=3)
         quant = quantiser(p)
         out = p.out()
@@ -155,9 +177,17 @@ def run_model(model: str, reps: int) -> bool:
             plain(a, a_s, p.b, p.b_s, p.offs, out=out, row_scale=p.rs, max_active_ctas=ctas)
 
         runs = {"quantiser": quant, "plain GEMM": gemm, "quantiser + plain": lambda: (quant(), gemm())}
-        for s, placing in placings.items():
-            runs[f"placing {s}"] = lambda placing=placing: placing(
-                a, a_s, p.b, p.b_s, p.offs, out=out, row_scale=p.rs, max_active_ctas=ctas, **p.place_args(sync))
+        token_quant = quantiser(p, token_order=True) if fc == "fc1" else None
+        if token_quant is not None:
+            runs["token-order quantiser"] = token_quant
+        for label, placing in placings.items():
+            place = p.place_args(sync, placing.place_copy)
+
+            def run(placing=placing, place=place, pre=token_quant if placing.place_copy else None):
+                if pre is not None:  # a copying FC1 reads the tokens the token-order quantiser wrote
+                    pre()
+                placing(a, a_s, p.b, p.b_s, p.offs, out=out, row_scale=p.rs, max_active_ctas=ctas, **place)
+            runs[("token-order quantiser + " if placing.place_copy else "") + label] = run
         ms = {label: [] for label in runs}
         for r in range(3):
             for label in (runs if r % 2 == 0 else reversed(list(runs))):
@@ -167,8 +197,8 @@ def run_model(model: str, reps: int) -> bool:
         for label, t in ms.items():
             med = statistics.median(t)
             print(f"[place {model} {fc}] at the cap: {label} {med:.4f} ms"
-                  + ("" if label == "quantiser" else f" ({flops / med / 1e9:.1f} TFLOP/s, {base / med:.3f}x "
-                                                     "quantiser + plain)")
+                  + ("" if label.endswith("quantiser") else f" ({flops / med / 1e9:.1f} TFLOP/s, {base / med:.3f}x "
+                                                            "quantiser + plain)")
                   + f"; rounds {' '.join(f'{x:.4f}' for x in t)}", flush=True)
     return ok
 

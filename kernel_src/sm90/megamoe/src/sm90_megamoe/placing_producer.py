@@ -156,12 +156,15 @@ class PlaceAProducer:
 
     @cute.jit
     def _place_rows(self, mX: cute.Tensor, mIdx: cute.Tensor, mXs: cute.Tensor, mSync: cute.Tensor,
-                    sOff: cute.Tensor, sCum: cute.Tensor, lane: Int32, copy_warps: Int32):
-        """A copy warp: claim chunks in order and copy their rows ``xs[r] = x[idx[r]]``."""
+                    sOff: cute.Tensor, sCum: cute.Tensor, lane: Int32, copy_warps: Int32, scales=None):
+        """A copy warp: claim chunks in order and copy their rows ``xs[r] = x[idx[r]]`` (any element
+        width; rows of a multiple of 16 bytes). ``scales``: ``(mXScale [T, G], mXsScale [M, G])``
+        float32, copied with the rows (drop v92: an FP8 GEMM's A scales, ``G = K / 128``)."""
         total = sCum[self.num_experts] * (self.tile_m // self.place_chunk_rows)
         k_size = cute.size(mXs, mode=[1])
-        nvec = k_size // 8  # 16-byte vectors per row
-        row_bytes = Int64(k_size * 2)
+        row_size = k_size * (mXs.element_type.width // 8)
+        nvec = row_size // 16  # 16-byte vectors per row
+        row_bytes = Int64(row_size)
         passes = (nvec + 32 * self.place_unroll - 1) // (32 * self.place_unroll)
         x_base, xs_base = mX.iterator.toint(), mXs.iterator.toint()
         n_src = mX.shape[0]
@@ -175,7 +178,8 @@ class PlaceAProducer:
                 src_lane = cutlass.min(cutlass.max(mIdx[row0 + lane], Int32(0)), n_src - 1)
             for r in cutlass.range_constexpr(self.place_chunk_rows):
                 if r < rows:
-                    src = x_base + Int64(cute.arch.shuffle_sync(src_lane, r)) * row_bytes
+                    src_row = cute.arch.shuffle_sync(src_lane, r)
+                    src = x_base + Int64(src_row) * row_bytes
                     dst = xs_base + Int64(row0 + r) * row_bytes
                     for p in cutlass.range_constexpr(passes):
                         vals, offs = [], []
@@ -187,6 +191,11 @@ class PlaceAProducer:
                         for u in cutlass.range_constexpr(self.place_unroll):
                             if lane + (p * self.place_unroll + u) * 32 < nvec:
                                 cute.arch.store(_gptr(Int32, dst + offs[u], 16), vals[u])
+                    if cutlass.const_expr(scales is not None):  # the row's scales, one float per lane
+                        groups = cute.size(scales[1], mode=[1])
+                        for p in cutlass.range_constexpr((groups + 31) // 32):
+                            if lane + 32 * p < groups:
+                                scales[1][row0 + r, lane + 32 * p] = scales[0][src_row, lane + 32 * p]
             self._publish(mSync, mt, rows, lane)
             c = self._claim(mSync, lane)
         self._retire(mSync, lane, copy_warps)
