@@ -69,7 +69,7 @@ def test_fp8_place_compiles(act, n, k, experts, place, kw, tmp_path, monkeypatch
     # then A's TMA loads
     spin = ptx.index("ld.acquire.gpu.global.b32")
     assert spin < ptx.index("fence.proxy.async.global") < ptx.index("cp.async.bulk.tensor.2d")
-    assert "%globaltimer" in ptx
+    assert "%globaltimer" in ptx and "ld.relaxed.gpu.global.b32" in ptx  # the clock, another tile's timeout
     # the placing warps: the quantiser's arithmetic (or 16-byte copies), a fence per lane, the count
     # released by lane 0
     if copy:

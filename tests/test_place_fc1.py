@@ -48,6 +48,7 @@ def test_bf16_place_compiles(act, n, k, experts, kw, tmp_path, monkeypatch):
     fence = ptx.index("fence.proxy.async.global")
     first_a = ptx.index("cp.async.bulk.tensor.2d")
     assert spin < fence < first_a and "%globaltimer" in ptx
+    assert "ld.relaxed.gpu.global.b32" in ptx  # a waiting tile gives up once another one has timed out
     # the copy warps: 16-byte loads and stores, a fence per lane, the count released by lane 0
     assert "fence.acq_rel.gpu" in ptx and "red.release.gpu.global.add.s32" in ptx
     assert re.search(r"ld\.global\.v4\.(b32|u32)", ptx) and re.search(r"st\.global\.v4\.(b32|u32)", ptx)

@@ -16,8 +16,8 @@ is not resident yet never holds rows another one waits for. A warp copies row ``
 ``x[idx[r]]`` to ``xs[r]`` with 16-byte loads and stores, then every lane fences (``fence.acq_rel.gpu``),
 the warp syncs, and lane 0 adds the chunk's row count to the m-tile's ready counter
 (``red.release.gpu``). Before a tile's first TMA load of A, the TMA warp spins
-(``ld.acquire.gpu``, bounded by ``%globaltimer``) until its m-tile's counter holds all the tile's
-rows, then issues ``fence.proxy.async.global`` so that its TMA (the async proxy) reads what the
+(``ld.acquire.gpu``, bounded by ``%globaltimer``; it gives up at once if another tile's wait has
+timed out) until its m-tile's counter holds all the tile's rows, then issues ``fence.proxy.async.global`` so that its TMA (the async proxy) reads what the
 copy warps wrote through the generic proxy.
 
 The sync buffer ``mSync`` [S + 4] int32 (S >= the m-tiles of any call; zero before the first
@@ -46,8 +46,10 @@ PLACE_SYNC_TAIL = 4
 PLACE_CHUNK_ROWS = 4
 #: 16-byte vectors each lane keeps in flight while copying a row
 PLACE_UNROLL = 4
-#: how long the TMA warp waits for an m-tile's rows before it records an error and goes on
-PLACE_TIMEOUT_NS = 5_000_000_000
+#: how long the TMA warp waits for an m-tile's rows before it records an error and goes on (a
+#: legitimate wait is the copy of a few chunks: microseconds); once the error word is set, every
+#: other wait of the launch stops at its next poll, so a broken placement costs about this once
+PLACE_TIMEOUT_NS = 1_000_000_000
 #: the producer warpgroup's registers per thread with copy warps (plain kernel: 40), and the
 #: consumers' (plain: 232); 128 * 56 + 256 * 216 <= 65536
 PLACE_LOAD_REGS = 56
@@ -83,11 +85,14 @@ class PlaceAProducer:
         want = cutlass.min(Int32(self.tile_m), row_end - row0)
         ready = base + Int64(mt) * 4
         t0 = cute.arch.globaltimer()
-        state = Int32(0)
+        state = Int32(0)  # 1: the rows are in; 2: this wait timed out; 3: another one did
         while state == Int32(0):
             if cute.arch.load(_gptr(Int32, ready, 4), Int32, sem="acquire", scope="gpu") == want:
                 state = Int32(1)
-            else:
+            else:  # only a wait that does not succeed at once polls the error word and the clock
+                if cute.arch.load(_gptr(Int32, base + Int64(slots + 3) * 4, 4), Int32, sem="relaxed",
+                                  scope="gpu") != Int32(0):
+                    state = Int32(3)
                 if cute.arch.globaltimer() - t0 > Int64(PLACE_TIMEOUT_NS):
                     state = Int32(2)
         # the TMA loads that follow (async proxy) must see the rows written by generic stores
