@@ -331,11 +331,13 @@ def test_gpu_fp8_place_is_bit_identical(model, fc, copy):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("switch,value,other", [
-    ("MOE_EP_FP8_PLACE_FC1", "quant", "0"), ("MOE_EP_FP8_PLACE_FC1", "copy", "0"), ("MOE_EP_FP8_PLACE_FC2", "1", "0"),
-    ("MOE_EP_FP8_PLACE_FC1", "copy", "1"),  # both GEMMs placing, against FC2 placing alone
+@pytest.mark.parametrize("switch,value,other,T", [
+    ("MOE_EP_FP8_PLACE_FC1", "quant", "0", 1), ("MOE_EP_FP8_PLACE_FC1", "quant", "0", 700),
+    ("MOE_EP_FP8_PLACE_FC1", "copy", "0", 0), ("MOE_EP_FP8_PLACE_FC1", "copy", "0", 1),
+    ("MOE_EP_FP8_PLACE_FC1", "copy", "0", 700),
+    ("MOE_EP_FP8_PLACE_FC2", "1", "0", 1), ("MOE_EP_FP8_PLACE_FC2", "1", "0", 700),
+    ("MOE_EP_FP8_PLACE_FC1", "copy", "1", 700),  # both GEMMs placing, against FC2 placing alone
 ])
-@pytest.mark.parametrize("T", [0, 1, 700])
 def test_fp8_place_layer_is_bit_identical(monkeypatch, switch, value, other, T):
     """The placement switches: the Qwen3 FP8 layer's output is the same bits with ``switch`` at "0" and
     at ``value`` (the other switch at ``other``), eager and CUDA graph, and check_errors() finds no

@@ -36,9 +36,9 @@ from .placing_quantiser import default_chunk_rows
 #: copy settings timed: (``place_chunk_rows`` as a multiple of the kernel's default for K,
 #: ``place_unroll``, ``place_vals``); the first is the default. More than 16 values in flight per
 #: lane take the wider register split (56 / 224).
-PLACE_SETTINGS = ((1, 2, 8), (2, 2, 8), (1, 1, 16), (1, 2, 16), (1, 4, 8))
+PLACE_SETTINGS = ((1, 2, 8), (2, 2, 8), (1, 2, 16))
 #: FC1's copy settings timed: (``place_chunk_rows`` as a multiple of the default, ``place_unroll``)
-COPY_SETTINGS = ((1, 4), (2, 4), (1, 8))
+COPY_SETTINGS = ((1, 4), (2, 4))
 #: (routing, tokens) of the bit checks; 0 = the model's bench tokens
 CHECKS = (("uniform", 0), ("skewed", 0), ("uniform", 1), ("skewed", 5), ("uniform", 37))
 
