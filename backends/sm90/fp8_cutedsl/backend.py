@@ -116,6 +116,8 @@ def scatter_quant() -> bool:
 
 #: ``MOE_EP_FP8_PLACE_FC1``'s values: "0" (default), "quant", "copy" (:func:`place_gemms`)
 PLACE_FC1_MODES = ("0", "quant", "copy")
+#: the shim's FP8 GEMM ``place`` kind of FC1 for each placement (FC1 reads its rows by ``idx``)
+FC1_PLACE_KIND = {"": "", "quant": "gather", "copy": "copy"}
 
 
 def place_gemms(world_size: int) -> tuple[str, bool]:
@@ -150,7 +152,7 @@ def prebuild(config: Any, world_size: int, kernels: tuple = ("fc1", "fc2", "ep",
     :func:`place_gemms`)."""
     specs = _gemm_specs(config, config.local_experts(world_size))
     fc1_mode, fc2_place = place_gemms(world_size)
-    place = {"fc1": {"": "", "quant": "gather", "copy": "copy"}[fc1_mode], "fc2": "rows" if fc2_place else ""}
+    place = {"fc1": FC1_PLACE_KIND[fc1_mode], "fc2": "rows" if fc2_place else ""}
 
     def gemm(name):
         gather = name == "fc1" and fused_gather_quant()
@@ -190,7 +192,7 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
         cfg = self.cfg
         specs = _gemm_specs(cfg, self.E)
         self.place_fc1, self.place_fc2 = place_gemms(self.W)  # FC1 / FC2 write their own input (drop v92)
-        self.fc1 = sm90_fp8_gemm(*specs["fc1"], place={"": "", "quant": "gather", "copy": "copy"}[self.place_fc1])
+        self.fc1 = sm90_fp8_gemm(*specs["fc1"], place=FC1_PLACE_KIND[self.place_fc1])
         self.fc2 = sm90_fp8_gemm(*specs["fc2"], place="rows" if self.place_fc2 else "")
         self.fused_gather = fused_gather_quant()  # no BF16 grouped rows: step 3 quantises the received ones
         self.scatter_quant = self.fused_gather and scatter_quant() and not self.place_fc1
