@@ -308,6 +308,29 @@ def test_fp8_placement_timeout_is_raised_by_check():
     b._check_placement()
 
 
+@pytest.mark.parametrize("kind", ["uniform", "skewed"])
+def test_runner_routing_is_a_layout(monkeypatch, kind):
+    """The drop runner's routing (what its GPU checks rest on; CPU tensors here): ``idx`` lists each
+    expert's (token, choice) rows in token order, expert by expert as ``offsets`` says, ``pos`` is its
+    inverse, and each token's choices are distinct experts."""
+    from sm90_megamoe import fp8_place_runner as r
+
+    monkeypatch.setattr(torch.Tensor, "cuda", lambda t, *a, **k: t)
+    for tokens, topk, experts in ((37, 8, 128), (1, 2, 8), (300, 2, 8)):
+        idx, pos, offs = r.routing(tokens, topk, experts, kind, seed=tokens)
+        m = tokens * topk
+        assert idx.dtype == pos.dtype == offs.dtype == torch.int32
+        assert idx.shape == (m,) and pos.shape == (tokens, topk) and int(offs[-1]) == m and int(offs[0]) == 0
+        assert torch.equal(idx[pos.flatten().long()], torch.arange(tokens).repeat_interleave(topk).int())
+        assert sorted(pos.flatten().tolist()) == list(range(m))
+        expert_of_row = torch.repeat_interleave(torch.arange(experts), (offs[1:] - offs[:-1]).long())
+        choices = expert_of_row[pos.long()]  # [T, topk]: each token's experts
+        assert all(len(set(row)) == topk for row in choices.tolist())
+        for e in range(experts):  # token order within an expert
+            rows = idx[int(offs[e]):int(offs[e + 1])]
+            assert torch.equal(rows, rows.sort().values)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("model", ["qwen3", "mixtral"])
 @pytest.mark.parametrize("fc,copy", [("fc1", False), ("fc1", True), ("fc2", False)])
