@@ -56,9 +56,9 @@ class Fp8PlaceGroupedGemmSm90(PlaceQuantAProducer, Fp8BlockScaledGroupedGemmSm90
     :param place_gather: "quant": row r of A is source row ``idx[r]`` (FC1); False: source row r (FC2).
     :param place_chunk_rows: rows per claimed chunk (a divisor of 128, at most 32); None: by K
         (:func:`.placing_quantiser.default_chunk_rows`).
-    :param place_unroll: "quant": groups' loads each lane keeps in flight (1, 2 or 4; default 2);
+    :param place_unroll: "quant": groups' loads each lane keeps in flight (1, 2 or 4; default 1);
         "copy": 16-byte vectors (default 4).
-    :param place_vals: "quant": values per lane of a 128-value group (8 or 16).
+    :param place_vals: "quant": values per lane of a 128-value group (8 or 16; default 16).
     Other parameters: :class:`.fp8_gemm.Fp8BlockScaledGroupedGemmSm90`'s."""
 
     def __init__(self, activation: str, place_mode: str = "quant", place_gather: bool = True,

@@ -36,7 +36,7 @@ from .placing_quantiser import default_chunk_rows
 #: copy settings timed: (``place_chunk_rows`` as a multiple of the kernel's default for K,
 #: ``place_unroll``, ``place_vals``); the first is the default. More than 16 values in flight per
 #: lane take the wider register split (56 / 224).
-PLACE_SETTINGS = ((1, 2, 8), (2, 2, 8), (1, 2, 16))
+PLACE_SETTINGS = ((1, 1, 16), (2, 1, 16), (1, 2, 16), (1, 2, 8))
 #: FC1's copy settings timed: (``place_chunk_rows`` as a multiple of the default, ``place_unroll``)
 COPY_SETTINGS = ((1, 4), (2, 4))
 #: (routing, tokens) of the bit checks; 0 = the model's bench tokens
