@@ -134,7 +134,9 @@ def place_gemms(world_size: int) -> tuple[str, bool]:
     * ``MOE_EP_FP8_PLACE_FC2=1``: FC2 quantises row r of ``h`` itself (no quantiser between the GEMMs).
 
     Why: Qwen3 at 8192 tokens spends ~58 + ~55 us in those two quantisers, during which no GEMM runs.
-    Built and checked on the CPU (PTX, ptxas), not yet run on a GPU."""
+    On an H100 (thirty-ninth session) bit-identical, and none faster: at the power cap FC1 quantising
+    0.59-0.78x, FC1 copying 0.97-0.99x, FC2 quantising 0.75-0.96x of quantiser + plain GEMM; the
+    Qwen3 layer level per call with FC1 copying, ~10% slower with FC2 quantising. Opt-in."""
     mode = env_choice("MOE_EP_FP8_PLACE_FC1", PLACE_FC1_MODES, "0")
     fc2 = env_flag("MOE_EP_FP8_PLACE_FC2", False)
     if mode != "0" and not fused_gather_quant():
