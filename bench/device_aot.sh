@@ -15,6 +15,5 @@ build --model qwen3,mixtral --quant fp8_block128
 # the queued switches (their GEMMs only; everything else is the defaults' above)
 MOE_EP_PLACE_FC1=1 build --model qwen3,mixtral --kernels fc1
 MOE_EP_GATHER_FC1=1 build --model qwen3,mixtral --kernels fc1
-MOE_EP_FP8_PLACE_FC1=quant MOE_EP_FP8_PLACE_FC2=1 build --model qwen3,mixtral --quant fp8_block128 --kernels fc1,fc2
 MOE_EP_FP8_PLACE_FC1=copy build --model qwen3,mixtral --quant fp8_block128 --kernels fc1
 du -sh "$out"

@@ -25,10 +25,14 @@ REMOVED = {
     "MOE_EP_M64_TAILS": ("0", "drop v89 removed the pingpong 64-row tails (drop v78): the layer 5-9% slower on Nemotron"),
     "MOE_EP_FP8_OVERLAP_CHUNK": ("", "drop v89 removed the FP8 GEMMs' shorter k-loop chunks (drop v82): the layer "
                                      "0.98-0.99x on Mixtral"),
+    "MOE_EP_FP8_PLACE_FC2": ("0", "drop v93 removed FC2 quantising its own input rows (drop v92): the FP8 layer "
+                                  "7-11% slower on the H200 and the H100"),
 }
 #: removed values of switches that remain
 REMOVED_VALUES = {
     ("MOE_EP_FP8_CLUSTER", "4"): "drop v84 removed clusters of 4 (drop v49): ~4% slower, only 120 of 132 SMs take them",
+    ("MOE_EP_FP8_PLACE_FC1", "quant"): "drop v93 removed FC1 quantising its own input rows (drop v92): FC1 0.59-0.78x "
+                                       "the quantiser + plain FC1 at the power cap",
 }
 
 

@@ -66,7 +66,6 @@ SWITCHES = [
     ("MOE_EP_FP8_WIRE", fb.fp8_wire, False),
     ("MOE_EP_FP8_FUSED_GATHER", fb.fused_gather_quant, True),
     ("MOE_EP_FP8_SCATTER_QUANT", fb.scatter_quant, True),
-    ("MOE_EP_FP8_PLACE_FC2", lambda: fb.place_gemms(1)[1], False),
 ]
 
 
@@ -87,7 +86,7 @@ def test_switches_with_more_values(monkeypatch):
     for var, read, good, bad in (
         ("MOE_EP_FP8_CLUSTER", lambda: f.use_fp8_cluster("identity", 4096, 14336), ("0", "1"), ("2", "on", "4")),
         ("MOE_EP_FP8_UNIT_SCALES", lambda: f.use_fp8_unit_scales(4096), ("auto", "0", "1"), ("on", "AUTO")),
-        ("MOE_EP_FP8_PLACE_FC1", lambda: fb.place_gemms(1), ("0", "quant", "copy"), ("1", "on", "Copy")),
+        ("MOE_EP_FP8_PLACE_FC1", lambda: fb.place_fc1(1), ("0", "copy"), ("1", "on", "Copy", "quant")),
     ):
         for raw in good:
             monkeypatch.setenv(var, raw)
@@ -105,7 +104,7 @@ def test_switches_with_more_values(monkeypatch):
 
 @pytest.mark.parametrize("var", sorted(env.REMOVED))
 def test_removed_switches_raise_where_kernels_are_built(monkeypatch, var):
-    """Drops v84-v89 removed the variants behind these switches (measured slower or no faster on the
+    """Drops v84-v93 removed the variants behind these switches (measured slower or no faster on the
     H200): set to anything but their old default, both SM90 GEMM builders (BF16 and FP8) refuse with a
     ValueError naming the variable and the drop version -- before any compile -- instead of quietly
     building the default; their old default and unset build as before."""
@@ -113,9 +112,9 @@ def test_removed_switches_raise_where_kernels_are_built(monkeypatch, var):
     for var_ in env.REMOVED:
         monkeypatch.delenv(var_, raising=False)
     monkeypatch.setenv(var, "4" if default == "1" else "1")
-    with pytest.raises(ValueError, match=rf"{var}='.': drop v8[4-9] removed"):
+    with pytest.raises(ValueError, match=rf"{var}='.': drop v(8[4-9]|9[0-3]) removed"):
         s.compiled_grouped_gemm("swiglu", 1536, 2048, 128, gather_a=True)
-    with pytest.raises(ValueError, match=rf"{var}='.': drop v8[4-9] removed"):
+    with pytest.raises(ValueError, match=rf"{var}='.': drop v(8[4-9]|9[0-3]) removed"):
         f._gemm_key("swiglu", 1536, 2048, 128, False)
     monkeypatch.setenv(var, default)
     env.check_removed()

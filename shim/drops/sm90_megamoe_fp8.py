@@ -239,7 +239,7 @@ class Fp8Key:
     tanh_sigmoid: bool = False
     quant_items: int = 1
     unit_scales: bool = False
-    place: str = ""  # drop v92: "" | "gather" | "rows" | "copy" (PLACE_KINDS)
+    place: str = ""  # drop v92: "" | "copy" (PLACE_KINDS)
 
 
 #: reduction size from which the FP8 GEMMs load their scales by TMA by default (use_fp8_unit_scales)
@@ -293,10 +293,10 @@ def use_fp8_tanh_sigmoid(activation: str) -> bool:
     return activation == "swiglu" and env_flag("MOE_EP_FP8_TANH_SIGMOID", True)
 
 
-#: how a placing FP8 GEMM (drop v92) fills its A rows: "" -- it does not (the plain GEMM); "gather" --
-#: quantised from bf16 x[idx[r]] (FC1); "rows" -- quantised from bf16 x[r] (FC2); "copy" -- copied from
-#: e4m3 x[idx[r]] with its scales (FC1 from tokens quantised once each)
-PLACE_KINDS = ("", "gather", "rows", "copy")
+#: how a placing FP8 GEMM (drop v92) fills its A rows: "" -- it does not (the plain GEMM); "copy" --
+#: copied from e4m3 x[idx[r]] with its scales (FC1 from tokens quantised once each). Drop v93 removed
+#: "gather" / "rows" (quantised from bf16 x[idx[r]] / x[r] by the GEMM's warps: measured slower)
+PLACE_KINDS = ("", "copy")
 
 
 def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_rows: bool,
@@ -310,8 +310,8 @@ def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_row
     unit = plain and not deferred and bool(overlap_promotion) and use_fp8_unit_scales(k)
     smem = plain and not unit and use_fp8_smem_scales(overlap_promotion, k, activation)
     scale_warp = smem and use_fp8_scale_warp(activation, k)
-    if place and scale_warp:  # the placing kernel's warp 1 quantises
-        raise ValueError("sm90 FP8 GEMM: a placing GEMM (MOE_EP_FP8_PLACE_FC1 / _FC2) has no scale warp; unset "
+    if place and scale_warp:  # the placing kernel's warp 1 copies rows
+        raise ValueError("sm90 FP8 GEMM: a placing GEMM (MOE_EP_FP8_PLACE_FC1) has no scale warp; unset "
                          "MOE_EP_FP8_SCALE_WARP (or set it to 0) or the placement")
     return Fp8Key(CONSTANTS.value(PKG, "DROP_VERSION"), _cutlass_version(), "sm_90a", kind, activation, n, k,
                   num_experts, bool(scale_rows), use_tvm_ffi(), int(raster_m), bool(overlap_promotion),
@@ -336,8 +336,7 @@ def _gemm_options(key: Fp8Key) -> dict:
                 cluster_n=key.cluster_n, smem_scales=key.smem_scales,
                 scale_warp=key.scale_warp, deferred_epilogue=key.deferred_epilogue,
                 tanh_sigmoid=key.tanh_sigmoid, unit_scales=key.unit_scales,
-                **(dict(place_a=True, place_gather=key.place == "gather", place_copy=key.place == "copy")
-                   if key.place else {}))
+                **(dict(place_a=True) if key.place else {}))
 
 
 def _checked_gemm_key(activation: str, n: int, k: int, num_experts: int, scale_rows: bool,
@@ -373,11 +372,10 @@ def compiled_fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_r
 def fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False, place: str = "") -> Any:
     """A caller-owned launcher: ``gemm(a [M, k] e4m3, a_scale [M, k/128] f32, b [E, n, k] e4m3,
     b_scale [E, n/128, k/128] f32, offsets [E+1] i32, out=[M, n_out] bf16, row_scale=[M] f32)``.
-    ``place`` (drop v92, opt-in): the GEMM writes its own A rows and scales while it runs, ``a`` and
-    ``a_scale`` being written by it: "gather" -- row r quantised from ``x[idx[r]]`` (a call passes
-    ``x=`` [T, k] bf16, ``idx=`` [M] int32 and ``sync=``), "rows" -- from ``x[r]`` (``x=`` [M, k] bf16
-    and ``sync=``), "copy" -- copied from e4m3 ``x[idx[r]]`` and its scales (``x=`` [T, k] e4m3,
-    ``x_scale=`` [T, k/128] f32, ``idx=``, ``sync=``); ``sync``: :func:`~.sm90_megamoe.place_sync_len`
+    ``place`` (drop v92, opt-in): "copy" -- the GEMM writes its own A rows and scales while it runs,
+    ``a`` and ``a_scale`` being written by it: row r copied from e4m3 ``x[idx[r]]`` and its scales (a
+    call passes ``x=`` [T, k] e4m3, ``x_scale=`` [T, k/128] f32, ``idx=`` [M] int32 and ``sync=``);
+    ``sync``: :func:`~.sm90_megamoe.place_sync_len`
     int32, zero before the first launch."""
     key = _checked_gemm_key(activation, n, k, num_experts, scale_rows, place)
     return _load("sm90_megamoe.fp8_launch").CompiledFp8Gemm(compiled=_compiled_gemm(key), **_gemm_options(key))

@@ -541,7 +541,7 @@ class Sm90CuteDSLBackend(BackendImpl):
         return {} if sync is None else {"FC1's row placement (MOE_EP_PLACE_FC1=1)": sync}
 
     def _check_placement(self) -> None:
-        """A placing GEMM (:func:`place_fc1`; the FP8 backend's ``MOE_EP_FP8_PLACE_FC1`` / ``_FC2``)
+        """A placing GEMM (:func:`place_fc1`; the FP8 backend's ``MOE_EP_FP8_PLACE_FC1=copy``)
         records a tile that waited past its bound for its rows in its sync buffer's last word (1 + the
         m-tile); the counters are then unreliable, so they are zeroed here before this raises."""
         for what, sync in self._placement_buffers().items():

@@ -18,10 +18,10 @@ The forward is the BF16 SM90 backend's, with steps 3-4 replaced:
 4. **FC2 + router weight** -- ``h`` quantised the same way, ``y = ws · (hq · wq2ᵀ)``;
 5. **combine** -- as on BF16.
 
-With ``MOE_EP_FP8_PLACE_FC1`` / ``MOE_EP_FP8_PLACE_FC2`` (opt-in, :func:`place_gemms`) FC1 and / or
-FC2 write their own input rows in their spare producer warps while they run -- quantised there, or
-(FC1, "copy") copied from tokens quantised once each -- so the quantiser before that GEMM writes
-less or is not launched (the same bits).
+With ``MOE_EP_FP8_PLACE_FC1=copy`` (opt-in, :func:`place_fc1`) step 3 quantises each received
+token once, in token order, and FC1's spare producer warps copy its grouped rows and scales from
+there while it runs, so the quantiser before FC1 writes an eighth of the bytes at top-8 (the same
+bits).
 
 Weights: ``MoEConfig.quant = "fp8_block128"``; ``w13``/``w2`` are
 :class:`moe_ep.api.quant.FP8Block128Weight` (values ``float8_e4m3fn [E, N, K]``, scales float32
@@ -114,58 +114,47 @@ def scatter_quant() -> bool:
     return env_flag("MOE_EP_FP8_SCATTER_QUANT", True)
 
 
-#: ``MOE_EP_FP8_PLACE_FC1``'s values: "0" (default), "quant", "copy" (:func:`place_gemms`)
-PLACE_FC1_MODES = ("0", "quant", "copy")
-#: the shim's FP8 GEMM ``place`` kind of FC1 for each placement (FC1 reads its rows by ``idx``)
-FC1_PLACE_KIND = {"": "", "quant": "gather", "copy": "copy"}
+def place_fc1(world_size: int) -> bool:
+    """``MOE_EP_FP8_PLACE_FC1=copy`` (drop v92, opt-in; ``Fp8PlaceGroupedGemmSm90``): step 3 quantises
+    each received token once, in token order (an eighth of the scattering quantiser's writes at
+    top-8), and FC1's three spare producer warps copy grouped row r -- token ``idx[r]``'s E4M3 row
+    and its scales -- in the order its tiles need them while it runs: the same bits. "0" or unset:
+    off. Needs the fused gather (the default) and BF16 rows on the wire: with
+    ``MOE_EP_FP8_FUSED_GATHER=0`` or ``MOE_EP_FP8_WIRE=1`` (W > 1) it raises ValueError naming both
+    switches.
 
-
-def place_gemms(world_size: int) -> tuple[str, bool]:
-    """Which GEMMs write their own input while they run (drop v92, opt-in; ``Fp8PlaceGroupedGemmSm90``:
-    their three spare producer warps fill the E4M3 rows and scales in the order the tiles need them,
-    by the quantiser's rule, so the same bits). ``(fc1, fc2)``:
-
-    * ``MOE_EP_FP8_PLACE_FC1`` -- "quant": FC1 quantises grouped row r from the received token
-      ``idx[r]`` itself (no step-3 quantiser; the quantisation runs once per (token, choice)); "copy":
-      step 3 quantises each received token once, in token order (an eighth of the scattering
-      quantiser's writes at top-8), and FC1 copies row ``idx[r]`` and its scales; "0" or unset: neither.
-      Needs the fused gather (the default) and BF16 rows on the wire: with ``MOE_EP_FP8_FUSED_GATHER=0``
-      or ``MOE_EP_FP8_WIRE=1`` (W > 1) it raises ValueError naming both switches.
-    * ``MOE_EP_FP8_PLACE_FC2=1``: FC2 quantises row r of ``h`` itself (no quantiser between the GEMMs).
-
-    Why: Qwen3 at 8192 tokens spends ~58 + ~55 us in those two quantisers, during which no GEMM runs.
-    On an H100 (thirty-ninth session) bit-identical, and none faster: at the power cap FC1 quantising
-    0.59-0.78x, FC1 copying 0.97-0.99x, FC2 quantising 0.75-0.96x of quantiser + plain GEMM; the
-    Qwen3 layer level per call with FC1 copying, ~10% slower with FC2 quantising. Opt-in."""
-    mode = env_choice("MOE_EP_FP8_PLACE_FC1", PLACE_FC1_MODES, "0")
-    fc2 = env_flag("MOE_EP_FP8_PLACE_FC2", False)
-    if mode != "0" and not fused_gather_quant():
-        raise ValueError(f"MOE_EP_FP8_PLACE_FC1={mode} places FC1's rows from the received tokens, which needs the "
+    Why: Qwen3 at 8192 tokens spends ~58 us in the scattering quantiser, during which no GEMM runs.
+    Bit-identical on the H100 (39th session) and the H200 (40th), and no faster: FC1 with its
+    quantiser 0.97-0.99x at the power cap (H100); the Qwen3 layer level (H200: 702.3 / 647.7 /
+    657.7 against 697.5 / 644.7 / 685.6 TFLOP/s per call / b2b / graph, one round). Opt-in. (Drop
+    v93 removed v92's quantising placements, ``MOE_EP_FP8_PLACE_FC1=quant`` and
+    ``MOE_EP_FP8_PLACE_FC2``: FC1 0.59-0.78x, the layer 7-11% slower with FC2's.)"""
+    on = env_choice("MOE_EP_FP8_PLACE_FC1", ("0", "copy"), "0") == "copy"
+    if on and not fused_gather_quant():
+        raise ValueError("MOE_EP_FP8_PLACE_FC1=copy places FC1's rows from the received tokens, which needs the "
                          "fused gather: unset MOE_EP_FP8_FUSED_GATHER (or set it to 1), or MOE_EP_FP8_PLACE_FC1")
-    if mode != "0" and world_size > 1 and fp8_wire():
-        raise ValueError(f"MOE_EP_FP8_PLACE_FC1={mode} quantises FC1's BF16 input, but MOE_EP_FP8_WIRE=1 sends it "
+    if on and world_size > 1 and fp8_wire():
+        raise ValueError("MOE_EP_FP8_PLACE_FC1=copy quantises FC1's BF16 input, but MOE_EP_FP8_WIRE=1 sends it "
                          "quantised already: unset one of them")
-    return ("" if mode == "0" else mode), fc2
+    return on
 
 
 def prebuild(config: Any, world_size: int, kernels: tuple = ("fc1", "fc2", "ep", "layout")) -> None:
     """Compile (or load from the disk compile cache) every kernel a layer needs, without a GPU;
-    "fc1"/"fc2" include the row quantiser of their input width (unless that GEMM places its input:
-    :func:`place_gemms`)."""
+    "fc1"/"fc2" include the row quantiser of their input width (:func:`place_fc1`: FC1's in token
+    order)."""
     specs = _gemm_specs(config, config.local_experts(world_size))
-    fc1_mode, fc2_place = place_gemms(world_size)
-    place = {"fc1": FC1_PLACE_KIND[fc1_mode], "fc2": "rows" if fc2_place else ""}
+    place = {"fc1": "copy" if place_fc1(world_size) else "", "fc2": ""}
 
     def gemm(name):
         gather = name == "fc1" and fused_gather_quant()
         scatter = config.top_k if gather and scatter_quant() else 0
-        if place[name] == "copy":  # the tokens quantised once each, in token order
+        if place[name]:  # the tokens quantised once each, in token order
             scatter = 1
 
         def build():
             sm90_compiled_fp8_gemm(*specs[name], place=place[name])
-            if place[name] in ("", "copy"):  # the quantiser of this GEMM's input
-                sm90_compiled_fp8_quantize_rows(specs[name][2], gather=gather and not scatter, scatter_topk=scatter)
+            sm90_compiled_fp8_quantize_rows(specs[name][2], gather=gather and not scatter, scatter_topk=scatter)
         return build
 
     prebuild_layer(config, world_size, kernels, {"fc1": gemm("fc1"), "fc2": gemm("fc2")})
@@ -186,25 +175,23 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
     name = NAME
     fp8_wire = False  # set at bind (W > 1 and MOE_EP_FP8_WIRE=1)
     scatter_quant = False  # set at bind (the default with the fused gather; MOE_EP_FP8_SCATTER_QUANT=0: off)
-    place_fc1 = ""  # set at bind (MOE_EP_FP8_PLACE_FC1): "quant" / "copy" -- FC1 writes its own input rows
-    place_fc2 = False  # set at bind (MOE_EP_FP8_PLACE_FC2): FC2 quantises its own input rows
-    _fp8_place_syncs = MappingProxyType({})  # set at bind: the placing GEMMs' sync buffers, by GEMM
+    place_fc1 = False  # set at bind (MOE_EP_FP8_PLACE_FC1=copy): FC1 copies its own input rows
+    _fp8_place_syncs = MappingProxyType({})  # set at bind: the placing FC1's sync buffer
 
     def _bind_gemms(self, views: dict) -> None:
         cfg = self.cfg
         specs = _gemm_specs(cfg, self.E)
-        self.place_fc1, self.place_fc2 = place_gemms(self.W)  # FC1 / FC2 write their own input (drop v92)
-        self.fc1 = sm90_fp8_gemm(*specs["fc1"], place=FC1_PLACE_KIND[self.place_fc1])
-        self.fc2 = sm90_fp8_gemm(*specs["fc2"], place="rows" if self.place_fc2 else "")
+        self.place_fc1 = place_fc1(self.W)  # FC1 copies its own input rows (drop v92)
+        self.fc1 = sm90_fp8_gemm(*specs["fc1"], place="copy" if self.place_fc1 else "")
+        self.fc2 = sm90_fp8_gemm(*specs["fc2"])
         self.fused_gather = fused_gather_quant()  # no BF16 grouped rows: step 3 quantises the received ones
         self.scatter_quant = self.fused_gather and scatter_quant() and not self.place_fc1
-        self.quant_x = None
-        if self.place_fc1 == "copy":  # each received token once, in token order (its own row)
+        if self.place_fc1:  # each received token once, in token order (its own row)
             self.quant_x = sm90_fp8_quantize_rows(cfg.hidden, scatter_topk=1)
-        elif not self.place_fc1:
+        else:
             self.quant_x = sm90_fp8_quantize_rows(cfg.hidden, gather=self.fused_gather and not self.scatter_quant,
                                                   scatter_topk=cfg.top_k if self.scatter_quant else 0)
-        self.quant_h = None if self.place_fc2 else sm90_fp8_quantize_rows(cfg.intermediate)
+        self.quant_h = sm90_fp8_quantize_rows(cfg.intermediate)
         self.fc1_decode = self.fc2_decode = None
         self._decode_max_tokens = 0
         self._gemms = (self.fc1, self.fc2)
@@ -213,12 +200,11 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
             bufs = quantized_activation_buffers(P, cfg.hidden, cfg.intermediate, FP8_BLOCK, torch.float32, self.device)
             self.xq, self.xq_scale, self.hq, self.hq_scale = bufs["xq"], bufs["xq_scale"], bufs["hq"], bufs["hq_scale"]
         self._rows = views["offsets"][-1:]  # grouped rows of a call, read on the device (no host sync)
-        # a placing GEMM's counters: zero once here, and the kernel leaves them so (tail-clean)
-        self._fp8_place_syncs = {
-            name: torch.zeros(sm90_place_sync_len(P, self.E), dtype=torch.int32, device=self.device)
-            for name, on in (("FC1", self.place_fc1), ("FC2", self.place_fc2)) if on}
+        # the placing FC1's counters: zero once here, and the kernel leaves them so (tail-clean)
+        self._fp8_place_syncs = {"FC1": torch.zeros(sm90_place_sync_len(P, self.E), dtype=torch.int32,
+                                                    device=self.device)} if self.place_fc1 else {}
         self.xq_tok = self.sx_tok = self._tok_pos = None
-        if self.place_fc1 == "copy":  # the received tokens quantised in token order: slot s -> row s
+        if self.place_fc1:  # the received tokens quantised in token order: slot s -> row s
             S = self.W * self.dims.max_tokens
             self.xq_tok = torch.empty(S, cfg.hidden, dtype=torch.float8_e4m3fn, device=self.device)
             self.sx_tok = torch.empty(S, cfg.hidden // FP8_BLOCK, dtype=torch.float32, device=self.device)
@@ -228,10 +214,7 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
         """Steps 3-4's launches with this layer's buffers fixed, checked and packed once (drop
         v58; the BF16 backend prepares the route and combine): a call passes only the rows to
         quantise (step 3) and the weights (FC1, FC2)."""
-        syncs = self._fp8_place_syncs
-        if self.place_fc1 == "quant":  # FC1 quantises grouped row r from the call's received row idx[r] itself
-            self._quant_x_run = None
-        elif self.place_fc1 == "copy":  # each valid slot s once into row s (FC1 then copies row idx[r])
+        if self.place_fc1:  # each valid slot s once into row s (FC1 then copies row idx[r])
             self._quant_x_run = self.quant_x.prepare(self.xq_tok, self.sx_tok, pos=self._tok_pos,
                                                      recv_count=self.ep.bufs.recv_count, t_max=self.dims.max_tokens)
         elif self.scatter_quant:  # each received row once, into the grouped rows pos[s, :]
@@ -241,16 +224,13 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
             self._quant_x_run = self.quant_x.prepare(self.xq, self.xq_scale, count=self._rows, idx=self.idx)
         else:  # the grouped BF16 rows step 2 wrote into xs
             self._quant_x_run = self.quant_x.prepare(self.xq, self.xq_scale, count=self._rows)
-        fc1_place = {}  # quantising: the call's rows per call; copying: the token-order rows fixed
+        fc1_place = {}  # copying: the token-order rows, their scales, idx and the counters, all fixed
         if self.place_fc1:
-            fc1_place = dict(idx=self.idx, sync=syncs["FC1"])
-        if self.place_fc1 == "copy":
-            fc1_place.update(x=self.xq_tok, x_scale=self.sx_tok)
+            fc1_place = dict(x=self.xq_tok, x_scale=self.sx_tok, idx=self.idx, sync=self._fp8_place_syncs["FC1"])
         self._fc1_run = self.fc1.prepare(self.xq, self.xq_scale, self.offsets, self.h, self.ws_rows, self.num_ctas,
                                          **fc1_place)
-        self._quant_h_run = None if self.place_fc2 else self.quant_h.prepare(self.hq, self.hq_scale, count=self._rows)
-        self._fc2_run = self.fc2.prepare(self.hq, self.hq_scale, self.offsets, self.y, self.ws_rows, self.num_ctas,
-                                         **(dict(x=self.h, sync=syncs["FC2"]) if self.place_fc2 else {}))
+        self._quant_h_run = self.quant_h.prepare(self.hq, self.hq_scale, count=self._rows)
+        self._fc2_run = self.fc2.prepare(self.hq, self.hq_scale, self.offsets, self.y, self.ws_rows, self.num_ctas)
 
     def _warm_weights(self, g: torch.Generator) -> tuple:
         cfg = self.cfg
@@ -340,21 +320,14 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
     def _step34_experts(self, w13, w2, b13=None, b2=None) -> None:
         # 3a. FC1's E4M3 input: arrived quantised (FP8 wire), or quantised here from the received
         # rows (scattered into their grouped rows by default; the launch was prepared at bind) --
-        # or into token order for FC1 to copy ("copy"), or by FC1 itself in 3b ("quant")
-        rows = None
+        # or into token order, for FC1's producer warps to copy (MOE_EP_FP8_PLACE_FC1=copy)
         if not self.fp8_wire:
-            rows = self._x_rows if self.fused_gather else self.xs
+            self._quant_x_run(self._x_rows if self.fused_gather else self.xs)
             self._x_rows = None
-            if self.place_fc1 != "quant":
-                self._quant_x_run(rows)
         # 3b. FC1 + SwiGLU into h
-        if self.place_fc1 == "quant":
-            self._fc1_run(w13.values, w13.scale, rows)
-        else:
-            self._fc1_run(w13.values, w13.scale)
-        # 4a. FC2's E4M3 input from h (or by FC2's own producer warps); 4b. FC2 + router weight
-        if not self.place_fc2:
-            self._quant_h_run(self.h)
+        self._fc1_run(w13.values, w13.scale)
+        # 4a. FC2's E4M3 input from h; 4b. FC2 + router weight
+        self._quant_h_run(self.h)
         self._fc2_run(w2.values, w2.scale)
 
     def _placement_buffers(self) -> dict:

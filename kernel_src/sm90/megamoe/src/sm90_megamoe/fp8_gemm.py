@@ -111,6 +111,8 @@ Drop v87 removed the gathering FP8 GEMM (v22 / v23 ``Fp8GatherGroupedGemmSm90``:
 tokens by index, 0.565 vs 0.455 ms on Qwen3; the scattering quantiser, v25, took its place).
 Drop v89 removed v82's ``chunk_k_tiles`` (the overlapped k-loop in chunks shorter than the default
 rule's, for less code per tile: the layer 0.98-0.99x on Mixtral, within the spread on Qwen3).
+Drop v93 removed v92's quantising placement (the producer's spare warps quantising FC1's or
+FC2's A rows: FC1 0.59-0.78x quantiser + plain at the cap, the layer 7-11% slower with FC2's).
 """
 
 from __future__ import annotations
@@ -475,9 +477,8 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
         """The kernel (traced inline into each variant's ``@cute.kernel``). ``outs``: ``(mC,)``.
         ``us_tma``: ``unit_scales``' ``(atom_as, tma_as, atom_bs, tma_bs)``. ``place``: ``(mX, mIdx,
         mA, mSync, mXScale)`` for the placing variant (``self.place_a``, drop v92,
-        :mod:`.fp8_gemm_place`): the producer's warps 1-3 write A and ``mAScale`` -- quantised from
-        bf16 rows, or copied from e4m3 rows and their scales (``self.place_copy``) -- while warp 0
-        loads them."""
+        :mod:`.fp8_gemm_place`): the producer's warps 1-3 copy A's rows and their scales from the
+        source rows by index while warp 0 loads them."""
         wait_previous_grid()
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -610,13 +611,9 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
                     self._finish_placed(place[3], sCum, lane, gdim)
                 ab_pipeline.producer_tail(prod_state)
             if cutlass.const_expr(self.place_a):
-                if warp_idx > 0:  # the three quantising (or copying) warps
-                    if cutlass.const_expr(self.place_copy):
-                        self._place_rows(place[0], place[1], place[2], place[3], sOff, sCum, lane, gdim * 3,
-                                         scales=(place[4], mAScale))
-                    else:
-                        self._place_quant_rows(place[0], place[1], place[2], mAScale, place[3], sOff, sCum, lane,
-                                               gdim * 3)
+                if warp_idx > 0:  # the three copying warps
+                    self._place_rows(place[0], place[1], place[2], place[3], sOff, sCum, lane, gdim * 3,
+                                     scales=(place[4], mAScale))
             if cutlass.const_expr(self.scale_warp):
                 if warp_idx == 1:
                     self._scale_producer(ab_pipeline, mAScale, mBScale, sScale, sOff, sCum, total_tiles, unit0,

@@ -2,35 +2,32 @@
 
 :class:`Fp8PlaceGroupedGemmSm90` computes what :class:`.fp8_gemm.Fp8BlockScaledGroupedGemmSm90`
 computes, and writes its A rows and their scales itself: the producer warpgroup's three spare warps
-fill them in the order the tiles need them, while its TMA warp loads each tile once that tile's
-rows are in (:mod:`.placing_producer`'s counters). Two ways to fill a row:
+copy e4m3 row ``x[idx[r]]`` and its scales ``x_scale[idx[r]]`` into row r of A and of A's scales,
+in the order the tiles need them, while its TMA warp loads each tile once that tile's rows are in
+(:mod:`.placing_producer`'s counters). FC1 of the FP8 layer then reads tokens quantised once each,
+in token order: the quantiser before it writes one row per token instead of one per (token,
+choice), an eighth of the bytes at top-8.
 
-* ``place_mode="quant"`` (:mod:`.placing_quantiser`): quantise it from bf16 source rows --
-  ``place_gather``: row r from ``x[idx[r]]`` (FC1 from the tokens), else from ``x[r]`` (FC2 from
-  FC1's output). The layer then launches no quantiser before that GEMM.
-* ``place_mode="copy"``: copy e4m3 row ``x[idx[r]]`` and its scales ``x_scale[idx[r]]`` (FC1 from
-  tokens quantised once each, in token order). The quantiser before FC1 then writes one row per
-  token instead of one per (token, choice): an eighth of the bytes at top-8.
+(Drop v93 removed v92's second mode, ``place_mode="quant"``: the warps quantised bf16 rows
+themselves, FC1 from the tokens and FC2 from FC1's output. FC1 so took 0.59-0.78x the time of
+the quantiser + plain FC1 at the power cap (H100), and the FP8 layer with FC2 so was 7-11% slower
+on the H200 and the H100: ~430 instructions per 4 groups is more issue than the GEMM leaves.)
 
 Tensors (torch view)::
 
-    mX        [T_src, K]        bfloat16 ("quant") or e4m3 / uint8 ("copy")   the source rows
-    mIdx      [M_total]         int32      gathering: grouped row r is source row mIdx[r] (< T_src);
-                                           otherwise any int32 [>= 1] (never read)
+    mX        [T_src, K]        e4m3 / uint8   the source rows (the tokens, quantised)
+    mIdx      [M_total]         int32      grouped row r is source row mIdx[r] (< T_src)
     mA        [M_total, K]      e4m3       written here for r < offsets[E], then read by TMA
     mAScale   [M_total, K/128]  float32    written here with A, then read as the scales of A
     mSync     [S + 4]           int32      zero before the first launch, tail-clean (S >= the
                                            m-tiles of a call; see :mod:`.placing_producer`)
-    mXScale   [T_src, K/128]    float32    "copy": the source rows' scales; otherwise any float32
-                                           [>= 1, >= 1] (never read)
+    mXScale   [T_src, K/128]    float32    the source rows' scales
     mB, mBScale, mC, mOffsets, mRowScale: as in the base class
 
 Every schedule of the base class but ``scale_warp`` (warp 1 is a placing warp here): clusters of
 2 (both CTAs wait for their m-tile), staged or TMA-loaded scales (read after the wait), the
-deferred epilogue. Registers: the base kernel's (producer 40, consumers 232 per thread) by
-default; 56 / 224 when a quantising lane keeps more than 16 values in flight. Same A bytes and
-scales, same WGMMAs and promotion: the same bits as the quantiser kernel followed by the base
-kernel.
+deferred epilogue. Registers: the base kernel's (producer 40, consumers 232 per thread). Same A
+bytes and scales, same WGMMAs and promotion: the same bits as the base kernel on ``x[idx]``.
 """
 
 from __future__ import annotations
@@ -43,53 +40,38 @@ import cutlass
 import cutlass.cute as cute
 
 from .fp8_gemm import Fp8BlockScaledGroupedGemmSm90
-from .placing_producer import PLACE_UNROLL
-from .placing_quantiser import (PLACE_QUANT_LEAN_VALUES, PLACE_QUANT_REGS_LEAN, PLACE_QUANT_REGS_WIDE,
-                                PLACE_QUANT_UNROLL, PLACE_VALS, PlaceQuantAProducer, default_chunk_rows)
+from .placing_producer import PLACE_UNROLL, PlaceAProducer
+
+#: a chunk's bytes, in 256-byte units, by default: the largest power of 2 of rows (at most 32)
+#: within 64 units (16 KB: drop v91's BF16 chunk of 4 rows of 4 KB), so a claim's round trip is
+#: spread over the same bytes for any K (Qwen3 FC1 8 rows of 2 KB, Mixtral FC1 4 of 4 KB)
+PLACE_COPY_CHUNK_UNITS = 64
 
 
-class Fp8PlaceGroupedGemmSm90(PlaceQuantAProducer, Fp8BlockScaledGroupedGemmSm90):
-    """The FP8 grouped GEMM whose producer warps quantise and place its A rows (module docstring).
+def default_chunk_rows(k: int) -> int:
+    """Rows per claimed chunk for e4m3 rows of ``k`` values (:data:`PLACE_COPY_CHUNK_UNITS`)."""
+    rows = max(1, PLACE_COPY_CHUNK_UNITS // (k // 256))
+    return min(32, 1 << (rows.bit_length() - 1))
 
-    :param place_mode: "quant" (quantise bf16 source rows) or "copy" (copy e4m3 rows and their
-        scales; always gathering).
-    :param place_gather: "quant": row r of A is source row ``idx[r]`` (FC1); False: source row r (FC2).
+
+class Fp8PlaceGroupedGemmSm90(PlaceAProducer, Fp8BlockScaledGroupedGemmSm90):
+    """The FP8 grouped GEMM whose producer warps copy its A rows and scales in place (module docstring).
+
     :param place_chunk_rows: rows per claimed chunk (a divisor of 128, at most 32); None: by K
-        (:func:`.placing_quantiser.default_chunk_rows`).
-    :param place_unroll: "quant": groups' loads each lane keeps in flight (1, 2 or 4; default 1);
-        "copy": 16-byte vectors (default 4).
-    :param place_vals: "quant": values per lane of a 128-value group (8 or 16; default 16).
+        (:func:`default_chunk_rows`).
+    :param place_unroll: 16-byte vectors each lane keeps in flight (1, 2, 4 or 8; default 4).
     Other parameters: :class:`.fp8_gemm.Fp8BlockScaledGroupedGemmSm90`'s."""
 
-    def __init__(self, activation: str, place_mode: str = "quant", place_gather: bool = True,
-                 place_chunk_rows: Optional[int] = None, place_unroll: Optional[int] = None,
-                 place_vals: int = PLACE_VALS, **kw):
+    def __init__(self, activation: str, place_chunk_rows: Optional[int] = None,
+                 place_unroll: int = PLACE_UNROLL, **kw):
         super().__init__(activation, **kw)
         if self.scale_warp:
             raise ValueError("the placing FP8 GEMM uses producer warp 1 to place rows: no scale_warp")
-        if place_mode not in ("quant", "copy"):
-            raise ValueError(f"place_mode must be 'quant' or 'copy', got {place_mode!r}")
-        self.place_copy = place_mode == "copy"
-        if place_unroll is None:
-            place_unroll = PLACE_UNROLL if self.place_copy else PLACE_QUANT_UNROLL
-        if place_chunk_rows not in (None, 1, 2, 4, 8, 16, 32) or place_unroll not in (1, 2, 4, 8) \
-                or place_vals not in (8, 16) or (place_unroll == 8 and not self.place_copy):
-            raise ValueError(f"place_chunk_rows must be 1, 2, 4, 8, 16 or 32 (or None), place_unroll 1, 2 or 4 (8 "
-                             f"when copying) and place_vals 8 or 16, got {place_chunk_rows}, {place_unroll}, "
-                             f"{place_vals}")
-        self.place_gather = bool(place_gather) or self.place_copy
+        if place_chunk_rows not in (None, 1, 2, 4, 8, 16, 32) or place_unroll not in (1, 2, 4, 8):
+            raise ValueError(f"place_chunk_rows must be 1, 2, 4, 8, 16 or 32 (or None) and place_unroll 1, 2, 4 "
+                             f"or 8, got {place_chunk_rows}, {place_unroll}")
         self.chunk_rows_asked = place_chunk_rows  # None: set from K when traced (__call__)
-        self.place_unroll, self.place_vals = int(place_unroll), int(place_vals)
-        lean = self.place_copy or self.place_vals * self.place_unroll <= PLACE_QUANT_LEAN_VALUES
-        self.load_regs, self.mma_regs = PLACE_QUANT_REGS_LEAN if lean else PLACE_QUANT_REGS_WIDE
-
-    def _chunk_rows(self, k: int) -> int:
-        """Rows per claimed chunk: as asked, else by K (trace time): quantising, at most
-        PLACE_QUANT_CHUNK_GROUPS groups (:func:`.placing_quantiser.default_chunk_rows`); copying, as
-        many rows as v91's BF16 chunks hold bytes (4 rows of 4 KB)."""
-        if self.chunk_rows_asked is not None:
-            return self.chunk_rows_asked
-        return default_chunk_rows(k // 2) if self.place_copy else default_chunk_rows(k)
+        self.place_unroll = int(place_unroll)
 
     @cute.jit
     def __call__(
@@ -111,17 +93,15 @@ class Fp8PlaceGroupedGemmSm90(PlaceQuantAProducer, Fp8BlockScaledGroupedGemmSm90
         mA, mB = self._check_inputs(mA, mAScale, mB, mBScale, mOffsets)
         if cutlass.const_expr(mC.element_type != cutlass.BFloat16):
             raise TypeError("C must be bfloat16")
-        if cutlass.const_expr(self.place_copy):  # e4m3 rows (or their uint8 bits) and float32 scales
-            if cutlass.const_expr(mX.element_type not in (cutlass.Float8E4M3FN, cutlass.Uint8)
-                                  or mXScale.element_type != cutlass.Float32):
-                raise TypeError("place_mode='copy': x must be float8_e4m3fn (or uint8) and x_scale float32")
-        elif cutlass.const_expr(mX.element_type != cutlass.BFloat16):
-            raise TypeError("place_mode='quant': the source rows x must be bfloat16")
+        if cutlass.const_expr(mX.element_type not in (cutlass.Float8E4M3FN, cutlass.Uint8)
+                              or mXScale.element_type != cutlass.Float32):  # e4m3 rows (or their bits)
+            raise TypeError("x must be float8_e4m3fn (or uint8) and x_scale float32")
         if cutlass.const_expr(mIdx.element_type != cutlass.Int32 or mSync.element_type != cutlass.Int32):
             raise TypeError("idx and sync must be int32")
         if cutlass.const_expr(cute.size(mX, mode=[1]) != cute.size(mA, mode=[1])):
             raise ValueError("the source rows x must have A's K columns")
-        self.place_chunk_rows = self._chunk_rows(cute.size(mA, mode=[1]))
+        self.place_chunk_rows = self.chunk_rows_asked if self.chunk_rows_asked is not None \
+            else default_chunk_rows(cute.size(mA, mode=[1]))
         setup = self._setup(mA, mAScale, mB, mBScale, mOffsets)
         place = (mX, mIdx, mA, mSync, mXScale)
         if cutlass.const_expr(self.unit_scales):

@@ -35,15 +35,12 @@ def fake_args(num_experts: int, n: int, k: int, activation: str, use_tvm_ffi: bo
             make_fake_stream(use_tvm_ffi_env_stream=use_tvm_ffi))
 
 
-def fake_place_args(num_experts: int, n: int, k: int, activation: str, use_tvm_ffi: bool = False,
-                    copy: bool = False):
+def fake_place_args(num_experts: int, n: int, k: int, activation: str, use_tvm_ffi: bool = False):
     """Fake arguments of the placing kernel (drop v92): ``(mX, mIdx, mA, mAScale, mSync, mXScale, mB,
-    ...)`` -- the source rows (bf16; ``copy``: e4m3 as uint8) with their own dynamic count, idx and
-    sync of dynamic length, the source rows' scales ``[T, K/128]`` (``copy``; otherwise an unread
-    placeholder of the same shape)."""
+    ...)`` -- the source rows (e4m3 as uint8) with their own dynamic count, idx and sync of dynamic
+    length, the source rows' scales ``[T, K/128]``."""
     mA, mAS, *rest = fake_args(num_experts, n, k, activation, use_tvm_ffi)
-    mX = make_fake_compact_tensor(cutlass.Uint8 if copy else cutlass.BFloat16, (cute.sym_int(), k), stride_order=(1, 0),
-                                  assumed_align=16)
+    mX = make_fake_compact_tensor(cutlass.Uint8, (cute.sym_int(), k), stride_order=(1, 0), assumed_align=16)
     mIdx = make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(),), assumed_align=4)
     mSync = make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(),), assumed_align=4)
     mXS = make_fake_compact_tensor(cutlass.Float32, (cute.sym_int(), k // FP8_BLOCK), stride_order=(1, 0),
@@ -79,25 +76,24 @@ class CompiledFp8Gemm:
     ``unit_scales`` (drop v69; overlap_promotion, the plain kernel, K/128 a multiple of 8): the TMA warp
     loads the scales of 8 k-tiles per TMA copy into double-buffered shared memory
     (:mod:`.unit_scales`; same bits);
-    ``place_a`` (drop v92; not with scale_warp): the kernel writes its own A rows and scales while it
-    runs (:class:`~.fp8_gemm_place.Fp8PlaceGroupedGemmSm90`) -- quantised from bf16 rows ``x``
-    (row r from ``x[idx[r]]`` with ``place_gather``, else ``x[r]``), or with ``place_copy`` copied
-    from e4m3 rows ``x`` and their scales ``x_scale`` (row r from ``idx[r]``): a call passes ``x``,
-    ``sync`` and, gathering, ``idx`` (``x_scale`` when copying); ``place_opts``: the kernel's
-    ``place_chunk_rows`` / ``place_unroll`` / ``place_vals``, for the runner's tuning.
+    ``place_a`` (drop v92; not with scale_warp): the kernel copies its own A rows and scales while it
+    runs (:class:`~.fp8_gemm_place.Fp8PlaceGroupedGemmSm90`) -- row r of A from e4m3 row
+    ``x[idx[r]]``, its scales from ``x_scale[idx[r]]``: a call passes ``x``, ``idx``, ``sync`` and
+    ``x_scale``; ``place_opts``: the kernel's ``place_chunk_rows`` / ``place_unroll``, for the
+    runner's tuning.
     Drop v84 removed ``requant``, ``fused_quant`` / ``pair_amax``, ``scale_lookahead`` and clusters of 4,
-    v85 ``gather_tma``, v87 ``gather_a``, v89 ``chunk_k_tiles`` (measured slower or no faster on the H200)."""
+    v85 ``gather_tma``, v87 ``gather_a``, v89 ``chunk_k_tiles``, v93 ``place_gather`` / ``place_copy``
+    (the quantising placement) (measured slower or no faster on the H200)."""
 
     def __init__(self, activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
                  compiled=None, tvm_ffi: bool = False, raster_m: int = 1, overlap_promotion: bool = False,
                  wide_gated: bool = False, cluster_n: int = 1,
                  smem_scales: bool = False, scale_warp: bool = False,
                  deferred_epilogue: bool = False, tanh_sigmoid: bool = False, unit_scales: bool = False,
-                 place_a: bool = False, place_gather: bool = True, place_copy: bool = False,
-                 place_opts: Optional[dict] = None):
+                 place_a: bool = False, place_opts: Optional[dict] = None):
         reason = can_implement(activation, n, k, num_experts)
         if reason is None and place_a and scale_warp:
-            reason = "place_a does not combine with scale_warp (warp 1 quantises)"
+            reason = "place_a does not combine with scale_warp (warp 1 copies rows)"
         if reason is None and cluster_n not in (1, 2):
             reason = f"cluster_n must be 1 or 2, got {cluster_n}"
         if reason is None and scale_warp and not smem_scales:
@@ -126,16 +122,13 @@ class CompiledFp8Gemm:
         self.tanh_sigmoid = bool(tanh_sigmoid)
         self.unit_scales = bool(unit_scales)
         self.place_a = bool(place_a)
-        self.place_copy = bool(place_a and place_copy)
-        self.place_gather = bool(place_a and (place_gather or place_copy))  # copying always gathers
         # the grid of a clustered launch, worked out here (not while a CUDA graph is captured)
         self._max_ctas = cluster_ctas(self.cluster_n) if self.cluster_n > 1 and torch.cuda.is_available() else None
         if compiled is None:
             cls, place_kw = Fp8BlockScaledGroupedGemmSm90, {}
             if self.place_a:
                 from .fp8_gemm_place import Fp8PlaceGroupedGemmSm90 as cls
-                place_kw = dict(place_opts or {}, place_gather=self.place_gather,
-                                place_mode="copy" if self.place_copy else "quant")
+                place_kw = dict(place_opts or {})
             kernel = cls(
                 activation, scale_rows=self.scale_rows, raster_m=self.raster_m,
                 overlap_promotion=self.overlap_promotion, wide_gated=self.wide_gated,
@@ -146,7 +139,7 @@ class CompiledFp8Gemm:
                 **({"tanh_sigmoid": True} if self.tanh_sigmoid else {}),
                 **({"unit_scales": True} if self.unit_scales else {}), **place_kw)
             opts = "--gpu-arch sm_90a" + (" --enable-tvm-ffi" if self.tvm_ffi else "")
-            fake = fake_place_args(num_experts, n, k, activation, self.tvm_ffi, self.place_copy) if self.place_a \
+            fake = fake_place_args(num_experts, n, k, activation, self.tvm_ffi) if self.place_a \
                 else fake_args(num_experts, n, k, activation, self.tvm_ffi)
             compiled = cute.compile(kernel, *fake, options=opts)
         self.compiled = compiled
@@ -162,36 +155,30 @@ class CompiledFp8Gemm:
             ctas = max(min(ctas, self._max_ctas), self.cluster_n)
         return ctas
 
-    def _check_place_args(self, x, idx, sync, x_scale=None, x_per_call: bool = False) -> None:
-        """``x`` and ``sync`` go with place_a, ``idx`` with place_gather, ``x_scale`` with place_copy,
-        and nothing else (``x_per_call``: a prepared launch may leave ``x`` to each call)."""
-        if (self.place_a != (x is not None) and not (x_per_call and x is None)) or self.place_a != (sync is not None):
-            raise ValueError("x and sync are required with place_a=True and refused without it")
-        if self.place_gather != (idx is not None):
-            raise ValueError("idx is required with place_a=True, place_gather=True and refused otherwise")
-        if self.place_copy != (x_scale is not None):
-            raise ValueError("x_scale is required with place_copy=True and refused otherwise")
-        if self.place_a and (sync.dtype != torch.int32 or sync.dim() != 1 or sync.numel() < 5):
+    def _check_place_args(self, x, idx, sync, x_scale, x_per_call: bool = False) -> None:
+        """``x``, ``idx``, ``sync`` and ``x_scale`` go with place_a, and nothing else (``x_per_call``: a
+        prepared launch may leave ``x`` to each call)."""
+        given = (x is not None or (x_per_call and self.place_a), idx is not None, sync is not None,
+                 x_scale is not None)
+        if any(g != self.place_a for g in given):
+            raise ValueError("x, idx, sync and x_scale are required with place_a=True and refused without it")
+        if not self.place_a:
+            return
+        if sync.dtype != torch.int32 or sync.dim() != 1 or sync.numel() < 5:
             raise ValueError("sync must be a 1-d int32 tensor of S + 4 >= 5 elements")
-        want = (torch.float8_e4m3fn, torch.uint8) if self.place_copy else (torch.bfloat16,)
-        if self.place_a and x is not None and (x.dtype not in want or x.dim() != 2 or x.shape[1] != self.k):
-            raise ValueError(f"x must be a {' or '.join(str(w) for w in want)} [T, {self.k}] tensor")
-        if self.place_copy and (x_scale.dtype != torch.float32 or x_scale.dim() != 2
-                                or x_scale.shape[1] != self.k // FP8_BLOCK):
+        if idx.dtype != torch.int32 or idx.dim() != 1:
+            raise ValueError("idx must be a 1-d int32 tensor")
+        if x is not None and (x.dtype not in (torch.float8_e4m3fn, torch.uint8) or x.dim() != 2
+                              or x.shape[1] != self.k):
+            raise ValueError(f"x must be a torch.float8_e4m3fn (or uint8) [T, {self.k}] tensor")
+        if x_scale.dtype != torch.float32 or x_scale.dim() != 2 or x_scale.shape[1] != self.k // FP8_BLOCK:
             raise ValueError(f"x_scale must be a float32 [T, {self.k // FP8_BLOCK}] tensor")
 
-    def _place_args(self, x, idx, sync, x_scale, device) -> tuple:
-        """The placing kernel's leading ``(x, idx)`` and its ``(sync, x_scale)`` (unread placeholders
-        where this variant reads no idx / x_scale)."""
+    def _place_args(self, x, idx, sync, x_scale) -> tuple:
+        """The placing kernel's leading ``(x, idx)`` and its ``(sync, x_scale)``."""
         if not self.place_a:
             return (), ()
-        if idx is None or x_scale is None:
-            if getattr(self, "_dummies", None) is None or self._dummies[0].device != device:
-                self._dummies = (torch.zeros(1, dtype=torch.int32, device=device),
-                                 torch.zeros(1, self.k // FP8_BLOCK, dtype=torch.float32, device=device))
-            idx = self._dummies[0] if idx is None else idx
-            x_scale = self._dummies[1] if x_scale is None else x_scale
-        return (None if x is None else _u8(x) if self.place_copy else x, idx), (sync, x_scale)
+        return (None if x is None else _u8(x), idx), (sync, x_scale)
 
     def __call__(self, a: torch.Tensor, a_scale: torch.Tensor, b: torch.Tensor, b_scale: torch.Tensor,
                  offsets: torch.Tensor, out: torch.Tensor, row_scale: torch.Tensor,
@@ -208,18 +195,17 @@ class CompiledFp8Gemm:
         out:       [M_total, N_out]    bfloat16
         row_scale: [>= 1]              float32 ([M_total] read when scale_rows, else a placeholder)
         stream:    torch.cuda.Stream or None (current); a CUstream on the classic path
-        x:         [T, K] bfloat16, required iff place_a: the rows to quantise (place_copy: e4m3 rows,
-                   or their uint8 bits, to copy)
-        idx:       [M_total] int32, required iff place_gather: row r of A is x[idx[r]] (else x[r])
+        x:         [T, K] float8_e4m3fn (or uint8 bits), required iff place_a: the rows to copy
+        idx:       [M_total] int32, required iff place_a: row r of A is x[idx[r]]
         sync:      [S + 4] int32, required iff place_a (zero before its first launch; the kernel
                    leaves it so)
-        x_scale:   [T, K/128] float32, required iff place_copy: the scales of x's rows
+        x_scale:   [T, K/128] float32, required iff place_a: the scales of x's rows
         """
         self._check_place_args(x, idx, sync, x_scale)
         if a.shape[0] == 0:
             return out
         ctas = self._grid(max_active_ctas, a.device)
-        head, mid = self._place_args(x, idx, sync, x_scale, a.device)
+        head, mid = self._place_args(x, idx, sync, x_scale)
         if self.tvm_ffi:
             call_on_stream(self._fn, (*head, _u8(a), a_scale, *mid, _u8(b), b_scale, out, offsets, row_scale, ctas),
                            stream)
@@ -252,8 +238,8 @@ class CompiledFp8Gemm:
         packed once here (a layer's own buffers), so a call costs the launch and little else.
         The fixed tensors are held (kept alive) and must keep their shapes while ``run`` is used.
         A placing kernel (place_a) also fixes ``idx``, ``sync`` and ``x_scale`` here, and its source
-        rows either here (``x``: a layer buffer, e.g. FC1's output for FC2) or per call:
-        ``run(b, b_scale, x)`` (FC1 from the call's tokens; no rows: no launch)."""
+        rows either here (``x``: a layer buffer, e.g. the tokens the layer quantised) or per call:
+        ``run(b, b_scale, x)`` (no rows: no launch)."""
         self._check_place_args(x, idx, sync, x_scale, x_per_call=True)
         if not self.tvm_ffi or a.shape[0] == 0:
             def run_unpacked(b, b_scale, x_call=None):
@@ -265,20 +251,19 @@ class CompiledFp8Gemm:
             return run_unpacked
         ctas = self._grid(max_active_ctas, a.device)
         # the fixed tensors as TVM-FFI objects once (drop v61); b and b_scale stay torch tensors
-        lead, mid = self._place_args(x, idx, sync, x_scale, a.device)
-        head = ffi_fixed(*lead[1:], _u8(a), a_scale, *mid)  # idx (placing), a, a_scale, sync, x_scale (placing)
+        lead, mid = self._place_args(x, idx, sync, x_scale)
+        head = ffi_fixed(*lead[1:], _u8(a), a_scale, *mid)  # idx (placing), a, a_scale, (placing:) sync, x_scale
         tail = ffi_fixed(out, offsets, row_scale, ctas)
         fn = self._fn
         if self.place_a:
             fixed_x = None if x is None else ffi_fixed(lead[0])[0]
-            copy = self.place_copy
 
             def run_placing(b, b_scale, x_call=None):
                 if x_call is None and fixed_x is None:
                     raise ValueError("this prepared placing launch takes its source rows per call: run(b, b_scale, x)")
                 if x_call is not None and x_call.shape[0] == 0:  # no source rows: no grouped rows either
                     return
-                fn(fixed_x if x_call is None else _u8(x_call) if copy else x_call, *head, _u8(b), b_scale, *tail)
+                fn(fixed_x if x_call is None else _u8(x_call), *head, _u8(b), b_scale, *tail)
             return run_placing
 
         def run(b, b_scale):

@@ -19,9 +19,9 @@ the warp syncs, and lane 0 adds the chunk's row count to the m-tile's ready coun
 (``ld.acquire.gpu``, bounded by ``%globaltimer``; it gives up at once if another tile's wait has
 timed out) until its m-tile's counter holds all the tile's rows, then issues
 ``fence.proxy.async.global`` so that its TMA (the async proxy) reads what the copy warps wrote
-through the generic proxy. (Drop v92: the claim, chunk, publish and retire steps are shared with
-the FP8 GEMM's placing warps, :mod:`.placing_quantiser`, and the copy takes any element width and
-an optional scale row.)
+through the generic proxy. (Drop v92: the copy takes any element width and an optional scale
+row, for the FP8 GEMM's placing warps, :mod:`.fp8_gemm_place`; the claim, chunk, publish and
+retire steps are separate helpers, which v92's quantising warps shared until drop v93 removed them.)
 
 The sync buffer ``mSync`` [S + 4] int32 (S >= the m-tiles of any call; zero before the first
 launch): ready counters [0, S), then claim, done, finished and an error word. It is tail-clean:
