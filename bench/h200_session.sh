@@ -83,6 +83,9 @@
 #                -> $OUT/ncuab_<model>_s<i>.log.
 # envab:         the layer (MODELS, QUANT) under each setting of ENVAB ('|'-separated, each a list of
 #                VAR=value; end it with '|' for the defaults), interleaved, ENVAB_ROUNDS (2) rounds -> $OUT/envab_s<i>_r<r>.{log,csv}.
+# timeline:      `python -m moe_ep.bench.graph_timeline` (MODELS, QUANT: per call and graph timed in TIMELINE_ROUNDS
+#                (2) interleaved rounds, then each one's kernel timeline) under each ENVAB setting (as envab)
+#                -> $OUT/timeline_s<i>.log (named by index: the device returns no file whose name holds a '=').
 # dropab:        DROPAB_GROUPS' GPU tests, then the BF16 and FP8 layers with the checkout's drop files and with
 #                those in DROPAB_DIR (.device/exp/old) copied over the installed drop, interleaved, DROPAB_ROUNDS
 #                (2) rounds -> $OUT/dropab_*.{log,csv}, $OUT/tests_*.log.
@@ -115,7 +118,7 @@
 #   different processes compare; untried on the H200 as of the twenty-fourth session).
 set -uo pipefail
 mode=${1:-all}
-modes="all|moe|fi|liger|sonic|extra|verify2|ncu|ncuab|layers|envab|newab|power|sustained|sustab|defer|dropab|commitab|ceiling|decide|decode|suite|suite1|suite2|suite3"
+modes="all|moe|fi|liger|sonic|extra|verify2|ncu|ncuab|layers|envab|timeline|newab|power|sustained|sustab|defer|dropab|commitab|ceiling|decide|decode|suite|suite1|suite2|suite3"
 case "|$modes|" in *"|$mode|"*) ;; *) echo "usage: bash bench/h200_session.sh [$modes]" >&2; exit 2 ;; esac
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -328,6 +331,15 @@ layer_settings() {  # layer_settings: the layer (QUANT, MODELS) under each ENVAB
 }
 if [ "$mode" = envab ]; then
   layer_settings
+fi
+if [ "$mode" = timeline ]; then
+  IFS='|' read -r -a settings <<< "${ENVAB:-}|"
+  for i in "${!settings[@]}"; do
+    # shellcheck disable=SC2086
+    step "timeline, setting $i (${settings[$i]:-defaults})" "$OUT/timeline_s$i.log" -- env ${settings[$i]} \
+        python3 -m moe_ep.bench.graph_timeline --model "$MODELS" --tokens "$TOKENS" \
+        --rounds "${TIMELINE_ROUNDS:-2}" ${QUANT:+--quant "$QUANT"}
+  done
 fi
 if [ "$mode" = ncuab ]; then
   # Nsight Compute on one FC1 + one FC2 launch of the BF16 GEMMs (bench/ncu_gemm.py, uniform routing) of
