@@ -8,7 +8,6 @@ bits as the plain kernel on x[idx], every row placed, the sync buffer clean afte
 the layer's output with the switch on and off (eager and CUDA graph)."""
 
 import functools
-import re
 from types import SimpleNamespace
 
 import pytest
@@ -16,6 +15,7 @@ import torch
 
 pytest.importorskip("cutlass")
 
+from placing_ptx import check_placing_ptx  # noqa: E402
 from recorders import rec_gemm, rec_layout  # noqa: E402
 from moe_ep.shim import drop_src, register_drop  # noqa: E402
 
@@ -36,29 +36,10 @@ def _needs_sm90():
 def test_bf16_place_compiles(act, n, k, experts, kw, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     from sm90_megamoe.compile_check import compile_for_arch
-    from sm90_megamoe.swapab_runner import ptxas_info
 
     plain = compile_for_arch(act, n, k, False, num_experts=experts, raster_m=16, **kw).__ptx__
     ptx = compile_for_arch(act, n, k, False, num_experts=experts, raster_m=16, place_a=True, **kw).__ptx__
-    wgmma = lambda p: re.findall(r"wgmma\.mma_async[\w.]*", p)  # noqa: E731
-    assert wgmma(ptx) == wgmma(plain) and wgmma(ptx)
-    # the TMA warp: acquire-spin on the m-tile's counter (bounded by %globaltimer), then a proxy
-    # fence, then A's TMA loads (2-d) and B's (3-d)
-    spin = ptx.index("ld.acquire.gpu.global.b32")
-    fence = ptx.index("fence.proxy.async.global")
-    first_a = ptx.index("cp.async.bulk.tensor.2d")
-    assert spin < fence < first_a and "%globaltimer" in ptx
-    assert "ld.relaxed.gpu.global.b32" in ptx  # a waiting tile gives up once another one has timed out
-    # the copy warps: 16-byte loads and stores, a fence per lane, the count released by lane 0
-    assert "fence.acq_rel.gpu" in ptx and "red.release.gpu.global.add.s32" in ptx
-    assert re.search(r"ld\.global\.v4\.(b32|u32)", ptx) and re.search(r"st\.global\.v4\.(b32|u32)", ptx)
-    assert "setmaxnreg.dec.sync.aligned.u32 \t56;" in ptx and "setmaxnreg.inc.sync.aligned.u32 \t216;" in ptx
-    assert "ld.local" not in ptx and "st.local" not in ptx
-    assert "fence.proxy.async.global" not in plain and "red.release.gpu" not in plain
-    info = ptxas_info(ptx)
-    if info is None:
-        pytest.skip("no ptxas installed: spill check skipped")
-    assert info[1] == 0, info
+    check_placing_ptx(ptx, plain, regs=(56, 216))  # the copy warps' register split
 
 
 def test_bf16_place_refusals():
