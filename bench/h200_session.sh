@@ -105,6 +105,7 @@
 #                then the virtual-rank GPU file in what is left of CALL_BUDGET (480 s of this script) -> $OUT/decode*.{log,csv}, suite3.log.
 # suite:         the whole GPU suite in one call: run_groups, twelve pytest processes in parallel (compiling dominates;
 #                the eighth session ran 91 tests in 220 s this way), cut at CALL_BUDGET (540 s) -> $OUT/tests_*.log.
+#                SUITE_PICK="9" runs some of the twelve groups; SUITE_GROUPS="f1.py|f2.py;-k;x" runs your own.
 # suite1/2/3:    pytest -m gpu in three parts that each fit one 600 s device call (the whole suite does not):
 #                1 = layer, FP8 backend, activations/bias; 2 = the other GPU files; 3 = the virtual-rank file.
 # Knobs (environment): MODELS (qwen3,mixtral), TOKENS (8192), ITERS (30), N (GPUs = EP size, 1),
@@ -218,6 +219,9 @@ suite_groups=(
 if [ -n "${SUITE_PICK:-}" ]; then
   picked=(); for i in $SUITE_PICK; do picked+=("${suite_groups[$i]}"); done; suite_groups=("${picked[@]}")
 fi
+# SUITE_GROUPS="a|b ...": these groups instead ('|' between groups, ';' between one group's pytest arguments),
+# e.g. SUITE_GROUPS="tests/test_x.py|tests/test_y.py;-k;fast" -- run_groups waits on each pytest by its pid
+if [ -n "${SUITE_GROUPS:-}" ]; then IFS='|' read -r -a suite_groups <<< "$SUITE_GROUPS"; fi
 if [ "$N" -gt 1 ]; then bench=(torchrun --standalone --nproc_per_node="$N" -m moe_ep.bench); else bench=(python3 -m moe_ep.bench); fi
 
 if [ "$mode" = all ] || [ "$mode" = moe ]; then
