@@ -13,7 +13,6 @@ build() { python -m moe_ep.aot build --arch sm_90a --max-tokens 8192 --out "$out
 build --model qwen3,mixtral,nemotron
 build --model qwen3,mixtral --quant fp8_block128
 # the queued switches (their GEMMs only; everything else is the defaults' above)
-MOE_EP_PLACE_FC1=1 build --model qwen3,mixtral --kernels fc1
 MOE_EP_GATHER_FC1=1 build --model qwen3,mixtral --kernels fc1
 MOE_EP_FP8_PLACE_FC1=copy build --model qwen3,mixtral --quant fp8_block128 --kernels fc1
 du -sh "$out"

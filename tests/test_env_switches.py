@@ -61,7 +61,6 @@ SWITCHES = [
     ("MOE_EP_LOCAL_COMBINE", bb.local_combine, True),
     ("MOE_EP_LOCAL_ROUTE", bb.local_route, True),
     ("MOE_EP_GATHER_FC1", bb.gather_fc1, False),
-    ("MOE_EP_PLACE_FC1", bb.place_fc1, False),
     ("MOE_EP_TOKEN_GRID", bb.token_grid, False),
     ("MOE_EP_FP8_WIRE", fb.fp8_wire, False),
     ("MOE_EP_FP8_FUSED_GATHER", fb.fused_gather_quant, True),
@@ -104,7 +103,7 @@ def test_switches_with_more_values(monkeypatch):
 
 @pytest.mark.parametrize("var", sorted(env.REMOVED))
 def test_removed_switches_raise_where_kernels_are_built(monkeypatch, var):
-    """Drops v84-v93 removed the variants behind these switches (measured slower or no faster on the
+    """Drops v84-v94 removed the variants behind these switches (measured slower or no faster on the
     H200): set to anything but their old default, both SM90 GEMM builders (BF16 and FP8) refuse with a
     ValueError naming the variable and the drop version -- before any compile -- instead of quietly
     building the default; their old default and unset build as before."""
@@ -112,9 +111,9 @@ def test_removed_switches_raise_where_kernels_are_built(monkeypatch, var):
     for var_ in env.REMOVED:
         monkeypatch.delenv(var_, raising=False)
     monkeypatch.setenv(var, "4" if default == "1" else "1")
-    with pytest.raises(ValueError, match=rf"{var}='.': drop v(8[4-9]|9[0-3]) removed"):
+    with pytest.raises(ValueError, match=rf"{var}='.': drop v(8[4-9]|9[0-4]) removed"):
         s.compiled_grouped_gemm("swiglu", 1536, 2048, 128, gather_a=True)
-    with pytest.raises(ValueError, match=rf"{var}='.': drop v(8[4-9]|9[0-3]) removed"):
+    with pytest.raises(ValueError, match=rf"{var}='.': drop v(8[4-9]|9[0-4]) removed"):
         f._gemm_key("swiglu", 1536, 2048, 128, False)
     monkeypatch.setenv(var, default)
     env.check_removed()

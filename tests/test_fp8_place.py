@@ -4,12 +4,13 @@ spare producer warps copy grouped row r (token idx[r]'s E4M3 row and its scales)
 runs; each tile's TMA warp waits (acquire, then a proxy fence) for its m-tile's rows. (Drop v93
 removed v92's quantising placements, MOE_EP_FP8_PLACE_FC1=quant and MOE_EP_FP8_PLACE_FC2: both
 raise now.) CPU: the PTX of the layer's schedules (the wait before the first TMA load, the release
-after the copied stores, the plain kernel's WGMMAs), no spills, refusals, the shim's key, the
+after the copied stores, the plain kernel's WGMMAs), no spills, refusals, the sync buffer's size, the shim's key, the
 switch, the backend's wiring and its error check. GPU: the same bits as the plain GEMM on the
 reference quantiser's rows, A and its scales as that quantiser writes them, the sync buffer clean
 after each launch, and the layer's output with the switch on and off (eager and CUDA graph)."""
 
 import dataclasses
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -18,7 +19,6 @@ import torch
 pytest.importorskip("cutlass")
 
 from moe_ep.shim import drop_src, register_drop  # noqa: E402
-from placing_ptx import check_placing_ptx, wgmmas  # noqa: E402
 
 register_drop(drop_src("sm90", "megamoe"))
 
@@ -29,6 +29,35 @@ SHAPES = [
     (1536, 2048, 128, dict(Q1, smem_scales=True)),
     (28672, 4096, 8, dict(Q1, unit_scales=True)),
 ]
+
+
+def wgmmas(ptx: str) -> list:
+    return re.findall(r"wgmma\.mma_async[\w.]*", ptx)
+
+
+def check_placing_ptx(ptx: str, plain: str, regs: tuple) -> None:
+    """``ptx`` (the placing kernel) against ``plain`` (the same GEMM without placement): the same
+    WGMMAs; the TMA warp's acquire-spin on the m-tile's counter (bounded by %globaltimer, giving up
+    once another tile has timed out), then a proxy fence, then A's TMA loads (2-d); the copy warps'
+    16-byte loads and stores, a fence per lane and the count released by lane 0; ``regs`` = (producer,
+    consumers) per thread by setmaxnreg; no local memory; none of this in the plain kernel; no spills
+    (local ptxas; skips without it)."""
+    from sm90_megamoe.swapab_runner import ptxas_info
+
+    assert wgmmas(ptx) == wgmmas(plain) and wgmmas(ptx)
+    spin = ptx.index("ld.acquire.gpu.global.b32")
+    assert spin < ptx.index("fence.proxy.async.global") < ptx.index("cp.async.bulk.tensor.2d")
+    assert "%globaltimer" in ptx and "ld.relaxed.gpu.global.b32" in ptx
+    assert "fence.acq_rel.gpu" in ptx and "red.release.gpu.global.add.s32" in ptx
+    assert re.search(r"ld\.global\.v4\.(b32|u32)", ptx) and re.search(r"st\.global\.v4\.(b32|u32)", ptx)
+    assert f"setmaxnreg.dec.sync.aligned.u32 \t{regs[0]};" in ptx
+    assert f"setmaxnreg.inc.sync.aligned.u32 \t{regs[1]};" in ptx
+    assert "ld.local" not in ptx and "st.local" not in ptx
+    assert "fence.proxy.async.global" not in plain and "red.release.gpu" not in plain
+    info = ptxas_info(ptx)
+    if info is None:
+        pytest.skip("no ptxas installed: spill check skipped")
+    assert info[1] == 0, info
 
 
 def _needs_sm90():
@@ -250,6 +279,25 @@ def test_fp8_place_wiring_on_cpu(fc1):
         assert got["fc1"]["x"] is None and got["fc1"]["sync"] is None
     assert got["quant_h"]["x"] is t["h"] and got["fc2"]["x"] is None and got["fc2"]["sync"] is None
     assert b._x_rows is None
+
+
+def test_place_sync_len_holds_every_routing():
+    """S (the ready counters) is at least the m-tiles of any split of ``rows`` over the experts:
+    all in one expert, one row each, and random splits; the buffer is S + the drop's 4 tail slots."""
+    from moe_ep.shim import sm90_place_sync_len
+
+    g = torch.Generator().manual_seed(7)
+    for rows, experts in ((1, 1), (128, 1), (129, 4), (65536, 128), (5000, 16), (3, 64)):
+        n = sm90_place_sync_len(rows, experts)
+        slots = n - 4
+        assert slots >= 1
+        splits = [torch.tensor([rows] + [0] * (experts - 1)), torch.bincount(torch.arange(rows) % experts,
+                                                                             minlength=experts)]
+        for _ in range(20):
+            splits.append(torch.bincount(torch.randint(0, experts, (rows,), generator=g), minlength=experts))
+        for counts in splits:
+            assert int(counts.sum()) == rows
+            assert int(((counts + 127) // 128).sum()) <= slots, (rows, experts, counts)
 
 
 def test_fp8_placement_timeout_is_raised_by_check():

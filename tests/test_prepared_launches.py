@@ -84,26 +84,25 @@ def test_fp8_gemm_prepared_passes_the_plain_arguments(variant):
 
 
 # ------------------------------------------------------------------------------ BF16 GEMM (drop v61, v63)
-@pytest.mark.parametrize("variant", ["fc1", "fc2", "bias", "cluster2", "swapab", "gather", "place"])
+@pytest.mark.parametrize("variant", ["fc1", "fc2", "bias", "cluster2", "swapab", "gather", "gather_per_call"])
 def test_bf16_gemm_prepared_passes_the_plain_arguments(variant):
     """``prepare(...)`` then ``run(b, bias)`` hands the kernel what ``launch_tensors`` does; the
-    caller's placeholders (unread row scale / bias) are fixed with the rest. A placing FC1 (drop v91)
-    is prepared with ``a=None`` and takes its source rows per call (``run(b, bias, a=x)``)."""
+    caller's placeholders (unread row scale / bias) are fixed with the rest. A gathering FC1 may be
+    prepared with ``a=None`` and take its source rows per call (``run(b, bias, a=x)``; drop v91),
+    as the one-rank layer prepares it."""
     E, n, k, M, T = 4, 256, 128, 96, 40
     act = "identity" if variant == "fc2" else "swiglu"
     kw = {"bias": dict(bias_dtype="float32"), "cluster2": dict(cluster_m=2), "swapab": dict(schedule="swapab"),
-          "gather": dict(gather_a=True), "place": dict(place_a=True)}
+          "gather": dict(gather_a=True), "gather_per_call": dict(gather_a=True)}
     recs = [Recorder(), Recorder()]
     gemms = [CompiledGroupedGemm(act, n, k, E, scale_rows=variant == "fc2", compiled=r, tvm_ffi=True,
                                  **kw.get(variant, {})) for r in recs]
     for g in gemms:
         g._max_ctas = 66  # the clustered grid's cap, worked out on a GPU otherwise
     dummy_scale, dummy_bias = torch.zeros(1), torch.zeros(1, 8)
-    rows_by_index = variant in ("gather", "place")
+    rows_by_index = variant in ("gather", "gather_per_call")
     a = torch.randn(T if rows_by_index else M, k).to(torch.bfloat16)
     idx = torch.randint(0, T, (M,), dtype=torch.int32) if rows_by_index else None
-    place = dict(xs=torch.empty(M, k, dtype=torch.bfloat16), sync=torch.zeros(30 + 4, dtype=torch.int32)) \
-        if variant == "place" else {}
     out = torch.empty(M, gemms[0].n_out, dtype=torch.bfloat16)
     offsets = torch.tensor([0, 10, 50, 50, 96], dtype=torch.int32)
     rs = torch.rand(M) if variant == "fc2" else dummy_scale
@@ -113,10 +112,9 @@ def test_bf16_gemm_prepared_passes_the_plain_arguments(variant):
             continue  # None means one CTA per SM: a GPU question
         b = torch.randn(E, n, k).to(torch.bfloat16)
         bias = torch.randn(E, n) if variant == "bias" else None
-        gemms[0].launch_tensors(a, b, out, offsets, rs, dummy_bias if bias is None else bias, ctas or 132, idx=idx,
-                                **place)
-        if variant == "place":  # the source rows per call
-            gemms[1].prepare(None, out, offsets, rs, fixed_bias, ctas or 132, idx=idx, **place)(b, bias, a=a)
+        gemms[0].launch_tensors(a, b, out, offsets, rs, dummy_bias if bias is None else bias, ctas or 132, idx=idx)
+        if variant == "gather_per_call":  # the source rows per call
+            gemms[1].prepare(None, out, offsets, rs, fixed_bias, ctas or 132, idx=idx)(b, bias, a=a)
         else:
             run = gemms[1].prepare(a, out, offsets, rs, fixed_bias, ctas or 132, idx=idx)
             run(b, bias)

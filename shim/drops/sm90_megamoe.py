@@ -59,7 +59,7 @@ from .sm90_megamoe_switches import (  # noqa: F401  (re-exported: the shim reads
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 93},
+    "sm90_megamoe": {"DROP_VERSION": 94},
     "sm90_megamoe.placing_producer": {"PLACE_SYNC_TAIL": 4},
     "sm90_megamoe.fp8_gemm": {"FP8_BLOCK": 128, "OVERLAP_MAX_K_TILES": 32, "OVERLAP_MAX_CHUNK": 16},
     "sm90_megamoe.unit_scales": {"UNIT_SCALE_KC": 8},
@@ -103,16 +103,15 @@ CONTRACT = DropContract(
                     ("activation", "n", "k", "num_experts", "scale_rows", "tile_n", "bias_dtype",
                      "raster_m", "swiglu_alpha", "swiglu_limit", "schedule", "compiled", "tvm_ffi",
                      "early_weights", "gather_a", "cluster_m", "tanh_sigmoid",
-                     "cluster_n", "jump_stages", "place_a")),
+                     "cluster_n", "jump_stages")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_converted",
                     ("args", "max_active_ctas", "stream")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_tensors",
-                    ("a", "b", "c", "offsets", "row_scale", "bias", "max_active_ctas", "stream", "idx", "xs",
-                     "sync")),
+                    ("a", "b", "c", "offsets", "row_scale", "bias", "max_active_ctas", "stream", "idx")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.prepare",
-                    ("a", "out", "offsets", "row_scale", "bias", "max_active_ctas", "idx", "xs", "sync")),
+                    ("a", "out", "offsets", "row_scale", "bias", "max_active_ctas", "idx")),
         CallableUse("sm90_megamoe.launch:to_cute_args",
-                    ("a", "b", "c", "offsets", "row_scale", "bias", "idx", "xs", "sync")),
+                    ("a", "b", "c", "offsets", "row_scale", "bias", "idx")),
         CallableUse("sm90_megamoe.compile_check:compile_for_arch",
                     ("activation", "n", "k", "scale_rows", "arch", "num_experts", "tile_n",
                      "extra_options", "bias_dtype", "raster_m", "swiglu_alpha", "swiglu_limit",
@@ -389,7 +388,6 @@ class GemmKey:
     tanh_sigmoid: bool = False
     cluster_n: int = 1
     jump_stages: bool = False
-    place_a: bool = False
 
 
 class GroupedGemm:
@@ -398,16 +396,11 @@ class GroupedGemm:
     ``gemm(a [M, k] bf16, b [E, n, k] bf16, offsets [E+1] int32 (device), out [M, n_out] bf16,
     row_scale [M] f32 (only when compiled with scale_rows), bias [E, n] (only when compiled with
     a bias dtype, of that dtype))``; ``n_out`` = n/2 for the gated activations. A gathering
-    (``gather_a``) or placing (``place_a``) GEMM takes the source rows as ``a`` and ``idx`` [M]
-    int32; a placing one also ``xs`` [M, k] bf16 (written, then read as A) and ``sync``
-    (:func:`place_sync_len` int32, zero before its first launch; the kernel leaves it so). TVM-FFI kernels
+    (``gather_a``) GEMM takes the source rows as ``a`` and ``idx`` [M] int32. TVM-FFI kernels
     take the torch tensors as they are; on the classic path the converted (CuTe) arguments of
     the last call are kept, so a layer passing the same persistent buffers converts nothing per
     forward (they die with the launcher).
     """
-
-    #: drop v91: the kernel writes the grouped rows it reads (set from the compiled kernel)
-    place_a = False
 
     def __init__(self, compiled: Any, to_cute_args: Any, device: Any) -> None:
         import torch
@@ -418,7 +411,6 @@ class GroupedGemm:
         self.n_out = compiled.n_out
         self.tvm_ffi = compiled.tvm_ffi
         self.gather_a = compiled.gather_a
-        self.place_a = bool(getattr(compiled, "place_a", False))
         self._to = to_cute_args
         self._last: tuple | None = None
         # unread arguments of variants without a row scale / bias (the drop's signature: fp32
@@ -428,13 +420,9 @@ class GroupedGemm:
         self._ctas = _num_sms(device)
 
     def __call__(self, a, b, offsets, out, row_scale=None, max_active_ctas=None, stream=None, bias=None,
-                 idx=None, xs=None, sync=None):
-        if (self.gather_a or self.place_a) != (idx is not None):
-            raise ValueError("a gathering or placing grouped GEMM takes idx (grouped row r = a[idx[r]]); any other "
-                             "refuses it")
-        if self.place_a != (xs is not None) or self.place_a != (sync is not None):
-            raise ValueError("a placing grouped GEMM takes xs (the grouped rows it writes) and sync; any other "
-                             "refuses them")
+                 idx=None):
+        if self.gather_a != (idx is not None):
+            raise ValueError("a gathering grouped GEMM takes idx (grouped row r = a[idx[r]]); any other refuses it")
         if a.shape[0] == 0:
             return out
         if self.scale_rows:
@@ -450,51 +438,44 @@ class GroupedGemm:
         else:
             bias = self._dummy_bias
         if self.tvm_ffi:
-            place = {} if xs is None else {"xs": xs, "sync": sync}
             self.compiled.launch_tensors(a=a, b=b, c=out, offsets=offsets, row_scale=row_scale, bias=bias,
-                                         max_active_ctas=max_active_ctas or self._ctas, stream=stream, idx=idx,
-                                         **place)
+                                         max_active_ctas=max_active_ctas or self._ctas, stream=stream, idx=idx)
             return out
-        ts = (a, b, out, offsets, row_scale, bias) + (() if idx is None else (idx,)) + (() if xs is None else (xs, sync))
+        ts = (a, b, out, offsets, row_scale, bias) + (() if idx is None else (idx,))
         key = tuple((t.data_ptr(), tuple(t.shape), t.dtype) for t in ts)
         if self._last is None or self._last[0] != key:
-            place = {} if xs is None else {"xs": xs, "sync": sync}
-            self._last = (key, self._to(a=a, b=b, c=out, offsets=offsets, row_scale=row_scale, bias=bias, idx=idx,
-                                        **place), ts)
+            self._last = (key, self._to(a=a, b=b, c=out, offsets=offsets, row_scale=row_scale, bias=bias, idx=idx),
+                          ts)
         self.compiled.launch_converted(args=self._last[1], max_active_ctas=max_active_ctas or self._ctas,
                                        stream=stream)
         return out
 
-    def prepare(self, a, offsets, out, row_scale=None, max_active_ctas=None, idx=None, xs=None, sync=None):
-        """``self(a, b, offsets, out, row_scale, max_active_ctas, bias=bias, idx=idx, xs=xs, sync=sync)``
+    def prepare(self, a, offsets, out, row_scale=None, max_active_ctas=None, idx=None):
+        """``self(a, b, offsets, out, row_scale, max_active_ctas, bias=bias, idx=idx)``
         with all but the weights (and the bias, when compiled with one) fixed: ``run(b, bias=None)``,
-        the same launch. A gathering or placing GEMM may leave its source rows to each call
+        the same launch. A gathering GEMM may leave its source rows to each call
         (``a=None``: ``run(b, bias=None, a=x)``). TVM-FFI kernels check and pack the fixed tensors
         once (the drop's ``CompiledGroupedGemm.prepare``, with this launcher's placeholders); the
         classic path calls this launcher (its converted arguments are cached anyway). The fixed
         tensors must keep their shapes while ``run`` is used."""
-        if (self.gather_a or self.place_a) != (idx is not None):
-            raise ValueError("a gathering or placing grouped GEMM takes idx (grouped row r = a[idx[r]]); any other "
-                             "refuses it")
-        if self.place_a != (xs is not None) or self.place_a != (sync is not None):
-            raise ValueError("a placing grouped GEMM takes xs and sync; any other refuses them")
+        if self.gather_a != (idx is not None):
+            raise ValueError("a gathering grouped GEMM takes idx (grouped row r = a[idx[r]]); any other refuses it")
         if self.scale_rows and row_scale is None:
             raise ValueError("this grouped GEMM was compiled with scale_rows=True: pass row_scale")
         ctas = max_active_ctas or self._ctas
-        place = {} if xs is None else {"xs": xs, "sync": sync}
         if a is None:  # the source rows per call
             if not self.tvm_ffi:
                 def run_rows_plain(b, bias=None, a=None):
-                    self(a, b, offsets, out, row_scale, ctas, bias=bias, idx=idx, **place)
+                    self(a, b, offsets, out, row_scale, ctas, bias=bias, idx=idx)
                 return run_rows_plain
         elif not self.tvm_ffi or a.shape[0] == 0:  # (no rows: __call__ launches nothing)
             def run_plain(b, bias=None):
-                self(a, b, offsets, out, row_scale, ctas, bias=bias, idx=idx, **place)
+                self(a, b, offsets, out, row_scale, ctas, bias=bias, idx=idx)
             return run_plain
         return self.compiled.prepare(a=a, out=out, offsets=offsets,
                                      row_scale=row_scale if self.scale_rows else self._dummy_scale,
                                      bias=None if self.bias_dtype is not None else self._dummy_bias,
-                                     max_active_ctas=ctas, idx=idx, **place)
+                                     max_active_ctas=ctas, idx=idx)
 
     def release(self) -> None:
         """Drop the cached converted arguments (they keep the last tensors alive, e.g. the
@@ -516,7 +497,7 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
                           tile_n: int | None = None, bias_dtype: Any = None, raster_m: int | None = None,
                           swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
                           schedule: str | None = None, rows_per_expert: float | None = None,
-                          early_weights: bool = False, gather_a: bool = False, place_a: bool = False) -> Any:
+                          early_weights: bool = False, gather_a: bool = False) -> Any:
     """The compiled grouped GEMM from the compile cache (compiled code only, no buffers).
     ``schedule``/``tile_n`` None: :func:`pick_schedule` (``rows_per_expert``: the mean rows per
     expert the caller expects at capacity; None = many, the prefill kernels). ``early_weights``:
@@ -524,9 +505,7 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
     a swap-AB kernel may prefetch its weights before the PDL wait; it takes effect only for the
     swap-AB schedule with PDL launches (:func:`pdl_launches`), else the plain kernel is used.
     ``gather_a`` (drop v23; cooperative / wide, K % 64 == 0): A is the source rows and a call
-    passes ``idx`` (grouped row r = ``a[idx[r]]``). ``place_a`` (drop v91; cooperative / wide): the
-    same, and the kernel's spare producer warps write the grouped rows into the call's ``xs`` while
-    it runs (a call passes ``xs`` and ``sync``: :func:`place_sync_len`)."""
+    passes ``idx`` (grouped row r = ``a[idx[r]]``). (Drop v94 removed v91's ``place_a``.)"""
     check_gemm_shapes(activation, n, k, num_experts, tile_n)
     check_removed()  # a switch of a removed variant, still set, raises here
     if schedule is None:
@@ -549,16 +528,13 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
     if gather_a and (schedule not in ("cooperative", "wide") or k % _C["DEFAULT_TILE_K"]):
         raise ValueError(f"sm90 grouped GEMM: gather_a needs the cooperative or wide schedule and K % "
                          f"{_C['DEFAULT_TILE_K']} == 0, got {schedule!r}, K={k}")
-    if place_a and (gather_a or schedule not in ("cooperative", "wide")):
-        raise ValueError(f"sm90 grouped GEMM: place_a needs the cooperative or wide schedule and no gather_a, got "
-                         f"{schedule!r}, gather_a={gather_a}")
-    cluster = use_bf16_cluster(schedule, gather_a or place_a)
+    cluster = use_bf16_cluster(schedule, gather_a)
     key = GemmKey(CONSTANTS.value(PKG, "DROP_VERSION"), _C["ABI_VERSION"], _cutlass_version(), "sm_90a",
                   "bf16", activation, n, k, num_experts, bool(scale_rows), tile, bias, raster, alpha, limit,
                   schedule, ffi, early, bool(gather_a), cluster,
                   use_bf16_tanh_sigmoid(activation),
                   use_bf16_cluster_n(schedule, activation in GEMM_GATED, gather_a),
-                  use_jump_stages(schedule), bool(place_a))
+                  use_jump_stages(schedule))
 
     def build():
         launch = _load("sm90_megamoe.launch")
@@ -568,8 +544,6 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
             kw.update(early_weights=True)
         if gather_a:
             kw.update(gather_a=True)
-        if place_a:
-            kw.update(place_a=True)
         if key.cluster_m > 1:
             kw.update(cluster_m=key.cluster_m)
         if key.cluster_n > 1:
@@ -580,7 +554,7 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
             kw.update(jump_stages=True)
         if activation == "clamped_swiglu":
             kw.update(swiglu_alpha=alpha, swiglu_limit=limit)
-        name = (f"gemm_{activation}" + ("_gather" if gather_a else "") + ("_place" if place_a else "")
+        name = (f"gemm_{activation}" + ("_gather" if gather_a else "")
                 + ("_cluster2" if key.cluster_m > 1 else "") + ("_clustern2" if key.cluster_n > 1 else "")
                 + ("_js" if key.jump_stages else "")
                 + ("_tanh" if key.tanh_sigmoid else ""))
@@ -596,26 +570,26 @@ def grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: 
                  raster_m: int | None = None, swiglu_alpha: float = 1.702,
                  swiglu_limit: float = 7.0, schedule: str | None = None,
                  rows_per_expert: float | None = None, early_weights: bool = False,
-                 gather_a: bool = False, place_a: bool = False) -> GroupedGemm:
+                 gather_a: bool = False) -> GroupedGemm:
     """A new :class:`GroupedGemm` launcher for ``device`` (default: the current CUDA device).
 
     ``bias_dtype``: None or torch.float32/bfloat16 (the variant adds ``bias [E, n]``);
     ``raster_m``: None = :func:`pick_raster_m` (k); ``swiglu_*``: clamped_swiglu's constants;
     ``schedule``: "cooperative", "pingpong", "swapab", "wide" or None = :func:`pick_schedule` (with
     ``rows_per_expert``, the mean rows per expert expected at capacity); ``early_weights``,
-    ``gather_a``, ``place_a``: see :func:`compiled_grouped_gemm`."""
+    ``gather_a``: see :func:`compiled_grouped_gemm`."""
     import torch
 
     compiled = compiled_grouped_gemm(activation, n, k, num_experts, scale_rows, tile_n, bias_dtype,
                                      raster_m, swiglu_alpha, swiglu_limit, schedule, rows_per_expert,
-                                     early_weights, gather_a, place_a)
+                                     early_weights, gather_a)
     launch = _load("sm90_megamoe.launch")
     dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
     return GroupedGemm(compiled, launch.to_cute_args, dev)
 
 
 def place_sync_len(rows: int, num_experts: int) -> int:
-    """Length of a placing FC1's ``sync`` buffer (int32) for calls of at most ``rows`` grouped rows over
+    """Length of a placing FC1's ``sync`` buffer (int32; the FP8 copying FC1's, drop v92) for calls of at most ``rows`` grouped rows over
     ``num_experts`` experts: one ready counter per m-tile such rows can take, then the drop's tail
     slots (claim, done, finished, error word; mirrored ``PLACE_SYNC_TAIL``)."""
     slots = (int(rows) + _C["DEFAULT_TILE_M"] - 1) // _C["DEFAULT_TILE_M"] + int(num_experts)
@@ -636,9 +610,9 @@ def compile_gemm_ptx(activation: str, n: int, k: int, scale_rows: bool, arch: st
         return compiled.__ptx__
 
 
-#: tail-clean: the GEMMs keep no state between launches, except the placing FC1's ``sync`` buffer
-#: (drop v91), which the grid's last TMA warp and last copy warp zero before the kernel ends
-#: (tests/test_place_fc1.py: clean after consecutive launches)
+#: tail-clean: the GEMMs keep no state between launches, except the FP8 copying FC1's ``sync``
+#: buffer (drop v92, :func:`place_sync_len`), which the grid's last TMA warp and last copy warp zero
+#: before the kernel ends (tests/test_fp8_place.py: clean after consecutive launches)
 GEMM_COUNTERS = CounterContract("sm90_megamoe grouped GEMM", tail_clean=True)
 EP_COUNTERS = CounterContract("sm90_megamoe EP dispatch/combine", tail_clean=True)
 LAYOUT_COUNTERS = CounterContract("sm90_megamoe expert layout (stateless)", tail_clean=True)

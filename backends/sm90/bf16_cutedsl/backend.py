@@ -39,7 +39,7 @@ import torch
 
 from moe_ep.shim import (COMPILE_EVENTS, SM90_DECODE_MAX_ROWS_PER_EXPERT, Sm90EpSession, Sm90LayoutSession, StaleHandleError,
                          env_flag, sm90_check_gemm_shapes, sm90_compiled_grouped_gemm, sm90_grouped_gemm, sm90_new_verr,
-                         sm90_pick_schedule, sm90_place_sync_len, sm90_prebuild_ep, sm90_prebuild_layout)
+                         sm90_prebuild_ep, sm90_prebuild_layout)
 
 from ...registry import BackendImpl, UnsupportedBackendError, require_cuda_arch, routing_value_error
 from .workspace import Dims, get_workspace
@@ -82,18 +82,6 @@ def gather_fc1() -> bool:
     priorities, v75: both slower.) Since drop v91 its launch is prepared at bind like the plain FC1's
     (the call's x passed per call), so the per-call host time no longer counts against it."""
     return env_flag("MOE_EP_GATHER_FC1", False)
-
-
-def place_fc1() -> bool:
-    """``MOE_EP_PLACE_FC1=1`` (one rank with LocalRoute, the 128-row FC1 on its cooperative or wide
-    schedule): step 2 copies no grouped rows, and FC1's three spare producer warps copy them into
-    ``xs`` while FC1 runs, each tile waiting only for its own rows (drop v91's
-    ``GroupedGemmPlaceSm90``; FC1 still reads A by TMA, so the same bits). The copy (Qwen3, 8192
-    tokens: 65536 rows of 4 KB, ~88 us before FC1 today) then runs under FC1's tensor work. Opt-in:
-    on an H100 (thirty-ninth session) bit-identical, and FC1 hid the copy, but FC2 and the combine
-    ran slower after it (cause not found): the Qwen3 layer 5% slower per call and back to back,
-    level under graphs."""
-    return env_flag("MOE_EP_PLACE_FC1", False)
 
 
 def token_grid() -> bool:
@@ -184,13 +172,6 @@ def _gemm_specs(cfg: Any, e_local: int, world: int = 1) -> dict:
             specs[f"{name}_decode"] = dict(specs[name], rows_per_expert=SM90_DECODE_MAX_ROWS_PER_EXPERT)
         if world == 1 and gather_fc1() and local_route() and cfg.hidden % 64 == 0:
             specs["fc1"]["gather_a"] = True  # the 128-row FC1 reads the caller's tokens by idx
-        if world == 1 and place_fc1() and local_route():
-            if specs["fc1"].get("gather_a"):
-                raise ValueError("MOE_EP_GATHER_FC1=1 and MOE_EP_PLACE_FC1=1 both take step 2's row copy into "
-                                 "FC1; set one of them")
-            schedule, _ = sm90_pick_schedule(specs["fc1"]["activation"], cfg.hidden, rows)
-            if schedule in ("cooperative", "wide"):  # the placing kernel's schedules (FC1's default)
-                specs["fc1"]["place_a"] = True  # FC1's spare producer warps copy the rows into xs
     return specs
 
 
@@ -296,9 +277,6 @@ class Sm90CuteDSLBackend(BackendImpl):
         self._bind_gemms(v)
         self.xs, self.h = v["xs"], v["h"]
         self.y = v["xs"]  # FC2's output overwrites FC1's input, dead by then
-        # a placing FC1's counters: zero once here, and the kernel leaves them so (tail-clean)
-        self._place_sync = (torch.zeros(sm90_place_sync_len(self.xs.shape[0], self.E), dtype=torch.int32, device=dev)
-                            if getattr(self.fc1, "place_a", False) else None)
         self.offsets, self.idx, self.ws_rows, self.pos = v["offsets"], v["idx"], v["ws"], v["pos"]
         self._prepare_launches()
         if not self.virtual:  # a VirtualEP binds itself instead (it re-connects all its ranks)
@@ -333,16 +311,14 @@ class Sm90CuteDSLBackend(BackendImpl):
 
     def _prepare_expert_launches(self) -> None:
         """FC1 (from the grouped rows ``xs``) and FC2 per GEMM path (drop v61): ``run(w, bias)``.
-        ``_expert_runs[decode]`` is ``(fc1, fc2)``; a gathering or placing FC1 reads the call's own
-        tokens, which its run takes per call (drop v91): ``run(w, bias, a=x)``."""
+        ``_expert_runs[decode]`` is ``(fc1, fc2)``; a gathering FC1 reads the call's own tokens,
+        which its run takes per call (drop v91): ``run(w, bias, a=x)``."""
         self._expert_runs = {}
         for decode, (fc1, fc2) in ((False, (self.fc1, self.fc2)), (True, (self.fc1_decode, self.fc2_decode))):
             if fc1 is None:
                 continue
-            placing = getattr(fc1, "place_a", False)  # also writes the grouped rows into xs
-            if fc1.gather_a or placing:  # the grouped rows read from the call's x by idx
-                place = {"xs": self.xs, "sync": self._place_sync} if placing else {}
-                run1 = fc1.prepare(None, self.offsets, self.h, max_active_ctas=self.num_ctas, idx=self.idx, **place)
+            if fc1.gather_a:  # the grouped rows read from the call's x by idx
+                run1 = fc1.prepare(None, self.offsets, self.h, max_active_ctas=self.num_ctas, idx=self.idx)
             else:
                 run1 = fc1.prepare(self.xs, self.offsets, self.h, max_active_ctas=self.num_ctas)
             self._expert_runs[decode] = (
@@ -434,14 +410,14 @@ class Sm90CuteDSLBackend(BackendImpl):
             self.layout(self.ep, self.offsets, self.idx, self.ws_rows, self.pos, xs, tokens=self._tokens)
 
     def _fc1_reads_tokens(self) -> bool:
-        """This call's FC1 reads the caller's tokens itself (:func:`gather_fc1`, :func:`place_fc1`)."""
-        return getattr(self._gemms[0], "gather_a", False) or getattr(self._gemms[0], "place_a", False)
+        """This call's FC1 reads the caller's tokens itself (:func:`gather_fc1`)."""
+        return getattr(self._gemms[0], "gather_a", False)
 
     def _step34_experts(self, w13, w2, b13=None, b2=None) -> None:
         # 3. FC1 + activation into h; 4. FC2 + router weight into y (prepared at bind, per GEMM path)
         fc1_run, fc2_run = self._expert_runs[self._decode]
         src = getattr(self, "_fc1_src", None)
-        if src is not None:  # a gathering or placing FC1: grouped row r = x[idx[r]] of the call's x
+        if src is not None:  # a gathering FC1: grouped row r = x[idx[r]] of the call's x
             self._fc1_src = None
             fc1_run(w13, b13, a=src)
         else:
@@ -536,12 +512,12 @@ class Sm90CuteDSLBackend(BackendImpl):
                                                           for n in ("topk_ids", "topk_weights")))
 
     def _placement_buffers(self) -> dict:
-        """The sync buffers of this layer's placing GEMMs, by what they place (none by default)."""
-        sync = getattr(self, "_place_sync", None)
-        return {} if sync is None else {"FC1's row placement (MOE_EP_PLACE_FC1=1)": sync}
+        """The sync buffers of this layer's placing GEMMs, by what they place: none in BF16 (drop
+        v94 removed v91's placing FC1); the FP8 backend's copying FC1 has one."""
+        return {}
 
     def _check_placement(self) -> None:
-        """A placing GEMM (:func:`place_fc1`; the FP8 backend's ``MOE_EP_FP8_PLACE_FC1=copy``)
+        """A placing GEMM (the FP8 backend's ``MOE_EP_FP8_PLACE_FC1=copy``)
         records a tile that waited past its bound for its rows in its sync buffer's last word (1 + the
         m-tile); the counters are then unreliable, so they are zeroed here before this raises."""
         for what, sync in self._placement_buffers().items():

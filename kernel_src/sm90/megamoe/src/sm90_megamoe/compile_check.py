@@ -24,9 +24,7 @@ def fake_args(kernel: GroupedGemmSm90, num_experts: int, n: int, k: int, use_tvm
 
     Layouts match what ``launch.to_cute_args`` produces from contiguous torch tensors. ``bias_dtype``
     ("float32" or "bfloat16") is part of the compiled signature even without ``has_bias``. A
-    gathering kernel (``kernel.gather_a``): (mA, mIdx, mB, ...), A with its own row count. A placing
-    kernel (``kernel.place_a``, drop v91): (mX, mIdx, mXs, mSync, mB, ...), mX with its own row count,
-    mXs [M_total, K], mSync of any length."""
+    gathering kernel (``kernel.gather_a``): (mA, mIdx, mB, ...), A with its own row count."""
     n_out, _ = kernel.static_shapes(n, k)
     m = cute.sym_int()
     gather_a = getattr(kernel, "gather_a", False)  # the swap-AB kernel has no gathering form
@@ -46,11 +44,6 @@ def fake_args(kernel: GroupedGemmSm90, num_experts: int, n: int, k: int, use_tvm
                                          assumed_align=4)
     stream = make_fake_stream(use_tvm_ffi_env_stream=use_tvm_ffi)
     idx = (make_fake_compact_tensor(cutlass.Int32, (m,), assumed_align=4),) if gather_a else ()
-    if getattr(kernel, "place_a", False):
-        mX = make_fake_compact_tensor(cutlass.BFloat16, (cute.sym_int(), k), stride_order=(1, 0), assumed_align=16)
-        idx = (make_fake_compact_tensor(cutlass.Int32, (m,), assumed_align=4), mA,
-               make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(),), assumed_align=4))
-        mA = mX
     return (mA, *idx, mB, mC, mOff, mScale, mBias, cutlass.Int32(132), stream)
 
 
@@ -73,17 +66,13 @@ def compile_for_arch(
     tanh_sigmoid: bool = False,
     cluster_n: int = 1,
     jump_stages: bool = False,
-    place_a: bool = False,
 ):
     """Compile one variant for ``arch`` from fake tensors. ``bias_dtype``: None (no bias),
     "float32" or "bfloat16"; ``gather_a``: the gathering kernel (:mod:`.grouped_gemm_gather`);
-    ``jump_stages``: pingpong's one-step skip of the other warpgroup's stages (drop v79);
-    ``place_a``: the kernel that places its own A rows (:mod:`.grouped_gemm_place`, drop v91)."""
+    ``jump_stages``: pingpong's one-step skip of the other warpgroup's stages (drop v79)."""
     cls = GroupedGemmSm90
     if gather_a:
         from .grouped_gemm_gather import GroupedGemmGatherSm90 as cls
-    elif place_a:
-        from .grouped_gemm_place import GroupedGemmPlaceSm90 as cls
     kernel = cls(activation, tile_n=tile_n, scale_rows=scale_rows, epilogue=epilogue,
                  has_bias=bias_dtype is not None, raster_m=raster_m,
                  swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, schedule=schedule,
@@ -137,15 +126,6 @@ def main():
         print(f"identity        N=2048 K=768 {sched} tile_n={tn} cluster_n=2: compile {time.time() - t0:.2f}s  "
               f"wgmma+multicast TMA in PTX: {ok}")
         assert ok
-    # drop v91: FC1 whose producer's spare warps place its rows (acquire / release counters, a proxy
-    # fence before the TMA loads of A)
-    t0 = time.time()
-    ptx = compile_for_arch("swiglu", 1536, 2048, False, raster_m=16, tanh_sigmoid=True, place_a=True).__ptx__
-    ok = ("wgmma.mma_async" in ptx and "ld.acquire.gpu.global" in ptx and "red.release.gpu.global.add" in ptx
-          and "fence.proxy.async.global" in ptx and not ptx_problems(ptx))
-    print(f"swiglu          N=1536 K=2048 cooperative place_a: compile {time.time() - t0:.2f}s  "
-          f"wgmma+acquire/release+proxy fence in PTX: {ok}")
-    assert ok
 
 
 if __name__ == "__main__":

@@ -215,6 +215,9 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
     ``epi_pad``, ``tile_threads``, which this class sets itself.
     """
 
+    #: drop v92: the producer's spare warps copy A's rows and scales (:mod:`.fp8_gemm_place`; until
+    #: drop v94 this default came from the BF16 base class, whose placing variant v94 removed)
+    place_a = False
 
     def __init__(self, activation: str, scale_rows: bool = False, tile_n: Optional[int] = None,
                  num_stages: Optional[int] = None, raster_m: int = 1, overlap_promotion: bool = False,

@@ -74,10 +74,9 @@ Design
   N: bit-identical on the H200 but the layer 4-7% slower, seventeenth session. Drop v89 removed
   v78's ``m64_tails``, its pingpong form, one 64-row WGMMA per k-block for such a tile: the same
   bits, Nemotron's layer 5-9% slower with or without v79's jump, thirty-third / thirty-fifth
-  sessions.)
-* ``place_a`` (drop v91; cooperative / wide, :mod:`.grouped_gemm_place`): the producer warpgroup's
-  three spare warps write the grouped rows ``xs = x[idx]`` while the kernel runs, and the TMA warp
-  waits for each tile's own rows before loading A (:mod:`.placing_producer`).
+  sessions. Drop v94 removed v91's ``place_a``, whose producer's spare warps wrote the grouped rows
+  ``xs = x[idx]`` while the kernel ran: the same bits, the layer no faster on the H200 in five
+  interleaved rounds and 5% slower on the H100, 39th-41st sessions.)
 * ``jump_stages`` (drop v79; pingpong): after each tile a warpgroup skips the other warpgroup's
   tile's ``k_tiles`` stages of the ring. Without it that is ``k_tiles`` single advances of the read
   and release states, unrolled (two compares and selects each: ~300 SASS instructions per tile at
@@ -195,7 +194,6 @@ class GroupedGemmSm90:
     """
 
     gather_a = False  # drop v23: A rows gathered by index (:class:`.grouped_gemm_gather.GroupedGemmGatherSm90`)
-    place_a = False  # drop v91: the producer's spare warps place A's rows (:mod:`.grouped_gemm_place`)
     #: CTAs per cluster along M (drop v29: 2 = one m-tile pair per cluster, B multicast; set in __init__)
     cluster_m = 1
     #: CTAs per cluster along N (drop v72: 2 = one n-tile pair per cluster, A multicast; set in __init__)
@@ -536,13 +534,10 @@ class GroupedGemmSm90:
         b_smem_layout: cute.ComposedLayout,
         b_smem_layout_main: cute.ComposedLayout,
         gather=None,
-        place=None,
     ):
         """The kernel (traced inline into each variant's ``@cute.kernel``). ``gather``: ``(mA,
         mIdx)`` for the gathering variant (``self.gather_a``, :mod:`.grouped_gemm_gather`): grouped
-        row r is ``mA[mIdx[r]]``, loaded by the producer warpgroup with cp.async. ``place``: ``(mX,
-        mIdx, mXs, mSync)`` for the placing variant (``self.place_a``, :mod:`.placing_producer`):
-        the producer's warps 1-3 write ``xs[r] = x[idx[r]]`` while warp 0 loads A from ``xs``."""
+        row r is ``mA[mIdx[r]]``, loaded by the producer warpgroup with cp.async."""
         wait_previous_grid()
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -641,8 +636,6 @@ class GroupedGemmSm90:
                         if cutlass.const_expr(self.cluster_n > 1):
                             n_tile = n_tile * self.cluster_n + cta_rank
 
-                        if cutlass.const_expr(self.place_a):  # this m-tile's rows are in xs
-                            self._wait_rows_placed(place[3], sOff, sCum, expert, row0, row_end, lane)
                         tAsA_p, tAgA = self._a_views(tma_atom_a, mA_tma, tAsA, row0, cta_rank)
                         tBsB_p, tBgBs = self._b_views(tma_atom_b, mB_tma, tBsB, n_tile * self.tile_n, expert,
                                                       cta_rank)
@@ -654,12 +647,7 @@ class GroupedGemmSm90:
                             ab_pipeline.producer_commit(prod_state)
                             prod_state.advance()
                         tile_id = tile_id + unit_step
-                    if cutlass.const_expr(self.place_a):  # the grid's last TMA warp resets the counters
-                        self._finish_placed(place[3], sCum, lane, gdim)
                     ab_pipeline.producer_tail(prod_state)
-                if cutlass.const_expr(self.place_a):
-                    if warp_idx > 0:  # the three copy warps
-                        self._place_rows(place[0], place[1], place[2], place[3], sOff, sCum, lane, gdim * 3)
 
         # =========================================================== consumer warpgroups
         if warp_group_idx > 0:

@@ -14,10 +14,9 @@
         # cooperative 128 (the default) beside pingpong 96
     python -m sm90_megamoe.grouped_gemm_runner --gather --model qwen3   # drop v23: FC1 gathering its
         # rows by index (cp.async) vs the row copy + the plain FC1 on the copied rows
-    python -m sm90_megamoe.grouped_gemm_runner --place --model qwen3    # drop v91: FC1 whose spare
-        # producer warps place its rows while it runs vs the row copy + the plain FC1
 (Drop v85 removed ``--gather-tma`` and ``--gather-l2`` with their kernels, drop v89 ``--m64-tails``
-with v78's 64-row tails: all slower on the H200.)
+with v78's 64-row tails, drop v94 ``--place`` with v91's placing FC1: all slower or no faster on
+the H200.)
 """
 
 from __future__ import annotations
@@ -495,82 +494,6 @@ def gather(models, iters=20) -> bool:
     return ok
 
 
-def place_sync(m_total: int, experts: int) -> torch.Tensor:
-    """A placing FC1's sync buffer for ``m_total`` rows over ``experts`` experts: zeros, S = the
-    most m-tiles those rows can take (``grouped_gemm_place``)."""
-    slots = (m_total + 127) // 128 + experts
-    return torch.zeros(slots + 4, dtype=torch.int32, device="cuda")
-
-
-def placed_same_bits(plain, placing, m_total, n, k, experts, activation, routing, seed, bias_dtype=None) -> bool:
-    """The plain FC1 on ``x[idx]`` against the placing FC1 run twice in a row into NaN-poisoned
-    outputs and a NaN-poisoned ``xs``: both runs bit-identical to the plain one, ``xs`` the copied
-    rows, and the sync buffer back to zero (its error word too) after each run."""
-    b, offs, bias, x, idx = gathered_problem(m_total, n, k, experts, activation, routing, seed, bias_dtype)
-    n_out = n // 2 if activation in GATED_ACTIVATIONS else n
-    want = torch.full((m_total, n_out), float("nan"), dtype=torch.bfloat16, device="cuda")
-    rows = x.index_select(0, idx.long())
-    plain(rows, b, offs, out=want, bias=bias)
-    sync = place_sync(m_total, experts)
-    ok = True
-    for _ in range(2):
-        out = torch.full_like(want, float("nan"))
-        xs = torch.full((m_total, k), float("nan"), dtype=torch.bfloat16, device="cuda")
-        placing(x, b, offs, out=out, bias=bias, idx=idx, xs=xs, sync=sync)
-        torch.cuda.synchronize()
-        ok &= torch.equal(out, want) and not bool(torch.isnan(out).any())
-        ok &= torch.equal(xs, rows) and not bool(sync.any())
-    return ok
-
-
-#: the placing FC1's copy settings the runner also times (``place_chunk_rows``, ``place_unroll``);
-#: the first is the kernel's default
-PLACE_VARIANTS = ((4, 4), (2, 4), (8, 4), (4, 8))
-
-
-def place(models, iters=20) -> bool:
-    """Drop v91: FC1 whose producer's spare warps place its rows (``xs = x[idx]``) while it runs,
-    against the row copy (``index_select``) + the plain FC1, on --model's FC1 shapes: the same bits,
-    rows and a clean sync buffer on uniform, skewed, few and one rows (the other copy settings of
-    :data:`PLACE_VARIANTS` on the skewed rows); then the row copy, the plain FC1, both, and each
-    placing FC1 timed, interleaved twice."""
-    ok = True
-    for name in models:
-        n, k, e, m, act, bias = WIDE_SHAPES[name]
-        tanh = {"tanh_sigmoid": True} if act == "swiglu" else {}  # the layer's FC1
-        plain = CompiledGroupedGemm(act, n, k, e, False, bias_dtype=bias, **tanh)
-        placings = {f"placing chunk {cr} unroll {un}": CompiledGroupedGemm(
-            act, n, k, e, False, bias_dtype=bias, place_a=True, place_opts=dict(place_chunk_rows=cr, place_unroll=un),
-            **tanh) for cr, un in PLACE_VARIANTS}
-        for i, (label, placing) in enumerate(placings.items()):
-            for m_, routing, seed in GATHER_CHECKS if i == 0 else GATHER_CHECKS[1:2]:
-                same = placed_same_bits(plain, placing, m_ or m, n, k, e, act, routing, seed, bias)
-                ok &= same
-                print(f"[place] {name} {label} M={m_ or m} {routing}: placing = plain on copied rows, rows placed, "
-                      f"sync clean: {same}", flush=True)
-        b, offs, bias_t, x, idx = gathered_problem(m, n, k, e, act, "uniform", 5, bias)
-        idx64 = idx.long()
-        xs = x.index_select(0, idx64)
-        out = torch.empty(m, n // 2 if act in GATED_ACTIVATIONS else n, dtype=torch.bfloat16, device="cuda")
-        sync = place_sync(m, e)
-
-        def copy_and_plain():
-            torch.index_select(x, 0, idx64, out=xs)
-            plain(xs, b, offs, out=out, bias=bias_t)
-
-        runs = {"copy rows": lambda: torch.index_select(x, 0, idx64, out=xs),
-                "plain": lambda: plain(xs, b, offs, out=out, bias=bias_t),
-                "copy + plain": copy_and_plain,
-                **{label: (lambda fn=fn: fn(x, b, offs, out=out, bias=bias_t, idx=idx, xs=xs, sync=sync))
-                   for label, fn in placings.items()}}
-        report_rounds("place", name, m, runs, 2.0 * m * n * k, iters)
-        torch.cuda.synchronize()
-        if bool(sync.any()):
-            print(f"[place] {name}: the sync buffer is not clean after the timed runs: {sync[-3:].tolist()}")
-            ok = False
-    return ok
-
-
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--m-total", type=int, default=65536)
@@ -601,9 +524,6 @@ def main():
                    help="swiglu's sigmoid by tanh.approx vs ex2 + rcp on --model's FC1 shapes (drop v52)")
     p.add_argument("--gather", action="store_true",
                    help="FC1 gathering rows by index vs the row copy + plain FC1, on --model's FC1 shapes (drop v23)")
-    p.add_argument("--place", action="store_true",
-                   help="FC1 placing its rows while it runs vs the row copy + plain FC1, on --model's FC1 shapes "
-                        "(drop v91)")
     p.add_argument("--raster-bench", action="store_true", help="--suite --bench: also raster_m=1 vs default")
     p.add_argument("--bench", action="store_true")
     p.add_argument("--suite", action="store_true")
@@ -622,8 +542,6 @@ def main():
         raise SystemExit(0 if tanh_sigmoid(args.model.split(",")) else 1)
     if args.gather:
         raise SystemExit(0 if gather(args.model.split(",")) else 1)
-    if args.place:
-        raise SystemExit(0 if place(args.model.split(",")) else 1)
     t = time.time()
     fn = get_grouped_gemm(args.activation, args.n, args.k, args.experts, scale_rows=args.scale_rows,
                           tile_n=args.tile_n, num_stages=args.num_stages, epilogue=args.epilogue,

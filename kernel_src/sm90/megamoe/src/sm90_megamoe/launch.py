@@ -58,17 +58,13 @@ def cluster_ctas(cluster: int, device=None) -> int:
     return min(_num_sms(index), _cluster_ctas(int(cluster), index))
 
 
-def to_cute_args(a, b, c, offsets, row_scale, bias, idx=None, xs=None, sync=None):
+def to_cute_args(a, b, c, offsets, row_scale, bias, idx=None):
     """Convert contiguous torch tensors to CuTe tensors whose static/dynamic structure matches
     ``compile_check.fake_args``: M_total dynamic, everything else static. ``bias``: ``[E, N]``
     (fp32/bf16) for a has_bias kernel, else any ``[1, L]`` fp32 placeholder. ``idx`` ([M_total]
-    int32, a gathering or placing kernel only): follows ``a`` (then the source rows, their own
-    count); a placing kernel's ``xs`` [M_total, K] bf16 and ``sync`` [L] int32 follow ``idx``."""
+    int32, a gathering kernel only): follows ``a`` (then the source rows, their own count)."""
     mA = from_dlpack(a, assumed_align=16).mark_compact_shape_dynamic(mode=0, stride_order=(0, 1))
     ix = () if idx is None else (from_dlpack(idx, assumed_align=4).mark_compact_shape_dynamic(mode=0),)
-    if xs is not None:
-        ix += (from_dlpack(xs, assumed_align=16).mark_compact_shape_dynamic(mode=0, stride_order=(0, 1)),
-               from_dlpack(sync, assumed_align=4).mark_compact_shape_dynamic(mode=0))
     mB = from_dlpack(b, assumed_align=16)
     mC = from_dlpack(c, assumed_align=16).mark_compact_shape_dynamic(mode=0, stride_order=(0, 1))
     mOff = from_dlpack(offsets, assumed_align=4)
@@ -130,8 +126,7 @@ class CompiledGroupedGemm:
                  swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
                  schedule: str = "cooperative", compiled=None, tvm_ffi: bool = False,
                  early_weights: bool = False, gather_a: bool = False, cluster_m: int = 1,
-                 tanh_sigmoid: bool = False, cluster_n: int = 1, jump_stages: bool = False,
-                 place_a: bool = False, place_opts: Optional[dict] = None):
+                 tanh_sigmoid: bool = False, cluster_n: int = 1, jump_stages: bool = False):
         """``compiled``: this variant's kernel compiled earlier (e.g. loaded from an exported
         object file, ``cute.runtime.load_module``); None compiles it here (sm_90a).
         ``tvm_ffi``: compile for (and launch through) TVM-FFI: :meth:`launch_tensors`.
@@ -149,10 +144,7 @@ class CompiledGroupedGemm:
         an n-tile pair and multicasting A's halves; the grid is clamped as for ``cluster_m``.
         ``jump_stages`` (pingpong; drop v79): a warpgroup skips the other's stages in one index /
         phase step instead of unrolled single advances (:class:`GroupedGemmSm90`; the same bits).
-        ``place_a`` (cooperative / wide; drop v91): A is the source rows, and a call passes ``idx``,
-        the grouped rows' buffer ``xs`` (written by the kernel, then read as A) and its ``sync``
-        buffer (:class:`~.grouped_gemm_place.GroupedGemmPlaceSm90`; ``place_opts``: its
-        ``place_chunk_rows`` / ``place_unroll``, for the runner's tuning)."""
+        (Drop v94 removed v91's ``place_a`` / ``place_opts``.)"""
         from .compile_check import fake_args
 
         if bias_dtype not in _TORCH_BIAS:
@@ -174,13 +166,9 @@ class CompiledGroupedGemm:
                 raise ValueError("cluster_m = 2 does not combine with gather_a")
             if cluster_n > 1 and gather_a:
                 raise ValueError("cluster_n = 2 does not combine with gather_a")
-            if place_a and (gather_a or cluster_m > 1 or cluster_n > 1):
-                raise ValueError("place_a does not combine with gather_a or clusters")
             cls = GroupedGemmSm90
             if gather_a:
                 from .grouped_gemm_gather import GroupedGemmGatherSm90 as cls
-            elif place_a:
-                from .grouped_gemm_place import GroupedGemmPlaceSm90 as cls
             self.kernel = cls(activation, tile_n=tile_n, scale_rows=scale_rows,
                                           num_stages=num_stages, epilogue=epilogue,
                                           has_bias=bias_dtype is not None, raster_m=raster_m,
@@ -189,17 +177,15 @@ class CompiledGroupedGemm:
                                           **({"cluster_m": cluster_m} if cluster_m > 1 else {}),
                                           **({"tanh_sigmoid": True} if tanh_sigmoid else {}),
                                           **({"cluster_n": cluster_n} if cluster_n > 1 else {}),
-                                          **({"jump_stages": True} if jump_stages else {}),
-                                          **(dict(place_opts or {}) if place_a else {}))
-        if (gather_a or place_a or cluster_m > 1 or cluster_n > 1) and schedule == "swapab":
-            raise ValueError("gather_a, place_a, cluster_m and cluster_n are 128-row kernel options (not schedule='swapab')")
+                                          **({"jump_stages": True} if jump_stages else {}))
+        if (gather_a or cluster_m > 1 or cluster_n > 1) and schedule == "swapab":
+            raise ValueError("gather_a, cluster_m and cluster_n are 128-row kernel options (not schedule='swapab')")
         self.cluster_m = int(cluster_m)
         self.cluster_n = int(cluster_n)
         self.cluster = self.cluster_m * self.cluster_n  # CTAs per cluster
         # the grid of a clustered launch, worked out here (not while a CUDA graph is captured)
         self._max_ctas = cluster_ctas(self.cluster) if self.cluster > 1 and torch.cuda.is_available() else None
         self.gather_a = bool(gather_a)
-        self.place_a = bool(place_a)
         self.tanh_sigmoid = bool(tanh_sigmoid)
         self.jump_stages = bool(jump_stages)
         self.activation = activation
@@ -238,8 +224,7 @@ class CompiledGroupedGemm:
     def __call__(self, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
                  out: Optional[torch.Tensor] = None, row_scale: Optional[torch.Tensor] = None,
                  max_active_ctas: Optional[int] = None, stream=None,
-                 bias: Optional[torch.Tensor] = None, idx: Optional[torch.Tensor] = None,
-                 xs: Optional[torch.Tensor] = None, sync: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 bias: Optional[torch.Tensor] = None, idx: Optional[torch.Tensor] = None) -> torch.Tensor:
         """
         a:         [M_total, K]      bf16, contiguous, CUDA
         b:         [E, N, K]         bf16, contiguous
@@ -247,14 +232,11 @@ class CompiledGroupedGemm:
         out:       [M_total, N_out]  bf16 or None (allocated)
         row_scale: [M_total]         fp32, required iff scale_rows
         bias:      [E, N]            fp32/bf16 (this variant's bias dtype), required iff bias_dtype
-        idx:       [M_total]         int32, required iff gather_a or place_a (then a is [T_src, K] and out
-                                     is required)
-        xs, sync:  [M_total, K] bf16 and [S + 4] int32, required iff place_a (``sync`` zero before its
-                                     first launch; the kernel leaves it so)
+        idx:       [M_total]         int32, required iff gather_a (then a is [T_src, K] and out is required)
         """
-        self._check_index_args(idx, xs, sync)
-        if (self.gather_a or self.place_a) and out is None:
-            raise ValueError("gather_a / place_a: pass out [M_total, N_out] (M_total is idx's length)")
+        self._check_index_args(idx)
+        if self.gather_a and out is None:
+            raise ValueError("gather_a: pass out [M_total, N_out] (M_total is idx's length)")
         m_total = a.shape[0]
         if out is None:
             out = torch.empty(m_total, self.n_out, dtype=torch.bfloat16, device=a.device)
@@ -271,25 +253,19 @@ class CompiledGroupedGemm:
         else:
             bias = dummy_bias
         if self.tvm_ffi:
-            self.launch_tensors(a, b, out, offsets, row_scale, bias, max_active_ctas, stream, idx=idx, xs=xs, sync=sync)
+            self.launch_tensors(a, b, out, offsets, row_scale, bias, max_active_ctas, stream, idx=idx)
         else:
-            self.launch_converted(to_cute_args(a, b, out, offsets, row_scale, bias, idx, xs, sync), max_active_ctas,
-                                  stream)
+            self.launch_converted(to_cute_args(a, b, out, offsets, row_scale, bias, idx), max_active_ctas, stream)
         return out
 
-    def _check_index_args(self, idx, xs, sync) -> None:
-        """``idx`` goes with gather_a / place_a, ``xs`` and ``sync`` with place_a, and nothing else."""
-        if (self.gather_a or self.place_a) != (idx is not None):
-            raise ValueError("idx is required with gather_a=True or place_a=True and refused without them")
-        if self.place_a != (xs is not None) or self.place_a != (sync is not None):
-            raise ValueError("xs and sync are required with place_a=True and refused without it")
-        if self.place_a and (sync.dtype != torch.int32 or sync.dim() != 1 or sync.numel() < 5):
-            raise ValueError("sync must be a 1-d int32 tensor of S + 4 >= 5 elements")
+    def _check_index_args(self, idx) -> None:
+        """``idx`` goes with gather_a, and nothing else."""
+        if self.gather_a != (idx is not None):
+            raise ValueError("idx is required with gather_a=True and refused without it")
 
     def prepare(self, a: Optional[torch.Tensor], out: torch.Tensor, offsets: torch.Tensor, row_scale: torch.Tensor,
                 bias: Optional[torch.Tensor] = None, max_active_ctas: Optional[int] = None,
-                idx: Optional[torch.Tensor] = None, xs: Optional[torch.Tensor] = None,
-                sync: Optional[torch.Tensor] = None):
+                idx: Optional[torch.Tensor] = None):
         """:meth:`launch_tensors` with every argument but the weights (and a per-call bias) fixed
         (drop v61; placeholders from the caller since v63): ``run(b, bias=None)`` launches the same
         kernel with the same arguments as ``launch_tensors(a, b, out, offsets, row_scale, bias,
@@ -297,15 +273,15 @@ class CompiledGroupedGemm:
         (v64; :func:`ffi_fixed`). They are a layer's own buffers, held: they must keep their shapes
         while ``run`` is used.
 
-        a:         the fixed A, or None for a gathering / placing kernel whose source rows change per
-                   call (drop v91): ``run(b, bias=None, a=x)`` then takes them (no rows: no launch).
+        a:         the fixed A, or None for a gathering kernel whose source rows change per call
+                   (drop v91): ``run(b, bias=None, a=x)`` then takes them (no rows: no launch).
         row_scale: [M_total] fp32 with ``scale_rows``, else any fp32 [L] placeholder (never read).
         bias:      the fixed bias argument -- for a kernel without a bias, its fp32 [1, L]
                    placeholder -- or None: each call passes its own (``bias_dtype`` kernels only),
                    checked there ([E, N], that dtype, contiguous)."""
         if not self.tvm_ffi:
             raise RuntimeError("prepare needs a kernel compiled with tvm_ffi=True")
-        self._check_index_args(idx, xs, sync)
+        self._check_index_args(idx)
         if row_scale is None or row_scale.dtype != torch.float32:
             raise ValueError("row_scale must be a float32 tensor (a placeholder unless scale_rows)")
         if bias is None and self.bias_dtype is None:
@@ -313,9 +289,9 @@ class CompiledGroupedGemm:
         # the fixed tensors as TVM-FFI objects once (drop v64; an empty `a` stays as it is); b,
         # and a per-call bias, stay torch tensors: TVM-FFI takes the stream from b
         if a is None and idx is None:
-            raise ValueError("a may be left to each call (a=None) only for a gathering or placing kernel")
+            raise ValueError("a may be left to each call (a=None) only for a gathering kernel")
         fixed = ffi_fixed if (a is None or a.shape[0]) else (lambda *t: t)
-        head = fixed(*(() if a is None else (a,)), *(() if idx is None else (idx,)), *(() if xs is None else (xs, sync)))
+        head = fixed(*(() if a is None else (a,)), *(() if idx is None else (idx,)))
         mid = fixed(out, offsets, row_scale)
         ctas = self._grid(max_active_ctas, out.device)
         fn, (fixed_bias,) = self._fn, fixed(bias)
@@ -325,7 +301,7 @@ class CompiledGroupedGemm:
             if bias is None or bias.dtype != want or tuple(bias.shape) != shape or not bias.is_contiguous():
                 raise ValueError(f"bias must be a contiguous {want} {list(shape)} tensor")
 
-        if a is None:  # the source rows per call (a gathering or placing kernel)
+        if a is None:  # the source rows per call (a gathering kernel)
             def run_rows(b, bias=None, a=None):
                 if a is None:
                     raise ValueError("this launch takes its source rows per call: pass a=")
@@ -351,7 +327,7 @@ class CompiledGroupedGemm:
         return run_bias
 
     def launch_tensors(self, a, b, c, offsets, row_scale, bias, max_active_ctas: Optional[int] = None,
-                       stream=None, idx=None, xs=None, sync=None):
+                       stream=None, idx=None):
         """TVM-FFI launch (``tvm_ffi=True`` only) with torch tensors, in ``to_cute_args`` order:
         a [M, K], b [E, N, K], c [M, N_out] bf16; offsets [E+1] int32; row_scale [>= 1] fp32;
         bias [E, N] (or the [1, L] fp32 placeholder). ``stream``: a torch.cuda.Stream or None
@@ -359,8 +335,7 @@ class CompiledGroupedGemm:
         if not self.tvm_ffi:
             raise RuntimeError("launch_tensors needs a kernel compiled with tvm_ffi=True")
         ctas = self._grid(max_active_ctas, a.device)
-        # a gathering kernel: the source rows, then idx; a placing one also xs and sync
-        ins = (a,) if idx is None else (a, idx) if xs is None else (a, idx, xs, sync)
+        ins = (a,) if idx is None else (a, idx)  # a gathering kernel: the source rows, then idx
         call_on_stream(self._fn, (*ins, b, c, offsets, row_scale, bias, ctas), stream)
 
     def launch_converted(self, args, max_active_ctas: Optional[int] = None, stream=None):

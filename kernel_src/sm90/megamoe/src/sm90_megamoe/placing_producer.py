@@ -1,7 +1,10 @@
-"""The producer warpgroup of a grouped GEMM that places its own A rows (drop v91; BF16 FC1 of a
-one-rank layer): :class:`PlaceAProducer`, mixed into :class:`.grouped_gemm_place.GroupedGemmPlaceSm90`.
+"""The producer warpgroup of a grouped GEMM that places its own A rows (drop v91):
+:class:`PlaceAProducer`, mixed into :class:`.fp8_gemm_place.Fp8PlaceGroupedGemmSm90` (drop v92's
+copying FP8 FC1). Drop v94 removed the BF16 kernel it was written for (v91's
+``grouped_gemm_place.GroupedGemmPlaceSm90``): the same bits, the layer no faster on the H200 and
+5% slower on the H100 (39th-41st sessions).
 
-Why. A one-rank layer first copies every (token, choice) row into expert order (LayoutPlace:
+Why. A one-rank layer first copies every (token, choice) row into expert order (LayoutPlace: BF16
 Qwen3 at 8192 tokens writes 65536 rows of 4 KB, ~88 us at the H200's write bandwidth), and only then
 does FC1 start. FC1 is bound by its tensor pipe and leaves most of the memory bandwidth idle, and
 its producer warpgroup has three warps that do nothing. Here those three warps do the row copy
@@ -31,8 +34,8 @@ by then, so no reader is left, and a TMA warp's per-tile wait is one acquire loa
 on the path to its loads. The error word is 1 + the m-tile when a wait timed out (the tile then
 computes on whatever its rows held; nothing hangs), 0 otherwise; the kernel never clears it.
 
-The GEMM itself (stages, WGMMAs, epilogue) is :class:`.grouped_gemm.GroupedGemmSm90`'s: the same
-bits as the plain kernel on ``xs = x[idx]``.
+The GEMM itself (stages, WGMMAs, epilogue) is the host class's: the same bits as its plain kernel
+on ``xs = x[idx]``.
 """
 
 from __future__ import annotations
@@ -53,10 +56,6 @@ PLACE_UNROLL = 4
 #: legitimate wait is the copy of a few chunks: microseconds); once the error word is set, every
 #: other wait of the launch stops at its next poll, so a broken placement costs about this once
 PLACE_TIMEOUT_NS = 1_000_000_000
-#: the producer warpgroup's registers per thread with copy warps (plain kernel: 40), and the
-#: consumers' (plain: 232); 128 * 56 + 256 * 216 <= 65536
-PLACE_LOAD_REGS = 56
-PLACE_MMA_REGS = 216
 
 
 def _gptr(dtype, addr: Int64, align: int):
