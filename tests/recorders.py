@@ -16,9 +16,9 @@ def rec_gemm(calls: list, name: str, **attrs):
     """A recording stand-in for a GEMM launcher named ``name`` (with ``attrs``, e.g. ``gather_a``): its
     plain call records ``(name, args, kwargs)``, and its ``prepare`` (drop v61: the prepared launch made
     at bind) returns a run that records the plain call it stands for (drop v91: with ``a=None`` the
-    run takes the source rows per call, ``run(b, bias, a=x)``, and records ``idx``, ``xs``, ``sync``)."""
-    def prepare(self, a, offsets, out, row_scale=None, max_active_ctas=None, idx=None, xs=None, sync=None):
-        extra = {k: v for k, v in (("idx", idx), ("xs", xs), ("sync", sync)) if v is not None}
+    run takes the source rows per call, ``run(b, bias, a=x)``, and records ``idx``)."""
+    def prepare(self, a, offsets, out, row_scale=None, max_active_ctas=None, idx=None):
+        extra = {} if idx is None else {"idx": idx}
 
         def run(b, bias=None, **call):
             calls.append((name, (call.get("a", a), b, offsets), dict(
