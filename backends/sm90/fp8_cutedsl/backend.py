@@ -124,9 +124,9 @@ def place_fc1(world_size: int) -> bool:
     switches.
 
     Why: Qwen3 at 8192 tokens spends ~58 us in the scattering quantiser, during which no GEMM runs.
-    Bit-identical on the H100 (39th session) and the H200 (40th), and no faster: FC1 with its
-    quantiser 0.97-0.99x at the power cap (H100); the Qwen3 layer level (H200: 702.3 / 647.7 /
-    657.7 against 697.5 / 644.7 / 685.6 TFLOP/s per call / b2b / graph, one round). Opt-in. (Drop
+    Bit-identical on the H100 (39th session) and the H200 (40th), and not faster overall: FC1 with
+    its quantiser 0.97-0.99x at the power cap (H100); the Qwen3 layer on the H200 +5.9% per call,
+    -3.1% back to back, +0.1% under graphs (medians of three interleaved rounds, 41st). Opt-in. (Drop
     v93 removed v92's quantising placements, ``MOE_EP_FP8_PLACE_FC1=quant`` and
     ``MOE_EP_FP8_PLACE_FC2``: FC1 0.59-0.78x, the layer 7-11% slower with FC2's.)"""
     on = env_choice("MOE_EP_FP8_PLACE_FC1", ("0", "copy"), "0") == "copy"
