@@ -2,7 +2,8 @@
 
 For each model shape and routing (uniform / skewed: expert 0 takes half of the rows), FC1
 (w13, fused activation) and FC2 (w2, router weights in the epilogue) are timed with CUDA events:
-median over ``--iters`` runs, inputs rotated over several sets so that L2 does not hold them.
+median over ``--iters`` runs, ours and torch's interleaved run by run (neither gets the cooler GPU),
+inputs rotated over several sets so that L2 does not hold them.
 torch._grouped_mm runs the same GEMMs without the fused epilogue work (no activation, no row
 scaling), which favours the baseline.
 """
@@ -16,17 +17,28 @@ import torch
 from .models import MODELS, model_config
 
 
-def _median_ms(fn, sets, iters: int) -> float:
-    for s in sets[:2]:
-        fn(*s)
+def _median_pair_ms(fa, sets_a, fb, sets_b, iters: int) -> tuple[float, float]:
+    """Median ms of ``fa`` and of ``fb`` over ``iters`` runs each, interleaved (a b, b a, a b, ...):
+    under the 700 W cap the clock falls as the GPU heats, so timing one loop after the other would
+    hand the first the cooler GPU (LIMITS.md)."""
+    for s in sets_a[:2]:
+        fa(*s)
+    for s in sets_b[:2]:
+        fb(*s)
     torch.cuda.synchronize()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for i, (a, b) in enumerate(ev):
-        a.record()
-        fn(*sets[i % len(sets)])
-        b.record()
+
+    def events():
+        return [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+
+    ev_a, ev_b = events(), events()
+    for i in range(iters):
+        order = ((fa, sets_a, ev_a), (fb, sets_b, ev_b))
+        for fn, sets, ev in (order if i % 2 == 0 else order[::-1]):
+            ev[i][0].record()
+            fn(*sets[i % len(sets)])
+            ev[i][1].record()
     torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in ev)
+    return tuple(statistics.median(a.elapsed_time(b) for a, b in ev) for ev in (ev_a, ev_b))
 
 
 def _offsets(M: int, E: int, skew: bool, gen) -> torch.Tensor:
@@ -77,10 +89,10 @@ def run_gemm(args) -> int:
         ends = offs[1:].contiguous()
         f1 = 2 * M * H * n1
         f2 = 2 * M * I * H
-        ours1 = _median_ms(lambda a, b: fc1(a, b, offs, out=out1), list(zip(xs, w13)), iters)
-        theirs1 = _median_ms(lambda a, b: torch._grouped_mm(a, b, offs=ends), list(zip(xs, w13t)), iters)
-        ours2 = _median_ms(lambda a, b, r: fc2(a, b, offs, out=out2, row_scale=r), list(zip(hs, w2, rs)), iters)
-        theirs2 = _median_ms(lambda a, b: torch._grouped_mm(a, b, offs=ends), list(zip(hs, w2t)), iters)
+        ours1, theirs1 = _median_pair_ms(lambda a, b: fc1(a, b, offs, out=out1), list(zip(xs, w13)),
+                                         lambda a, b: torch._grouped_mm(a, b, offs=ends), list(zip(xs, w13t)), iters)
+        ours2, theirs2 = _median_pair_ms(lambda a, b, r: fc2(a, b, offs, out=out2, row_scale=r), list(zip(hs, w2, rs)),
+                                         lambda a, b: torch._grouped_mm(a, b, offs=ends), list(zip(hs, w2t)), iters)
         r = "skewed" if skew else "uniform"
         for name, o, t, f in (("FC1", ours1, theirs1, f1), ("FC2", ours2, theirs2, f2)):
             print(f"{name:<6}{r:<9}{o:>10.3f}{f / o / 1e9:>9.1f}{t:>10.3f}{f / t / 1e9:>9.1f}{t / o:>7.2f}")

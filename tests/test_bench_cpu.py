@@ -731,3 +731,46 @@ def test_schedule_model_counts_tiles_and_segments_as_the_kernel_runs_them(capsys
     out = capsys.readouterr().out
     assert "1. m-tiles:" in out and "a separate tail launch re-reads" in out
     assert "1 pass(es): segments ready" in out and "2 pass(es): segments ready" in out
+
+
+def test_bench_gemm_interleaves_ours_and_torch(monkeypatch):
+    """`bench gemm` times ours and torch's run by run, alternating which goes first, so neither loop
+    gets the cooler GPU; each median comes from its own function's runs only. A fake event clock
+    stands in for CUDA: a call advances it by its function's cost plus a drift that grows with time
+    (the GPU heating), and the medians must give each function its own cost."""
+    import torch
+
+    from moe_ep.bench import gemm
+
+    clock = [0.0]
+    calls = []
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            self.t = None
+
+        def record(self):
+            self.t = clock[0]
+
+        def elapsed_time(self, end):
+            return end.t - self.t
+
+    def runner(name, cost):
+        def fn(x):
+            calls.append((name, x))
+            clock[0] += cost + 0.001 * len(calls)  # later runs slower: a heating GPU
+        return fn
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    iters = 6
+    ma, mb = gemm._median_pair_ms(runner("a", 2.0), [(0,), (1,), (2,)], runner("b", 3.0), [(10,), (11,)], iters)
+    timed = calls[4:]  # after two warm-up runs of each
+    assert [c[0] for c in calls[:4]] == ["a", "a", "b", "b"]
+    assert [c[0] for c in timed] == ["a", "b", "b", "a", "a", "b", "b", "a", "a", "b", "b", "a"]
+    assert [x for n, x in timed if n == "a"] == [0, 1, 2, 0, 1, 2]  # input sets rotate per function
+    assert [x for n, x in timed if n == "b"] == [10, 11, 10, 11, 10, 11]
+    drift = [0.001 * (i + 5) for i in range(2 * iters)]  # the drift each timed run carried
+    own = lambda name, cost: sorted(cost + d for (n, _), d in zip(timed, drift) if n == name)  # noqa: E731
+    assert ma == pytest.approx(sum(own("a", 2.0)[2:4]) / 2) and mb == pytest.approx(sum(own("b", 3.0)[2:4]) / 2)
+    assert 2.0 < ma < 2.02 and 3.0 < mb < 3.02
