@@ -421,6 +421,9 @@ def main(argv=None) -> int:
     p.add_argument("--seconds", type=float, default=2.0, help="sustained: seconds each GEMM is timed (default 2)")
     p.add_argument("--warm-seconds", type=float, default=1.0,
                    help="sustained: seconds of the same GEMM run untimed first, to reach steady power (default 1)")
+    p.add_argument("--raster-m", default="", metavar="N[,N]",
+                   help="gemm: also time our GEMMs with N m-tiles per L2 raster group (1-64; default: only the "
+                        "shim's choice by K)")
     p.add_argument("--quiet", action="store_true")
     p.add_argument("--no-comm", action="store_true", help="skip the dispatch/combine GB/s table (EP > 1)")
     p.add_argument("--no-decode", action="store_true", help="skip the decode-latency sweep (GPU)")
@@ -462,6 +465,14 @@ def main(argv=None) -> int:
         p.error(f"--decode-tokens: comma-separated integers, got {args.decode_tokens!r}")
     if not args.decode_tokens or args.decode_tokens[0] < 1:
         p.error("--decode-tokens: at least one token count, each >= 1")
+    try:
+        args.raster_m = [int(t) for t in str(args.raster_m).split(",") if t.strip()]
+    except ValueError:
+        p.error(f"--raster-m: comma-separated integers, got {args.raster_m!r}")
+    if any(not 1 <= r <= 64 for r in args.raster_m):
+        p.error(f"--raster-m: each in 1..64, got {args.raster_m}")
+    if args.raster_m and args.job != "gemm":
+        p.error("--raster-m: only for the gemm job")
     try:
         args.peer_decode_tokens = sorted({int(t) for t in str(args.peer_decode_tokens).split(",") if t.strip()})
     except ValueError:

@@ -75,27 +75,35 @@ def run_gemm(args) -> int:
     xs = [torch.randn(M, H, generator=gen).to(torch.bfloat16).to(dev) for _ in range(nsets)]
     hs = [torch.randn(M, I, generator=gen).to(torch.bfloat16).to(dev) for _ in range(nsets)]
     rs = [torch.rand(M, generator=gen).to(dev) for _ in range(nsets)]
-    fc1 = grouped_gemm(act, n1, H, E)
-    fc2 = grouped_gemm("identity", H, I, E, scale_rows=True)
+    # the shim's kernels, then (--raster-m) the same GEMMs with other L2 raster groups: label, FC1, FC2
+    variants = [("", grouped_gemm(act, n1, H, E), grouped_gemm("identity", H, I, E, scale_rows=True))]
+    for rm in getattr(args, "raster_m", None) or []:
+        variants.append((f"r{rm}", grouped_gemm(act, n1, H, E, raster_m=rm),
+                         grouped_gemm("identity", H, I, E, scale_rows=True, raster_m=rm)))
     out1 = torch.empty(M, I, dtype=torch.bfloat16, device=dev)
     out2 = torch.empty(M, H, dtype=torch.bfloat16, device=dev)
     w13t = [w.transpose(1, 2) for w in w13]
     w2t = [w.transpose(1, 2) for w in w2]
     print(f"\ngrouped GEMM, {m['name']}: E={E} H={H} I={I}, {T} tokens x top-{K} = {M} rows; "
           f"GPU {torch.cuda.get_device_name()}; median of {iters}, {nsets} rotated input sets")
-    print(f"{'GEMM':<6}{'routing':<9}{'moe_ep ms':>10}{'TFLOP/s':>9}{'torch ms':>10}{'TFLOP/s':>9}{'ratio':>7}")
+    print(f"{'GEMM':<9}{'routing':<9}{'moe_ep ms':>10}{'TFLOP/s':>9}{'torch ms':>10}{'TFLOP/s':>9}{'ratio':>7}")
     for skew in (False, True):
         offs = _offsets(M, E, skew, gen).to(dev)
         ends = offs[1:].contiguous()
         f1 = 2 * M * H * n1
         f2 = 2 * M * I * H
-        ours1, theirs1 = _median_pair_ms(lambda a, b: fc1(a, b, offs, out=out1), list(zip(xs, w13)),
-                                         lambda a, b: torch._grouped_mm(a, b, offs=ends), list(zip(xs, w13t)), iters)
-        ours2, theirs2 = _median_pair_ms(lambda a, b, r: fc2(a, b, offs, out=out2, row_scale=r), list(zip(hs, w2, rs)),
-                                         lambda a, b: torch._grouped_mm(a, b, offs=ends), list(zip(hs, w2t)), iters)
-        r = "skewed" if skew else "uniform"
-        for name, o, t, f in (("FC1", ours1, theirs1, f1), ("FC2", ours2, theirs2, f2)):
-            print(f"{name:<6}{r:<9}{o:>10.3f}{f / o / 1e9:>9.1f}{t:>10.3f}{f / t / 1e9:>9.1f}{t / o:>7.2f}")
+        routing = "skewed" if skew else "uniform"
+        for label, fc1, fc2 in variants:
+            ours1, theirs1 = _median_pair_ms(
+                lambda a, b: fc1(a, b, offs, out=out1), list(zip(xs, w13)),
+                lambda a, b: torch._grouped_mm(a, b, offs=ends), list(zip(xs, w13t)), iters)
+            ours2, theirs2 = _median_pair_ms(
+                lambda a, b, w: fc2(a, b, offs, out=out2, row_scale=w), list(zip(hs, w2, rs)),
+                lambda a, b: torch._grouped_mm(a, b, offs=ends), list(zip(hs, w2t)), iters)
+            for name, o, t, f in (("FC1", ours1, theirs1, f1), ("FC2", ours2, theirs2, f2)):
+                name = f"{name} {label}".strip()
+                print(f"{name:<9}{routing:<9}{o:>10.3f}{f / o / 1e9:>9.1f}{t:>10.3f}{f / t / 1e9:>9.1f}{t / o:>7.2f}")
     print(f"(FC1 = grouped GEMM with the {act} epilogue vs torch's plain [M, {n1}] GEMM; FC2 = with "
-          "router-weight row scaling vs torch's plain GEMM. FLOPs count the GEMM only.)")
+          "router-weight row scaling vs torch's plain GEMM. FLOPs count the GEMM only. rN: with N m-tiles per L2 "
+          "raster group instead of the shim's choice, --raster-m.)")
     return 0

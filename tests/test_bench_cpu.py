@@ -94,7 +94,8 @@ def test_bench_no_b2b_says_so_in_the_note():
     assert any("no back-to-back phase (--no-b2b)" in line for line in p.stdout.splitlines())
 
 
-@pytest.mark.parametrize("args", [["--model", "qwen4"], ["--peer", "sonic"], ["--peers-only"], ["--rounds", "0"]])
+@pytest.mark.parametrize("args", [["--model", "qwen4"], ["--peer", "sonic"], ["--peers-only"], ["--rounds", "0"],
+                                  ["gemm", "--raster-m", "8,x"], ["gemm", "--raster-m", "0"], ["--raster-m", "8"]])
 def test_bench_rejects_bad_arguments(args):
     p = _bench(*args, timeout=120)
     assert p.returncode == 2 and "error:" in p.stderr
