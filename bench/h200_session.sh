@@ -81,6 +81,13 @@
 #                launch of each of MODELS' BF16 GEMMs (bench/ncu_gemm.py) under each ENVAB setting, e.g.
 #                ENVAB="|MOE_EP_JUMP_STAGES=1" MODELS=nemotron
 #                -> $OUT/ncuab_<model>_s<i>.log.
+# gemmab:        the BF16 grouped GEMMs of MODELS against torch._grouped_mm under each ENVAB setting (as envab):
+#                `bench gemm` (ours and torch's interleaved run by run; RASTERS="8,16" adds our GEMMs with those
+#                L2 raster groups), then Nsight Compute (speed of light, memory workload: DRAM bytes and L2 hit
+#                rate) on one FC1 + FC2 launch of ours, of ours at each of RASTERS and of torch's
+#                -> $OUT/gemmab_s<i>.log, $OUT/gemmab_ncu_<model>_s<i>_<ours|r<N>|torch>.log
+#                (42nd session's question: Mixtral's FC2 0.81x torch on an H100, 1.07x on the H200;
+#                e.g. ENVAB="|MOE_EP_BF16_CLUSTER=1" MODELS=mixtral RASTERS=8,16).
 # envab:         the layer (MODELS, QUANT) under each setting of ENVAB ('|'-separated, each a list of
 #                VAR=value; end it with '|' for the defaults), interleaved, ENVAB_ROUNDS (2) rounds -> $OUT/envab_s<i>_r<r>.{log,csv}.
 # timeline:      `python -m moe_ep.bench.graph_timeline` (MODELS, QUANT: per call and graph timed in TIMELINE_ROUNDS
@@ -119,7 +126,7 @@
 #   different processes compare; untried on the H200 as of the twenty-fourth session).
 set -uo pipefail
 mode=${1:-all}
-modes="all|moe|fi|liger|sonic|extra|verify2|ncu|ncuab|layers|envab|timeline|newab|power|sustained|sustab|defer|dropab|commitab|ceiling|decide|decode|suite|suite1|suite2|suite3"
+modes="all|moe|fi|liger|sonic|extra|verify2|ncu|ncuab|gemmab|layers|envab|timeline|newab|power|sustained|sustab|defer|dropab|commitab|ceiling|decide|decode|suite|suite1|suite2|suite3"
 case "|$modes|" in *"|$mode|"*) ;; *) echo "usage: bash bench/h200_session.sh [$modes]" >&2; exit 2 ;; esac
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -356,6 +363,28 @@ if [ "$mode" = ncuab ]; then
     step "ncu BF16 $mdl, setting $i (${settings[$i]:-defaults})" "$OUT/ncuab_${mdl}_s$i.log" -- env ${settings[$i]} \
         ncu --profile-from-start off --clock-control none --section SpeedOfLight --section WarpStateStats \
         --section SchedulerStats --section InstructionStats python3 -m moe_ep.bench.ncu_gemm --model "$mdl"
+  done; done
+fi
+if [ "$mode" = gemmab ]; then
+  # the BF16 GEMMs against torch's under each ENVAB setting: timed (interleaved), then under Nsight Compute
+  IFS='|' read -r -a settings <<< "${ENVAB:-}|"
+  IFS=',' read -r -a ncu_models <<< "$MODELS"
+  IFS=',' read -r -a rasters <<< "${RASTERS:-}"
+  for i in "${!settings[@]}"; do
+    # shellcheck disable=SC2086
+    step "bench gemm, setting $i (${settings[$i]:-defaults})" "$OUT/gemmab_s$i.log" -- env ${settings[$i]} \
+        python3 -m moe_ep.bench gemm --model "$MODELS" --tokens "$TOKENS" ${RASTERS:+--raster-m "$RASTERS"}
+  done
+  for mdl in "${ncu_models[@]}"; do for i in "${!settings[@]}"; do
+    for v in ours "${rasters[@]/#/r}" torch; do
+      [ "$v" = torch ] && [ "$i" != 0 ] && continue  # torch's kernels do not read our switches
+      case $v in ours) extra=() ;; torch) extra=(--torch) ;; *) extra=(--raster-m "${v#r}") ;; esac
+      # shellcheck disable=SC2086
+      step "ncu BF16 $mdl, setting $i (${settings[$i]:-defaults}), $v" "$OUT/gemmab_ncu_${mdl}_s${i}_$v.log" -- \
+          env ${settings[$i]} ncu --profile-from-start off --clock-control none --section SpeedOfLight \
+          --section MemoryWorkloadAnalysis --section WarpStateStats \
+          python3 -m moe_ep.bench.ncu_gemm --model "$mdl" "${extra[@]}"
+    done
   done; done
 fi
 if [ "$mode" = newab ]; then
