@@ -131,20 +131,29 @@ def test_fp8_place_refusals():
         fc1(z, z, z, z, z, z, z, x=torch.zeros(3, 2048, dtype=torch.bfloat16), idx=i, sync=i, x_scale=s1)
     with pytest.raises(ValueError, match=r"x_scale must be a float32 \[T, 16\]"):
         fc1(z, z, z, z, z, z, z, x=q1, idx=i, sync=i, x_scale=torch.zeros(3, 8))
-    # prepared launches: the source rows fixed at prepare or passed per call (then required)
+    # prepared launches: every placement argument fixed at prepare (drop v95: no source rows per call)
     launched = []
     fc1_ffi = CompiledFp8Gemm("swiglu", 1536, 2048, 128, compiled=lambda *a: launched.append(a), tvm_ffi=True,
                               place_a=True)
     fc1_ffi._max_ctas = 132
     a, a_s = torch.zeros(8, 2048, dtype=torch.uint8), torch.zeros(8, 16)
     off, out, rs = torch.zeros(129, dtype=torch.int32), torch.zeros(8, 768), torch.zeros(1)
-    with pytest.raises(ValueError, match=every):
-        fc1_ffi.prepare(a, a_s, off, out, rs, 7, sync=i, x_scale=s1)
-    run = fc1_ffi.prepare(a, a_s, off, out, rs, 7, idx=i, sync=i, x_scale=s1)
-    with pytest.raises(ValueError, match="takes its source rows per call"):
-        run(z, z)
-    run(z, z, torch.zeros(0, 2048, dtype=torch.uint8))  # no source rows: no launch
+    for missing in ("x", "idx", "sync", "x_scale"):
+        args = {n: v for n, v in dict(x=q1, idx=i, sync=i, x_scale=s1).items() if n != missing}
+        with pytest.raises(ValueError, match=every):
+            fc1_ffi.prepare(a, a_s, off, out, rs, 7, **args)
     assert launched == []
+    run = fc1_ffi.prepare(a, a_s, off, out, rs, 7, x=q1, idx=i, sync=i, x_scale=s1)
+    b, b_s = torch.ones(128, 1536, 2048, dtype=torch.uint8), torch.ones(128, 12, 16)
+    run(b, b_s)
+    with pytest.raises(TypeError):
+        run(b, b_s, q1)  # the source rows are the prepared ones
+    # the kernel's argument order: x, idx, a, a_scale, sync, x_scale, b, b_scale, out, offsets, row_scale, CTAs
+    (args,) = launched
+    assert len(args) == 12 and args[6] is b and args[7] is b_s and args[-1] == 7
+    fixed = [torch.from_dlpack(t) for t in args[:6] + args[8:11]]
+    for got, want in zip(fixed, (q1.view(torch.uint8), i, a, a_s, i, s1, out, off, rs)):
+        assert got.data_ptr() == want.data_ptr() and got.shape == want.shape
     # a plain GEMM's prepared launch takes no placement
     plain_ffi = CompiledFp8Gemm("swiglu", 1536, 2048, 128, compiled=lambda *a: launched.append(a), tvm_ffi=True)
     plain_ffi._max_ctas = 132
@@ -224,12 +233,11 @@ def test_fp8_prebuild_builds_the_placing_gemm(monkeypatch):
 
 def _rec_fp8_gemm(calls, name, place_a=False):
     """A recording stand-in for an FP8 GEMM launcher: ``prepare`` returns a run that records what
-    the launch would get (its per-call source rows too)."""
+    the launch would get."""
     def prepare(self, a, a_scale, offsets, out, row_scale, max_active_ctas=None, x=None, idx=None, sync=None,
                 x_scale=None):
-        def run(b, b_scale, x_call=None):
-            calls.append((name, dict(a=a, b=b, x=x if x_call is None else x_call, idx=idx, sync=sync, out=out,
-                                     x_scale=x_scale)))
+        def run(b, b_scale):
+            calls.append((name, dict(a=a, b=b, x=x, idx=idx, sync=sync, out=out, x_scale=x_scale)))
         return run
     return type(name, (), {"prepare": prepare, "place_a": place_a})()
 

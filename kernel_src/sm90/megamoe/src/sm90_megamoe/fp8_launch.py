@@ -155,11 +155,9 @@ class CompiledFp8Gemm:
             ctas = max(min(ctas, self._max_ctas), self.cluster_n)
         return ctas
 
-    def _check_place_args(self, x, idx, sync, x_scale, x_per_call: bool = False) -> None:
-        """``x``, ``idx``, ``sync`` and ``x_scale`` go with place_a, and nothing else (``x_per_call``: a
-        prepared launch may leave ``x`` to each call)."""
-        given = (x is not None or (x_per_call and self.place_a), idx is not None, sync is not None,
-                 x_scale is not None)
+    def _check_place_args(self, x, idx, sync, x_scale) -> None:
+        """``x``, ``idx``, ``sync`` and ``x_scale`` go with place_a, and nothing else."""
+        given = (x is not None, idx is not None, sync is not None, x_scale is not None)
         if any(g != self.place_a for g in given):
             raise ValueError("x, idx, sync and x_scale are required with place_a=True and refused without it")
         if not self.place_a:
@@ -237,34 +235,22 @@ class CompiledFp8Gemm:
         arguments -- with the fixed arguments checked, viewed and
         packed once here (a layer's own buffers), so a call costs the launch and little else.
         The fixed tensors are held (kept alive) and must keep their shapes while ``run`` is used.
-        A placing kernel (place_a) also fixes ``idx``, ``sync`` and ``x_scale`` here, and its source
-        rows either here (``x``: a layer buffer, e.g. the tokens the layer quantised) or per call:
-        ``run(b, b_scale, x)`` (no rows: no launch)."""
-        self._check_place_args(x, idx, sync, x_scale, x_per_call=True)
+        A placing kernel (place_a) also fixes its source rows ``x`` (a layer buffer: the tokens the
+        layer quantised), ``idx``, ``sync`` and ``x_scale`` here (drop v95: no longer ``x`` per call)."""
+        self._check_place_args(x, idx, sync, x_scale)
         if not self.tvm_ffi or a.shape[0] == 0:
-            def run_unpacked(b, b_scale, x_call=None):
-                if x_call is not None and x_call.shape[0] == 0:  # no source rows: no grouped rows either
-                    return
-                self(a, a_scale, b, b_scale, offsets, out, row_scale, max_active_ctas,
-                     **(dict(x=x if x_call is None else x_call, idx=idx, sync=sync, x_scale=x_scale)
-                        if self.place_a else {}))
+            place = dict(x=x, idx=idx, sync=sync, x_scale=x_scale) if self.place_a else {}
+
+            def run_unpacked(b, b_scale):
+                self(a, a_scale, b, b_scale, offsets, out, row_scale, max_active_ctas, **place)
             return run_unpacked
         ctas = self._grid(max_active_ctas, a.device)
         # the fixed tensors as TVM-FFI objects once (drop v61); b and b_scale stay torch tensors
         lead, mid = self._place_args(x, idx, sync, x_scale)
-        head = ffi_fixed(*lead[1:], _u8(a), a_scale, *mid)  # idx (placing), a, a_scale, (placing:) sync, x_scale
+        # (placing:) x, idx; a, a_scale; (placing:) sync, x_scale
+        head = ffi_fixed(*lead, _u8(a), a_scale, *mid)
         tail = ffi_fixed(out, offsets, row_scale, ctas)
         fn = self._fn
-        if self.place_a:
-            fixed_x = None if x is None else ffi_fixed(lead[0])[0]
-
-            def run_placing(b, b_scale, x_call=None):
-                if x_call is None and fixed_x is None:
-                    raise ValueError("this prepared placing launch takes its source rows per call: run(b, b_scale, x)")
-                if x_call is not None and x_call.shape[0] == 0:  # no source rows: no grouped rows either
-                    return
-                fn(fixed_x if x_call is None else _u8(x_call), *head, _u8(b), b_scale, *tail)
-            return run_placing
 
         def run(b, b_scale):
             fn(*head, _u8(b), b_scale, *tail)
