@@ -15,9 +15,9 @@ build --model qwen3,mixtral --quant fp8_block128
 # the queued switches (their GEMMs only; everything else is the defaults' above)
 MOE_EP_GATHER_FC1=1 build --model qwen3,mixtral --kernels fc1
 MOE_EP_FP8_PLACE_FC1=copy build --model qwen3,mixtral --quant fp8_block128 --kernels fc1
-# h200_session.sh gemmab (42nd session's question): Mixtral's BF16 GEMMs in clusters along M, and at
-# L2 raster groups of 8 and 16 m-tiles (`bench gemm --raster-m 8,16`, `ncu_gemm --raster-m`)
-MOE_EP_BF16_CLUSTER=1 build --model mixtral --kernels fc1,fc2
+# h200_session.sh gemmab (42nd session's question): Mixtral's and Qwen3's BF16 GEMMs in clusters along M, and
+# Mixtral's at L2 raster groups of 8 and 16 m-tiles (`bench gemm --raster-m 8,16`, `ncu_gemm --raster-m`)
+MOE_EP_BF16_CLUSTER=1 build --model mixtral,qwen3 --kernels fc1,fc2
 MOE_EP_CACHE_DIR="$out" python - <<'PY'
 from moe_ep.shim import sm90_compiled_grouped_gemm as gemm
 for raster in (8, 16):
