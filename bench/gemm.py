@@ -77,7 +77,7 @@ def run_gemm(args) -> int:
     rs = [torch.rand(M, generator=gen).to(dev) for _ in range(nsets)]
     # the shim's kernels, then (--raster-m) the same GEMMs with other L2 raster groups: label, FC1, FC2
     variants = [("", grouped_gemm(act, n1, H, E), grouped_gemm("identity", H, I, E, scale_rows=True))]
-    for rm in getattr(args, "raster_m", None) or []:
+    for rm in args.raster_m:
         variants.append((f"r{rm}", grouped_gemm(act, n1, H, E, raster_m=rm),
                          grouped_gemm("identity", H, I, E, scale_rows=True, raster_m=rm)))
     out1 = torch.empty(M, I, dtype=torch.bfloat16, device=dev)

@@ -589,9 +589,10 @@ def grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: 
 
 
 def place_sync_len(rows: int, num_experts: int) -> int:
-    """Length of a placing FC1's ``sync`` buffer (int32; the FP8 copying FC1's, drop v92) for calls of at most ``rows`` grouped rows over
-    ``num_experts`` experts: one ready counter per m-tile such rows can take, then the drop's tail
-    slots (claim, done, finished, error word; mirrored ``PLACE_SYNC_TAIL``)."""
+    """Length of a placing FC1's ``sync`` buffer (int32; the FP8 copying FC1's, drop v92) for calls
+    of at most ``rows`` grouped rows over ``num_experts`` experts: one ready counter per m-tile such
+    rows can take, then the drop's tail slots (claim, done, finished, error word; mirrored
+    ``PLACE_SYNC_TAIL``)."""
     slots = (int(rows) + _C["DEFAULT_TILE_M"] - 1) // _C["DEFAULT_TILE_M"] + int(num_experts)
     return slots + CONSTANTS.value("sm90_megamoe.placing_producer", "PLACE_SYNC_TAIL")
 
