@@ -82,6 +82,15 @@ def test_shim_switch_and_key(monkeypatch):
     assert s.use_bf16_cluster("cooperative") == s.use_bf16_cluster("wide") == 2
     assert s.use_bf16_cluster("pingpong") == s.use_bf16_cluster("swapab") == 1
     assert s.use_bf16_cluster("cooperative", gather_a=True) == 1
+    assert s.use_bf16_cluster("cooperative", gated=True) == 2
+    monkeypatch.setenv("MOE_EP_BF16_CLUSTER", "fc2")  # FC2 alone (non-gated): FC1 stays single
+    assert s.use_bf16_cluster("cooperative") == s.use_bf16_cluster("wide") == 2
+    assert s.use_bf16_cluster("cooperative", gated=True) == s.use_bf16_cluster("wide", gated=True) == 1
+    assert s.use_bf16_cluster("pingpong") == s.use_bf16_cluster("cooperative", gather_a=True) == 1
+    for bad in ("FC2", "fc1", "2", "on"):
+        monkeypatch.setenv("MOE_EP_BF16_CLUSTER", bad)
+        with pytest.raises(ValueError, match="MOE_EP_BF16_CLUSTER must be one of 0, 1, fc2"):
+            s.use_bf16_cluster("cooperative")
     assert s.GemmKey.__dataclass_fields__["cluster_m"].default == 1
 
 

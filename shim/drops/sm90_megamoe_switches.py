@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from ..env import env_flag
+from ..env import env_choice, env_flag
 
 
 def use_wide_gated() -> bool:
@@ -44,13 +44,17 @@ def pingpong_max_k(default: int) -> int:
         raise ValueError(f"MOE_EP_PINGPONG_MAX_K must be an integer (0 = never), got {raw!r}") from None
 
 
-def use_bf16_cluster(schedule: str, gather_a: bool = False) -> int:
-    """CTAs per cluster of the BF16 grouped GEMM (drop v29, ``cluster_m``): 2 with
-    ``MOE_EP_BF16_CLUSTER=1`` for the cooperative and wide schedules (not pingpong, swap-AB or the
-    gathering kernel) -- the two CTAs of a cluster compute an m-tile pair of one expert and each
-    loads half of the weight tile, multicast into both; else 1. Opt-in: bit-identical on the H200
-    but no faster (eleventh session, docs/PERFORMANCE.md)."""
-    if not env_flag("MOE_EP_BF16_CLUSTER", False) or gather_a:
+def use_bf16_cluster(schedule: str, gather_a: bool = False, gated: bool = False) -> int:
+    """CTAs per cluster of the BF16 grouped GEMM (drop v29, ``cluster_m``): 2 for the cooperative
+    and wide schedules (not pingpong, swap-AB or the gathering kernel) with ``MOE_EP_BF16_CLUSTER=1``,
+    or with ``MOE_EP_BF16_CLUSTER=fc2`` for the non-gated GEMM (FC2) only -- the two CTAs of a
+    cluster compute an m-tile pair of one expert and each loads half of the weight tile, multicast
+    into both; else 1. Opt-in: bit-identical on the H200 but no faster (eleventh session;
+    43rd: the layer on the H200 with both GEMMs clustered, Qwen3 490 vs 520 TFLOP/s per call,
+    Mixtral 635-639 vs 645-656). On an H100 Mixtral's FC2 alone is 1.01x ``torch._grouped_mm``
+    clustered against 0.79-0.81x (docs/PERFORMANCE.md); ``fc2`` times that in the layer."""
+    mode = env_choice("MOE_EP_BF16_CLUSTER", ("0", "1", "fc2"), "0")
+    if mode == "0" or gather_a or (mode == "fc2" and gated):
         return 1
     return 2 if schedule in ("cooperative", "wide") else 1
 
