@@ -94,6 +94,47 @@ def test_shim_switch_and_key(monkeypatch):
     assert s.GemmKey.__dataclass_fields__["cluster_m"].default == 1
 
 
+def test_fc1_clusters_by_default_on_an_h100_only(monkeypatch):
+    """Unset, MOE_EP_BF16_CLUSTER clusters the gated GEMM of a Mixtral-size expert on an H100 only
+    (43rd session: the layer +4-5% there, slower on the H200); 0 / 1 / fc2 override it."""
+    from moe_ep.shim.drops import sm90_megamoe as s
+
+    monkeypatch.delenv("MOE_EP_BF16_CLUSTER", raising=False)
+    h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+    mixtral_fc1 = dict(gated=True, n=28672, k=4096, rows_per_expert=2048.0)
+    assert s.use_bf16_cluster("cooperative", **mixtral_fc1, device_name=h100) == 2
+    assert s.use_bf16_cluster("wide", **mixtral_fc1, device_name=h100) == 2
+    assert s.use_bf16_cluster("cooperative", **{**mixtral_fc1, "rows_per_expert": None}, device_name=h100) == 2
+    for name in (h200, None, "NVIDIA GH200 480GB"):  # the H200's choice; a CPU prebuild knows no GPU
+        assert s.use_bf16_cluster("cooperative", **mixtral_fc1, device_name=name) == 1
+    for other in (dict(gated=False), dict(n=1536, k=2048), dict(rows_per_expert=256.0)):  # FC2, Qwen3, few rows
+        assert s.use_bf16_cluster("cooperative", **{**mixtral_fc1, **other}, device_name=h100) == 1
+    assert s.use_bf16_cluster("cooperative", **mixtral_fc1, gather_a=True, device_name=h100) == 1
+    assert s.use_bf16_cluster("pingpong", **mixtral_fc1, device_name=h100) == 1
+    for raw, want in (("0", 1), ("fc2", 1), ("1", 2)):
+        monkeypatch.setenv("MOE_EP_BF16_CLUSTER", raw)
+        assert s.use_bf16_cluster("cooperative", **mixtral_fc1, device_name=h100) == want
+    monkeypatch.setenv("MOE_EP_BF16_CLUSTER", "1")
+    assert s.use_bf16_cluster("cooperative", **mixtral_fc1, device_name=h200) == 2
+
+
+def test_the_key_takes_the_device_choice(monkeypatch):
+    """compiled_grouped_gemm builds Mixtral's FC1 in clusters for an H100 and single for the H200 or an
+    unknown GPU (two keys, two kernels); its FC2 stays single on both."""
+    from moe_ep.shim.drops import sm90_megamoe as s
+    from recorders import record_gemm_builds
+
+    monkeypatch.delenv("MOE_EP_BF16_CLUSTER", raising=False)
+    built, names = record_gemm_builds(monkeypatch)
+    for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H200", None):
+        s.compiled_grouped_gemm("swiglu", 28672, 4096, 8, rows_per_expert=2048.0, device_name=name)
+        s.compiled_grouped_gemm("identity", 4096, 14336, 8, True, rows_per_expert=2048.0, device_name=name)
+    # one key per kernel: the H100's clustered FC1, then FC2 and the single FC1 that the others share
+    assert names == ["gemm_swiglu_cluster2_tanh", "gemm_identity", "gemm_swiglu_tanh"]
+    assert {(kw["activation"], kw.get("cluster_m", 1)) for kw in built} == {("swiglu", 2), ("identity", 1),
+                                                                            ("swiglu", 1)}
+
+
 # ---------------------------------------------------------------------------- GPU
 def _problem(m_total, n, k, E, routing, seed, scale_rows, bias_dtype=None, amp=0.5):
     from sm90_megamoe.grouped_gemm_runner import make_offsets

@@ -497,7 +497,8 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
                           tile_n: int | None = None, bias_dtype: Any = None, raster_m: int | None = None,
                           swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
                           schedule: str | None = None, rows_per_expert: float | None = None,
-                          early_weights: bool = False, gather_a: bool = False) -> Any:
+                          early_weights: bool = False, gather_a: bool = False,
+                          device_name: str | None = None) -> Any:
     """The compiled grouped GEMM from the compile cache (compiled code only, no buffers).
     ``schedule``/``tile_n`` None: :func:`pick_schedule` (``rows_per_expert``: the mean rows per
     expert the caller expects at capacity; None = many, the prefill kernels). ``early_weights``:
@@ -505,7 +506,9 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
     a swap-AB kernel may prefetch its weights before the PDL wait; it takes effect only for the
     swap-AB schedule with PDL launches (:func:`pdl_launches`), else the plain kernel is used.
     ``gather_a`` (drop v23; cooperative / wide, K % 64 == 0): A is the source rows and a call
-    passes ``idx`` (grouped row r = ``a[idx[r]]``). (Drop v94 removed v91's ``place_a``.)"""
+    passes ``idx`` (grouped row r = ``a[idx[r]]``). (Drop v94 removed v91's ``place_a``.)
+    ``device_name``: the GPU it will run on (``torch.cuda.get_device_name``; None = unknown, e.g. a
+    CPU prebuild), for choices measured per GPU (:func:`use_bf16_cluster`)."""
     check_gemm_shapes(activation, n, k, num_experts, tile_n)
     check_removed()  # a switch of a removed variant, still set, raises here
     if schedule is None:
@@ -528,7 +531,7 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
     if gather_a and (schedule not in ("cooperative", "wide") or k % _C["DEFAULT_TILE_K"]):
         raise ValueError(f"sm90 grouped GEMM: gather_a needs the cooperative or wide schedule and K % "
                          f"{_C['DEFAULT_TILE_K']} == 0, got {schedule!r}, K={k}")
-    cluster = use_bf16_cluster(schedule, gather_a, activation in GEMM_GATED)
+    cluster = use_bf16_cluster(schedule, gather_a, activation in GEMM_GATED, n, k, rows_per_expert, device_name)
     key = GemmKey(CONSTANTS.value(PKG, "DROP_VERSION"), _C["ABI_VERSION"], _cutlass_version(), "sm_90a",
                   "bf16", activation, n, k, num_experts, bool(scale_rows), tile, bias, raster, alpha, limit,
                   schedule, ffi, early, bool(gather_a), cluster,
@@ -580,11 +583,11 @@ def grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: 
     ``gather_a``: see :func:`compiled_grouped_gemm`."""
     import torch
 
+    dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
     compiled = compiled_grouped_gemm(activation, n, k, num_experts, scale_rows, tile_n, bias_dtype,
                                      raster_m, swiglu_alpha, swiglu_limit, schedule, rows_per_expert,
-                                     early_weights, gather_a)
+                                     early_weights, gather_a, torch.cuda.get_device_name(dev))
     launch = _load("sm90_megamoe.launch")
-    dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
     return GroupedGemm(compiled, launch.to_cute_args, dev)
 
 

@@ -1,6 +1,6 @@
 """Environment switches of the SM90 BF16 grouped GEMM (drop ``sm90_megamoe``): which kernel
-variants the shim compiles (opt-in, but for the tanh sigmoid and the pingpong FC2 bound: defaults one
-can turn off). Each is read when a GEMM
+variants the shim compiles (opt-in, but for the tanh sigmoid, the pingpong FC2 bound and the H100's FC1
+clusters: defaults one can turn off). Each is read when a GEMM
 is built (its key), never in ``forward``; each says what the H200 measured. Same drop and contract as :mod:`.sm90_megamoe` (which re-exports these
 names); kept apart only to keep files short."""
 
@@ -44,19 +44,45 @@ def pingpong_max_k(default: int) -> int:
         raise ValueError(f"MOE_EP_PINGPONG_MAX_K must be an integer (0 = never), got {raw!r}") from None
 
 
-def use_bf16_cluster(schedule: str, gather_a: bool = False, gated: bool = False) -> int:
-    """CTAs per cluster of the BF16 grouped GEMM (drop v29, ``cluster_m``): 2 for the cooperative
-    and wide schedules (not pingpong, swap-AB or the gathering kernel) with ``MOE_EP_BF16_CLUSTER=1``,
-    or with ``MOE_EP_BF16_CLUSTER=fc2`` for the non-gated GEMM (FC2) only -- the two CTAs of a
+#: GPUs (by name) on which the gated GEMM (FC1) of a large expert runs in clusters of 2 along M by
+#: default: H100 80GB HBM3, 43rd session, the Mixtral BF16 layer in three interleaved rounds with
+#: both GEMMs clustered: per call 676.8-681.6 vs 644.5-656.4 TFLOP/s, graph 586.2-595.7 vs
+#: 567.9-581.3; FC2 alone clustered: 644.6-645.3 (no gain); Qwen3 (K 2048) 461.7-467.3 vs
+#: 481.0-484.8 (slower). On the H200 (4.8 TB/s against the H100's 3.35) clusters were slower:
+#: Mixtral 635.5-639.0 vs 645.2-655.9 per call, Qwen3 490 vs 520. Other SM90 parts are untimed.
+CLUSTER_FC1_GPUS = ("H100",)
+#: the smallest expert weight (N x K elements) of a gated GEMM clustered by default there (Mixtral's
+#: FC1: 28672 x 4096 = 117M; Qwen3's 1536 x 2048 = 3M was slower, shapes between are untimed)
+CLUSTER_FC1_MIN_WEIGHT = 64 << 20
+#: the least mean rows per expert at capacity for that default: a cluster computes an m-tile pair of
+#: one expert, so an expert with one m-tile idles half of it (Mixtral at 8192 tokens: 2048)
+CLUSTER_FC1_MIN_ROWS = 512
+
+
+def use_bf16_cluster(schedule: str, gather_a: bool = False, gated: bool = False, n: int = 0, k: int = 0,
+                     rows_per_expert: float | None = None, device_name: str | None = None) -> int:
+    """CTAs per cluster of the BF16 grouped GEMM (drop v29, ``cluster_m``): 2 or 1. The two CTAs of a
     cluster compute an m-tile pair of one expert and each loads half of the weight tile, multicast
-    into both; else 1. Opt-in: bit-identical on the H200 but no faster (eleventh session;
-    43rd: the layer on the H200 with both GEMMs clustered, Qwen3 490 vs 520 TFLOP/s per call,
-    Mixtral 635-639 vs 645-656). On an H100 Mixtral's FC2 alone is 1.01x ``torch._grouped_mm``
-    clustered against 0.79-0.81x (docs/PERFORMANCE.md); ``fc2`` times that in the layer."""
-    mode = env_choice("MOE_EP_BF16_CLUSTER", ("0", "1", "fc2"), "0")
-    if mode == "0" or gather_a or (mode == "fc2" and gated):
+    into both. Only the cooperative and wide schedules cluster (not pingpong, swap-AB or the
+    gathering kernel). ``MOE_EP_BF16_CLUSTER``:
+
+    * ``1``: every such GEMM; ``fc2``: the non-gated GEMM (FC2) only; ``0``: none;
+    * unset: the gated GEMM (FC1) on a GPU named in :data:`CLUSTER_FC1_GPUS` when its expert weight
+      has at least :data:`CLUSTER_FC1_MIN_WEIGHT` elements (``n`` x ``k``) and the caller expects at
+      least :data:`CLUSTER_FC1_MIN_ROWS` rows per expert (``rows_per_expert``; None = many); else
+      none. ``device_name`` None (a CPU prebuild) takes the H200's choice: none.
+
+    Bit-identical to single CTAs (drop v29's tests). Measured: the constants above."""
+    mode = env_choice("MOE_EP_BF16_CLUSTER", ("0", "1", "fc2"), "")
+    if gather_a or schedule not in ("cooperative", "wide"):
         return 1
-    return 2 if schedule in ("cooperative", "wide") else 1
+    if mode == "":
+        on = (gated and device_name is not None and any(g in device_name for g in CLUSTER_FC1_GPUS)
+              and n * k >= CLUSTER_FC1_MIN_WEIGHT
+              and (rows_per_expert is None or rows_per_expert >= CLUSTER_FC1_MIN_ROWS))
+    else:
+        on = mode == "1" or (mode == "fc2" and not gated)
+    return 2 if on else 1
 
 
 def use_bf16_cluster_n(schedule: str, gated: bool, gather_a: bool = False) -> int:
