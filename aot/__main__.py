@@ -2,6 +2,7 @@
 
     python -m moe_ep.aot build --arch sm_90a --model qwen3 [--max-tokens 8192] [--ep 1] --out DIR
     python -m moe_ep.aot build --arch sm_90a --quant fp8_block128 --model qwen3 --out DIR  # FP8 layers (H100/H200)
+    python -m moe_ep.aot build --arch sm_90a --model mixtral --gpu "NVIDIA H100 80GB HBM3" --out DIR  # per-GPU picks
     python -m moe_ep.aot build --arch sm_100a --model nemotron --out DIR   # NVFP4 W4A16 layers (B200)
     python -m moe_ep.aot build --arch sm_120a --model qwen3 --out DIR      # MXFP8 layers (RTX PRO 6000)
     python -m moe_ep.aot list   [--dir DIR]
@@ -62,7 +63,7 @@ def build(args) -> int:
             seen = len(COMPILE_EVENTS)
             t0 = time.perf_counter()
             try:
-                prebuild(cfg, world_size=ep, arch=args.arch, kernels=kernels)
+                prebuild(cfg, world_size=ep, arch=args.arch, kernels=kernels, gpu=args.gpu)
             except ValueError as e:
                 print(f"moe_ep.aot build: {e}", file=sys.stderr)
                 return 2
@@ -124,6 +125,9 @@ def main(argv=None) -> int:
     b.add_argument("--kernels", default="fc1,fc2,ep,layout", help="subset of fc1,fc2,ep,layout")
     b.add_argument("--quant", default=None, choices=("fp8_block128",),
                    help="sm_90a only: the FP8 block-scaled layer (sm90_fp8_cutedsl) instead of BF16")
+    b.add_argument("--gpu", default=None, help="the GPU name the layers will run on, as torch.cuda.get_device_name "
+                   "gives it (e.g. 'NVIDIA H100 80GB HBM3'): the kernels picked per GPU are built for it "
+                   "(default: the H200's picks)")
     b.add_argument("--out", default=None, help="cache directory (default: MOE_EP_CACHE_DIR or ~/.cache/moe_ep)")
     for name in ("list", "verify"):
         s = sub.add_parser(name, help=f"{name} the entries of a cache")

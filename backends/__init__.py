@@ -98,12 +98,15 @@ PREBUILD_ARCHES = {"sm_90a": "sm90_bf16_cutedsl", "sm_100a": "sm100_w4a16_cuteds
 _PREBUILD = {"sm_90a": _sm90_bf16.prebuild, "sm_100a": _sm100_w4a16.prebuild, "sm_120a": _sm120_mxfp8.prebuild}
 
 
-def prebuild(config, world_size: int = 1, arch: str = "sm_90a", kernels: tuple = ("fc1", "fc2", "ep", "layout")) -> None:
+def prebuild(config, world_size: int = 1, arch: str = "sm_90a", kernels: tuple = ("fc1", "fc2", "ep", "layout"),
+             gpu: str | None = None) -> None:
     """Compile every kernel a layer of ``config`` on ``world_size`` ranks needs for ``arch``
     into the disk compile cache (no GPU needed), with the backend :data:`PREBUILD_ARCHES` names for
     that arch (``sm_100a``: NVFP4 W4A16 layers, ``sm_120a``: MXFP8 layers; ``sm_90a`` with
-    ``config.quant="fp8_block128"``: ``sm90_fp8_cutedsl``). Unknown arches, and configurations that
-    backend refuses, raise naming the reason."""
+    ``config.quant="fp8_block128"``: ``sm90_fp8_cutedsl``). ``gpu``: the name of the GPU the layers
+    will run on, as ``torch.cuda.get_device_name`` gives it (e.g. "NVIDIA H100 80GB HBM3"), for the
+    kernels the shim picks per GPU (``sm90_bf16_cutedsl``'s FC1 clusters on an H100); None: the
+    H200's picks. Unknown arches, and configurations that backend refuses, raise naming the reason."""
     if arch not in PREBUILD_ARCHES:
         raise ValueError(f"prebuild: arch {arch!r} is not supported; supported: {sorted(PREBUILD_ARCHES)}")
     if arch == "sm_90a" and getattr(config, "quant", None) is not None:  # FP8 block-scaled layers
@@ -116,7 +119,10 @@ def prebuild(config, world_size: int = 1, arch: str = "sm_90a", kernels: tuple =
         backend = {"sm_100a": _sm100_w4a16, "sm_120a": _sm120_mxfp8}[arch]
         _get_spec(PREBUILD_ARCHES[arch])  # registered
         backend.check_config(config, _PrebuildGroup(world_size))
-    _PREBUILD[arch](config, world_size, kernels)
+    if arch == "sm_90a":
+        _sm90_bf16.prebuild(config, world_size, kernels, gpu=gpu)
+    else:
+        _PREBUILD[arch](config, world_size, kernels)
 
 
 class _PrebuildGroup:

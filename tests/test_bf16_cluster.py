@@ -135,6 +135,24 @@ def test_the_key_takes_the_device_choice(monkeypatch):
                                                                             ("swiglu", 1)}
 
 
+def test_prebuild_builds_the_named_gpus_picks(monkeypatch):
+    """``prebuild(..., gpu=...)`` (``python -m moe_ep.aot build --gpu``) builds the FC1 the layer will
+    load on that GPU: Mixtral's clustered on an H100, single without a name."""
+    from recorders import record_gemm_builds
+
+    from moe_ep.backends import prebuild
+    from moe_ep.bench.models import model_config
+
+    monkeypatch.delenv("MOE_EP_BF16_CLUSTER", raising=False)
+    cfg = model_config("mixtral", 8192)
+    for gpu, want in (("NVIDIA H100 80GB HBM3", {2}), (None, {1})):
+        built, _ = record_gemm_builds(monkeypatch)
+        prebuild(cfg, kernels=("fc1",), gpu=gpu)
+        # the 128-row FC1 (cooperative); its decode sibling (swap-AB) never clusters
+        assert {kw.get("cluster_m", 1) for kw in built if kw["schedule"] == "cooperative"} == want
+        assert {kw.get("cluster_m", 1) for kw in built if kw["schedule"] == "swapab"} == {1}
+
+
 # ---------------------------------------------------------------------------- GPU
 def _problem(m_total, n, k, E, routing, seed, scale_rows, bias_dtype=None, amp=0.5):
     from sm90_megamoe.grouped_gemm_runner import make_offsets

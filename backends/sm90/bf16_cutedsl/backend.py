@@ -193,15 +193,18 @@ def prebuild_layer(config: Any, world_size: int, kernels: tuple, gemms: dict, ar
             raise ValueError(f"unknown kernel group {name!r} ({', '.join((*gemms, 'ep', 'layout'))})")
 
 
-def prebuild(config: Any, world_size: int, kernels: tuple = ("fc1", "fc2", "ep", "layout")) -> None:
+def prebuild(config: Any, world_size: int, kernels: tuple = ("fc1", "fc2", "ep", "layout"),
+             gpu: str | None = None) -> None:
     """Compile (or load from the disk compile cache) every kernel a layer of ``config`` on
     ``world_size`` ranks needs, without a GPU: FC1, FC2, the EP kernels and the layout kernels
-    (``kernels`` picks a subset; "fc1"/"fc2" include their decode variants). ``python -m moe_ep.aot
-    build`` calls it."""
+    (``kernels`` picks a subset; "fc1"/"fc2" include their decode variants). ``gpu``: the name of
+    the GPU the layer will run on (None: the H200's picks; see the shim's ``compiled_grouped_gemm``).
+    ``python -m moe_ep.aot build`` calls it."""
     specs = _gemm_specs(config, config.local_experts(world_size), world_size)
 
     def gemm(name):
-        return lambda: [sm90_compiled_grouped_gemm(**specs[n]) for n in (name, f"{name}_decode") if n in specs]
+        return lambda: [sm90_compiled_grouped_gemm(**specs[n], device_name=gpu) for n in (name, f"{name}_decode")
+                        if n in specs]
 
     prebuild_layer(config, world_size, kernels, {"fc1": gemm("fc1"), "fc2": gemm("fc2")})
 
