@@ -49,7 +49,8 @@ def pingpong_max_k(default: int) -> int:
 #: both GEMMs clustered: per call 676.8-681.6 vs 644.5-656.4 TFLOP/s, graph 586.2-595.7 vs
 #: 567.9-581.3; FC2 alone clustered: 644.6-645.3 (no gain); Qwen3 (K 2048) 461.7-467.3 vs
 #: 481.0-484.8 (slower). On the H200 (4.8 TB/s against the H100's 3.35) clusters were slower:
-#: Mixtral 635.5-639.0 vs 645.2-655.9 per call, Qwen3 490 vs 520. Other SM90 parts are untimed.
+#: Mixtral 635.5-639.0 vs 645.2-655.9 per call, Qwen3 490 vs 520. Only the H100 80GB HBM3 (SXM)
+#: was timed; the PCIe and NVL H100s match the name untimed; other SM90 parts keep single CTAs.
 CLUSTER_FC1_GPUS = ("H100",)
 #: the smallest expert weight (N x K elements) of a gated GEMM clustered by default there (Mixtral's
 #: FC1: 28672 x 4096 = 117M; Qwen3's 1536 x 2048 = 3M was slower, shapes between are untimed)
