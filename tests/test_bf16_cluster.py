@@ -239,3 +239,39 @@ def test_gpu_layer_with_clusters_is_bit_identical(monkeypatch, T, pingpong_max_k
     outs = layer_outputs_with_switch(monkeypatch, "MOE_EP_BF16_CLUSTER", cfg, "sm90_bf16_cutedsl",
                                      (x, ids, w, w13, w2), check)
     assert torch.isfinite(outs[1].float()).all() and torch.equal(outs[0], outs[1])
+
+
+@pytest.mark.gpu
+def test_gpu_default_fc1_clusters_follow_the_gpu(monkeypatch):
+    """The layer's default at a Mixtral-size expert (N x K = 32768 x 2048, >= 512 rows per expert):
+    FC1 in clusters of 2 on an H100, single elsewhere; either way the bits of
+    ``MOE_EP_BF16_CLUSTER=0``, eager and graph-replayed from poison, within 1e-2 of float64."""
+    require_sm90()
+    from moe_oracle import layer_outputs_with_switch, make_problem, rel_err
+
+    from moe_ep.api import MoEConfig
+
+    E, H, I, K, T = 4, 2048, 16384, 2, 1500
+    cfg = MoEConfig(num_experts=E, hidden=H, intermediate=I, top_k=K, max_tokens_per_rank=2048)
+    x, ids, w, w13, w2 = make_problem(E, H, I, K, T, seed=43)
+    inputs = (x.cuda(), ids.to(torch.int32).cuda(), w.cuda(), w13.cuda(), w2.cuda())
+    h100 = "H100" in torch.cuda.get_device_name()
+
+    def check(impl, default):
+        assert impl.fc1.compiled.cluster_m == (2 if default and h100 else 1)
+        assert impl.fc2.compiled.cluster_m == 1
+
+    outs = layer_outputs_with_switch(monkeypatch, "MOE_EP_BF16_CLUSTER", cfg, "sm90_bf16_cutedsl", inputs,
+                                     check, values=("0", ""))
+    assert torch.isfinite(outs[1].float()).all() and torch.equal(outs[0], outs[1])
+    # float64 on the GPU (the weights are 268 + 134 MB in bf16), for the first 96 tokens, per expert
+    S = 96
+    xd, ids_s, w_s = inputs[0][:S].double(), inputs[1][:S].long(), inputs[2][:S].double()
+    want = torch.zeros(S, H, dtype=torch.float64, device="cuda")
+    for e in range(E):
+        t, k = (ids_s == e).nonzero(as_tuple=True)
+        if t.numel():
+            gu = xd[t] @ inputs[3][e].double().T
+            h = torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]
+            want.index_add_(0, t, w_s[t, k, None] * (h @ inputs[4][e].double().T))
+    assert rel_err(outs[1][:S], want) < 1e-2
