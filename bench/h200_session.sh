@@ -86,8 +86,8 @@
 #                L2 raster groups), then Nsight Compute (speed of light, memory workload: DRAM bytes and L2 hit
 #                rate) on one FC1 + FC2 launch of ours, of ours at each of RASTERS and of torch's
 #                -> $OUT/gemmab_s<i>.log, $OUT/gemmab_ncu_<model>_s<i>_<ours|r<N>|torch>.log
-#                (42nd session's question: Mixtral's FC2 0.81x torch on an H100, 1.07x on the H200;
-#                e.g. ENVAB="|MOE_EP_BF16_CLUSTER=1" MODELS=mixtral RASTERS=8,16).
+#                (e.g. ENVAB="|MOE_EP_BF16_CLUSTER=1" MODELS=mixtral RASTERS=8,16: the 43rd session's answer to
+#                Mixtral's FC2 at 0.81x torch on an H100 -- single CTAs wait on DRAM, clusters 1.01x; docs/LIMITS.md).
 # envab:         the layer (MODELS, QUANT) under each setting of ENVAB ('|'-separated, each a list of
 #                VAR=value; end it with '|' for the defaults), interleaved, ENVAB_ROUNDS (2) rounds -> $OUT/envab_s<i>_r<r>.{log,csv}.
 # timeline:      `python -m moe_ep.bench.graph_timeline` (MODELS, QUANT: per call and graph timed in TIMELINE_ROUNDS
