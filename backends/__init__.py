@@ -95,7 +95,6 @@ __all__ = [*ERRORS, "launch_path", "retain_runtime", "workspace_bytes", "Backend
 
 #: arch -> backend whose kernels ``prebuild`` compiles for it
 PREBUILD_ARCHES = {"sm_90a": "sm90_bf16_cutedsl", "sm_100a": "sm100_w4a16_cutedsl", "sm_120a": "sm120_mxfp8_cutedsl"}
-_PREBUILD = {"sm_90a": _sm90_bf16.prebuild, "sm_100a": _sm100_w4a16.prebuild, "sm_120a": _sm120_mxfp8.prebuild}
 
 
 def prebuild(config, world_size: int = 1, arch: str = "sm_90a", kernels: tuple = ("fc1", "fc2", "ep", "layout"),
@@ -113,16 +112,15 @@ def prebuild(config, world_size: int = 1, arch: str = "sm_90a", kernels: tuple =
         _sm90_fp8.check_config(config, _PrebuildGroup(world_size))
         _sm90_fp8.prebuild(config, world_size, kernels)
         return
-    if arch != "sm_90a":
-        from .registry import get as _get_spec
-
-        backend = {"sm_100a": _sm100_w4a16, "sm_120a": _sm120_mxfp8}[arch]
-        _get_spec(PREBUILD_ARCHES[arch])  # registered
-        backend.check_config(config, _PrebuildGroup(world_size))
     if arch == "sm_90a":
         _sm90_bf16.prebuild(config, world_size, kernels, gpu=gpu)
-    else:
-        _PREBUILD[arch](config, world_size, kernels)
+        return
+    from .registry import get as _get_spec
+
+    backend = {"sm_100a": _sm100_w4a16, "sm_120a": _sm120_mxfp8}[arch]
+    _get_spec(PREBUILD_ARCHES[arch])  # registered
+    backend.check_config(config, _PrebuildGroup(world_size))
+    backend.prebuild(config, world_size, kernels)
 
 
 class _PrebuildGroup:

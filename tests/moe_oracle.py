@@ -72,6 +72,18 @@ def oracle_f64(x, ids, w, w13, w2, activation, intermediate, *, b13=None, b2=Non
     return out
 
 
+def swiglu_moe_f64(x, ids, w, w13, w2, I):
+    """float64 SwiGLU MoE on x's device, grouped by expert: out[t] = sum_k w[t,k] * W2_e · (silu(G) * U),
+    [G; U] = W13_e · x[t] (G the first I rows)."""
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64, device=x.device)
+    for e in ids.unique().tolist():
+        t, k = (ids == e).nonzero(as_tuple=True)
+        h = x[t].double() @ w13[e].double().T
+        a = torch.nn.functional.silu(h[:, :I]) * h[:, I:]
+        out.index_add_(0, t, (a @ w2[e].double().T) * w[t, k].double()[:, None])
+    return out
+
+
 def fc1_f64(x, ids, w13, b13=None):
     """Every pair's FC1 output (bias included) in float64: ``[T*K, rows]`` (to see what an
     activation's input looks like, e.g. that a clamp triggers)."""

@@ -247,7 +247,7 @@ def test_gpu_default_fc1_clusters_follow_the_gpu(monkeypatch):
     FC1 in clusters of 2 on an H100, single elsewhere; either way the bits of
     ``MOE_EP_BF16_CLUSTER=0``, eager and graph-replayed from poison, within 1e-2 of float64."""
     require_sm90()
-    from moe_oracle import layer_outputs_with_switch, make_problem, rel_err
+    from moe_oracle import layer_outputs_with_switch, make_problem, rel_err, swiglu_moe_f64
 
     from moe_ep.api import MoEConfig
 
@@ -264,14 +264,6 @@ def test_gpu_default_fc1_clusters_follow_the_gpu(monkeypatch):
     outs = layer_outputs_with_switch(monkeypatch, "MOE_EP_BF16_CLUSTER", cfg, "sm90_bf16_cutedsl", inputs,
                                      check, values=("0", ""))
     assert torch.isfinite(outs[1].float()).all() and torch.equal(outs[0], outs[1])
-    # float64 on the GPU (the weights are 268 + 134 MB in bf16), for the first 96 tokens, per expert
-    S = 96
-    xd, ids_s, w_s = inputs[0][:S].double(), inputs[1][:S].long(), inputs[2][:S].double()
-    want = torch.zeros(S, H, dtype=torch.float64, device="cuda")
-    for e in range(E):
-        t, k = (ids_s == e).nonzero(as_tuple=True)
-        if t.numel():
-            gu = xd[t] @ inputs[3][e].double().T
-            h = torch.nn.functional.silu(gu[:, :I]) * gu[:, I:]
-            want.index_add_(0, t, w_s[t, k, None] * (h @ inputs[4][e].double().T))
+    S = 96  # float64 on the GPU for the first 96 tokens (the weights are 268 + 134 MB in bf16)
+    want = swiglu_moe_f64(inputs[0][:S], inputs[1][:S].long(), inputs[2][:S], inputs[3], inputs[4], I)
     assert rel_err(outs[1][:S], want) < 1e-2

@@ -10,7 +10,7 @@ import zlib
 
 import pytest
 import torch
-from moe_oracle import capture_graph, layer_outputs_with_switch, replay_poisoned
+from moe_oracle import capture_graph, layer_outputs_with_switch, replay_poisoned, swiglu_moe_f64
 
 pytestmark = pytest.mark.gpu
 
@@ -395,17 +395,6 @@ def test_quantised_configs_refused_by_the_bf16_backend(quant):
     layer.destroy(), plain.destroy()
 
 
-def _moe_f64(x, ids, w, w13, w2, I):
-    """float64 MoE (swiglu), grouped by expert: sum_k w[t,k] * W2_e · (silu(G) * U)."""
-    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64, device=x.device)
-    for e in ids.unique().tolist():
-        t, k = (ids == e).nonzero(as_tuple=True)
-        h = x[t].double() @ w13[e].double().T
-        a = torch.nn.functional.silu(h[:, :I]) * h[:, I:]
-        out.index_add_(0, t, (a @ w2[e].double().T) * w[t, k].double()[:, None])
-    return out
-
-
 @pytest.mark.parametrize("model", ["qwen3", "mixtral"])
 def test_decode_layer_against_float64(model):
     """Decode-sized layers (max_tokens_per_rank 256) run the swap-AB GEMMs (Mixtral's 256-token
@@ -440,7 +429,7 @@ def test_decode_layer_against_float64(model):
             if T == 0:
                 continue
             assert torch.isfinite(got).all(), (model, T, one_expert)
-            assert rel(got, _moe_f64(x, ids, w, w13, w2, I)) < 1e-2, (model, T, one_expert)
+            assert rel(got, swiglu_moe_f64(x, ids, w, w13, w2, I)) < 1e-2, (model, T, one_expert)
     fast.destroy()
 
 
