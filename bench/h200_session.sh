@@ -165,6 +165,9 @@ unquantised=("${common[@]}")  # the layers mode picks BF16 and FP8 itself (QUANT
 [ -n "${QUANT:-}" ] && common+=(--quant "$QUANT")
 peer_args=(--peers-only --peer-nproc "$N" --peer-timeout "$PEER_TIMEOUT" --peer-log-dir "$OUT")
 status=()
+split_settings() {  # split_settings "A=1 B=2|C=3|": the array settings, one entry per '|'-separated setting
+  IFS='|' read -r -a settings <<< "${1}|"  # the extra "|" keeps a trailing empty setting (read drops one)
+}
 step() {  # step NAME LOG -- command...: run with a timeout, tee the log, remember the exit code
   local name=$1 log=$2; shift 3
   echo "===== $name ($(date +%T)) -> $log"
@@ -302,7 +305,7 @@ if [ "$mode" = commitab ]; then  # this checkout (new) vs the commit installed i
   done; done
 fi
 if [ "$mode" = sustab ]; then
-  IFS='|' read -r -a settings <<< "${SUSTAB:-}|"  # (as ENVAB: a trailing empty setting kept)
+  split_settings "${SUSTAB:-}"
   for i in "${!settings[@]}"; do
     # shellcheck disable=SC2086
     sustained_gemms "sustained GEMMs, setting $i (${settings[$i]:-defaults})" "$OUT/sustab_s$i.log" \
@@ -333,7 +336,7 @@ if [ "$mode" = power ]; then
 fi
 layer_settings() {  # layer_settings: the layer (QUANT, MODELS) under each ENVAB setting ('|'-separated, each a
   # space-separated list of VAR=value, empty: the defaults), interleaved, ENVAB_ROUNDS (2) rounds
-  IFS='|' read -r -a settings <<< "${ENVAB:-}|"  # the extra "|" keeps a trailing empty setting (read drops one)
+  split_settings "${ENVAB:-}"
   for r in $(seq 1 "${ENVAB_ROUNDS:-2}"); do for i in "${!settings[@]}"; do
     # shellcheck disable=SC2086
     step "layer, setting $i (${settings[$i]:-defaults}), round $r" "$OUT/envab_s${i}_r$r.log" -- env ${settings[$i]} \
@@ -344,7 +347,7 @@ if [ "$mode" = envab ]; then
   layer_settings
 fi
 if [ "$mode" = timeline ]; then
-  IFS='|' read -r -a settings <<< "${ENVAB:-}|"
+  split_settings "${ENVAB:-}"
   for i in "${!settings[@]}"; do
     # shellcheck disable=SC2086
     step "timeline, setting $i (${settings[$i]:-defaults})" "$OUT/timeline_s$i.log" -- env ${settings[$i]} \
@@ -356,7 +359,7 @@ if [ "$mode" = ncuab ]; then
   # Nsight Compute on one FC1 + one FC2 launch of the BF16 GEMMs (bench/ncu_gemm.py, uniform routing) of
   # each of MODELS under each ENVAB setting ('|'-separated as in envab; an empty one: the defaults):
   # speed of light, warp states (e.g. "No Instruction": instruction-cache misses), schedulers, instruction mix
-  IFS='|' read -r -a settings <<< "${ENVAB:-}|"
+  split_settings "${ENVAB:-}"
   IFS=',' read -r -a ncu_models <<< "$MODELS"
   for mdl in "${ncu_models[@]}"; do for i in "${!settings[@]}"; do
     # shellcheck disable=SC2086
@@ -367,7 +370,7 @@ if [ "$mode" = ncuab ]; then
 fi
 if [ "$mode" = gemmab ]; then
   # the BF16 GEMMs against torch's under each ENVAB setting: timed (interleaved), then under Nsight Compute
-  IFS='|' read -r -a settings <<< "${ENVAB:-}|"
+  split_settings "${ENVAB:-}"
   IFS=',' read -r -a ncu_models <<< "$MODELS"
   IFS=',' read -r -a rasters <<< "${RASTERS:-}"
   for i in "${!settings[@]}"; do
