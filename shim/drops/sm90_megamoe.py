@@ -587,7 +587,7 @@ def grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: 
     dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
     compiled = compiled_grouped_gemm(activation, n, k, num_experts, scale_rows, tile_n, bias_dtype,
                                      raster_m, swiglu_alpha, swiglu_limit, schedule, rows_per_expert,
-                                     early_weights, gather_a, torch.cuda.get_device_name(dev))
+                                     early_weights, gather_a, device_name=torch.cuda.get_device_name(dev))
     launch = _load("sm90_megamoe.launch")
     return GroupedGemm(compiled, launch.to_cute_args, dev)
 
