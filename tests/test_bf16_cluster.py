@@ -206,6 +206,57 @@ def test_gpu_cluster_is_bit_identical(act, n, k, kw, m_total, routing):
     assert float((got - want).norm() / want.norm().clamp_min(1e-30)) < 1e-2
 
 
+# drop v96: an odd m-tile count's last tile pairs with the next such expert's (rows per expert; 128-row
+# m-tiles). Both: experts without rows, one-row experts, lone tiles far apart and adjacent.
+LONE_COUNTS = {
+    # 7 lone tiles, the last expert's own unpaired: its CTA 1 repeats CTA 0's tile, stores nothing
+    "odd_last_own": [129, 0, 300, 256, 1, 640, 385, 0, 128, 129, 513, 700, 0, 77, 255, 3],
+    # 5 lone tiles, the last expert (2 m-tiles) has none: the unpaired one is an earlier expert's
+    "odd_last_other": [129, 0, 300, 256, 1, 640, 385, 0, 128, 129, 513, 700, 0, 200, 255, 256],
+    # 8 lone tiles, every pair closed; two adjacent one-row experts
+    "even": [1, 1, 300, 0, 640, 385, 128, 0, 513, 77, 255, 3, 0, 0, 129, 256],
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", sorted(LONE_COUNTS))
+@pytest.mark.parametrize("act,n,k,kw", [
+    ("swiglu", 1536, 2048, dict(bias=torch.float32)),         # Qwen3 FC1 (gate + up), a bias per expert
+    ("identity", 2048, 768, dict(scale_rows=True)),           # Qwen3 FC2 cooperative, router weights
+])
+def test_gpu_cluster_pairs_lone_m_tiles_across_experts(name, act, n, k, kw):
+    """Drop v96: lone m-tiles of different experts share a cluster, each CTA loading its own expert's
+    weights (and bias): the single-CTA kernel's bits, every row written, float64 agreement."""
+    require_sm90()
+    from sm90_megamoe.launch import CompiledGroupedGemm
+    from sm90_megamoe.reference import grouped_gemm_reference
+
+    counts = torch.tensor(LONE_COUNTS[name], dtype=torch.int64)
+    E, m_total, sr, bias_dtype = len(counts), int(counts.sum()), kw.get("scale_rows", False), kw.get("bias")
+    offs = torch.zeros(E + 1, dtype=torch.int32)
+    offs[1:] = counts.cumsum(0)
+    offs = offs.cuda()
+    g = torch.Generator(device="cuda").manual_seed(700 + E)
+    a = (torch.randn(m_total, k, device="cuda", generator=g) * 0.5).to(torch.bfloat16)
+    b = (torch.randn(E, n, k, device="cuda", generator=g) / k ** 0.5).to(torch.bfloat16)
+    rs = torch.rand(m_total, device="cuda", generator=g) if sr else None
+    bias = None if bias_dtype is None else (torch.randn(E, n, device="cuda", generator=g) * 0.5).to(bias_dtype)
+    n_out = n // 2 if act != "identity" else n
+    outs = []
+    for c in (1, 2):
+        fn = CompiledGroupedGemm(act, n, k, E, sr, raster_m=16, schedule="cooperative", cluster_m=c,
+                                 bias_dtype=None if bias_dtype is None else "float32")
+        out = torch.full((m_total, n_out), float("nan"), dtype=torch.bfloat16, device="cuda")
+        fn(a, b, offs, out=out, row_scale=rs, bias=bias)
+        outs.append(out)
+    torch.cuda.synchronize()
+    assert not bool(torch.isnan(outs[1]).any()), "rows left unwritten (NaN poison survived)"
+    assert torch.equal(outs[0], outs[1])
+    want = grouped_gemm_reference(a.double(), b.double(), offs, act, None if rs is None else rs.double(),
+                                  bias=None if bias is None else bias.double()).double()
+    assert float((outs[1].double() - want).norm() / want.norm()) < 1e-2
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("T,pingpong_max_k", [(1, "0"), (333, "0"), (4096, "0"), (4096, None)])
 def test_gpu_layer_with_clusters_is_bit_identical(monkeypatch, T, pingpong_max_k):

@@ -59,11 +59,13 @@ Design
   (one MUFU op per output instead of ``ex2`` + ``rcp``: the SwiGLU epilogue is MUFU-bound while the
   tensor pipe waits). Relative error ~2^-11, below the bf16 rounding of the output; not the same bits.
 * ``cluster_m=2`` (drop v29; cooperative / wide): clusters of 2 CTAs. The scheduler counts m-tile
-  pairs per expert; CTA r of a cluster computes m-tile ``2 p + r`` of pair p (for an odd count the
-  last pair's second tile lies past the expert's rows: computed, never stored) and loads half of
+  pairs per expert; CTA r of a cluster computes m-tile ``2 p + r`` of pair p and loads half of
   each stage's weight tile by a multicast TMA into both CTAs, whose consumer warps all release the
-  stage. The launch clamps its grid to the clusters that fit at once. Same WGMMAs per tile: the
-  same bits as single CTAs.
+  stage. An odd count's last (lone) m-tile pairs with the next expert's lone one (drop v96; until
+  v95 it shared a pair with an empty tile): in such a pair each CTA loads its own expert's whole
+  weight tile for itself, and the unit comes right after the second expert's pairs, while both
+  experts' weights are still in L2 (:meth:`_pair_tile`). The launch clamps its grid to the clusters
+  that fit at once. Same WGMMAs per tile: the same bits as single CTAs.
 * ``cluster_n=2`` (drop v72; non-gated, cooperative / pingpong): clusters of 2 CTAs along N, as the
   FP8 kernel's (drop v28). A unit is an n-tile pair of one m-tile; CTA r computes n-tile
   ``2 u + r`` (for an odd n-tile count the last pair's second tile lies past N: computed, never
@@ -160,6 +162,16 @@ def silu(g, tanh_sigmoid: bool):
         return h + h * tanh_approx(h)
     den = cutlass.Float32(1.0) + cute.math.exp2(-g * _LOG2E, fastmath=True)
     return g * cute.arch.rcp_approx(den)
+
+
+@cute.jit
+def _warp_inclusive_scan(v: cutlass.Int32, lane: cutlass.Int32) -> cutlass.Int32:
+    """Inclusive prefix sum of ``v`` over the warp's lanes (Hillis-Steele over shuffles)."""
+    for s in cutlass.range_constexpr(5):
+        w = cute.arch.shuffle_sync_up(v, 1 << s)
+        if lane >= (1 << s):
+            v = v + w
+    return v
 
 
 def check_bf16_operands(mA, mB, mC, mOffsets, mBias) -> None:
@@ -335,6 +347,8 @@ class GroupedGemmSm90:
     def _num_stages(self, num_experts: int) -> int:
         per_stage = (self.tile_m + self.num_b * self.tile_n) * self.tile_k * 2
         reserved = 1024 + 8 * (num_experts + 2) + 1024  # mbarriers, scheduler arrays, slack
+        if self.cluster_m > 1:  # drop v96: the lone m-tiles' prefix sums
+            reserved += 4 * (num_experts + 1)
         reserved += self.epi_smem_elems * 2 * self.num_epi_bufs
         stages = (self.smem_capacity - reserved) // per_stage
         stages = min(stages, 8)
@@ -452,7 +466,7 @@ class GroupedGemmSm90:
         """The shared-storage fields this kernel and the FP8 one share, in order (the FP8 variants
         append theirs after them, so these keep their offsets): the stage barriers, the scheduler's
         offsets and m-tile prefix sums, A's and B's stages, the epilogue's staging buffer(s)."""
-        return {
+        fields = {
             "mbar": cute.struct.MemRange[cutlass.Int64, self.num_stages * 2],
             # offsets[0..E] and inclusive prefix sum of m-tiles per expert
             "sched_off": cute.struct.MemRange[cutlass.Int32, num_experts + 1],
@@ -461,6 +475,9 @@ class GroupedGemmSm90:
             "sB": cute.struct.Align[cute.struct.MemRange[self.ab_dtype, cute.cosize(b_smem_layout)], 1024],
             "sC": cute.struct.Align[cute.struct.MemRange[self.c_dtype, self.epi_smem_elems * self.num_epi_bufs], 128],
         }
+        if self.cluster_m > 1:  # drop v96: lone m-tiles before each expert, [0..E] (:meth:`_pair_tile`)
+            fields["sched_lone"] = cute.struct.MemRange[cutlass.Int32, num_experts + 1]
+        return fields
 
     # ------------------------------------------------------------------ scheduler helper
     @cute.jit
@@ -495,6 +512,38 @@ class GroupedGemmSm90:
             n_tile = r // g_rows
         row0 = sOff[e] + m_local * (self.tile_m * self.cluster_m)
         return e, row0, sOff[e + 1], n_tile
+
+    @cute.jit
+    def _pair_tile(self, sOff: cute.Tensor, sLone: cute.Tensor, expert: cutlass.Int32, row0: cutlass.Int32,
+                   row_end: cutlass.Int32, cta_rank: cutlass.Int32):
+        """``cluster_m`` = 2 (drop v96): this CTA's tile of the unit :meth:`_locate` mapped to ``(expert,
+        row0, row_end)``. Returns ``(shared, tile_expert, tile_row0, tile_row_end)``.
+
+        ``shared``: an m-tile pair of ``expert`` (both tiles hold rows); this CTA's tile is the pair's
+        ``cta_rank``-th and the two CTAs load half of the weight tile each, multicast into both. Else a
+        lone pair: the lone (last, odd) m-tiles 2q and 2q + 1 of all experts in order, the second (or,
+        for the last lone tile of all when it is unpaired, the first) being ``expert``'s; each CTA loads
+        its own expert's whole weight tile for itself. A CTA without a tile (that unpaired case)
+        repeats its peer's and stores nothing (``tile_row_end`` = ``tile_row0``). Up to drop v95 the
+        lone tile shared its expert's last pair with an empty tile, which computed and stored nothing:
+        at Qwen3's ~4.5 m-tiles per expert a tenth of the clusters' tiles."""
+        shared = row0 + self.tile_m < row_end
+        tile_expert = expert
+        tile_row0 = row0 + cta_rank * self.tile_m
+        tile_row_end = row_end
+        if not shared:
+            n_lone = sLone[self.num_experts]
+            j = (sLone[expert + 1] - 1) // 2 * 2 + cta_rank  # this CTA's lone tile, in expert order
+            jj = cutlass.min(j, n_lone - 1)
+            e = expert
+            while sLone[e] > jj:  # sLone[e] lone tiles lie before expert e
+                e = e - 1
+            tile_expert = e
+            tile_row0 = sOff[e] + (sOff[e + 1] - sOff[e] - 1) // self.tile_m * self.tile_m
+            tile_row_end = sOff[e + 1]
+            if j != jj:
+                tile_row_end = tile_row0
+        return shared, tile_expert, tile_row0, tile_row_end
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
@@ -555,11 +604,18 @@ class GroupedGemmSm90:
         sOff = storage.sched_off.get_tensor(cute.make_layout(num_experts + 1))
         sCum = storage.sched_cum.get_tensor(cute.make_layout(num_experts + 1))
 
+        sLone = None
+        if cutlass.const_expr(self.cluster_m > 1):
+            sLone = storage.sched_lone.get_tensor(cute.make_layout(num_experts + 1))
+
         # ---- scheduler prologue: warp 1 scans per-expert m-tile counts (warp 0 inits mbarriers)
         if warp_idx == 1:
             carry = cutlass.Int32(0)
+            carry_lone = cutlass.Int32(0)
             if lane == 0:
                 sCum[0] = cutlass.Int32(0)
+                if cutlass.const_expr(self.cluster_m > 1):
+                    sLone[0] = cutlass.Int32(0)
             for chunk in cutlass.range_constexpr((num_experts + 31) // 32):
                 e = chunk * 32 + lane
                 cnt = cutlass.Int32(0)
@@ -567,16 +623,23 @@ class GroupedGemmSm90:
                     lo = mOffsets[e]
                     hi = mOffsets[e + 1]
                     sOff[e] = lo
-                    # m-tiles (cluster_m = 2: m-tile pairs, an odd count's last pair half empty)
-                    cnt = (hi - lo + (self.tile_m * self.cluster_m - 1)) // (self.tile_m * self.cluster_m)
+                    cnt = (hi - lo + (self.tile_m - 1)) // self.tile_m  # m-tiles
                     if e == num_experts - 1:
                         sOff[e + 1] = hi
-                # inclusive warp scan (Hillis-Steele over shuffles)
-                for s in cutlass.range_constexpr(5):
-                    v = cute.arch.shuffle_sync_up(cnt, 1 << s)
-                    if lane >= (1 << s):
-                        cnt = cnt + v
-                cnt = cnt + carry
+                if cutlass.const_expr(self.cluster_m > 1):
+                    # drop v96: units are the expert's m-tile pairs; an odd count's last (lone) m-tile is
+                    # paired with the next expert's lone one, a unit of the expert that closes the pair
+                    # (the last lone tile of all, if unpaired, is a unit of the last expert)
+                    lone = cnt % 2
+                    lone_incl = _warp_inclusive_scan(lone, lane) + carry_lone
+                    if e < num_experts:
+                        sLone[e + 1] = lone_incl
+                    carry_lone = cute.arch.shuffle_sync(lone_incl, 31)
+                    odd = lone_incl % 2
+                    cnt = cnt // 2 + lone * (1 - odd)
+                    if e == num_experts - 1:
+                        cnt = cnt + odd
+                cnt = _warp_inclusive_scan(cnt, lane) + carry
                 if e < num_experts:
                     sCum[e + 1] = cnt
                 carry = cute.arch.shuffle_sync(cnt, 31)
@@ -631,19 +694,34 @@ class GroupedGemmSm90:
                     tile_id = unit0
                     while tile_id < total_tiles:
                         expert, row0, row_end, n_tile = self._locate(sOff, sCum, tile_id, expert)
+                        tile_expert = expert
                         if cutlass.const_expr(self.cluster_m > 1):
-                            row0 = row0 + cta_rank * self.tile_m
+                            shared, tile_expert, row0, row_end = self._pair_tile(sOff, sLone, expert, row0, row_end,
+                                                                                 cta_rank)
+                            # a pair's B halves go to both CTAs; a lone pair's CTA loads both halves, for itself
+                            b_mask = cutlass.Int32(3)
+                            if not shared:
+                                b_mask = 1 + cta_rank
                         if cutlass.const_expr(self.cluster_n > 1):
                             n_tile = n_tile * self.cluster_n + cta_rank
 
                         tAsA_p, tAgA = self._a_views(tma_atom_a, mA_tma, tAsA, row0, cta_rank)
-                        tBsB_p, tBgBs = self._b_views(tma_atom_b, mB_tma, tBsB, n_tile * self.tile_n, expert,
+                        tBsB_p, tBgBs = self._b_views(tma_atom_b, mB_tma, tBsB, n_tile * self.tile_n, tile_expert,
                                                       cta_rank)
+                        if cutlass.const_expr(self.cluster_m > 1):  # the other half (lone pairs only)
+                            tBsB_q, tBgBs_q = self._b_views(tma_atom_b, mB_tma, tBsB, n_tile * self.tile_n,
+                                                            tile_expert, 1 - cta_rank)
                         for k_tile in range(k_tiles):
                             ab_pipeline.producer_acquire(prod_state)
                             bar = ab_pipeline.producer_get_barrier(prod_state)
-                            self._copy_stage(tma_atom_a, tAgA, tAsA_p, tma_atom_b, tBgBs, tBsB_p, k_tile,
-                                             prod_state.index, bar)
+                            if cutlass.const_expr(self.cluster_m > 1):
+                                self._copy_stage(tma_atom_a, tAgA, tAsA_p, tma_atom_b, tBgBs, tBsB_p, k_tile,
+                                                 prod_state.index, bar, b_mask)
+                                if not shared:
+                                    self._copy_b(tma_atom_b, tBgBs_q, tBsB_q, k_tile, prod_state.index, bar, b_mask)
+                            else:
+                                self._copy_stage(tma_atom_a, tAgA, tAsA_p, tma_atom_b, tBgBs, tBsB_p, k_tile,
+                                                 prod_state.index, bar)
                             ab_pipeline.producer_commit(prod_state)
                             prod_state.advance()
                         tile_id = tile_id + unit_step
@@ -729,8 +807,9 @@ class GroupedGemmSm90:
                         release_state.advance()
             while tile_id < total_tiles:
                 expert, row0, row_end, n_tile = self._locate(sOff, sCum, tile_id, expert)
+                tile_expert = expert
                 if cutlass.const_expr(self.cluster_m > 1):
-                    row0 = row0 + cta_rank * self.tile_m
+                    _, tile_expert, row0, row_end = self._pair_tile(sOff, sLone, expert, row0, row_end, cta_rank)
                 if cutlass.const_expr(self.cluster_n > 1):
                     n_tile = n_tile * self.cluster_n + cta_rank
 
@@ -755,7 +834,7 @@ class GroupedGemmSm90:
                 # ---------------- epilogue: bias, activation, row scale, masked bf16 stores
                 rows_left = row_end - row0
                 col0 = n_tile * self.tile_n
-                self._activate(accs, tCcC, mRowScale, mBias, expert, row0, rows_left, col0, n_elems)
+                self._activate(accs, tCcC, mRowScale, mBias, tile_expert, row0, rows_left, col0, n_elems)
                 if cutlass.const_expr(self.epilogue == "smem"):
                     self._epilogue(
                         accs, tCsC, sC, mC, row0, rows_left, col0, mma_tidx, epi_barrier,
@@ -801,14 +880,25 @@ class GroupedGemmSm90:
             tBgBs.append(tBgB)
         return tBsB_p, tBgBs
 
-    def _copy_stage(self, tma_atom_a, tAgA, tAsA_p, tma_atom_b, tBgBs, tBsB_p, k_tile, stage, bar):
+    def _copy_stage(self, tma_atom_a, tAgA, tAsA_p, tma_atom_b, tBgBs, tBsB_p, k_tile, stage, bar, b_mask=None):
         """The TMA copies of k-tile ``k_tile`` into smem stage ``stage``, completing on ``bar``: A (multicast
-        over a ``cluster_n`` pair) and each weight block's B (multicast over a ``cluster_m`` pair)."""
+        over a ``cluster_n`` pair) and each weight block's B (``cluster_m``: this CTA's half, to the CTAs
+        in ``b_mask``)."""
         cute.copy(tma_atom_a, tAgA[(None, k_tile)], tAsA_p[(None, stage)], tma_bar_ptr=bar,
                   **({"mcast_mask": cutlass.Int16((1 << self.cluster_n) - 1)} if self.cluster_n > 1 else {}))
+        if self.cluster_m > 1:
+            self._copy_b(tma_atom_b, tBgBs, tBsB_p, k_tile, stage, bar, b_mask)
+        else:
+            for h in range(self.num_b):
+                cute.copy(tma_atom_b, tBgBs[h][(None, k_tile)], tBsB_p[(None, stage * self.num_b + h)],
+                          tma_bar_ptr=bar)
+
+    def _copy_b(self, tma_atom_b, tBgBs, tBsB_p, k_tile, stage, bar, b_mask):
+        """``cluster_m``: the B half of each weight block that the views ``(tBgBs, tBsB_p)`` hold, into the
+        CTAs of ``b_mask`` (3: both, a pair's multicast; 1 << rank: this CTA alone, drop v96's lone pairs)."""
         for h in range(self.num_b):
             cute.copy(tma_atom_b, tBgBs[h][(None, k_tile)], tBsB_p[(None, stage * self.num_b + h)], tma_bar_ptr=bar,
-                      **({"mcast_mask": cutlass.Int16((1 << self.cluster_m) - 1)} if self.cluster_m > 1 else {}))
+                      mcast_mask=cutlass.Int16(b_mask))
 
     def _mma_k_tile(self, tiled_mma, accs, acc_wide, tCrA, tCrB, stage, num_k_blocks: cutlass.Constexpr):
         """The WGMMAs of one k-tile (stage ``stage``): per k-block one over the wide B tile (wide)
