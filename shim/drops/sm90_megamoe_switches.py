@@ -53,7 +53,9 @@ def pingpong_max_k(default: int) -> int:
 #: was timed; the PCIe and NVL H100s match the name untimed; other SM90 parts keep single CTAs.
 CLUSTER_FC1_GPUS = ("H100",)
 #: the smallest expert weight (N x K elements) of a gated GEMM clustered by default there (Mixtral's
-#: FC1: 28672 x 4096 = 117M; Qwen3's 1536 x 2048 = 3M was slower, shapes between are untimed)
+#: FC1: 28672 x 4096 = 117M; Qwen3's 1536 x 2048 = 3M was slower, shapes between are untimed). Drop
+#: v96 (45th session, H100) pairs lone m-tiles across experts; Qwen3 clustered still 478.5 / 472.4 /
+#: 469.1 against 487.7 / 467.8 / 472.3 (medians of three interleaved rounds), Mixtral +4-6% per call
 CLUSTER_FC1_MIN_WEIGHT = 64 << 20
 #: the least mean rows per expert at capacity for that default: a cluster computes an m-tile pair of
 #: one expert, so an expert with one m-tile idles half of it (Mixtral at 8192 tokens: 2048)
