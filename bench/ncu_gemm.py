@@ -1,9 +1,9 @@
 """One FC1 and one FC2 launch of a model's grouped GEMMs between cudaProfilerStart/Stop, for
-Nsight Compute (8192 tokens, uniform routing, fresh random inputs):
+Nsight Compute (8192 tokens, uniform routing unless ``--routing topk``, fresh random inputs):
 
     ncu --profile-from-start off --clock-control none --section SpeedOfLight \\
         --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \\
-        python -m moe_ep.bench.ncu_gemm --model mixtral [--raster-m 1] [--torch]
+        python -m moe_ep.bench.ncu_gemm --model mixtral [--raster-m 1] [--torch] [--routing topk]
 
 ``--torch`` profiles ``torch._grouped_mm`` on the same inputs instead. ``--quant fp8_block128``:
 the FP8 block-scaled GEMMs (``sm90_fp8_cutedsl``'s, on the schedule the backend picks; with
@@ -27,6 +27,9 @@ def main() -> int:
     p.add_argument("--raster-m", type=int, default=None)
     p.add_argument("--torch", action="store_true", help="profile torch._grouped_mm instead")
     p.add_argument("--quant", choices=("fp8_block128",), default=None, help="the FP8 block-scaled GEMMs")
+    p.add_argument("--routing", choices=ROUTINGS, default="uniform",
+                   help="uniform: M / E rows per expert; topk: each token's top-k of random logits, a layer's "
+                        "routing (partial last m-tiles, odd m-tile counts)")
     args = p.parse_args()
     if args.quant:
         return fp8_main(args)
@@ -42,11 +45,7 @@ def main() -> int:
     w2 = (torch.randn(E, H, I, device="cuda", generator=g) * I ** -0.5).to(torch.bfloat16)
     h = torch.randn(M, I, device="cuda", generator=g).to(torch.bfloat16)
     rs = torch.rand(M, device="cuda", generator=g)
-    counts = torch.full((E,), M // E, dtype=torch.int64)
-    counts[: M - int(counts.sum())] += 1
-    offs = torch.zeros(E + 1, dtype=torch.int32)
-    offs[1:] = counts.cumsum(0)
-    offs = offs.cuda()
+    offs = routing_offsets(args.tokens, E, K, args.routing)
     out1 = torch.empty(M, I, dtype=torch.bfloat16, device="cuda")
     out2 = torch.empty(M, H, dtype=torch.bfloat16, device="cuda")
     act = m.get("activation", "swiglu")
@@ -71,12 +70,25 @@ def main() -> int:
     return 0
 
 
-def _uniform_offsets(M: int, E: int) -> torch.Tensor:
-    counts = torch.full((E,), M // E, dtype=torch.int64)
-    counts[: M - int(counts.sum())] += 1
+ROUTINGS = ("uniform", "topk")
+
+
+def routing_offsets(tokens: int, E: int, K: int, routing: str = "uniform", device: str = "cuda") -> torch.Tensor:
+    """[E + 1] int32 expert offsets of ``tokens * K`` grouped rows: ``uniform`` -- near-equal counts;
+    ``topk`` -- each token's top-K of standard-normal logits (seed 0), as the layer bench routes."""
+    if routing == "uniform":
+        M = tokens * K
+        counts = torch.full((E,), M // E, dtype=torch.int64)
+        counts[: M - int(counts.sum())] += 1
+    elif routing == "topk":
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randn(tokens, E, generator=g).topk(K, dim=-1).indices
+        counts = ids.flatten().bincount(minlength=E)
+    else:
+        raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
     offs = torch.zeros(E + 1, dtype=torch.int32)
     offs[1:] = counts.cumsum(0)
-    return offs.cuda()
+    return offs.to(device)
 
 
 def fp8_main(args) -> int:
@@ -93,7 +105,7 @@ def fp8_main(args) -> int:
     w13 = quantize_fp8_block128(torch.randn(E, 2 * I, H, device="cuda", generator=g) * H ** -0.5)
     w2 = quantize_fp8_block128(torch.randn(E, H, I, device="cuda", generator=g) * I ** -0.5)
     rs = torch.rand(M, device="cuda", generator=g)
-    offs = _uniform_offsets(M, E)
+    offs = routing_offsets(args.tokens, E, K, args.routing)
     out1 = torch.empty(M, I, dtype=torch.bfloat16, device="cuda")
     out2 = torch.empty(M, H, dtype=torch.bfloat16, device="cuda")
     fc1 = grouped_gemm_fp8("swiglu", 2 * I, H, E)

@@ -775,3 +775,26 @@ def test_bench_gemm_interleaves_ours_and_torch(monkeypatch):
     own = lambda name, cost: sorted(cost + d for (n, _), d in zip(timed, drift) if n == name)  # noqa: E731
     assert ma == pytest.approx(sum(own("a", 2.0)[2:4]) / 2) and mb == pytest.approx(sum(own("b", 3.0)[2:4]) / 2)
     assert 2.0 < ma < 2.02 and 3.0 < mb < 3.02
+
+
+def test_ncu_gemm_routings():
+    """``bench.ncu_gemm --routing``: uniform counts differ by at most one; topk counts each token's K
+    distinct experts (compared with a per-token count), leaving m-tile counts of both parities."""
+    import torch
+
+    from moe_ep.bench.ncu_gemm import routing_offsets
+
+    T, E, K = 8192, 128, 8
+    uni = routing_offsets(T, E, K, "uniform", device="cpu").long()
+    assert uni[0] == 0 and uni[-1] == T * K and int((uni[1:] - uni[:-1]).max() - (uni[1:] - uni[:-1]).min()) <= 1
+    top = routing_offsets(T, E, K, "topk", device="cpu").long()
+    ids = torch.randn(T, E, generator=torch.Generator().manual_seed(0)).argsort(-1, descending=True)[:, :K]
+    want = torch.zeros(E, dtype=torch.long)
+    for row in ids.tolist():
+        for e in row:
+            want[e] += 1
+    assert torch.equal(top[1:] - top[:-1], want) and top[-1] == T * K
+    tiles = (top[1:] - top[:-1] + 127) // 128
+    assert 0 < int((tiles % 2).sum()) < E
+    with pytest.raises(ValueError, match="routing"):
+        routing_offsets(T, E, K, "skewed", device="cpu")
