@@ -17,7 +17,7 @@ import argparse
 
 import torch
 
-from .models import MODELS, model_config
+from .models import MODELS, draw_routing, model_config
 
 
 def main() -> int:
@@ -75,14 +75,13 @@ ROUTINGS = ("uniform", "topk")
 
 def routing_offsets(tokens: int, E: int, K: int, routing: str = "uniform", device: str = "cuda") -> torch.Tensor:
     """[E + 1] int32 expert offsets of ``tokens * K`` grouped rows: ``uniform`` -- near-equal counts;
-    ``topk`` -- each token's top-K of standard-normal logits (seed 0), as the layer bench routes."""
+    ``topk`` -- the layer bench's routing (:func:`.models.draw_routing`, seed 0)."""
     if routing == "uniform":
         M = tokens * K
         counts = torch.full((E,), M // E, dtype=torch.int64)
         counts[: M - int(counts.sum())] += 1
     elif routing == "topk":
-        g = torch.Generator().manual_seed(0)
-        ids = torch.randn(tokens, E, generator=g).topk(K, dim=-1).indices
+        _, ids = draw_routing(torch.Generator().manual_seed(0), E, K, tokens)
         counts = ids.flatten().bincount(minlength=E)
     else:
         raise ValueError(f"routing must be one of {ROUTINGS}, got {routing!r}")
