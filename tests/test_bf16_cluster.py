@@ -95,19 +95,21 @@ def test_shim_switch_and_key(monkeypatch):
 
 
 def test_fc1_clusters_by_default_on_an_h100_only(monkeypatch):
-    """Unset, MOE_EP_BF16_CLUSTER clusters the gated GEMM of a Mixtral-size expert on an H100 only
-    (43rd session: the layer +4-5% there, slower on the H200); 0 / 1 / fc2 override it."""
+    """Unset, MOE_EP_BF16_CLUSTER clusters the gated GEMM at prefill sizes (>= 512 rows per expert) on an
+    H100 only (43rd / 46th sessions: Mixtral +4-5% and the DeepSeek-V3 shard +3-8% there, Qwen3 level;
+    slower on the H200); 0 / 1 / fc2 override it."""
     from moe_ep.shim.drops import sm90_megamoe as s
 
     monkeypatch.delenv("MOE_EP_BF16_CLUSTER", raising=False)
     h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
-    mixtral_fc1 = dict(gated=True, n=28672, k=4096, rows_per_expert=2048.0)
-    assert s.use_bf16_cluster("cooperative", **mixtral_fc1, device_name=h100) == 2
-    assert s.use_bf16_cluster("wide", **mixtral_fc1, device_name=h100) == 2
-    assert s.use_bf16_cluster("cooperative", **{**mixtral_fc1, "rows_per_expert": None}, device_name=h100) == 2
+    mixtral_fc1 = dict(gated=True, rows_per_expert=2048.0)
+    qwen3_fc1 = dict(gated=True, rows_per_expert=512.0)  # 128 experts x 8 of 8192 tokens
+    for fc1 in (mixtral_fc1, qwen3_fc1, dict(gated=True, rows_per_expert=None)):  # None: many rows
+        assert s.use_bf16_cluster("cooperative", **fc1, device_name=h100) == 2
+        assert s.use_bf16_cluster("wide", **fc1, device_name=h100) == 2
     for name in (h200, None, "NVIDIA GH200 480GB"):  # the H200's choice; a CPU prebuild knows no GPU
         assert s.use_bf16_cluster("cooperative", **mixtral_fc1, device_name=name) == 1
-    for other in (dict(gated=False), dict(n=1536, k=2048), dict(rows_per_expert=256.0)):  # FC2, Qwen3, few rows
+    for other in (dict(gated=False), dict(rows_per_expert=256.0)):  # FC2, few rows (gpt-oss: 256)
         assert s.use_bf16_cluster("cooperative", **{**mixtral_fc1, **other}, device_name=h100) == 1
     assert s.use_bf16_cluster("cooperative", **mixtral_fc1, gather_a=True, device_name=h100) == 1
     assert s.use_bf16_cluster("pingpong", **mixtral_fc1, device_name=h100) == 1

@@ -531,7 +531,7 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
     if gather_a and (schedule not in ("cooperative", "wide") or k % _C["DEFAULT_TILE_K"]):
         raise ValueError(f"sm90 grouped GEMM: gather_a needs the cooperative or wide schedule and K % "
                          f"{_C['DEFAULT_TILE_K']} == 0, got {schedule!r}, K={k}")
-    cluster = use_bf16_cluster(schedule, gather_a, gated=activation in GEMM_GATED, n=n, k=k,
+    cluster = use_bf16_cluster(schedule, gather_a, gated=activation in GEMM_GATED,
                                rows_per_expert=rows_per_expert, device_name=device_name)
     key = GemmKey(CONSTANTS.value(PKG, "DROP_VERSION"), _C["ABI_VERSION"], _cutlass_version(), "sm_90a",
                   "bf16", activation, n, k, num_experts, bool(scale_rows), tile, bias, raster, alpha, limit,

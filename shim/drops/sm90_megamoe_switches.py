@@ -44,25 +44,24 @@ def pingpong_max_k(default: int) -> int:
         raise ValueError(f"MOE_EP_PINGPONG_MAX_K must be an integer (0 = never), got {raw!r}") from None
 
 
-#: GPUs (by name) on which the gated GEMM (FC1) of a large expert runs in clusters of 2 along M by
-#: default: H100 80GB HBM3, 43rd session, the Mixtral BF16 layer in three interleaved rounds with
-#: both GEMMs clustered: per call 676.8-681.6 vs 644.5-656.4 TFLOP/s, graph 586.2-595.7 vs
-#: 567.9-581.3; FC2 alone clustered: 644.6-645.3 (no gain); Qwen3 (K 2048) 461.7-467.3 vs
-#: 481.0-484.8 (slower). On the H200 (4.8 TB/s against the H100's 3.35) clusters were slower:
-#: Mixtral 635.5-639.0 vs 645.2-655.9 per call, Qwen3 490 vs 520. Only the H100 80GB HBM3 (SXM)
-#: was timed; the PCIe and NVL H100s match the name untimed; other SM90 parts keep single CTAs.
+#: GPUs (by name) on which the gated GEMM (FC1) runs in clusters of 2 along M by default. H100 80GB
+#: HBM3 (SXM), BF16 layers with the FC1 clustered against single CTAs, interleaved in one call:
+#: Mixtral (43rd session) per call 676.8-681.6 vs 644.5-656.4 TFLOP/s, graph 586.2-595.7 vs
+#: 567.9-581.3; the DeepSeek-V3 shard (46th, drop v96) per call 613.0 / 626.7 vs 593.1 / 593.8, back
+#: to back 597.5 / 603.8 vs 554.4 / 566.2, graph 552.2 / 552.0 vs 558.5 / 558.8; Qwen3 (46th, v96)
+#: level: 486.0 / 483.6 vs 484.7 / 485.7 per call. The FC1 alone (`bench gemm`, 46th): Qwen3 0.657 vs
+#: 0.737 ms, the DeepSeek-V3 shard 5.456 vs 6.619. FC2 clustered gained nothing (43rd). On the H200
+#: (4.8 TB/s against the H100's 3.35) clusters were slower before drop v96: Mixtral 635.5-639.0 vs
+#: 645.2-655.9 per call, Qwen3 490 vs 520. Only the H100 80GB HBM3 was timed; the PCIe and NVL H100s
+#: match the name untimed; other SM90 parts keep single CTAs.
 CLUSTER_FC1_GPUS = ("H100",)
-#: the smallest expert weight (N x K elements) of a gated GEMM clustered by default there (Mixtral's
-#: FC1: 28672 x 4096 = 117M; Qwen3's 1536 x 2048 = 3M was slower, shapes between are untimed). Drop
-#: v96 (45th session, H100) pairs lone m-tiles across experts; Qwen3 clustered still 478.5 / 472.4 /
-#: 469.1 against 487.7 / 467.8 / 472.3 (medians of three interleaved rounds), Mixtral +4-6% per call
-CLUSTER_FC1_MIN_WEIGHT = 64 << 20
 #: the least mean rows per expert at capacity for that default: a cluster computes an m-tile pair of
-#: one expert, so an expert with one m-tile idles half of it (Mixtral at 8192 tokens: 2048)
+#: one expert, so an expert with one m-tile idles half of it (Mixtral at 8192 tokens: 2048 rows, Qwen3:
+#: 512)
 CLUSTER_FC1_MIN_ROWS = 512
 
 
-def use_bf16_cluster(schedule: str, gather_a: bool = False, gated: bool = False, n: int = 0, k: int = 0,
+def use_bf16_cluster(schedule: str, gather_a: bool = False, gated: bool = False,
                      rows_per_expert: float | None = None, device_name: str | None = None) -> int:
     """CTAs per cluster of the BF16 grouped GEMM (drop v29, ``cluster_m``): 2 or 1. The two CTAs of a
     cluster compute an m-tile pair of one expert and each loads half of the weight tile, multicast
@@ -70,9 +69,8 @@ def use_bf16_cluster(schedule: str, gather_a: bool = False, gated: bool = False,
     gathering kernel). ``MOE_EP_BF16_CLUSTER``:
 
     * ``1``: every such GEMM; ``fc2``: the non-gated GEMM (FC2) only; ``0``: none;
-    * unset: the gated GEMM (FC1) on a GPU named in :data:`CLUSTER_FC1_GPUS` when its expert weight
-      has at least :data:`CLUSTER_FC1_MIN_WEIGHT` elements (``n`` x ``k``) and the caller expects at
-      least :data:`CLUSTER_FC1_MIN_ROWS` rows per expert (``rows_per_expert``; None = many); else
+    * unset: the gated GEMM (FC1) on a GPU named in :data:`CLUSTER_FC1_GPUS` when the caller expects
+      at least :data:`CLUSTER_FC1_MIN_ROWS` rows per expert (``rows_per_expert``; None = many); else
       none. ``device_name`` None (a CPU prebuild) takes the H200's choice: none.
 
     Bit-identical to single CTAs (drop v29's tests). Measured: the constants above."""
@@ -81,7 +79,6 @@ def use_bf16_cluster(schedule: str, gather_a: bool = False, gated: bool = False,
         return 1
     if mode == "":
         on = (gated and device_name is not None and any(g in device_name for g in CLUSTER_FC1_GPUS)
-              and n * k >= CLUSTER_FC1_MIN_WEIGHT
               and (rows_per_expert is None or rows_per_expert >= CLUSTER_FC1_MIN_ROWS))
     else:
         on = mode == "1" or (mode == "fc2" and not gated)
