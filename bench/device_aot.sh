@@ -18,8 +18,9 @@ MOE_EP_FP8_PLACE_FC1=copy build --model qwen3,mixtral --quant fp8_block128 --ker
 # h200_session.sh gemmab (42nd session's question): Mixtral's and Qwen3's BF16 GEMMs in clusters along M, and
 # Mixtral's at L2 raster groups of 8 and 16 m-tiles (`bench gemm --raster-m 8,16`, `ncu_gemm --raster-m`)
 MOE_EP_BF16_CLUSTER=1 build --model mixtral,qwen3 --kernels fc1,fc2
-# an H100's own picks (Mixtral's FC1 in clusters, the default there since the 43rd session): hits of the line above
-build --model mixtral --kernels fc1 --gpu "NVIDIA H100 80GB HBM3"
+# an H100's own picks (every prefill FC1 in clusters: Mixtral's since the 43rd session, any size since the
+# 46th): mostly hits of the line above
+build --model mixtral,qwen3,nemotron --kernels fc1 --gpu "NVIDIA H100 80GB HBM3"
 MOE_EP_CACHE_DIR="$out" python - <<'PY'
 from moe_ep.shim import sm90_compiled_grouped_gemm as gemm
 for raster in (8, 16):

@@ -661,8 +661,9 @@ class GroupedGemmSm90:
         )
         cute.arch.sync_threads()
         # the persistent schedule: one unit (tile, or the cluster's m- or n-tile pair) per CTA (cluster);
-        # CTA r of a cluster computes m-tile 2 p + r of the pair (past the expert's rows: no stores),
-        # or n-tile 2 u + r (cluster_n; past N: no stores)
+        # CTA r of a cluster computes m-tile 2 p + r of the pair, or in a lone pair lone tile 2 q + r in
+        # expert order (drop v96; the last lone tile of all, if unpaired: CTA 1 repeats CTA 0's and
+        # stores nothing), or n-tile 2 u + r (cluster_n; past N: no stores)
         unit0, unit_step, cta_rank = bidx, gdim, 0
         if cutlass.const_expr(self.ctas_per_cluster > 1):
             cta_rank = cute.arch.make_warp_uniform(cute.arch.block_idx_in_cluster())
@@ -695,6 +696,7 @@ class GroupedGemmSm90:
                     while tile_id < total_tiles:
                         expert, row0, row_end, n_tile = self._locate(sOff, sCum, tile_id, expert)
                         tile_expert = expert
+                        b_mask = None  # cluster_m: the CTAs that each of this CTA's B-half copies fills
                         if cutlass.const_expr(self.cluster_m > 1):
                             shared, tile_expert, row0, row_end = self._pair_tile(sOff, sLone, expert, row0, row_end,
                                                                                  cta_rank)
@@ -714,14 +716,11 @@ class GroupedGemmSm90:
                         for k_tile in range(k_tiles):
                             ab_pipeline.producer_acquire(prod_state)
                             bar = ab_pipeline.producer_get_barrier(prod_state)
+                            self._copy_stage(tma_atom_a, tAgA, tAsA_p, tma_atom_b, tBgBs, tBsB_p, k_tile,
+                                             prod_state.index, bar, b_mask)
                             if cutlass.const_expr(self.cluster_m > 1):
-                                self._copy_stage(tma_atom_a, tAgA, tAsA_p, tma_atom_b, tBgBs, tBsB_p, k_tile,
-                                                 prod_state.index, bar, b_mask)
                                 if not shared:
                                     self._copy_b(tma_atom_b, tBgBs_q, tBsB_q, k_tile, prod_state.index, bar, b_mask)
-                            else:
-                                self._copy_stage(tma_atom_a, tAgA, tAsA_p, tma_atom_b, tBgBs, tBsB_p, k_tile,
-                                                 prod_state.index, bar)
                             ab_pipeline.producer_commit(prod_state)
                             prod_state.advance()
                         tile_id = tile_id + unit_step

@@ -68,7 +68,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from .grouped_gemm import check_bf16_operands, silu
+from .grouped_gemm import _warp_inclusive_scan, check_bf16_operands, silu
 from .pdl import PDL, wait_previous_grid
 from .constants import ACTIVATIONS, ALIGN_K_ELEMS, ALIGN_N_ELEMS, GATED_ACTIVATIONS, MAX_EXPERTS
 
@@ -395,11 +395,7 @@ class SwapABGroupedGemmSm90:
                     cnt = (hi - lo + (self.tile_t - 1)) // self.tile_t
                     if e == num_experts - 1:
                         sOff[e + 1] = hi
-                for s in cutlass.range_constexpr(5):  # inclusive warp scan
-                    v = cute.arch.shuffle_sync_up(cnt, 1 << s)
-                    if lane >= (1 << s):
-                        cnt = cnt + v
-                cnt = cnt + carry
+                cnt = _warp_inclusive_scan(cnt, lane) + carry
                 if e < num_experts:
                     sCum[e + 1] = cnt
                 carry = cute.arch.shuffle_sync(cnt, 31)
