@@ -4,9 +4,9 @@
 Both modes are timed the same way (a sync, then one forward between two CUDA events; median of
 ``--iters``), interleaved ``--rounds`` times on one layer, so the GPU's clock and temperature
 reach both alike. Then each mode's last forward of five (a sync before each) under
-``torch.profiler``: every kernel's start, duration and the idle gap before it. With PDL launches a
-kernel starts under its predecessor's tail, so its duration includes the wait; compare where each
-kernel ends. A kernel that runs longer in the graph than eagerly is the one to read: in a graph
+``torch.profiler``: every kernel's start, duration, own time and the idle gap before it. With PDL
+launches a kernel starts under its predecessor's tail, so its duration includes the wait and its own
+time (from the predecessor's end) is what it took; compare where each kernel ends. A kernel that runs longer in the graph than eagerly is the one to read: in a graph
 every launch comes at once, so an early PDL trigger can place a successor beside its predecessor's
 CTAs (drop v90: LayoutPlace after LocalRoute, 115-120 us against 88-93 on Qwen3; LIMITS.md).
 Default backend, 8192 tokens, one rank. Needs a CUDA GPU.

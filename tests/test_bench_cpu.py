@@ -455,8 +455,9 @@ def test_h200_session_suite_parts_cover_every_gpu_test_file():
 
 
 def test_kernel_timeline_reports_gaps_of_the_last_forward():
-    """The profile's timeline: the last forward's kernels with their offsets, durations and idle
-    gaps, busy vs span; CPU events ignored; a kernel count that does not split evenly is said."""
+    """The profile's timeline: the last forward's kernels with their offsets, durations, own times
+    and idle gaps, busy vs span; CPU events ignored; a kernel count that does not split evenly is
+    said. A kernel that starts under its predecessor (PDL) owns only the time after that one ended."""
     from types import SimpleNamespace as N
 
     from moe_ep.bench.timing import kernel_timeline
@@ -466,9 +467,14 @@ def test_kernel_timeline_reports_gaps_of_the_last_forward():
     ev.append(N(time_range=N(start=5, end=6), name="host op", device_type="DeviceType.CPU"))
     text = kernel_timeline(ev, 2)
     assert "(3 kernels)" in text and "host op" not in text
-    assert "gap    12.0  k1" in text and "gap     8.0  k2" in text
+    assert "own     50.0  gap    12.0  k1" in text and "own     20.0  gap     8.0  k2" in text
     assert "busy 170.0 us of a 190.0 us span (20.0 us idle or overlapped)" in text
     assert "not a whole number" in kernel_timeline(ev[:5], 2)
+    # PDL: k1 starts 40 us before k0 ends and ends 30 us after it
+    pdl = [N(time_range=N(start=s, end=s + d), name=f"k{i}", device_type="DeviceType.CUDA")
+           for i, (s, d) in enumerate([(0, 100), (60, 70), (131, 10)])]
+    text = kernel_timeline(pdl, 1)
+    assert "70.0 us  own     30.0  gap   -40.0  k1" in text and "own     10.0  gap     1.0  k2" in text
 
 
 def test_h200_session_accepts_every_mode_it_runs():
