@@ -285,7 +285,7 @@ def test_gpu_layer_with_clusters_is_bit_identical(monkeypatch, T, pingpong_max_k
 
 @pytest.mark.gpu
 def test_gpu_default_fc1_clusters_follow_the_gpu(monkeypatch):
-    """The layer's default at a Mixtral-size expert (N x K = 32768 x 2048, >= 512 rows per expert):
+    """The layer's default at >= 512 rows per expert (here N x K = 32768 x 2048):
     FC1 in clusters of 2 on an H100, single elsewhere; either way the bits of
     ``MOE_EP_BF16_CLUSTER=0``, eager and graph-replayed from poison, within 1e-2 of float64."""
     require_sm90()
