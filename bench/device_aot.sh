@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Fill .device/aot (git-ignored) with the compiled kernels the next H200 calls need, on this CPU
 # machine, so the device's minutes are not spent compiling: the defaults of the BF16 (qwen3,
-# mixtral, nemotron) and FP8 (qwen3, mixtral) layers at 8192 tokens, plus the GEMMs of the opt-in
-# switches queued for the H200 (docs/PERFORMANCE.md, newest entry). Carry it with
+# mixtral, nemotron, dsv3_shard, gpt_oss) and FP8 (qwen3, mixtral) layers at 8192 tokens, plus the
+# GEMMs of the opt-in switches queued for the H200 (docs/PERFORMANCE.md, newest entry). Carry it with
 # run(..., carry=[".device/b", ".device/aot"]) and export MOE_EP_CACHE_DIR=$PWD/.device/aot there.
 #   bash bench/device_aot.sh          # rebuild from scratch (after a drop version or key change)
 set -euo pipefail
@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 out=.device/aot
 rm -rf "$out"
 build() { python -m moe_ep.aot build --arch sm_90a --max-tokens 8192 --out "$out" "$@" | grep -v '^  '; }
-build --model qwen3,mixtral,nemotron
+build --model qwen3,mixtral,nemotron,dsv3_shard,gpt_oss
 build --model qwen3,mixtral --quant fp8_block128
 # the queued switches (their GEMMs only; everything else is the defaults' above)
 MOE_EP_GATHER_FC1=1 build --model qwen3,mixtral --kernels fc1
@@ -20,7 +20,7 @@ MOE_EP_FP8_PLACE_FC1=copy build --model qwen3,mixtral --quant fp8_block128 --ker
 MOE_EP_BF16_CLUSTER=1 build --model mixtral,qwen3 --kernels fc1,fc2
 # an H100's own picks (every prefill FC1 in clusters: Mixtral's since the 43rd session, any size since the
 # 46th): mostly hits of the line above
-build --model mixtral,qwen3,nemotron --kernels fc1 --gpu "NVIDIA H100 80GB HBM3"
+build --model mixtral,qwen3,nemotron,dsv3_shard,gpt_oss --kernels fc1 --gpu "NVIDIA H100 80GB HBM3"
 MOE_EP_CACHE_DIR="$out" python - <<'PY'
 from moe_ep.shim import sm90_compiled_grouped_gemm as gemm
 for raster in (8, 16):
