@@ -132,7 +132,8 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from .gather_producer import stage_producers
 from .pdl import PDL, wait_previous_grid
 from .constants import MAX_EXPERTS
-from .grouped_gemm import GroupedGemmSm90, _warp_inclusive_scan, get_smem_capacity_in_bytes, silu
+from .grouped_gemm import GroupedGemmSm90, get_smem_capacity_in_bytes, silu
+from .warp_scan import warp_inclusive_scan
 from .unit_scales import UNIT_SCALE_BUF, UNIT_SCALE_BUFS, UNIT_SCALE_KC, UnitScales, unit_scales_reason
 
 FP8_BLOCK = 128
@@ -517,7 +518,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
                     cnt = (hi - lo + (self.tile_m - 1)) // self.tile_m
                     if e == num_experts - 1:
                         sOff[e + 1] = hi
-                cnt = _warp_inclusive_scan(cnt, lane) + carry
+                cnt = warp_inclusive_scan(cnt, lane) + carry
                 if e < num_experts:
                     sCum[e + 1] = cnt
                 carry = cute.arch.shuffle_sync(cnt, 31)

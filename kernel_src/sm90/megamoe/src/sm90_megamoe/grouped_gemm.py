@@ -117,6 +117,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 
 from .gather_producer import stage_producers
 from .pdl import PDL, wait_previous_grid
+from .warp_scan import warp_inclusive_scan
 from .constants import (
     ACTIVATIONS,
     GATED_ACTIVATIONS,
@@ -162,16 +163,6 @@ def silu(g, tanh_sigmoid: bool):
         return h + h * tanh_approx(h)
     den = cutlass.Float32(1.0) + cute.math.exp2(-g * _LOG2E, fastmath=True)
     return g * cute.arch.rcp_approx(den)
-
-
-@cute.jit
-def _warp_inclusive_scan(v: cutlass.Int32, lane: cutlass.Int32) -> cutlass.Int32:
-    """Inclusive prefix sum of ``v`` over the warp's lanes (Hillis-Steele over shuffles)."""
-    for s in cutlass.range_constexpr(5):
-        w = cute.arch.shuffle_sync_up(v, 1 << s)
-        if lane >= (1 << s):
-            v = v + w
-    return v
 
 
 def check_bf16_operands(mA, mB, mC, mOffsets, mBias) -> None:
@@ -631,7 +622,7 @@ class GroupedGemmSm90:
                     # paired with the next expert's lone one, a unit of the expert that closes the pair
                     # (the last lone tile of all, if unpaired, is a unit of the last expert)
                     lone = cnt % 2
-                    lone_incl = _warp_inclusive_scan(lone, lane) + carry_lone
+                    lone_incl = warp_inclusive_scan(lone, lane) + carry_lone
                     if e < num_experts:
                         sLone[e + 1] = lone_incl
                     carry_lone = cute.arch.shuffle_sync(lone_incl, 31)
@@ -639,7 +630,7 @@ class GroupedGemmSm90:
                     cnt = cnt // 2 + lone * (1 - odd)
                     if e == num_experts - 1:
                         cnt = cnt + odd
-                cnt = _warp_inclusive_scan(cnt, lane) + carry
+                cnt = warp_inclusive_scan(cnt, lane) + carry
                 if e < num_experts:
                     sCum[e + 1] = cnt
                 carry = cute.arch.shuffle_sync(cnt, 31)
@@ -885,19 +876,16 @@ class GroupedGemmSm90:
         in ``b_mask``)."""
         cute.copy(tma_atom_a, tAgA[(None, k_tile)], tAsA_p[(None, stage)], tma_bar_ptr=bar,
                   **({"mcast_mask": cutlass.Int16((1 << self.cluster_n) - 1)} if self.cluster_n > 1 else {}))
-        if self.cluster_m > 1:
-            self._copy_b(tma_atom_b, tBgBs, tBsB_p, k_tile, stage, bar, b_mask)
-        else:
-            for h in range(self.num_b):
-                cute.copy(tma_atom_b, tBgBs[h][(None, k_tile)], tBsB_p[(None, stage * self.num_b + h)],
-                          tma_bar_ptr=bar)
+        self._copy_b(tma_atom_b, tBgBs, tBsB_p, k_tile, stage, bar, b_mask)
 
     def _copy_b(self, tma_atom_b, tBgBs, tBsB_p, k_tile, stage, bar, b_mask):
-        """``cluster_m``: the B half of each weight block that the views ``(tBgBs, tBsB_p)`` hold, into the
-        CTAs of ``b_mask`` (3: both, a pair's multicast; 1 << rank: this CTA alone, drop v96's lone pairs)."""
+        """The B tile of each weight block that the views ``(tBgBs, tBsB_p)`` hold; ``cluster_m``: this
+        CTA's half, into the CTAs of the bit mask ``b_mask`` (3: both, a pair's multicast; 1 + rank: this
+        CTA alone, drop v96's lone pairs); ``b_mask`` None (no cluster along M): a plain copy."""
+        mcast = {} if b_mask is None else {"mcast_mask": cutlass.Int16(b_mask)}
         for h in range(self.num_b):
             cute.copy(tma_atom_b, tBgBs[h][(None, k_tile)], tBsB_p[(None, stage * self.num_b + h)], tma_bar_ptr=bar,
-                      mcast_mask=cutlass.Int16(b_mask))
+                      **mcast)
 
     def _mma_k_tile(self, tiled_mma, accs, acc_wide, tCrA, tCrB, stage, num_k_blocks: cutlass.Constexpr):
         """The WGMMAs of one k-tile (stage ``stage``): per k-block one over the wide B tile (wide)

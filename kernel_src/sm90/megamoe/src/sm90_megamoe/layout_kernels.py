@@ -62,6 +62,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64
 
 from .pdl import PDL, wait_previous_grid, wait_previous_grid_trigger_if_small
+from .warp_scan import warp_inclusive_scan
 from .ep_constants import (
     CTRL_DISPATCH_ARRIVE,
     CTRL_EPOCH,
@@ -107,11 +108,7 @@ def _scan_sources(mRecvCount: cute.Tensor, sCum: cute.Tensor, lane: Int32, W: cu
     c = Int32(0)
     if lane < W:
         c = cutlass.max(cutlass.min(mRecvCount[lane], Int32(T_max)), Int32(0))
-    incl = c
-    for d in cutlass.range_constexpr(5):
-        y = cute.arch.shuffle_sync_up(incl, 1 << d)
-        if lane >= Int32(1 << d):
-            incl = incl + y
+    incl = warp_inclusive_scan(c, lane)
     if lane < W:
         sCum[lane] = incl - c
     if lane == W - 1:
@@ -448,11 +445,7 @@ class LayoutPlace:
                         v = v + sTot[g * E_l + e]
                 vals.append(v)
                 local = local + v
-            incl = local
-            for d in cutlass.range_constexpr(5):
-                y = cute.arch.shuffle_sync_up(incl, 1 << d)
-                if lane >= Int32(1 << d):
-                    incl = incl + y
+            incl = warp_inclusive_scan(local, lane)
             run = incl - local
             for jj in cutlass.range_constexpr(CPL):
                 e = lane * CPL + jj

@@ -68,7 +68,8 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from .grouped_gemm import _warp_inclusive_scan, check_bf16_operands, silu
+from .grouped_gemm import check_bf16_operands, silu
+from .warp_scan import warp_inclusive_scan
 from .pdl import PDL, wait_previous_grid
 from .constants import ACTIVATIONS, ALIGN_K_ELEMS, ALIGN_N_ELEMS, GATED_ACTIVATIONS, MAX_EXPERTS
 
@@ -395,7 +396,7 @@ class SwapABGroupedGemmSm90:
                     cnt = (hi - lo + (self.tile_t - 1)) // self.tile_t
                     if e == num_experts - 1:
                         sOff[e + 1] = hi
-                cnt = _warp_inclusive_scan(cnt, lane) + carry
+                cnt = warp_inclusive_scan(cnt, lane) + carry
                 if e < num_experts:
                     sCum[e + 1] = cnt
                 carry = cute.arch.shuffle_sync(cnt, 31)
