@@ -1,5 +1,5 @@
 """``python -m moe_ep.bench.schedule_model [--model qwen3] [--tokens 8192]`` -- arithmetic on the
-grouped GEMMs' tile schedule for two ideas, before anyone writes a kernel for them. CPU only; it
+grouped GEMMs' tile schedule for three ideas, before anyone writes a kernel for them. CPU only; it
 runs no kernel and times nothing: it counts tiles and bytes on the bench's own routing
 (:func:`moe_ep.bench.models.draw_routing`, seed 0) and takes the measured times as arguments.
 
@@ -18,6 +18,11 @@ runs no kernel and times nothing: it counts tiles and bytes on the bench's own r
    the combine's own measured rate after FC2 ends. ``--passes P`` also models FC2 sweeping its
    n-tiles in P groups (all experts, then again), which completes segments earlier but reads A
    (FC2's input rows) P times.
+3. **FC1's last wave.** Both GEMMs are persistent, one CTA per SM taking every ``grid``-th tile;
+   the CTAs with no tile left in the last slot sit idle until FC1 ends, because FC2 (launched
+   under PDL) waits for the whole of FC1. The model gives that idle time; FC2 tiles that waited
+   only for their own m-tile's FC1 tiles (counters, as drop v91's placing FC1 waited for its rows)
+   could fill it.
 
 The defaults are the Qwen3 BF16 layer's measured times on the H200 (thirty-seventh session,
 ``SM90_MEGAMOE_PDL=0``: FC1 655, FC2 347, CombineLocal 77.4 us) and FC2's schedule (pingpong
@@ -142,6 +147,26 @@ def main(argv=None) -> None:
                          f"at {s} TB/s spare" for s in args.spare_tbs)
         extra = "" if passes == 1 else f"; A read {passes}x: +{(passes - 1) * T * K * I * 2 / 1e6:.0f} MB"
         print(f"   {passes} pass(es): segments ready {frac} of FC2; combine left after FC2: {left}{extra}")
+
+    # 3. FC1's last wave, and FC2 starting in it
+    fc1_us = args.gemm_us - args.fc2_us
+    fc1_tiles = m_tiles * -(-I // 128)  # cooperative 128 x 128 (gated: gate and up tiles together)
+    fc2_tiles = m_tiles * n_tiles
+    for name, tiles, us in (("FC1", fc1_tiles, fc1_us), ("FC2", fc2_tiles, args.fc2_us)):
+        idle = last_wave_idle_us(tiles, args.ctas, us)
+        print(f"\n3. {name}: {tiles} tiles on {args.ctas} CTAs = {tiles / args.ctas:.2f} waves; its last wave "
+              f"leaves {idle:.1f} us of the whole GPU idle ({idle / us:.1%} of {us:.0f} us)")
+    print(f"   FC2 tiles starting as soon as their m-tile's FC1 tiles are stored (per-m-tile counters "
+          f"instead of PDL's whole-grid wait) could fill FC1's idle slots: at most "
+          f"~{last_wave_idle_us(fc1_tiles, args.ctas, fc1_us):.0f} us a forward")
+
+
+def last_wave_idle_us(tiles: int, ctas: int, kernel_us: float) -> float:
+    """Whole-GPU microseconds idle in a persistent GEMM's last wave: CTA ``b`` runs tiles ``b, b + ctas,
+    ...``, each the same time, so ``ctas - tiles % ctas`` CTAs sit out the last tile slot."""
+    slots = -(-tiles // ctas)
+    spare = slots * ctas - tiles
+    return spare * (kernel_us / slots) / ctas
 
 
 if __name__ == "__main__":

@@ -734,10 +734,15 @@ def test_schedule_model_counts_tiles_and_segments_as_the_kernel_runs_them(capsys
     # two ready at 90 us, two at 100: 20 MB by 90, 10 served by 100, 30 left -> 15 us
     assert abs(sm.combine_left_us(np.array([90.0, 90.0, 100.0, 100.0]), 40.0, 1.0, 2.0, 100.0) - 15.0) < 1e-12
 
+    # last wave: 10 tiles on 4 CTAs = 3 slots of 30 us each, 2 CTAs idle in the last -> 2 * 30 / 4 = 15 us
+    assert sm.last_wave_idle_us(10, 4, 90.0) == 15.0
+    assert sm.last_wave_idle_us(12, 4, 90.0) == 0.0
+
     sm.main(["--model", "qwen3", "--tokens", "1024", "--passes", "1", "2"])
     out = capsys.readouterr().out
     assert "1. m-tiles:" in out and "a separate tail launch re-reads" in out
     assert "1 pass(es): segments ready" in out and "2 pass(es): segments ready" in out
+    assert "3. FC1:" in out and "could fill FC1's idle slots" in out
 
 
 def test_bench_gemm_interleaves_ours_and_torch(monkeypatch):
