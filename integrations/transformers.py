@@ -13,81 +13,202 @@ transformers (5.x) routes every MoE model's experts through a registry,
 
 The experts function is called as ``forward(experts_module, hidden_states [T, H],
 top_k_index [T, K], top_k_weights [T, K]) -> [T, H]``. On its first call for a module it builds a
-:class:`moe_ep.api.MoELayer` sized from the module's weights (``gate_up_proj [E, 2I, H]`` gate rows
-first, ``down_proj [E, H, I]``), the router's top-k and the model config's ``hidden_act``
-(``silu`` -> swiglu, ``gelu`` -> gelu_glu), warms it up and keeps it on the module; later calls reuse
-it. A batch longer than the layer's token capacity rebuilds it once with twice the capacity (or
-more), with a warning. Expert biases (``has_bias``) become the layer's ``b13``/``b2``.
+:class:`moe_ep.api.MoELayer` sized from the module's weights, the router's top-k and the module's
+activation, warms it up and keeps it on the module; later calls reuse it. A batch longer than the
+layer's token capacity rebuilds it once with twice the capacity (or more), with a warning.
 
-Refused with a clear error (never computed wrongly): autograd (training), weights not in the
-layout above (``is_transposed``, interleaved ``is_concatenated=False`` such as gpt-oss), experts
-without a gate, other activations, custom gate functions, post-expert norms, dtypes other than
+The weights, in any layout transformers' flags describe:
+
+* gated experts (``gate_up_proj``; ``is_concatenated``: gate rows then up rows, else interleaved
+  gate/up rows as gpt-oss stores them) or non-gated ones (``has_gate=False``: ``up_proj``, as
+  Nemotron-H's);
+* ``[E, out, in]`` or, with ``is_transposed``, ``[E, in, out]`` (gpt-oss, Aria);
+* expert biases (``has_bias``) become the layer's ``b13``/``b2``.
+
+moe_ep's own layout is gate-first ``[E, 2I, H]`` and ``[E, H, I]``: modules already in it are used as
+they are; any other layout is repacked once into a copy kept beside the module (a warning gives its
+size), and repacked again only when the module's weights change (their version counters).
+
+The activation is what the module computes, probed once on random input in float32: its gate
+function (``_apply_gate``, transformers' default or the model's own) must match one of moe_ep's --
+``swiglu`` (silu(g)·u), ``gelu_glu`` (erf gelu(g)·u) or, with the module's ``alpha``/``limit`` (or
+``swiglu_alpha``/``swiglu_limit``), gpt-oss's ``clamped_swiglu`` -- and a non-gated module's
+``act_fn`` must be relu² (``squared_relu``).
+
+Refused with a clear error (never computed wrongly): autograd (training), a gate or activation
+matching none of those (the message names the function), post-expert norms, dtypes other than
 bf16. transformers' expert-parallel sentinel (``top_k_index == num_experts``, a choice owned by
 another rank) contributes nothing: it is routed to expert 0 with weight 0.
 
-Host work per call: converting ``top_k_weights`` to float32 when the model gives bf16.
+Host work per call: converting ``top_k_weights`` to float32 when the model gives bf16; for a
+repacked module, reading its weights' version counters.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from moe_ep.api import EPGroup, MoEConfig, MoELayer
 
-ACTIVATIONS = {"silu": "swiglu", "swish": "swiglu", "gelu": "gelu_glu"}
 _ATTR = "_moe_ep_layer"
+_SPEC = "_moe_ep_spec"  # (the flags below, what _describe found), kept on the module
+_FLAGS = ("has_gate", "is_transposed", "is_concatenated", "has_bias", "has_post_expert_norm")
+_PACKED = "_moe_ep_packed"  # (version key, (w13, w2, b13, b2)) of a repacked module
 
 
 class MoEEpTransformersError(ValueError):
     """An experts module or call that this adapter cannot run (the message says why)."""
 
 
-def _activation(module: Any) -> str:
-    act = getattr(getattr(module, "config", None), "hidden_act", None)
-    if act not in ACTIVATIONS:
-        raise MoEEpTransformersError(
-            f"moe_ep experts: the model's hidden_act {act!r} is not supported (supported: "
-            f"{sorted(ACTIVATIONS)} -> {sorted(set(ACTIVATIONS.values()))})")
-    return ACTIVATIONS[act]
+@dataclass(frozen=True)
+class _Spec:
+    """What moe_ep makes of one transformers experts module (found once, by :func:`_describe`)."""
+
+    activation: str
+    alpha: float | None  # clamped_swiglu's, from the module
+    limit: float | None
+    gated: bool
+    transposed: bool
+    interleaved: bool
+    bias: bool
+
+    @property
+    def native(self) -> bool:
+        """The module's weights are moe_ep's layout already: used as they are, no copy."""
+        return not self.transposed and not self.interleaved
 
 
-def _check_module(module: Any) -> None:
+def _split(t: torch.Tensor, interleaved: bool):
+    """``(gate, up)`` halves of the last dim of a gated projection's output."""
+    return (t[..., 0::2], t[..., 1::2]) if interleaved else t.chunk(2, dim=-1)
+
+
+def _gate_candidates(module: Any):
+    """``(activation, alpha, limit, fn)`` moe_ep could run for a gated module; ``fn(g, u)`` in float32."""
+    silu, gelu = torch.nn.functional.silu, torch.nn.functional.gelu
+    yield "swiglu", None, None, lambda g, u: silu(g) * u
+    yield "gelu_glu", None, None, lambda g, u: gelu(g) * u
+    alpha = next((getattr(module, a) for a in ("alpha", "swiglu_alpha") if getattr(module, a, None) is not None), None)
+    limit = next((getattr(module, a) for a in ("limit", "swiglu_limit") if getattr(module, a, None) is not None), None)
+    if alpha is not None and limit is not None:
+        a, lim = float(alpha), float(limit)
+
+        def clamped(g, u):
+            g, u = g.clamp(max=lim), u.clamp(min=-lim, max=lim)
+            return (u + 1) * g * torch.sigmoid(a * g)
+
+        yield "clamped_swiglu", a, lim, clamped
+
+
+def _probe_activation(module: Any, gated: bool, interleaved: bool, width: int):
+    """``(activation, alpha, limit)``: the moe_ep activation that computes what the module does
+    (its ``_apply_gate`` or, non-gated, its ``act_fn``), checked on random float32 input (N(0, 25):
+    past a clamp at +-7 often). Raises naming the function when none does."""
+    x = torch.randn(16, 2 * width if gated else width, generator=torch.Generator().manual_seed(0)) * 5
+    x = x.to(module.down_proj.device)  # where the module's own functions run (a sync, at the first call only)
     name = type(module).__name__
-    if getattr(module, "is_transposed", False):
-        raise MoEEpTransformersError(f"moe_ep experts: {name} stores transposed weights (is_transposed=True); "
-                                     "moe_ep needs gate_up_proj [E, 2I, H] and down_proj [E, H, I]")
-    if not getattr(module, "is_concatenated", True):
-        raise MoEEpTransformersError(f"moe_ep experts: {name} interleaves gate and up rows (is_concatenated=False); "
-                                     "moe_ep needs gate rows first, then up rows")
-    if not getattr(module, "has_gate", True):
-        raise MoEEpTransformersError(f"moe_ep experts: {name} has no gate projection (has_gate=False)")
+    with torch.no_grad():
+        if not gated:
+            got = module.act_fn(x)
+            if torch.allclose(got, torch.relu(x) ** 2, rtol=1e-5, atol=1e-5):
+                return "squared_relu", None, None
+            raise MoEEpTransformersError(f"moe_ep experts: {name} has no gate and its act_fn "
+                                         f"{type(module.act_fn).__name__} is not relu^2 (squared_relu), the "
+                                         "only non-gated activation moe_ep runs")
+        got = module._apply_gate(x)
+        g, u = _split(x, interleaved)
+        for activation, alpha, limit, fn in _gate_candidates(module):
+            if got.shape == g.shape and torch.allclose(got, fn(g, u), rtol=1e-5, atol=1e-5):
+                return activation, alpha, limit
+    gate_fn = getattr(type(module), "_apply_gate", None)
+    raise MoEEpTransformersError(
+        f"moe_ep experts: {name}'s gate ({getattr(gate_fn, '__qualname__', gate_fn)}, act_fn "
+        f"{type(getattr(module, 'act_fn', None)).__name__}) computes none of moe_ep's gated activations: "
+        "silu(g)*u, erf gelu(g)*u, or gpt-oss's clamped swiglu with the module's alpha and limit")
+
+
+def _describe(module: Any) -> _Spec:
+    """The module's layout flags and activation (kept on the module after the first call)."""
+    flags = tuple(getattr(module, f, None) for f in _FLAGS)
+    cached = module.__dict__.get(_SPEC)
+    if cached is not None and cached[0] == flags:
+        return cached[1]
+    name = type(module).__name__
     if getattr(module, "has_post_expert_norm", False):
         raise MoEEpTransformersError(f"moe_ep experts: {name} applies a post-expert norm; not supported")
-    from transformers.integrations.moe import _default_apply_gate
+    gated = getattr(module, "has_gate", True)
+    transposed = bool(getattr(module, "is_transposed", False))
+    interleaved = gated and not getattr(module, "is_concatenated", True)
+    w2 = module.down_proj
+    width = w2.shape[1] if transposed else w2.shape[2]  # I
+    activation, alpha, limit = _probe_activation(module, gated, interleaved, width)
+    spec = _Spec(activation, alpha, limit, gated, transposed, interleaved, bool(getattr(module, "has_bias", False)))
+    object.__setattr__(module, _SPEC, (flags, spec))
+    return spec
 
-    if getattr(type(module), "_apply_gate", _default_apply_gate) is not _default_apply_gate:
-        raise MoEEpTransformersError(f"moe_ep experts: {name} has a custom gate function (_apply_gate); "
-                                     "moe_ep runs act(gate) * up only")
+
+def _sources(module: Any, spec: _Spec) -> tuple:
+    """The module's own (w13, w2, b13, b2) parameters, in its layout (biases None without)."""
+    w13 = module.gate_up_proj if spec.gated else module.up_proj
+    b13 = (module.gate_up_proj_bias if spec.gated else module.up_proj_bias) if spec.bias else None
+    return w13, module.down_proj, b13, (module.down_proj_bias if spec.bias else None)
 
 
-def _config_for(module: Any, hidden_states: torch.Tensor, top_k: int, capacity: int) -> MoEConfig:
-    w13, w2 = module.gate_up_proj, module.down_proj
+def _repack(spec: _Spec, w13, w2, b13, b2) -> tuple:
+    """moe_ep's layout (w13 [E, w13_rows, H] gate rows first, w2 [E, H, I], b13 [E, w13_rows],
+    b2 [E, H]) from the module's, copied."""
+    with torch.no_grad():
+        if spec.transposed:
+            w13, w2 = w13.transpose(1, 2), w2.transpose(1, 2)
+        if spec.interleaved:
+            w13 = torch.cat((w13[:, 0::2], w13[:, 1::2]), dim=1)
+            if b13 is not None:
+                b13 = torch.cat((b13[:, 0::2], b13[:, 1::2]), dim=1)
+        return tuple(None if t is None else t.detach().contiguous() for t in (w13, w2, b13, b2))
+
+
+def _weights(module: Any, spec: _Spec) -> tuple:
+    """``(w13, w2, b13, b2)`` for the layer: the module's own tensors in moe_ep's layout, else the
+    repacked copy, made again when a source tensor changed (data pointer or version counter)."""
+    src = _sources(module, spec)
+    if spec.native:
+        return src
+    key = tuple((t.data_ptr(), t._version) for t in src if t is not None)
+    packed = module.__dict__.get(_PACKED)
+    if packed is None or packed[0] != key:
+        tensors = _repack(spec, *src)
+        if packed is None:
+            mb = sum(t.numel() * t.element_size() for t in tensors if t is not None) / 2**20
+            warnings.warn(f"moe_ep experts: {type(module).__name__} stores its weights "
+                          f"{'transposed' if spec.transposed else ''}{' and ' if spec.transposed and spec.interleaved else ''}"
+                          f"{'with gate and up rows interleaved' if spec.interleaved else ''}; moe_ep keeps a copy in "
+                          f"its own layout ({mb:.1f} MiB per layer)", stacklevel=4)
+        packed = (key, tensors)
+        object.__setattr__(module, _PACKED, packed)  # not an nn.Module attribute: kept out of state_dict
+    return packed[1]
+
+
+def _config_for(module: Any, spec: _Spec, w13: torch.Tensor, w2: torch.Tensor, b13, hidden_states: torch.Tensor,
+                top_k: int, capacity: int) -> MoEConfig:
     E, rows, H = w13.shape
     I = w2.shape[-1]
-    if rows != 2 * I or tuple(w2.shape) != (E, H, I):
-        raise MoEEpTransformersError(f"moe_ep experts: gate_up_proj {tuple(w13.shape)} and down_proj "
-                                     f"{tuple(w2.shape)} are not [E, 2I, H] and [E, H, I]")
-    bias_dtype = module.gate_up_proj_bias.dtype if getattr(module, "has_bias", False) else None
+    if rows != (2 * I if spec.gated else I) or tuple(w2.shape) != (E, H, I):
+        raise MoEEpTransformersError(f"moe_ep experts: {type(module).__name__}'s weights {tuple(w13.shape)} and "
+                                     f"{tuple(w2.shape)} are not [E, {'2I' if spec.gated else 'I'}, H] and "
+                                     "[E, H, I] in moe_ep's layout")
+    extra = {} if spec.alpha is None else dict(swiglu_alpha=spec.alpha, swiglu_limit=spec.limit)
     return MoEConfig(num_experts=E, hidden=H, intermediate=I, top_k=top_k, max_tokens_per_rank=capacity,
-                     dtype=hidden_states.dtype, activation=_activation(module), bias_dtype=bias_dtype)
+                     dtype=hidden_states.dtype, activation=spec.activation,
+                     bias_dtype=None if b13 is None else b13.dtype, **extra)
 
 
-def _layer_for(module: Any, hidden_states: torch.Tensor, top_k: int, backend: str, min_tokens: int,
-               layer_options: dict) -> MoELayer:
+def _layer_for(module: Any, spec: _Spec, weights: tuple, hidden_states: torch.Tensor, top_k: int, backend: str,
+               min_tokens: int, layer_options: dict) -> MoELayer:
     T = hidden_states.shape[0]
     layer = getattr(module, _ATTR, None)
     if layer is not None:
@@ -103,7 +224,8 @@ def _layer_for(module: Any, hidden_states: torch.Tensor, top_k: int, backend: st
     else:
         capacity = max(T, min_tokens)
     capacity = 1 << max(0, math.ceil(math.log2(max(capacity, 1))))  # powers of two: few rebuilds
-    cfg = _config_for(module, hidden_states, top_k, capacity)
+    w13, w2, b13, _ = weights
+    cfg = _config_for(module, spec, w13, w2, b13, hidden_states, top_k, capacity)
     layer = MoELayer(cfg, EPGroup.single(), backend=backend, device=hidden_states.device, **layer_options)
     layer.warmup(progress=False)
     object.__setattr__(module, _ATTR, layer)  # not an nn.Module attribute: kept out of state_dict
@@ -118,27 +240,28 @@ def make_experts_forward(backend: str = "auto", min_tokens: int = 256, **layer_o
 
     def moe_ep_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                                top_k_weights: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and (hidden_states.requires_grad or self.gate_up_proj.requires_grad
+        w_in = self.gate_up_proj if getattr(self, "has_gate", True) else self.up_proj
+        if torch.is_grad_enabled() and (hidden_states.requires_grad or w_in.requires_grad
                                         or self.down_proj.requires_grad):
             raise RuntimeError("moe_ep experts: autograd (training) is not supported yet -- run under "
                                "torch.no_grad() / torch.inference_mode(), or pick another "
                                "experts_implementation for training")
-        _check_module(self)
         if hidden_states.dtype != torch.bfloat16:
             raise TypeError(f"moe_ep experts: hidden_states are {hidden_states.dtype}; moe_ep runs bf16 "
                             "(load the model with dtype=torch.bfloat16)")
-        layer = _layer_for(self, hidden_states, top_k_index.shape[-1], backend, min_tokens, layer_options)
-        ids, weights = top_k_index, top_k_weights
+        spec = _describe(self)
+        w13, w2, b13, b2 = weights = _weights(self, spec)
+        layer = _layer_for(self, spec, weights, hidden_states, top_k_index.shape[-1], backend, min_tokens,
+                           layer_options)
+        ids, topk_w = top_k_index, top_k_weights
         if getattr(self, "_is_expert_parallel", False):  # another rank's choice: expert 0, weight 0
             owned_elsewhere = ids >= self.num_experts
             ids = ids.masked_fill(owned_elsewhere, 0)
-            weights = weights.masked_fill(owned_elsewhere, 0.0)
-        if weights.dtype != torch.float32:
-            weights = weights.float()
-        biases = {}
-        if getattr(self, "has_bias", False):
-            biases = dict(b13=self.gate_up_proj_bias, b2=self.down_proj_bias)
-        return layer.forward(hidden_states, ids, weights, self.gate_up_proj, self.down_proj, **biases)
+            topk_w = topk_w.masked_fill(owned_elsewhere, 0.0)
+        if topk_w.dtype != torch.float32:
+            topk_w = topk_w.float()
+        biases = {} if b13 is None else dict(b13=b13, b2=b2)
+        return layer.forward(hidden_states, ids, topk_w, w13, w2, **biases)
 
     return moe_ep_experts_forward
 
@@ -156,9 +279,12 @@ def register(name: str = "moe_ep", backend: str = "auto", min_tokens: int = 256,
 
 
 def release(model: torch.nn.Module) -> int:
-    """Destroy every moe_ep layer attached to ``model``'s experts modules; returns how many."""
+    """Destroy every moe_ep layer attached to ``model``'s experts modules, and drop their repacked
+    weight copies; returns how many layers."""
     n = 0
     for mod in model.modules():
+        mod.__dict__.pop(_PACKED, None)
+        mod.__dict__.pop(_SPEC, None)
         layer = mod.__dict__.pop(_ATTR, None)
         if layer is not None:
             layer.destroy()

@@ -1,6 +1,7 @@
 """moe_ep as a Hugging Face transformers experts implementation: small random models built from
 their configs (no downloads), forward with ``experts_implementation="moe_ep"`` against transformers'
-own ``"eager"`` experts and against a float64 oracle of one experts block; refusals."""
+own ``"eager"`` experts and against a float64 oracle of one experts block; refusals. The layouts moe_ep
+repacks (gpt-oss, Nemotron-H, transposed weights): tests/test_transformers_layouts.py."""
 
 import subprocess
 import sys
@@ -134,14 +135,13 @@ def test_refusals():
     with pytest.raises(RuntimeError, match="autograd"):
         model(ids)  # grad enabled, parameters require grad
     mod = experts_modules(model)[0]
-    mod.is_transposed = True
-    with torch.no_grad(), pytest.raises(ValueError, match="is_transposed"):
+    mod.has_post_expert_norm = True
+    with torch.no_grad(), pytest.raises(ValueError, match="post-expert norm"):
         model(ids)
-    mod.is_transposed = False
-    model.config.hidden_act = "relu"
-    for m in experts_modules(model):
-        m.config.hidden_act = "relu"
-    with torch.no_grad(), pytest.raises(ValueError, match="hidden_act 'relu'"):
+    mod.has_post_expert_norm = False
+    for m in experts_modules(model):  # what the module computes decides, not the config's name for it
+        m.act_fn = torch.nn.ReLU()
+    with torch.no_grad(), pytest.raises(ValueError, match="MixtralExperts's gate .* computes none of moe_ep's"):
         model(ids)
     f32 = _models()["mixtral"][0]._from_config(_models()["mixtral"][1], experts_implementation=NAME,
                                                dtype=torch.float32).eval()

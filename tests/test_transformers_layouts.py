@@ -1,0 +1,276 @@
+"""transformers experts modules whose layout or activation differs from transformers' default, through
+``experts_implementation="moe_ep"`` (the reference backend on CPU): gpt-oss (transposed weights,
+interleaved gate/up rows, biases, its clamped SwiGLU), Aria (transposed weights; SiLU experts
+whatever ``hidden_act`` says), Nemotron-H (no gate, relu^2, with and without its latent projection); each against transformers' own ``"eager"`` experts
+and, for one experts block, against float64 math written from the model's own definition. Also: the
+repacked copy follows in-place weight updates, and a gate moe_ep does not compute is refused."""
+
+import warnings
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers.integrations.moe")
+
+import moe_ep.integrations.transformers as moe_ep_hf  # noqa: E402
+
+from moe_oracle import rel_err  # noqa: E402
+
+NAME = moe_ep_hf.register()
+
+
+def _gpt_oss(impl):
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    cfg = GptOssConfig(vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+                       max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = GptOssForCausalLM._from_config(cfg, experts_implementation=impl, dtype=torch.bfloat16).eval()
+    for mod in model.modules():
+        if hasattr(mod, "gate_up_proj"):
+            with torch.no_grad():  # realistic scales; biases large enough to push some gates past the clamp
+                mod.gate_up_proj.normal_(0, 64 ** -0.5)
+                mod.down_proj.normal_(0, 32 ** -0.5)
+                mod.gate_up_proj_bias.normal_(0, 3.0)
+                mod.down_proj_bias.normal_(0, 0.1)
+    return model
+
+
+def _nemotron_h(impl, latent):
+    from transformers import NemotronHConfig, NemotronHForCausalLM
+
+    cfg = NemotronHConfig(vocab_size=96, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                          layers_block_type=["moe"], n_routed_experts=8, n_shared_experts=1, moe_intermediate_size=32,
+                          moe_shared_expert_intermediate_size=48, num_experts_per_tok=2, moe_latent_size=latent,
+                          max_position_embeddings=64, n_group=1, topk_group=1)
+    torch.manual_seed(0)
+    model = NemotronHForCausalLM._from_config(cfg, experts_implementation=impl, dtype=torch.bfloat16).eval()
+    for mod in model.modules():
+        if isinstance(getattr(mod, "up_proj", None), torch.nn.Parameter):
+            with torch.no_grad():
+                mod.up_proj.normal_(0, mod.up_proj.shape[-1] ** -0.5)
+                mod.down_proj.normal_(0, mod.down_proj.shape[-1] ** -0.5)
+    return model
+
+
+def _aria(impl):
+    """Aria's text model: transposed weights, and routed experts always SiLU-gated whatever
+    ``hidden_act`` says (here gelu, which its shared expert follows)."""
+    from transformers import AriaTextConfig, AriaTextForCausalLM
+
+    cfg = AriaTextConfig(vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, moe_num_experts=8, moe_topk=2, moe_num_shared_experts=1,
+                         max_position_embeddings=64, hidden_act="gelu")
+    torch.manual_seed(0)
+    model = AriaTextForCausalLM._from_config(cfg, experts_implementation=impl, dtype=torch.bfloat16).eval()
+    for mod in model.modules():
+        if hasattr(mod, "gate_up_proj"):
+            with torch.no_grad():
+                mod.gate_up_proj.normal_(0, 64 ** -0.5)
+                mod.down_proj.normal_(0, 32 ** -0.5)
+    return model
+
+
+def _experts(model):
+    return [m for m in model.modules() if isinstance(getattr(m, "down_proj", None), torch.nn.Parameter)]
+
+
+def _same_logits(build, **call):
+    ours, ref = build(NAME), build("eager")
+    ref.load_state_dict(ours.state_dict())
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a, b = ours(ids, **call).logits.float(), ref(ids, **call).logits.float()
+    assert all("_moe_ep_layer" in m.__dict__ for m in _experts(ours)), "moe_ep was not called"
+    assert torch.isfinite(a).all() and rel_err(a, b) < 2e-2, rel_err(a, b)
+    return ours
+
+
+def test_gpt_oss_logits_match_transformers_eager():
+    ours = _same_logits(_gpt_oss)
+    layer = _experts(ours)[0]._moe_ep_layer
+    cfg = layer.config
+    assert (cfg.activation, cfg.swiglu_alpha, cfg.swiglu_limit, cfg.bias_dtype) == (
+        "clamped_swiglu", 1.702, 7.0, torch.bfloat16)
+    assert moe_ep_hf.release(ours) == 1 and "_moe_ep_packed" not in _experts(ours)[0].__dict__
+
+
+def test_aria_logits_match_transformers_eager():
+    ours = _same_logits(_aria)
+    mod = _experts(ours)[0]
+    assert mod._moe_ep_layer.config.activation == "swiglu"  # what its experts compute, not hidden_act
+    assert "_moe_ep_packed" in mod.__dict__  # transposed: a copy in moe_ep's layout
+
+
+@pytest.mark.parametrize("latent", [None, 32])
+def test_nemotron_h_logits_match_transformers_eager(latent):
+    ours = _same_logits(lambda impl: _nemotron_h(impl, latent), use_cache=False)
+    cfg = _experts(ours)[0]._moe_ep_layer.config
+    assert cfg.activation == "squared_relu" and cfg.hidden == (latent or 64)
+    assert "_moe_ep_packed" not in _experts(ours)[0].__dict__  # its layout is moe_ep's: no copy
+
+
+def _gpt_oss_f64(mod, x, idx, w):
+    """gpt-oss's experts in float64, written from its definition: x @ gate_up_proj[e] + bias, gate and up
+    the even and odd columns, clamp, (up + 1) * gate * sigmoid(alpha * gate), @ down_proj[e] + bias."""
+    W1, b1 = mod.gate_up_proj.detach().double(), mod.gate_up_proj_bias.detach().double()
+    W2, b2 = mod.down_proj.detach().double(), mod.down_proj_bias.detach().double()
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for k in range(idx.shape[1]):
+            e = int(idx[t, k])
+            h = x[t].double() @ W1[e] + b1[e]
+            g, u = h[0::2].clamp(max=mod.limit), h[1::2].clamp(-mod.limit, mod.limit)
+            out[t] += float(w[t, k]) * (((u + 1) * g * torch.sigmoid(mod.alpha * g)) @ W2[e] + b2[e])
+    return out
+
+
+def test_gpt_oss_block_against_float64_and_weight_updates():
+    """One gpt-oss experts block as transformers calls it; then its weights change in place (as a
+    checkpoint load would) and the next call uses the new ones (the copy is repacked once, not per call)."""
+    mod = _experts(_gpt_oss(NAME))[0]
+    g = torch.Generator().manual_seed(2)
+    T, K, E = 29, 2, mod.num_experts
+    x = torch.randn(T, 64, generator=g).to(torch.bfloat16)
+    idx = torch.randn(T, E, generator=g).topk(K, -1).indices
+    w = torch.softmax(torch.randn(T, K, generator=g), -1).to(torch.bfloat16)  # as gpt-oss's router gives them
+    with torch.no_grad(), pytest.warns(UserWarning, match="transposed and with gate and up rows interleaved"):
+        got = mod(x, idx, w)
+    packed = mod.__dict__["_moe_ep_packed"]
+    assert rel_err(got, _gpt_oss_f64(mod, x, idx, w.float())) < 1e-2
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second copy warning, no rebuild
+        mod(x, idx, w)
+        assert mod.__dict__["_moe_ep_packed"] is packed  # unchanged weights: the same copy
+        mod.gate_up_proj.mul_(-0.5)
+        mod.down_proj_bias.add_(0.25)
+        got2 = mod(x, idx, w)
+    assert mod.__dict__["_moe_ep_packed"] is not packed
+    assert rel_err(got2, _gpt_oss_f64(mod, x, idx, w.float())) < 1e-2
+    assert rel_err(got2, got) > 0.1  # it did change
+
+
+def _toy_experts_class(**flags):
+    """A transformers-style experts class (``[E, in, out]`` weights with ``is_transposed``), for the
+    layouts no small model config gives."""
+    from transformers.integrations.moe import use_experts_implementation
+
+    @use_experts_implementation(**flags)
+    class ToyExperts(torch.nn.Module):
+        def __init__(self, config):
+            super().__init__()
+            E, H, I = config.num_local_experts, config.hidden_size, config.intermediate_size
+            self.num_experts = E
+            self.gate_up_proj = torch.nn.Parameter(torch.randn(E, H, 2 * I) * H ** -0.5)
+            self.down_proj = torch.nn.Parameter(torch.randn(E, I, H) * I ** -0.5)
+            self.act_fn = torch.nn.SiLU()
+
+        def forward(self, hidden_states, top_k_index, top_k_weights):  # eager: one token-expert pair at a time
+            out = torch.zeros_like(hidden_states, dtype=torch.float32)
+            for t in range(hidden_states.shape[0]):
+                for k in range(top_k_index.shape[1]):
+                    e = int(top_k_index[t, k])
+                    h = self._apply_gate(hidden_states[t].float() @ self.gate_up_proj[e].float())
+                    out[t] += float(top_k_weights[t, k]) * (h @ self.down_proj[e].float())
+            return out.to(hidden_states.dtype)
+
+    return ToyExperts
+
+
+def _toy(impl, cls, seed=0):
+    from transformers import MixtralConfig
+
+    cfg = MixtralConfig(hidden_size=64, intermediate_size=32, num_local_experts=8, hidden_act="silu")
+    cfg._experts_implementation = impl
+    torch.manual_seed(seed)
+    return cls(cfg).to(torch.bfloat16).eval()
+
+
+def test_transposed_weights_alone():
+    cls = _toy_experts_class(is_transposed=True)
+    ours, ref = _toy(NAME, cls), _toy("eager", cls)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(13, 64, generator=g).to(torch.bfloat16)
+    idx = torch.randn(13, 8, generator=g).topk(2, -1).indices
+    w = torch.rand(13, 2, generator=g)
+    with torch.no_grad(), pytest.warns(UserWarning, match="stores its weights transposed; moe_ep keeps a copy"):
+        got = ours(x, idx, w)
+    with torch.no_grad():
+        want = ref(x, idx, w)
+    assert ours._moe_ep_layer.config.activation == "swiglu"
+    assert rel_err(got.float(), want.float()) < 1e-2
+
+
+def test_a_gate_moe_ep_does_not_compute_is_refused():
+    """DeepSeek-V4's and GLM-5's form, silu(min(g, limit)) * clamp(u): no moe_ep activation computes it,
+    so the layer is never built (and not computed as plain SwiGLU)."""
+    cls = _toy_experts_class(is_transposed=True)
+
+    def clamped_silu(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate.clamp(max=self.limit)) * up.clamp(-self.limit, self.limit)
+
+    cls._apply_gate = clamped_silu
+    mod = _toy(NAME, cls)
+    mod.limit = 7.0
+    x = torch.randn(4, 64).to(torch.bfloat16)
+    with torch.no_grad(), pytest.raises(moe_ep_hf.MoEEpTransformersError,
+                                        match=r"ToyExperts's gate \(.*clamped_silu.*computes none of moe_ep's"):
+        mod(x, torch.zeros(4, 2, dtype=torch.long), torch.rand(4, 2))
+    assert "_moe_ep_layer" not in mod.__dict__
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["gpt_oss_20b", "nemotron_3_nano"])
+def test_full_size_blocks_on_sm90(model):
+    """gpt-oss-20b's experts block (32 experts, H = I = 2880, top-4, biases, clamped SwiGLU, transposed
+    and interleaved weights) and Nemotron-3-Nano's (128 experts, H 2688, I 1856, top-6, relu^2, no gate)
+    through transformers' registry on sm90_bf16_cutedsl, against transformers' grouped_mm experts on
+    the same module (and gpt-oss's first tokens against float64)."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    name = moe_ep_hf.register("moe_ep_sm90_layouts", backend="sm90_bf16_cutedsl", min_tokens=512)
+    if model == "gpt_oss_20b":
+        from transformers import GptOssConfig
+        from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+        cfg = GptOssConfig(hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4)
+        cfg._experts_implementation = name
+        mod = GptOssExperts(cfg).to("cuda", torch.bfloat16)
+        H, E, K = 2880, 32, 4
+        with torch.no_grad():
+            mod.gate_up_proj.normal_(0, H ** -0.5)
+            mod.down_proj.normal_(0, 2880 ** -0.5)
+            mod.gate_up_proj_bias.normal_(0, 3.0)
+            mod.down_proj_bias.normal_(0, 0.1)
+    else:
+        from transformers import NemotronHConfig
+        from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
+
+        cfg = NemotronHConfig(hidden_size=2688, moe_intermediate_size=1856, n_routed_experts=128, num_experts_per_tok=6)
+        cfg._experts_implementation = name
+        mod = NemotronHExperts(cfg).to("cuda", torch.bfloat16)
+        H, E, K = 2688, 128, 6
+        with torch.no_grad():
+            mod.up_proj.normal_(0, H ** -0.5)
+            mod.down_proj.normal_(0, 1856 ** -0.5)
+    g = torch.Generator(device="cuda").manual_seed(8)
+    T = 1000
+    x = torch.randn(T, H, device="cuda", generator=g).to(torch.bfloat16)
+    idx = torch.randn(T, E, device="cuda", generator=g).topk(K, -1).indices
+    w = torch.softmax(torch.randn(T, K, device="cuda", generator=g), -1).to(torch.bfloat16)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = mod(x, idx, w)
+        cfg._experts_implementation = "grouped_mm"
+        ref = mod(x, idx, w)
+    assert mod._moe_ep_layer.backend_name == "sm90_bf16_cutedsl"
+    assert torch.isfinite(got).all() and rel_err(got.float(), ref.float()) < 1e-2, rel_err(got.float(), ref.float())
+    if model == "gpt_oss_20b":
+        with torch.no_grad():
+            want = _gpt_oss_f64(mod.cpu(), x[:16].cpu(), idx[:16].cpu(), w[:16].float().cpu())
+        assert rel_err(got[:16].cpu(), want) < 1e-2
+    moe_ep_hf.release(mod)
