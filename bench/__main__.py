@@ -14,8 +14,8 @@ says so (back-to-back and graph columns are n/a).
 
 Sub-commands: ``layer`` (default), ``gemm`` (SM90 grouped GEMM vs torch._grouped_mm) and
 ``startup`` (``warmup()`` cold vs warm compile cache, each in a fresh process, and the host time
-of one eager forward) and ``hf`` (a Qwen3-MoE block through transformers' experts registry: moe_ep
-vs grouped_mm, eager and CUDA graph) and ``ceiling`` (the layer's two GEMMs done by torch's own
+of one eager forward) and ``hf`` (Qwen3-MoE, gpt-oss and Nemotron-H blocks through transformers'
+experts registry: moe_ep vs grouped_mm, eager and CUDA graph) and ``ceiling`` (the layer's two GEMMs done by torch's own
 kernels -- dense cuBLAS BF16, ``torch._grouped_mm``, block-wise FP8 ``torch._scaled_mm`` -- as the
 layer TFLOP/s they alone would allow: ``bench/ceiling.py``) and ``sustained`` (each expert GEMM,
 ours and cuBLAS's, run for seconds in steady state with nvidia-smi sampling power and SM clock:

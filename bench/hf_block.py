@@ -1,8 +1,11 @@
-"""``python -m moe_ep.bench hf`` — one Qwen3-MoE-shaped MoE block (router + experts,
-transformers' ``Qwen3MoeSparseMoeBlock``) run through transformers' experts registry: moe_ep vs
+"""``python -m moe_ep.bench hf [--model qwen3,gpt_oss,nemotron]`` -- one model-shaped MoE block (router
++ experts, transformers' own block class) run through transformers' experts registry: moe_ep vs
 transformers' ``grouped_mm`` experts (and ``sonicmoe`` when it loads), same weights, same inputs,
 eager and CUDA graph, at 8192 and 128 tokens (``--tokens`` overrides). Reports ms and tokens/s,
-with the ratio to ``grouped_mm`` measured in the same run.
+with the ratio to ``grouped_mm`` measured in the same run. The blocks: Qwen3-30B-A3B's
+``Qwen3MoeSparseMoeBlock``; gpt-oss-20b's ``GptOssMLP`` (transposed, interleaved weights with
+biases: moe_ep runs a repacked copy); Nemotron-3-Nano's routed ``NemotronHExperts`` behind a top-6
+softmax router of the test's own (its block's router and shared expert need more of its config).
 """
 
 from __future__ import annotations
@@ -39,32 +42,120 @@ def run_hf(args) -> int:
         print("moe_ep.bench hf: needs a CUDA GPU; nothing to do here")
         return 0
     try:
-        from transformers import Qwen3MoeConfig
-        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
     except ImportError as e:
         print(f"moe_ep.bench hf: needs transformers >= 5 ({e})")
         return 1
     import moe_ep.integrations.transformers as moe_ep_hf
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     moe_ep_hf.register("moe_ep", backend=(args.backend or ["auto"])[0])
     impls = ["moe_ep", "grouped_mm"] + (["sonicmoe"] if "sonicmoe" in ALL_EXPERTS_FUNCTIONS else [])
+    keys = [m.strip() for m in args.model.split(",") if m.strip()]
+    unknown = [k for k in keys if k not in BLOCKS]
+    if unknown:
+        print(f"moe_ep.bench hf: no transformers block for {unknown}; known: {sorted(BLOCKS)}")
+        return 2
+    for key in keys:
+        torch.manual_seed(args.seed)
+        title, cfg, block, H = BLOCKS[key]()
+        _run_block(args, title, cfg, block, H, impls)
+        moe_ep_hf.release(block)
+    return 0
+
+
+def _qwen3():
+    import torch
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
     cfg = Qwen3MoeConfig(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
                          norm_topk_prob=True)
     cfg._experts_implementation = "grouped_mm"
-    torch.manual_seed(args.seed)
     block = Qwen3MoeSparseMoeBlock(cfg).to("cuda", torch.bfloat16).eval()
     with torch.no_grad():
         block.experts.gate_up_proj.normal_(0, 2048 ** -0.5)
         block.experts.down_proj.normal_(0, 768 ** -0.5)
         block.gate.weight.normal_(0, 2048 ** -0.5)
+    return "transformers Qwen3MoeSparseMoeBlock (H 2048, I 768, 128 experts, top-8)", cfg, block, 2048
+
+
+def _gpt_oss():
+    import torch
+    from transformers import GptOssConfig
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    cfg = GptOssConfig(hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4)
+    cfg._experts_implementation = "grouped_mm"
+    block = GptOssMLP(cfg).to("cuda", torch.bfloat16).eval()
+    with torch.no_grad():
+        block.experts.gate_up_proj.normal_(0, 2880 ** -0.5)
+        block.experts.down_proj.normal_(0, 2880 ** -0.5)
+        block.experts.gate_up_proj_bias.normal_(0, 1.0)
+        block.experts.down_proj_bias.normal_(0, 0.1)
+        block.router.weight.normal_(0, 2880 ** -0.5)
+    return ("transformers GptOssMLP (gpt-oss-20b: H 2880, I 2880, 32 experts, top-4, biases, clamped SwiGLU)",
+            cfg, _Tuple0(block), 2880)
+
+
+def _nemotron():
+    import torch
+    from transformers import NemotronHConfig
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHExperts
+
+    cfg = NemotronHConfig(hidden_size=2688, moe_intermediate_size=1856, n_routed_experts=128, num_experts_per_tok=6)
+    cfg._experts_implementation = "grouped_mm"
+    experts = NemotronHExperts(cfg).to("cuda", torch.bfloat16).eval()
+    with torch.no_grad():
+        experts.up_proj.normal_(0, 2688 ** -0.5)
+        experts.down_proj.normal_(0, 1856 ** -0.5)
+    router = torch.nn.Linear(2688, 128, bias=False, device="cuda", dtype=torch.bfloat16)
+    torch.nn.init.normal_(router.weight, 0, 2688 ** -0.5)
+    return ("transformers NemotronHExperts (Nemotron-3-Nano: H 2688, I 1856, 128 experts, top-6, relu^2) "
+            "behind a softmax top-6 router", cfg, _Routed(router, experts, 6), 2688)
+
+
+class _Tuple0:
+    """A block that returns (hidden_states, router_scores): its first output only."""
+
+    def __init__(self, block):
+        self.block = block
+
+    def __call__(self, x):
+        return self.block(x)[0]
+
+    def modules(self):
+        return self.block.modules()
+
+
+class _Routed:
+    """A softmax top-k router in front of an experts module: ``[1, T, H] -> [1, T, H]``."""
+
+    def __init__(self, router, experts, top_k: int):
+        self.router, self.experts, self.top_k = router, experts, top_k
+
+    def __call__(self, x):
+        import torch
+
+        h = x.reshape(-1, x.shape[-1])
+        w, idx = torch.softmax(self.router(h).float(), -1).topk(self.top_k, -1)
+        return self.experts(h, idx, (w / w.sum(-1, keepdim=True)).to(h.dtype)).reshape(x.shape)
+
+    def modules(self):
+        return self.experts.modules()
+
+
+BLOCKS = {"qwen3": _qwen3, "gpt_oss": _gpt_oss, "nemotron": _nemotron}
+
+
+def _run_block(args, title, cfg, block, H, impls) -> None:
+    import torch
+
     token_counts = [args.tokens] if args.tokens is not None else [8192, 128]
-    print(f"\ntransformers Qwen3MoeSparseMoeBlock (H 2048, I 768, 128 experts, top-8), bf16, "
-          f"GPU {torch.cuda.get_device_name()}, median of {args.iters}")
+    print(f"\n{title}, bf16, GPU {torch.cuda.get_device_name()}, median of {args.iters}")
     print(f"{'experts_implementation':<24}{'tokens':>7}{'eager ms':>10}{'tok/s':>12}{'graph ms':>10}{'tok/s':>12}"
           f"{'vs grouped_mm':>15}")
     for T in token_counts:
-        x = torch.randn(1, T, 2048, device="cuda").to(torch.bfloat16)
+        x = torch.randn(1, T, H, device="cuda").to(torch.bfloat16)
         res, outs = {}, {}
         for impl in impls:
             cfg._experts_implementation = impl
@@ -90,5 +181,3 @@ def run_hf(args) -> int:
         if "moe_ep" in outs and "grouped_mm" in outs:
             d = (outs["moe_ep"] - outs["grouped_mm"]).norm() / outs["grouped_mm"].norm()
             print(f"  moe_ep vs grouped_mm output: rel. difference {float(d):.2e}")
-    moe_ep_hf.release(block)
-    return 0
