@@ -29,6 +29,12 @@ moe_ep's own layout is gate-first ``[E, 2I, H]`` and ``[E, H, I]``: modules alre
 they are; any other layout is repacked once into a copy kept beside the module (a warning gives its
 size), and repacked again only when the module's weights change (their version counters).
 
+FP8 checkpoints (a model loaded with ``FineGrainedFP8Config``: DeepSeek-V3, Qwen3-FP8) run their
+experts through transformers' FP8 registry, where :func:`register` adds moe_ep too: a
+``quant="fp8_block128"`` layer (``sm90_fp8_cutedsl`` on an H100/H200) on the module's own e4m3
+weights and 128 x 128 block scales (``*_scale_inv``; UE8M0 scales converted once to float32).
+Static activation scales, other block sizes and FP4-packed experts are refused.
+
 The activation is what the module computes, probed once on random input in float32: its gate
 function (``_apply_gate``, transformers' default or the model's own) must match one of moe_ep's --
 ``swiglu`` (silu(g)·u), ``gelu_glu`` (erf gelu(g)·u) or, with the module's ``alpha``/``limit`` (or
@@ -194,7 +200,7 @@ def _weights(module: Any, spec: _Spec) -> tuple:
 
 
 def _config_for(module: Any, spec: _Spec, w13: torch.Tensor, w2: torch.Tensor, b13, hidden_states: torch.Tensor,
-                top_k: int, capacity: int) -> MoEConfig:
+                top_k: int, capacity: int, quant: str | None) -> MoEConfig:
     E, rows, H = w13.shape
     I = w2.shape[-1]
     if rows != (2 * I if spec.gated else I) or tuple(w2.shape) != (E, H, I):
@@ -204,11 +210,11 @@ def _config_for(module: Any, spec: _Spec, w13: torch.Tensor, w2: torch.Tensor, b
     extra = {} if spec.alpha is None else dict(swiglu_alpha=spec.alpha, swiglu_limit=spec.limit)
     return MoEConfig(num_experts=E, hidden=H, intermediate=I, top_k=top_k, max_tokens_per_rank=capacity,
                      dtype=hidden_states.dtype, activation=spec.activation,
-                     bias_dtype=None if b13 is None else b13.dtype, **extra)
+                     bias_dtype=None if b13 is None else b13.dtype, quant=quant, **extra)
 
 
-def _layer_for(module: Any, spec: _Spec, weights: tuple, hidden_states: torch.Tensor, top_k: int, backend: str,
-               min_tokens: int, layer_options: dict) -> MoELayer:
+def _layer_for(module: Any, spec: _Spec, weights: tuple, quant: str | None, hidden_states: torch.Tensor, top_k: int,
+               backend: str, min_tokens: int, layer_options: dict) -> MoELayer:
     T = hidden_states.shape[0]
     layer = getattr(module, _ATTR, None)
     if layer is not None:
@@ -225,11 +231,40 @@ def _layer_for(module: Any, spec: _Spec, weights: tuple, hidden_states: torch.Te
         capacity = max(T, min_tokens)
     capacity = 1 << max(0, math.ceil(math.log2(max(capacity, 1))))  # powers of two: few rebuilds
     w13, w2, b13, _ = weights
-    cfg = _config_for(module, spec, w13, w2, b13, hidden_states, top_k, capacity)
+    cfg = _config_for(module, spec, w13, w2, b13, hidden_states, top_k, capacity, quant)
     layer = MoELayer(cfg, EPGroup.single(), backend=backend, device=hidden_states.device, **layer_options)
     layer.warmup(progress=False)
     object.__setattr__(module, _ATTR, layer)  # not an nn.Module attribute: kept out of state_dict
     return layer
+
+
+def _check_call(module: Any, w_in: torch.Tensor, hidden_states: torch.Tensor) -> None:
+    if torch.is_grad_enabled() and (hidden_states.requires_grad or w_in.requires_grad
+                                    or module.down_proj.requires_grad):
+        raise RuntimeError("moe_ep experts: autograd (training) is not supported yet -- run under "
+                           "torch.no_grad() / torch.inference_mode(), or pick another "
+                           "experts_implementation for training")
+    if hidden_states.dtype != torch.bfloat16:
+        raise TypeError(f"moe_ep experts: hidden_states are {hidden_states.dtype}; moe_ep runs bf16 "
+                        "(load the model with dtype=torch.bfloat16)")
+
+
+def _run(module: Any, spec: _Spec, weights: tuple, quant: str | None, hidden_states: torch.Tensor,
+         top_k_index: torch.Tensor, top_k_weights: torch.Tensor, backend: str, min_tokens: int,
+         layer_options: dict, **scales) -> torch.Tensor:
+    """The module's layer (built or grown as needed) on one call; ``weights`` = (w13, w2, b13, b2)."""
+    layer = _layer_for(module, spec, weights, quant, hidden_states, top_k_index.shape[-1], backend, min_tokens,
+                       layer_options)
+    ids, topk_w = top_k_index, top_k_weights
+    if getattr(module, "_is_expert_parallel", False):  # another rank's choice: expert 0, weight 0
+        owned_elsewhere = ids >= module.num_experts
+        ids = ids.masked_fill(owned_elsewhere, 0)
+        topk_w = topk_w.masked_fill(owned_elsewhere, 0.0)
+    if topk_w.dtype != torch.float32:
+        topk_w = topk_w.float()
+    w13, w2, b13, b2 = weights
+    biases = {} if b13 is None else dict(b13=b13, b2=b2)
+    return layer.forward(hidden_states, ids, topk_w, w13, w2, **biases, **scales)
 
 
 def make_experts_forward(backend: str = "auto", min_tokens: int = 256, **layer_options):
@@ -240,34 +275,65 @@ def make_experts_forward(backend: str = "auto", min_tokens: int = 256, **layer_o
 
     def moe_ep_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                                top_k_weights: torch.Tensor) -> torch.Tensor:
-        w_in = self.gate_up_proj if getattr(self, "has_gate", True) else self.up_proj
-        if torch.is_grad_enabled() and (hidden_states.requires_grad or w_in.requires_grad
-                                        or self.down_proj.requires_grad):
-            raise RuntimeError("moe_ep experts: autograd (training) is not supported yet -- run under "
-                               "torch.no_grad() / torch.inference_mode(), or pick another "
-                               "experts_implementation for training")
-        if hidden_states.dtype != torch.bfloat16:
-            raise TypeError(f"moe_ep experts: hidden_states are {hidden_states.dtype}; moe_ep runs bf16 "
-                            "(load the model with dtype=torch.bfloat16)")
+        _check_call(self, self.gate_up_proj if getattr(self, "has_gate", True) else self.up_proj, hidden_states)
         spec = _describe(self)
-        w13, w2, b13, b2 = weights = _weights(self, spec)
-        layer = _layer_for(self, spec, weights, hidden_states, top_k_index.shape[-1], backend, min_tokens,
-                           layer_options)
-        ids, topk_w = top_k_index, top_k_weights
-        if getattr(self, "_is_expert_parallel", False):  # another rank's choice: expert 0, weight 0
-            owned_elsewhere = ids >= self.num_experts
-            ids = ids.masked_fill(owned_elsewhere, 0)
-            topk_w = topk_w.masked_fill(owned_elsewhere, 0.0)
-        if topk_w.dtype != torch.float32:
-            topk_w = topk_w.float()
-        biases = {} if b13 is None else dict(b13=b13, b2=b2)
-        return layer.forward(hidden_states, ids, topk_w, w13, w2, **biases)
+        return _run(self, spec, _weights(self, spec), None, hidden_states, top_k_index, top_k_weights, backend,
+                    min_tokens, layer_options)
 
     return moe_ep_experts_forward
 
 
+def _fp8_tensors(module: Any, spec: _Spec) -> tuple:
+    """``(w13, w2, w13_scale, w2_scale)`` of transformers' ``FP8Experts`` for ``quant="fp8_block128"``:
+    its e4m3 weights as they are, its block scales (``*_scale_inv``: the factor a block's values are
+    multiplied by, moe_ep's convention) as float32 -- UE8M0 scales converted once into a kept copy,
+    again when they change. Refuses what the format cannot express, naming it."""
+    name = type(module).__name__
+    if getattr(module, "activation_scheme", "dynamic") != "dynamic":
+        raise MoEEpTransformersError(f"moe_ep experts: {name} uses static activation scales "
+                                     f"(activation_scheme={module.activation_scheme!r}); moe_ep quantises "
+                                     "activations per 128 values of a row (dynamic)")
+    block = getattr(module, "block_size", None)
+    if block is None or tuple(block) != (128, 128):
+        raise MoEEpTransformersError(f"moe_ep experts: {name} has weight blocks {block}; moe_ep's FP8 format "
+                                     "has one scale per 128 x 128 block (weight_block_size=[128, 128])")
+    w13 = module.gate_up_proj if spec.gated else module.up_proj
+    s13 = module.gate_up_proj_scale_inv if spec.gated else module.up_proj_scale_inv
+    w2, s2 = module.down_proj, module.down_proj_scale_inv
+    if w13.dtype != torch.float8_e4m3fn or w2.dtype != torch.float8_e4m3fn:
+        raise MoEEpTransformersError(f"moe_ep experts: {name}'s weights are {w13.dtype}; moe_ep's FP8 format "
+                                     "is float8_e4m3fn (FP4-packed experts are not supported)")
+    if s13.dtype == torch.float32 and s2.dtype == torch.float32:
+        return w13, w2, s13, s2
+    key = tuple((t.data_ptr(), t._version) for t in (s13, s2))
+    packed = module.__dict__.get(_PACKED)
+    if packed is None or packed[0] != key:
+        with torch.no_grad():
+            packed = (key, (s13.float().contiguous(), s2.float().contiguous()))
+        object.__setattr__(module, _PACKED, packed)
+    return (w13, w2) + packed[1]
+
+
+def make_fp8_experts_forward(backend: str = "auto", min_tokens: int = 256, **layer_options):
+    """The experts function for transformers' FP8 registry (``FP8Experts``, the experts of a model
+    loaded with ``FineGrainedFP8Config``, e.g. Qwen3-FP8 and DeepSeek-V3 checkpoints): a
+    ``quant="fp8_block128"`` layer (``sm90_fp8_cutedsl`` on an H100/H200). Arguments as
+    :func:`make_experts_forward`."""
+
+    def moe_ep_fp8_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                                   top_k_weights: torch.Tensor) -> torch.Tensor:
+        _check_call(self, self.gate_up_proj if getattr(self, "has_gate", True) else self.up_proj, hidden_states)
+        spec = _describe(self)
+        w13, w2, s13, s2 = _fp8_tensors(self, spec)
+        return _run(self, spec, (w13, w2, None, None), "fp8_block128", hidden_states, top_k_index, top_k_weights,
+                    backend, min_tokens, layer_options, w13_scale=s13, w2_scale=s2)
+
+    return moe_ep_fp8_experts_forward
+
+
 def register(name: str = "moe_ep", backend: str = "auto", min_tokens: int = 256, **layer_options) -> str:
-    """Add moe_ep to transformers' experts registry under ``name``; returns ``name``. Models then
+    """Add moe_ep to transformers' experts registries under ``name`` (the BF16 one and, where
+    transformers has it, the FP8 one of ``FineGrainedFP8Config`` models); returns ``name``. Models then
     select it with ``experts_implementation=name`` (or ``model.set_experts_implementation(name)``)."""
     try:
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
@@ -275,6 +341,11 @@ def register(name: str = "moe_ep", backend: str = "auto", min_tokens: int = 256,
         raise ImportError("moe_ep.integrations.transformers needs transformers >= 5 with "
                           "transformers.integrations.moe (pip install 'moe_ep[transformers]')") from e
     ALL_EXPERTS_FUNCTIONS.register(name, make_experts_forward(backend, min_tokens, **layer_options))
+    try:  # FP8 checkpoints (FineGrainedFP8Config): their experts dispatch through a registry of their own
+        from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS
+    except ImportError:  # pragma: no cover - older transformers
+        return name
+    ALL_FP8_EXPERTS_FUNCTIONS.register(name, make_fp8_experts_forward(backend, min_tokens, **layer_options))
     return name
 
 

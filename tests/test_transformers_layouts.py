@@ -1,7 +1,8 @@
 """transformers experts modules whose layout or activation differs from transformers' default, through
 ``experts_implementation="moe_ep"`` (the reference backend on CPU): gpt-oss (transposed weights,
 interleaved gate/up rows, biases, its clamped SwiGLU), Aria (transposed weights; SiLU experts
-whatever ``hidden_act`` says), Nemotron-H (no gate, relu^2, with and without its latent projection); each against transformers' own ``"eager"`` experts
+whatever ``hidden_act`` says), Nemotron-H (no gate, relu^2, with and without its latent projection); FP8 checkpoints' ``FP8Experts`` (FineGrainedFP8Config, float32 and UE8M0
+scales) against the quantised model in float64; each against transformers' own ``"eager"`` experts
 and, for one experts block, against float64 math written from the model's own definition. Also: the
 repacked copy follows in-place weight updates, and a gate moe_ep does not compute is refused."""
 
@@ -273,4 +274,116 @@ def test_full_size_blocks_on_sm90(model):
         with torch.no_grad():
             want = _gpt_oss_f64(mod.cpu(), x[:16].cpu(), idx[:16].cpu(), w[:16].float().cpu())
         assert rel_err(got[:16].cpu(), want) < 1e-2
+    moe_ep_hf.release(mod)
+
+
+# ---------------------------------------------------------------- FP8 checkpoints (FineGrainedFP8Config)
+
+def _fp8_experts(scale_fmt="float", block=(128, 128), seed=0, dims=(256, 128, 8, 2), **kw):
+    """transformers' ``FP8Experts`` as a Qwen3-FP8-like checkpoint loads it (``dims`` = H, I, experts,
+    top-k), its weights quantised from random bf16 ones by transformers' own ``Fp8Quantize``."""
+    from types import SimpleNamespace
+
+    from transformers import Qwen3MoeConfig
+    from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS, FP8Experts, Fp8Quantize
+    from transformers.integrations.moe import use_experts_implementation
+
+    H, I, E, K = dims
+    cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=K)
+    cfg._experts_implementation = NAME
+    cls = use_experts_implementation(experts_class=FP8Experts, experts_interface=ALL_FP8_EXPERTS_FUNCTIONS)
+    mod = cls(cfg, block_size=block, scale_fmt=scale_fmt, **kw)
+    quantizer = Fp8Quantize(SimpleNamespace(quantization_config=SimpleNamespace(weight_block_size=block,
+                                                                                   scale_fmt=scale_fmt)))
+    g = torch.Generator().manual_seed(seed)
+    for name, (n, k) in (("gate_up_proj", (2 * I, H)), ("down_proj", (H, I))):
+        w = (torch.randn(E, n, k, generator=g) * k ** -0.5).to(torch.bfloat16)
+        q = quantizer.convert({name: w})
+        with torch.no_grad():
+            getattr(mod, name).copy_(q[name])
+            getattr(mod, name + "_scale_inv").data = q[name + "_scale_inv"]
+    return mod
+
+
+def _e4m3_rows128(t: torch.Tensor) -> torch.Tensor:
+    """Activations as the format defines them, float64: per 128 values of a row, scale = amax / 448,
+    the quotient rounded to the nearest e4m3 value (torch's cast), times the scale."""
+    rows = t.double().reshape(t.shape[0], -1, 128)
+    scale = rows.abs().amax(-1, keepdim=True) / 448.0
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return ((rows / scale).to(torch.float8_e4m3fn).double() * scale).reshape(t.shape)
+
+
+def _fp8_model_f64(mod, x, idx, w):
+    """The quantised experts in float64: each weight block's e4m3 values times its scale_inv, x and
+    FC2's input (SwiGLU's output in bf16) quantised per 128 values of a row, router weights."""
+    def deq(name):
+        v, s = getattr(mod, name).detach().double(), getattr(mod, name + "_scale_inv").detach().double()
+        return (v * s.repeat_interleave(128, 1).repeat_interleave(128, 2)).cpu()
+
+    W13, W2 = deq("gate_up_proj"), deq("down_proj")
+    I = W2.shape[-1]
+    xq = _e4m3_rows128(x)
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for k in range(idx.shape[1]):
+            e = int(idx[t, k])
+            h = W13[e] @ xq[t]
+            a = (torch.nn.functional.silu(h[:I]) * h[I:]).to(torch.bfloat16)
+            out[t] += float(w[t, k]) * (W2[e] @ _e4m3_rows128(a[None])[0])
+    return out
+
+
+@pytest.mark.parametrize("scale_fmt", ["float", "ue8m0"])
+def test_fp8_experts_against_the_quantised_model_in_float64(scale_fmt):
+    """A FineGrainedFP8 experts module through ``experts_implementation="moe_ep"``: a
+    ``quant="fp8_block128"`` layer on the module's own e4m3 weights and block scales (UE8M0 ones
+    converted), against the quantised model written out in float64."""
+    mod = _fp8_experts(scale_fmt)
+    g = torch.Generator().manual_seed(5)
+    T = 96
+    x = torch.randn(T, 256, generator=g).to(torch.bfloat16)
+    idx = torch.randn(T, 8, generator=g).topk(2, -1).indices
+    w = torch.softmax(torch.randn(T, 2, generator=g), -1)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # auto picks the reference backend on the CPU, and says so
+        got = mod(x, idx, w)
+    layer = mod._moe_ep_layer
+    assert layer.config.quant == "fp8_block128" and layer.config.activation == "swiglu"
+    assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
+    assert rel_err(got, _fp8_model_f64(mod, x, idx, w)) < 1e-2
+    assert ("_moe_ep_packed" in mod.__dict__) == (scale_fmt == "ue8m0")  # float32 scales: no copy
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(activation_scheme="static"), "static activation scales"),
+    (dict(block=(64, 64)), r"weight blocks \(64, 64\)"),
+])
+def test_fp8_experts_refusals(change, match):
+    block = change.pop("block", (128, 128))
+    mod = _fp8_experts(block=block, **change)
+    x = torch.randn(4, 256).to(torch.bfloat16)
+    with torch.no_grad(), pytest.raises(moe_ep_hf.MoEEpTransformersError, match=match):
+        mod(x, torch.zeros(4, 2, dtype=torch.long), torch.rand(4, 2))
+
+
+@pytest.mark.gpu
+def test_fp8_experts_qwen3_block_on_sm90():
+    """Qwen3-30B-A3B-FP8's experts (H 2048, I 768, 128 experts, top-8, 128 x 128 blocks) through the
+    FP8 registry on sm90_fp8_cutedsl, 512 tokens; the first 16 against the quantised model in float64."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    name = moe_ep_hf.register("moe_ep_sm90_fp8", backend="sm90_fp8_cutedsl", min_tokens=512)
+    mod = _fp8_experts(dims=(2048, 768, 128, 8)).cuda()
+    mod.config._experts_implementation = name
+    g = torch.Generator(device="cuda").manual_seed(9)
+    x = torch.randn(512, 2048, device="cuda", generator=g).to(torch.bfloat16)
+    idx = torch.randn(512, 128, device="cuda", generator=g).topk(8, -1).indices
+    w = torch.softmax(torch.randn(512, 8, device="cuda", generator=g), -1).to(torch.bfloat16)
+    with torch.no_grad():
+        got = mod(x, idx, w)
+    assert mod._moe_ep_layer.backend_name == "sm90_fp8_cutedsl"
+    assert torch.isfinite(got).all()
+    want = _fp8_model_f64(mod, x[:16].cpu(), idx[:16].cpu(), w[:16].float().cpu())
+    assert rel_err(got[:16].cpu(), want) < 3e-2  # 16 tokens average little (the FP8 layer test's bound)
     moe_ep_hf.release(mod)
