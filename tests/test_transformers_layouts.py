@@ -1,10 +1,12 @@
-"""transformers experts modules whose layout or activation differs from transformers' default, through
-``experts_implementation="moe_ep"`` (the reference backend on CPU): gpt-oss (transposed weights,
-interleaved gate/up rows, biases, its clamped SwiGLU), Aria (transposed weights; SiLU experts
-whatever ``hidden_act`` says), Nemotron-H (no gate, relu^2, with and without its latent projection); FP8 checkpoints' ``FP8Experts`` (FineGrainedFP8Config, float32 and UE8M0
-scales) against the quantised model in float64; each against transformers' own ``"eager"`` experts
-and, for one experts block, against float64 math written from the model's own definition. Also: the
-repacked copy follows in-place weight updates, and a gate moe_ep does not compute is refused."""
+"""transformers experts modules whose layout, activation or format differs from transformers' default,
+through ``experts_implementation="moe_ep"`` (the reference backend on CPU):
+- gpt-oss (transposed weights, interleaved gate/up rows, biases, its clamped SwiGLU), Aria
+  (transposed weights; SiLU experts whatever ``hidden_act`` says), Nemotron-H (no gate, relu^2, with
+  and without its latent projection): against transformers' own ``"eager"`` experts, and one gpt-oss
+  block against float64 math written from the model's definition;
+- FP8 checkpoints' ``FP8Experts`` (FineGrainedFP8Config; float32 and UE8M0 scales): against the
+  quantised model in float64;
+- the repacked copy follows in-place weight updates; a gate moe_ep does not compute is refused."""
 
 import warnings
 
