@@ -210,6 +210,12 @@ FAMILIES = {
     "phimoe": dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2),
     "minimax": dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2),
     "granitemoe": dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2),
+    # newer families through the same registry (47th session: every one of them the default layout)
+    "minimax_m2": dict(intermediate_size=32, num_local_experts=8, num_experts_per_tok=2, head_dim=16),
+    "hunyuan_v1_moe": dict(intermediate_size=32, moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2,
+                           head_dim=16),
+    "solar_open": dict(intermediate_size=32, moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2,
+                       head_dim=16),
 }
 
 
