@@ -190,10 +190,10 @@ def _weights(module: Any, spec: _Spec) -> tuple:
         tensors = _repack(spec, *src)
         if packed is None:
             mb = sum(t.numel() * t.element_size() for t in tensors if t is not None) / 2**20
-            warnings.warn(f"moe_ep experts: {type(module).__name__} stores its weights "
-                          f"{'transposed' if spec.transposed else ''}{' and ' if spec.transposed and spec.interleaved else ''}"
-                          f"{'with gate and up rows interleaved' if spec.interleaved else ''}; moe_ep keeps a copy in "
-                          f"its own layout ({mb:.1f} MiB per layer)", stacklevel=4)
+            layout = " and ".join(w for w, on in (("transposed", spec.transposed),
+                                                  ("with gate and up rows interleaved", spec.interleaved)) if on)
+            warnings.warn(f"moe_ep experts: {type(module).__name__} stores its weights {layout}; moe_ep keeps a "
+                          f"copy in its own layout ({mb:.1f} MiB per layer)", stacklevel=4)
         packed = (key, tensors)
         object.__setattr__(module, _PACKED, packed)  # not an nn.Module attribute: kept out of state_dict
     return packed[1]
