@@ -1,11 +1,16 @@
-"""``python -m moe_ep.bench hf [--model qwen3,gpt_oss,nemotron]`` -- one model-shaped MoE block (router
-+ experts, transformers' own block class) run through transformers' experts registry: moe_ep vs
-transformers' ``grouped_mm`` experts (and ``sonicmoe`` when it loads), same weights, same inputs,
-eager and CUDA graph, at 8192 and 128 tokens (``--tokens`` overrides). Reports ms and tokens/s,
-with the ratio to ``grouped_mm`` measured in the same run. The blocks: Qwen3-30B-A3B's
-``Qwen3MoeSparseMoeBlock``; gpt-oss-20b's ``GptOssMLP`` (transposed, interleaved weights with
-biases: moe_ep runs a repacked copy); Nemotron-3-Nano's routed ``NemotronHExperts`` behind a top-6
-softmax router of the test's own (its block's router and shared expert need more of its config).
+"""``python -m moe_ep.bench hf [--model qwen3,qwen3_fp8,gpt_oss,nemotron]`` -- one model-shaped MoE block
+(router + experts, transformers' own block class) run through transformers' experts registry: moe_ep
+vs transformers' ``grouped_mm`` experts (and ``sonicmoe`` when it loads), same weights, same inputs,
+eager and CUDA graph, at 8192 and 128 tokens (``--tokens`` overrides). Reports ms and tokens/s, with
+the ratio to ``grouped_mm`` measured in the same run. The blocks:
+
+- ``qwen3``: Qwen3-30B-A3B's ``Qwen3MoeSparseMoeBlock``;
+- ``qwen3_fp8``: the same block with its experts as a Qwen3-FP8 checkpoint holds them (moe_ep's FP8
+  layer against ``grouped_mm`` on the BF16 weights they were quantised from);
+- ``gpt_oss``: gpt-oss-20b's ``GptOssMLP`` (transposed, interleaved weights with biases: moe_ep runs
+  a repacked copy);
+- ``nemotron``: Nemotron-3-Nano's routed ``NemotronHExperts`` behind a top-6 softmax router of the
+  bench's own (its block's router and shared expert need more of its config).
 """
 
 from __future__ import annotations
@@ -57,10 +62,24 @@ def run_hf(args) -> int:
         return 2
     for key in keys:
         torch.manual_seed(args.seed)
-        title, cfg, block, H = BLOCKS[key]()
-        _run_block(args, title, cfg, block, H, impls)
-        moe_ep_hf.release(block)
+        title, cfg, block, H, *fp8 = BLOCKS[key]()
+        if fp8:  # (runs, the experts to release): their own list, each naming its weights
+            runs, held = fp8[0], fp8[1]
+        else:
+            runs, held = [(impl, _use(cfg, impl)) for impl in impls], [block]
+        _run_block(args, title, block, H, runs)
+        for mod in held:
+            moe_ep_hf.release(mod)
     return 0
+
+
+def _use(cfg, impl, block=None, experts=None):
+    """A run's set-up: the experts implementation (and, with ``block``, which experts module it holds)."""
+    def activate():
+        cfg._experts_implementation = impl
+        if block is not None:
+            block.experts = experts
+    return activate
 
 
 def _qwen3():
@@ -144,10 +163,40 @@ class _Routed:
         return self.experts.modules()
 
 
-BLOCKS = {"qwen3": _qwen3, "gpt_oss": _gpt_oss, "nemotron": _nemotron}
+def _qwen3_fp8():
+    """Qwen3's block with its experts quantised as a Qwen3-FP8 checkpoint holds them (transformers'
+    ``FP8Experts``: e4m3, one float32 scale per 128 x 128 block, by transformers' own ``Fp8Quantize``):
+    moe_ep on those against transformers' ``grouped_mm`` on the BF16 weights they came from (its own
+    FP8 experts kernels come from the Hugging Face hub, which the GPU hosts cannot reach), and moe_ep
+    on the BF16 weights."""
+    from types import SimpleNamespace
+
+    import torch
+    from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS, FP8Experts, Fp8Quantize
+    from transformers.integrations.moe import use_experts_implementation
+
+    title, cfg, block, H = _qwen3()
+    bf16 = block.experts
+    fp8 = use_experts_implementation(experts_class=FP8Experts, experts_interface=ALL_FP8_EXPERTS_FUNCTIONS)(
+        cfg, block_size=(128, 128)).to("cuda")
+    quantise = Fp8Quantize(SimpleNamespace(quantization_config=SimpleNamespace(weight_block_size=(128, 128),
+                                                                                 scale_fmt="float")))
+    with torch.no_grad():
+        for name in ("gate_up_proj", "down_proj"):
+            q = quantise.convert({name: getattr(bf16, name).detach()})
+            getattr(fp8, name).copy_(q[name])
+            getattr(fp8, name + "_scale_inv").data = q[name + "_scale_inv"].to("cuda")
+    runs = [("moe_ep (FP8 weights)", _use(cfg, "moe_ep", block, fp8)),
+            ("grouped_mm (BF16)", _use(cfg, "grouped_mm", block, bf16)),
+            ("moe_ep (BF16)", _use(cfg, "moe_ep", block, bf16))]
+    return title.replace("(H 2048", "with FP8 block-128 experts (H 2048"), cfg, block, H, runs, [fp8, bf16]
 
 
-def _run_block(args, title, cfg, block, H, impls) -> None:
+BLOCKS = {"qwen3": _qwen3, "qwen3_fp8": _qwen3_fp8, "gpt_oss": _gpt_oss, "nemotron": _nemotron}
+
+
+def _run_block(args, title, block, H, runs) -> None:
+    """Time each of ``runs`` ((label, set-up)) on ``block``; ratios to the run labelled ``grouped_mm...``."""
     import torch
 
     token_counts = [args.tokens] if args.tokens is not None else [8192, 128]
@@ -157,8 +206,8 @@ def _run_block(args, title, cfg, block, H, impls) -> None:
     for T in token_counts:
         x = torch.randn(1, T, H, device="cuda").to(torch.bfloat16)
         res, outs = {}, {}
-        for impl in impls:
-            cfg._experts_implementation = impl
+        for impl, activate in runs:
+            activate()
             try:
                 with torch.no_grad(), warnings.catch_warnings():
                     warnings.simplefilter("ignore")
@@ -173,11 +222,13 @@ def _run_block(args, title, cfg, block, H, impls) -> None:
                 res[impl] = (eager, graph)
             except Exception as e:  # noqa: BLE001
                 print(f"  {impl}: FAILED {type(e).__name__}: {str(e)[:200]}")
-        base = res.get("grouped_mm")
+        base_label = next((label for label, _ in runs if label.startswith("grouped_mm")), None)
+        base = res.get(base_label)
         for impl, (eager, graph) in res.items():
             ratio = f"{base[0] / eager:.2f}x / {base[1] / graph:.2f}x" if base else "n/a"
             print(f"{impl:<24}{T:>7}{eager:>10.3f}{T / eager * 1e3:>12.0f}{graph:>10.3f}{T / graph * 1e3:>12.0f}"
                   f"{ratio:>15}")
-        if "moe_ep" in outs and "grouped_mm" in outs:
-            d = (outs["moe_ep"] - outs["grouped_mm"]).norm() / outs["grouped_mm"].norm()
-            print(f"  moe_ep vs grouped_mm output: rel. difference {float(d):.2e}")
+        for impl in outs:
+            if impl != base_label and base_label in outs:
+                d = (outs[impl] - outs[base_label]).norm() / outs[base_label].norm()
+                print(f"  {impl} vs {base_label} output: rel. difference {float(d):.2e}")
