@@ -447,7 +447,12 @@ def main(argv=None) -> int:
                         "sweep, e.g. 1,8,128")
     args = p.parse_args(argv)
     try:
-        args.model = _split_list([args.model], MODELS, what="model")
+        if args.job == "hf":  # transformers' block classes: their own list
+            from .hf_block import BLOCKS
+
+            args.model = _split_list([args.model], BLOCKS, what="hf block")
+        else:
+            args.model = _split_list([args.model], MODELS, what="model")
         args.peer = _split_list(args.peer, PEERS, PEER_ALIASES, what="peer")
     except ValueError as e:
         p.error(str(e))

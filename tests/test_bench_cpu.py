@@ -426,6 +426,12 @@ def test_peer_decode_rows_from_peer_runs():
     assert rows[0].experts_hit == 8  # one token: its 8 distinct experts
 
 
+def test_bench_hf_takes_its_own_block_names():
+    """`bench hf --model` names transformers blocks (qwen3_fp8 is one; mixtral is not), checked up front."""
+    p = _bench("hf", "--model", "qwen3_fp8,mixtral")
+    assert p.returncode != 0 and "unknown hf block 'mixtral'" in p.stderr and "qwen3_fp8" in p.stderr
+
+
 def test_peer_decode_tokens_needs_a_peer():
     p = _bench("--peer-decode-tokens", "1,8")
     assert p.returncode != 0 and "--peer-decode-tokens" in p.stderr
