@@ -57,11 +57,10 @@ def run_hf(args) -> int:
     impls = ["moe_ep", "grouped_mm"] + (["sonicmoe"] if "sonicmoe" in ALL_EXPERTS_FUNCTIONS else [])
     for key in args.model:  # names checked against BLOCKS by the bench's parser
         torch.manual_seed(args.seed)
-        title, cfg, block, H, *fp8 = BLOCKS[key]()
-        if fp8:  # (runs, the experts to release): their own list, each naming its weights
-            runs, held = fp8[0], fp8[1]
-        else:
-            runs, held = [(impl, _use(cfg, impl)) for impl in impls], [block]
+        # a builder gives (title, config, block, hidden) and, when its runs are not one per
+        # implementation, (runs, the experts modules to release) too
+        title, cfg, block, H, *own_runs = BLOCKS[key]()
+        runs, held = own_runs or ([(impl, _use(cfg, impl)) for impl in impls], [block])
         _run_block(args, title, block, H, runs)
         for mod in held:
             moe_ep_hf.release(mod)
@@ -158,29 +157,38 @@ class _Routed:
         return self.experts.modules()
 
 
-def _qwen3_fp8():
-    """Qwen3's block with its experts quantised as a Qwen3-FP8 checkpoint holds them (transformers'
-    ``FP8Experts``: e4m3, one float32 scale per 128 x 128 block, by transformers' own ``Fp8Quantize``):
-    moe_ep on those against transformers' ``grouped_mm`` on the BF16 weights they came from (its own
-    FP8 experts kernels come from the Hugging Face hub, which the GPU hosts cannot reach), and moe_ep
-    on the BF16 weights."""
+def quantised_fp8_experts(cfg, weights: dict, block=(128, 128), scale_fmt: str = "float", **kw):
+    """transformers' ``FP8Experts`` (the experts of a ``FineGrainedFP8Config`` model) holding ``weights``
+    (``{"gate_up_proj": [E, 2I, H], "down_proj": [E, H, I]}``, BF16) as such a checkpoint holds them:
+    quantised by transformers' own ``Fp8Quantize`` (e4m3, one scale per ``block``), on the weights'
+    device. ``kw``: more ``FP8Experts`` arguments (e.g. ``activation_scheme``)."""
     from types import SimpleNamespace
 
     import torch
     from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS, FP8Experts, Fp8Quantize
     from transformers.integrations.moe import use_experts_implementation
 
+    cls = use_experts_implementation(experts_class=FP8Experts, experts_interface=ALL_FP8_EXPERTS_FUNCTIONS)
+    device = next(iter(weights.values())).device
+    mod = cls(cfg, block_size=block, scale_fmt=scale_fmt, **kw).to(device)
+    quantise = Fp8Quantize(SimpleNamespace(quantization_config=SimpleNamespace(weight_block_size=block,
+                                                                                 scale_fmt=scale_fmt)))
+    with torch.no_grad():
+        for name, w in weights.items():
+            q = quantise.convert({name: w.detach()})
+            getattr(mod, name).copy_(q[name])
+            getattr(mod, name + "_scale_inv").data = q[name + "_scale_inv"].to(device)
+    return mod
+
+
+def _qwen3_fp8():
+    """Qwen3's block with its experts as a Qwen3-FP8 checkpoint holds them (:func:`quantised_fp8_experts`):
+    moe_ep on those against transformers' ``grouped_mm`` on the BF16 weights they came from (its own
+    FP8 experts kernels come from the Hugging Face hub, which the GPU hosts cannot reach), and moe_ep
+    on the BF16 weights."""
     title, cfg, block, H = _qwen3()
     bf16 = block.experts
-    fp8 = use_experts_implementation(experts_class=FP8Experts, experts_interface=ALL_FP8_EXPERTS_FUNCTIONS)(
-        cfg, block_size=(128, 128)).to("cuda")
-    quantise = Fp8Quantize(SimpleNamespace(quantization_config=SimpleNamespace(weight_block_size=(128, 128),
-                                                                                 scale_fmt="float")))
-    with torch.no_grad():
-        for name in ("gate_up_proj", "down_proj"):
-            q = quantise.convert({name: getattr(bf16, name).detach()})
-            getattr(fp8, name).copy_(q[name])
-            getattr(fp8, name + "_scale_inv").data = q[name + "_scale_inv"].to("cuda")
+    fp8 = quantised_fp8_experts(cfg, {n: getattr(bf16, n) for n in ("gate_up_proj", "down_proj")})
     runs = [("moe_ep (FP8 weights)", _use(cfg, "moe_ep", block, fp8)),
             ("grouped_mm (BF16)", _use(cfg, "grouped_mm", block, bf16)),
             ("moe_ep (BF16)", _use(cfg, "moe_ep", block, bf16))]

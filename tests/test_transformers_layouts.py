@@ -284,27 +284,17 @@ def test_full_size_blocks_on_sm90(model):
 def _fp8_experts(scale_fmt="float", block=(128, 128), seed=0, dims=(256, 128, 8, 2), **kw):
     """transformers' ``FP8Experts`` as a Qwen3-FP8-like checkpoint loads it (``dims`` = H, I, experts,
     top-k), its weights quantised from random bf16 ones by transformers' own ``Fp8Quantize``."""
-    from types import SimpleNamespace
-
     from transformers import Qwen3MoeConfig
-    from transformers.integrations.finegrained_fp8 import ALL_FP8_EXPERTS_FUNCTIONS, FP8Experts, Fp8Quantize
-    from transformers.integrations.moe import use_experts_implementation
+
+    from moe_ep.bench.hf_block import quantised_fp8_experts
 
     H, I, E, K = dims
     cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=K)
     cfg._experts_implementation = NAME
-    cls = use_experts_implementation(experts_class=FP8Experts, experts_interface=ALL_FP8_EXPERTS_FUNCTIONS)
-    mod = cls(cfg, block_size=block, scale_fmt=scale_fmt, **kw)
-    quantizer = Fp8Quantize(SimpleNamespace(quantization_config=SimpleNamespace(weight_block_size=block,
-                                                                                   scale_fmt=scale_fmt)))
     g = torch.Generator().manual_seed(seed)
-    for name, (n, k) in (("gate_up_proj", (2 * I, H)), ("down_proj", (H, I))):
-        w = (torch.randn(E, n, k, generator=g) * k ** -0.5).to(torch.bfloat16)
-        q = quantizer.convert({name: w})
-        with torch.no_grad():
-            getattr(mod, name).copy_(q[name])
-            getattr(mod, name + "_scale_inv").data = q[name + "_scale_inv"]
-    return mod
+    weights = {name: (torch.randn(E, n, k, generator=g) * k ** -0.5).to(torch.bfloat16)
+               for name, (n, k) in (("gate_up_proj", (2 * I, H)), ("down_proj", (H, I)))}
+    return quantised_fp8_experts(cfg, weights, block=block, scale_fmt=scale_fmt, **kw)
 
 
 def _e4m3_rows128(t: torch.Tensor) -> torch.Tensor:
