@@ -10,7 +10,10 @@ version changes no kernel (SKILL.md, "Proving the verified kernels unchanged"). 
 ``save`` runs ``python -m moe_ep.aot build`` (the arguments after ``--``) into a fresh, empty
 cache, so every kernel is compiled rather than loaded (one ``save`` per process: a second one in
 the same process would find them built and fails), with ``--keep-ptx`` added to each
-``cute.compile``. Each kernel's PTX, less its comment, ``.file`` and ``.loc`` lines (source paths
+``cute.compile`` and, unless a call names its own, a ``--dump-dir`` of this process (CuTeDSL reads a
+kernel's PTX back from a file named after the kernel, by default in the working directory: two
+``save`` runs at once there overwrote each other's files, and one snapshot held another kernel's
+PTX). Each kernel's PTX, less its comment, ``.file`` and ``.loc`` lines (source paths
 and line numbers, which any edit moves), is written to ``DIR/<entry>.<sha256[:16]>.ptx``; several
 ``save`` runs into one DIR add to it. ``compare`` checks that two DIRs hold the same set of
 kernels, byte for byte, and names the entries that differ.
@@ -55,7 +58,10 @@ def save(out: Path, build_argv: list) -> int:
     written = []
 
     def compile_keeping_ptx(*args, **kwargs):
-        kwargs["options"] = f"{kwargs.get('options', '')} --keep-ptx".strip()
+        opts = f"{kwargs.get('options', '')} --keep-ptx"
+        if "--dump-dir" not in opts:
+            opts += f" --dump-dir={dump_dir}"
+        kwargs["options"] = opts.strip()
         compiled = compile_(*args, **kwargs)
         ptx = strip_ptx(compiled.__ptx__)
         path = out / snapshot_name(ptx)
@@ -65,7 +71,8 @@ def save(out: Path, build_argv: list) -> int:
 
     cute.compile = compile_keeping_ptx  # the drops call it as cute.compile(...), looked up at each call
     try:
-        with tempfile.TemporaryDirectory(prefix="moe_ep_ptx_") as cache:
+        with tempfile.TemporaryDirectory(prefix="moe_ep_ptx_") as cache, \
+                tempfile.TemporaryDirectory(prefix="moe_ep_ptx_dump_") as dump_dir:
             rc = aot_main(["build", *build_argv, "--out", cache])
     finally:
         cute.compile = compile_

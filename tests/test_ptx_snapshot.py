@@ -39,9 +39,26 @@ def test_strip_ptx_drops_only_comment_file_and_loc_lines():
     assert snapshot_name(strip_ptx(_PTX.replace("add.s32", "sub.s32"))) != snapshot_name(out)
 
 
-def test_save_twice_is_identical_and_an_edit_is_named(tmp_path, capsys):
+def test_save_twice_is_identical_and_an_edit_is_named(tmp_path, capsys, monkeypatch):
     build = ["--", "--arch", "sm_90a", "--model", "qwen3", "--kernels", "layout", "--max-tokens", "128"]
+    import os
+    from pathlib import Path
+
+    from cutlass.base_dsl.env_manager import get_default_file_dump_root
+
+    # CuTeDSL's default dump folder: $CUTE_DSL_DUMP_DIR (conftest sets one), else the working directory
+    roots = {Path.cwd(), Path(get_default_file_dump_root()), tmp_path / "cwd"}
+    roots |= {Path(os.environ["CUTE_DSL_DUMP_DIR"])} if os.environ.get("CUTE_DSL_DUMP_DIR") else set()
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    def ptx_files():
+        return {p: p.stat().st_mtime_ns for r in roots for p in r.glob("*.ptx")}
+
+    before = ptx_files()
     assert main(["save", str(tmp_path / "a"), *build]) == 0
+    # CuTeDSL's PTX files went to a folder of this save, not a shared default (48th session: two saves
+    # at once in one directory overwrote each other's files, and a snapshot held another kernel's PTX)
+    assert ptx_files() == before  # none written, none overwritten
     # the same build again in this process compiles nothing (the shim's cache has it): it says so
     assert main(["save", str(tmp_path / "x"), *build]) == 3
     # in a fresh process, as the tool is run: the same kernels, byte for byte
