@@ -26,8 +26,10 @@ class MoEConfig:
         max_tokens_per_rank: upper bound on T, tokens a rank passes to one forward; sizes buffers.
         dtype: activation and weight dtype (``torch.bfloat16``).
         activation: ``"swiglu"`` (silu(gate)·up), ``"gelu_glu"`` (gelu(gate)·up, erf form),
-            ``"clamped_swiglu"`` (gpt-oss: ``g = min(gate, limit)``, ``u = clamp(up, -limit,
-            limit)``, ``(u + 1) · g · sigmoid(alpha · g)``) or ``"squared_relu"`` (relu(h)²).
+            ``"clamped_swiglu"`` (``g = min(gate, limit)``, ``u = clamp(up, -limit, limit)``,
+            ``(u + beta) · g · sigmoid(alpha · g)``: gpt-oss with the defaults; DeepSeek-V4, GLM-5
+            and Hunyuan-V4 with ``swiglu_alpha=1.0, swiglu_beta=0.0`` and their ``swiglu_limit``)
+            or ``"squared_relu"`` (relu(h)²).
             Weights per rank ``r`` (local experts ``[r·E/W, (r+1)·E/W)``):
 
             * ``w13`` ``[E_local, 2·I, H]`` for the gated activations (gate rows ``[0, I)``
@@ -37,6 +39,10 @@ class MoEConfig:
             Unused by the other activations.
         swiglu_limit: ``limit`` of ``"clamped_swiglu"`` (a finite number > 0; default 7.0,
             gpt-oss). Unused by the other activations.
+        swiglu_beta: ``beta`` of ``"clamped_swiglu"``, added to the clamped up projection (a
+            finite number; default 1.0, gpt-oss; 0.0 for DeepSeek-V4 / GLM-5 / Hunyuan-V4's
+            clamped SwiGLU). Unused by the other activations. Last field, so that positional
+            construction of the earlier fields is unchanged.
         bias_dtype: ``None`` (default): the experts have no biases. ``torch.float32`` or the layer
             dtype (``torch.bfloat16``): every forward takes per-expert biases of that dtype,
             ``b13 [E_local, w13_rows]`` added to FC1's float32 result before the activation and
@@ -72,6 +78,7 @@ class MoEConfig:
     swiglu_limit: float = 7.0
     bias_dtype: torch.dtype | None = None
     quant: str | None = None
+    swiglu_beta: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "hidden", "intermediate", "top_k", "max_tokens_per_rank"):
@@ -88,7 +95,7 @@ class MoEConfig:
             raise ValueError(f"MoEConfig.dtype {self.dtype} is not supported; supported: {SUPPORTED_DTYPES}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"MoEConfig.activation {self.activation!r} is not one of {ACTIVATIONS}")
-        for name in ("swiglu_alpha", "swiglu_limit"):
+        for name in ("swiglu_alpha", "swiglu_limit", "swiglu_beta"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise TypeError(f"MoEConfig.{name} must be a float, got {type(v).__name__}")

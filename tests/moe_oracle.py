@@ -36,9 +36,10 @@ def make_problem(E, H, I, K, T, *, gated=True, skew=False, seed=0, dtype=torch.b
     return x, ids, w, w13, w2
 
 
-def oracle_f64(x, ids, w, w13, w2, activation, intermediate, *, b13=None, b2=None, alpha=1.702, limit=7.0):
+def oracle_f64(x, ids, w, w13, w2, activation, intermediate, *, b13=None, b2=None, alpha=1.702, limit=7.0,
+               beta=1.0):
     """out[t] = sum_k w[t,k] * (W2_e · act(W13_e · x[t] + b13_e) + b2_e) in float64, one
-    token-expert pair at a time (b13 [E, rows], b2 [E, H] optional; alpha/limit: clamped_swiglu)."""
+    token-expert pair at a time (b13 [E, rows], b2 [E, H] optional; alpha/limit/beta: clamped_swiglu)."""
     T, H = x.shape
     out = torch.zeros(T, H, dtype=torch.float64)
     xd, w13d, w2d = x.double(), w13.double(), w2.double()
@@ -60,7 +61,7 @@ def oracle_f64(x, ids, w, w13, w2, activation, intermediate, *, b13=None, b2=Non
                 g = torch.where(h[:intermediate] > limit, torch.full_like(h[:intermediate], limit), h[:intermediate])
                 u = torch.maximum(torch.minimum(h[intermediate:], torch.tensor(limit, dtype=torch.float64)),
                                   torch.tensor(-limit, dtype=torch.float64))
-                a = g / (1 + torch.exp(-alpha * g)) * (u + 1)
+                a = g / (1 + torch.exp(-alpha * g)) * (u + beta)
             elif activation == "squared_relu":
                 a = torch.clamp(h, min=0) ** 2
             else:

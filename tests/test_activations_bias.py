@@ -33,14 +33,14 @@ def problem(cfg, T, seed, *, w13_scale=None, skew=False):
         g = torch.Generator().manual_seed(seed + 1)
         h_rms = float(fc1_f64(x, ids, w13).pow(2).mean().sqrt())
         y_rms = float(oracle_f64(x, ids, w, w13, w2, cfg.activation, I, alpha=cfg.swiglu_alpha,
-                                 limit=cfg.swiglu_limit).pow(2).mean().sqrt())
+                                 limit=cfg.swiglu_limit, beta=cfg.swiglu_beta).pow(2).mean().sqrt())
         b13 = (torch.randn(E, cfg.w13_rows, generator=g) * h_rms).to(cfg.bias_dtype)
         b2 = (torch.randn(E, H, generator=g) * y_rms).to(cfg.bias_dtype)
     return x, ids, w, w13, w2, b13, b2
 
 
 def oracle(cfg, x, ids, w, w13, w2, b13=None, b2=None, **kw):
-    kw = {"alpha": cfg.swiglu_alpha, "limit": cfg.swiglu_limit, **kw}
+    kw = {"alpha": cfg.swiglu_alpha, "limit": cfg.swiglu_limit, "beta": cfg.swiglu_beta, **kw}
     return oracle_f64(x, ids, w, w13, w2, cfg.activation, cfg.intermediate, b13=b13, b2=b2, **kw)
 
 
@@ -94,6 +94,31 @@ def test_clamped_swiglu_uses_the_configs_alpha_and_limit():
     # the defaults (1.702, 7.0) would give something else
     assert rel_err(got, oracle(cfg, x, ids, w, w13, w2, b13, b2, alpha=1.702)) > 0.1
     assert rel_err(got, oracle(cfg, x, ids, w, w13, w2, b13, b2, limit=7.0)) > 0.5
+
+
+@pytest.mark.parametrize("bias_dtype", [None, torch.float32], ids=str)
+def test_clamped_swiglu_without_the_plus_one(bias_dtype):
+    """DeepSeek-V4 / GLM-5 / Hunyuan-V4's clamped SwiGLU: ``swiglu_alpha=1, swiglu_beta=0`` --
+    ``silu(min(g, limit)) * clamp(u, -limit, limit)``, against float64 written from that
+    definition (not from the shared oracle's formula)."""
+    cfg = _cfg(act="clamped_swiglu", swiglu_alpha=1.0, swiglu_limit=3.0, swiglu_beta=0.0, bias_dtype=bias_dtype)
+    x, ids, w, w13, w2, b13, b2 = problem(cfg, 53, seed=11, w13_scale=3.0)
+    n_gate, n_up = clamp_counts(cfg, x, ids, w13, b13)
+    assert n_gate > 0 and n_up > 0  # the clamp really triggers
+    I = cfg.intermediate
+    want = torch.zeros(x.shape[0], cfg.hidden, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for k in range(cfg.top_k):
+            e = int(ids[t, k])
+            h = w13[e].double() @ x[t].double() + (0 if b13 is None else b13[e].double())
+            a = torch.nn.functional.silu(h[:I].clamp(max=3.0)) * h[I:].clamp(-3.0, 3.0)
+            want[t] += float(w[t, k]) * (w2[e].double() @ a + (0 if b2 is None else b2[e].double()))
+    with MoELayer(cfg, EPGroup.single(), backend="reference", device="cpu") as layer:
+        out = torch.full((x.shape[0], cfg.hidden), float("nan"), dtype=torch.bfloat16)
+        got = layer.forward(x, ids, w, w13, w2, out=out, b13=b13, b2=b2)
+    assert torch.isfinite(got).all() and rel_err(got, want) < TOL
+    # gpt-oss's +1 (the default beta) would give something else
+    assert rel_err(got, oracle(cfg, x, ids, w, w13, w2, b13, b2, beta=1.0)) > 0.1
 
 
 def test_activate_clamped_swiglu_elementwise():
@@ -264,6 +289,10 @@ def test_bias_device_named():
     (dict(swiglu_limit=float("inf")), ValueError, "swiglu_limit must be finite"),
     (dict(swiglu_limit=float("nan")), ValueError, "swiglu_limit must be finite"),
     (dict(swiglu_limit=True), TypeError, "swiglu_limit must be a float"),
+    (dict(swiglu_beta=float("nan")), ValueError, "swiglu_beta must be finite"),
+    (dict(swiglu_beta=float("inf")), ValueError, "swiglu_beta must be finite"),
+    (dict(swiglu_beta="0"), TypeError, "swiglu_beta must be a float"),
+    (dict(swiglu_beta=False), TypeError, "swiglu_beta must be a float"),
     (dict(bias_dtype=torch.float16), ValueError, "bias_dtype torch.float16 is not supported"),
     (dict(bias_dtype=torch.float64), ValueError, "bias_dtype torch.float64 is not supported"),
     (dict(bias_dtype=torch.int32), ValueError, "bias_dtype"),
@@ -283,7 +312,13 @@ def test_config_accepts_and_normalises():
     assert cfg.gated and cfg.w13_rows == 32 and cfg.has_bias
     assert type(cfg.swiglu_alpha) is float and cfg.swiglu_alpha == 2.0 and cfg.swiglu_limit == 10.0
     d = MoEConfig(num_experts=8, hidden=32, intermediate=16, top_k=2, max_tokens_per_rank=4)
-    assert (d.swiglu_alpha, d.swiglu_limit, d.bias_dtype, d.has_bias) == (1.702, 7.0, None, False)
+    assert (d.swiglu_alpha, d.swiglu_limit, d.swiglu_beta, d.bias_dtype, d.has_bias) == (1.702, 7.0, 1.0, None,
+                                                                                           False)
+    z = MoEConfig(**{**d.__dict__, "swiglu_beta": 0})
+    assert type(z.swiglu_beta) is float and z.swiglu_beta == 0.0 and z != d
+    # beta is the last field: positional construction of the earlier fields is unchanged
+    p = MoEConfig(8, 32, 16, 2, 4, torch.bfloat16, "clamped_swiglu", 1.0, 3.0, torch.float32, None, 0.0)
+    assert (p.swiglu_limit, p.bias_dtype, p.quant, p.swiglu_beta) == (3.0, torch.float32, None, 0.0)
     assert MoEConfig(**{**d.__dict__, "swiglu_alpha": -0.5}).swiglu_alpha == -0.5  # any finite alpha
     assert MoEConfig(**{**d.__dict__, "bias_dtype": torch.float32}) != d
 

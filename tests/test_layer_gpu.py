@@ -271,7 +271,7 @@ def test_one_workspace_for_48_layers():
 def _oracle_f64_gpu(x, ids, w, w13, w2, cfg, b13=None, b2=None):
     """float64 on the GPU, one expert at a time over its (token, k) pairs, summed per token."""
     T, H = x.shape
-    I, lim, alpha = cfg.intermediate, cfg.swiglu_limit, cfg.swiglu_alpha
+    I, lim, alpha, beta = cfg.intermediate, cfg.swiglu_limit, cfg.swiglu_alpha, cfg.swiglu_beta
     out = torch.zeros(T, H, dtype=torch.float64, device=x.device)
     xd = x.double()
     for e in torch.unique(ids).tolist():
@@ -289,7 +289,7 @@ def _oracle_f64_gpu(x, ids, w, w13, w2, cfg, b13=None, b2=None):
                 a = 0.5 * g * (1 + torch.erf(g * 2 ** -0.5)) * u
             else:
                 g = g.clamp(max=lim)
-                a = (u.clamp(-lim, lim) + 1) * g * torch.sigmoid(alpha * g)
+                a = (u.clamp(-lim, lim) + beta) * g * torch.sigmoid(alpha * g)
         y = a @ w2[e].double().t()
         if b2 is not None:
             y = y + b2[e].double()

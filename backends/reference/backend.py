@@ -31,15 +31,16 @@ import torch.nn.functional as F
 from ..registry import BackendImpl, UnsupportedBackendError, routing_value_error
 
 
-SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # gpt-oss; MoEConfig's defaults
+SWIGLU_ALPHA, SWIGLU_LIMIT, SWIGLU_BETA = 1.702, 7.0, 1.0  # gpt-oss; MoEConfig's defaults
 
 
 def activate(h: torch.Tensor, activation: str, intermediate: int, *, swiglu_alpha: float = SWIGLU_ALPHA,
-             swiglu_limit: float = SWIGLU_LIMIT) -> torch.Tensor:
+             swiglu_limit: float = SWIGLU_LIMIT, swiglu_beta: float = SWIGLU_BETA) -> torch.Tensor:
     """FC1 output ``[M, w13_rows]`` (float32, bias included) -> activation ``[M, I]`` (float32).
 
     Gated activations read the gate from columns ``[0, I)`` and the up projection from ``[I, 2I)``;
-    ``swiglu_alpha``/``swiglu_limit`` are used by ``"clamped_swiglu"`` only (pass the config's)."""
+    ``swiglu_alpha``/``swiglu_limit``/``swiglu_beta`` are used by ``"clamped_swiglu"`` only (pass the
+    config's)."""
     if activation == "swiglu":
         return F.silu(h[:, :intermediate]) * h[:, intermediate:]
     if activation == "gelu_glu":
@@ -47,7 +48,7 @@ def activate(h: torch.Tensor, activation: str, intermediate: int, *, swiglu_alph
     if activation == "clamped_swiglu":
         g = h[:, :intermediate].clamp(max=swiglu_limit)
         u = h[:, intermediate:].clamp(min=-swiglu_limit, max=swiglu_limit)
-        return (u + 1) * g * torch.sigmoid(swiglu_alpha * g)
+        return (u + swiglu_beta) * g * torch.sigmoid(swiglu_alpha * g)
     if activation == "squared_relu":
         return torch.relu(h).square()
     raise ValueError(f"unknown activation {activation!r}")
@@ -71,7 +72,7 @@ def expert_mlp(recv_x: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor, w
                activation: str, intermediate: int, *, b13: torch.Tensor | None = None,
                b2: torch.Tensor | None = None, swiglu_alpha: float = SWIGLU_ALPHA,
                swiglu_limit: float = SWIGLU_LIMIT, grouped: bool | None = None,
-               act_quant: Any = None) -> torch.Tensor:
+               act_quant: Any = None, swiglu_beta: float = SWIGLU_BETA) -> torch.Tensor:
     """Grouped expert MLP.
 
     Args:
@@ -81,7 +82,7 @@ def expert_mlp(recv_x: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor, w
         b13: optional ``[E_local, w13_rows]`` (float32 or the layer dtype), added to FC1's float32
             result before the activation; b2: optional ``[E_local, H]``, added to FC2's float32
             result before it is rounded to the layer dtype.
-        swiglu_alpha, swiglu_limit: the ``"clamped_swiglu"`` parameters (the config's).
+        swiglu_alpha, swiglu_limit, swiglu_beta: the ``"clamped_swiglu"`` parameters (the config's).
         grouped: ``None`` (default): ``torch._grouped_mm`` on CUDA when it can take the shapes
             (:func:`grouped_mm_fits`), else a per-expert matmul loop in float32; ``True``:
             ``torch._grouped_mm`` wherever it can take the shapes (CPU too); ``False``: the loop.
@@ -101,7 +102,8 @@ def expert_mlp(recv_x: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor, w
         return out
 
     def act(h: torch.Tensor) -> torch.Tensor:
-        a = activate(h, activation, intermediate, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
+        a = activate(h, activation, intermediate, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
+                     swiglu_beta=swiglu_beta)
         a = a.to(out.dtype)  # the kernels write the activation in the layer dtype, then quantise it
         return a if act_quant is None else act_quant(a.float())
 
@@ -284,7 +286,8 @@ class ReferenceBackend(BackendImpl):
         if getattr(cfg, "quant", None) is not None:
             w13, w2, act_quant = dequantized_weights(cfg, w13, w2)
         y = expert_mlp(recv_x, offsets, w13, w2, cfg.activation, cfg.intermediate, b13=b13, b2=b2,
-                       swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit, act_quant=act_quant)
+                       swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit, act_quant=act_quant,
+                       swiglu_beta=cfg.swiglu_beta)
         return self.combine(y, state, out)
 
     def check(self) -> None:

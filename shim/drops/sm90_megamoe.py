@@ -59,7 +59,7 @@ from .sm90_megamoe_switches import (  # noqa: F401  (re-exported: the shim reads
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 98},
+    "sm90_megamoe": {"DROP_VERSION": 99},
     "sm90_megamoe.placing_producer": {"PLACE_SYNC_TAIL": 4},
     "sm90_megamoe.fp8_gemm": {"FP8_BLOCK": 128, "OVERLAP_MAX_K_TILES": 32, "OVERLAP_MAX_CHUNK": 16},
     "sm90_megamoe.unit_scales": {"UNIT_SCALE_KC": 8},
@@ -103,7 +103,7 @@ CONTRACT = DropContract(
                     ("activation", "n", "k", "num_experts", "scale_rows", "tile_n", "bias_dtype",
                      "raster_m", "swiglu_alpha", "swiglu_limit", "schedule", "compiled", "tvm_ffi",
                      "early_weights", "gather_a", "cluster_m", "tanh_sigmoid",
-                     "cluster_n", "jump_stages")),
+                     "cluster_n", "jump_stages", "swiglu_beta")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_converted",
                     ("args", "max_active_ctas", "stream")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_tensors",
@@ -115,7 +115,7 @@ CONTRACT = DropContract(
         CallableUse("sm90_megamoe.compile_check:compile_for_arch",
                     ("activation", "n", "k", "scale_rows", "arch", "num_experts", "tile_n",
                      "extra_options", "bias_dtype", "raster_m", "swiglu_alpha", "swiglu_limit",
-                     "schedule", "tanh_sigmoid")),
+                     "schedule", "tanh_sigmoid", "swiglu_beta")),
         CallableUse("sm90_megamoe.ep_launch:EpConfig.__init__",
                     ("hidden", "topk", "world", "max_tokens", "num_experts")),
         CallableUse("sm90_megamoe.ep_launch:EpBuffers.__init__",
@@ -388,6 +388,7 @@ class GemmKey:
     tanh_sigmoid: bool = False
     cluster_n: int = 1
     jump_stages: bool = False
+    swiglu_beta: float = 0.0  # clamped_swiglu's beta (drop v99); 0.0 for the other activations
 
 
 class GroupedGemm:
@@ -498,7 +499,7 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
                           swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
                           schedule: str | None = None, rows_per_expert: float | None = None,
                           early_weights: bool = False, gather_a: bool = False,
-                          device_name: str | None = None) -> Any:
+                          device_name: str | None = None, swiglu_beta: float = 1.0) -> Any:
     """The compiled grouped GEMM from the compile cache (compiled code only, no buffers).
     ``schedule``/``tile_n`` None: :func:`pick_schedule` (``rows_per_expert``: the mean rows per
     expert the caller expects at capacity; None = many, the prefill kernels). ``early_weights``:
@@ -522,7 +523,8 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
     raster = pick_raster_m(k) if raster_m is None else int(raster_m)
     if not 1 <= raster <= _C["MAX_RASTER_M"]:
         raise ValueError(f"sm90 grouped GEMM: raster_m={raster} not in [1, {_C['MAX_RASTER_M']}]")
-    alpha, limit = (float(swiglu_alpha), float(swiglu_limit)) if activation == "clamped_swiglu" else (0.0, 0.0)
+    clamped = activation == "clamped_swiglu"
+    alpha, limit, beta = (float(swiglu_alpha), float(swiglu_limit), float(swiglu_beta)) if clamped else (0.0, 0.0, 0.0)
     ffi = use_tvm_ffi()
     early = bool(early_weights) and schedule == "swapab" and pdl_launches()
     if gather_a and schedule == "pingpong" and activation in GEMM_GATED and use_gated_pingpong():
@@ -538,7 +540,7 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
                   schedule, ffi, early, bool(gather_a), cluster,
                   use_bf16_tanh_sigmoid(activation),
                   use_bf16_cluster_n(schedule, activation in GEMM_GATED, gather_a),
-                  use_jump_stages(schedule))
+                  use_jump_stages(schedule), beta)
 
     def build():
         launch = _load("sm90_megamoe.launch")
@@ -557,7 +559,7 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
         if key.jump_stages:
             kw.update(jump_stages=True)
         if activation == "clamped_swiglu":
-            kw.update(swiglu_alpha=alpha, swiglu_limit=limit)
+            kw.update(swiglu_alpha=alpha, swiglu_limit=limit, swiglu_beta=beta)
         name = (f"gemm_{activation}" + ("_gather" if gather_a else "")
                 + ("_cluster2" if key.cluster_m > 1 else "") + ("_clustern2" if key.cluster_n > 1 else "")
                 + ("_js" if key.jump_stages else "")
@@ -574,11 +576,12 @@ def grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: 
                  raster_m: int | None = None, swiglu_alpha: float = 1.702,
                  swiglu_limit: float = 7.0, schedule: str | None = None,
                  rows_per_expert: float | None = None, early_weights: bool = False,
-                 gather_a: bool = False) -> GroupedGemm:
+                 gather_a: bool = False, swiglu_beta: float = 1.0) -> GroupedGemm:
     """A new :class:`GroupedGemm` launcher for ``device`` (default: the current CUDA device).
 
     ``bias_dtype``: None or torch.float32/bfloat16 (the variant adds ``bias [E, n]``);
-    ``raster_m``: None = :func:`pick_raster_m` (k); ``swiglu_*``: clamped_swiglu's constants;
+    ``raster_m``: None = :func:`pick_raster_m` (k); ``swiglu_*``: clamped_swiglu's constants
+    (``swiglu_beta``: drop v99);
     ``schedule``: "cooperative", "pingpong", "swapab", "wide" or None = :func:`pick_schedule` (with
     ``rows_per_expert``, the mean rows per expert expected at capacity); ``early_weights``,
     ``gather_a``: see :func:`compiled_grouped_gemm`."""
@@ -587,7 +590,8 @@ def grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: 
     dev = torch.device(device) if device is not None else torch.device("cuda", torch.cuda.current_device())
     compiled = compiled_grouped_gemm(activation, n, k, num_experts, scale_rows, tile_n, bias_dtype,
                                      raster_m, swiglu_alpha, swiglu_limit, schedule, rows_per_expert,
-                                     early_weights, gather_a, device_name=torch.cuda.get_device_name(dev))
+                                     early_weights, gather_a, device_name=torch.cuda.get_device_name(dev),
+                                     swiglu_beta=swiglu_beta)
     launch = _load("sm90_megamoe.launch")
     return GroupedGemm(compiled, launch.to_cute_args, dev)
 

@@ -158,7 +158,8 @@ def _gemm_specs(cfg: Any, e_local: int, world: int = 1) -> dict:
     rows = rows_per_expert(cfg, world, cfg.max_tokens_per_rank)
     act_consts = {}
     if cfg.activation == "clamped_swiglu":
-        act_consts = {"swiglu_alpha": cfg.swiglu_alpha, "swiglu_limit": cfg.swiglu_limit}
+        act_consts = {"swiglu_alpha": cfg.swiglu_alpha, "swiglu_limit": cfg.swiglu_limit,
+                      "swiglu_beta": cfg.swiglu_beta}
     specs = {
         "fc1": dict(activation=ACTIVATION_MAP[cfg.activation], n=cfg.w13_rows, k=cfg.hidden, num_experts=e_local,
                     bias_dtype=bias_dtype, rows_per_expert=rows, **act_consts),

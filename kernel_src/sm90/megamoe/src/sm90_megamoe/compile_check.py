@@ -66,6 +66,7 @@ def compile_for_arch(
     tanh_sigmoid: bool = False,
     cluster_n: int = 1,
     jump_stages: bool = False,
+    swiglu_beta: float = 1.0,
 ):
     """Compile one variant for ``arch`` from fake tensors. ``bias_dtype``: None (no bias),
     "float32" or "bfloat16"; ``gather_a``: the gathering kernel (:mod:`.grouped_gemm_gather`);
@@ -75,7 +76,8 @@ def compile_for_arch(
         from .grouped_gemm_gather import GroupedGemmGatherSm90 as cls
     kernel = cls(activation, tile_n=tile_n, scale_rows=scale_rows, epilogue=epilogue,
                  has_bias=bias_dtype is not None, raster_m=raster_m,
-                 swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, schedule=schedule,
+                 swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, swiglu_beta=swiglu_beta,
+                 schedule=schedule,
                  **({"tanh_sigmoid": True} if tanh_sigmoid else {}),
                  **({"cluster_n": cluster_n} if cluster_n > 1 else {}),
                  **({"jump_stages": True} if jump_stages else {}))
@@ -105,6 +107,14 @@ def main():
         print(f"{act:15s} N={n} K={k} scale_rows={sr} bias={bias} raster_m={raster}: "
               f"compile {dt:.2f}s  wgmma+tma in PTX: {ok}")
         assert ok
+    # drop v99: DeepSeek-V4 / GLM-5's clamped SwiGLU (alpha 1, beta 0), gpt-oss's FC1 shape
+    t0 = time.time()
+    c = compile_for_arch("clamped_swiglu", 5760, 2880, False, swiglu_alpha=1.0, swiglu_limit=10.0, swiglu_beta=0.0)
+    ptx = c.__ptx__
+    ok = "wgmma.mma_async" in ptx and "min.f32" in ptx and not ptx_problems(ptx)
+    print(f"clamped_swiglu  N=5760 K=2880 alpha=1 limit=10 beta=0: compile {time.time() - t0:.2f}s  "
+          f"wgmma + clamp in PTX: {ok}")
+    assert ok
     # the pingpong schedule: FC2 (identity, tile_n 128 and 192) and gated FC1s with tile_n 64 and 96
     for act, n, k, sr, tn in (("identity", 2048, 768, True, 128), ("identity", 2048, 768, True, 192),
                               ("swiglu", 1536, 2048, False, 64), ("swiglu", 1536, 2048, False, 96)):

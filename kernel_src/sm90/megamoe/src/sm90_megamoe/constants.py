@@ -9,8 +9,9 @@ ABI_VERSION = 2  # 2: the bias argument, gated activations with I % tile_n != 0,
 # read gate rows [0, I) and up rows [I, 2I) of w13:
 #   swiglu          silu(g) * u
 #   gelu_glu        gelu(g) * u                               (erf form)
-#   clamped_swiglu  (clamp(u, -limit, limit) + 1) * g' * sigmoid(alpha * g'),  g' = min(g, limit)
-#                   (gpt-oss; alpha and limit are compile-time values)
+#   clamped_swiglu  (clamp(u, -limit, limit) + beta) * g' * sigmoid(alpha * g'),  g' = min(g, limit)
+#                   (gpt-oss: alpha 1.702, limit 7, beta 1; DeepSeek-V4 / GLM-5 / Hunyuan-V4: alpha 1,
+#                   beta 0; all three are compile-time values; beta since drop v99, 1 before)
 ACTIVATIONS = ("identity", "swiglu", "squared_relu", "gelu_glu", "clamped_swiglu")
 GATED_ACTIVATIONS = ("swiglu", "gelu_glu", "clamped_swiglu")
 

@@ -6,7 +6,7 @@ One kernel computes, for every expert ``e`` with rows ``[offsets[e], offsets[e+1
     squared_relu    C[rows]      = relu(H) ** 2
     swiglu          C[rows, :I]  = silu(G) * U              G = H[:, :I], U = H[:, I:]
     gelu_glu        C[rows, :I]  = gelu(G) * U              (erf form)
-    clamped_swiglu  C[rows, :I]  = (clamp(U, -l, l) + 1) * G' * sigmoid(alpha * G'),  G' = min(G, l)
+    clamped_swiglu  C[rows, :I]  = (clamp(U, -l, l) + beta) * G' * sigmoid(alpha * G'),  G' = min(G, l)
     (scale_rows)    C[m, :]     *= row_scale[m]             (after the activation)
 
 BF16 in, FP32 accumulate, BF16 out. The routing histogram (``offsets``) lives in device memory
@@ -186,7 +186,8 @@ class GroupedGemmSm90:
     :param scale_rows: multiply output row m by row_scale[m] (fp32) in the epilogue.
     :param has_bias: add bias[e, col] (fp32 or bf16, from the tensor) before the activation.
     :param raster_m: m-tiles per raster group inside an expert (see the module docstring).
-    :param swiglu_alpha, swiglu_limit: clamped_swiglu's constants (gpt-oss: 1.702, 7.0).
+    :param swiglu_alpha, swiglu_limit, swiglu_beta: clamped_swiglu's constants (gpt-oss: 1.702, 7.0,
+        1.0; DeepSeek-V4: 1.0, its limit, 0.0). Drop v99 added beta (1.0 before).
     :param tile_m: 128 (two consumer warpgroups of 64 rows).
     :param tile_k: 64 (one 128-byte swizzle atom of bf16).
     :param num_stages: smem pipeline depth; None = as many as fit.
@@ -220,6 +221,7 @@ class GroupedGemmSm90:
         raster_m: int = DEFAULT_RASTER_M,
         swiglu_alpha: float = 1.702,
         swiglu_limit: float = 7.0,
+        swiglu_beta: float = 1.0,
         tile_m: int = DEFAULT_TILE_M,
         tile_k: int = DEFAULT_TILE_K,
         num_stages: Optional[int] = None,
@@ -247,14 +249,17 @@ class GroupedGemmSm90:
         if not (1 <= int(raster_m) <= MAX_RASTER_M):
             raise ValueError(f"raster_m must be in [1, {MAX_RASTER_M}], got {raster_m}")
         if activation == "clamped_swiglu" and not (float(swiglu_limit) > 0.0 and math.isfinite(swiglu_limit)
-                                                   and math.isfinite(swiglu_alpha)):
-            raise ValueError("clamped_swiglu needs a finite swiglu_limit > 0 and a finite swiglu_alpha")
+                                                   and math.isfinite(swiglu_alpha)
+                                                   and math.isfinite(swiglu_beta)):
+            raise ValueError("clamped_swiglu needs a finite swiglu_limit > 0 and a finite swiglu_alpha "
+                             "and swiglu_beta")
         self.activation = activation
         self.gated = activation in GATED_ACTIVATIONS
         self.has_bias = bool(has_bias)
         self.raster_m = int(raster_m)
         self.swiglu_alpha = float(swiglu_alpha)
         self.swiglu_limit = float(swiglu_limit)
+        self.swiglu_beta = float(swiglu_beta)
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.tile_k = tile_k
@@ -974,7 +979,9 @@ class GroupedGemmSm90:
                 den = cutlass.Float32(1.0) + cute.math.exp2(
                     g * cutlass.Float32(-self.swiglu_alpha * _LOG2E), fastmath=True
                 )
-                x = (u + cutlass.Float32(1.0)) * g * cute.arch.rcp_approx(den)
+                if cutlass.const_expr(self.swiglu_beta != 0.0):  # beta 0 (DeepSeek-V4): no add
+                    u = u + cutlass.Float32(self.swiglu_beta)
+                x = u * g * cute.arch.rcp_approx(den)
             elif cutlass.const_expr(self.activation == "squared_relu"):
                 r = cute.arch.fmax(x, cutlass.Float32(0.0))
                 x = r * r

@@ -86,7 +86,9 @@ def check(fn: CompiledGroupedGemm, m_total, n, k, experts, activation, routing, 
     out = torch.full((m_total, n_out), float("nan"), dtype=torch.bfloat16, device="cuda")
     fn(a, b, offs, out=out, row_scale=rs, bias=bias)
     torch.cuda.synchronize()
-    ref = grouped_gemm_reference(a, b, offs, activation, rs, bias=bias)
+    kern = fn.kernel  # clamped_swiglu's constants as compiled
+    ref = grouped_gemm_reference(a, b, offs, activation, rs, bias=bias, swiglu_alpha=kern.swiglu_alpha,
+                                 swiglu_limit=kern.swiglu_limit, swiglu_beta=kern.swiglu_beta)
     nan = bool(torch.isnan(out).any()) if m_total else False
     denom = ref.norm().item()
     rel = (out.float() - ref).norm().item() / denom if denom > 0 else (out.float().norm().item())
@@ -163,13 +165,13 @@ def suite(args):
     fns = {}
 
     def get(act, n, k, e, sr, tile_n=None, epilogue="smem", bias_dtype=None, raster_m=None,
-            schedule="cooperative"):
-        key = (act, n, k, e, sr, tile_n, epilogue, bias_dtype, raster_m, schedule)
+            schedule="cooperative", **swiglu):
+        key = (act, n, k, e, sr, tile_n, epilogue, bias_dtype, raster_m, schedule, tuple(sorted(swiglu.items())))
         if key not in fns:
             t = time.time()
             fns[key] = get_grouped_gemm(act, n, k, e, scale_rows=sr, tile_n=tile_n,
                                         epilogue=epilogue, bias_dtype=bias_dtype, raster_m=raster_m,
-                                        schedule=schedule)
+                                        schedule=schedule, **swiglu)
             print(f"[compile] {key} {time.time()-t:.2f}s", flush=True)
         return fns[key]
 
@@ -201,6 +203,9 @@ def suite(args):
         n_odd = 2 * 2880 if act in GATED_ACTIVATIONS else 2880
         f = get(act, n_odd, 2880, 8, False, bias_dtype=bias, raster_m=raster)
         ok &= check(f, 5003, n_odd, 2880, 8, act, "skewed", False)
+    # drop v99: DeepSeek-V4 / GLM-5's clamped SwiGLU (alpha 1, beta 0: no +1 on the clamped up)
+    f_v4 = get("clamped_swiglu", 2 * 2880, 2880, 8, False, swiglu_alpha=1.0, swiglu_limit=7.0, swiglu_beta=0.0)
+    ok &= check(f_v4, 5003, 2 * 2880, 2880, 8, "clamped_swiglu", "skewed", False)
     f2b = get("identity", 2880, 2880, 8, True, bias_dtype="bfloat16", raster_m=4)
     ok &= check(f2b, 5003, 2880, 2880, 8, "identity", "skewed", True)
     f_i104 = get("swiglu", 208, 264, 4, False, bias_dtype="float32")

@@ -16,6 +16,7 @@ def grouped_gemm_reference(
     bias: Optional[torch.Tensor] = None,
     swiglu_alpha: float = 1.702,
     swiglu_limit: float = 7.0,
+    swiglu_beta: float = 1.0,
 ) -> torch.Tensor:
     """
     a:         [M_total, K]      bf16 (any float dtype)
@@ -46,7 +47,7 @@ def grouped_gemm_reference(
         elif activation == "clamped_swiglu":
             g = g.clamp(max=swiglu_limit)
             u = u.clamp(-swiglu_limit, swiglu_limit)
-            y = (u + 1) * g * torch.sigmoid(swiglu_alpha * g)
+            y = (u + swiglu_beta) * g * torch.sigmoid(swiglu_alpha * g)
         elif activation == "squared_relu":
             y = torch.relu(y).square()
         elif activation != "identity":

@@ -122,7 +122,8 @@ class SwapABGroupedGemmSm90:
     :param num_stages: TMA pipeline depth; None = as many as fit (at most ``MAX_STAGES``).
     :param num_mma_wg: consumer warpgroups (1 or 2); None = 1 for tile_w 64, else 2.
     :param l2_hints: weights evict-first, tokens evict-last in L2.
-    :param swiglu_alpha, swiglu_limit: clamped_swiglu's constants (gpt-oss: 1.702, 7.0).
+    :param swiglu_alpha, swiglu_limit, swiglu_beta: clamped_swiglu's constants (gpt-oss: 1.702, 7.0,
+        1.0; DeepSeek-V4: 1.0, its limit, 0.0). Drop v99 added beta (1.0 before).
     :param early_weights: with PDL launches (:data:`~.pdl.PDL`), prefetch this CTA's first weight
         k-blocks (at most ``EARLY_WEIGHT_BYTES``) into L2 *before* waiting for the previous grid, so
         the weight stream starts while that grid finishes. The scheduler then also reads
@@ -145,6 +146,7 @@ class SwapABGroupedGemmSm90:
         l2_hints: bool = True,
         swiglu_alpha: float = 1.702,
         swiglu_limit: float = 7.0,
+        swiglu_beta: float = 1.0,
         early_weights: bool = False,
         tanh_sigmoid: bool = False,
     ):
@@ -164,8 +166,10 @@ class SwapABGroupedGemmSm90:
         if num_mma_wg not in (1, 2) or tile_w % (64 * num_mma_wg) != 0:
             raise ValueError(f"num_mma_wg must be 1 or 2 and divide tile_w / 64, got {num_mma_wg}")
         if activation == "clamped_swiglu" and not (float(swiglu_limit) > 0.0 and math.isfinite(swiglu_limit)
-                                                   and math.isfinite(swiglu_alpha)):
-            raise ValueError("clamped_swiglu needs a finite swiglu_limit > 0 and a finite swiglu_alpha")
+                                                   and math.isfinite(swiglu_alpha)
+                                                   and math.isfinite(swiglu_beta)):
+            raise ValueError("clamped_swiglu needs a finite swiglu_limit > 0 and a finite swiglu_alpha "
+                             "and swiglu_beta")
         self.activation = activation
         self.gated = activation in GATED_ACTIVATIONS
         self.num_b = 2 if self.gated else 1  # weight boxes (and accumulators) per stage
@@ -184,6 +188,7 @@ class SwapABGroupedGemmSm90:
         self.l2_hints = bool(l2_hints)
         self.swiglu_alpha = float(swiglu_alpha)
         self.swiglu_limit = float(swiglu_limit)
+        self.swiglu_beta = float(swiglu_beta)
         self.early_weights = bool(early_weights)
 
         self.acc_dtype = cutlass.Float32
@@ -633,7 +638,9 @@ class SwapABGroupedGemmSm90:
                 den = cutlass.Float32(1.0) + cute.math.exp2(
                     g * cutlass.Float32(-self.swiglu_alpha * _LOG2E), fastmath=True
                 )
-                x = (u + cutlass.Float32(1.0)) * g * cute.arch.rcp_approx(den)
+                if cutlass.const_expr(self.swiglu_beta != 0.0):  # beta 0 (DeepSeek-V4): no add
+                    u = u + cutlass.Float32(self.swiglu_beta)
+                x = u * g * cute.arch.rcp_approx(den)
             elif cutlass.const_expr(self.activation == "squared_relu"):
                 r = cute.arch.fmax(x, cutlass.Float32(0.0))
                 x = r * r
