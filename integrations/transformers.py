@@ -37,9 +37,11 @@ Static activation scales, other block sizes and FP4-packed experts are refused.
 
 The activation is what the module computes, probed once on random input in float32: its gate
 function (``_apply_gate``, transformers' default or the model's own) must match one of moe_ep's --
-``swiglu`` (silu(g)·u), ``gelu_glu`` (erf gelu(g)·u) or, with the module's ``alpha``/``limit`` (or
-``swiglu_alpha``/``swiglu_limit``), gpt-oss's ``clamped_swiglu`` -- and a non-gated module's
-``act_fn`` must be relu² (``squared_relu``).
+``swiglu`` (silu(g)·u), ``gelu_glu`` (erf gelu(g)·u) or, with the module's ``limit`` (or
+``swiglu_limit``) and ``alpha`` (or ``swiglu_alpha``; 1 when it has none), ``clamped_swiglu``: gpt-oss's
+``(u' + 1)·g'·sigmoid(alpha·g')`` or DeepSeek-V4's, GLM-5's and Hunyuan-V4's ``silu(g')·u'``
+(``swiglu_beta`` 0), ``g' = min(g, limit)``, ``u' = clamp(u, -limit, limit)`` -- and a non-gated
+module's ``act_fn`` must be relu² (``squared_relu``).
 
 Refused with a clear error (never computed wrongly): autograd (training), a gate or activation
 matching none of those (the message names the function), post-expert norms, dtypes other than
@@ -78,6 +80,7 @@ class _Spec:
     activation: str
     alpha: float | None  # clamped_swiglu's, from the module
     limit: float | None
+    beta: float | None  # clamped_swiglu's: 1 (gpt-oss) or 0 (DeepSeek-V4)
     gated: bool
     transposed: bool
     interleaved: bool
@@ -95,24 +98,26 @@ def _split(t: torch.Tensor, interleaved: bool):
 
 
 def _gate_candidates(module: Any):
-    """``(activation, alpha, limit, fn)`` moe_ep could run for a gated module; ``fn(g, u)`` in float32."""
+    """``(activation, alpha, limit, beta, fn)`` moe_ep could run for a gated module; ``fn(g, u)`` in
+    float32. The clamped forms need the module's limit; its alpha is 1 (SiLU) when it names none."""
     silu, gelu = torch.nn.functional.silu, torch.nn.functional.gelu
-    yield "swiglu", None, None, lambda g, u: silu(g) * u
-    yield "gelu_glu", None, None, lambda g, u: gelu(g) * u
-    alpha = next((getattr(module, a) for a in ("alpha", "swiglu_alpha") if getattr(module, a, None) is not None), None)
+    yield "swiglu", None, None, None, lambda g, u: silu(g) * u
+    yield "gelu_glu", None, None, None, lambda g, u: gelu(g) * u
+    alpha = next((getattr(module, a) for a in ("alpha", "swiglu_alpha") if getattr(module, a, None) is not None), 1.0)
     limit = next((getattr(module, a) for a in ("limit", "swiglu_limit") if getattr(module, a, None) is not None), None)
-    if alpha is not None and limit is not None:
+    if limit is not None:
         a, lim = float(alpha), float(limit)
+        for beta in (1.0, 0.0):  # gpt-oss's +1; DeepSeek-V4 / GLM-5 / Hunyuan-V4 add nothing
 
-        def clamped(g, u):
-            g, u = g.clamp(max=lim), u.clamp(min=-lim, max=lim)
-            return (u + 1) * g * torch.sigmoid(a * g)
+            def clamped(g, u, beta=beta):
+                g, u = g.clamp(max=lim), u.clamp(min=-lim, max=lim)
+                return (u + beta) * g * torch.sigmoid(a * g)
 
-        yield "clamped_swiglu", a, lim, clamped
+            yield "clamped_swiglu", a, lim, beta, clamped
 
 
 def _probe_activation(module: Any, gated: bool, interleaved: bool, width: int):
-    """``(activation, alpha, limit)``: the moe_ep activation that computes what the module does
+    """``(activation, alpha, limit, beta)``: the moe_ep activation that computes what the module does
     (its ``_apply_gate`` or, non-gated, its ``act_fn``), checked on random float32 input (N(0, 25):
     past a clamp at +-7 often). Raises naming the function when none does."""
     x = torch.randn(16, 2 * width if gated else width, generator=torch.Generator().manual_seed(0)) * 5
@@ -122,20 +127,21 @@ def _probe_activation(module: Any, gated: bool, interleaved: bool, width: int):
         if not gated:
             got = module.act_fn(x)
             if torch.allclose(got, torch.relu(x) ** 2, rtol=1e-5, atol=1e-5):
-                return "squared_relu", None, None
+                return "squared_relu", None, None, None
             raise MoEEpTransformersError(f"moe_ep experts: {name} has no gate and its act_fn "
                                          f"{type(module.act_fn).__name__} is not relu^2 (squared_relu), the "
                                          "only non-gated activation moe_ep runs")
         got = module._apply_gate(x)
         g, u = _split(x, interleaved)
-        for activation, alpha, limit, fn in _gate_candidates(module):
+        for activation, alpha, limit, beta, fn in _gate_candidates(module):
             if got.shape == g.shape and torch.allclose(got, fn(g, u), rtol=1e-5, atol=1e-5):
-                return activation, alpha, limit
+                return activation, alpha, limit, beta
     gate_fn = getattr(type(module), "_apply_gate", None)
     raise MoEEpTransformersError(
         f"moe_ep experts: {name}'s gate ({getattr(gate_fn, '__qualname__', gate_fn)}, act_fn "
         f"{type(getattr(module, 'act_fn', None)).__name__}) computes none of moe_ep's gated activations: "
-        "silu(g)*u, erf gelu(g)*u, or gpt-oss's clamped swiglu with the module's alpha and limit")
+        "silu(g)*u, erf gelu(g)*u, or a clamped swiglu (the module's limit and alpha, with or without gpt-oss's "
+        "+1 on the clamped up projection)")
 
 
 def _describe(module: Any) -> _Spec:
@@ -152,8 +158,8 @@ def _describe(module: Any) -> _Spec:
     interleaved = gated and not getattr(module, "is_concatenated", True)
     w2 = module.down_proj
     width = w2.shape[1] if transposed else w2.shape[2]  # I
-    activation, alpha, limit = _probe_activation(module, gated, interleaved, width)
-    spec = _Spec(activation, alpha, limit, gated, transposed, interleaved, bool(getattr(module, "has_bias", False)))
+    activation, alpha, limit, beta = _probe_activation(module, gated, interleaved, width)
+    spec = _Spec(activation, alpha, limit, beta, gated, transposed, interleaved, bool(getattr(module, "has_bias", False)))
     object.__setattr__(module, _SPEC, (flags, spec))
     return spec
 
@@ -207,7 +213,7 @@ def _config_for(module: Any, spec: _Spec, w13: torch.Tensor, w2: torch.Tensor, b
         raise MoEEpTransformersError(f"moe_ep experts: {type(module).__name__}'s weights {tuple(w13.shape)} and "
                                      f"{tuple(w2.shape)} are not [E, {'2I' if spec.gated else 'I'}, H] and "
                                      "[E, H, I] in moe_ep's layout")
-    extra = {} if spec.alpha is None else dict(swiglu_alpha=spec.alpha, swiglu_limit=spec.limit)
+    extra = {} if spec.alpha is None else dict(swiglu_alpha=spec.alpha, swiglu_limit=spec.limit, swiglu_beta=spec.beta)
     return MoEConfig(num_experts=E, hidden=H, intermediate=I, top_k=top_k, max_tokens_per_rank=capacity,
                      dtype=hidden_states.dtype, activation=spec.activation,
                      bias_dtype=None if b13 is None else b13.dtype, quant=quant, **extra)

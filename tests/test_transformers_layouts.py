@@ -4,6 +4,8 @@ through ``experts_implementation="moe_ep"`` (the reference backend on CPU):
   (transposed weights; SiLU experts whatever ``hidden_act`` says), Nemotron-H (no gate, relu^2, with
   and without its latent projection): against transformers' own ``"eager"`` experts, and one gpt-oss
   block against float64 math written from the model's definition;
+- DeepSeek-V4 and Hunyuan-V4 (clamped SiLU: ``swiglu_beta`` 0, drop v99): against ``"eager"``, with the
+  clamp triggering;
 - FP8 checkpoints' ``FP8Experts`` (FineGrainedFP8Config; float32 and UE8M0 scales): against the
   quantised model in float64;
 - the repacked copy follows in-place weight updates; a gate moe_ep does not compute is refused."""
@@ -76,6 +78,40 @@ def _aria(impl):
     return model
 
 
+CLAMP_LIMIT = 1.5  # small, so that the clamp triggers on this toy's FC1 outputs
+
+
+def _deepseek_v4(impl):
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    cfg = DeepseekV4Config(vocab_size=96, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=1,
+                           num_attention_heads=4, num_key_value_heads=1, head_dim=32, q_lora_rank=32, o_lora_rank=32,
+                           o_groups=2, index_n_heads=2, index_head_dim=16, index_topk=8, sliding_window=8,
+                           n_routed_experts=8, num_experts_per_tok=2, qk_rope_head_dim=8, max_position_embeddings=64,
+                           num_nextn_predict_layers=0, swiglu_limit=CLAMP_LIMIT)
+    torch.manual_seed(0)
+    return _scaled(DeepseekV4ForCausalLM._from_config(cfg, experts_implementation=impl, dtype=torch.bfloat16).eval())
+
+
+def _hy_v4(impl):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("hy_v4", vocab_size=96, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=16, max_position_embeddings=64, moe_intermediate_size=32,
+                               intermediate_size=48, num_experts=8, num_experts_per_tok=2, mlp_layer_types=["sparse"],
+                               swiglu_limit=CLAMP_LIMIT, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    return _scaled(AutoModelForCausalLM.from_config(cfg, experts_implementation=impl, dtype=torch.bfloat16).eval())
+
+
+def _scaled(model):
+    for mod in _experts(model):
+        with torch.no_grad():  # FC1 outputs of a few units: many past the limit of 1.5
+            mod.gate_up_proj.normal_(0, 3 * mod.gate_up_proj.shape[-1] ** -0.5)
+            mod.down_proj.normal_(0, mod.down_proj.shape[-1] ** -0.5)
+    return model
+
+
 def _experts(model):
     return [m for m in model.modules() if isinstance(getattr(m, "down_proj", None), torch.nn.Parameter)]
 
@@ -114,6 +150,27 @@ def test_nemotron_h_logits_match_transformers_eager(latent):
     cfg = _experts(ours)[0]._moe_ep_layer.config
     assert cfg.activation == "squared_relu" and cfg.hidden == (latent or 64)
     assert "_moe_ep_packed" not in _experts(ours)[0].__dict__  # its layout is moe_ep's: no copy
+
+
+@pytest.mark.parametrize("build", [_deepseek_v4, _hy_v4], ids=["deepseek_v4", "hy_v4"])
+def test_clamped_silu_models_match_transformers_eager(build):
+    """DeepSeek-V4's and Hunyuan-V4's experts, ``silu(min(g, limit)) * clamp(u, -limit, limit)``, run as
+    ``clamped_swiglu`` with alpha 1 and beta 0 (until drop v99 they were refused); the clamp triggers."""
+    seen = []
+    ours = _same_logits(lambda impl: _with_input_hook(build(impl), seen))
+    cfg = _experts(ours)[0]._moe_ep_layer.config
+    assert (cfg.activation, cfg.swiglu_alpha, cfg.swiglu_limit, cfg.swiglu_beta) == ("clamped_swiglu", 1.0, CLAMP_LIMIT, 0.0)
+    mod = _experts(ours)[0]
+    h = torch.cat([x.float() @ mod.gate_up_proj[e].float().t() for x in seen for e in range(mod.gate_up_proj.shape[0])])
+    I = mod.down_proj.shape[-1]
+    assert (h[:, :I] > CLAMP_LIMIT).float().mean() > 0.05 and (h[:, I:].abs() > CLAMP_LIMIT).float().mean() > 0.05
+
+
+def _with_input_hook(model, seen):
+    """Record the hidden states each experts module is called with."""
+    for mod in _experts(model):
+        mod.register_forward_pre_hook(lambda m, args: seen.append(args[0].detach()))
+    return model
 
 
 def _gpt_oss_f64(mod, x, idx, w):
@@ -208,13 +265,14 @@ def test_transposed_weights_alone():
 
 
 def test_a_gate_moe_ep_does_not_compute_is_refused():
-    """DeepSeek-V4's and GLM-5's form, silu(min(g, limit)) * clamp(u): no moe_ep activation computes it,
-    so the layer is never built (and not computed as plain SwiGLU)."""
+    """Step-3.7's and Bailing's form with ``limit_after_act``, min(silu(g), limit) * clamp(u): the clamp
+    after the activation, which no moe_ep activation computes, so the layer is never built (and not
+    computed as plain SwiGLU or as the clamp-before form)."""
     cls = _toy_experts_class(is_transposed=True)
 
     def clamped_silu(self, gate_up):
         gate, up = gate_up.chunk(2, dim=-1)
-        return torch.nn.functional.silu(gate.clamp(max=self.limit)) * up.clamp(-self.limit, self.limit)
+        return torch.nn.functional.silu(gate).clamp(max=self.limit) * up.clamp(-self.limit, self.limit)
 
     cls._apply_gate = clamped_silu
     mod = _toy(NAME, cls)
