@@ -364,9 +364,11 @@ def _e4m3_rows128(t: torch.Tensor) -> torch.Tensor:
     return ((rows / scale).to(torch.float8_e4m3fn).double() * scale).reshape(t.shape)
 
 
-def _fp8_model_f64(mod, x, idx, w):
+def _fp8_model_f64(mod, x, idx, w, gate=None):
     """The quantised experts in float64: each weight block's e4m3 values times its scale_inv, x and
-    FC2's input (SwiGLU's output in bf16) quantised per 128 values of a row, router weights."""
+    FC2's input (the gate's output in bf16; ``gate(g, u)``, default SwiGLU) quantised per 128 values of
+    a row, router weights."""
+    gate = gate or (lambda g, u: torch.nn.functional.silu(g) * u)
     def deq(name):
         v, s = getattr(mod, name).detach().double(), getattr(mod, name + "_scale_inv").detach().double()
         return (v * s.repeat_interleave(128, 1).repeat_interleave(128, 2)).cpu()
@@ -379,7 +381,7 @@ def _fp8_model_f64(mod, x, idx, w):
         for k in range(idx.shape[1]):
             e = int(idx[t, k])
             h = W13[e] @ xq[t]
-            a = (torch.nn.functional.silu(h[:I]) * h[I:]).to(torch.bfloat16)
+            a = gate(h[:I], h[I:]).to(torch.bfloat16)
             out[t] += float(w[t, k]) * (W2[e] @ _e4m3_rows128(a[None])[0])
     return out
 
@@ -403,6 +405,33 @@ def test_fp8_experts_against_the_quantised_model_in_float64(scale_fmt):
     assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
     assert rel_err(got, _fp8_model_f64(mod, x, idx, w)) < 1e-2
     assert ("_moe_ep_packed" in mod.__dict__) == (scale_fmt == "ue8m0")  # float32 scales: no copy
+
+
+def test_fp8_experts_with_a_clamped_silu_gate():
+    """A GLM-5-FP8 / DeepSeek-V4-like module: FP8 experts whose gate is silu(min(g, limit)) *
+    clamp(u): a ``quant="fp8_block128"`` layer with clamped_swiglu, alpha 1, beta 0 (drop v100: the
+    FP8 GEMM runs it), against the quantised model in float64 with that gate."""
+    mod = _fp8_experts()
+    lim = 0.5  # FC1 outputs here are ~N(0, 1): the clamp triggers often
+
+    def clamped_silu(gate_up):
+        g, u = gate_up.chunk(2, dim=-1)
+        return torch.nn.functional.silu(g.clamp(max=lim)) * u.clamp(-lim, lim)
+
+    mod._apply_gate, mod.limit = clamped_silu, lim
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(96, 256, generator=g).to(torch.bfloat16)
+    idx = torch.randn(96, 8, generator=g).topk(2, -1).indices
+    w = torch.softmax(torch.randn(96, 2, generator=g), -1)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = mod(x, idx, w)
+    cfg = mod._moe_ep_layer.config
+    assert (cfg.quant, cfg.activation, cfg.swiglu_alpha, cfg.swiglu_limit, cfg.swiglu_beta) == (
+        "fp8_block128", "clamped_swiglu", 1.0, lim, 0.0)
+    want = _fp8_model_f64(mod, x, idx, w, lambda g, u: torch.nn.functional.silu(g.clamp(max=lim)) * u.clamp(-lim, lim))
+    assert rel_err(got, want) < 1e-2
+    assert rel_err(got, _fp8_model_f64(mod, x, idx, w)) > 0.1  # plain SwiGLU would be far off
 
 
 @pytest.mark.parametrize("change,match", [

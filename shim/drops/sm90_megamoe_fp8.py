@@ -25,7 +25,8 @@ from ..env import check_removed, env_choice, env_flag, env_forced
 from ..launch_mode import use_tvm_ffi
 from .sm90_megamoe import CONSTANTS, PKG, RASTER_L2_BUDGET, _cutlass_version, _load, cache_namespace
 
-FP8_ACTIVATIONS = ("identity", "swiglu")
+FP8_ACTIVATIONS = ("identity", "swiglu", "clamped_swiglu")  # clamped_swiglu: drop v100
+FP8_GATED = ("swiglu", "clamped_swiglu")
 # the smallest K at which the wide gated FC1 runs the overlapped-promotion schedule (see use_fp8_overlap)
 WIDE_OVERLAP_MIN_K = 4096
 
@@ -96,7 +97,7 @@ def use_fp8_cluster(activation: str, n: int, k: int) -> int:
     if forced == "0" or (forced != "1" and k < CLUSTER_MIN_K and not short_k):
         return 1
     tile_n = _load("sm90_megamoe.fp8_gemm").default_tile_n(activation)  # the drop's tile width
-    n_tiles = (n // 2 if activation == "swiglu" else n) // tile_n
+    n_tiles = (n // 2 if activation in FP8_GATED else n) // tile_n
     return 2 if n_tiles % 2 == 0 else 1
 
 
@@ -183,8 +184,8 @@ def use_fp8_wide_gated(activation: str) -> bool:
     """The gated FP8 GEMM (FC1) issues one m64n128 WGMMA over its gate and up tiles per k-block
     instead of two m64n64 ones (drop v21, ``wide_gated``): bit-identical (H200, fp8_runner --wide),
     FC1 1.12x (Qwen3) and 1.14x (Mixtral) faster. On by default; ``MOE_EP_FP8_WIDE_GATED=0`` turns
-    it off."""
-    return activation == "swiglu" and env_flag("MOE_EP_FP8_WIDE_GATED", True)
+    it off. Every gated activation (clamped_swiglu too, drop v100: the same schedule, another epilogue)."""
+    return activation in FP8_GATED and env_flag("MOE_EP_FP8_WIDE_GATED", True)
 
 
 def compiled_key_overlap(activation: str, k: int) -> bool:
@@ -240,6 +241,10 @@ class Fp8Key:
     quant_items: int = 1
     unit_scales: bool = False
     place: str = ""  # drop v92: "" | "copy" (PLACE_KINDS)
+    # drop v100: clamped_swiglu's compile-time constants (0.0 for the other activations)
+    swiglu_alpha: float = 0.0
+    swiglu_limit: float = 0.0
+    swiglu_beta: float = 0.0
 
 
 #: reduction size from which the FP8 GEMMs load their scales by TMA by default (use_fp8_unit_scales)
@@ -300,7 +305,8 @@ PLACE_KINDS = ("", "copy")
 
 
 def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_rows: bool,
-         raster_m: int = 0, overlap_promotion: bool = False, place: str = "") -> Fp8Key:
+         raster_m: int = 0, overlap_promotion: bool = False, place: str = "", swiglu: tuple = ()) -> Fp8Key:
+    """``swiglu``: clamped_swiglu's (alpha, limit, beta); ignored for the other activations."""
     check_removed()  # a switch of a removed variant, still set, raises here
     if place not in PLACE_KINDS:
         raise ValueError(f"sm90 FP8 GEMM: place must be one of {PLACE_KINDS}, got {place!r}")
@@ -319,13 +325,15 @@ def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_row
                   use_fp8_cluster(activation, n, k) if plain else 1,
                   smem, scale_warp, deferred,
                   kind == "gemm" and use_fp8_tanh_sigmoid(activation),
-                  use_fp8_quant_items() if kind.startswith("quantize") else 1, unit, place)
+                  use_fp8_quant_items() if kind.startswith("quantize") else 1, unit, place,
+                  *(tuple(float(v) for v in swiglu) if activation == "clamped_swiglu" else (0.0, 0.0, 0.0)))
 
 
-def _gemm_key(activation: str, n: int, k: int, num_experts: int, scale_rows: bool, place: str = "") -> Fp8Key:
+def _gemm_key(activation: str, n: int, k: int, num_experts: int, scale_rows: bool, place: str = "",
+              swiglu: tuple = ()) -> Fp8Key:
     """The GEMM's key: every schedule choice made once, here (compiled code and launcher agree)."""
     return _key("gemm", activation, n, k, num_experts, scale_rows, pick_fp8_raster_m(k),
-                compiled_key_overlap(activation, k), place)
+                compiled_key_overlap(activation, k), place, swiglu)
 
 
 def _gemm_options(key: Fp8Key) -> dict:
@@ -336,14 +344,20 @@ def _gemm_options(key: Fp8Key) -> dict:
                 cluster_n=key.cluster_n, smem_scales=key.smem_scales,
                 scale_warp=key.scale_warp, deferred_epilogue=key.deferred_epilogue,
                 tanh_sigmoid=key.tanh_sigmoid, unit_scales=key.unit_scales,
-                **(dict(place_a=True) if key.place else {}))
+                **(dict(place_a=True) if key.place else {}),
+                **(dict(swiglu_alpha=key.swiglu_alpha, swiglu_limit=key.swiglu_limit, swiglu_beta=key.swiglu_beta)
+                   if key.activation == "clamped_swiglu" else {}))
 
 
 def _checked_gemm_key(activation: str, n: int, k: int, num_experts: int, scale_rows: bool,
-                      place: str = "") -> Fp8Key:
+                      place: str = "", swiglu: tuple = ()) -> Fp8Key:
     """:func:`_gemm_key` after the shape checks (ValueError naming what is wrong)."""
     check_fp8_gemm(activation, n, k, num_experts)
-    return _gemm_key(activation, n, k, num_experts, scale_rows, place)
+    return _gemm_key(activation, n, k, num_experts, scale_rows, place, swiglu)
+
+
+def _swiglu(swiglu_alpha: float, swiglu_limit: float, swiglu_beta: float) -> tuple:
+    return (float(swiglu_alpha), float(swiglu_limit), float(swiglu_beta))
 
 
 def _compiled_gemm(key: Fp8Key) -> Any:
@@ -363,21 +377,26 @@ def _compiled_gemm(key: Fp8Key) -> Any:
 
 
 def compiled_fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
-                      place: str = "") -> Any:
-    """Compiled code of the FP8 grouped GEMM (no GPU needed). Swiglu with :func:`use_fp8_wide_gated`:
-    the one-WGMMA gate+up schedule. ``place`` (drop v92): see :func:`fp8_gemm`."""
-    return _compiled_gemm(_checked_gemm_key(activation, n, k, num_experts, scale_rows, place))
+                      place: str = "", swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
+                      swiglu_beta: float = 1.0) -> Any:
+    """Compiled code of the FP8 grouped GEMM (no GPU needed). Gated with :func:`use_fp8_wide_gated`:
+    the one-WGMMA gate+up schedule. ``place`` (drop v92): see :func:`fp8_gemm`; ``swiglu_*``:
+    clamped_swiglu's constants (drop v100)."""
+    return _compiled_gemm(_checked_gemm_key(activation, n, k, num_experts, scale_rows, place,
+                                            _swiglu(swiglu_alpha, swiglu_limit, swiglu_beta)))
 
 
-def fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False, place: str = "") -> Any:
+def fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False, place: str = "",
+             swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0, swiglu_beta: float = 1.0) -> Any:
     """A caller-owned launcher: ``gemm(a [M, k] e4m3, a_scale [M, k/128] f32, b [E, n, k] e4m3,
     b_scale [E, n/128, k/128] f32, offsets [E+1] i32, out=[M, n_out] bf16, row_scale=[M] f32)``.
     ``place`` (drop v92, opt-in): "copy" -- the GEMM writes its own A rows and scales while it runs,
     ``a`` and ``a_scale`` being written by it: row r copied from e4m3 ``x[idx[r]]`` and its scales (a
     call passes ``x=`` [T, k] e4m3, ``x_scale=`` [T, k/128] f32, ``idx=`` [M] int32 and ``sync=``);
     ``sync``: :func:`~.sm90_megamoe.place_sync_len`
-    int32, zero before the first launch."""
-    key = _checked_gemm_key(activation, n, k, num_experts, scale_rows, place)
+    int32, zero before the first launch. ``swiglu_*``: clamped_swiglu's constants (drop v100)."""
+    key = _checked_gemm_key(activation, n, k, num_experts, scale_rows, place,
+                            _swiglu(swiglu_alpha, swiglu_limit, swiglu_beta))
     return _load("sm90_megamoe.fp8_launch").CompiledFp8Gemm(compiled=_compiled_gemm(key), **_gemm_options(key))
 
 

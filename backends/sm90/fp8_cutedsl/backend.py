@@ -9,9 +9,10 @@ The forward is the BF16 SM90 backend's, with steps 3-4 replaced:
    on its own rank (the same per-128-value rule as step 3, so the same bits) and its E4M3 bytes and
    float32 scales travel as two dispatches of narrower rows (``H/2`` and ``H/64`` bf16 words: 0.52x
    the bytes of BF16); step 2 then gathers the grouped E4M3 rows and their scales (no quantiser);
-3. **FC1 + SwiGLU** -- the grouped rows are quantised per 128 values of a row (E4M3 + one float32
+3. **FC1 + activation** -- the grouped rows are quantised per 128 values of a row (E4M3 + one float32
    scale, ``amax / 448``: :func:`moe_ep.api.quant.quantize_fp8_rows128`), then the FP8 grouped GEMM
-   with per-k-block scale promotion ``h = swiglu(xq · wq13ᵀ)``; by default (:func:`fused_gather_quant`)
+   with per-k-block scale promotion ``h = act(xq · wq13ᵀ)`` (``swiglu`` or, drop v100,
+   ``clamped_swiglu``: gpt-oss's or DeepSeek-V4 / GLM-5's clamped form); by default (:func:`fused_gather_quant`)
    step 2 skips the BF16 row gather and this step quantises each received token once straight
    into the grouped rows its choices took (:func:`scatter_quant`; one launch and a BF16 write +
    read of every grouped row less; same bits);
@@ -48,9 +49,20 @@ from ..bf16_cutedsl.backend import Sm90CuteDSLBackend, prebuild_layer
 NAME = "sm90_fp8_cutedsl"
 
 
+#: MoEConfig.activation values this backend runs (clamped_swiglu: drop v100)
+ACTIVATIONS = ("swiglu", "clamped_swiglu")
+
+
 def _gemm_specs(cfg: Any, e_local: int) -> dict:
-    return {"fc1": ("swiglu", cfg.w13_rows, cfg.hidden, e_local, False),
+    return {"fc1": (cfg.activation, cfg.w13_rows, cfg.hidden, e_local, False),
             "fc2": ("identity", cfg.hidden, cfg.intermediate, e_local, True)}
+
+
+def _fc1_kw(cfg: Any) -> dict:
+    """FC1's compile-time activation constants: clamped_swiglu's alpha, limit and beta, else none."""
+    if cfg.activation != "clamped_swiglu":
+        return {}
+    return dict(swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit, swiglu_beta=cfg.swiglu_beta)
 
 
 def fp8_wire() -> bool:
@@ -80,7 +92,7 @@ def wire_views(bufs: dict, slots: int, hidden: int) -> tuple[dict, dict]:
 
 def check_config(config: Any, group: Any) -> None:
     """What this backend refuses on any machine (shapes, formats), with the reason."""
-    check_quantized_config(NAME, config, group, "fp8_block128", ("swiglu",))
+    check_quantized_config(NAME, config, group, "fp8_block128", ACTIVATIONS)
     if group.world_size > 1 and fp8_wire() and config.hidden % 512:
         raise UnsupportedBackendError(f"{NAME}: MOE_EP_FP8_WIRE=1 needs hidden % 512 == 0 (the float32 scales "
                                       f"of a row travel as hidden/64 bf16 words), got hidden={config.hidden}")
@@ -153,7 +165,7 @@ def prebuild(config: Any, world_size: int, kernels: tuple = ("fc1", "fc2", "ep",
             scatter = 1
 
         def build():
-            sm90_compiled_fp8_gemm(*specs[name], place=place[name])
+            sm90_compiled_fp8_gemm(*specs[name], place=place[name], **(_fc1_kw(config) if name == "fc1" else {}))
             sm90_compiled_fp8_quantize_rows(specs[name][2], gather=gather and not scatter, scatter_topk=scatter)
         return build
 
@@ -182,7 +194,7 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
         cfg = self.cfg
         specs = _gemm_specs(cfg, self.E)
         self.place_fc1 = place_fc1(self.W)  # FC1 copies its own input rows (drop v92)
-        self.fc1 = sm90_fp8_gemm(*specs["fc1"], place="copy" if self.place_fc1 else "")
+        self.fc1 = sm90_fp8_gemm(*specs["fc1"], place="copy" if self.place_fc1 else "", **_fc1_kw(cfg))
         self.fc2 = sm90_fp8_gemm(*specs["fc2"])
         self.fused_gather = fused_gather_quant()  # no BF16 grouped rows: step 3 quantises the received ones
         self.scatter_quant = self.fused_gather and scatter_quant() and not self.place_fc1
@@ -341,11 +353,12 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
         super().destroy()
 
 
-def grouped_gemm_fp8(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False):
+def grouped_gemm_fp8(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False, **swiglu):
     """A launcher of the SM90 FP8 block-scaled grouped GEMM (for benchmarks and engines with their
     own MoE plumbing), on the schedule the backend picks for this shape: ``fn(a [M,k] e4m3,
     a_scale [M,k/128] f32, b [E,n,k] e4m3, b_scale [E,n/128,k/128] f32, offsets [E+1] int32
     (device), out=[M,n_out] bf16, row_scale=[M] f32 (any [1] f32 when not scale_rows))``; ``n_out``
-    = n/2 for swiglu."""
+    = n/2 for the gated activations; ``swiglu``: clamped_swiglu's ``swiglu_alpha`` / ``swiglu_limit`` /
+    ``swiglu_beta``."""
     sm90_check_fp8_gemm(activation, n, k, num_experts)
-    return sm90_fp8_gemm(activation, n, k, num_experts, scale_rows)
+    return sm90_fp8_gemm(activation, n, k, num_experts, scale_rows, **swiglu)

@@ -2,10 +2,10 @@
 
 Requirements (checked by :func:`can_implement`, which returns a reason string or None)
 -----------------------------------------------------------------------------------
-* activation in ("identity", "swiglu")
+* activation in ("identity", "swiglu", "clamped_swiglu") (clamped_swiglu: drop v100)
 * K % 128 == 0 (one activation scale and one weight scale per 128-wide k-tile), K >= 128
-* N % 128 == 0 (whole 128-row weight-scale blocks); swiglu: N = 2 * I with I % 128 == 0
-* tile_n in (64, 128); swiglu: tile_n == 64 (gate + up accumulators, each with a partial
+* N % 128 == 0 (whole 128-row weight-scale blocks); gated: N = 2 * I with I % 128 == 0
+* tile_n in (64, 128); gated: tile_n == 64 (gate + up accumulators, each with a partial
   accumulator for the promotion: 4 x 32 fp32 registers per thread; tile_n = 128 would need 256)
 * E <= MAX_EXPERTS; all tensors contiguous, base pointers 16-byte aligned (scales 4-byte)
 
@@ -14,6 +14,8 @@ Semantics, for every expert ``e`` with rows ``[offsets[e], offsets[e+1])``::
     H[m, n] = sum_kb a_scale[m, kb] * w_scale[e, n // 128, kb] * sum_{k in kb} A[m, k] * B[e, n, k]
     identity  C[m, :]   = H[m, :]              (* row_scale[m] when scale_rows)
     swiglu    C[m, :I]  = silu(H[m, :I]) * H[m, I:]   (* row_scale[m])
+    clamped_swiglu  C[m, :I] = (clamp(U, -l, l) + beta) * G' * sigmoid(alpha * G'),  G' = min(G, l),
+                    G = H[m, :I], U = H[m, I:] (the BF16 GEMM's form; alpha, l, beta compile-time)
 
 FP8 (e4m3) in, FP32 accumulate, BF16 out.
 
@@ -117,6 +119,7 @@ FC2's A rows: FC1 0.59-0.78x quantiser + plain at the cap, the layer 7-11% slowe
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -132,7 +135,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from .gather_producer import stage_producers
 from .pdl import PDL, wait_previous_grid
 from .constants import MAX_EXPERTS
-from .grouped_gemm import GroupedGemmSm90, get_smem_capacity_in_bytes, silu
+from .grouped_gemm import _LOG2E, GroupedGemmSm90, get_smem_capacity_in_bytes, silu
 from .warp_scan import warp_inclusive_scan
 from .unit_scales import UNIT_SCALE_BUF, UNIT_SCALE_BUFS, UNIT_SCALE_KC, UnitScales, unit_scales_reason
 
@@ -173,11 +176,13 @@ def _fence_operand(frag, n: int) -> None:
         frag[i] = _pin(frag[i])
 
 
-FP8_ACTIVATIONS = ("identity", "swiglu")
+FP8_ACTIVATIONS = ("identity", "swiglu", "clamped_swiglu")
+#: the gated ones: gate rows [0, I) and up rows [I, 2I) of the weight, two accumulators
+FP8_GATED = ("swiglu", "clamped_swiglu")
 
 
 def default_tile_n(activation: str) -> int:
-    return 64 if activation == "swiglu" else 128
+    return 64 if activation in FP8_GATED else 128
 
 
 def can_implement(activation: str, n: int, k: int, num_experts: int,
@@ -189,14 +194,14 @@ def can_implement(activation: str, n: int, k: int, num_experts: int,
         tile_n = default_tile_n(activation)
     if tile_n not in (64, 128):
         return f"tile_n must be 64 or 128, got {tile_n}"
-    if activation == "swiglu" and tile_n != 64:
-        return "swiglu needs tile_n == 64 (gate + up + two partial accumulators in registers)"
+    if activation in FP8_GATED and tile_n != 64:
+        return f"{activation} needs tile_n == 64 (gate + up + two partial accumulators in registers)"
     if k <= 0 or k % FP8_BLOCK != 0:
         return f"K={k} must be a positive multiple of {FP8_BLOCK}"
     if n <= 0 or n % FP8_BLOCK != 0:
         return f"N={n} must be a positive multiple of {FP8_BLOCK}"
-    if activation == "swiglu" and (n // 2) % FP8_BLOCK != 0:
-        return f"swiglu needs I = N/2 = {n // 2} to be a multiple of {FP8_BLOCK}"
+    if activation in FP8_GATED and (n // 2) % FP8_BLOCK != 0:
+        return f"{activation} needs I = N/2 = {n // 2} to be a multiple of {FP8_BLOCK}"
     if not (1 <= num_experts <= MAX_EXPERTS):
         return f"num_experts={num_experts} must be in [1, {MAX_EXPERTS}]"
     return None
@@ -205,11 +210,13 @@ def can_implement(activation: str, n: int, k: int, num_experts: int,
 class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
     """FP8 block-scaled varlen-M grouped GEMM (see the module docstring).
 
-    :param activation: "identity" or "swiglu" (compile time).
+    :param activation: "identity", "swiglu" or "clamped_swiglu" (compile time).
     :param scale_rows: multiply output row m by row_scale[m] after the activation.
-    :param tile_n: output columns per tile; None = 128 (identity) / 64 (swiglu).
+    :param tile_n: output columns per tile; None = 128 (identity) / 64 (gated).
     :param num_stages: smem pipeline depth; None = as many as fit (at most 8).
     :param raster_m: m-tiles per raster group inside an expert (as in :class:`GroupedGemmSm90`).
+    :param swiglu_alpha, swiglu_limit, swiglu_beta: clamped_swiglu's constants (drop v100; gpt-oss:
+        1.702, 7.0, 1.0; DeepSeek-V4 / GLM-5: 1.0, the model's limit, 0.0).
 
     Only :meth:`_locate` and :meth:`_epilogue` are inherited; they read ``tile_m``, ``tile_n``,
     ``n_tiles``, ``raster_m``, ``n_out``, ``n_out_divisible``, ``c_dtype``, ``epi_n``,
@@ -224,20 +231,26 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
                  num_stages: Optional[int] = None, raster_m: int = 1, overlap_promotion: bool = False,
                  wide_gated: bool = False, cluster_n: int = 1, smem_scales: bool = False,
                  scale_warp: bool = False, deferred_epilogue: bool = False, tanh_sigmoid: bool = False,
-                 unit_scales: bool = False):
+                 unit_scales: bool = False, swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
+                 swiglu_beta: float = 1.0):
         if tile_n is None:
             tile_n = default_tile_n(activation)
         reason = can_implement(activation, 2 * FP8_BLOCK, FP8_BLOCK, 1, tile_n)
         if reason is not None:
             raise ValueError(reason)
+        if activation == "clamped_swiglu" and not (float(swiglu_limit) > 0.0 and math.isfinite(swiglu_limit)
+                                                   and math.isfinite(swiglu_alpha) and math.isfinite(swiglu_beta)):
+            raise ValueError("clamped_swiglu needs a finite swiglu_limit > 0 and a finite swiglu_alpha and "
+                             "swiglu_beta")
+        self.swiglu_alpha, self.swiglu_limit, self.swiglu_beta = float(swiglu_alpha), float(swiglu_limit), float(swiglu_beta)
         self.activation = activation
-        self.gated = activation == "swiglu"
+        self.gated = activation in FP8_GATED
         self.scale_rows = bool(scale_rows)
         self.has_bias = False
         self.raster_m = int(raster_m)
         self.overlap_promotion = bool(overlap_promotion)
-        if wide_gated and activation != "swiglu":
-            raise ValueError("wide_gated needs a gated activation (swiglu)")
+        if wide_gated and not self.gated:
+            raise ValueError("wide_gated needs a gated activation (swiglu, clamped_swiglu)")
         self.wide_gated = bool(wide_gated)
         if cluster_n not in (1, 2):
             raise ValueError(f"cluster_n must be 1 or 2, got {cluster_n}")
@@ -844,18 +857,18 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
         return tiled_mma  # rebound by the caller: the accumulate flag is a traced value
 
     def _activate(self, accs, acc_shape, n_elems: int, mRowScale, ra_lo, ra_hi):
-        """The tile's outputs from its finished sums ``accs``: the activation (swiglu: silu(gate) * up;
-        wide gated: a new tensor of the tile's ``n_elems`` outputs, else ``accs[0]`` in place), then
+        """The tile's outputs from its finished sums ``accs``: the activation (:meth:`_gate` of gate and
+        up; wide gated: a new tensor of the tile's ``n_elems`` outputs, else ``accs[0]`` in place), then
         the row scale of the thread's two rows ``ra_lo`` / ``ra_hi`` when ``scale_rows``."""
         acc0 = accs[0]
         if self.wide_gated:
             # output element i (column block i // 4 < 8) = gate element i, up element i + 32
             acc0 = cute.make_rmem_tensor(acc_shape, self.acc_dtype)
             for i in range(n_elems):
-                acc0[i] = self._silu(accs[0][i]) * accs[0][i + n_elems]
+                acc0[i] = self._gate(accs[0][i], accs[0][i + n_elems])
         elif self.gated:
             for i in range(n_elems):
-                acc0[i] = self._silu(acc0[i]) * accs[1][i]
+                acc0[i] = self._gate(acc0[i], accs[1][i])
         if self.scale_rows:
             rs_lo = mRowScale[ra_lo]
             rs_hi = mRowScale[ra_hi]
@@ -865,6 +878,19 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
                 else:
                     acc0[i] = acc0[i] * rs_hi
         return acc0
+
+    def _gate(self, g, u):
+        """The gated activation of one output: swiglu's ``silu(g) * u``, or clamped_swiglu's (the BF16
+        GEMM's form: the sigmoid from ``exp2`` and ``rcp.approx``; beta 0 compiles no add)."""
+        if self.activation == "swiglu":
+            return self._silu(g) * u
+        lim = cutlass.Float32(self.swiglu_limit)
+        g = cute.arch.fmin(g, lim)
+        u = cute.arch.fmax(cute.arch.fmin(u, lim), -lim)
+        den = cutlass.Float32(1.0) + cute.math.exp2(g * cutlass.Float32(-self.swiglu_alpha * _LOG2E), fastmath=True)
+        if self.swiglu_beta != 0.0:
+            u = u + cutlass.Float32(self.swiglu_beta)
+        return u * g * cute.arch.rcp_approx(den)
 
     def _silu(self, g):
         """:func:`.grouped_gemm.silu` in this kernel's form (``tanh_sigmoid``, drop v50: one MUFU op

@@ -13,14 +13,14 @@ import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
 
-from .fp8_gemm import FP8_BLOCK, Fp8BlockScaledGroupedGemmSm90, can_implement
+from .fp8_gemm import FP8_BLOCK, FP8_GATED, Fp8BlockScaledGroupedGemmSm90, can_implement
 from .launch import _num_sms, call_on_stream, cluster_ctas, ffi_fixed, ffi_function
 
 
 def fake_args(num_experts: int, n: int, k: int, activation: str, use_tvm_ffi: bool = False):
     """Fake ``(mA, mAScale, mB, mBScale, mC, mOffsets, mRowScale, ctas, stream)``: M_total
     dynamic, the FP8 operands as uint8 views."""
-    n_out = n // 2 if activation == "swiglu" else n
+    n_out = n // 2 if activation in FP8_GATED else n
     m = cute.sym_int()
     u8, f32 = cutlass.Uint8, cutlass.Float32
     mA = make_fake_compact_tensor(u8, (m, k), stride_order=(1, 0), assumed_align=16)
@@ -60,7 +60,7 @@ class CompiledFp8Gemm:
     ``tvm_ffi``, ``raster_m`` and ``overlap_promotion``); None compiles it here (sm_90a).
     ``raster_m``: m-tiles per raster group inside an expert; ``overlap_promotion``: the schedule
     that promotes k-tile t-1 while t's WGMMAs run (see :class:`.fp8_gemm.Fp8BlockScaledGroupedGemmSm90`);
-    ``wide_gated`` (swiglu only): one m64n128 WGMMA over gate and up per k-block instead of two
+    ``wide_gated`` (gated only): one m64n128 WGMMA over gate and up per k-block instead of two
     m64n64 ones; ``cluster_n`` = 2
     (drop v28; N_out / tile_n even): clusters of 2 CTAs, each pair
     computing one m-tile's two adjacent n-tiles and multicasting A's halves to each other -- a
@@ -83,14 +83,16 @@ class CompiledFp8Gemm:
     runner's tuning.
     Drop v84 removed ``requant``, ``fused_quant`` / ``pair_amax``, ``scale_lookahead`` and clusters of 4,
     v85 ``gather_tma``, v87 ``gather_a``, v89 ``chunk_k_tiles``, v93 ``place_gather`` / ``place_copy``
-    (the quantising placement) (measured slower or no faster on the H200)."""
+    (the quantising placement) (measured slower or no faster on the H200).
+    ``swiglu_alpha`` / ``swiglu_limit`` / ``swiglu_beta`` (drop v100): clamped_swiglu's constants."""
 
     def __init__(self, activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
                  compiled=None, tvm_ffi: bool = False, raster_m: int = 1, overlap_promotion: bool = False,
                  wide_gated: bool = False, cluster_n: int = 1,
                  smem_scales: bool = False, scale_warp: bool = False,
                  deferred_epilogue: bool = False, tanh_sigmoid: bool = False, unit_scales: bool = False,
-                 place_a: bool = False, place_opts: Optional[dict] = None):
+                 place_a: bool = False, place_opts: Optional[dict] = None,
+                 swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0, swiglu_beta: float = 1.0):
         reason = can_implement(activation, n, k, num_experts)
         if reason is None and place_a and scale_warp:
             reason = "place_a does not combine with scale_warp (warp 1 copies rows)"
@@ -104,14 +106,14 @@ class CompiledFp8Gemm:
             reason = "deferred_epilogue needs overlap_promotion"
         if reason is None and tanh_sigmoid and activation != "swiglu":
             reason = f"tanh_sigmoid is swiglu's sigmoid: it needs activation 'swiglu', got {activation!r}"
-        if reason is None and wide_gated and activation != "swiglu":
-            reason = f"wide_gated needs activation 'swiglu', got {activation!r}"
+        if reason is None and wide_gated and activation not in FP8_GATED:
+            reason = f"wide_gated needs a gated activation {FP8_GATED}, got {activation!r}"
         if reason is not None:
             raise ValueError(reason)
         self.wide_gated = bool(wide_gated)
         self.activation, self.n, self.k, self.num_experts = activation, n, k, num_experts
         self.scale_rows = bool(scale_rows)
-        self.n_out = n // 2 if activation == "swiglu" else n
+        self.n_out = n // 2 if activation in FP8_GATED else n
         self.tvm_ffi = bool(tvm_ffi)
         self.raster_m = int(raster_m)
         self.overlap_promotion = bool(overlap_promotion)
@@ -137,7 +139,9 @@ class CompiledFp8Gemm:
                 **({"scale_warp": True} if self.scale_warp else {}),
                 **({"deferred_epilogue": True} if self.deferred_epilogue else {}),
                 **({"tanh_sigmoid": True} if self.tanh_sigmoid else {}),
-                **({"unit_scales": True} if self.unit_scales else {}), **place_kw)
+                **({"unit_scales": True} if self.unit_scales else {}),
+                **(dict(swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, swiglu_beta=swiglu_beta)
+                   if activation == "clamped_swiglu" else {}), **place_kw)
             opts = "--gpu-arch sm_90a" + (" --enable-tvm-ffi" if self.tvm_ffi else "")
             fake = fake_place_args(num_experts, n, k, activation, self.tvm_ffi) if self.place_a \
                 else fake_args(num_experts, n, k, activation, self.tvm_ffi)

@@ -78,17 +78,21 @@ def fp8_grouped_gemm_reference(
     activation: str,
     row_scale: Optional[torch.Tensor] = None,
     dtype: torch.dtype = torch.float32,
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
+    swiglu_beta: float = 1.0,
 ) -> torch.Tensor:
     """The dequantised math in ``dtype`` (float32 default), looping over experts.
 
     a [M, K] e4m3, a_scale [M, K/128] f32, b [E, N, K] e4m3, b_scale [E, N/128, K/128] f32,
     offsets [E+1] int, row_scale [M] f32 or None. Returns [M, N_out] in ``dtype``
-    (identity: N_out = N; swiglu: N_out = N/2, silu(gate rows [0, I)) * up rows [I, 2I))."""
-    if activation not in ("identity", "swiglu"):
+    (identity: N_out = N; swiglu: N_out = N/2, silu(gate rows [0, I)) * up rows [I, 2I);
+    clamped_swiglu: (clamp(up, -limit, limit) + beta) * g * sigmoid(alpha * g), g = min(gate, limit))."""
+    if activation not in ("identity", "swiglu", "clamped_swiglu"):
         raise ValueError(activation)
     offs = [int(x) for x in offsets.tolist()]
     E, N, _ = b.shape
-    n_out = N // 2 if activation == "swiglu" else N
+    n_out = N if activation == "identity" else N // 2
     ad = dequantize_rows128(a, a_scale, dtype)
     out = torch.zeros(a.shape[0], n_out, dtype=dtype, device=a.device)
     for e in range(E):
@@ -98,6 +102,9 @@ def fp8_grouped_gemm_reference(
         y = ad[lo:hi] @ dequantize_weight_block128(b[e:e + 1], b_scale[e:e + 1], dtype)[0].t()
         if activation == "swiglu":
             y = torch.nn.functional.silu(y[:, :n_out]) * y[:, n_out:]
+        elif activation == "clamped_swiglu":
+            g, u = y[:, :n_out].clamp(max=swiglu_limit), y[:, n_out:].clamp(-swiglu_limit, swiglu_limit)
+            y = (u + swiglu_beta) * g * torch.sigmoid(swiglu_alpha * g)
         out[lo:hi] = y
     if row_scale is not None:
         out = out * row_scale.to(dtype)[:, None]

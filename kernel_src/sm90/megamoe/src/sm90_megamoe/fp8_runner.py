@@ -50,7 +50,7 @@ import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 from cutlass.cute.runtime import from_dlpack, make_fake_compact_tensor, make_fake_stream
 
-from .fp8_gemm import FP8_BLOCK, OVERLAP_MAX_K_TILES, Fp8BlockScaledGroupedGemmSm90, can_implement, overlap_chunk
+from .fp8_gemm import FP8_BLOCK, FP8_GATED, OVERLAP_MAX_K_TILES, Fp8BlockScaledGroupedGemmSm90, can_implement, overlap_chunk
 from .fp8_reference import (fp8_grouped_gemm_reference, make_offsets, quantize_rows128,
                             quantize_weight_block128)
 
@@ -69,7 +69,7 @@ def layers(model: str):
 def fake_args(num_experts: int, n: int, k: int, activation: str):
     """Fake (mA, mAScale, mB, mBScale, mC, mOffsets, mRowScale, ctas, stream): M_total dynamic,
     fp8 operands as uint8 views (what :func:`cute_args` passes)."""
-    n_out = n // 2 if activation == "swiglu" else n
+    n_out = n // 2 if activation in FP8_GATED else n
     m = cute.sym_int()
     u8, f32 = cutlass.Uint8, cutlass.Float32
     mA = make_fake_compact_tensor(u8, (m, k), stride_order=(1, 0), assumed_align=16)
@@ -98,7 +98,7 @@ def compile_variant(activation: str, n: int, k: int, num_experts: int, scale_row
                     num_stages: Optional[int] = None, raster_m: int = 1, overlap_promotion: bool = False,
                     wide_gated: bool = False, cluster_n: int = 1,
                     smem_scales: bool = False, scale_warp: bool = False, deferred_epilogue: bool = False,
-                    tanh_sigmoid: bool = False):
+                    tanh_sigmoid: bool = False, swiglu: tuple = ()):
     """(kernel, compiled) for one variant, from fake tensors (no GPU needed), compiled once per
     process (the checks, the GPU runs and the tests share it); ``wide_gated``: FC1's one-WGMMA
     gate+up schedule (swiglu only);
@@ -106,16 +106,17 @@ def compile_variant(activation: str, n: int, k: int, num_experts: int, scale_row
     ``smem_scales``: scales staged in shared memory by the producer warp (drop v34), ``scale_warp``:
     by a second producer warp (drop v35); ``deferred_epilogue``: a unit's epilogue under the next
     unit's first k-tile (drop v48; the unrolled overlapped schedule); ``tanh_sigmoid``: swiglu's
-    sigmoid from one tanh.approx (drop v50)."""
+    sigmoid from one tanh.approx (drop v50); ``swiglu``: clamped_swiglu's (alpha, limit, beta) (drop v100)."""
     return _compile_variant(activation, n, k, num_experts, bool(scale_rows), arch, tile_n, num_stages, int(raster_m),
                             bool(overlap_promotion), bool(wide_gated), int(cluster_n),
-                            bool(smem_scales), bool(scale_warp), bool(deferred_epilogue), bool(tanh_sigmoid))
+                            bool(smem_scales), bool(scale_warp), bool(deferred_epilogue), bool(tanh_sigmoid),
+                            tuple(float(v) for v in swiglu))
 
 
 @functools.lru_cache(maxsize=None)
 def _compile_variant(activation, n, k, num_experts, scale_rows, arch, tile_n, num_stages, raster_m,
                      overlap_promotion, wide_gated, cluster_n=1, smem_scales=False,
-                     scale_warp=False, deferred_epilogue=False, tanh_sigmoid=False):
+                     scale_warp=False, deferred_epilogue=False, tanh_sigmoid=False, swiglu=()):
     reason = can_implement(activation, n, k, num_experts, tile_n)
     if reason is not None:
         raise ValueError(reason)
@@ -125,7 +126,8 @@ def _compile_variant(activation, n, k, num_experts, scale_rows, arch, tile_n, nu
                  **({"smem_scales": True} if smem_scales else {}),
                  **({"scale_warp": True} if scale_warp else {}),
                  **({"deferred_epilogue": True} if deferred_epilogue else {}),
-                 **({"tanh_sigmoid": True} if tanh_sigmoid else {}))
+                 **({"tanh_sigmoid": True} if tanh_sigmoid else {}),
+                 **(dict(zip(("swiglu_alpha", "swiglu_limit", "swiglu_beta"), swiglu)) if swiglu else {}))
     compiled = cute.compile(kernel, *fake_args(num_experts, n, k, activation),
                             options=f"--gpu-arch {arch} --keep-ptx")
     return kernel, compiled
@@ -185,17 +187,17 @@ class Fp8GroupedGemm:
 
     def __init__(self, activation, n, k, num_experts, scale_rows, tile_n=None, num_stages=None, raster_m=1,
                  overlap_promotion=False, wide_gated=False, cluster_n=1,
-                 smem_scales=False, scale_warp=False, deferred_epilogue=False, tanh_sigmoid=False):
+                 smem_scales=False, scale_warp=False, deferred_epilogue=False, tanh_sigmoid=False, swiglu=()):
         self.kernel, self.compiled = compile_variant(activation, n, k, num_experts, scale_rows,
                                                      tile_n=tile_n, num_stages=num_stages, raster_m=raster_m,
                                                      overlap_promotion=overlap_promotion,
                                                      wide_gated=wide_gated, cluster_n=cluster_n,
                                                      smem_scales=smem_scales, scale_warp=scale_warp,
                                                      deferred_epilogue=deferred_epilogue,
-                                                     tanh_sigmoid=tanh_sigmoid)
+                                                     tanh_sigmoid=tanh_sigmoid, swiglu=swiglu)
         self.cluster_n = int(cluster_n)
         self.activation, self.n, self.k, self.scale_rows = activation, n, k, scale_rows
-        self.n_out = n // 2 if activation == "swiglu" else n
+        self.n_out = n // 2 if activation in FP8_GATED else n
 
     def prepare(self, a, a_s, b, b_s, out, offs, rs):
         """CuTe views for :meth:`launch`; None when there are no rows (nothing to launch: TMA
@@ -616,6 +618,40 @@ def _time_at_cap(fn, reps: int, warm_s: float = 1.0) -> float:
     return s.elapsed_time(e) / reps
 
 
+def check_clamped(model: str, routing: str) -> bool:
+    """Drop v100: FC1 with clamped_swiglu, gpt-oss's form (alpha 1.702, beta 1) and DeepSeek-V4 / GLM-5's
+    (alpha 1, beta 0), plain and with the layer's overlapped wide schedule, against the float32
+    dequantised reference with the same constants. The limit is 1.5 standard deviations of FC1's
+    outputs, so the clamp triggers for ~13% of the gates and of the up values."""
+    h, i, E, topk, tokens = MODELS[model]
+    m_total, n, k = tokens * topk, 2 * i, h
+    a, a_s, b, b_s, offs, _ = make_inputs(m_total, n, k, E, routing, False, seed=5)
+    pre = fp8_grouped_gemm_reference(a, a_s, b, b_s, offs, "identity")
+    limit = round(1.5 * float(pre.std()), 3)
+    clamped = float((pre[:, :i] > limit).float().mean())
+    del pre
+    ok_all = True
+    for alpha, beta in ((1.702, 1.0), (1.0, 0.0)):
+        ref = fp8_grouped_gemm_reference(a, a_s, b, b_s, offs, "clamped_swiglu", swiglu_alpha=alpha,
+                                         swiglu_limit=limit, swiglu_beta=beta)
+        wrong = fp8_grouped_gemm_reference(a, a_s, b, b_s, offs, "clamped_swiglu", swiglu_alpha=alpha,
+                                           swiglu_limit=limit, swiglu_beta=1.0 - beta)
+        for kw in ({}, dict(overlap_promotion=overlap_buildable(k), wide_gated=True)):
+            fn = Fp8GroupedGemm("clamped_swiglu", n, k, E, False, swiglu=(alpha, limit, beta), **kw)
+            out = torch.full((m_total, fn.n_out), float("nan"), dtype=torch.bfloat16, device="cuda")
+            fn.launch(fn.prepare(a, a_s, b, b_s, out, offs, None))
+            torch.cuda.synchronize()
+            nan = bool(torch.isnan(out).any())
+            rel = float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
+            off = float((out.float() - wrong).norm() / wrong.norm().clamp_min(1e-30))
+            ok = (not nan) and rel < 1e-2 and off > 0.05
+            ok_all &= ok
+            print(f"[{model} fc1 clamped_swiglu alpha {alpha} limit {limit} beta {beta} {kw or 'plain'}] "
+                  f"{clamped:.1%} of gates clamped: rel_err={rel:.3e} (vs the other beta {off:.2e}) nan={nan} "
+                  f"-> {'PASS' if ok else 'FAIL'}", flush=True)
+    return ok_all
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", choices=sorted(MODELS), default="qwen3")
@@ -635,6 +671,8 @@ def main(argv=None):
     p.add_argument("--unit-scales", action="store_true",
                    help="also each layer GEMM with its scales loaded by TMA, 8 k-tiles per copy (drop v69; checked "
                         "bit-identical to the layer's schedule, timed at the power cap)")
+    p.add_argument("--clamped", action="store_true",
+                   help="also FC1 with clamped_swiglu, beta 1 and 0 (drop v100; checked against the reference)")
     p.add_argument("--raster-m", default="1", help="m-tiles per raster group, comma-separated: each is timed, "
                                                   "the first is also checked")
     args = p.parse_args(argv)
@@ -648,6 +686,8 @@ def main(argv=None):
             ok &= check_deferred_epilogue(args.model, args.routing, args.reps)
         if args.unit_scales:
             ok &= check_unit_scales(args.model)
+        if args.clamped:
+            ok &= check_clamped(args.model, args.routing)
     else:
         print("no SM90 GPU: compile checks only")
     raise SystemExit(0 if ok else 1)
