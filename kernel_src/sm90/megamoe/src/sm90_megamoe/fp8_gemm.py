@@ -135,7 +135,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from .gather_producer import stage_producers
 from .pdl import PDL, wait_previous_grid
 from .constants import MAX_EXPERTS
-from .grouped_gemm import _LOG2E, GroupedGemmSm90, get_smem_capacity_in_bytes, silu
+from .grouped_gemm import GroupedGemmSm90, clamped_swiglu, get_smem_capacity_in_bytes, silu
 from .warp_scan import warp_inclusive_scan
 from .unit_scales import UNIT_SCALE_BUF, UNIT_SCALE_BUFS, UNIT_SCALE_KC, UnitScales, unit_scales_reason
 
@@ -880,17 +880,10 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
         return acc0
 
     def _gate(self, g, u):
-        """The gated activation of one output: swiglu's ``silu(g) * u``, or clamped_swiglu's (the BF16
-        GEMM's form: the sigmoid from ``exp2`` and ``rcp.approx``; beta 0 compiles no add)."""
+        """The gated activation of one output: swiglu's ``silu(g) * u``, or :func:`.grouped_gemm.clamped_swiglu`."""
         if self.activation == "swiglu":
             return self._silu(g) * u
-        lim = cutlass.Float32(self.swiglu_limit)
-        g = cute.arch.fmin(g, lim)
-        u = cute.arch.fmax(cute.arch.fmin(u, lim), -lim)
-        den = cutlass.Float32(1.0) + cute.math.exp2(g * cutlass.Float32(-self.swiglu_alpha * _LOG2E), fastmath=True)
-        if self.swiglu_beta != 0.0:
-            u = u + cutlass.Float32(self.swiglu_beta)
-        return u * g * cute.arch.rcp_approx(den)
+        return clamped_swiglu(g, u, self.swiglu_alpha, self.swiglu_limit, self.swiglu_beta)
 
     def _silu(self, g):
         """:func:`.grouped_gemm.silu` in this kernel's form (``tanh_sigmoid``, drop v50: one MUFU op

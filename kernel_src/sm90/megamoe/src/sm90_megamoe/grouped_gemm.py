@@ -165,6 +165,21 @@ def silu(g, tanh_sigmoid: bool):
     return g * cute.arch.rcp_approx(den)
 
 
+def clamped_swiglu(g, u, alpha: float, limit: float, beta: float):
+    """``(clamp(u, -limit, limit) + beta) * g' * sigmoid(alpha * g')``, ``g' = min(g, limit)``, in
+    float32, traced inline: the sigmoid from ``ex2`` + ``rcp`` (two MUFU ops); beta 0 compiles no add.
+    The one form every clamped_swiglu epilogue of the drop uses (BF16 128-row and swap-AB, FP8);
+    ``alpha``, ``limit`` and ``beta`` are compile-time values."""
+    lim = cutlass.Float32(limit)
+    g = cute.arch.fmin(g, lim)
+    u = cute.arch.fmax(cute.arch.fmin(u, lim), -lim)
+    # g * sigmoid(alpha * g) = g / (1 + 2^(-alpha*g*log2(e)))
+    den = cutlass.Float32(1.0) + cute.math.exp2(g * cutlass.Float32(-alpha * _LOG2E), fastmath=True)
+    if beta != 0.0:  # gpt-oss's + 1; DeepSeek-V4 / GLM-5 / Hunyuan-V4 add nothing
+        u = u + cutlass.Float32(beta)
+    return u * g * cute.arch.rcp_approx(den)
+
+
 def check_bf16_operands(mA, mB, mC, mOffsets, mBias) -> None:
     """The BF16 GEMMs' operand dtypes, checked at compile time (this kernel and the swap-AB one,
     :mod:`.swapab_gemm`): bf16 A, B and C, int32 offsets, a float32 or bf16 bias tensor."""
@@ -972,16 +987,7 @@ class GroupedGemmSm90:
                 u = accs[1][i]
                 x = cutlass.Float32(0.5) * x * (cutlass.Float32(1.0) + cute.math.erf(x * _RSQRT2)) * u
             elif cutlass.const_expr(self.activation == "clamped_swiglu"):
-                lim = cutlass.Float32(self.swiglu_limit)
-                g = cute.arch.fmin(x, lim)
-                u = cute.arch.fmax(cute.arch.fmin(accs[1][i], lim), -lim)
-                # g * sigmoid(alpha * g) = g / (1 + 2^(-alpha*g*log2(e)))
-                den = cutlass.Float32(1.0) + cute.math.exp2(
-                    g * cutlass.Float32(-self.swiglu_alpha * _LOG2E), fastmath=True
-                )
-                if cutlass.const_expr(self.swiglu_beta != 0.0):  # beta 0 (DeepSeek-V4): no add
-                    u = u + cutlass.Float32(self.swiglu_beta)
-                x = u * g * cute.arch.rcp_approx(den)
+                x = clamped_swiglu(x, accs[1][i], self.swiglu_alpha, self.swiglu_limit, self.swiglu_beta)
             elif cutlass.const_expr(self.activation == "squared_relu"):
                 r = cute.arch.fmax(x, cutlass.Float32(0.0))
                 x = r * r

@@ -68,7 +68,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from .grouped_gemm import check_bf16_operands, silu
+from .grouped_gemm import check_bf16_operands, clamped_swiglu, silu
 from .warp_scan import warp_inclusive_scan
 from .pdl import PDL, wait_previous_grid
 from .constants import ACTIVATIONS, ALIGN_K_ELEMS, ALIGN_N_ELEMS, GATED_ACTIVATIONS, MAX_EXPERTS
@@ -83,7 +83,6 @@ try:
 except Exception:  # pragma: no cover
     from cutlass.utils import get_smem_capacity_in_bytes
 
-_LOG2E = 1.4426950408889634
 _RSQRT2 = 0.7071067811865476
 
 # L2 eviction-priority operands of cp.async.bulk.tensor's .L2::cache_hint (the createpolicy
@@ -632,15 +631,7 @@ class SwapABGroupedGemmSm90:
                 u = accs[1][i]
                 x = cutlass.Float32(0.5) * x * (cutlass.Float32(1.0) + cute.math.erf(x * _RSQRT2)) * u
             elif cutlass.const_expr(self.activation == "clamped_swiglu"):
-                lim = cutlass.Float32(self.swiglu_limit)
-                g = cute.arch.fmin(x, lim)
-                u = cute.arch.fmax(cute.arch.fmin(accs[1][i], lim), -lim)
-                den = cutlass.Float32(1.0) + cute.math.exp2(
-                    g * cutlass.Float32(-self.swiglu_alpha * _LOG2E), fastmath=True
-                )
-                if cutlass.const_expr(self.swiglu_beta != 0.0):  # beta 0 (DeepSeek-V4): no add
-                    u = u + cutlass.Float32(self.swiglu_beta)
-                x = u * g * cute.arch.rcp_approx(den)
+                x = clamped_swiglu(x, accs[1][i], self.swiglu_alpha, self.swiglu_limit, self.swiglu_beta)
             elif cutlass.const_expr(self.activation == "squared_relu"):
                 r = cute.arch.fmax(x, cutlass.Float32(0.0))
                 x = r * r
