@@ -339,9 +339,10 @@ def test_full_size_blocks_on_sm90(model):
 
 # ---------------------------------------------------------------- FP8 checkpoints (FineGrainedFP8Config)
 
-def _fp8_experts(scale_fmt="float", block=(128, 128), seed=0, dims=(256, 128, 8, 2), **kw):
+def _fp8_experts(scale_fmt="float", block=(128, 128), seed=0, dims=(256, 128, 8, 2), swiglu_limit=None, **kw):
     """transformers' ``FP8Experts`` as a Qwen3-FP8-like checkpoint loads it (``dims`` = H, I, experts,
-    top-k), its weights quantised from random bf16 ones by transformers' own ``Fp8Quantize``."""
+    top-k), its weights quantised from random bf16 ones by transformers' own ``Fp8Quantize``;
+    ``swiglu_limit``: the config's, as DeepSeek-V4's and GLM-5's carry one (FP8Experts then clamps)."""
     from transformers import Qwen3MoeConfig
 
     from moe_ep.bench.hf_block import quantised_fp8_experts
@@ -349,6 +350,8 @@ def _fp8_experts(scale_fmt="float", block=(128, 128), seed=0, dims=(256, 128, 8,
     H, I, E, K = dims
     cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E, num_experts_per_tok=K)
     cfg._experts_implementation = NAME
+    if swiglu_limit is not None:
+        cfg.swiglu_limit = swiglu_limit
     g = torch.Generator().manual_seed(seed)
     weights = {name: (torch.randn(E, n, k, generator=g) * k ** -0.5).to(torch.bfloat16)
                for name, (n, k) in (("gate_up_proj", (2 * I, H)), ("down_proj", (H, I)))}
@@ -408,17 +411,13 @@ def test_fp8_experts_against_the_quantised_model_in_float64(scale_fmt):
 
 
 def test_fp8_experts_with_a_clamped_silu_gate():
-    """A GLM-5-FP8 / DeepSeek-V4-like module: FP8 experts whose gate is silu(min(g, limit)) *
-    clamp(u): a ``quant="fp8_block128"`` layer with clamped_swiglu, alpha 1, beta 0 (drop v100: the
-    FP8 GEMM runs it), against the quantised model in float64 with that gate."""
-    mod = _fp8_experts()
+    """A GLM-5-FP8 / DeepSeek-V4-like checkpoint: transformers' own ``FP8Experts`` with the config's
+    ``swiglu_limit``, whose gate is silu(min(g, limit)) * clamp(u): a ``quant="fp8_block128"`` layer
+    with clamped_swiglu, alpha 1, beta 0 (drop v100: the FP8 GEMM runs it), against the quantised
+    model in float64 with that gate."""
     lim = 0.5  # FC1 outputs here are ~N(0, 1): the clamp triggers often
-
-    def clamped_silu(gate_up):
-        g, u = gate_up.chunk(2, dim=-1)
-        return torch.nn.functional.silu(g.clamp(max=lim)) * u.clamp(-lim, lim)
-
-    mod._apply_gate, mod.limit = clamped_silu, lim
+    mod = _fp8_experts(swiglu_limit=lim)
+    assert mod.limit == lim
     g = torch.Generator().manual_seed(6)
     x = torch.randn(96, 256, generator=g).to(torch.bfloat16)
     idx = torch.randn(96, 8, generator=g).topk(2, -1).indices
