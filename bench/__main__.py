@@ -25,6 +25,7 @@ TFLOP/s, W, MHz, TFLOP/s per GHz, GFLOP per joule: ``bench/sustained.py``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import subprocess
@@ -206,9 +207,7 @@ def bench_backends(args, key: str, cfg: MoEConfig, T: int, group: EPGroup, devic
     best = next((r.backend.split(" ")[0] for r in rows if not r.note.startswith("FAILED")), None)
     if cuda and not args.no_decode and best is not None:
         sizes = tuple(args.decode_tokens)
-        dcfg = MoEConfig(num_experts=cfg.num_experts, hidden=cfg.hidden, intermediate=cfg.intermediate,
-                         top_k=cfg.top_k, max_tokens_per_rank=max(sizes), activation=cfg.activation,
-                         quant=cfg.quant)
+        dcfg = dataclasses.replace(cfg, max_tokens_per_rank=max(sizes))  # the activation's constants too
         from .ep import decode_table
 
         weights = inputs[3:]

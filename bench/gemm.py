@@ -68,17 +68,20 @@ def run_gemm(args) -> int:
     gen = torch.Generator().manual_seed(args.seed)
     dev = "cuda"
     nsets = 3
-    act = m.get("activation", "swiglu")
-    n1 = model_config(args.model, T).w13_rows  # FC1's columns: gate + up (2 I), or up alone (squared_relu: I)
+    cfg = model_config(args.model, T)
+    act = cfg.activation
+    n1 = cfg.w13_rows  # FC1's columns: gate + up (2 I), or up alone (squared_relu: I)
+    # clamped_swiglu's constants, as the layer compiles them (the model's, e.g. DeepSeek-V4's beta 0)
+    swiglu = dict(swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit, swiglu_beta=cfg.swiglu_beta)
     w13 = [(torch.randn(E, n1, H, generator=gen) * H ** -0.5).to(torch.bfloat16).to(dev) for _ in range(nsets)]
     w2 = [(torch.randn(E, H, I, generator=gen) * I ** -0.5).to(torch.bfloat16).to(dev) for _ in range(nsets)]
     xs = [torch.randn(M, H, generator=gen).to(torch.bfloat16).to(dev) for _ in range(nsets)]
     hs = [torch.randn(M, I, generator=gen).to(torch.bfloat16).to(dev) for _ in range(nsets)]
     rs = [torch.rand(M, generator=gen).to(dev) for _ in range(nsets)]
     # the shim's kernels, then (--raster-m) the same GEMMs with other L2 raster groups: label, FC1, FC2
-    variants = [("", grouped_gemm(act, n1, H, E), grouped_gemm("identity", H, I, E, scale_rows=True))]
+    variants = [("", grouped_gemm(act, n1, H, E, **swiglu), grouped_gemm("identity", H, I, E, scale_rows=True))]
     for rm in args.raster_m:
-        variants.append((f"r{rm}", grouped_gemm(act, n1, H, E, raster_m=rm),
+        variants.append((f"r{rm}", grouped_gemm(act, n1, H, E, raster_m=rm, **swiglu),
                          grouped_gemm("identity", H, I, E, scale_rows=True, raster_m=rm)))
     out1 = torch.empty(M, I, dtype=torch.bfloat16, device=dev)
     out2 = torch.empty(M, H, dtype=torch.bfloat16, device=dev)

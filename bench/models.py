@@ -14,7 +14,14 @@ MODELS = {
     # Nemotron-3-Nano-30B-A3B's routed experts: squared-ReLU (not gated), FC1 K = 2688, N = 1856
     "nemotron": dict(name="Nemotron-3-Nano-30B-A3B", hidden=2688, intermediate=1856, num_experts=128, top_k=6,
                      activation="squared_relu"),
+    # DeepSeek-V4's routed experts (256, top-6) as an EP-8 rank holds them: its clamped SiLU,
+    # silu(min(g, 10)) * clamp(u, -10, 10) (drop v99; FP8 with drop v100)
+    "dsv4_shard": dict(name="DeepSeek-V4 local shard", hidden=4096, intermediate=2048, num_experts=32, top_k=6,
+                       activation="clamped_swiglu", swiglu_alpha=1.0, swiglu_limit=10.0, swiglu_beta=0.0),
 }
+
+#: the MoEConfig fields a model entry may set besides the shape (its activation and that's constants)
+_ACTIVATION_FIELDS = ("activation", "swiglu_alpha", "swiglu_limit", "swiglu_beta")
 
 
 def model_config(key: str, max_tokens: int, quant: str | None = None) -> MoEConfig:
@@ -22,8 +29,8 @@ def model_config(key: str, max_tokens: int, quant: str | None = None) -> MoEConf
     weight format, see :class:`moe_ep.api.MoEConfig`)."""
     m = MODELS[key]
     return MoEConfig(num_experts=m["num_experts"], hidden=m["hidden"], intermediate=m["intermediate"],
-                     top_k=m["top_k"], max_tokens_per_rank=max(max_tokens, 1),
-                     activation=m.get("activation", "swiglu"), quant=quant)
+                     top_k=m["top_k"], max_tokens_per_rank=max(max_tokens, 1), quant=quant,
+                     **{f: m[f] for f in _ACTIVATION_FIELDS if f in m})
 
 
 def draw_routing(g: torch.Generator, num_experts: int, top_k: int, T: int, world: int = 1, rank: int = 0,

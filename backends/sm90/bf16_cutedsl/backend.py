@@ -562,10 +562,13 @@ class Sm90CuteDSLBackend(BackendImpl):
 
 
 def grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
-                 device: Any = None, bias_dtype: Any = None, raster_m: int | None = None):
+                 device: Any = None, bias_dtype: Any = None, raster_m: int | None = None,
+                 swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0, swiglu_beta: float = 1.0):
     """A launcher of the SM90 varlen-M grouped GEMM (for benchmarks and engines with their own
     MoE plumbing): ``fn(a [M,k] bf16, b [E,n,k] bf16, offsets [E+1] int32 (device), out=[M,n_out]
     bf16, row_scale=[M] f32, bias=[E,n] bias_dtype)``; ``n_out`` = n/2 for the gated activations.
-    ``raster_m`` None: the shim's choice for this K."""
+    ``raster_m`` None: the shim's choice for this K. ``swiglu_*``: clamped_swiglu's constants (as
+    :class:`~moe_ep.api.MoEConfig`'s; gpt-oss's by default)."""
     return sm90_grouped_gemm(activation, n, k, num_experts, scale_rows=scale_rows, device=device,
-                             bias_dtype=bias_dtype, raster_m=raster_m)
+                             bias_dtype=bias_dtype, raster_m=raster_m, swiglu_alpha=swiglu_alpha,
+                             swiglu_limit=swiglu_limit, swiglu_beta=swiglu_beta)
