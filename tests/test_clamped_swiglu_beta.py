@@ -84,6 +84,18 @@ def test_layer_asks_the_shim_for_the_configs_beta():
     assert "swiglu_beta" in GemmKey.__dataclass_fields__
 
 
+def test_bench_model_carries_the_activation_constants():
+    """``python -m moe_ep.bench --model dsv4_shard`` (and ``bench gemm``, ``aot build``) runs DeepSeek-V4's
+    activation, not gpt-oss's: the model entry's constants reach its MoEConfig."""
+    from moe_ep.bench.models import model_config
+
+    cfg = model_config("dsv4_shard", 8192)
+    assert (cfg.activation, cfg.swiglu_alpha, cfg.swiglu_limit, cfg.swiglu_beta) == ("clamped_swiglu", 1.0, 10.0, 0.0)
+    assert (cfg.num_experts, cfg.hidden, cfg.intermediate, cfg.top_k) == (32, 4096, 2048, 6)
+    gpt = model_config("gpt_oss", 64)
+    assert (gpt.swiglu_alpha, gpt.swiglu_limit, gpt.swiglu_beta) == (1.702, 7.0, 1.0)
+
+
 # ---- GPU ------------------------------------------------------------------------------------
 
 
