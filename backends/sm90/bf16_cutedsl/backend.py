@@ -147,6 +147,14 @@ def rows_per_expert(cfg: Any, world: int, tokens: int) -> float:
     return world * tokens * cfg.top_k / cfg.num_experts
 
 
+def swiglu_constants(cfg: Any) -> dict:
+    """FC1's compile-time activation constants for the shim: clamped_swiglu's alpha, limit and beta
+    (MoEConfig's), none for the other activations. Shared with the FP8 backend."""
+    if cfg.activation != "clamped_swiglu":
+        return {}
+    return dict(swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit, swiglu_beta=cfg.swiglu_beta)
+
+
 def _gemm_specs(cfg: Any, e_local: int, world: int = 1) -> dict:
     """The grouped GEMMs of a layer: shim arguments (one place, so a prebuild and a layer ask for
     exactly the same kernels). ``fc1``/``fc2`` are picked by the shim for the mean rows per expert
@@ -156,10 +164,7 @@ def _gemm_specs(cfg: Any, e_local: int, world: int = 1) -> dict:
     choice between the two is made per call from the host-known token count, never from routing."""
     bias_dtype = getattr(cfg, "bias_dtype", None)
     rows = rows_per_expert(cfg, world, cfg.max_tokens_per_rank)
-    act_consts = {}
-    if cfg.activation == "clamped_swiglu":
-        act_consts = {"swiglu_alpha": cfg.swiglu_alpha, "swiglu_limit": cfg.swiglu_limit,
-                      "swiglu_beta": cfg.swiglu_beta}
+    act_consts = swiglu_constants(cfg)
     specs = {
         "fc1": dict(activation=ACTIVATION_MAP[cfg.activation], n=cfg.w13_rows, k=cfg.hidden, num_experts=e_local,
                     bias_dtype=bias_dtype, rows_per_expert=rows, **act_consts),

@@ -44,7 +44,7 @@ from moe_ep.shim import (Sm90EpSession, Sm90LayoutSession, env_choice, env_flag,
 from ...quant import FP8_BLOCK, quantize_fp8_block128
 from ...quantized import check_quantized_config, quantized_activation_buffers
 from ...registry import UnsupportedBackendError, require_cuda_arch
-from ..bf16_cutedsl.backend import Sm90CuteDSLBackend, prebuild_layer
+from ..bf16_cutedsl.backend import Sm90CuteDSLBackend, prebuild_layer, swiglu_constants
 
 NAME = "sm90_fp8_cutedsl"
 
@@ -57,12 +57,6 @@ def _gemm_specs(cfg: Any, e_local: int) -> dict:
     return {"fc1": (cfg.activation, cfg.w13_rows, cfg.hidden, e_local, False),
             "fc2": ("identity", cfg.hidden, cfg.intermediate, e_local, True)}
 
-
-def _fc1_kw(cfg: Any) -> dict:
-    """FC1's compile-time activation constants: clamped_swiglu's alpha, limit and beta, else none."""
-    if cfg.activation != "clamped_swiglu":
-        return {}
-    return dict(swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit, swiglu_beta=cfg.swiglu_beta)
 
 
 def fp8_wire() -> bool:
@@ -165,7 +159,7 @@ def prebuild(config: Any, world_size: int, kernels: tuple = ("fc1", "fc2", "ep",
             scatter = 1
 
         def build():
-            sm90_compiled_fp8_gemm(*specs[name], place=place[name], **(_fc1_kw(config) if name == "fc1" else {}))
+            sm90_compiled_fp8_gemm(*specs[name], place=place[name], **(swiglu_constants(config) if name == "fc1" else {}))
             sm90_compiled_fp8_quantize_rows(specs[name][2], gather=gather and not scatter, scatter_topk=scatter)
         return build
 
@@ -194,7 +188,7 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
         cfg = self.cfg
         specs = _gemm_specs(cfg, self.E)
         self.place_fc1 = place_fc1(self.W)  # FC1 copies its own input rows (drop v92)
-        self.fc1 = sm90_fp8_gemm(*specs["fc1"], place="copy" if self.place_fc1 else "", **_fc1_kw(cfg))
+        self.fc1 = sm90_fp8_gemm(*specs["fc1"], place="copy" if self.place_fc1 else "", **swiglu_constants(cfg))
         self.fc2 = sm90_fp8_gemm(*specs["fc2"])
         self.fused_gather = fused_gather_quant()  # no BF16 grouped rows: step 3 quantises the received ones
         self.scatter_quant = self.fused_gather and scatter_quant() and not self.place_fc1
