@@ -28,8 +28,10 @@ class MoEConfig:
         activation: ``"swiglu"`` (silu(gate)·up), ``"gelu_glu"`` (gelu(gate)·up, erf form),
             ``"clamped_swiglu"`` (``g = min(gate, limit)``, ``u = clamp(up, -limit, limit)``,
             ``(u + beta) · g · sigmoid(alpha · g)``: gpt-oss with the defaults; DeepSeek-V4, GLM-5
-            and Hunyuan-V4 with ``swiglu_alpha=1.0, swiglu_beta=0.0`` and their ``swiglu_limit``)
-            or ``"squared_relu"`` (relu(h)²).
+            and Hunyuan-V4 with ``swiglu_alpha=1.0, swiglu_beta=0.0`` and their ``swiglu_limit``;
+            with ``swiglu_limit_after_act=True`` the gate is clamped after the activation instead,
+            ``(u + beta) · min(gate · sigmoid(alpha · gate), limit)``: Step-3.7 and Bailing with
+            ``swiglu_alpha=1.0, swiglu_beta=0.0``) or ``"squared_relu"`` (relu(h)²).
             Weights per rank ``r`` (local experts ``[r·E/W, (r+1)·E/W)``):
 
             * ``w13`` ``[E_local, 2·I, H]`` for the gated activations (gate rows ``[0, I)``
@@ -41,8 +43,11 @@ class MoEConfig:
             gpt-oss). Unused by the other activations.
         swiglu_beta: ``beta`` of ``"clamped_swiglu"``, added to the clamped up projection (a
             finite number; default 1.0, gpt-oss; 0.0 for DeepSeek-V4 / GLM-5 / Hunyuan-V4's
-            clamped SwiGLU). Unused by the other activations. Last field, so that positional
+            clamped SwiGLU). Unused by the other activations. After ``quant``, so that positional
             construction of the earlier fields is unchanged.
+        swiglu_limit_after_act: ``"clamped_swiglu"`` clamps the gate after the activation
+            (``min(silu(gate), limit)``, Step-3.7 / Bailing's ``limit_after_act``) instead of before
+            it (a bool; default False). Unused by the other activations. Last field.
         bias_dtype: ``None`` (default): the experts have no biases. ``torch.float32`` or the layer
             dtype (``torch.bfloat16``): every forward takes per-expert biases of that dtype,
             ``b13 [E_local, w13_rows]`` added to FC1's float32 result before the activation and
@@ -79,6 +84,7 @@ class MoEConfig:
     bias_dtype: torch.dtype | None = None
     quant: str | None = None
     swiglu_beta: float = 1.0
+    swiglu_limit_after_act: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "hidden", "intermediate", "top_k", "max_tokens_per_rank"):
@@ -104,6 +110,9 @@ class MoEConfig:
             object.__setattr__(self, name, float(v))  # frozen: normalise ints to float
         if not self.swiglu_limit > 0:
             raise ValueError(f"MoEConfig.swiglu_limit must be > 0, got {self.swiglu_limit}")
+        if not isinstance(self.swiglu_limit_after_act, bool):
+            raise TypeError(f"MoEConfig.swiglu_limit_after_act must be a bool, got "
+                            f"{type(self.swiglu_limit_after_act).__name__}")
         if self.bias_dtype is not None:
             if not isinstance(self.bias_dtype, torch.dtype):
                 raise TypeError(f"MoEConfig.bias_dtype must be None or a torch.dtype, got "

@@ -58,6 +58,7 @@ def run_gemm(args) -> int:
         print("moe_ep.bench gemm: needs a CUDA GPU (SM90); nothing to do here")
         return 0
     from moe_ep.backends.sm90.bf16_cutedsl import grouped_gemm
+    from moe_ep.backends.sm90.bf16_cutedsl.backend import swiglu_constants
 
     torch.backends.cuda.matmul.allow_tf32 = False
     m = MODELS[args.model]
@@ -72,7 +73,7 @@ def run_gemm(args) -> int:
     act = cfg.activation
     n1 = cfg.w13_rows  # FC1's columns: gate + up (2 I), or up alone (squared_relu: I)
     # clamped_swiglu's constants, as the layer compiles them (the model's, e.g. DeepSeek-V4's beta 0)
-    swiglu = dict(swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit, swiglu_beta=cfg.swiglu_beta)
+    swiglu = swiglu_constants(cfg)
     w13 = [(torch.randn(E, n1, H, generator=gen) * H ** -0.5).to(torch.bfloat16).to(dev) for _ in range(nsets)]
     w2 = [(torch.randn(E, H, I, generator=gen) * I ** -0.5).to(torch.bfloat16).to(dev) for _ in range(nsets)]
     xs = [torch.randn(M, H, generator=gen).to(torch.bfloat16).to(dev) for _ in range(nsets)]

@@ -40,8 +40,9 @@ function (``_apply_gate``, transformers' default or the model's own) must match 
 ``swiglu`` (silu(g)·u), ``gelu_glu`` (erf gelu(g)·u) or, with the module's ``limit`` (or
 ``swiglu_limit``) and ``alpha`` (or ``swiglu_alpha``; 1 when it has none), ``clamped_swiglu``: gpt-oss's
 ``(u' + 1)·g'·sigmoid(alpha·g')`` or DeepSeek-V4's, GLM-5's and Hunyuan-V4's ``silu(g')·u'``
-(``swiglu_beta`` 0), ``g' = min(g, limit)``, ``u' = clamp(u, -limit, limit)`` -- and a non-gated
-module's ``act_fn`` must be relu² (``squared_relu``).
+(``swiglu_beta`` 0), ``g' = min(g, limit)``, ``u' = clamp(u, -limit, limit)``, or Step-3.7's and
+Bailing's ``min(silu(g), limit)·u'`` (``swiglu_limit_after_act``) -- and a non-gated module's ``act_fn``
+must be relu² (``squared_relu``).
 
 Refused with a clear error (never computed wrongly): autograd (training), a gate or activation
 matching none of those (the message names the function), post-expert norms, dtypes other than
@@ -78,9 +79,7 @@ class _Spec:
     """What moe_ep makes of one transformers experts module (found once, by :func:`_describe`)."""
 
     activation: str
-    alpha: float | None  # clamped_swiglu's, from the module
-    limit: float | None
-    beta: float | None  # clamped_swiglu's: 1 (gpt-oss) or 0 (DeepSeek-V4)
+    constants: tuple  # clamped_swiglu's MoEConfig fields, as (name, value) pairs; () for the others
     gated: bool
     transposed: bool
     interleaved: bool
@@ -98,28 +97,36 @@ def _split(t: torch.Tensor, interleaved: bool):
 
 
 def _gate_candidates(module: Any):
-    """``(activation, alpha, limit, beta, fn)`` moe_ep could run for a gated module; ``fn(g, u)`` in
-    float32. The clamped forms need the module's limit; its alpha is 1 (SiLU) when it names none."""
+    """``(activation, constants, fn)`` moe_ep could run for a gated module: ``constants`` are the
+    activation's MoEConfig fields, ``fn(g, u)`` computes it in float32. The clamped forms need the
+    module's limit; its alpha is 1 (SiLU) when it names none."""
     silu, gelu = torch.nn.functional.silu, torch.nn.functional.gelu
-    yield "swiglu", None, None, None, lambda g, u: silu(g) * u
-    yield "gelu_glu", None, None, None, lambda g, u: gelu(g) * u
+    yield "swiglu", (), lambda g, u: silu(g) * u
+    yield "gelu_glu", (), lambda g, u: gelu(g) * u
     alpha = next((getattr(module, a) for a in ("alpha", "swiglu_alpha") if getattr(module, a, None) is not None), 1.0)
     limit = next((getattr(module, a) for a in ("limit", "swiglu_limit") if getattr(module, a, None) is not None), None)
     if limit is not None:
         a, lim = float(alpha), float(limit)
-        for beta in (1.0, 0.0):  # gpt-oss's +1; DeepSeek-V4 / GLM-5 / Hunyuan-V4 add nothing
+        # beta: gpt-oss's +1; DeepSeek-V4 / GLM-5 / Hunyuan-V4 / Step-3.7 add nothing. after_act: the
+        # gate clamped after the activation (Step-3.7 / Bailing's limit_after_act) or before it
+        for after_act in (False, True):
+            for beta in (1.0, 0.0):
 
-            def clamped(g, u, beta=beta):
-                g, u = g.clamp(max=lim), u.clamp(min=-lim, max=lim)
-                return (u + beta) * g * torch.sigmoid(a * g)
+                def clamped(g, u, beta=beta, after_act=after_act):
+                    u = u.clamp(min=-lim, max=lim) + beta
+                    if after_act:
+                        return u * (g * torch.sigmoid(a * g)).clamp(max=lim)
+                    g = g.clamp(max=lim)
+                    return u * g * torch.sigmoid(a * g)
 
-            yield "clamped_swiglu", a, lim, beta, clamped
+                yield "clamped_swiglu", (("swiglu_alpha", a), ("swiglu_limit", lim), ("swiglu_beta", beta),
+                                         ("swiglu_limit_after_act", after_act)), clamped
 
 
 def _probe_activation(module: Any, gated: bool, interleaved: bool, width: int):
-    """``(activation, alpha, limit, beta)``: the moe_ep activation that computes what the module does
-    (its ``_apply_gate`` or, non-gated, its ``act_fn``), checked on random float32 input (N(0, 25):
-    past a clamp at +-7 often). Raises naming the function when none does."""
+    """``(activation, constants)`` (:func:`_gate_candidates`): the moe_ep activation that computes what
+    the module does (its ``_apply_gate`` or, non-gated, its ``act_fn``), checked on random float32
+    input (N(0, 25): past a clamp at +-7 often). Raises naming the function when none does."""
     x = torch.randn(16, 2 * width if gated else width, generator=torch.Generator().manual_seed(0)) * 5
     x = x.to(module.down_proj.device)  # where the module's own functions run (a sync, at the first call only)
     name = type(module).__name__
@@ -127,21 +134,21 @@ def _probe_activation(module: Any, gated: bool, interleaved: bool, width: int):
         if not gated:
             got = module.act_fn(x)
             if torch.allclose(got, torch.relu(x) ** 2, rtol=1e-5, atol=1e-5):
-                return "squared_relu", None, None, None
+                return "squared_relu", ()
             raise MoEEpTransformersError(f"moe_ep experts: {name} has no gate and its act_fn "
                                          f"{type(module.act_fn).__name__} is not relu^2 (squared_relu), the "
                                          "only non-gated activation moe_ep runs")
         got = module._apply_gate(x)
         g, u = _split(x, interleaved)
-        for activation, alpha, limit, beta, fn in _gate_candidates(module):
+        for activation, constants, fn in _gate_candidates(module):
             if got.shape == g.shape and torch.allclose(got, fn(g, u), rtol=1e-5, atol=1e-5):
-                return activation, alpha, limit, beta
+                return activation, constants
     gate_fn = getattr(type(module), "_apply_gate", None)
     raise MoEEpTransformersError(
         f"moe_ep experts: {name}'s gate ({getattr(gate_fn, '__qualname__', gate_fn)}, act_fn "
         f"{type(getattr(module, 'act_fn', None)).__name__}) computes none of moe_ep's gated activations: "
         "silu(g)*u, erf gelu(g)*u, or a clamped swiglu (the module's limit and alpha, with or without gpt-oss's "
-        "+1 on the clamped up projection)")
+        "+1 on the clamped up projection, the gate clamped before or after the activation)")
 
 
 def _describe(module: Any) -> _Spec:
@@ -158,8 +165,8 @@ def _describe(module: Any) -> _Spec:
     interleaved = gated and not getattr(module, "is_concatenated", True)
     w2 = module.down_proj
     width = w2.shape[1] if transposed else w2.shape[2]  # I
-    activation, alpha, limit, beta = _probe_activation(module, gated, interleaved, width)
-    spec = _Spec(activation, alpha, limit, beta, gated, transposed, interleaved, bool(getattr(module, "has_bias", False)))
+    activation, constants = _probe_activation(module, gated, interleaved, width)
+    spec = _Spec(activation, constants, gated, transposed, interleaved, bool(getattr(module, "has_bias", False)))
     object.__setattr__(module, _SPEC, (flags, spec))
     return spec
 
@@ -213,10 +220,9 @@ def _config_for(module: Any, spec: _Spec, w13: torch.Tensor, w2: torch.Tensor, b
         raise MoEEpTransformersError(f"moe_ep experts: {type(module).__name__}'s weights {tuple(w13.shape)} and "
                                      f"{tuple(w2.shape)} are not [E, {'2I' if spec.gated else 'I'}, H] and "
                                      "[E, H, I] in moe_ep's layout")
-    extra = {} if spec.alpha is None else dict(swiglu_alpha=spec.alpha, swiglu_limit=spec.limit, swiglu_beta=spec.beta)
     return MoEConfig(num_experts=E, hidden=H, intermediate=I, top_k=top_k, max_tokens_per_rank=capacity,
                      dtype=hidden_states.dtype, activation=spec.activation,
-                     bias_dtype=None if b13 is None else b13.dtype, quant=quant, **extra)
+                     bias_dtype=None if b13 is None else b13.dtype, quant=quant, **dict(spec.constants))
 
 
 def _layer_for(module: Any, spec: _Spec, weights: tuple, quant: str | None, hidden_states: torch.Tensor, top_k: int,

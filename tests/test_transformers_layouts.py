@@ -4,7 +4,8 @@ through ``experts_implementation="moe_ep"`` (the reference backend on CPU):
   (transposed weights; SiLU experts whatever ``hidden_act`` says), Nemotron-H (no gate, relu^2, with
   and without its latent projection): against transformers' own ``"eager"`` experts, and one gpt-oss
   block against float64 math written from the model's definition;
-- DeepSeek-V4 and Hunyuan-V4 (clamped SiLU: ``swiglu_beta`` 0, drop v99): against ``"eager"``, with the
+- DeepSeek-V4 and Hunyuan-V4 (clamped SiLU: ``swiglu_beta`` 0, drop v99) and Step-3.7 and Bailing (the
+  gate clamped after the SiLU: ``swiglu_limit_after_act``, drop v102): against ``"eager"``, with the
   clamp triggering;
 - FP8 checkpoints' ``FP8Experts`` (FineGrainedFP8Config; float32 and UE8M0 scales): against the
   quantised model in float64;
@@ -104,6 +105,37 @@ def _hy_v4(impl):
     return _scaled(AutoModelForCausalLM.from_config(cfg, experts_implementation=impl, dtype=torch.bfloat16).eval())
 
 
+def _step3p7(impl):
+    """Step-3.7's text model (its causal LM is multimodal): layer 0 without a limit (plain SwiGLU),
+    layer 1 with one (``min(silu(g), limit) * clamp(u)``)."""
+    from transformers.models.step3p7.configuration_step3p7 import Step3p7TextConfig
+    from transformers.models.step3p7.modeling_step3p7 import Step3p7TextModel
+
+    cfg = Step3p7TextConfig(vocab_size=96, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=64,
+                            moe_intermediate_size=32, share_expert_dim=32, num_local_experts=8, n_routed_experts=8,
+                            num_experts_per_tok=2, mlp_layer_types=["sparse", "sparse"], sliding_window=8,
+                            swiglu_limits=[0, CLAMP_LIMIT], swiglu_limits_shared=[0, 0])
+    torch.manual_seed(0)
+    return _scaled(Step3p7TextModel._from_config(cfg, experts_implementation=impl, dtype=torch.bfloat16).eval())
+
+
+def _bailing(impl):
+    """Bailing's hybrid (Ling; KDA linear attention, torch's reference form on the CPU), both layers clamped
+    after the SiLU."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model("bailing_hybrid", vocab_size=96, hidden_size=64, intermediate_size=48,
+                               moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=4, kv_lora_rank=16, qk_rope_head_dim=8, v_head_dim=16,
+                               qk_nope_head_dim=16, head_dim=16, n_group=1, topk_group=1, num_experts_per_tok=2,
+                               num_local_experts=8, first_k_dense_replace=0, max_position_embeddings=64,
+                               pad_token_id=0, eos_token_id=2, layer_group_size=2, num_mtp_layers=0,
+                               expert_swiglu_limit_list=[CLAMP_LIMIT, CLAMP_LIMIT])
+    torch.manual_seed(0)
+    return _scaled(AutoModelForCausalLM.from_config(cfg, experts_implementation=impl, dtype=torch.bfloat16).eval())
+
+
 def _scaled(model):
     for mod in _experts(model):
         with torch.no_grad():  # FC1 outputs of a few units: many past the limit of 1.5
@@ -122,7 +154,9 @@ def _same_logits(build, **call):
     ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        a, b = ours(ids, **call).logits.float(), ref(ids, **call).logits.float()
+        a, b = (getattr(o, "logits", None) if getattr(o, "logits", None) is not None else o.last_hidden_state
+                for o in (ours(ids, **call), ref(ids, **call)))
+        a, b = a.float(), b.float()
     assert all("_moe_ep_layer" in m.__dict__ for m in _experts(ours)), "moe_ep was not called"
     assert torch.isfinite(a).all() and rel_err(a, b) < 2e-2, rel_err(a, b)
     return ours
@@ -164,6 +198,31 @@ def test_clamped_silu_models_match_transformers_eager(build):
     h = torch.cat([x.float() @ mod.gate_up_proj[e].float().t() for x in seen for e in range(mod.gate_up_proj.shape[0])])
     I = mod.down_proj.shape[-1]
     assert (h[:, :I] > CLAMP_LIMIT).float().mean() > 0.05 and (h[:, I:].abs() > CLAMP_LIMIT).float().mean() > 0.05
+
+
+@pytest.mark.parametrize("build", [_step3p7, _bailing], ids=["step3p7", "bailing_hybrid"])
+def test_clamp_after_silu_models_match_transformers_eager(build):
+    """Step-3.7's and Bailing's experts (``limit_after_act``), ``min(silu(g), limit) * clamp(u, -limit,
+    limit)``, run as ``clamped_swiglu`` with alpha 1, beta 0 and ``swiglu_limit_after_act`` (until drop
+    v102 they were refused); Step-3.7's unclamped layer as plain ``swiglu``. The clamp triggers."""
+    seen = []
+    ours = _same_logits(lambda impl: _with_input_hook(build(impl), seen), use_cache=False)
+    mods = _experts(ours)
+    clamped = [m for m in mods if getattr(m, "limit", None) is not None]
+    for mod in mods:
+        cfg = mod._moe_ep_layer.config
+        if mod in clamped:
+            assert (cfg.activation, cfg.swiglu_alpha, cfg.swiglu_limit, cfg.swiglu_beta, cfg.swiglu_limit_after_act) == (
+                "clamped_swiglu", 1.0, CLAMP_LIMIT, 0.0, True)
+        else:
+            assert cfg.activation == "swiglu"
+    assert len(clamped) == (1 if build is _step3p7 else 2)
+    mod = clamped[0]
+    x = seen[mods.index(mod)::len(mods)]
+    h = torch.cat([t.float() @ mod.gate_up_proj[e].float().t() for t in x for e in range(mod.gate_up_proj.shape[0])])
+    I = mod.down_proj.shape[-1]
+    assert (torch.nn.functional.silu(h[:, :I]) > CLAMP_LIMIT).float().mean() > 0.05
+    assert (h[:, I:].abs() > CLAMP_LIMIT).float().mean() > 0.05
 
 
 def _with_input_hook(model, seen):
@@ -265,23 +324,54 @@ def test_transposed_weights_alone():
 
 
 def test_a_gate_moe_ep_does_not_compute_is_refused():
-    """Step-3.7's and Bailing's form with ``limit_after_act``, min(silu(g), limit) * clamp(u): the clamp
-    after the activation, which no moe_ep activation computes, so the layer is never built (and not
-    computed as plain SwiGLU or as the clamp-before form)."""
+    """A softcapped gate, ``silu(c * tanh(g / c)) * u`` (FP8Experts' ``gate_softcap``), which no moe_ep
+    activation computes, so the layer is never built (and not computed as plain SwiGLU or a clamped
+    form: the cap is a limit too)."""
     cls = _toy_experts_class(is_transposed=True)
 
-    def clamped_silu(self, gate_up):
+    def softcapped_silu(self, gate_up):
         gate, up = gate_up.chunk(2, dim=-1)
-        return torch.nn.functional.silu(gate).clamp(max=self.limit) * up.clamp(-self.limit, self.limit)
+        return torch.nn.functional.silu(self.limit * torch.tanh(gate / self.limit)) * up
 
-    cls._apply_gate = clamped_silu
+    cls._apply_gate = softcapped_silu
     mod = _toy(NAME, cls)
     mod.limit = 7.0
     x = torch.randn(4, 64).to(torch.bfloat16)
     with torch.no_grad(), pytest.raises(moe_ep_hf.MoEEpTransformersError,
-                                        match=r"ToyExperts's gate \(.*clamped_silu.*computes none of moe_ep's"):
+                                        match=r"ToyExperts's gate \(.*softcapped_silu.*computes none of moe_ep's"):
         mod(x, torch.zeros(4, 2, dtype=torch.long), torch.rand(4, 2))
     assert "_moe_ep_layer" not in mod.__dict__
+
+
+def test_the_clamp_order_is_told_apart():
+    """A gate clamped after the SiLU and one clamped before it, with the same limit, are different
+    layers: each runs as what it computes (against its eager module)."""
+    def after(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate).clamp(max=self.limit) * up.clamp(-self.limit, self.limit)
+
+    def before(self, gate_up):
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate.clamp(max=self.limit)) * up.clamp(-self.limit, self.limit)
+
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(23, 64, generator=g) * 4).to(torch.bfloat16)  # FC1 outputs past the limit often
+    idx = torch.randn(23, 8, generator=g).topk(2, -1).indices
+    w = torch.rand(23, 2, generator=g)
+    outs = {}
+    for gate_fn, after_act in ((after, True), (before, False)):
+        cls = _toy_experts_class(is_transposed=True)
+        cls._apply_gate = gate_fn
+        ours, ref = _toy(NAME, cls), _toy("eager", cls)
+        ours.limit = ref.limit = 1.5
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got, want = ours(x, idx, w), ref(x, idx, w)
+        cfg = ours._moe_ep_layer.config
+        assert (cfg.activation, cfg.swiglu_beta, cfg.swiglu_limit_after_act) == ("clamped_swiglu", 0.0, after_act)
+        assert rel_err(got.float(), want.float()) < 1e-2
+        outs[after_act] = want.float()
+    assert rel_err(outs[True], outs[False]) > 0.05  # the two forms differ on these inputs
 
 
 @pytest.mark.gpu

@@ -35,19 +35,22 @@ SWIGLU_ALPHA, SWIGLU_LIMIT, SWIGLU_BETA = 1.702, 7.0, 1.0  # gpt-oss; MoEConfig'
 
 
 def activate(h: torch.Tensor, activation: str, intermediate: int, *, swiglu_alpha: float = SWIGLU_ALPHA,
-             swiglu_limit: float = SWIGLU_LIMIT, swiglu_beta: float = SWIGLU_BETA) -> torch.Tensor:
+             swiglu_limit: float = SWIGLU_LIMIT, swiglu_beta: float = SWIGLU_BETA,
+             swiglu_limit_after_act: bool = False) -> torch.Tensor:
     """FC1 output ``[M, w13_rows]`` (float32, bias included) -> activation ``[M, I]`` (float32).
 
     Gated activations read the gate from columns ``[0, I)`` and the up projection from ``[I, 2I)``;
-    ``swiglu_alpha``/``swiglu_limit``/``swiglu_beta`` are used by ``"clamped_swiglu"`` only (pass the
-    config's)."""
+    ``swiglu_alpha``/``swiglu_limit``/``swiglu_beta``/``swiglu_limit_after_act`` are used by
+    ``"clamped_swiglu"`` only (pass the config's)."""
     if activation == "swiglu":
         return F.silu(h[:, :intermediate]) * h[:, intermediate:]
     if activation == "gelu_glu":
         return F.gelu(h[:, :intermediate]) * h[:, intermediate:]
     if activation == "clamped_swiglu":
-        g = h[:, :intermediate].clamp(max=swiglu_limit)
-        u = h[:, intermediate:].clamp(min=-swiglu_limit, max=swiglu_limit)
+        g, u = h[:, :intermediate], h[:, intermediate:].clamp(min=-swiglu_limit, max=swiglu_limit)
+        if swiglu_limit_after_act:  # Step-3.7 / Bailing: min(act(g), limit)
+            return (u + swiglu_beta) * (g * torch.sigmoid(swiglu_alpha * g)).clamp(max=swiglu_limit)
+        g = g.clamp(max=swiglu_limit)
         return (u + swiglu_beta) * g * torch.sigmoid(swiglu_alpha * g)
     if activation == "squared_relu":
         return torch.relu(h).square()
@@ -72,7 +75,8 @@ def expert_mlp(recv_x: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor, w
                activation: str, intermediate: int, *, b13: torch.Tensor | None = None,
                b2: torch.Tensor | None = None, swiglu_alpha: float = SWIGLU_ALPHA,
                swiglu_limit: float = SWIGLU_LIMIT, grouped: bool | None = None,
-               act_quant: Any = None, swiglu_beta: float = SWIGLU_BETA) -> torch.Tensor:
+               act_quant: Any = None, swiglu_beta: float = SWIGLU_BETA,
+               swiglu_limit_after_act: bool = False) -> torch.Tensor:
     """Grouped expert MLP.
 
     Args:
@@ -82,7 +86,8 @@ def expert_mlp(recv_x: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor, w
         b13: optional ``[E_local, w13_rows]`` (float32 or the layer dtype), added to FC1's float32
             result before the activation; b2: optional ``[E_local, H]``, added to FC2's float32
             result before it is rounded to the layer dtype.
-        swiglu_alpha, swiglu_limit, swiglu_beta: the ``"clamped_swiglu"`` parameters (the config's).
+        swiglu_alpha, swiglu_limit, swiglu_beta, swiglu_limit_after_act: the ``"clamped_swiglu"``
+            parameters (the config's).
         grouped: ``None`` (default): ``torch._grouped_mm`` on CUDA when it can take the shapes
             (:func:`grouped_mm_fits`), else a per-expert matmul loop in float32; ``True``:
             ``torch._grouped_mm`` wherever it can take the shapes (CPU too); ``False``: the loop.
@@ -103,7 +108,7 @@ def expert_mlp(recv_x: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor, w
 
     def act(h: torch.Tensor) -> torch.Tensor:
         a = activate(h, activation, intermediate, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
-                     swiglu_beta=swiglu_beta)
+                     swiglu_beta=swiglu_beta, swiglu_limit_after_act=swiglu_limit_after_act)
         a = a.to(out.dtype)  # the kernels write the activation in the layer dtype, then quantise it
         return a if act_quant is None else act_quant(a.float())
 
@@ -287,7 +292,7 @@ class ReferenceBackend(BackendImpl):
             w13, w2, act_quant = dequantized_weights(cfg, w13, w2)
         y = expert_mlp(recv_x, offsets, w13, w2, cfg.activation, cfg.intermediate, b13=b13, b2=b2,
                        swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit, act_quant=act_quant,
-                       swiglu_beta=cfg.swiglu_beta)
+                       swiglu_beta=cfg.swiglu_beta, swiglu_limit_after_act=cfg.swiglu_limit_after_act)
         return self.combine(y, state, out)
 
     def check(self) -> None:

@@ -59,7 +59,7 @@ from .sm90_megamoe_switches import (  # noqa: F401  (re-exported: the shim reads
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 101},
+    "sm90_megamoe": {"DROP_VERSION": 102},
     "sm90_megamoe.placing_producer": {"PLACE_SYNC_TAIL": 4},
     "sm90_megamoe.fp8_gemm": {"FP8_BLOCK": 128, "OVERLAP_MAX_K_TILES": 32, "OVERLAP_MAX_CHUNK": 16},
     "sm90_megamoe.unit_scales": {"UNIT_SCALE_KC": 8},
@@ -103,7 +103,7 @@ CONTRACT = DropContract(
                     ("activation", "n", "k", "num_experts", "scale_rows", "tile_n", "bias_dtype",
                      "raster_m", "swiglu_alpha", "swiglu_limit", "schedule", "compiled", "tvm_ffi",
                      "early_weights", "gather_a", "cluster_m", "tanh_sigmoid",
-                     "cluster_n", "jump_stages", "swiglu_beta")),
+                     "cluster_n", "jump_stages", "swiglu_beta", "swiglu_limit_after_act")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_converted",
                     ("args", "max_active_ctas", "stream")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_tensors",
@@ -115,7 +115,7 @@ CONTRACT = DropContract(
         CallableUse("sm90_megamoe.compile_check:compile_for_arch",
                     ("activation", "n", "k", "scale_rows", "arch", "num_experts", "tile_n",
                      "extra_options", "bias_dtype", "raster_m", "swiglu_alpha", "swiglu_limit",
-                     "schedule", "tanh_sigmoid", "swiglu_beta")),
+                     "schedule", "tanh_sigmoid", "swiglu_beta", "swiglu_limit_after_act")),
         CallableUse("sm90_megamoe.ep_launch:EpConfig.__init__",
                     ("hidden", "topk", "world", "max_tokens", "num_experts")),
         CallableUse("sm90_megamoe.ep_launch:EpBuffers.__init__",
@@ -161,7 +161,7 @@ CONTRACT = DropContract(
                     ("activation", "n", "k", "num_experts", "scale_rows", "compiled", "tvm_ffi", "raster_m",
                      "overlap_promotion", "wide_gated", "cluster_n", "smem_scales",
                      "scale_warp", "deferred_epilogue", "tanh_sigmoid", "unit_scales", "place_a",
-                     "swiglu_alpha", "swiglu_limit", "swiglu_beta")),
+                     "swiglu_alpha", "swiglu_limit", "swiglu_beta", "swiglu_limit_after_act")),
         CallableUse("sm90_megamoe.fp8_launch:CompiledFp8Gemm.__call__",
                     ("a", "a_scale", "b", "b_scale", "offsets", "out", "row_scale", "max_active_ctas", "stream",
                      "x", "idx", "sync", "x_scale")),
@@ -390,6 +390,7 @@ class GemmKey:
     cluster_n: int = 1
     jump_stages: bool = False
     swiglu_beta: float = 0.0  # clamped_swiglu's beta (drop v99); 0.0 for the other activations
+    swiglu_limit_after_act: bool = False  # clamped_swiglu's gate clamped after the activation (drop v102)
 
 
 class GroupedGemm:
@@ -500,7 +501,8 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
                           swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
                           schedule: str | None = None, rows_per_expert: float | None = None,
                           early_weights: bool = False, gather_a: bool = False,
-                          device_name: str | None = None, swiglu_beta: float = 1.0) -> Any:
+                          device_name: str | None = None, swiglu_beta: float = 1.0,
+                          swiglu_limit_after_act: bool = False) -> Any:
     """The compiled grouped GEMM from the compile cache (compiled code only, no buffers).
     ``schedule``/``tile_n`` None: :func:`pick_schedule` (``rows_per_expert``: the mean rows per
     expert the caller expects at capacity; None = many, the prefill kernels). ``early_weights``:
@@ -526,6 +528,7 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
         raise ValueError(f"sm90 grouped GEMM: raster_m={raster} not in [1, {_C['MAX_RASTER_M']}]")
     clamped = activation == "clamped_swiglu"
     alpha, limit, beta = (float(swiglu_alpha), float(swiglu_limit), float(swiglu_beta)) if clamped else (0.0, 0.0, 0.0)
+    after_act = clamped and bool(swiglu_limit_after_act)
     ffi = use_tvm_ffi()
     early = bool(early_weights) and schedule == "swapab" and pdl_launches()
     if gather_a and schedule == "pingpong" and activation in GEMM_GATED and use_gated_pingpong():
@@ -541,7 +544,7 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
                   schedule, ffi, early, bool(gather_a), cluster,
                   use_bf16_tanh_sigmoid(activation),
                   use_bf16_cluster_n(schedule, activation in GEMM_GATED, gather_a),
-                  use_jump_stages(schedule), beta)
+                  use_jump_stages(schedule), beta, after_act)
 
     def build():
         launch = _load("sm90_megamoe.launch")
@@ -561,6 +564,8 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
             kw.update(jump_stages=True)
         if activation == "clamped_swiglu":
             kw.update(swiglu_alpha=alpha, swiglu_limit=limit, swiglu_beta=beta)
+            if after_act:
+                kw.update(swiglu_limit_after_act=True)
         name = (f"gemm_{activation}" + ("_gather" if gather_a else "")
                 + ("_cluster2" if key.cluster_m > 1 else "") + ("_clustern2" if key.cluster_n > 1 else "")
                 + ("_js" if key.jump_stages else "")
@@ -577,12 +582,13 @@ def grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: 
                  raster_m: int | None = None, swiglu_alpha: float = 1.702,
                  swiglu_limit: float = 7.0, schedule: str | None = None,
                  rows_per_expert: float | None = None, early_weights: bool = False,
-                 gather_a: bool = False, swiglu_beta: float = 1.0) -> GroupedGemm:
+                 gather_a: bool = False, swiglu_beta: float = 1.0,
+                 swiglu_limit_after_act: bool = False) -> GroupedGemm:
     """A new :class:`GroupedGemm` launcher for ``device`` (default: the current CUDA device).
 
     ``bias_dtype``: None or torch.float32/bfloat16 (the variant adds ``bias [E, n]``);
     ``raster_m``: None = :func:`pick_raster_m` (k); ``swiglu_*``: clamped_swiglu's constants
-    (``swiglu_beta``: drop v99);
+    (``swiglu_beta``: drop v99; ``swiglu_limit_after_act``: drop v102);
     ``schedule``: "cooperative", "pingpong", "swapab", "wide" or None = :func:`pick_schedule` (with
     ``rows_per_expert``, the mean rows per expert expected at capacity); ``early_weights``,
     ``gather_a``: see :func:`compiled_grouped_gemm`."""
@@ -592,7 +598,7 @@ def grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: 
     compiled = compiled_grouped_gemm(activation, n, k, num_experts, scale_rows, tile_n, bias_dtype,
                                      raster_m, swiglu_alpha, swiglu_limit, schedule, rows_per_expert,
                                      early_weights, gather_a, device_name=torch.cuda.get_device_name(dev),
-                                     swiglu_beta=swiglu_beta)
+                                     swiglu_beta=swiglu_beta, swiglu_limit_after_act=swiglu_limit_after_act)
     launch = _load("sm90_megamoe.launch")
     return GroupedGemm(compiled, launch.to_cute_args, dev)
 

@@ -245,6 +245,7 @@ class Fp8Key:
     swiglu_alpha: float = 0.0
     swiglu_limit: float = 0.0
     swiglu_beta: float = 0.0
+    swiglu_limit_after_act: bool = False  # drop v102: the gate clamped after the activation (Step-3.7)
 
 
 #: reduction size from which the FP8 GEMMs load their scales by TMA by default (use_fp8_unit_scales)
@@ -306,7 +307,8 @@ PLACE_KINDS = ("", "copy")
 
 def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_rows: bool,
          raster_m: int = 0, overlap_promotion: bool = False, place: str = "", swiglu: tuple = ()) -> Fp8Key:
-    """``swiglu``: clamped_swiglu's (alpha, limit, beta); ignored for the other activations."""
+    """``swiglu``: clamped_swiglu's (alpha, limit, beta, limit_after_act) (:func:`_swiglu`); ignored for
+    the other activations."""
     check_removed()  # a switch of a removed variant, still set, raises here
     if place not in PLACE_KINDS:
         raise ValueError(f"sm90 FP8 GEMM: place must be one of {PLACE_KINDS}, got {place!r}")
@@ -326,7 +328,7 @@ def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_row
                   smem, scale_warp, deferred,
                   kind == "gemm" and use_fp8_tanh_sigmoid(activation),
                   use_fp8_quant_items() if kind.startswith("quantize") else 1, unit, place,
-                  *(tuple(float(v) for v in swiglu) if activation == "clamped_swiglu" else (0.0, 0.0, 0.0)))
+                  *(_swiglu(*swiglu) if activation == "clamped_swiglu" and swiglu else (0.0, 0.0, 0.0, False)))
 
 
 def _gemm_key(activation: str, n: int, k: int, num_experts: int, scale_rows: bool, place: str = "",
@@ -346,7 +348,8 @@ def _gemm_options(key: Fp8Key) -> dict:
                 tanh_sigmoid=key.tanh_sigmoid, unit_scales=key.unit_scales,
                 **(dict(place_a=True) if key.place else {}),
                 **(dict(swiglu_alpha=key.swiglu_alpha, swiglu_limit=key.swiglu_limit, swiglu_beta=key.swiglu_beta)
-                   if key.activation == "clamped_swiglu" else {}))
+                   if key.activation == "clamped_swiglu" else {}),
+                **(dict(swiglu_limit_after_act=True) if key.swiglu_limit_after_act else {}))
 
 
 def _checked_gemm_key(activation: str, n: int, k: int, num_experts: int, scale_rows: bool,
@@ -356,8 +359,9 @@ def _checked_gemm_key(activation: str, n: int, k: int, num_experts: int, scale_r
     return _gemm_key(activation, n, k, num_experts, scale_rows, place, swiglu)
 
 
-def _swiglu(swiglu_alpha: float, swiglu_limit: float, swiglu_beta: float) -> tuple:
-    return (float(swiglu_alpha), float(swiglu_limit), float(swiglu_beta))
+def _swiglu(swiglu_alpha: float, swiglu_limit: float, swiglu_beta: float, swiglu_limit_after_act: bool = False) -> tuple:
+    """clamped_swiglu's constants as the key holds them."""
+    return (float(swiglu_alpha), float(swiglu_limit), float(swiglu_beta), bool(swiglu_limit_after_act))
 
 
 def _compiled_gemm(key: Fp8Key) -> Any:
@@ -378,25 +382,27 @@ def _compiled_gemm(key: Fp8Key) -> Any:
 
 def compiled_fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
                       place: str = "", swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
-                      swiglu_beta: float = 1.0) -> Any:
+                      swiglu_beta: float = 1.0, swiglu_limit_after_act: bool = False) -> Any:
     """Compiled code of the FP8 grouped GEMM (no GPU needed). Gated with :func:`use_fp8_wide_gated`:
     the one-WGMMA gate+up schedule. ``place`` (drop v92): see :func:`fp8_gemm`; ``swiglu_*``:
-    clamped_swiglu's constants (drop v100)."""
+    clamped_swiglu's constants (drop v100; ``swiglu_limit_after_act``: drop v102)."""
     return _compiled_gemm(_checked_gemm_key(activation, n, k, num_experts, scale_rows, place,
-                                            _swiglu(swiglu_alpha, swiglu_limit, swiglu_beta)))
+                                            _swiglu(swiglu_alpha, swiglu_limit, swiglu_beta, swiglu_limit_after_act)))
 
 
 def fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False, place: str = "",
-             swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0, swiglu_beta: float = 1.0) -> Any:
+             swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0, swiglu_beta: float = 1.0,
+             swiglu_limit_after_act: bool = False) -> Any:
     """A caller-owned launcher: ``gemm(a [M, k] e4m3, a_scale [M, k/128] f32, b [E, n, k] e4m3,
     b_scale [E, n/128, k/128] f32, offsets [E+1] i32, out=[M, n_out] bf16, row_scale=[M] f32)``.
     ``place`` (drop v92, opt-in): "copy" -- the GEMM writes its own A rows and scales while it runs,
     ``a`` and ``a_scale`` being written by it: row r copied from e4m3 ``x[idx[r]]`` and its scales (a
     call passes ``x=`` [T, k] e4m3, ``x_scale=`` [T, k/128] f32, ``idx=`` [M] int32 and ``sync=``);
     ``sync``: :func:`~.sm90_megamoe.place_sync_len`
-    int32, zero before the first launch. ``swiglu_*``: clamped_swiglu's constants (drop v100)."""
+    int32, zero before the first launch. ``swiglu_*``: clamped_swiglu's constants (drop v100;
+    ``swiglu_limit_after_act``: drop v102)."""
     key = _checked_gemm_key(activation, n, k, num_experts, scale_rows, place,
-                            _swiglu(swiglu_alpha, swiglu_limit, swiglu_beta))
+                            _swiglu(swiglu_alpha, swiglu_limit, swiglu_beta, swiglu_limit_after_act))
     return _load("sm90_megamoe.fp8_launch").CompiledFp8Gemm(compiled=_compiled_gemm(key), **_gemm_options(key))
 
 

@@ -148,11 +148,12 @@ def rows_per_expert(cfg: Any, world: int, tokens: int) -> float:
 
 
 def swiglu_constants(cfg: Any) -> dict:
-    """FC1's compile-time activation constants for the shim: clamped_swiglu's alpha, limit and beta
-    (MoEConfig's), none for the other activations. Shared with the FP8 backend."""
+    """FC1's compile-time activation constants for the shim: clamped_swiglu's alpha, limit, beta and
+    clamp order (MoEConfig's), none for the other activations. Shared with the FP8 backend."""
     if cfg.activation != "clamped_swiglu":
         return {}
-    return dict(swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit, swiglu_beta=cfg.swiglu_beta)
+    return dict(swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit, swiglu_beta=cfg.swiglu_beta,
+                swiglu_limit_after_act=cfg.swiglu_limit_after_act)
 
 
 def _gemm_specs(cfg: Any, e_local: int, world: int = 1) -> dict:
@@ -568,7 +569,8 @@ class Sm90CuteDSLBackend(BackendImpl):
 
 def grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
                  device: Any = None, bias_dtype: Any = None, raster_m: int | None = None,
-                 swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0, swiglu_beta: float = 1.0):
+                 swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0, swiglu_beta: float = 1.0,
+                 swiglu_limit_after_act: bool = False):
     """A launcher of the SM90 varlen-M grouped GEMM (for benchmarks and engines with their own
     MoE plumbing): ``fn(a [M,k] bf16, b [E,n,k] bf16, offsets [E+1] int32 (device), out=[M,n_out]
     bf16, row_scale=[M] f32, bias=[E,n] bias_dtype)``; ``n_out`` = n/2 for the gated activations.
@@ -576,4 +578,5 @@ def grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: 
     :class:`~moe_ep.api.MoEConfig`'s; gpt-oss's by default)."""
     return sm90_grouped_gemm(activation, n, k, num_experts, scale_rows=scale_rows, device=device,
                              bias_dtype=bias_dtype, raster_m=raster_m, swiglu_alpha=swiglu_alpha,
-                             swiglu_limit=swiglu_limit, swiglu_beta=swiglu_beta)
+                             swiglu_limit=swiglu_limit, swiglu_beta=swiglu_beta,
+                             swiglu_limit_after_act=swiglu_limit_after_act)

@@ -353,6 +353,6 @@ def grouped_gemm_fp8(activation: str, n: int, k: int, num_experts: int, scale_ro
     a_scale [M,k/128] f32, b [E,n,k] e4m3, b_scale [E,n/128,k/128] f32, offsets [E+1] int32
     (device), out=[M,n_out] bf16, row_scale=[M] f32 (any [1] f32 when not scale_rows))``; ``n_out``
     = n/2 for the gated activations; ``swiglu``: clamped_swiglu's ``swiglu_alpha`` / ``swiglu_limit`` /
-    ``swiglu_beta``."""
+    ``swiglu_beta`` / ``swiglu_limit_after_act``."""
     sm90_check_fp8_gemm(activation, n, k, num_experts)
     return sm90_fp8_gemm(activation, n, k, num_experts, scale_rows, **swiglu)

@@ -67,6 +67,7 @@ def compile_for_arch(
     cluster_n: int = 1,
     jump_stages: bool = False,
     swiglu_beta: float = 1.0,
+    swiglu_limit_after_act: bool = False,
 ):
     """Compile one variant for ``arch`` from fake tensors. ``bias_dtype``: None (no bias),
     "float32" or "bfloat16"; ``gather_a``: the gathering kernel (:mod:`.grouped_gemm_gather`);
@@ -78,6 +79,7 @@ def compile_for_arch(
                  has_bias=bias_dtype is not None, raster_m=raster_m,
                  swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, swiglu_beta=swiglu_beta,
                  schedule=schedule,
+                 **({"swiglu_limit_after_act": True} if swiglu_limit_after_act else {}),
                  **({"tanh_sigmoid": True} if tanh_sigmoid else {}),
                  **({"cluster_n": cluster_n} if cluster_n > 1 else {}),
                  **({"jump_stages": True} if jump_stages else {}))
@@ -113,6 +115,15 @@ def main():
     ptx = c.__ptx__
     ok = "wgmma.mma_async" in ptx and "min.f32" in ptx and not ptx_problems(ptx)
     print(f"clamped_swiglu  N=5760 K=2880 alpha=1 limit=10 beta=0: compile {time.time() - t0:.2f}s  "
+          f"wgmma + clamp in PTX: {ok}")
+    assert ok
+    # drop v102: Step-3.7's form (the gate clamped after the activation)
+    t0 = time.time()
+    c = compile_for_arch("clamped_swiglu", 5760, 2880, False, swiglu_alpha=1.0, swiglu_limit=7.0, swiglu_beta=0.0,
+                         swiglu_limit_after_act=True)
+    ptx = c.__ptx__
+    ok = "wgmma.mma_async" in ptx and "min.f32" in ptx and not ptx_problems(ptx)
+    print(f"clamped_swiglu  N=5760 K=2880 alpha=1 limit=7 beta=0 after_act: compile {time.time() - t0:.2f}s  "
           f"wgmma + clamp in PTX: {ok}")
     assert ok
     # the pingpong schedule: FC2 (identity, tile_n 128 and 192) and gated FC1s with tile_n 64 and 96

@@ -12,6 +12,8 @@ ABI_VERSION = 2  # 2: the bias argument, gated activations with I % tile_n != 0,
 #   clamped_swiglu  (clamp(u, -limit, limit) + beta) * g' * sigmoid(alpha * g'),  g' = min(g, limit)
 #                   (gpt-oss: alpha 1.702, limit 7, beta 1; DeepSeek-V4 / GLM-5 / Hunyuan-V4: alpha 1,
 #                   beta 0; all three are compile-time values; beta since drop v99, 1 before)
+#                   limit_after_act (drop v102; Step-3.7 / Bailing): the gate clamped after the
+#                   activation instead, (clamp(u, -limit, limit) + beta) * min(g * sigmoid(alpha * g), limit)
 ACTIVATIONS = ("identity", "swiglu", "squared_relu", "gelu_glu", "clamped_swiglu")
 GATED_ACTIVATIONS = ("swiglu", "gelu_glu", "clamped_swiglu")
 

@@ -119,7 +119,6 @@ FC2's A rows: FC1 0.59-0.78x quantiser + plain at the cap, the layer 7-11% slowe
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import cuda.bindings.driver as cuda
@@ -135,7 +134,7 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from .gather_producer import stage_producers
 from .pdl import PDL, wait_previous_grid
 from .constants import MAX_EXPERTS
-from .grouped_gemm import GroupedGemmSm90, clamped_swiglu, get_smem_capacity_in_bytes, silu
+from .grouped_gemm import GroupedGemmSm90, check_clamped_constants, clamped_swiglu, get_smem_capacity_in_bytes, silu
 from .warp_scan import warp_inclusive_scan
 from .unit_scales import UNIT_SCALE_BUF, UNIT_SCALE_BUFS, UNIT_SCALE_KC, UnitScales, unit_scales_reason
 
@@ -217,6 +216,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
     :param raster_m: m-tiles per raster group inside an expert (as in :class:`GroupedGemmSm90`).
     :param swiglu_alpha, swiglu_limit, swiglu_beta: clamped_swiglu's constants (drop v100; gpt-oss:
         1.702, 7.0, 1.0; DeepSeek-V4 / GLM-5: 1.0, the model's limit, 0.0).
+    :param swiglu_limit_after_act: the gate clamped after the activation (Step-3.7; drop v102).
 
     Only :meth:`_locate` and :meth:`_epilogue` are inherited; they read ``tile_m``, ``tile_n``,
     ``n_tiles``, ``raster_m``, ``n_out``, ``n_out_divisible``, ``c_dtype``, ``epi_n``,
@@ -232,17 +232,15 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
                  wide_gated: bool = False, cluster_n: int = 1, smem_scales: bool = False,
                  scale_warp: bool = False, deferred_epilogue: bool = False, tanh_sigmoid: bool = False,
                  unit_scales: bool = False, swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
-                 swiglu_beta: float = 1.0):
+                 swiglu_beta: float = 1.0, swiglu_limit_after_act: bool = False):
         if tile_n is None:
             tile_n = default_tile_n(activation)
         reason = can_implement(activation, 2 * FP8_BLOCK, FP8_BLOCK, 1, tile_n)
         if reason is not None:
             raise ValueError(reason)
-        if activation == "clamped_swiglu" and not (float(swiglu_limit) > 0.0 and math.isfinite(swiglu_limit)
-                                                   and math.isfinite(swiglu_alpha) and math.isfinite(swiglu_beta)):
-            raise ValueError("clamped_swiglu needs a finite swiglu_limit > 0 and a finite swiglu_alpha and "
-                             "swiglu_beta")
+        check_clamped_constants(activation, swiglu_alpha, swiglu_limit, swiglu_beta)
         self.swiglu_alpha, self.swiglu_limit, self.swiglu_beta = float(swiglu_alpha), float(swiglu_limit), float(swiglu_beta)
+        self.swiglu_limit_after_act = bool(swiglu_limit_after_act)
         self.activation = activation
         self.gated = activation in FP8_GATED
         self.scale_rows = bool(scale_rows)
@@ -883,7 +881,8 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
         """The gated activation of one output: swiglu's ``silu(g) * u``, or :func:`.grouped_gemm.clamped_swiglu`."""
         if self.activation == "swiglu":
             return self._silu(g) * u
-        return clamped_swiglu(g, u, self.swiglu_alpha, self.swiglu_limit, self.swiglu_beta)
+        return clamped_swiglu(g, u, self.swiglu_alpha, self.swiglu_limit, self.swiglu_beta,
+                              self.swiglu_limit_after_act)
 
     def _silu(self, g):
         """:func:`.grouped_gemm.silu` in this kernel's form (``tanh_sigmoid``, drop v50: one MUFU op

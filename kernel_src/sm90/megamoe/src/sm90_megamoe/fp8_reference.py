@@ -15,6 +15,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from .reference import clamped_swiglu_reference
+
 FP8_BLOCK = 128
 E4M3_MAX = 448.0
 
@@ -81,13 +83,14 @@ def fp8_grouped_gemm_reference(
     swiglu_alpha: float = 1.702,
     swiglu_limit: float = 7.0,
     swiglu_beta: float = 1.0,
+    swiglu_limit_after_act: bool = False,
 ) -> torch.Tensor:
     """The dequantised math in ``dtype`` (float32 default), looping over experts.
 
     a [M, K] e4m3, a_scale [M, K/128] f32, b [E, N, K] e4m3, b_scale [E, N/128, K/128] f32,
     offsets [E+1] int, row_scale [M] f32 or None. Returns [M, N_out] in ``dtype``
     (identity: N_out = N; swiglu: N_out = N/2, silu(gate rows [0, I)) * up rows [I, 2I);
-    clamped_swiglu: (clamp(up, -limit, limit) + beta) * g * sigmoid(alpha * g), g = min(gate, limit))."""
+    clamped_swiglu: :func:`.reference.clamped_swiglu_reference` of gate and up)."""
     if activation not in ("identity", "swiglu", "clamped_swiglu"):
         raise ValueError(activation)
     offs = [int(x) for x in offsets.tolist()]
@@ -103,8 +106,8 @@ def fp8_grouped_gemm_reference(
         if activation == "swiglu":
             y = torch.nn.functional.silu(y[:, :n_out]) * y[:, n_out:]
         elif activation == "clamped_swiglu":
-            g, u = y[:, :n_out].clamp(max=swiglu_limit), y[:, n_out:].clamp(-swiglu_limit, swiglu_limit)
-            y = (u + swiglu_beta) * g * torch.sigmoid(swiglu_alpha * g)
+            y = clamped_swiglu_reference(y[:, :n_out], y[:, n_out:], swiglu_alpha, swiglu_limit, swiglu_beta,
+                                         swiglu_limit_after_act)
         out[lo:hi] = y
     if row_scale is not None:
         out = out * row_scale.to(dtype)[:, None]

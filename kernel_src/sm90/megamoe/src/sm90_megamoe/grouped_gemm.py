@@ -7,6 +7,7 @@ One kernel computes, for every expert ``e`` with rows ``[offsets[e], offsets[e+1
     swiglu          C[rows, :I]  = silu(G) * U              G = H[:, :I], U = H[:, I:]
     gelu_glu        C[rows, :I]  = gelu(G) * U              (erf form)
     clamped_swiglu  C[rows, :I]  = (clamp(U, -l, l) + beta) * G' * sigmoid(alpha * G'),  G' = min(G, l)
+                    (after_act: (clamp(U, -l, l) + beta) * min(G * sigmoid(alpha * G), l))
     (scale_rows)    C[m, :]     *= row_scale[m]             (after the activation)
 
 BF16 in, FP32 accumulate, BF16 out. The routing histogram (``offsets``) lives in device memory
@@ -165,19 +166,32 @@ def silu(g, tanh_sigmoid: bool):
     return g * cute.arch.rcp_approx(den)
 
 
-def clamped_swiglu(g, u, alpha: float, limit: float, beta: float):
+def clamped_swiglu(g, u, alpha: float, limit: float, beta: float, after_act: bool = False):
     """``(clamp(u, -limit, limit) + beta) * g' * sigmoid(alpha * g')``, ``g' = min(g, limit)``, in
     float32, traced inline: the sigmoid from ``ex2`` + ``rcp`` (two MUFU ops); beta 0 compiles no add.
+    ``after_act`` (drop v102; Step-3.7 / Bailing): the gate is clamped after the activation instead,
+    ``(clamp(u, -limit, limit) + beta) * min(g * sigmoid(alpha * g), limit)``.
     The one form every clamped_swiglu epilogue of the drop uses (BF16 128-row and swap-AB, FP8);
-    ``alpha``, ``limit`` and ``beta`` are compile-time values."""
+    ``alpha``, ``limit``, ``beta`` and ``after_act`` are compile-time values."""
     lim = cutlass.Float32(limit)
-    g = cute.arch.fmin(g, lim)
+    if not after_act:
+        g = cute.arch.fmin(g, lim)
     u = cute.arch.fmax(cute.arch.fmin(u, lim), -lim)
     # g * sigmoid(alpha * g) = g / (1 + 2^(-alpha*g*log2(e)))
     den = cutlass.Float32(1.0) + cute.math.exp2(g * cutlass.Float32(-alpha * _LOG2E), fastmath=True)
-    if beta != 0.0:  # gpt-oss's + 1; DeepSeek-V4 / GLM-5 / Hunyuan-V4 add nothing
+    if beta != 0.0:  # gpt-oss's + 1; DeepSeek-V4 / GLM-5 / Hunyuan-V4 / Step-3.7 add nothing
         u = u + cutlass.Float32(beta)
+    if after_act:
+        return u * cute.arch.fmin(g * cute.arch.rcp_approx(den), lim)
     return u * g * cute.arch.rcp_approx(den)
+
+
+def check_clamped_constants(activation: str, alpha: float, limit: float, beta: float) -> None:
+    """clamped_swiglu's constants, checked when a kernel is constructed (every GEMM of the drop)."""
+    if activation == "clamped_swiglu" and not (float(limit) > 0.0 and math.isfinite(limit)
+                                               and math.isfinite(alpha) and math.isfinite(beta)):
+        raise ValueError("clamped_swiglu needs a finite swiglu_limit > 0 and a finite swiglu_alpha "
+                         "and swiglu_beta")
 
 
 def check_bf16_operands(mA, mB, mC, mOffsets, mBias) -> None:
@@ -203,6 +217,8 @@ class GroupedGemmSm90:
     :param raster_m: m-tiles per raster group inside an expert (see the module docstring).
     :param swiglu_alpha, swiglu_limit, swiglu_beta: clamped_swiglu's constants (gpt-oss: 1.702, 7.0,
         1.0; DeepSeek-V4: 1.0, its limit, 0.0). Drop v99 added beta (1.0 before).
+    :param swiglu_limit_after_act: clamped_swiglu clamps the gate after the activation (Step-3.7 /
+        Bailing: ``min(silu(g), limit)``); drop v102 (False before).
     :param tile_m: 128 (two consumer warpgroups of 64 rows).
     :param tile_k: 64 (one 128-byte swizzle atom of bf16).
     :param num_stages: smem pipeline depth; None = as many as fit.
@@ -237,6 +253,7 @@ class GroupedGemmSm90:
         swiglu_alpha: float = 1.702,
         swiglu_limit: float = 7.0,
         swiglu_beta: float = 1.0,
+        swiglu_limit_after_act: bool = False,
         tile_m: int = DEFAULT_TILE_M,
         tile_k: int = DEFAULT_TILE_K,
         num_stages: Optional[int] = None,
@@ -263,11 +280,7 @@ class GroupedGemmSm90:
             raise ValueError("tile_n must be a multiple of 16 in [16, 256]")
         if not (1 <= int(raster_m) <= MAX_RASTER_M):
             raise ValueError(f"raster_m must be in [1, {MAX_RASTER_M}], got {raster_m}")
-        if activation == "clamped_swiglu" and not (float(swiglu_limit) > 0.0 and math.isfinite(swiglu_limit)
-                                                   and math.isfinite(swiglu_alpha)
-                                                   and math.isfinite(swiglu_beta)):
-            raise ValueError("clamped_swiglu needs a finite swiglu_limit > 0 and a finite swiglu_alpha "
-                             "and swiglu_beta")
+        check_clamped_constants(activation, swiglu_alpha, swiglu_limit, swiglu_beta)
         self.activation = activation
         self.gated = activation in GATED_ACTIVATIONS
         self.has_bias = bool(has_bias)
@@ -275,6 +288,7 @@ class GroupedGemmSm90:
         self.swiglu_alpha = float(swiglu_alpha)
         self.swiglu_limit = float(swiglu_limit)
         self.swiglu_beta = float(swiglu_beta)
+        self.swiglu_limit_after_act = bool(swiglu_limit_after_act)
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.tile_k = tile_k
@@ -987,7 +1001,8 @@ class GroupedGemmSm90:
                 u = accs[1][i]
                 x = cutlass.Float32(0.5) * x * (cutlass.Float32(1.0) + cute.math.erf(x * _RSQRT2)) * u
             elif cutlass.const_expr(self.activation == "clamped_swiglu"):
-                x = clamped_swiglu(x, accs[1][i], self.swiglu_alpha, self.swiglu_limit, self.swiglu_beta)
+                x = clamped_swiglu(x, accs[1][i], self.swiglu_alpha, self.swiglu_limit, self.swiglu_beta,
+                                   self.swiglu_limit_after_act)
             elif cutlass.const_expr(self.activation == "squared_relu"):
                 r = cute.arch.fmax(x, cutlass.Float32(0.0))
                 x = r * r

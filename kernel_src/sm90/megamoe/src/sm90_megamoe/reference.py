@@ -7,6 +7,18 @@ from typing import Optional
 import torch
 
 
+def clamped_swiglu_reference(g: torch.Tensor, u: torch.Tensor, alpha: float, limit: float, beta: float,
+                             after_act: bool = False) -> torch.Tensor:
+    """clamped_swiglu in torch (the kernels' form): ``(clamp(u, -limit, limit) + beta) * g' *
+    sigmoid(alpha * g')`` with ``g' = min(g, limit)``; ``after_act`` (drop v102): the gate clamped after
+    the activation, ``(clamp(u, -limit, limit) + beta) * min(g * sigmoid(alpha * g), limit)``."""
+    u = u.clamp(-limit, limit) + beta
+    if after_act:
+        return u * (g * torch.sigmoid(alpha * g)).clamp(max=limit)
+    g = g.clamp(max=limit)
+    return u * g * torch.sigmoid(alpha * g)
+
+
 def grouped_gemm_reference(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -17,6 +29,7 @@ def grouped_gemm_reference(
     swiglu_alpha: float = 1.702,
     swiglu_limit: float = 7.0,
     swiglu_beta: float = 1.0,
+    swiglu_limit_after_act: bool = False,
 ) -> torch.Tensor:
     """
     a:         [M_total, K]      bf16 (any float dtype)
@@ -45,9 +58,7 @@ def grouped_gemm_reference(
         elif activation == "gelu_glu":
             y = torch.nn.functional.gelu(g) * u
         elif activation == "clamped_swiglu":
-            g = g.clamp(max=swiglu_limit)
-            u = u.clamp(-swiglu_limit, swiglu_limit)
-            y = (u + swiglu_beta) * g * torch.sigmoid(swiglu_alpha * g)
+            y = clamped_swiglu_reference(g, u, swiglu_alpha, swiglu_limit, swiglu_beta, swiglu_limit_after_act)
         elif activation == "squared_relu":
             y = torch.relu(y).square()
         elif activation != "identity":

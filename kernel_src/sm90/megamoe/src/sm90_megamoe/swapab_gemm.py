@@ -57,7 +57,6 @@ Requirements: K % 8 == 0, N_out % 8 == 0 (TMA strides), as for GroupedGemmSm90.
 
 from __future__ import annotations
 
-import math
 from typing import Optional, Tuple
 
 import cuda.bindings.driver as cuda
@@ -68,7 +67,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from .grouped_gemm import check_bf16_operands, clamped_swiglu, silu
+from .grouped_gemm import check_bf16_operands, check_clamped_constants, clamped_swiglu, silu
 from .warp_scan import warp_inclusive_scan
 from .pdl import PDL, wait_previous_grid
 from .constants import ACTIVATIONS, ALIGN_K_ELEMS, ALIGN_N_ELEMS, GATED_ACTIVATIONS, MAX_EXPERTS
@@ -123,6 +122,7 @@ class SwapABGroupedGemmSm90:
     :param l2_hints: weights evict-first, tokens evict-last in L2.
     :param swiglu_alpha, swiglu_limit, swiglu_beta: clamped_swiglu's constants (gpt-oss: 1.702, 7.0,
         1.0; DeepSeek-V4: 1.0, its limit, 0.0). Drop v99 added beta (1.0 before).
+    :param swiglu_limit_after_act: the gate clamped after the activation (Step-3.7; drop v102).
     :param early_weights: with PDL launches (:data:`~.pdl.PDL`), prefetch this CTA's first weight
         k-blocks (at most ``EARLY_WEIGHT_BYTES``) into L2 *before* waiting for the previous grid, so
         the weight stream starts while that grid finishes. The scheduler then also reads
@@ -146,6 +146,7 @@ class SwapABGroupedGemmSm90:
         swiglu_alpha: float = 1.702,
         swiglu_limit: float = 7.0,
         swiglu_beta: float = 1.0,
+        swiglu_limit_after_act: bool = False,
         early_weights: bool = False,
         tanh_sigmoid: bool = False,
     ):
@@ -164,11 +165,7 @@ class SwapABGroupedGemmSm90:
             num_mma_wg = 1 if tile_w == 64 else 2
         if num_mma_wg not in (1, 2) or tile_w % (64 * num_mma_wg) != 0:
             raise ValueError(f"num_mma_wg must be 1 or 2 and divide tile_w / 64, got {num_mma_wg}")
-        if activation == "clamped_swiglu" and not (float(swiglu_limit) > 0.0 and math.isfinite(swiglu_limit)
-                                                   and math.isfinite(swiglu_alpha)
-                                                   and math.isfinite(swiglu_beta)):
-            raise ValueError("clamped_swiglu needs a finite swiglu_limit > 0 and a finite swiglu_alpha "
-                             "and swiglu_beta")
+        check_clamped_constants(activation, swiglu_alpha, swiglu_limit, swiglu_beta)
         self.activation = activation
         self.gated = activation in GATED_ACTIVATIONS
         self.num_b = 2 if self.gated else 1  # weight boxes (and accumulators) per stage
@@ -188,6 +185,7 @@ class SwapABGroupedGemmSm90:
         self.swiglu_alpha = float(swiglu_alpha)
         self.swiglu_limit = float(swiglu_limit)
         self.swiglu_beta = float(swiglu_beta)
+        self.swiglu_limit_after_act = bool(swiglu_limit_after_act)
         self.early_weights = bool(early_weights)
 
         self.acc_dtype = cutlass.Float32
@@ -631,7 +629,8 @@ class SwapABGroupedGemmSm90:
                 u = accs[1][i]
                 x = cutlass.Float32(0.5) * x * (cutlass.Float32(1.0) + cute.math.erf(x * _RSQRT2)) * u
             elif cutlass.const_expr(self.activation == "clamped_swiglu"):
-                x = clamped_swiglu(x, accs[1][i], self.swiglu_alpha, self.swiglu_limit, self.swiglu_beta)
+                x = clamped_swiglu(x, accs[1][i], self.swiglu_alpha, self.swiglu_limit, self.swiglu_beta,
+                                   self.swiglu_limit_after_act)
             elif cutlass.const_expr(self.activation == "squared_relu"):
                 r = cute.arch.fmax(x, cutlass.Float32(0.0))
                 x = r * r

@@ -1,0 +1,263 @@
+"""clamped_swiglu with the gate clamped after the activation (drop v102; ``swiglu_limit_after_act``):
+``(clamp(u, -limit, limit) + beta) * min(g * sigmoid(alpha * g), limit)``. Step-3.7 and Bailing
+(transformers' ``limit_after_act``) run it with alpha 1 and beta 0; the clamp-before form
+(gpt-oss, DeepSeek-V4) is the default.
+
+CPU: every SM90 kernel that runs clamped_swiglu (the BF16 128-row GEMM, the swap-AB decode GEMM, the
+FP8 FC1 plain and overlapped-wide) compiles for sm_90a with the flag, without spills, and the flag
+changes its PTX; MoEConfig validates it; the layer's specs and both shims' keys carry it; the
+reference backend (BF16 and FP8) against float64 written from Step-3.7's definition.
+GPU: ``sm90_bf16_cutedsl`` (prefill and decode kernels) and ``sm90_fp8_cutedsl`` against float64; the
+clamp-before form would be off. (The transformers models: tests/test_transformers_layouts.py.)"""
+
+import importlib
+import zlib
+
+import pytest
+import torch
+
+from moe_ep.api import MoEConfig
+
+STEP = dict(swiglu_alpha=1.0, swiglu_limit=7.0, swiglu_beta=0.0, swiglu_limit_after_act=True)  # Step-3.7's
+
+
+def _drop(name):
+    pytest.importorskip("cutlass")
+    from moe_ep.shim import SM90_MEGAMOE_CONSTANTS
+
+    SM90_MEGAMOE_CONSTANTS.check()  # puts the drop on the path (and checks the mirror)
+    return importlib.import_module(f"sm90_megamoe.{name}")
+
+
+def _no_spills(ptx):
+    return "ld.local" not in ptx and "st.local" not in ptx
+
+
+def _step_f64(h, I, limit, beta=0.0, after_act=True):
+    """Step-3.7's ``Step3p7Experts._apply_gate`` in float64 (``act_fn(gate).clamp(max=limit) *
+    up.clamp(-limit, limit)``), plus ``beta`` on the clamped up; ``after_act=False``: the clamp before
+    the SiLU (DeepSeek-V4's), to show the two differ."""
+    g, u = h[:, :I].double(), h[:, I:].double().clamp(-limit, limit) + beta
+    if after_act:
+        return torch.nn.functional.silu(g).clamp(max=limit) * u
+    return torch.nn.functional.silu(g.clamp(max=limit)) * u
+
+
+# ---- CPU: compile, validation, keys ---------------------------------------------------------
+
+
+def test_128_row_gemm_compiles_with_the_clamp_after(tmp_path):
+    cc = _drop("compile_check")
+    ptx = {}
+    for after in (False, True):
+        compiled = cc.compile_for_arch("clamped_swiglu", 5760, 2880, False, bias_dtype="float32", raster_m=8,
+                                       swiglu_alpha=1.0, swiglu_limit=7.0, swiglu_beta=0.0,
+                                       swiglu_limit_after_act=after, extra_options=f"--dump-dir={tmp_path}")
+        ptx[after] = compiled.__ptx__
+        assert "wgmma.mma_async" in ptx[after] and "min.f32" in ptx[after] and _no_spills(ptx[after])
+    assert ptx[False] != ptx[True]  # the clamp order is compiled in
+
+
+def test_swapab_gemm_compiles_with_the_clamp_after():
+    sr = _drop("swapab_runner")
+    ptx = {}
+    for after in (False, True):
+        kern, compiled = sr.compile_swapab("clamped_swiglu", 2 * 2048, 4096, 32, False, 16,
+                                           **STEP | {"swiglu_limit_after_act": after})
+        assert kern.swiglu_limit_after_act == after
+        ptx[after] = compiled.__ptx__
+        assert "wgmma.mma_async" in ptx[after] and "min.f32" in ptx[after] and _no_spills(ptx[after])
+    assert ptx[False] != ptx[True]
+
+
+@pytest.mark.parametrize("kw", [{}, dict(overlap_promotion=True, wide_gated=True)], ids=["plain", "overlap_wide"])
+def test_fp8_fc1_compiles_with_the_clamp_after(kw):
+    fr = _drop("fp8_runner")
+    ptx = {}
+    for after in (False, True):
+        kern, compiled = fr.compile_variant("clamped_swiglu", 1536, 2048, 128, False,
+                                            swiglu=(1.0, 7.0, 0.0, after), **kw)
+        assert kern.swiglu_limit_after_act == after
+        ptx[after] = compiled.__ptx__
+        assert "wgmma.mma_async" in ptx[after] and "e4m3" in ptx[after] and _no_spills(ptx[after])
+    assert ptx[False] != ptx[True]
+
+
+@pytest.mark.parametrize("value", [1, "yes", None])
+def test_config_refuses_a_non_bool(value):
+    with pytest.raises(TypeError, match="MoEConfig.swiglu_limit_after_act must be a bool"):
+        MoEConfig(num_experts=8, hidden=256, intermediate=256, top_k=2, max_tokens_per_rank=64,
+                  activation="clamped_swiglu", swiglu_limit_after_act=value)
+
+
+def test_the_layer_and_both_shims_key_the_clamp_order():
+    """Every FC1 spec of such a layer (the decode FC1 too) carries the flag, and the BF16 and FP8
+    compile keys differ by it; for other activations it is not passed / zeroed."""
+    from moe_ep.backends.sm90.bf16_cutedsl.backend import _gemm_specs
+    from moe_ep.shim.drops.sm90_megamoe import GemmKey
+    from moe_ep.shim.drops.sm90_megamoe_fp8 import _gemm_key
+
+    cfg = MoEConfig(num_experts=32, hidden=1024, intermediate=512, top_k=4, max_tokens_per_rank=4096,
+                    activation="clamped_swiglu", **STEP)
+    specs = _gemm_specs(cfg, 32)
+    for name in ("fc1", "fc1_decode"):
+        assert specs[name]["swiglu_limit_after_act"] is True
+    assert "swiglu_limit_after_act" not in specs["fc2"]
+    assert GemmKey.__dataclass_fields__["swiglu_limit_after_act"].default is False
+    after = _gemm_key("clamped_swiglu", 1024, 1024, 32, False, swiglu=(1.0, 7.0, 0.0, True))
+    before = _gemm_key("clamped_swiglu", 1024, 1024, 32, False, swiglu=(1.0, 7.0, 0.0))
+    assert after.swiglu_limit_after_act and not before.swiglu_limit_after_act and after != before
+    plain = _gemm_key("swiglu", 1024, 1024, 32, False, swiglu=(1.0, 7.0, 0.0, True))
+    assert not plain.swiglu_limit_after_act
+
+
+def test_drop_reference_is_the_definition():
+    """The drop's torch reference (its runners check the kernels against it) against Step-3.7's
+    definition in float64."""
+    ref = _drop("reference")
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(300, 64, generator=g) * 6
+    got = ref.clamped_swiglu_reference(h[:, :32], h[:, 32:], 1.0, 7.0, 0.0, after_act=True)
+    assert torch.allclose(got.double(), _step_f64(h, 32, 7.0), rtol=1e-5, atol=1e-5)
+    before = ref.clamped_swiglu_reference(h[:, :32], h[:, 32:], 1.0, 7.0, 0.0)
+    assert torch.allclose(before.double(), _step_f64(h, 32, 7.0, after_act=False), rtol=1e-5, atol=1e-5)
+
+
+def _bf16_problem(E, H, I, K, T, seed, device, x_scale):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(T, H, generator=g) * x_scale).to(torch.bfloat16).to(device)
+    ids = torch.randn(T, E, generator=g).topk(K, dim=-1).indices.to(torch.int32).to(device)
+    w = torch.softmax(torch.randn(T, K, generator=g), -1).to(device)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) * H ** -0.5).to(torch.bfloat16).to(device)
+    w2 = (torch.randn(E, H, I, generator=g) * I ** -0.5).to(torch.bfloat16).to(device)
+    return x, ids, w, w13, w2
+
+
+def _oracle_f64(x, ids, w, w13, w2, I, limit, after_act=True):
+    """Step-3.7's experts in float64, one expert at a time; also how many gates passed the limit."""
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64, device=x.device)
+    clamped = 0
+    for e in torch.unique(ids).tolist():
+        t, k = (ids == e).nonzero(as_tuple=True)
+        h = x[t].double() @ w13[e].double().t()
+        clamped += int((torch.nn.functional.silu(h[:, :I]) > limit).sum())
+        out.index_add_(0, t, (_step_f64(h, I, limit, after_act=after_act) @ w2[e].double().t())
+                       * w[t, k].double()[:, None])
+    return out, clamped
+
+
+def _rel(a, b):
+    return float((a.double() - b).norm() / b.norm())
+
+
+def test_reference_backend_against_float64():
+    """The reference backend's BF16 layer, on the CPU, against Step-3.7's experts in float64; the
+    clamp-before form is off."""
+    from moe_ep.api import EPGroup, MoELayer
+
+    E, H, I, K, T = 8, 128, 96, 2, 40
+    cfg = MoEConfig(num_experts=E, hidden=H, intermediate=I, top_k=K, max_tokens_per_rank=64,
+                    activation="clamped_swiglu", **STEP | {"swiglu_limit": 2.0})
+    x, ids, w, w13, w2 = _bf16_problem(E, H, I, K, T, seed=7, device="cpu", x_scale=3.0)
+    with MoELayer(cfg, EPGroup.single(), backend="reference", device="cpu") as layer:
+        got = layer.forward(x, ids, w, w13, w2)
+    want, clamped = _oracle_f64(x, ids, w, w13, w2, I, 2.0)
+    assert clamped > 0.05 * T * K * I
+    assert _rel(got, want) < 1e-2, _rel(got, want)
+    before, _ = _oracle_f64(x, ids, w, w13, w2, I, 2.0, after_act=False)
+    assert _rel(got, before) > 0.05
+
+
+def _fp8_oracle_f64(x, ids, w, w13, w2, I, limit, after_act=True):
+    """The quantised model in float64: x quantised per 128 values of a row, the dequantised weights,
+    Step-3.7's activation written in bf16 and quantised the same way, router weights in k order."""
+    from moe_ep.api.quant import dequantize_fp8_block128, dequantize_fp8_rows128, quantize_fp8_rows128
+
+    d13, d2 = dequantize_fp8_block128(w13).double(), dequantize_fp8_block128(w2).double()
+    xq = dequantize_fp8_rows128(*quantize_fp8_rows128(x.float())).double()
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64, device=x.device)
+    for e in ids.unique().tolist():
+        t, k = (ids == e).nonzero(as_tuple=True)
+        a = _step_f64(xq[t] @ d13[e].T, I, limit, after_act=after_act).to(torch.bfloat16).float()
+        aq = dequantize_fp8_rows128(*quantize_fp8_rows128(a)).double()
+        out.index_add_(0, t, (aq @ d2[e].T) * w[t, k].double()[:, None])
+    return out
+
+
+def _fp8_problem(E, H, I, K, T, seed, device, x_scale):
+    from moe_ep.api.quant import quantize_fp8_block128
+
+    x, ids, w, w13, w2 = _bf16_problem(E, H, I, K, T, seed, device, x_scale)
+    return x, ids, w, quantize_fp8_block128(w13.float()), quantize_fp8_block128(w2.float())
+
+
+def test_fp8_reference_backend_against_float64():
+    from moe_ep.api import EPGroup, MoELayer
+
+    E, H, I, K, T = 8, 256, 256, 2, 48
+    cfg = MoEConfig(num_experts=E, hidden=H, intermediate=I, top_k=K, max_tokens_per_rank=64, quant="fp8_block128",
+                    activation="clamped_swiglu", **STEP | {"swiglu_limit": 2.0})
+    x, ids, w, w13, w2 = _fp8_problem(E, H, I, K, T, seed=3, device="cpu", x_scale=3.0)
+    with MoELayer(cfg, EPGroup.single(), backend="reference", device="cpu") as layer:
+        got = layer.forward(x, ids, w, w13, w2)
+    want = _fp8_oracle_f64(x, ids, w, w13, w2, I, 2.0)
+    assert _rel(got, want) < 1e-2, _rel(got, want)
+    assert _rel(got, _fp8_oracle_f64(x, ids, w, w13, w2, I, 2.0, after_act=False)) > 0.05
+
+
+# ---- GPU ------------------------------------------------------------------------------------
+
+
+def _sm90():
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,decode", [(700, False), (6, True)])
+def test_clamp_after_on_the_bf16_backend(T, decode):
+    """A Step-3.7-style layer (E 32, H 1024, I 352: ragged against the 128 tile, K 4; limit 2, below
+    Step-3.7's 7, where the clamp-before form would be as good as identical: ``7 * sigmoid(7)`` is
+    within 0.1% of 7) on the 128-row kernels (700 tokens) and the swap-AB decode kernels (6 tokens),
+    against float64; the clamp-before form is off."""
+    _sm90()
+    from moe_ep.api import EPGroup, MoELayer
+
+    E, H, I, K = 32, 1024, 352, 4
+    cfg = MoEConfig(num_experts=E, hidden=H, intermediate=I, top_k=K, max_tokens_per_rank=2048,
+                    activation="clamped_swiglu", **STEP | {"swiglu_limit": 2.0})
+    x, ids, w, w13, w2 = _bf16_problem(E, H, I, K, T, zlib.crc32(f"after/{T}".encode()), "cuda", x_scale=3.0)
+    with MoELayer(cfg, EPGroup.single(), backend="sm90_bf16_cutedsl") as layer:
+        layer.warmup(progress=False)
+        out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+        layer.forward(x, ids, w, w13, w2, out=out)
+        assert layer._impl._decode == decode
+        layer.check_errors()
+    want, clamped = _oracle_f64(x, ids, w, w13, w2, I, 2.0)
+    assert clamped > 0 and torch.isfinite(out).all()
+    assert _rel(out, want) < 1e-2, _rel(out, want)
+    before, _ = _oracle_f64(x, ids, w, w13, w2, I, 2.0, after_act=False)
+    assert _rel(out, before) > 0.05
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [700, 6])
+def test_clamp_after_on_the_fp8_backend(T):
+    """The same (limit 2) on sm90_fp8_cutedsl (I 512), against the quantised model in float64."""
+    _sm90()
+    from moe_ep.api import EPGroup, MoELayer
+
+    E, H, I, K = 32, 1024, 512, 4
+    cfg = MoEConfig(num_experts=E, hidden=H, intermediate=I, top_k=K, max_tokens_per_rank=1024, quant="fp8_block128",
+                    activation="clamped_swiglu", **STEP | {"swiglu_limit": 2.0})
+    x, ids, w, w13, w2 = _fp8_problem(E, H, I, K, T, zlib.crc32(f"fp8after/{T}".encode()), "cuda", x_scale=3.0)
+    with MoELayer(cfg, EPGroup.single(), backend="sm90_fp8_cutedsl") as layer:
+        layer.warmup(progress=False)
+        out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+        layer.forward(x, ids, w, w13, w2, out=out)
+        layer.check_errors()
+    want = _fp8_oracle_f64(x, ids, w, w13, w2, I, 2.0)
+    assert torch.isfinite(out).all()
+    # FC2's input is re-quantised to e4m3: one token's rows average little (see test_fp8_backend)
+    assert _rel(out, want) < (1e-2 if T >= 64 else 3e-2), _rel(out, want)
+    assert _rel(out, _fp8_oracle_f64(x, ids, w, w13, w2, I, 2.0, after_act=False)) > 0.05
