@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-ACTIVATIONS = ("swiglu", "squared_relu", "gelu_glu", "clamped_swiglu")
-GATED = ("swiglu", "gelu_glu", "clamped_swiglu")
+ACTIVATIONS = ("swiglu", "squared_relu", "gelu_glu", "clamped_swiglu", "softcapped_swiglu")
+GATED = ("swiglu", "gelu_glu", "clamped_swiglu", "softcapped_swiglu")
 SUPPORTED_DTYPES = (torch.bfloat16,)
 #: weight formats (``MoEConfig.quant``) -> the block size along K (see :mod:`moe_ep.api.quant`)
 QUANT_FORMATS = {"nvfp4_w4a16": 16, "mxfp8": 32, "fp8_block128": 1}
@@ -31,7 +31,9 @@ class MoEConfig:
             and Hunyuan-V4 with ``swiglu_alpha=1.0, swiglu_beta=0.0`` and their ``swiglu_limit``;
             with ``swiglu_limit_after_act=True`` the gate is clamped after the activation instead,
             ``(u + beta) · min(gate · sigmoid(alpha · gate), limit)``: Step-3.7 and Bailing with
-            ``swiglu_alpha=1.0, swiglu_beta=0.0``) or ``"squared_relu"`` (relu(h)²).
+            ``swiglu_alpha=1.0, swiglu_beta=0.0``), ``"softcapped_swiglu"`` (``gate_softcap ·
+            tanh(gate / gate_softcap) · sigmoid(gate) · up_softcap · tanh(up / up_softcap)``: Inkling2)
+            or ``"squared_relu"`` (relu(h)²).
             Weights per rank ``r`` (local experts ``[r·E/W, (r+1)·E/W)``):
 
             * ``w13`` ``[E_local, 2·I, H]`` for the gated activations (gate rows ``[0, I)``
@@ -47,7 +49,10 @@ class MoEConfig:
             construction of the earlier fields is unchanged.
         swiglu_limit_after_act: ``"clamped_swiglu"`` clamps the gate after the activation
             (``min(silu(gate), limit)``, Step-3.7 / Bailing's ``limit_after_act``) instead of before
-            it (a bool; default False). Unused by the other activations. Last field.
+            it (a bool; default False). Unused by the other activations.
+        gate_softcap, up_softcap: the caps of ``"softcapped_swiglu"`` (finite numbers > 0; defaults
+            4.0 and 25.0, Inkling2's ``mlp_gate_softcap`` / ``mlp_up_softcap``). Unused by the other
+            activations. The last fields.
         bias_dtype: ``None`` (default): the experts have no biases. ``torch.float32`` or the layer
             dtype (``torch.bfloat16``): every forward takes per-expert biases of that dtype,
             ``b13 [E_local, w13_rows]`` added to FC1's float32 result before the activation and
@@ -85,6 +90,8 @@ class MoEConfig:
     quant: str | None = None
     swiglu_beta: float = 1.0
     swiglu_limit_after_act: bool = False
+    gate_softcap: float = 4.0
+    up_softcap: float = 25.0
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "hidden", "intermediate", "top_k", "max_tokens_per_rank"):
@@ -101,15 +108,16 @@ class MoEConfig:
             raise ValueError(f"MoEConfig.dtype {self.dtype} is not supported; supported: {SUPPORTED_DTYPES}")
         if self.activation not in ACTIVATIONS:
             raise ValueError(f"MoEConfig.activation {self.activation!r} is not one of {ACTIVATIONS}")
-        for name in ("swiglu_alpha", "swiglu_limit", "swiglu_beta"):
+        for name in ("swiglu_alpha", "swiglu_limit", "swiglu_beta", "gate_softcap", "up_softcap"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)):
                 raise TypeError(f"MoEConfig.{name} must be a float, got {type(v).__name__}")
             if not math.isfinite(v):
                 raise ValueError(f"MoEConfig.{name} must be finite, got {v}")
             object.__setattr__(self, name, float(v))  # frozen: normalise ints to float
-        if not self.swiglu_limit > 0:
-            raise ValueError(f"MoEConfig.swiglu_limit must be > 0, got {self.swiglu_limit}")
+        for name in ("swiglu_limit", "gate_softcap", "up_softcap"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"MoEConfig.{name} must be > 0, got {getattr(self, name)}")
         if not isinstance(self.swiglu_limit_after_act, bool):
             raise TypeError(f"MoEConfig.swiglu_limit_after_act must be a bool, got "
                             f"{type(self.swiglu_limit_after_act).__name__}")

@@ -79,7 +79,8 @@ class BackendSpec:
 
     ``check(config, group, device)`` raises :class:`UnsupportedBackendError` (with the reason) when
     the backend cannot run that configuration -- every field counts, including ``activation``,
-    ``swiglu_alpha``/``swiglu_limit``/``swiglu_beta``/``swiglu_limit_after_act`` and ``bias_dtype`` (a backend without biases refuses a
+    ``swiglu_alpha``/``swiglu_limit``/``swiglu_beta``/``swiglu_limit_after_act``, ``gate_softcap``/``up_softcap``
+    and ``bias_dtype`` (a backend without biases refuses a
     config whose ``bias_dtype`` is set); ``factory(config, group, device, **options)`` builds the
     impl (options: ``timeout_s``).
     Higher ``priority`` wins under ``"auto"``. ``quant_formats``: the ``MoEConfig.quant`` values

@@ -21,7 +21,8 @@ MODELS = {
 }
 
 #: the MoEConfig fields a model entry may set besides the shape (its activation and that's constants)
-_ACTIVATION_FIELDS = ("activation", "swiglu_alpha", "swiglu_limit", "swiglu_beta", "swiglu_limit_after_act")
+_ACTIVATION_FIELDS = ("activation", "swiglu_alpha", "swiglu_limit", "swiglu_beta", "swiglu_limit_after_act",
+                      "gate_softcap", "up_softcap")
 
 
 def model_config(key: str, max_tokens: int, quant: str | None = None) -> MoEConfig:

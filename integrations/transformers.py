@@ -41,8 +41,9 @@ function (``_apply_gate``, transformers' default or the model's own) must match 
 ``swiglu_limit``) and ``alpha`` (or ``swiglu_alpha``; 1 when it has none), ``clamped_swiglu``: gpt-oss's
 ``(u' + 1)·g'·sigmoid(alpha·g')`` or DeepSeek-V4's, GLM-5's and Hunyuan-V4's ``silu(g')·u'``
 (``swiglu_beta`` 0), ``g' = min(g, limit)``, ``u' = clamp(u, -limit, limit)``, or Step-3.7's and
-Bailing's ``min(silu(g), limit)·u'`` (``swiglu_limit_after_act``) -- and a non-gated module's ``act_fn``
-must be relu² (``squared_relu``).
+Bailing's ``min(silu(g), limit)·u'`` (``swiglu_limit_after_act``), or with the module's ``gate_softcap``
+and ``up_softcap`` (its own or its ``act_fn``'s) Inkling2's ``softcapped_swiglu`` -- and a non-gated
+module's ``act_fn`` must be relu² (``squared_relu``).
 
 Refused with a clear error (never computed wrongly): autograd (training), a gate or activation
 matching none of those (the message names the function), post-expert norms, dtypes other than
@@ -105,6 +106,11 @@ def _gate_candidates(module: Any):
     yield "gelu_glu", (), lambda g, u: gelu(g) * u
     alpha = next((getattr(module, a) for a in ("alpha", "swiglu_alpha") if getattr(module, a, None) is not None), 1.0)
     limit = next((getattr(module, a) for a in ("limit", "swiglu_limit") if getattr(module, a, None) is not None), None)
+    caps = _softcaps(module)
+    if caps is not None:  # Inkling2: cg * tanh(g / cg) * sigmoid(g) * cu * tanh(u / cu)
+        cg, cu = caps
+        yield "softcapped_swiglu", (("gate_softcap", cg), ("up_softcap", cu)), \
+            lambda g, u: cg * torch.tanh(g / cg) * torch.sigmoid(g) * (cu * torch.tanh(u / cu))
     if limit is not None:
         a, lim = float(alpha), float(limit)
         # beta: gpt-oss's +1; DeepSeek-V4 / GLM-5 / Hunyuan-V4 / Step-3.7 add nothing. after_act: the
@@ -121,6 +127,17 @@ def _gate_candidates(module: Any):
 
                 yield "clamped_swiglu", (("swiglu_alpha", a), ("swiglu_limit", lim), ("swiglu_beta", beta),
                                          ("swiglu_limit_after_act", after_act)), clamped
+
+
+def _softcaps(module: Any):
+    """``(gate_softcap, up_softcap)`` of a softcapped gate, or None: on the module (transformers' FP8
+    experts) or on its ``act_fn`` (Inkling2's, whose caps are modules holding ``softcap``)."""
+    for holder in (module, getattr(module, "act_fn", None)):
+        caps = [getattr(holder, n, None) for n in ("gate_softcap", "up_softcap")]
+        caps = [getattr(c, "softcap", c) for c in caps]  # Inkling2's caps are modules holding the value
+        if all(isinstance(c, (int, float)) and not isinstance(c, bool) and c > 0 for c in caps):
+            return float(caps[0]), float(caps[1])
+    return None
 
 
 def _probe_activation(module: Any, gated: bool, interleaved: bool, width: int):
@@ -148,7 +165,8 @@ def _probe_activation(module: Any, gated: bool, interleaved: bool, width: int):
         f"moe_ep experts: {name}'s gate ({getattr(gate_fn, '__qualname__', gate_fn)}, act_fn "
         f"{type(getattr(module, 'act_fn', None)).__name__}) computes none of moe_ep's gated activations: "
         "silu(g)*u, erf gelu(g)*u, or a clamped swiglu (the module's limit and alpha, with or without gpt-oss's "
-        "+1 on the clamped up projection, the gate clamped before or after the activation)")
+        "+1 on the clamped up projection, the gate clamped before or after the activation), or a softcapped "
+        "swiglu (the module's gate_softcap and up_softcap)")
 
 
 def _describe(module: Any) -> _Spec:

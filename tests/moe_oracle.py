@@ -16,6 +16,37 @@ def require_sm90() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
 
 
+def sm90_drop_module(name: str):
+    """``sm90_megamoe.<name>`` (skipping the test without CuTeDSL), after the shim put the drop on the
+    path and checked its mirrored constants."""
+    import importlib
+
+    import pytest
+
+    pytest.importorskip("cutlass")
+    from moe_ep.shim import SM90_MEGAMOE_CONSTANTS
+
+    SM90_MEGAMOE_CONSTANTS.check()
+    return importlib.import_module(f"sm90_megamoe.{name}")
+
+
+def activation_problem(E, H, I, K, T, seed, device, x_scale, fp8=False) -> tuple:
+    """One layer's inputs for an activation test: x [T, H] bf16 times ``x_scale`` (FC1's outputs are
+    ~N(0, x_scale^2), so a clamp or cap at a few units bites), ids [T, K] int32, w [T, K] f32 softmax,
+    w13 [E, 2I, H] and w2 [E, H, I] bf16 (``fp8``: as ``quantize_fp8_block128`` gives them)."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(T, H, generator=g) * x_scale).to(torch.bfloat16).to(device)
+    ids = torch.randn(T, E, generator=g).topk(K, dim=-1).indices.to(torch.int32).to(device)
+    w = torch.softmax(torch.randn(T, K, generator=g), -1).to(device)
+    w13 = (torch.randn(E, 2 * I, H, generator=g) * H ** -0.5).to(torch.bfloat16).to(device)
+    w2 = (torch.randn(E, H, I, generator=g) * I ** -0.5).to(torch.bfloat16).to(device)
+    if fp8:
+        from moe_ep.api.quant import quantize_fp8_block128
+
+        w13, w2 = quantize_fp8_block128(w13.float()), quantize_fp8_block128(w2.float())
+    return x, ids, w, w13, w2
+
+
 def make_problem(E, H, I, K, T, *, gated=True, skew=False, seed=0, dtype=torch.bfloat16):
     """Global problem: x [T,H], ids [T,K] int64 (distinct per row), w [T,K] f32, w13 [E,rows,H], w2 [E,H,I].
 

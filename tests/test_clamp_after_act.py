@@ -10,7 +10,6 @@ reference backend (BF16 and FP8) against float64 written from Step-3.7's definit
 GPU: ``sm90_bf16_cutedsl`` (prefill and decode kernels) and ``sm90_fp8_cutedsl`` against float64; the
 clamp-before form would be off. (The transformers models: tests/test_transformers_layouts.py.)"""
 
-import importlib
 import zlib
 
 import pytest
@@ -18,15 +17,9 @@ import torch
 
 from moe_ep.api import MoEConfig
 
+from moe_oracle import activation_problem, rel_err, require_sm90, sm90_drop_module as _drop
+
 STEP = dict(swiglu_alpha=1.0, swiglu_limit=7.0, swiglu_beta=0.0, swiglu_limit_after_act=True)  # Step-3.7's
-
-
-def _drop(name):
-    pytest.importorskip("cutlass")
-    from moe_ep.shim import SM90_MEGAMOE_CONSTANTS
-
-    SM90_MEGAMOE_CONSTANTS.check()  # puts the drop on the path (and checks the mirror)
-    return importlib.import_module(f"sm90_megamoe.{name}")
 
 
 def _no_spills(ptx):
@@ -123,16 +116,6 @@ def test_drop_reference_is_the_definition():
     assert torch.allclose(before.double(), _step_f64(h, 32, 7.0, after_act=False), rtol=1e-5, atol=1e-5)
 
 
-def _bf16_problem(E, H, I, K, T, seed, device, x_scale):
-    g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(T, H, generator=g) * x_scale).to(torch.bfloat16).to(device)
-    ids = torch.randn(T, E, generator=g).topk(K, dim=-1).indices.to(torch.int32).to(device)
-    w = torch.softmax(torch.randn(T, K, generator=g), -1).to(device)
-    w13 = (torch.randn(E, 2 * I, H, generator=g) * H ** -0.5).to(torch.bfloat16).to(device)
-    w2 = (torch.randn(E, H, I, generator=g) * I ** -0.5).to(torch.bfloat16).to(device)
-    return x, ids, w, w13, w2
-
-
 def _oracle_f64(x, ids, w, w13, w2, I, limit, after_act=True):
     """Step-3.7's experts in float64, one expert at a time; also how many gates passed the limit."""
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64, device=x.device)
@@ -146,10 +129,6 @@ def _oracle_f64(x, ids, w, w13, w2, I, limit, after_act=True):
     return out, clamped
 
 
-def _rel(a, b):
-    return float((a.double() - b).norm() / b.norm())
-
-
 def test_reference_backend_against_float64():
     """The reference backend's BF16 layer, on the CPU, against Step-3.7's experts in float64; the
     clamp-before form is off."""
@@ -158,14 +137,14 @@ def test_reference_backend_against_float64():
     E, H, I, K, T = 8, 128, 96, 2, 40
     cfg = MoEConfig(num_experts=E, hidden=H, intermediate=I, top_k=K, max_tokens_per_rank=64,
                     activation="clamped_swiglu", **STEP | {"swiglu_limit": 2.0})
-    x, ids, w, w13, w2 = _bf16_problem(E, H, I, K, T, seed=7, device="cpu", x_scale=3.0)
+    x, ids, w, w13, w2 = activation_problem(E, H, I, K, T, 7, "cpu", x_scale=3.0)
     with MoELayer(cfg, EPGroup.single(), backend="reference", device="cpu") as layer:
         got = layer.forward(x, ids, w, w13, w2)
     want, clamped = _oracle_f64(x, ids, w, w13, w2, I, 2.0)
     assert clamped > 0.05 * T * K * I
-    assert _rel(got, want) < 1e-2, _rel(got, want)
+    assert rel_err(got, want) < 1e-2, rel_err(got, want)
     before, _ = _oracle_f64(x, ids, w, w13, w2, I, 2.0, after_act=False)
-    assert _rel(got, before) > 0.05
+    assert rel_err(got, before) > 0.05
 
 
 def _fp8_oracle_f64(x, ids, w, w13, w2, I, limit, after_act=True):
@@ -184,33 +163,21 @@ def _fp8_oracle_f64(x, ids, w, w13, w2, I, limit, after_act=True):
     return out
 
 
-def _fp8_problem(E, H, I, K, T, seed, device, x_scale):
-    from moe_ep.api.quant import quantize_fp8_block128
-
-    x, ids, w, w13, w2 = _bf16_problem(E, H, I, K, T, seed, device, x_scale)
-    return x, ids, w, quantize_fp8_block128(w13.float()), quantize_fp8_block128(w2.float())
-
-
 def test_fp8_reference_backend_against_float64():
     from moe_ep.api import EPGroup, MoELayer
 
     E, H, I, K, T = 8, 256, 256, 2, 48
     cfg = MoEConfig(num_experts=E, hidden=H, intermediate=I, top_k=K, max_tokens_per_rank=64, quant="fp8_block128",
                     activation="clamped_swiglu", **STEP | {"swiglu_limit": 2.0})
-    x, ids, w, w13, w2 = _fp8_problem(E, H, I, K, T, seed=3, device="cpu", x_scale=3.0)
+    x, ids, w, w13, w2 = activation_problem(E, H, I, K, T, 3, "cpu", x_scale=3.0, fp8=True)
     with MoELayer(cfg, EPGroup.single(), backend="reference", device="cpu") as layer:
         got = layer.forward(x, ids, w, w13, w2)
     want = _fp8_oracle_f64(x, ids, w, w13, w2, I, 2.0)
-    assert _rel(got, want) < 1e-2, _rel(got, want)
-    assert _rel(got, _fp8_oracle_f64(x, ids, w, w13, w2, I, 2.0, after_act=False)) > 0.05
+    assert rel_err(got, want) < 1e-2, rel_err(got, want)
+    assert rel_err(got, _fp8_oracle_f64(x, ids, w, w13, w2, I, 2.0, after_act=False)) > 0.05
 
 
 # ---- GPU ------------------------------------------------------------------------------------
-
-
-def _sm90():
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("needs an SM90 GPU")
 
 
 @pytest.mark.gpu
@@ -220,13 +187,13 @@ def test_clamp_after_on_the_bf16_backend(T, decode):
     Step-3.7's 7, where the clamp-before form would be as good as identical: ``7 * sigmoid(7)`` is
     within 0.1% of 7) on the 128-row kernels (700 tokens) and the swap-AB decode kernels (6 tokens),
     against float64; the clamp-before form is off."""
-    _sm90()
+    require_sm90()
     from moe_ep.api import EPGroup, MoELayer
 
     E, H, I, K = 32, 1024, 352, 4
     cfg = MoEConfig(num_experts=E, hidden=H, intermediate=I, top_k=K, max_tokens_per_rank=2048,
                     activation="clamped_swiglu", **STEP | {"swiglu_limit": 2.0})
-    x, ids, w, w13, w2 = _bf16_problem(E, H, I, K, T, zlib.crc32(f"after/{T}".encode()), "cuda", x_scale=3.0)
+    x, ids, w, w13, w2 = activation_problem(E, H, I, K, T, zlib.crc32(f"after/{T}".encode()), "cuda", x_scale=3.0)
     with MoELayer(cfg, EPGroup.single(), backend="sm90_bf16_cutedsl") as layer:
         layer.warmup(progress=False)
         out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -235,22 +202,23 @@ def test_clamp_after_on_the_bf16_backend(T, decode):
         layer.check_errors()
     want, clamped = _oracle_f64(x, ids, w, w13, w2, I, 2.0)
     assert clamped > 0 and torch.isfinite(out).all()
-    assert _rel(out, want) < 1e-2, _rel(out, want)
+    assert rel_err(out, want) < 1e-2, rel_err(out, want)
     before, _ = _oracle_f64(x, ids, w, w13, w2, I, 2.0, after_act=False)
-    assert _rel(out, before) > 0.05
+    assert rel_err(out, before) > 0.05
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("T", [700, 6])
 def test_clamp_after_on_the_fp8_backend(T):
     """The same (limit 2) on sm90_fp8_cutedsl (I 512), against the quantised model in float64."""
-    _sm90()
+    require_sm90()
     from moe_ep.api import EPGroup, MoELayer
 
     E, H, I, K = 32, 1024, 512, 4
     cfg = MoEConfig(num_experts=E, hidden=H, intermediate=I, top_k=K, max_tokens_per_rank=1024, quant="fp8_block128",
                     activation="clamped_swiglu", **STEP | {"swiglu_limit": 2.0})
-    x, ids, w, w13, w2 = _fp8_problem(E, H, I, K, T, zlib.crc32(f"fp8after/{T}".encode()), "cuda", x_scale=3.0)
+    seed = zlib.crc32(f"fp8after/{T}".encode())
+    x, ids, w, w13, w2 = activation_problem(E, H, I, K, T, seed, "cuda", x_scale=3.0, fp8=True)
     with MoELayer(cfg, EPGroup.single(), backend="sm90_fp8_cutedsl") as layer:
         layer.warmup(progress=False)
         out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -259,5 +227,5 @@ def test_clamp_after_on_the_fp8_backend(T):
     want = _fp8_oracle_f64(x, ids, w, w13, w2, I, 2.0)
     assert torch.isfinite(out).all()
     # FC2's input is re-quantised to e4m3: one token's rows average little (see test_fp8_backend)
-    assert _rel(out, want) < (1e-2 if T >= 64 else 3e-2), _rel(out, want)
-    assert _rel(out, _fp8_oracle_f64(x, ids, w, w13, w2, I, 2.0, after_act=False)) > 0.05
+    assert rel_err(out, want) < (1e-2 if T >= 64 else 3e-2), rel_err(out, want)
+    assert rel_err(out, _fp8_oracle_f64(x, ids, w, w13, w2, I, 2.0, after_act=False)) > 0.05

@@ -5,8 +5,8 @@ through ``experts_implementation="moe_ep"`` (the reference backend on CPU):
   and without its latent projection): against transformers' own ``"eager"`` experts, and one gpt-oss
   block against float64 math written from the model's definition;
 - DeepSeek-V4 and Hunyuan-V4 (clamped SiLU: ``swiglu_beta`` 0, drop v99) and Step-3.7 and Bailing (the
-  gate clamped after the SiLU: ``swiglu_limit_after_act``, drop v102): against ``"eager"``, with the
-  clamp triggering;
+  gate clamped after the SiLU: ``swiglu_limit_after_act``, drop v102) and Inkling2 (``softcapped_swiglu``,
+  drop v103): against ``"eager"``, with the clamp / caps biting;
 - FP8 checkpoints' ``FP8Experts`` (FineGrainedFP8Config; float32 and UE8M0 scales): against the
   quantised model in float64;
 - the repacked copy follows in-place weight updates; a gate moe_ep does not compute is refused."""
@@ -136,6 +136,21 @@ def _bailing(impl):
     return _scaled(AutoModelForCausalLM.from_config(cfg, experts_implementation=impl, dtype=torch.bfloat16).eval())
 
 
+def _inkling2(impl):
+    """Inkling2 (384 experts at full size; its softcapped SwiGLU with caps 1 and 1.5 here, so that
+    the caps bite on this toy's FC1 outputs)."""
+    from transformers.models.inkling2.configuration_inkling2 import Inkling2TextConfig
+    from transformers.models.inkling2.modeling_inkling2 import Inkling2ForCausalLM
+
+    cfg = Inkling2TextConfig(vocab_size=96, unpadded_vocab_size=96, hidden_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, swa_num_attention_heads=4,
+                             swa_num_key_value_heads=2, swa_head_dim=16, sliding_window_size=8, rel_extent=16, d_rel=4,
+                             max_position_embeddings=64, moe_intermediate_size=32, n_routed_experts=8,
+                             num_experts_per_tok=2, eos_token_id=2, mlp_gate_softcap=1.0, mlp_up_softcap=1.5)
+    torch.manual_seed(0)
+    return _scaled(Inkling2ForCausalLM._from_config(cfg, experts_implementation=impl, dtype=torch.bfloat16).eval())
+
+
 def _scaled(model):
     for mod in _experts(model):
         with torch.no_grad():  # FC1 outputs of a few units: many past the limit of 1.5
@@ -223,6 +238,22 @@ def test_clamp_after_silu_models_match_transformers_eager(build):
     I = mod.down_proj.shape[-1]
     assert (torch.nn.functional.silu(h[:, :I]) > CLAMP_LIMIT).float().mean() > 0.05
     assert (h[:, I:].abs() > CLAMP_LIMIT).float().mean() > 0.05
+
+
+def test_softcapped_models_match_transformers_eager():
+    """Inkling2's experts, ``Softcap(g) * sigmoid(g) * Softcap(u)``, run as ``softcapped_swiglu`` with the
+    caps of its ``act_fn`` (until drop v103 they were refused); the caps bite."""
+    seen = []
+    ours = _same_logits(lambda impl: _with_input_hook(_inkling2(impl), seen))
+    mods = _experts(ours)
+    for mod in mods:
+        cfg = mod._moe_ep_layer.config
+        assert (cfg.activation, cfg.gate_softcap, cfg.up_softcap) == ("softcapped_swiglu", 1.0, 1.5)
+    mod = mods[0]
+    h = torch.cat([t.float() @ mod.gate_up_proj[e].float().t() for t in seen[::len(mods)]
+                   for e in range(mod.gate_up_proj.shape[0])])
+    I = mod.down_proj.shape[-1]
+    assert (h[:, :I].abs() > 1.0).float().mean() > 0.1 and (h[:, I:].abs() > 1.5).float().mean() > 0.05
 
 
 def _with_input_hook(model, seen):
@@ -324,21 +355,20 @@ def test_transposed_weights_alone():
 
 
 def test_a_gate_moe_ep_does_not_compute_is_refused():
-    """A softcapped gate, ``silu(c * tanh(g / c)) * u`` (FP8Experts' ``gate_softcap``), which no moe_ep
-    activation computes, so the layer is never built (and not computed as plain SwiGLU or a clamped
-    form: the cap is a limit too)."""
+    """A gate with GELU's tanh approximation (``gelu_pytorch_tanh``), which no moe_ep activation computes
+    (``gelu_glu`` is the erf form; they differ by ~1e-3), so the layer is never built rather than
+    computed as a near neighbour."""
     cls = _toy_experts_class(is_transposed=True)
 
-    def softcapped_silu(self, gate_up):
+    def tanh_gelu_gate(self, gate_up):
         gate, up = gate_up.chunk(2, dim=-1)
-        return torch.nn.functional.silu(self.limit * torch.tanh(gate / self.limit)) * up
+        return torch.nn.functional.gelu(gate, approximate="tanh") * up
 
-    cls._apply_gate = softcapped_silu
+    cls._apply_gate = tanh_gelu_gate
     mod = _toy(NAME, cls)
-    mod.limit = 7.0
     x = torch.randn(4, 64).to(torch.bfloat16)
     with torch.no_grad(), pytest.raises(moe_ep_hf.MoEEpTransformersError,
-                                        match=r"ToyExperts's gate \(.*softcapped_silu.*computes none of moe_ep's"):
+                                        match=r"ToyExperts's gate \(.*tanh_gelu_gate.*computes none of moe_ep's"):
         mod(x, torch.zeros(4, 2, dtype=torch.long), torch.rand(4, 2))
     assert "_moe_ep_layer" not in mod.__dict__
 
@@ -429,10 +459,12 @@ def test_full_size_blocks_on_sm90(model):
 
 # ---------------------------------------------------------------- FP8 checkpoints (FineGrainedFP8Config)
 
-def _fp8_experts(scale_fmt="float", block=(128, 128), seed=0, dims=(256, 128, 8, 2), swiglu_limit=None, **kw):
+def _fp8_experts(scale_fmt="float", block=(128, 128), seed=0, dims=(256, 128, 8, 2), swiglu_limit=None,
+                 softcaps=None, **kw):
     """transformers' ``FP8Experts`` as a Qwen3-FP8-like checkpoint loads it (``dims`` = H, I, experts,
     top-k), its weights quantised from random bf16 ones by transformers' own ``Fp8Quantize``;
-    ``swiglu_limit``: the config's, as DeepSeek-V4's and GLM-5's carry one (FP8Experts then clamps)."""
+    ``swiglu_limit``: the config's, as DeepSeek-V4's and GLM-5's carry one (FP8Experts then clamps);
+    ``softcaps``: the config's ``mlp_gate_softcap`` / ``mlp_up_softcap``, as Inkling2's."""
     from transformers import Qwen3MoeConfig
 
     from moe_ep.bench.hf_block import quantised_fp8_experts
@@ -442,6 +474,8 @@ def _fp8_experts(scale_fmt="float", block=(128, 128), seed=0, dims=(256, 128, 8,
     cfg._experts_implementation = NAME
     if swiglu_limit is not None:
         cfg.swiglu_limit = swiglu_limit
+    if softcaps is not None:
+        cfg.mlp_gate_softcap, cfg.mlp_up_softcap = softcaps
     g = torch.Generator().manual_seed(seed)
     weights = {name: (torch.randn(E, n, k, generator=g) * k ** -0.5).to(torch.bfloat16)
                for name, (n, k) in (("gate_up_proj", (2 * I, H)), ("down_proj", (H, I)))}
@@ -519,6 +553,27 @@ def test_fp8_experts_with_a_clamped_silu_gate():
     assert (cfg.quant, cfg.activation, cfg.swiglu_alpha, cfg.swiglu_limit, cfg.swiglu_beta) == (
         "fp8_block128", "clamped_swiglu", 1.0, lim, 0.0)
     want = _fp8_model_f64(mod, x, idx, w, lambda g, u: torch.nn.functional.silu(g.clamp(max=lim)) * u.clamp(-lim, lim))
+    assert rel_err(got, want) < 1e-2
+    assert rel_err(got, _fp8_model_f64(mod, x, idx, w)) > 0.1  # plain SwiGLU would be far off
+
+
+def test_fp8_experts_with_a_softcapped_gate():
+    """An Inkling2-FP8-like checkpoint: transformers' ``FP8Experts`` with the config's softcaps runs as a
+    ``quant="fp8_block128"`` softcapped_swiglu layer (drop v103), against the quantised model in float64."""
+    cg, cu = 0.5, 0.75  # FC1 outputs here are ~N(0, 1): both caps bite
+    mod = _fp8_experts(softcaps=(cg, cu))
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(96, 256, generator=g).to(torch.bfloat16)
+    idx = torch.randn(96, 8, generator=g).topk(2, -1).indices
+    w = torch.softmax(torch.randn(96, 2, generator=g), -1)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = mod(x, idx, w)
+    cfg = mod._moe_ep_layer.config
+    assert (cfg.quant, cfg.activation, cfg.gate_softcap, cfg.up_softcap) == (
+        "fp8_block128", "softcapped_swiglu", cg, cu)
+    want = _fp8_model_f64(mod, x, idx, w,
+                          lambda g, u: cg * torch.tanh(g / cg) * torch.sigmoid(g) * cu * torch.tanh(u / cu))
     assert rel_err(got, want) < 1e-2
     assert rel_err(got, _fp8_model_f64(mod, x, idx, w)) > 0.1  # plain SwiGLU would be far off
 

@@ -36,12 +36,14 @@ SWIGLU_ALPHA, SWIGLU_LIMIT, SWIGLU_BETA = 1.702, 7.0, 1.0  # gpt-oss; MoEConfig'
 
 def activate(h: torch.Tensor, activation: str, intermediate: int, *, swiglu_alpha: float = SWIGLU_ALPHA,
              swiglu_limit: float = SWIGLU_LIMIT, swiglu_beta: float = SWIGLU_BETA,
-             swiglu_limit_after_act: bool = False) -> torch.Tensor:
+             swiglu_limit_after_act: bool = False, gate_softcap: float = 4.0,
+             up_softcap: float = 25.0) -> torch.Tensor:
     """FC1 output ``[M, w13_rows]`` (float32, bias included) -> activation ``[M, I]`` (float32).
 
     Gated activations read the gate from columns ``[0, I)`` and the up projection from ``[I, 2I)``;
     ``swiglu_alpha``/``swiglu_limit``/``swiglu_beta``/``swiglu_limit_after_act`` are used by
-    ``"clamped_swiglu"`` only (pass the config's)."""
+    ``"clamped_swiglu"`` only, ``gate_softcap``/``up_softcap`` by ``"softcapped_swiglu"`` (pass the
+    config's)."""
     if activation == "swiglu":
         return F.silu(h[:, :intermediate]) * h[:, intermediate:]
     if activation == "gelu_glu":
@@ -52,6 +54,10 @@ def activate(h: torch.Tensor, activation: str, intermediate: int, *, swiglu_alph
             return (u + swiglu_beta) * (g * torch.sigmoid(swiglu_alpha * g)).clamp(max=swiglu_limit)
         g = g.clamp(max=swiglu_limit)
         return (u + swiglu_beta) * g * torch.sigmoid(swiglu_alpha * g)
+    if activation == "softcapped_swiglu":  # Inkling2: the sigmoid sees the raw gate
+        g, u = h[:, :intermediate], h[:, intermediate:]
+        return (gate_softcap * torch.tanh(g / gate_softcap) * torch.sigmoid(g)
+                * (up_softcap * torch.tanh(u / up_softcap)))
     if activation == "squared_relu":
         return torch.relu(h).square()
     raise ValueError(f"unknown activation {activation!r}")
@@ -76,7 +82,8 @@ def expert_mlp(recv_x: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor, w
                b2: torch.Tensor | None = None, swiglu_alpha: float = SWIGLU_ALPHA,
                swiglu_limit: float = SWIGLU_LIMIT, grouped: bool | None = None,
                act_quant: Any = None, swiglu_beta: float = SWIGLU_BETA,
-               swiglu_limit_after_act: bool = False) -> torch.Tensor:
+               swiglu_limit_after_act: bool = False, gate_softcap: float = 4.0,
+               up_softcap: float = 25.0) -> torch.Tensor:
     """Grouped expert MLP.
 
     Args:
@@ -87,7 +94,7 @@ def expert_mlp(recv_x: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor, w
             result before the activation; b2: optional ``[E_local, H]``, added to FC2's float32
             result before it is rounded to the layer dtype.
         swiglu_alpha, swiglu_limit, swiglu_beta, swiglu_limit_after_act: the ``"clamped_swiglu"``
-            parameters (the config's).
+            parameters; gate_softcap, up_softcap: ``"softcapped_swiglu"``'s (the config's).
         grouped: ``None`` (default): ``torch._grouped_mm`` on CUDA when it can take the shapes
             (:func:`grouped_mm_fits`), else a per-expert matmul loop in float32; ``True``:
             ``torch._grouped_mm`` wherever it can take the shapes (CPU too); ``False``: the loop.
@@ -108,7 +115,8 @@ def expert_mlp(recv_x: torch.Tensor, offsets: torch.Tensor, w13: torch.Tensor, w
 
     def act(h: torch.Tensor) -> torch.Tensor:
         a = activate(h, activation, intermediate, swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
-                     swiglu_beta=swiglu_beta, swiglu_limit_after_act=swiglu_limit_after_act)
+                     swiglu_beta=swiglu_beta, swiglu_limit_after_act=swiglu_limit_after_act,
+                     gate_softcap=gate_softcap, up_softcap=up_softcap)
         a = a.to(out.dtype)  # the kernels write the activation in the layer dtype, then quantise it
         return a if act_quant is None else act_quant(a.float())
 
@@ -292,7 +300,8 @@ class ReferenceBackend(BackendImpl):
             w13, w2, act_quant = dequantized_weights(cfg, w13, w2)
         y = expert_mlp(recv_x, offsets, w13, w2, cfg.activation, cfg.intermediate, b13=b13, b2=b2,
                        swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit, act_quant=act_quant,
-                       swiglu_beta=cfg.swiglu_beta, swiglu_limit_after_act=cfg.swiglu_limit_after_act)
+                       swiglu_beta=cfg.swiglu_beta, swiglu_limit_after_act=cfg.swiglu_limit_after_act,
+                       gate_softcap=cfg.gate_softcap, up_softcap=cfg.up_softcap)
         return self.combine(y, state, out)
 
     def check(self) -> None:

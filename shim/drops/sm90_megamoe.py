@@ -59,18 +59,20 @@ from .sm90_megamoe_switches import (  # noqa: F401  (re-exported: the shim reads
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 102},
+    "sm90_megamoe": {"DROP_VERSION": 103},
     "sm90_megamoe.placing_producer": {"PLACE_SYNC_TAIL": 4},
-    "sm90_megamoe.fp8_gemm": {"FP8_BLOCK": 128, "OVERLAP_MAX_K_TILES": 32, "OVERLAP_MAX_CHUNK": 16},
+    "sm90_megamoe.fp8_gemm": {"FP8_BLOCK": 128, "OVERLAP_MAX_K_TILES": 32, "OVERLAP_MAX_CHUNK": 16,
+                              "FP8_ACTIVATIONS": ("identity", "swiglu", "clamped_swiglu", "softcapped_swiglu"),
+                              "FP8_GATED": ("swiglu", "clamped_swiglu", "softcapped_swiglu")},
     "sm90_megamoe.unit_scales": {"UNIT_SCALE_KC": 8},
     "sm90_megamoe.constants": {
         "ABI_VERSION": 2,
-        "ACTIVATIONS": ("identity", "swiglu", "squared_relu", "gelu_glu", "clamped_swiglu"),
-        "GATED_ACTIVATIONS": ("swiglu", "gelu_glu", "clamped_swiglu"),
+        "ACTIVATIONS": ("identity", "swiglu", "squared_relu", "gelu_glu", "clamped_swiglu", "softcapped_swiglu"),
+        "GATED_ACTIVATIONS": ("swiglu", "gelu_glu", "clamped_swiglu", "softcapped_swiglu"),
         "ALIGN_K_ELEMS": 8,
         "ALIGN_N_ELEMS": 8,
         "DEFAULT_TILE_N": {"identity": 256, "squared_relu": 256, "swiglu": 128, "gelu_glu": 128,
-                           "clamped_swiglu": 128},
+                           "clamped_swiglu": 128, "softcapped_swiglu": 128},
         "DEFAULT_TILE_K": 64,
         "DEFAULT_TILE_M": 128,
         "MAX_EXPERTS": 1024,
@@ -103,7 +105,8 @@ CONTRACT = DropContract(
                     ("activation", "n", "k", "num_experts", "scale_rows", "tile_n", "bias_dtype",
                      "raster_m", "swiglu_alpha", "swiglu_limit", "schedule", "compiled", "tvm_ffi",
                      "early_weights", "gather_a", "cluster_m", "tanh_sigmoid",
-                     "cluster_n", "jump_stages", "swiglu_beta", "swiglu_limit_after_act")),
+                     "cluster_n", "jump_stages", "swiglu_beta", "swiglu_limit_after_act",
+                     "gate_softcap", "up_softcap")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_converted",
                     ("args", "max_active_ctas", "stream")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_tensors",
@@ -115,7 +118,8 @@ CONTRACT = DropContract(
         CallableUse("sm90_megamoe.compile_check:compile_for_arch",
                     ("activation", "n", "k", "scale_rows", "arch", "num_experts", "tile_n",
                      "extra_options", "bias_dtype", "raster_m", "swiglu_alpha", "swiglu_limit",
-                     "schedule", "tanh_sigmoid", "swiglu_beta", "swiglu_limit_after_act")),
+                     "schedule", "tanh_sigmoid", "swiglu_beta", "swiglu_limit_after_act", "gate_softcap",
+                     "up_softcap")),
         CallableUse("sm90_megamoe.ep_launch:EpConfig.__init__",
                     ("hidden", "topk", "world", "max_tokens", "num_experts")),
         CallableUse("sm90_megamoe.ep_launch:EpBuffers.__init__",
@@ -161,7 +165,8 @@ CONTRACT = DropContract(
                     ("activation", "n", "k", "num_experts", "scale_rows", "compiled", "tvm_ffi", "raster_m",
                      "overlap_promotion", "wide_gated", "cluster_n", "smem_scales",
                      "scale_warp", "deferred_epilogue", "tanh_sigmoid", "unit_scales", "place_a",
-                     "swiglu_alpha", "swiglu_limit", "swiglu_beta", "swiglu_limit_after_act")),
+                     "swiglu_alpha", "swiglu_limit", "swiglu_beta", "swiglu_limit_after_act",
+                     "gate_softcap", "up_softcap")),
         CallableUse("sm90_megamoe.fp8_launch:CompiledFp8Gemm.__call__",
                     ("a", "a_scale", "b", "b_scale", "offsets", "out", "row_scale", "max_active_ctas", "stream",
                      "x", "idx", "sync", "x_scale")),
@@ -391,6 +396,8 @@ class GemmKey:
     jump_stages: bool = False
     swiglu_beta: float = 0.0  # clamped_swiglu's beta (drop v99); 0.0 for the other activations
     swiglu_limit_after_act: bool = False  # clamped_swiglu's gate clamped after the activation (drop v102)
+    gate_softcap: float = 0.0  # softcapped_swiglu's caps (drop v103); 0.0 for the other activations
+    up_softcap: float = 0.0
 
 
 class GroupedGemm:
@@ -502,7 +509,8 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
                           schedule: str | None = None, rows_per_expert: float | None = None,
                           early_weights: bool = False, gather_a: bool = False,
                           device_name: str | None = None, swiglu_beta: float = 1.0,
-                          swiglu_limit_after_act: bool = False) -> Any:
+                          swiglu_limit_after_act: bool = False, gate_softcap: float = 4.0,
+                          up_softcap: float = 25.0) -> Any:
     """The compiled grouped GEMM from the compile cache (compiled code only, no buffers).
     ``schedule``/``tile_n`` None: :func:`pick_schedule` (``rows_per_expert``: the mean rows per
     expert the caller expects at capacity; None = many, the prefill kernels). ``early_weights``:
@@ -529,6 +537,7 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
     clamped = activation == "clamped_swiglu"
     alpha, limit, beta = (float(swiglu_alpha), float(swiglu_limit), float(swiglu_beta)) if clamped else (0.0, 0.0, 0.0)
     after_act = clamped and bool(swiglu_limit_after_act)
+    softcaps = (float(gate_softcap), float(up_softcap)) if activation == "softcapped_swiglu" else (0.0, 0.0)
     ffi = use_tvm_ffi()
     early = bool(early_weights) and schedule == "swapab" and pdl_launches()
     if gather_a and schedule == "pingpong" and activation in GEMM_GATED and use_gated_pingpong():
@@ -544,7 +553,7 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
                   schedule, ffi, early, bool(gather_a), cluster,
                   use_bf16_tanh_sigmoid(activation),
                   use_bf16_cluster_n(schedule, activation in GEMM_GATED, gather_a),
-                  use_jump_stages(schedule), beta, after_act)
+                  use_jump_stages(schedule), beta, after_act, *softcaps)
 
     def build():
         launch = _load("sm90_megamoe.launch")
@@ -566,6 +575,8 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
             kw.update(swiglu_alpha=alpha, swiglu_limit=limit, swiglu_beta=beta)
             if after_act:
                 kw.update(swiglu_limit_after_act=True)
+        if activation == "softcapped_swiglu":
+            kw.update(gate_softcap=key.gate_softcap, up_softcap=key.up_softcap)
         name = (f"gemm_{activation}" + ("_gather" if gather_a else "")
                 + ("_cluster2" if key.cluster_m > 1 else "") + ("_clustern2" if key.cluster_n > 1 else "")
                 + ("_js" if key.jump_stages else "")
@@ -583,12 +594,14 @@ def grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: 
                  swiglu_limit: float = 7.0, schedule: str | None = None,
                  rows_per_expert: float | None = None, early_weights: bool = False,
                  gather_a: bool = False, swiglu_beta: float = 1.0,
-                 swiglu_limit_after_act: bool = False) -> GroupedGemm:
+                 swiglu_limit_after_act: bool = False, gate_softcap: float = 4.0,
+                 up_softcap: float = 25.0) -> GroupedGemm:
     """A new :class:`GroupedGemm` launcher for ``device`` (default: the current CUDA device).
 
     ``bias_dtype``: None or torch.float32/bfloat16 (the variant adds ``bias [E, n]``);
     ``raster_m``: None = :func:`pick_raster_m` (k); ``swiglu_*``: clamped_swiglu's constants
-    (``swiglu_beta``: drop v99; ``swiglu_limit_after_act``: drop v102);
+    (``swiglu_beta``: drop v99; ``swiglu_limit_after_act``: drop v102); ``*_softcap``:
+    softcapped_swiglu's caps (drop v103);
     ``schedule``: "cooperative", "pingpong", "swapab", "wide" or None = :func:`pick_schedule` (with
     ``rows_per_expert``, the mean rows per expert expected at capacity); ``early_weights``,
     ``gather_a``: see :func:`compiled_grouped_gemm`."""
@@ -598,7 +611,8 @@ def grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: 
     compiled = compiled_grouped_gemm(activation, n, k, num_experts, scale_rows, tile_n, bias_dtype,
                                      raster_m, swiglu_alpha, swiglu_limit, schedule, rows_per_expert,
                                      early_weights, gather_a, device_name=torch.cuda.get_device_name(dev),
-                                     swiglu_beta=swiglu_beta, swiglu_limit_after_act=swiglu_limit_after_act)
+                                     swiglu_beta=swiglu_beta, swiglu_limit_after_act=swiglu_limit_after_act,
+                                     gate_softcap=gate_softcap, up_softcap=up_softcap)
     launch = _load("sm90_megamoe.launch")
     return GroupedGemm(compiled, launch.to_cute_args, dev)
 

@@ -25,8 +25,9 @@ from ..env import check_removed, env_choice, env_flag, env_forced
 from ..launch_mode import use_tvm_ffi
 from .sm90_megamoe import CONSTANTS, PKG, RASTER_L2_BUDGET, _cutlass_version, _load, cache_namespace
 
-FP8_ACTIVATIONS = ("identity", "swiglu", "clamped_swiglu")  # clamped_swiglu: drop v100
-FP8_GATED = ("swiglu", "clamped_swiglu")
+# the drop's, mirrored (clamped_swiglu: drop v100; softcapped_swiglu: drop v103)
+FP8_ACTIVATIONS = CONSTANTS.value("sm90_megamoe.fp8_gemm", "FP8_ACTIVATIONS")
+FP8_GATED = CONSTANTS.value("sm90_megamoe.fp8_gemm", "FP8_GATED")
 # the smallest K at which the wide gated FC1 runs the overlapped-promotion schedule (see use_fp8_overlap)
 WIDE_OVERLAP_MIN_K = 4096
 
@@ -246,6 +247,9 @@ class Fp8Key:
     swiglu_limit: float = 0.0
     swiglu_beta: float = 0.0
     swiglu_limit_after_act: bool = False  # drop v102: the gate clamped after the activation (Step-3.7)
+    # drop v103: softcapped_swiglu's caps (0.0 for the other activations)
+    gate_softcap: float = 0.0
+    up_softcap: float = 0.0
 
 
 #: reduction size from which the FP8 GEMMs load their scales by TMA by default (use_fp8_unit_scales)
@@ -307,8 +311,8 @@ PLACE_KINDS = ("", "copy")
 
 def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_rows: bool,
          raster_m: int = 0, overlap_promotion: bool = False, place: str = "", swiglu: tuple = ()) -> Fp8Key:
-    """``swiglu``: clamped_swiglu's (alpha, limit, beta, limit_after_act) (:func:`_swiglu`); ignored for
-    the other activations."""
+    """``swiglu``: the gated activation's constants (:func:`_swiglu`): clamped_swiglu's (alpha, limit,
+    beta[, limit_after_act]), softcapped_swiglu's (gate_softcap, up_softcap); ignored for the others."""
     check_removed()  # a switch of a removed variant, still set, raises here
     if place not in PLACE_KINDS:
         raise ValueError(f"sm90 FP8 GEMM: place must be one of {PLACE_KINDS}, got {place!r}")
@@ -328,7 +332,7 @@ def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_row
                   smem, scale_warp, deferred,
                   kind == "gemm" and use_fp8_tanh_sigmoid(activation),
                   use_fp8_quant_items() if kind.startswith("quantize") else 1, unit, place,
-                  *(_swiglu(*swiglu) if activation == "clamped_swiglu" and swiglu else (0.0, 0.0, 0.0, False)))
+                  *_key_constants(activation, swiglu))
 
 
 def _gemm_key(activation: str, n: int, k: int, num_experts: int, scale_rows: bool, place: str = "",
@@ -349,7 +353,9 @@ def _gemm_options(key: Fp8Key) -> dict:
                 **(dict(place_a=True) if key.place else {}),
                 **(dict(swiglu_alpha=key.swiglu_alpha, swiglu_limit=key.swiglu_limit, swiglu_beta=key.swiglu_beta)
                    if key.activation == "clamped_swiglu" else {}),
-                **(dict(swiglu_limit_after_act=True) if key.swiglu_limit_after_act else {}))
+                **(dict(swiglu_limit_after_act=True) if key.swiglu_limit_after_act else {}),
+                **(dict(gate_softcap=key.gate_softcap, up_softcap=key.up_softcap)
+                   if key.activation == "softcapped_swiglu" else {}))
 
 
 def _checked_gemm_key(activation: str, n: int, k: int, num_experts: int, scale_rows: bool,
@@ -359,9 +365,23 @@ def _checked_gemm_key(activation: str, n: int, k: int, num_experts: int, scale_r
     return _gemm_key(activation, n, k, num_experts, scale_rows, place, swiglu)
 
 
-def _swiglu(swiglu_alpha: float, swiglu_limit: float, swiglu_beta: float, swiglu_limit_after_act: bool = False) -> tuple:
-    """clamped_swiglu's constants as the key holds them."""
-    return (float(swiglu_alpha), float(swiglu_limit), float(swiglu_beta), bool(swiglu_limit_after_act))
+def _swiglu(activation: str, swiglu_alpha: float, swiglu_limit: float, swiglu_beta: float,
+            swiglu_limit_after_act: bool, gate_softcap: float, up_softcap: float) -> tuple:
+    """The public functions' activation constants as :func:`_key` takes them (``swiglu``)."""
+    if activation == "softcapped_swiglu":
+        return (gate_softcap, up_softcap)
+    return (swiglu_alpha, swiglu_limit, swiglu_beta, swiglu_limit_after_act)
+
+
+def _key_constants(activation: str, swiglu: tuple) -> tuple:
+    """The key's (alpha, limit, beta, limit_after_act, gate_softcap, up_softcap): each activation's own,
+    zero for the others (so an activation's kernels share one key whatever the others' values)."""
+    clamped = (0.0, 0.0, 0.0, False)
+    if activation == "clamped_swiglu" and swiglu:
+        alpha, limit, beta, *after = swiglu
+        clamped = (float(alpha), float(limit), float(beta), bool(after and after[0]))
+    caps = tuple(float(c) for c in swiglu) if activation == "softcapped_swiglu" and swiglu else (0.0, 0.0)
+    return clamped + caps
 
 
 def _compiled_gemm(key: Fp8Key) -> Any:
@@ -382,17 +402,20 @@ def _compiled_gemm(key: Fp8Key) -> Any:
 
 def compiled_fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
                       place: str = "", swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
-                      swiglu_beta: float = 1.0, swiglu_limit_after_act: bool = False) -> Any:
+                      swiglu_beta: float = 1.0, swiglu_limit_after_act: bool = False, gate_softcap: float = 4.0,
+                      up_softcap: float = 25.0) -> Any:
     """Compiled code of the FP8 grouped GEMM (no GPU needed). Gated with :func:`use_fp8_wide_gated`:
     the one-WGMMA gate+up schedule. ``place`` (drop v92): see :func:`fp8_gemm`; ``swiglu_*``:
-    clamped_swiglu's constants (drop v100; ``swiglu_limit_after_act``: drop v102)."""
+    clamped_swiglu's constants (drop v100; ``swiglu_limit_after_act``: drop v102); ``*_softcap``:
+    softcapped_swiglu's (drop v103)."""
     return _compiled_gemm(_checked_gemm_key(activation, n, k, num_experts, scale_rows, place,
-                                            _swiglu(swiglu_alpha, swiglu_limit, swiglu_beta, swiglu_limit_after_act)))
+                                            _swiglu(activation, swiglu_alpha, swiglu_limit, swiglu_beta,
+                                                    swiglu_limit_after_act, gate_softcap, up_softcap)))
 
 
 def fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False, place: str = "",
              swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0, swiglu_beta: float = 1.0,
-             swiglu_limit_after_act: bool = False) -> Any:
+             swiglu_limit_after_act: bool = False, gate_softcap: float = 4.0, up_softcap: float = 25.0) -> Any:
     """A caller-owned launcher: ``gemm(a [M, k] e4m3, a_scale [M, k/128] f32, b [E, n, k] e4m3,
     b_scale [E, n/128, k/128] f32, offsets [E+1] i32, out=[M, n_out] bf16, row_scale=[M] f32)``.
     ``place`` (drop v92, opt-in): "copy" -- the GEMM writes its own A rows and scales while it runs,
@@ -400,9 +423,10 @@ def fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool
     call passes ``x=`` [T, k] e4m3, ``x_scale=`` [T, k/128] f32, ``idx=`` [M] int32 and ``sync=``);
     ``sync``: :func:`~.sm90_megamoe.place_sync_len`
     int32, zero before the first launch. ``swiglu_*``: clamped_swiglu's constants (drop v100;
-    ``swiglu_limit_after_act``: drop v102)."""
+    ``swiglu_limit_after_act``: drop v102); ``*_softcap``: softcapped_swiglu's (drop v103)."""
     key = _checked_gemm_key(activation, n, k, num_experts, scale_rows, place,
-                            _swiglu(swiglu_alpha, swiglu_limit, swiglu_beta, swiglu_limit_after_act))
+                            _swiglu(activation, swiglu_alpha, swiglu_limit, swiglu_beta, swiglu_limit_after_act,
+                                    gate_softcap, up_softcap))
     return _load("sm90_megamoe.fp8_launch").CompiledFp8Gemm(compiled=_compiled_gemm(key), **_gemm_options(key))
 
 

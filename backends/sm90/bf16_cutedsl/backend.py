@@ -46,7 +46,7 @@ from .workspace import Dims, get_workspace
 
 # MoEConfig.activation -> the drop's FC1 epilogue
 ACTIVATION_MAP = {"swiglu": "swiglu", "squared_relu": "squared_relu", "gelu_glu": "gelu_glu",
-                  "clamped_swiglu": "clamped_swiglu"}
+                  "clamped_swiglu": "clamped_swiglu", "softcapped_swiglu": "softcapped_swiglu"}
 BIAS_DTYPES = (None, torch.float32, torch.bfloat16)
 
 
@@ -148,8 +148,11 @@ def rows_per_expert(cfg: Any, world: int, tokens: int) -> float:
 
 
 def swiglu_constants(cfg: Any) -> dict:
-    """FC1's compile-time activation constants for the shim: clamped_swiglu's alpha, limit, beta and
-    clamp order (MoEConfig's), none for the other activations. Shared with the FP8 backend."""
+    """FC1's compile-time activation constants for the shim (MoEConfig's): clamped_swiglu's alpha, limit,
+    beta and clamp order, softcapped_swiglu's caps, none for the other activations. Shared with the FP8
+    backend."""
+    if cfg.activation == "softcapped_swiglu":
+        return dict(gate_softcap=cfg.gate_softcap, up_softcap=cfg.up_softcap)
     if cfg.activation != "clamped_swiglu":
         return {}
     return dict(swiglu_alpha=cfg.swiglu_alpha, swiglu_limit=cfg.swiglu_limit, swiglu_beta=cfg.swiglu_beta,
@@ -570,13 +573,14 @@ class Sm90CuteDSLBackend(BackendImpl):
 def grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
                  device: Any = None, bias_dtype: Any = None, raster_m: int | None = None,
                  swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0, swiglu_beta: float = 1.0,
-                 swiglu_limit_after_act: bool = False):
+                 swiglu_limit_after_act: bool = False, gate_softcap: float = 4.0, up_softcap: float = 25.0):
     """A launcher of the SM90 varlen-M grouped GEMM (for benchmarks and engines with their own
     MoE plumbing): ``fn(a [M,k] bf16, b [E,n,k] bf16, offsets [E+1] int32 (device), out=[M,n_out]
     bf16, row_scale=[M] f32, bias=[E,n] bias_dtype)``; ``n_out`` = n/2 for the gated activations.
     ``raster_m`` None: the shim's choice for this K. ``swiglu_*``: clamped_swiglu's constants (as
-    :class:`~moe_ep.api.MoEConfig`'s; gpt-oss's by default)."""
+    :class:`~moe_ep.api.MoEConfig`'s; gpt-oss's by default); ``*_softcap``: softcapped_swiglu's."""
     return sm90_grouped_gemm(activation, n, k, num_experts, scale_rows=scale_rows, device=device,
                              bias_dtype=bias_dtype, raster_m=raster_m, swiglu_alpha=swiglu_alpha,
                              swiglu_limit=swiglu_limit, swiglu_beta=swiglu_beta,
-                             swiglu_limit_after_act=swiglu_limit_after_act)
+                             swiglu_limit_after_act=swiglu_limit_after_act, gate_softcap=gate_softcap,
+                             up_softcap=up_softcap)

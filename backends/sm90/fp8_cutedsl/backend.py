@@ -12,7 +12,8 @@ The forward is the BF16 SM90 backend's, with steps 3-4 replaced:
 3. **FC1 + activation** -- the grouped rows are quantised per 128 values of a row (E4M3 + one float32
    scale, ``amax / 448``: :func:`moe_ep.api.quant.quantize_fp8_rows128`), then the FP8 grouped GEMM
    with per-k-block scale promotion ``h = act(xq · wq13ᵀ)`` (``swiglu`` or, drop v100,
-   ``clamped_swiglu``: gpt-oss's or DeepSeek-V4 / GLM-5's clamped form); by default (:func:`fused_gather_quant`)
+   ``clamped_swiglu``: gpt-oss's or DeepSeek-V4 / GLM-5's clamped form; drop v103: Inkling2's
+   ``softcapped_swiglu``); by default (:func:`fused_gather_quant`)
    step 2 skips the BF16 row gather and this step quantises each received token once straight
    into the grouped rows its choices took (:func:`scatter_quant`; one launch and a BF16 write +
    read of every grouped row less; same bits);
@@ -49,8 +50,8 @@ from ..bf16_cutedsl.backend import Sm90CuteDSLBackend, prebuild_layer, swiglu_co
 NAME = "sm90_fp8_cutedsl"
 
 
-#: MoEConfig.activation values this backend runs (clamped_swiglu: drop v100)
-ACTIVATIONS = ("swiglu", "clamped_swiglu")
+#: MoEConfig.activation values this backend runs (clamped_swiglu: drop v100; softcapped_swiglu: v103)
+ACTIVATIONS = ("swiglu", "clamped_swiglu", "softcapped_swiglu")
 
 
 def _gemm_specs(cfg: Any, e_local: int) -> dict:
@@ -353,6 +354,6 @@ def grouped_gemm_fp8(activation: str, n: int, k: int, num_experts: int, scale_ro
     a_scale [M,k/128] f32, b [E,n,k] e4m3, b_scale [E,n/128,k/128] f32, offsets [E+1] int32
     (device), out=[M,n_out] bf16, row_scale=[M] f32 (any [1] f32 when not scale_rows))``; ``n_out``
     = n/2 for the gated activations; ``swiglu``: clamped_swiglu's ``swiglu_alpha`` / ``swiglu_limit`` /
-    ``swiglu_beta`` / ``swiglu_limit_after_act``."""
+    ``swiglu_beta`` / ``swiglu_limit_after_act``, or softcapped_swiglu's ``gate_softcap`` / ``up_softcap``."""
     sm90_check_fp8_gemm(activation, n, k, num_experts)
     return sm90_fp8_gemm(activation, n, k, num_experts, scale_rows, **swiglu)

@@ -68,6 +68,8 @@ def compile_for_arch(
     jump_stages: bool = False,
     swiglu_beta: float = 1.0,
     swiglu_limit_after_act: bool = False,
+    gate_softcap: float = 4.0,
+    up_softcap: float = 25.0,
 ):
     """Compile one variant for ``arch`` from fake tensors. ``bias_dtype``: None (no bias),
     "float32" or "bfloat16"; ``gather_a``: the gathering kernel (:mod:`.grouped_gemm_gather`);
@@ -80,6 +82,7 @@ def compile_for_arch(
                  swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, swiglu_beta=swiglu_beta,
                  schedule=schedule,
                  **({"swiglu_limit_after_act": True} if swiglu_limit_after_act else {}),
+                 **(dict(gate_softcap=gate_softcap, up_softcap=up_softcap) if activation == "softcapped_swiglu" else {}),
                  **({"tanh_sigmoid": True} if tanh_sigmoid else {}),
                  **({"cluster_n": cluster_n} if cluster_n > 1 else {}),
                  **({"jump_stages": True} if jump_stages else {}))
@@ -125,6 +128,13 @@ def main():
     ok = "wgmma.mma_async" in ptx and "min.f32" in ptx and not ptx_problems(ptx)
     print(f"clamped_swiglu  N=5760 K=2880 alpha=1 limit=7 beta=0 after_act: compile {time.time() - t0:.2f}s  "
           f"wgmma + clamp in PTX: {ok}")
+    assert ok
+    # drop v103: Inkling2's softcapped SwiGLU (three tanh.approx per output)
+    t0 = time.time()
+    c = compile_for_arch("softcapped_swiglu", 2 * 1536, 2048, False, gate_softcap=4.0, up_softcap=25.0)
+    ptx = c.__ptx__
+    ok = "wgmma.mma_async" in ptx and "tanh.approx.f32" in ptx and not ptx_problems(ptx)
+    print(f"softcapped_swiglu N=3072 K=2048 caps 4, 25: compile {time.time() - t0:.2f}s  wgmma + tanh in PTX: {ok}")
     assert ok
     # the pingpong schedule: FC2 (identity, tile_n 128 and 192) and gated FC1s with tile_n 64 and 96
     for act, n, k, sr, tn in (("identity", 2048, 768, True, 128), ("identity", 2048, 768, True, 192),

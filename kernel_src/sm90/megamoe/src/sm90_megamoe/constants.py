@@ -14,15 +14,17 @@ ABI_VERSION = 2  # 2: the bias argument, gated activations with I % tile_n != 0,
 #                   beta 0; all three are compile-time values; beta since drop v99, 1 before)
 #                   limit_after_act (drop v102; Step-3.7 / Bailing): the gate clamped after the
 #                   activation instead, (clamp(u, -limit, limit) + beta) * min(g * sigmoid(alpha * g), limit)
-ACTIVATIONS = ("identity", "swiglu", "squared_relu", "gelu_glu", "clamped_swiglu")
-GATED_ACTIVATIONS = ("swiglu", "gelu_glu", "clamped_swiglu")
+#   softcapped_swiglu  gate_softcap * tanh(g / gate_softcap) * sigmoid(g) * up_softcap * tanh(u / up_softcap)
+#                   (Inkling2: caps 4 and 25; both compile-time values; drop v103)
+ACTIVATIONS = ("identity", "swiglu", "squared_relu", "gelu_glu", "clamped_swiglu", "softcapped_swiglu")
+GATED_ACTIVATIONS = ("swiglu", "gelu_glu", "clamped_swiglu", "softcapped_swiglu")
 
 # Default CTA tiles. TILE_N is the width of the *output* tile; for swiglu the accumulator is
 # 2 * TILE_N wide (gate half + up half), so swiglu defaults to 128 and the others to 256.
 DEFAULT_TILE_M = 128
 DEFAULT_TILE_K = 64
 DEFAULT_TILE_N = {"identity": 256, "squared_relu": 256, "swiglu": 128, "gelu_glu": 128,
-                  "clamped_swiglu": 128}
+                  "clamped_swiglu": 128, "softcapped_swiglu": 128}
 
 # Tile raster inside one expert: the m-tiles of an expert are walked in groups of RASTER_M; inside
 # a group the m-tile is the fast index and the n-tile the slow one, so the CTAs running at the same

@@ -2,7 +2,8 @@
 
 Requirements (checked by :func:`can_implement`, which returns a reason string or None)
 -----------------------------------------------------------------------------------
-* activation in ("identity", "swiglu", "clamped_swiglu") (clamped_swiglu: drop v100)
+* activation in ("identity", "swiglu", "clamped_swiglu", "softcapped_swiglu") (clamped_swiglu: drop v100;
+  softcapped_swiglu: drop v103)
 * K % 128 == 0 (one activation scale and one weight scale per 128-wide k-tile), K >= 128
 * N % 128 == 0 (whole 128-row weight-scale blocks); gated: N = 2 * I with I % 128 == 0
 * tile_n in (64, 128); gated: tile_n == 64 (gate + up accumulators, each with a partial
@@ -16,6 +17,7 @@ Semantics, for every expert ``e`` with rows ``[offsets[e], offsets[e+1])``::
     swiglu    C[m, :I]  = silu(H[m, :I]) * H[m, I:]   (* row_scale[m])
     clamped_swiglu  C[m, :I] = (clamp(U, -l, l) + beta) * G' * sigmoid(alpha * G'),  G' = min(G, l),
                     G = H[m, :I], U = H[m, I:] (the BF16 GEMM's form; alpha, l, beta compile-time)
+    softcapped_swiglu  C[m, :I] = cg * tanh(G / cg) * sigmoid(G) * cu * tanh(U / cu)  (the BF16 GEMM's form)
 
 FP8 (e4m3) in, FP32 accumulate, BF16 out.
 
@@ -134,7 +136,8 @@ from cutlass.cutlass_dsl import T, dsl_user_op
 from .gather_producer import stage_producers
 from .pdl import PDL, wait_previous_grid
 from .constants import MAX_EXPERTS
-from .grouped_gemm import GroupedGemmSm90, check_clamped_constants, clamped_swiglu, get_smem_capacity_in_bytes, silu
+from .grouped_gemm import (GroupedGemmSm90, check_activation_constants, clamped_swiglu, get_smem_capacity_in_bytes, silu,
+                           softcapped_swiglu)
 from .warp_scan import warp_inclusive_scan
 from .unit_scales import UNIT_SCALE_BUF, UNIT_SCALE_BUFS, UNIT_SCALE_KC, UnitScales, unit_scales_reason
 
@@ -175,9 +178,9 @@ def _fence_operand(frag, n: int) -> None:
         frag[i] = _pin(frag[i])
 
 
-FP8_ACTIVATIONS = ("identity", "swiglu", "clamped_swiglu")
+FP8_ACTIVATIONS = ("identity", "swiglu", "clamped_swiglu", "softcapped_swiglu")
 #: the gated ones: gate rows [0, I) and up rows [I, 2I) of the weight, two accumulators
-FP8_GATED = ("swiglu", "clamped_swiglu")
+FP8_GATED = ("swiglu", "clamped_swiglu", "softcapped_swiglu")
 
 
 def default_tile_n(activation: str) -> int:
@@ -209,7 +212,7 @@ def can_implement(activation: str, n: int, k: int, num_experts: int,
 class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
     """FP8 block-scaled varlen-M grouped GEMM (see the module docstring).
 
-    :param activation: "identity", "swiglu" or "clamped_swiglu" (compile time).
+    :param activation: one of ``FP8_ACTIVATIONS`` (compile time).
     :param scale_rows: multiply output row m by row_scale[m] after the activation.
     :param tile_n: output columns per tile; None = 128 (identity) / 64 (gated).
     :param num_stages: smem pipeline depth; None = as many as fit (at most 8).
@@ -217,6 +220,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
     :param swiglu_alpha, swiglu_limit, swiglu_beta: clamped_swiglu's constants (drop v100; gpt-oss:
         1.702, 7.0, 1.0; DeepSeek-V4 / GLM-5: 1.0, the model's limit, 0.0).
     :param swiglu_limit_after_act: the gate clamped after the activation (Step-3.7; drop v102).
+    :param gate_softcap, up_softcap: softcapped_swiglu's caps (Inkling2: 4.0, 25.0; drop v103).
 
     Only :meth:`_locate` and :meth:`_epilogue` are inherited; they read ``tile_m``, ``tile_n``,
     ``n_tiles``, ``raster_m``, ``n_out``, ``n_out_divisible``, ``c_dtype``, ``epi_n``,
@@ -232,13 +236,15 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
                  wide_gated: bool = False, cluster_n: int = 1, smem_scales: bool = False,
                  scale_warp: bool = False, deferred_epilogue: bool = False, tanh_sigmoid: bool = False,
                  unit_scales: bool = False, swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
-                 swiglu_beta: float = 1.0, swiglu_limit_after_act: bool = False):
+                 swiglu_beta: float = 1.0, swiglu_limit_after_act: bool = False, gate_softcap: float = 4.0,
+                 up_softcap: float = 25.0):
         if tile_n is None:
             tile_n = default_tile_n(activation)
         reason = can_implement(activation, 2 * FP8_BLOCK, FP8_BLOCK, 1, tile_n)
         if reason is not None:
             raise ValueError(reason)
-        check_clamped_constants(activation, swiglu_alpha, swiglu_limit, swiglu_beta)
+        check_activation_constants(activation, swiglu_alpha, swiglu_limit, swiglu_beta, gate_softcap, up_softcap)
+        self.gate_softcap, self.up_softcap = float(gate_softcap), float(up_softcap)
         self.swiglu_alpha, self.swiglu_limit, self.swiglu_beta = float(swiglu_alpha), float(swiglu_limit), float(swiglu_beta)
         self.swiglu_limit_after_act = bool(swiglu_limit_after_act)
         self.activation = activation
@@ -248,7 +254,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
         self.raster_m = int(raster_m)
         self.overlap_promotion = bool(overlap_promotion)
         if wide_gated and not self.gated:
-            raise ValueError("wide_gated needs a gated activation (swiglu, clamped_swiglu)")
+            raise ValueError(f"wide_gated needs a gated activation {FP8_GATED}")
         self.wide_gated = bool(wide_gated)
         if cluster_n not in (1, 2):
             raise ValueError(f"cluster_n must be 1 or 2, got {cluster_n}")
@@ -878,9 +884,12 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
         return acc0
 
     def _gate(self, g, u):
-        """The gated activation of one output: swiglu's ``silu(g) * u``, or :func:`.grouped_gemm.clamped_swiglu`."""
+        """The gated activation of one output: swiglu's ``silu(g) * u``, :func:`.grouped_gemm.softcapped_swiglu`
+        or :func:`.grouped_gemm.clamped_swiglu`."""
         if self.activation == "swiglu":
             return self._silu(g) * u
+        if self.activation == "softcapped_swiglu":
+            return softcapped_swiglu(g, u, self.gate_softcap, self.up_softcap)
         return clamped_swiglu(g, u, self.swiglu_alpha, self.swiglu_limit, self.swiglu_beta,
                               self.swiglu_limit_after_act)
 

@@ -85,7 +85,7 @@ class CompiledFp8Gemm:
     v85 ``gather_tma``, v87 ``gather_a``, v89 ``chunk_k_tiles``, v93 ``place_gather`` / ``place_copy``
     (the quantising placement) (measured slower or no faster on the H200).
     ``swiglu_alpha`` / ``swiglu_limit`` / ``swiglu_beta`` (drop v100), ``swiglu_limit_after_act`` (drop
-    v102): clamped_swiglu's constants."""
+    v102): clamped_swiglu's constants; ``gate_softcap`` / ``up_softcap`` (drop v103): softcapped_swiglu's."""
 
     def __init__(self, activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
                  compiled=None, tvm_ffi: bool = False, raster_m: int = 1, overlap_promotion: bool = False,
@@ -94,7 +94,7 @@ class CompiledFp8Gemm:
                  deferred_epilogue: bool = False, tanh_sigmoid: bool = False, unit_scales: bool = False,
                  place_a: bool = False, place_opts: Optional[dict] = None,
                  swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0, swiglu_beta: float = 1.0,
-                 swiglu_limit_after_act: bool = False):
+                 swiglu_limit_after_act: bool = False, gate_softcap: float = 4.0, up_softcap: float = 25.0):
         reason = can_implement(activation, n, k, num_experts)
         if reason is None and place_a and scale_warp:
             reason = "place_a does not combine with scale_warp (warp 1 copies rows)"
@@ -144,7 +144,9 @@ class CompiledFp8Gemm:
                 **({"unit_scales": True} if self.unit_scales else {}),
                 **(dict(swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, swiglu_beta=swiglu_beta,
                         swiglu_limit_after_act=swiglu_limit_after_act)
-                   if activation == "clamped_swiglu" else {}), **place_kw)
+                   if activation == "clamped_swiglu" else {}),
+                **(dict(gate_softcap=gate_softcap, up_softcap=up_softcap) if activation == "softcapped_swiglu" else {}),
+                **place_kw)
             opts = "--gpu-arch sm_90a" + (" --enable-tvm-ffi" if self.tvm_ffi else "")
             fake = fake_place_args(num_experts, n, k, activation, self.tvm_ffi) if self.place_a \
                 else fake_args(num_experts, n, k, activation, self.tvm_ffi)

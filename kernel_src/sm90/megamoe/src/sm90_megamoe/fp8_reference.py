@@ -15,7 +15,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .reference import clamped_swiglu_reference
+from .reference import clamped_swiglu_reference, softcapped_swiglu_reference
 
 FP8_BLOCK = 128
 E4M3_MAX = 448.0
@@ -84,14 +84,17 @@ def fp8_grouped_gemm_reference(
     swiglu_limit: float = 7.0,
     swiglu_beta: float = 1.0,
     swiglu_limit_after_act: bool = False,
+    gate_softcap: float = 4.0,
+    up_softcap: float = 25.0,
 ) -> torch.Tensor:
     """The dequantised math in ``dtype`` (float32 default), looping over experts.
 
     a [M, K] e4m3, a_scale [M, K/128] f32, b [E, N, K] e4m3, b_scale [E, N/128, K/128] f32,
     offsets [E+1] int, row_scale [M] f32 or None. Returns [M, N_out] in ``dtype``
     (identity: N_out = N; swiglu: N_out = N/2, silu(gate rows [0, I)) * up rows [I, 2I);
-    clamped_swiglu: :func:`.reference.clamped_swiglu_reference` of gate and up)."""
-    if activation not in ("identity", "swiglu", "clamped_swiglu"):
+    clamped_swiglu / softcapped_swiglu: :func:`.reference.clamped_swiglu_reference` /
+    :func:`.reference.softcapped_swiglu_reference` of gate and up)."""
+    if activation not in ("identity", "swiglu", "clamped_swiglu", "softcapped_swiglu"):
         raise ValueError(activation)
     offs = [int(x) for x in offsets.tolist()]
     E, N, _ = b.shape
@@ -108,6 +111,8 @@ def fp8_grouped_gemm_reference(
         elif activation == "clamped_swiglu":
             y = clamped_swiglu_reference(y[:, :n_out], y[:, n_out:], swiglu_alpha, swiglu_limit, swiglu_beta,
                                          swiglu_limit_after_act)
+        elif activation == "softcapped_swiglu":
+            y = softcapped_swiglu_reference(y[:, :n_out], y[:, n_out:], gate_softcap, up_softcap)
         out[lo:hi] = y
     if row_scale is not None:
         out = out * row_scale.to(dtype)[:, None]

@@ -107,7 +107,7 @@ def compile_variant(activation: str, n: int, k: int, num_experts: int, scale_row
     by a second producer warp (drop v35); ``deferred_epilogue``: a unit's epilogue under the next
     unit's first k-tile (drop v48; the unrolled overlapped schedule); ``tanh_sigmoid``: swiglu's
     sigmoid from one tanh.approx (drop v50); ``swiglu``: clamped_swiglu's (alpha, limit, beta) (drop v100), optionally its
-    limit_after_act (drop v102)."""
+    limit_after_act (drop v102); softcapped_swiglu's (gate_softcap, up_softcap) (drop v103)."""
     return _compile_variant(activation, n, k, num_experts, bool(scale_rows), arch, tile_n, num_stages, int(raster_m),
                             bool(overlap_promotion), bool(wide_gated), int(cluster_n),
                             bool(smem_scales), bool(scale_warp), bool(deferred_epilogue), bool(tanh_sigmoid),
@@ -129,7 +129,9 @@ def _compile_variant(activation, n, k, num_experts, scale_rows, arch, tile_n, nu
                  **({"deferred_epilogue": True} if deferred_epilogue else {}),
                  **({"tanh_sigmoid": True} if tanh_sigmoid else {}),
                  **(dict(zip(("swiglu_alpha", "swiglu_limit", "swiglu_beta", "swiglu_limit_after_act"), swiglu))
-                    if swiglu else {}))
+                    if swiglu and activation == "clamped_swiglu" else {}),
+                 **(dict(zip(("gate_softcap", "up_softcap"), swiglu)) if swiglu and activation == "softcapped_swiglu"
+                    else {}))
     compiled = cute.compile(kernel, *fake_args(num_experts, n, k, activation),
                             options=f"--gpu-arch {arch} --keep-ptx")
     return kernel, compiled
@@ -622,11 +624,12 @@ def _time_at_cap(fn, reps: int, warm_s: float = 1.0) -> float:
 
 def check_clamped(model: str, routing: str) -> bool:
     """Drop v100: FC1 with clamped_swiglu, gpt-oss's form (alpha 1.702, beta 1) and DeepSeek-V4 / GLM-5's
-    (alpha 1, beta 0); drop v102: Step-3.7's (the gate clamped after the activation), plain and with the
-    layer's overlapped wide schedule, against the float32 dequantised reference with the same
-    constants, and off from the reference with the other beta (or the other clamp order). The limit
-    is 1.5 standard deviations of FC1's outputs, so the clamp triggers for ~13% of the gates and of
-    the up values (Step-3.7's clamp of silu(g) at that limit: ~7%)."""
+    (alpha 1, beta 0); drop v102: Step-3.7's (the gate clamped after the activation); drop v103:
+    Inkling2's softcapped_swiglu -- plain and with the layer's overlapped wide schedule, against the
+    float32 dequantised reference with the same constants, and off from the reference of another
+    form (the other beta, the other clamp order, plain swiglu). The limit is 1.5 standard deviations
+    of FC1's outputs, so the clamp triggers for ~13% of the gates and of the up values (Step-3.7's
+    clamp of silu(g) at that limit: ~7%); the softcaps are that limit and twice it."""
     h, i, E, topk, tokens = MODELS[model]
     m_total, n, k = tokens * topk, 2 * i, h
     a, a_s, b, b_s, offs, _ = make_inputs(m_total, n, k, E, routing, False, seed=5)
@@ -634,16 +637,14 @@ def check_clamped(model: str, routing: str) -> bool:
     limit = round(1.5 * float(pre.std()), 3)
     clamped = float((pre[:, :i] > limit).float().mean())
     del pre
-    ok_all = True
-    # (alpha, beta, after_act) and the form it must differ from
-    for alpha, beta, after, other in ((1.702, 1.0, False, (1.702, 0.0, False)), (1.0, 0.0, False, (1.0, 1.0, False)),
-                                      (1.0, 0.0, True, (1.0, 0.0, False))):
-        def ref_of(al, be, af):
-            return fp8_grouped_gemm_reference(a, a_s, b, b_s, offs, "clamped_swiglu", swiglu_alpha=al,
-                                              swiglu_limit=limit, swiglu_beta=be, swiglu_limit_after_act=af)
-        ref, wrong = ref_of(alpha, beta, after), ref_of(*other)
+
+    def ref_of(activation, **kw):
+        return fp8_grouped_gemm_reference(a, a_s, b, b_s, offs, activation, swiglu_limit=limit, **kw)
+
+    def run(activation, swiglu, ref, wrong, label):
+        ok_all = True
         for kw in ({}, dict(overlap_promotion=overlap_buildable(k), wide_gated=True)):
-            fn = Fp8GroupedGemm("clamped_swiglu", n, k, E, False, swiglu=(alpha, limit, beta, after), **kw)
+            fn = Fp8GroupedGemm(activation, n, k, E, False, swiglu=swiglu, **kw)
             out = torch.full((m_total, fn.n_out), float("nan"), dtype=torch.bfloat16, device="cuda")
             fn.launch(fn.prepare(a, a_s, b, b_s, out, offs, None))
             torch.cuda.synchronize()
@@ -652,9 +653,21 @@ def check_clamped(model: str, routing: str) -> bool:
             off = float((out.float() - wrong).norm() / wrong.norm().clamp_min(1e-30))
             ok = (not nan) and rel < 1e-2 and off > 0.02
             ok_all &= ok
-            print(f"[{model} fc1 clamped_swiglu alpha {alpha} limit {limit} beta {beta} after_act {after} "
-                  f"{kw or 'plain'}] {clamped:.1%} of gates clamped: rel_err={rel:.3e} (vs {other}: {off:.2e}) "
-                  f"nan={nan} -> {'PASS' if ok else 'FAIL'}", flush=True)
+            print(f"[{model} fc1 {activation} {label} {kw or 'plain'}] {clamped:.1%} of gates past the limit: "
+                  f"rel_err={rel:.3e} (vs the other form: {off:.2e}) nan={nan} -> {'PASS' if ok else 'FAIL'}", flush=True)
+        return ok_all
+
+    ok_all = True
+    # (alpha, beta, after_act) and the form it must differ from
+    for alpha, beta, after, other in ((1.702, 1.0, False, (1.702, 0.0, False)), (1.0, 0.0, False, (1.0, 1.0, False)),
+                                      (1.0, 0.0, True, (1.0, 0.0, False))):
+        def clamped_ref(al, be, af):
+            return ref_of("clamped_swiglu", swiglu_alpha=al, swiglu_beta=be, swiglu_limit_after_act=af)
+        ok_all &= run("clamped_swiglu", (alpha, limit, beta, after), clamped_ref(alpha, beta, after),
+                      clamped_ref(*other), f"alpha {alpha} limit {limit} beta {beta} after_act {after}")
+    caps = (limit, 2 * limit)
+    ok_all &= run("softcapped_swiglu", caps, ref_of("softcapped_swiglu", gate_softcap=caps[0], up_softcap=caps[1]),
+                  ref_of("swiglu"), f"caps {caps[0]}, {caps[1]}")
     return ok_all
 
 
@@ -678,8 +691,8 @@ def main(argv=None):
                    help="also each layer GEMM with its scales loaded by TMA, 8 k-tiles per copy (drop v69; checked "
                         "bit-identical to the layer's schedule, timed at the power cap)")
     p.add_argument("--clamped", action="store_true",
-                   help="also FC1 with clamped_swiglu, beta 1 and 0 (drop v100) and the gate clamped after "
-                        "the activation (drop v102), checked against the reference")
+                   help="also FC1 with clamped_swiglu, beta 1 and 0 (drop v100), the gate clamped after "
+                        "the activation (drop v102), and softcapped_swiglu (drop v103), checked against the reference")
     p.add_argument("--raster-m", default="1", help="m-tiles per raster group, comma-separated: each is timed, "
                                                   "the first is also checked")
     args = p.parse_args(argv)

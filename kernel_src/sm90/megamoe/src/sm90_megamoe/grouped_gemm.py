@@ -8,6 +8,7 @@ One kernel computes, for every expert ``e`` with rows ``[offsets[e], offsets[e+1
     gelu_glu        C[rows, :I]  = gelu(G) * U              (erf form)
     clamped_swiglu  C[rows, :I]  = (clamp(U, -l, l) + beta) * G' * sigmoid(alpha * G'),  G' = min(G, l)
                     (after_act: (clamp(U, -l, l) + beta) * min(G * sigmoid(alpha * G), l))
+    softcapped_swiglu  C[rows, :I] = cg * tanh(G / cg) * sigmoid(G) * cu * tanh(U / cu)   (drop v103)
     (scale_rows)    C[m, :]     *= row_scale[m]             (after the activation)
 
 BF16 in, FP32 accumulate, BF16 out. The routing histogram (``offsets``) lives in device memory
@@ -44,7 +45,7 @@ Design
   same bytes as one 2 tile_n-row tile) instead of two m64 x tile_n ones: the A fragment is read
   from shared memory once per k-block, not twice. The accumulator's first half is the gate, the
   second the up tile (same element order), so the epilogue is the cooperative one.
-* Gated mapping (swiglu, gelu_glu, clamped_swiglu): an output tile covers columns ``[n0, n0+bn)``
+* Gated mapping (swiglu, gelu_glu, clamped_swiglu, softcapped_swiglu): an output tile covers columns ``[n0, n0+bn)``
   of C. Every pipeline stage holds one A box (tile_m x tile_k) and TWO B boxes: w13 rows
   ``[n0, n0+bn)`` (gate) in B slot ``2*stage`` and rows ``[I+n0, I+n0+bn)`` (up, an element
   coordinate: I need not be a multiple of the tile) in slot ``2*stage+1``. Each consumer keeps two
@@ -186,12 +187,30 @@ def clamped_swiglu(g, u, alpha: float, limit: float, beta: float, after_act: boo
     return u * g * cute.arch.rcp_approx(den)
 
 
-def check_clamped_constants(activation: str, alpha: float, limit: float, beta: float) -> None:
-    """clamped_swiglu's constants, checked when a kernel is constructed (every GEMM of the drop)."""
+def softcapped_swiglu(g, u, gate_softcap: float, up_softcap: float):
+    """``gate_softcap * tanh(g / gate_softcap) * sigmoid(g) * up_softcap * tanh(u / up_softcap)`` (drop
+    v103; Inkling2: the sigmoid sees the raw gate, the caps bound the linear gate factor and ``up``)
+    in float32, traced inline: three ``tanh.approx`` (MUFU) ops, the sigmoid as ``(1 + tanh(g / 2)) / 2``.
+    The caps are compile-time values."""
+    half = cutlass.Float32(0.5)
+    sig = half + half * tanh_approx(g * half)
+    tg = tanh_approx(g * cutlass.Float32(1.0 / gate_softcap))
+    tu = tanh_approx(u * cutlass.Float32(1.0 / up_softcap))
+    return cutlass.Float32(gate_softcap * up_softcap) * tg * tu * sig
+
+
+def check_activation_constants(activation: str, alpha: float, limit: float, beta: float,
+                            gate_softcap: float = 4.0, up_softcap: float = 25.0) -> None:
+    """The gated activations' constants (clamped_swiglu's, softcapped_swiglu's caps), checked when a
+    kernel is constructed (every GEMM of the drop)."""
     if activation == "clamped_swiglu" and not (float(limit) > 0.0 and math.isfinite(limit)
                                                and math.isfinite(alpha) and math.isfinite(beta)):
         raise ValueError("clamped_swiglu needs a finite swiglu_limit > 0 and a finite swiglu_alpha "
                          "and swiglu_beta")
+    if activation == "softcapped_swiglu" and not all(float(c) > 0.0 and math.isfinite(c)
+                                                     for c in (gate_softcap, up_softcap)):
+        raise ValueError(f"softcapped_swiglu needs finite gate_softcap and up_softcap > 0, got "
+                         f"{gate_softcap} and {up_softcap}")
 
 
 def check_bf16_operands(mA, mB, mC, mOffsets, mBias) -> None:
@@ -219,6 +238,7 @@ class GroupedGemmSm90:
         1.0; DeepSeek-V4: 1.0, its limit, 0.0). Drop v99 added beta (1.0 before).
     :param swiglu_limit_after_act: clamped_swiglu clamps the gate after the activation (Step-3.7 /
         Bailing: ``min(silu(g), limit)``); drop v102 (False before).
+    :param gate_softcap, up_softcap: softcapped_swiglu's caps (Inkling2: 4.0, 25.0); drop v103.
     :param tile_m: 128 (two consumer warpgroups of 64 rows).
     :param tile_k: 64 (one 128-byte swizzle atom of bf16).
     :param num_stages: smem pipeline depth; None = as many as fit.
@@ -254,6 +274,8 @@ class GroupedGemmSm90:
         swiglu_limit: float = 7.0,
         swiglu_beta: float = 1.0,
         swiglu_limit_after_act: bool = False,
+        gate_softcap: float = 4.0,
+        up_softcap: float = 25.0,
         tile_m: int = DEFAULT_TILE_M,
         tile_k: int = DEFAULT_TILE_K,
         num_stages: Optional[int] = None,
@@ -280,7 +302,7 @@ class GroupedGemmSm90:
             raise ValueError("tile_n must be a multiple of 16 in [16, 256]")
         if not (1 <= int(raster_m) <= MAX_RASTER_M):
             raise ValueError(f"raster_m must be in [1, {MAX_RASTER_M}], got {raster_m}")
-        check_clamped_constants(activation, swiglu_alpha, swiglu_limit, swiglu_beta)
+        check_activation_constants(activation, swiglu_alpha, swiglu_limit, swiglu_beta, gate_softcap, up_softcap)
         self.activation = activation
         self.gated = activation in GATED_ACTIVATIONS
         self.has_bias = bool(has_bias)
@@ -289,6 +311,7 @@ class GroupedGemmSm90:
         self.swiglu_limit = float(swiglu_limit)
         self.swiglu_beta = float(swiglu_beta)
         self.swiglu_limit_after_act = bool(swiglu_limit_after_act)
+        self.gate_softcap, self.up_softcap = float(gate_softcap), float(up_softcap)
         self.tile_m = tile_m
         self.tile_n = tile_n
         self.tile_k = tile_k
@@ -1003,6 +1026,8 @@ class GroupedGemmSm90:
             elif cutlass.const_expr(self.activation == "clamped_swiglu"):
                 x = clamped_swiglu(x, accs[1][i], self.swiglu_alpha, self.swiglu_limit, self.swiglu_beta,
                                    self.swiglu_limit_after_act)
+            elif cutlass.const_expr(self.activation == "softcapped_swiglu"):
+                x = softcapped_swiglu(x, accs[1][i], self.gate_softcap, self.up_softcap)
             elif cutlass.const_expr(self.activation == "squared_relu"):
                 r = cute.arch.fmax(x, cutlass.Float32(0.0))
                 x = r * r

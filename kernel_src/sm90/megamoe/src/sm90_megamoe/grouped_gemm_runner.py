@@ -89,7 +89,8 @@ def check(fn: CompiledGroupedGemm, m_total, n, k, experts, activation, routing, 
     kern = fn.kernel  # clamped_swiglu's constants as compiled
     ref = grouped_gemm_reference(a, b, offs, activation, rs, bias=bias, swiglu_alpha=kern.swiglu_alpha,
                                  swiglu_limit=kern.swiglu_limit, swiglu_beta=kern.swiglu_beta,
-                                 swiglu_limit_after_act=kern.swiglu_limit_after_act)
+                                 swiglu_limit_after_act=kern.swiglu_limit_after_act,
+                                 gate_softcap=kern.gate_softcap, up_softcap=kern.up_softcap)
     nan = bool(torch.isnan(out).any()) if m_total else False
     denom = ref.norm().item()
     rel = (out.float() - ref).norm().item() / denom if denom > 0 else (out.float().norm().item())
@@ -211,6 +212,9 @@ def suite(args):
     f_s37 = get("clamped_swiglu", 2 * 2880, 2880, 8, False, swiglu_alpha=1.0, swiglu_limit=7.0, swiglu_beta=0.0,
                 swiglu_limit_after_act=True)
     ok &= check(f_s37, 5003, 2 * 2880, 2880, 8, "clamped_swiglu", "skewed", False)
+    # drop v103: Inkling2's softcapped SwiGLU, caps small enough that both bind often
+    f_soft = get("softcapped_swiglu", 2 * 2880, 2880, 8, False, gate_softcap=1.0, up_softcap=1.5)
+    ok &= check(f_soft, 5003, 2 * 2880, 2880, 8, "softcapped_swiglu", "skewed", False)
     f2b = get("identity", 2880, 2880, 8, True, bias_dtype="bfloat16", raster_m=4)
     ok &= check(f2b, 5003, 2880, 2880, 8, "identity", "skewed", True)
     f_i104 = get("swiglu", 208, 264, 4, False, bias_dtype="float32")

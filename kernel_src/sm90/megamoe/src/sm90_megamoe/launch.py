@@ -127,7 +127,8 @@ class CompiledGroupedGemm:
                  schedule: str = "cooperative", compiled=None, tvm_ffi: bool = False,
                  early_weights: bool = False, gather_a: bool = False, cluster_m: int = 1,
                  tanh_sigmoid: bool = False, cluster_n: int = 1, jump_stages: bool = False,
-                 swiglu_beta: float = 1.0, swiglu_limit_after_act: bool = False):
+                 swiglu_beta: float = 1.0, swiglu_limit_after_act: bool = False,
+                 gate_softcap: float = 4.0, up_softcap: float = 25.0):
         """``compiled``: this variant's kernel compiled earlier (e.g. loaded from an exported
         object file, ``cute.runtime.load_module``); None compiles it here (sm_90a).
         ``tvm_ffi``: compile for (and launch through) TVM-FFI: :meth:`launch_tensors`.
@@ -147,7 +148,8 @@ class CompiledGroupedGemm:
         phase step instead of unrolled single advances (:class:`GroupedGemmSm90`; the same bits).
         ``swiglu_beta`` (clamped_swiglu; drop v99): ``(clamp(u) + beta)``, 1.0 (gpt-oss) or 0.0
         (DeepSeek-V4 / GLM-5 / Hunyuan-V4). ``swiglu_limit_after_act`` (clamped_swiglu; drop v102):
-        the gate clamped after the activation (Step-3.7 / Bailing). (Drop v94 removed v91's ``place_a`` / ``place_opts``.)"""
+        the gate clamped after the activation (Step-3.7 / Bailing). ``gate_softcap`` / ``up_softcap``
+        (softcapped_swiglu; drop v103): its caps (Inkling2: 4, 25). (Drop v94 removed v91's ``place_a`` / ``place_opts``.)"""
         from .compile_check import fake_args
 
         if bias_dtype not in _TORCH_BIAS:
@@ -162,6 +164,7 @@ class CompiledGroupedGemm:
                                                 num_stages=num_stages, swiglu_alpha=swiglu_alpha,
                                                 swiglu_limit=swiglu_limit, swiglu_beta=swiglu_beta,
                                                 swiglu_limit_after_act=swiglu_limit_after_act,
+                                                gate_softcap=gate_softcap, up_softcap=up_softcap,
                                                 early_weights=early_weights,
                                                 **({"tanh_sigmoid": True} if tanh_sigmoid else {}))
         else:
@@ -180,6 +183,7 @@ class CompiledGroupedGemm:
                                           swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
                                           swiglu_beta=swiglu_beta,
                                           swiglu_limit_after_act=swiglu_limit_after_act, schedule=schedule,
+                                          gate_softcap=gate_softcap, up_softcap=up_softcap,
                                           **({"cluster_m": cluster_m} if cluster_m > 1 else {}),
                                           **({"tanh_sigmoid": True} if tanh_sigmoid else {}),
                                           **({"cluster_n": cluster_n} if cluster_n > 1 else {}),
@@ -373,7 +377,8 @@ def get_grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_ro
                      tvm_ffi: bool = False, cluster_m: int = 1,
                      tanh_sigmoid: bool = False, cluster_n: int = 1,
                      jump_stages: bool = False, swiglu_beta: float = 1.0,
-                     swiglu_limit_after_act: bool = False) -> CompiledGroupedGemm:
+                     swiglu_limit_after_act: bool = False, gate_softcap: float = 4.0,
+                     up_softcap: float = 25.0) -> CompiledGroupedGemm:
     """Cached compile. Key: everything static; routing and M_total are runtime."""
     if raster_m is None:
         raster_m = pick_raster_m(k)
@@ -381,7 +386,7 @@ def get_grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_ro
            activation, n, k, num_experts, bool(scale_rows), tile_n, num_stages, epilogue, bias_dtype,
            raster_m, float(swiglu_alpha), float(swiglu_limit), schedule, bool(tvm_ffi), "sm_90a", int(cluster_m),
            bool(tanh_sigmoid), int(cluster_n), bool(jump_stages), float(swiglu_beta),
-           bool(swiglu_limit_after_act))
+           bool(swiglu_limit_after_act), float(gate_softcap), float(up_softcap))
     fn = _CACHE.get(key)
     if fn is None:
         fn = CompiledGroupedGemm(activation, n, k, num_experts, scale_rows, tile_n, num_stages,
@@ -389,7 +394,8 @@ def get_grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_ro
                                  swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit,
                                  schedule=schedule, tvm_ffi=tvm_ffi, cluster_m=cluster_m,
                                  tanh_sigmoid=tanh_sigmoid, cluster_n=cluster_n, jump_stages=jump_stages,
-                                 swiglu_beta=swiglu_beta, swiglu_limit_after_act=swiglu_limit_after_act)
+                                 swiglu_beta=swiglu_beta, swiglu_limit_after_act=swiglu_limit_after_act,
+                                 gate_softcap=gate_softcap, up_softcap=up_softcap)
         _CACHE[key] = fn
     return fn
 

@@ -19,6 +19,14 @@ def clamped_swiglu_reference(g: torch.Tensor, u: torch.Tensor, alpha: float, lim
     return u * g * torch.sigmoid(alpha * g)
 
 
+def softcapped_swiglu_reference(g: torch.Tensor, u: torch.Tensor, gate_softcap: float,
+                                up_softcap: float) -> torch.Tensor:
+    """softcapped_swiglu in torch (drop v103): ``gate_softcap * tanh(g / gate_softcap) * sigmoid(g) *
+    up_softcap * tanh(u / up_softcap)``."""
+    return (gate_softcap * torch.tanh(g / gate_softcap) * torch.sigmoid(g)
+            * (up_softcap * torch.tanh(u / up_softcap)))
+
+
 def grouped_gemm_reference(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -30,6 +38,8 @@ def grouped_gemm_reference(
     swiglu_limit: float = 7.0,
     swiglu_beta: float = 1.0,
     swiglu_limit_after_act: bool = False,
+    gate_softcap: float = 4.0,
+    up_softcap: float = 25.0,
 ) -> torch.Tensor:
     """
     a:         [M_total, K]      bf16 (any float dtype)
@@ -41,7 +51,7 @@ def grouped_gemm_reference(
     """
     offs = [int(x) for x in offsets.tolist()]
     num_experts, n, _ = b.shape
-    gated = activation in ("swiglu", "gelu_glu", "clamped_swiglu")
+    gated = activation in ("swiglu", "gelu_glu", "clamped_swiglu", "softcapped_swiglu")
     n_out = n // 2 if gated else n
     out = torch.zeros(a.shape[0], n_out, dtype=torch.float32, device=a.device)
     for e in range(num_experts):
@@ -59,6 +69,8 @@ def grouped_gemm_reference(
             y = torch.nn.functional.gelu(g) * u
         elif activation == "clamped_swiglu":
             y = clamped_swiglu_reference(g, u, swiglu_alpha, swiglu_limit, swiglu_beta, swiglu_limit_after_act)
+        elif activation == "softcapped_swiglu":
+            y = softcapped_swiglu_reference(g, u, gate_softcap, up_softcap)
         elif activation == "squared_relu":
             y = torch.relu(y).square()
         elif activation != "identity":

@@ -29,7 +29,7 @@ Design
   ragged ``A [M_total, K]``, box ``(tile_t, 64)`` at row ``offsets[e] + t * tile_t``, hint
   evict-last (every weight tile of the expert re-reads them). Rows past ``M_total`` are TMA
   zero-filled; rows of the next expert in a token tile are computed but never stored.
-* Gated activations (swiglu, gelu_glu, clamped_swiglu): a tile covers output columns
+* Gated activations (swiglu, gelu_glu, clamped_swiglu, softcapped_swiglu): a tile covers output columns
   ``[n0, n0 + tile_w)``; every stage holds TWO weight boxes, w13 rows ``[n0, n0 + tile_w)``
   (gate, slot ``2s``) and ``[I + n0, I + n0 + tile_w)`` (up, slot ``2s + 1``; an element
   coordinate, so I need not be a multiple of tile_w), and each consumer keeps two accumulators
@@ -67,7 +67,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from .grouped_gemm import check_bf16_operands, check_clamped_constants, clamped_swiglu, silu
+from .grouped_gemm import check_activation_constants, check_bf16_operands, clamped_swiglu, silu, softcapped_swiglu
 from .warp_scan import warp_inclusive_scan
 from .pdl import PDL, wait_previous_grid
 from .constants import ACTIVATIONS, ALIGN_K_ELEMS, ALIGN_N_ELEMS, GATED_ACTIVATIONS, MAX_EXPERTS
@@ -91,7 +91,7 @@ _L2_EVICT_LAST = 0x14F0000000000000
 
 TILE_T_CHOICES = (8, 16, 32, 64, 128)
 DEFAULT_TILE_W = {"identity": 128, "squared_relu": 128, "swiglu": 64, "gelu_glu": 64,
-                  "clamped_swiglu": 64}
+                  "clamped_swiglu": 64, "softcapped_swiglu": 64}
 MAX_STAGES = 16
 # early_weights: weight bytes each CTA prefetches into L2 before the PDL wait (132 CTAs: 17 MB of L2)
 EARLY_WEIGHT_BYTES = 128 * 1024
@@ -123,6 +123,7 @@ class SwapABGroupedGemmSm90:
     :param swiglu_alpha, swiglu_limit, swiglu_beta: clamped_swiglu's constants (gpt-oss: 1.702, 7.0,
         1.0; DeepSeek-V4: 1.0, its limit, 0.0). Drop v99 added beta (1.0 before).
     :param swiglu_limit_after_act: the gate clamped after the activation (Step-3.7; drop v102).
+    :param gate_softcap, up_softcap: softcapped_swiglu's caps (Inkling2: 4.0, 25.0; drop v103).
     :param early_weights: with PDL launches (:data:`~.pdl.PDL`), prefetch this CTA's first weight
         k-blocks (at most ``EARLY_WEIGHT_BYTES``) into L2 *before* waiting for the previous grid, so
         the weight stream starts while that grid finishes. The scheduler then also reads
@@ -147,6 +148,8 @@ class SwapABGroupedGemmSm90:
         swiglu_limit: float = 7.0,
         swiglu_beta: float = 1.0,
         swiglu_limit_after_act: bool = False,
+        gate_softcap: float = 4.0,
+        up_softcap: float = 25.0,
         early_weights: bool = False,
         tanh_sigmoid: bool = False,
     ):
@@ -165,7 +168,7 @@ class SwapABGroupedGemmSm90:
             num_mma_wg = 1 if tile_w == 64 else 2
         if num_mma_wg not in (1, 2) or tile_w % (64 * num_mma_wg) != 0:
             raise ValueError(f"num_mma_wg must be 1 or 2 and divide tile_w / 64, got {num_mma_wg}")
-        check_clamped_constants(activation, swiglu_alpha, swiglu_limit, swiglu_beta)
+        check_activation_constants(activation, swiglu_alpha, swiglu_limit, swiglu_beta, gate_softcap, up_softcap)
         self.activation = activation
         self.gated = activation in GATED_ACTIVATIONS
         self.num_b = 2 if self.gated else 1  # weight boxes (and accumulators) per stage
@@ -186,6 +189,7 @@ class SwapABGroupedGemmSm90:
         self.swiglu_limit = float(swiglu_limit)
         self.swiglu_beta = float(swiglu_beta)
         self.swiglu_limit_after_act = bool(swiglu_limit_after_act)
+        self.gate_softcap, self.up_softcap = float(gate_softcap), float(up_softcap)
         self.early_weights = bool(early_weights)
 
         self.acc_dtype = cutlass.Float32
@@ -631,6 +635,8 @@ class SwapABGroupedGemmSm90:
             elif cutlass.const_expr(self.activation == "clamped_swiglu"):
                 x = clamped_swiglu(x, accs[1][i], self.swiglu_alpha, self.swiglu_limit, self.swiglu_beta,
                                    self.swiglu_limit_after_act)
+            elif cutlass.const_expr(self.activation == "softcapped_swiglu"):
+                x = softcapped_swiglu(x, accs[1][i], self.gate_softcap, self.up_softcap)
             elif cutlass.const_expr(self.activation == "squared_relu"):
                 r = cute.arch.fmax(x, cutlass.Float32(0.0))
                 x = r * r
