@@ -18,6 +18,10 @@ MODELS = {
     # silu(min(g, 10)) * clamp(u, -10, 10) (drop v99; FP8 with drop v100)
     "dsv4_shard": dict(name="DeepSeek-V4 local shard", hidden=4096, intermediate=2048, num_experts=32, top_k=6,
                        activation="clamped_swiglu", swiglu_alpha=1.0, swiglu_limit=10.0, swiglu_beta=0.0),
+    # Inkling2's routed experts (384, top-8) as an EP-8 rank holds them: its softcapped SwiGLU,
+    # 4 tanh(g / 4) sigmoid(g) 25 tanh(u / 25) (drop v103)
+    "inkling2_shard": dict(name="Inkling2 local shard", hidden=4608, intermediate=2304, num_experts=48, top_k=8,
+                           activation="softcapped_swiglu", gate_softcap=4.0, up_softcap=25.0),
 }
 
 #: the MoEConfig fields a model entry may set besides the shape (its activation and that's constants)

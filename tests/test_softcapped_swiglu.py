@@ -106,6 +106,16 @@ def test_the_layer_and_both_shims_key_the_caps():
                            quant="fp8_block128", activation="softcapped_swiglu"), EPGroup.single())
 
 
+def test_bench_model_carries_the_caps():
+    """``python -m moe_ep.bench --model inkling2_shard`` (and ``bench gemm``, ``aot build``) runs Inkling2's
+    activation with its caps."""
+    from moe_ep.bench.models import model_config
+
+    cfg = model_config("inkling2_shard", 8192)
+    assert (cfg.activation, cfg.gate_softcap, cfg.up_softcap) == ("softcapped_swiglu", 4.0, 25.0)
+    assert (cfg.num_experts, cfg.hidden, cfg.intermediate, cfg.top_k) == (48, 4608, 2304, 8)
+
+
 def test_drop_reference_is_the_definition():
     ref = _drop("reference")
     h = torch.randn(300, 64, generator=torch.Generator().manual_seed(5)) * 6
