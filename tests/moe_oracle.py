@@ -47,6 +47,41 @@ def activation_problem(E, H, I, K, T, seed, device, x_scale, fp8=False) -> tuple
     return x, ids, w, w13, w2
 
 
+def gated_moe_f64(x, ids, w, w13, w2, act, fp8=False):
+    """The layer in float64 with a gated activation ``act(h [M, 2I] float64) -> [M, I]``, one expert at
+    a time, router weights in k order. ``fp8``: the quantised model (block-128 e4m3 weights as
+    ``quantize_fp8_block128`` gives them, dequantised; x and the activation, rounded to bf16 first as
+    the kernels write it, quantised per 128 values of a row)."""
+    if fp8:
+        from moe_ep.api.quant import dequantize_fp8_block128, dequantize_fp8_rows128, quantize_fp8_rows128
+
+        def rows(t):
+            return dequantize_fp8_rows128(*quantize_fp8_rows128(t.float())).double()
+
+        w13, w2, x = dequantize_fp8_block128(w13).double(), dequantize_fp8_block128(w2).double(), rows(x)
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64, device=x.device)
+    for e in torch.unique(ids).tolist():
+        t, k = (ids == e).nonzero(as_tuple=True)
+        a = act(x[t].double() @ w13[e].double().t())
+        if fp8:
+            a = rows(a.to(torch.bfloat16))
+        out.index_add_(0, t, (a @ w2[e].double().t()) * w[t, k].double()[:, None])
+    return out
+
+
+def fast_layer_forward(cfg, backend, x, ids, w, w13, w2) -> tuple:
+    """One forward of a warmed-up ``backend`` layer (one rank) into a NaN-poisoned output, its GPU
+    error flags checked: ``(out [T, H] bf16, whether the decode kernels ran or None)``."""
+    from moe_ep.api import EPGroup, MoELayer
+
+    with MoELayer(cfg, EPGroup.single(), backend=backend) as layer:
+        layer.warmup(progress=False)
+        out = torch.full(tuple(x.shape), float("nan"), dtype=torch.bfloat16, device=x.device)
+        layer.forward(x, ids, w, w13, w2, out=out)
+        layer.check_errors()
+        return out, getattr(layer._impl, "_decode", None)
+
+
 def make_problem(E, H, I, K, T, *, gated=True, skew=False, seed=0, dtype=torch.bfloat16):
     """Global problem: x [T,H], ids [T,K] int64 (distinct per row), w [T,K] f32, w13 [E,rows,H], w2 [E,H,I].
 

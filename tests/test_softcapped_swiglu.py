@@ -15,7 +15,8 @@ import torch
 
 from moe_ep.api import MoEConfig
 
-from moe_oracle import activation_problem, rel_err, require_sm90, sm90_drop_module as _drop
+from moe_oracle import activation_problem, fast_layer_forward, gated_moe_f64, rel_err, require_sm90
+from moe_oracle import sm90_drop_module as _drop
 
 CAPS = dict(gate_softcap=1.0, up_softcap=1.5)  # small, so that both caps bind on the tests' FC1 outputs
 
@@ -129,14 +130,9 @@ def _act(h, I, softcapped=True):
     return torch.nn.functional.silu(h[:, :I].double()) * h[:, I:].double()  # plain SwiGLU, to show the difference
 
 
-def _oracle_f64(x, ids, w, w13, w2, I, softcapped=True):
-    """Inkling2's experts in float64, one expert at a time."""
-    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64, device=x.device)
-    for e in torch.unique(ids).tolist():
-        t, k = (ids == e).nonzero(as_tuple=True)
-        h = x[t].double() @ w13[e].double().t()
-        out.index_add_(0, t, (_act(h, I, softcapped) @ w2[e].double().t()) * w[t, k].double()[:, None])
-    return out
+def _oracle_f64(x, ids, w, w13, w2, I, softcapped=True, fp8=False):
+    """Inkling2's experts in float64 (``fp8``: the quantised model)."""
+    return gated_moe_f64(x, ids, w, w13, w2, lambda h: _act(h, I, softcapped), fp8=fp8)
 
 
 def test_reference_backend_against_float64():
@@ -152,22 +148,6 @@ def test_reference_backend_against_float64():
     assert rel_err(got, _oracle_f64(x, ids, w, w13, w2, I, softcapped=False)) > 0.1
 
 
-def _fp8_oracle_f64(x, ids, w, w13, w2, I, softcapped=True):
-    """The quantised model in float64: x quantised per 128 values of a row, the dequantised weights,
-    the activation written in bf16 and quantised the same way, router weights in k order."""
-    from moe_ep.api.quant import dequantize_fp8_block128, dequantize_fp8_rows128, quantize_fp8_rows128
-
-    d13, d2 = dequantize_fp8_block128(w13).double(), dequantize_fp8_block128(w2).double()
-    xq = dequantize_fp8_rows128(*quantize_fp8_rows128(x.float())).double()
-    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float64, device=x.device)
-    for e in ids.unique().tolist():
-        t, k = (ids == e).nonzero(as_tuple=True)
-        a = _act(xq[t] @ d13[e].T, I, softcapped).to(torch.bfloat16).float()
-        aq = dequantize_fp8_rows128(*quantize_fp8_rows128(a)).double()
-        out.index_add_(0, t, (aq @ d2[e].T) * w[t, k].double()[:, None])
-    return out
-
-
 def test_fp8_reference_backend_against_float64():
     from moe_ep.api import EPGroup, MoELayer
 
@@ -177,8 +157,8 @@ def test_fp8_reference_backend_against_float64():
     x, ids, w, w13, w2 = activation_problem(E, H, I, K, T, 3, "cpu", x_scale=3.0, fp8=True)
     with MoELayer(cfg, EPGroup.single(), backend="reference", device="cpu") as layer:
         got = layer.forward(x, ids, w, w13, w2)
-    assert rel_err(got, _fp8_oracle_f64(x, ids, w, w13, w2, I)) < 1e-2
-    assert rel_err(got, _fp8_oracle_f64(x, ids, w, w13, w2, I, softcapped=False)) > 0.1
+    assert rel_err(got, _oracle_f64(x, ids, w, w13, w2, I, fp8=True)) < 1e-2
+    assert rel_err(got, _oracle_f64(x, ids, w, w13, w2, I, softcapped=False, fp8=True)) > 0.1
 
 
 # ---- GPU ------------------------------------------------------------------------------------
@@ -191,19 +171,13 @@ def test_softcapped_on_the_bf16_backend(T, decode):
     which FC1's outputs pass often) on the 128-row kernels (700 tokens) and the swap-AB decode
     kernels (6 tokens), against float64; plain SwiGLU is off."""
     require_sm90()
-    from moe_ep.api import EPGroup, MoELayer
-
     E, H, I, K = 32, 1024, 352, 4
     cfg = MoEConfig(num_experts=E, hidden=H, intermediate=I, top_k=K, max_tokens_per_rank=2048,
                     activation="softcapped_swiglu", **CAPS)
-    x, ids, w, w13, w2 = activation_problem(E, H, I, K, T, zlib.crc32(f"softcap/{T}".encode()), "cuda", x_scale=3.0)
-    with MoELayer(cfg, EPGroup.single(), backend="sm90_bf16_cutedsl") as layer:
-        layer.warmup(progress=False)
-        out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device="cuda")
-        layer.forward(x, ids, w, w13, w2, out=out)
-        assert layer._impl._decode == decode
-        layer.check_errors()
-    assert torch.isfinite(out).all()
+    seed = zlib.crc32(f"softcap/{T}".encode())
+    x, ids, w, w13, w2 = activation_problem(E, H, I, K, T, seed, "cuda", x_scale=3.0)
+    out, ran_decode = fast_layer_forward(cfg, "sm90_bf16_cutedsl", x, ids, w, w13, w2)
+    assert ran_decode == decode and torch.isfinite(out).all()
     want = _oracle_f64(x, ids, w, w13, w2, I)
     assert rel_err(out, want) < 1e-2, rel_err(out, want)
     assert rel_err(out, _oracle_f64(x, ids, w, w13, w2, I, softcapped=False)) > 0.1
@@ -214,20 +188,14 @@ def test_softcapped_on_the_bf16_backend(T, decode):
 def test_softcapped_on_the_fp8_backend(T):
     """The same on sm90_fp8_cutedsl (I 512), against the quantised model in float64."""
     require_sm90()
-    from moe_ep.api import EPGroup, MoELayer
-
     E, H, I, K = 32, 1024, 512, 4
     cfg = MoEConfig(num_experts=E, hidden=H, intermediate=I, top_k=K, max_tokens_per_rank=1024, quant="fp8_block128",
                     activation="softcapped_swiglu", **CAPS)
     seed = zlib.crc32(f"fp8softcap/{T}".encode())
     x, ids, w, w13, w2 = activation_problem(E, H, I, K, T, seed, "cuda", x_scale=3.0, fp8=True)
-    with MoELayer(cfg, EPGroup.single(), backend="sm90_fp8_cutedsl") as layer:
-        layer.warmup(progress=False)
-        out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device="cuda")
-        layer.forward(x, ids, w, w13, w2, out=out)
-        layer.check_errors()
+    out, _ = fast_layer_forward(cfg, "sm90_fp8_cutedsl", x, ids, w, w13, w2)
     assert torch.isfinite(out).all()
-    want = _fp8_oracle_f64(x, ids, w, w13, w2, I)
+    want = _oracle_f64(x, ids, w, w13, w2, I, fp8=True)
     # FC2's input is re-quantised to e4m3: one token's rows average little (see test_fp8_backend)
     assert rel_err(out, want) < (1e-2 if T >= 64 else 3e-2), rel_err(out, want)
-    assert rel_err(out, _fp8_oracle_f64(x, ids, w, w13, w2, I, softcapped=False)) > 0.1
+    assert rel_err(out, _oracle_f64(x, ids, w, w13, w2, I, softcapped=False, fp8=True)) > 0.1

@@ -513,20 +513,25 @@ def _fp8_model_f64(mod, x, idx, w, gate=None):
     return out
 
 
+def _fp8_call(mod, seed, T=96):
+    """One call of an ``_fp8_experts`` module as transformers makes it: x [T, 256] bf16, top-2 of 8
+    experts, softmax router weights; returns (x, idx, w, its output)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, 256, generator=g).to(torch.bfloat16)
+    idx = torch.randn(T, 8, generator=g).topk(2, -1).indices
+    w = torch.softmax(torch.randn(T, 2, generator=g), -1)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # auto picks the reference backend on the CPU, and says so
+        return x, idx, w, mod(x, idx, w)
+
+
 @pytest.mark.parametrize("scale_fmt", ["float", "ue8m0"])
 def test_fp8_experts_against_the_quantised_model_in_float64(scale_fmt):
     """A FineGrainedFP8 experts module through ``experts_implementation="moe_ep"``: a
     ``quant="fp8_block128"`` layer on the module's own e4m3 weights and block scales (UE8M0 ones
     converted), against the quantised model written out in float64."""
     mod = _fp8_experts(scale_fmt)
-    g = torch.Generator().manual_seed(5)
-    T = 96
-    x = torch.randn(T, 256, generator=g).to(torch.bfloat16)
-    idx = torch.randn(T, 8, generator=g).topk(2, -1).indices
-    w = torch.softmax(torch.randn(T, 2, generator=g), -1)
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # auto picks the reference backend on the CPU, and says so
-        got = mod(x, idx, w)
+    x, idx, w, got = _fp8_call(mod, seed=5)
     layer = mod._moe_ep_layer
     assert layer.config.quant == "fp8_block128" and layer.config.activation == "swiglu"
     assert got.dtype == torch.bfloat16 and torch.isfinite(got).all()
@@ -542,13 +547,7 @@ def test_fp8_experts_with_a_clamped_silu_gate():
     lim = 0.5  # FC1 outputs here are ~N(0, 1): the clamp triggers often
     mod = _fp8_experts(swiglu_limit=lim)
     assert mod.limit == lim
-    g = torch.Generator().manual_seed(6)
-    x = torch.randn(96, 256, generator=g).to(torch.bfloat16)
-    idx = torch.randn(96, 8, generator=g).topk(2, -1).indices
-    w = torch.softmax(torch.randn(96, 2, generator=g), -1)
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        got = mod(x, idx, w)
+    x, idx, w, got = _fp8_call(mod, seed=6)
     cfg = mod._moe_ep_layer.config
     assert (cfg.quant, cfg.activation, cfg.swiglu_alpha, cfg.swiglu_limit, cfg.swiglu_beta) == (
         "fp8_block128", "clamped_swiglu", 1.0, lim, 0.0)
@@ -562,13 +561,7 @@ def test_fp8_experts_with_a_softcapped_gate():
     ``quant="fp8_block128"`` softcapped_swiglu layer (drop v103), against the quantised model in float64."""
     cg, cu = 0.5, 0.75  # FC1 outputs here are ~N(0, 1): both caps bite
     mod = _fp8_experts(softcaps=(cg, cu))
-    g = torch.Generator().manual_seed(7)
-    x = torch.randn(96, 256, generator=g).to(torch.bfloat16)
-    idx = torch.randn(96, 8, generator=g).topk(2, -1).indices
-    w = torch.softmax(torch.randn(96, 2, generator=g), -1)
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        got = mod(x, idx, w)
+    x, idx, w, got = _fp8_call(mod, seed=7)
     cfg = mod._moe_ep_layer.config
     assert (cfg.quant, cfg.activation, cfg.gate_softcap, cfg.up_softcap) == (
         "fp8_block128", "softcapped_swiglu", cg, cu)

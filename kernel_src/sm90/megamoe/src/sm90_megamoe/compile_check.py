@@ -112,30 +112,19 @@ def main():
         print(f"{act:15s} N={n} K={k} scale_rows={sr} bias={bias} raster_m={raster}: "
               f"compile {dt:.2f}s  wgmma+tma in PTX: {ok}")
         assert ok
-    # drop v99: DeepSeek-V4 / GLM-5's clamped SwiGLU (alpha 1, beta 0), gpt-oss's FC1 shape
-    t0 = time.time()
-    c = compile_for_arch("clamped_swiglu", 5760, 2880, False, swiglu_alpha=1.0, swiglu_limit=10.0, swiglu_beta=0.0)
-    ptx = c.__ptx__
-    ok = "wgmma.mma_async" in ptx and "min.f32" in ptx and not ptx_problems(ptx)
-    print(f"clamped_swiglu  N=5760 K=2880 alpha=1 limit=10 beta=0: compile {time.time() - t0:.2f}s  "
-          f"wgmma + clamp in PTX: {ok}")
-    assert ok
-    # drop v102: Step-3.7's form (the gate clamped after the activation)
-    t0 = time.time()
-    c = compile_for_arch("clamped_swiglu", 5760, 2880, False, swiglu_alpha=1.0, swiglu_limit=7.0, swiglu_beta=0.0,
-                         swiglu_limit_after_act=True)
-    ptx = c.__ptx__
-    ok = "wgmma.mma_async" in ptx and "min.f32" in ptx and not ptx_problems(ptx)
-    print(f"clamped_swiglu  N=5760 K=2880 alpha=1 limit=7 beta=0 after_act: compile {time.time() - t0:.2f}s  "
-          f"wgmma + clamp in PTX: {ok}")
-    assert ok
-    # drop v103: Inkling2's softcapped SwiGLU (three tanh.approx per output)
-    t0 = time.time()
-    c = compile_for_arch("softcapped_swiglu", 2 * 1536, 2048, False, gate_softcap=4.0, up_softcap=25.0)
-    ptx = c.__ptx__
-    ok = "wgmma.mma_async" in ptx and "tanh.approx.f32" in ptx and not ptx_problems(ptx)
-    print(f"softcapped_swiglu N=3072 K=2048 caps 4, 25: compile {time.time() - t0:.2f}s  wgmma + tanh in PTX: {ok}")
-    assert ok
+    # the gated activations' constants (gpt-oss's FC1 shape; Qwen3's for the softcaps): drop v99's
+    # DeepSeek-V4 / GLM-5 clamped SwiGLU (alpha 1, beta 0), drop v102's Step-3.7 form (the gate clamped
+    # after the activation), drop v103's Inkling2 softcapped SwiGLU (three tanh.approx per output)
+    for act, n, k, consts, marker in (
+            ("clamped_swiglu", 5760, 2880, dict(swiglu_alpha=1.0, swiglu_limit=10.0, swiglu_beta=0.0), "min.f32"),
+            ("clamped_swiglu", 5760, 2880, dict(swiglu_alpha=1.0, swiglu_limit=7.0, swiglu_beta=0.0,
+                                                swiglu_limit_after_act=True), "min.f32"),
+            ("softcapped_swiglu", 3072, 2048, dict(gate_softcap=4.0, up_softcap=25.0), "tanh.approx.f32")):
+        t0 = time.time()
+        ptx = compile_for_arch(act, n, k, False, **consts).__ptx__
+        ok = "wgmma.mma_async" in ptx and marker in ptx and not ptx_problems(ptx)
+        print(f"{act:17s} N={n} K={k} {consts}: compile {time.time() - t0:.2f}s  wgmma + {marker} in PTX: {ok}")
+        assert ok
     # the pingpong schedule: FC2 (identity, tile_n 128 and 192) and gated FC1s with tile_n 64 and 96
     for act, n, k, sr, tn in (("identity", 2048, 768, True, 128), ("identity", 2048, 768, True, 192),
                               ("swiglu", 1536, 2048, False, 64), ("swiglu", 1536, 2048, False, 96)):
