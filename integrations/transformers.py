@@ -80,7 +80,7 @@ class _Spec:
     """What moe_ep makes of one transformers experts module (found once, by :func:`_describe`)."""
 
     activation: str
-    constants: tuple  # clamped_swiglu's MoEConfig fields, as (name, value) pairs; () for the others
+    constants: tuple  # the activation's MoEConfig fields as (name, value) pairs; () for swiglu etc.
     gated: bool
     transposed: bool
     interleaved: bool
