@@ -103,9 +103,10 @@ def make_problem(E, H, I, K, T, *, gated=True, skew=False, seed=0, dtype=torch.b
 
 
 def oracle_f64(x, ids, w, w13, w2, activation, intermediate, *, b13=None, b2=None, alpha=1.702, limit=7.0,
-               beta=1.0):
+               beta=1.0, gate_softcap=4.0, up_softcap=25.0):
     """out[t] = sum_k w[t,k] * (W2_e · act(W13_e · x[t] + b13_e) + b2_e) in float64, one
-    token-expert pair at a time (b13 [E, rows], b2 [E, H] optional; alpha/limit/beta: clamped_swiglu)."""
+    token-expert pair at a time (b13 [E, rows], b2 [E, H] optional; alpha/limit/beta: clamped_swiglu;
+    gate_softcap/up_softcap: softcapped_swiglu)."""
     T, H = x.shape
     out = torch.zeros(T, H, dtype=torch.float64)
     xd, w13d, w2d = x.double(), w13.double(), w2.double()
@@ -128,6 +129,10 @@ def oracle_f64(x, ids, w, w13, w2, activation, intermediate, *, b13=None, b2=Non
                 u = torch.maximum(torch.minimum(h[intermediate:], torch.tensor(limit, dtype=torch.float64)),
                                   torch.tensor(-limit, dtype=torch.float64))
                 a = g / (1 + torch.exp(-alpha * g)) * (u + beta)
+            elif activation == "softcapped_swiglu":  # Inkling2's: the sigmoid sees the raw gate
+                g, u = h[:intermediate], h[intermediate:]
+                a = (gate_softcap * torch.tanh(g / gate_softcap) / (1 + torch.exp(-g))
+                     * up_softcap * torch.tanh(u / up_softcap))
             elif activation == "squared_relu":
                 a = torch.clamp(h, min=0) ** 2
             else:

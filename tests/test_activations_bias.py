@@ -25,22 +25,23 @@ def problem(cfg, T, seed, *, w13_scale=None, skew=False):
     E, H, I, K = cfg.num_experts, cfg.hidden, cfg.intermediate, cfg.top_k
     x, ids, w, w13, w2 = make_problem(E, H, I, K, T, gated=cfg.gated, skew=skew, seed=seed)
     if w13_scale is None:
-        w13_scale = CLAMP_W13_SCALE if cfg.activation == "clamped_swiglu" else 1.0
+        # FC1 outputs large enough that a clamp at gpt-oss's 7 / a gate softcap of 4 bites
+        w13_scale = CLAMP_W13_SCALE if cfg.activation in ("clamped_swiglu", "softcapped_swiglu") else 1.0
     if w13_scale != 1.0:
         w13 = (w13.float() * w13_scale).to(cfg.dtype)
     b13 = b2 = None
     if cfg.bias_dtype is not None:
         g = torch.Generator().manual_seed(seed + 1)
         h_rms = float(fc1_f64(x, ids, w13).pow(2).mean().sqrt())
-        y_rms = float(oracle_f64(x, ids, w, w13, w2, cfg.activation, I, alpha=cfg.swiglu_alpha,
-                                 limit=cfg.swiglu_limit, beta=cfg.swiglu_beta).pow(2).mean().sqrt())
+        y_rms = float(oracle(cfg, x, ids, w, w13, w2).pow(2).mean().sqrt())
         b13 = (torch.randn(E, cfg.w13_rows, generator=g) * h_rms).to(cfg.bias_dtype)
         b2 = (torch.randn(E, H, generator=g) * y_rms).to(cfg.bias_dtype)
     return x, ids, w, w13, w2, b13, b2
 
 
 def oracle(cfg, x, ids, w, w13, w2, b13=None, b2=None, **kw):
-    kw = {"alpha": cfg.swiglu_alpha, "limit": cfg.swiglu_limit, "beta": cfg.swiglu_beta, **kw}
+    kw = {"alpha": cfg.swiglu_alpha, "limit": cfg.swiglu_limit, "beta": cfg.swiglu_beta,
+          "gate_softcap": cfg.gate_softcap, "up_softcap": cfg.up_softcap, **kw}
     return oracle_f64(x, ids, w, w13, w2, cfg.activation, cfg.intermediate, b13=b13, b2=b2, **kw)
 
 
