@@ -2,7 +2,7 @@
 # Fill .device/aot (git-ignored) with the compiled kernels the next H200 calls need, on this CPU
 # machine, so the device's minutes are not spent compiling: the defaults of the BF16 (qwen3,
 # mixtral, nemotron, dsv3_shard, gpt_oss, dsv4_shard, inkling2_shard) and FP8 (qwen3, mixtral, dsv4_shard,
-# inkling2_shard) layers at
+# inkling2_shard, dsv3_shard) layers at
 # 8192 tokens, plus the GEMMs of the opt-in switches queued for the H200 (docs/PERFORMANCE.md,
 # newest entry). Carry it with run(..., carry=[".device/b", ".device/aot"]) and export
 # MOE_EP_CACHE_DIR=$PWD/.device/aot there.
@@ -13,10 +13,14 @@ out=.device/aot
 rm -rf "$out"
 build() { python -m moe_ep.aot build --arch sm_90a --max-tokens 8192 --out "$out" "$@" | grep -v '^  '; }
 build --model qwen3,mixtral,nemotron,dsv3_shard,gpt_oss,dsv4_shard,inkling2_shard
-build --model qwen3,mixtral,dsv4_shard,inkling2_shard --quant fp8_block128
+build --model qwen3,mixtral,dsv4_shard,inkling2_shard,dsv3_shard --quant fp8_block128
 # the queued switches (their GEMMs only; everything else is the defaults' above)
 MOE_EP_GATHER_FC1=1 build --model qwen3,mixtral --kernels fc1
 MOE_EP_FP8_PLACE_FC1=copy build --model qwen3,mixtral --quant fp8_block128 --kernels fc1
+# 50th session's questions: DeepSeek-V3's FP8 FC1 (K 7168) with scales by TMA in chunks of 8 (drop v105),
+# Inkling2's FP8 GEMMs (K 4608 / 2304, global scales by default) with staged scales
+MOE_EP_FP8_UNIT_SCALES=1 build --model dsv3_shard --quant fp8_block128 --kernels fc1
+MOE_EP_FP8_SMEM_SCALES=1 build --model inkling2_shard --quant fp8_block128 --kernels fc1,fc2
 # h200_session.sh gemmab (42nd session's question): Mixtral's and Qwen3's BF16 GEMMs in clusters along M, and
 # Mixtral's at L2 raster groups of 8 and 16 m-tiles (`bench gemm --raster-m 8,16`, `ncu_gemm --raster-m`)
 MOE_EP_BF16_CLUSTER=1 build --model mixtral,qwen3 --kernels fc1,fc2

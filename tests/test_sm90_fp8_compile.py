@@ -227,11 +227,16 @@ def test_overlapped_promotion_stays_asynchronous(act, n, k, experts, scale_rows)
 
 def test_overlapped_promotion_chunks_and_refusal():
     """overlap_chunk: 0 while the whole loop unrolls, then the largest even divisor of K/128 up to
-    16; an odd K/128 beyond 32 k-tiles is refused by name."""
+    16 (with unit_scales, drop v105: the largest multiple of 8 dividing it, up to 16); an odd K/128
+    beyond 32 k-tiles is refused by name."""
     from sm90_megamoe.fp8_gemm import overlap_chunk
     from sm90_megamoe.fp8_runner import compile_variant
 
     assert [overlap_chunk(t) for t in (1, 6, 32, 34, 56, 112, 1000, 33, 35)] == [0, 0, 0, 2, 14, 16, 10, 0, 0]
+    # unit_scales' chunks: DeepSeek-V3's FC1 (56 k-tiles) 8 instead of 14, K 5120 (40) 8 instead of 10;
+    # where the even divisor already is a multiple of 8 (Mixtral's FC2, 112: 16; 48: 16) it is unchanged
+    assert [overlap_chunk(t, 8) for t in (32, 56, 40, 112, 48, 36, 1000)] == [0, 8, 8, 16, 16, 0, 8]
+    assert all(overlap_chunk(t, 8) == overlap_chunk(t) for t in range(1, 400) if overlap_chunk(t) % 8 == 0)
     with pytest.raises(ValueError, match="K/128 = 35 is odd"):
         compile_variant("identity", 4096, 35 * 128, 8, True, overlap_promotion=True)
 

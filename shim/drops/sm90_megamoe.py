@@ -59,7 +59,7 @@ from .sm90_megamoe_switches import (  # noqa: F401  (re-exported: the shim reads
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 104},
+    "sm90_megamoe": {"DROP_VERSION": 105},
     "sm90_megamoe.placing_producer": {"PLACE_SYNC_TAIL": 4},
     "sm90_megamoe.fp8_gemm": {"FP8_BLOCK": 128, "OVERLAP_MAX_K_TILES": 32, "OVERLAP_MAX_CHUNK": 16,
                               "FP8_ACTIVATIONS": ("identity", "swiglu", "clamped_swiglu", "softcapped_swiglu"),

@@ -90,11 +90,13 @@ Design (differences from :mod:`.grouped_gemm`, whose scheduler and smem epilogue
   warp's elected arrive; the TMA warp's loop is the global-scale kernel's again. Why: on the H200
   v34's staged scales slowed the plain schedule down (0.83-0.93x), plausibly because the TMA warp
   stores a stage's scales -- waiting for their loads -- before it may issue the stage's copies.
-* ``unit_scales=True`` (drop v69; the overlapped schedule, not with ``smem_scales``, K/128 and the
-  chunked schedule's chunk multiples of UNIT_SCALE_KC = 8): the TMA warp loads the scales of 8
-  k-tiles per copy -- a 128-row x 8 box of ``mAScale`` and an 8-wide box of ``mBScale`` per weight
-  block -- into one of two shared-memory buffers with their own full / empty barriers, and the
-  consumers read each k-tile's scales from there (:mod:`.unit_scales`; kernel entry
+* ``unit_scales=True`` (drop v69; the overlapped schedule, not with ``smem_scales``, K/128 a
+  multiple of UNIT_SCALE_KC = 8; beyond OVERLAP_MAX_K_TILES the chunk is then the largest multiple
+  of 8 dividing K/128, up to 16 -- drop v105: DeepSeek-V3's FC1, K 7168, runs chunks of 8 with it
+  and of 14 without; where the even divisor is already a multiple of 8 nothing changes): the TMA
+  warp loads the scales of 8 k-tiles per copy -- a 128-row x 8 box of ``mAScale`` and an 8-wide
+  box of ``mBScale`` per weight block -- into one of two shared-memory buffers with their own full /
+  empty barriers, and the consumers read each k-tile's scales from there (:mod:`.unit_scales`; kernel entry
   ``kernel_unit_scales``). Why: the consumers' global scale loads and the staged scales of v34 / v35
   cost Mixtral's GEMMs 4-6% at the 700 W cap. Same values, same promotion: the same bits.
 * ``deferred_epilogue=True`` (drop v48; the unrolled overlapped schedule, K <= OVERLAP_MAX_K_TILES *
@@ -153,13 +155,16 @@ OVERLAP_MAX_CHUNK = 16
 SCALE_SLOT = 132
 
 
-def overlap_chunk(k_tiles: int) -> int:
+def overlap_chunk(k_tiles: int, multiple: int = 2) -> int:
     """k-tiles per chunk of the overlapped schedule for a k-loop of ``k_tiles``: 0 when it unrolls
-    whole (``k_tiles`` <= OVERLAP_MAX_K_TILES), else the largest even divisor <= OVERLAP_MAX_CHUNK
-    (0 if none: an odd k_tiles cannot run chunked, and unrolls whole as before)."""
+    whole (``k_tiles`` <= OVERLAP_MAX_K_TILES), else the largest divisor <= OVERLAP_MAX_CHUNK that
+    is a multiple of ``multiple`` (0 if none: an odd k_tiles cannot run chunked). ``multiple`` is 2
+    (the schedule's k-tile pairs) or, with ``unit_scales``, UNIT_SCALE_KC (drop v105: its scale
+    chunks must tile the k-loop's chunks)."""
     if k_tiles <= OVERLAP_MAX_K_TILES:
         return 0
-    return next((c for c in range(OVERLAP_MAX_CHUNK, 1, -2) if k_tiles % c == 0), 0)
+    top = OVERLAP_MAX_CHUNK - OVERLAP_MAX_CHUNK % multiple
+    return next((c for c in range(top, 1, -multiple) if k_tiles % c == 0), 0)
 
 
 @dsl_user_op
@@ -407,7 +412,12 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
                 raise ValueError(f"cluster_n={self.cluster_n} needs a multiple of {self.cluster_n} n-tiles, got {n_tiles}")
             self.n_tiles = n_tiles // self.cluster_n
         self.k_tiles = k_size // self.tile_k
-        self.overlap_chunk = overlap_chunk(self.k_tiles) if self.overlap_promotion else 0
+        if cutlass.const_expr(self.unit_scales):  # first: it decides the chunk's multiple (drop v105)
+            reason = unit_scales_reason(self.k_tiles, overlap_chunk(self.k_tiles, UNIT_SCALE_KC))
+            if cutlass.const_expr(reason is not None):
+                raise ValueError(reason)
+        self.overlap_chunk = (overlap_chunk(self.k_tiles, UNIT_SCALE_KC if self.unit_scales else 2)
+                              if self.overlap_promotion else 0)
         if cutlass.const_expr(self.overlap_promotion and self.k_tiles > OVERLAP_MAX_K_TILES
                               and not self.overlap_chunk):
             raise ValueError(f"overlap_promotion: K={k_size} is unrolled up to {OVERLAP_MAX_K_TILES * FP8_BLOCK}, "
@@ -415,10 +425,6 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
         if cutlass.const_expr(self.deferred_epilogue and self.overlap_chunk):
             raise ValueError(f"deferred_epilogue runs on the unrolled overlapped schedule (K <= "
                              f"{OVERLAP_MAX_K_TILES * FP8_BLOCK}), not the chunked one (K={k_size})")
-        if cutlass.const_expr(self.unit_scales):
-            reason = unit_scales_reason(self.k_tiles, self.overlap_chunk)
-            if cutlass.const_expr(reason is not None):
-                raise ValueError(reason)
         self.n_out_divisible = True
         self.num_stages = self._num_stages(num_experts)
 
