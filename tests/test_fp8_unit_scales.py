@@ -19,16 +19,19 @@ from moe_oracle import (fp8_gemm_problem, fp8_layer_inputs, fp8_variants_same_bi
                          layer_outputs_with_switch)
 
 # (activation, N, K, E, the layer's schedule without unit_scales): Qwen3's FC1 (16 k-tiles, unrolled),
-# Mixtral's FC1 (32, unrolled), an FC2 on the chunked schedule (48 k-tiles: chunks of 16) and a
+# Mixtral's FC1 (32, unrolled), an FC2 on the chunked schedule (48 k-tiles: chunks of 16), a
 # DeepSeek-V3-shaped FC1 (K 7168, 56 k-tiles: chunks of 14 without unit_scales, of 8 with them; drop v105)
+# and an Inkling2-shaped FC1 (K 4608, 36 k-tiles in chunks of 12: scales 4 k-tiles per copy; drop v106)
 SHAPES = [
     ("swiglu", 1536, 2048, 128, dict(wide_gated=True, cluster_n=2, smem_scales=True, tanh_sigmoid=True)),
     ("swiglu", 28672, 4096, 8, dict(wide_gated=True, cluster_n=2, tanh_sigmoid=True)),
     ("identity", 1024, 6144, 8, dict(cluster_n=2, smem_scales=True, scale_warp=True)),
     ("swiglu", 1024, 7168, 8, dict(wide_gated=True, cluster_n=2, tanh_sigmoid=True)),
+    ("swiglu", 1024, 4608, 8, dict(wide_gated=True, cluster_n=2, tanh_sigmoid=True)),
 ]
-#: the chunk each SHAPES row runs with unit_scales (0: the whole k-loop unrolled) and without
-CHUNKS = {2048: (0, 0), 4096: (0, 0), 6144: (16, 16), 7168: (8, 14)}
+#: per SHAPES row (by K): the chunk it runs with unit_scales (0: the whole k-loop unrolled), without
+#: them, and the k-tiles whose scales one copy loads
+CHUNKS = {2048: (0, 0, 8), 4096: (0, 0, 8), 6144: (16, 16, 8), 7168: (8, 14, 8), 4608: (12, 12, 4)}
 
 
 def _kernel(act, n, k, experts, kw, unit_scales):
@@ -63,7 +66,7 @@ def test_unit_scales_ptx(act, n, k, experts, kw):
     assert len(re.findall(r"cp\.async\.bulk\.tensor\.3d\.shared::cta\.global", ptx)) > 0
     # the consumers read 4 scales per k-tile from shared memory (the unrolled or chunked k-loop's
     # traced k-tiles), and load none from global memory (a handful of scheduler / row-scale loads remain)
-    assert (kernel.overlap_chunk, base_kernel.overlap_chunk) == CHUNKS[k]
+    assert (kernel.overlap_chunk, base_kernel.overlap_chunk, kernel.unit_kc) == CHUNKS[k]
     traced = kernel.overlap_chunk or k_tiles
     assert len(re.findall(r"ld\.shared\.b32", ptx)) >= (4 if act == "swiglu" else 3) * traced
     assert len(re.findall(r"ld\.global", ptx)) < traced
@@ -86,14 +89,15 @@ def test_unit_scales_refusals():
         CompiledFp8Gemm("identity", 1024, 6144, 8, unit_scales=True)  # the plain schedule
     with pytest.raises(ValueError, match="unit_scales needs overlap_promotion and refuses smem_scales"):
         CompiledFp8Gemm("swiglu", 1536, 2048, 8, overlap_promotion=True, smem_scales=True, unit_scales=True)
-    assert "K/128 = 6 must be a multiple of 8" in unit_scales_reason(6, 0)  # Qwen3's FC2 (K 768)
+    assert "K/128 = 6 must be a multiple of 4" in unit_scales_reason(6, 0)  # Qwen3's FC2 (K 768)
     assert "chunk (10 k-tiles)" in unit_scales_reason(40, 10)
     assert unit_scales_reason(112, 16) is None and unit_scales_reason(16, 0) is None
-    with pytest.raises(Exception, match="multiple of 8"):  # raised while tracing, before any launch
+    assert unit_scales_reason(36, 12) is None and "multiple of 4" in unit_scales_reason(36, 18)  # drop v106
+    with pytest.raises(Exception, match="multiple of 4"):  # raised while tracing, before any launch
         _compile("identity", 2048, 768, 128, dict(cluster_n=2), True)
-    # beyond 32 k-tiles too (Inkling2's FC1, K 4608: 36 k-tiles), named so, not as an odd K/128
-    with pytest.raises(Exception, match="K/128 = 36 must be a multiple of 8"):
-        _compile("swiglu", 1024, 4608, 8, dict(wide_gated=True, cluster_n=2, tanh_sigmoid=True), True)
+    # Inkling2's FC2 (K 2304: 18 k-tiles; its scale rows' 72-byte stride is no TMA stride)
+    with pytest.raises(Exception, match="K/128 = 18 must be a multiple of 4"):
+        _compile("identity", 1024, 2304, 8, dict(cluster_n=2), True)
 
 
 def test_shim_switch_and_keys(monkeypatch):
@@ -114,16 +118,20 @@ def test_shim_switch_and_keys(monkeypatch):
     # never on the plain schedule, the gathering FC1 or a quantiser
     assert not s._key("gemm", "identity", 4096, 14336, 8, True, overlap_promotion=False).unit_scales
     assert not s._key("quantize", "", 0, 4096, 0, False).unit_scales
-    # "auto" keeps the k-loop the layer was timed with: DeepSeek-V3's FC1 (K 7168, chunks of 14
-    # k-tiles) and K 5120 (chunks of 10) keep global scales; K/128 not a multiple of 8 cannot take them
+    # "auto" keeps the k-loop and scale chunks the layer was timed with: DeepSeek-V3's FC1 (K 7168,
+    # chunks of 14 k-tiles), K 5120 (chunks of 10) and Inkling2's FC1 (K 4608: 4 k-tiles' scales per
+    # copy) keep global scales; K/128 not a multiple of 4 cannot take them
     assert not s.use_fp8_unit_scales(7168) and not s.use_fp8_unit_scales(5120)
     assert not s.use_fp8_unit_scales(768) and not s.use_fp8_unit_scales(4608)
     assert (s.fp8_overlap_chunk(7168), s.fp8_overlap_chunk(7168, unit_scales=True)) == (14, 8)
+    assert [s.fp8_unit_scale_kc(k) for k in (4096, 7168, 4608, 2304, 768)] == [8, 8, 4, 0, 0]
+    assert s.fp8_overlap_chunk(4608, unit_scales=True) == 12
     # "1": wherever the kernel can (Qwen3's FC1 too, not its FC2; DeepSeek-V3's FC1 in chunks of 8,
-    # drop v105); "0": never
+    # drop v105; Inkling2's FC1, v106, not its FC2); "0": never
     monkeypatch.setenv("MOE_EP_FP8_UNIT_SCALES", "1")
     assert qwen_fc1().unit_scales and not qwen_fc1().smem_scales and not qwen_fc2().unit_scales
-    assert s.use_fp8_unit_scales(7168) and s.use_fp8_unit_scales(5120) and not s.use_fp8_unit_scales(4608)
+    assert s.use_fp8_unit_scales(7168) and s.use_fp8_unit_scales(5120) and s.use_fp8_unit_scales(4608)
+    assert not s.use_fp8_unit_scales(2304)
     dsv3_fc1 = s._key("gemm", "swiglu", 4096, 7168, 32, False, overlap_promotion=True)
     assert dsv3_fc1.unit_scales and dsv3_fc1.overlap_promotion and dsv3_fc1.cluster_n == 2
     monkeypatch.setenv("MOE_EP_FP8_UNIT_SCALES", "0")

@@ -237,6 +237,7 @@ def test_overlapped_promotion_chunks_and_refusal():
     # where the even divisor already is a multiple of 8 (Mixtral's FC2, 112: 16; 48: 16) it is unchanged
     assert [overlap_chunk(t, 8) for t in (32, 56, 40, 112, 48, 36, 1000)] == [0, 8, 8, 16, 16, 0, 8]
     assert all(overlap_chunk(t, 8) == overlap_chunk(t) for t in range(1, 400) if overlap_chunk(t) % 8 == 0)
+    assert overlap_chunk(36, 4) == 12  # Inkling2's FC1 with scales 4 k-tiles per copy (drop v106)
     with pytest.raises(ValueError, match="K/128 = 35 is odd"):
         compile_variant("identity", 4096, 35 * 128, 8, True, overlap_promotion=True)
 

@@ -69,12 +69,18 @@ def use_fp8_overlap(k: int, wide_gated: bool = False) -> bool:
     return forced if forced is not None else (k >= WIDE_OVERLAP_MIN_K or _smem_scales_wanted(k))
 
 
+def fp8_unit_scale_kc(k: int) -> int:
+    """k-tiles per scale chunk of ``unit_scales`` at reduction size ``k`` (the drop's
+    ``unit_scales.unit_scale_kc``): 8 where 8 divides K/128, else 4 where 4 does (drop v106), else 0."""
+    return _load("sm90_megamoe.unit_scales").unit_scale_kc(k // CONSTANTS.value("sm90_megamoe.fp8_gemm", "FP8_BLOCK"))
+
+
 def fp8_overlap_chunk(k: int, unit_scales: bool = False) -> int:
     """k-tiles per chunk of the chunked overlapped schedule for reduction size ``k`` (the drop's
     ``fp8_gemm.overlap_chunk``): 0 up to OVERLAP_MAX_K_TILES k-tiles (the whole loop unrolls), else
     the largest even divisor of K/128 up to OVERLAP_MAX_CHUNK (0 if none); with ``unit_scales`` the
-    largest such multiple of UNIT_SCALE_KC (drop v105)."""
-    multiple = CONSTANTS.value("sm90_megamoe.unit_scales", "UNIT_SCALE_KC") if unit_scales else 2
+    largest such multiple of the scale chunk (:func:`fp8_unit_scale_kc`; drop v105)."""
+    multiple = max(fp8_unit_scale_kc(k), 2) if unit_scales else 2
     return _load("sm90_megamoe.fp8_gemm").overlap_chunk(
         k // CONSTANTS.value("sm90_megamoe.fp8_gemm", "FP8_BLOCK"), multiple)
 
@@ -267,15 +273,16 @@ def use_fp8_unit_scales(k: int) -> bool:
     """Whether the plain overlapped FP8 GEMM with reduction size ``k`` has its scales loaded by TMA, 8
     k-tiles per copy into double-buffered shared memory (drop v69, ``unit_scales``; the same bits). It
     replaces the consumers' global scale loads and the staged scales (``smem_scales`` / ``scale_warp``).
-    The kernel needs K/128 to be a multiple of UNIT_SCALE_KC; beyond OVERLAP_MAX_K_TILES it then
-    runs the k-loop in chunks that are multiples of UNIT_SCALE_KC (drop v105; before, the chunk was
-    the largest even divisor, and K 5120 / 7168 -- chunks of 10 / 14 -- could not take it).
-    ``MOE_EP_FP8_UNIT_SCALES``: "auto" (default) from K = UNIT_SCALES_MIN_K where the k-loop's own
-    chunks already are such multiples (so no measured schedule changes: DeepSeek-V3's FC1, K 7168,
-    GLM-4.5's and Llama-4's, K 5120, keep global scales in chunks of 14 / 10 until timed), unless one
-    of the staged scales' switches (``MOE_EP_FP8_SMEM_SCALES``, ``MOE_EP_FP8_SCALE_WARP``) is set, so
-    those still select what they did; "1" wherever the kernel can (those FC1s in chunks of 8);
-    "0" never; anything else raises ValueError.
+    The kernel loads the scales of UNIT_SCALE_KC (8) k-tiles per copy, or of 4 where 8 does not divide
+    K/128 (drop v106: Inkling2's FC1, K 4608 = 36 k-tiles), so K/128 must be a multiple of 4; beyond
+    OVERLAP_MAX_K_TILES it then runs the k-loop in chunks that are multiples of that (drop v105;
+    before, the chunk was the largest even divisor, and K 5120 / 7168 -- chunks of 10 / 14 -- could
+    not take it). ``MOE_EP_FP8_UNIT_SCALES``: "auto" (default) from K = UNIT_SCALES_MIN_K where the
+    scales come 8 k-tiles per copy and the k-loop's own chunks already are multiples of 8 (so no
+    measured schedule changes: DeepSeek-V3's FC1, K 7168, GLM-4.5's and Llama-4's, K 5120, and
+    Inkling2's FC1 keep global scales until timed), unless one of the staged scales' switches
+    (``MOE_EP_FP8_SMEM_SCALES``, ``MOE_EP_FP8_SCALE_WARP``) is set, so those still select what they
+    did; "1" wherever the kernel can (those FC1s too); "0" never; anything else raises ValueError.
 
     Twenty-eighth session, H200, drop runner at the 700 W cap (each GEMM back to back for a second,
     three interleaved rounds, bit-identical): Mixtral's FC1 (K 4096) 3.488 ms against 3.657 with
@@ -287,8 +294,9 @@ def use_fp8_unit_scales(k: int) -> bool:
     mode = env_choice("MOE_EP_FP8_UNIT_SCALES", UNIT_SCALES_MODES, "auto")
     kc = CONSTANTS.value("sm90_megamoe.unit_scales", "UNIT_SCALE_KC")
     k_tiles = k // CONSTANTS.value("sm90_megamoe.fp8_gemm", "FP8_BLOCK")
-    possible = k_tiles % kc == 0  # drop v105: the chunk follows (fp8_overlap_chunk(k, unit_scales=True))
-    same_chunks = fp8_overlap_chunk(k) % kc == 0  # the k-loop the layer runs without them
+    possible = fp8_unit_scale_kc(k) > 0  # drop v105 / v106: the chunk follows (fp8_overlap_chunk(k, True))
+    # the scale chunks and the k-loop the layer was timed with: 8 k-tiles per copy, its own chunks
+    same_chunks = k_tiles % kc == 0 and fp8_overlap_chunk(k) % kc == 0
     staged_asked = any(os.environ.get(v) for v in _STAGED_SCALE_SWITCHES)
     return possible and (mode == "1" or (mode == "auto" and k >= UNIT_SCALES_MIN_K and same_chunks
                                          and not staged_asked))

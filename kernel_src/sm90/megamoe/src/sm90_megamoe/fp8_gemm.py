@@ -91,11 +91,12 @@ Design (differences from :mod:`.grouped_gemm`, whose scheduler and smem epilogue
   v34's staged scales slowed the plain schedule down (0.83-0.93x), plausibly because the TMA warp
   stores a stage's scales -- waiting for their loads -- before it may issue the stage's copies.
 * ``unit_scales=True`` (drop v69; the overlapped schedule, not with ``smem_scales``, K/128 a
-  multiple of UNIT_SCALE_KC = 8; beyond OVERLAP_MAX_K_TILES the chunk is then the largest multiple
-  of 8 dividing K/128, up to 16 -- drop v105: DeepSeek-V3's FC1, K 7168, runs chunks of 8 with it
-  and of 14 without; where the even divisor is already a multiple of 8 nothing changes): the TMA
-  warp loads the scales of 8 k-tiles per copy -- a 128-row x 8 box of ``mAScale`` and an 8-wide
-  box of ``mBScale`` per weight block -- into one of two shared-memory buffers with their own full /
+  multiple of UNIT_SCALE_KC = 8, or since drop v106 of 4, whose scales then come 4 k-tiles per copy
+  (``unit_kc``; Inkling2's FC1, K 4608); beyond OVERLAP_MAX_K_TILES the chunk is then the largest
+  multiple of ``unit_kc`` dividing K/128, up to 16 -- drop v105: DeepSeek-V3's FC1, K 7168, runs
+  chunks of 8 with it and of 14 without; where the even divisor is already such a multiple nothing
+  changes): the TMA warp loads the scales of 8 k-tiles per copy -- a 128-row x 8 box of ``mAScale``
+  and an 8-wide box of ``mBScale`` per weight block -- into one of two shared-memory buffers with their own full /
   empty barriers, and the consumers read each k-tile's scales from there (:mod:`.unit_scales`; kernel entry
   ``kernel_unit_scales``). Why: the consumers' global scale loads and the staged scales of v34 / v35
   cost Mixtral's GEMMs 4-6% at the 700 W cap. Same values, same promotion: the same bits.
@@ -141,7 +142,7 @@ from .constants import MAX_EXPERTS
 from .grouped_gemm import (GroupedGemmSm90, check_activation_constants, clamped_swiglu, get_smem_capacity_in_bytes, silu,
                            softcapped_swiglu)
 from .warp_scan import warp_inclusive_scan
-from .unit_scales import UNIT_SCALE_BUF, UNIT_SCALE_BUFS, UNIT_SCALE_KC, UnitScales, unit_scales_reason
+from .unit_scales import UNIT_SCALE_BUF, UNIT_SCALE_BUFS, UnitScales, unit_scale_kc, unit_scales_reason
 
 FP8_BLOCK = 128
 #: k-tiles up to which ``overlap_promotion`` unrolls the whole k-loop (a WGMMA group still in flight
@@ -159,8 +160,8 @@ def overlap_chunk(k_tiles: int, multiple: int = 2) -> int:
     """k-tiles per chunk of the overlapped schedule for a k-loop of ``k_tiles``: 0 when it unrolls
     whole (``k_tiles`` <= OVERLAP_MAX_K_TILES), else the largest divisor <= OVERLAP_MAX_CHUNK that
     is a multiple of ``multiple`` (0 if none: an odd k_tiles cannot run chunked). ``multiple`` is 2
-    (the schedule's k-tile pairs) or, with ``unit_scales``, UNIT_SCALE_KC (drop v105: its scale
-    chunks must tile the k-loop's chunks)."""
+    (the schedule's k-tile pairs) or, with ``unit_scales``, its scale chunk ``unit_kc`` (drop v105:
+    its scale chunks must tile the k-loop's chunks)."""
     if k_tiles <= OVERLAP_MAX_K_TILES:
         return 0
     top = OVERLAP_MAX_CHUNK - OVERLAP_MAX_CHUNK % multiple
@@ -274,7 +275,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
         if unit_scales and (smem_scales or not overlap_promotion):
             raise ValueError("unit_scales is a way of loading the scales of the plain overlapped kernel: it needs "
                              "overlap_promotion and refuses smem_scales")
-        # drop v69: the TMA warp loads the scales of UNIT_SCALE_KC k-tiles per copy (:mod:`.unit_scales`)
+        # drop v69: the TMA warp loads the scales of UNIT_SCALE_KC (v106: or 4) k-tiles per copy (:mod:`.unit_scales`)
         self.unit_scales = bool(unit_scales)
         if deferred_epilogue and not self.overlap_promotion:
             raise ValueError("deferred_epilogue needs overlap_promotion")
@@ -412,11 +413,13 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
                 raise ValueError(f"cluster_n={self.cluster_n} needs a multiple of {self.cluster_n} n-tiles, got {n_tiles}")
             self.n_tiles = n_tiles // self.cluster_n
         self.k_tiles = k_size // self.tile_k
+        # unit_scales: k-tiles per scale chunk (8, or 4 where 8 does not divide K/128: drop v106)
+        self.unit_kc = unit_scale_kc(self.k_tiles) if self.unit_scales else 0
         if cutlass.const_expr(self.unit_scales):  # first: it decides the chunk's multiple (drop v105)
-            reason = unit_scales_reason(self.k_tiles, overlap_chunk(self.k_tiles, UNIT_SCALE_KC))
+            reason = unit_scales_reason(self.k_tiles, overlap_chunk(self.k_tiles, max(self.unit_kc, 2)))
             if cutlass.const_expr(reason is not None):
                 raise ValueError(reason)
-        self.overlap_chunk = (overlap_chunk(self.k_tiles, UNIT_SCALE_KC if self.unit_scales else 2)
+        self.overlap_chunk = (overlap_chunk(self.k_tiles, self.unit_kc if self.unit_scales else 2)
                               if self.overlap_promotion else 0)
         if cutlass.const_expr(self.overlap_promotion and self.k_tiles > OVERLAP_MAX_K_TILES
                               and not self.overlap_chunk):
@@ -613,10 +616,10 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
                     tBsB_p, tBgBs = self._b_views(tma_atom_b, mB_tma, tBsB, n0, expert, cta_rank)
                     for k_tile in range(k_tiles):
                         if cutlass.const_expr(self.unit_scales):  # a chunk's scales, before its first stage
-                            if k_tile % UNIT_SCALE_KC == 0:
+                            if k_tile % self.unit_kc == 0:
                                 self._load_unit_scales(us, us_bar,
-                                                       us_unit * (k_tiles // UNIT_SCALE_KC)
-                                                       + k_tile // UNIT_SCALE_KC, row0, expert, n0, lane)
+                                                       us_unit * (k_tiles // self.unit_kc)
+                                                       + k_tile // self.unit_kc, row0, expert, n0, lane)
                         if cutlass.const_expr(self.smem_scales and not self.scale_warp):
                             self._stage_scales(ab_pipeline, prod_state, mAScale, mBScale, sScale, sc_rows,
                                                expert, n0, k_tile, lane)
@@ -717,7 +720,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
                 sc = (mAScale, mBScale, ra_lo, ra_hi, expert, n0, sScale, r_lo, r_hi)  # for _scales
                 usc = None  # unit_scales: (chunk buffers, barriers, the unit's first chunk)
                 if cutlass.const_expr(self.unit_scales):
-                    usc = (us[4], us_bar, us_unit * (k_tiles // UNIT_SCALE_KC))
+                    usc = (us[4], us_bar, us_unit * (k_tiles // self.unit_kc))
                 if cutlass.const_expr(not self.deferred_epilogue):
                     for h in cutlass.range_constexpr(self.n_mma):
                         accs[h].fill(0.0)
@@ -982,8 +985,8 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
             return None
         sUS, us_bar, c0 = usc
         if chunk is not None:
-            c0 = c0 + chunk * (chunk_k_tiles // UNIT_SCALE_KC)
-        return sUS, us_bar, c0 + t // UNIT_SCALE_KC, t % UNIT_SCALE_KC
+            c0 = c0 + chunk * (chunk_k_tiles // self.unit_kc)
+        return sUS, us_bar, c0 + t // self.unit_kc, t % self.unit_kc
 
     def _scales(self, sc, state, behind: bool, k_tile, us=None):
         """(a_scale of the thread's two rows, b_scale of each accumulator) of one k-tile. ``sc``:

@@ -73,9 +73,9 @@ class CompiledFp8Gemm:
     ``tanh_sigmoid`` (drop v50; swiglu; v51: every variant, so they keep one another's bits): sigmoid as
     0.5 + 0.5 tanh.approx(g / 2), one MUFU op per output instead of two (not the same bits as without:
     tanh.approx's relative error is ~2^-11);
-    ``unit_scales`` (drop v69; overlap_promotion, the plain kernel, K/128 a multiple of 8): the TMA warp
-    loads the scales of 8 k-tiles per TMA copy into double-buffered shared memory
-    (:mod:`.unit_scales`; same bits);
+    ``unit_scales`` (drop v69; overlap_promotion, the plain kernel, K/128 a multiple of 8, or of 4
+    since drop v106): the TMA warp loads the scales of 8 (or 4) k-tiles per TMA copy into
+    double-buffered shared memory (:mod:`.unit_scales`; same bits);
     ``place_a`` (drop v92; not with scale_warp): the kernel copies its own A rows and scales while it
     runs (:class:`~.fp8_gemm_place.Fp8PlaceGroupedGemmSm90`) -- row r of A from e4m3 row
     ``x[idx[r]]``, its scales from ``x_scale[idx[r]]``: a call passes ``x``, ``idx``, ``sync`` and

@@ -1,6 +1,6 @@
 """FP8 block-scaled grouped GEMM: compile checks (any machine) and correctness + timing (H200).
 
-    python -m sm90_megamoe.fp8_runner [--model qwen3|mixtral|dsv3_shard] [--routing uniform|skewed] [--reps 20]
+    python -m sm90_megamoe.fp8_runner [--model qwen3|mixtral|dsv3_shard|inkling2_shard] [--routing uniform|skewed] [--reps 20]
                                       [--raster-m 1,4,16]   # time each raster (first one checked)
                                       [--overlap]           # + the overlapped-promotion schedule
                                                             #   (K > 4096: in chunks, v25)
@@ -30,7 +30,8 @@ Per model, FC1 (swiglu, w13 [E, 2I, H]) and FC2 (identity + router row scale, w2
   (NaN-poisoned) on uniform and skewed routing and on 1, 37 and 300 rows, then both timed at the
   power cap (each back to back for a second before 60 timed launches), interleaved, 3 rounds
   (``--model dsv3_shard``: DeepSeek-V3's FC1, K 7168, whose layer keeps global scales in chunks of 14
-  k-tiles, against unit_scales in chunks of 8 -- drop v105);
+  k-tiles, against unit_scales in chunks of 8 -- drop v105; ``--model inkling2_shard``: its FC1, K
+  4608, against unit_scales 4 k-tiles per copy -- drop v106);
 
 Drop v84 removed ``--requant`` and ``--fused-quant`` (their kernels), the scale warp's look-ahead and
 clusters of 4, v87 ``--gather`` (the gathering FP8 FC1), v89 ``--chunk-k-tiles`` (v82's shorter
@@ -61,6 +62,9 @@ MODELS = {  # hidden H, intermediate I, experts E, top-k, tokens
     "mixtral": (4096, 14336, 8, 2, 8192),
     # drop v105: DeepSeek-V3's local shard (32 of 256 experts); its FC1 (K 7168) takes unit_scales in chunks of 8
     "dsv3_shard": (7168, 2048, 32, 8, 8192),
+    # drop v106: Inkling2's local shard (48 of 384 experts; timed here with SwiGLU, its mainloop's
+    # activation aside); its FC1 (K 4608, 36 k-tiles) takes unit_scales 4 k-tiles per copy
+    "inkling2_shard": (4608, 2304, 48, 8, 8192),
 }
 
 
@@ -535,14 +539,15 @@ def check_deferred_epilogue(model: str, routing: str, reps: int) -> bool:
 def _layer_kw(act: str, k: int) -> dict:
     """The schedule the layer runs for a GEMM (the shim's defaults since drop v69): overlapped, wide
     gated (FC1), clusters of 2, the tanh sigmoid; scales by TMA from K 4096 (``unit_scales``) where
-    the k-loop's own chunks are multiples of 8 k-tiles (not DeepSeek-V3's FC1, K 7168: chunks of 14;
-    global scales there), staged in shared memory up to K 2048; the deferred epilogue up to K 1024."""
-    from .unit_scales import unit_scales_reason
+    8 divides K/128 and the k-loop's own chunks (not DeepSeek-V3's FC1, K 7168: chunks of 14, nor
+    Inkling2's, K 4608 = 36 k-tiles; global scales there), staged in shared memory up to K 2048; the deferred epilogue up to K 1024."""
+    from .unit_scales import UNIT_SCALE_KC
 
     kw = dict(raster_m=max(1, min(16, (24 << 20) // (128 * k))), overlap_promotion=True,
               wide_gated=act == "swiglu", cluster_n=2, tanh_sigmoid=act == "swiglu")
     if k >= 4096:
-        if unit_scales_reason(k // FP8_BLOCK, overlap_chunk(k // FP8_BLOCK)) is None:
+        kt = k // FP8_BLOCK
+        if kt % UNIT_SCALE_KC == 0 and overlap_chunk(kt) % UNIT_SCALE_KC == 0:
             kw.update(unit_scales=True)
         elif act == "identity":
             kw.update(smem_scales=True, scale_warp=True)
@@ -600,11 +605,12 @@ def compare_to_layer(model: str, tag: str, pair, reps: int = 60) -> bool:
 
 def check_unit_scales(model: str, reps: int = 60) -> bool:
     """Drop v69: ``unit_scales`` against the schedule the layer ran before it (staged scales where it
-    staged them) on each GEMM whose K/128 is a multiple of 8 (module docstring)."""
-    from .unit_scales import UNIT_SCALE_KC, unit_scales_reason
+    staged them) on each GEMM whose K/128 is a multiple of 8 (of 4 since drop v106; module docstring)."""
+    from .unit_scales import unit_scale_kc, unit_scales_reason
 
     def pair(act, k):
-        why = unit_scales_reason(k // FP8_BLOCK, overlap_chunk(k // FP8_BLOCK, UNIT_SCALE_KC))
+        kt = k // FP8_BLOCK
+        why = unit_scales_reason(kt, overlap_chunk(kt, max(unit_scale_kc(kt), 2)))
         if why is not None:
             return why
         kw = {x: v for x, v in _layer_kw(act, k).items() if x not in ("unit_scales", "smem_scales", "deferred_epilogue")}

@@ -25,14 +25,15 @@ The operands' layouts stay the same, so every kernel that writes scales writes t
 of the box past the expert's end belong to the next expert. Rows past M_total are zero-filled by the
 TMA unit. Either way the promotion of those accumulator rows is never stored; the default path
 clamps such rows to the expert's last row instead. TMA needs 16-byte global strides: K/128 must be
-a multiple of 4. The chunk needs 8 k-tiles. So K/128 must be a multiple of UNIT_SCALE_KC (Qwen3's
-FC2, K 768 = 6 k-tiles, cannot).
+a multiple of 4. A chunk holds UNIT_SCALE_KC = 8 k-tiles where 8 divides K/128, else (drop v106)
+UNIT_SCALE_KC_SMALL = 4 (Inkling2's FC1, K 4608 = 36 k-tiles: 16-byte boxes, the same buffers). So K/128
+must be a multiple of 4 (Qwen3's FC2, K 768 = 6 k-tiles, and Inkling2's FC2, 18, cannot).
 
 Why no deadlock: a chunk's copies wait only for consumers to finish k-tiles that are already in the
 pipeline (the chunk two back), never for later loads.
 
-The host class provides ``tile_m``, ``k_tiles``, ``num_b``, ``n_out``, ``tile_threads`` and
-``overlap_chunk``.
+The host class provides ``tile_m``, ``k_tiles``, ``num_b``, ``n_out``, ``tile_threads``,
+``overlap_chunk`` and ``unit_kc`` (:func:`unit_scale_kc` of ``k_tiles``).
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ from cutlass.cute.nvgpu import cpasync
 
 #: k-tiles whose scales one chunk loads (a divisor of K/128; 8 x 128 rows x 4 B = 4 KB of A scales)
 UNIT_SCALE_KC = 8
+#: drop v106: where K/128 is a multiple of 4 but not of 8 (Inkling2's FC1, K 4608: 36 k-tiles), a chunk
+#: loads 4 k-tiles' scales (TMA's 16-byte boxes and global strides still hold); the buffers keep their size
+UNIT_SCALE_KC_SMALL = 4
 #: float32 slots per buffer: the A box (128 x KC), then one 128-byte-aligned slot of KC weight-block
 #: scales per weight block (gate, up)
 UNIT_SCALE_B_SLOT = 32
@@ -51,14 +55,21 @@ UNIT_SCALE_BUF = 128 * UNIT_SCALE_KC + 2 * UNIT_SCALE_B_SLOT
 UNIT_SCALE_BUFS = 2
 
 
+def unit_scale_kc(k_tiles: int) -> int:
+    """k-tiles per scale chunk of a k-loop of ``k_tiles``: UNIT_SCALE_KC where it divides K/128, else
+    UNIT_SCALE_KC_SMALL where that does (drop v106), else 0 (``unit_scales`` cannot run)."""
+    return next((kc for kc in (UNIT_SCALE_KC, UNIT_SCALE_KC_SMALL) if k_tiles % kc == 0), 0)
+
+
 def unit_scales_reason(k_tiles: int, overlap_chunk: int) -> "str | None":
     """None if ``unit_scales`` can run a k-loop of ``k_tiles`` (chunked schedule: ``overlap_chunk``
     k-tiles per traced chunk, 0 when unrolled), else why not."""
-    if k_tiles % UNIT_SCALE_KC != 0:
-        return (f"unit_scales loads the scales of {UNIT_SCALE_KC} k-tiles per TMA copy: K/128 = {k_tiles} "
-                f"must be a multiple of {UNIT_SCALE_KC}")
-    if overlap_chunk and overlap_chunk % UNIT_SCALE_KC != 0:
-        return f"unit_scales needs the chunked schedule's chunk ({overlap_chunk} k-tiles) to be a multiple of {UNIT_SCALE_KC}"
+    kc = unit_scale_kc(k_tiles)
+    if not kc:
+        return (f"unit_scales loads the scales of {UNIT_SCALE_KC} (or {UNIT_SCALE_KC_SMALL}) k-tiles per TMA "
+                f"copy: K/128 = {k_tiles} must be a multiple of {UNIT_SCALE_KC_SMALL}")
+    if overlap_chunk and overlap_chunk % kc != 0:
+        return f"unit_scales needs the chunked schedule's chunk ({overlap_chunk} k-tiles) to be a multiple of {kc}"
     return None
 
 
@@ -69,7 +80,7 @@ class UnitScales:
         """Host (traced): ``(atom_as, tma_as, atom_bs, tma_bs)``. A scales: boxes of 128 rows x KC
         k-tiles of ``mAScale`` [M, K/128]. Weight-block scales: boxes of 1 x KC of
         ``mBScale`` viewed as [N/128, K/128, E]."""
-        kc = UNIT_SCALE_KC
+        kc = self.unit_kc
         atom_as, tma_as = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mAScale,
             cute.make_layout((self.tile_m, kc), stride=(kc, 1)), (self.tile_m, kc))
@@ -80,7 +91,7 @@ class UnitScales:
 
     def _unit_scale_bytes(self) -> int:
         """Bytes one chunk's copies bring (the "full" barrier's transaction count)."""
-        return (self.tile_m + self.num_b) * UNIT_SCALE_KC * 4
+        return (self.tile_m + self.num_b) * self.unit_kc * 4
 
     @cute.jit
     def _load_unit_scales(self, us, us_bar, chunk, row0, expert, n0, lane):
@@ -88,7 +99,7 @@ class UnitScales:
         the buffer (chunk - 2's), arm its "full" barrier with the chunk's bytes and issue the copies.
         ``us`` = ``(atom_as, tma_as, atom_bs, tma_bs, sUS)``; ``chunk`` counts this CTA's chunks."""
         atom_as, tma_as, atom_bs, tma_bs, sUS = us
-        kc = UNIT_SCALE_KC
+        kc = self.unit_kc
         buf = chunk % UNIT_SCALE_BUFS
         k_chunk = chunk % (self.k_tiles // kc)  # the chunk's place in its unit
         cute.arch.mbarrier_wait(us_bar + UNIT_SCALE_BUFS + buf, ((chunk // UNIT_SCALE_BUFS) % 2) ^ 1)
@@ -115,7 +126,7 @@ class UnitScales:
         """Consumer thread: ``(a_scale[r_lo], a_scale[r_hi], b_scale gate, b_scale up)`` of k-tile
         ``j`` of chunk ``chunk`` (this CTA's count). Waits for the chunk's copies at j = 0 and
         arrives on the buffer's "empty" barrier after j = KC - 1 (release: the reads come first)."""
-        kc = UNIT_SCALE_KC
+        kc = self.unit_kc
         buf = chunk % UNIT_SCALE_BUFS
         if cutlass.const_expr(j == 0):
             cute.arch.mbarrier_wait(us_bar + buf, (chunk // UNIT_SCALE_BUFS) % 2)
