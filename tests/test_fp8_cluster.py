@@ -82,13 +82,14 @@ def test_shim_switch_and_key(monkeypatch):
     from moe_ep.shim.drops import sm90_megamoe_fp8 as s
 
     # default: clusters from K = 4096 (Mixtral's FC1 and FC2) and where the scales are staged in
-    # smem (K <= 2048: Qwen3), single CTAs in between
+    # smem (K <= 2048: Qwen3; the non-gated FC2 at every K since the fifty-first session), single
+    # CTAs in between for the gated FC1
     monkeypatch.delenv("MOE_EP_FP8_CLUSTER", raising=False)
     monkeypatch.delenv("MOE_EP_FP8_SMEM_SCALES", raising=False)
     assert s.CLUSTER_MIN_K == 4096 and s.SMEM_SCALES_MAX_K == 2048
     assert s.use_fp8_cluster("swiglu", 28672, 4096) == s.use_fp8_cluster("identity", 4096, 14336) == 2
     assert s.use_fp8_cluster("swiglu", 1536, 2048) == s.use_fp8_cluster("identity", 2048, 768) == 2
-    assert s.use_fp8_cluster("identity", 2048, 2560) == 1
+    assert s.use_fp8_cluster("swiglu", 2048, 2560) == 1 and s.use_fp8_cluster("identity", 2048, 2560) == 2
     assert s._key("gemm", "swiglu", 1536, 2048, 128, False).cluster_n == 2
     assert s._key("gemm", "identity", 4096, 14336, 8, True).cluster_n == 2
     assert s.use_fp8_cluster("identity", 384, 8192) == 1    # 3 n-tiles: no pairs

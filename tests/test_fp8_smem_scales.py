@@ -213,6 +213,7 @@ def test_shim_fp8_raster_switch(monkeypatch):
     ("identity", 1024, 8192, dict(cluster_n=2), 3000),                             # long K, plain schedule
     ("identity", 512, 8192, dict(overlap_promotion=True), 1000),                   # chunked overlapped schedule
     ("identity", 1024, 14336, dict(overlap_promotion=True, cluster_n=2), 1500),    # Mixtral's FC2 schedule
+    ("identity", 1024, 2304, dict(overlap_promotion=True, cluster_n=2), 3000),     # Inkling2's FC2 (51st)
     ("identity", 1024, 1024, dict(), 1),                                           # one row
 ])
 def test_gpu_smem_scales_is_bit_identical(act, n, k, kw, m_total, routing):

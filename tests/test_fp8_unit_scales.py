@@ -118,11 +118,17 @@ def test_shim_switch_and_keys(monkeypatch):
     # never on the plain schedule, the gathering FC1 or a quantiser
     assert not s._key("gemm", "identity", 4096, 14336, 8, True, overlap_promotion=False).unit_scales
     assert not s._key("quantize", "", 0, 4096, 0, False).unit_scales
-    # "auto" keeps the k-loop and scale chunks the layer was timed with: DeepSeek-V3's FC1 (K 7168,
-    # chunks of 14 k-tiles), K 5120 (chunks of 10) and Inkling2's FC1 (K 4608: 4 k-tiles' scales per
-    # copy) keep global scales; K/128 not a multiple of 4 cannot take them
-    assert not s.use_fp8_unit_scales(7168) and not s.use_fp8_unit_scales(5120)
-    assert not s.use_fp8_unit_scales(768) and not s.use_fp8_unit_scales(4608)
+    # "auto" (fifty-first session): from K 4096 wherever the kernel can -- DeepSeek-V3's FC1 (K 7168,
+    # chunks of 8 k-tiles, 14 without), K 5120 (8, 10 without) and Inkling2's FC1 (K 4608: 4 k-tiles'
+    # scales per copy); below K 4096 never, and K/128 not a multiple of 4 cannot take them
+    assert s.use_fp8_unit_scales(7168) and s.use_fp8_unit_scales(5120) and s.use_fp8_unit_scales(4608)
+    assert not s.use_fp8_unit_scales(768) and not s.use_fp8_unit_scales(2048)
+    assert not s.use_fp8_unit_scales(4096 + 2 * 128)  # 34 k-tiles
+    dsv3_fc1 = s._key("gemm", "swiglu", 4096, 7168, 32, False, overlap_promotion=True)
+    assert dsv3_fc1.unit_scales and not dsv3_fc1.smem_scales and dsv3_fc1.cluster_n == 2
+    # Inkling2's FC2 (K 2304, 18 k-tiles) cannot: it stages its scales (non-gated: at every K)
+    ink_fc2 = s._key("gemm", "identity", 4608, 2304, 48, True, overlap_promotion=True)
+    assert not ink_fc2.unit_scales and ink_fc2.smem_scales and not ink_fc2.scale_warp and ink_fc2.cluster_n == 2
     assert (s.fp8_overlap_chunk(7168), s.fp8_overlap_chunk(7168, unit_scales=True)) == (14, 8)
     assert [s.fp8_unit_scale_kc(k) for k in (4096, 7168, 4608, 2304, 768)] == [8, 8, 4, 0, 0]
     assert s.fp8_overlap_chunk(4608, unit_scales=True) == 12
@@ -184,6 +190,9 @@ def test_unit_scales_bit_identical(act, n, k, experts, kw, m, routing):
     (dict(num_experts=8, hidden=1024, intermediate=6144, top_k=2), ("0", "auto"), False, True),
     # Qwen3's: only FC1 can (K 2048), and only when forced
     (dict(num_experts=128, hidden=2048, intermediate=768, top_k=8), ("0", "1"), True, False),
+    # an Inkling2-like layer (fifty-first session): FC1 (K 4608, 4 k-tiles' scales per copy) takes it
+    # by default, its FC2 (K 2304) cannot
+    (dict(num_experts=8, hidden=4608, intermediate=2304, top_k=2), ("0", "auto"), True, False),
 ])
 def test_layer_with_unit_scales_is_bit_identical(monkeypatch, T, shape, values, fc1_on, fc2_on):
     """The FP8 layer with and without unit_scales: the same bits, eager and under a CUDA graph."""

@@ -117,12 +117,15 @@ SMEM_SCALES_MAX_K = 2048
 
 def _smem_scales_wanted(k: int, activation: str = "swiglu") -> bool:
     """``MOE_EP_FP8_SMEM_SCALES=1`` / ``0``: staged scales at any K / never; unset: K <= SMEM_SCALES_MAX_K,
-    or the non-gated GEMM (FC2) from K = CLUSTER_MIN_K, where it runs in clusters anyway -- with the
-    scale warp (:func:`use_fp8_scale_warp`). (K between the two keeps global scales: not measured.)"""
+    or the non-gated GEMM (FC2) at any K (from K = CLUSTER_MIN_K, where it runs in clusters anyway, with
+    the scale warp: :func:`use_fp8_scale_warp`; where its scales come by TMA, :func:`use_fp8_unit_scales`,
+    those win). The gated GEMM above SMEM_SCALES_MAX_K keeps global scales unless they come by TMA."""
     forced = env_forced("MOE_EP_FP8_SMEM_SCALES")
     if forced is not None:
         return forced
-    return k <= SMEM_SCALES_MAX_K or (activation == "identity" and k >= CLUSTER_MIN_K)
+    # fifty-first session: the non-gated GEMM stages them at every K (Inkling2's FC2, K 2304, had
+    # global scales and spilled: its FP8 layer 3-5% faster per call and back to back with them staged)
+    return k <= SMEM_SCALES_MAX_K or activation == "identity"
 
 
 def use_fp8_smem_scales(overlap_promotion: bool, k: int, activation: str = "swiglu") -> bool:
@@ -277,12 +280,17 @@ def use_fp8_unit_scales(k: int) -> bool:
     K/128 (drop v106: Inkling2's FC1, K 4608 = 36 k-tiles), so K/128 must be a multiple of 4; beyond
     OVERLAP_MAX_K_TILES it then runs the k-loop in chunks that are multiples of that (drop v105;
     before, the chunk was the largest even divisor, and K 5120 / 7168 -- chunks of 10 / 14 -- could
-    not take it). ``MOE_EP_FP8_UNIT_SCALES``: "auto" (default) from K = UNIT_SCALES_MIN_K where the
-    scales come 8 k-tiles per copy and the k-loop's own chunks already are multiples of 8 (so no
-    measured schedule changes: DeepSeek-V3's FC1, K 7168, GLM-4.5's and Llama-4's, K 5120, and
-    Inkling2's FC1 keep global scales until timed), unless one of the staged scales' switches
+    not take it). ``MOE_EP_FP8_UNIT_SCALES``: "auto" (default) wherever the kernel can from K =
+    UNIT_SCALES_MIN_K (since the fifty-first session also DeepSeek-V3's / Kimi-K2's FC1, K 7168,
+    K 5120's and Inkling2's FC1, K 4608, timed below), unless one of the staged scales' switches
     (``MOE_EP_FP8_SMEM_SCALES``, ``MOE_EP_FP8_SCALE_WARP``) is set, so those still select what they
-    did; "1" wherever the kernel can (those FC1s too); "0" never; anything else raises ValueError.
+    did; "1" wherever the kernel can (shorter K too); "0" never; anything else raises ValueError.
+
+    Fifty-first session, H100 (no H200 came), the FP8 layer at 8192 tokens, two interleaved rounds,
+    per call / back to back / CUDA graph TFLOP/s with "1" against the v106 defaults (global scales on
+    those FC1s): DeepSeek-V3 shard 992.7, 958.7 / 949.2, 957.0 / 933.0, 968.5 against 926.6, 936.0 /
+    890.5, 893.5 / 896.6, 908.5; Inkling2 shard 873.2, 900.5 / 877.4, 879.9 / 817.8, 783.8 against
+    814.6, 815.7 / 810.9, 814.0 / 788.5, 790.0. K 5120 takes it untimed, by the same schedule.
 
     Twenty-eighth session, H200, drop runner at the 700 W cap (each GEMM back to back for a second,
     three interleaved rounds, bit-identical): Mixtral's FC1 (K 4096) 3.488 ms against 3.657 with
@@ -292,14 +300,9 @@ def use_fp8_unit_scales(k: int) -> bool:
     Mixtral 999-1027 / 1025-1028 / 1024-1027 against 949-978 / 995-997 / 1001-1005; Qwen3 (FC1 only)
     549-569 / 668-673 / 676-701 against 554-562 / 674-684 / 712-728 -- slower, hence "auto"."""
     mode = env_choice("MOE_EP_FP8_UNIT_SCALES", UNIT_SCALES_MODES, "auto")
-    kc = CONSTANTS.value("sm90_megamoe.unit_scales", "UNIT_SCALE_KC")
-    k_tiles = k // CONSTANTS.value("sm90_megamoe.fp8_gemm", "FP8_BLOCK")
     possible = fp8_unit_scale_kc(k) > 0  # drop v105 / v106: the chunk follows (fp8_overlap_chunk(k, True))
-    # the scale chunks and the k-loop the layer was timed with: 8 k-tiles per copy, its own chunks
-    same_chunks = k_tiles % kc == 0 and fp8_overlap_chunk(k) % kc == 0
     staged_asked = any(os.environ.get(v) for v in _STAGED_SCALE_SWITCHES)
-    return possible and (mode == "1" or (mode == "auto" and k >= UNIT_SCALES_MIN_K and same_chunks
-                                         and not staged_asked))
+    return possible and (mode == "1" or (mode == "auto" and k >= UNIT_SCALES_MIN_K and not staged_asked))
 
 
 def use_fp8_quant_items() -> int:
