@@ -17,11 +17,9 @@ build --model qwen3,mixtral,dsv4_shard,inkling2_shard,dsv3_shard --quant fp8_blo
 # the queued switches (their GEMMs only; everything else is the defaults' above)
 MOE_EP_GATHER_FC1=1 build --model qwen3,mixtral --kernels fc1
 MOE_EP_FP8_PLACE_FC1=copy build --model qwen3,mixtral --quant fp8_block128 --kernels fc1
-# 50th session's questions: DeepSeek-V3's FP8 FC1 (K 7168) with scales by TMA in chunks of 8 (drop v105)
-# and Inkling2's (K 4608) 4 k-tiles' scales per copy (v106); Inkling2's FP8 GEMMs (K 4608 / 2304,
-# global scales by default) with staged scales
-MOE_EP_FP8_UNIT_SCALES=1 build --model dsv3_shard,inkling2_shard --quant fp8_block128 --kernels fc1
-MOE_EP_FP8_SMEM_SCALES=1 build --model inkling2_shard --quant fp8_block128 --kernels fc1,fc2
+# 51st session's question: Inkling2's FP8 layer under CUDA graphs with PDL off (every kernel: another
+# cache directory, sm_90a instead of sm_90a-pdl)
+SM90_MEGAMOE_PDL=0 build --model inkling2_shard --quant fp8_block128
 # h200_session.sh gemmab (42nd session's question): Mixtral's and Qwen3's BF16 GEMMs in clusters along M, and
 # Mixtral's at L2 raster groups of 8 and 16 m-tiles (`bench gemm --raster-m 8,16`, `ncu_gemm --raster-m`)
 MOE_EP_BF16_CLUSTER=1 build --model mixtral,qwen3 --kernels fc1,fc2
