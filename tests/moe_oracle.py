@@ -336,6 +336,20 @@ def qwen3_pingpong_switch_outputs(monkeypatch, switch: str, attr: str, T: int, s
     return layer_outputs_with_switch(monkeypatch, switch, cfg, "sm90_bf16_cutedsl", inputs, check)
 
 
+_KERNELS: dict = {}
+
+
+def kernel_once(cls, *args, **kwargs):
+    """``cls(*args, **kwargs)`` -- a drop's launcher (``CompiledFp8Gemm``, ``Fp8GroupedGemm``,
+    ``CompiledGroupedGemm``) -- built once per test process for the same arguments. A launcher keeps
+    no state between launches, so tests that differ only in routing or M share one compile (each FP8
+    compile takes seconds on the GPU host; group 9 of the suite compiled ~130 kernels, 420 s)."""
+    key = (cls.__module__, cls.__qualname__, args, tuple(sorted(kwargs.items())))
+    if key not in _KERNELS:
+        _KERNELS[key] = cls(*args, **kwargs)
+    return _KERNELS[key]
+
+
 def fp8_variants_same_bits(fns, problem) -> None:
     """Run FP8 grouped GEMM launchers (``CompiledFp8Gemm``, the first the baseline) on ``problem`` (the
     CPU tuple :func:`fp8_gemm_problem` gives, moved to the GPU), each into its own NaN-poisoned bf16

@@ -17,7 +17,7 @@ from moe_ep.shim import drop_src, register_drop  # noqa: E402
 register_drop(drop_src("sm90", "megamoe"))
 
 from sm90_megamoe.grouped_gemm import GroupedGemmSm90  # noqa: E402
-from moe_oracle import require_sm90  # noqa: E402
+from moe_oracle import kernel_once, require_sm90  # noqa: E402
 
 
 # ---------------------------------------------------------------------------- compile (CPU)
@@ -199,8 +199,8 @@ def _check_cluster_bits(act, n, k, E, a, b, offs, rs, bias, schedule, tile_n=Non
     n_out = n // 2 if act != "identity" else n
     outs = []
     for c in (1, 2):
-        fn = CompiledGroupedGemm(act, n, k, E, rs is not None, raster_m=16, schedule=schedule, cluster_m=c,
-                                 tile_n=tile_n, bias_dtype=None if bias is None else "float32")
+        fn = kernel_once(CompiledGroupedGemm, act, n, k, E, rs is not None, raster_m=16, schedule=schedule,
+                         cluster_m=c, tile_n=tile_n, bias_dtype=None if bias is None else "float32")
         out = torch.full((a.shape[0], n_out), float("nan"), dtype=torch.bfloat16, device="cuda")
         fn(a, b, offs, out=out, row_scale=rs, bias=bias)
         outs.append(out)

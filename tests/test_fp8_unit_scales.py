@@ -16,7 +16,7 @@ from moe_ep.shim import drop_src, register_drop  # noqa: E402
 register_drop(drop_src("sm90", "megamoe"))
 
 from moe_oracle import (fp8_gemm_problem, fp8_layer_inputs, fp8_variants_same_bits,  # noqa: E402
-                         layer_outputs_with_switch)
+                         kernel_once, layer_outputs_with_switch)
 
 # (activation, N, K, E, the layer's schedule without unit_scales): Qwen3's FC1 (16 k-tiles, unrolled),
 # Mixtral's FC1 (32, unrolled), an FC2 on the chunked schedule (48 k-tiles: chunks of 16), a
@@ -177,9 +177,10 @@ def test_unit_scales_bit_identical(act, n, k, experts, kw, m, routing):
     from sm90_megamoe.fp8_launch import CompiledFp8Gemm
 
     sr = act == "identity"
-    base = CompiledFp8Gemm(act, n, k, experts, sr, raster_m=16, overlap_promotion=True, **kw)
+    base = kernel_once(CompiledFp8Gemm, act, n, k, experts, sr, raster_m=16, overlap_promotion=True, **kw)
     unit_kw = {key: v for key, v in kw.items() if key not in ("smem_scales", "scale_warp")}
-    unit = CompiledFp8Gemm(act, n, k, experts, sr, raster_m=16, overlap_promotion=True, unit_scales=True, **unit_kw)
+    unit = kernel_once(CompiledFp8Gemm, act, n, k, experts, sr, raster_m=16, overlap_promotion=True,
+                       unit_scales=True, **unit_kw)
     fp8_variants_same_bits([base, unit], fp8_gemm_problem(m, n, k, experts, routing, 300 + m, sr))
 
 
