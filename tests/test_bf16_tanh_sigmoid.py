@@ -20,17 +20,13 @@ register_drop(drop_src("sm90", "megamoe"))
 QWEN_FC1 = (1536, 2048, 128)  # n = 2 I, k = H, E
 
 
-_KERNELS = {}
-
-
 def _kernel(**kw):
     """A compiled BF16 swiglu GEMM at Qwen3's FC1 shape with 16 experts, compiled once per variant."""
     from sm90_megamoe.launch import CompiledGroupedGemm
 
-    key = tuple(sorted(kw.items()))
-    if key not in _KERNELS:
-        _KERNELS[key] = CompiledGroupedGemm("swiglu", 1536, 2048, 16, False, raster_m=16, **kw)
-    return _KERNELS[key]
+    from moe_oracle import kernel_once
+
+    return kernel_once(CompiledGroupedGemm, "swiglu", 1536, 2048, 16, False, raster_m=16, **kw)
 
 
 def _sm90():
