@@ -59,7 +59,7 @@ from .sm90_megamoe_switches import (  # noqa: F401  (re-exported: the shim reads
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 106},
+    "sm90_megamoe": {"DROP_VERSION": 107},
     "sm90_megamoe.placing_producer": {"PLACE_SYNC_TAIL": 4},
     "sm90_megamoe.fp8_gemm": {"FP8_BLOCK": 128, "OVERLAP_MAX_K_TILES": 32, "OVERLAP_MAX_CHUNK": 16,
                               "FP8_ACTIVATIONS": ("identity", "swiglu", "clamped_swiglu", "softcapped_swiglu"),
@@ -160,7 +160,7 @@ CONTRACT = DropContract(
         CallableUse("sm90_megamoe.layout_kernels:counts_len", ("num_chunks", "local_experts")),
         CallableUse("sm90_megamoe.fp8_gemm:can_implement", ("activation", "n", "k", "num_experts")),
         CallableUse("sm90_megamoe.fp8_gemm:default_tile_n", ("activation",)),
-        CallableUse("sm90_megamoe.fp8_gemm:overlap_chunk", ("k_tiles", "multiple")),
+        CallableUse("sm90_megamoe.fp8_gemm:kernel_overlap_chunk", ("k_tiles", "unit_scales")),
         CallableUse("sm90_megamoe.unit_scales:unit_scale_kc", ("k_tiles",)),
         CallableUse("sm90_megamoe.fp8_launch:CompiledFp8Gemm.__init__",
                     ("activation", "n", "k", "num_experts", "scale_rows", "compiled", "tvm_ffi", "raster_m",
@@ -214,7 +214,7 @@ CONTRACT = DropContract(
                      ("recv_x", "recv_ids", "recv_w", "recv_count", "flags", "comb", "ctrl", "err", "verr",
                       "dmask")),
         AttributeUse("sm90_megamoe.layout_launch:Layout", ("__call__", "route", "prepare_route")),
-        AttributeUse("sm90_megamoe.fp8_gemm", ("can_implement", "default_tile_n", "overlap_chunk")),
+        AttributeUse("sm90_megamoe.fp8_gemm", ("can_implement", "default_tile_n", "kernel_overlap_chunk")),
         AttributeUse("sm90_megamoe.unit_scales", ("unit_scale_kc",)),
         AttributeUse("sm90_megamoe.fp8_launch", ("CompiledFp8Gemm",)),
         AttributeUse("sm90_megamoe.fp8_launch:CompiledFp8Gemm", ("compiled", "n_out", "__call__", "prepare")),

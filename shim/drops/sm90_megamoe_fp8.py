@@ -76,13 +76,13 @@ def fp8_unit_scale_kc(k: int) -> int:
 
 
 def fp8_overlap_chunk(k: int, unit_scales: bool = False) -> int:
-    """k-tiles per chunk of the chunked overlapped schedule for reduction size ``k`` (the drop's
-    ``fp8_gemm.overlap_chunk``): 0 up to OVERLAP_MAX_K_TILES k-tiles (the whole loop unrolls), else
-    the largest even divisor of K/128 up to OVERLAP_MAX_CHUNK (0 if none); with ``unit_scales`` the
-    largest such multiple of the scale chunk (:func:`fp8_unit_scale_kc`; drop v105)."""
-    multiple = max(fp8_unit_scale_kc(k), 2) if unit_scales else 2
-    return _load("sm90_megamoe.fp8_gemm").overlap_chunk(
-        k // CONSTANTS.value("sm90_megamoe.fp8_gemm", "FP8_BLOCK"), multiple)
+    """k-tiles per chunk of the chunked overlapped schedule for reduction size ``k``, as the kernel
+    computes it (the drop's ``fp8_gemm.kernel_overlap_chunk``, drop v107): 0 up to OVERLAP_MAX_K_TILES
+    k-tiles (the whole loop unrolls), else the largest even divisor of K/128 up to OVERLAP_MAX_CHUNK
+    (0 if none); with ``unit_scales`` the largest such multiple of the scale chunk
+    (:func:`fp8_unit_scale_kc`; drop v105)."""
+    return _load("sm90_megamoe.fp8_gemm").kernel_overlap_chunk(
+        k // CONSTANTS.value("sm90_megamoe.fp8_gemm", "FP8_BLOCK"), unit_scales)
 
 
 #: reduction size from which the FP8 GEMMs run in clusters of 2 by default (use_fp8_cluster)

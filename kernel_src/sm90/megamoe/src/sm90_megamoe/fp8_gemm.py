@@ -168,6 +168,14 @@ def overlap_chunk(k_tiles: int, multiple: int = 2) -> int:
     return next((c for c in range(top, 1, -multiple) if k_tiles % c == 0), 0)
 
 
+def kernel_overlap_chunk(k_tiles: int, unit_scales: bool = False) -> int:
+    """:func:`overlap_chunk` as the kernel asks for it (drop v107: one place for what the kernel, its
+    runner and the shim computed each in their own form): in multiples of 2 (the schedule's k-tile
+    pairs), or with ``unit_scales`` of its scale chunk :func:`.unit_scales.unit_scale_kc` (drop v105;
+    2 where that is 0, so the caller's check names the unusable K/128)."""
+    return overlap_chunk(k_tiles, max(unit_scale_kc(k_tiles), 2) if unit_scales else 2)
+
+
 @dsl_user_op
 def _pin(v, *, loc=None, ip=None):
     """``v`` through an empty volatile asm that reads and writes it: the value is tied to this
@@ -415,12 +423,12 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
         self.k_tiles = k_size // self.tile_k
         # unit_scales: k-tiles per scale chunk (8, or 4 where 8 does not divide K/128: drop v106)
         self.unit_kc = unit_scale_kc(self.k_tiles) if self.unit_scales else 0
+        chunk = kernel_overlap_chunk(self.k_tiles, self.unit_scales)
         if cutlass.const_expr(self.unit_scales):  # first: it decides the chunk's multiple (drop v105)
-            reason = unit_scales_reason(self.k_tiles, overlap_chunk(self.k_tiles, max(self.unit_kc, 2)))
+            reason = unit_scales_reason(self.k_tiles, chunk)
             if cutlass.const_expr(reason is not None):
                 raise ValueError(reason)
-        self.overlap_chunk = (overlap_chunk(self.k_tiles, self.unit_kc if self.unit_scales else 2)
-                              if self.overlap_promotion else 0)
+        self.overlap_chunk = chunk if self.overlap_promotion else 0
         if cutlass.const_expr(self.overlap_promotion and self.k_tiles > OVERLAP_MAX_K_TILES
                               and not self.overlap_chunk):
             raise ValueError(f"overlap_promotion: K={k_size} is unrolled up to {OVERLAP_MAX_K_TILES * FP8_BLOCK}, "

@@ -53,7 +53,9 @@ import cutlass.cute as cute
 import cuda.bindings.driver as cuda
 from cutlass.cute.runtime import from_dlpack, make_fake_compact_tensor, make_fake_stream
 
-from .fp8_gemm import FP8_BLOCK, FP8_GATED, OVERLAP_MAX_K_TILES, Fp8BlockScaledGroupedGemmSm90, can_implement, overlap_chunk
+from .fp8_gemm import (FP8_BLOCK, FP8_GATED, OVERLAP_MAX_K_TILES, Fp8BlockScaledGroupedGemmSm90, can_implement,
+                       kernel_overlap_chunk, overlap_chunk)
+from .unit_scales import unit_scale_kc
 from .fp8_reference import (fp8_grouped_gemm_reference, make_offsets, quantize_rows128,
                             quantize_weight_block128)
 
@@ -537,22 +539,22 @@ def check_deferred_epilogue(model: str, routing: str, reps: int) -> bool:
 
 
 def _layer_kw(act: str, k: int) -> dict:
-    """The schedule the layer runs for a GEMM (the shim's defaults since drop v69): overlapped, wide
-    gated (FC1), clusters of 2, the tanh sigmoid; scales by TMA from K 4096 (``unit_scales``) where
-    8 divides K/128 and the k-loop's own chunks (not DeepSeek-V3's FC1, K 7168: chunks of 14, nor
-    Inkling2's, K 4608 = 36 k-tiles; global scales there), staged in shared memory up to K 2048; the deferred epilogue up to K 1024."""
-    from .unit_scales import UNIT_SCALE_KC
-
-    kw = dict(raster_m=max(1, min(16, (24 << 20) // (128 * k))), overlap_promotion=True,
-              wide_gated=act == "swiglu", cluster_n=2, tanh_sigmoid=act == "swiglu")
-    if k >= 4096:
-        kt = k // FP8_BLOCK
-        if kt % UNIT_SCALE_KC == 0 and overlap_chunk(kt) % UNIT_SCALE_KC == 0:
-            kw.update(unit_scales=True)
-        elif act == "identity":
-            kw.update(smem_scales=True, scale_warp=True)
-    elif k <= 2048:
-        kw.update(smem_scales=True, deferred_epilogue=k <= 1024 and act == "identity")
+    """The schedule the layer runs for a GEMM (the shim's defaults; drop v107: those of its fifty-first
+    session): wide gated with the tanh sigmoid (FC1); overlapped, except the gated GEMM between K 2048
+    and 4096; scales by TMA from K 4096 wherever K/128 is a multiple of 4 (``unit_scales``: DeepSeek-V3's
+    FC1, K 7168, and Inkling2's, K 4608, too); else staged in shared memory by the gated GEMM up to
+    K 2048 and by the non-gated one at every K (with the scale warp from K 4096), global scales
+    otherwise; clusters of 2 from K 4096 or with staged scales; the deferred epilogue for the non-gated
+    GEMM up to K 1024. (``tests/test_fp8_runner_schedule.py`` checks this against the shim.)"""
+    kt = k // FP8_BLOCK
+    gated = act == "swiglu"
+    kw = dict(raster_m=max(1, min(16, (24 << 20) // (128 * k))),
+              overlap_promotion=not gated or k <= 2048 or k >= 4096, wide_gated=gated, tanh_sigmoid=gated)
+    if k >= 4096 and unit_scale_kc(kt):
+        kw.update(unit_scales=True)
+    elif k <= 2048 or not gated:
+        kw.update(smem_scales=True, scale_warp=not gated and k >= 4096, deferred_epilogue=not gated and k <= 1024)
+    kw.update(cluster_n=2 if k >= 4096 or kw.get("smem_scales") else 1)
     return kw
 
 
@@ -606,17 +608,17 @@ def compare_to_layer(model: str, tag: str, pair, reps: int = 60) -> bool:
 def check_unit_scales(model: str, reps: int = 60) -> bool:
     """Drop v69: ``unit_scales`` against the schedule the layer ran before it (staged scales where it
     staged them) on each GEMM whose K/128 is a multiple of 8 (of 4 since drop v106; module docstring)."""
-    from .unit_scales import unit_scale_kc, unit_scales_reason
+    from .unit_scales import unit_scales_reason
 
     def pair(act, k):
         kt = k // FP8_BLOCK
-        why = unit_scales_reason(kt, overlap_chunk(kt, max(unit_scale_kc(kt), 2)))
+        why = unit_scales_reason(kt, kernel_overlap_chunk(kt, True))
         if why is not None:
             return why
-        kw = {x: v for x, v in _layer_kw(act, k).items() if x not in ("unit_scales", "smem_scales", "deferred_epilogue")}
+        kw = {x: v for x, v in _layer_kw(act, k).items()
+              if x not in ("unit_scales", "smem_scales", "scale_warp", "deferred_epilogue")}
         sr = act == "identity"
-        return dict(kw, smem_scales=k <= 2048 or (sr and k >= 4096), scale_warp=sr and k >= 4096), \
-            dict(kw, unit_scales=True)
+        return dict(kw, smem_scales=k <= 2048 or sr, scale_warp=sr and k >= 4096), dict(kw, unit_scales=True)
 
     return compare_to_layer(model, "unit_scales", pair, reps)
 
