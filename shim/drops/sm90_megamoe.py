@@ -59,7 +59,7 @@ from .sm90_megamoe_switches import (  # noqa: F401  (re-exported: the shim reads
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 107},
+    "sm90_megamoe": {"DROP_VERSION": 108},
     "sm90_megamoe.placing_producer": {"PLACE_SYNC_TAIL": 4},
     "sm90_megamoe.fp8_gemm": {"FP8_BLOCK": 128, "OVERLAP_MAX_K_TILES": 32, "OVERLAP_MAX_CHUNK": 16,
                               "FP8_ACTIVATIONS": ("identity", "swiglu", "clamped_swiglu", "softcapped_swiglu"),
@@ -167,7 +167,7 @@ CONTRACT = DropContract(
                      "overlap_promotion", "wide_gated", "cluster_n", "smem_scales",
                      "scale_warp", "deferred_epilogue", "tanh_sigmoid", "unit_scales", "place_a",
                      "swiglu_alpha", "swiglu_limit", "swiglu_beta", "swiglu_limit_after_act",
-                     "gate_softcap", "up_softcap")),
+                     "gate_softcap", "up_softcap", "stage_guard")),
         CallableUse("sm90_megamoe.fp8_launch:CompiledFp8Gemm.__call__",
                     ("a", "a_scale", "b", "b_scale", "offsets", "out", "row_scale", "max_active_ctas", "stream",
                      "x", "idx", "sync", "x_scale")),

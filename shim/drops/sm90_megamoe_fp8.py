@@ -262,6 +262,7 @@ class Fp8Key:
     # drop v103: softcapped_swiglu's caps (0.0 for the other activations)
     gate_softcap: float = 0.0
     up_softcap: float = 0.0
+    stage_guard: bool = False  # drop v108: one stage fewer where the stage count divides the k-loop
 
 
 #: reduction size from which the FP8 GEMMs load their scales by TMA by default (use_fp8_unit_scales)
@@ -303,6 +304,16 @@ def use_fp8_unit_scales(k: int) -> bool:
     possible = fp8_unit_scale_kc(k) > 0  # drop v105 / v106: the chunk follows (fp8_overlap_chunk(k, True))
     staged_asked = any(os.environ.get(v) for v in _STAGED_SCALE_SWITCHES)
     return possible and (mode == "1" or (mode == "auto" and k >= UNIT_SCALES_MIN_K and not staged_asked))
+
+
+def use_fp8_stage_guard() -> bool:
+    """Whether the FP8 GEMMs take one pipeline stage fewer where the stage count divides their unrolled
+    k-loop (drop v108, ``stage_guard``; the same bits). ptxas spills exactly there on the global- and
+    staged-scale paths (51st session, CPU): Inkling2's FC2 (K 2304, 18 k-tiles, 6 stages) 24 bytes per
+    thread, a K 1536 FC2 (Qwen3-235B's, GLM-4.5's) 16, a gated FC1 at K 3072 56; with 5 stages none.
+    Fewer stages may cost more than the spills do, so ``MOE_EP_FP8_STAGE_GUARD=1`` turns it on; off
+    (``0``, default) until timed on a GPU."""
+    return env_flag("MOE_EP_FP8_STAGE_GUARD", False)
 
 
 def use_fp8_quant_items() -> int:
@@ -353,7 +364,7 @@ def _key(kind: str, activation: str, n: int, k: int, num_experts: int, scale_row
                   smem, scale_warp, deferred,
                   kind == "gemm" and use_fp8_tanh_sigmoid(activation),
                   use_fp8_quant_items() if kind.startswith("quantize") else 1, unit, place,
-                  *_key_constants(activation, swiglu))
+                  *_key_constants(activation, swiglu), stage_guard=plain and use_fp8_stage_guard())
 
 
 def _gemm_key(activation: str, n: int, k: int, num_experts: int, scale_rows: bool, place: str = "",
@@ -376,7 +387,8 @@ def _gemm_options(key: Fp8Key) -> dict:
                    if key.activation == "clamped_swiglu" else {}),
                 **(dict(swiglu_limit_after_act=True) if key.swiglu_limit_after_act else {}),
                 **(dict(gate_softcap=key.gate_softcap, up_softcap=key.up_softcap)
-                   if key.activation == "softcapped_swiglu" else {}))
+                   if key.activation == "softcapped_swiglu" else {}),
+                **(dict(stage_guard=True) if key.stage_guard else {}))
 
 
 def _checked_gemm_key(activation: str, n: int, k: int, num_experts: int, scale_rows: bool,
@@ -409,7 +421,8 @@ def _compiled_gemm(key: Fp8Key) -> Any:
     """The compiled GEMM of ``key``: the in-process cache, else the disk cache, else compile."""
     name = f"fp8_gemm_{key.activation}" + (f"_cluster{key.cluster_n}" if key.cluster_n > 1 else "") + \
         ("_defer" if key.deferred_epilogue else "") + ("_tanh" if key.tanh_sigmoid else "") + \
-        ("_us" if key.unit_scales else "") + (f"_place{key.place}" if key.place else "")
+        ("_us" if key.unit_scales else "") + (f"_place{key.place}" if key.place else "") + \
+        ("_sg" if key.stage_guard else "")
 
     def build():
         fl = _load("sm90_megamoe.fp8_launch")

@@ -168,6 +168,25 @@ def overlap_chunk(k_tiles: int, multiple: int = 2) -> int:
     return next((c for c in range(top, 1, -multiple) if k_tiles % c == 0), 0)
 
 
+def guarded_stages(stages: int, loop_k_tiles: int, unit_scales: bool = False) -> int:
+    """``stage_guard`` (drop v108): the pipeline depth for a kernel whose unrolled k-loop -- the whole
+    loop, or one chunk of the chunked schedule -- is ``loop_k_tiles`` long, on the global- and
+    staged-scale paths: where ``stages`` divides that loop and the loop is at least twice as long,
+    ``stages`` - 1, or - 2 where that divides it too (never below 3; else ``stages`` unchanged).
+
+    Why: ptxas spills there and nowhere else (51st session, sm_90a, 168 registers): K 1536 / 2304 /
+    3072 / 3840 with staged scales (12 / 18 / 24 / 30 k-tiles, 6 stages) spill 16 / 24 / 24 / 52 bytes
+    per thread, K 2048 / 2560 / 2816 none; the gated FC1 at K 4608 with global scales (chunks of 12)
+    44, at K 3072 56; with 5 stages none of them spill. Scales by TMA (``unit_scales``) never
+    spilled: unchanged."""
+    def divides(s):
+        return loop_k_tiles >= 2 * s and loop_k_tiles % s == 0
+
+    if unit_scales or not divides(stages):
+        return stages
+    return next((s for s in (stages - 1, stages - 2) if s >= 3 and not divides(s)), stages)
+
+
 def kernel_overlap_chunk(k_tiles: int, unit_scales: bool = False) -> int:
     """:func:`overlap_chunk` as the kernel asks for it (drop v107: one place for what the kernel, its
     runner and the shim computed each in their own form): in multiples of 2 (the schedule's k-tile
@@ -235,6 +254,8 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
         1.702, 7.0, 1.0; DeepSeek-V4 / GLM-5: 1.0, the model's limit, 0.0).
     :param swiglu_limit_after_act: the gate clamped after the activation (Step-3.7; drop v102).
     :param gate_softcap, up_softcap: softcapped_swiglu's caps (Inkling2: 4.0, 25.0; drop v103).
+    :param stage_guard: one pipeline stage fewer where the stage count divides the unrolled k-loop
+        (drop v108, :func:`guarded_stages`: ptxas spills there; the same bits).
 
     Only :meth:`_locate` and :meth:`_epilogue` are inherited; they read ``tile_m``, ``tile_n``,
     ``n_tiles``, ``raster_m``, ``n_out``, ``n_out_divisible``, ``c_dtype``, ``epi_n``,
@@ -251,7 +272,7 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
                  scale_warp: bool = False, deferred_epilogue: bool = False, tanh_sigmoid: bool = False,
                  unit_scales: bool = False, swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
                  swiglu_beta: float = 1.0, swiglu_limit_after_act: bool = False, gate_softcap: float = 4.0,
-                 up_softcap: float = 25.0):
+                 up_softcap: float = 25.0, stage_guard: bool = False):
         if tile_n is None:
             tile_n = default_tile_n(activation)
         reason = can_implement(activation, 2 * FP8_BLOCK, FP8_BLOCK, 1, tile_n)
@@ -297,6 +318,8 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
         self.tile_n = tile_n
         self.tile_k = FP8_BLOCK
         self.num_stages_override = num_stages
+        # drop v108: one stage fewer where the stage count divides the unrolled k-loop (:func:`guarded_stages`)
+        self.stage_guard = bool(stage_guard)
         self.num_b = 2 if self.gated else 1
         # wide_gated: one m64n128 WGMMA over the gate and up tiles (adjacent smem slots) into one
         # accumulator, instead of two m64n64 WGMMAs into two
@@ -438,6 +461,8 @@ class Fp8BlockScaledGroupedGemmSm90(GroupedGemmSm90, UnitScales):
                              f"{OVERLAP_MAX_K_TILES * FP8_BLOCK}), not the chunked one (K={k_size})")
         self.n_out_divisible = True
         self.num_stages = self._num_stages(num_experts)
+        if cutlass.const_expr(self.stage_guard):
+            self.num_stages = guarded_stages(self.num_stages, self.overlap_chunk or self.k_tiles, self.unit_scales)
 
         (b_layout, tiled_mma, tiled_mma_epi, a_smem_layout, b_smem_layout, tma_atom_a, tma_tensor_a,
          tma_atom_b, tma_tensor_b) = self._operands(mA, mB, self.wide_gated)

@@ -85,7 +85,9 @@ class CompiledFp8Gemm:
     v85 ``gather_tma``, v87 ``gather_a``, v89 ``chunk_k_tiles``, v93 ``place_gather`` / ``place_copy``
     (the quantising placement) (measured slower or no faster on the H200).
     ``swiglu_alpha`` / ``swiglu_limit`` / ``swiglu_beta`` (drop v100), ``swiglu_limit_after_act`` (drop
-    v102): clamped_swiglu's constants; ``gate_softcap`` / ``up_softcap`` (drop v103): softcapped_swiglu's."""
+    v102): clamped_swiglu's constants; ``gate_softcap`` / ``up_softcap`` (drop v103): softcapped_swiglu's;
+    ``stage_guard`` (drop v108): one pipeline stage fewer where the stage count divides the unrolled
+    k-loop (:func:`.fp8_gemm.guarded_stages`; ptxas spills there; the same bits)."""
 
     def __init__(self, activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
                  compiled=None, tvm_ffi: bool = False, raster_m: int = 1, overlap_promotion: bool = False,
@@ -94,7 +96,8 @@ class CompiledFp8Gemm:
                  deferred_epilogue: bool = False, tanh_sigmoid: bool = False, unit_scales: bool = False,
                  place_a: bool = False, place_opts: Optional[dict] = None,
                  swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0, swiglu_beta: float = 1.0,
-                 swiglu_limit_after_act: bool = False, gate_softcap: float = 4.0, up_softcap: float = 25.0):
+                 swiglu_limit_after_act: bool = False, gate_softcap: float = 4.0, up_softcap: float = 25.0,
+                 stage_guard: bool = False):
         reason = can_implement(activation, n, k, num_experts)
         if reason is None and place_a and scale_warp:
             reason = "place_a does not combine with scale_warp (warp 1 copies rows)"
@@ -126,6 +129,7 @@ class CompiledFp8Gemm:
         self.tanh_sigmoid = bool(tanh_sigmoid)
         self.unit_scales = bool(unit_scales)
         self.place_a = bool(place_a)
+        self.stage_guard = bool(stage_guard)
         # the grid of a clustered launch, worked out here (not while a CUDA graph is captured)
         self._max_ctas = cluster_ctas(self.cluster_n) if self.cluster_n > 1 and torch.cuda.is_available() else None
         if compiled is None:
@@ -142,6 +146,7 @@ class CompiledFp8Gemm:
                 **({"deferred_epilogue": True} if self.deferred_epilogue else {}),
                 **({"tanh_sigmoid": True} if self.tanh_sigmoid else {}),
                 **({"unit_scales": True} if self.unit_scales else {}),
+                **({"stage_guard": True} if self.stage_guard else {}),
                 **(dict(swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, swiglu_beta=swiglu_beta,
                         swiglu_limit_after_act=swiglu_limit_after_act)
                    if activation == "clamped_swiglu" else {}),
