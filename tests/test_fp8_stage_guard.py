@@ -15,7 +15,7 @@ from moe_ep.shim import drop_src, register_drop  # noqa: E402
 register_drop(drop_src("sm90", "megamoe"))
 
 from moe_oracle import (fp8_gemm_problem, fp8_layer_inputs, fp8_variants_same_bits,  # noqa: E402
-                        kernel_once, layer_outputs_with_switch)
+                        kernel_once, layer_outputs_with_switch, require_sm90)
 
 # (activation, N, K, E, kernel options): Inkling2's FC2 (K 2304 = 18 k-tiles, staged scales, 6 stages)
 # and a gated FC1 on global scales at K 4608 (chunks of 12 k-tiles)
@@ -74,17 +74,12 @@ def test_shim_switch_and_key(monkeypatch):
 
 
 # ---------------------------------------------------------------------------- GPU
-def _needs_sm90():
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("needs an SM90 GPU")
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("act,n,k,experts,kw", SHAPES)
 @pytest.mark.parametrize("m,routing", [(37, "skewed"), (3000, "skewed"), (2000, "uniform")])
 def test_stage_guard_is_bit_identical(act, n, k, experts, kw, m, routing):
     """Pipeline depth changes no sum: the same bits, every row written (NaN-poisoned), twice in a row."""
-    _needs_sm90()
+    require_sm90()
     from sm90_megamoe.fp8_launch import CompiledFp8Gemm
 
     sr = act == "identity"
@@ -98,7 +93,7 @@ def test_stage_guard_is_bit_identical(act, n, k, experts, kw, m, routing):
 def test_layer_with_stage_guard_is_bit_identical(monkeypatch, T):
     """An Inkling2-like FP8 layer (FC2 K 2304 loses a stage, FC1 takes scales by TMA and keeps its own):
     the same bits with the switch off and on, eager and under a CUDA graph."""
-    _needs_sm90()
+    require_sm90()
     from moe_ep.api import MoEConfig
 
     shape = dict(num_experts=8, hidden=4608, intermediate=2304, top_k=2)
