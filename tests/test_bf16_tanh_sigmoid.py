@@ -17,14 +17,14 @@ from moe_ep.shim import drop_src, register_drop  # noqa: E402
 
 register_drop(drop_src("sm90", "megamoe"))
 
+from moe_oracle import kernel_once  # noqa: E402
+
 QWEN_FC1 = (1536, 2048, 128)  # n = 2 I, k = H, E
 
 
 def _kernel(**kw):
     """A compiled BF16 swiglu GEMM at Qwen3's FC1 shape with 16 experts, compiled once per variant."""
     from sm90_megamoe.launch import CompiledGroupedGemm
-
-    from moe_oracle import kernel_once
 
     return kernel_once(CompiledGroupedGemm, "swiglu", 1536, 2048, 16, False, raster_m=16, **kw)
 

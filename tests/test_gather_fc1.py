@@ -13,6 +13,7 @@ import torch
 
 pytest.importorskip("cutlass")
 
+from moe_oracle import kernel_once  # noqa: E402
 from recorders import rec_gemm, rec_layout  # noqa: E402
 from moe_ep.shim import drop_src, register_drop  # noqa: E402
 
@@ -157,8 +158,6 @@ def test_gpu_bf16_gather_is_bit_identical(routing, schedule, bias):
     a = src[idx.long()].contiguous()
     plain = get_grouped_gemm("swiglu", n, k, E, bias_dtype=bias, raster_m=16, schedule=schedule)
     from sm90_megamoe.launch import CompiledGroupedGemm
-
-    from moe_oracle import kernel_once
 
     gath = kernel_once(CompiledGroupedGemm, "swiglu", n, k, E, False, bias_dtype=bias, raster_m=16,
                        schedule=schedule, gather_a=True)

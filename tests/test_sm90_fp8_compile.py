@@ -19,6 +19,8 @@ register_drop(SRC)
 from sm90_megamoe import fp8_reference as ref  # noqa: E402
 from sm90_megamoe.fp8_gemm import Fp8BlockScaledGroupedGemmSm90, can_implement  # noqa: E402
 
+from moe_oracle import kernel_once  # noqa: E402
+
 
 # ---------------------------------------------------------------------------- compile (CPU)
 @pytest.mark.parametrize("act,n,k,experts,scale_rows,wgmma_n", [
@@ -268,8 +270,6 @@ def test_gpu_against_float64(act, n, k, scale_rows, routing, overlap):
     rs = torch.rand(m_total, generator=g) if scale_rows else None
     want = _float64_blockwise(a, a_s, b, b_s, offs, act, rs)
 
-    from moe_oracle import kernel_once
-
     fn = kernel_once(Fp8GroupedGemm, act, n, k, E, scale_rows, overlap_promotion=overlap)
     dev = lambda t: None if t is None else t.cuda()  # noqa: E731
     out = torch.full((m_total, fn.n_out), float("nan"), dtype=torch.bfloat16, device="cuda")
@@ -346,8 +346,6 @@ def test_gpu_wide_gated_is_bit_identical(routing, overlap):
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
     from sm90_megamoe.fp8_runner import Fp8GroupedGemm
-
-    from moe_oracle import kernel_once
 
     E, m_total, n, k = 16, 5000, 1536, 2048
     offs = ref.make_offsets(m_total, E, routing, torch.Generator().manual_seed(21)).cuda()
