@@ -9,6 +9,9 @@ launches a kernel starts under its predecessor's tail, so its duration includes 
 time (from the predecessor's end) is what it took; compare where each kernel ends. A kernel that runs longer in the graph than eagerly is the one to read: in a graph
 every launch comes at once, so an early PDL trigger can place a successor beside its predecessor's
 CTAs (drop v90: LayoutPlace after LocalRoute, 115-120 us against 88-93 on Qwen3; LIMITS.md).
+Each round also times a graph captured afresh after the eager runs, as ``bench``'s graph column does
+(``fresh``; its timeline is printed last): when that one alone is slow, the capture is the cause; when
+slow rounds hit every mode, it is the clock (52nd session: Inkling2's FP8 layer at the power cap).
 Default backend, 8192 tokens, one rank. Needs a CUDA GPU.
 """
 
@@ -35,7 +38,7 @@ def main(argv=None) -> None:
     from moe_ep.api import EPGroup, MoELayer
 
     from .__main__ import make_inputs
-    from .ep import _time
+    from .ep import _time, graph_ms
     from .models import model_config
     from .timing import capture_graph, kernel_timeline
 
@@ -62,10 +65,12 @@ def main(argv=None) -> None:
 
         g = capture_graph(eager)
         flops = cfg.flops(args.tokens)
-        e_ms, g_ms = [], []
+        e_ms, g_ms, f_ms = [], [], []
         for _ in range(args.rounds):
             e_ms.append(_time(eager, group, args.iters))
             g_ms.append(_time(g.replay, group, args.iters))
+            # the bench's own graph timing: a graph captured afresh after the eager runs
+            f_ms.append(graph_ms(layer, (x, ids, w, w13, w2), group, args.iters))
         tf = lambda ms: flops / ms / 1e9  # noqa: E731
         print(f"\n{key} ({layer.backend_name}, {args.quant or 'bf16'}, {args.tokens} tokens), per call ms "
               f"(TFLOP/s), {args.rounds} interleaved rounds:")
@@ -73,9 +78,12 @@ def main(argv=None) -> None:
               + f" | median {statistics.median(e_ms):.4f}")
         print("  graph " + "  ".join(f"{t:.4f} ({tf(t):.1f})" for t in g_ms)
               + f" | median {statistics.median(g_ms):.4f}")
-        for name, fn in (("eager", eager), ("graph", g.replay)):
+        print("  fresh " + "  ".join(f"{t:.4f} ({tf(t):.1f})" for t in f_ms)
+              + f" | median {statistics.median(f_ms):.4f}  (bench.ep.graph_ms: captured after eager runs)")
+        g2 = capture_graph(eager)
+        for name, fn in (("eager", eager), ("graph", g.replay), ("fresh graph", g2.replay)):
             print(f"  [{name}] " + kernel_timeline(_profiled(fn), 5).replace("\n", "\n  "))
-        del g
+        del g, g2
         layer.destroy()
 
 
