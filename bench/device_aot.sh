@@ -17,12 +17,6 @@ build --model qwen3,mixtral,dsv4_shard,inkling2_shard,dsv3_shard --quant fp8_blo
 # the queued switches (their GEMMs only; everything else is the defaults' above)
 MOE_EP_GATHER_FC1=1 build --model qwen3,mixtral --kernels fc1
 MOE_EP_FP8_PLACE_FC1=copy build --model qwen3,mixtral --quant fp8_block128 --kernels fc1
-# 51st session's question: Inkling2's FP8 layer under CUDA graphs with PDL off (every kernel: another
-# cache directory, sm_90a instead of sm_90a-pdl)
-SM90_MEGAMOE_PDL=0 build --model inkling2_shard --quant fp8_block128
-# drop v108's question: the FP8 GEMMs with one stage fewer where the stage count divides the k-loop
-# (Inkling2's FC2, K 2304: no spills)
-MOE_EP_FP8_STAGE_GUARD=1 build --model inkling2_shard --quant fp8_block128 --kernels fc1,fc2
 # h200_session.sh gemmab (42nd session's question): Mixtral's and Qwen3's BF16 GEMMs in clusters along M, and
 # Mixtral's at L2 raster groups of 8 and 16 m-tiles (`bench gemm --raster-m 8,16`, `ncu_gemm --raster-m`)
 MOE_EP_BF16_CLUSTER=1 build --model mixtral,qwen3 --kernels fc1,fc2
