@@ -94,10 +94,11 @@ def test_shim_switch_and_key(monkeypatch):
     assert s.GemmKey.__dataclass_fields__["cluster_m"].default == 1
 
 
-def test_fc1_clusters_by_default_on_an_h100_only(monkeypatch):
-    """Unset, MOE_EP_BF16_CLUSTER clusters the gated GEMM at prefill sizes (>= 512 rows per expert) on an
-    H100 only (43rd / 46th sessions: Mixtral +4-5% and the DeepSeek-V3 shard +3-8% there, Qwen3 level;
-    slower on the H200); 0 / 1 / fc2 override it."""
+def test_clusters_by_default_on_an_h100_only(monkeypatch):
+    """Unset, MOE_EP_BF16_CLUSTER clusters the cooperative GEMMs at prefill sizes (>= 512 rows per expert)
+    on an H100 only: the gated GEMM (43rd / 46th sessions: Mixtral +4-5% and the DeepSeek-V3 shard +3-8%
+    there, Qwen3 level) and the long-K FC2 (53rd: Mixtral +2.5-5% per call); not on the H200 (slower
+    there); the pingpong FC2 (K <= 2880) never. 0 / 1 / fc2 override it."""
     from moe_ep.shim.drops import sm90_megamoe as s
 
     monkeypatch.delenv("MOE_EP_BF16_CLUSTER", raising=False)
@@ -109,20 +110,26 @@ def test_fc1_clusters_by_default_on_an_h100_only(monkeypatch):
         assert s.use_bf16_cluster("wide", **fc1, device_name=h100) == 2
     for name in (h200, None, "NVIDIA GH200 480GB"):  # the H200's choice; a CPU prebuild knows no GPU
         assert s.use_bf16_cluster("cooperative", **mixtral_fc1, device_name=name) == 1
-    for other in (dict(gated=False), dict(rows_per_expert=256.0)):  # FC2, few rows (gpt-oss: 256)
-        assert s.use_bf16_cluster("cooperative", **{**mixtral_fc1, **other}, device_name=h100) == 1
+    mixtral_fc2 = dict(gated=False, rows_per_expert=2048.0)  # K 14336: the cooperative schedule
+    assert s.use_bf16_cluster("cooperative", **mixtral_fc2, device_name=h100) == 2
+    assert s.use_bf16_cluster("cooperative", **mixtral_fc2, device_name=h200) == 1
+    assert s.use_bf16_cluster("pingpong", **mixtral_fc2, device_name=h100) == 1  # Qwen3's / DSv3's FC2
+    for few in (mixtral_fc1, mixtral_fc2):  # few rows (gpt-oss: 256)
+        assert s.use_bf16_cluster("cooperative", **{**few, "rows_per_expert": 256.0}, device_name=h100) == 1
     assert s.use_bf16_cluster("cooperative", **mixtral_fc1, gather_a=True, device_name=h100) == 1
     assert s.use_bf16_cluster("pingpong", **mixtral_fc1, device_name=h100) == 1
     for raw, want in (("0", 1), ("fc2", 1), ("1", 2)):
         monkeypatch.setenv("MOE_EP_BF16_CLUSTER", raw)
         assert s.use_bf16_cluster("cooperative", **mixtral_fc1, device_name=h100) == want
+    monkeypatch.setenv("MOE_EP_BF16_CLUSTER", "0")
+    assert s.use_bf16_cluster("cooperative", **mixtral_fc2, device_name=h100) == 1
     monkeypatch.setenv("MOE_EP_BF16_CLUSTER", "1")
     assert s.use_bf16_cluster("cooperative", **mixtral_fc1, device_name=h200) == 2
 
 
 def test_the_key_takes_the_device_choice(monkeypatch):
-    """compiled_grouped_gemm builds Mixtral's FC1 in clusters for an H100 and single for the H200 or an
-    unknown GPU (two keys, two kernels); its FC2 stays single on both."""
+    """compiled_grouped_gemm builds Mixtral's FC1 and FC2 in clusters for an H100 and single for the
+    H200 or an unknown GPU (two keys per GEMM, four kernels); Qwen3's pingpong FC2 is single on both."""
     from moe_ep.shim.drops import sm90_megamoe as s
     from recorders import record_gemm_builds
 
@@ -131,10 +138,15 @@ def test_the_key_takes_the_device_choice(monkeypatch):
     for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H200", None):
         s.compiled_grouped_gemm("swiglu", 28672, 4096, 8, rows_per_expert=2048.0, device_name=name)
         s.compiled_grouped_gemm("identity", 4096, 14336, 8, True, rows_per_expert=2048.0, device_name=name)
-    # one key per kernel: the H100's clustered FC1, then FC2 and the single FC1 that the others share
-    assert names == ["gemm_swiglu_cluster2_tanh", "gemm_identity", "gemm_swiglu_tanh"]
-    assert {(kw["activation"], kw.get("cluster_m", 1)) for kw in built} == {("swiglu", 2), ("identity", 1),
-                                                                            ("swiglu", 1)}
+        s.compiled_grouped_gemm("identity", 2048, 768, 128, True, rows_per_expert=512.0, device_name=name)
+    # one key per kernel: the H100's clustered FC1 and FC2, the pingpong FC2 that all share, then the
+    # single FC1 and FC2 that the H200 and the unnamed GPU share
+    assert names == ["gemm_swiglu_cluster2_tanh", "gemm_identity_cluster2", "gemm_identity",
+                     "gemm_swiglu_tanh", "gemm_identity"]
+    picks = [(kw["activation"], kw["schedule"], kw.get("cluster_m", 1)) for kw in built]
+    assert list(dict.fromkeys(picks)) == [
+        ("swiglu", "cooperative", 2), ("identity", "cooperative", 2), ("identity", "pingpong", 1),
+        ("swiglu", "cooperative", 1), ("identity", "cooperative", 1)]
 
 
 def test_prebuild_builds_the_named_gpus_picks(monkeypatch):
@@ -284,9 +296,9 @@ def test_gpu_layer_with_clusters_is_bit_identical(monkeypatch, T, pingpong_max_k
 
 
 @pytest.mark.gpu
-def test_gpu_default_fc1_clusters_follow_the_gpu(monkeypatch):
-    """The layer's default at >= 512 rows per expert (here N x K = 32768 x 2048):
-    FC1 in clusters of 2 on an H100, single elsewhere; either way the bits of
+def test_gpu_default_clusters_follow_the_gpu(monkeypatch):
+    """The layer's default at >= 512 rows per expert (here FC1 N x K = 32768 x 2048, FC2 K 16384, so
+    cooperative): FC1 and FC2 in clusters of 2 on an H100, single elsewhere; either way the bits of
     ``MOE_EP_BF16_CLUSTER=0``, eager and graph-replayed from poison, within 1e-2 of float64."""
     require_sm90()
     from moe_oracle import layer_outputs_with_switch, make_problem, rel_err, swiglu_moe_f64
@@ -301,7 +313,8 @@ def test_gpu_default_fc1_clusters_follow_the_gpu(monkeypatch):
 
     def check(impl, default):
         assert impl.fc1.compiled.cluster_m == (2 if default and h100 else 1)
-        assert impl.fc2.compiled.cluster_m == 1
+        assert impl.fc2.compiled.schedule == "cooperative"
+        assert impl.fc2.compiled.cluster_m == (2 if default and h100 else 1)
 
     outs = layer_outputs_with_switch(monkeypatch, "MOE_EP_BF16_CLUSTER", cfg, "sm90_bf16_cutedsl", inputs,
                                      check, values=("0", ""))

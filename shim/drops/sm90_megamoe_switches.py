@@ -44,21 +44,30 @@ def pingpong_max_k(default: int) -> int:
         raise ValueError(f"MOE_EP_PINGPONG_MAX_K must be an integer (0 = never), got {raw!r}") from None
 
 
-#: GPUs (by name) on which the gated GEMM (FC1) runs in clusters of 2 along M by default. H100 80GB
+#: GPUs (by name) on which the cooperative BF16 GEMMs run in clusters of 2 along M by default. H100 80GB
 #: HBM3 (SXM), BF16 layers with the FC1 clustered against single CTAs, interleaved in one call:
 #: Mixtral (43rd session) per call 676.8-681.6 vs 644.5-656.4 TFLOP/s, graph 586.2-595.7 vs
 #: 567.9-581.3; the DeepSeek-V3 shard (46th, drop v96) per call 613.0 / 626.7 vs 593.1 / 593.8, back
 #: to back 597.5 / 603.8 vs 554.4 / 566.2, graph 552.2 / 552.0 vs 558.5 / 558.8; Qwen3 (46th, v96)
 #: level: 486.0 / 483.6 vs 484.7 / 485.7 per call. The FC1 alone (`bench gemm`, 46th): Qwen3 0.657 vs
-#: 0.737 ms, the DeepSeek-V3 shard 5.456 vs 6.619. FC2 clustered gained nothing (43rd). On the H200
+#: 0.737 ms, the DeepSeek-V3 shard 5.456 vs 6.619. FC2 clustered gained nothing (43rd), but does
+#: since (53rd: below). On the H200
 #: (4.8 TB/s against the H100's 3.35) clusters were slower before drop v96: Mixtral 635.5-639.0 vs
 #: 645.2-655.9 per call, Qwen3 490 vs 520. Only the H100 80GB HBM3 was timed; the PCIe and NVL H100s
 #: match the name untimed; other SM90 parts keep single CTAs.
-CLUSTER_FC1_GPUS = ("H100",)
+CLUSTER_GPUS = ("H100",)
 #: the least mean rows per expert at capacity for that default: a cluster computes an m-tile pair of
 #: one expert, so an expert with one m-tile idles half of it (Mixtral at 8192 tokens: 2048 rows, Qwen3:
 #: 512)
-CLUSTER_FC1_MIN_ROWS = 512
+CLUSTER_MIN_ROWS = 512
+# Why the H100 clusters the long-K FC2 too (53rd session, 1941e20, H100 80GB HBM3, the Mixtral BF16
+# layer at 8192 tokens, `ENVAB="|MOE_EP_BF16_CLUSTER=1"`, five rounds interleaved over two calls; the
+# only kernel the setting changes there is FC2, K 14336, cooperative 128 x 256): per call / back to
+# back / graph 702.8-725.4 / 686.6-689.8 / 632.0-674.3 TFLOP/s clustered against 678.8-706.7 /
+# 670.2-684.4 / 611.0-636.3 with FC1 alone clustered (every round: per call +2.5-5%, graph
+# +2.5-9%). `bench gemm` (52nd): that FC2 single 0.66-0.77x `torch._grouped_mm`, clustered ~1.0x
+# (43rd). The 43rd session's "FC2 clustered gained nothing" was measured with FC1 single and before
+# drop v96. The DeepSeek-V3 shard (FC2 K 2048, pingpong) and Qwen3 (K 768) do not change.
 
 
 def use_bf16_cluster(schedule: str, gather_a: bool = False, gated: bool = False,
@@ -69,17 +78,22 @@ def use_bf16_cluster(schedule: str, gather_a: bool = False, gated: bool = False,
     gathering kernel). ``MOE_EP_BF16_CLUSTER``:
 
     * ``1``: every such GEMM; ``fc2``: the non-gated GEMM (FC2) only; ``0``: none;
-    * unset: the gated GEMM (FC1) on a GPU named in :data:`CLUSTER_FC1_GPUS` when the caller expects
-      at least :data:`CLUSTER_FC1_MIN_ROWS` rows per expert (``rows_per_expert``; None = many); else
-      none. ``device_name`` None (a CPU prebuild) takes the H200's choice: none.
+    * unset: on a GPU named in :data:`CLUSTER_GPUS`, when the caller expects at least
+      :data:`CLUSTER_MIN_ROWS` rows per expert (``rows_per_expert``; None = many), every GEMM
+      that reaches here: the gated GEMM (FC1) and, since the 53rd session, the non-gated one (FC2)
+      where it runs cooperative, i.e. above the pingpong bound (K > 2880: Mixtral's K 14336; see
+      the comment after :data:`CLUSTER_MIN_ROWS`); else none. ``device_name`` None (a CPU prebuild) takes the H200's
+      choice: none.
 
     Bit-identical to single CTAs (drop v29's tests). Measured: the constants above."""
     mode = env_choice("MOE_EP_BF16_CLUSTER", ("0", "1", "fc2"), "")
     if gather_a or schedule not in ("cooperative", "wide"):
         return 1
     if mode == "":
-        on = (gated and device_name is not None and any(g in device_name for g in CLUSTER_FC1_GPUS)
-              and (rows_per_expert is None or rows_per_expert >= CLUSTER_FC1_MIN_ROWS))
+        # FC1 at every K, FC2 only as the cooperative kernel (K above the pingpong bound): the
+        # schedule test above already sent the pingpong FC2 away.
+        on = (device_name is not None and any(g in device_name for g in CLUSTER_GPUS)
+              and (rows_per_expert is None or rows_per_expert >= CLUSTER_MIN_ROWS))
     else:
         on = mode == "1" or (mode == "fc2" and not gated)
     return 2 if on else 1
