@@ -22,8 +22,10 @@ MOE_EP_FP8_PLACE_FC1=copy build --model qwen3,mixtral --quant fp8_block128 --ker
 # Mixtral's at L2 raster groups of 8 and 16 m-tiles (`bench gemm --raster-m 8,16`, `ncu_gemm --raster-m`)
 MOE_EP_BF16_CLUSTER=1 build --model mixtral,qwen3,dsv3_shard --kernels fc1,fc2
 # an H100's own picks (every prefill FC1 in clusters: Mixtral's since the 43rd session, any size since the
-# 46th; the cooperative, long-K FC2 -- Mixtral's -- since the 53rd): mostly hits of the line above
-build --model mixtral,qwen3,nemotron,dsv3_shard,gpt_oss --kernels fc1,fc2 --gpu "NVIDIA H100 80GB HBM3"
+# 46th; since the 53rd the cooperative FC2 in clusters too, and the non-gated GEMMs from K 2048 cooperative
+# instead of pingpong: the DeepSeek and Inkling2 shards' FC2s, Nemotron's FC1): partly hits of the line above
+build --model mixtral,qwen3,nemotron,dsv3_shard,gpt_oss,dsv4_shard,inkling2_shard --kernels fc1,fc2 \
+  --gpu "NVIDIA H100 80GB HBM3"
 MOE_EP_CACHE_DIR="$out" python - <<'PY'
 from moe_ep.shim import sm90_compiled_grouped_gemm as gemm
 for raster in (8, 16):

@@ -102,3 +102,41 @@ def test_gpu_layer_with_gated_pingpong_is_bit_identical(monkeypatch, T):
 
     outs = layer_outputs_with_switch(monkeypatch, "MOE_EP_GATED_PINGPONG", cfg, "sm90_bf16_cutedsl", inputs, check)
     assert torch.isfinite(outs[1].float()).all() and torch.equal(outs[0], outs[1])
+
+
+def test_the_pingpong_bound_follows_the_gpu(monkeypatch):
+    """The non-gated GEMM's pingpong bound is per GPU (53rd session): K <= 2880 on the H200 and for a
+    CPU prebuild, K <= 1920 on an H100, where the cooperative (clustered) kernel won from K 2048;
+    MOE_EP_PINGPONG_MAX_K overrides both."""
+    from moe_ep.shim.drops import sm90_megamoe as s
+
+    monkeypatch.delenv("MOE_EP_PINGPONG_MAX_K", raising=False)
+    h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
+    assert (s.pingpong_bound(h200), s.pingpong_bound(None), s.pingpong_bound(h100)) == (2880, 2880, 1920)
+    for k, on_h100 in ((768, "pingpong"), (1856, "pingpong"), (1920, "pingpong"), (2048, "cooperative"),
+                       (2688, "cooperative"), (2880, "cooperative"), (14336, "cooperative")):
+        assert s.pick_schedule("identity", k, 512.0, h100)[0] == on_h100
+        assert s.pick_schedule("identity", k, 512.0, h200)[0] == ("pingpong" if k <= 2880 else "cooperative")
+        assert s.pick_schedule("squared_relu", k, None, h100)[0] == on_h100  # not gated: FC2's rule
+    assert s.pick_schedule("swiglu", 2048, 512.0, h100)[0] == "cooperative"  # the gated GEMM: unchanged
+    assert s.pick_schedule("identity", 2048, 4.0, h100)[0] == "swapab"  # decode: unchanged
+    monkeypatch.setenv("MOE_EP_PINGPONG_MAX_K", "2880")
+    assert s.pick_schedule("identity", 2048, 512.0, h100)[0] == "pingpong"
+    monkeypatch.setenv("MOE_EP_PINGPONG_MAX_K", "0")
+    assert s.pick_schedule("identity", 768, 512.0, h200)[0] == "cooperative"
+
+
+def test_the_key_takes_the_gpus_pingpong_bound(monkeypatch):
+    """compiled_grouped_gemm builds the DeepSeek-V3 shard's FC2 (K 2048) cooperative in clusters for an
+    H100 and pingpong for the H200 or an unnamed GPU."""
+    from recorders import record_gemm_builds
+
+    from moe_ep.shim.drops import sm90_megamoe as s
+
+    monkeypatch.delenv("MOE_EP_PINGPONG_MAX_K", raising=False)
+    monkeypatch.delenv("MOE_EP_BF16_CLUSTER", raising=False)
+    built, _ = record_gemm_builds(monkeypatch)
+    for name in ("NVIDIA H100 80GB HBM3", "NVIDIA H200", None):
+        s.compiled_grouped_gemm("identity", 7168, 2048, 32, True, rows_per_expert=2048.0, device_name=name)
+    picks = [(kw["schedule"], kw.get("cluster_m", 1), kw["tile_n"]) for kw in built]
+    assert list(dict.fromkeys(picks)) == [("cooperative", 2, 256), ("pingpong", 1, 192)]

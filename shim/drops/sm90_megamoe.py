@@ -326,6 +326,19 @@ def pick_raster_m(k: int) -> int:
 #: With a bias (gpt-oss's FC2) the 128 x 192 pingpong kernel spills 312 bytes per thread (ptxas:
 #: the bias of a thread's 48 columns on top of 192 accumulators); that FC2 still ran 1.08x
 PINGPONG_MAX_K = 2880
+#: that bound on an H100 (by name, :func:`pingpong_bound`): 1920. 53rd session, H100 80GB HBM3 (3.35
+#: TB/s against the H200's 4.8), `bench gemm` interleaved with torch's, pingpong 128 x 192 against
+#: cooperative 128 x 256 (``MOE_EP_PINGPONG_MAX_K=0``; in clusters of 2 where :func:`use_bf16_cluster`
+#: says so), torch / ours uniform / skewed: the DeepSeek-V3 shard's FC2 (K 2048) 0.77 / 0.82 against
+#: 1.04 / 1.08, the DeepSeek-V4 shard's (K 2048) 0.86 / 0.77 against 1.06 / 1.13, Inkling2's (K 2304)
+#: 0.94 / 0.91 against 1.11 / 1.07, Nemotron's squared-ReLU FC1 (K 2688, 384 rows per expert: single
+#: CTAs) 0.96 / 0.93 against 1.14 / 1.10; at short K level or behind: Nemotron's FC2 (K 1856) 1.13 /
+#: 1.12 against 1.18 / 1.08, Qwen3's (K 768) 1.12 / 1.27 against 1.17 / 1.15. Layers, two interleaved
+#: rounds: the DeepSeek-V3 shard 648.1-648.9 / 637.1-642.4 / 579.5-587.5 TFLOP/s per call / back to
+#: back / graph against 631.3-636.0 / 616.2-616.6 / 553.6-560.6; Inkling2's level (621.4-626.5 /
+#: 611.2-614.9 / 631.8-635.1 against 603.4-614.7 / 615.9-619.2 / 635.9-642.2); Qwen3's 3-5% slower
+#: (so K 768 keeps pingpong). gpt-oss's FC2 (K 2880, with bias) was not timed on the H100.
+PINGPONG_MAX_K_H100 = 1920
 #: the pingpong tile's width: a warpgroup holds the whole 128 x 192 fp32 accumulator (the drop's
 #: limit; 128-wide tiles: Qwen3's FC2 0.386 ms, slower than cooperative 128 x 256)
 PINGPONG_TILE_N = 192
@@ -342,7 +355,15 @@ SWAPAB_MAX_ROWS_PER_EXPERT = 32
 SWAPAB_TILE_T = (8, 16, 32, 64)
 
 
-def pick_schedule(activation: str, k: int, rows_per_expert: float | None = None) -> tuple[str, int]:
+def pingpong_bound(device_name: str | None = None) -> int:
+    """The shim's measured pingpong bound for ``device_name`` (``torch.cuda.get_device_name``; None,
+    a CPU prebuild, takes the H200's): :data:`PINGPONG_MAX_K_H100` on a GPU whose name holds "H100",
+    else :data:`PINGPONG_MAX_K`."""
+    return PINGPONG_MAX_K_H100 if device_name is not None and "H100" in device_name else PINGPONG_MAX_K
+
+
+def pick_schedule(activation: str, k: int, rows_per_expert: float | None = None,
+                  device_name: str | None = None) -> tuple[str, int]:
     """(schedule, tile) for a GEMM, from static values only (never from routing):
 
     * ``swapab`` when ``rows_per_expert`` (the mean rows per expert at the layer's capacity) is at
@@ -350,7 +371,7 @@ def pick_schedule(activation: str, k: int, rows_per_expert: float | None = None)
       :data:`SWAPAB_TILE_T` holding twice the mean, so most experts need one tile;
     * ``pingpong`` with :data:`PINGPONG_TILE_N`-wide tiles for the non-gated GEMMs with K <=
       :func:`pingpong_max_k` (short mainloops, where one warpgroup's epilogue overlapping the
-      other's mainloop pays);
+      other's mainloop pays; the bound is per GPU, :func:`pingpong_bound` of ``device_name``);
     * ``pingpong`` with :data:`GATED_PINGPONG_TILE_N`-wide tiles for the gated GEMMs (FC1) when
       ``MOE_EP_GATED_PINGPONG=1`` (:func:`use_gated_pingpong`; opt-in);
     * ``wide`` for the gated GEMMs (FC1) with the drop's 128-wide tile when
@@ -359,7 +380,7 @@ def pick_schedule(activation: str, k: int, rows_per_expert: float | None = None)
     if rows_per_expert is not None and rows_per_expert <= SWAPAB_MAX_ROWS_PER_EXPERT:
         tile_t = next((t for t in SWAPAB_TILE_T if t >= 2 * rows_per_expert), SWAPAB_TILE_T[-1])
         return "swapab", tile_t
-    if activation not in GEMM_GATED and k <= pingpong_max_k(PINGPONG_MAX_K):
+    if activation not in GEMM_GATED and k <= pingpong_max_k(pingpong_bound(device_name)):
         return "pingpong", PINGPONG_TILE_N
     if activation in GEMM_GATED and use_gated_pingpong():
         return "pingpong", GATED_PINGPONG_TILE_N
@@ -526,7 +547,7 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
     check_gemm_shapes(activation, n, k, num_experts, tile_n)
     check_removed()  # a switch of a removed variant, still set, raises here
     if schedule is None:
-        schedule, picked_tile = pick_schedule(activation, k, rows_per_expert)
+        schedule, picked_tile = pick_schedule(activation, k, rows_per_expert, device_name)
         tile = tile_n or picked_tile
     elif schedule not in SCHEDULES:
         raise ValueError(f"sm90 grouped GEMM: schedule {schedule!r} not in {SCHEDULES}")
