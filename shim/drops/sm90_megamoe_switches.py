@@ -55,7 +55,15 @@ def pingpong_max_k(default: int) -> int:
 #: (4.8 TB/s against the H100's 3.35) clusters were slower before drop v96: Mixtral 635.5-639.0 vs
 #: 645.2-655.9 per call, Qwen3 490 vs 520. Only the H100 80GB HBM3 was timed; the PCIe and NVL H100s
 #: match the name untimed; other SM90 parts keep single CTAs.
-CLUSTER_GPUS = ("H100",)
+#: 53rd session, H200 (drop v108; v96 paired the lone m-tiles since those H200 losses), BF16 layers
+#: with every cooperative GEMM clustered (``MOE_EP_BF16_CLUSTER=1``) against single CTAs, four
+#: interleaved rounds over two calls: Mixtral 668.6-670.0 / 666.6-667.3 / 635.5-640.1 per call / back
+#: to back / graph against 661.4-662.5 / 650.0-652.2 / 604.3-609.2; the DeepSeek-V3 shard
+#: 632.6-635.0 / 629.0-631.0 / 588.2-593.2 against 627.4-628.7 / 619.9-621.3 / 585.1-594.1; Qwen3
+#: 536.3-537.3 / 491.0-491.3 / 506.9-507.7 against 527.0-532.0 / 483.3-485.7 / 494.4-522.2; the
+#: DeepSeek-V4 shard level. So the H200 clusters too. Names match by word: "GH200" (other memory,
+#: untimed) does not match "H200".
+CLUSTER_GPUS = ("H100", "H200")
 #: the least mean rows per expert at capacity for that default: a cluster computes an m-tile pair of
 #: one expert, so an expert with one m-tile idles half of it (Mixtral at 8192 tokens: 2048 rows, Qwen3:
 #: 512)
@@ -70,6 +78,13 @@ CLUSTER_MIN_ROWS = 512
 # drop v96. The DeepSeek-V3 shard (FC2 K 2048, pingpong) and Qwen3 (K 768) do not change.
 
 
+def clusters_by_default(device_name: str | None) -> bool:
+    """Whether the GPU named ``device_name`` (``torch.cuda.get_device_name``; None: unknown, a CPU
+    prebuild) is one of :data:`CLUSTER_GPUS`, matched by whole word ("NVIDIA H200 NVL" is, "NVIDIA
+    GH200 480GB" is not)."""
+    return device_name is not None and any(g in device_name.split() for g in CLUSTER_GPUS)
+
+
 def use_bf16_cluster(schedule: str, gather_a: bool = False, gated: bool = False,
                      rows_per_expert: float | None = None, device_name: str | None = None) -> int:
     """CTAs per cluster of the BF16 grouped GEMM (drop v29, ``cluster_m``): 2 or 1. The two CTAs of a
@@ -82,8 +97,8 @@ def use_bf16_cluster(schedule: str, gather_a: bool = False, gated: bool = False,
       :data:`CLUSTER_MIN_ROWS` rows per expert (``rows_per_expert``; None = many), every GEMM
       that reaches here: the gated GEMM (FC1) and, since the 53rd session, the non-gated one (FC2)
       where it runs cooperative, i.e. above the pingpong bound (K > 2880: Mixtral's K 14336; see
-      the comment after :data:`CLUSTER_MIN_ROWS`); else none. ``device_name`` None (a CPU prebuild) takes the H200's
-      choice: none.
+      the comment after :data:`CLUSTER_MIN_ROWS`); else none. ``device_name`` None (a CPU
+      prebuild): none.
 
     Bit-identical to single CTAs (drop v29's tests). Measured: the constants above."""
     mode = env_choice("MOE_EP_BF16_CLUSTER", ("0", "1", "fc2"), "")
@@ -92,7 +107,7 @@ def use_bf16_cluster(schedule: str, gather_a: bool = False, gated: bool = False,
     if mode == "":
         # FC1 at every K, FC2 only as the cooperative kernel (K above the pingpong bound): the
         # schedule test above already sent the pingpong FC2 away.
-        on = (device_name is not None and any(g in device_name for g in CLUSTER_GPUS)
+        on = (clusters_by_default(device_name)
               and (rows_per_expert is None or rows_per_expert >= CLUSTER_MIN_ROWS))
     else:
         on = mode == "1" or (mode == "fc2" and not gated)
