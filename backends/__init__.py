@@ -93,6 +93,10 @@ __all__ = [*ERRORS, "launch_path", "retain_runtime", "workspace_bytes", "Backend
            "available", "explain", "get", "register", "select", "unregister", "prebuild", "compile_cache_root",
            "list_cache_entries", "set_compile_cache_dir", "verify_cache_entry", "PREBUILD_ARCHES", "COMPILE_EVENTS"]
 
+#: the GPU whose per-GPU picks ``prebuild(..., gpu=None)`` builds (``python -m moe_ep.aot build``
+#: without ``--gpu``)
+DEFAULT_PREBUILD_GPU = "NVIDIA H200"
+
 #: arch -> backend whose kernels ``prebuild`` compiles for it
 PREBUILD_ARCHES = {"sm_90a": "sm90_bf16_cutedsl", "sm_100a": "sm100_w4a16_cutedsl", "sm_120a": "sm120_mxfp8_cutedsl"}
 
@@ -104,8 +108,9 @@ def prebuild(config, world_size: int = 1, arch: str = "sm_90a", kernels: tuple =
     that arch (``sm_100a``: NVFP4 W4A16 layers, ``sm_120a``: MXFP8 layers; ``sm_90a`` with
     ``config.quant="fp8_block128"``: ``sm90_fp8_cutedsl``). ``gpu``: the name of the GPU the layers
     will run on, as ``torch.cuda.get_device_name`` gives it (e.g. "NVIDIA H100 80GB HBM3"), for the
-    kernels the shim picks per GPU (``sm90_bf16_cutedsl``'s FC1 clusters on an H100); None: the
-    H200's picks. Unknown arches, and configurations that backend refuses, raise naming the reason."""
+    kernels the shim picks per GPU (``sm90_bf16_cutedsl``'s clusters, its pingpong bound); None:
+    :data:`DEFAULT_PREBUILD_GPU`'s picks. Unknown arches, and configurations that backend refuses,
+    raise naming the reason."""
     if arch not in PREBUILD_ARCHES:
         raise ValueError(f"prebuild: arch {arch!r} is not supported; supported: {sorted(PREBUILD_ARCHES)}")
     if arch == "sm_90a" and getattr(config, "quant", None) is not None:  # FP8 block-scaled layers
@@ -113,7 +118,7 @@ def prebuild(config, world_size: int = 1, arch: str = "sm_90a", kernels: tuple =
         _sm90_fp8.prebuild(config, world_size, kernels)
         return
     if arch == "sm_90a":
-        _sm90_bf16.prebuild(config, world_size, kernels, gpu=gpu)
+        _sm90_bf16.prebuild(config, world_size, kernels, gpu=DEFAULT_PREBUILD_GPU if gpu is None else gpu)
         return
     from .registry import get as _get_spec
 

@@ -94,42 +94,42 @@ def test_shim_switch_and_key(monkeypatch):
     assert s.GemmKey.__dataclass_fields__["cluster_m"].default == 1
 
 
-def test_clusters_by_default_on_an_h100_only(monkeypatch):
+def test_clusters_by_default_on_an_h100_or_h200(monkeypatch):
     """Unset, MOE_EP_BF16_CLUSTER clusters the cooperative GEMMs at prefill sizes (>= 512 rows per expert)
-    on an H100 only: the gated GEMM (43rd / 46th sessions: Mixtral +4-5% and the DeepSeek-V3 shard +3-8%
-    there, Qwen3 level) and the long-K FC2 (53rd: Mixtral +2.5-5% per call); not on the H200 (slower
-    there); the pingpong FC2 (K <= 2880) never. 0 / 1 / fc2 override it."""
+    on an H100 or an H200 (GPU names matched by whole word): the gated GEMM (H100, 43rd / 46th sessions:
+    Mixtral +4-5% and the DeepSeek-V3 shard +3-8%, Qwen3 level) and the long-K FC2 (53rd: Mixtral +2.5-5%
+    per call on an H100; on the H200 both, Mixtral +1-5%, DSv3 and Qwen3 +1-2%); the pingpong FC2 never;
+    a CPU prebuild (no name), a GH200 or another GPU none. 0 / 1 / fc2 override it."""
     from moe_ep.shim.drops import sm90_megamoe as s
 
     monkeypatch.delenv("MOE_EP_BF16_CLUSTER", raising=False)
     h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
     mixtral_fc1 = dict(gated=True, rows_per_expert=2048.0)
-    qwen3_fc1 = dict(gated=True, rows_per_expert=512.0)  # 128 experts x 8 of 8192 tokens
-    for fc1 in (mixtral_fc1, qwen3_fc1, dict(gated=True, rows_per_expert=None)):  # None: many rows
-        assert s.use_bf16_cluster("cooperative", **fc1, device_name=h100) == 2
-        assert s.use_bf16_cluster("wide", **fc1, device_name=h100) == 2
-    for name in (h200, None, "NVIDIA GH200 480GB"):  # the H200's choice; a CPU prebuild knows no GPU
-        assert s.use_bf16_cluster("cooperative", **mixtral_fc1, device_name=name) == 1
     mixtral_fc2 = dict(gated=False, rows_per_expert=2048.0)  # K 14336: the cooperative schedule
-    assert s.use_bf16_cluster("cooperative", **mixtral_fc2, device_name=h100) == 2
-    assert s.use_bf16_cluster("cooperative", **mixtral_fc2, device_name=h200) == 1
-    assert s.use_bf16_cluster("pingpong", **mixtral_fc2, device_name=h100) == 1  # Qwen3's / DSv3's FC2
-    for few in (mixtral_fc1, mixtral_fc2):  # few rows (gpt-oss: 256)
-        assert s.use_bf16_cluster("cooperative", **{**few, "rows_per_expert": 256.0}, device_name=h100) == 1
-    assert s.use_bf16_cluster("cooperative", **mixtral_fc1, gather_a=True, device_name=h100) == 1
-    assert s.use_bf16_cluster("pingpong", **mixtral_fc1, device_name=h100) == 1
-    for raw, want in (("0", 1), ("fc2", 1), ("1", 2)):
+    qwen3_fc1 = dict(gated=True, rows_per_expert=512.0)  # 128 experts x 8 of 8192 tokens
+    for gpu in (h100, h200, "NVIDIA H100 PCIe", "NVIDIA H200 NVL"):
+        assert s.clusters_by_default(gpu)
+        for gemm in (mixtral_fc1, mixtral_fc2, qwen3_fc1, dict(gated=True, rows_per_expert=None)):  # None: many
+            assert s.use_bf16_cluster("cooperative", **gemm, device_name=gpu) == 2
+            assert s.use_bf16_cluster("wide", **gemm, device_name=gpu) == 2
+            assert s.use_bf16_cluster("cooperative", **{**gemm, "rows_per_expert": 256.0}, device_name=gpu) == 1
+        assert s.use_bf16_cluster("pingpong", **mixtral_fc2, device_name=gpu) == 1  # Qwen3's / DSv3's FC2
+        assert s.use_bf16_cluster("swapab", **mixtral_fc1, device_name=gpu) == 1
+        assert s.use_bf16_cluster("cooperative", **mixtral_fc1, gather_a=True, device_name=gpu) == 1
+    for name in (None, "NVIDIA GH200 480GB", "NVIDIA H800", "NVIDIA H20"):  # a CPU prebuild knows no GPU
+        assert not s.clusters_by_default(name)
+        assert s.use_bf16_cluster("cooperative", **mixtral_fc1, device_name=name) == 1
+        assert s.use_bf16_cluster("cooperative", **mixtral_fc2, device_name=name) == 1
+    for raw, fc1, fc2 in (("0", 1, 1), ("fc2", 1, 2), ("1", 2, 2)):
         monkeypatch.setenv("MOE_EP_BF16_CLUSTER", raw)
-        assert s.use_bf16_cluster("cooperative", **mixtral_fc1, device_name=h100) == want
-    monkeypatch.setenv("MOE_EP_BF16_CLUSTER", "0")
-    assert s.use_bf16_cluster("cooperative", **mixtral_fc2, device_name=h100) == 1
-    monkeypatch.setenv("MOE_EP_BF16_CLUSTER", "1")
-    assert s.use_bf16_cluster("cooperative", **mixtral_fc1, device_name=h200) == 2
+        for name in (h100, None):
+            assert s.use_bf16_cluster("cooperative", **mixtral_fc1, device_name=name) == fc1
+            assert s.use_bf16_cluster("cooperative", **mixtral_fc2, device_name=name) == fc2
 
 
 def test_the_key_takes_the_device_choice(monkeypatch):
-    """compiled_grouped_gemm builds Mixtral's FC1 and FC2 in clusters for an H100 and single for the
-    H200 or an unknown GPU (two keys per GEMM, four kernels); Qwen3's pingpong FC2 is single on both."""
+    """compiled_grouped_gemm builds Mixtral's FC1 and FC2 in clusters for an H100 or an H200 and single
+    for an unknown GPU (two keys per GEMM); Qwen3's pingpong FC2 is single everywhere."""
     from moe_ep.shim.drops import sm90_megamoe as s
     from recorders import record_gemm_builds
 
@@ -139,8 +139,8 @@ def test_the_key_takes_the_device_choice(monkeypatch):
         s.compiled_grouped_gemm("swiglu", 28672, 4096, 8, rows_per_expert=2048.0, device_name=name)
         s.compiled_grouped_gemm("identity", 4096, 14336, 8, True, rows_per_expert=2048.0, device_name=name)
         s.compiled_grouped_gemm("identity", 2048, 768, 128, True, rows_per_expert=512.0, device_name=name)
-    # one key per kernel: the H100's clustered FC1 and FC2, the pingpong FC2 that all share, then the
-    # single FC1 and FC2 that the H200 and the unnamed GPU share
+    # one key per kernel: the clustered FC1 and FC2 (H100 and H200 share them), the pingpong FC2 that all
+    # share, then the single FC1 and FC2 of the unnamed GPU
     assert names == ["gemm_swiglu_cluster2_tanh", "gemm_identity_cluster2", "gemm_identity",
                      "gemm_swiglu_tanh", "gemm_identity"]
     picks = [(kw["activation"], kw["schedule"], kw.get("cluster_m", 1)) for kw in built]
@@ -151,7 +151,8 @@ def test_the_key_takes_the_device_choice(monkeypatch):
 
 def test_prebuild_builds_the_named_gpus_picks(monkeypatch):
     """``prebuild(..., gpu=...)`` (``python -m moe_ep.aot build --gpu``) builds the FC1 the layer will
-    load on that GPU: Mixtral's clustered on an H100, single without a name."""
+    load on that GPU: Mixtral's clustered on an H100 or an H200 (also the default, no name: the H200's
+    picks), single on a GPU the shim has no cluster choice for."""
     from recorders import record_gemm_builds
 
     from moe_ep.backends import prebuild
@@ -159,10 +160,10 @@ def test_prebuild_builds_the_named_gpus_picks(monkeypatch):
 
     monkeypatch.delenv("MOE_EP_BF16_CLUSTER", raising=False)
     cfg = model_config("mixtral", 8192)
-    for gpu, want in (("NVIDIA H100 80GB HBM3", {2}), (None, {1})):
+    for gpu, want in (("NVIDIA H100 80GB HBM3", {2}), ("NVIDIA H200", {2}), (None, {2}), ("NVIDIA H800", {1})):
         built, _ = record_gemm_builds(monkeypatch)
-        prebuild(cfg, kernels=("fc1",), gpu=gpu)
-        # the 128-row FC1 (cooperative); its decode sibling (swap-AB) never clusters
+        prebuild(cfg, kernels=("fc1", "fc2"), gpu=gpu)
+        # the 128-row FC1 and FC2 (cooperative); their decode siblings (swap-AB) never cluster
         assert {kw.get("cluster_m", 1) for kw in built if kw["schedule"] == "cooperative"} == want
         assert {kw.get("cluster_m", 1) for kw in built if kw["schedule"] == "swapab"} == {1}
 
@@ -298,7 +299,7 @@ def test_gpu_layer_with_clusters_is_bit_identical(monkeypatch, T, pingpong_max_k
 @pytest.mark.gpu
 def test_gpu_default_clusters_follow_the_gpu(monkeypatch):
     """The layer's default at >= 512 rows per expert (here FC1 N x K = 32768 x 2048, FC2 K 16384, so
-    cooperative): FC1 and FC2 in clusters of 2 on an H100, single elsewhere; either way the bits of
+    cooperative): FC1 and FC2 in clusters of 2 on an H100 or an H200, single elsewhere; either way the bits of
     ``MOE_EP_BF16_CLUSTER=0``, eager and graph-replayed from poison, within 1e-2 of float64."""
     require_sm90()
     from moe_oracle import layer_outputs_with_switch, make_problem, rel_err, swiglu_moe_f64
@@ -309,13 +310,13 @@ def test_gpu_default_clusters_follow_the_gpu(monkeypatch):
     cfg = MoEConfig(num_experts=E, hidden=H, intermediate=I, top_k=K, max_tokens_per_rank=2048)
     x, ids, w, w13, w2 = make_problem(E, H, I, K, T, seed=43)
     inputs = (x.cuda(), ids.to(torch.int32).cuda(), w.cuda(), w13.cuda(), w2.cuda())
-    from moe_ep.shim.drops.sm90_megamoe_switches import clusters_by_default
-    h100 = clusters_by_default(torch.cuda.get_device_name())  # H100 or H200 (53rd session)
+    from moe_ep.shim.drops.sm90_megamoe import clusters_by_default
+    clustered = clusters_by_default(torch.cuda.get_device_name())  # an H100 or an H200 (53rd session)
 
     def check(impl, default):
-        assert impl.fc1.compiled.cluster_m == (2 if default and h100 else 1)
+        assert impl.fc1.compiled.cluster_m == (2 if default and clustered else 1)
         assert impl.fc2.compiled.schedule == "cooperative"
-        assert impl.fc2.compiled.cluster_m == (2 if default and h100 else 1)
+        assert impl.fc2.compiled.cluster_m == (2 if default and clustered else 1)
 
     outs = layer_outputs_with_switch(monkeypatch, "MOE_EP_BF16_CLUSTER", cfg, "sm90_bf16_cutedsl", inputs,
                                      check, values=("0", ""))

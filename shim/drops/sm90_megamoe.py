@@ -47,6 +47,7 @@ from ..env import check_removed
 from ..launch_mode import use_tvm_ffi
 from ..nvshmem_boot import CounterContract
 from .sm90_megamoe_switches import (  # noqa: F401  (re-exported: the shim reads them here, tests too)
+    clusters_by_default,
     pingpong_max_k,
     use_bf16_cluster,
     use_bf16_cluster_n,

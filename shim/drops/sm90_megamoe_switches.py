@@ -1,5 +1,5 @@
 """Environment switches of the SM90 BF16 grouped GEMM (drop ``sm90_megamoe``): which kernel
-variants the shim compiles (opt-in, but for the tanh sigmoid, the pingpong FC2 bound and the H100's FC1
+variants the shim compiles (opt-in, but for the tanh sigmoid, the pingpong FC2 bound and the H100's and H200's
 clusters: defaults one can turn off). Each is read when a GEMM
 is built (its key), never in ``forward``; each says what the H200 measured. Same drop and contract as :mod:`.sm90_megamoe` (which re-exports these
 names); kept apart only to keep files short."""
