@@ -358,9 +358,9 @@ SWAPAB_TILE_T = (8, 16, 32, 64)
 
 def pingpong_bound(device_name: str | None = None) -> int:
     """The shim's measured pingpong bound for ``device_name`` (``torch.cuda.get_device_name``; None,
-    a CPU prebuild, takes the H200's): :data:`PINGPONG_MAX_K_H100` on a GPU whose name holds "H100",
-    else :data:`PINGPONG_MAX_K`."""
-    return PINGPONG_MAX_K_H100 if device_name is not None and "H100" in device_name else PINGPONG_MAX_K
+    an unknown GPU, takes the H200's): :data:`PINGPONG_MAX_K_H100` on a GPU whose name has the word
+    "H100" (matched by word, as :func:`clusters_by_default` matches), else :data:`PINGPONG_MAX_K`."""
+    return PINGPONG_MAX_K_H100 if device_name is not None and "H100" in device_name.split() else PINGPONG_MAX_K
 
 
 def pick_schedule(activation: str, k: int, rows_per_expert: float | None = None,

@@ -75,7 +75,8 @@ CLUSTER_MIN_ROWS = 512
 # 670.2-684.4 / 611.0-636.3 with FC1 alone clustered (every round: per call +2.5-5%, graph
 # +2.5-9%). `bench gemm` (52nd): that FC2 single 0.66-0.77x `torch._grouped_mm`, clustered ~1.0x
 # (43rd). The 43rd session's "FC2 clustered gained nothing" was measured with FC1 single and before
-# drop v96. The DeepSeek-V3 shard (FC2 K 2048, pingpong) and Qwen3 (K 768) do not change.
+# drop v96. The DeepSeek-V3 shard (FC2 K 2048, then pingpong) and Qwen3 (K 768) did not change;
+# since 569ea72 the H100 runs the K-2048 FC2s cooperative, and so clustered (PINGPONG_MAX_K_H100).
 
 
 def clusters_by_default(device_name: str | None) -> bool:
@@ -96,9 +97,9 @@ def use_bf16_cluster(schedule: str, gather_a: bool = False, gated: bool = False,
     * unset: on a GPU named in :data:`CLUSTER_GPUS`, when the caller expects at least
       :data:`CLUSTER_MIN_ROWS` rows per expert (``rows_per_expert``; None = many), every GEMM
       that reaches here: the gated GEMM (FC1) and, since the 53rd session, the non-gated one (FC2)
-      where it runs cooperative, i.e. above the pingpong bound (K > 2880: Mixtral's K 14336; see
-      the comment after :data:`CLUSTER_MIN_ROWS`); else none. ``device_name`` None (a CPU
-      prebuild): none.
+      where it runs cooperative, i.e. above the pingpong bound (``pingpong_bound`` in
+      :mod:`.sm90_megamoe`: K > 2880, on an H100 K > 1920; see the comment after
+      :data:`CLUSTER_MIN_ROWS`); else none. ``device_name`` None (an unknown GPU): none.
 
     Bit-identical to single CTAs (drop v29's tests). Measured: the constants above."""
     mode = env_choice("MOE_EP_BF16_CLUSTER", ("0", "1", "fc2"), "")
