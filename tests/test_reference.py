@@ -230,7 +230,12 @@ def test_any_bad_values_equal_the_masked_oracle(data, T, K, seed):
     with _layer(cfg) as layer:
         got = layer.forward(x, ids, w, w13, w2)
         assert torch.isfinite(got).all()
-        assert torch.equal(got, layer.forward(x, ok_ids, ok_w, w13, w2))
+        # A dropped choice leaves its expert's batch one row shorter than the masked routing's (weight 0,
+        # still computed), and the CPU float32 matmul may round a row differently with another M (the
+        # 53rd session's CI drew seed 72: one element one bf16 ulp apart). So: equal up to one ulp of
+        # the output's scale, which a choice computed or dropped wrongly (a whole expert's term) is not.
+        masked = layer.forward(x, ok_ids, ok_w, w13, w2).float()
+        assert float((got.float() - masked).abs().max()) <= 2 ** -8 * float(masked.abs().max()) + 1e-30
         ref = oracle_f64(x, ok_ids, ok_w, w13, w2, "swiglu", I)
         if float(ref.norm()) > 1e-3:
             assert rel_err(got, ref) < 2e-2
