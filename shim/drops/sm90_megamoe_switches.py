@@ -56,8 +56,8 @@ def pingpong_max_k(default: int) -> int:
 #: 645.2-655.9 per call, Qwen3 490 vs 520. Only the H100 80GB HBM3 was timed; the PCIe and NVL H100s
 #: match the name untimed; other SM90 parts keep single CTAs.
 #: 53rd session, H200 (drop v108; v96 paired the lone m-tiles since those H200 losses), BF16 layers
-#: with every cooperative GEMM clustered (``MOE_EP_BF16_CLUSTER=1``) against single CTAs, four
-#: interleaved rounds over two calls: Mixtral 668.6-670.0 / 666.6-667.3 / 635.5-640.1 per call / back
+#: with every cooperative GEMM clustered (``MOE_EP_BF16_CLUSTER=1``) against single CTAs,
+#: interleaved (Mixtral and Qwen3 two rounds, the DeepSeek-V3 shard four over two calls): Mixtral 668.6-670.0 / 666.6-667.3 / 635.5-640.1 per call / back
 #: to back / graph against 661.4-662.5 / 650.0-652.2 / 604.3-609.2; the DeepSeek-V3 shard
 #: 632.6-635.0 / 629.0-631.0 / 588.2-593.2 against 627.4-628.7 / 619.9-621.3 / 585.1-594.1; Qwen3
 #: 536.3-537.3 / 491.0-491.3 / 506.9-507.7 against 527.0-532.0 / 483.3-485.7 / 494.4-522.2; the
