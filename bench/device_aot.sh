@@ -17,13 +17,12 @@ build --model qwen3,mixtral,dsv4_shard,inkling2_shard,dsv3_shard --quant fp8_blo
 # the queued switches (their GEMMs only; everything else is the defaults' above)
 MOE_EP_GATHER_FC1=1 build --model qwen3,mixtral --kernels fc1
 MOE_EP_FP8_PLACE_FC1=copy build --model qwen3,mixtral --quant fp8_block128 --kernels fc1
-# h200_session.sh gemmab (42nd session's question; the 52nd queues it again for the long-K FC2s, Mixtral's and the
-# DeepSeek-V3 shard's, at 0.66-0.81x torch on an H100): the BF16 GEMMs in clusters along M, and
-# Mixtral's at L2 raster groups of 8 and 16 m-tiles (`bench gemm --raster-m 8,16`, `ncu_gemm --raster-m`)
-MOE_EP_BF16_CLUSTER=1 build --model mixtral,qwen3,dsv3_shard --kernels fc1,fc2
-# an H100's own picks (every prefill FC1 in clusters: Mixtral's since the 43rd session, any size since the
-# 46th; since the 53rd the cooperative FC2 in clusters too, and the non-gated GEMMs from K 2048 cooperative
-# instead of pingpong: the DeepSeek and Inkling2 shards' FC2s, Nemotron's FC1): partly hits of the line above
+# the other arm of the cluster A/Bs (`ENVAB="|MOE_EP_BF16_CLUSTER=0"`, h200_session.sh gemmab): single CTAs.
+# Since the 53rd session the defaults above (the H200's picks) cluster every cooperative BF16 GEMM, so
+# MOE_EP_BF16_CLUSTER=1 would only rebuild them. Mixtral's L2 raster groups of 8 and 16 m-tiles are below.
+MOE_EP_BF16_CLUSTER=0 build --model mixtral,qwen3,dsv3_shard --kernels fc1,fc2
+# an H100's own picks: clusters as on the H200, and since the 53rd session the non-gated GEMMs from K 2048
+# cooperative instead of pingpong (the DeepSeek and Inkling2 shards' FC2s, Nemotron's FC1)
 build --model mixtral,qwen3,nemotron,dsv3_shard,gpt_oss,dsv4_shard,inkling2_shard --kernels fc1,fc2 \
   --gpu "NVIDIA H100 80GB HBM3"
 MOE_EP_CACHE_DIR="$out" python - <<'PY'

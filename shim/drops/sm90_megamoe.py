@@ -48,6 +48,7 @@ from ..launch_mode import use_tvm_ffi
 from ..nvshmem_boot import CounterContract
 from .sm90_megamoe_switches import (  # noqa: F401  (re-exported: the shim reads them here, tests too)
     clusters_by_default,
+    gpu_named,
     pingpong_max_k,
     use_bf16_cluster,
     use_bf16_cluster_n,
@@ -358,9 +359,9 @@ SWAPAB_TILE_T = (8, 16, 32, 64)
 
 def pingpong_bound(device_name: str | None = None) -> int:
     """The shim's measured pingpong bound for ``device_name`` (``torch.cuda.get_device_name``; None,
-    an unknown GPU, takes the H200's): :data:`PINGPONG_MAX_K_H100` on a GPU whose name has the word
-    "H100" (matched by word, as :func:`clusters_by_default` matches), else :data:`PINGPONG_MAX_K`."""
-    return PINGPONG_MAX_K_H100 if device_name is not None and "H100" in device_name.split() else PINGPONG_MAX_K
+    an unknown GPU, takes the H200's): :data:`PINGPONG_MAX_K_H100` on an H100 (:func:`gpu_named`),
+    else :data:`PINGPONG_MAX_K`."""
+    return PINGPONG_MAX_K_H100 if gpu_named(device_name, ("H100",)) else PINGPONG_MAX_K
 
 
 def pick_schedule(activation: str, k: int, rows_per_expert: float | None = None,

@@ -79,11 +79,16 @@ CLUSTER_MIN_ROWS = 512
 # since 569ea72 the H100 runs the K-2048 FC2s cooperative, and so clustered (PINGPONG_MAX_K_H100).
 
 
+def gpu_named(device_name: str | None, names: tuple) -> bool:
+    """Whether the GPU named ``device_name`` (``torch.cuda.get_device_name``; None: unknown, e.g. a
+    CPU build) has one of ``names`` as a whole word ("NVIDIA H200 NVL" has "H200", "NVIDIA GH200
+    480GB" does not): how the shim's per-GPU choices match a GPU."""
+    return device_name is not None and any(g in device_name.split() for g in names)
+
+
 def clusters_by_default(device_name: str | None) -> bool:
-    """Whether the GPU named ``device_name`` (``torch.cuda.get_device_name``; None: unknown, a CPU
-    prebuild) is one of :data:`CLUSTER_GPUS`, matched by whole word ("NVIDIA H200 NVL" is, "NVIDIA
-    GH200 480GB" is not)."""
-    return device_name is not None and any(g in device_name.split() for g in CLUSTER_GPUS)
+    """Whether the GPU named ``device_name`` is one of :data:`CLUSTER_GPUS` (:func:`gpu_named`)."""
+    return gpu_named(device_name, CLUSTER_GPUS)
 
 
 def use_bf16_cluster(schedule: str, gather_a: bool = False, gated: bool = False,
