@@ -106,13 +106,31 @@ def test_gpu_layer_with_gated_pingpong_is_bit_identical(monkeypatch, T):
 
 def test_the_pingpong_bound_follows_the_gpu(monkeypatch):
     """The non-gated GEMM's pingpong bound is per GPU (53rd session): K <= 2880 on the H200 and for a
-    CPU prebuild, K <= 1920 on an H100, where the cooperative (clustered) kernel won from K 2048;
-    MOE_EP_PINGPONG_MAX_K overrides both."""
+    CPU prebuild, K <= 1920 on an H100, where the cooperative (clustered) kernel won from K 2048 --
+    but only where that kernel runs in clusters (54th session: with single CTAs, gpt-oss's and
+    Nemotron's layers were ~5% faster pingpong); MOE_EP_PINGPONG_MAX_K overrides both."""
     from moe_ep.shim.drops import sm90_megamoe as s
 
     monkeypatch.delenv("MOE_EP_PINGPONG_MAX_K", raising=False)
+    monkeypatch.delenv("MOE_EP_BF16_CLUSTER", raising=False)
     h100, h200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
     assert (s.pingpong_bound(h200), s.pingpong_bound(None), s.pingpong_bound(h100)) == (2880, 2880, 1920)
+    # fewer rows per expert than a cluster needs: single-CTA cooperative, so pingpong keeps K <= 2880
+    from moe_ep.shim.drops.sm90_megamoe_switches import CLUSTER_MIN_ROWS
+    assert CLUSTER_MIN_ROWS == 512
+    assert [s.pingpong_bound(h100, r) for r in (256.0, 384.0, 511.9, 512.0, 2048.0, None)] == [
+        2880, 2880, 2880, 1920, 1920, 1920]
+    for k in (2688, 2880):  # Nemotron's FC1 (384 rows per expert), gpt-oss's FC2 (256)
+        assert s.pick_schedule("squared_relu", k, 384.0, h100)[0] == "pingpong"
+        assert s.pick_schedule("identity", k, 256.0, h100)[0] == "pingpong"
+        assert s.pick_schedule("identity", k, 1536.0, h100)[0] == "cooperative"
+    assert s.pick_schedule("identity", 2944, 256.0, h100)[0] == "cooperative"  # above either bound
+    # the bound follows the cluster switch: forced off, an H100 keeps 2880; forced on, 1920 at any rows
+    monkeypatch.setenv("MOE_EP_BF16_CLUSTER", "0")
+    assert (s.pingpong_bound(h100, 2048.0), s.pick_schedule("identity", 2048, 2048.0, h100)[0]) == (2880, "pingpong")
+    monkeypatch.setenv("MOE_EP_BF16_CLUSTER", "1")
+    assert s.pingpong_bound(h100, 256.0) == 1920 and s.pingpong_bound(h200, 256.0) == 2880
+    monkeypatch.delenv("MOE_EP_BF16_CLUSTER")
     for k, on_h100 in ((768, "pingpong"), (1856, "pingpong"), (1920, "pingpong"), (2048, "cooperative"),
                        (2688, "cooperative"), (2880, "cooperative"), (14336, "cooperative")):
         assert s.pick_schedule("identity", k, 512.0, h100)[0] == on_h100

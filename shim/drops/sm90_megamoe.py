@@ -339,7 +339,15 @@ PINGPONG_MAX_K = 2880
 #: rounds: the DeepSeek-V3 shard 648.1-648.9 / 637.1-642.4 / 579.5-587.5 TFLOP/s per call / back to
 #: back / graph against 631.3-636.0 / 616.2-616.6 / 553.6-560.6; Inkling2's level (621.4-626.5 /
 #: 611.2-614.9 / 631.8-635.1 against 603.4-614.7 / 615.9-619.2 / 635.9-642.2); Qwen3's 3-5% slower
-#: (so K 768 keeps pingpong). gpt-oss's FC2 (K 2880, with bias) was not timed on the H100.
+#: (so K 768 keeps pingpong). Only where that cooperative kernel runs in clusters (54th session, 3e44df6,
+#: H100, `ENVAB="|MOE_EP_PINGPONG_MAX_K=2880" MODELS=gpt_oss,nemotron,dsv4_shard`, two interleaved
+#: rounds): with single CTAs (fewer than CLUSTER_MIN_ROWS rows per expert) pingpong won every round
+#: and column -- gpt-oss (FC2 K 2880, 256 rows per expert) 459.4-461.2 / 442.4-444.6 / 437.3-450.4
+#: TFLOP/s against 436.8-439.9 / 426.9-427.6 / 398.0-407.4 cooperative, Nemotron (FC1 K 2688, 384 rows)
+#: 480.6-484.3 / 463.5-466.1 / 473.4-478.8 against 456.9-460.5 / 445.9-447.5 / 455.8-457.5 -- while the
+#: clustered DeepSeek-V4 shard's FC2 (K 2048, 1536 rows) was level (per call 598-601 against 609-632,
+#: back to back 608-612 against 582-596, graph 513-566 against 491-524). So :func:`pingpong_bound` takes 1920 only
+#: when :func:`use_bf16_cluster` would cluster the cooperative kernel.
 PINGPONG_MAX_K_H100 = 1920
 #: the pingpong tile's width: a warpgroup holds the whole 128 x 192 fp32 accumulator (the drop's
 #: limit; 128-wide tiles: Qwen3's FC2 0.386 ms, slower than cooperative 128 x 256)
@@ -357,11 +365,16 @@ SWAPAB_MAX_ROWS_PER_EXPERT = 32
 SWAPAB_TILE_T = (8, 16, 32, 64)
 
 
-def pingpong_bound(device_name: str | None = None) -> int:
+def pingpong_bound(device_name: str | None = None, rows_per_expert: float | None = None) -> int:
     """The shim's measured pingpong bound for ``device_name`` (``torch.cuda.get_device_name``; None,
-    an unknown GPU, takes the H200's): :data:`PINGPONG_MAX_K_H100` on an H100 (:func:`gpu_named`),
-    else :data:`PINGPONG_MAX_K`."""
-    return PINGPONG_MAX_K_H100 if gpu_named(device_name, ("H100",)) else PINGPONG_MAX_K
+    an unknown GPU, takes the H200's) and ``rows_per_expert`` (the mean rows per expert expected at
+    capacity; None = many): :data:`PINGPONG_MAX_K_H100` on an H100 (:func:`gpu_named`) where the
+    cooperative kernel that would replace pingpong runs in clusters (:func:`use_bf16_cluster`), else
+    :data:`PINGPONG_MAX_K` -- on an H100 the cooperative kernel beat pingpong above K 1920 only in
+    clusters (the measurements above :data:`PINGPONG_MAX_K_H100`)."""
+    clustered = use_bf16_cluster("cooperative", gated=False, rows_per_expert=rows_per_expert,
+                                 device_name=device_name) > 1
+    return PINGPONG_MAX_K_H100 if gpu_named(device_name, ("H100",)) and clustered else PINGPONG_MAX_K
 
 
 def pick_schedule(activation: str, k: int, rows_per_expert: float | None = None,
@@ -373,7 +386,7 @@ def pick_schedule(activation: str, k: int, rows_per_expert: float | None = None,
       :data:`SWAPAB_TILE_T` holding twice the mean, so most experts need one tile;
     * ``pingpong`` with :data:`PINGPONG_TILE_N`-wide tiles for the non-gated GEMMs with K <=
       :func:`pingpong_max_k` (short mainloops, where one warpgroup's epilogue overlapping the
-      other's mainloop pays; the bound is per GPU, :func:`pingpong_bound` of ``device_name``);
+      other's mainloop pays; the bound is per GPU and rows, :func:`pingpong_bound`);
     * ``pingpong`` with :data:`GATED_PINGPONG_TILE_N`-wide tiles for the gated GEMMs (FC1) when
       ``MOE_EP_GATED_PINGPONG=1`` (:func:`use_gated_pingpong`; opt-in);
     * ``wide`` for the gated GEMMs (FC1) with the drop's 128-wide tile when
@@ -382,7 +395,7 @@ def pick_schedule(activation: str, k: int, rows_per_expert: float | None = None,
     if rows_per_expert is not None and rows_per_expert <= SWAPAB_MAX_ROWS_PER_EXPERT:
         tile_t = next((t for t in SWAPAB_TILE_T if t >= 2 * rows_per_expert), SWAPAB_TILE_T[-1])
         return "swapab", tile_t
-    if activation not in GEMM_GATED and k <= pingpong_max_k(pingpong_bound(device_name)):
+    if activation not in GEMM_GATED and k <= pingpong_max_k(pingpong_bound(device_name, rows_per_expert)):
         return "pingpong", PINGPONG_TILE_N
     if activation in GEMM_GATED and use_gated_pingpong():
         return "pingpong", GATED_PINGPONG_TILE_N
