@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-ACTIVATIONS = ("swiglu", "squared_relu", "gelu_glu", "clamped_swiglu", "softcapped_swiglu")
-GATED = ("swiglu", "gelu_glu", "clamped_swiglu", "softcapped_swiglu")
+ACTIVATIONS = ("swiglu", "squared_relu", "gelu_glu", "clamped_swiglu", "softcapped_swiglu", "gelu_tanh_glu")
+GATED = ("swiglu", "gelu_glu", "clamped_swiglu", "softcapped_swiglu", "gelu_tanh_glu")
 SUPPORTED_DTYPES = (torch.bfloat16,)
 #: weight formats (``MoEConfig.quant``) -> the block size along K (see :mod:`moe_ep.api.quant`)
 QUANT_FORMATS = {"nvfp4_w4a16": 16, "mxfp8": 32, "fp8_block128": 1}
@@ -26,6 +26,8 @@ class MoEConfig:
         max_tokens_per_rank: upper bound on T, tokens a rank passes to one forward; sizes buffers.
         dtype: activation and weight dtype (``torch.bfloat16``).
         activation: ``"swiglu"`` (silu(gate)·up), ``"gelu_glu"`` (gelu(gate)·up, erf form),
+            ``"gelu_tanh_glu"`` (gelu(gate)·up, tanh form: torch's ``gelu(approximate="tanh")``,
+            transformers' ``"gelu_pytorch_tanh"``; Gemma 4's experts),
             ``"clamped_swiglu"`` (``g = min(gate, limit)``, ``u = clamp(up, -limit, limit)``,
             ``(u + beta) · g · sigmoid(alpha · g)``: gpt-oss with the defaults; DeepSeek-V4, GLM-5
             and Hunyuan-V4 with ``swiglu_alpha=1.0, swiglu_beta=0.0`` and their ``swiglu_limit``;

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Fill .device/aot (git-ignored) with the compiled kernels the next H200 calls need, on this CPU
 # machine, so the device's minutes are not spent compiling: the defaults of the BF16 (qwen3,
-# mixtral, nemotron, dsv3_shard, gpt_oss, dsv4_shard, inkling2_shard) and FP8 (qwen3, mixtral, dsv4_shard,
+# mixtral, nemotron, dsv3_shard, gpt_oss, dsv4_shard, inkling2_shard, gemma4) and FP8 (qwen3, mixtral, dsv4_shard,
 # inkling2_shard, dsv3_shard) layers at
 # 8192 tokens, plus the GEMMs of the opt-in switches queued for the H200 (docs/PERFORMANCE.md,
 # newest entry). Carry it with run(..., carry=[".device/b", ".device/aot"]) and export
@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 out=.device/aot
 rm -rf "$out"
 build() { python -m moe_ep.aot build --arch sm_90a --max-tokens 8192 --out "$out" "$@" | grep -v '^  '; }
-build --model qwen3,mixtral,nemotron,dsv3_shard,gpt_oss,dsv4_shard,inkling2_shard
+build --model qwen3,mixtral,nemotron,dsv3_shard,gpt_oss,dsv4_shard,inkling2_shard,gemma4
 build --model qwen3,mixtral,dsv4_shard,inkling2_shard,dsv3_shard --quant fp8_block128
 # the queued switches (their GEMMs only; everything else is the defaults' above)
 MOE_EP_GATHER_FC1=1 build --model qwen3,mixtral --kernels fc1
@@ -21,9 +21,10 @@ MOE_EP_FP8_PLACE_FC1=copy build --model qwen3,mixtral --quant fp8_block128 --ker
 # Since the 53rd session the defaults above (the H200's picks) cluster every cooperative BF16 GEMM, so
 # MOE_EP_BF16_CLUSTER=1 would only rebuild them. Mixtral's L2 raster groups of 8 and 16 m-tiles are below.
 MOE_EP_BF16_CLUSTER=0 build --model mixtral,qwen3,dsv3_shard --kernels fc1,fc2
-# an H100's own picks: clusters as on the H200, and since the 53rd session the non-gated GEMMs from K 2048
-# cooperative instead of pingpong (the DeepSeek and Inkling2 shards' FC2s, Nemotron's FC1)
-build --model mixtral,qwen3,nemotron,dsv3_shard,gpt_oss,dsv4_shard,inkling2_shard --kernels fc1,fc2 \
+# an H100's own picks: clusters as on the H200, and since the 53rd session the clustered non-gated GEMMs
+# from K 2048 cooperative instead of pingpong (the DeepSeek and Inkling2 shards' FC2s; since the 54th not
+# Nemotron's FC1 or gpt-oss's FC2, whose single-CTA cooperative kernels lost: they stay pingpong)
+build --model mixtral,qwen3,nemotron,dsv3_shard,gpt_oss,dsv4_shard,inkling2_shard,gemma4 --kernels fc1,fc2 \
   --gpu "NVIDIA H100 80GB HBM3"
 MOE_EP_CACHE_DIR="$out" python - <<'PY'
 from moe_ep.shim import sm90_compiled_grouped_gemm as gemm

@@ -221,7 +221,7 @@ suite_groups=(
   "tests/test_ep_virtual_gpu.py;-k;matches_reference" "tests/test_ep_virtual_gpu.py;-k;not matches_reference"
   "tests/test_fp8_backend.py;tests/test_activations_bias.py;tests/test_gather_fc1.py;tests/test_fp8_place.py;tests/test_clamped_swiglu_beta.py;tests/test_clamp_after_act.py;tests/test_softcapped_swiglu.py"
   "tests/test_ep_gpu.py;tests/test_disk_cache.py;tests/test_transformers_integration.py;tests/test_transformers_layouts.py;tests/test_blackwell_backends.py"
-  "tests/test_sm90_fp8_quant.py;tests/test_fp8_quant_div.py;tests/test_fp8_quant_items.py;tests/test_fp8_scatter_quant.py;tests/test_fp8_cluster.py"
+  "tests/test_sm90_fp8_quant.py;tests/test_fp8_quant_div.py;tests/test_fp8_quant_items.py;tests/test_fp8_scatter_quant.py;tests/test_fp8_cluster.py;tests/test_gelu_tanh_glu.py"
   "tests/test_fp8_plain_schedule.py;tests/test_fp8_smem_scales.py;tests/test_fp8_unit_scales.py;tests/test_fp8_deferred_epilogue.py;tests/test_bf16_cluster.py"
   "tests/test_sm90_fp8_compile.py;tests/test_fp8_stage_guard.py" "tests/test_sm90_swapab_compile.py;tests/test_fp8_tanh_sigmoid.py;tests/test_bf16_tanh_sigmoid.py;tests/test_bf16_cluster_n.py;tests/test_jump_stages.py;tests/test_gated_pingpong.py"
 )
@@ -548,7 +548,7 @@ fi
 suite_common=(python3 -m pytest -m gpu -q -W ignore -p no:cacheprovider -rfE --durations=15 --tb=long)
 if [ "$mode" = suite1 ]; then
   step "GPU suite 1/3" "$OUT/suite1.log" -- "${suite_common[@]}" tests/test_layer_gpu.py tests/test_fp8_backend.py \
-      tests/test_activations_bias.py tests/test_clamped_swiglu_beta.py tests/test_clamp_after_act.py tests/test_softcapped_swiglu.py
+      tests/test_activations_bias.py tests/test_clamped_swiglu_beta.py tests/test_clamp_after_act.py tests/test_softcapped_swiglu.py tests/test_gelu_tanh_glu.py
 fi
 if [ "$mode" = suite2 ]; then
   step "GPU suite 2/3" "$OUT/suite2.log" -- "${suite_common[@]}" tests/test_sm90_gpu.py tests/test_ep_gpu.py \

@@ -22,6 +22,10 @@ MODELS = {
     # 4 tanh(g / 4) sigmoid(g) 25 tanh(u / 25) (drop v103)
     "inkling2_shard": dict(name="Inkling2 local shard", hidden=4608, intermediate=2304, num_experts=48, top_k=8,
                            activation="softcapped_swiglu", gate_softcap=4.0, up_softcap=25.0),
+    # Gemma-4-26B-A4B's experts: GELU's tanh form (drop v109), I = 704 = 5.5 tiles of 128 (ragged);
+    # H 2816 as this project reads the published config (one model page says 2112: not verified here)
+    "gemma4": dict(name="Gemma-4-26B-A4B", hidden=2816, intermediate=704, num_experts=128, top_k=8,
+                   activation="gelu_tanh_glu"),
 }
 
 #: the MoEConfig fields a model entry may set besides the shape (its activation and that's constants)

@@ -37,7 +37,8 @@ Static activation scales, other block sizes and FP4-packed experts are refused.
 
 The activation is what the module computes, probed once on random input in float32: its gate
 function (``_apply_gate``, transformers' default or the model's own) must match one of moe_ep's --
-``swiglu`` (silu(g)·u), ``gelu_glu`` (erf gelu(g)·u) or, with the module's ``limit`` (or
+``swiglu`` (silu(g)·u), ``gelu_glu`` (erf gelu(g)·u), ``gelu_tanh_glu`` (tanh-form gelu(g)·u, Gemma 4's
+``gelu_pytorch_tanh``) or, with the module's ``limit`` (or
 ``swiglu_limit``) and ``alpha`` (or ``swiglu_alpha``; 1 when it has none), ``clamped_swiglu``: gpt-oss's
 ``(u' + 1)·g'·sigmoid(alpha·g')`` or DeepSeek-V4's, GLM-5's and Hunyuan-V4's ``silu(g')·u'``
 (``swiglu_beta`` 0), ``g' = min(g, limit)``, ``u' = clamp(u, -limit, limit)``, or Step-3.7's and
@@ -104,6 +105,7 @@ def _gate_candidates(module: Any):
     silu, gelu = torch.nn.functional.silu, torch.nn.functional.gelu
     yield "swiglu", (), lambda g, u: silu(g) * u
     yield "gelu_glu", (), lambda g, u: gelu(g) * u
+    yield "gelu_tanh_glu", (), lambda g, u: gelu(g, approximate="tanh") * u  # Gemma 4 ("gelu_pytorch_tanh")
     alpha = next((getattr(module, a) for a in ("alpha", "swiglu_alpha") if getattr(module, a, None) is not None), 1.0)
     limit = next((getattr(module, a) for a in ("limit", "swiglu_limit") if getattr(module, a, None) is not None), None)
     caps = _softcaps(module)
@@ -164,7 +166,7 @@ def _probe_activation(module: Any, gated: bool, interleaved: bool, width: int):
     raise MoEEpTransformersError(
         f"moe_ep experts: {name}'s gate ({getattr(gate_fn, '__qualname__', gate_fn)}, act_fn "
         f"{type(getattr(module, 'act_fn', None)).__name__}) computes none of moe_ep's gated activations: "
-        "silu(g)*u, erf gelu(g)*u, or a clamped swiglu (the module's limit and alpha, with or without gpt-oss's "
+        "silu(g)*u, erf or tanh-form gelu(g)*u, or a clamped swiglu (the module's limit and alpha, with or without gpt-oss's "
         "+1 on the clamped up projection, the gate clamped before or after the activation), or a softcapped "
         "swiglu (the module's gate_softcap and up_softcap)")
 

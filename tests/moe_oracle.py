@@ -47,6 +47,13 @@ def activation_problem(E, H, I, K, T, seed, device, x_scale, fp8=False) -> tuple
     return x, ids, w, w13, w2
 
 
+def gelu_tanh_f64(g: torch.Tensor) -> torch.Tensor:
+    """GELU's tanh approximation from its formula, 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), in
+    float64 (not torch's gelu, so the check does not trust the function it checks against)."""
+    g = g.double()
+    return 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g ** 3)))
+
+
 def gated_moe_f64(x, ids, w, w13, w2, act, fp8=False):
     """The layer in float64 with a gated activation ``act(h [M, 2I] float64) -> [M, I]``, one expert at
     a time, router weights in k order. ``fp8``: the quantised model (block-128 e4m3 weights as
@@ -124,6 +131,9 @@ def oracle_f64(x, ids, w, w13, w2, activation, intermediate, *, b13=None, b2=Non
             elif activation == "gelu_glu":
                 g, u = h[:intermediate], h[intermediate:]
                 a = 0.5 * g * (1 + torch.erf(g / math.sqrt(2))) * u
+            elif activation == "gelu_tanh_glu":  # Gemma 4's "gelu_pytorch_tanh", from its formula
+                g, u = h[:intermediate], h[intermediate:]
+                a = gelu_tanh_f64(g) * u
             elif activation == "clamped_swiglu":
                 g = torch.where(h[:intermediate] > limit, torch.full_like(h[:intermediate], limit), h[:intermediate])
                 u = torch.maximum(torch.minimum(h[intermediate:], torch.tensor(limit, dtype=torch.float64)),

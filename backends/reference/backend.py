@@ -48,6 +48,8 @@ def activate(h: torch.Tensor, activation: str, intermediate: int, *, swiglu_alph
         return F.silu(h[:, :intermediate]) * h[:, intermediate:]
     if activation == "gelu_glu":
         return F.gelu(h[:, :intermediate]) * h[:, intermediate:]
+    if activation == "gelu_tanh_glu":  # Gemma 4: torch's tanh approximation
+        return F.gelu(h[:, :intermediate], approximate="tanh") * h[:, intermediate:]
     if activation == "clamped_swiglu":
         g, u = h[:, :intermediate], h[:, intermediate:].clamp(min=-swiglu_limit, max=swiglu_limit)
         if swiglu_limit_after_act:  # Step-3.7 / Bailing: min(act(g), limit)

@@ -61,7 +61,7 @@ from .sm90_megamoe_switches import (  # noqa: F401  (re-exported: the shim reads
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 108},
+    "sm90_megamoe": {"DROP_VERSION": 109},
     "sm90_megamoe.placing_producer": {"PLACE_SYNC_TAIL": 4},
     "sm90_megamoe.fp8_gemm": {"FP8_BLOCK": 128, "OVERLAP_MAX_K_TILES": 32, "OVERLAP_MAX_CHUNK": 16,
                               "FP8_ACTIVATIONS": ("identity", "swiglu", "clamped_swiglu", "softcapped_swiglu"),
@@ -69,12 +69,13 @@ CONSTANTS = MirroredConstants("sm90/megamoe", {
     "sm90_megamoe.unit_scales": {"UNIT_SCALE_KC": 8},
     "sm90_megamoe.constants": {
         "ABI_VERSION": 2,
-        "ACTIVATIONS": ("identity", "swiglu", "squared_relu", "gelu_glu", "clamped_swiglu", "softcapped_swiglu"),
-        "GATED_ACTIVATIONS": ("swiglu", "gelu_glu", "clamped_swiglu", "softcapped_swiglu"),
+        "ACTIVATIONS": ("identity", "swiglu", "squared_relu", "gelu_glu", "clamped_swiglu", "softcapped_swiglu",
+                        "gelu_tanh_glu"),
+        "GATED_ACTIVATIONS": ("swiglu", "gelu_glu", "clamped_swiglu", "softcapped_swiglu", "gelu_tanh_glu"),
         "ALIGN_K_ELEMS": 8,
         "ALIGN_N_ELEMS": 8,
         "DEFAULT_TILE_N": {"identity": 256, "squared_relu": 256, "swiglu": 128, "gelu_glu": 128,
-                           "clamped_swiglu": 128, "softcapped_swiglu": 128},
+                           "clamped_swiglu": 128, "softcapped_swiglu": 128, "gelu_tanh_glu": 128},
         "DEFAULT_TILE_K": 64,
         "DEFAULT_TILE_M": 128,
         "MAX_EXPERTS": 1024,

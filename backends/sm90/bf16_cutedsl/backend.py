@@ -46,7 +46,8 @@ from .workspace import Dims, get_workspace
 
 # MoEConfig.activation -> the drop's FC1 epilogue
 ACTIVATION_MAP = {"swiglu": "swiglu", "squared_relu": "squared_relu", "gelu_glu": "gelu_glu",
-                  "clamped_swiglu": "clamped_swiglu", "softcapped_swiglu": "softcapped_swiglu"}
+                  "clamped_swiglu": "clamped_swiglu", "softcapped_swiglu": "softcapped_swiglu",
+                  "gelu_tanh_glu": "gelu_tanh_glu"}  # gelu_tanh_glu: drop v109
 BIAS_DTYPES = (None, torch.float32, torch.bfloat16)
 
 

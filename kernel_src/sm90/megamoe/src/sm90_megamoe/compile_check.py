@@ -114,12 +114,14 @@ def main():
         assert ok
     # the gated activations' constants (gpt-oss's FC1 shape; Qwen3's for the softcaps): drop v99's
     # DeepSeek-V4 / GLM-5 clamped SwiGLU (alpha 1, beta 0), drop v102's Step-3.7 form (the gate clamped
-    # after the activation), drop v103's Inkling2 softcapped SwiGLU (three tanh.approx per output)
+    # after the activation), drop v103's Inkling2 softcapped SwiGLU (three tanh.approx per output), drop
+    # v109's tanh-form GELU GLU (Gemma 4's expert shape: I 704 = 5.5 tiles)
     for act, n, k, consts, marker in (
             ("clamped_swiglu", 5760, 2880, dict(swiglu_alpha=1.0, swiglu_limit=10.0, swiglu_beta=0.0), "min.f32"),
             ("clamped_swiglu", 5760, 2880, dict(swiglu_alpha=1.0, swiglu_limit=7.0, swiglu_beta=0.0,
                                                 swiglu_limit_after_act=True), "min.f32"),
-            ("softcapped_swiglu", 3072, 2048, dict(gate_softcap=4.0, up_softcap=25.0), "tanh.approx.f32")):
+            ("softcapped_swiglu", 3072, 2048, dict(gate_softcap=4.0, up_softcap=25.0), "tanh.approx.f32"),
+            ("gelu_tanh_glu", 2 * 704, 2816, {}, "ex2.approx")):
         t0 = time.time()
         ptx = compile_for_arch(act, n, k, False, **consts).__ptx__
         ok = "wgmma.mma_async" in ptx and marker in ptx and not ptx_problems(ptx)

@@ -16,15 +16,19 @@ ABI_VERSION = 2  # 2: the bias argument, gated activations with I % tile_n != 0,
 #                   activation instead, (clamp(u, -limit, limit) + beta) * min(g * sigmoid(alpha * g), limit)
 #   softcapped_swiglu  gate_softcap * tanh(g / gate_softcap) * sigmoid(g) * up_softcap * tanh(u / up_softcap)
 #                   (Inkling2: caps 4 and 25; both compile-time values; drop v103)
-ACTIVATIONS = ("identity", "swiglu", "squared_relu", "gelu_glu", "clamped_swiglu", "softcapped_swiglu")
-GATED_ACTIVATIONS = ("swiglu", "gelu_glu", "clamped_swiglu", "softcapped_swiglu")
+#   gelu_tanh_glu   gelu_tanh(g) * u, gelu_tanh(g) = 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3)))
+#                   (torch's gelu(approximate="tanh"), transformers' "gelu_pytorch_tanh": Gemma 4's
+#                   experts; drop v109)
+ACTIVATIONS = ("identity", "swiglu", "squared_relu", "gelu_glu", "clamped_swiglu", "softcapped_swiglu",
+               "gelu_tanh_glu")
+GATED_ACTIVATIONS = ("swiglu", "gelu_glu", "clamped_swiglu", "softcapped_swiglu", "gelu_tanh_glu")
 
 # Default CTA tiles. TILE_N is the width of the *output* tile; for swiglu the accumulator is
 # 2 * TILE_N wide (gate half + up half), so swiglu defaults to 128 and the others to 256.
 DEFAULT_TILE_M = 128
 DEFAULT_TILE_K = 64
 DEFAULT_TILE_N = {"identity": 256, "squared_relu": 256, "swiglu": 128, "gelu_glu": 128,
-                  "clamped_swiglu": 128, "softcapped_swiglu": 128}
+                  "clamped_swiglu": 128, "softcapped_swiglu": 128, "gelu_tanh_glu": 128}
 
 # Tile raster inside one expert: the m-tiles of an expert are walked in groups of RASTER_M; inside
 # a group the m-tile is the fast index and the n-tile the slow one, so the CTAs running at the same

@@ -215,6 +215,9 @@ def suite(args):
     # drop v103: Inkling2's softcapped SwiGLU, caps small enough that both bind often
     f_soft = get("softcapped_swiglu", 2 * 2880, 2880, 8, False, gate_softcap=1.0, up_softcap=1.5)
     ok &= check(f_soft, 5003, 2 * 2880, 2880, 8, "softcapped_swiglu", "skewed", False)
+    # drop v109: the tanh-form GELU GLU on Gemma 4's expert shape (I 704: the last n-tile half full)
+    f_gt = get("gelu_tanh_glu", 2 * 704, 2816, 16, False)
+    ok &= check(f_gt, 5003, 2 * 704, 2816, 16, "gelu_tanh_glu", "skewed", False)
     f2b = get("identity", 2880, 2880, 8, True, bias_dtype="bfloat16", raster_m=4)
     ok &= check(f2b, 5003, 2880, 2880, 8, "identity", "skewed", True)
     f_i104 = get("swiglu", 208, 264, 4, False, bias_dtype="float32")

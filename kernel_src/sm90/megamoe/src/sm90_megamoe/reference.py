@@ -51,7 +51,7 @@ def grouped_gemm_reference(
     """
     offs = [int(x) for x in offsets.tolist()]
     num_experts, n, _ = b.shape
-    gated = activation in ("swiglu", "gelu_glu", "clamped_swiglu", "softcapped_swiglu")
+    gated = activation in ("swiglu", "gelu_glu", "clamped_swiglu", "softcapped_swiglu", "gelu_tanh_glu")
     n_out = n // 2 if gated else n
     out = torch.zeros(a.shape[0], n_out, dtype=torch.float32, device=a.device)
     for e in range(num_experts):
@@ -67,6 +67,8 @@ def grouped_gemm_reference(
             y = torch.nn.functional.silu(g) * u
         elif activation == "gelu_glu":
             y = torch.nn.functional.gelu(g) * u
+        elif activation == "gelu_tanh_glu":  # drop v109 (Gemma 4)
+            y = torch.nn.functional.gelu(g, approximate="tanh") * u
         elif activation == "clamped_swiglu":
             y = clamped_swiglu_reference(g, u, swiglu_alpha, swiglu_limit, swiglu_beta, swiglu_limit_after_act)
         elif activation == "softcapped_swiglu":

@@ -29,7 +29,7 @@ Design
   ragged ``A [M_total, K]``, box ``(tile_t, 64)`` at row ``offsets[e] + t * tile_t``, hint
   evict-last (every weight tile of the expert re-reads them). Rows past ``M_total`` are TMA
   zero-filled; rows of the next expert in a token tile are computed but never stored.
-* Gated activations (swiglu, gelu_glu, clamped_swiglu, softcapped_swiglu): a tile covers output columns
+* Gated activations (swiglu, gelu_glu, clamped_swiglu, softcapped_swiglu, gelu_tanh_glu): a tile covers output columns
   ``[n0, n0 + tile_w)``; every stage holds TWO weight boxes, w13 rows ``[n0, n0 + tile_w)``
   (gate, slot ``2s``) and ``[I + n0, I + n0 + tile_w)`` (up, slot ``2s + 1``; an element
   coordinate, so I need not be a multiple of tile_w), and each consumer keeps two accumulators
@@ -67,7 +67,8 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from .grouped_gemm import check_activation_constants, check_bf16_operands, clamped_swiglu, silu, softcapped_swiglu
+from .grouped_gemm import (check_activation_constants, check_bf16_operands, clamped_swiglu, gelu_tanh, silu,
+                           softcapped_swiglu)
 from .warp_scan import warp_inclusive_scan
 from .pdl import PDL, wait_previous_grid
 from .constants import ACTIVATIONS, ALIGN_K_ELEMS, ALIGN_N_ELEMS, GATED_ACTIVATIONS, MAX_EXPERTS
@@ -91,7 +92,7 @@ _L2_EVICT_LAST = 0x14F0000000000000
 
 TILE_T_CHOICES = (8, 16, 32, 64, 128)
 DEFAULT_TILE_W = {"identity": 128, "squared_relu": 128, "swiglu": 64, "gelu_glu": 64,
-                  "clamped_swiglu": 64, "softcapped_swiglu": 64}
+                  "clamped_swiglu": 64, "softcapped_swiglu": 64, "gelu_tanh_glu": 64}
 MAX_STAGES = 16
 # early_weights: weight bytes each CTA prefetches into L2 before the PDL wait (132 CTAs: 17 MB of L2)
 EARLY_WEIGHT_BYTES = 128 * 1024
@@ -637,6 +638,8 @@ class SwapABGroupedGemmSm90:
                                    self.swiglu_limit_after_act)
             elif cutlass.const_expr(self.activation == "softcapped_swiglu"):
                 x = softcapped_swiglu(x, accs[1][i], self.gate_softcap, self.up_softcap)
+            elif cutlass.const_expr(self.activation == "gelu_tanh_glu"):
+                x = gelu_tanh(x) * accs[1][i]
             elif cutlass.const_expr(self.activation == "squared_relu"):
                 r = cute.arch.fmax(x, cutlass.Float32(0.0))
                 x = r * r
