@@ -1,4 +1,4 @@
-"""``python -m moe_ep.bench hf [--model qwen3,qwen3_fp8,gpt_oss,nemotron]`` -- one model-shaped MoE block
+"""``python -m moe_ep.bench hf [--model qwen3,qwen3_fp8,gpt_oss,nemotron,gemma4]`` -- one model-shaped MoE block
 (router + experts, transformers' own block class) run through transformers' experts registry: moe_ep
 vs transformers' ``grouped_mm`` experts (and ``sonicmoe`` when it loads), same weights, same inputs,
 eager and CUDA graph, at 8192 and 128 tokens (``--tokens`` overrides). Reports ms and tokens/s, with
@@ -10,7 +10,9 @@ the ratio to ``grouped_mm`` measured in the same run. The blocks:
 - ``gpt_oss``: gpt-oss-20b's ``GptOssMLP`` (transposed, interleaved weights with biases: moe_ep runs
   a repacked copy);
 - ``nemotron``: Nemotron-3-Nano's routed ``NemotronHExperts`` behind a top-6 softmax router of the
-  bench's own (its block's router and shared expert need more of its config).
+  bench's own (its block's router and shared expert need more of its config);
+- ``gemma4``: Gemma-4-26B-A4B's ``Gemma4TextRouter`` and ``Gemma4TextExperts`` (GELU's tanh form; the
+  decoder layer's norms and dense MLP around them left out).
 """
 
 from __future__ import annotations
@@ -127,6 +129,40 @@ def _nemotron():
             "behind a softmax top-6 router", cfg, _Routed(router, experts, 6), 2688)
 
 
+def _gemma4():
+    import torch
+    from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
+    from transformers.models.gemma4.modeling_gemma4 import Gemma4TextExperts, Gemma4TextRouter
+
+    cfg = Gemma4TextConfig(hidden_size=2816, enable_moe_block=True, num_experts=128, top_k_experts=8,
+                           moe_intermediate_size=704)
+    cfg._experts_implementation = "grouped_mm"
+    experts = Gemma4TextExperts(cfg).to("cuda", torch.bfloat16).eval()
+    router = Gemma4TextRouter(cfg).to("cuda", torch.bfloat16).eval()
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0, 2816 ** -0.5)
+        experts.down_proj.normal_(0, 704 ** -0.5)
+        router.proj.weight.normal_(0, 2816 ** -0.5)
+    return ("transformers Gemma4TextRouter + Gemma4TextExperts (Gemma-4-26B-A4B: H 2816, I 704, 128 experts, "
+            "top-8, GELU tanh)", cfg, _RouterExperts(router, experts), 2816)
+
+
+class _RouterExperts:
+    """A router that returns ``(scores, top_k_weights, top_k_index)`` (Gemma 4's) in front of an experts
+    module: ``[1, T, H] -> [1, T, H]``."""
+
+    def __init__(self, router, experts):
+        self.router, self.experts = router, experts
+
+    def __call__(self, x):
+        h = x.reshape(-1, x.shape[-1])
+        _, w, idx = self.router(h)
+        return self.experts(h, idx, w).reshape(x.shape)
+
+    def modules(self):
+        return self.experts.modules()
+
+
 class _Tuple0:
     """A block that returns (hidden_states, router_scores): its first output only."""
 
@@ -195,7 +231,7 @@ def _qwen3_fp8():
     return title.replace("(H 2048", "with FP8 block-128 experts (H 2048"), cfg, block, H, runs, [fp8, bf16]
 
 
-BLOCKS = {"qwen3": _qwen3, "qwen3_fp8": _qwen3_fp8, "gpt_oss": _gpt_oss, "nemotron": _nemotron}
+BLOCKS = {"qwen3": _qwen3, "qwen3_fp8": _qwen3_fp8, "gpt_oss": _gpt_oss, "nemotron": _nemotron, "gemma4": _gemma4}
 
 
 def _run_block(args, title, block, H, runs) -> None:
