@@ -166,9 +166,9 @@ def _probe_activation(module: Any, gated: bool, interleaved: bool, width: int):
     raise MoEEpTransformersError(
         f"moe_ep experts: {name}'s gate ({getattr(gate_fn, '__qualname__', gate_fn)}, act_fn "
         f"{type(getattr(module, 'act_fn', None)).__name__}) computes none of moe_ep's gated activations: "
-        "silu(g)*u, erf or tanh-form gelu(g)*u, or a clamped swiglu (the module's limit and alpha, with or without gpt-oss's "
-        "+1 on the clamped up projection, the gate clamped before or after the activation), or a softcapped "
-        "swiglu (the module's gate_softcap and up_softcap)")
+        "silu(g)*u, erf or tanh-form gelu(g)*u, or a clamped swiglu (the module's limit and alpha, with or "
+        "without gpt-oss's +1 on the clamped up projection, the gate clamped before or after the activation), "
+        "or a softcapped swiglu (the module's gate_softcap and up_softcap)")
 
 
 def _describe(module: Any) -> _Spec:

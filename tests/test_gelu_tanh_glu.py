@@ -63,7 +63,8 @@ def test_the_other_gated_schedules_compile_it(schedule):
         ptx = compiled.__ptx__
     else:
         cc = _drop("compile_check")
-        kw = dict(schedule="cooperative", gather_a=True) if schedule == "gather" else dict(schedule="pingpong", tile_n=96)
+        kw = (dict(schedule="cooperative", gather_a=True) if schedule == "gather"
+              else dict(schedule="pingpong", tile_n=96))
         ptx = cc.compile_for_arch("gelu_tanh_glu", n, k, False, num_experts=e, raster_m=8, **kw).__ptx__
     assert _clean(ptx) and "ex2.approx" in ptx and "rcp.approx" in ptx and "tanh.approx" not in ptx
 

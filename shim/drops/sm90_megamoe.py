@@ -347,8 +347,8 @@ PINGPONG_MAX_K = 2880
 #: TFLOP/s against 436.8-439.9 / 426.9-427.6 / 398.0-407.4 cooperative, Nemotron (FC1 K 2688, 384 rows)
 #: 480.6-484.3 / 463.5-466.1 / 473.4-478.8 against 456.9-460.5 / 445.9-447.5 / 455.8-457.5 -- while the
 #: clustered DeepSeek-V4 shard's FC2 (K 2048, 1536 rows) was level (per call 598-601 against 609-632,
-#: back to back 608-612 against 582-596, graph 513-566 against 491-524). So :func:`pingpong_bound` takes 1920 only
-#: when :func:`use_bf16_cluster` would cluster the cooperative kernel.
+#: back to back 608-612 against 582-596, graph 513-566 against 491-524). So :func:`pingpong_bound` takes
+#: 1920 only when :func:`use_bf16_cluster` would cluster the cooperative kernel.
 PINGPONG_MAX_K_H100 = 1920
 #: the pingpong tile's width: a warpgroup holds the whole 128 x 192 fp32 accumulator (the drop's
 #: limit; 128-wide tiles: Qwen3's FC2 0.386 ms, slower than cooperative 128 x 256)
