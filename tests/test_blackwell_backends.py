@@ -36,10 +36,11 @@ def test_three_drops_import_in_one_process():
         " sm120_mxfp8.DROP_VERSION)\n")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
-    from moe_ep.shim.drops.sm90_megamoe import CONSTANTS, PKG
+    from moe_ep.shim.drops import sm90_megamoe, sm100_w4a16, sm120_mxfp8
 
-    version = CONSTANTS.value(PKG, "DROP_VERSION")  # the shim's mirror of the drop's version
-    assert f"['sm100/w4a16', 'sm120/mxfp8', 'sm90/megamoe'] {version} 1 1" in p.stdout
+    # the shim's mirrors of the drops' versions
+    versions = [m.CONSTANTS.value(m.PKG, "DROP_VERSION") for m in (sm90_megamoe, sm100_w4a16, sm120_mxfp8)]
+    assert "['sm100/w4a16', 'sm120/mxfp8', 'sm90/megamoe'] {} {} {}".format(*versions) in p.stdout
 
 
 def test_a_fourth_drop_reusing_a_name_trips_the_guard(tmp_path):
@@ -98,8 +99,11 @@ def test_backends_refuse_configs_by_name():
     single = EPGroup.single()
     with pytest.raises(UnsupportedBackendError, match="quant='nvfp4_w4a16'"):
         check100(MoEConfig(**NEMOTRON), single)
-    with pytest.raises(UnsupportedBackendError, match="gelu_glu"):
-        check100(MoEConfig(activation="gelu_glu", quant="nvfp4_w4a16", **NEMOTRON), single)
+    with pytest.raises(UnsupportedBackendError, match="clamped_swiglu"):
+        check100(MoEConfig(activation="clamped_swiglu", quant="nvfp4_w4a16", **NEMOTRON), single)
+    # drop v2 takes both GELU gates (Gemma 4's tanh form)
+    for act in ("gelu_glu", "gelu_tanh_glu"):
+        check100(MoEConfig(activation=act, quant="nvfp4_w4a16", **NEMOTRON), single)
     with pytest.raises(UnsupportedBackendError, match="multiple of 64"):
         check100(MoEConfig(activation="squared_relu", quant="nvfp4_w4a16",
                            **dict(NEMOTRON, hidden=2688 + 16)), single)

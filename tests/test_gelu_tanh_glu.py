@@ -108,8 +108,9 @@ def test_reference_layer_against_float64():
 
 
 def test_which_backends_take_it():
-    """sm90_bf16_cutedsl takes Gemma 4's shape (its FC1 key carries the activation); the FP8 and the
-    Blackwell backends refuse it, naming it, before anything is built."""
+    """sm90_bf16_cutedsl takes Gemma 4's shape (its FC1 key carries the activation), and so does the
+    SM100 W4A16 backend (drop sm100/w4a16 v2); the FP8 and the SM120 backends refuse it, naming it,
+    before anything is built."""
     from moe_ep.backends import UnsupportedBackendError
     from moe_ep.backends.sm90.bf16_cutedsl.backend import _gemm_specs
     from moe_ep.backends.sm90.fp8_cutedsl import check_config as fp8_check
@@ -131,11 +132,13 @@ def test_which_backends_take_it():
     from moe_ep.backends.sm100.w4a16_cutedsl.backend import check_config as sm100_check
     from moe_ep.backends.sm120.mxfp8_cutedsl.backend import check_config as sm120_check
 
-    for check, quant in ((sm100_check, "nvfp4_w4a16"), (sm120_check, "mxfp8")):
-        c = MoEConfig(num_experts=32, hidden=1024, intermediate=512, top_k=4, max_tokens_per_rank=256, quant=quant,
-                      activation="gelu_tanh_glu")
-        with pytest.raises(UnsupportedBackendError, match="gelu_tanh_glu"):
-            check(c, EPGroup.single())
+    def blackwell(quant):
+        return MoEConfig(num_experts=32, hidden=1024, intermediate=512, top_k=4, max_tokens_per_rank=256,
+                         quant=quant, activation="gelu_tanh_glu")
+
+    sm100_check(blackwell("nvfp4_w4a16"), EPGroup.single())
+    with pytest.raises(UnsupportedBackendError, match="gelu_tanh_glu"):
+        sm120_check(blackwell("mxfp8"), EPGroup.single())
 
 
 # ---- GPU ------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ integration comes later); nothing here imports moe_ep.
 
 from __future__ import annotations
 
+import math
 
 import numpy as np
 import pytest
@@ -42,6 +43,8 @@ from sm100_w4a16.reference import dequant_nvfp4, w4a16_grouped_gemm_reference  #
     ("row_scale", 2688, 1856),      # Nemotron FC2
     ("swiglu", 2 * 1856, 2688),
     ("identity", 200, 256),         # N not a multiple of the tile
+    ("gelu_glu", 2 * 704, 2816),    # drop v2: Gemma 4's FC1 shape (I 704: 5.5 tiles)
+    ("gelu_tanh_glu", 2 * 704, 2816),
 ])
 def test_compiles_for_sm100a(epilogue, n, k):
     compiled, kernel = compile_w4a16_gemm(epilogue, n, k, num_experts=128, return_kernel=True)
@@ -50,6 +53,8 @@ def test_compiles_for_sm100a(epilogue, n, k):
     assert "tcgen05.mma" in ptx
     assert "cvt.rn.f16x2.e2m1x2" in ptx and "mul.rn.f16x2" in ptx  # the dequant path
     assert check_ptx(ptx) == []
+    if epilogue == "gelu_tanh_glu":  # g * sigmoid(2 z): one ex2 + one rcp per output, no tanh
+        assert "ex2.approx" in ptx and "rcp.approx" in ptx and "tanh.approx" not in ptx
     assert kernel.smem_size <= SMEM_CAPACITY_BYTES
     if find_ptxas() is None:
         pytest.skip("ptxas not installed: PTX checks only")
@@ -92,7 +97,7 @@ def _independent_f64(a, values, block_scale, global_scale, offsets, epilogue, ro
         _decode_e4m3_f64(block_scale.view(torch.uint8).numpy()), 16, axis=-1)
     a64 = a.double().numpy()
     e_count, n, _ = w.shape
-    n_out = n // 2 if epilogue == "swiglu" else n
+    n_out = n // 2 if epilogue in ("swiglu", "gelu_glu", "gelu_tanh_glu") else n
     out = np.zeros((a.shape[0], n_out))
     offs = offsets.tolist()
     for e in range(e_count):
@@ -105,11 +110,17 @@ def _independent_f64(a, values, block_scale, global_scale, offsets, epilogue, ro
         elif epilogue == "swiglu":
             g, u = y[:, :n_out], y[:, n_out:]
             y = g / (1.0 + np.exp(-g)) * u
+        elif epilogue == "gelu_glu":  # from the erf definition
+            g, u = y[:, :n_out], y[:, n_out:]
+            y = 0.5 * g * (1.0 + np.vectorize(math.erf, otypes=[float])(g / math.sqrt(2.0))) * u
+        elif epilogue == "gelu_tanh_glu":  # from the tanh formula
+            g, u = y[:, :n_out], y[:, n_out:]
+            y = 0.5 * g * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g ** 3))) * u
         out[lo:hi] = y
     return out
 
 
-@pytest.mark.parametrize("epilogue", ["squared_relu", "row_scale", "swiglu", "identity"])
+@pytest.mark.parametrize("epilogue", ["squared_relu", "row_scale", "swiglu", "identity", "gelu_glu", "gelu_tanh_glu"])
 def test_reference_matches_float64(epilogue):
     gen = torch.Generator().manual_seed(7)
     e_count, n, k = 5, 48, 128
@@ -158,6 +169,8 @@ def test_can_implement_reasons():
     assert r is not None and "tile_n" in r
     assert "experts" in can_implement("row_scale", 2688, 1856, 0)
     assert "epilogue" in can_implement("gelu", 2688, 1856, 8)
+    r = can_implement("gelu_tanh_glu", 2 * 704 + 1, 2816, 128)
+    assert r is not None and "even N" in r
 
 
 def test_constructor_refusals():
@@ -175,8 +188,8 @@ def test_constructor_refusals():
 
 
 def test_drop_metadata():
-    assert sm100_w4a16.DROP_VERSION == 1
-    assert set(sm100_w4a16.EPILOGUES) >= {"squared_relu", "row_scale", "swiglu"}
+    assert sm100_w4a16.DROP_VERSION == 2
+    assert set(sm100_w4a16.EPILOGUES) >= {"squared_relu", "row_scale", "swiglu", "gelu_glu", "gelu_tanh_glu"}
     assert sm100_w4a16.SF_BLOCK == 16 and sm100_w4a16.TILE_K == 64
 
 

@@ -30,11 +30,11 @@ PKG = "sm100_w4a16"
 ARCH = "sm_100a"
 
 CONSTANTS = MirroredConstants("sm100/w4a16", {
-    "sm100_w4a16": {"DROP_VERSION": 1},
+    "sm100_w4a16": {"DROP_VERSION": 2},
     "sm100_w4a16.constants": {
         "ABI_VERSION": 1,
-        "EPILOGUES": ("identity", "squared_relu", "row_scale", "swiglu"),
-        "GATED_EPILOGUES": ("swiglu",),
+        "EPILOGUES": ("identity", "squared_relu", "row_scale", "swiglu", "gelu_glu", "gelu_tanh_glu"),
+        "GATED_EPILOGUES": ("swiglu", "gelu_glu", "gelu_tanh_glu"),
         "SF_BLOCK": 16,
         "TILE_K": 64,
         "ALIGN_K_ELEMS": 64,

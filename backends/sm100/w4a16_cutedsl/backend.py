@@ -30,8 +30,9 @@ from ...sm90.bf16_cutedsl.backend import Sm90CuteDSLBackend, prebuild_layer
 
 NAME = "sm100_w4a16_cutedsl"
 ARCH = "sm_100a"
-#: MoEConfig.activation -> the drop's FC1 epilogue
-ACTIVATION_MAP = {"squared_relu": "squared_relu", "swiglu": "swiglu"}
+#: MoEConfig.activation -> the drop's FC1 epilogue (gelu_glu, gelu_tanh_glu: drop v2)
+ACTIVATION_MAP = {"squared_relu": "squared_relu", "swiglu": "swiglu", "gelu_glu": "gelu_glu",
+                  "gelu_tanh_glu": "gelu_tanh_glu"}
 
 
 def _gemm_specs(cfg: Any, e_local: int) -> dict:

@@ -8,7 +8,7 @@ device-side ``expert_offsets`` array. Never imports moe_ep.
     from sm100_w4a16.reference import w4a16_grouped_gemm_reference    # torch reference
 """
 
-DROP_VERSION = 1
+DROP_VERSION = 2
 
 from .constants import (  # noqa: E402
     ABI_VERSION,

@@ -51,6 +51,8 @@ CASES = [
     ("squared_relu", 1856, 2688, 128, 64),
     ("row_scale", 2688, 1856, 128, 256),
     ("swiglu", 2 * 1856, 2688, 128, 64),
+    ("gelu_glu", 2 * 704, 2816, 128, None),  # drop v2: Gemma 4's FC1 shape (I 704: 5.5 tiles)
+    ("gelu_tanh_glu", 2 * 704, 2816, 128, None),
 ]
 
 
@@ -156,7 +158,10 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help="one variant per epilogue")
     ap.add_argument("--arch", default="sm_100a")
     args = ap.parse_args(argv)
-    cases = CASES[:4] if args.quick else CASES
+    firsts = {}  # --quick: the first case of each epilogue
+    for case in CASES:
+        firsts.setdefault(case[0], case)
+    cases = list(firsts.values()) if args.quick else CASES
     if find_ptxas() is None:
         print("ptxas not found (set PTXAS=...): PTX checks only")
     failed = 0

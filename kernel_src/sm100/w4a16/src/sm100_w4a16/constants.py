@@ -11,8 +11,11 @@ ABI_VERSION = 1
 #   squared_relu  D = relu(acc * gs) ** 2                       (Nemotron FC1)
 #   row_scale     D = acc * gs * row_scale[m]                   (FC2, router weights)
 #   swiglu        D[:, j] = silu(G * gs) * (U * gs)             G = rows [0, I) of W, U = rows [I, 2I)
-EPILOGUES = ("identity", "squared_relu", "row_scale", "swiglu")
-GATED_EPILOGUES = ("swiglu",)
+#   gelu_glu      D[:, j] = gelu(G * gs) * (U * gs)             erf form (drop v2)
+#   gelu_tanh_glu D[:, j] = gelu_tanh(G * gs) * (U * gs)        tanh form, torch's gelu(approximate="tanh")
+#                 (Gemma 4's experts; drop v2)
+EPILOGUES = ("identity", "squared_relu", "row_scale", "swiglu", "gelu_glu", "gelu_tanh_glu")
+GATED_EPILOGUES = ("swiglu", "gelu_glu", "gelu_tanh_glu")
 
 # NVFP4 weight format (moe_ep's NVFP4Weight): two E2M1 codes per byte (element 2j in the low
 # nibble), one float8_e4m3fn scale per SF_BLOCK consecutive K elements, one fp32 scale per expert.
@@ -25,7 +28,8 @@ E2M1_PER_BYTE = 2
 TILE_M = 128
 TILE_K = 64
 TILE_N_CHOICES = (64, 128, 256)
-DEFAULT_TILE_N = {"identity": 128, "squared_relu": 128, "row_scale": 128, "swiglu": 128}
+DEFAULT_TILE_N = {"identity": 128, "squared_relu": 128, "row_scale": 128, "swiglu": 128, "gelu_glu": 128,
+                  "gelu_tanh_glu": 128}
 MAX_GATED_TILE_N = 128  # 2 accumulators x 2 TMEM stages x TILE_N fp32 columns <= 512
 
 # K multiple of TILE_K (which also gives: packed row stride K/2 bytes a multiple of 32, so TMA's

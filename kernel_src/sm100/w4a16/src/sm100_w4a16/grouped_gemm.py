@@ -13,9 +13,9 @@ host sync, no recompile).
 Constraints (``can_implement(epilogue, n, k, num_experts, tile_n)`` returns the first one violated)
 ------------------------------------------------------------------------------------
 * K % 64 == 0 (TILE_K; one 128-byte swizzle row of bf16 per k-tile), K >= 64.
-* N_out % 8 == 0 (16-byte output vectors; N_out = N, or I = N / 2 for swiglu). N need not be a
-  multiple of the tile: weight rows past N are TMA zero fill and their columns are never stored.
-* swiglu: N = 2 * I even, tile_n <= 128.
+* N_out % 8 == 0 (16-byte output vectors; N_out = N, or I = N / 2 for the gated epilogues). N need
+  not be a multiple of the tile: weight rows past N are TMA zero fill and their columns are never stored.
+* gated epilogues (swiglu, gelu_glu, gelu_tanh_glu): N = 2 * I even, tile_n <= 128.
 * 1 <= E <= 1024 experts; M_total >= 0 (M_total == 0 launches nothing).
 * Tensors contiguous, 16-byte aligned base pointers (torch allocations are).
 
@@ -107,6 +107,11 @@ from .constants import (
 )
 
 _LOG2E = 1.4426950408889634
+_RSQRT2 = 0.7071067811865476
+# gelu_tanh(g) = g * sigmoid(2 z), z = sqrt(2/pi) (g + 0.044715 g^3): ex2's argument is
+# -g (_GELU_TANH_C1 + _GELU_TANH_C3 g^2) = -2 z log2(e)
+_GELU_TANH_C1 = 2.0 * 0.7978845608028654 * _LOG2E
+_GELU_TANH_C3 = _GELU_TANH_C1 * 0.044715
 
 # warp roles
 _EPI_WARP0 = 0
@@ -192,7 +197,7 @@ def can_implement(epilogue: str, n: int, k: int, num_experts: int,
                   tile_n: Optional[int] = None) -> Optional[str]:
     """None if the kernel supports this problem, else the reason it does not (one sentence).
 
-    n: rows of W per expert (N; 2 * I for swiglu), k: reduction size (logical K, not K/2)."""
+    n: rows of W per expert (N; 2 * I for the gated epilogues), k: reduction size (logical K, not K/2)."""
     if epilogue not in EPILOGUES:
         return f"epilogue must be one of {EPILOGUES}, got {epilogue!r}"
     if tile_n is None:
@@ -221,7 +226,7 @@ class W4A16GroupedGemmSm100:
     """Varlen-M W4A16 grouped GEMM (see the module docstring for semantics and layouts).
 
     :param epilogue: one of ``EPILOGUES`` (compile time); ``NotImplementedError`` otherwise.
-    :param tile_n: output tile width, one of (64, 128, 256) (swiglu: <= 128).
+    :param tile_n: output tile width, one of (64, 128, 256) (gated epilogues: <= 128).
     :param raster_m: m-tiles per raster group inside an expert.
     :param num_stages: depth of the A / bf16-B rings (None = as many as fit); the packed-W ring
         is two deeper (it is 4x smaller).
@@ -780,6 +785,15 @@ class W4A16GroupedGemmSm100:
                         u = r_acc[1][i] * gs
                         # silu(g) = g / (1 + 2^(-g * log2(e)))
                         den = cutlass.Float32(1.0) + cute.math.exp2(-x * _LOG2E, fastmath=True)
+                        x = x * cute.arch.rcp_approx(den) * u
+                    elif cutlass.const_expr(self.epilogue == "gelu_glu"):
+                        u = r_acc[1][i] * gs
+                        x = cutlass.Float32(0.5) * x * (cutlass.Float32(1.0) + cute.math.erf(x * _RSQRT2)) * u
+                    elif cutlass.const_expr(self.epilogue == "gelu_tanh_glu"):
+                        u = r_acc[1][i] * gs
+                        # g * sigmoid(2 z): no cancellation where 1 + tanh(z) is tiny (ex2 -> inf, -0)
+                        arg = x * (cutlass.Float32(-_GELU_TANH_C1) - cutlass.Float32(_GELU_TANH_C3) * (x * x))
+                        den = cutlass.Float32(1.0) + cute.math.exp2(arg, fastmath=True)
                         x = x * cute.arch.rcp_approx(den) * u
                     r_out[(i % 8, i // 8)] = x.to(self.d_dtype)
                 # the 32 columns of a tcgen05.ld.32x32b.x32 are consecutive: 4 vectors of 8

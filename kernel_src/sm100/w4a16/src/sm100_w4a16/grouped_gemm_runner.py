@@ -135,6 +135,8 @@ SUITE = [
     ("squared_relu", 3000, 1856, 2688, 16, "skewed", None),      # Nemotron FC1 shape
     ("row_scale", 3000, 2688, 1856, 16, "skewed", None),         # Nemotron FC2 shape
     ("swiglu", 2000, 2 * 512, 1024, 8, "skewed", None),
+    ("gelu_glu", 1500, 2 * 704, 2816, 8, "skewed", None),      # drop v2: Gemma 4's FC1 shape
+    ("gelu_tanh_glu", 1500, 2 * 704, 2816, 8, "skewed", None),
     ("identity", 777, 200, 256, 5, "uniform", 64),                # ragged N tile
     ("squared_relu", 1, 1856, 2688, 16, "skewed", None),          # decode: one row
     ("row_scale", 515, 384, 512, 3, "uniform", 256),

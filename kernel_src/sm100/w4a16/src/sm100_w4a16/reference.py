@@ -42,7 +42,7 @@ def w4a16_grouped_gemm_reference(
     global_scale: [E]                float32
     offsets:      [E + 1]            int (any device), offsets[0] = 0, offsets[E] = M_total
     row_scale:    [M_total]          float32, used by "row_scale" only
-    returns:      [M_total, N_out]   float32, N_out = N (or N / 2 for swiglu); rows of no
+    returns:      [M_total, N_out]   float32, N_out = N (or N / 2 for the gated ones); rows of no
                                      expert stay 0
     """
     offs = [int(x) for x in offsets.tolist()]
@@ -64,6 +64,10 @@ def w4a16_grouped_gemm_reference(
             y = y * row_scale[lo:hi].float()[:, None]
         elif epilogue == "swiglu":
             y = torch.nn.functional.silu(y[:, :n_out]) * y[:, n_out:]
+        elif epilogue == "gelu_glu":  # drop v2
+            y = torch.nn.functional.gelu(y[:, :n_out]) * y[:, n_out:]
+        elif epilogue == "gelu_tanh_glu":  # drop v2 (Gemma 4)
+            y = torch.nn.functional.gelu(y[:, :n_out], approximate="tanh") * y[:, n_out:]
         else:
             raise ValueError(epilogue)
         out[lo:hi] = y
