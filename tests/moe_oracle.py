@@ -47,6 +47,12 @@ def activation_problem(E, H, I, K, T, seed, device, x_scale, fp8=False) -> tuple
     return x, ids, w, w13, w2
 
 
+def gelu_erf_f64(g: torch.Tensor) -> torch.Tensor:
+    """GELU from its definition, 0.5 g (1 + erf(g / sqrt(2))), in float64."""
+    g = g.double()
+    return 0.5 * g * (1 + torch.erf(g / math.sqrt(2)))
+
+
 def gelu_tanh_f64(g: torch.Tensor) -> torch.Tensor:
     """GELU's tanh approximation from its formula, 0.5 g (1 + tanh(sqrt(2/pi) (g + 0.044715 g^3))), in
     float64 (not torch's gelu, so the check does not trust the function it checks against)."""
@@ -130,7 +136,7 @@ def oracle_f64(x, ids, w, w13, w2, activation, intermediate, *, b13=None, b2=Non
                 a = g / (1 + torch.exp(-g)) * u
             elif activation == "gelu_glu":
                 g, u = h[:intermediate], h[intermediate:]
-                a = 0.5 * g * (1 + torch.erf(g / math.sqrt(2))) * u
+                a = gelu_erf_f64(g) * u
             elif activation == "gelu_tanh_glu":  # Gemma 4's "gelu_pytorch_tanh", from its formula
                 g, u = h[:intermediate], h[intermediate:]
                 a = gelu_tanh_f64(g) * u

@@ -13,7 +13,6 @@ backends take it (sm90_bf16_cutedsl) and which refuse it, naming it (FP8, Blackw
 and swap-AB GEMMs element by element against float64 (and not the erf form), and the layer (prefill and
 decode kernels) against float64. (Gemma 4 through transformers: tests/test_transformers_layouts.py.)"""
 
-import math
 import zlib
 
 import pytest
@@ -21,14 +20,11 @@ import torch
 
 from moe_ep.api import EPGroup, MoEConfig
 
-from moe_oracle import activation_problem, fast_layer_forward, gated_moe_f64, gelu_tanh_f64, rel_err, require_sm90
+from moe_oracle import (activation_problem, fast_layer_forward, gated_moe_f64, gelu_erf_f64, gelu_tanh_f64, rel_err,
+                         require_sm90)
 from moe_oracle import sm90_drop_module as _drop
 
 GEMMA4_FC1 = (2 * 704, 2816, 128)  # n = 2 I, k = H, E
-
-
-def _gelu_erf_f64(g):
-    return 0.5 * g.double() * (1 + torch.erf(g.double() / math.sqrt(2)))
 
 
 def _clean(ptx):
@@ -92,7 +88,7 @@ def test_drop_reference_and_the_reference_backend_are_the_formula():
                       for e, (lo, hi) in enumerate([(0, 20), (20, 20), (20, 50)])])
     assert torch.allclose(got.double(), want, rtol=1e-4, atol=1e-4)
     x = torch.linspace(-4, -2.8, 101, dtype=torch.float64)
-    assert ((_gelu_erf_f64(x) - gelu_tanh_f64(x)).abs() / gelu_tanh_f64(x).abs()).min() > 0.05
+    assert ((gelu_erf_f64(x) - gelu_tanh_f64(x)).abs() / gelu_tanh_f64(x).abs()).min() > 0.05
 
 
 def test_reference_layer_against_float64():
@@ -169,7 +165,7 @@ def test_gemm_is_the_tanh_form_element_by_element(schedule):
     o = offs.cpu().tolist()
     hs = torch.cat([a[o[e]:o[e + 1]].cpu().double() @ b[e].cpu().double().T for e in range(E)])
     gate, up = hs[:, :n // 2], hs[:, n // 2:]
-    want, erf = gelu_tanh_f64(gate) * up, _gelu_erf_f64(gate) * up
+    want, erf = gelu_tanh_f64(gate) * up, gelu_erf_f64(gate) * up
     got = out.cpu().double()
     scale = want.abs().max()
     # bf16's rounding (2^-9) twice over, plus float32 accumulation against float64 (~1e-5 of h)

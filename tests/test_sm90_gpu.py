@@ -237,7 +237,7 @@ def test_schedules_agree(schedule, tile_n):
 
 @pytest.mark.parametrize("model,T", [("qwen3", 333), ("qwen3", 4096), ("gpt_oss_like", 2000)])
 def test_layer_fc2_pingpong_matches_cooperative(monkeypatch, model, T):
-    """The shim's default FC2 for K <= 2880 on the H200 (on an H100 K <= 1920; the test sets 2880) --
+    """The shim's default FC2 for K <= 2880 on the H200 (on an H100 K <= 1920 where the cooperative kernel would cluster; the test sets 2880) --
     pingpong with 128 x 192 tiles (drop v71) -- gives
     the same layer bits as cooperative 128 x 256 (MOE_EP_PINGPONG_MAX_K=0), eager and replayed from
     a poisoned CUDA graph, and match the float64 oracle on a sample of rows (Qwen3: K 768; a gpt-oss-like

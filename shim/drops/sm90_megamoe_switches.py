@@ -103,7 +103,7 @@ def use_bf16_cluster(schedule: str, gather_a: bool = False, gated: bool = False,
       :data:`CLUSTER_MIN_ROWS` rows per expert (``rows_per_expert``; None = many), every GEMM
       that reaches here: the gated GEMM (FC1) and, since the 53rd session, the non-gated one (FC2)
       where it runs cooperative, i.e. above the pingpong bound (``pingpong_bound`` in
-      :mod:`.sm90_megamoe`: K > 2880, on an H100 K > 1920; see the comment after
+      :mod:`.sm90_megamoe`: K > 2880; on an H100 K > 1920 where this kernel clusters; see the comment after
       :data:`CLUSTER_MIN_ROWS`); else none. ``device_name`` None (an unknown GPU): none.
 
     Bit-identical to single CTAs (drop v29's tests). Measured: the constants above."""
