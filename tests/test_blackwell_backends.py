@@ -82,6 +82,33 @@ def test_compile_keys_carry_every_static_value():
     assert {"drop_version", "abi_version", "cutlass_version", "arch", "epilogue", "n", "k", "num_experts"} <= fields
 
 
+def test_sm100_activation_constants_reach_the_kernel():
+    """sm100/w4a16 v3: the config's clamped_swiglu / softcapped_swiglu constants go into FC1's spec, the
+    shim's compile key and the PTX; bad or unknown ones are refused by name."""
+    from moe_ep.backends.sm100.w4a16_cutedsl.backend import _gemm_specs
+    from moe_ep.shim import sm100_check_w4a16_gemm, sm100_compile_w4a16_ptx
+    from moe_ep.shim.drops import sm100_w4a16
+
+    cfg = MoEConfig(activation="clamped_swiglu", quant="nvfp4_w4a16", swiglu_beta=0.0, swiglu_limit=10.0,
+                    **NEMOTRON)
+    (args, consts), (_, fc2_consts) = _gemm_specs(cfg, 8)["fc1"], _gemm_specs(cfg, 8)["fc2"]
+    assert args[0] == "clamped_swiglu" and fc2_consts == {}
+    assert consts["swiglu_beta"] == 0.0 and consts["swiglu_limit"] == 10.0
+    full = sm100_w4a16.activation_constants("clamped_swiglu", **consts)
+    assert full == dict(swiglu_alpha=1.702, swiglu_limit=10.0, swiglu_beta=0.0, swiglu_limit_after_act=False)
+    assert sm100_w4a16.activation_constants("softcapped_swiglu", up_softcap=30) == dict(gate_softcap=4.0,
+                                                                                        up_softcap=30.0)
+    assert sm100_w4a16.activation_constants("swiglu", swiglu_limit=3.0) == {}
+    soft = MoEConfig(activation="softcapped_swiglu", quant="nvfp4_w4a16", gate_softcap=3.0, **NEMOTRON)
+    assert _gemm_specs(soft, 8)["fc1"][1] == dict(gate_softcap=3.0, up_softcap=25.0)
+    with pytest.raises(ValueError, match="swiglu_limit > 0"):
+        sm100_check_w4a16_gemm("clamped_swiglu", 2 * 256, 512, 4, swiglu_limit=-1.0)
+    with pytest.raises(TypeError, match="swiglu_gamma"):
+        sm100_check_w4a16_gemm("clamped_swiglu", 2 * 256, 512, 4, swiglu_gamma=1.0)
+    assert (sm100_compile_w4a16_ptx("clamped_swiglu", 2 * 256, 512, 4, swiglu_beta=0.0)
+            != sm100_compile_w4a16_ptx("clamped_swiglu", 2 * 256, 512, 4))
+
+
 @pytest.mark.parametrize("quant,backend", [("nvfp4_w4a16", "sm100_w4a16_cutedsl"), ("mxfp8", "sm120_mxfp8_cutedsl")])
 def test_backends_refuse_without_their_gpu(quant, backend):
     cfg = MoEConfig(activation="squared_relu" if quant == "nvfp4_w4a16" else "swiglu", quant=quant,
@@ -99,11 +126,12 @@ def test_backends_refuse_configs_by_name():
     single = EPGroup.single()
     with pytest.raises(UnsupportedBackendError, match="quant='nvfp4_w4a16'"):
         check100(MoEConfig(**NEMOTRON), single)
-    with pytest.raises(UnsupportedBackendError, match="clamped_swiglu"):
-        check100(MoEConfig(activation="clamped_swiglu", quant="nvfp4_w4a16", **NEMOTRON), single)
-    # drop v2 takes both GELU gates (Gemma 4's tanh form)
-    for act in ("gelu_glu", "gelu_tanh_glu"):
+    # drop v2 takes both GELU gates (Gemma 4's tanh form), drop v3 the clamped and softcapped ones
+    for act in ("gelu_glu", "gelu_tanh_glu", "clamped_swiglu", "softcapped_swiglu"):
         check100(MoEConfig(activation=act, quant="nvfp4_w4a16", **NEMOTRON), single)
+    with pytest.raises(UnsupportedBackendError, match="biases"):  # gpt-oss's biases: not in the drop
+        check100(MoEConfig(activation="clamped_swiglu", quant="nvfp4_w4a16", bias_dtype=torch.float32,
+                           **NEMOTRON), single)
     with pytest.raises(UnsupportedBackendError, match="multiple of 64"):
         check100(MoEConfig(activation="squared_relu", quant="nvfp4_w4a16",
                            **dict(NEMOTRON, hidden=2688 + 16)), single)

@@ -45,6 +45,8 @@ from sm100_w4a16.reference import dequant_nvfp4, w4a16_grouped_gemm_reference  #
     ("identity", 200, 256),         # N not a multiple of the tile
     ("gelu_glu", 2 * 704, 2816),    # drop v2: Gemma 4's FC1 shape (I 704: 5.5 tiles)
     ("gelu_tanh_glu", 2 * 704, 2816),
+    ("clamped_swiglu", 2 * 2880, 2880),     # drop v3: gpt-oss's FC1 shape
+    ("softcapped_swiglu", 2 * 1536, 4608),  # drop v3: an Inkling2-size FC1
 ])
 def test_compiles_for_sm100a(epilogue, n, k):
     compiled, kernel = compile_w4a16_gemm(epilogue, n, k, num_experts=128, return_kernel=True)
@@ -55,6 +57,10 @@ def test_compiles_for_sm100a(epilogue, n, k):
     assert check_ptx(ptx) == []
     if epilogue == "gelu_tanh_glu":  # g * sigmoid(2 z): one ex2 + one rcp per output, no tanh
         assert "ex2.approx" in ptx and "rcp.approx" in ptx and "tanh.approx" not in ptx
+    if epilogue == "clamped_swiglu":  # two clamps of the gate / up values, the sigmoid by ex2 + rcp
+        assert "min.f32" in ptx and "max.f32" in ptx and "ex2.approx" in ptx and "tanh.approx" not in ptx
+    if epilogue == "softcapped_swiglu":  # three tanh per output, no ex2
+        assert ptx.count("tanh.approx.f32") >= 3 and "ex2.approx" not in ptx
     assert kernel.smem_size <= SMEM_CAPACITY_BYTES
     if find_ptxas() is None:
         pytest.skip("ptxas not installed: PTX checks only")
@@ -92,12 +98,13 @@ def _decode_e4m3_f64(raw: np.ndarray) -> np.ndarray:
     return sign * mag
 
 
-def _independent_f64(a, values, block_scale, global_scale, offsets, epilogue, row_scale):
+def _independent_f64(a, values, block_scale, global_scale, offsets, epilogue, row_scale, consts=None):
+    c = dict(sm100_w4a16.ACTIVATION_CONSTANT_DEFAULTS, **(consts or {}))
     w = _decode_e2m1_f64(values.numpy()) * np.repeat(
         _decode_e4m3_f64(block_scale.view(torch.uint8).numpy()), 16, axis=-1)
     a64 = a.double().numpy()
     e_count, n, _ = w.shape
-    n_out = n // 2 if epilogue in ("swiglu", "gelu_glu", "gelu_tanh_glu") else n
+    n_out = n // 2 if epilogue in sm100_w4a16.GATED_EPILOGUES else n
     out = np.zeros((a.shape[0], n_out))
     offs = offsets.tolist()
     for e in range(e_count):
@@ -116,12 +123,30 @@ def _independent_f64(a, values, block_scale, global_scale, offsets, epilogue, ro
         elif epilogue == "gelu_tanh_glu":  # from the tanh formula
             g, u = y[:, :n_out], y[:, n_out:]
             y = 0.5 * g * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (g + 0.044715 * g ** 3))) * u
+        elif epilogue == "clamped_swiglu":  # gpt-oss's definition, numpy clips
+            g, u = y[:, :n_out], np.clip(y[:, n_out:], -c["swiglu_limit"], c["swiglu_limit"]) + c["swiglu_beta"]
+            if c["swiglu_limit_after_act"]:
+                y = u * np.minimum(g / (1.0 + np.exp(-c["swiglu_alpha"] * g)), c["swiglu_limit"])
+            else:
+                g = np.minimum(g, c["swiglu_limit"])
+                y = u * g / (1.0 + np.exp(-c["swiglu_alpha"] * g))
+        elif epilogue == "softcapped_swiglu":
+            g, u = y[:, :n_out], y[:, n_out:]
+            cg, cu = c["gate_softcap"], c["up_softcap"]
+            y = cg * np.tanh(g / cg) / (1.0 + np.exp(-g)) * cu * np.tanh(u / cu)
         out[lo:hi] = y
     return out
 
 
-@pytest.mark.parametrize("epilogue", ["squared_relu", "row_scale", "swiglu", "identity", "gelu_glu", "gelu_tanh_glu"])
-def test_reference_matches_float64(epilogue):
+_V3_CONSTS = {"swiglu_alpha": 1.0, "swiglu_limit": 3.0, "swiglu_beta": 0.0, "swiglu_limit_after_act": True}
+
+
+@pytest.mark.parametrize("epilogue,consts", [(e, None) for e in ("squared_relu", "row_scale", "swiglu", "identity",
+                                                                  "gelu_glu", "gelu_tanh_glu", "clamped_swiglu",
+                                                                  "softcapped_swiglu")]
+                         + [("clamped_swiglu", _V3_CONSTS), ("softcapped_swiglu", {"gate_softcap": 2.0,
+                                                                                    "up_softcap": 5.0})])
+def test_reference_matches_float64(epilogue, consts):
     gen = torch.Generator().manual_seed(7)
     e_count, n, k = 5, 48, 128
     counts = [37, 0, 129, 1, 64]  # an empty expert, a partial tile, a single row
@@ -131,8 +156,8 @@ def test_reference_matches_float64(epilogue):
     values, block_scale, global_scale = make_nvfp4_weights(e_count, n, k, gen)
     row_scale = torch.rand(m_total, generator=gen)
     got = w4a16_grouped_gemm_reference(a, values, block_scale, global_scale, offsets, epilogue,
-                                       row_scale if epilogue == "row_scale" else None)
-    want = _independent_f64(a, values, block_scale, global_scale, offsets, epilogue, row_scale)
+                                       row_scale if epilogue == "row_scale" else None, **(consts or {}))
+    want = _independent_f64(a, values, block_scale, global_scale, offsets, epilogue, row_scale, consts)
     assert got.dtype == torch.float32 and tuple(got.shape) == want.shape
     assert np.isfinite(want).all()
     err = np.abs(got.double().numpy() - want).max()
@@ -188,8 +213,9 @@ def test_constructor_refusals():
 
 
 def test_drop_metadata():
-    assert sm100_w4a16.DROP_VERSION == 2
-    assert set(sm100_w4a16.EPILOGUES) >= {"squared_relu", "row_scale", "swiglu", "gelu_glu", "gelu_tanh_glu"}
+    assert sm100_w4a16.DROP_VERSION == 3
+    assert set(sm100_w4a16.EPILOGUES) >= {"squared_relu", "row_scale", "swiglu", "gelu_glu", "gelu_tanh_glu",
+                                          "clamped_swiglu", "softcapped_swiglu"}
     assert sm100_w4a16.SF_BLOCK == 16 and sm100_w4a16.TILE_K == 64
 
 
@@ -208,3 +234,51 @@ def test_launcher_validates_without_launching():
         fn(torch.zeros(0, 128, dtype=torch.bfloat16), values[:, :128], block_scale, global_scale, offsets)
     with pytest.raises(ValueError, match="offsets"):
         fn(torch.zeros(0, 128, dtype=torch.bfloat16), values, block_scale, global_scale, offsets[:3])
+
+
+# --------------------------------------------------------------------------- drop v3: activation constants
+def test_clamps_bind_in_the_reference_case():
+    """The float64 check above exercises the clamps and caps: with these inputs some gate and up
+    values pass the limit (so a reference that ignored it would fail)."""
+    gen = torch.Generator().manual_seed(7)
+    values, block_scale, global_scale = make_nvfp4_weights(5, 48, 128, gen)
+    a = torch.randn(231, 128, generator=torch.Generator().manual_seed(8)).to(torch.bfloat16)
+    offsets = torch.tensor([0, 37, 37, 166, 167, 231], dtype=torch.int32)
+    y = w4a16_grouped_gemm_reference(a, values, block_scale, global_scale, offsets, "identity")
+    assert float(y.abs().max()) > 7.0 and float((y.abs() > 3.0).float().mean()) > 0.05
+    base = w4a16_grouped_gemm_reference(a, values, block_scale, global_scale, offsets, "clamped_swiglu")
+    other = w4a16_grouped_gemm_reference(a, values, block_scale, global_scale, offsets, "clamped_swiglu",
+                                         **_V3_CONSTS)
+    assert not torch.allclose(base, other)
+
+
+def test_activation_constants_are_compiled_in():
+    """Each constant is a compile-time value: a different one gives different PTX, and the kernel's
+    other epilogues ignore them (the same PTX whatever is passed)."""
+    from sm100_w4a16.launch import activation_constants
+
+    def ptx(epi, **c):
+        return compile_w4a16_gemm(epi, 2 * 256, 512, 4, **c).__ptx__
+
+    base = ptx("clamped_swiglu")
+    for change in ({"swiglu_alpha": 1.0}, {"swiglu_limit": 10.0}, {"swiglu_beta": 0.0},
+                   {"swiglu_limit_after_act": True}):
+        assert ptx("clamped_swiglu", **change) != base, change
+    assert ptx("softcapped_swiglu", gate_softcap=3.0) != ptx("softcapped_swiglu")
+    assert ptx("swiglu", swiglu_limit=3.0) == ptx("swiglu")
+    assert activation_constants("swiglu", swiglu_limit=3.0) == {}
+    assert activation_constants("softcapped_swiglu") == {"gate_softcap": 4.0, "up_softcap": 25.0}
+
+
+def test_activation_constant_refusals():
+    from sm100_w4a16 import check_activation_constants
+
+    with pytest.raises(ValueError, match="swiglu_limit > 0"):
+        W4A16GroupedGemmSm100("clamped_swiglu", swiglu_limit=0.0)
+    with pytest.raises(ValueError, match="swiglu_alpha"):
+        W4A16GroupedGemmSm100("clamped_swiglu", swiglu_alpha=float("nan"))
+    with pytest.raises(ValueError, match="up_softcap > 0"):
+        W4A16GroupedGemmSm100("softcapped_swiglu", up_softcap=-1.0)
+    W4A16GroupedGemmSm100("swiglu", swiglu_limit=0.0)  # ignored by the other epilogues
+    assert check_activation_constants("softcapped_swiglu", 1.702, 7.0, 1.0, 4.0, float("inf")) is not None
+    assert check_activation_constants("clamped_swiglu", 1.702, 7.0, 0.0, 4.0, 25.0) is None

@@ -1,4 +1,4 @@
-"""Shim for the SM100 drop ``kernel_src/sm100/w4a16`` (package ``sm100_w4a16``), drop version 1.
+"""Shim for the SM100 drop ``kernel_src/sm100/w4a16`` (package ``sm100_w4a16``), drop version 3.
 
 The drop is a W4A16 grouped GEMM for Blackwell datacenter GPUs (B200/GB200): NVFP4 expert weights
 (E2M1 values, an E4M3 scale per 16 along K, a float32 scale per expert) dequantised to BF16 in
@@ -29,12 +29,18 @@ from ..nvshmem_boot import CounterContract
 PKG = "sm100_w4a16"
 ARCH = "sm_100a"
 
+#: the activation constants the shim passes by keyword (drop v3), in the drop's order
+_ACT_NAMES = ("swiglu_alpha", "swiglu_limit", "swiglu_beta", "swiglu_limit_after_act", "gate_softcap", "up_softcap")
+
 CONSTANTS = MirroredConstants("sm100/w4a16", {
-    "sm100_w4a16": {"DROP_VERSION": 2},
+    "sm100_w4a16": {"DROP_VERSION": 3},
     "sm100_w4a16.constants": {
         "ABI_VERSION": 1,
-        "EPILOGUES": ("identity", "squared_relu", "row_scale", "swiglu", "gelu_glu", "gelu_tanh_glu"),
-        "GATED_EPILOGUES": ("swiglu", "gelu_glu", "gelu_tanh_glu"),
+        "EPILOGUES": ("identity", "squared_relu", "row_scale", "swiglu", "gelu_glu", "gelu_tanh_glu",
+                      "clamped_swiglu", "softcapped_swiglu"),
+        "GATED_EPILOGUES": ("swiglu", "gelu_glu", "gelu_tanh_glu", "clamped_swiglu", "softcapped_swiglu"),
+        "ACTIVATION_CONSTANT_DEFAULTS": {"swiglu_alpha": 1.702, "swiglu_limit": 7.0, "swiglu_beta": 1.0,
+                                         "swiglu_limit_after_act": False, "gate_softcap": 4.0, "up_softcap": 25.0},
         "SF_BLOCK": 16,
         "TILE_K": 64,
         "ALIGN_K_ELEMS": 64,
@@ -47,23 +53,26 @@ CONTRACT = DropContract(
     arch="sm100", drop="w4a16", version=CONSTANTS.value(PKG, "DROP_VERSION"), packages=(PKG,), constants=CONSTANTS,
     callables=(
         CallableUse("sm100_w4a16.grouped_gemm:can_implement", ("epilogue", "n", "k", "num_experts", "tile_n")),
+        CallableUse("sm100_w4a16.grouped_gemm:check_activation_constants",
+                    ("epilogue",) + _ACT_NAMES[:3] + _ACT_NAMES[4:]),
         CallableUse("sm100_w4a16.launch:compile_w4a16_gemm",
                     ("epilogue", "n", "k", "num_experts", "tile_n", "raster_m", "num_stages", "arch",
-                     "extra_options")),
+                     "extra_options") + _ACT_NAMES),
         CallableUse("sm100_w4a16.launch:CompiledW4A16Gemm.__init__",
                     ("epilogue", "n", "k", "num_experts", "tile_n", "raster_m", "num_stages", "arch",
-                     "compiled")),
+                     "compiled") + _ACT_NAMES),
         CallableUse("sm100_w4a16.launch:CompiledW4A16Gemm.__call__",
                     ("a", "values", "block_scale", "global_scale", "offsets", "row_scale", "out",
                      "max_active_ctas", "stream")),
     ),
     imports=(
         ImportUse("sm100_w4a16.grouped_gemm", "can_implement", "shim/drops/sm100_w4a16.py"),
+        ImportUse("sm100_w4a16.grouped_gemm", "check_activation_constants", "shim/drops/sm100_w4a16.py"),
         ImportUse("sm100_w4a16.launch", "CompiledW4A16Gemm", "shim/drops/sm100_w4a16.py"),
         ImportUse("sm100_w4a16.launch", "compile_w4a16_gemm", "shim/drops/sm100_w4a16.py"),
     ),
     attributes=(
-        AttributeUse("sm100_w4a16.grouped_gemm", ("can_implement",)),
+        AttributeUse("sm100_w4a16.grouped_gemm", ("can_implement", "check_activation_constants")),
         AttributeUse("sm100_w4a16.launch", ("compile_w4a16_gemm", "CompiledW4A16Gemm")),
         AttributeUse("sm100_w4a16.launch:CompiledW4A16Gemm", ("n_out", "compiled", "__call__")),
     ),
@@ -85,19 +94,39 @@ def _load(module: str) -> Any:
 _cutlass_version = disk_cache.cutlass_version
 
 
-def check_gemm(epilogue: str, n: int, k: int, num_experts: int) -> None:
-    """Raise ``ValueError`` with the drop's reason when the kernel cannot take these shapes."""
+def activation_constants(epilogue: str, **constants: Any) -> dict:
+    """The activation constants ``epilogue`` compiles in, completed from the drop's defaults: clamped_swiglu's
+    four (``swiglu_alpha``, ``swiglu_limit``, ``swiglu_beta``, ``swiglu_limit_after_act``), softcapped_swiglu's
+    two (``gate_softcap``, ``up_softcap``), none for the other epilogues (so their keys do not vary).
+    ``TypeError`` names an unknown one."""
+    unknown = sorted(set(constants) - set(_ACT_NAMES))
+    if unknown:
+        raise TypeError(f"sm100 W4A16 GEMM: unknown activation constant(s) {unknown}; known: {_ACT_NAMES}")
+    full = dict(_C["ACTIVATION_CONSTANT_DEFAULTS"], **constants)
+    names = {"clamped_swiglu": _ACT_NAMES[:4], "softcapped_swiglu": _ACT_NAMES[4:]}.get(epilogue, ())
+    return {name: (bool(full[name]) if name == "swiglu_limit_after_act" else float(full[name])) for name in names}
+
+
+def check_gemm(epilogue: str, n: int, k: int, num_experts: int, **constants: Any) -> None:
+    """Raise ``ValueError`` with the drop's reason when the kernel cannot take these shapes or
+    activation constants."""
     if epilogue not in EPILOGUES:
         raise ValueError(f"sm100 W4A16 GEMM: epilogue {epilogue!r} not in {EPILOGUES}")
-    reason = _load("sm100_w4a16.grouped_gemm").can_implement(epilogue=epilogue, n=n, k=k, num_experts=num_experts,
-                                                             tile_n=None)
+    gemm = _load("sm100_w4a16.grouped_gemm")
+    reason = gemm.can_implement(epilogue=epilogue, n=n, k=k, num_experts=num_experts, tile_n=None)
+    if reason is None:
+        full = dict(_C["ACTIVATION_CONSTANT_DEFAULTS"], **activation_constants(epilogue, **constants))
+        reason = gemm.check_activation_constants(
+            epilogue=epilogue, swiglu_alpha=full["swiglu_alpha"], swiglu_limit=full["swiglu_limit"],
+            swiglu_beta=full["swiglu_beta"], gate_softcap=full["gate_softcap"], up_softcap=full["up_softcap"])
     if reason is not None:
         raise ValueError(f"sm100 W4A16 GEMM: {reason}")
 
 
 @dataclass(frozen=True)
 class W4A16Key:
-    """Every value the compiled W4A16 GEMM depends on."""
+    """Every value the compiled W4A16 GEMM depends on (``activation``: the epilogue's activation
+    constants as sorted (name, value) pairs; empty for the epilogues that have none)."""
 
     drop_version: int
     abi_version: int
@@ -107,6 +136,7 @@ class W4A16Key:
     n: int
     k: int
     num_experts: int
+    activation: tuple = ()
 
 
 def cache_namespace() -> str:
@@ -114,37 +144,40 @@ def cache_namespace() -> str:
     return disk_cache.drop_namespace("sm100", "w4a16", CONSTANTS.value(PKG, "DROP_VERSION"), ARCH)
 
 
-def compiled_w4a16_gemm(epilogue: str, n: int, k: int, num_experts: int) -> Any:
-    """The compiled kernel (code only) for these static values: compiled once per process and
-    exported to / loaded from the disk compile cache; no GPU needed."""
-    check_gemm(epilogue, n, k, num_experts)
+def _compile(epilogue: str, n: int, k: int, num_experts: int, consts: dict) -> Any:
+    return _load("sm100_w4a16.launch").compile_w4a16_gemm(
+        epilogue=epilogue, n=n, k=k, num_experts=num_experts, tile_n=None, raster_m=8, num_stages=None, arch=ARCH,
+        extra_options="", **consts)
+
+
+def compiled_w4a16_gemm(epilogue: str, n: int, k: int, num_experts: int, **constants: Any) -> Any:
+    """The compiled kernel (code only) for these static values (``constants``: the activation
+    constants, :func:`activation_constants`): compiled once per process and exported to / loaded
+    from the disk compile cache; no GPU needed."""
+    check_gemm(epilogue, n, k, num_experts, **constants)
+    consts = activation_constants(epilogue, **constants)
     key = W4A16Key(CONSTANTS.value(PKG, "DROP_VERSION"), _C["ABI_VERSION"], _cutlass_version(), ARCH,
-                   epilogue, n, k, num_experts)
+                   epilogue, n, k, num_experts, tuple(sorted(consts.items())))
 
     def build():
-        launch = _load("sm100_w4a16.launch")
-        return disk_cache.get_or_build(
-            cache_namespace(), f"w4a16_{epilogue}", key,
-            lambda: launch.compile_w4a16_gemm(epilogue=epilogue, n=n, k=k, num_experts=num_experts, tile_n=None,
-                                              raster_m=8, num_stages=None, arch=ARCH, extra_options=""))
+        return disk_cache.get_or_build(cache_namespace(), f"w4a16_{epilogue}", key,
+                                       lambda: _compile(epilogue, n, k, num_experts, consts))
 
     return COMPILE_CACHE.get_or_compile(key, build)
 
 
-def w4a16_gemm(epilogue: str, n: int, k: int, num_experts: int) -> Any:
+def w4a16_gemm(epilogue: str, n: int, k: int, num_experts: int, **constants: Any) -> Any:
     """A launcher owned by the caller (the drop's ``CompiledW4A16Gemm`` around the cached code):
     ``gemm(a [M, k] bf16, values [E, n, k/2] u8, block_scale [E, n, k/16] e4m3, global_scale [E]
     f32, offsets [E+1] i32, row_scale=[M] f32 (row_scale epilogue), out=[M, n_out] bf16)``."""
-    compiled = compiled_w4a16_gemm(epilogue, n, k, num_experts)
-    return _load("sm100_w4a16.launch").CompiledW4A16Gemm(epilogue=epilogue, n=n, k=k, num_experts=num_experts,
-                                                         tile_n=None, raster_m=8, num_stages=None, arch=ARCH,
-                                                         compiled=compiled)
+    compiled = compiled_w4a16_gemm(epilogue, n, k, num_experts, **constants)
+    return _load("sm100_w4a16.launch").CompiledW4A16Gemm(
+        epilogue=epilogue, n=n, k=k, num_experts=num_experts, tile_n=None, raster_m=8, num_stages=None, arch=ARCH,
+        compiled=compiled, **activation_constants(epilogue, **constants))
 
 
-def compile_gemm_ptx(epilogue: str, n: int, k: int, num_experts: int) -> str:
+def compile_gemm_ptx(epilogue: str, n: int, k: int, num_experts: int, **constants: Any) -> str:
     """Compile for sm_100a without a GPU and return the PTX (the drop keeps its compiler
     artifacts in a temporary folder)."""
-    check_gemm(epilogue, n, k, num_experts)
-    launch = _load("sm100_w4a16.launch")
-    return launch.compile_w4a16_gemm(epilogue=epilogue, n=n, k=k, num_experts=num_experts, tile_n=None,
-                                     raster_m=8, num_stages=None, arch=ARCH, extra_options="").__ptx__
+    check_gemm(epilogue, n, k, num_experts, **constants)
+    return _compile(epilogue, n, k, num_experts, activation_constants(epilogue, **constants)).__ptx__

@@ -6,7 +6,8 @@ expert-layout kernels built for sm_100a (they are arch-neutral), and steps 3-4 r
 
 1. **dispatch** and 2. **expert layout** -- as on SM90 (BF16 rows, grouped by local expert);
 3. **FC1 + activation** -- W4A16 grouped GEMM ``h = act(xs · dequant(w13)ᵀ)`` (tcgen05 UMMA; the
-   NVFP4 weight tile is dequantised to BF16 in shared memory; ``squared_relu`` or ``swiglu``);
+   NVFP4 weight tile is dequantised to BF16 in shared memory; ``squared_relu`` or a gate of
+   :data:`ACTIVATION_MAP`, clamped_swiglu's and softcapped_swiglu's constants from the config);
 4. **FC2 + router weight** -- ``y = ws · (h · dequant(w2)ᵀ)``;
 5. **combine** -- as on SM90.
 
@@ -26,18 +27,21 @@ from moe_ep.shim import (sm100_check_w4a16_gemm, sm100_compiled_w4a16_gemm, sm10
 from ...quant import quantize_nvfp4
 from ...quantized import check_quantized_config
 from ...registry import UnsupportedBackendError, require_cuda_arch
-from ...sm90.bf16_cutedsl.backend import Sm90CuteDSLBackend, prebuild_layer
+from ...sm90.bf16_cutedsl.backend import Sm90CuteDSLBackend, prebuild_layer, swiglu_constants
 
 NAME = "sm100_w4a16_cutedsl"
 ARCH = "sm_100a"
-#: MoEConfig.activation -> the drop's FC1 epilogue (gelu_glu, gelu_tanh_glu: drop v2)
+#: MoEConfig.activation -> the drop's FC1 epilogue (gelu_glu, gelu_tanh_glu: drop v2; clamped_swiglu,
+#: softcapped_swiglu: drop v3)
 ACTIVATION_MAP = {"squared_relu": "squared_relu", "swiglu": "swiglu", "gelu_glu": "gelu_glu",
-                  "gelu_tanh_glu": "gelu_tanh_glu"}
+                  "gelu_tanh_glu": "gelu_tanh_glu", "clamped_swiglu": "clamped_swiglu",
+                  "softcapped_swiglu": "softcapped_swiglu"}
 
 
 def _gemm_specs(cfg: Any, e_local: int) -> dict:
-    return {"fc1": (ACTIVATION_MAP[cfg.activation], cfg.w13_rows, cfg.hidden, e_local),
-            "fc2": ("row_scale", cfg.hidden, cfg.intermediate, e_local)}
+    """name -> (shim arguments, activation constants) of the layer's two GEMMs."""
+    return {"fc1": ((ACTIVATION_MAP[cfg.activation], cfg.w13_rows, cfg.hidden, e_local), swiglu_constants(cfg)),
+            "fc2": (("row_scale", cfg.hidden, cfg.intermediate, e_local), {})}
 
 
 def check_config(config: Any, group: Any) -> None:
@@ -45,8 +49,8 @@ def check_config(config: Any, group: Any) -> None:
     check_quantized_config(NAME, config, group, "nvfp4_w4a16", tuple(ACTIVATION_MAP))
     e_local = config.local_experts(group.world_size)
     try:
-        for spec in _gemm_specs(config, e_local).values():
-            sm100_check_w4a16_gemm(*spec)
+        for args, consts in _gemm_specs(config, e_local).values():
+            sm100_check_w4a16_gemm(*args, **consts)
     except ValueError as e:
         raise UnsupportedBackendError(f"{NAME}: {e}") from e
 
@@ -62,7 +66,8 @@ def prebuild(config: Any, world_size: int, kernels: tuple = ("fc1", "fc2", "ep",
     without a GPU (``python -m moe_ep.aot build --arch sm_100a``)."""
     specs = _gemm_specs(config, config.local_experts(world_size))
     prebuild_layer(config, world_size, kernels,
-                   {name: (lambda spec=spec: sm100_compiled_w4a16_gemm(*spec)) for name, spec in specs.items()}, ARCH)
+                   {name: (lambda spec=spec: sm100_compiled_w4a16_gemm(*spec[0], **spec[1]))
+                    for name, spec in specs.items()}, ARCH)
 
 
 class Sm100W4A16Backend(Sm90CuteDSLBackend):
@@ -73,8 +78,8 @@ class Sm100W4A16Backend(Sm90CuteDSLBackend):
 
     def _bind_gemms(self, views: dict) -> None:
         specs = _gemm_specs(self.cfg, self.E)
-        self.fc1 = sm100_w4a16_gemm(*specs["fc1"])
-        self.fc2 = sm100_w4a16_gemm(*specs["fc2"])
+        self.fc1 = sm100_w4a16_gemm(*specs["fc1"][0], **specs["fc1"][1])
+        self.fc2 = sm100_w4a16_gemm(*specs["fc2"][0], **specs["fc2"][1])
         self.fc1_decode = self.fc2_decode = None
         self._decode_max_tokens = 0
         self._gemms = (self.fc1, self.fc2)

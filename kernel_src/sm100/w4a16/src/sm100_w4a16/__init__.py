@@ -8,10 +8,11 @@ device-side ``expert_offsets`` array. Never imports moe_ep.
     from sm100_w4a16.reference import w4a16_grouped_gemm_reference    # torch reference
 """
 
-DROP_VERSION = 2
+DROP_VERSION = 3
 
 from .constants import (  # noqa: E402
     ABI_VERSION,
+    ACTIVATION_CONSTANT_DEFAULTS,
     ALIGN_K_ELEMS,
     ALIGN_N_ELEMS,
     DEFAULT_RASTER_M,
@@ -25,11 +26,12 @@ from .constants import (  # noqa: E402
     TILE_M,
     TILE_N_CHOICES,
 )
-from .grouped_gemm import W4A16GroupedGemmSm100, can_implement  # noqa: E402
+from .grouped_gemm import W4A16GroupedGemmSm100, can_implement, check_activation_constants  # noqa: E402
 
 __all__ = [
     "DROP_VERSION",
     "ABI_VERSION",
+    "ACTIVATION_CONSTANT_DEFAULTS",
     "ALIGN_K_ELEMS",
     "ALIGN_N_ELEMS",
     "DEFAULT_RASTER_M",
@@ -44,4 +46,5 @@ __all__ = [
     "TILE_N_CHOICES",
     "W4A16GroupedGemmSm100",
     "can_implement",
+    "check_activation_constants",
 ]

@@ -53,6 +53,8 @@ CASES = [
     ("swiglu", 2 * 1856, 2688, 128, 64),
     ("gelu_glu", 2 * 704, 2816, 128, None),  # drop v2: Gemma 4's FC1 shape (I 704: 5.5 tiles)
     ("gelu_tanh_glu", 2 * 704, 2816, 128, None),
+    ("clamped_swiglu", 2 * 2880, 2880, 128, None),  # drop v3: gpt-oss's FC1 shape (K 2880: 45 k-tiles)
+    ("softcapped_swiglu", 2 * 1536, 4608, 64, None),  # drop v3: an Inkling2-size FC1 (I 1536, K 4608)
 ]
 
 

@@ -14,8 +14,24 @@ ABI_VERSION = 1
 #   gelu_glu      D[:, j] = gelu(G * gs) * (U * gs)             erf form (drop v2)
 #   gelu_tanh_glu D[:, j] = gelu_tanh(G * gs) * (U * gs)        tanh form, torch's gelu(approximate="tanh")
 #                 (Gemma 4's experts; drop v2)
-EPILOGUES = ("identity", "squared_relu", "row_scale", "swiglu", "gelu_glu", "gelu_tanh_glu")
-GATED_EPILOGUES = ("swiglu", "gelu_glu", "gelu_tanh_glu")
+#   clamped_swiglu D[:, j] = (clamp(U', -limit, limit) + beta) * G'' * sigmoid(alpha * G'')
+#                 G' = G * gs, U' = U * gs, G'' = min(G', limit); with limit_after_act the gate is
+#                 clamped after the activation: (clamp(U') + beta) * min(G' * sigmoid(alpha * G'), limit)
+#                 (gpt-oss: alpha 1.702, limit 7, beta 1; DeepSeek-V4 / GLM-5: beta 0; Step-3.7:
+#                 after the activation; drop v3)
+#   softcapped_swiglu D[:, j] = cg * tanh(G' / cg) * sigmoid(G') * cu * tanh(U' / cu)
+#                 (Inkling2: cg 4, cu 25; drop v3)
+EPILOGUES = ("identity", "squared_relu", "row_scale", "swiglu", "gelu_glu", "gelu_tanh_glu", "clamped_swiglu",
+             "softcapped_swiglu")
+GATED_EPILOGUES = ("swiglu", "gelu_glu", "gelu_tanh_glu", "clamped_swiglu", "softcapped_swiglu")
+
+# The activation constants (compile time) and their defaults: clamped_swiglu's (gpt-oss's values)
+# and softcapped_swiglu's (Inkling2's). Keyword arguments of the kernel class, compile_w4a16_gemm,
+# CompiledW4A16Gemm, get_w4a16_gemm and the reference; ignored by the other epilogues.
+ACTIVATION_CONSTANT_DEFAULTS = {
+    "swiglu_alpha": 1.702, "swiglu_limit": 7.0, "swiglu_beta": 1.0, "swiglu_limit_after_act": False,
+    "gate_softcap": 4.0, "up_softcap": 25.0,
+}
 
 # NVFP4 weight format (moe_ep's NVFP4Weight): two E2M1 codes per byte (element 2j in the low
 # nibble), one float8_e4m3fn scale per SF_BLOCK consecutive K elements, one fp32 scale per expert.
@@ -29,7 +45,7 @@ TILE_M = 128
 TILE_K = 64
 TILE_N_CHOICES = (64, 128, 256)
 DEFAULT_TILE_N = {"identity": 128, "squared_relu": 128, "row_scale": 128, "swiglu": 128, "gelu_glu": 128,
-                  "gelu_tanh_glu": 128}
+                  "gelu_tanh_glu": 128, "clamped_swiglu": 128, "softcapped_swiglu": 128}
 MAX_GATED_TILE_N = 128  # 2 accumulators x 2 TMEM stages x TILE_N fp32 columns <= 512
 
 # K multiple of TILE_K (which also gives: packed row stride K/2 bytes a multiple of 32, so TMA's

@@ -15,7 +15,9 @@ Constraints (``can_implement(epilogue, n, k, num_experts, tile_n)`` returns the 
 * K % 64 == 0 (TILE_K; one 128-byte swizzle row of bf16 per k-tile), K >= 64.
 * N_out % 8 == 0 (16-byte output vectors; N_out = N, or I = N / 2 for the gated epilogues). N need
   not be a multiple of the tile: weight rows past N are TMA zero fill and their columns are never stored.
-* gated epilogues (swiglu, gelu_glu, gelu_tanh_glu): N = 2 * I even, tile_n <= 128.
+* gated epilogues (swiglu, gelu_glu, gelu_tanh_glu, clamped_swiglu, softcapped_swiglu): N = 2 * I
+  even, tile_n <= 128. clamped_swiglu: a finite limit > 0 and a finite alpha and beta;
+  softcapped_swiglu: finite caps > 0 (``check_activation_constants``).
 * 1 <= E <= 1024 experts; M_total >= 0 (M_total == 0 launches nothing).
 * Tensors contiguous, 16-byte aligned base pointers (torch allocations are).
 
@@ -64,13 +66,15 @@ Tensors (torch view; all contiguous)
     mGs       [E]               fp32     per-expert global scale
     mOffsets  [E + 1]           int32    device memory, offsets[0] = 0, offsets[E] = M_total
     mRowScale [M_total]         fp32     read by ``row_scale`` only (else any fp32 tensor)
-    mD        [M_total, N_out]  bf16     N_out = N, or I = N / 2 for swiglu
+    mD        [M_total, N_out]  bf16     N_out = N, or I = N / 2 for the gated epilogues
     max_active_ctas             int32    grid size (persistent CTAs)
-Static (compile key): N, K, E, epilogue, tile_n, raster_m, stage counts.
+Static (compile key): N, K, E, epilogue, tile_n, raster_m, stage counts, and the activation constants
+(clamped_swiglu's alpha / limit / beta / clamp order, softcapped_swiglu's caps; drop v3).
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import cuda.bindings.driver as cuda
@@ -80,7 +84,8 @@ import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
-from cutlass._mlir.dialects import nvvm
+from cutlass._mlir.dialects import llvm, nvvm
+from cutlass.cutlass_dsl import T
 
 try:  # cutlass-dsl >= 4.8; the cutlass.utils aliases still work but warn
     from cutlass.memory import SmemAllocator, TmemAllocator
@@ -88,6 +93,7 @@ except ImportError:  # pragma: no cover
     from cutlass.utils import SmemAllocator, TmemAllocator
 
 from .constants import (
+    ACTIVATION_CONSTANT_DEFAULTS,
     ALIGN_K_ELEMS,
     ALIGN_N_ELEMS,
     DEFAULT_RASTER_M,
@@ -186,6 +192,51 @@ def _e4m3x2_to_f16x2_pair(two_scales: cutlass.Int32):
     )
 
 
+def _tanh_approx(v):
+    """``tanh.approx.f32``: one MUFU op, max relative error ~2^-11 (softcapped_swiglu's three tanh)."""
+    return cutlass.Float32(llvm.inline_asm(T.f32(), [cutlass.Float32(v).ir_value()], "tanh.approx.f32 $0, $1;",
+                                           "=f,f", has_side_effects=False, is_align_stack=False,
+                                           asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+def _clamped_swiglu(g, u, alpha: float, limit: float, beta: float, after_act: bool):
+    """clamped_swiglu of scaled fp32 gate / up values (constants.py), traced inline: the sigmoid as
+    ``1 / (1 + 2^(-alpha g log2 e))`` (ex2 + rcp); beta 0 adds nothing. Compile-time constants."""
+    lim = cutlass.Float32(limit)
+    if not after_act:
+        g = cute.arch.fmin(g, lim)
+    u = cute.arch.fmax(cute.arch.fmin(u, lim), -lim)
+    if beta != 0.0:
+        u = u + cutlass.Float32(beta)
+    den = cutlass.Float32(1.0) + cute.math.exp2(g * cutlass.Float32(-alpha * _LOG2E), fastmath=True)
+    act = g * cute.arch.rcp_approx(den)
+    if after_act:  # Step-3.7: clamp the activated gate
+        act = cute.arch.fmin(act, lim)
+    return u * act
+
+
+def _softcapped_swiglu(g, u, gate_softcap: float, up_softcap: float):
+    """softcapped_swiglu of scaled fp32 gate / up values (constants.py), traced inline: three
+    ``tanh.approx``, the sigmoid of the raw gate as ``(1 + tanh(g / 2)) / 2``. Compile-time caps."""
+    half = cutlass.Float32(0.5)
+    sig = half + half * _tanh_approx(g * half)
+    tg = _tanh_approx(g * cutlass.Float32(1.0 / gate_softcap))
+    tu = _tanh_approx(u * cutlass.Float32(1.0 / up_softcap))
+    return cutlass.Float32(gate_softcap * up_softcap) * tg * tu * sig
+
+
+def check_activation_constants(epilogue: str, swiglu_alpha: float, swiglu_limit: float, swiglu_beta: float,
+                               gate_softcap: float, up_softcap: float) -> Optional[str]:
+    """None if the epilogue's activation constants are usable, else the reason (one sentence)."""
+    if epilogue == "clamped_swiglu" and not (math.isfinite(swiglu_limit) and swiglu_limit > 0.0
+                                             and math.isfinite(swiglu_alpha) and math.isfinite(swiglu_beta)):
+        return (f"clamped_swiglu needs a finite swiglu_limit > 0 and finite swiglu_alpha / swiglu_beta, got "
+                f"{swiglu_limit}, {swiglu_alpha}, {swiglu_beta}")
+    if epilogue == "softcapped_swiglu" and not all(math.isfinite(c) and c > 0.0 for c in (gate_softcap, up_softcap)):
+        return f"softcapped_swiglu needs finite gate_softcap and up_softcap > 0, got {gate_softcap} and {up_softcap}"
+    return None
+
+
 def _tcgen05_fence(after: bool) -> None:
     """``tcgen05.fence::{before,after}_thread_sync``: orders this thread's tcgen05 ops (TMEM loads,
     MMAs) against an mbarrier / named-barrier handshake with another warp."""
@@ -230,10 +281,19 @@ class W4A16GroupedGemmSm100:
     :param raster_m: m-tiles per raster group inside an expert.
     :param num_stages: depth of the A / bf16-B rings (None = as many as fit); the packed-W ring
         is two deeper (it is 4x smaller).
+    :param swiglu_alpha, swiglu_limit, swiglu_beta, swiglu_limit_after_act: clamped_swiglu's constants;
+    :param gate_softcap, up_softcap: softcapped_swiglu's (defaults: ``ACTIVATION_CONSTANT_DEFAULTS``;
+        ignored by the other epilogues; drop v3). ``ValueError`` if unusable.
     """
 
     def __init__(self, epilogue: str, tile_n: Optional[int] = None,
-                 raster_m: int = DEFAULT_RASTER_M, num_stages: Optional[int] = None):
+                 raster_m: int = DEFAULT_RASTER_M, num_stages: Optional[int] = None,
+                 swiglu_alpha: float = ACTIVATION_CONSTANT_DEFAULTS["swiglu_alpha"],
+                 swiglu_limit: float = ACTIVATION_CONSTANT_DEFAULTS["swiglu_limit"],
+                 swiglu_beta: float = ACTIVATION_CONSTANT_DEFAULTS["swiglu_beta"],
+                 swiglu_limit_after_act: bool = ACTIVATION_CONSTANT_DEFAULTS["swiglu_limit_after_act"],
+                 gate_softcap: float = ACTIVATION_CONSTANT_DEFAULTS["gate_softcap"],
+                 up_softcap: float = ACTIVATION_CONSTANT_DEFAULTS["up_softcap"]):
         if epilogue not in EPILOGUES:
             raise NotImplementedError(f"epilogue {epilogue!r} is not implemented; one of {EPILOGUES}")
         if tile_n is None:
@@ -243,6 +303,13 @@ class W4A16GroupedGemmSm100:
             raise ValueError(reason)
         if not (1 <= int(raster_m) <= MAX_RASTER_M):
             raise ValueError(f"raster_m must be in [1, {MAX_RASTER_M}], got {raster_m}")
+        reason = check_activation_constants(epilogue, float(swiglu_alpha), float(swiglu_limit), float(swiglu_beta),
+                                            float(gate_softcap), float(up_softcap))
+        if reason is not None:
+            raise ValueError(reason)
+        self.swiglu_alpha, self.swiglu_limit = float(swiglu_alpha), float(swiglu_limit)
+        self.swiglu_beta, self.swiglu_limit_after_act = float(swiglu_beta), bool(swiglu_limit_after_act)
+        self.gate_softcap, self.up_softcap = float(gate_softcap), float(up_softcap)
         self.epilogue = epilogue
         self.gated = epilogue in GATED_EPILOGUES
         self.num_b = 2 if self.gated else 1  # B tiles / accumulators per output tile
@@ -795,6 +862,11 @@ class W4A16GroupedGemmSm100:
                         arg = x * (cutlass.Float32(-_GELU_TANH_C1) - cutlass.Float32(_GELU_TANH_C3) * (x * x))
                         den = cutlass.Float32(1.0) + cute.math.exp2(arg, fastmath=True)
                         x = x * cute.arch.rcp_approx(den) * u
+                    elif cutlass.const_expr(self.epilogue == "clamped_swiglu"):
+                        x = _clamped_swiglu(x, r_acc[1][i] * gs, self.swiglu_alpha, self.swiglu_limit,
+                                            self.swiglu_beta, self.swiglu_limit_after_act)
+                    elif cutlass.const_expr(self.epilogue == "softcapped_swiglu"):
+                        x = _softcapped_swiglu(x, r_acc[1][i] * gs, self.gate_softcap, self.up_softcap)
                     r_out[(i % 8, i // 8)] = x.to(self.d_dtype)
                 # the 32 columns of a tcgen05.ld.32x32b.x32 are consecutive: 4 vectors of 8
                 for v in cutlass.range_constexpr(_EPI_COLS // 8):

@@ -73,24 +73,26 @@ def sm100_available() -> bool:
 
 
 def check(epilogue: str, m_total: int, n: int, k: int, experts: int, routing: str,
-          seed: int = 0, tile_n: Optional[int] = None) -> bool:
-    """Run one case; on a GPU compare kernel vs reference, else reference + compile only."""
+          seed: int = 0, tile_n: Optional[int] = None, constants: Optional[dict] = None) -> bool:
+    """Run one case; on a GPU compare kernel vs reference, else reference + compile only.
+    ``constants``: the activation constants (clamped_swiglu's, softcapped_swiglu's; drop v3)."""
     from .launch import compile_w4a16_gemm, get_w4a16_gemm
 
+    constants = constants or {}
     gpu = sm100_available()
     dev = "cuda" if gpu else "cpu"
     a, values, bs, gs, offs, rs = make_inputs(m_total, n, k, experts, epilogue, routing, seed, dev)
-    ref = w4a16_grouped_gemm_reference(a, values, bs, gs, offs, epilogue, rs)
+    ref = w4a16_grouped_gemm_reference(a, values, bs, gs, offs, epilogue, rs, **constants)
     tag = (f"{epilogue:12s} M={m_total:6d} N={n} K={k} E={experts} routing={routing:7s} "
-           f"tile_n={tile_n}")
+           f"tile_n={tile_n}{' ' + str(constants) if constants else ''}")
     if not gpu:
         t0 = time.time()
-        compiled = compile_w4a16_gemm(epilogue, n, k, experts, tile_n=tile_n)
+        compiled = compile_w4a16_gemm(epilogue, n, k, experts, tile_n=tile_n, **constants)
         ok = "tcgen05.mma" in compiled.__ptx__ and bool(torch.isfinite(ref).all())
         print(f"[cpu ] {tag}: reference |ref|={ref.norm():.3e}, sm_100a compile {time.time() - t0:.1f}s "
               f"(no SM100 GPU: kernel not run) -> {'OK' if ok else 'FAIL'}", flush=True)
         return ok
-    fn = get_w4a16_gemm(epilogue, n, k, experts, tile_n=tile_n)
+    fn = get_w4a16_gemm(epilogue, n, k, experts, tile_n=tile_n, **constants)
     n_out = n // 2 if epilogue in GATED_EPILOGUES else n
     out = torch.full((m_total, n_out), float("nan"), dtype=torch.bfloat16, device="cuda")
     fn(a, values, bs, gs, offs, row_scale=rs, out=out)
@@ -104,12 +106,12 @@ def check(epilogue: str, m_total: int, n: int, k: int, experts: int, routing: st
 
 
 def bench(epilogue: str, m_total: int, n: int, k: int, experts: int, routing: str,
-          iters: int = 20, tile_n: Optional[int] = None) -> float:
+          iters: int = 20, tile_n: Optional[int] = None, constants: Optional[dict] = None) -> float:
     """Median kernel time (s) over ``iters`` launches; prints TFLOP/s and weight GB/s."""
     from .launch import get_w4a16_gemm, to_cute_args
 
     a, values, bs, gs, offs, rs = make_inputs(m_total, n, k, experts, epilogue, routing, 0, "cuda")
-    fn = get_w4a16_gemm(epilogue, n, k, experts, tile_n=tile_n)
+    fn = get_w4a16_gemm(epilogue, n, k, experts, tile_n=tile_n, **(constants or {}))
     out = torch.empty(m_total, fn.n_out, dtype=torch.bfloat16, device="cuda")
     args = to_cute_args(a, values, bs, gs, offs, rs if rs is not None else fn._placeholder("cuda"), out)
     for _ in range(3):
@@ -131,12 +133,16 @@ def bench(epilogue: str, m_total: int, n: int, k: int, experts: int, routing: st
 
 
 SUITE = [
-    # (epilogue, M_total, N, K, E, routing, tile_n)
+    # (epilogue, M_total, N, K, E, routing, tile_n[, activation constants])
     ("squared_relu", 3000, 1856, 2688, 16, "skewed", None),      # Nemotron FC1 shape
     ("row_scale", 3000, 2688, 1856, 16, "skewed", None),         # Nemotron FC2 shape
     ("swiglu", 2000, 2 * 512, 1024, 8, "skewed", None),
     ("gelu_glu", 1500, 2 * 704, 2816, 8, "skewed", None),      # drop v2: Gemma 4's FC1 shape
     ("gelu_tanh_glu", 1500, 2 * 704, 2816, 8, "skewed", None),
+    ("clamped_swiglu", 1500, 2 * 512, 1024, 8, "skewed", None),   # drop v3: gpt-oss's constants
+    ("clamped_swiglu", 1500, 2 * 512, 1024, 8, "skewed", None,    # DeepSeek-V4's (beta 0), Step-3.7's order
+     {"swiglu_beta": 0.0, "swiglu_limit": 10.0, "swiglu_alpha": 1.0, "swiglu_limit_after_act": True}),
+    ("softcapped_swiglu", 1500, 2 * 512, 1024, 8, "skewed", None),  # Inkling2's caps
     ("identity", 777, 200, 256, 5, "uniform", 64),                # ragged N tile
     ("squared_relu", 1, 1856, 2688, 16, "skewed", None),          # decode: one row
     ("row_scale", 515, 384, 512, 3, "uniform", 256),
@@ -161,10 +167,11 @@ def main(argv=None) -> int:
     cases = SUITE if args.suite else [(args.epilogue, args.m_total, args.n, args.k, args.experts,
                                         args.routing, args.tile_n)]
     ok = True
-    for epi, m, n, k, e, routing, tn in cases:
-        ok &= check(epi, m, n, k, e, routing, seed=args.seed, tile_n=tn)
+    for epi, m, n, k, e, routing, tn, *consts in cases:
+        consts = consts[0] if consts else None
+        ok &= check(epi, m, n, k, e, routing, seed=args.seed, tile_n=tn, constants=consts)
         if args.bench and sm100_available():
-            bench(epi, m, n, k, e, routing, tile_n=tn)
+            bench(epi, m, n, k, e, routing, tile_n=tn, constants=consts)
     print("ALL PASS" if ok else "SOME FAILED")
     return 0 if ok else 1
 

@@ -21,7 +21,7 @@ from cutlass.cute.runtime import from_dlpack, make_fake_compact_tensor, make_fak
 import cuda.bindings.driver as cuda
 
 from . import DROP_VERSION
-from .constants import ABI_VERSION, DEFAULT_RASTER_M, GATED_EPILOGUES
+from .constants import ABI_VERSION, ACTIVATION_CONSTANT_DEFAULTS as _ACT, DEFAULT_RASTER_M, GATED_EPILOGUES
 from .grouped_gemm import W4A16GroupedGemmSm100, can_implement
 
 _CACHE: Dict[tuple, "CompiledW4A16Gemm"] = {}
@@ -54,19 +54,41 @@ def compile_options(arch: str = "sm_100a", extra: str = "") -> str:
     return f"--gpu-arch {arch} --keep-ptx --dump-dir={dump} {extra}".strip()
 
 
+def activation_constants(epilogue: str, swiglu_alpha: float = _ACT["swiglu_alpha"],
+                         swiglu_limit: float = _ACT["swiglu_limit"], swiglu_beta: float = _ACT["swiglu_beta"],
+                         swiglu_limit_after_act: bool = _ACT["swiglu_limit_after_act"],
+                         gate_softcap: float = _ACT["gate_softcap"], up_softcap: float = _ACT["up_softcap"]) -> dict:
+    """The activation constants ``epilogue`` compiles in (clamped_swiglu's four, softcapped_swiglu's two,
+    none for the others), as keyword arguments of the kernel class: one kernel, one cache key, whatever
+    the ignored constants were (drop v3)."""
+    if epilogue == "clamped_swiglu":
+        return dict(swiglu_alpha=float(swiglu_alpha), swiglu_limit=float(swiglu_limit),
+                    swiglu_beta=float(swiglu_beta), swiglu_limit_after_act=bool(swiglu_limit_after_act))
+    if epilogue == "softcapped_swiglu":
+        return dict(gate_softcap=float(gate_softcap), up_softcap=float(up_softcap))
+    return {}
+
+
 def compile_w4a16_gemm(epilogue: str, n: int, k: int, num_experts: int,
                        tile_n: Optional[int] = None, raster_m: int = DEFAULT_RASTER_M,
                        num_stages: Optional[int] = None, arch: str = "sm_100a",
-                       extra_options: str = "", return_kernel: bool = False):
+                       extra_options: str = "", return_kernel: bool = False,
+                       swiglu_alpha: float = _ACT["swiglu_alpha"], swiglu_limit: float = _ACT["swiglu_limit"],
+                       swiglu_beta: float = _ACT["swiglu_beta"],
+                       swiglu_limit_after_act: bool = _ACT["swiglu_limit_after_act"],
+                       gate_softcap: float = _ACT["gate_softcap"], up_softcap: float = _ACT["up_softcap"]):
     """Compile one variant from fake tensors (works on a machine without a GPU).
 
-    epilogue: one of ``EPILOGUES``; n: rows of W per expert (2 * I for swiglu); k: reduction
-    size. Returns the compiled object (``.__ptx__`` holds the PTX), or ``(compiled, kernel)``
+    epilogue: one of ``EPILOGUES``; n: rows of W per expert (2 * I for the gated ones); k: reduction
+    size; ``swiglu_*`` / ``*_softcap``: clamped_swiglu's / softcapped_swiglu's constants (drop v3).
+    Returns the compiled object (``.__ptx__`` holds the PTX), or ``(compiled, kernel)``
     with ``return_kernel`` (the kernel object then knows ``smem_size`` and its stage counts)."""
     reason = can_implement(epilogue, n, k, num_experts, tile_n)
     if reason is not None:
         raise ValueError(reason)
-    kernel = W4A16GroupedGemmSm100(epilogue, tile_n=tile_n, raster_m=raster_m, num_stages=num_stages)
+    consts = activation_constants(epilogue, swiglu_alpha, swiglu_limit, swiglu_beta, swiglu_limit_after_act,
+                                  gate_softcap, up_softcap)
+    kernel = W4A16GroupedGemmSm100(epilogue, tile_n=tile_n, raster_m=raster_m, num_stages=num_stages, **consts)
     args = fake_args(kernel, num_experts, n, k)
     compiled = cute.compile(kernel, *args, options=compile_options(arch, extra_options))
     return (compiled, kernel) if return_kernel else compiled
@@ -104,21 +126,28 @@ def require_sm100(device=None) -> None:
 
 
 class CompiledW4A16Gemm:
-    """One compiled kernel for (epilogue, N, K, E, tile_n, raster_m, stages); any routing and
-    M_total. ``compiled``: the kernel compiled earlier (e.g. loaded from an exported object)."""
+    """One compiled kernel for (epilogue, N, K, E, tile_n, raster_m, stages, activation constants); any
+    routing and M_total. ``compiled``: the kernel compiled earlier (e.g. loaded from an exported object)."""
 
     def __init__(self, epilogue: str, n: int, k: int, num_experts: int,
                  tile_n: Optional[int] = None, raster_m: int = DEFAULT_RASTER_M,
-                 num_stages: Optional[int] = None, arch: str = "sm_100a", compiled=None):
+                 num_stages: Optional[int] = None, arch: str = "sm_100a", compiled=None,
+                 swiglu_alpha: float = _ACT["swiglu_alpha"], swiglu_limit: float = _ACT["swiglu_limit"],
+                 swiglu_beta: float = _ACT["swiglu_beta"],
+                 swiglu_limit_after_act: bool = _ACT["swiglu_limit_after_act"],
+                 gate_softcap: float = _ACT["gate_softcap"], up_softcap: float = _ACT["up_softcap"]):
         reason = can_implement(epilogue, n, k, num_experts, tile_n)
         if reason is not None:
             raise ValueError(reason)
         self.epilogue = epilogue
         self.n, self.k, self.num_experts = n, k, num_experts
         self.n_out = n // 2 if epilogue in GATED_EPILOGUES else n
+        self.activation_constants = activation_constants(epilogue, swiglu_alpha, swiglu_limit, swiglu_beta,
+                                                         swiglu_limit_after_act, gate_softcap, up_softcap)
         if compiled is None:
             compiled = compile_w4a16_gemm(epilogue, n, k, num_experts, tile_n=tile_n,
-                                          raster_m=raster_m, num_stages=num_stages, arch=arch)
+                                          raster_m=raster_m, num_stages=num_stages, arch=arch,
+                                          **self.activation_constants)
         self.compiled = compiled
         self._dummy_scale: Optional[torch.Tensor] = None
 
@@ -182,14 +211,16 @@ class CompiledW4A16Gemm:
 
 def get_w4a16_gemm(epilogue: str, n: int, k: int, num_experts: int, tile_n: Optional[int] = None,
                    raster_m: int = DEFAULT_RASTER_M, num_stages: Optional[int] = None,
-                   arch: str = "sm_100a") -> CompiledW4A16Gemm:
-    """Cached compile. Key: everything static; routing and M_total are runtime."""
+                   arch: str = "sm_100a", **constants) -> CompiledW4A16Gemm:
+    """Cached compile. Key: everything static (``constants``: the activation constants, as
+    ``compile_w4a16_gemm`` takes them); routing and M_total are runtime."""
+    consts = activation_constants(epilogue, **constants)
     key = (ABI_VERSION, DROP_VERSION, getattr(cutlass, "__version__", ""), epilogue, n, k,
-           num_experts, tile_n, raster_m, num_stages, arch)
+           num_experts, tile_n, raster_m, num_stages, arch, tuple(sorted(consts.items())))
     fn = _CACHE.get(key)
     if fn is None:
         fn = CompiledW4A16Gemm(epilogue, n, k, num_experts, tile_n=tile_n, raster_m=raster_m,
-                               num_stages=num_stages, arch=arch)
+                               num_stages=num_stages, arch=arch, **consts)
         _CACHE[key] = fn
     return fn
 
@@ -198,9 +229,10 @@ def w4a16_grouped_gemm(a: torch.Tensor, values: torch.Tensor, block_scale: torch
                        global_scale: torch.Tensor, offsets: torch.Tensor, epilogue: str,
                        row_scale: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
                        max_active_ctas: Optional[int] = None,
-                       tile_n: Optional[int] = None) -> torch.Tensor:
-    """Functional entry point (shapes and dtypes: ``CompiledW4A16Gemm.__call__``)."""
+                       tile_n: Optional[int] = None, **constants) -> torch.Tensor:
+    """Functional entry point (shapes and dtypes: ``CompiledW4A16Gemm.__call__``; ``constants``: the
+    activation constants, as ``compile_w4a16_gemm`` takes them)."""
     e, n, k2 = values.shape
-    fn = get_w4a16_gemm(epilogue, n, 2 * k2, e, tile_n=tile_n)
+    fn = get_w4a16_gemm(epilogue, n, 2 * k2, e, tile_n=tile_n, **constants)
     return fn(a, values, block_scale, global_scale, offsets, row_scale=row_scale, out=out,
               max_active_ctas=max_active_ctas)

@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from .constants import GATED_EPILOGUES, SF_BLOCK
+from .constants import ACTIVATION_CONSTANT_DEFAULTS as _ACT, GATED_EPILOGUES, SF_BLOCK
 
 # E2M1 magnitudes by code 0..7 (bit 3 of the code is the sign)
 E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -34,6 +34,12 @@ def w4a16_grouped_gemm_reference(
     offsets: torch.Tensor,
     epilogue: str,
     row_scale: Optional[torch.Tensor] = None,
+    swiglu_alpha: float = _ACT["swiglu_alpha"],
+    swiglu_limit: float = _ACT["swiglu_limit"],
+    swiglu_beta: float = _ACT["swiglu_beta"],
+    swiglu_limit_after_act: bool = _ACT["swiglu_limit_after_act"],
+    gate_softcap: float = _ACT["gate_softcap"],
+    up_softcap: float = _ACT["up_softcap"],
 ) -> torch.Tensor:
     """
     a:            [M_total, K]       bf16 (any float dtype)
@@ -42,6 +48,7 @@ def w4a16_grouped_gemm_reference(
     global_scale: [E]                float32
     offsets:      [E + 1]            int (any device), offsets[0] = 0, offsets[E] = M_total
     row_scale:    [M_total]          float32, used by "row_scale" only
+    swiglu_*:     clamped_swiglu's constants; *_softcap: softcapped_swiglu's (drop v3)
     returns:      [M_total, N_out]   float32, N_out = N (or N / 2 for the gated ones); rows of no
                                      expert stay 0
     """
@@ -68,6 +75,17 @@ def w4a16_grouped_gemm_reference(
             y = torch.nn.functional.gelu(y[:, :n_out]) * y[:, n_out:]
         elif epilogue == "gelu_tanh_glu":  # drop v2 (Gemma 4)
             y = torch.nn.functional.gelu(y[:, :n_out], approximate="tanh") * y[:, n_out:]
+        elif epilogue == "clamped_swiglu":  # drop v3 (gpt-oss, DeepSeek-V4, Step-3.7)
+            g, u = y[:, :n_out], y[:, n_out:].clamp(-swiglu_limit, swiglu_limit) + swiglu_beta
+            if swiglu_limit_after_act:
+                y = u * (g * torch.sigmoid(swiglu_alpha * g)).clamp(max=swiglu_limit)
+            else:
+                g = g.clamp(max=swiglu_limit)
+                y = u * g * torch.sigmoid(swiglu_alpha * g)
+        elif epilogue == "softcapped_swiglu":  # drop v3 (Inkling2): the sigmoid sees the raw gate
+            g, u = y[:, :n_out], y[:, n_out:]
+            y = (gate_softcap * torch.tanh(g / gate_softcap) * torch.sigmoid(g)
+                 * (up_softcap * torch.tanh(u / up_softcap)))
         else:
             raise ValueError(epilogue)
         out[lo:hi] = y
