@@ -159,7 +159,8 @@ def test_ep_and_layout_kernels_build_for_blackwell():
 
 
 # a one-rank layer: its GEMMs and quantisers, 8 EP kernels, 5 layout kernels (LocalRoute's 2 included)
-@pytest.mark.parametrize("arch,model,kernels", [("sm_100a", "nemotron", 15), ("sm_120a", "qwen3", 17)])
+@pytest.mark.parametrize("arch,model,kernels", [("sm_100a", "nemotron", 15), ("sm_120a", "qwen3", 17),
+                                                ("sm_100a", "dsv4_shard", 15)])  # sm100/w4a16 v3: clamped gate
 def test_aot_prebuild_for_blackwell(tmp_path, arch, model, kernels):
     """``python -m moe_ep.aot build --arch sm_100a|sm_120a`` compiles a whole layer's kernels on
     this CPU machine, and a second build loads them all."""
