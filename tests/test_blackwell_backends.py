@@ -76,7 +76,7 @@ def test_compile_keys_carry_every_static_value():
 
     k = sm120_mxfp8._key("gemm", "swiglu", 1536, 2048, 128, 16)
     assert (k.arch, k.epilogue, k.n, k.k, k.num_experts, k.tile_tokens, k.drop_version) == \
-        ("sm_120a", "swiglu", 1536, 2048, 128, 16, 1)
+        ("sm_120a", "swiglu", 1536, 2048, 128, 16, 2)
     assert k != sm120_mxfp8._key("gemm", "swiglu", 1536, 2048, 128, 32)
     fields = set(sm100_w4a16.W4A16Key.__dataclass_fields__)
     assert {"drop_version", "abi_version", "cutlass_version", "arch", "epilogue", "n", "k", "num_experts"} <= fields
@@ -144,6 +144,29 @@ def test_backends_refuse_configs_by_name():
         check120(MoEConfig(num_experts=128, hidden=2880, intermediate=2880, top_k=4, max_tokens_per_rank=64,
                            quant="mxfp8"), single)
     check120(MoEConfig(quant="mxfp8", **QWEN), single)
+    # drop sm120/mxfp8 v2: the GELU gates and the clamped / softcapped SwiGLU, with the config's constants
+    from moe_ep.backends.sm120.mxfp8_cutedsl.backend import _gemm_specs as specs120
+
+    for act in ("gelu_glu", "gelu_tanh_glu", "clamped_swiglu", "softcapped_swiglu"):
+        check120(MoEConfig(activation=act, quant="mxfp8", **QWEN), single)
+    dsv4 = MoEConfig(activation="clamped_swiglu", quant="mxfp8", swiglu_alpha=1.0, swiglu_limit=10.0, swiglu_beta=0.0,
+                     **QWEN)
+    (args, consts), (_, fc2_consts) = specs120(dsv4, 128, 1)["fc1"], specs120(dsv4, 128, 1)["fc2"]
+    assert args[0] == "clamped_swiglu" and fc2_consts == {}
+    assert consts == dict(swiglu_alpha=1.0, swiglu_limit=10.0, swiglu_beta=0.0, swiglu_limit_after_act=False)
+    from moe_ep.shim.drops import sm120_mxfp8
+
+    k1 = sm120_mxfp8._key("gemm", "clamped_swiglu", 1536, 2048, 128, 16, sm120_mxfp8.activation_constants(
+        "clamped_swiglu", **consts))
+    k2 = sm120_mxfp8._key("gemm", "clamped_swiglu", 1536, 2048, 128, 16, sm120_mxfp8.activation_constants(
+        "clamped_swiglu"))
+    assert k1 != k2 and dict(k1.activation)["swiglu_beta"] == 0.0
+    from moe_ep.shim import sm120_check_mxfp8_gemm
+
+    with pytest.raises(ValueError, match="up_softcap > 0"):  # MoEConfig refuses it first; the shim too
+        sm120_check_mxfp8_gemm("softcapped_swiglu", 1536, 2048, 128, 16, up_softcap=-1.0)
+    with pytest.raises(TypeError, match="softcap_gate"):
+        sm120_check_mxfp8_gemm("softcapped_swiglu", 1536, 2048, 128, 16, softcap_gate=1.0)
 
 
 def test_ep_and_layout_kernels_build_for_blackwell():
@@ -160,7 +183,8 @@ def test_ep_and_layout_kernels_build_for_blackwell():
 
 # a one-rank layer: its GEMMs and quantisers, 8 EP kernels, 5 layout kernels (LocalRoute's 2 included)
 @pytest.mark.parametrize("arch,model,kernels", [("sm_100a", "nemotron", 15), ("sm_120a", "qwen3", 17),
-                                                ("sm_100a", "dsv4_shard", 15)])  # sm100/w4a16 v3: clamped gate
+                                                ("sm_100a", "dsv4_shard", 15),  # sm100/w4a16 v3: clamped gate
+                                                ("sm_120a", "inkling2_shard", 17)])  # sm120/mxfp8 v2: softcaps
 def test_aot_prebuild_for_blackwell(tmp_path, arch, model, kernels):
     """``python -m moe_ep.aot build --arch sm_100a|sm_120a`` compiles a whole layer's kernels on
     this CPU machine, and a second build loads them all."""
@@ -172,7 +196,7 @@ def test_aot_prebuild_for_blackwell(tmp_path, arch, model, kernels):
         assert f"{kernels} kernels {want}" in p.stdout, p.stdout
     p = subprocess.run([sys.executable, "-m", "moe_ep.aot", "build", "--arch", "sm_120a", "--model", "gpt_oss",
                         "--out", str(tmp_path)], capture_output=True, text=True, timeout=300, env=env)
-    assert p.returncode == 2 and "clamped_swiglu" in p.stderr
+    assert p.returncode == 2 and "K=2880" in p.stderr  # sm120/mxfp8 v2 has its gate; K % 128 != 0
 
 
 def test_gemm_ptx_through_the_shim():

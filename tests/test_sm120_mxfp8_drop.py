@@ -16,6 +16,7 @@ The drop is imported by its top-level name from its ``src`` folder (the shim int
 later); the drop itself never imports moe_ep.
 """
 
+import math
 
 import pytest
 import torch
@@ -30,7 +31,9 @@ _DROP_SRC = drop_src("sm120", "mxfp8")
 register_drop(_DROP_SRC)
 
 from sm120_mxfp8 import (  # noqa: E402
+    ACTIVATION_CONSTANT_DEFAULTS,
     EPILOGUES,
+    GATED_EPILOGUES,
     SMEM_LIMIT,
     Mxfp8GroupedGemmSm120,
     can_implement,
@@ -66,10 +69,20 @@ def _inputs(n, k, counts, seed=0):
     ("swiglu", 1536, 2048, 128, 16, True),    # Qwen3-30B-A3B FC1, decode tile
     ("row_scale", 2048, 768, 128, 128, False),  # Qwen3 FC2, prefill tile (8 MMA warps)
     ("identity", 136, 256, 5, 8, False),       # ragged N, smallest token tile
+    ("gelu_glu", 1536, 2048, 128, 16, False),  # drop v2's gated epilogues
+    ("gelu_tanh_glu", 1536, 2048, 128, 16, False),
+    ("clamped_swiglu", 4096, 4096, 32, 64, False),     # DeepSeek-V4 shard FC1
+    ("softcapped_swiglu", 4608, 4608, 48, 32, False),  # Inkling2 shard FC1
 ])
 def test_gemm_compiles_for_sm120(epilogue, n, k, e, tile_tokens, signature):
     info = check_gemm(epilogue, n, k, e, tile_tokens, signature=signature)  # raises on PTX issues
     ptx = info["ptx"]
+    if epilogue == "gelu_tanh_glu":  # g * sigmoid(2 z): ex2 + rcp, no tanh
+        assert "ex2.approx" in ptx and "rcp.approx" in ptx and "tanh.approx" not in ptx
+    if epilogue == "clamped_swiglu":
+        assert "min.f32" in ptx and "max.f32" in ptx and "ex2.approx" in ptx
+    if epilogue == "softcapped_swiglu":  # three tanh per output, no ex2
+        assert ptx.count("tanh.approx.f32") >= 3 and "ex2.approx" not in ptx
     assert "mma.sync.aligned.kind::mxf8f6f4.block_scale.scale_vec::1X.m16n8k32.row.col.f32.e4m3.e4m3.f32.ue8m0" in ptx
     assert "cp.async.bulk.tensor" in ptx and "ldmatrix.sync.aligned.m8n8.x4" in ptx
     assert "cp.async.mbarrier.arrive.noinc" in ptx
@@ -121,7 +134,27 @@ def _scale_f64(codes: torch.Tensor) -> torch.Tensor:
     return torch.tensor([2.0 ** (int(v) - 127) for v in c.reshape(-1)], dtype=torch.float64).reshape(c.shape)
 
 
-def _float64_grouped(x, xs, w, ws, offs, epilogue, rs):
+def _gate_f64(epilogue, gate, up, c):
+    """The gated activations from their definitions (numpy-free float64 torch math, math.erf for GELU)."""
+    if epilogue == "swiglu":
+        return gate / (1 + torch.exp(-gate)) * up
+    if epilogue == "gelu_glu":
+        return 0.5 * gate * (1 + torch.tensor([math.erf(v / math.sqrt(2)) for v in gate.reshape(-1).tolist()],
+                                              dtype=torch.float64).reshape(gate.shape)) * up
+    if epilogue == "gelu_tanh_glu":
+        return 0.5 * gate * (1 + torch.tanh(math.sqrt(2 / math.pi) * (gate + 0.044715 * gate ** 3))) * up
+    if epilogue == "clamped_swiglu":
+        lim = c["swiglu_limit"]
+        up = torch.minimum(torch.maximum(up, torch.tensor(-lim)), torch.tensor(lim)) + c["swiglu_beta"]
+        if c["swiglu_limit_after_act"]:
+            return up * torch.minimum(gate / (1 + torch.exp(-c["swiglu_alpha"] * gate)), torch.tensor(lim))
+        gate = torch.minimum(gate, torch.tensor(lim))
+        return up * gate / (1 + torch.exp(-c["swiglu_alpha"] * gate))
+    cg, cu = c["gate_softcap"], c["up_softcap"]  # softcapped_swiglu
+    return cg * torch.tanh(gate / cg) / (1 + torch.exp(-gate)) * cu * torch.tanh(up / cu)
+
+
+def _float64_grouped(x, xs, w, ws, offs, epilogue, rs, consts=None):
     """Independent route: hand-decoded fp8, scales applied per 32-column block, per-token
     expert lookup by searchsorted, one einsum."""
     m, k = x.shape
@@ -130,21 +163,26 @@ def _float64_grouped(x, xs, w, ws, offs, epilogue, rs):
     wd = (_e4m3_f64(w).reshape(e, n, k // 32, 32) * _scale_f64(ws)[..., None]).reshape(e, n, k)
     expert = torch.searchsorted(offs[1:].to(torch.int64), torch.arange(m), right=True)
     h = torch.einsum("mk,mnk->mn", xd, wd[expert])
-    if epilogue == "swiglu":
-        gate, up = h[:, : n // 2], h[:, n // 2:]
-        return gate / (1 + torch.exp(-gate)) * up
+    if epilogue in GATED_EPILOGUES:
+        return _gate_f64(epilogue, h[:, : n // 2], h[:, n // 2:], dict(ACTIVATION_CONSTANT_DEFAULTS, **(consts or {})))
     if epilogue == "row_scale":
         return h * rs.double()[:, None]
     return h
 
 
-@pytest.mark.parametrize("epilogue", EPILOGUES)
-def test_reference_matches_float64(epilogue):
+_SMALL_CLAMP = {"swiglu_alpha": 1.0, "swiglu_limit": 0.5, "swiglu_beta": 0.0, "swiglu_limit_after_act": True}
+
+
+@pytest.mark.parametrize("epilogue,consts", [(e, None) for e in EPILOGUES]
+                         + [("clamped_swiglu", _SMALL_CLAMP), ("clamped_swiglu", {"swiglu_limit": 0.5}),
+                            ("softcapped_swiglu", {"gate_softcap": 0.5, "up_softcap": 0.25})])
+def test_reference_matches_float64(epilogue, consts):
     counts = [6, 0, 1, 17, 9, 3]  # an empty expert and a 1-token expert
     x, xs, w, ws, offs, rs = _inputs(96, 256, counts, seed=1)
-    ref = grouped_gemm_reference(x, xs, w, ws, offs, epilogue, rs if epilogue == "row_scale" else None)
-    want = _float64_grouped(x, xs, w, ws, offs, epilogue, rs)
-    assert ref.shape == want.shape == (sum(counts), 48 if epilogue == "swiglu" else 96)
+    ref = grouped_gemm_reference(x, xs, w, ws, offs, epilogue, rs if epilogue == "row_scale" else None,
+                                 **(consts or {}))
+    want = _float64_grouped(x, xs, w, ws, offs, epilogue, rs, consts)
+    assert ref.shape == want.shape == (sum(counts), 48 if epilogue in GATED_EPILOGUES else 96)
     assert torch.isfinite(want).all()
     err = (ref.double() - want).abs().max().item() / want.abs().max().item()
     assert err < 1e-5, err
@@ -231,13 +269,16 @@ def test_can_implement_accepts_and_helpers():
     ("row_scale", 136, 16, [5, 0, 1, 13, 20]),
     ("identity", 136, 128, [0, 1, 130, 7]),      # 8 MMA warps, 2 token tiles for one expert
     ("swiglu", 128, 32, [40, 3]),
+    ("clamped_swiglu", 144, 16, [5, 0, 1, 13, 20]),  # drop v2: the gated mapping carries every gate
+    ("softcapped_swiglu", 144, 8, [5, 0, 1, 13, 20]),
 ])
 def test_emulated_kernel_matches_reference(epilogue, n, tile_tokens, counts):
     x, xs, w, ws, offs, rs = _inputs(n, 256, counts, seed=4)
-    kern = Mxfp8GroupedGemmSm120(epilogue, tile_tokens)
+    consts = {"swiglu_limit": 0.5} if epilogue == "clamped_swiglu" else {}
+    kern = Mxfp8GroupedGemmSm120(epilogue, tile_tokens, **consts)
     row_scale = rs if epilogue == "row_scale" else None
     em = emulate_grouped_gemm(kern, x, xs, w, ws, offs, row_scale)
-    ref = grouped_gemm_reference(x, xs, w, ws, offs, epilogue, row_scale)
+    ref = grouped_gemm_reference(x, xs, w, ws, offs, epilogue, row_scale, **consts)
     assert torch.isfinite(em).all()
     err = (em - ref.double()).abs().max().item() / ref.abs().max().item()
     assert err < 1e-6, err
@@ -263,3 +304,31 @@ def test_emulation_catches_broken_index_maps(cls):
     em = emulate_grouped_gemm(cls("identity", 16), x, xs, w, ws, offs)
     err = (em - ref.double()).abs().max().item() / ref.abs().max().item()
     assert err > 1e-2, err
+
+
+# ------------------------------------------------------------------------------ (f) drop v2: gates
+def test_v2_gates_are_compiled_in_and_checked():
+    """Each activation constant is compile-time (a different one, different PTX); the epilogues
+    without constants ignore them; unusable ones are refused by name; the limit binds on these inputs."""
+    from sm120_mxfp8 import check_activation_constants
+    from sm120_mxfp8.launch import activation_constants
+
+    def ptx(epi, **c):
+        return compile_mxfp8_gemm(epi, 256, 256, 4, 16, extra_options="--keep-ptx", **c).__ptx__
+
+    base = ptx("clamped_swiglu")
+    for change in ({"swiglu_alpha": 1.0}, {"swiglu_limit": 10.0}, {"swiglu_beta": 0.0},
+                   {"swiglu_limit_after_act": True}):
+        assert ptx("clamped_swiglu", **change) != base, change
+    assert ptx("softcapped_swiglu", up_softcap=5.0) != ptx("softcapped_swiglu")
+    assert ptx("swiglu", swiglu_limit=3.0) == ptx("swiglu")
+    assert activation_constants("gelu_glu", gate_softcap=1.0) == {}
+    with pytest.raises(ValueError, match="swiglu_limit > 0"):
+        Mxfp8GroupedGemmSm120("clamped_swiglu", 16, swiglu_limit=float("inf"))
+    with pytest.raises(ValueError, match="gate_softcap"):
+        Mxfp8GroupedGemmSm120("softcapped_swiglu", 16, gate_softcap=0.0)
+    assert check_activation_constants("clamped_swiglu", 1.702, 7.0, float("nan"), 4.0, 25.0) is not None
+    assert can_implement("gelu_tanh_glu", 257, 256, 8) is not None  # odd N
+    x, xs, w, ws, offs, rs = _inputs(96, 256, [6, 0, 1, 17, 9, 3], seed=1)
+    h = grouped_gemm_reference(x, xs, w, ws, offs, "identity")
+    assert float((h[:, :48].abs() > 0.5).float().mean()) > 0.2 and float((h[:, 48:].abs() > 0.5).float().mean()) > 0.2

@@ -25,12 +25,13 @@ from ..cache import COMPILE_CACHE
 from ..constants import MirroredConstants
 from ..contract import AttributeUse, CallableUse, DropContract, ImportUse
 from ..nvshmem_boot import CounterContract
+from . import gate_constants
 
 PKG = "sm100_w4a16"
 ARCH = "sm_100a"
 
 #: the activation constants the shim passes by keyword (drop v3), in the drop's order
-_ACT_NAMES = ("swiglu_alpha", "swiglu_limit", "swiglu_beta", "swiglu_limit_after_act", "gate_softcap", "up_softcap")
+_ACT_NAMES = gate_constants.NAMES
 
 CONSTANTS = MirroredConstants("sm100/w4a16", {
     "sm100_w4a16": {"DROP_VERSION": 3},
@@ -99,12 +100,8 @@ def activation_constants(epilogue: str, **constants: Any) -> dict:
     four (``swiglu_alpha``, ``swiglu_limit``, ``swiglu_beta``, ``swiglu_limit_after_act``), softcapped_swiglu's
     two (``gate_softcap``, ``up_softcap``), none for the other epilogues (so their keys do not vary).
     ``TypeError`` names an unknown one."""
-    unknown = sorted(set(constants) - set(_ACT_NAMES))
-    if unknown:
-        raise TypeError(f"sm100 W4A16 GEMM: unknown activation constant(s) {unknown}; known: {_ACT_NAMES}")
-    full = dict(_C["ACTIVATION_CONSTANT_DEFAULTS"], **constants)
-    names = {"clamped_swiglu": _ACT_NAMES[:4], "softcapped_swiglu": _ACT_NAMES[4:]}.get(epilogue, ())
-    return {name: (bool(full[name]) if name == "swiglu_limit_after_act" else float(full[name])) for name in names}
+    return gate_constants.epilogue_constants(epilogue, _C["ACTIVATION_CONSTANT_DEFAULTS"], constants,
+                                             "sm100 W4A16 GEMM")
 
 
 def check_gemm(epilogue: str, n: int, k: int, num_experts: int, **constants: Any) -> None:
@@ -115,10 +112,9 @@ def check_gemm(epilogue: str, n: int, k: int, num_experts: int, **constants: Any
     gemm = _load("sm100_w4a16.grouped_gemm")
     reason = gemm.can_implement(epilogue=epilogue, n=n, k=k, num_experts=num_experts, tile_n=None)
     if reason is None:
-        full = dict(_C["ACTIVATION_CONSTANT_DEFAULTS"], **activation_constants(epilogue, **constants))
+        consts = activation_constants(epilogue, **constants)
         reason = gemm.check_activation_constants(
-            epilogue=epilogue, swiglu_alpha=full["swiglu_alpha"], swiglu_limit=full["swiglu_limit"],
-            swiglu_beta=full["swiglu_beta"], gate_softcap=full["gate_softcap"], up_softcap=full["up_softcap"])
+            epilogue=epilogue, **gate_constants.check_args(_C["ACTIVATION_CONSTANT_DEFAULTS"], consts))
     if reason is not None:
         raise ValueError(f"sm100 W4A16 GEMM: {reason}")
 
@@ -157,7 +153,7 @@ def compiled_w4a16_gemm(epilogue: str, n: int, k: int, num_experts: int, **const
     check_gemm(epilogue, n, k, num_experts, **constants)
     consts = activation_constants(epilogue, **constants)
     key = W4A16Key(CONSTANTS.value(PKG, "DROP_VERSION"), _C["ABI_VERSION"], _cutlass_version(), ARCH,
-                   epilogue, n, k, num_experts, tuple(sorted(consts.items())))
+                   epilogue, n, k, num_experts, gate_constants.key_items(consts))
 
     def build():
         return disk_cache.get_or_build(cache_namespace(), f"w4a16_{epilogue}", key,

@@ -5,9 +5,10 @@ The forward is the SM90 backend's (:mod:`moe_ep.backends.sm90.bf16_cutedsl`), wi
 expert-layout kernels built for sm_120a (they are arch-neutral), and steps 3-4 replaced:
 
 1. **dispatch** and 2. **expert layout** -- as on SM90 (BF16 rows, grouped by local expert);
-3. **FC1 + SwiGLU** -- the grouped rows are quantised to MXFP8 (E4M3 + an E8M0 scale per 32,
-   the rule of :func:`moe_ep.api.quant.quantize_mxfp8`), then the swap-AB block-scaled grouped
-   GEMM ``h = swiglu(xq · wq13ᵀ)`` (``mma.sync ... kind::mxf8f6f4.block_scale``);
+3. **FC1 + gated activation** -- the grouped rows are quantised to MXFP8 (E4M3 + an E8M0 scale per
+   32, the rule of :func:`moe_ep.api.quant.quantize_mxfp8`), then the swap-AB block-scaled grouped
+   GEMM ``h = act(xq · wq13ᵀ)`` (``mma.sync ... kind::mxf8f6f4.block_scale``; ``act`` one of
+   :data:`ACTIVATIONS`, clamped_swiglu's and softcapped_swiglu's constants from the config);
 4. **FC2 + router weight** -- ``h`` quantised to MXFP8 the same way, ``y = ws · (hq · wq2ᵀ)``;
 5. **combine** -- as on SM90.
 
@@ -30,26 +31,29 @@ from moe_ep.shim import (sm120_check_mxfp8_gemm,
 from ...quant import MXFP8_BLOCK, quantize_mxfp8
 from ...quantized import check_quantized_config, quantized_activation_buffers
 from ...registry import UnsupportedBackendError, require_cuda_arch
-from ...sm90.bf16_cutedsl.backend import Sm90CuteDSLBackend, prebuild_layer, rows_per_expert
+from ...sm90.bf16_cutedsl.backend import Sm90CuteDSLBackend, prebuild_layer, rows_per_expert, swiglu_constants
 
 NAME = "sm120_mxfp8_cutedsl"
 ARCH = "sm_120a"
+#: MoEConfig.activation values this backend runs: FC1's epilogue of the same name (the GELU gates,
+#: clamped_swiglu and softcapped_swiglu: drop sm120/mxfp8 v2)
+ACTIVATIONS = ("swiglu", "gelu_glu", "gelu_tanh_glu", "clamped_swiglu", "softcapped_swiglu")
 
 
 def _gemm_specs(cfg: Any, e_local: int, world: int) -> dict:
-    """(epilogue, n, k, E_local, token tile) of FC1 and FC2; the token tile from the mean rows
-    per expert at capacity (static)."""
+    """name -> ((epilogue, n, k, E_local, token tile), activation constants) of FC1 and FC2; the token
+    tile from the mean rows per expert at capacity (static)."""
     tile = sm120_pick_tile_tokens(rows_per_expert(cfg, world, cfg.max_tokens_per_rank))
-    return {"fc1": ("swiglu", cfg.w13_rows, cfg.hidden, e_local, tile),
-            "fc2": ("row_scale", cfg.hidden, cfg.intermediate, e_local, tile)}
+    return {"fc1": ((cfg.activation, cfg.w13_rows, cfg.hidden, e_local, tile), swiglu_constants(cfg)),
+            "fc2": (("row_scale", cfg.hidden, cfg.intermediate, e_local, tile), {})}
 
 
 def check_config(config: Any, group: Any) -> None:
     """What this backend refuses on any machine (shapes, formats), with the reason."""
-    check_quantized_config(NAME, config, group, "mxfp8", ("swiglu",))
+    check_quantized_config(NAME, config, group, "mxfp8", ACTIVATIONS)
     try:
-        for spec in _gemm_specs(config, config.local_experts(group.world_size), group.world_size).values():
-            sm120_check_mxfp8_gemm(*spec)
+        for args, consts in _gemm_specs(config, config.local_experts(group.world_size), group.world_size).values():
+            sm120_check_mxfp8_gemm(*args, **consts)
         sm120_check_mxfp8_quantize(config.hidden)
         sm120_check_mxfp8_quantize(config.intermediate)
     except ValueError as e:
@@ -69,7 +73,8 @@ def prebuild(config: Any, world_size: int, kernels: tuple = ("fc1", "fc2", "ep",
     specs = _gemm_specs(config, config.local_experts(world_size), world_size)
 
     def gemm(name):
-        return lambda: (sm120_compiled_mxfp8_gemm(*specs[name]), sm120_compiled_quantize_rows(specs[name][2]))
+        args, consts = specs[name]
+        return lambda: (sm120_compiled_mxfp8_gemm(*args, **consts), sm120_compiled_quantize_rows(args[2]))
 
     prebuild_layer(config, world_size, kernels, {"fc1": gemm("fc1"), "fc2": gemm("fc2")}, ARCH)
 
@@ -83,7 +88,8 @@ class Sm120Mxfp8Backend(Sm90CuteDSLBackend):
     def _bind_gemms(self, views: dict) -> None:
         cfg = self.cfg
         specs = _gemm_specs(cfg, self.E, self.W)
-        self.fc1, self.fc2 = sm120_mxfp8_gemm(*specs["fc1"]), sm120_mxfp8_gemm(*specs["fc2"])
+        self.fc1 = sm120_mxfp8_gemm(*specs["fc1"][0], **specs["fc1"][1])
+        self.fc2 = sm120_mxfp8_gemm(*specs["fc2"][0], **specs["fc2"][1])
         self.quant_x, self.quant_h = sm120_quantize_rows(cfg.hidden), sm120_quantize_rows(cfg.intermediate)
         self.fc1_decode = self.fc2_decode = None
         self._decode_max_tokens = 0

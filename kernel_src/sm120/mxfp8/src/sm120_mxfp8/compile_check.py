@@ -220,9 +220,14 @@ GEMM_CASES = [
     ("row_scale", 4096, 14336, 8, 32),
     ("row_scale", 2880, 2816, 32, 16),
     ("identity", 512, 256, 4, 16),
+    ("gelu_glu", 1536, 2048, 128, 16),             # drop v2's gated epilogues, Qwen3's FC1 shape
+    ("gelu_tanh_glu", 1536, 2048, 128, 16),
+    ("clamped_swiglu", 4096, 4096, 32, 64),         # DeepSeek-V4 shard FC1 (H 4096, I 2048)
+    ("softcapped_swiglu", 4608, 4608, 48, 32),      # Inkling2 shard FC1 (H 4608, I 2304)
 ]
 QUICK_GEMM_CASES = [("swiglu", 1536, 2048, 128, 16), ("row_scale", 2048, 768, 128, 16),
-                    ("identity", 512, 256, 4, 64)]
+                    ("identity", 512, 256, 4, 64), ("clamped_swiglu", 4096, 4096, 32, 64),
+                    ("softcapped_swiglu", 4608, 4608, 48, 32)]
 QUANT_CASES = [2048, 768, 4096, 14336]
 
 

@@ -25,6 +25,7 @@ import torch
 
 from .constants import MMA_WARPS_M, TILE_K, TILE_W
 from .grouped_gemm import Mxfp8GroupedGemmSm120
+from .reference import gated_activation_reference
 
 _BOX = TILE_W // 2
 
@@ -190,9 +191,9 @@ def _emulate(kern, x, x_scale, w, w_scale, offsets, row_scale):
                         stage = torch.full((8, kern.epi_feats), float("nan"), dtype=torch.float64)
                         hits = torch.zeros(8, kern.epi_feats, dtype=torch.int32)
                         accj = acc[wi, :, j]  # (2, 32, 4)
-                        if kern.gated:
-                            g = accj[key_a, key_ln, key_t]
-                            v = g * torch.sigmoid(g) * accj[key_a, key_ln, 2 + key_t]
+                        if kern.gated:  # the activation in float64 (drop v2: every gated epilogue)
+                            v = gated_activation_reference(kern.epilogue, accj[key_a, key_ln, key_t],
+                                                           accj[key_a, key_ln, 2 + key_t], **kern.act_consts)
                         else:
                             v = accj[key_a, key_ln, 2 * key_hh + key_t]
                             if kern.scale_rows:

@@ -6,6 +6,8 @@ For every expert ``e`` with token rows ``[offsets[e], offsets[e+1])`` of the act
     swiglu     out[m, j] = silu(H[m, j]) * H[m, I + j]        j < I = N / 2        (FC1)
     row_scale  out[m, n] = H[m, n] * row_scale[m]                                  (FC2)
     identity   out[m, n] = H[m, n]
+    gelu_glu, gelu_tanh_glu, clamped_swiglu, softcapped_swiglu: act(H[m, j], H[m, I + j]) as
+               constants.py defines them (drop v2; FC1)
 
 e4m3 values with one E8M0 (power of two) scale per 32 consecutive K values (OCP MX; the layout of
 moe_ep's ``MXFP8Tensor``), fp32 accumulation, bf16 output. The routing histogram (``offsets``)
@@ -17,9 +19,10 @@ Constraints (``can_implement`` returns the reason when one fails)
 * ``K % 128 == 0``: a pipeline stage is 128 K values (one 128-byte swizzled smem row per weight
   row / token) and carries 4 scale bytes per row, loaded with one 4-byte cp.async (so the scale
   row stride K/32 must be a multiple of 4 bytes).
-* ``N_out % 8 == 0`` (N_out = I for swiglu, else N): vector stores of the bf16 output.
-  swiglu needs an even N = 2 I. N need not be a multiple of the tile: weight rows past N are TMA
-  zero fill and their outputs are never stored.
+* ``N_out % 8 == 0`` (N_out = I for the gated epilogues, else N): vector stores of the bf16 output.
+  The gated ones need an even N = 2 I; clamped_swiglu a finite limit > 0 and finite alpha / beta,
+  softcapped_swiglu finite caps > 0 (``check_activation_constants``). N need not be a multiple of
+  the tile: weight rows past N are TMA zero fill and their outputs are never stored.
 * ``tile_tokens`` in (8, 16, 32, 64, 128): tokens per CTA tile (compile time). An expert with more
   tokens gets several token tiles; a tile never mixes experts (rows of the next expert that fall
   into a tile are computed and masked at the store).
@@ -54,36 +57,40 @@ Design
   4 k-steps of a stage are one 32-bit smem word, and each k-step hands the MMA its byte.
   Scale-operand fragments (scale_vec::1X, thread-id 0): lane ``l`` supplies the A scale of MMA row
   ``8 (l % 2) + l / 4`` and the B scale of token ``l / 4`` (CUTLASS ``SM120_16x8x32_TN_VS``).
-* swiglu: a tile covers output features ``[j0, j0 + 64)``; smem rows 0..63 hold gate rows
+* gated: a tile covers output features ``[j0, j0 + 64)``; smem rows 0..63 hold gate rows
   ``j0 ..`` and rows 64..127 up rows ``I + j0 ..`` (two TMA boxes). MMA atom ``a`` takes rows
   0-7 from gate rows ``8a ..`` and rows 8-15 from up rows ``8a ..``, so in the m16n8 C fragment a
   thread holds gate (row g) and the matching up (row g + 8) for the same feature and tokens.
-* Epilogue per warp, 8 tokens at a time: fp32 math (silu * up, or * row_scale[m]), bf16, a small
-  per-warp smem transpose (token-major), then 16-byte (8-byte for swiglu) coalesced stores of
+* Epilogue per warp, 8 tokens at a time: fp32 math (act(gate, up), or * row_scale[m]), bf16, a small
+  per-warp smem transpose (token-major), then 16-byte (8-byte for the gated ones) coalesced stores of
   whole row segments, masked by ``token < expert end`` and ``feature < N_out``.
 
 Tensors (torch view; all contiguous)
 ------------------------------------
     mX        [M_total, K]        uint8  e4m3 bits of the activations, rows grouped by expert
     mSFX      [M_total, K / 32]   uint8  E8M0 scale codes of mX
-    mW        [E, N, K]           uint8  e4m3 bits of the weights (swiglu: N = 2 I, gate rows first)
+    mW        [E, N, K]           uint8  e4m3 bits of the weights (gated: N = 2 I, gate rows first)
     mSFW      [E, N, K / 32]      uint8  E8M0 scale codes of mW
-    mOut      [M_total, N_out]    bf16   N_out = I (swiglu) or N
+    mOut      [M_total, N_out]    bf16   N_out = I (gated) or N
     mOffsets  [E + 1]             int32  device memory, offsets[0] = 0, offsets[E] = M_total
     mRowScale [M_total]           fp32   read only by row_scale (else any fp32 tensor)
     max_active_ctas               int32  grid size (persistent CTAs, normally the SM count)
-Static (compile key): N, K, E, epilogue, tile_tokens, num_stages. M_total is dynamic.
+Static (compile key): N, K, E, epilogue, tile_tokens, num_stages, the activation constants (drop v2).
+M_total is dynamic.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.cutlass_dsl import T
 
 try:  # newer location; the old one still works but warns
     from cutlass.memory import SmemAllocator
@@ -91,10 +98,12 @@ except Exception:  # pragma: no cover
     from cutlass.utils import SmemAllocator
 
 from .constants import (
+    ACTIVATION_CONSTANT_DEFAULTS,
     ALIGN_K,
     ALIGN_N,
     DEFAULT_TILE_TOKENS,
     EPILOGUES,
+    GATED_EPILOGUES,
     MAX_EXPERTS,
     MAX_STAGES,
     MMA_WARPS_M,
@@ -107,12 +116,75 @@ from .constants import (
 )
 
 _LOG2E = 1.4426950408889634
+_RSQRT2 = 0.7071067811865476
+# gelu_tanh(g) = g * sigmoid(2 z), z = sqrt(2/pi) (g + 0.044715 g^3): ex2's argument is
+# -g (_GELU_TANH_C1 + _GELU_TANH_C3 g^2) = -2 z log2(e)
+_GELU_TANH_C1 = 2.0 * 0.7978845608028654 * _LOG2E
+_GELU_TANH_C3 = _GELU_TANH_C1 * 0.044715
 _BOX_W = TILE_W // 2  # weight rows per TMA box (two boxes per stage)
 
 
 def out_features(epilogue: str, n: int) -> int:
-    """Width of the output for a weight with N rows: I = N // 2 for swiglu, else N."""
-    return n // 2 if epilogue == "swiglu" else n
+    """Width of the output for a weight with N rows: I = N // 2 for the gated epilogues, else N."""
+    return n // 2 if epilogue in GATED_EPILOGUES else n
+
+
+def check_activation_constants(epilogue: str, swiglu_alpha: float, swiglu_limit: float, swiglu_beta: float,
+                               gate_softcap: float, up_softcap: float) -> Optional[str]:
+    """None if the epilogue's activation constants are usable, else the reason (one sentence)."""
+    if epilogue == "clamped_swiglu" and not (math.isfinite(swiglu_limit) and swiglu_limit > 0.0
+                                             and math.isfinite(swiglu_alpha) and math.isfinite(swiglu_beta)):
+        return (f"clamped_swiglu needs a finite swiglu_limit > 0 and finite swiglu_alpha / swiglu_beta, got "
+                f"{swiglu_limit}, {swiglu_alpha}, {swiglu_beta}")
+    if epilogue == "softcapped_swiglu" and not all(math.isfinite(c) and c > 0.0 for c in (gate_softcap, up_softcap)):
+        return f"softcapped_swiglu needs finite gate_softcap and up_softcap > 0, got {gate_softcap} and {up_softcap}"
+    return None
+
+
+def _tanh_approx(v):
+    """``tanh.approx.f32``: one MUFU op, max relative error ~2^-11."""
+    return cutlass.Float32(llvm.inline_asm(T.f32(), [cutlass.Float32(v).ir_value()], "tanh.approx.f32 $0, $1;",
+                                           "=f,f", has_side_effects=False, is_align_stack=False,
+                                           asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+def _sigmoid_times(g, scale: float):
+    """g * sigmoid(scale * g) = g / (1 + 2^(-scale g log2 e)): one ex2 + one rcp."""
+    den = cutlass.Float32(1.0) + cute.math.exp2(g * cutlass.Float32(-scale * _LOG2E), fastmath=True)
+    return g * cute.arch.rcp_approx(den)
+
+
+def gated_activation(epilogue: str, gate, up, consts: dict):
+    """act(gate, up) of a gated epilogue in fp32, traced inline (constants.py defines each one;
+    ``consts``: the kernel's activation constants, compile-time values)."""
+    if epilogue == "swiglu":  # silu(g) = g / (1 + 2^(-g log2 e))
+        den = cutlass.Float32(1.0) + cute.math.exp2(-gate * _LOG2E, fastmath=True)
+        return gate * cute.arch.rcp_approx(den) * up
+    if epilogue == "gelu_glu":
+        return cutlass.Float32(0.5) * gate * (cutlass.Float32(1.0) + cute.math.erf(gate * _RSQRT2)) * up
+    if epilogue == "gelu_tanh_glu":  # g * sigmoid(2 z): no cancellation where 1 + tanh(z) is tiny
+        arg = gate * (cutlass.Float32(-_GELU_TANH_C1) - cutlass.Float32(_GELU_TANH_C3) * (gate * gate))
+        den = cutlass.Float32(1.0) + cute.math.exp2(arg, fastmath=True)
+        return gate * cute.arch.rcp_approx(den) * up
+    if epilogue == "clamped_swiglu":
+        lim = cutlass.Float32(consts["swiglu_limit"])
+        after = consts["swiglu_limit_after_act"]
+        if not after:
+            gate = cute.arch.fmin(gate, lim)
+        up = cute.arch.fmax(cute.arch.fmin(up, lim), -lim)
+        if consts["swiglu_beta"] != 0.0:
+            up = up + cutlass.Float32(consts["swiglu_beta"])
+        act = _sigmoid_times(gate, consts["swiglu_alpha"])
+        if after:  # Step-3.7: clamp the activated gate
+            act = cute.arch.fmin(act, lim)
+        return up * act
+    if epilogue == "softcapped_swiglu":  # the sigmoid sees the raw gate: (1 + tanh(g / 2)) / 2
+        cg, cu = consts["gate_softcap"], consts["up_softcap"]
+        half = cutlass.Float32(0.5)
+        sig = half + half * _tanh_approx(gate * half)
+        return (cutlass.Float32(cg * cu) * _tanh_approx(gate * cutlass.Float32(1.0 / cg))
+                * _tanh_approx(up * cutlass.Float32(1.0 / cu)) * sig)
+    raise NotImplementedError(epilogue)
 
 
 def can_implement(epilogue: str, n: int, k: int, num_experts: int,
@@ -129,8 +201,8 @@ def can_implement(epilogue: str, n: int, k: int, num_experts: int,
         return f"K={k} must be a positive multiple of {ALIGN_K} (one 128-value stage, 4-byte scale loads)"
     if n <= 0:
         return f"N={n} must be positive"
-    if epilogue == "swiglu" and n % 2 != 0:
-        return f"swiglu needs an even N = 2 * I (gate rows then up rows), got N={n}"
+    if epilogue in GATED_EPILOGUES and n % 2 != 0:
+        return f"{epilogue} needs an even N = 2 * I (gate rows then up rows), got N={n}"
     n_out = out_features(epilogue, n)
     if n_out % ALIGN_N != 0:
         return f"N_out={n_out} must be a multiple of {ALIGN_N} (vector stores of the output)"
@@ -161,16 +233,32 @@ class Mxfp8GroupedGemmSm120:
     :param tile_tokens: tokens per CTA tile, one of ``TILE_TOKENS``; 128 uses 8 MMA warps
         (2 along the tokens), the others 4.
     :param num_stages: smem pipeline depth; None = as many as fit (at most ``MAX_STAGES``).
+    :param swiglu_alpha, swiglu_limit, swiglu_beta, swiglu_limit_after_act: clamped_swiglu's constants;
+    :param gate_softcap, up_softcap: softcapped_swiglu's (defaults: ``ACTIVATION_CONSTANT_DEFAULTS``;
+        ignored by the other epilogues; drop v2). ``ValueError`` if unusable.
     """
 
     def __init__(self, epilogue: str, tile_tokens: int = DEFAULT_TILE_TOKENS,
-                 num_stages: Optional[int] = None):
+                 num_stages: Optional[int] = None,
+                 swiglu_alpha: float = ACTIVATION_CONSTANT_DEFAULTS["swiglu_alpha"],
+                 swiglu_limit: float = ACTIVATION_CONSTANT_DEFAULTS["swiglu_limit"],
+                 swiglu_beta: float = ACTIVATION_CONSTANT_DEFAULTS["swiglu_beta"],
+                 swiglu_limit_after_act: bool = ACTIVATION_CONSTANT_DEFAULTS["swiglu_limit_after_act"],
+                 gate_softcap: float = ACTIVATION_CONSTANT_DEFAULTS["gate_softcap"],
+                 up_softcap: float = ACTIVATION_CONSTANT_DEFAULTS["up_softcap"]):
         if epilogue not in EPILOGUES:
             raise ValueError(f"epilogue must be one of {EPILOGUES}, got {epilogue!r}")
         if tile_tokens not in TILE_TOKENS:
             raise ValueError(f"tile_tokens must be one of {TILE_TOKENS}, got {tile_tokens}")
+        reason = check_activation_constants(epilogue, float(swiglu_alpha), float(swiglu_limit), float(swiglu_beta),
+                                            float(gate_softcap), float(up_softcap))
+        if reason is not None:
+            raise ValueError(reason)
+        self.act_consts = dict(swiglu_alpha=float(swiglu_alpha), swiglu_limit=float(swiglu_limit),
+                               swiglu_beta=float(swiglu_beta), swiglu_limit_after_act=bool(swiglu_limit_after_act),
+                               gate_softcap=float(gate_softcap), up_softcap=float(up_softcap))
         self.epilogue = epilogue
-        self.gated = epilogue == "swiglu"
+        self.gated = epilogue in GATED_EPILOGUES
         self.scale_rows = epilogue == "row_scale"
         self.tile_tokens = tile_tokens
         self.num_stages_override = num_stages
@@ -197,7 +285,7 @@ class Mxfp8GroupedGemmSm120:
     def fixed_bytes(tile_tokens: int, num_experts: int, epilogue: str) -> int:
         """Shared memory besides the stages (scheduler arrays, epilogue staging, alignment)."""
         warps = MMA_WARPS_M * (2 if tile_tokens == 128 else 1)
-        pitch = (16 if epilogue == "swiglu" else 32) * 2 + 16
+        pitch = (16 if epilogue in GATED_EPILOGUES else 32) * 2 + 16
         return 8 * (num_experts + 1) + warps * 8 * pitch + 2 * 1024 + 256
 
     @classmethod
@@ -375,7 +463,7 @@ class Mxfp8GroupedGemmSm120:
 
     def epi_slot(self, a: int, hh: int, t: int, lane):
         """(token in the 8-token chunk, feature in the warp's staging row) of accumulator element
-        2 hh + t of atom ``a`` (C fragment: row g + 8 hh, column 2 q + t). swiglu: the gate
+        2 hh + t of atom ``a`` (C fragment: row g + 8 hh, column 2 q + t). gated: the gate
         (hh = 0) and up (hh = 1) elements share one output slot."""
         g = lane // 4
         q = lane % 4
@@ -698,9 +786,7 @@ class Mxfp8GroupedGemmSm120:
                     for t in cutlass.range_constexpr(2):
                         gate = acc[a][j][t]       # row g: gate row of the feature
                         up = acc[a][j][2 + t]     # row g + 8: its up row
-                        # silu(g) = g / (1 + 2^(-g log2 e))
-                        den = cutlass.Float32(1.0) + cute.math.exp2(-gate * _LOG2E, fastmath=True)
-                        v = gate * cute.arch.rcp_approx(den) * up
+                        v = gated_activation(self.epilogue, gate, up, self.act_consts)
                         tt, ff = self.epi_slot(a, 0, t, lane)
                         sE[tt, ff] = v.to(self.out_dtype)
             else:

@@ -79,22 +79,25 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def check_gemm_gpu(epilogue: str, m_total: int, n: int, k: int, experts: int, routing: str,
-                   tile_tokens: int, seed: int = 0, bench: bool = False) -> bool:
+                   tile_tokens: int, consts: Optional[dict] = None, seed: int = 0, bench: bool = False) -> bool:
+    """``consts``: the activation constants (clamped_swiglu's, softcapped_swiglu's; drop v2)."""
     from .launch import get_mxfp8_gemm
 
+    consts = consts or {}
     _, x, xs, w, ws, offs, rs = make_inputs(m_total, n, k, experts, routing, seed, "cuda")
-    fn = get_mxfp8_gemm(epilogue, n, k, experts, tile_tokens)
+    fn = get_mxfp8_gemm(epilogue, n, k, experts, tile_tokens, **consts)
     out = torch.full((m_total, out_features(epilogue, n)), float("nan"), dtype=torch.bfloat16,
                      device="cuda")
     row_scale = rs if epilogue == "row_scale" else None
     fn(x, xs, w, ws, offs, out=out, row_scale=row_scale)
     torch.cuda.synchronize()
-    ref = grouped_gemm_reference(x, xs, w, ws, offs, epilogue, row_scale)
+    ref = grouped_gemm_reference(x, xs, w, ws, offs, epilogue, row_scale, **consts)
     nan = bool(torch.isnan(out).any()) if m_total else False
     rel = _rel(out, ref)
     ok = not nan and rel < 1e-2
     msg = (f"[gemm] {epilogue:9s} M={m_total:6d} N={n} K={k} E={experts} {routing:7s} "
-           f"tile_tokens={tile_tokens:3d} rel_err={rel:.2e} nan={nan} -> {'PASS' if ok else 'FAIL'}")
+           f"tile_tokens={tile_tokens:3d}{' ' + str(consts) if consts else ''} rel_err={rel:.2e} nan={nan} "
+           f"-> {'PASS' if ok else 'FAIL'}")
     if bench and ok:
         for _ in range(3):
             fn(x, xs, w, ws, offs, out=out, row_scale=row_scale)
@@ -132,17 +135,18 @@ def check_quantize_gpu(m: int, k: int, seed: int = 0) -> bool:
 
 
 def check_cpu(epilogue: str, m_total: int, n: int, k: int, experts: int, routing: str,
-              tile_tokens: int, emulate: bool, seed: int = 0) -> bool:
+              tile_tokens: int, consts: Optional[dict] = None, emulate: bool = False, seed: int = 0) -> bool:
     """No SM120 GPU: reference on CPU, compile for sm_120a, optionally emulate (small shapes)."""
-    from .launch import compile_mxfp8_gemm
+    from .launch import activation_constants, compile_mxfp8_gemm
 
+    consts = activation_constants(epilogue, **(consts or {}))
     _, x, xs, w, ws, offs, rs = make_inputs(m_total, n, k, experts, routing, seed)
     row_scale = rs if epilogue == "row_scale" else None
     t0 = time.time()
-    ref = grouped_gemm_reference(x, xs, w, ws, offs, epilogue, row_scale)
+    ref = grouped_gemm_reference(x, xs, w, ws, offs, epilogue, row_scale, **consts)
     t_ref = time.time() - t0
     t0 = time.time()
-    _, kern = compile_mxfp8_gemm(epilogue, n, k, experts, tile_tokens, return_kernel=True)
+    _, kern = compile_mxfp8_gemm(epilogue, n, k, experts, tile_tokens, return_kernel=True, **consts)
     t_compile = time.time() - t0
     msg = (f"[cpu] {epilogue:9s} M={m_total} N={n} K={k} E={experts} {routing} "
            f"tile_tokens={tile_tokens}: reference {t_ref:.2f}s, sm_120a compile {t_compile:.2f}s "
@@ -151,7 +155,7 @@ def check_cpu(epilogue: str, m_total: int, n: int, k: int, experts: int, routing
     if emulate:
         from .emulate import emulate_grouped_gemm
 
-        em = emulate_grouped_gemm(Mxfp8GroupedGemmSm120(epilogue, tile_tokens), x, xs, w, ws, offs,
+        em = emulate_grouped_gemm(Mxfp8GroupedGemmSm120(epilogue, tile_tokens, **consts), x, xs, w, ws, offs,
                                   row_scale)
         err = (em - ref.double()).abs().max().item() / max(ref.abs().max().item(), 1e-30)
         ok = ok and err < 1e-5
@@ -160,7 +164,9 @@ def check_cpu(epilogue: str, m_total: int, n: int, k: int, experts: int, routing
     return ok
 
 
-SUITE = [  # (epilogue, M_total, N, K, E, routing, tile_tokens)
+_V2_CLAMP = {"swiglu_alpha": 1.0, "swiglu_limit": 10.0, "swiglu_beta": 0.0}  # DeepSeek-V4's constants
+
+SUITE = [  # (epilogue, M_total, N, K, E, routing, tile_tokens[, activation constants])
     ("swiglu", 1024, 1536, 2048, 128, "uniform", 8),       # Qwen3-30B-A3B decode, 128 tokens x 8
     ("swiglu", 1024, 1536, 2048, 128, "skewed", 16),
     ("row_scale", 1024, 2048, 768, 128, "skewed", 16),
@@ -168,9 +174,17 @@ SUITE = [  # (epilogue, M_total, N, K, E, routing, tile_tokens)
     ("row_scale", 8192, 2048, 768, 128, "uniform", 128),
     ("identity", 300, 136, 256, 5, "edge", 16),            # ragged N, empty + 1-token experts
     ("swiglu", 300, 144, 256, 5, "edge", 32),
+    ("gelu_glu", 1024, 1536, 2048, 128, "skewed", 16),          # drop v2's gated epilogues
+    ("gelu_tanh_glu", 1024, 1536, 2048, 128, "skewed", 16),
+    ("clamped_swiglu", 1024, 4096, 4096, 32, "skewed", 32, _V2_CLAMP),  # DeepSeek-V4 shard FC1
+    ("clamped_swiglu", 1024, 1536, 2048, 128, "skewed", 16),    # gpt-oss's constants
+    ("softcapped_swiglu", 1024, 4608, 4608, 48, "skewed", 32),  # Inkling2 shard FC1
 ]
 CPU_SUITE = [  # small enough for the emulation
     ("swiglu", 40, 144, 256, 5, "edge", 8),
+    ("gelu_tanh_glu", 40, 144, 256, 5, "edge", 16),
+    ("clamped_swiglu", 40, 144, 256, 5, "edge", 8, {"swiglu_limit": 0.5, "swiglu_limit_after_act": True}),
+    ("softcapped_swiglu", 40, 144, 256, 5, "edge", 8, {"gate_softcap": 0.5, "up_softcap": 0.25}),
     ("row_scale", 40, 136, 256, 5, "edge", 16),
     ("identity", 140, 136, 256, 4, "skewed", 128),
 ]
@@ -194,14 +208,14 @@ def main(argv: Optional[list] = None) -> int:
         cases = SUITE if args.suite else [(args.epilogue, args.m_total, args.n, args.k,
                                            args.experts, args.routing, args.tile_tokens)]
         for c in cases:
-            ok &= check_gemm_gpu(*c, bench=args.bench)
+            ok &= check_gemm_gpu(*c[:7], consts=c[7] if len(c) > 7 else None, bench=args.bench)
         for m, k in ((1, 2048), (1000, 2048), (4096, 768)):
             ok &= check_quantize_gpu(m, k)
     else:
         print("no SM120 GPU: CPU references, sm_120a compiles and the emulation")
         if args.suite:
             for c in CPU_SUITE:
-                ok &= check_cpu(*c, emulate=True)
+                ok &= check_cpu(*c[:7], consts=c[7] if len(c) > 7 else None, emulate=True)
         else:
             ok &= check_cpu(args.epilogue, args.m_total, args.n, args.k, args.experts,
                             args.routing, args.tile_tokens, emulate=args.emulate)

@@ -24,7 +24,7 @@ import cuda.bindings.driver as cuda
 from cutlass.cute.runtime import from_dlpack, make_fake_compact_tensor, make_fake_stream
 
 from . import DROP_VERSION
-from .constants import ABI_VERSION, DEFAULT_TILE_TOKENS, MX_BLOCK, TILE_TOKENS
+from .constants import ABI_VERSION, ACTIVATION_CONSTANT_DEFAULTS as _ACT, DEFAULT_TILE_TOKENS, MX_BLOCK, TILE_TOKENS
 from .grouped_gemm import Mxfp8GroupedGemmSm120, can_implement, out_features
 from .quantize import Mxfp8QuantizeRows, quantize_can_implement
 
@@ -79,19 +79,41 @@ def _options(arch: str, extra: str, tvm_ffi: bool = False) -> str:
     return f"--gpu-arch {arch}{' --enable-tvm-ffi' if tvm_ffi else ''} {extra}".strip()
 
 
+def activation_constants(epilogue: str, swiglu_alpha: float = _ACT["swiglu_alpha"], swiglu_limit: float = _ACT["swiglu_limit"],
+                         swiglu_beta: float = _ACT["swiglu_beta"],
+                         swiglu_limit_after_act: bool = _ACT["swiglu_limit_after_act"],
+                         gate_softcap: float = _ACT["gate_softcap"], up_softcap: float = _ACT["up_softcap"]) -> dict:
+    """The activation constants ``epilogue`` compiles in (clamped_swiglu's four, softcapped_swiglu's two,
+    none for the others), as keyword arguments of the GEMM class: one kernel, one cache key, whatever
+    the ignored constants were (drop v2)."""
+    if epilogue == "clamped_swiglu":
+        return dict(swiglu_alpha=float(swiglu_alpha), swiglu_limit=float(swiglu_limit),
+                    swiglu_beta=float(swiglu_beta), swiglu_limit_after_act=bool(swiglu_limit_after_act))
+    if epilogue == "softcapped_swiglu":
+        return dict(gate_softcap=float(gate_softcap), up_softcap=float(up_softcap))
+    return {}
+
+
 def compile_mxfp8_gemm(epilogue: str, n: int, k: int, num_experts: int,
                        tile_tokens: int = DEFAULT_TILE_TOKENS, num_stages: Optional[int] = None,
                        arch: str = DEFAULT_ARCH, extra_options: str = "",
-                       return_kernel: bool = False, tvm_ffi: bool = False):
+                       return_kernel: bool = False, tvm_ffi: bool = False,
+                       swiglu_alpha: float = _ACT["swiglu_alpha"], swiglu_limit: float = _ACT["swiglu_limit"],
+                       swiglu_beta: float = _ACT["swiglu_beta"],
+                       swiglu_limit_after_act: bool = _ACT["swiglu_limit_after_act"],
+                       gate_softcap: float = _ACT["gate_softcap"], up_softcap: float = _ACT["up_softcap"]):
     """Compile one grouped-GEMM variant from fake tensors (no GPU needed) and return the
     compiled function; with ``return_kernel`` ``(compiled, kernel)``, where
     ``kernel.smem_bytes`` / ``kernel.num_stages`` / ``kernel.threads`` describe the plan.
     ``tvm_ffi``: compile for TVM-FFI (called with torch tensors, fp8 as uint8 views, on torch's
-    current stream). Raises ValueError with ``can_implement``'s reason for unsupported shapes."""
+    current stream). ``swiglu_*`` / ``*_softcap``: clamped_swiglu's / softcapped_swiglu's constants
+    (drop v2). Raises ValueError with ``can_implement``'s reason for unsupported shapes."""
     reason = can_implement(epilogue, n, k, num_experts, tile_tokens, num_stages)
     if reason is not None:
         raise ValueError(reason)
-    kernel = Mxfp8GroupedGemmSm120(epilogue, tile_tokens=tile_tokens, num_stages=num_stages)
+    consts = activation_constants(epilogue, swiglu_alpha, swiglu_limit, swiglu_beta, swiglu_limit_after_act,
+                                  gate_softcap, up_softcap)
+    kernel = Mxfp8GroupedGemmSm120(epilogue, tile_tokens=tile_tokens, num_stages=num_stages, **consts)
     args = fake_gemm_args(kernel, n, k, num_experts, use_tvm_ffi=tvm_ffi)
     compiled = cute.compile(kernel, *args, options=_options(arch, extra_options, tvm_ffi))
     return (compiled, kernel) if return_kernel else compiled
@@ -189,15 +211,19 @@ _CACHE: Dict[tuple, object] = {}
 
 
 class CompiledMxfp8Gemm:
-    """One compiled grouped GEMM for (epilogue, N, K, E, tile_tokens, num_stages); any routing
-    and any M_total. ``tvm_ffi`` picks the launch path (TVM-FFI with torch tensors, or classic
+    """One compiled grouped GEMM for (epilogue, N, K, E, tile_tokens, num_stages, activation constants);
+    any routing and any M_total. ``tvm_ffi`` picks the launch path (TVM-FFI with torch tensors, or classic
     with CuTe views built by :func:`gemm_cute_args`)."""
 
     def __init__(self, epilogue: str, n: int, k: int, num_experts: int,
                  tile_tokens: int = DEFAULT_TILE_TOKENS, num_stages: Optional[int] = None,
-                 arch: str = DEFAULT_ARCH, compiled=None, tvm_ffi: bool = False):
+                 arch: str = DEFAULT_ARCH, compiled=None, tvm_ffi: bool = False,
+                 swiglu_alpha: float = _ACT["swiglu_alpha"], swiglu_limit: float = _ACT["swiglu_limit"],
+                 swiglu_beta: float = _ACT["swiglu_beta"],
+                 swiglu_limit_after_act: bool = _ACT["swiglu_limit_after_act"],
+                 gate_softcap: float = _ACT["gate_softcap"], up_softcap: float = _ACT["up_softcap"]):
         """``compiled``: this variant compiled earlier (e.g. loaded from an exported object, for
-        the same ``tvm_ffi``); None compiles it here from fake tensors."""
+        the same ``tvm_ffi`` and activation constants); None compiles it here from fake tensors."""
         reason = can_implement(epilogue, n, k, num_experts, tile_tokens, num_stages)
         if reason is not None:
             raise ValueError(reason)
@@ -205,9 +231,11 @@ class CompiledMxfp8Gemm:
         self.tile_tokens = tile_tokens
         self.n_out = out_features(epilogue, n)
         self.tvm_ffi = bool(tvm_ffi)
+        self.activation_constants = activation_constants(epilogue, swiglu_alpha, swiglu_limit, swiglu_beta,
+                                                         swiglu_limit_after_act, gate_softcap, up_softcap)
         if compiled is None:
             compiled = compile_mxfp8_gemm(epilogue, n, k, num_experts, tile_tokens, num_stages,
-                                          arch, tvm_ffi=self.tvm_ffi)
+                                          arch, tvm_ffi=self.tvm_ffi, **self.activation_constants)
         self.compiled = compiled
         self._fn = ffi_function(compiled) if self.tvm_ffi else None
         self._placeholder: Optional[torch.Tensor] = None
@@ -286,14 +314,16 @@ class CompiledQuantizeRows:
 
 def get_mxfp8_gemm(epilogue: str, n: int, k: int, num_experts: int,
                    tile_tokens: int = DEFAULT_TILE_TOKENS, num_stages: Optional[int] = None,
-                   arch: str = DEFAULT_ARCH, tvm_ffi: bool = False) -> CompiledMxfp8Gemm:
-    """Cached compile. Key: everything static; routing and M_total are runtime."""
+                   arch: str = DEFAULT_ARCH, tvm_ffi: bool = False, **constants) -> CompiledMxfp8Gemm:
+    """Cached compile. Key: everything static (``constants``: the activation constants, as
+    ``compile_mxfp8_gemm`` takes them); routing and M_total are runtime."""
+    consts = activation_constants(epilogue, **constants)
     key = ("gemm", ABI_VERSION, DROP_VERSION, _dsl_version(), epilogue, n, k, num_experts,
-           tile_tokens, num_stages, arch, bool(tvm_ffi))
+           tile_tokens, num_stages, arch, bool(tvm_ffi), tuple(sorted(consts.items())))
     fn = _CACHE.get(key)
     if fn is None:
         fn = CompiledMxfp8Gemm(epilogue, n, k, num_experts, tile_tokens, num_stages, arch,
-                               tvm_ffi=tvm_ffi)
+                               tvm_ffi=tvm_ffi, **consts)
         _CACHE[key] = fn
     return fn
 
@@ -310,13 +340,14 @@ def get_quantize_rows(k: int, arch: str = DEFAULT_ARCH, tvm_ffi: bool = False) -
 
 def mxfp8_grouped_gemm(x, x_scale, w, w_scale, offsets, epilogue: str, row_scale=None, out=None,
                        tile_tokens: Optional[int] = None, max_active_ctas: Optional[int] = None,
-                       stream=None, tvm_ffi: bool = False) -> torch.Tensor:
+                       stream=None, tvm_ffi: bool = False, **constants) -> torch.Tensor:
     """Functional entry point (see :class:`CompiledMxfp8Gemm`). ``tile_tokens`` None picks one
-    from the mean tokens per expert (host-known sizes only, no sync)."""
+    from the mean tokens per expert (host-known sizes only, no sync); ``constants``: the activation
+    constants, as ``compile_mxfp8_gemm`` takes them."""
     num_experts, n, k = w.shape
     if tile_tokens is None:
         tile_tokens = pick_tile_tokens(x.shape[0], num_experts)
-    fn = get_mxfp8_gemm(epilogue, n, k, num_experts, tile_tokens, tvm_ffi=tvm_ffi)
+    fn = get_mxfp8_gemm(epilogue, n, k, num_experts, tile_tokens, tvm_ffi=tvm_ffi, **constants)
     return fn(x, x_scale, w, w_scale, offsets, out=out, row_scale=row_scale,
               max_active_ctas=max_active_ctas, stream=stream)
 

@@ -13,7 +13,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from .constants import E8M0_BIAS, MX_BLOCK
+from .constants import ACTIVATION_CONSTANT_DEFAULTS as _ACT, E8M0_BIAS, GATED_EPILOGUES, MX_BLOCK
 
 _FP8_VIEWS = (torch.uint8, torch.int8)
 
@@ -43,6 +43,31 @@ def dequantize_mxfp8(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return _e4m3(values) * _e8m0(scale).repeat_interleave(MX_BLOCK, dim=-1)
 
 
+def gated_activation_reference(epilogue: str, g: torch.Tensor, u: torch.Tensor,
+                               swiglu_alpha: float = _ACT["swiglu_alpha"], swiglu_limit: float = _ACT["swiglu_limit"],
+                               swiglu_beta: float = _ACT["swiglu_beta"],
+                               swiglu_limit_after_act: bool = _ACT["swiglu_limit_after_act"],
+                               gate_softcap: float = _ACT["gate_softcap"],
+                               up_softcap: float = _ACT["up_softcap"]) -> torch.Tensor:
+    """act(g, u) of a gated epilogue in g's dtype (constants.py defines each one; the others drop v2)."""
+    if epilogue == "swiglu":
+        return torch.nn.functional.silu(g) * u
+    if epilogue == "gelu_glu":
+        return torch.nn.functional.gelu(g) * u
+    if epilogue == "gelu_tanh_glu":
+        return torch.nn.functional.gelu(g, approximate="tanh") * u
+    if epilogue == "clamped_swiglu":
+        u = u.clamp(-swiglu_limit, swiglu_limit) + swiglu_beta
+        if swiglu_limit_after_act:
+            return u * (g * torch.sigmoid(swiglu_alpha * g)).clamp(max=swiglu_limit)
+        g = g.clamp(max=swiglu_limit)
+        return u * g * torch.sigmoid(swiglu_alpha * g)
+    if epilogue == "softcapped_swiglu":  # the sigmoid sees the raw gate
+        return (gate_softcap * torch.tanh(g / gate_softcap) * torch.sigmoid(g)
+                * (up_softcap * torch.tanh(u / up_softcap)))
+    raise ValueError(f"{epilogue!r} is not a gated epilogue")
+
+
 def grouped_gemm_reference(
     x: torch.Tensor,
     x_scale: torch.Tensor,
@@ -51,21 +76,28 @@ def grouped_gemm_reference(
     offsets: torch.Tensor,
     epilogue: str,
     row_scale: Optional[torch.Tensor] = None,
+    swiglu_alpha: float = _ACT["swiglu_alpha"],
+    swiglu_limit: float = _ACT["swiglu_limit"],
+    swiglu_beta: float = _ACT["swiglu_beta"],
+    swiglu_limit_after_act: bool = _ACT["swiglu_limit_after_act"],
+    gate_softcap: float = _ACT["gate_softcap"],
+    up_softcap: float = _ACT["up_softcap"],
 ) -> torch.Tensor:
     """float32 reference of ``Mxfp8GroupedGemmSm120``.
 
     x:         [M_total, K]       e4m3 (or uint8 bits), rows grouped by expert
     x_scale:   [M_total, K/32]    E8M0 (or uint8 codes)
-    w:         [E, N, K]          e4m3; swiglu: N = 2 I, gate rows [0, I), up rows [I, 2I)
+    w:         [E, N, K]          e4m3; gated: N = 2 I, gate rows [0, I), up rows [I, 2I)
     w_scale:   [E, N, K/32]       E8M0
     offsets:   [E + 1]            int, offsets[0] = 0, offsets[E] = M_total (any device)
     row_scale: [M_total]          float32, required by the row_scale epilogue
-    returns:   [M_total, N_out]   float32, N_out = I (swiglu) or N
+    swiglu_*:  clamped_swiglu's constants; *_softcap: softcapped_swiglu's (drop v2)
+    returns:   [M_total, N_out]   float32, N_out = I (gated) or N
     """
     xd = dequantize_mxfp8(x, x_scale)
     wd = dequantize_mxfp8(w, w_scale)
     num_experts, n, _ = wd.shape
-    n_out = n // 2 if epilogue == "swiglu" else n
+    n_out = n // 2 if epilogue in GATED_EPILOGUES else n
     offs = [int(v) for v in offsets.tolist()]
     out = torch.zeros(xd.shape[0], n_out, dtype=torch.float32, device=xd.device)
     for e in range(num_experts):
@@ -73,8 +105,9 @@ def grouped_gemm_reference(
         if hi <= lo:
             continue
         h = xd[lo:hi] @ wd[e].t()
-        if epilogue == "swiglu":
-            h = torch.nn.functional.silu(h[:, :n_out]) * h[:, n_out:]
+        if epilogue in GATED_EPILOGUES:
+            h = gated_activation_reference(epilogue, h[:, :n_out], h[:, n_out:], swiglu_alpha, swiglu_limit,
+                                           swiglu_beta, swiglu_limit_after_act, gate_softcap, up_softcap)
         elif epilogue == "row_scale":
             if row_scale is None:
                 raise ValueError("the row_scale epilogue needs row_scale")
