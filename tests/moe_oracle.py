@@ -60,6 +60,30 @@ def gelu_tanh_f64(g: torch.Tensor) -> torch.Tensor:
     return 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g ** 3)))
 
 
+def gated_f64(activation: str, g: torch.Tensor, u: torch.Tensor, c: dict) -> torch.Tensor:
+    """A gated activation of float64 gate / up values from its definition (``c``: clamped_swiglu's
+    ``swiglu_alpha`` / ``swiglu_limit`` / ``swiglu_beta`` / ``swiglu_limit_after_act``, softcapped_swiglu's
+    ``gate_softcap`` / ``up_softcap``; the Blackwell drops' tests)."""
+    g, u = g.double(), u.double()
+    if activation == "swiglu":
+        return g / (1 + torch.exp(-g)) * u
+    if activation == "gelu_glu":
+        return gelu_erf_f64(g) * u
+    if activation == "gelu_tanh_glu":
+        return gelu_tanh_f64(g) * u
+    if activation == "clamped_swiglu":
+        lim = torch.tensor(c["swiglu_limit"], dtype=torch.float64)
+        u = torch.minimum(torch.maximum(u, -lim), lim) + c["swiglu_beta"]
+        if c["swiglu_limit_after_act"]:
+            return u * torch.minimum(g / (1 + torch.exp(-c["swiglu_alpha"] * g)), lim)
+        g = torch.minimum(g, lim)
+        return u * g / (1 + torch.exp(-c["swiglu_alpha"] * g))
+    if activation == "softcapped_swiglu":  # the sigmoid sees the raw gate
+        cg, cu = c["gate_softcap"], c["up_softcap"]
+        return cg * torch.tanh(g / cg) / (1 + torch.exp(-g)) * cu * torch.tanh(u / cu)
+    raise ValueError(activation)
+
+
 def gated_moe_f64(x, ids, w, w13, w2, act, fp8=False):
     """The layer in float64 with a gated activation ``act(h [M, 2I] float64) -> [M, I]``, one expert at
     a time, router weights in k order. ``fp8``: the quantised model (block-128 e4m3 weights as

@@ -14,6 +14,9 @@ import torch
 
 pytest.importorskip("cutlass")
 
+import cutlass  # noqa: E402
+import cutlass.cute as cute  # noqa: E402
+
 from moe_ep.api import EPGroup, MoEConfig, MoELayer  # noqa: E402
 from moe_ep.backends import UnsupportedBackendError, explain  # noqa: E402
 
@@ -236,3 +239,113 @@ def test_blackwell_backends_bind_without_prepared_gemms(module, cls):
     b.fc1_decode = b.fc2_decode = None
     b._prepare_launches()
     assert b._expert_runs == {} and b._route_run == {} and b._combine_run is None
+
+
+# ---- the Blackwell drops' gate math on silicon we have ---------------------------------------------
+# The epilogue functions of sm100/w4a16 v3 (clamped, softcapped) and sm120/mxfp8 v2 (every gated one)
+# are arch-neutral fp32 code: a probe kernel evaluates them element by element on an SM90 GPU, against
+# float64 from the definitions. (The Blackwell GEMMs around them are not run: no such GPU here.)
+_PROBE_N = 128 * 160
+_PROBE_CONSTS = [
+    ("swiglu", {}), ("gelu_glu", {}), ("gelu_tanh_glu", {}),
+    ("clamped_swiglu", {}),  # gpt-oss's: alpha 1.702, limit 7, beta 1
+    ("clamped_swiglu", dict(swiglu_alpha=1.0, swiglu_limit=10.0, swiglu_beta=0.0)),  # DeepSeek-V4's
+    ("clamped_swiglu", dict(swiglu_limit_after_act=True)),  # Step-3.7's order
+    ("softcapped_swiglu", {}), ("softcapped_swiglu", dict(gate_softcap=2.0, up_softcap=5.0)),
+]
+
+
+def _gate_fn(drop: str, activation: str, consts: dict):
+    """The drop's device function for ``activation`` as ``f(gate, up)`` (sm100: only its v3 helpers)."""
+    import importlib
+
+    from moe_ep.shim import drop_src, register_drop
+
+    if drop == "sm120":
+        register_drop(drop_src("sm120", "mxfp8"))
+        gg = importlib.import_module("sm120_mxfp8.grouped_gemm")
+        full = dict(importlib.import_module("sm120_mxfp8.constants").ACTIVATION_CONSTANT_DEFAULTS, **consts)
+        return lambda g, u: gg.gated_activation(activation, g, u, full)
+    register_drop(drop_src("sm100", "w4a16"))
+    gg = importlib.import_module("sm100_w4a16.grouped_gemm")
+    c = dict(importlib.import_module("sm100_w4a16.constants").ACTIVATION_CONSTANT_DEFAULTS, **consts)
+    if activation == "clamped_swiglu":
+        return lambda g, u: gg._clamped_swiglu(g, u, c["swiglu_alpha"], c["swiglu_limit"], c["swiglu_beta"],
+                                               c["swiglu_limit_after_act"])
+    return lambda g, u: gg._softcapped_swiglu(g, u, c["gate_softcap"], c["up_softcap"])
+
+
+class _GateProbe:
+    """``mO[i] = fn(mG[i], mU[i])`` in fp32, one thread per element (``_PROBE_N`` elements)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    @cute.jit
+    def __call__(self, mG: cute.Tensor, mU: cute.Tensor, mO: cute.Tensor, stream):
+        self.kernel(mG, mU, mO).launch(grid=[_PROBE_N // 128, 1, 1], block=[128, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mG: cute.Tensor, mU: cute.Tensor, mO: cute.Tensor):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        i = bidx * 128 + tidx
+        mO[i] = self.fn(mG[i], mU[i])
+
+
+def _probe_cases():
+    return [("sm120", a, c) for a, c in _PROBE_CONSTS] + [("sm100", a, c) for a, c in _PROBE_CONSTS
+                                                          if a in ("clamped_swiglu", "softcapped_swiglu")]
+
+
+def _compile_probe(drop, activation, consts, arch):
+    from cutlass.cute.runtime import make_fake_compact_tensor, make_fake_stream
+
+    fake = [make_fake_compact_tensor(cutlass.Float32, (_PROBE_N,), assumed_align=16) for _ in range(3)]
+    return cute.compile(_GateProbe(_gate_fn(drop, activation, consts)), *fake, make_fake_stream(),
+                        options=f"--gpu-arch {arch} --keep-ptx")
+
+
+def test_gate_probe_compiles_the_drops_gate_code(tmp_path, monkeypatch):
+    """CPU: the probe traces each drop's gate function for sm_90a; the tanh-based gates use tanh.approx,
+    the others ex2 (so the GPU test below exercises the instructions the Blackwell epilogues use)."""
+    monkeypatch.chdir(tmp_path)  # --keep-ptx writes beside the working directory
+    for drop, act, consts in (("sm120", "gelu_tanh_glu", {}), ("sm100", "softcapped_swiglu", {}),
+                              ("sm100", "clamped_swiglu", {})):
+        ptx = _compile_probe(drop, act, consts, "sm_90a").__ptx__
+        assert ("tanh.approx.f32" in ptx) == (act == "softcapped_swiglu"), (drop, act)
+        assert ("ex2.approx" in ptx) == (act != "softcapped_swiglu"), (drop, act)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("drop,activation,consts", _probe_cases())
+def test_blackwell_gate_math_on_an_sm90_gpu(drop, activation, consts, tmp_path, monkeypatch):
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU (the probe is compiled for sm_90a)")
+    from cutlass.cute.runtime import from_dlpack
+    import cuda.bindings.driver as cuda
+    from moe_oracle import gated_f64
+
+    monkeypatch.chdir(tmp_path)
+    compiled = _compile_probe(drop, activation, consts, "sm_90a")
+    gen = torch.Generator().manual_seed(11)
+    # gates over [-16, 16] (past every limit, deep in each sigmoid's tails), ups over [-40, 40]
+    g = torch.linspace(-16.0, 16.0, _PROBE_N, dtype=torch.float32)
+    u = (torch.rand(_PROBE_N, generator=gen) * 80.0 - 40.0).float()
+    dg, du = g.cuda(), u.cuda()
+    out = torch.full_like(dg, float("nan"))
+    compiled(*(from_dlpack(t, assumed_align=16) for t in (dg, du, out)),
+             cuda.CUstream(torch.cuda.current_stream().cuda_stream))
+    torch.cuda.synchronize()
+    defaults = dict(swiglu_alpha=1.702, swiglu_limit=7.0, swiglu_beta=1.0, swiglu_limit_after_act=False,
+                    gate_softcap=4.0, up_softcap=25.0)
+    want = gated_f64(activation, g, u, dict(defaults, **consts))
+    got = out.cpu().double()
+    assert torch.isfinite(got).all()
+    # tanh.approx is good to ~2^-11 relative (three in a product); ex2 / rcp to ~1e-6. Floor: 1e-4 of the
+    # output's range (fp32's 1 + erf(g / sqrt 2) cancels where the erf GELU is tiny, as torch's does)
+    rtol = 4e-3 if activation == "softcapped_swiglu" else 2e-5
+    err = (got - want).abs() / (want.abs() + 1e-4 * want.abs().max())
+    assert float(err.max()) < rtol, (float(err.max()), int(err.argmax()))
+    if activation == "clamped_swiglu":  # the limit binds on these inputs: the unclamped SwiGLU differs
+        assert float((got - gated_f64("swiglu", g, u, {})).abs().max()) > 1.0

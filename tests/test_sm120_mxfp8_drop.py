@@ -16,8 +16,6 @@ The drop is imported by its top-level name from its ``src`` folder (the shim int
 later); the drop itself never imports moe_ep.
 """
 
-import math
-
 import pytest
 import torch
 
@@ -26,6 +24,7 @@ pytest.importorskip("cutlass")
 # the drop tree the installed moe_ep uses (an installed copy, not this checkout, on the GPU host),
 # registered through the shim so later shim imports in this process find the same modules
 from moe_ep.shim import drop_src, register_drop  # noqa: E402
+from moe_oracle import gated_f64  # noqa: E402
 
 _DROP_SRC = drop_src("sm120", "mxfp8")
 register_drop(_DROP_SRC)
@@ -134,26 +133,6 @@ def _scale_f64(codes: torch.Tensor) -> torch.Tensor:
     return torch.tensor([2.0 ** (int(v) - 127) for v in c.reshape(-1)], dtype=torch.float64).reshape(c.shape)
 
 
-def _gate_f64(epilogue, gate, up, c):
-    """The gated activations from their definitions (numpy-free float64 torch math, math.erf for GELU)."""
-    if epilogue == "swiglu":
-        return gate / (1 + torch.exp(-gate)) * up
-    if epilogue == "gelu_glu":
-        return 0.5 * gate * (1 + torch.tensor([math.erf(v / math.sqrt(2)) for v in gate.reshape(-1).tolist()],
-                                              dtype=torch.float64).reshape(gate.shape)) * up
-    if epilogue == "gelu_tanh_glu":
-        return 0.5 * gate * (1 + torch.tanh(math.sqrt(2 / math.pi) * (gate + 0.044715 * gate ** 3))) * up
-    if epilogue == "clamped_swiglu":
-        lim = c["swiglu_limit"]
-        up = torch.minimum(torch.maximum(up, torch.tensor(-lim)), torch.tensor(lim)) + c["swiglu_beta"]
-        if c["swiglu_limit_after_act"]:
-            return up * torch.minimum(gate / (1 + torch.exp(-c["swiglu_alpha"] * gate)), torch.tensor(lim))
-        gate = torch.minimum(gate, torch.tensor(lim))
-        return up * gate / (1 + torch.exp(-c["swiglu_alpha"] * gate))
-    cg, cu = c["gate_softcap"], c["up_softcap"]  # softcapped_swiglu
-    return cg * torch.tanh(gate / cg) / (1 + torch.exp(-gate)) * cu * torch.tanh(up / cu)
-
-
 def _float64_grouped(x, xs, w, ws, offs, epilogue, rs, consts=None):
     """Independent route: hand-decoded fp8, scales applied per 32-column block, per-token
     expert lookup by searchsorted, one einsum."""
@@ -164,7 +143,7 @@ def _float64_grouped(x, xs, w, ws, offs, epilogue, rs, consts=None):
     expert = torch.searchsorted(offs[1:].to(torch.int64), torch.arange(m), right=True)
     h = torch.einsum("mk,mnk->mn", xd, wd[expert])
     if epilogue in GATED_EPILOGUES:
-        return _gate_f64(epilogue, h[:, : n // 2], h[:, n // 2:], dict(ACTIVATION_CONSTANT_DEFAULTS, **(consts or {})))
+        return gated_f64(epilogue, h[:, : n // 2], h[:, n // 2:], dict(ACTIVATION_CONSTANT_DEFAULTS, **(consts or {})))
     if epilogue == "row_scale":
         return h * rs.double()[:, None]
     return h
