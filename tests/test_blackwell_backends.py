@@ -94,7 +94,7 @@ def test_sm100_activation_constants_reach_the_kernel():
 
     cfg = MoEConfig(activation="clamped_swiglu", quant="nvfp4_w4a16", swiglu_beta=0.0, swiglu_limit=10.0,
                     **NEMOTRON)
-    (args, consts), (_, fc2_consts) = _gemm_specs(cfg, 8)["fc1"], _gemm_specs(cfg, 8)["fc2"]
+    (args, consts, _), (_, fc2_consts, _) = _gemm_specs(cfg, 8)["fc1"], _gemm_specs(cfg, 8)["fc2"]
     assert args[0] == "clamped_swiglu" and fc2_consts == {}
     assert consts["swiglu_beta"] == 0.0 and consts["swiglu_limit"] == 10.0
     full = sm100_w4a16.activation_constants("clamped_swiglu", **consts)
@@ -110,6 +110,14 @@ def test_sm100_activation_constants_reach_the_kernel():
         sm100_check_w4a16_gemm("clamped_swiglu", 2 * 256, 512, 4, swiglu_gamma=1.0)
     assert (sm100_compile_w4a16_ptx("clamped_swiglu", 2 * 256, 512, 4, swiglu_beta=0.0)
             != sm100_compile_w4a16_ptx("clamped_swiglu", 2 * 256, 512, 4))
+    # drop v4: the bias dtype is part of FC1's and FC2's spec and of the compile key
+    biased = MoEConfig(activation="clamped_swiglu", quant="nvfp4_w4a16", bias_dtype=torch.bfloat16, **NEMOTRON)
+    assert [spec[2] for spec in _gemm_specs(biased, 8).values()] == [torch.bfloat16] * 2
+    assert [spec[2] for spec in _gemm_specs(cfg, 8).values()] == [None, None]
+    ptx = sm100_compile_w4a16_ptx("row_scale", 256, 512, 4, bias_dtype=torch.float32)
+    assert ptx != sm100_compile_w4a16_ptx("row_scale", 256, 512, 4)
+    with pytest.raises(ValueError, match="bias_dtype"):
+        sm100_compile_w4a16_ptx("row_scale", 256, 512, 4, bias_dtype=torch.float16)
 
 
 @pytest.mark.parametrize("quant,backend", [("nvfp4_w4a16", "sm100_w4a16_cutedsl"), ("mxfp8", "sm120_mxfp8_cutedsl")])
@@ -132,9 +140,11 @@ def test_backends_refuse_configs_by_name():
     # drop v2 takes both GELU gates (Gemma 4's tanh form), drop v3 the clamped and softcapped ones
     for act in ("gelu_glu", "gelu_tanh_glu", "clamped_swiglu", "softcapped_swiglu"):
         check100(MoEConfig(activation=act, quant="nvfp4_w4a16", **NEMOTRON), single)
-    with pytest.raises(UnsupportedBackendError, match="biases"):  # gpt-oss's biases: not in the drop
-        check100(MoEConfig(activation="clamped_swiglu", quant="nvfp4_w4a16", bias_dtype=torch.float32,
-                           **NEMOTRON), single)
+    # drop v4: gpt-oss's per-expert biases (float32 or bf16); the SM120 drop has none
+    for dt in (torch.float32, torch.bfloat16):
+        check100(MoEConfig(activation="clamped_swiglu", quant="nvfp4_w4a16", bias_dtype=dt, **NEMOTRON), single)
+    with pytest.raises(UnsupportedBackendError, match="biases"):
+        check120(MoEConfig(quant="mxfp8", bias_dtype=torch.float32, **QWEN), single)
     with pytest.raises(UnsupportedBackendError, match="multiple of 64"):
         check100(MoEConfig(activation="squared_relu", quant="nvfp4_w4a16",
                            **dict(NEMOTRON, hidden=2688 + 16)), single)
@@ -349,3 +359,28 @@ def test_blackwell_gate_math_on_an_sm90_gpu(drop, activation, consts, tmp_path, 
     assert float(err.max()) < rtol, (float(err.max()), int(err.argmax()))
     if activation == "clamped_swiglu":  # the limit binds on these inputs: the unclamped SwiGLU differs
         assert float((got - gated_f64("swiglu", g, u, {})).abs().max()) > 1.0
+
+
+def test_reference_backend_runs_nvfp4_with_biases():
+    """What sm100_w4a16_cutedsl's biases (drop v4) must compute, on the reference backend (CPU): a gpt-oss
+    style layer (clamped SwiGLU, b13 before the activation, b2 before the router weight) on NVFP4 weights
+    equals the float64 oracle on the dequantised weights."""
+    from moe_ep.api.quant import dequantize_nvfp4, quantize_nvfp4
+    from moe_oracle import oracle_f64, rel_err
+
+    E, H, I, K, T = 4, 128, 64, 2, 24
+    cfg = MoEConfig(num_experts=E, hidden=H, intermediate=I, top_k=K, max_tokens_per_rank=T, quant="nvfp4_w4a16",
+                    activation="clamped_swiglu", bias_dtype=torch.float32)
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32)
+    w = torch.rand(T, K, generator=g)
+    w13 = quantize_nvfp4(torch.randn(E, 2 * I, H, generator=g) * H ** -0.5 * 4)
+    w2 = quantize_nvfp4(torch.randn(E, H, I, generator=g) * I ** -0.5)
+    b13, b2 = torch.randn(E, 2 * I, generator=g) * 3, torch.randn(E, H, generator=g)
+    with MoELayer(cfg, EPGroup.single(), backend="reference", device="cpu") as layer:
+        got = layer.forward(x, ids, w, w13, w2, b13=b13, b2=b2)
+    want = oracle_f64(x, ids, w, dequantize_nvfp4(w13), dequantize_nvfp4(w2), "clamped_swiglu", I, b13=b13, b2=b2)
+    assert rel_err(got, want) < 1e-2
+    plain = oracle_f64(x, ids, w, dequantize_nvfp4(w13), dequantize_nvfp4(w2), "clamped_swiglu", I)
+    assert rel_err(plain, want) > 0.1  # the biases matter on these inputs

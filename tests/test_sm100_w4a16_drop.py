@@ -98,7 +98,7 @@ def _decode_e4m3_f64(raw: np.ndarray) -> np.ndarray:
     return sign * mag
 
 
-def _independent_f64(a, values, block_scale, global_scale, offsets, epilogue, row_scale, consts=None):
+def _independent_f64(a, values, block_scale, global_scale, offsets, epilogue, row_scale, consts=None, bias=None):
     c = dict(sm100_w4a16.ACTIVATION_CONSTANT_DEFAULTS, **(consts or {}))
     w = _decode_e2m1_f64(values.numpy()) * np.repeat(
         _decode_e4m3_f64(block_scale.view(torch.uint8).numpy()), 16, axis=-1)
@@ -110,6 +110,8 @@ def _independent_f64(a, values, block_scale, global_scale, offsets, epilogue, ro
     for e in range(e_count):
         lo, hi = offs[e], offs[e + 1]
         y = a64[lo:hi] @ w[e].T * float(global_scale[e])
+        if bias is not None:  # drop v4: before the epilogue
+            y = y + bias[e].double().numpy()
         if epilogue == "squared_relu":
             y = np.maximum(y, 0.0) ** 2
         elif epilogue == "row_scale":
@@ -213,7 +215,7 @@ def test_constructor_refusals():
 
 
 def test_drop_metadata():
-    assert sm100_w4a16.DROP_VERSION == 3
+    assert sm100_w4a16.DROP_VERSION == 4 and sm100_w4a16.BIAS_DTYPES == ("float32", "bfloat16")
     assert set(sm100_w4a16.EPILOGUES) >= {"squared_relu", "row_scale", "swiglu", "gelu_glu", "gelu_tanh_glu",
                                           "clamped_swiglu", "softcapped_swiglu"}
     assert sm100_w4a16.SF_BLOCK == 16 and sm100_w4a16.TILE_K == 64
@@ -282,3 +284,68 @@ def test_activation_constant_refusals():
     W4A16GroupedGemmSm100("swiglu", swiglu_limit=0.0)  # ignored by the other epilogues
     assert check_activation_constants("softcapped_swiglu", 1.702, 7.0, 1.0, 4.0, float("inf")) is not None
     assert check_activation_constants("clamped_swiglu", 1.702, 7.0, 0.0, 4.0, 25.0) is None
+
+
+# --------------------------------------------------------------------------- drop v4: per-expert biases
+@pytest.mark.parametrize("epilogue,bias_dtype", [("clamped_swiglu", torch.float32), ("row_scale", torch.bfloat16),
+                                                 ("squared_relu", torch.float32), ("gelu_tanh_glu", torch.bfloat16)])
+def test_reference_with_bias_matches_float64(epilogue, bias_dtype):
+    gen = torch.Generator().manual_seed(9)
+    e_count, n, k = 5, 48, 128
+    offsets = torch.tensor([0, 37, 37, 166, 167, 231], dtype=torch.int32)
+    a = torch.randn(231, k, generator=gen).to(torch.bfloat16)
+    values, block_scale, global_scale = make_nvfp4_weights(e_count, n, k, gen)
+    row_scale = torch.rand(231, generator=gen)
+    bias = (3.0 * torch.randn(e_count, n, generator=gen)).to(bias_dtype)
+    rs = row_scale if epilogue == "row_scale" else None
+    got = w4a16_grouped_gemm_reference(a, values, block_scale, global_scale, offsets, epilogue, rs, bias)
+    want = _independent_f64(a, values, block_scale, global_scale, offsets, epilogue, row_scale, bias=bias)
+    err = np.abs(got.double().numpy() - want).max()
+    assert err <= 1e-5 * np.abs(want).max(), err
+    plain = w4a16_grouped_gemm_reference(a, values, block_scale, global_scale, offsets, epilogue, rs)
+    assert float((got - plain).abs().max()) > 0.1  # the bias is applied
+
+
+@pytest.mark.parametrize("epilogue,n,k,bias_dtype", [
+    ("clamped_swiglu", 2 * 2880, 2880, torch.float32),  # gpt-oss FC1
+    ("row_scale", 2880, 2880, torch.bfloat16),          # gpt-oss FC2
+    ("swiglu", 2 * 1856, 2688, torch.bfloat16),
+    ("squared_relu", 200, 256, torch.float32),           # N not a multiple of the tile: clamped bias index
+])
+def test_bias_variants_compile(epilogue, n, k, bias_dtype):
+    """A bias is a trailing kernel argument ([E, N], its dtype loaded and widened in the epilogue); a
+    gated epilogue with one loads 16 accumulator columns at a time so it stays in registers."""
+    compiled, kernel = compile_w4a16_gemm(epilogue, n, k, 128, bias_dtype=bias_dtype, return_kernel=True)
+    ptx = compiled.__ptx__
+    assert check_ptx(ptx) == []
+    gated = epilogue in sm100_w4a16.GATED_EPILOGUES
+    assert ("tcgen05.ld.sync.aligned.32x32b.x16" in ptx) == gated
+    plain = compile_w4a16_gemm(epilogue, n, k, 128).__ptx__
+    assert ptx.count(".param") > plain.count(".param")  # the bias: a kernel argument
+    assert ptx.count("ld.global") > plain.count("ld.global")  # and its loads in the epilogue
+    if find_ptxas() is None:
+        pytest.skip("ptxas not installed: PTX checks only")
+    regs, spill, _ = ptxas_info(ptx, "sm_100a")
+    assert spill == 0 and regs <= 168
+
+
+def test_launcher_checks_the_bias():
+    from sm100_w4a16.launch import CompiledW4A16Gemm
+
+    gen = torch.Generator().manual_seed(0)
+    values, block_scale, global_scale = make_nvfp4_weights(3, 256, 128, gen)
+    offsets = torch.zeros(4, dtype=torch.int32)
+    a = torch.zeros(0, 128, dtype=torch.bfloat16)
+    with_bias = CompiledW4A16Gemm("squared_relu", 256, 128, 3, compiled=object(), bias_dtype=torch.float32)
+    without = CompiledW4A16Gemm("squared_relu", 256, 128, 3, compiled=object())
+    good = torch.zeros(3, 256)
+    assert tuple(with_bias(a, values, block_scale, global_scale, offsets, bias=good).shape) == (0, 256)
+    with pytest.raises(ValueError, match="compiled with a torch.float32 bias"):
+        with_bias(a, values, block_scale, global_scale, offsets)
+    with pytest.raises(ValueError, match="compiled without a bias"):
+        without(a, values, block_scale, global_scale, offsets, bias=good)
+    for bad in (good.to(torch.bfloat16), torch.zeros(3, 128), torch.zeros(256, 3).t()):
+        with pytest.raises(ValueError, match="bias: expected"):
+            with_bias(a, values, block_scale, global_scale, offsets, bias=bad)
+    with pytest.raises(ValueError, match="bias_dtype"):
+        CompiledW4A16Gemm("squared_relu", 256, 128, 3, compiled=object(), bias_dtype=torch.float16)

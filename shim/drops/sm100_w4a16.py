@@ -1,4 +1,4 @@
-"""Shim for the SM100 drop ``kernel_src/sm100/w4a16`` (package ``sm100_w4a16``), drop version 3.
+"""Shim for the SM100 drop ``kernel_src/sm100/w4a16`` (package ``sm100_w4a16``), drop version 4.
 
 The drop is a W4A16 grouped GEMM for Blackwell datacenter GPUs (B200/GB200): NVFP4 expert weights
 (E2M1 values, an E4M3 scale per 16 along K, a float32 scale per expert) dequantised to BF16 in
@@ -34,9 +34,10 @@ ARCH = "sm_100a"
 _ACT_NAMES = gate_constants.NAMES
 
 CONSTANTS = MirroredConstants("sm100/w4a16", {
-    "sm100_w4a16": {"DROP_VERSION": 3},
+    "sm100_w4a16": {"DROP_VERSION": 4},
     "sm100_w4a16.constants": {
-        "ABI_VERSION": 1,
+        "ABI_VERSION": 2,
+        "BIAS_DTYPES": ("float32", "bfloat16"),
         "EPILOGUES": ("identity", "squared_relu", "row_scale", "swiglu", "gelu_glu", "gelu_tanh_glu",
                       "clamped_swiglu", "softcapped_swiglu"),
         "GATED_EPILOGUES": ("swiglu", "gelu_glu", "gelu_tanh_glu", "clamped_swiglu", "softcapped_swiglu"),
@@ -58,13 +59,13 @@ CONTRACT = DropContract(
                     ("epilogue",) + _ACT_NAMES[:3] + _ACT_NAMES[4:]),
         CallableUse("sm100_w4a16.launch:compile_w4a16_gemm",
                     ("epilogue", "n", "k", "num_experts", "tile_n", "raster_m", "num_stages", "arch",
-                     "extra_options") + _ACT_NAMES),
+                     "extra_options", "bias_dtype") + _ACT_NAMES),
         CallableUse("sm100_w4a16.launch:CompiledW4A16Gemm.__init__",
                     ("epilogue", "n", "k", "num_experts", "tile_n", "raster_m", "num_stages", "arch",
-                     "compiled") + _ACT_NAMES),
+                     "compiled", "bias_dtype") + _ACT_NAMES),
         CallableUse("sm100_w4a16.launch:CompiledW4A16Gemm.__call__",
                     ("a", "values", "block_scale", "global_scale", "offsets", "row_scale", "out",
-                     "max_active_ctas", "stream")),
+                     "max_active_ctas", "stream", "bias")),
     ),
     imports=(
         ImportUse("sm100_w4a16.grouped_gemm", "can_implement", "shim/drops/sm100_w4a16.py"),
@@ -122,7 +123,8 @@ def check_gemm(epilogue: str, n: int, k: int, num_experts: int, **constants: Any
 @dataclass(frozen=True)
 class W4A16Key:
     """Every value the compiled W4A16 GEMM depends on (``activation``: the epilogue's activation
-    constants as sorted (name, value) pairs; empty for the epilogues that have none)."""
+    constants as sorted (name, value) pairs, empty for the epilogues that have none; ``bias_dtype``:
+    "" or the per-expert bias's dtype, drop v4)."""
 
     drop_version: int
     abi_version: int
@@ -133,6 +135,7 @@ class W4A16Key:
     k: int
     num_experts: int
     activation: tuple = ()
+    bias_dtype: str = ""
 
 
 def cache_namespace() -> str:
@@ -140,40 +143,55 @@ def cache_namespace() -> str:
     return disk_cache.drop_namespace("sm100", "w4a16", CONSTANTS.value(PKG, "DROP_VERSION"), ARCH)
 
 
-def _compile(epilogue: str, n: int, k: int, num_experts: int, consts: dict) -> Any:
+def _bias_name(bias_dtype: Any) -> str:
+    """"" for no bias, else the dtype's name (one of the drop's ``BIAS_DTYPES``); ValueError otherwise."""
+    if bias_dtype is None:
+        return ""
+    name = str(bias_dtype).replace("torch.", "")
+    if name not in _C["BIAS_DTYPES"]:
+        raise ValueError(f"sm100 W4A16 GEMM: bias_dtype must be None or one of {_C['BIAS_DTYPES']}, got {bias_dtype}")
+    return name
+
+
+def _compile(epilogue: str, n: int, k: int, num_experts: int, bias_dtype: Any, consts: dict) -> Any:
     return _load("sm100_w4a16.launch").compile_w4a16_gemm(
         epilogue=epilogue, n=n, k=k, num_experts=num_experts, tile_n=None, raster_m=8, num_stages=None, arch=ARCH,
-        extra_options="", **consts)
+        extra_options="", bias_dtype=bias_dtype, **consts)
 
 
-def compiled_w4a16_gemm(epilogue: str, n: int, k: int, num_experts: int, **constants: Any) -> Any:
-    """The compiled kernel (code only) for these static values (``constants``: the activation
-    constants, :func:`activation_constants`): compiled once per process and exported to / loaded
-    from the disk compile cache; no GPU needed."""
+def compiled_w4a16_gemm(epilogue: str, n: int, k: int, num_experts: int, bias_dtype: Any = None,
+                        **constants: Any) -> Any:
+    """The compiled kernel (code only) for these static values (``bias_dtype``: None or torch.float32 /
+    torch.bfloat16 for a per-expert bias; ``constants``: the activation constants,
+    :func:`activation_constants`): compiled once per process and exported to / loaded from the disk
+    compile cache; no GPU needed."""
     check_gemm(epilogue, n, k, num_experts, **constants)
     consts = activation_constants(epilogue, **constants)
     key = W4A16Key(CONSTANTS.value(PKG, "DROP_VERSION"), _C["ABI_VERSION"], _cutlass_version(), ARCH,
-                   epilogue, n, k, num_experts, gate_constants.key_items(consts))
+                   epilogue, n, k, num_experts, gate_constants.key_items(consts), _bias_name(bias_dtype))
 
     def build():
         return disk_cache.get_or_build(cache_namespace(), f"w4a16_{epilogue}", key,
-                                       lambda: _compile(epilogue, n, k, num_experts, consts))
+                                       lambda: _compile(epilogue, n, k, num_experts, bias_dtype, consts))
 
     return COMPILE_CACHE.get_or_compile(key, build)
 
 
-def w4a16_gemm(epilogue: str, n: int, k: int, num_experts: int, **constants: Any) -> Any:
+def w4a16_gemm(epilogue: str, n: int, k: int, num_experts: int, bias_dtype: Any = None, **constants: Any) -> Any:
     """A launcher owned by the caller (the drop's ``CompiledW4A16Gemm`` around the cached code):
     ``gemm(a [M, k] bf16, values [E, n, k/2] u8, block_scale [E, n, k/16] e4m3, global_scale [E]
-    f32, offsets [E+1] i32, row_scale=[M] f32 (row_scale epilogue), out=[M, n_out] bf16)``."""
-    compiled = compiled_w4a16_gemm(epilogue, n, k, num_experts, **constants)
+    f32, offsets [E+1] i32, row_scale=[M] f32 (row_scale epilogue), out=[M, n_out] bf16,
+    bias=[E, n] bias_dtype (iff bias_dtype))``."""
+    compiled = compiled_w4a16_gemm(epilogue, n, k, num_experts, bias_dtype, **constants)
     return _load("sm100_w4a16.launch").CompiledW4A16Gemm(
         epilogue=epilogue, n=n, k=k, num_experts=num_experts, tile_n=None, raster_m=8, num_stages=None, arch=ARCH,
-        compiled=compiled, **activation_constants(epilogue, **constants))
+        compiled=compiled, bias_dtype=bias_dtype, **activation_constants(epilogue, **constants))
 
 
-def compile_gemm_ptx(epilogue: str, n: int, k: int, num_experts: int, **constants: Any) -> str:
+def compile_gemm_ptx(epilogue: str, n: int, k: int, num_experts: int, bias_dtype: Any = None,
+                     **constants: Any) -> str:
     """Compile for sm_100a without a GPU and return the PTX (the drop keeps its compiler
     artifacts in a temporary folder)."""
     check_gemm(epilogue, n, k, num_experts, **constants)
-    return _compile(epilogue, n, k, num_experts, activation_constants(epilogue, **constants)).__ptx__
+    _bias_name(bias_dtype)
+    return _compile(epilogue, n, k, num_experts, bias_dtype, activation_constants(epilogue, **constants)).__ptx__

@@ -13,7 +13,9 @@ expert-layout kernels built for sm_100a (they are arch-neutral), and steps 3-4 r
 
 Weights: ``MoEConfig.quant = "nvfp4_w4a16"`` and :class:`moe_ep.api.quant.NVFP4Weight` for ``w13``
 ``[E_local, w13_rows, H]`` and ``w2`` ``[E_local, H, I]`` (values ``[E, N, K/2]`` uint8, block scales
-``[E, N, K/16]`` e4m3, global scales ``[E]`` float32). No biases.
+``[E, N, K/16]`` e4m3, global scales ``[E]`` float32). Optional per-expert biases (drop v4; gpt-oss's):
+``MoEConfig.bias_dtype`` float32 or bfloat16, ``b13 [E_local, w13_rows]`` and ``b2 [E_local, H]`` in
+``forward``, added before the activation and before the router weight.
 """
 
 from __future__ import annotations
@@ -31,6 +33,8 @@ from ...sm90.bf16_cutedsl.backend import Sm90CuteDSLBackend, prebuild_layer, swi
 
 NAME = "sm100_w4a16_cutedsl"
 ARCH = "sm_100a"
+#: MoEConfig.bias_dtype values this backend runs besides None (drop v4)
+BIAS_DTYPES = (torch.float32, torch.bfloat16)
 #: MoEConfig.activation -> the drop's FC1 epilogue (gelu_glu, gelu_tanh_glu: drop v2; clamped_swiglu,
 #: softcapped_swiglu: drop v3)
 ACTIVATION_MAP = {"squared_relu": "squared_relu", "swiglu": "swiglu", "gelu_glu": "gelu_glu",
@@ -39,17 +43,18 @@ ACTIVATION_MAP = {"squared_relu": "squared_relu", "swiglu": "swiglu", "gelu_glu"
 
 
 def _gemm_specs(cfg: Any, e_local: int) -> dict:
-    """name -> (shim arguments, activation constants) of the layer's two GEMMs."""
-    return {"fc1": ((ACTIVATION_MAP[cfg.activation], cfg.w13_rows, cfg.hidden, e_local), swiglu_constants(cfg)),
-            "fc2": (("row_scale", cfg.hidden, cfg.intermediate, e_local), {})}
+    """name -> (shim arguments, activation constants, bias dtype or None) of the layer's two GEMMs."""
+    bias = getattr(cfg, "bias_dtype", None)
+    return {"fc1": ((ACTIVATION_MAP[cfg.activation], cfg.w13_rows, cfg.hidden, e_local), swiglu_constants(cfg), bias),
+            "fc2": (("row_scale", cfg.hidden, cfg.intermediate, e_local), {}, bias)}
 
 
 def check_config(config: Any, group: Any) -> None:
     """What this backend refuses on any machine (shapes, formats), with the reason."""
-    check_quantized_config(NAME, config, group, "nvfp4_w4a16", tuple(ACTIVATION_MAP))
+    check_quantized_config(NAME, config, group, "nvfp4_w4a16", tuple(ACTIVATION_MAP), BIAS_DTYPES)
     e_local = config.local_experts(group.world_size)
     try:
-        for args, consts in _gemm_specs(config, e_local).values():
+        for args, consts, _ in _gemm_specs(config, e_local).values():
             sm100_check_w4a16_gemm(*args, **consts)
     except ValueError as e:
         raise UnsupportedBackendError(f"{NAME}: {e}") from e
@@ -66,7 +71,7 @@ def prebuild(config: Any, world_size: int, kernels: tuple = ("fc1", "fc2", "ep",
     without a GPU (``python -m moe_ep.aot build --arch sm_100a``)."""
     specs = _gemm_specs(config, config.local_experts(world_size))
     prebuild_layer(config, world_size, kernels,
-                   {name: (lambda spec=spec: sm100_compiled_w4a16_gemm(*spec[0], **spec[1]))
+                   {name: (lambda spec=spec: sm100_compiled_w4a16_gemm(*spec[0], bias_dtype=spec[2], **spec[1]))
                     for name, spec in specs.items()}, ARCH)
 
 
@@ -78,8 +83,8 @@ class Sm100W4A16Backend(Sm90CuteDSLBackend):
 
     def _bind_gemms(self, views: dict) -> None:
         specs = _gemm_specs(self.cfg, self.E)
-        self.fc1 = sm100_w4a16_gemm(*specs["fc1"][0], **specs["fc1"][1])
-        self.fc2 = sm100_w4a16_gemm(*specs["fc2"][0], **specs["fc2"][1])
+        self.fc1, self.fc2 = (sm100_w4a16_gemm(*args, bias_dtype=bias, **consts)
+                              for args, consts, bias in (specs["fc1"], specs["fc2"]))
         self.fc1_decode = self.fc2_decode = None
         self._decode_max_tokens = 0
         self._gemms = (self.fc1, self.fc2)
@@ -97,6 +102,6 @@ class Sm100W4A16Backend(Sm90CuteDSLBackend):
     def _step34_experts(self, w13, w2, b13=None, b2=None) -> None:
         fc1, fc2 = self._gemms
         fc1(self.xs, w13.values, w13.block_scale, w13.global_scale, self.offsets, out=self.h,
-            max_active_ctas=self.num_ctas)
+            max_active_ctas=self.num_ctas, bias=b13)
         fc2(self.h, w2.values, w2.block_scale, w2.global_scale, self.offsets, row_scale=self.ws_rows,
-            out=self.y, max_active_ctas=self.num_ctas)
+            out=self.y, max_active_ctas=self.num_ctas, bias=b2)

@@ -8,13 +8,14 @@ device-side ``expert_offsets`` array. Never imports moe_ep.
     from sm100_w4a16.reference import w4a16_grouped_gemm_reference    # torch reference
 """
 
-DROP_VERSION = 3
+DROP_VERSION = 4
 
 from .constants import (  # noqa: E402
     ABI_VERSION,
     ACTIVATION_CONSTANT_DEFAULTS,
     ALIGN_K_ELEMS,
     ALIGN_N_ELEMS,
+    BIAS_DTYPES,
     DEFAULT_RASTER_M,
     DEFAULT_TILE_N,
     EPILOGUES,
@@ -34,6 +35,7 @@ __all__ = [
     "ACTIVATION_CONSTANT_DEFAULTS",
     "ALIGN_K_ELEMS",
     "ALIGN_N_ELEMS",
+    "BIAS_DTYPES",
     "DEFAULT_RASTER_M",
     "DEFAULT_TILE_N",
     "EPILOGUES",

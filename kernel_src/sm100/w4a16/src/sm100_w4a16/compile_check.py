@@ -41,7 +41,7 @@ EXPECT = [
 ]
 FORBID = ["ld.local", "st.local"]
 
-# (epilogue, N, K, E, tile_n): Nemotron FC1 (squared_relu, N=1856, K=2688) and FC2 (row_scale,
+# (epilogue, N, K, E, tile_n[, bias dtype]): Nemotron FC1 (squared_relu, N=1856, K=2688) and FC2 (row_scale,
 # N=2688, K=1856), a gated FC1, and the other tile widths
 CASES = [
     ("squared_relu", 1856, 2688, 128, None),
@@ -55,6 +55,8 @@ CASES = [
     ("gelu_tanh_glu", 2 * 704, 2816, 128, None),
     ("clamped_swiglu", 2 * 2880, 2880, 128, None),  # drop v3: gpt-oss's FC1 shape (K 2880: 45 k-tiles)
     ("softcapped_swiglu", 2 * 1536, 4608, 64, None),  # drop v3: an Inkling2-size FC1 (I 1536, K 4608)
+    ("clamped_swiglu", 2 * 2880, 2880, 128, None, "float32"),  # drop v4: gpt-oss's FC1 and FC2 with biases
+    ("row_scale", 2880, 2880, 128, None, "bfloat16"),
 ]
 
 
@@ -167,10 +169,12 @@ def main(argv=None) -> int:
     if find_ptxas() is None:
         print("ptxas not found (set PTXAS=...): PTX checks only")
     failed = 0
-    for epi, n, k, e, tn in cases:
+    for epi, n, k, e, tn, *bias in cases:
+        import torch
+
         t0 = time.time()
-        compiled, kernel = compile_w4a16_gemm(epi, n, k, e, tile_n=tn, arch=args.arch,
-                                              return_kernel=True)
+        compiled, kernel = compile_w4a16_gemm(epi, n, k, e, tile_n=tn, arch=args.arch, return_kernel=True,
+                                              bias_dtype=getattr(torch, bias[0]) if bias else None)
         dt = time.time() - t0
         ptx = compiled.__ptx__
         bad = check_ptx(ptx)
@@ -185,7 +189,7 @@ def main(argv=None) -> int:
             if spill:
                 bad.append(f"{spill} bytes of spills/stack")
             smem += static_smem
-        print(f"{epi:12s} N={n:5d} K={k:5d} E={e} tile_n={kernel.tile_n:3d} "
+        print(f"{epi + (' +bias ' + bias[0] if bias else ''):12s} N={n:5d} K={k:5d} E={e} tile_n={kernel.tile_n:3d} "
               f"stages A/B={kernel.num_stages} W={kernel.num_w_stages} | compile {dt:4.1f}s | {sass} | "
               f"smem {smem} B ({smem / 1024:.1f} KB) | tcgen05.mma x{ptx.count('tcgen05.mma')} "
               f"cvt.e2m1x2 x{ptx.count('cvt.rn.f16x2.e2m1x2')} | {'OK' if not bad else 'FAIL: ' + '; '.join(bad)}",

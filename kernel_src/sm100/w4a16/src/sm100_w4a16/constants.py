@@ -3,7 +3,7 @@
 Bump ``ABI_VERSION`` whenever the argument list, tensor layouts or semantics of the kernel change.
 """
 
-ABI_VERSION = 1
+ABI_VERSION = 2  # 2 (drop v4): an optional trailing bias argument
 
 # Epilogues (compile-time choice). ``gs`` = global_scale[e] (fp32), applied to the fp32
 # accumulator before anything else:
@@ -21,6 +21,10 @@ ABI_VERSION = 1
 #                 after the activation; drop v3)
 #   softcapped_swiglu D[:, j] = cg * tanh(G' / cg) * sigmoid(G') * cu * tanh(U' / cu)
 #                 (Inkling2: cg 4, cu 25; drop v3)
+# Optional per-expert bias (drop v4): bias[e, n] (float32 or bfloat16) added to acc * gs before the
+# epilogue (gated: gate bias at column j, up bias at I + j); FC2's row_scale multiplies after it.
+BIAS_DTYPES = ("float32", "bfloat16")
+
 EPILOGUES = ("identity", "squared_relu", "row_scale", "swiglu", "gelu_glu", "gelu_tanh_glu", "clamped_swiglu",
              "softcapped_swiglu")
 GATED_EPILOGUES = ("swiglu", "gelu_glu", "gelu_tanh_glu", "clamped_swiglu", "softcapped_swiglu")

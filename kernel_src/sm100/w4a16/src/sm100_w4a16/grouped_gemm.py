@@ -3,7 +3,7 @@
 For every expert ``e`` with rows ``[offsets[e], offsets[e+1])`` of A::
 
     acc[m, n] = sum_k A[m, k] * Wq[e, n, k]          Wq = e2m1(values) * e4m3(block_scale)
-    D[m, :]   = epilogue(acc[m, :] * global_scale[e])
+    D[m, :]   = epilogue(acc[m, :] * global_scale[e] (+ bias[e, :]))      bias: optional (drop v4)
 
 BF16 activations, NVFP4 weights (moe_ep's ``NVFP4Weight`` bytes, unchanged), FP32 accumulation in
 tensor memory, BF16 output. The routing histogram (``offsets``) lives in device memory and is
@@ -68,6 +68,7 @@ Tensors (torch view; all contiguous)
     mRowScale [M_total]         fp32     read by ``row_scale`` only (else any fp32 tensor)
     mD        [M_total, N_out]  bf16     N_out = N, or I = N / 2 for the gated epilogues
     max_active_ctas             int32    grid size (persistent CTAs)
+    mBias     [E, N]            fp32 / bf16, optional (None: no bias; compile time), after the stream
 Static (compile key): N, K, E, epilogue, tile_n, raster_m, stage counts, and the activation constants
 (clamped_swiglu's alpha / limit / beta / clamp order, softcapped_swiglu's caps; drop v3).
 """
@@ -383,6 +384,7 @@ class W4A16GroupedGemmSm100:
         mD: cute.Tensor,
         max_active_ctas: cutlass.Int32,
         stream: cuda.CUstream,
+        mBias: Optional[cute.Tensor] = None,
     ):
         if cutlass.const_expr(mA.element_type != cutlass.BFloat16 or mD.element_type != cutlass.BFloat16):
             raise TypeError("A and D must be bfloat16")
@@ -392,6 +394,8 @@ class W4A16GroupedGemmSm100:
             raise TypeError("global_scale and row_scale must be float32")
         if cutlass.const_expr(mOffsets.element_type != cutlass.Int32):
             raise TypeError("offsets must be int32")
+        if cutlass.const_expr(mBias is not None and mBias.element_type not in (cutlass.Float32, cutlass.BFloat16)):
+            raise TypeError("bias must be float32 or bfloat16")
         num_experts = cute.size(mOffsets, mode=[0]) - 1
         n_rows = cute.size(mWq, mode=[1])
         k_size = 2 * cute.size(mWq, mode=[2])
@@ -403,6 +407,9 @@ class W4A16GroupedGemmSm100:
         self.n_tiles = n_tiles
         self.k_tiles = k_size // self.tile_k
         self.num_stages, self.num_w_stages = self.stage_counts(num_experts)
+        if cutlass.const_expr(mBias is not None and (cute.size(mBias, mode=[0]) != num_experts
+                                                     or cute.size(mBias, mode=[1]) != n_rows)):
+            raise ValueError("bias must be [E, N]")
 
         mma_op = tcgen05.MmaF16BF16Op(
             self.ab_dtype, self.acc_dtype, (self.tile_m, self.tile_n, 16), tcgen05.CtaGroup.ONE,
@@ -465,7 +472,7 @@ class W4A16GroupedGemmSm100:
         self.kernel(
             tiled_mma, tma_atom_a, tma_tensor_a, tma_atom_w, tma_tensor_w,
             mWsf, mGs, mOffsets, mRowScale, mD,
-            a_smem_layout, b_smem_layout, w_smem_layout,
+            a_smem_layout, b_smem_layout, w_smem_layout, mBias,
         ).launch(
             grid=[max_active_ctas, 1, 1],
             block=[self.threads_per_cta, 1, 1],
@@ -513,6 +520,7 @@ class W4A16GroupedGemmSm100:
         a_smem_layout: cute.ComposedLayout,
         b_smem_layout: cute.ComposedLayout,
         w_smem_layout: cute.Layout,
+        mBias: Optional[cute.Tensor],
     ):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -693,7 +701,7 @@ class W4A16GroupedGemmSm100:
             tmem.relinquish_alloc_permit()
             tCtAcc = cute.make_tensor(tmem_ptr, tCtAcc_fake.layout)
             self._epilogue_loop(tiled_mma, acc_pipe, tCtAcc, mGs, mRowScale, mD, sOff, sCum,
-                                total_tiles, tidx, bidx, gdim)
+                                total_tiles, tidx, bidx, gdim, mBias)
             # every TMEM load of this CTA is done (the MMAs finished before the last commit)
             _tcgen05_fence(after=False)
             pipeline.NamedBarrier(barrier_id=_BAR_EPI, num_threads=_EPI_THREADS).arrive_and_wait()
@@ -794,29 +802,44 @@ class W4A16GroupedGemmSm100:
         b_pipe.producer_tail(b_state)
 
     # ------------------------------------------------------------------ epilogue role
+    def _up(self, acc_up, gs, mBias: Optional[cute.Tensor], expert, bcol):
+        """A gated epilogue's up value: acc * gs, plus its bias (row I + j of the expert's bias; drop v4)."""
+        u = acc_up * gs
+        if cutlass.const_expr(mBias is not None):
+            u = u + mBias[expert, self.n_out + bcol].to(self.acc_dtype)
+        return u
+
     @cute.jit
     def _epilogue_loop(self, tiled_mma: cute.TiledMma, acc_pipe, tCtAcc: cute.Tensor,
                        mGs: cute.Tensor, mRowScale: cute.Tensor, mD: cute.Tensor,
                        sOff: cute.Tensor, sCum: cute.Tensor, total_tiles: cutlass.Int32,
-                       tidx: cutlass.Int32, bidx: cutlass.Int32, gdim: cutlass.Int32):
-        """TMEM -> registers (thread = one row, 32 columns per load) -> fp32 epilogue -> bf16 ->
-        predicated 16-byte global stores."""
+                       tidx: cutlass.Int32, bidx: cutlass.Int32, gdim: cutlass.Int32,
+                       mBias: Optional[cute.Tensor]):
+        """TMEM -> registers (thread = one row, 32 columns per load; 16 for a gated one with a bias) ->
+        fp32 epilogue (with the bias, drop v4) -> bf16 -> predicated 16-byte global stores."""
         nb = self.num_b
         # (row, col) of every accumulator element in the CTA tile, partitioned like the acc
         tCcAcc = tiled_mma.get_slice(0).partition_C(cute.make_identity_tensor((self.tile_m, self.tile_n)))
-        epi_tiler = ((self.tile_m, _EPI_COLS),)
+        # a gated epilogue with a bias holds two accumulators and two bias rows per column: 16 columns per
+        # load keeps it in registers (32 spill 24 bytes at ptxas's 168 for 320 threads); else 32
+        epi_cols = _EPI_COLS
+        if cutlass.const_expr(self.gated and mBias is not None):
+            epi_cols = _EPI_COLS // 2
+        epi_tiler = ((self.tile_m, epi_cols),)
         tAcc_epi0 = cute.zipped_divide(tCtAcc[(None, None, None, 0)], epi_tiler)
         t2r = tcgen05.make_tmem_copy(
-            cute.make_copy_atom(tcgen05.Ld32x32bOp(tcgen05.Repetition.x32), self.acc_dtype),
+            cute.make_copy_atom(
+                tcgen05.Ld32x32bOp(tcgen05.Repetition.x32 if epi_cols == 32 else tcgen05.Repetition.x16),
+                self.acc_dtype),
             tAcc_epi0[(None, 0)],
         )
         thr_t2r = t2r.get_slice(tidx)
         # (T2R, T2R_M, n_chunks) coordinates
         tDcC = thr_t2r.partition_D(cute.zipped_divide(tCcAcc, epi_tiler))
-        n_chunks = self.tile_n // _EPI_COLS
+        n_chunks = self.tile_n // epi_cols
         frag_shape = tDcC[(None, None, 0)].shape
         r_acc = [cute.make_rmem_tensor(frag_shape, self.acc_dtype) for _ in range(nb)]
-        r_out = cute.make_rmem_tensor((8, _EPI_COLS // 8), self.d_dtype)
+        r_out = cute.make_rmem_tensor((8, epi_cols // 8), self.d_dtype)
         n_frag = cute.size(r_acc[0])
         d_base = mD.iterator.toint()
         n_out = self.n_out
@@ -843,33 +866,41 @@ class W4A16GroupedGemmSm100:
                 cute.arch.fence_view_async_tmem_load()  # tcgen05.wait::ld before reading them
                 for i in cutlass.range_constexpr(n_frag):
                     x = r_acc[0][i] * gs
+                    bcol = None
+                    if cutlass.const_expr(mBias is not None):
+                        # the same address in every thread of the warp (one row per thread): a
+                        # broadcast load; columns past N_out read the last one and are never stored
+                        bcol = cutlass.min(col0 + tDcC[(i, 0, c)][1], n_out - 1)
+                        x = x + mBias[expert, bcol].to(self.acc_dtype)
                     if cutlass.const_expr(self.epilogue == "squared_relu"):
                         x = cute.arch.fmax(x, cutlass.Float32(0.0))
                         x = x * x
                     elif cutlass.const_expr(self.epilogue == "row_scale"):
                         x = x * rs
                     elif cutlass.const_expr(self.epilogue == "swiglu"):
-                        u = r_acc[1][i] * gs
+                        u = self._up(r_acc[1][i], gs, mBias, expert, bcol)
                         # silu(g) = g / (1 + 2^(-g * log2(e)))
                         den = cutlass.Float32(1.0) + cute.math.exp2(-x * _LOG2E, fastmath=True)
                         x = x * cute.arch.rcp_approx(den) * u
                     elif cutlass.const_expr(self.epilogue == "gelu_glu"):
-                        u = r_acc[1][i] * gs
+                        u = self._up(r_acc[1][i], gs, mBias, expert, bcol)
                         x = cutlass.Float32(0.5) * x * (cutlass.Float32(1.0) + cute.math.erf(x * _RSQRT2)) * u
                     elif cutlass.const_expr(self.epilogue == "gelu_tanh_glu"):
-                        u = r_acc[1][i] * gs
+                        u = self._up(r_acc[1][i], gs, mBias, expert, bcol)
                         # g * sigmoid(2 z): no cancellation where 1 + tanh(z) is tiny (ex2 -> inf, -0)
                         arg = x * (cutlass.Float32(-_GELU_TANH_C1) - cutlass.Float32(_GELU_TANH_C3) * (x * x))
                         den = cutlass.Float32(1.0) + cute.math.exp2(arg, fastmath=True)
                         x = x * cute.arch.rcp_approx(den) * u
                     elif cutlass.const_expr(self.epilogue == "clamped_swiglu"):
-                        x = _clamped_swiglu(x, r_acc[1][i] * gs, self.swiglu_alpha, self.swiglu_limit,
-                                            self.swiglu_beta, self.swiglu_limit_after_act)
+                        u = self._up(r_acc[1][i], gs, mBias, expert, bcol)
+                        x = _clamped_swiglu(x, u, self.swiglu_alpha, self.swiglu_limit, self.swiglu_beta,
+                                            self.swiglu_limit_after_act)
                     elif cutlass.const_expr(self.epilogue == "softcapped_swiglu"):
-                        x = _softcapped_swiglu(x, r_acc[1][i] * gs, self.gate_softcap, self.up_softcap)
+                        u = self._up(r_acc[1][i], gs, mBias, expert, bcol)
+                        x = _softcapped_swiglu(x, u, self.gate_softcap, self.up_softcap)
                     r_out[(i % 8, i // 8)] = x.to(self.d_dtype)
                 # the 32 columns of a tcgen05.ld.32x32b.x32 are consecutive: 4 vectors of 8
-                for v in cutlass.range_constexpr(_EPI_COLS // 8):
+                for v in cutlass.range_constexpr(epi_cols // 8):
                     col = col0 + tDcC[(8 * v, 0, c)][1]
                     if row < rows_left and col < n_out:
                         off = (cutlass.Int64(row0 + row) * n_out + col) * 2

@@ -57,15 +57,17 @@ def make_nvfp4_weights(experts: int, n: int, k: int, gen: torch.Generator):
 
 
 def make_inputs(m_total: int, n: int, k: int, experts: int, epilogue: str, routing: str,
-                seed: int = 0, device: str = "cpu"):
-    """(a, values, block_scale, global_scale, offsets, row_scale) on ``device``."""
+                seed: int = 0, device: str = "cpu", bias_dtype=None):
+    """(a, values, block_scale, global_scale, offsets, row_scale, bias) on ``device`` (bias: [E, N] of
+    ``bias_dtype``, or None)."""
     gen = torch.Generator().manual_seed(seed)
     a = torch.randn(m_total, k, generator=gen).to(torch.bfloat16)
     values, block_scale, global_scale = make_nvfp4_weights(experts, n, k, gen)
     offs = make_offsets(m_total, experts, routing, gen)
     rs = torch.rand(m_total, generator=gen) if epilogue == "row_scale" else None
+    bias = None if bias_dtype is None else (2.0 * torch.randn(experts, n, generator=gen)).to(bias_dtype)
     mv = lambda t: None if t is None else t.to(device)  # noqa: E731
-    return mv(a), mv(values), mv(block_scale), mv(global_scale), mv(offs), mv(rs)
+    return mv(a), mv(values), mv(block_scale), mv(global_scale), mv(offs), mv(rs), mv(bias)
 
 
 def sm100_available() -> bool:
@@ -73,29 +75,33 @@ def sm100_available() -> bool:
 
 
 def check(epilogue: str, m_total: int, n: int, k: int, experts: int, routing: str,
-          seed: int = 0, tile_n: Optional[int] = None, constants: Optional[dict] = None) -> bool:
+          seed: int = 0, tile_n: Optional[int] = None, constants: Optional[dict] = None,
+          bias_dtype=None) -> bool:
     """Run one case; on a GPU compare kernel vs reference, else reference + compile only.
-    ``constants``: the activation constants (clamped_swiglu's, softcapped_swiglu's; drop v3)."""
+    ``constants``: the activation constants (clamped_swiglu's, softcapped_swiglu's; drop v3);
+    ``bias_dtype``: a per-expert bias of that dtype (drop v4)."""
     from .launch import compile_w4a16_gemm, get_w4a16_gemm
 
     constants = constants or {}
     gpu = sm100_available()
     dev = "cuda" if gpu else "cpu"
-    a, values, bs, gs, offs, rs = make_inputs(m_total, n, k, experts, epilogue, routing, seed, dev)
-    ref = w4a16_grouped_gemm_reference(a, values, bs, gs, offs, epilogue, rs, **constants)
+    a, values, bs, gs, offs, rs, bias = make_inputs(m_total, n, k, experts, epilogue, routing, seed, dev,
+                                                    bias_dtype)
+    ref = w4a16_grouped_gemm_reference(a, values, bs, gs, offs, epilogue, rs, bias, **constants)
     tag = (f"{epilogue:12s} M={m_total:6d} N={n} K={k} E={experts} routing={routing:7s} "
-           f"tile_n={tile_n}{' ' + str(constants) if constants else ''}")
+           f"tile_n={tile_n}{' ' + str(constants) if constants else ''}"
+           f"{' bias ' + str(bias_dtype) if bias_dtype is not None else ''}")
     if not gpu:
         t0 = time.time()
-        compiled = compile_w4a16_gemm(epilogue, n, k, experts, tile_n=tile_n, **constants)
+        compiled = compile_w4a16_gemm(epilogue, n, k, experts, tile_n=tile_n, bias_dtype=bias_dtype, **constants)
         ok = "tcgen05.mma" in compiled.__ptx__ and bool(torch.isfinite(ref).all())
         print(f"[cpu ] {tag}: reference |ref|={ref.norm():.3e}, sm_100a compile {time.time() - t0:.1f}s "
               f"(no SM100 GPU: kernel not run) -> {'OK' if ok else 'FAIL'}", flush=True)
         return ok
-    fn = get_w4a16_gemm(epilogue, n, k, experts, tile_n=tile_n, **constants)
+    fn = get_w4a16_gemm(epilogue, n, k, experts, tile_n=tile_n, bias_dtype=bias_dtype, **constants)
     n_out = n // 2 if epilogue in GATED_EPILOGUES else n
     out = torch.full((m_total, n_out), float("nan"), dtype=torch.bfloat16, device="cuda")
-    fn(a, values, bs, gs, offs, row_scale=rs, out=out)
+    fn(a, values, bs, gs, offs, row_scale=rs, out=out, bias=bias)
     torch.cuda.synchronize()
     nan = bool(torch.isnan(out).any()) if m_total else False
     denom = ref.norm().item()
@@ -110,7 +116,7 @@ def bench(epilogue: str, m_total: int, n: int, k: int, experts: int, routing: st
     """Median kernel time (s) over ``iters`` launches; prints TFLOP/s and weight GB/s."""
     from .launch import get_w4a16_gemm, to_cute_args
 
-    a, values, bs, gs, offs, rs = make_inputs(m_total, n, k, experts, epilogue, routing, 0, "cuda")
+    a, values, bs, gs, offs, rs, _ = make_inputs(m_total, n, k, experts, epilogue, routing, 0, "cuda")
     fn = get_w4a16_gemm(epilogue, n, k, experts, tile_n=tile_n, **(constants or {}))
     out = torch.empty(m_total, fn.n_out, dtype=torch.bfloat16, device="cuda")
     args = to_cute_args(a, values, bs, gs, offs, rs if rs is not None else fn._placeholder("cuda"), out)
@@ -133,7 +139,7 @@ def bench(epilogue: str, m_total: int, n: int, k: int, experts: int, routing: st
 
 
 SUITE = [
-    # (epilogue, M_total, N, K, E, routing, tile_n[, activation constants])
+    # (epilogue, M_total, N, K, E, routing, tile_n[, activation constants[, bias dtype]])
     ("squared_relu", 3000, 1856, 2688, 16, "skewed", None),      # Nemotron FC1 shape
     ("row_scale", 3000, 2688, 1856, 16, "skewed", None),         # Nemotron FC2 shape
     ("swiglu", 2000, 2 * 512, 1024, 8, "skewed", None),
@@ -143,6 +149,9 @@ SUITE = [
     ("clamped_swiglu", 1500, 2 * 512, 1024, 8, "skewed", None,    # DeepSeek-V4's (beta 0), Step-3.7's order
      {"swiglu_beta": 0.0, "swiglu_limit": 10.0, "swiglu_alpha": 1.0, "swiglu_limit_after_act": True}),
     ("softcapped_swiglu", 1500, 2 * 512, 1024, 8, "skewed", None),  # Inkling2's caps
+    ("clamped_swiglu", 1500, 2 * 512, 1024, 8, "skewed", None, {}, "float32"),  # drop v4: gpt-oss's biases
+    ("row_scale", 1500, 1024, 512, 8, "skewed", None, {}, "bfloat16"),
+    ("squared_relu", 777, 200, 256, 5, "uniform", 64, {}, "bfloat16"),   # ragged N tile: clamped bias loads
     ("identity", 777, 200, 256, 5, "uniform", 64),                # ragged N tile
     ("squared_relu", 1, 1856, 2688, 16, "skewed", None),          # decode: one row
     ("row_scale", 515, 384, 512, 3, "uniform", 256),
@@ -168,8 +177,9 @@ def main(argv=None) -> int:
                                         args.routing, args.tile_n)]
     ok = True
     for epi, m, n, k, e, routing, tn, *consts in cases:
+        bias_dtype = getattr(torch, consts[1]) if len(consts) > 1 else None
         consts = consts[0] if consts else None
-        ok &= check(epi, m, n, k, e, routing, seed=args.seed, tile_n=tn, constants=consts)
+        ok &= check(epi, m, n, k, e, routing, seed=args.seed, tile_n=tn, constants=consts, bias_dtype=bias_dtype)
         if args.bench and sm100_available():
             bench(epi, m, n, k, e, routing, tile_n=tn, constants=consts)
     print("ALL PASS" if ok else "SOME FAILED")

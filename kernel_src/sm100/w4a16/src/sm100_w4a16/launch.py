@@ -3,6 +3,7 @@
     compiled = compile_w4a16_gemm("squared_relu", n=1856, k=2688, num_experts=128)   # CPU is fine
     gemm = get_w4a16_gemm("squared_relu", n=1856, k=2688, num_experts=128)          # cached
     out = gemm(a, values, block_scale, global_scale, offsets)                       # SM100 GPU
+    gemm = get_w4a16_gemm("row_scale", 2688, 1856, 128, bias_dtype=torch.bfloat16)  # with a bias (v4)
 
 The launch path never syncs the host and never reads ``offsets`` on the host.
 """
@@ -22,16 +23,29 @@ import cuda.bindings.driver as cuda
 
 from . import DROP_VERSION
 from .constants import ABI_VERSION, ACTIVATION_CONSTANT_DEFAULTS as _ACT, DEFAULT_RASTER_M, GATED_EPILOGUES
+
+#: bias dtypes (constants.BIAS_DTYPES) as torch and CuTe types
+_BIAS_TYPES = {torch.float32: cutlass.Float32, torch.bfloat16: cutlass.BFloat16}
+
+
+def _bias_type(bias_dtype):
+    """None, or the CuTe type of a bias dtype (torch.float32 / torch.bfloat16); ValueError otherwise."""
+    if bias_dtype is None:
+        return None
+    if bias_dtype not in _BIAS_TYPES:
+        raise ValueError(f"bias_dtype must be None, torch.float32 or torch.bfloat16, got {bias_dtype}")
+    return _BIAS_TYPES[bias_dtype]
 from .grouped_gemm import W4A16GroupedGemmSm100, can_implement
 
 _CACHE: Dict[tuple, "CompiledW4A16Gemm"] = {}
 
 
 def fake_args(kernel: W4A16GroupedGemmSm100, num_experts: int, n: int, k: int,
-              use_tvm_ffi: bool = False):
-    """Fake ``(mA, mWq, mWsf, mGs, mOffsets, mRowScale, mD, max_active_ctas, stream)`` for a
+              use_tvm_ffi: bool = False, bias_dtype=None):
+    """Fake ``(mA, mWq, mWsf, mGs, mOffsets, mRowScale, mD, max_active_ctas, stream[, mBias])`` for a
     compile without data: M_total and the row_scale length dynamic, everything else static
-    (the same structure ``to_cute_args`` builds from contiguous torch tensors)."""
+    (the same structure ``to_cute_args`` builds from contiguous torch tensors). ``bias_dtype``
+    (drop v4): a trailing [E, N] bias of that torch dtype."""
     n_out, _ = kernel.static_shapes(n, k, num_experts)
     m = cute.sym_int()
     u8, bf16, f32 = cutlass.Uint8, cutlass.BFloat16, cutlass.Float32
@@ -43,7 +57,11 @@ def fake_args(kernel: W4A16GroupedGemmSm100, num_experts: int, n: int, k: int,
     mRs = make_fake_compact_tensor(f32, (cute.sym_int(),), assumed_align=4)
     mD = make_fake_compact_tensor(bf16, (m, n_out), stride_order=(1, 0), assumed_align=16)
     stream = make_fake_stream(use_tvm_ffi_env_stream=use_tvm_ffi)
-    return mA, mWq, mWsf, mGs, mOff, mRs, mD, cutlass.Int32(148), stream
+    args = (mA, mWq, mWsf, mGs, mOff, mRs, mD, cutlass.Int32(148), stream)
+    if bias_dtype is not None:
+        args += (make_fake_compact_tensor(_bias_type(bias_dtype), (num_experts, n), stride_order=(1, 0),
+                                          assumed_align=4),)
+    return args
 
 
 def compile_options(arch: str = "sm_100a", extra: str = "") -> str:
@@ -72,7 +90,7 @@ def activation_constants(epilogue: str, swiglu_alpha: float = _ACT["swiglu_alpha
 def compile_w4a16_gemm(epilogue: str, n: int, k: int, num_experts: int,
                        tile_n: Optional[int] = None, raster_m: int = DEFAULT_RASTER_M,
                        num_stages: Optional[int] = None, arch: str = "sm_100a",
-                       extra_options: str = "", return_kernel: bool = False,
+                       extra_options: str = "", return_kernel: bool = False, bias_dtype=None,
                        swiglu_alpha: float = _ACT["swiglu_alpha"], swiglu_limit: float = _ACT["swiglu_limit"],
                        swiglu_beta: float = _ACT["swiglu_beta"],
                        swiglu_limit_after_act: bool = _ACT["swiglu_limit_after_act"],
@@ -80,7 +98,8 @@ def compile_w4a16_gemm(epilogue: str, n: int, k: int, num_experts: int,
     """Compile one variant from fake tensors (works on a machine without a GPU).
 
     epilogue: one of ``EPILOGUES``; n: rows of W per expert (2 * I for the gated ones); k: reduction
-    size; ``swiglu_*`` / ``*_softcap``: clamped_swiglu's / softcapped_swiglu's constants (drop v3).
+    size; ``bias_dtype``: None, or torch.float32 / torch.bfloat16 for a per-expert [E, N] bias (drop v4);
+    ``swiglu_*`` / ``*_softcap``: clamped_swiglu's / softcapped_swiglu's constants (drop v3).
     Returns the compiled object (``.__ptx__`` holds the PTX), or ``(compiled, kernel)``
     with ``return_kernel`` (the kernel object then knows ``smem_size`` and its stage counts)."""
     reason = can_implement(epilogue, n, k, num_experts, tile_n)
@@ -89,14 +108,15 @@ def compile_w4a16_gemm(epilogue: str, n: int, k: int, num_experts: int,
     consts = activation_constants(epilogue, swiglu_alpha, swiglu_limit, swiglu_beta, swiglu_limit_after_act,
                                   gate_softcap, up_softcap)
     kernel = W4A16GroupedGemmSm100(epilogue, tile_n=tile_n, raster_m=raster_m, num_stages=num_stages, **consts)
-    args = fake_args(kernel, num_experts, n, k)
+    args = fake_args(kernel, num_experts, n, k, bias_dtype=bias_dtype)
     compiled = cute.compile(kernel, *args, options=compile_options(arch, extra_options))
     return (compiled, kernel) if return_kernel else compiled
 
 
-def to_cute_args(a, values, block_scale, global_scale, offsets, row_scale, out):
+def to_cute_args(a, values, block_scale, global_scale, offsets, row_scale, out, bias=None):
     """CuTe views of contiguous torch tensors with ``fake_args``' structure (M_total and the
-    row_scale length dynamic). ``block_scale`` may be float8_e4m3fn or its uint8 view."""
+    row_scale length dynamic). ``block_scale`` may be float8_e4m3fn or its uint8 view. ``bias``
+    (drop v4): the [E, N] bias, last (``launch_converted`` puts it after the stream)."""
     if block_scale.dtype != torch.uint8:
         block_scale = block_scale.view(torch.uint8)
     mA = from_dlpack(a, assumed_align=16).mark_compact_shape_dynamic(mode=0, stride_order=(0, 1))
@@ -106,7 +126,9 @@ def to_cute_args(a, values, block_scale, global_scale, offsets, row_scale, out):
     mOff = from_dlpack(offsets, assumed_align=4)
     mRs = from_dlpack(row_scale, assumed_align=4).mark_compact_shape_dynamic(mode=0)
     mD = from_dlpack(out, assumed_align=16).mark_compact_shape_dynamic(mode=0, stride_order=(0, 1))
-    return mA, mWq, mWsf, mGs, mOff, mRs, mD
+    if bias is None:
+        return mA, mWq, mWsf, mGs, mOff, mRs, mD
+    return mA, mWq, mWsf, mGs, mOff, mRs, mD, from_dlpack(bias, assumed_align=4)
 
 
 def _num_sms(device=None) -> int:
@@ -131,7 +153,7 @@ class CompiledW4A16Gemm:
 
     def __init__(self, epilogue: str, n: int, k: int, num_experts: int,
                  tile_n: Optional[int] = None, raster_m: int = DEFAULT_RASTER_M,
-                 num_stages: Optional[int] = None, arch: str = "sm_100a", compiled=None,
+                 num_stages: Optional[int] = None, arch: str = "sm_100a", compiled=None, bias_dtype=None,
                  swiglu_alpha: float = _ACT["swiglu_alpha"], swiglu_limit: float = _ACT["swiglu_limit"],
                  swiglu_beta: float = _ACT["swiglu_beta"],
                  swiglu_limit_after_act: bool = _ACT["swiglu_limit_after_act"],
@@ -142,12 +164,14 @@ class CompiledW4A16Gemm:
         self.epilogue = epilogue
         self.n, self.k, self.num_experts = n, k, num_experts
         self.n_out = n // 2 if epilogue in GATED_EPILOGUES else n
+        _bias_type(bias_dtype)
+        self.bias_dtype = bias_dtype
         self.activation_constants = activation_constants(epilogue, swiglu_alpha, swiglu_limit, swiglu_beta,
                                                          swiglu_limit_after_act, gate_softcap, up_softcap)
         if compiled is None:
             compiled = compile_w4a16_gemm(epilogue, n, k, num_experts, tile_n=tile_n,
                                           raster_m=raster_m, num_stages=num_stages, arch=arch,
-                                          **self.activation_constants)
+                                          bias_dtype=bias_dtype, **self.activation_constants)
         self.compiled = compiled
         self._dummy_scale: Optional[torch.Tensor] = None
 
@@ -159,7 +183,8 @@ class CompiledW4A16Gemm:
     def __call__(self, a: torch.Tensor, values: torch.Tensor, block_scale: torch.Tensor,
                  global_scale: torch.Tensor, offsets: torch.Tensor,
                  row_scale: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
-                 max_active_ctas: Optional[int] = None, stream=None) -> torch.Tensor:
+                 max_active_ctas: Optional[int] = None, stream=None,
+                 bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """
         a:            [M_total, K]       bf16, contiguous, CUDA
         values:       [E, N, K/2]        uint8 (two E2M1 codes per byte)
@@ -168,12 +193,20 @@ class CompiledW4A16Gemm:
         offsets:      [E + 1]            int32, device memory (never read by the host)
         row_scale:    [M_total]          float32, required iff epilogue == "row_scale"
         out:          [M_total, N_out]   bf16 or None (allocated)
+        bias:         [E, N]             ``bias_dtype``, contiguous; required iff compiled with one (drop v4)
         returns out.
         """
         m_total = a.shape[0]
         if out is None:
             out = torch.empty(m_total, self.n_out, dtype=torch.bfloat16, device=a.device)
         self._validate(a, values, block_scale, global_scale, offsets, out)
+        if (bias is None) != (self.bias_dtype is None):
+            raise ValueError(f"bias: this kernel was compiled {'without a bias' if self.bias_dtype is None else 'with a ' + str(self.bias_dtype) + ' bias'}, got "
+                             f"{'none' if bias is None else 'one'}")
+        if bias is not None and (tuple(bias.shape) != (self.num_experts, self.n) or bias.dtype != self.bias_dtype
+                                 or not bias.is_contiguous()):
+            raise ValueError(f"bias: expected a contiguous ({self.num_experts}, {self.n}) {self.bias_dtype} tensor, "
+                             f"got {tuple(bias.shape)} {bias.dtype} (contiguous={bias.is_contiguous()})")
         if m_total == 0:
             return out  # a TMA descriptor cannot describe an empty tensor
         if self.epilogue == "row_scale":
@@ -181,7 +214,7 @@ class CompiledW4A16Gemm:
                 raise ValueError("row_scale epilogue needs row_scale [M_total] float32")
         else:
             row_scale = self._placeholder(a.device)
-        args = to_cute_args(a, values, block_scale, global_scale, offsets, row_scale, out)
+        args = to_cute_args(a, values, block_scale, global_scale, offsets, row_scale, out, bias)
         self.launch_converted(args, max_active_ctas, stream)
         return out
 
@@ -202,25 +235,25 @@ class CompiledW4A16Gemm:
                                  f"{tuple(t.shape)} {t.dtype} (contiguous={t.is_contiguous()})")
 
     def launch_converted(self, args: Tuple, max_active_ctas: Optional[int] = None, stream=None):
-        """Launch with pre-converted CuTe tensors (``to_cute_args``)."""
+        """Launch with pre-converted CuTe tensors (``to_cute_args``; a bias comes after the stream)."""
         if stream is None:
             stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
         ctas = max_active_ctas if max_active_ctas is not None else _num_sms()
-        self.compiled(*args, cutlass.Int32(ctas), stream)
+        self.compiled(*args[:7], cutlass.Int32(ctas), stream, *args[7:])
 
 
 def get_w4a16_gemm(epilogue: str, n: int, k: int, num_experts: int, tile_n: Optional[int] = None,
                    raster_m: int = DEFAULT_RASTER_M, num_stages: Optional[int] = None,
-                   arch: str = "sm_100a", **constants) -> CompiledW4A16Gemm:
-    """Cached compile. Key: everything static (``constants``: the activation constants, as
-    ``compile_w4a16_gemm`` takes them); routing and M_total are runtime."""
+                   arch: str = "sm_100a", bias_dtype=None, **constants) -> CompiledW4A16Gemm:
+    """Cached compile. Key: everything static (``bias_dtype``; ``constants``: the activation constants,
+    as ``compile_w4a16_gemm`` takes them); routing and M_total are runtime."""
     consts = activation_constants(epilogue, **constants)
     key = (ABI_VERSION, DROP_VERSION, getattr(cutlass, "__version__", ""), epilogue, n, k,
-           num_experts, tile_n, raster_m, num_stages, arch, tuple(sorted(consts.items())))
+           num_experts, tile_n, raster_m, num_stages, arch, str(bias_dtype), tuple(sorted(consts.items())))
     fn = _CACHE.get(key)
     if fn is None:
         fn = CompiledW4A16Gemm(epilogue, n, k, num_experts, tile_n=tile_n, raster_m=raster_m,
-                               num_stages=num_stages, arch=arch, **consts)
+                               num_stages=num_stages, arch=arch, bias_dtype=bias_dtype, **consts)
         _CACHE[key] = fn
     return fn
 
@@ -229,10 +262,12 @@ def w4a16_grouped_gemm(a: torch.Tensor, values: torch.Tensor, block_scale: torch
                        global_scale: torch.Tensor, offsets: torch.Tensor, epilogue: str,
                        row_scale: Optional[torch.Tensor] = None, out: Optional[torch.Tensor] = None,
                        max_active_ctas: Optional[int] = None,
-                       tile_n: Optional[int] = None, **constants) -> torch.Tensor:
+                       tile_n: Optional[int] = None, bias: Optional[torch.Tensor] = None,
+                       **constants) -> torch.Tensor:
     """Functional entry point (shapes and dtypes: ``CompiledW4A16Gemm.__call__``; ``constants``: the
     activation constants, as ``compile_w4a16_gemm`` takes them)."""
     e, n, k2 = values.shape
-    fn = get_w4a16_gemm(epilogue, n, 2 * k2, e, tile_n=tile_n, **constants)
+    fn = get_w4a16_gemm(epilogue, n, 2 * k2, e, tile_n=tile_n, bias_dtype=None if bias is None else bias.dtype,
+                        **constants)
     return fn(a, values, block_scale, global_scale, offsets, row_scale=row_scale, out=out,
-              max_active_ctas=max_active_ctas)
+              max_active_ctas=max_active_ctas, bias=bias)

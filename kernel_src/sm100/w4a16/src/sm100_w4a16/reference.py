@@ -34,6 +34,7 @@ def w4a16_grouped_gemm_reference(
     offsets: torch.Tensor,
     epilogue: str,
     row_scale: Optional[torch.Tensor] = None,
+    bias: Optional[torch.Tensor] = None,
     swiglu_alpha: float = _ACT["swiglu_alpha"],
     swiglu_limit: float = _ACT["swiglu_limit"],
     swiglu_beta: float = _ACT["swiglu_beta"],
@@ -48,6 +49,7 @@ def w4a16_grouped_gemm_reference(
     global_scale: [E]                float32
     offsets:      [E + 1]            int (any device), offsets[0] = 0, offsets[E] = M_total
     row_scale:    [M_total]          float32, used by "row_scale" only
+    bias:         [E, N]             float32 / bfloat16 or None, added to acc * gs before the epilogue (drop v4)
     swiglu_*:     clamped_swiglu's constants; *_softcap: softcapped_swiglu's (drop v3)
     returns:      [M_total, N_out]   float32, N_out = N (or N / 2 for the gated ones); rows of no
                                      expert stay 0
@@ -63,6 +65,8 @@ def w4a16_grouped_gemm_reference(
         if hi <= lo:
             continue
         y = (a[lo:hi].float() @ w[e].t()) * global_scale[e].float()
+        if bias is not None:
+            y = y + bias[e].float()
         if epilogue == "identity":
             pass
         elif epilogue == "squared_relu":
