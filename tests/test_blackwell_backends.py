@@ -352,9 +352,11 @@ def test_blackwell_gate_math_on_an_sm90_gpu(drop, activation, consts, tmp_path, 
     want = gated_f64(activation, g, u, dict(defaults, **consts))
     got = out.cpu().double()
     assert torch.isfinite(got).all()
-    # tanh.approx is good to ~2^-11 relative (three in a product); ex2 / rcp to ~1e-6. Floor: 1e-4 of the
-    # output's range (fp32's 1 + erf(g / sqrt 2) cancels where the erf GELU is tiny, as torch's does)
-    rtol = 4e-3 if activation == "softcapped_swiglu" else 2e-5
+    # Floor: 1e-4 of the output's range. ex2 / rcp are good to ~1e-6 relative. Two gates cancel in fp32
+    # where the output is tiny: the erf GELU's 1 + erf(g / sqrt 2) (as torch's fp32 GELU does) and the
+    # softcapped gate's sigmoid (1 + tanh(g / 2)) / 2, whose tanh.approx near -1 carries its ~2^-11
+    # error as an absolute one (measured on an H100: 5.3e-5 and 4.7e-3 of this measure at most)
+    rtol = {"softcapped_swiglu": 1e-2, "gelu_glu": 2e-4}.get(activation, 2e-5)
     err = (got - want).abs() / (want.abs() + 1e-4 * want.abs().max())
     assert float(err.max()) < rtol, (float(err.max()), int(err.argmax()))
     if activation == "clamped_swiglu":  # the limit binds on these inputs: the unclamped SwiGLU differs
