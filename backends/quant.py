@@ -166,6 +166,75 @@ def dequantize_nvfp4(q: NVFP4Weight) -> torch.Tensor:
     return vals * scale
 
 
+MXFP4_BLOCK = 32
+E8M0_BIAS = 127
+
+
+def nvfp4_from_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, *, gate_up_interleaved: bool = False,
+                     exact: bool = True) -> NVFP4Weight:
+    """MXFP4 expert weights (gpt-oss's checkpoints: E2M1 codes with one E8M0 power-of-two scale per 32
+    values) -> :class:`NVFP4Weight` for ``quant="nvfp4_w4a16"``, without a detour through BF16.
+
+    Args:
+        blocks: ``[E, N, K/32, 16]`` or ``[E, N, K/2]`` uint8, two E2M1 codes per byte, element 2j in the
+            low nibble (gpt-oss's ``*_blocks``; NVFP4's order too, so the bytes are kept).
+        scales: ``[E, N, K/32]`` uint8 E8M0 codes (scale ``2 ** (code - 127)``) or ``torch.float8_e8m0fnu``
+            (gpt-oss's ``*_scales``).
+        gate_up_interleaved: the rows alternate gate, up, gate, ... (gpt-oss's ``gate_up_proj``): reorder
+            them to moe_ep's gate rows ``[0, I)`` then up rows ``[I, 2I)`` (do the same to its bias:
+            ``torch.cat((b[:, 0::2], b[:, 1::2]), 1)``).
+        exact: each 32-block's ``2 ** k`` becomes two 16-blocks' E4M3 scale ``2 ** (k - k0[e])`` with the
+            expert's global scale ``2 ** k0[e]``, ``k0[e]`` = the largest ``k`` of the expert's non-zero
+            blocks minus 8 (E4M3 holds ``2 ** -9 .. 2 ** 8`` exactly). That is exact when those ``k`` span
+            at most 17 per expert; otherwise ``exact=True`` raises ``ValueError``, and ``exact=False``
+            re-rounds the blocks below the range to E2M1 at scale ``2 ** (k0[e] - 9)`` (they are more than
+            ``2 ** 17`` times smaller than the expert's largest block).
+    Returns the :class:`NVFP4Weight` ``[E, N, K]``; ``dequantize_nvfp4`` of it equals the MXFP4 weight
+    exactly when ``exact`` holds.
+    """
+    if not isinstance(blocks, torch.Tensor) or blocks.dtype != torch.uint8:
+        raise TypeError(f"blocks must be a uint8 tensor, got {getattr(blocks, 'dtype', type(blocks).__name__)}")
+    if not isinstance(scales, torch.Tensor) or scales.dtype not in (torch.uint8, torch.float8_e8m0fnu):
+        raise TypeError(f"scales must be uint8 E8M0 codes or float8_e8m0fnu, got "
+                        f"{getattr(scales, 'dtype', type(scales).__name__)}")
+    if scales.dim() != 3:
+        raise ValueError(f"scales must be [E, N, K/32], got shape {tuple(scales.shape)}")
+    E, N, nb = scales.shape
+    if tuple(blocks.shape) not in ((E, N, nb, MXFP4_BLOCK // 2), (E, N, nb * MXFP4_BLOCK // 2)):
+        raise ValueError(f"blocks must be [E, N, K/32, 16] or [E, N, K/2] for scales {tuple(scales.shape)}, "
+                         f"got shape {tuple(blocks.shape)}")
+    values = blocks.reshape(E, N, nb * MXFP4_BLOCK // 2)
+    codes = scales.view(torch.uint8).to(torch.int32)
+    if bool((codes == 255).any()):
+        raise ValueError("scales hold the E8M0 NaN code 255")
+    if gate_up_interleaved:
+        if N % 2:
+            raise ValueError(f"gate_up_interleaved needs an even number of rows, got N={N}")
+        order = torch.cat((torch.arange(0, N, 2), torch.arange(1, N, 2))).to(values.device)
+        values, codes = values[:, order], codes[:, order]
+    k = codes - E8M0_BIAS  # [E, N, K/32]
+    nonzero = (values.reshape(E, N, nb, MXFP4_BLOCK // 2) & 0x77).amax(dim=-1) > 0  # a block with a non-zero code
+    kmax = torch.where(nonzero, k, torch.full_like(k, -(1 << 20))).amax(dim=(1, 2))
+    k0 = torch.where(kmax > -(1 << 20), kmax - 8, torch.zeros_like(kmax))  # [E]; an all-zero expert: 2 ** 0
+    j = k - k0[:, None, None]
+    low = nonzero & (j < -9)
+    if bool(low.any()):
+        if exact:
+            e = int(low.any(dim=(1, 2)).nonzero()[0])
+            span = int(kmax[e] - torch.where(nonzero[e], k[e], kmax[e]).min())
+            raise ValueError(f"expert {e}'s block scales span 2**{span} (more than 2**17): NVFP4 cannot hold them "
+                             f"exactly; pass exact=False to re-round the {int(low.sum())} smallest blocks")
+        table = torch.tensor(_E2M1, dtype=torch.float32, device=values.device)
+        unpacked = torch.stack((values & 0xF, values >> 4), dim=-1).reshape(E, N, nb, MXFP4_BLOCK).long()
+        mag = table[unpacked & 7] * torch.where(unpacked >= 8, -1.0, 1.0)
+        rescaled = mag * torch.exp2((j + 9).clamp(max=0).float())[..., None]  # into scale 2 ** (k0 - 9)
+        recoded = torch.where(low[..., None], _round_e2m1(rescaled).long(), unpacked).reshape(E, N, -1)
+        values = (recoded[..., 0::2] | (recoded[..., 1::2] << 4)).to(torch.uint8)
+        j = j.clamp(min=-9)
+    block_scale = torch.exp2(j.clamp(-9, 8).float()).repeat_interleave(2, dim=-1).to(torch.float8_e4m3fn)
+    return NVFP4Weight(values.contiguous(), block_scale.contiguous(), torch.exp2(k0.float()).contiguous())
+
+
 def quantize_mxfp8(w: torch.Tensor) -> MXFP8Tensor:
     """``w [..., K]`` (bf16/fp16/fp32, K % 32 == 0) -> :class:`MXFP8Tensor` (see the module)."""
     _check_float("w", w, MXFP8_BLOCK, 1)

@@ -214,3 +214,79 @@ def test_fp8_block128_forward_validation():
         with pytest.raises(ValueError, match="w13_scale was given, but MoEConfig.quant is None"):
             layer.forward(x, ids, w, torch.randn(4, 144, 200).to(torch.bfloat16),
                           torch.randn(4, 200, 72).to(torch.bfloat16), w13_scale=q13.scale)
+
+
+# ---- MXFP4 (gpt-oss's checkpoints) -> NVFP4 ---------------------------------------------------------------
+def _mxfp4_f64(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 decoded from its definition in float64: E2M1 bit fields (sign, 2-bit exponent bias 1, 1-bit
+    mantissa), element 2j in the low nibble, times 2 ** (E8M0 code - 127) per 32 values."""
+    E, N, nb = scales.shape
+    b = blocks.reshape(E, N, nb * 16).to(torch.int64)
+    codes = torch.stack((b & 0xF, b >> 4), dim=-1).reshape(E, N, nb, 32)
+    e, m = (codes >> 1) & 3, (codes & 1).double()
+    mag = torch.where(e == 0, 0.5 * m, torch.exp2((e - 1).double()) * (1 + 0.5 * m))
+    val = torch.where(codes >= 8, -mag, mag)
+    return (val * torch.exp2((scales.view(torch.uint8).to(torch.int64) - 127).double())[..., None]).reshape(E, N, -1)
+
+
+def _random_mxfp4(E, N, K, spread, seed):
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (E, N, K // 32, 16), generator=g, dtype=torch.int32).to(torch.uint8)
+    scales = (120 + torch.randint(0, spread + 1, (E, N, K // 32), generator=g)).to(torch.uint8)
+    return blocks, scales
+
+
+@pytest.mark.parametrize("spread", [0, 9, 17])
+def test_nvfp4_from_mxfp4_is_exact_within_17_octaves(spread):
+    from moe_ep.api.quant import nvfp4_from_mxfp4
+
+    blocks, scales = _random_mxfp4(3, 10, 256, spread, spread)
+    q = nvfp4_from_mxfp4(blocks, scales.view(torch.float8_e8m0fnu) if spread == 9 else scales)
+    assert q.values.shape == (3, 10, 128) and q.block_scale.dtype == torch.float8_e4m3fn
+    assert torch.equal(dequantize_nvfp4(q).double(), _mxfp4_f64(blocks, scales))
+    assert torch.equal(q.values, blocks.reshape(3, 10, 128))  # the codes are kept
+
+
+def test_nvfp4_from_mxfp4_gate_up_interleaved():
+    from moe_ep.api.quant import nvfp4_from_mxfp4
+
+    blocks, scales = _random_mxfp4(2, 8, 64, 5, 1)
+    q = nvfp4_from_mxfp4(blocks, scales, gate_up_interleaved=True)
+    dense = _mxfp4_f64(blocks, scales)
+    assert torch.equal(dequantize_nvfp4(q).double(), torch.cat((dense[:, 0::2], dense[:, 1::2]), dim=1))
+
+
+def test_nvfp4_from_mxfp4_beyond_17_octaves():
+    from moe_ep.api.quant import nvfp4_from_mxfp4
+
+    blocks, scales = _random_mxfp4(2, 6, 128, 4, 2)
+    scales[1, 0, 0] = 100  # 2 ** -27 next to blocks of 2 ** -7 .. 2 ** -3: 24 octaves in expert 1
+    blocks[1, 0, 0] = 0x77  # a non-zero block (both nibbles 6.0)
+    with pytest.raises(ValueError, match="expert 1.*2\\*\\*24.*exact=False"):
+        nvfp4_from_mxfp4(blocks, scales)
+    q = nvfp4_from_mxfp4(blocks, scales, exact=False)
+    want, got = _mxfp4_f64(blocks, scales), dequantize_nvfp4(q).double()
+    assert torch.equal(got[0], want[0])  # the other expert stays exact
+    err = (got - want).abs()
+    assert float(err[1, 0, :32].max()) > 0 and float(err[1, 0, :32].max()) <= 6 * 2.0 ** -27  # re-rounded block
+    err[1, 0, :32] = 0
+    assert float(err.max()) == 0.0  # every other block exact
+    blocks[1, 0, 0] = 0x88  # the same block of -0: its scale does not count, so the weight is exact again
+    assert torch.equal(dequantize_nvfp4(nvfp4_from_mxfp4(blocks, scales)).double(), _mxfp4_f64(blocks, scales))
+
+
+@pytest.mark.parametrize("blocks,scales,exc,frag", [
+    (torch.zeros(2, 4, 2, 16, dtype=torch.int8), torch.zeros(2, 4, 2, dtype=torch.uint8), TypeError, "blocks"),
+    (torch.zeros(2, 4, 2, 16, dtype=torch.uint8), torch.zeros(2, 4, 2), TypeError, "scales"),
+    (torch.zeros(2, 4, 2, 8, dtype=torch.uint8), torch.zeros(2, 4, 2, dtype=torch.uint8), ValueError, "blocks must be"),
+    (torch.zeros(2, 4, 2, 16, dtype=torch.uint8), torch.full((2, 4, 2), 255, dtype=torch.uint8), ValueError, "NaN"),
+    (torch.zeros(2, 4, 2, 16, dtype=torch.uint8), torch.zeros(8, 2, dtype=torch.uint8), ValueError, "E, N, K/32"),
+])
+def test_nvfp4_from_mxfp4_refuses(blocks, scales, exc, frag):
+    from moe_ep.api.quant import nvfp4_from_mxfp4
+
+    with pytest.raises(exc, match=frag):
+        nvfp4_from_mxfp4(blocks, scales)
+    with pytest.raises(ValueError, match="even number of rows"):
+        nvfp4_from_mxfp4(torch.zeros(1, 3, 1, 16, dtype=torch.uint8), torch.zeros(1, 3, 1, dtype=torch.uint8),
+                         gate_up_interleaved=True)
