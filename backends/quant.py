@@ -204,15 +204,15 @@ def nvfp4_from_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, *, gate_up_inte
         raise ValueError(f"blocks must be [E, N, K/32, 16] or [E, N, K/2] for scales {tuple(scales.shape)}, "
                          f"got shape {tuple(blocks.shape)}")
     values = blocks.reshape(E, N, nb * MXFP4_BLOCK // 2)
-    codes = scales.view(torch.uint8).to(torch.int32)
-    if bool((codes == 255).any()):
+    scale_codes = scales.view(torch.uint8).to(torch.int32)
+    if bool((scale_codes == 255).any()):
         raise ValueError("scales hold the E8M0 NaN code 255")
     if gate_up_interleaved:
         if N % 2:
             raise ValueError(f"gate_up_interleaved needs an even number of rows, got N={N}")
         order = torch.cat((torch.arange(0, N, 2), torch.arange(1, N, 2))).to(values.device)
-        values, codes = values[:, order], codes[:, order]
-    k = codes - E8M0_BIAS  # [E, N, K/32]
+        values, scale_codes = values[:, order], scale_codes[:, order]
+    k = scale_codes - E8M0_BIAS  # [E, N, K/32]: each 32-block's scale is 2 ** k
     nonzero = (values.reshape(E, N, nb, MXFP4_BLOCK // 2) & 0x77).amax(dim=-1) > 0  # a block with a non-zero code
     kmax = torch.where(nonzero, k, torch.full_like(k, -(1 << 20))).amax(dim=(1, 2))
     k0 = torch.where(kmax > -(1 << 20), kmax - 8, torch.zeros_like(kmax))  # [E]; an all-zero expert: 2 ** 0
@@ -230,7 +230,6 @@ def nvfp4_from_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, *, gate_up_inte
         rescaled = mag * torch.exp2((j + 9).clamp(max=0).float())[..., None]  # into scale 2 ** (k0 - 9)
         recoded = torch.where(low[..., None], _round_e2m1(rescaled).long(), unpacked).reshape(E, N, -1)
         values = (recoded[..., 0::2] | (recoded[..., 1::2] << 4)).to(torch.uint8)
-        j = j.clamp(min=-9)
     block_scale = torch.exp2(j.clamp(-9, 8).float()).repeat_interleave(2, dim=-1).to(torch.float8_e4m3fn)
     return NVFP4Weight(values.contiguous(), block_scale.contiguous(), torch.exp2(k0.float()).contiguous())
 

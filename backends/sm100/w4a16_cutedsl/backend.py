@@ -5,10 +5,10 @@ The forward is the SM90 backend's (:mod:`moe_ep.backends.sm90.bf16_cutedsl`), wi
 expert-layout kernels built for sm_100a (they are arch-neutral), and steps 3-4 replaced:
 
 1. **dispatch** and 2. **expert layout** -- as on SM90 (BF16 rows, grouped by local expert);
-3. **FC1 + activation** -- W4A16 grouped GEMM ``h = act(xs · dequant(w13)ᵀ)`` (tcgen05 UMMA; the
-   NVFP4 weight tile is dequantised to BF16 in shared memory; ``squared_relu`` or a gate of
-   :data:`ACTIVATION_MAP`, clamped_swiglu's and softcapped_swiglu's constants from the config);
-4. **FC2 + router weight** -- ``y = ws · (h · dequant(w2)ᵀ)``;
+3. **FC1 + activation** -- W4A16 grouped GEMM ``h = act(xs · dequant(w13)ᵀ (+ b13))`` (tcgen05
+   UMMA; the NVFP4 weight tile is dequantised to BF16 in shared memory; ``squared_relu`` or a gate
+   of :data:`ACTIVATION_MAP`, clamped_swiglu's and softcapped_swiglu's constants from the config);
+4. **FC2 + router weight** -- ``y = ws · (h · dequant(w2)ᵀ (+ b2))``;
 5. **combine** -- as on SM90.
 
 Weights: ``MoEConfig.quant = "nvfp4_w4a16"`` and :class:`moe_ep.api.quant.NVFP4Weight` for ``w13``
