@@ -290,3 +290,15 @@ def test_nvfp4_from_mxfp4_refuses(blocks, scales, exc, frag):
     with pytest.raises(ValueError, match="even number of rows"):
         nvfp4_from_mxfp4(torch.zeros(1, 3, 1, 16, dtype=torch.uint8), torch.zeros(1, 3, 1, dtype=torch.uint8),
                          gate_up_interleaved=True)
+
+
+def test_nvfp4_from_mxfp4_matches_transformers_gpt_oss_decode():
+    """The layout assumptions (nibble order, E8M0 bias, [E, N, K/32, 16]) against transformers' own
+    gpt-oss MXFP4 decode (``convert_moe_packed_tensors``: [E, K, N] float32 after its transpose)."""
+    mxfp4 = pytest.importorskip("transformers.integrations.mxfp4")
+    from moe_ep.api.quant import nvfp4_from_mxfp4
+
+    blocks, scales = _random_mxfp4(2, 12, 96, 11, 4)
+    theirs = mxfp4.convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    ours = dequantize_nvfp4(nvfp4_from_mxfp4(blocks, scales))
+    assert theirs.shape == (2, 96, 12) and torch.equal(ours, theirs.transpose(1, 2))
