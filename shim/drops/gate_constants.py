@@ -1,24 +1,24 @@
 """The gated activations' compile-time constants as the Blackwell drops take them (sm100/w4a16 v3,
 sm120/mxfp8 v2): clamped_swiglu's four, softcapped_swiglu's two, keyword arguments of each drop's
-kernel class and launchers, with the drop's own defaults (mirrored by its shim)."""
+kernel class and launchers. Which of them an epilogue compiles in is the drop's own answer
+(``launch.activation_constants``): the shim asks it rather than keep a copy, so a compile key cannot
+miss a constant the kernel uses."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 #: every name, in the drops' order
 NAMES = ("swiglu_alpha", "swiglu_limit", "swiglu_beta", "swiglu_limit_after_act", "gate_softcap", "up_softcap")
-#: the names each epilogue compiles in (none for the others, so their compile keys do not vary)
-BY_EPILOGUE = {"clamped_swiglu": NAMES[:4], "softcapped_swiglu": NAMES[4:]}
 
 
-def epilogue_constants(epilogue: str, defaults: dict, constants: dict, where: str) -> dict:
-    """The constants ``epilogue`` compiles in: ``constants`` completed from ``defaults``, typed, only
-    the epilogue's own. ``TypeError`` names an unknown one (``where``: the kernel, for the message)."""
+def epilogue_constants(drop_fn: Callable[..., dict], epilogue: str, constants: dict, where: str) -> dict:
+    """The constants ``epilogue`` compiles in: the drop's ``activation_constants`` (``drop_fn``) of
+    ``constants``, completed from its defaults. ``TypeError`` names an unknown one (``where``: the kernel)."""
     unknown = sorted(set(constants) - set(NAMES))
     if unknown:
         raise TypeError(f"{where}: unknown activation constant(s) {unknown}; known: {NAMES}")
-    full = dict(defaults, **constants)
-    return {name: (bool(full[name]) if name == "swiglu_limit_after_act" else float(full[name]))
-            for name in BY_EPILOGUE.get(epilogue, ())}
+    return drop_fn(epilogue=epilogue, **constants)
 
 
 def check_args(defaults: dict, consts: dict) -> dict:
@@ -33,4 +33,4 @@ def key_items(consts: dict) -> tuple:
     return tuple(sorted(consts.items()))
 
 
-__all__ = ["NAMES", "BY_EPILOGUE", "epilogue_constants", "check_args", "key_items"]
+__all__ = ["NAMES", "epilogue_constants", "check_args", "key_items"]

@@ -55,6 +55,7 @@ CONTRACT = DropContract(
     arch="sm100", drop="w4a16", version=CONSTANTS.value(PKG, "DROP_VERSION"), packages=(PKG,), constants=CONSTANTS,
     callables=(
         CallableUse("sm100_w4a16.grouped_gemm:can_implement", ("epilogue", "n", "k", "num_experts", "tile_n")),
+        CallableUse("sm100_w4a16.launch:activation_constants", ("epilogue",) + gate_constants.NAMES),
         CallableUse("sm100_w4a16.grouped_gemm:check_activation_constants",
                     ("epilogue",) + _ACT_NAMES[:3] + _ACT_NAMES[4:]),
         CallableUse("sm100_w4a16.launch:compile_w4a16_gemm",
@@ -75,7 +76,7 @@ CONTRACT = DropContract(
     ),
     attributes=(
         AttributeUse("sm100_w4a16.grouped_gemm", ("can_implement", "check_activation_constants")),
-        AttributeUse("sm100_w4a16.launch", ("compile_w4a16_gemm", "CompiledW4A16Gemm")),
+        AttributeUse("sm100_w4a16.launch", ("activation_constants", "compile_w4a16_gemm", "CompiledW4A16Gemm")),
         AttributeUse("sm100_w4a16.launch:CompiledW4A16Gemm", ("n_out", "compiled", "__call__")),
     ),
     consumers=("shim/drops/sm100_w4a16.py",),
@@ -101,8 +102,8 @@ def activation_constants(epilogue: str, **constants: Any) -> dict:
     four (``swiglu_alpha``, ``swiglu_limit``, ``swiglu_beta``, ``swiglu_limit_after_act``), softcapped_swiglu's
     two (``gate_softcap``, ``up_softcap``), none for the other epilogues (so their keys do not vary).
     ``TypeError`` names an unknown one."""
-    return gate_constants.epilogue_constants(epilogue, _C["ACTIVATION_CONSTANT_DEFAULTS"], constants,
-                                             "sm100 W4A16 GEMM")
+    return gate_constants.epilogue_constants(_load("sm100_w4a16.launch").activation_constants, epilogue,
+                                             constants, "sm100 W4A16 GEMM")
 
 
 def check_gemm(epilogue: str, n: int, k: int, num_experts: int, **constants: Any) -> None:

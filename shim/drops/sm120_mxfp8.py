@@ -56,6 +56,7 @@ CONTRACT = DropContract(
     callables=(
         CallableUse("sm120_mxfp8.grouped_gemm:can_implement",
                     ("epilogue", "n", "k", "num_experts", "tile_tokens", "num_stages")),
+        CallableUse("sm120_mxfp8.launch:activation_constants", ("epilogue",) + gate_constants.NAMES),
         CallableUse("sm120_mxfp8.grouped_gemm:check_activation_constants",
                     ("epilogue",) + gate_constants.NAMES[:3] + gate_constants.NAMES[4:]),
         CallableUse("sm120_mxfp8.quantize:quantize_can_implement", ("k",)),
@@ -81,8 +82,8 @@ CONTRACT = DropContract(
     attributes=(
         AttributeUse("sm120_mxfp8.grouped_gemm", ("can_implement", "check_activation_constants")),
         AttributeUse("sm120_mxfp8.quantize", ("quantize_can_implement",)),
-        AttributeUse("sm120_mxfp8.launch", ("compile_mxfp8_gemm", "compile_quantize_rows", "CompiledMxfp8Gemm",
-                                            "CompiledQuantizeRows")),
+        AttributeUse("sm120_mxfp8.launch", ("activation_constants", "compile_mxfp8_gemm", "compile_quantize_rows",
+                                            "CompiledMxfp8Gemm", "CompiledQuantizeRows")),
         AttributeUse("sm120_mxfp8.launch:CompiledMxfp8Gemm", ("n_out", "compiled", "tvm_ffi", "__call__")),
         AttributeUse("sm120_mxfp8.launch:CompiledQuantizeRows", ("compiled", "tvm_ffi", "__call__")),
     ),
@@ -115,8 +116,8 @@ def pick_tile_tokens(rows_per_expert: float) -> int:
 def activation_constants(epilogue: str, **constants: Any) -> dict:
     """The activation constants ``epilogue`` compiles in (drop v2), completed from the drop's defaults:
     clamped_swiglu's four, softcapped_swiglu's two, none for the others. ``TypeError`` names an unknown one."""
-    return gate_constants.epilogue_constants(epilogue, _C["ACTIVATION_CONSTANT_DEFAULTS"], constants,
-                                             "sm120 MXFP8 GEMM")
+    return gate_constants.epilogue_constants(_load("sm120_mxfp8.launch").activation_constants, epilogue,
+                                             constants, "sm120 MXFP8 GEMM")
 
 
 def check_gemm(epilogue: str, n: int, k: int, num_experts: int, tile_tokens: int = 16, **constants: Any) -> None:
