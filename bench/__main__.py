@@ -19,7 +19,9 @@ experts registry: moe_ep vs grouped_mm, eager and CUDA graph) and ``ceiling`` (t
 kernels -- dense cuBLAS BF16, ``torch._grouped_mm``, block-wise FP8 ``torch._scaled_mm`` -- as the
 layer TFLOP/s they alone would allow: ``bench/ceiling.py``) and ``sustained`` (each expert GEMM,
 ours and cuBLAS's, run for seconds in steady state with nvidia-smi sampling power and SM clock:
-TFLOP/s, W, MHz, TFLOP/s per GHz, GFLOP per joule: ``bench/sustained.py``).
+TFLOP/s, W, MHz, TFLOP/s per GHz, GFLOP per joule: ``bench/sustained.py``) and ``padfill`` (our
+GEMMs on the layer's routing with the partial m-tiles' spare rows packed, zero or random: does the
+data in rows the kernel throws away cost energy at the power cap? ``bench/padfill.py``).
 """
 
 from __future__ import annotations
@@ -396,7 +398,8 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m moe_ep.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("job", nargs="?", default="layer", choices=["layer", "gemm", "startup", "hf", "ceiling", "sustained"])
+    p.add_argument("job", nargs="?", default="layer", choices=["layer", "gemm", "startup", "hf", "ceiling", "sustained",
+                                                           "padfill"])
     p.add_argument("--model", default="qwen3",
                    help=f"model(s), comma-separated, run in turn: {', '.join(sorted(MODELS))} (default qwen3)")
     p.add_argument("--tokens", type=int, default=None, help="tokens per rank (default 8192 on GPU, 64 on CPU)")
@@ -417,9 +420,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=1,
                    help="time per-call, back-to-back and graph this many times, interleaved; report the medians")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--seconds", type=float, default=2.0, help="sustained: seconds each GEMM is timed (default 2)")
+    p.add_argument("--seconds", type=float, default=2.0, help="sustained, padfill: seconds each GEMM is timed (default 2)")
     p.add_argument("--warm-seconds", type=float, default=1.0,
-                   help="sustained: seconds of the same GEMM run untimed first, to reach steady power (default 1)")
+                   help="sustained, padfill: seconds of the same GEMM run untimed first, to reach steady power (default 1)")
     p.add_argument("--raster-m", default="", metavar="N[,N]",
                    help="gemm: also time our GEMMs with N m-tiles per L2 raster group (1-64; default: only the "
                         "shim's choice by K)")
@@ -487,6 +490,10 @@ def main(argv=None) -> int:
         from .hf_block import run_hf
 
         return run_hf(args)
+    if args.job == "padfill":
+        from .padfill import run_padfill
+
+        return run_padfill(args)
     if args.job == "sustained":
         from .sustained import run_sustained
 

@@ -815,3 +815,29 @@ def test_ncu_gemm_routings():
     assert 0 < int((tiles % 2).sum()) < E
     with pytest.raises(ValueError, match="routing"):
         routing_offsets(T, E, K, "skewed", device="cpu")
+
+
+def test_padfill_layout_puts_each_expert_at_a_tile_multiple():
+    import numpy as np
+
+    from moe_ep.bench.padfill import padded_layout
+
+    rng = np.random.default_rng(7)
+    for counts in ([3, 0, 130, 128, 1], list(rng.integers(0, 700, size=33)), [0, 0]):
+        packed, padded, dst = padded_layout(counts, tile_m=128)
+        # independent: walk the rows one by one
+        want_dst, start = [], 0
+        for c in counts:
+            want_dst += [start + j for j in range(c)]
+            start += ((c + 127) // 128) * 128
+        assert dst.tolist() == want_dst
+        assert padded[-1] == start and all(p % 128 == 0 for p in padded)
+        assert packed.tolist() == [sum(counts[:e]) for e in range(len(counts) + 1)]
+        # same m-tiles in both layouts
+        assert sum(-(-c // 128) for c in counts) * 128 == padded[-1]
+
+
+def test_padfill_job_says_it_needs_a_gpu_on_cpu():
+    p = _bench("padfill", "--model", "qwen3")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert "needs a CUDA GPU" in p.stdout
