@@ -20,6 +20,10 @@ spare rows' stores. Each GEMM runs back to back for ``--seconds`` after ``--warm
 ``sustained`` job's windows, ``nvidia-smi`` beside), on the bench's routing for the model (seed
 ``--seed``), interleaved for ``--rounds`` rounds; TFLOP/s counts the real rows only, the same work
 in every variant. Each output is first checked against float32 on the first and last expert's rows.
+
+Fifty-sixth session (H100): zero spare rows 0.3-2.3% faster than random ones, but the padded layout's
+extra bytes take most or all of it back, and TMA zero fill through per-tile descriptors cost more
+than it saved (docs/LIMITS.md, "A fourth idea measured").
 """
 
 from __future__ import annotations
