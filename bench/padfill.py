@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from .models import MODELS, draw_routing
-from .sustained import Sampler, _rel_err, _swiglu, sustain, window_stats
+from .sustained import _rel_err, _swiglu, power_columns, timed_rounds
 
 TILE_M = 128
 
@@ -145,22 +145,11 @@ def run_padfill(args) -> int:
               f"{args.rounds} round(s), GPU {torch.cuda.get_device_name()}")
         print(f"{'GEMM':<5}{'layout':<22}{'round':>6}{'ms':>8}{'TFLOP/s':>9}{'W':>7}{'SM MHz':>8}{'capped':>8}"
               f"{'GFLOP/J':>9}{'rel.err':>9}")
-        ok = {}
-        for gemm, name, flops, fn, check in kernels:
-            fn()
-            torch.cuda.synchronize()
-            ok[gemm, name] = check()
-        with Sampler() as smi:
-            spans = []
-            for r in range(args.rounds):
-                for gemm, name, flops, fn, check in kernels:
-                    if ok[gemm, name] <= 5e-2:
-                        spans.append((gemm, name, flops, r) + sustain(fn, [()], args.seconds, args.warm_seconds))
-        samples = smi.samples()
+        ok, spans, samples = timed_rounds([(g, n, f, fn, [()], c) for g, n, f, fn, c in kernels], args.rounds,
+                                          args.seconds, args.warm_seconds)
         for gemm, name, flops, r, ms, n, t0, t1 in sorted(spans, key=lambda s: (s[0], s[1], s[3])):
             tf = flops / ms / 1e9
-            _, w, mhz, cap = window_stats(samples, t0, t1)
-            cap_s = f"{100 * cap:7.0f}%" if cap is not None else f"{'n/a':>8}"
+            w, mhz, cap_s = power_columns(samples, t0, t1)
             print(f"{gemm:<5}{name:<22}{r:>6}{ms:8.3f}{tf:9.1f}{w:7.0f}{mhz:8.0f}{cap_s}{tf / w * 1e3:9.0f}"
                   f"{ok[gemm, name]:9.1e}")
         for (gemm, name), err in ok.items():

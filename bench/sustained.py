@@ -129,6 +129,32 @@ def sustain(fn, sets, seconds: float, warm_seconds: float):
     return a.elapsed_time(b) / n, n, t0, time.time()
 
 
+def timed_rounds(kernels, rounds: int, seconds: float, warm_seconds: float, limit: float = 5e-2):
+    """Check, then time in steady state, a list of ``(gemm, name, flops, fn, sets, check)``: each
+    ``fn(*sets[0])`` once and its ``check()`` (relative error); then, with ``nvidia-smi`` sampling,
+    every kernel whose error is at most ``limit`` under :func:`sustain`, interleaved for ``rounds``
+    rounds. Returns ``(errors {(gemm, name): err}, spans [(gemm, name, flops, round, ms, calls,
+    t0, t1)], samples)``."""
+    errors = {}
+    for gemm, name, flops, fn, sets, check in kernels:
+        fn(*sets[0])
+        torch.cuda.synchronize()
+        errors[gemm, name] = check()
+    with Sampler() as smi:
+        spans = []
+        for r in range(rounds):
+            for gemm, name, flops, fn, sets, check in kernels:
+                if errors[gemm, name] <= limit:
+                    spans.append((gemm, name, flops, r) + sustain(fn, sets, seconds, warm_seconds))
+    return errors, spans, smi.samples()
+
+
+def power_columns(samples, t0: float, t1: float) -> tuple:
+    """``(mean W, mean SM MHz, "capped" column text)`` of the samples inside ``[t0, t1]``."""
+    _, w, mhz, cap = window_stats(samples, t0, t1)
+    return w, mhz, (f"{100 * cap:7.0f}%" if cap is not None else f"{'n/a':>8}")
+
+
 def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.float() - ref).norm() / ref.norm().clamp_min(1e-30))
 
@@ -255,25 +281,13 @@ def run_sustained(args) -> int:
               f"GPU {torch.cuda.get_device_name()}")
         print(f"{'GEMM':<5}{'kernel':<34}{'ms':>8}{'TFLOP/s':>9}{'W':>7}{'SM MHz':>8}{'capped':>8}"
               f"{'TFLOP/s/GHz':>12}{'GFLOP/J':>9}{'rel.err':>9}")
-        ok = {}
-        for gemm, name, flops, fn, sets, check in kernels:
-            fn(*sets[0])
-            torch.cuda.synchronize()
-            ok[name, gemm] = check()
-        with Sampler() as smi:
-            spans = []
-            for r in range(args.rounds):
-                for gemm, name, flops, fn, sets, check in kernels:
-                    if ok[name, gemm] <= 5e-2:
-                        spans.append((gemm, name, flops, r) + sustain(fn, sets, args.seconds, args.warm_seconds))
-        samples = smi.samples()
+        ok, spans, samples = timed_rounds(kernels, args.rounds, args.seconds, args.warm_seconds)
         for gemm, name, flops, r, ms, n, t0, t1 in spans:
             tf = flops / ms / 1e9
-            ns, w, mhz, cap = window_stats(samples, t0, t1)
-            cap_s = f"{100 * cap:7.0f}%" if cap is not None else f"{'n/a':>8}"
+            w, mhz, cap_s = power_columns(samples, t0, t1)
             print(f"{gemm:<5}{name[:33]:<34}{ms:8.3f}{tf:9.1f}{w:7.0f}{mhz:8.0f}{cap_s}"
-                  f"{tf / (mhz / 1e3):12.1f}{tf / w * 1e3:9.0f}{ok[name, gemm]:9.1e}")
-        for (name, gemm), err in ok.items():
+                  f"{tf / (mhz / 1e3):12.1f}{tf / w * 1e3:9.0f}{ok[gemm, name]:9.1e}")
+        for (gemm, name), err in ok.items():
             if err > 5e-2:
                 print(f"{gemm:<5}{name[:33]:<34}  wrong (rel. error {err:.2e} > 5e-2): not timed")
         del kernels

@@ -611,6 +611,23 @@ def test_phase_log_and_power_summary(tmp_path, monkeypatch):
     assert power.main([str(csv), str(ph)]) == 0 and power.main([]) == 2
 
 
+def _torch_bf16_gemm(activation, n, k, num_experts, scale_rows=False, wrong=False):
+    """A CPU torch stand-in for our BF16 grouped GEMM launcher (``wrong``: a broken SwiGLU)."""
+    import torch.nn.functional as F
+
+    def fn(a, w, offs, out, row_scale=None):
+        for e in range(num_experts):
+            lo, hi = int(offs[e]), int(offs[e + 1])
+            y = a[lo:hi].float() @ w[e].float().t()
+            if activation == "swiglu":
+                g, u = y.chunk(2, dim=-1)
+                y = (u if wrong else F.silu(g)) * u
+            if scale_rows:
+                y = y * row_scale[lo:hi, None]
+            out[lo:hi] = y.to(out.dtype)
+    return fn
+
+
 def test_sustained_samples_and_checks(monkeypatch):
     """`bench/sustained.py`: nvidia-smi lines parse (with and without the power-cap flag), only the
     samples inside a window count, and each kernel's check accepts a right GEMM and rejects a wrong
@@ -635,19 +652,6 @@ def test_sustained_samples_and_checks(monkeypatch):
     assert n == 2 and abs(w - 690.0) < 1e-9 and abs(mhz - 1350.0) < 1e-9 and abs(cap - 0.5) < 1e-9
     assert sustained.window_stats(samples, 4.0, 5.0)[0] == 0
 
-    def bf16_gemm(activation, n, k, num_experts, scale_rows=False, wrong=False):
-        def fn(a, w, offs, out, row_scale=None):
-            for e in range(num_experts):
-                lo, hi = int(offs[e]), int(offs[e + 1])
-                y = a[lo:hi].float() @ w[e].float().t()
-                if activation == "swiglu":
-                    g, u = y.chunk(2, dim=-1)
-                    y = (u if wrong else F.silu(g)) * u
-                if scale_rows:
-                    y = y * row_scale[lo:hi, None]
-                out[lo:hi] = y.to(out.dtype)
-        return fn
-
     def fp8_gemm(activation, n, k, num_experts, scale_rows=False):
         def fn(a, a_scale, b, b_scale, offs, out, row_scale):
             x = dequantize_fp8_rows128(a, a_scale)
@@ -665,7 +669,7 @@ def test_sustained_samples_and_checks(monkeypatch):
 
     H, I, E, M = 256, 128, 4, 512  # noqa: E741
     for wrong in (False, True):
-        monkeypatch.setattr(bf16_cutedsl, "grouped_gemm", lambda *a, **k: bf16_gemm(*a, **k, wrong=wrong))
+        monkeypatch.setattr(bf16_cutedsl, "grouped_gemm", lambda *a, **k: _torch_bf16_gemm(*a, **k, wrong=wrong))
         kernels = sustained._kernels(H, I, E, M, None, 0, dev="cpu")
         assert [k[0] for k in kernels] == ["FC1"] * 3 + ["FC2"] * 3
         errs = {}
@@ -841,3 +845,27 @@ def test_padfill_job_says_it_needs_a_gpu_on_cpu():
     p = _bench("padfill", "--model", "qwen3")
     assert p.returncode == 0, p.stderr[-2000:]
     assert "needs a CUDA GPU" in p.stdout
+
+
+def test_padfill_variants_check_the_real_rows_in_every_layout(monkeypatch):
+    """``bench padfill``'s three layouts hold the same real rows (zeros or random numbers between the
+    padded experts), and each check compares those rows with float32: a right GEMM passes in every
+    layout, a wrong one fails in every layout (a torch stand-in for our kernels on CPU)."""
+    import numpy as np
+
+    from moe_ep.backends.sm90 import bf16_cutedsl
+    from moe_ep.bench import padfill
+
+    counts = np.array([3, 0, 130, 128, 77, 1])
+    H, I, E = 128, 64, len(counts)  # noqa: E741
+    for wrong in (False, True):
+        monkeypatch.setattr(bf16_cutedsl, "grouped_gemm", lambda *a, **k: _torch_bf16_gemm(*a, **k, wrong=wrong))
+        kernels, M, Mp = padfill._variants(H, I, E, counts, None, 0, dev="cpu")
+        assert (M, Mp) == (339, 768)
+        assert sorted({k[1] for k in kernels}) == ["packed", "padded, random tails", "padded, zero tails"]
+        for gemm, name, flops, fn, check in kernels:
+            fn()
+            err = check()
+            assert flops == (2.0 * M * H * 2 * I if gemm == "FC1" else 2.0 * M * I * H)
+            bad = wrong and gemm == "FC1"
+            assert (err > 0.3) if bad else (err < 1e-2), (gemm, name, err)
