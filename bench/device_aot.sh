@@ -7,8 +7,22 @@
 # newest entry). Carry it with run(..., carry=[".device/b", ".device/aot"]) and export
 # MOE_EP_CACHE_DIR=$PWD/.device/aot there.
 #   bash bench/device_aot.sh          # rebuild from scratch (after a drop version or key change)
+#   bash bench/device_aot.sh slim     # .device/aotq instead: Qwen3 and Mixtral only, BF16 and FP8, at 128,
+#                                     # 256 and 8192 tokens (~5 MB): fits one carry with .device/b and
+#                                     # .device/fi (the full one does not: 43 + 14 + 9 MB > 64 MiB)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = slim ]; then
+  out=.device/aotq
+  rm -rf "$out"
+  for t in 128 256 8192; do
+    python -m moe_ep.aot build --arch sm_90a --max-tokens "$t" --out "$out" --model qwen3,mixtral | grep -v '^  '
+  done
+  python -m moe_ep.aot build --arch sm_90a --max-tokens 8192 --out "$out" --model qwen3,mixtral \
+    --quant fp8_block128 | grep -v '^  '
+  du -sh "$out"
+  exit 0
+fi
 out=.device/aot
 rm -rf "$out"
 build() { python -m moe_ep.aot build --arch sm_90a --max-tokens 8192 --out "$out" "$@" | grep -v '^  '; }
