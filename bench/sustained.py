@@ -149,6 +149,14 @@ def timed_rounds(kernels, rounds: int, seconds: float, warm_seconds: float, limi
     return errors, spans, smi.samples()
 
 
+def print_untimed(errors: dict, width: int) -> None:
+    """One line per ``(gemm, name)`` of ``errors`` over 5e-2 (:func:`timed_rounds`' limit: checked wrong,
+    so not timed), the name in a ``width``-wide column as the timing rows print it."""
+    for (gemm, name), err in errors.items():
+        if err > 5e-2:
+            print(f"{gemm:<5}{name[:width - 1]:<{width}}  wrong (rel. error {err:.2e} > 5e-2): not timed")
+
+
 def power_columns(samples, t0: float, t1: float) -> tuple:
     """``(mean W, mean SM MHz, "capped" column text)`` of the samples inside ``[t0, t1]``."""
     _, w, mhz, cap = window_stats(samples, t0, t1)
@@ -287,9 +295,7 @@ def run_sustained(args) -> int:
             w, mhz, cap_s = power_columns(samples, t0, t1)
             print(f"{gemm:<5}{name[:33]:<34}{ms:8.3f}{tf:9.1f}{w:7.0f}{mhz:8.0f}{cap_s}"
                   f"{tf / (mhz / 1e3):12.1f}{tf / w * 1e3:9.0f}{ok[gemm, name]:9.1e}")
-        for (gemm, name), err in ok.items():
-            if err > 5e-2:
-                print(f"{gemm:<5}{name[:33]:<34}  wrong (rel. error {err:.2e} > 5e-2): not timed")
+        print_untimed(ok, 34)
         del kernels
         torch.cuda.empty_cache()
     print("(TFLOP/s/GHz: work per clock; GFLOP/J: work per joule of board power -- at the power cap the clock "
