@@ -54,6 +54,7 @@ from .sm90_megamoe_switches import (  # noqa: F401  (re-exported: the shim reads
     use_bf16_cluster_n,
     use_bf16_tanh_sigmoid,
     use_gated_pingpong,
+    use_box_tails,
     use_jump_stages,
     use_wide_gated,
 )
@@ -61,7 +62,7 @@ from .sm90_megamoe_switches import (  # noqa: F401  (re-exported: the shim reads
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 109},
+    "sm90_megamoe": {"DROP_VERSION": 111},
     "sm90_megamoe.placing_producer": {"PLACE_SYNC_TAIL": 4},
     "sm90_megamoe.fp8_gemm": {"FP8_BLOCK": 128, "OVERLAP_MAX_K_TILES": 32, "OVERLAP_MAX_CHUNK": 16,
                               "FP8_ACTIVATIONS": ("identity", "swiglu", "clamped_swiglu", "softcapped_swiglu"),
@@ -109,7 +110,7 @@ CONTRACT = DropContract(
                      "raster_m", "swiglu_alpha", "swiglu_limit", "schedule", "compiled", "tvm_ffi",
                      "early_weights", "gather_a", "cluster_m", "tanh_sigmoid",
                      "cluster_n", "jump_stages", "swiglu_beta", "swiglu_limit_after_act",
-                     "gate_softcap", "up_softcap")),
+                     "gate_softcap", "up_softcap", "box_rows")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_converted",
                     ("args", "max_active_ctas", "stream")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_tensors",
@@ -437,6 +438,7 @@ class GemmKey:
     swiglu_limit_after_act: bool = False  # clamped_swiglu's gate clamped after the activation (drop v102)
     gate_softcap: float = 0.0  # softcapped_swiglu's caps (drop v103); 0.0 for the other activations
     up_softcap: float = 0.0
+    box_rows: int = 0  # a partial m-tile's A in boxes of this many rows, the rest zero fill (drop v111)
 
 
 class GroupedGemm:
@@ -592,7 +594,9 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
                   schedule, ffi, early, bool(gather_a), cluster,
                   use_bf16_tanh_sigmoid(activation),
                   use_bf16_cluster_n(schedule, activation in GEMM_GATED, gather_a),
-                  use_jump_stages(schedule), beta, after_act, *softcaps)
+                  use_jump_stages(schedule), beta, after_act, *softcaps,
+                  box_rows=use_box_tails(schedule, gather_a,
+                                         use_bf16_cluster_n(schedule, activation in GEMM_GATED, gather_a)))
 
     def build():
         launch = _load("sm90_megamoe.launch")
@@ -610,6 +614,8 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
             kw.update(tanh_sigmoid=True)
         if key.jump_stages:
             kw.update(jump_stages=True)
+        if key.box_rows:
+            kw.update(box_rows=key.box_rows)
         if activation == "clamped_swiglu":
             kw.update(swiglu_alpha=alpha, swiglu_limit=limit, swiglu_beta=beta)
             if after_act:
@@ -618,7 +624,7 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
             kw.update(gate_softcap=key.gate_softcap, up_softcap=key.up_softcap)
         name = (f"gemm_{activation}" + ("_gather" if gather_a else "")
                 + ("_cluster2" if key.cluster_m > 1 else "") + ("_clustern2" if key.cluster_n > 1 else "")
-                + ("_js" if key.jump_stages else "")
+                + ("_js" if key.jump_stages else "") + (f"_bt{key.box_rows}" if key.box_rows else "")
                 + ("_tanh" if key.tanh_sigmoid else ""))
         fn = disk_cache.get_or_build(cache_namespace(), name, key,
                                      lambda: launch.CompiledGroupedGemm(**kw).compiled, tvm_ffi=ffi)

@@ -142,6 +142,22 @@ def use_jump_stages(schedule: str) -> bool:
     return env_flag("MOE_EP_JUMP_STAGES", False) and schedule == "pingpong"
 
 
+def use_box_tails(schedule: str, gather_a: bool = False, cluster_n: int = 1) -> int:
+    """Drop v111 ``box_rows``: rows per TMA box in which a tile holding fewer than 128 rows of its
+    expert loads A (0 = off, one 128-row box as every tile). The boxes past the expert's rows are
+    issued past the end of A, so TMA fills them with zeros and reads nothing, where the plain kernel
+    reads, multiplies and masks the next expert's tokens (Qwen3 at 8192 tokens: 11.6% of the rows its
+    GEMMs compute; ``bench padfill``, H100: the same tiles 0.3-2.3% faster with zero spare rows).
+    Unlike drop v110's experiment (a per-tile rewritten descriptor, 4-7% slower) nothing is written:
+    the box's descriptor is a kernel parameter. Same bits. ``MOE_EP_BOX_TAILS``: 0 (default), 8, 16
+    or 32. The TMA kernels whose CTAs load their own A rows only (cooperative, wide, pingpong; not
+    swap-AB, gathering or ``cluster_n``)."""
+    raw = env_choice("MOE_EP_BOX_TAILS", ("0", "8", "16", "32"), "0")
+    if schedule not in ("cooperative", "wide", "pingpong") or gather_a or cluster_n > 1:
+        return 0
+    return int(raw)
+
+
 def use_bf16_tanh_sigmoid(activation: str) -> bool:
     """Drop v52 ``tanh_sigmoid``: the BF16 swiglu GEMM (FC1; every schedule -- cooperative, wide,
     gathering, swap-AB -- so the kernels that give one another's bits without it, e.g. the gathering

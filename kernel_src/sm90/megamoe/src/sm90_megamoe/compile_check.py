@@ -70,13 +70,19 @@ def compile_for_arch(
     swiglu_limit_after_act: bool = False,
     gate_softcap: float = 4.0,
     up_softcap: float = 25.0,
+    cluster_m: int = 1,
+    box_rows: int = 0,
 ):
     """Compile one variant for ``arch`` from fake tensors. ``bias_dtype``: None (no bias),
     "float32" or "bfloat16"; ``gather_a``: the gathering kernel (:mod:`.grouped_gemm_gather`);
-    ``jump_stages``: pingpong's one-step skip of the other warpgroup's stages (drop v79)."""
-    cls = GroupedGemmSm90
+    ``jump_stages``: pingpong's one-step skip of the other warpgroup's stages (drop v79);
+    ``box_rows`` > 0: :class:`~.grouped_gemm_box_tails.GroupedGemmBoxTailsSm90` (drop v111)."""
+    cls, box = GroupedGemmSm90, {}
     if gather_a:
         from .grouped_gemm_gather import GroupedGemmGatherSm90 as cls
+    elif box_rows:
+        from .grouped_gemm_box_tails import GroupedGemmBoxTailsSm90 as cls
+        box = {"box_rows": box_rows}
     kernel = cls(activation, tile_n=tile_n, scale_rows=scale_rows, epilogue=epilogue,
                  has_bias=bias_dtype is not None, raster_m=raster_m,
                  swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, swiglu_beta=swiglu_beta,
@@ -85,7 +91,8 @@ def compile_for_arch(
                  **(dict(gate_softcap=gate_softcap, up_softcap=up_softcap) if activation == "softcapped_swiglu" else {}),
                  **({"tanh_sigmoid": True} if tanh_sigmoid else {}),
                  **({"cluster_n": cluster_n} if cluster_n > 1 else {}),
-                 **({"jump_stages": True} if jump_stages else {}))
+                 **({"cluster_m": cluster_m} if cluster_m > 1 else {}),
+                 **({"jump_stages": True} if jump_stages else {}), **box)
     args = fake_args(kernel, num_experts, n, k, bias_dtype=bias_dtype or "float32")
     opts = f"--gpu-arch {arch} --keep-ptx {extra_options}".strip()
     return cute.compile(kernel, *args, options=opts)

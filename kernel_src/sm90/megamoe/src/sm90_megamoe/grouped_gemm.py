@@ -650,10 +650,12 @@ class GroupedGemmSm90:
         b_smem_layout: cute.ComposedLayout,
         b_smem_layout_main: cute.ComposedLayout,
         gather=None,
+        tails=None,
     ):
         """The kernel (traced inline into each variant's ``@cute.kernel``). ``gather``: ``(mA,
         mIdx)`` for the gathering variant (``self.gather_a``, :mod:`.grouped_gemm_gather`): grouped
-        row r is ``mA[mIdx[r]]``, loaded by the producer warpgroup with cp.async."""
+        row r is ``mA[mIdx[r]]``, loaded by the producer warpgroup with cp.async. ``tails``: ``(tma_atom,
+        mA_tma)`` of the ``box_tails`` variant's small A box (:mod:`.grouped_gemm_box_tails`, drop v111)."""
         wait_previous_grid()
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
@@ -780,11 +782,21 @@ class GroupedGemmSm90:
                         if cutlass.const_expr(self.cluster_m > 1):  # the other half (lone pairs only)
                             tBsB_q, tBgBs_q = self._b_views(tma_atom_b, mB_tma, tBsB, n_tile * self.tile_n,
                                                             tile_expert, 1 - cta_rank)
+                        rows_valid = row_end - row0
                         for k_tile in range(k_tiles):
                             ab_pipeline.producer_acquire(prod_state)
                             bar = ab_pipeline.producer_get_barrier(prod_state)
-                            self._copy_stage(tma_atom_a, tAgA, tAsA_p, tma_atom_b, tBgBs, tBsB_p, k_tile,
-                                             prod_state.index, bar, b_mask)
+                            if cutlass.const_expr(tails is not None):
+                                # drop v111: a partial tile's A in row boxes; past the expert: zero fill
+                                if rows_valid < self.tile_m:
+                                    self._copy_a_boxes(tails, sA, row0, rows_valid, k_tile, prod_state.index, bar)
+                                else:
+                                    cute.copy(tma_atom_a, tAgA[(None, k_tile)], tAsA_p[(None, prod_state.index)],
+                                              tma_bar_ptr=bar)
+                                self._copy_b(tma_atom_b, tBgBs, tBsB_p, k_tile, prod_state.index, bar, b_mask)
+                            else:
+                                self._copy_stage(tma_atom_a, tAgA, tAsA_p, tma_atom_b, tBgBs, tBsB_p, k_tile,
+                                                 prod_state.index, bar, b_mask)
                             if cutlass.const_expr(self.cluster_m > 1):
                                 if not shared:
                                     self._copy_b(tma_atom_b, tBgBs_q, tBsB_q, k_tile, prod_state.index, bar, b_mask)

@@ -128,7 +128,7 @@ class CompiledGroupedGemm:
                  early_weights: bool = False, gather_a: bool = False, cluster_m: int = 1,
                  tanh_sigmoid: bool = False, cluster_n: int = 1, jump_stages: bool = False,
                  swiglu_beta: float = 1.0, swiglu_limit_after_act: bool = False,
-                 gate_softcap: float = 4.0, up_softcap: float = 25.0):
+                 gate_softcap: float = 4.0, up_softcap: float = 25.0, box_rows: int = 0):
         """``compiled``: this variant's kernel compiled earlier (e.g. loaded from an exported
         object file, ``cute.runtime.load_module``); None compiles it here (sm_90a).
         ``tvm_ffi``: compile for (and launch through) TVM-FFI: :meth:`launch_tensors`.
@@ -149,7 +149,10 @@ class CompiledGroupedGemm:
         ``swiglu_beta`` (clamped_swiglu; drop v99): ``(clamp(u) + beta)``, 1.0 (gpt-oss) or 0.0
         (DeepSeek-V4 / GLM-5 / Hunyuan-V4). ``swiglu_limit_after_act`` (clamped_swiglu; drop v102):
         the gate clamped after the activation (Step-3.7 / Bailing). ``gate_softcap`` / ``up_softcap``
-        (softcapped_swiglu; drop v103): its caps (Inkling2: 4, 25). (Drop v94 removed v91's ``place_a`` / ``place_opts``.)"""
+        (softcapped_swiglu; drop v103): its caps (Inkling2: 4, 25). (Drop v94 removed v91's ``place_a`` / ``place_opts``.)
+        ``box_rows`` > 0 (cooperative / wide / pingpong, not gather_a / cluster_n; drop v111): a partial
+        m-tile loads A in boxes of that many rows, the boxes past its expert as TMA zero fill
+        (:class:`~.grouped_gemm_box_tails.GroupedGemmBoxTailsSm90`; the same bits and arguments)."""
         from .compile_check import fake_args
 
         if bias_dtype not in _TORCH_BIAS:
@@ -174,9 +177,14 @@ class CompiledGroupedGemm:
                 raise ValueError("cluster_m = 2 does not combine with gather_a")
             if cluster_n > 1 and gather_a:
                 raise ValueError("cluster_n = 2 does not combine with gather_a")
-            cls = GroupedGemmSm90
+            if box_rows and (gather_a or cluster_n > 1):
+                raise ValueError("box_rows does not combine with gather_a or cluster_n")
+            cls, box = GroupedGemmSm90, {}
             if gather_a:
                 from .grouped_gemm_gather import GroupedGemmGatherSm90 as cls
+            elif box_rows:
+                from .grouped_gemm_box_tails import GroupedGemmBoxTailsSm90 as cls
+                box = {"box_rows": int(box_rows)}
             self.kernel = cls(activation, tile_n=tile_n, scale_rows=scale_rows,
                                           num_stages=num_stages, epilogue=epilogue,
                                           has_bias=bias_dtype is not None, raster_m=raster_m,
@@ -187,9 +195,11 @@ class CompiledGroupedGemm:
                                           **({"cluster_m": cluster_m} if cluster_m > 1 else {}),
                                           **({"tanh_sigmoid": True} if tanh_sigmoid else {}),
                                           **({"cluster_n": cluster_n} if cluster_n > 1 else {}),
-                                          **({"jump_stages": True} if jump_stages else {}))
-        if (gather_a or cluster_m > 1 or cluster_n > 1) and schedule == "swapab":
-            raise ValueError("gather_a, cluster_m and cluster_n are 128-row kernel options (not schedule='swapab')")
+                                          **({"jump_stages": True} if jump_stages else {}), **box)
+        if (gather_a or cluster_m > 1 or cluster_n > 1 or box_rows) and schedule == "swapab":
+            raise ValueError("gather_a, cluster_m, cluster_n and box_rows are 128-row kernel options (not "
+                             "schedule='swapab')")
+        self.box_rows = int(box_rows)
         self.cluster_m = int(cluster_m)
         self.cluster_n = int(cluster_n)
         self.cluster = self.cluster_m * self.cluster_n  # CTAs per cluster
@@ -378,7 +388,7 @@ def get_grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_ro
                      tanh_sigmoid: bool = False, cluster_n: int = 1,
                      jump_stages: bool = False, swiglu_beta: float = 1.0,
                      swiglu_limit_after_act: bool = False, gate_softcap: float = 4.0,
-                     up_softcap: float = 25.0) -> CompiledGroupedGemm:
+                     up_softcap: float = 25.0, box_rows: int = 0) -> CompiledGroupedGemm:
     """Cached compile. Key: everything static; routing and M_total are runtime."""
     if raster_m is None:
         raster_m = pick_raster_m(k)
@@ -386,7 +396,7 @@ def get_grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_ro
            activation, n, k, num_experts, bool(scale_rows), tile_n, num_stages, epilogue, bias_dtype,
            raster_m, float(swiglu_alpha), float(swiglu_limit), schedule, bool(tvm_ffi), "sm_90a", int(cluster_m),
            bool(tanh_sigmoid), int(cluster_n), bool(jump_stages), float(swiglu_beta),
-           bool(swiglu_limit_after_act), float(gate_softcap), float(up_softcap))
+           bool(swiglu_limit_after_act), float(gate_softcap), float(up_softcap), int(box_rows))
     fn = _CACHE.get(key)
     if fn is None:
         fn = CompiledGroupedGemm(activation, n, k, num_experts, scale_rows, tile_n, num_stages,
@@ -395,7 +405,7 @@ def get_grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_ro
                                  schedule=schedule, tvm_ffi=tvm_ffi, cluster_m=cluster_m,
                                  tanh_sigmoid=tanh_sigmoid, cluster_n=cluster_n, jump_stages=jump_stages,
                                  swiglu_beta=swiglu_beta, swiglu_limit_after_act=swiglu_limit_after_act,
-                                 gate_softcap=gate_softcap, up_softcap=up_softcap)
+                                 gate_softcap=gate_softcap, up_softcap=up_softcap, box_rows=box_rows)
         _CACHE[key] = fn
     return fn
 
