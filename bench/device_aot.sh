@@ -20,11 +20,6 @@ if [ "${1:-}" = slim ]; then
   done
   python -m moe_ep.aot build --arch sm_90a --max-tokens 8192 --out "$out" --model qwen3,mixtral \
     --quant fp8_block128 | grep -v '^  '
-  # drop v111's box tails (the A/B queued in docs/PERFORMANCE.md): Qwen3's and Mixtral's GEMMs
-  for b in 8 16; do
-    MOE_EP_BOX_TAILS=$b python -m moe_ep.aot build --arch sm_90a --max-tokens 8192 --out "$out" --model qwen3,mixtral \
-      --kernels fc1,fc2 | grep -v '^  '
-  done
   du -sh "$out"
   exit 0
 fi
