@@ -149,9 +149,11 @@ def use_box_tails(schedule: str, gather_a: bool = False, cluster_n: int = 1) -> 
     reads, multiplies and masks the next expert's tokens (Qwen3 at 8192 tokens: 11.6% of the rows its
     GEMMs compute; ``bench padfill``, H100: the same tiles 0.3-2.3% faster with zero spare rows).
     Unlike drop v110's experiment (a per-tile rewritten descriptor, 4-7% slower) nothing is written:
-    the box's descriptor is a kernel parameter. Same bits. ``MOE_EP_BOX_TAILS``: 0 (default), 8, 16
-    or 32. The TMA kernels whose CTAs load their own A rows only (cooperative, wide, pingpong; not
-    swap-AB, gathering or ``cluster_n``)."""
+    the box's descriptor is a kernel parameter. Same bits, but slower (57th session, H100, the layer
+    per call: Qwen3 3-7%, gpt-oss 10-17%; the GEMMs alone 12-27% slower with the spare boxes zero-filled
+    and within -3..+5% with the same boxes read: TMA's fill of a wholly out-of-bounds box is the cost,
+    docs/LIMITS.md). ``MOE_EP_BOX_TAILS``: 0 (default), 8, 16 or 32. The TMA kernels whose CTAs load
+    their own A rows only (cooperative, wide, pingpong; not swap-AB, gathering or ``cluster_n``)."""
     raw = env_choice("MOE_EP_BOX_TAILS", ("0", "8", "16", "32"), "0")
     if schedule not in ("cooperative", "wide", "pingpong") or gather_a or cluster_n > 1:
         return 0
