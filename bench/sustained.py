@@ -129,7 +129,11 @@ def sustain(fn, sets, seconds: float, warm_seconds: float):
     return a.elapsed_time(b) / n, n, t0, time.time()
 
 
-def timed_rounds(kernels, rounds: int, seconds: float, warm_seconds: float, limit: float = 5e-2):
+#: the relative error above which a kernel's check calls it wrong, so it is not timed
+CHECK_LIMIT = 5e-2
+
+
+def timed_rounds(kernels, rounds: int, seconds: float, warm_seconds: float, limit: float = CHECK_LIMIT):
     """Check, then time in steady state, a list of ``(gemm, name, flops, fn, sets, check)``: each
     ``fn(*sets[0])`` once and its ``check()`` (relative error); then, with ``nvidia-smi`` sampling,
     every kernel whose error is at most ``limit`` under :func:`sustain`, interleaved for ``rounds``
@@ -150,10 +154,10 @@ def timed_rounds(kernels, rounds: int, seconds: float, warm_seconds: float, limi
 
 
 def print_untimed(errors: dict, width: int) -> None:
-    """One line per ``(gemm, name)`` of ``errors`` over 5e-2 (:func:`timed_rounds`' limit: checked wrong,
+    """One line per ``(gemm, name)`` of ``errors`` over :data:`CHECK_LIMIT` (checked wrong,
     so not timed), the name in a ``width``-wide column as the timing rows print it."""
     for (gemm, name), err in errors.items():
-        if err > 5e-2:
+        if err > CHECK_LIMIT:
             print(f"{gemm:<5}{name[:width - 1]:<{width}}  wrong (rel. error {err:.2e} > 5e-2): not timed")
 
 

@@ -53,8 +53,8 @@ from .sm90_megamoe_switches import (  # noqa: F401  (re-exported: the shim reads
     use_bf16_cluster,
     use_bf16_cluster_n,
     use_bf16_tanh_sigmoid,
-    use_gated_pingpong,
     use_box_tails,
+    use_gated_pingpong,
     use_jump_stages,
     use_wide_gated,
 )
@@ -589,14 +589,13 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
                          f"{_C['DEFAULT_TILE_K']} == 0, got {schedule!r}, K={k}")
     cluster = use_bf16_cluster(schedule, gather_a, gated=activation in GEMM_GATED,
                                rows_per_expert=rows_per_expert, device_name=device_name)
+    cluster_n = use_bf16_cluster_n(schedule, activation in GEMM_GATED, gather_a)
     key = GemmKey(CONSTANTS.value(PKG, "DROP_VERSION"), _C["ABI_VERSION"], _cutlass_version(), "sm_90a",
                   "bf16", activation, n, k, num_experts, bool(scale_rows), tile, bias, raster, alpha, limit,
                   schedule, ffi, early, bool(gather_a), cluster,
                   use_bf16_tanh_sigmoid(activation),
-                  use_bf16_cluster_n(schedule, activation in GEMM_GATED, gather_a),
-                  use_jump_stages(schedule), beta, after_act, *softcaps,
-                  box_rows=use_box_tails(schedule, gather_a,
-                                         use_bf16_cluster_n(schedule, activation in GEMM_GATED, gather_a)))
+                  cluster_n, use_jump_stages(schedule), beta, after_act, *softcaps,
+                  box_rows=use_box_tails(schedule, gather_a, cluster_n))
 
     def build():
         launch = _load("sm90_megamoe.launch")
