@@ -20,6 +20,12 @@ if [ "${1:-}" = slim ]; then
   done
   python -m moe_ep.aot build --arch sm_90a --max-tokens 8192 --out "$out" --model qwen3,mixtral \
     --quant fp8_block128 | grep -v '^  '
+  # drop v112's FC2 inside FC1's last wave (MOE_EP_FC2_EARLY=1): Qwen3's and Mixtral's pair, the H200's
+  # and the H100's picks
+  MOE_EP_FC2_EARLY=1 python -m moe_ep.aot build --arch sm_90a --max-tokens 8192 --out "$out" --model qwen3,mixtral \
+    --kernels fc1,fc2 | grep -v '^  '
+  MOE_EP_FC2_EARLY=1 python -m moe_ep.aot build --arch sm_90a --max-tokens 8192 --out "$out" --model qwen3,mixtral \
+    --kernels fc1,fc2 --gpu "NVIDIA H100 80GB HBM3" | grep -v '^  '
   du -sh "$out"
   exit 0
 fi

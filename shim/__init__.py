@@ -41,6 +41,8 @@ from .drops.sm90_megamoe import compile_gemm_ptx as sm90_compile_gemm_ptx
 from .drops.sm90_megamoe import grouped_gemm as sm90_grouped_gemm
 from .drops.sm90_megamoe import pick_raster_m as sm90_pick_raster_m
 from .drops.sm90_megamoe import place_sync_len as sm90_place_sync_len
+from .drops.sm90_megamoe import handoff_sync_len as sm90_handoff_sync_len
+from .drops.sm90_megamoe import use_fc2_early as sm90_use_fc2_early
 from .drops.sm90_megamoe import pick_schedule as sm90_pick_schedule
 from .drops.sm90_megamoe import SWAPAB_MAX_ROWS_PER_EXPERT as SM90_DECODE_MAX_ROWS_PER_EXPERT
 from .drops.sm90_megamoe import cache_namespace as sm90_cache_namespace
@@ -86,7 +88,8 @@ __all__ = [
     "BufferSpec", "SM90_EP_COUNTERS", "SM90_LAYOUT_MAX_CHUNKS", "SM90_MEGAMOE_CONSTANTS", "Sm90EpSession",
     "Sm90GroupedGemm", "Sm90LayoutSession", "sm90_check_gemm_shapes", "sm90_compile_ep_ptx",
     "sm90_compile_gemm_ptx", "sm90_ep_buffer_specs", "sm90_grouped_gemm", "sm90_layout_counts_len",
-    "sm90_new_verr", "sm90_pick_raster_m", "sm90_place_sync_len", "sm90_pick_schedule", "SM90_DECODE_MAX_ROWS_PER_EXPERT",
+    "sm90_new_verr", "sm90_pick_raster_m", "sm90_place_sync_len", "sm90_handoff_sync_len", "sm90_use_fc2_early",
+    "sm90_pick_schedule", "SM90_DECODE_MAX_ROWS_PER_EXPERT",
     "COMPILE_EVENTS", "CacheEvent", "CompileCacheWarning", "compile_cache_root", "list_cache_entries",
     "set_compile_cache_dir", "verify_cache_entry", "sm90_cache_namespace", "sm90_compiled_grouped_gemm",
     "sm90_prebuild_ep", "sm90_prebuild_layout", "SM90_EP_ARCHS", "sm90_check_fp8_gemm", "sm90_compiled_fp8_gemm",

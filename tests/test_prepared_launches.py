@@ -352,12 +352,13 @@ def test_bf16_backend_runs_the_prepared_gemms_of_the_calls_path():
 
     from moe_ep.backends.sm90.bf16_cutedsl.backend import Sm90CuteDSLBackend
 
-    calls = []
+    calls, handoffs = [], {}
 
-    def gemm(name):
-        def prepare(a, offsets, out, row_scale=None, max_active_ctas=None, idx=None):
+    def gemm(name, handoff=""):
+        def prepare(a, offsets, out, row_scale=None, max_active_ctas=None, idx=None, sync=None, publishers=None):
+            handoffs[name] = (sync, publishers)
             return lambda w, bias=None: calls.append((name, a, out, row_scale, max_active_ctas, w, bias))
-        return SimpleNamespace(gather_a=False, prepare=prepare)
+        return SimpleNamespace(gather_a=False, prepare=prepare, handoff=handoff, grid_ctas=lambda ctas: ctas - 1)
 
     b = object.__new__(Sm90CuteDSLBackend)
     for n in ("offsets", "idx", "ws_rows", "pos", "xs", "h", "y"):
@@ -374,3 +375,10 @@ def test_bf16_backend_runs_the_prepared_gemms_of_the_calls_path():
         b._step34_experts("w13", "w2", "b13", "b2")
         assert calls == [(f"fc1{path}", b.xs, b.h, None, 7, "w13", "b13"),
                          (f"fc2{path}", b.h, b.y, b.ws_rows, 7, "w2", "b2")]
+    assert all(h == (None, None) for h in handoffs.values())
+    # drop v112 (MOE_EP_FC2_EARLY=1): the 128-row pair shares the sync buffer, FC2 gets FC1's launched CTAs
+    b.fc1, b.fc2 = gemm("fc1", "publish"), gemm("fc2", "await")
+    b._handoff_sync = torch.zeros(9, dtype=torch.int32)
+    b._prepare_launches()
+    assert handoffs["fc1"] == (b._handoff_sync, None) and handoffs["fc2"] == (b._handoff_sync, 6)
+    assert handoffs["fc1_decode"] == handoffs["fc2_decode"] == (None, None)

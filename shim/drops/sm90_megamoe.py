@@ -54,6 +54,7 @@ from .sm90_megamoe_switches import (  # noqa: F401  (re-exported: the shim reads
     use_bf16_cluster_n,
     use_bf16_tanh_sigmoid,
     use_box_tails,
+    use_fc2_early,
     use_gated_pingpong,
     use_jump_stages,
     use_wide_gated,
@@ -62,8 +63,9 @@ from .sm90_megamoe_switches import (  # noqa: F401  (re-exported: the shim reads
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 111},
+    "sm90_megamoe": {"DROP_VERSION": 112},
     "sm90_megamoe.placing_producer": {"PLACE_SYNC_TAIL": 4},
+    "sm90_megamoe.grouped_gemm_handoff": {"HANDOFF_SYNC_TAIL": 4},
     "sm90_megamoe.fp8_gemm": {"FP8_BLOCK": 128, "OVERLAP_MAX_K_TILES": 32, "OVERLAP_MAX_CHUNK": 16,
                               "FP8_ACTIVATIONS": ("identity", "swiglu", "clamped_swiglu", "softcapped_swiglu"),
                               "FP8_GATED": ("swiglu", "clamped_swiglu", "softcapped_swiglu")},
@@ -110,15 +112,17 @@ CONTRACT = DropContract(
                      "raster_m", "swiglu_alpha", "swiglu_limit", "schedule", "compiled", "tvm_ffi",
                      "early_weights", "gather_a", "cluster_m", "tanh_sigmoid",
                      "cluster_n", "jump_stages", "swiglu_beta", "swiglu_limit_after_act",
-                     "gate_softcap", "up_softcap", "box_rows")),
+                     "gate_softcap", "up_softcap", "box_rows", "handoff")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_converted",
-                    ("args", "max_active_ctas", "stream")),
+                    ("args", "max_active_ctas", "stream", "publishers")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.launch_tensors",
-                    ("a", "b", "c", "offsets", "row_scale", "bias", "max_active_ctas", "stream", "idx")),
+                    ("a", "b", "c", "offsets", "row_scale", "bias", "max_active_ctas", "stream", "idx", "sync",
+                     "publishers")),
         CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.prepare",
-                    ("a", "out", "offsets", "row_scale", "bias", "max_active_ctas", "idx")),
+                    ("a", "out", "offsets", "row_scale", "bias", "max_active_ctas", "idx", "sync", "publishers")),
+        CallableUse("sm90_megamoe.launch:CompiledGroupedGemm.grid_ctas", ("max_active_ctas", "device")),
         CallableUse("sm90_megamoe.launch:to_cute_args",
-                    ("a", "b", "c", "offsets", "row_scale", "bias", "idx")),
+                    ("a", "b", "c", "offsets", "row_scale", "bias", "idx", "sync")),
         CallableUse("sm90_megamoe.compile_check:compile_for_arch",
                     ("activation", "n", "k", "scale_rows", "arch", "num_experts", "tile_n",
                      "extra_options", "bias_dtype", "raster_m", "swiglu_alpha", "swiglu_limit",
@@ -439,6 +443,7 @@ class GemmKey:
     gate_softcap: float = 0.0  # softcapped_swiglu's caps (drop v103); 0.0 for the other activations
     up_softcap: float = 0.0
     box_rows: int = 0  # a partial m-tile's A in boxes of this many rows, the rest zero fill (drop v111)
+    handoff: str = ""  # "publish" (FC1) / "await" (FC2): FC2 inside FC1's last wave (drop v112)
 
 
 class GroupedGemm:
@@ -462,6 +467,7 @@ class GroupedGemm:
         self.n_out = compiled.n_out
         self.tvm_ffi = compiled.tvm_ffi
         self.gather_a = compiled.gather_a
+        self.handoff = getattr(compiled, "handoff", "")  # drop v112: "publish" / "await" / ""
         self._to = to_cute_args
         self._last: tuple | None = None
         # unread arguments of variants without a row scale / bias (the drop's signature: fp32
@@ -470,8 +476,13 @@ class GroupedGemm:
         self._dummy_bias = torch.zeros(1, 8, dtype=torch.float32, device=device)
         self._ctas = _num_sms(device)
 
+    def grid_ctas(self, max_active_ctas=None) -> int:
+        """The CTAs a launch with ``max_active_ctas`` (None: one per SM) runs: an awaiting FC2's
+        ``publishers`` (drop v112)."""
+        return self.compiled.grid_ctas(max_active_ctas=max_active_ctas or self._ctas)
+
     def __call__(self, a, b, offsets, out, row_scale=None, max_active_ctas=None, stream=None, bias=None,
-                 idx=None):
+                 idx=None, sync=None, publishers=None):
         if self.gather_a != (idx is not None):
             raise ValueError("a gathering grouped GEMM takes idx (grouped row r = a[idx[r]]); any other refuses it")
         if a.shape[0] == 0:
@@ -488,45 +499,52 @@ class GroupedGemm:
             raise ValueError("this grouped GEMM was compiled without a bias: bias must be None")
         else:
             bias = self._dummy_bias
+        if bool(self.handoff) != (sync is not None) or (self.handoff == "await") != (publishers is not None):
+            raise ValueError(f"this grouped GEMM's handoff is {self.handoff or 'none'!r}: sync goes with 'publish' "
+                             "and 'await', publishers (FC1's CTAs) with 'await' only")
+        hand = {} if sync is None else {"sync": sync}
         if self.tvm_ffi:
             self.compiled.launch_tensors(a=a, b=b, c=out, offsets=offsets, row_scale=row_scale, bias=bias,
-                                         max_active_ctas=max_active_ctas or self._ctas, stream=stream, idx=idx)
+                                         max_active_ctas=max_active_ctas or self._ctas, stream=stream, idx=idx,
+                                         publishers=publishers, **hand)
             return out
-        ts = (a, b, out, offsets, row_scale, bias) + (() if idx is None else (idx,))
+        ts = (a, b, out, offsets, row_scale, bias) + (() if idx is None else (idx,)) + (() if sync is None else (sync,))
         key = tuple((t.data_ptr(), tuple(t.shape), t.dtype) for t in ts)
         if self._last is None or self._last[0] != key:
-            self._last = (key, self._to(a=a, b=b, c=out, offsets=offsets, row_scale=row_scale, bias=bias, idx=idx),
-                          ts)
+            self._last = (key, self._to(a=a, b=b, c=out, offsets=offsets, row_scale=row_scale, bias=bias, idx=idx,
+                                        **hand), ts)
         self.compiled.launch_converted(args=self._last[1], max_active_ctas=max_active_ctas or self._ctas,
-                                       stream=stream)
+                                       stream=stream, publishers=publishers)
         return out
 
-    def prepare(self, a, offsets, out, row_scale=None, max_active_ctas=None, idx=None):
+    def prepare(self, a, offsets, out, row_scale=None, max_active_ctas=None, idx=None, sync=None, publishers=None):
         """``self(a, b, offsets, out, row_scale, max_active_ctas, bias=bias, idx=idx)``
         with all but the weights (and the bias, when compiled with one) fixed: ``run(b, bias=None)``,
         the same launch. A gathering GEMM may leave its source rows to each call
         (``a=None``: ``run(b, bias=None, a=x)``). TVM-FFI kernels check and pack the fixed tensors
         once (the drop's ``CompiledGroupedGemm.prepare``, with this launcher's placeholders); the
         classic path calls this launcher (its converted arguments are cached anyway). The fixed
-        tensors must keep their shapes while ``run`` is used."""
+        tensors must keep their shapes while ``run`` is used. ``sync`` / ``publishers``: a handoff GEMM's
+        (drop v112), fixed too."""
         if self.gather_a != (idx is not None):
             raise ValueError("a gathering grouped GEMM takes idx (grouped row r = a[idx[r]]); any other refuses it")
         if self.scale_rows and row_scale is None:
             raise ValueError("this grouped GEMM was compiled with scale_rows=True: pass row_scale")
         ctas = max_active_ctas or self._ctas
+        hand = {} if sync is None else {"sync": sync, "publishers": publishers}
         if a is None:  # the source rows per call
             if not self.tvm_ffi:
                 def run_rows_plain(b, bias=None, a=None):
-                    self(a, b, offsets, out, row_scale, ctas, bias=bias, idx=idx)
+                    self(a, b, offsets, out, row_scale, ctas, bias=bias, idx=idx, **hand)
                 return run_rows_plain
         elif not self.tvm_ffi or a.shape[0] == 0:  # (no rows: __call__ launches nothing)
             def run_plain(b, bias=None):
-                self(a, b, offsets, out, row_scale, ctas, bias=bias, idx=idx)
+                self(a, b, offsets, out, row_scale, ctas, bias=bias, idx=idx, **hand)
             return run_plain
         return self.compiled.prepare(a=a, out=out, offsets=offsets,
                                      row_scale=row_scale if self.scale_rows else self._dummy_scale,
                                      bias=None if self.bias_dtype is not None else self._dummy_bias,
-                                     max_active_ctas=ctas, idx=idx)
+                                     max_active_ctas=ctas, idx=idx, **hand)
 
     def release(self) -> None:
         """Drop the cached converted arguments (they keep the last tensors alive, e.g. the
@@ -551,7 +569,7 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
                           early_weights: bool = False, gather_a: bool = False,
                           device_name: str | None = None, swiglu_beta: float = 1.0,
                           swiglu_limit_after_act: bool = False, gate_softcap: float = 4.0,
-                          up_softcap: float = 25.0) -> Any:
+                          up_softcap: float = 25.0, handoff: str = "") -> Any:
     """The compiled grouped GEMM from the compile cache (compiled code only, no buffers).
     ``schedule``/``tile_n`` None: :func:`pick_schedule` (``rows_per_expert``: the mean rows per
     expert the caller expects at capacity; None = many, the prefill kernels). ``early_weights``:
@@ -561,8 +579,12 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
     ``gather_a`` (drop v23; cooperative / wide, K % 64 == 0): A is the source rows and a call
     passes ``idx`` (grouped row r = ``a[idx[r]]``). (Drop v94 removed v91's ``place_a``.)
     ``device_name``: the GPU it will run on (``torch.cuda.get_device_name``; None = unknown, e.g. a
-    CPU prebuild), for choices measured per GPU (:func:`use_bf16_cluster`)."""
+    CPU prebuild), for choices measured per GPU (:func:`use_bf16_cluster`). ``handoff`` (drop v112,
+    :func:`use_fc2_early`): "publish" for a layer's FC1, "await" for its FC2 (FC2 inside FC1's last wave);
+    the swap-AB schedule takes neither (no last wave to fill) and returns the plain kernel."""
     check_gemm_shapes(activation, n, k, num_experts, tile_n)
+    if handoff not in ("", "publish", "await"):
+        raise ValueError(f"sm90 grouped GEMM: handoff must be '', 'publish' or 'await', got {handoff!r}")
     check_removed()  # a switch of a removed variant, still set, raises here
     if schedule is None:
         schedule, picked_tile = pick_schedule(activation, k, rows_per_expert, device_name)
@@ -590,12 +612,14 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
     cluster = use_bf16_cluster(schedule, gather_a, gated=activation in GEMM_GATED,
                                rows_per_expert=rows_per_expert, device_name=device_name)
     cluster_n = use_bf16_cluster_n(schedule, activation in GEMM_GATED, gather_a)
+    box_rows = use_box_tails(schedule, gather_a, cluster_n)
+    handoff = check_handoff(handoff, schedule, gather_a, cluster_n, box_rows)
     key = GemmKey(CONSTANTS.value(PKG, "DROP_VERSION"), _C["ABI_VERSION"], _cutlass_version(), "sm_90a",
                   "bf16", activation, n, k, num_experts, bool(scale_rows), tile, bias, raster, alpha, limit,
                   schedule, ffi, early, bool(gather_a), cluster,
                   use_bf16_tanh_sigmoid(activation),
                   cluster_n, use_jump_stages(schedule), beta, after_act, *softcaps,
-                  box_rows=use_box_tails(schedule, gather_a, cluster_n))
+                  box_rows=box_rows, handoff=handoff)
 
     def build():
         launch = _load("sm90_megamoe.launch")
@@ -615,6 +639,8 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
             kw.update(jump_stages=True)
         if key.box_rows:
             kw.update(box_rows=key.box_rows)
+        if key.handoff:
+            kw.update(handoff=key.handoff)
         if activation == "clamped_swiglu":
             kw.update(swiglu_alpha=alpha, swiglu_limit=limit, swiglu_beta=beta)
             if after_act:
@@ -624,6 +650,7 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
         name = (f"gemm_{activation}" + ("_gather" if gather_a else "")
                 + ("_cluster2" if key.cluster_m > 1 else "") + ("_clustern2" if key.cluster_n > 1 else "")
                 + ("_js" if key.jump_stages else "") + (f"_bt{key.box_rows}" if key.box_rows else "")
+                + ({"publish": "_hp", "await": "_ha"}.get(key.handoff, ""))
                 + ("_tanh" if key.tanh_sigmoid else ""))
         fn = disk_cache.get_or_build(cache_namespace(), name, key,
                                      lambda: launch.CompiledGroupedGemm(**kw).compiled, tvm_ffi=ffi)
@@ -639,7 +666,7 @@ def grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: 
                  rows_per_expert: float | None = None, early_weights: bool = False,
                  gather_a: bool = False, swiglu_beta: float = 1.0,
                  swiglu_limit_after_act: bool = False, gate_softcap: float = 4.0,
-                 up_softcap: float = 25.0) -> GroupedGemm:
+                 up_softcap: float = 25.0, handoff: str = "") -> GroupedGemm:
     """A new :class:`GroupedGemm` launcher for ``device`` (default: the current CUDA device).
 
     ``bias_dtype``: None or torch.float32/bfloat16 (the variant adds ``bias [E, n]``);
@@ -656,9 +683,31 @@ def grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: 
                                      raster_m, swiglu_alpha, swiglu_limit, schedule, rows_per_expert,
                                      early_weights, gather_a, device_name=torch.cuda.get_device_name(dev),
                                      swiglu_beta=swiglu_beta, swiglu_limit_after_act=swiglu_limit_after_act,
-                                     gate_softcap=gate_softcap, up_softcap=up_softcap)
+                                     gate_softcap=gate_softcap, up_softcap=up_softcap, handoff=handoff)
     launch = _load("sm90_megamoe.launch")
     return GroupedGemm(compiled, launch.to_cute_args, dev)
+
+
+def check_handoff(handoff: str, schedule: str, gather_a: bool, cluster_n: int, box_rows: int) -> str:
+    """The handoff role a GEMM of ``schedule`` takes (drop v112): none for swap-AB (no last wave);
+    a ValueError naming the switches for what cannot take it."""
+    if not handoff or schedule == "swapab":
+        return ""
+    if gather_a or box_rows:
+        raise ValueError("sm90 grouped GEMM: MOE_EP_FC2_EARLY=1 does not combine with MOE_EP_GATHER_FC1=1 or "
+                         "MOE_EP_BOX_TAILS; unset one of them")
+    if handoff == "publish" and (schedule not in ("cooperative", "wide") or cluster_n > 1):
+        raise ValueError(f"sm90 grouped GEMM: MOE_EP_FC2_EARLY=1 needs FC1 on the cooperative or wide schedule "
+                         f"without MOE_EP_BF16_CLUSTER_N, got {schedule!r} (MOE_EP_GATED_PINGPONG=1?); unset one")
+    return handoff
+
+
+def handoff_sync_len(rows: int, num_experts: int) -> int:
+    """Length of the int32 sync buffer that a publishing FC1 and its awaiting FC2 share (drop v112) for
+    calls of at most ``rows`` grouped rows over ``num_experts`` experts: one pending count per m-tile
+    slot, then the drop's tail (mirrored ``HANDOFF_SYNC_TAIL``; its last word is the error word)."""
+    slots = (int(rows) + _C["DEFAULT_TILE_M"] - 1) // _C["DEFAULT_TILE_M"] + int(num_experts)
+    return slots + CONSTANTS.value("sm90_megamoe.grouped_gemm_handoff", "HANDOFF_SYNC_TAIL")
 
 
 def place_sync_len(rows: int, num_experts: int) -> int:

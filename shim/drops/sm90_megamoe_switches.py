@@ -169,3 +169,14 @@ def use_bf16_tanh_sigmoid(activation: str) -> bool:
     (the whole GPU suite passed with it); ``MOE_EP_BF16_TANH_SIGMOID=0`` takes the exact-form
     sigmoid (``ex2`` + ``rcp``; other bits)."""
     return activation == "swiglu" and env_flag("MOE_EP_BF16_TANH_SIGMOID", True)
+
+
+def use_fc2_early() -> bool:
+    """``MOE_EP_FC2_EARLY=1`` (drop v112): a layer's 128-row FC2 starts inside FC1's last wave. FC1
+    (cooperative or wide) publishes its CTAs' progress in a sync buffer and FC2 waits per m-tile for
+    the FC1 tiles it reads, instead of PDL's wait for the whole of FC1
+    (``sm90_megamoe.grouped_gemm_handoff``). Same bits. Priced at up to ~17 us of a Qwen3 forward at
+    8192 tokens (FC1's last wave leaves 16.5 us of the GPU idle, ``bench.schedule_model``), before the
+    two fences per FC1 CTA; not yet timed on a GPU, so off. Refused beside ``MOE_EP_GATHER_FC1=1``,
+    ``MOE_EP_GATED_PINGPONG=1`` and ``MOE_EP_BOX_TAILS``; the decode (swap-AB) GEMMs never take it."""
+    return env_flag("MOE_EP_FC2_EARLY", False)

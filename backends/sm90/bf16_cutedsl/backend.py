@@ -38,8 +38,9 @@ from typing import Any
 import torch
 
 from moe_ep.shim import (COMPILE_EVENTS, SM90_DECODE_MAX_ROWS_PER_EXPERT, Sm90EpSession, Sm90LayoutSession, StaleHandleError,
-                         env_flag, sm90_check_gemm_shapes, sm90_compiled_grouped_gemm, sm90_grouped_gemm, sm90_new_verr,
-                         sm90_prebuild_ep, sm90_prebuild_layout)
+                         env_flag, sm90_check_gemm_shapes, sm90_compiled_grouped_gemm, sm90_grouped_gemm,
+                         sm90_handoff_sync_len, sm90_new_verr, sm90_prebuild_ep, sm90_prebuild_layout,
+                         sm90_use_fc2_early)
 
 from ...registry import BackendImpl, UnsupportedBackendError, require_cuda_arch, routing_value_error
 from .workspace import Dims, get_workspace
@@ -183,6 +184,8 @@ def _gemm_specs(cfg: Any, e_local: int, world: int = 1) -> dict:
             specs[f"{name}_decode"] = dict(specs[name], rows_per_expert=SM90_DECODE_MAX_ROWS_PER_EXPERT)
         if world == 1 and gather_fc1() and local_route() and cfg.hidden % 64 == 0:
             specs["fc1"]["gather_a"] = True  # the 128-row FC1 reads the caller's tokens by idx
+    if sm90_use_fc2_early():  # drop v112: the 128-row FC2 starts inside FC1's last wave (not the decode pair)
+        specs["fc1"]["handoff"], specs["fc2"]["handoff"] = "publish", "await"
     return specs
 
 
@@ -309,6 +312,13 @@ class Sm90CuteDSLBackend(BackendImpl):
             self.fc2_decode = sm90_grouped_gemm(**specs["fc2_decode"], device=dev)
         self._decode_max_tokens = int(SM90_DECODE_MAX_ROWS_PER_EXPERT * cfg.num_experts / (self.W * cfg.top_k))
         self._gemms = (self.fc1, self.fc2)
+        # drop v112: FC1 and FC2 share a sync buffer (zero once here; the kernels leave it so)
+        self._handoff_sync = None
+        if (self.fc1.handoff, self.fc2.handoff) == ("publish", "await"):
+            P = views["xs"].shape[0]
+            self._handoff_sync = torch.zeros(sm90_handoff_sync_len(P, self.E), dtype=torch.int32, device=dev)
+        elif self.fc1.handoff or self.fc2.handoff:  # the shim gives both or neither (same schedule rules)
+            raise RuntimeError(f"{self.name}: FC1's handoff {self.fc1.handoff!r} without FC2's {self.fc2.handoff!r}")
 
     def _prepare_launches(self) -> None:
         """The hot path's launches with this layer's buffers fixed, checked and packed once (drop
@@ -331,13 +341,18 @@ class Sm90CuteDSLBackend(BackendImpl):
         for decode, (fc1, fc2) in ((False, (self.fc1, self.fc2)), (True, (self.fc1_decode, self.fc2_decode))):
             if fc1 is None:
                 continue
+            hand1 = hand2 = {}
+            if fc2.handoff:  # drop v112: FC2 waits for FC1's CTAs (publishers) per m-tile
+                hand1 = {"sync": self._handoff_sync}
+                hand2 = {"sync": self._handoff_sync, "publishers": fc1.grid_ctas(self.num_ctas)}
             if fc1.gather_a:  # the grouped rows read from the call's x by idx
                 run1 = fc1.prepare(None, self.offsets, self.h, max_active_ctas=self.num_ctas, idx=self.idx)
             else:
-                run1 = fc1.prepare(self.xs, self.offsets, self.h, max_active_ctas=self.num_ctas)
+                run1 = fc1.prepare(self.xs, self.offsets, self.h, max_active_ctas=self.num_ctas, **hand1)
             self._expert_runs[decode] = (
                 run1,
-                fc2.prepare(self.h, self.offsets, self.y, row_scale=self.ws_rows, max_active_ctas=self.num_ctas))
+                fc2.prepare(self.h, self.offsets, self.y, row_scale=self.ws_rows, max_active_ctas=self.num_ctas,
+                            **hand2))
 
     def _rebind(self) -> None:
         """The workspace grew: carve the new pools again."""
@@ -526,9 +541,10 @@ class Sm90CuteDSLBackend(BackendImpl):
                                                           for n in ("topk_ids", "topk_weights")))
 
     def _placement_buffers(self) -> dict:
-        """The sync buffers of this layer's placing GEMMs, by what they place: none in BF16 (drop
-        v94 removed v91's placing FC1); the FP8 backend's copying FC1 has one."""
-        return {}
+        """The sync buffers of this layer's GEMMs that wait on one another, by what waits: in BF16 FC2's
+        wait for FC1 (drop v112, ``MOE_EP_FC2_EARLY=1``); the FP8 backend's copying FC1 (drop v92)."""
+        sync = getattr(self, "_handoff_sync", None)
+        return {} if sync is None else {"FC2's wait for FC1 (MOE_EP_FC2_EARLY)": sync}
 
     def _check_placement(self) -> None:
         """A placing GEMM (the FP8 backend's ``MOE_EP_FP8_PLACE_FC1=copy``)

@@ -24,7 +24,8 @@ def fake_args(kernel: GroupedGemmSm90, num_experts: int, n: int, k: int, use_tvm
 
     Layouts match what ``launch.to_cute_args`` produces from contiguous torch tensors. ``bias_dtype``
     ("float32" or "bfloat16") is part of the compiled signature even without ``has_bias``. A
-    gathering kernel (``kernel.gather_a``): (mA, mIdx, mB, ...), A with its own row count."""
+    gathering kernel (``kernel.gather_a``): (mA, mIdx, mB, ...), A with its own row count. A handoff kernel
+    (drop v112): ``mSync`` after mBias, and the awaiting one's ``publishers`` after it."""
     n_out, _ = kernel.static_shapes(n, k)
     m = cute.sym_int()
     gather_a = getattr(kernel, "gather_a", False)  # the swap-AB kernel has no gathering form
@@ -44,7 +45,11 @@ def fake_args(kernel: GroupedGemmSm90, num_experts: int, n: int, k: int, use_tvm
                                          assumed_align=4)
     stream = make_fake_stream(use_tvm_ffi_env_stream=use_tvm_ffi)
     idx = (make_fake_compact_tensor(cutlass.Int32, (m,), assumed_align=4),) if gather_a else ()
-    return (mA, *idx, mB, mC, mOff, mScale, mBias, cutlass.Int32(132), stream)
+    # drop v112: the publishing FC1's / awaiting FC2's sync buffer (and FC2's count of FC1's CTAs)
+    role = getattr(kernel, "handoff", None)
+    sync = (make_fake_compact_tensor(cutlass.Int32, (cute.sym_int(),), assumed_align=4),) if role else ()
+    publishers = (cutlass.Int32(132),) if role == "await" else ()
+    return (mA, *idx, mB, mC, mOff, mScale, mBias, *sync, *publishers, cutlass.Int32(132), stream)
 
 
 def compile_for_arch(
@@ -72,12 +77,18 @@ def compile_for_arch(
     up_softcap: float = 25.0,
     cluster_m: int = 1,
     box_rows: int = 0,
+    handoff: str = "",
 ):
     """Compile one variant for ``arch`` from fake tensors. ``bias_dtype``: None (no bias),
     "float32" or "bfloat16"; ``gather_a``: the gathering kernel (:mod:`.grouped_gemm_gather`);
     ``jump_stages``: pingpong's one-step skip of the other warpgroup's stages (drop v79);
-    ``box_rows`` > 0: :class:`~.grouped_gemm_box_tails.GroupedGemmBoxTailsSm90` (drop v111)."""
+    ``box_rows`` > 0: :class:`~.grouped_gemm_box_tails.GroupedGemmBoxTailsSm90` (drop v111);
+    ``handoff`` "publish" / "await": :mod:`.grouped_gemm_handoff`'s FC1 / FC2 (drop v112)."""
     cls, box = GroupedGemmSm90, {}
+    if handoff:
+        from .grouped_gemm_handoff import handoff_class
+
+        cls = handoff_class(handoff)
     if gather_a:
         from .grouped_gemm_gather import GroupedGemmGatherSm90 as cls
     elif box_rows:

@@ -281,6 +281,8 @@ class GroupedGemmSm90:
     tanh_sigmoid = False
     #: drop v79: pingpong skips the other warpgroup's stages in one step (set in __init__)
     jump_stages = False
+    #: drop v112: "publish" (FC1) / "await" (FC2) of :mod:`.grouped_gemm_handoff`; None: the plain kernel
+    handoff = None
 
     def __init__(
         self,
@@ -651,12 +653,19 @@ class GroupedGemmSm90:
         b_smem_layout_main: cute.ComposedLayout,
         gather=None,
         tails=None,
+        handoff=None,
     ):
         """The kernel (traced inline into each variant's ``@cute.kernel``). ``gather``: ``(mA,
         mIdx)`` for the gathering variant (``self.gather_a``, :mod:`.grouped_gemm_gather`): grouped
         row r is ``mA[mIdx[r]]``, loaded by the producer warpgroup with cp.async. ``tails``: ``(tma_atom,
-        mA_tma)`` of the ``box_tails`` variant's small A box (:mod:`.grouped_gemm_box_tails`, drop v111)."""
-        wait_previous_grid()
+        mA_tma)`` of the ``box_tails`` variant's small A box (:mod:`.grouped_gemm_box_tails`, drop v111).
+        ``handoff``: ``(mSync, publishers)`` of the publishing FC1 / awaiting FC2
+        (:mod:`.grouped_gemm_handoff`, drop v112; ``self.handoff`` says which)."""
+        if cutlass.const_expr(self.handoff == "await"):  # drop v112: FC1's early_done, not its whole grid
+            cute.arch.griddepcontrol_launch_dependents()
+            self._await_gate(handoff)
+        else:
+            wait_previous_grid()
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         gdim, _, _ = cute.arch.grid_dim()
@@ -783,6 +792,8 @@ class GroupedGemmSm90:
                             tBsB_q, tBgBs_q = self._b_views(tma_atom_b, mB_tma, tBsB, n_tile * self.tile_n,
                                                             tile_expert, 1 - cta_rank)
                         rows_valid = row_end - row0
+                        if cutlass.const_expr(self.handoff == "await"):  # drop v112: FC1 stored this m-tile
+                            self._await_m_tile(handoff, tile_expert, row0, row_end)
                         for k_tile in range(k_tiles):
                             ab_pipeline.producer_acquire(prod_state)
                             bar = ab_pipeline.producer_get_barrier(prod_state)
@@ -804,6 +815,8 @@ class GroupedGemmSm90:
                             prod_state.advance()
                         tile_id = tile_id + unit_step
                     ab_pipeline.producer_tail(prod_state)
+                    if cutlass.const_expr(self.handoff == "await"):
+                        self._finish_await(handoff, lane, gdim)
 
         # =========================================================== consumer warpgroups
         if warp_group_idx > 0:
@@ -890,6 +903,9 @@ class GroupedGemmSm90:
                     _, tile_expert, row0, row_end = self._pair_tile(sOff, sLone, expert, row0, row_end, cta_rank)
                 if cutlass.const_expr(self.cluster_n > 1):
                     n_tile = n_tile * self.cluster_n + cta_rank
+                if cutlass.const_expr(self.handoff == "publish"):  # drop v112: before the CTA's last tile
+                    if tile_id + tile_step >= total_tiles:
+                        self._publish_last_start(handoff, tile_expert, row0, row_end, mma_tidx, epi_barrier)
 
                 # ---------------- mainloop: keep one WGMMA batch in flight
                 if cutlass.const_expr(self.pingpong):
@@ -932,7 +948,15 @@ class GroupedGemmSm90:
                         for _ in range(k_tiles):
                             read_state.advance()
                             release_state.advance()
+                if cutlass.const_expr(self.handoff == "publish"):  # drop v112: the last tile is stored
+                    if tile_id + tile_step >= total_tiles:
+                        self._publish_last_done(handoff, tile_expert, row0, row_end, mma_tidx, epi_barrier)
                 tile_id = tile_id + tile_step
+            if cutlass.const_expr(self.handoff == "publish"):
+                if unit0 >= total_tiles:
+                    self._publish_no_tile(handoff, mma_tidx)
+        if cutlass.const_expr(self.handoff == "await"):  # FC2 ends after FC1, as with the wait first
+            cute.arch.griddepcontrol_wait()
 
     # ------------------------------------------------------------------ producer helpers
     # (plain methods, traced inline into the producer loops of this kernel, the gathering one and the

@@ -58,11 +58,12 @@ def cluster_ctas(cluster: int, device=None) -> int:
     return min(_num_sms(index), _cluster_ctas(int(cluster), index))
 
 
-def to_cute_args(a, b, c, offsets, row_scale, bias, idx=None):
+def to_cute_args(a, b, c, offsets, row_scale, bias, idx=None, sync=None):
     """Convert contiguous torch tensors to CuTe tensors whose static/dynamic structure matches
     ``compile_check.fake_args``: M_total dynamic, everything else static. ``bias``: ``[E, N]``
     (fp32/bf16) for a has_bias kernel, else any ``[1, L]`` fp32 placeholder. ``idx`` ([M_total]
-    int32, a gathering kernel only): follows ``a`` (then the source rows, their own count)."""
+    int32, a gathering kernel only): follows ``a`` (then the source rows, their own count).
+    ``sync`` ([S + 4] int32, a handoff kernel only, drop v112): follows ``bias``."""
     mA = from_dlpack(a, assumed_align=16).mark_compact_shape_dynamic(mode=0, stride_order=(0, 1))
     ix = () if idx is None else (from_dlpack(idx, assumed_align=4).mark_compact_shape_dynamic(mode=0),)
     mB = from_dlpack(b, assumed_align=16)
@@ -72,7 +73,8 @@ def to_cute_args(a, b, c, offsets, row_scale, bias, idx=None):
     mBias = from_dlpack(bias, assumed_align=4)
     if bias.shape[0] == 1:  # the placeholder's length is dynamic
         mBias = mBias.mark_compact_shape_dynamic(mode=1, stride_order=(0, 1))
-    return (mA, *ix, mB, mC, mOff, mScale, mBias)
+    sy = () if sync is None else (from_dlpack(sync, assumed_align=4).mark_compact_shape_dynamic(mode=0),)
+    return (mA, *ix, mB, mC, mOff, mScale, mBias, *sy)
 
 
 def ffi_function(compiled):
@@ -128,7 +130,8 @@ class CompiledGroupedGemm:
                  early_weights: bool = False, gather_a: bool = False, cluster_m: int = 1,
                  tanh_sigmoid: bool = False, cluster_n: int = 1, jump_stages: bool = False,
                  swiglu_beta: float = 1.0, swiglu_limit_after_act: bool = False,
-                 gate_softcap: float = 4.0, up_softcap: float = 25.0, box_rows: int = 0):
+                 gate_softcap: float = 4.0, up_softcap: float = 25.0, box_rows: int = 0,
+                 handoff: str = ""):
         """``compiled``: this variant's kernel compiled earlier (e.g. loaded from an exported
         object file, ``cute.runtime.load_module``); None compiles it here (sm_90a).
         ``tvm_ffi``: compile for (and launch through) TVM-FFI: :meth:`launch_tensors`.
@@ -152,7 +155,10 @@ class CompiledGroupedGemm:
         (softcapped_swiglu; drop v103): its caps (Inkling2: 4, 25). (Drop v94 removed v91's ``place_a`` / ``place_opts``.)
         ``box_rows`` > 0 (cooperative / wide / pingpong, not gather_a / cluster_n; drop v111): a partial
         m-tile loads A in boxes of that many rows, the boxes past its expert as TMA zero fill
-        (:class:`~.grouped_gemm_box_tails.GroupedGemmBoxTailsSm90`; the same bits and arguments)."""
+        (:class:`~.grouped_gemm_box_tails.GroupedGemmBoxTailsSm90`; the same bits and arguments).
+        ``handoff`` "publish" (FC1: cooperative / wide) or "await" (FC2: any TMA schedule), drop v112: FC2
+        starts inside FC1's last wave and waits per m-tile (:mod:`.grouped_gemm_handoff`); a call passes
+        ``sync`` (both) and ``publishers`` (FC2: the CTAs FC1 was launched with)."""
         from .compile_check import fake_args
 
         if bias_dtype not in _TORCH_BIAS:
@@ -179,7 +185,13 @@ class CompiledGroupedGemm:
                 raise ValueError("cluster_n = 2 does not combine with gather_a")
             if box_rows and (gather_a or cluster_n > 1):
                 raise ValueError("box_rows does not combine with gather_a or cluster_n")
+            if handoff and (gather_a or box_rows):
+                raise ValueError("handoff does not combine with gather_a or box_rows")
             cls, box = GroupedGemmSm90, {}
+            if handoff:
+                from .grouped_gemm_handoff import handoff_class
+
+                cls = handoff_class(handoff)
             if gather_a:
                 from .grouped_gemm_gather import GroupedGemmGatherSm90 as cls
             elif box_rows:
@@ -196,10 +208,11 @@ class CompiledGroupedGemm:
                                           **({"tanh_sigmoid": True} if tanh_sigmoid else {}),
                                           **({"cluster_n": cluster_n} if cluster_n > 1 else {}),
                                           **({"jump_stages": True} if jump_stages else {}), **box)
-        if (gather_a or cluster_m > 1 or cluster_n > 1 or box_rows) and schedule == "swapab":
-            raise ValueError("gather_a, cluster_m, cluster_n and box_rows are 128-row kernel options (not "
+        if (gather_a or cluster_m > 1 or cluster_n > 1 or box_rows or handoff) and schedule == "swapab":
+            raise ValueError("gather_a, cluster_m, cluster_n, box_rows and handoff are 128-row kernel options (not "
                              "schedule='swapab')")
         self.box_rows = int(box_rows)
+        self.handoff = handoff or ""
         self.cluster_m = int(cluster_m)
         self.cluster_n = int(cluster_n)
         self.cluster = self.cluster_m * self.cluster_n  # CTAs per cluster
@@ -244,7 +257,8 @@ class CompiledGroupedGemm:
     def __call__(self, a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor,
                  out: Optional[torch.Tensor] = None, row_scale: Optional[torch.Tensor] = None,
                  max_active_ctas: Optional[int] = None, stream=None,
-                 bias: Optional[torch.Tensor] = None, idx: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 bias: Optional[torch.Tensor] = None, idx: Optional[torch.Tensor] = None,
+                 sync: Optional[torch.Tensor] = None, publishers: Optional[int] = None) -> torch.Tensor:
         """
         a:         [M_total, K]      bf16, contiguous, CUDA
         b:         [E, N, K]         bf16, contiguous
@@ -253,8 +267,11 @@ class CompiledGroupedGemm:
         row_scale: [M_total]         fp32, required iff scale_rows
         bias:      [E, N]            fp32/bf16 (this variant's bias dtype), required iff bias_dtype
         idx:       [M_total]         int32, required iff gather_a (then a is [T_src, K] and out is required)
+        sync:      [S + 4]           int32, required iff handoff (drop v112; zero before the first launch)
+        publishers:                  int, FC1's CTAs, required iff handoff == "await"
         """
         self._check_index_args(idx)
+        self._check_handoff_args(sync, publishers)
         if self.gather_a and out is None:
             raise ValueError("gather_a: pass out [M_total, N_out] (M_total is idx's length)")
         m_total = a.shape[0]
@@ -273,10 +290,25 @@ class CompiledGroupedGemm:
         else:
             bias = dummy_bias
         if self.tvm_ffi:
-            self.launch_tensors(a, b, out, offsets, row_scale, bias, max_active_ctas, stream, idx=idx)
+            self.launch_tensors(a, b, out, offsets, row_scale, bias, max_active_ctas, stream, idx=idx, sync=sync,
+                                publishers=publishers)
         else:
-            self.launch_converted(to_cute_args(a, b, out, offsets, row_scale, bias, idx), max_active_ctas, stream)
+            self.launch_converted(to_cute_args(a, b, out, offsets, row_scale, bias, idx, sync), max_active_ctas,
+                                  stream, publishers=publishers)
         return out
+
+    def _check_handoff_args(self, sync, publishers) -> None:
+        """``sync`` goes with a handoff kernel and ``publishers`` with the awaiting one (drop v112)."""
+        if bool(self.handoff) != (sync is not None):
+            raise ValueError("sync is required with handoff ('publish' / 'await') and refused without it")
+        if (self.handoff == "await") != (publishers is not None):
+            raise ValueError("publishers (FC1's CTAs) is required with handoff='await' and refused otherwise")
+        if sync is not None and (sync.dtype != torch.int32 or sync.dim() != 1 or not sync.is_contiguous()):
+            raise ValueError("sync must be a contiguous 1-D int32 tensor")
+
+    def _tail(self, sync, publishers) -> tuple:
+        """The handoff kernels' arguments after ``bias`` (drop v112): ``(sync[, publishers])``."""
+        return (() if sync is None else (sync,)) + (() if publishers is None else (int(publishers),))
 
     def _check_index_args(self, idx) -> None:
         """``idx`` goes with gather_a, and nothing else."""
@@ -285,7 +317,8 @@ class CompiledGroupedGemm:
 
     def prepare(self, a: Optional[torch.Tensor], out: torch.Tensor, offsets: torch.Tensor, row_scale: torch.Tensor,
                 bias: Optional[torch.Tensor] = None, max_active_ctas: Optional[int] = None,
-                idx: Optional[torch.Tensor] = None):
+                idx: Optional[torch.Tensor] = None, sync: Optional[torch.Tensor] = None,
+                publishers: Optional[int] = None):
         """:meth:`launch_tensors` with every argument but the weights (and a per-call bias) fixed
         (drop v61; placeholders from the caller since v63): ``run(b, bias=None)`` launches the same
         kernel with the same arguments as ``launch_tensors(a, b, out, offsets, row_scale, bias,
@@ -302,6 +335,7 @@ class CompiledGroupedGemm:
         if not self.tvm_ffi:
             raise RuntimeError("prepare needs a kernel compiled with tvm_ffi=True")
         self._check_index_args(idx)
+        self._check_handoff_args(sync, publishers)
         if row_scale is None or row_scale.dtype != torch.float32:
             raise ValueError("row_scale must be a float32 tensor (a placeholder unless scale_rows)")
         if bias is None and self.bias_dtype is None:
@@ -313,6 +347,7 @@ class CompiledGroupedGemm:
         fixed = ffi_fixed if (a is None or a.shape[0]) else (lambda *t: t)
         head = fixed(*(() if a is None else (a,)), *(() if idx is None else (idx,)))
         mid = fixed(out, offsets, row_scale)
+        tail = fixed(*self._tail(sync, publishers))  # drop v112: after the bias
         ctas = self._grid(max_active_ctas, out.device)
         fn, (fixed_bias,) = self._fn, fixed(bias)
         want, shape = _TORCH_BIAS[self.bias_dtype], (self.num_experts, self.n)
@@ -332,22 +367,22 @@ class CompiledGroupedGemm:
                 else:
                     check_bias(bias)
                 if a.shape[0]:  # no rows: nothing to launch
-                    fn(a, *head, b, *mid, bias, ctas)
+                    fn(a, *head, b, *mid, bias, *tail, ctas)
             return run_rows
         if fixed_bias is not None:
             def run(b, bias=None):
                 if bias is not None:
                     raise ValueError("this launch's bias was fixed at prepare: pass none per call")
-                fn(*head, b, *mid, fixed_bias, ctas)
+                fn(*head, b, *mid, fixed_bias, *tail, ctas)
             return run
 
         def run_bias(b, bias=None):
             check_bias(bias)
-            fn(*head, b, *mid, bias, ctas)
+            fn(*head, b, *mid, bias, *tail, ctas)
         return run_bias
 
     def launch_tensors(self, a, b, c, offsets, row_scale, bias, max_active_ctas: Optional[int] = None,
-                       stream=None, idx=None):
+                       stream=None, idx=None, sync=None, publishers=None):
         """TVM-FFI launch (``tvm_ffi=True`` only) with torch tensors, in ``to_cute_args`` order:
         a [M, K], b [E, N, K], c [M, N_out] bf16; offsets [E+1] int32; row_scale [>= 1] fp32;
         bias [E, N] (or the [1, L] fp32 placeholder). ``stream``: a torch.cuda.Stream or None
@@ -356,9 +391,9 @@ class CompiledGroupedGemm:
             raise RuntimeError("launch_tensors needs a kernel compiled with tvm_ffi=True")
         ctas = self._grid(max_active_ctas, a.device)
         ins = (a,) if idx is None else (a, idx)  # a gathering kernel: the source rows, then idx
-        call_on_stream(self._fn, (*ins, b, c, offsets, row_scale, bias, ctas), stream)
+        call_on_stream(self._fn, (*ins, b, c, offsets, row_scale, bias, *self._tail(sync, publishers), ctas), stream)
 
-    def launch_converted(self, args, max_active_ctas: Optional[int] = None, stream=None):
+    def launch_converted(self, args, max_active_ctas: Optional[int] = None, stream=None, publishers=None):
         """Launch with pre-converted CuTe tensors (classic path). Arguments that do not match the
         fake-compiled signature raise (the fake arguments are the ABI; nothing is silently
         recompiled)."""
@@ -367,7 +402,13 @@ class CompiledGroupedGemm:
         if stream is None:
             stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
         ctas = self._grid(max_active_ctas)
-        self.compiled(*args, cutlass.Int32(ctas), stream)
+        pub = () if publishers is None else (cutlass.Int32(publishers),)  # drop v112: the awaiting FC2's
+        self.compiled(*args, *pub, cutlass.Int32(ctas), stream)
+
+    def grid_ctas(self, max_active_ctas: Optional[int] = None, device=None) -> int:
+        """The CTAs a launch with ``max_active_ctas`` runs (a multiple of the cluster): what an awaiting
+        FC2 takes as ``publishers`` from its publishing FC1 (drop v112)."""
+        return self._grid(max_active_ctas, device) // self.cluster * self.cluster
 
     def _grid(self, max_active_ctas: Optional[int], device=None) -> int:
         """CTAs to launch: ``max_active_ctas`` or one per SM, no more than the clusters that fit."""
@@ -388,7 +429,7 @@ def get_grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_ro
                      tanh_sigmoid: bool = False, cluster_n: int = 1,
                      jump_stages: bool = False, swiglu_beta: float = 1.0,
                      swiglu_limit_after_act: bool = False, gate_softcap: float = 4.0,
-                     up_softcap: float = 25.0, box_rows: int = 0) -> CompiledGroupedGemm:
+                     up_softcap: float = 25.0, box_rows: int = 0, handoff: str = "") -> CompiledGroupedGemm:
     """Cached compile. Key: everything static; routing and M_total are runtime."""
     if raster_m is None:
         raster_m = pick_raster_m(k)
@@ -396,7 +437,7 @@ def get_grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_ro
            activation, n, k, num_experts, bool(scale_rows), tile_n, num_stages, epilogue, bias_dtype,
            raster_m, float(swiglu_alpha), float(swiglu_limit), schedule, bool(tvm_ffi), "sm_90a", int(cluster_m),
            bool(tanh_sigmoid), int(cluster_n), bool(jump_stages), float(swiglu_beta),
-           bool(swiglu_limit_after_act), float(gate_softcap), float(up_softcap), int(box_rows))
+           bool(swiglu_limit_after_act), float(gate_softcap), float(up_softcap), int(box_rows), str(handoff))
     fn = _CACHE.get(key)
     if fn is None:
         fn = CompiledGroupedGemm(activation, n, k, num_experts, scale_rows, tile_n, num_stages,
@@ -405,7 +446,8 @@ def get_grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_ro
                                  schedule=schedule, tvm_ffi=tvm_ffi, cluster_m=cluster_m,
                                  tanh_sigmoid=tanh_sigmoid, cluster_n=cluster_n, jump_stages=jump_stages,
                                  swiglu_beta=swiglu_beta, swiglu_limit_after_act=swiglu_limit_after_act,
-                                 gate_softcap=gate_softcap, up_softcap=up_softcap, box_rows=box_rows)
+                                 gate_softcap=gate_softcap, up_softcap=up_softcap, box_rows=box_rows,
+                                 handoff=handoff)
         _CACHE[key] = fn
     return fn
 
