@@ -314,11 +314,12 @@ class Sm90CuteDSLBackend(BackendImpl):
         self._gemms = (self.fc1, self.fc2)
         # drop v112: FC1 and FC2 share a sync buffer (zero once here; the kernels leave it so)
         self._handoff_sync = None
-        if (self.fc1.handoff, self.fc2.handoff) == ("publish", "await"):
+        roles = (getattr(self.fc1, "handoff", ""), getattr(self.fc2, "handoff", ""))
+        if roles == ("publish", "await"):
             P = views["xs"].shape[0]
             self._handoff_sync = torch.zeros(sm90_handoff_sync_len(P, self.E), dtype=torch.int32, device=dev)
-        elif self.fc1.handoff or self.fc2.handoff:  # the shim gives both or neither (same schedule rules)
-            raise RuntimeError(f"{self.name}: FC1's handoff {self.fc1.handoff!r} without FC2's {self.fc2.handoff!r}")
+        elif any(roles):  # the shim gives both or neither (the same schedule rules)
+            raise RuntimeError(f"{self.name}: FC1's handoff {roles[0]!r} without FC2's {roles[1]!r}")
 
     def _prepare_launches(self) -> None:
         """The hot path's launches with this layer's buffers fixed, checked and packed once (drop
@@ -342,7 +343,7 @@ class Sm90CuteDSLBackend(BackendImpl):
             if fc1 is None:
                 continue
             hand1 = hand2 = {}
-            if fc2.handoff:  # drop v112: FC2 waits for FC1's CTAs (publishers) per m-tile
+            if not decode and getattr(self, "_handoff_sync", None) is not None:  # drop v112: FC2 waits per m-tile
                 hand1 = {"sync": self._handoff_sync}
                 hand2 = {"sync": self._handoff_sync, "publishers": fc1.grid_ctas(self.num_ctas)}
             if fc1.gather_a:  # the grouped rows read from the call's x by idx
