@@ -129,6 +129,24 @@ def test_sync_length_mirrors_the_drop():
         assert sm90_handoff_sync_len(rows, e) == handoff_sync_len(rows, e) == -(-rows // 128) + e + HANDOFF_SYNC_TAIL
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_m_tile_slots_are_distinct_and_in_the_buffer(seed):
+    """The kernels' slot of an m-tile, ``row0 // 128 + expert`` (both GEMMs compute it from the tile's
+    first grouped row): distinct for distinct m-tiles and below ``handoff_sync_len`` minus its tail, for
+    experts of any size (empty ones, ones ending anywhere in a tile, 128-row multiples)."""
+    from sm90_megamoe.grouped_gemm_handoff import HANDOFF_SYNC_TAIL, handoff_sync_len
+
+    g = torch.Generator().manual_seed(seed)
+    E = [1, 7, 128, 300][seed]
+    counts = torch.randint(0, 700, (E,), generator=g)
+    counts[::5] = 0
+    counts[1::6] = 128 * torch.randint(1, 4, (len(counts[1::6]),), generator=g)
+    offs = [0] + torch.cumsum(counts, 0).tolist()
+    slots = [(offs[e] + 128 * j) // 128 + e for e in range(E) for j in range(-(-int(counts[e]) // 128))]
+    assert len(set(slots)) == len(slots)
+    assert all(0 <= s < handoff_sync_len(offs[-1], E) - HANDOFF_SYNC_TAIL for s in slots)
+
+
 def test_shim_switch_key_names_and_specs(monkeypatch):
     """``MOE_EP_FC2_EARLY``: off unset; the shim keys and names (``_hp`` / ``_ha``) the roles and passes
     them to the drop (recorded: no compile); swap-AB takes none; the gathering FC1, the gated pingpong
