@@ -172,7 +172,7 @@ def use_bf16_tanh_sigmoid(activation: str) -> bool:
 
 
 def use_fc2_early() -> bool:
-    """``MOE_EP_FC2_EARLY=1`` (drop v112): a layer's 128-row FC2 starts inside FC1's last wave. FC1
+    """``MOE_EP_FC2_EARLY=1`` (drop v112): a BF16 layer's 128-row FC2 starts inside FC1's last wave. FC1
     (cooperative or wide) publishes its CTAs' progress in a sync buffer and FC2 waits per m-tile for
     the FC1 tiles it reads, instead of PDL's wait for the whole of FC1
     (``sm90_megamoe.grouped_gemm_handoff``). Same bits. Priced at up to ~17 us of a Qwen3 forward at
