@@ -583,8 +583,6 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
     :func:`use_fc2_early`): "publish" for a layer's FC1, "await" for its FC2 (FC2 inside FC1's last wave);
     the swap-AB schedule takes neither (no last wave to fill) and returns the plain kernel."""
     check_gemm_shapes(activation, n, k, num_experts, tile_n)
-    if handoff not in ("", "publish", "await"):
-        raise ValueError(f"sm90 grouped GEMM: handoff must be '', 'publish' or 'await', got {handoff!r}")
     check_removed()  # a switch of a removed variant, still set, raises here
     if schedule is None:
         schedule, picked_tile = pick_schedule(activation, k, rows_per_expert, device_name)
@@ -691,6 +689,8 @@ def grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: 
 def check_handoff(handoff: str, schedule: str, gather_a: bool, cluster_n: int, box_rows: int) -> str:
     """The handoff role a GEMM of ``schedule`` takes (drop v112): none for swap-AB (no last wave);
     a ValueError naming the switches for what cannot take it."""
+    if handoff not in ("", "publish", "await"):
+        raise ValueError(f"sm90 grouped GEMM: handoff must be '', 'publish' or 'await', got {handoff!r}")
     if not handoff or schedule == "swapab":
         return ""
     if gather_a or box_rows:
@@ -706,8 +706,7 @@ def handoff_sync_len(rows: int, num_experts: int) -> int:
     """Length of the int32 sync buffer that a publishing FC1 and its awaiting FC2 share (drop v112) for
     calls of at most ``rows`` grouped rows over ``num_experts`` experts: one pending count per m-tile
     slot, then the drop's tail (mirrored ``HANDOFF_SYNC_TAIL``; its last word is the error word)."""
-    slots = (int(rows) + _C["DEFAULT_TILE_M"] - 1) // _C["DEFAULT_TILE_M"] + int(num_experts)
-    return slots + CONSTANTS.value("sm90_megamoe.grouped_gemm_handoff", "HANDOFF_SYNC_TAIL")
+    return _m_tile_slots(rows, num_experts) + CONSTANTS.value("sm90_megamoe.grouped_gemm_handoff", "HANDOFF_SYNC_TAIL")
 
 
 def place_sync_len(rows: int, num_experts: int) -> int:
@@ -715,8 +714,13 @@ def place_sync_len(rows: int, num_experts: int) -> int:
     of at most ``rows`` grouped rows over ``num_experts`` experts: one ready counter per m-tile such
     rows can take, then the drop's tail slots (claim, done, finished, error word; mirrored
     ``PLACE_SYNC_TAIL``)."""
-    slots = (int(rows) + _C["DEFAULT_TILE_M"] - 1) // _C["DEFAULT_TILE_M"] + int(num_experts)
-    return slots + CONSTANTS.value("sm90_megamoe.placing_producer", "PLACE_SYNC_TAIL")
+    return _m_tile_slots(rows, num_experts) + CONSTANTS.value("sm90_megamoe.placing_producer", "PLACE_SYNC_TAIL")
+
+
+def _m_tile_slots(rows: int, num_experts: int) -> int:
+    """Counters a sync buffer holds per call of at most ``rows`` grouped rows over ``num_experts``
+    experts: the m-tiles such rows can take (each expert's last one may be partial)."""
+    return (int(rows) + _C["DEFAULT_TILE_M"] - 1) // _C["DEFAULT_TILE_M"] + int(num_experts)
 
 
 def compile_gemm_ptx(activation: str, n: int, k: int, scale_rows: bool, arch: str = "sm_90a",
