@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields as dc_fields, is_dataclass, replace as dc_replace
 from typing import Any, Callable
 
 import torch
@@ -48,27 +48,41 @@ def _is_capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def _inference_only(**tensors: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
-    """The tensors, detached: the kernels have no backward, so autograd is refused by name (with
+def _inference_only(**tensors: Any) -> tuple[Any, ...]:
+    """The arguments, detached: the kernels have no backward, so autograd is refused by name (with
     grad enabled) and parameters that merely require grad (``nn.Parameter`` under
-    ``torch.no_grad()``) are passed as plain views (DLPack refuses tensors that require grad)."""
+    ``torch.no_grad()``) are passed as plain views (DLPack refuses tensors that require grad). A
+    quantised weight container (a dataclass of tensors, e.g. ``FP8Block128Weight``) is rebuilt
+    from its detached fields."""
     grad_on = torch.is_grad_enabled()
+
+    def plain(name: str, t: torch.Tensor) -> torch.Tensor:
+        if grad_on:
+            raise RuntimeError(f"MoELayer has no backward: {name} requires grad; call it under "
+                               "torch.no_grad() / torch.inference_mode() (training is not supported)")
+        return t.detach()
+
     out = []
     for name, t in tensors.items():
-        if isinstance(t, torch.Tensor) and t.requires_grad:
-            if grad_on:
-                raise RuntimeError(f"MoELayer.forward has no backward: {name} requires grad; call it under "
-                                   "torch.no_grad() / torch.inference_mode() (training is not supported)")
-            t = t.detach()
+        if isinstance(t, torch.Tensor):
+            t = plain(name, t) if t.requires_grad else t
+        elif _tracks_grad(t):  # a container: its tensor fields
+            t = dc_replace(t, **{f.name: plain(f"{name}.{f.name}", getattr(t, f.name)) for f in dc_fields(t)
+                                 if isinstance(getattr(t, f.name), torch.Tensor) and getattr(t, f.name).requires_grad})
         out.append(t)
     return tuple(out)
 
 
-def _tracks_grad(*tensors: Any) -> bool:
-    """Whether any argument is a tensor that requires grad (then :func:`_inference_only` runs)."""
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.requires_grad:
-            return True
+def _tracks_grad(*args: Any) -> bool:
+    """Whether any argument is a tensor that requires grad, or a weight container (dataclass)
+    holding one (then :func:`_inference_only` runs)."""
+    for t in args:
+        if isinstance(t, torch.Tensor):
+            if t.requires_grad:
+                return True
+        elif t is not None and is_dataclass(t) and not isinstance(t, type):
+            if any(isinstance(v, torch.Tensor) and v.requires_grad for v in (getattr(t, f.name) for f in dc_fields(t))):
+                return True
     return False
 
 
@@ -221,9 +235,10 @@ class MoELayer:
         """
         self._alive()
         cfg = self.config
-        if _tracks_grad(x, topk_weights, w13, w2, b13, b2):
-            x, topk_weights, w13, w2, b13, b2 = _inference_only(
-                x=x, topk_weights=topk_weights, w13=w13, w2=w2, b13=b13, b2=b2)
+        if _tracks_grad(x, topk_weights, w13, w2, b13, b2, w13_scale, w2_scale):
+            x, topk_weights, w13, w2, b13, b2, w13_scale, w2_scale = _inference_only(
+                x=x, topk_weights=topk_weights, w13=w13, w2=w2, b13=b13, b2=b2, w13_scale=w13_scale,
+                w2_scale=w2_scale)
         # the common case passes one conjunction of checks; anything else (or check_values) runs the
         # checks that name the bad argument
         packed = None if self.check_values else self._check.args(x, topk_ids, topk_weights, w13, w2, out, b13, b2,
@@ -261,6 +276,8 @@ class MoELayer:
         ``MOE_EP_FP8_WIRE=1`` (rows cross as E4M3) raises :class:`UnsupportedBackendError`.
         """
         self._alive()
+        if _tracks_grad(x, topk_weights):
+            x, topk_weights = _inference_only(x=x, topk_weights=topk_weights)
         if self.check_values or not self._check.routing(x, topk_ids, topk_weights):
             V.check_routing(self.config, x, topk_ids, topk_weights, self.device,
                             check_values=self.check_values and not _is_capturing())
@@ -293,6 +310,8 @@ class MoELayer:
                 f"handle is stale: it comes from this layer's dispatch #{handle.epoch}, but the layer has "
                 f"run {self._epoch - handle.epoch} dispatch/forward call(s) since, which overwrote its "
                 "buffers; combine the latest dispatch")
+        if _tracks_grad(expert_out):
+            (expert_out,) = _inference_only(expert_out=expert_out)
         V.check_tensor("expert_out", expert_out, dtype=self.config.dtype,
                        shape=(handle.num_recv_rows, self.config.hidden), device=self.device)
         V.check_out(self.config, out, handle.num_tokens, self.device)

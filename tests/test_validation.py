@@ -215,3 +215,65 @@ def test_check_tensor_device_and_shape_fast_paths_keep_the_rules():
     for bad, msg in (((4, 9), "must have shape \\[4, 9\\]"), ((4,), "must be 1-D"), ((None, 9), "\\[\\*, 9\\]")):
         with pytest.raises(ValueError, match=msg):
             V.check_tensor("x", t, shape=bad)
+
+
+def test_fp8_parameters_reach_the_backend_detached():
+    """transformers' FP8 experts hold the e4m3 weights AND their float32 block scales as
+    nn.Parameter (requires_grad): under no_grad every one of them -- the scale arguments and a
+    container's fields too -- reaches the backend detached (the kernel backends hand them to DLPack,
+    which refuses tensors that require grad: the 61st session's H100 run of the transformers FP8
+    test failed so); with grad enabled forward refuses, naming the argument. The output matches the
+    same layer on plain tensors."""
+    from moe_ep.api.quant import FP8Block128Weight, quantize_fp8_block128
+
+    E_, H_, I_ = 4, 256, 128
+    cfg = MoEConfig(num_experts=E_, hidden=H_, intermediate=I_, top_k=2, max_tokens_per_rank=16,
+                    quant="fp8_block128")
+    layer = MoELayer(cfg, EPGroup.single(), backend="reference", device="cpu")
+    x, ids, w, w13, w2 = make_problem(E_, H_, I_, 2, 12, seed=8)
+    q13, q2 = quantize_fp8_block128(w13), quantize_fp8_block128(w2)
+    seen = []
+    run = layer._impl.forward
+
+    def spy(*args, **kw):
+        for a in (*args, *kw.values()):
+            parts = (a.values, a.scale) if isinstance(a, FP8Block128Weight) else (a,)
+            seen.extend(bool(p.requires_grad) for p in parts if isinstance(p, torch.Tensor))
+        return run(*args, **kw)
+
+    layer._impl.forward = spy
+    with torch.no_grad():
+        want = layer.forward(x, ids, w, q13.values, q2.values, w13_scale=q13.scale, w2_scale=q2.scale)
+    assert seen and not any(seen)
+    param = lambda t: torch.nn.Parameter(t.clone(), requires_grad=t.is_floating_point())
+    s13, s2 = param(q13.scale), param(q2.scale)
+    assert s13.requires_grad
+    seen.clear()
+    with torch.no_grad():
+        got = layer.forward(x, ids, w, param(q13.values), param(q2.values), w13_scale=s13, w2_scale=s2)
+    assert seen and not any(seen), seen
+    assert torch.equal(got, want)
+    seen.clear()
+    with torch.no_grad():  # the containers' fields
+        got = layer.forward(x, ids, w, FP8Block128Weight(param(q13.values), s13), FP8Block128Weight(q2.values, s2))
+    assert seen and not any(seen), seen
+    assert torch.equal(got, want)
+    with pytest.raises(RuntimeError, match="w13_scale requires grad"):
+        layer.forward(x, ids, w, q13.values, q2.values, w13_scale=s13, w2_scale=q2.scale)
+    with pytest.raises(RuntimeError, match=r"w2\.scale requires grad"):
+        layer.forward(x, ids, w, q13, FP8Block128Weight(q2.values, s2))
+
+
+def test_dispatch_and_combine_take_parameters_under_no_grad(setup):
+    """dispatch's x / topk_weights and combine's expert_out that require grad are used detached under
+    no_grad, refused by name with grad enabled."""
+    layer, (x, ids, w, w13, w2) = setup
+    px = torch.nn.Parameter(x.clone())
+    with pytest.raises(RuntimeError, match="x requires grad"):
+        layer.dispatch(px, ids, w)
+    with torch.no_grad():
+        recv, offsets, handle = layer.dispatch(px, ids, w)
+        y = layer.combine(torch.nn.Parameter(recv.clone()), handle)
+    assert not y.requires_grad
+    recv2, _, handle2 = layer.dispatch(x, ids, w)
+    assert torch.equal(y, layer.combine(recv2, handle2))
