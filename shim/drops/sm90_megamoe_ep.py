@@ -193,6 +193,12 @@ class EpSession:
         warps = self.cfg.threads // 32
         return max(1, min(LOCAL_COMBINE_CTAS_PER_SM * self.ep.num_ctas, -(-int(tokens) // warps)))
 
+    def release(self) -> None:
+        """Classic launch path: drop the converted arguments that keep the last call's tensors alive
+        (drop v113's ``EpRank.release``; a warm-up's throw-away tokens). TVM-FFI keeps none."""
+        if self.ep is not None:
+            self.ep.release()
+
     def check(self) -> None:
         """Raise :class:`DeviceStallError` (timeout) or :class:`CapacityError` if a kernel of this
         rank set its error word. Synchronises the host."""

@@ -118,6 +118,12 @@ class LayoutSession:
         self.adaptive = bool(adaptive)
         self._checked = self._route_checked = False
 
+    def release(self) -> None:
+        """Classic launch path: drop the converted arguments that keep the last call's tensors alive
+        (drop v113's ``Layout.release``; a warm-up's throw-away routing). TVM-FFI keeps none."""
+        for layout in self._layouts.values():
+            layout.release()
+
     def chunks(self, tokens: int | None) -> int:
         """Chunk count (grid) of a call with the ``tokens`` hint (None: the full grid)."""
         if not self.adaptive or tokens is None:

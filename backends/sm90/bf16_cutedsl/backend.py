@@ -375,9 +375,12 @@ class Sm90CuteDSLBackend(BackendImpl):
         progress("running once" + (" per GEMM path (decode, prefill)" if len(sizes) > 1 else ""))
         for T in sizes:
             self._warm_forward(T)
-        for gemm in (self.fc1, self.fc2, self.fc1_decode, self.fc2_decode):
-            if gemm is not None and hasattr(gemm, "release"):
-                gemm.release()  # do not keep the throw-away weights alive
+        # do not keep the throw-away weights and tokens alive (the classic launch path's converted
+        # arguments hold the last call's tensors: ~4 MiB per Qwen3 layer, drop v113)
+        for launcher in (self.fc1, self.fc2, self.fc1_decode, self.fc2_decode, *self.ep_sessions(), self.layout,
+                         getattr(self, "layout_q", None)):
+            if launcher is not None and hasattr(launcher, "release"):
+                launcher.release()
         self.check()
 
     def _warm_forward(self, T: int) -> None:

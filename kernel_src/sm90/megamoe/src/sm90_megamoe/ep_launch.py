@@ -463,6 +463,11 @@ class EpRank:
         self._conv[role] = (key, ct)
         return ct
 
+    def release(self) -> None:
+        """Drop the conversion cache (classic path): it keeps each role's last tensor alive, e.g.
+        a warm-up's throw-away tokens, for as long as this launcher lives (drop v113)."""
+        self._conv.clear()
+
     def _int32(self, v: int):
         if self.ffi:
             return int(v)

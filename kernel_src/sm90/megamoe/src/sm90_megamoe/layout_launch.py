@@ -235,6 +235,11 @@ class Layout:
             self._timeout = cutlass.Int64(self.timeout_ns)
             self._dummy_x = _real(self._dummy, 16, True)
 
+    def release(self) -> None:
+        """Drop the conversion cache (classic path): it keeps each role's last tensor alive, e.g.
+        a warm-up's throw-away routing, for as long as this launcher lives (drop v113)."""
+        self._conv.clear()
+
     def _cv(self, role: str, t: torch.Tensor, align: int, dynamic_rows: bool):
         """One-entry conversion cache per argument role (keeps the last tensor alive, so a
         cached address cannot be recycled). TVM-FFI: the tensor itself."""
