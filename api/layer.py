@@ -66,9 +66,8 @@ def _inference_only(**tensors: Any) -> tuple[Any, ...]:
     for name, t in tensors.items():
         if isinstance(t, torch.Tensor):
             t = plain(name, t) if t.requires_grad else t
-        elif _tracks_grad(t):  # a container: its tensor fields
-            t = dc_replace(t, **{f.name: plain(f"{name}.{f.name}", getattr(t, f.name)) for f in dc_fields(t)
-                                 if isinstance(getattr(t, f.name), torch.Tensor) and getattr(t, f.name).requires_grad})
+        elif _tracks_grad(t):  # a container: rebuilt with its grad-tracking fields detached
+            t = dc_replace(t, **{k: plain(f"{name}.{k}", v) for k, v in _tensor_fields(t).items() if v.requires_grad})
         out.append(t)
     return tuple(out)
 
@@ -80,10 +79,16 @@ def _tracks_grad(*args: Any) -> bool:
         if isinstance(t, torch.Tensor):
             if t.requires_grad:
                 return True
-        elif t is not None and is_dataclass(t) and not isinstance(t, type):
-            if any(isinstance(v, torch.Tensor) and v.requires_grad for v in (getattr(t, f.name) for f in dc_fields(t))):
-                return True
+        elif t is not None and any(v.requires_grad for v in _tensor_fields(t).values()):
+            return True
     return False
+
+
+def _tensor_fields(obj: Any) -> dict:
+    """A dataclass instance's tensor fields by name (a weight container's); {} for anything else."""
+    if not is_dataclass(obj) or isinstance(obj, type):
+        return {}
+    return {f.name: v for f in dc_fields(obj) if isinstance(v := getattr(obj, f.name), torch.Tensor)}
 
 
 class MoELayer:
