@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, fields as dc_fields, is_dataclass, replace as dc_replace
+from dataclasses import dataclass, replace as dc_replace
 from typing import Any, Callable
 
 import torch
@@ -86,9 +86,10 @@ def _tracks_grad(*args: Any) -> bool:
 
 def _tensor_fields(obj: Any) -> dict:
     """A dataclass instance's tensor fields by name (a weight container's); {} for anything else."""
-    if not is_dataclass(obj) or isinstance(obj, type):
+    names = getattr(obj, "__dataclass_fields__", None)  # (dataclasses.fields is ~1 us a call here)
+    if names is None or isinstance(obj, type):
         return {}
-    return {f.name: v for f in dc_fields(obj) if isinstance(v := getattr(obj, f.name), torch.Tensor)}
+    return {k: v for k in names if isinstance(v := getattr(obj, k), torch.Tensor)}
 
 
 class MoELayer:

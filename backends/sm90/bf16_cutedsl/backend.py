@@ -377,8 +377,8 @@ class Sm90CuteDSLBackend(BackendImpl):
             self._warm_forward(T)
         # do not keep the throw-away weights and tokens alive (the classic launch path's converted
         # arguments hold the last call's tensors: ~4 MiB per Qwen3 layer, drop v113)
-        for launcher in (self.fc1, self.fc2, self.fc1_decode, self.fc2_decode, *self.ep_sessions(), self.layout,
-                         getattr(self, "layout_q", None)):
+        for launcher in (self.fc1, self.fc2, self.fc1_decode, self.fc2_decode, *self.ep_sessions(),
+                         *self.layout_sessions()):
             if launcher is not None and hasattr(launcher, "release"):
                 launcher.release()
         self.check()
@@ -428,6 +428,10 @@ class Sm90CuteDSLBackend(BackendImpl):
     def ep_sessions(self) -> tuple:
         """Every EP session of this layer (virtual ranks connect each one across ranks)."""
         return (self.ep,)
+
+    def layout_sessions(self) -> tuple:
+        """Every expert-layout session of this layer."""
+        return (self.layout,)
 
     def _step2_layout(self, gather_rows: bool = True) -> None:
         """``gather_rows``: copy the grouped rows into ``self.xs`` (False: step 3 reads them itself;

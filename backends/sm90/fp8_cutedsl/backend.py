@@ -283,6 +283,9 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
     def ep_sessions(self) -> tuple:
         return (self.ep, self.ep_q, self.ep_s) if self.fp8_wire else (self.ep,)
 
+    def layout_sessions(self) -> tuple:
+        return (self.layout, self.layout_q) if self.fp8_wire else (self.layout,)
+
     def _fc1_reads_tokens(self) -> bool:
         return False  # step 3 below feeds FC1 itself (the quantised rows)
 
