@@ -13,7 +13,6 @@ from moe_ep.shim import (BackendWarning, BootstrapError, CapacityError, CaptureE
                          list_cache_entries, set_compile_cache_dir, verify_cache_entry)
 
 from . import reference as _reference
-from .quantized import quantized_rows_bytes
 from .sm90 import bf16_cutedsl as _sm90_bf16
 from .sm90 import fp8_cutedsl as _sm90_fp8
 from .sm100 import w4a16_cutedsl as _sm100_w4a16
@@ -140,9 +139,10 @@ def workspace_bytes(name: str, config, world_size: int) -> int:
     """Device bytes per rank of the workspace a layer of ``config`` needs on backend ``name``
     (0 for backends that allocate per call, such as ``reference``)."""
     get(name)  # unknown names raise, naming the registered ones
-    # + the layer's quantised copies (and scales) of the grouped rows and of FC1's output
-    extra = {"sm90_fp8_cutedsl": (128, 4), "sm120_mxfp8_cutedsl": (32, 1)}
-    if name in ("sm90_bf16_cutedsl", "sm100_w4a16_cutedsl", *extra):
-        base = _sm90_bf16.workspace_bytes(config, world_size)
-        return base + (quantized_rows_bytes(config, world_size, *extra[name]) if name in extra else 0)
+    # every SM90-protocol backend shares the BF16 backend's workspace; the block-scaled ones add
+    # their quantised rows (``quant_rows``) to it
+    impls = {"sm90_bf16_cutedsl": _sm90_bf16.Sm90CuteDSLBackend, "sm90_fp8_cutedsl": _sm90_fp8.Sm90Fp8Backend,
+             "sm100_w4a16_cutedsl": _sm100_w4a16.Sm100W4A16Backend, "sm120_mxfp8_cutedsl": _sm120_mxfp8.Sm120Mxfp8Backend}
+    if name in impls:
+        return _sm90_bf16.workspace_bytes(config, world_size, impls[name].quant_rows)
     return 0

@@ -232,6 +232,48 @@ def _qwen_fp8_inputs(T, seed):
 
 
 @pytest.mark.gpu
+def test_fp8_layers_share_one_workspace():
+    """16 FP8 Qwen3 layers (8192 tokens) hold one layer's workspace, quantised rows included
+    (before, each layer owned its own 0.18 GiB of them); interleaved forwards of different layers,
+    one at a smaller shape, match the reference backend; destroy gives it all back."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    import gc
+
+    def mem():
+        gc.collect()
+        torch.cuda.synchronize()
+        return torch.cuda.memory_allocated()
+
+    cfg = MoEConfig(max_tokens_per_rank=8192, quant="fp8_block128", **QWEN)
+    small = MoEConfig(max_tokens_per_rank=512, quant="fp8_block128", **QWEN)
+    base = mem()
+    ls = [MoELayer(small, EPGroup.single(), backend="sm90_fp8_cutedsl")]
+    ls[0].warmup(progress=False)
+    ls += [MoELayer(cfg, EPGroup.single(), backend="sm90_fp8_cutedsl") for _ in range(16)]
+    for layer in ls[1:]:
+        layer.warmup(progress=False)  # the first of them grows the workspace: ls[0] is re-bound
+    held = mem() - base
+    need = MoELayer.workspace_bytes(cfg, 1, backend="sm90_fp8_cutedsl")
+    assert held <= need + 17 * (1 << 20), f"17 layers hold {held / 2**30:.2f} GiB; one needs {need / 2**30:.2f}"
+    ref = MoELayer(cfg, EPGroup.single(), backend="reference")
+    problems = [_qwen_fp8_inputs(T, 40 + i) for i, T in enumerate((4096, 300, 8192))]
+    for li, pi in [(1, 0), (9, 1), (0, 1), (16, 2), (1, 1)]:
+        x, ids, w, w13, w2 = problems[pi]
+        out = torch.full_like(x, float("nan"))
+        got = ls[li].forward(x, ids, w, w13, w2, out=out)
+        want = ref.forward(x, ids, w, w13, w2)
+        err = float((got.double() - want.double()).norm() / want.double().norm())
+        assert err < 1e-2, f"layer {li} problem {pi}: rel. error {err:.2e}"
+    for layer in ls:
+        layer.check_errors()
+        layer.destroy()
+    ref.destroy()
+    del problems, x, ids, w, w13, w2, out, got, want, ls, layer
+    assert mem() - base < (1 << 20)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("T", [1, 700])
 def test_fused_gather_quant_is_bit_identical(monkeypatch, T):
     """The fused gather (default: layout without the BF16 row gather, FC1's input quantised from

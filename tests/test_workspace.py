@@ -39,6 +39,50 @@ def test_workspace_bytes_formula():
     assert W.workspace_bytes(cfg(T=8192), 8) > W.workspace_bytes(cfg(T=8192), 1)
 
 
+def test_quantised_rows_are_workspace_regions():
+    """The block-scaled backends' quantised grouped rows (xq [P, H], hq [P, I] e4m3, one scale per
+    block) are regions of the shared local pool, sized by the formula, so N FP8 layers hold one
+    layer's bytes: two layers' views are the same memory, and a BF16 layer's views have none."""
+    r = lambda n: (n + 255) // 256 * 256  # noqa: E731
+    c = MoEConfig(num_experts=128, hidden=2048, intermediate=768, top_k=8, max_tokens_per_rank=8192,
+                  quant="fp8_block128")
+    P, H, I = 8192 * 8, 2048, 768
+    fp8_extra = r(P * H) + r(P * H // 128 * 4) + r(P * I) + r(P * I // 128 * 4)
+    mx_extra = r(P * H) + r(P * H // 32) + r(P * I) + r(P * I // 32)
+    bf16 = MoELayer.workspace_bytes(c, 1)
+    assert MoELayer.workspace_bytes(c, 1, backend="sm90_fp8_cutedsl") == bf16 + fp8_extra
+    assert MoELayer.workspace_bytes(c, 1, backend="sm120_mxfp8_cutedsl") == bf16 + mx_extra
+    assert MoELayer.workspace_bytes(c, 1, backend="sm100_w4a16_cutedsl") == bf16
+    assert MoELayer.workspace_bytes(c, 1, backend="reference") == 0
+
+    small = cfg(T=64)
+    ws = W.Workspace(("q",), torch.device("cpu"), 0, 1, Group(), nvshmem=False)
+    q1, q2 = W.Dims.of(small, 1, (128, torch.float32)), W.Dims.of(small, 1, (128, torch.float32))
+    plain = W.Dims.of(small, 1)
+    clients = [Client() for _ in range(3)]
+    for cl, dims in zip(clients, (q1, q2, plain)):
+        ws.register(cl, dims)
+    assert ws.reserve()
+    assert ws.local_bytes == W.workspace_bytes(small, 1, (128, torch.float32)) - ws.sym_bytes
+    v1, v2, vb = ws.views(q1), ws.views(q2), ws.views(plain)
+    Pq = 64 * 8
+    want = {"xq": ((Pq, 2048), torch.float8_e4m3fn), "xq_scale": ((Pq, 16), torch.float32),
+            "hq": ((Pq, 768), torch.float8_e4m3fn), "hq_scale": ((Pq, 6), torch.float32)}
+    lo, hi = ws.local_pool.data_ptr(), ws.local_pool.data_ptr() + ws.local_bytes
+    for name, (shape, dtype) in want.items():
+        t = v1[name]
+        assert (tuple(t.shape), t.dtype) == (shape, dtype), name
+        assert t.data_ptr() == v2[name].data_ptr() and lo <= t.data_ptr() < hi, name
+        assert name not in vb
+    # no region overlaps another of the same layer
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for k, t in v1.items()
+                   if t.data_ptr() >= lo and t.data_ptr() < hi)
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+    for cl in clients:
+        ws.detach(cl)
+    assert ws.local_pool is None
+
+
 def test_views_fixed_regions_and_alignment():
     ws = W.Workspace(("t",), torch.device("cpu"), 0, 2, Group(0, 2, "virtual"), nvshmem=False)
     a, b = W.Dims.of(cfg(T=100, K=2), 2), W.Dims.of(cfg(T=700), 2)

@@ -29,7 +29,7 @@ from moe_ep.shim import (sm120_check_mxfp8_gemm,
                          sm120_mxfp8_gemm, sm120_pick_tile_tokens, sm120_quantize_rows)
 
 from ...quant import MXFP8_BLOCK, quantize_mxfp8
-from ...quantized import check_quantized_config, quantized_activation_buffers
+from ...quantized import check_quantized_config
 from ...registry import UnsupportedBackendError, require_cuda_arch
 from ...sm90.bf16_cutedsl.backend import Sm90CuteDSLBackend, prebuild_layer, rows_per_expert, swiglu_constants
 
@@ -84,6 +84,7 @@ class Sm120Mxfp8Backend(Sm90CuteDSLBackend):
 
     name = NAME
     arch = ARCH
+    quant_rows = (MXFP8_BLOCK, torch.float8_e8m0fnu)  # xq / hq and their scales: in the shared workspace
 
     def _bind_gemms(self, views: dict) -> None:
         cfg = self.cfg
@@ -94,11 +95,8 @@ class Sm120Mxfp8Backend(Sm90CuteDSLBackend):
         self.fc1_decode = self.fc2_decode = None
         self._decode_max_tokens = 0
         self._gemms = (self.fc1, self.fc2)
-        P = views["xs"].shape[0]  # grouped-row capacity
-        if getattr(self, "xq", None) is None or self.xq.shape[0] != P:
-            bufs = quantized_activation_buffers(P, cfg.hidden, cfg.intermediate, MXFP8_BLOCK, torch.float8_e8m0fnu,
-                                                self.device)
-            self.xq, self.xq_scale, self.hq, self.hq_scale = bufs["xq"], bufs["xq_scale"], bufs["hq"], bufs["hq_scale"]
+        # FC1's and FC2's quantised inputs: every forward rewrites them, so the layers share them
+        self.xq, self.xq_scale, self.hq, self.hq_scale = (views[k] for k in ("xq", "xq_scale", "hq", "hq_scale"))
 
     def _warm_weights(self, g: torch.Generator) -> tuple:
         cfg = self.cfg

@@ -238,6 +238,9 @@ class Sm90CuteDSLBackend(BackendImpl):
     _decode = False  # this call runs the decode (swap-AB) GEMM pair (set by step 1)
     #: target of the EP and layout kernels (arch-neutral; the Blackwell backends subclass this one)
     arch = "sm_90a"
+    #: block-scaled subclasses: ``(values per scale, scale dtype)`` of their quantised grouped rows,
+    #: which live in the shared workspace (``Dims.quant``); None: BF16 rows only
+    quant_rows: tuple | None = None
 
     def __init__(self, config: Any, group: Any, device: torch.device, *, timeout_s: float = 10.0,
                  num_ctas: int | None = None, virtual: bool = False) -> None:
@@ -246,7 +249,7 @@ class Sm90CuteDSLBackend(BackendImpl):
         self.cfg, self.group, self.device = config, group, device
         self.W = group.world_size
         self.E = config.local_experts(self.W)
-        self.dims = Dims.of(config, self.W)
+        self.dims = Dims.of(config, self.W, self.quant_rows)
         self.timeout_ns = int(timeout_s * 1e9)
         self.num_ctas = num_ctas
         self.virtual = virtual

@@ -10,7 +10,9 @@ sized for the largest layer attached to it, and every layer carves its own typed
 * local pool -- ``ctrl [4] i64, err [4] i32`` (fixed), ``dmask [T_max] i32``, then the expert
   buffers ``xs [P,H] bf16`` (FC1 input; FC2 writes its output ``y`` over it: xs is dead by then),
   ``h [P,I] bf16``, ``idx [P] i32, ws [P] f32, pos [S,K] i32, offsets [E_l+1] i32`` and the
-  layout scratch ``counts [1024·E_l] i32``;
+  layout scratch ``counts [1024·E_l] i32``; for a block-scaled backend (``Dims.quant``) also the
+  quantised copies of FC1's and FC2's inputs, ``xq [P,H], hq [P,I]`` e4m3 with one scale per block
+  of values, ``xq_scale [P,H/block], hq_scale [P,I/block]``;
 
 with S = W·T_max receive slots, P = S·K grouped rows, each region rounded up to 256 bytes
 (:func:`workspace_bytes` gives the total). Why sharing is correct: the EP protocol state (epoch,
@@ -55,11 +57,14 @@ class Dims:
     world: int
     max_tokens: int
     local_experts: int
+    #: block-scaled backends: ``(values per scale, scale dtype)`` of the grouped rows' quantised
+    #: copies (``xq``, ``hq``); None: a BF16 layer, which needs none
+    quant: tuple | None = None
 
     @staticmethod
-    def of(config: Any, world: int) -> "Dims":
+    def of(config: Any, world: int, quant: tuple | None = None) -> "Dims":
         return Dims(config.hidden, config.intermediate, config.top_k, world, config.max_tokens_per_rank,
-                    config.local_experts(world))
+                    config.local_experts(world), quant)
 
 
 def _plan(d: Dims) -> tuple[list, list, int, int]:
@@ -74,6 +79,11 @@ def _plan(d: Dims) -> tuple[list, list, int, int]:
             ("idx", (P,), torch.int32), ("ws", (P,), torch.float32), ("pos", (S, d.topk), torch.int32),
             ("offsets", (d.local_experts + 1,), torch.int32),
             ("counts", (sm90_layout_counts_len(SM90_LAYOUT_MAX_CHUNKS, d.local_experts),), torch.int32)]
+    if d.quant is not None:  # rewritten by every forward like xs and h, so shared like them
+        block, scale_dtype = d.quant
+        loc += [("xq", (P, d.hidden), torch.float8_e4m3fn), ("xq_scale", (P, d.hidden // block), scale_dtype),
+                ("hq", (P, d.intermediate), torch.float8_e4m3fn),
+                ("hq_scale", (P, d.intermediate // block), scale_dtype)]
     out = []
     for regions in (sym, loc):
         off, placed = 0, []
@@ -87,13 +97,14 @@ def _plan(d: Dims) -> tuple[list, list, int, int]:
     return out[0][0], out[1][0], out[0][1], out[1][1]
 
 
-def workspace_bytes(config: Any, world_size: int) -> int:
+def workspace_bytes(config: Any, world_size: int, quant: tuple | None = None) -> int:
     """Device bytes of the workspace one layer of ``config`` needs on each rank:
 
     symmetric = 2W·8 + W·4 + 2·S·K·4 + 2·S·H·2, local = 4·8 + 4·4 + T_max·4 + P·H·2 + P·I·2
-    + 3·P·4 + (E_l+1)·4 + 1024·E_l·4 (each term rounded up to 256 bytes), S = W·T_max, P = S·K.
+    + 3·P·4 + (E_l+1)·4 + 1024·E_l·4 (each term rounded up to 256 bytes), S = W·T_max, P = S·K;
+    ``quant`` ``(block, scale dtype)``: + P·(H + I) + P·(H + I)/block·scale bytes.
     Layers sharing a workspace need the maximum over them, not the sum."""
-    _, _, s, loc = _plan(Dims.of(config, world_size))
+    _, _, s, loc = _plan(Dims.of(config, world_size, quant))
     return s + loc
 
 

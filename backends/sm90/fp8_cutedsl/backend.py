@@ -43,7 +43,7 @@ from moe_ep.shim import (Sm90EpSession, Sm90LayoutSession, env_choice, env_flag,
                          sm90_fp8_quantize_rows, sm90_place_sync_len, sm90_prebuild_ep, sm90_prebuild_layout)
 
 from ...quant import FP8_BLOCK, quantize_fp8_block128
-from ...quantized import check_quantized_config, quantized_activation_buffers
+from ...quantized import check_quantized_config
 from ...registry import UnsupportedBackendError, require_cuda_arch
 from ..bf16_cutedsl.backend import Sm90CuteDSLBackend, prebuild_layer, swiglu_constants
 
@@ -180,6 +180,7 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
     """The BF16 SM90 backend's dispatch/layout/combine around FP8 block-scaled GEMMs."""
 
     name = NAME
+    quant_rows = (FP8_BLOCK, torch.float32)  # xq / hq and their scales: in the shared workspace
     fp8_wire = False  # set at bind (W > 1 and MOE_EP_FP8_WIRE=1)
     scatter_quant = False  # set at bind (the default with the fused gather; MOE_EP_FP8_SCATTER_QUANT=0: off)
     place_fc1 = False  # set at bind (MOE_EP_FP8_PLACE_FC1=copy): FC1 copies its own input rows
@@ -203,9 +204,8 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
         self._decode_max_tokens = 0
         self._gemms = (self.fc1, self.fc2)
         P = views["xs"].shape[0]  # grouped-row capacity
-        if getattr(self, "xq", None) is None or self.xq.shape[0] != P:
-            bufs = quantized_activation_buffers(P, cfg.hidden, cfg.intermediate, FP8_BLOCK, torch.float32, self.device)
-            self.xq, self.xq_scale, self.hq, self.hq_scale = bufs["xq"], bufs["xq_scale"], bufs["hq"], bufs["hq_scale"]
+        # FC1's and FC2's quantised inputs: every forward rewrites them, so the layers share them
+        self.xq, self.xq_scale, self.hq, self.hq_scale = (views[k] for k in ("xq", "xq_scale", "hq", "hq_scale"))
         self._rows = views["offsets"][-1:]  # grouped rows of a call, read on the device (no host sync)
         # the placing FC1's counters: zero once here, and the kernel leaves them so (tail-clean)
         self._fp8_place_syncs = {"FC1": torch.zeros(sm90_place_sync_len(P, self.E), dtype=torch.int32,
