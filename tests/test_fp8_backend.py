@@ -233,9 +233,9 @@ def _qwen_fp8_inputs(T, seed):
 
 @pytest.mark.gpu
 def test_fp8_layers_share_one_workspace():
-    """16 FP8 Qwen3 layers (8192 tokens) hold one layer's workspace, quantised rows included
-    (before, each layer owned its own 0.18 GiB of them); interleaved forwards of different layers,
-    one at a smaller shape, match the reference backend; destroy gives it all back."""
+    """16 FP8 Qwen3 layers at 8192 tokens and one at 512 hold one layer's workspace, quantised
+    rows included (before, each layer owned its own: 0.18 GiB at 8192 tokens); interleaved forwards
+    of different layers match the reference backend; destroy gives it all back."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
     import gc
