@@ -123,3 +123,42 @@ def test_registry_one_workspace_per_group_rank_device():
     assert all(x is not a for x in W.live_workspaces())
     del a, b, c
     gc.collect()
+
+
+def test_block_scaled_backends_bind_their_quantised_rows_to_the_workspace(monkeypatch):
+    """The FP8 (SM90) and MXFP8 (SM120) backends' ``_bind_gemms`` take ``xq``/``hq`` and their scales
+    from the workspace views they are given (stand-in launchers; no kernel is built), so two layers
+    bound to one workspace read and write the same quantised rows."""
+    import importlib
+
+    from types import SimpleNamespace
+
+    cases = [("moe_ep.backends.sm90.fp8_cutedsl.backend", "Sm90Fp8Backend", "fp8_block128",
+              ("sm90_fp8_gemm", "sm90_fp8_quantize_rows")),
+             ("moe_ep.backends.sm120.mxfp8_cutedsl.backend", "Sm120Mxfp8Backend", "mxfp8",
+              ("sm120_mxfp8_gemm", "sm120_quantize_rows"))]
+    for module, cls_name, quant, launchers in cases:
+        mod = importlib.import_module(module)
+        for name in launchers:  # a launcher stand-in: any arguments, no compile
+            monkeypatch.setattr(mod, name, lambda *a, **k: SimpleNamespace(args=a, kw=k))
+        cls = getattr(mod, cls_name)
+        c = MoEConfig(num_experts=8, hidden=256, intermediate=128, top_k=2, max_tokens_per_rank=16, quant=quant)
+        dims = W.Dims.of(c, 1, cls.quant_rows)
+        ws = W.Workspace((cls_name,), torch.device("cpu"), 0, 1, Group(), nvshmem=False)
+        layers = []
+        for _ in range(2):
+            b = object.__new__(cls)
+            b.cfg, b.E, b.W, b.device, b.dims = c, 8, 1, torch.device("cpu"), dims
+            ws.register(b, dims)
+            layers.append(b)
+        ws.reserve()
+        for b in layers:
+            b._bind_gemms(ws.views(dims))
+        a, b = layers
+        block, scale_dtype = cls.quant_rows
+        assert a.xq.shape == (32, 256) and a.xq.dtype == torch.float8_e4m3fn
+        assert a.hq_scale.shape == (32, 128 // block) and a.hq_scale.dtype == scale_dtype
+        for n in ("xq", "xq_scale", "hq", "hq_scale"):
+            assert getattr(a, n).data_ptr() == getattr(b, n).data_ptr(), (cls_name, n)
+        for b in layers:
+            ws.detach(b)
