@@ -208,6 +208,15 @@ def fc1_f64(x, ids, w13, b13=None):
     return torch.stack(hs) if hs else torch.zeros(0, w13.shape[1], dtype=torch.float64)
 
 
+def gpu_bytes_held() -> int:
+    """Bytes torch's allocator holds for live tensors, after a GC pass and a device sync (memory tests)."""
+    import gc
+
+    gc.collect()
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated()
+
+
 def rel_err(a, b) -> float:
     a, b = a.double(), b.double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))

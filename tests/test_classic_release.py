@@ -74,7 +74,7 @@ def test_bf16_warmup_releases_gemms_sessions_and_layouts():
     b.cfg = type("Cfg", (), {"activation": "swiglu", "max_tokens_per_rank": 256})()
     b.arch, b.W, b.virtual = "sm_90a", 1, False
     b.fc1, b.fc2, b.fc1_decode, b.fc2_decode = _Rec(log, "fc1"), _Rec(log, "fc2"), None, None
-    b.ep, b.layout, b.layout_q = _Rec(log, "ep"), _Rec(log, "layout"), None
+    b.ep, b.layout = _Rec(log, "ep"), _Rec(log, "layout")
     b._ensure = lambda: None
     b._warm_forward = lambda T: warm.append((T, list(log)))
     b.check = lambda: None

@@ -8,7 +8,8 @@ import torch
 pytest.importorskip("cutlass")
 
 from moe_ep.api import EPGroup, MoEConfig, MoELayer  # noqa: E402
-from moe_oracle import capture_graph, fp8_layer_inputs, layer_outputs_with_switch, replay_poisoned  # noqa: E402
+from moe_oracle import (capture_graph, fp8_layer_inputs, gpu_bytes_held as mem, layer_outputs_with_switch,  # noqa: E402
+                        replay_poisoned)
 from recorders import rec_layout  # noqa: E402
 from moe_ep.backends import UnsupportedBackendError, get  # noqa: E402
 
@@ -238,13 +239,6 @@ def test_fp8_layers_share_one_workspace():
     of different layers match the reference backend; destroy gives it all back."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
-    import gc
-
-    def mem():
-        gc.collect()
-        torch.cuda.synchronize()
-        return torch.cuda.memory_allocated()
-
     cfg = MoEConfig(max_tokens_per_rank=8192, quant="fp8_block128", **QWEN)
     small = MoEConfig(max_tokens_per_rank=512, quant="fp8_block128", **QWEN)
     base = mem()

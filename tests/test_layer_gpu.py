@@ -5,12 +5,11 @@ values dropped and reported, stale handles refused, memory freed, one workspace 
 Run on the GPU machine: ``pytest -m gpu tests/test_layer_gpu.py``.
 """
 
-import gc
 import zlib
 
 import pytest
 import torch
-from moe_oracle import capture_graph, layer_outputs_with_switch, replay_poisoned, swiglu_moe_f64
+from moe_oracle import capture_graph, gpu_bytes_held, layer_outputs_with_switch, replay_poisoned, swiglu_moe_f64
 
 pytestmark = pytest.mark.gpu
 
@@ -205,12 +204,6 @@ def test_stale_handles_raise():
     a.destroy(), b.destroy()
 
 
-def _mem():
-    gc.collect()
-    torch.cuda.synchronize()
-    return torch.cuda.memory_allocated()
-
-
 def test_destroy_frees_memory():
     _sm90()
     from moe_ep.api import MoEConfig
@@ -222,15 +215,15 @@ def test_destroy_frees_memory():
     warm.forward(x, ids, w, w13, w2)
     warm.destroy()
     del warm
-    base = _mem()
+    base = gpu_bytes_held()
     (layer,) = layers(cfg, "sm90_bf16_cutedsl")
     layer.warmup(progress=False)
     layer.forward(x, ids, w, w13, w2)
-    held = _mem() - base
+    held = gpu_bytes_held() - base
     assert held >= layer.workspace_bytes(cfg, 1)
     layer.destroy()
     del layer
-    assert _mem() == base
+    assert gpu_bytes_held() == base
 
 
 def test_one_workspace_for_48_layers():
@@ -242,14 +235,14 @@ def test_one_workspace_for_48_layers():
 
     cfg = MoEConfig(max_tokens_per_rank=8192, **QWEN)
     small = MoEConfig(max_tokens_per_rank=512, **QWEN)
-    base = _mem()
+    base = gpu_bytes_held()
     first = [MoELayer(small, EPGroup.single(), backend="sm90_bf16_cutedsl")]
     first[0].warmup(progress=False)
-    one_small = _mem() - base
+    one_small = gpu_bytes_held() - base
     ls = first + [MoELayer(cfg, EPGroup.single(), backend="sm90_bf16_cutedsl") for _ in range(48)]
     for layer in ls[1:]:
         layer.warmup(progress=False)  # the first of them grows the workspace: ls[0] is re-bound
-    held = _mem() - base
+    held = gpu_bytes_held() - base
     need = MoELayer.workspace_bytes(cfg, 1)
     assert one_small < need
     assert held <= need + 49 * (1 << 20), f"49 layers hold {held / 2**30:.2f} GiB; one needs {need / 2**30:.2f}"
@@ -265,7 +258,7 @@ def test_one_workspace_for_48_layers():
         layer.destroy()
     ref.destroy()
     del problems, x, ids, w, w13, w2, got, ls, first, layer
-    assert _mem() - base < (1 << 20)
+    assert gpu_bytes_held() - base < (1 << 20)
 
 
 def _oracle_f64_gpu(x, ids, w, w13, w2, cfg, b13=None, b2=None):
