@@ -110,9 +110,9 @@
 #                at 128 tokens is 3-6 us, as large as the effects to decide on).
 # decode:        the decode sweep (1,8,32,128,256 tokens) of ours and FlashInfer's (carry .device/fi) in one call,
 #                then the virtual-rank GPU file in what is left of CALL_BUDGET (480 s of this script) -> $OUT/decode*.{log,csv}, suite3.log.
-# suite:         the whole GPU suite in one call: run_groups, twelve pytest processes in parallel (compiling dominates;
+# suite:         the whole GPU suite in one call: run_groups, thirteen pytest processes in parallel (compiling dominates;
 #                the eighth session ran 91 tests in 220 s this way), cut at CALL_BUDGET (540 s) -> $OUT/tests_*.log.
-#                SUITE_PICK="9" runs some of the twelve groups; SUITE_GROUPS="f1.py|f2.py;-k;x" runs your own.
+#                SUITE_PICK="9" runs some of the thirteen groups; SUITE_GROUPS="f1.py|f2.py;-k;x" runs your own.
 # suite1/2/3:    pytest -m gpu in three parts that each fit one 600 s device call (the whole suite does not):
 #                1 = layer, FP8 backend, activations/bias; 2 = the other GPU files; 3 = the virtual-rank file.
 # Knobs (environment): MODELS (qwen3,mixtral), TOKENS (8192), ITERS (30), N (GPUs = EP size, 1),
@@ -212,7 +212,7 @@ fp8_layer_ab() {  # fp8_layer_ab PREFIX MODELS VAR=value: the FP8 layer with the
         --quant fp8_block128 --no-reference --no-decode --csv "$OUT/${prefix}_${tag}_r$r.csv"
   done; done
 }
-# the whole GPU suite as twelve pytest groups (modes suite and layers run them in parallel)
+# the whole GPU suite as thirteen pytest groups (modes suite and layers run them in parallel)
 ltop="matches_reference or activations_biases or decode_layer or bad_values or odd_hidden or quantised_configs"
 gtop="fc1_fc2_models or m_total_sweep or back_to_back"
 suite_groups=(
@@ -222,7 +222,8 @@ suite_groups=(
   "tests/test_fp8_backend.py;tests/test_activations_bias.py;tests/test_gather_fc1.py;tests/test_fp8_place.py;tests/test_clamped_swiglu_beta.py;tests/test_clamp_after_act.py;tests/test_softcapped_swiglu.py"
   "tests/test_ep_gpu.py;tests/test_disk_cache.py;tests/test_transformers_integration.py;tests/test_transformers_layouts.py;tests/test_blackwell_backends.py"
   "tests/test_sm90_fp8_quant.py;tests/test_fp8_quant_div.py;tests/test_fp8_quant_items.py;tests/test_fp8_scatter_quant.py;tests/test_fp8_cluster.py;tests/test_gelu_tanh_glu.py"
-  "tests/test_fp8_plain_schedule.py;tests/test_fp8_smem_scales.py;tests/test_fp8_unit_scales.py;tests/test_fp8_deferred_epilogue.py;tests/test_bf16_cluster.py"
+  "tests/test_fp8_plain_schedule.py;tests/test_fp8_smem_scales.py;tests/test_fp8_unit_scales.py"
+  "tests/test_fp8_deferred_epilogue.py;tests/test_bf16_cluster.py"
   "tests/test_sm90_fp8_compile.py;tests/test_fp8_stage_guard.py" "tests/test_sm90_swapab_compile.py;tests/test_fp8_tanh_sigmoid.py;tests/test_bf16_tanh_sigmoid.py;tests/test_bf16_cluster_n.py;tests/test_jump_stages.py;tests/test_gated_pingpong.py;tests/test_box_tails.py;tests/test_fc2_early.py"
 )
 # SUITE_PICK="i j ...": only those of the groups above (0-based), e.g. the ones a cut call left unrun
@@ -542,7 +543,7 @@ if [ "$mode" = decode ]; then  # issue 11's sweep: ours and FlashInfer (carry .d
   [ "$left" -gt 60 ] && STEP_TIMEOUT=$left step "GPU suite 3/3 (time left: ${left}s)" "$OUT/suite3.log" -- \
       python3 -m pytest -m gpu -q -W ignore -p no:cacheprovider -rfE --tb=long tests/test_ep_virtual_gpu.py
 fi
-if [ "$mode" = suite ]; then  # the whole GPU suite in one call: twelve groups in parallel, cut at CALL_BUDGET (540 s)
+if [ "$mode" = suite ]; then  # the whole GPU suite in one call: thirteen groups in parallel, cut at CALL_BUDGET (540 s)
   run_groups $(( ${CALL_BUDGET:-540} - SECONDS )) "${suite_groups[@]}"
 fi
 suite_common=(python3 -m pytest -m gpu -q -W ignore -p no:cacheprovider -rfE --durations=15 --tb=long)
