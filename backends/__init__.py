@@ -140,9 +140,9 @@ def workspace_bytes(name: str, config, world_size: int) -> int:
     (0 for backends that allocate per call, such as ``reference``)."""
     get(name)  # unknown names raise, naming the registered ones
     # every SM90-protocol backend shares the BF16 backend's workspace; the block-scaled ones add
-    # their quantised rows (``quant_rows``) to it
+    # their quantised rows to it (``workspace_dims``: ``quant_rows`` and the rows their switches use)
     impls = {"sm90_bf16_cutedsl": _sm90_bf16.Sm90CuteDSLBackend, "sm90_fp8_cutedsl": _sm90_fp8.Sm90Fp8Backend,
              "sm100_w4a16_cutedsl": _sm100_w4a16.Sm100W4A16Backend, "sm120_mxfp8_cutedsl": _sm120_mxfp8.Sm120Mxfp8Backend}
     if name in impls:
-        return _sm90_bf16.workspace_bytes(config, world_size, impls[name].quant_rows)
+        return _sm90_bf16.dims_bytes(impls[name].workspace_dims(config, world_size))
     return 0

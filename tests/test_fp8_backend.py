@@ -233,12 +233,15 @@ def _qwen_fp8_inputs(T, seed):
 
 
 @pytest.mark.gpu
-def test_fp8_layers_share_one_workspace():
+@pytest.mark.parametrize("place", ["0", "copy"])
+def test_fp8_layers_share_one_workspace(monkeypatch, place):
     """16 FP8 Qwen3 layers at 8192 tokens and one at 512 hold one layer's workspace, quantised
-    rows included (before, each layer owned its own: 0.18 GiB at 8192 tokens); interleaved forwards
-    of different layers match the reference backend; destroy gives it all back."""
+    rows included (before, each layer owned its own: 0.18 GiB at 8192 tokens), and with
+    ``MOE_EP_FP8_PLACE_FC1=copy`` the token-order rows too (16.5 MiB a layer before); interleaved
+    forwards of different layers match the reference backend; destroy gives it all back."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
+    monkeypatch.setenv("MOE_EP_FP8_PLACE_FC1", place)
     cfg = MoEConfig(max_tokens_per_rank=8192, quant="fp8_block128", **QWEN)
     small = MoEConfig(max_tokens_per_rank=512, quant="fp8_block128", **QWEN)
     base = mem()

@@ -162,3 +162,68 @@ def test_block_scaled_backends_bind_their_quantised_rows_to_the_workspace(monkey
             assert getattr(a, n).data_ptr() == getattr(b, n).data_ptr(), (cls_name, n)
         for b in layers:
             ws.detach(b)
+
+
+def test_fp8_switch_rows_are_workspace_regions(monkeypatch):
+    """The FP8 backend's opt-in rows are workspace regions too, counted by ``workspace_bytes`` and
+    shared by its layers: ``MOE_EP_FP8_PLACE_FC1=copy`` adds the token-order copy ``xq_tok [S, H]``
+    e4m3 + ``sx_tok [S, H/128]`` f32, ``MOE_EP_FP8_WIRE=1`` (W > 1 only) the sender's copy
+    ``xq_send [T_max, H]`` + ``sx_send [T_max, H/128]``. The switches are read once, when the
+    layer's needs are taken (``workspace_dims``), so bind cannot disagree with the plan."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from moe_ep.backends.sm90.fp8_cutedsl import backend as fb
+
+    r = lambda n: (n + 255) // 256 * 256  # noqa: E731
+    T, H = 1024, 2048
+    c = MoEConfig(num_experts=128, hidden=H, intermediate=768, top_k=8, max_tokens_per_rank=T, quant="fp8_block128")
+    rows = lambda n: r(n * H) + r(n * H // 128 * 4)  # noqa: E731
+    base = {w: MoELayer.workspace_bytes(c, w, backend="sm90_fp8_cutedsl") for w in (1, 2)}
+    monkeypatch.setenv("MOE_EP_FP8_PLACE_FC1", "copy")
+    assert fb.Sm90Fp8Backend.workspace_dims(c, 1).token_rows
+    assert MoELayer.workspace_bytes(c, 1, backend="sm90_fp8_cutedsl") == base[1] + rows(T)
+    assert MoELayer.workspace_bytes(c, 2, backend="sm90_fp8_cutedsl") == base[2] + rows(2 * T)
+    assert MoELayer.workspace_bytes(c, 1) < base[1]  # the BF16 backend has none of them
+    monkeypatch.setenv("MOE_EP_FP8_WIRE", "1")  # with copy on more than one rank: refused when the needs are taken
+    with pytest.raises(ValueError, match="MOE_EP_FP8_WIRE=1 sends it quantised"):
+        fb.Sm90Fp8Backend.workspace_dims(c, 2)
+    monkeypatch.delenv("MOE_EP_FP8_PLACE_FC1")
+    assert MoELayer.workspace_bytes(c, 1, backend="sm90_fp8_cutedsl") == base[1]  # one rank: nothing on a wire
+    assert MoELayer.workspace_bytes(c, 2, backend="sm90_fp8_cutedsl") == base[2] + rows(T)
+    with pytest.raises(ValueError, match="need quant"):
+        W.Dims.of(c, 2, send_rows=True)
+
+    # two layers' binds with both rows (the wire's views, then the copying FC1's): the same memory
+    for name in ("sm90_fp8_gemm", "sm90_fp8_quantize_rows", "Sm90EpSession", "Sm90LayoutSession"):
+        monkeypatch.setattr(fb, name, lambda *a, **k: SimpleNamespace(args=a, kw=k))
+    small = MoEConfig(num_experts=8, hidden=512, intermediate=128, top_k=2, max_tokens_per_rank=16,
+                      quant="fp8_block128")
+    dims = W.Dims.of(small, 2, fb.Sm90Fp8Backend.quant_rows, token_rows=True, send_rows=True)
+    ws = W.Workspace(("fp8rows",), torch.device("cpu"), 0, 2, Group(0, 2, "virtual"), nvshmem=False)
+    layers = []
+    for _ in range(2):
+        b = object.__new__(fb.Sm90Fp8Backend)
+        b.cfg, b.E, b.W, b.device, b.dims, b.ws, b.virtual = small, 4, 2, torch.device("cpu"), dims, ws, True
+        b.group, b.verr, b.num_ctas, b.timeout_ns, b.arch = Group(0, 2, "virtual"), None, 4, 1, "sm_90a"
+        b.ep, b.layout = SimpleNamespace(global_ranks=()), SimpleNamespace(num_chunks=4, adaptive=True)
+        ws.register(b, dims)
+        layers.append(b)
+    assert ws.reserve()
+    for b in layers:
+        b._bind_wire()
+        b._bind_gemms(ws.views(dims))
+    a, b = layers
+    lo, hi = ws.local_pool.data_ptr(), ws.local_pool.data_ptr() + ws.local_bytes
+    want = {"xq_tok": ((32, 512), torch.float8_e4m3fn), "sx_tok": ((32, 4), torch.float32),
+            "xq_send": ((16, 512), torch.float8_e4m3fn), "sx_send": ((16, 4), torch.float32)}
+    for n, (shape, dtype) in want.items():
+        t = getattr(a, n)
+        assert (tuple(t.shape), t.dtype) == (shape, dtype), n
+        assert t.data_ptr() == getattr(b, n).data_ptr() and lo <= t.data_ptr() < hi, n
+    assert a.place_fc1 and a._tok_pos.flatten().tolist() == list(range(32))
+    assert int(a._send_count) == 16
+    for b in layers:
+        ws.detach(b)
+    assert ws.local_pool is None

@@ -242,6 +242,12 @@ class Sm90CuteDSLBackend(BackendImpl):
     #: which live in the shared workspace (``Dims.quant``); None: BF16 rows only
     quant_rows: tuple | None = None
 
+    @classmethod
+    def workspace_dims(cls, config: Any, world_size: int) -> Dims:
+        """What a layer of ``config`` on ``world_size`` ranks needs from the shared workspace
+        (block-scaled subclasses add the rows their switches use)."""
+        return Dims.of(config, world_size, cls.quant_rows)
+
     def __init__(self, config: Any, group: Any, device: torch.device, *, timeout_s: float = 10.0,
                  num_ctas: int | None = None, virtual: bool = False) -> None:
         """``num_ctas``: grid of every EP and layout kernel (default: all SMs). ``virtual``: one of
@@ -249,7 +255,7 @@ class Sm90CuteDSLBackend(BackendImpl):
         self.cfg, self.group, self.device = config, group, device
         self.W = group.world_size
         self.E = config.local_experts(self.W)
-        self.dims = Dims.of(config, self.W, self.quant_rows)
+        self.dims = self.workspace_dims(config, self.W)
         self.timeout_ns = int(timeout_s * 1e9)
         self.num_ctas = num_ctas
         self.virtual = virtual

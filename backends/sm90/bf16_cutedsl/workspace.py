@@ -12,7 +12,10 @@ sized for the largest layer attached to it, and every layer carves its own typed
   ``h [P,I] bf16``, ``idx [P] i32, ws [P] f32, pos [S,K] i32, offsets [E_l+1] i32`` and the
   layout scratch ``counts [1024·E_l] i32``; for a block-scaled backend (``Dims.quant``) also the
   quantised copies of FC1's and FC2's inputs, ``xq [P,H], hq [P,I]`` e4m3 with one scale per block
-  of values, ``xq_scale [P,H/block], hq_scale [P,I/block]``;
+  of values, ``xq_scale [P,H/block], hq_scale [P,I/block]``, and what the FP8 backend's opt-in
+  switches add: the received tokens quantised in token order ``xq_tok [S,H], sx_tok [S,H/block]``
+  (``Dims.token_rows``, ``MOE_EP_FP8_PLACE_FC1=copy``) and the sender's quantised tokens
+  ``xq_send [T_max,H], sx_send [T_max,H/block]`` (``Dims.send_rows``, ``MOE_EP_FP8_WIRE=1``);
 
 with S = W·T_max receive slots, P = S·K grouped rows, each region rounded up to 256 bytes
 (:func:`workspace_bytes` gives the total). Why sharing is correct: the EP protocol state (epoch,
@@ -60,11 +63,18 @@ class Dims:
     #: block-scaled backends: ``(values per scale, scale dtype)`` of the grouped rows' quantised
     #: copies (``xq``, ``hq``); None: a BF16 layer, which needs none
     quant: tuple | None = None
+    #: with ``quant``: the received tokens quantised once each, in token order (``xq_tok``, ``sx_tok``)
+    token_rows: bool = False
+    #: with ``quant``: this rank's tokens quantised before they are sent (``xq_send``, ``sx_send``)
+    send_rows: bool = False
 
     @staticmethod
-    def of(config: Any, world: int, quant: tuple | None = None) -> "Dims":
+    def of(config: Any, world: int, quant: tuple | None = None, *, token_rows: bool = False,
+           send_rows: bool = False) -> "Dims":
+        if (token_rows or send_rows) and quant is None:
+            raise ValueError("Dims: token_rows / send_rows are quantised rows: they need quant=(block, scale dtype)")
         return Dims(config.hidden, config.intermediate, config.top_k, world, config.max_tokens_per_rank,
-                    config.local_experts(world), quant)
+                    config.local_experts(world), quant, token_rows, send_rows)
 
 
 def _plan(d: Dims) -> tuple[list, list, int, int]:
@@ -84,6 +94,9 @@ def _plan(d: Dims) -> tuple[list, list, int, int]:
         loc += [("xq", (P, d.hidden), torch.float8_e4m3fn), ("xq_scale", (P, d.hidden // block), scale_dtype),
                 ("hq", (P, d.intermediate), torch.float8_e4m3fn),
                 ("hq_scale", (P, d.intermediate // block), scale_dtype)]
+        for on, rows, q, sc in ((d.token_rows, S, "xq_tok", "sx_tok"), (d.send_rows, d.max_tokens, "xq_send", "sx_send")):
+            if on:
+                loc += [(q, (rows, d.hidden), torch.float8_e4m3fn), (sc, (rows, d.hidden // block), scale_dtype)]
     out = []
     for regions in (sym, loc):
         off, placed = 0, []
@@ -97,14 +110,20 @@ def _plan(d: Dims) -> tuple[list, list, int, int]:
     return out[0][0], out[1][0], out[0][1], out[1][1]
 
 
-def workspace_bytes(config: Any, world_size: int, quant: tuple | None = None) -> int:
+def workspace_bytes(config: Any, world_size: int, quant: tuple | None = None, **rows: bool) -> int:
     """Device bytes of the workspace one layer of ``config`` needs on each rank:
 
     symmetric = 2W·8 + W·4 + 2·S·K·4 + 2·S·H·2, local = 4·8 + 4·4 + T_max·4 + P·H·2 + P·I·2
     + 3·P·4 + (E_l+1)·4 + 1024·E_l·4 (each term rounded up to 256 bytes), S = W·T_max, P = S·K;
-    ``quant`` ``(block, scale dtype)``: + P·(H + I) + P·(H + I)/block·scale bytes.
+    ``quant`` ``(block, scale dtype)``: + P·(H + I) + P·(H + I)/block·scale bytes; ``rows``
+    (``token_rows`` / ``send_rows``, see :class:`Dims`): + S or T_max rows of H + H/block·scale bytes.
     Layers sharing a workspace need the maximum over them, not the sum."""
-    _, _, s, loc = _plan(Dims.of(config, world_size, quant))
+    return dims_bytes(Dims.of(config, world_size, quant, **rows))
+
+
+def dims_bytes(d: Dims) -> int:
+    """:func:`workspace_bytes` of a layer's :class:`Dims`."""
+    _, _, s, loc = _plan(d)
     return s + loc
 
 

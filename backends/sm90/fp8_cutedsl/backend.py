@@ -46,6 +46,7 @@ from ...quant import FP8_BLOCK, quantize_fp8_block128
 from ...quantized import check_quantized_config
 from ...registry import UnsupportedBackendError, require_cuda_arch
 from ..bf16_cutedsl.backend import Sm90CuteDSLBackend, prebuild_layer, swiglu_constants
+from ..bf16_cutedsl.workspace import Dims
 
 NAME = "sm90_fp8_cutedsl"
 
@@ -181,15 +182,25 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
 
     name = NAME
     quant_rows = (FP8_BLOCK, torch.float32)  # xq / hq and their scales: in the shared workspace
-    fp8_wire = False  # set at bind (W > 1 and MOE_EP_FP8_WIRE=1)
+    fp8_wire = False  # set at bind from self.dims (W > 1 and MOE_EP_FP8_WIRE=1)
     scatter_quant = False  # set at bind (the default with the fused gather; MOE_EP_FP8_SCATTER_QUANT=0: off)
-    place_fc1 = False  # set at bind (MOE_EP_FP8_PLACE_FC1=copy): FC1 copies its own input rows
+    place_fc1 = False  # set at bind from self.dims (MOE_EP_FP8_PLACE_FC1=copy): FC1 copies its own input rows
     _fp8_place_syncs = MappingProxyType({})  # set at bind: the placing FC1's sync buffer
+    _send_count = None  # set at bind (FP8 wire): the sender quantiser's row bound
+
+    @classmethod
+    def workspace_dims(cls, config: Any, world_size: int) -> Dims:
+        """The quantised grouped rows, plus the rows the opt-in switches use: the token-order copy
+        (``MOE_EP_FP8_PLACE_FC1=copy``) and the sender's copy (``MOE_EP_FP8_WIRE=1``, W > 1). Both are
+        rewritten by every forward before they are read, so the layers share them too. The switches
+        are read here, when the layer is built; bind follows ``self.dims``."""
+        return Dims.of(config, world_size, cls.quant_rows, token_rows=place_fc1(world_size),
+                       send_rows=world_size > 1 and fp8_wire())
 
     def _bind_gemms(self, views: dict) -> None:
         cfg = self.cfg
         specs = _gemm_specs(cfg, self.E)
-        self.place_fc1 = place_fc1(self.W)  # FC1 copies its own input rows (drop v92)
+        self.place_fc1 = self.dims.token_rows  # FC1 copies its own input rows (drop v92)
         self.fc1 = sm90_fp8_gemm(*specs["fc1"], place="copy" if self.place_fc1 else "", **swiglu_constants(cfg))
         self.fc2 = sm90_fp8_gemm(*specs["fc2"])
         self.fused_gather = fused_gather_quant()  # no BF16 grouped rows: step 3 quantises the received ones
@@ -211,10 +222,9 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
         self._fp8_place_syncs = {"FC1": torch.zeros(sm90_place_sync_len(P, self.E), dtype=torch.int32,
                                                     device=self.device)} if self.place_fc1 else {}
         self.xq_tok = self.sx_tok = self._tok_pos = None
-        if self.place_fc1:  # the received tokens quantised in token order: slot s -> row s
+        if self.place_fc1:  # the received tokens quantised in token order (workspace): slot s -> row s
             S = self.W * self.dims.max_tokens
-            self.xq_tok = torch.empty(S, cfg.hidden, dtype=torch.float8_e4m3fn, device=self.device)
-            self.sx_tok = torch.empty(S, cfg.hidden // FP8_BLOCK, dtype=torch.float32, device=self.device)
+            self.xq_tok, self.sx_tok = views["xq_tok"], views["sx_tok"]
             self._tok_pos = torch.arange(S, dtype=torch.int32, device=self.device).view(S, 1)
 
     def _prepare_expert_launches(self) -> None:
@@ -247,14 +257,14 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
 
     def _bind(self) -> None:
         super()._bind()
-        self.fp8_wire = self.W > 1 and fp8_wire()
+        self.fp8_wire = self.dims.send_rows
         self.ep_q = self.ep_s = self.layout_q = None
         if self.fp8_wire:
             self._bind_wire()
 
     def _bind_wire(self) -> None:
         """Two more EP sessions over the same buffers (E4M3 rows, scale rows), the layout of the
-        E4M3 rows, and the sender's quantised copy of its tokens (allocated here, once)."""
+        E4M3 rows, and the sender's quantised copy of its tokens (a workspace region)."""
         cfg, d, dev = self.cfg, self.dims, self.device
         H, S = d.hidden, self.W * d.max_tokens
         v = {**self.ws.views(d), "verr": self.verr}
@@ -274,10 +284,8 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
                                           num_chunks=self.layout.num_chunks, timeout_ns=self.timeout_ns,
                                           arch=self.arch, adaptive=self.layout.adaptive)
         self.quant_send = sm90_fp8_quantize_rows(H)
-        if getattr(self, "xq_send", None) is None or self.xq_send.shape[0] != d.max_tokens:
-            self.xq_send = torch.empty(d.max_tokens, H, dtype=torch.float8_e4m3fn, device=dev)
-            self.sx_send = torch.empty(d.max_tokens, H // FP8_BLOCK, dtype=torch.float32, device=dev)
-            # the sender quantises rows < min(T, count[0]): T bounds it (a view), the count never does
+        self.xq_send, self.sx_send = v["xq_send"], v["sx_send"]
+        if self._send_count is None:  # the sender quantises rows < min(T, count[0]): T bounds it (a view)
             self._send_count = torch.full((1,), d.max_tokens, dtype=torch.int32, device=dev)
 
     def ep_sessions(self) -> tuple:
@@ -345,7 +353,7 @@ class Sm90Fp8Backend(Sm90CuteDSLBackend):
 
     def destroy(self):
         self.xq = self.xq_scale = self.hq = self.hq_scale = self.xq_tok = self.sx_tok = self._tok_pos = None
-        self.ep_q = self.ep_s = self.layout_q = self.xq_send = self.sx_send = None
+        self.ep_q = self.ep_s = self.layout_q = self.xq_send = self.sx_send = self._send_count = None
         self._quant_x_run = self._fc1_run = self._quant_h_run = self._fc2_run = None  # they hold the buffers
         self._fp8_place_syncs = MappingProxyType({})
         super().destroy()
