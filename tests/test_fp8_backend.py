@@ -631,7 +631,7 @@ def test_fp8_split_pair_matches_float64():
     engine's rows equals the router-weighted float64 sum; forward's bits are untouched by it."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
-    E, H, K, T = QWEN["num_experts"], QWEN["hidden"], QWEN["top_k"], 300
+    E, K, T = QWEN["num_experts"], QWEN["top_k"], 300
     cfg = MoEConfig(max_tokens_per_rank=512, quant="fp8_block128", **QWEN)
     x, ids, w, w13, w2 = _qwen_fp8_inputs(T, seed=17)
     layer = MoELayer(cfg, EPGroup.single(), backend="sm90_fp8_cutedsl")
