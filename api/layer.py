@@ -10,6 +10,7 @@ from typing import Any, Callable
 import torch
 
 from .. import backends as _backends
+from . import compiled as _compiled
 from . import validation as V
 from .config import MoEConfig
 from .group import EPGroup
@@ -144,6 +145,7 @@ class MoELayer:
         self._impl = spec.factory(config, group, device, timeout_s=float(timeout_s))
         self._warm = False
         self._epoch = 0  # dispatch/forward calls of this layer (handles remember theirs)
+        self._op_key = _compiled.register(self)  # names this layer in torch.compile'd graphs
 
     # ---- lifecycle -------------------------------------------------------------------------
     def warmup(self, progress: bool | Callable[[str], None] = True) -> "MoELayer":
@@ -237,8 +239,12 @@ class MoELayer:
             added in float32, FC1's before the activation, FC2's before the router weight).
 
         Kernel backends neither synchronise the host nor allocate (with ``out``), so forward can
-        be called back to back and captured in a CUDA graph after :meth:`warmup`.
+        be called back to back and captured in a CUDA graph after :meth:`warmup`. Under
+        ``torch.compile`` (``fullgraph=True`` too) a forward is one opaque operator,
+        ``torch.ops.moe_ep.forward`` (:mod:`moe_ep.api.compiled`), which runs this eager forward.
         """
+        if torch.compiler.is_compiling():  # Dynamo is tracing: record one operator call instead
+            return self._traced_forward(x, topk_ids, topk_weights, w13, w2, out, b13, b2, w13_scale, w2_scale)
         self._alive()
         cfg = self.config
         if _tracks_grad(x, topk_weights, w13, w2, b13, b2, w13_scale, w2_scale):
@@ -263,6 +269,29 @@ class MoELayer:
 
     __call__ = forward
 
+    def _traced_forward(self, x, topk_ids, topk_weights, w13, w2, out, b13, b2, w13_scale, w2_scale):
+        """``forward`` while torch.compile traces it: one call of ``torch.ops.moe_ep.forward`` (or
+        ``forward_out``), whose implementation is the eager forward. Arguments it cannot carry
+        (not tensors, an unknown weight type) go to the eager forward behind a graph break, which
+        raises the same error an eager call does."""
+        self._alive()
+        if _tracks_grad(x, topk_weights, w13, w2, b13, b2, w13_scale, w2_scale):
+            x, topk_weights, w13, w2, b13, b2, w13_scale, w2_scale = _inference_only(
+                x=x, topk_weights=topk_weights, w13=w13, w2=w2, b13=b13, b2=b2, w13_scale=w13_scale,
+                w2_scale=w2_scale)
+        f13, f2 = _compiled.flatten_weight(w13), _compiled.flatten_weight(w2)
+        tensors = all(isinstance(t, torch.Tensor) for t in (x, topk_ids, topk_weights)) and all(
+            t is None or isinstance(t, torch.Tensor) for t in (out, b13, b2, w13_scale, w2_scale))
+        if f13 is None or f2 is None or not tensors:
+            return _eager_forward(self, x, topk_ids, topk_weights, w13, w2, out, b13=b13, b2=b2,
+                                  w13_scale=w13_scale, w2_scale=w2_scale)
+        args = (self._op_key, x, topk_ids, topk_weights, f13[1] + f2[1], f"{f13[0]},{f2[0]}", b13, b2,
+                w13_scale, w2_scale)
+        if out is None:
+            return torch.ops.moe_ep.forward(*args)
+        torch.ops.moe_ep.forward_out(*args, out)
+        return out
+
     # ---- the split pair --------------------------------------------------------------------
     def dispatch(self, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor, DispatchHandle]:
@@ -281,6 +310,8 @@ class MoELayer:
         the received rows unquantised too (``config.dtype``); ``sm90_fp8_cutedsl`` with
         ``MOE_EP_FP8_WIRE=1`` (rows cross as E4M3) raises :class:`UnsupportedBackendError`.
         """
+        if torch.compiler.is_compiling():  # a graph break: the handle is host state
+            return _eager_dispatch(self, x, topk_ids, topk_weights)
         self._alive()
         if _tracks_grad(x, topk_weights):
             x, topk_weights = _inference_only(x=x, topk_weights=topk_weights)
@@ -306,6 +337,8 @@ class MoELayer:
         Returns:
             ``[T, H]`` config.dtype, ``sum_k w[t,k] · expert_out[row of (t,k)]`` in float32.
         """
+        if torch.compiler.is_compiling():  # a graph break, as for dispatch
+            return _eager_combine(self, expert_out, handle, out)
         self._alive()
         if not isinstance(handle, DispatchHandle):
             raise TypeError(f"handle must be a DispatchHandle, got {type(handle).__name__}")
@@ -333,3 +366,9 @@ class MoELayer:
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config must be a MoEConfig, got {type(config).__name__}")
         return _backends.workspace_bytes(backend, config, int(world_size))
+
+
+# under torch.compile: what runs eagerly behind a graph break (Dynamo does not trace into these)
+_eager_forward = torch.compiler.disable(MoELayer.forward)
+_eager_dispatch = torch.compiler.disable(MoELayer.dispatch)
+_eager_combine = torch.compiler.disable(MoELayer.combine)

@@ -224,7 +224,7 @@ suite_groups=(
   "tests/test_sm90_fp8_quant.py;tests/test_fp8_quant_div.py;tests/test_fp8_quant_items.py;tests/test_fp8_scatter_quant.py;tests/test_fp8_cluster.py;tests/test_gelu_tanh_glu.py"
   "tests/test_fp8_plain_schedule.py;tests/test_fp8_smem_scales.py;tests/test_fp8_unit_scales.py"
   "tests/test_fp8_deferred_epilogue.py;tests/test_bf16_cluster.py"
-  "tests/test_sm90_fp8_compile.py;tests/test_fp8_stage_guard.py" "tests/test_sm90_swapab_compile.py;tests/test_fp8_tanh_sigmoid.py;tests/test_bf16_tanh_sigmoid.py;tests/test_bf16_cluster_n.py;tests/test_jump_stages.py;tests/test_gated_pingpong.py;tests/test_box_tails.py;tests/test_fc2_early.py"
+  "tests/test_sm90_fp8_compile.py;tests/test_fp8_stage_guard.py" "tests/test_sm90_swapab_compile.py;tests/test_fp8_tanh_sigmoid.py;tests/test_bf16_tanh_sigmoid.py;tests/test_bf16_cluster_n.py;tests/test_jump_stages.py;tests/test_gated_pingpong.py;tests/test_box_tails.py;tests/test_fc2_early.py;tests/test_torch_compile.py"
 )
 # SUITE_PICK="i j ...": only those of the groups above (0-based), e.g. the ones a cut call left unrun
 if [ -n "${SUITE_PICK:-}" ]; then
@@ -558,7 +558,7 @@ if [ "$mode" = suite2 ]; then
       tests/test_gather_fc1.py tests/test_fp8_place.py tests/test_fp8_quant_div.py tests/test_fp8_quant_items.py tests/test_fp8_scatter_quant.py tests/test_fp8_cluster.py \
       tests/test_bf16_cluster.py tests/test_fp8_plain_schedule.py tests/test_fp8_smem_scales.py tests/test_fp8_unit_scales.py tests/test_fp8_deferred_epilogue.py tests/test_fp8_tanh_sigmoid.py tests/test_bf16_tanh_sigmoid.py \
       tests/test_fp8_stage_guard.py \
-      tests/test_bf16_cluster_n.py tests/test_jump_stages.py tests/test_gated_pingpong.py tests/test_box_tails.py tests/test_fc2_early.py
+      tests/test_bf16_cluster_n.py tests/test_jump_stages.py tests/test_gated_pingpong.py tests/test_box_tails.py tests/test_fc2_early.py tests/test_torch_compile.py
 fi
 if [ "$mode" = suite3 ]; then
   step "GPU suite 3/3" "$OUT/suite3.log" -- "${suite_common[@]}" tests/test_ep_virtual_gpu.py
