@@ -114,7 +114,7 @@ def test_bad_input_raises_the_eager_errors():
     layer.destroy()
     with pytest.raises(RuntimeError, match="destroyed"):
         compiled(x)
-    del layer, compiled
+    layer = compiled = None  # the last references: the layer is collected
     gc.collect()
     from moe_ep.api import compiled as C
 
