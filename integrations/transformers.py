@@ -53,6 +53,12 @@ another rank) contributes nothing: it is routed to expert 0 with weight 0.
 
 Host work per call: converting ``top_k_weights`` to float32 when the model gives bf16; for a
 repacked module, reading its weights' version counters.
+
+``torch.compile(model, fullgraph=True)`` works once each block's layer exists, i.e. after one eager
+call of the model: each experts block is then one ``torch.ops.moe_ep.forward`` in the graph, with
+the eager bits (``moe_ep.api.compiled``). The first call's set-up (probing the activation, building
+and warming up the layer) cannot be traced: compiled before any eager call, the model needs
+``fullgraph=False``, and that call breaks the graph there.
 """
 
 from __future__ import annotations

@@ -242,3 +242,35 @@ def test_other_moe_families(family):
             a, b = ours(ids).logits.float(), ref(ids).logits.float()
     assert sum("_moe_ep_layer" in m.__dict__ for m in ours.modules()) >= 1, "moe_ep was not called"
     assert torch.isfinite(a).all() and rel_err(a, b) < 2e-2, rel_err(a, b)
+
+
+def test_compiled_model_calls_one_operator_per_experts_block():
+    """torch.compile(model, fullgraph=True) after one eager call (which builds and warms up each
+    block's layer): every experts block is one ``torch.ops.moe_ep.forward`` in the one graph, and
+    the compiled logits are the eager ones bit for bit (graph run by Dynamo's FX interpreter, so
+    only the experts' path is under test). With inductor, one decoder layer agrees to rounding
+    (with two, inductor's own rounding of attention and norms flips near-ties in layer 2's top-k,
+    as in test_logits_match_transformers_eager). transformers' own "eager" experts do not compile
+    with fullgraph=True at all (a data-dependent expert loop)."""
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(5))
+    model = build("qwen3_moe", NAME, seed=6, layers=2)
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with torch.no_grad():
+        eager = model(ids).logits
+        torch._dynamo.reset()
+        got = torch.compile(model, backend=capture, fullgraph=True)(ids).logits
+        assert len(graphs) == 1 and torch.equal(got, eager)
+        ops = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+        assert ops.count("moe_ep.forward") == len(experts_modules(model)) == 2
+    moe_ep_hf.release(model)
+    one = build("qwen3_moe", NAME, seed=6, layers=1)
+    with torch.no_grad():
+        eager = one(ids).logits
+        torch._dynamo.reset()
+        assert rel_err(torch.compile(one, fullgraph=True)(ids).logits.float(), eager.float()) < 2e-2
+    moe_ep_hf.release(one)
