@@ -54,17 +54,20 @@ another rank) contributes nothing: it is routed to expert 0 with weight 0.
 Host work per call: converting ``top_k_weights`` to float32 when the model gives bf16; for a
 repacked module, reading its weights' version counters.
 
-``torch.compile(model, fullgraph=True)`` works once each block's layer exists, i.e. after one eager
-call of the model: each experts block is then one ``torch.ops.moe_ep.forward`` in the graph, with
-the eager bits (``moe_ep.api.compiled``). The first call's set-up (probing the activation, building
-and warming up the layer) cannot be traced: compiled before any eager call, the model needs
-``fullgraph=False``, and that call breaks the graph there.
+``torch.compile(model, fullgraph=True)`` works, before or after any eager call: while Dynamo traces,
+an experts call records one operator, ``torch.ops.moe_ep.hf_experts``, whose implementation is this
+module's eager experts function, so the first call's set-up (probing the activation, building and
+warming up the layer) runs when the compiled graph runs, never in the trace, and the outputs are the
+eager bits. With ``mode="reduce-overhead"``, make the first call with the largest batch the model
+will see: a layer that must grow later would compile kernels while torch records a CUDA graph, which
+raises.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -305,6 +308,58 @@ def _run(module: Any, spec: _Spec, weights: tuple, quant: str | None, hidden_sta
     return layer.forward(hidden_states, ids, topk_w, w13, w2, **biases, **scales)
 
 
+# ---- torch.compile: one experts call, one operator ---------------------------------------------
+_OPS = torch.library.Library("moe_ep", "FRAGMENT")  # beside moe_ep.api.compiled's forward
+_OPS.define("hf_experts(int module, int function, Tensor hidden_states, Tensor top_k_index, "
+            "Tensor top_k_weights) -> Tensor")
+_MODULES: dict[int, "weakref.ref[Any]"] = {}  # id(experts module) -> the module, weakly
+_FUNCTIONS: list = []  # the eager experts functions, by the index an operator call names
+
+
+def _hf_experts(module: int, function: int, hidden_states, top_k_index, top_k_weights) -> torch.Tensor:
+    ref = _MODULES.get(module)
+    mod = ref() if ref is not None else None
+    if mod is None:
+        raise RuntimeError("torch.ops.moe_ep.hf_experts: the experts module this compiled graph calls no longer "
+                           "exists")
+    return _FUNCTIONS[function](mod, hidden_states, top_k_index, top_k_weights)
+
+
+_OPS.impl("hf_experts", _hf_experts, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("moe_ep::hf_experts", lib=_OPS)
+def _hf_experts_fake(module, function, hidden_states, top_k_index, top_k_weights):
+    return hidden_states.new_empty(hidden_states.shape)
+
+
+@torch._dynamo.assume_constant_result  # runs for real while Dynamo traces (a dict store would wait for the graph)
+def _module_key(module: Any) -> int:
+    """The operator's name for an experts module, registered (weakly) before the graph first runs."""
+    key = id(module)
+    ref = _MODULES.get(key)
+    if ref is None or ref() is not module:  # (a dead module's id may be reused)
+        _MODULES[key] = weakref.ref(module)
+    return key
+
+
+def _compile_friendly(eager):
+    """The registry's experts function: ``eager`` itself, or while Dynamo traces one
+    ``torch.ops.moe_ep.hf_experts`` call that runs ``eager`` when the graph runs."""
+    function = len(_FUNCTIONS)
+    _FUNCTIONS.append(eager)
+
+    def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                        top_k_weights: torch.Tensor) -> torch.Tensor:
+        if not torch.compiler.is_compiling():
+            return eager(self, hidden_states, top_k_index, top_k_weights)
+        _check_call(self, self.gate_up_proj if getattr(self, "has_gate", True) else self.up_proj, hidden_states)
+        return torch.ops.moe_ep.hf_experts(_module_key(self), function, hidden_states, top_k_index, top_k_weights)
+
+    experts_forward.__name__ = experts_forward.__qualname__ = eager.__name__
+    return experts_forward
+
+
 def make_experts_forward(backend: str = "auto", min_tokens: int = 256, **layer_options):
     """The experts function for transformers' registry (see the module docstring).
 
@@ -318,7 +373,7 @@ def make_experts_forward(backend: str = "auto", min_tokens: int = 256, **layer_o
         return _run(self, spec, _weights(self, spec), None, hidden_states, top_k_index, top_k_weights, backend,
                     min_tokens, layer_options)
 
-    return moe_ep_experts_forward
+    return _compile_friendly(moe_ep_experts_forward)
 
 
 def _fp8_tensors(module: Any, spec: _Spec) -> tuple:
@@ -366,7 +421,7 @@ def make_fp8_experts_forward(backend: str = "auto", min_tokens: int = 256, **lay
         return _run(self, spec, (w13, w2, None, None), "fp8_block128", hidden_states, top_k_index, top_k_weights,
                     backend, min_tokens, layer_options, w13_scale=s13, w2_scale=s2)
 
-    return moe_ep_fp8_experts_forward
+    return _compile_friendly(moe_ep_fp8_experts_forward)
 
 
 def register(name: str = "moe_ep", backend: str = "auto", min_tokens: int = 256, **layer_options) -> str:

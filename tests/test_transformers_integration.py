@@ -245,13 +245,14 @@ def test_other_moe_families(family):
 
 
 def test_compiled_model_calls_one_operator_per_experts_block():
-    """torch.compile(model, fullgraph=True) after one eager call (which builds and warms up each
-    block's layer): every experts block is one ``torch.ops.moe_ep.forward`` in the one graph, and
-    the compiled logits are the eager ones bit for bit (graph run by Dynamo's FX interpreter, so
-    only the experts' path is under test). With inductor, one decoder layer agrees to rounding
-    (with two, inductor's own rounding of attention and norms flips near-ties in layer 2's top-k,
-    as in test_logits_match_transformers_eager). transformers' own "eager" experts do not compile
-    with fullgraph=True at all (a data-dependent expert loop)."""
+    """torch.compile(model, fullgraph=True), before any eager call: every experts block is one
+    ``torch.ops.moe_ep.hf_experts`` in the one graph, whose first run builds and warms up the
+    block's layer; the compiled logits are the eager ones bit for bit (the graph run by Dynamo's FX
+    interpreter, so only the experts' path is under test), on the first call and once the layers
+    exist. With inductor, one decoder layer agrees to rounding (with two, inductor's own rounding of
+    attention and norms flips near-ties in layer 2's top-k, as in
+    test_logits_match_transformers_eager). transformers' own "eager" experts do not compile with
+    fullgraph=True at all (a data-dependent expert loop)."""
     ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(5))
     model = build("qwen3_moe", NAME, seed=6, layers=2)
     graphs = []
@@ -261,16 +262,21 @@ def test_compiled_model_calls_one_operator_per_experts_block():
         return gm.forward
 
     with torch.no_grad():
-        eager = model(ids).logits
         torch._dynamo.reset()
-        got = torch.compile(model, backend=capture, fullgraph=True)(ids).logits
-        assert len(graphs) == 1 and torch.equal(got, eager)
+        compiled = torch.compile(model, backend=capture, fullgraph=True)
+        first = compiled(ids).logits  # no layer yet: the operator builds them
+        assert all(getattr(m, "_moe_ep_layer", None) is not None for m in experts_modules(model))
+        eager = model(ids).logits
+        assert torch.equal(first, eager) and torch.equal(compiled(ids).logits, eager)
+        assert len(graphs) == 1
         ops = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
-        assert ops.count("moe_ep.forward") == len(experts_modules(model)) == 2
+        assert ops.count("moe_ep.hf_experts") == len(experts_modules(model)) == 2
+        assert moe_ep_hf.release(model) == 2  # the compiled model builds its layers again
+        assert torch.equal(compiled(ids).logits, eager) and len(graphs) == 1
     moe_ep_hf.release(model)
     one = build("qwen3_moe", NAME, seed=6, layers=1)
     with torch.no_grad():
-        eager = one(ids).logits
         torch._dynamo.reset()
-        assert rel_err(torch.compile(one, fullgraph=True)(ids).logits.float(), eager.float()) < 2e-2
+        got = torch.compile(one, fullgraph=True)(ids).logits
+        assert rel_err(got.float(), one(ids).logits.float()) < 2e-2
     moe_ep_hf.release(one)
