@@ -193,6 +193,46 @@ def test_qwen3_moe_block_on_the_h200():
     moe_ep_hf.release(mod)
 
 
+@pytest.mark.gpu
+def test_compiled_qwen3_moe_block_on_sm90():
+    """The same experts module on sm90_bf16_cutedsl inside torch.compile(fullgraph=True), compiled
+    before any eager call (the operator builds the layer on the graph's first run): the graph run
+    by Dynamo's FX interpreter and by inductor give the eager bits (the module is only the experts
+    call), 256 then 300 tokens (dynamic), and match transformers' grouped_mm experts."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs an SM90 GPU")
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    name = moe_ep_hf.register("moe_ep_sm90c", backend="sm90_bf16_cutedsl", min_tokens=512)
+    cfg = Qwen3MoeConfig(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8)
+    cfg._experts_implementation = name
+    mod = Qwen3MoeExperts(cfg).to("cuda", torch.bfloat16)
+    with torch.no_grad():
+        mod.gate_up_proj.normal_(0, 2048 ** -0.5)
+        mod.down_proj.normal_(0, 768 ** -0.5)
+    g = torch.Generator(device="cuda").manual_seed(8)
+    torch._dynamo.reset()
+    runs = {"fx": torch.compile(mod, backend=lambda gm, ex: gm.forward, fullgraph=True, dynamic=True),
+            "inductor": torch.compile(mod, fullgraph=True, dynamic=True)}
+    for T in (256, 300):
+        x = torch.randn(T, 2048, device="cuda", generator=g).to(torch.bfloat16)
+        idx = torch.randn(T, 128, device="cuda", generator=g).topk(8, -1).indices
+        w = torch.softmax(torch.randn(T, 8, device="cuda", generator=g), -1).to(torch.bfloat16)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = {k: c(x, idx, w).clone() for k, c in runs.items()}
+            eager = mod(x, idx, w)
+            cfg._experts_implementation = "grouped_mm"
+            ref = mod(x, idx, w)
+            cfg._experts_implementation = name
+        assert mod._moe_ep_layer.backend_name == "sm90_bf16_cutedsl"
+        for k, y in got.items():
+            assert torch.equal(y, eager), (k, T)
+        assert rel_err(eager, ref) < 1e-2
+    moe_ep_hf.release(mod)
+
+
 # other MoE families whose experts modules go through transformers' registry (one decoder layer,
 # tiny widths); each model is built from its config, no download
 BASE = dict(vocab_size=96, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
