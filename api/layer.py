@@ -283,8 +283,8 @@ class MoELayer:
         tensors = all(isinstance(t, torch.Tensor) for t in (x, topk_ids, topk_weights)) and all(
             t is None or isinstance(t, torch.Tensor) for t in (out, b13, b2, w13_scale, w2_scale))
         if f13 is None or f2 is None or not tensors:
-            return _eager_forward(self, x, topk_ids, topk_weights, w13, w2, out, b13=b13, b2=b2,
-                                  w13_scale=w13_scale, w2_scale=w2_scale)
+            return _eager("forward", self, x, topk_ids, topk_weights, w13, w2, out, b13=b13, b2=b2,
+                          w13_scale=w13_scale, w2_scale=w2_scale)
         args = (self._op_key, x, topk_ids, topk_weights, f13[1] + f2[1], f"{f13[0]},{f2[0]}", b13, b2,
                 w13_scale, w2_scale)
         if out is None:
@@ -311,7 +311,7 @@ class MoELayer:
         ``MOE_EP_FP8_WIRE=1`` (rows cross as E4M3) raises :class:`UnsupportedBackendError`.
         """
         if torch.compiler.is_compiling():  # a graph break: the handle is host state
-            return _eager_dispatch(self, x, topk_ids, topk_weights)
+            return _eager("dispatch", self, x, topk_ids, topk_weights)
         self._alive()
         if _tracks_grad(x, topk_weights):
             x, topk_weights = _inference_only(x=x, topk_weights=topk_weights)
@@ -338,7 +338,7 @@ class MoELayer:
             ``[T, H]`` config.dtype, ``sum_k w[t,k] · expert_out[row of (t,k)]`` in float32.
         """
         if torch.compiler.is_compiling():  # a graph break, as for dispatch
-            return _eager_combine(self, expert_out, handle, out)
+            return _eager("combine", self, expert_out, handle, out)
         self._alive()
         if not isinstance(handle, DispatchHandle):
             raise TypeError(f"handle must be a DispatchHandle, got {type(handle).__name__}")
@@ -368,7 +368,14 @@ class MoELayer:
         return _backends.workspace_bytes(backend, config, int(world_size))
 
 
-# under torch.compile: what runs eagerly behind a graph break (Dynamo does not trace into these)
-_eager_forward = torch.compiler.disable(MoELayer.forward)
-_eager_dispatch = torch.compiler.disable(MoELayer.dispatch)
-_eager_combine = torch.compiler.disable(MoELayer.combine)
+_EAGER: dict = {}
+
+
+def _eager(method: str, layer: MoELayer, *args, **kwargs):
+    """Under torch.compile: ``layer.method(*args, **kwargs)`` run eagerly behind a graph break
+    (``torch.compiler.disable``). The wrappers are made on first use, inside a trace: making them at
+    import would import torch._dynamo (~0.9 s) into every process, compiling or not."""
+    fn = _EAGER.get(method)
+    if fn is None:
+        fn = _EAGER[method] = torch.compiler.disable(getattr(MoELayer, method))
+    return fn(layer, *args, **kwargs)

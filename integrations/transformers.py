@@ -333,9 +333,10 @@ def _hf_experts_fake(module, function, hidden_states, top_k_index, top_k_weights
     return hidden_states.new_empty(hidden_states.shape)
 
 
-@torch._dynamo.assume_constant_result  # runs for real while Dynamo traces (a dict store would wait for the graph)
 def _module_key(module: Any) -> int:
-    """The operator's name for an experts module, registered (weakly) before the graph first runs."""
+    """The operator's name for an experts module, registered (weakly) before the graph first runs:
+    Dynamo runs it for real while it traces (``assume_constant_result``, applied in
+    :func:`_compile_friendly`), where a plain dict store would wait until the graph has run."""
     key = id(module)
     ref = _MODULES.get(key)
     if ref is None or ref() is not module:  # (a dead module's id may be reused)
@@ -346,15 +347,18 @@ def _module_key(module: Any) -> int:
 def _compile_friendly(eager):
     """The registry's experts function: ``eager`` itself, or while Dynamo traces one
     ``torch.ops.moe_ep.hf_experts`` call that runs ``eager`` when the graph runs."""
+    import torch._dynamo  # (here, not at import: transformers' registry has imported it already)
+
     function = len(_FUNCTIONS)
     _FUNCTIONS.append(eager)
+    module_key = torch._dynamo.assume_constant_result(_module_key)
 
     def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                         top_k_weights: torch.Tensor) -> torch.Tensor:
         if not torch.compiler.is_compiling():
             return eager(self, hidden_states, top_k_index, top_k_weights)
         _check_call(self, self.gate_up_proj if getattr(self, "has_gate", True) else self.up_proj, hidden_states)
-        return torch.ops.moe_ep.hf_experts(_module_key(self), function, hidden_states, top_k_index, top_k_weights)
+        return torch.ops.moe_ep.hf_experts(module_key(self), function, hidden_states, top_k_index, top_k_weights)
 
     experts_forward.__name__ = experts_forward.__qualname__ = eager.__name__
     return experts_forward

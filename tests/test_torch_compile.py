@@ -151,6 +151,17 @@ def test_eager_forward_never_touches_the_operator(monkeypatch):
     layer.destroy()
 
 
+def test_importing_moe_ep_does_not_import_dynamo():
+    """The compile support costs nothing at import: torch._dynamo (~0.9 s) loads only when torch.compile
+    is used."""
+    import subprocess
+    import sys
+
+    code = ("import sys, moe_ep.api, moe_ep.backends, moe_ep.integrations.transformers; "
+            "assert 'torch._dynamo' not in sys.modules, 'torch._dynamo was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
 def test_compile_host_bench_runs_the_operator():
     """`python -m moe_ep.bench.compile_host`: its operator path really goes through the operator
     (eager forward + dispatch, so never cheaper than the eager forward it wraps)."""
