@@ -50,7 +50,8 @@ def _layer(key: int) -> Any:
     layer = ref() if ref is not None else None
     if layer is None:
         raise RuntimeError(f"torch.ops.moe_ep.forward: MoELayer #{key}, which this compiled graph calls, no "
-                           "longer exists (compile again after building new layers)")
+                           "longer exists (it was garbage-collected: keep a layer alive as long as a compiled "
+                           "function that calls it)")
     return layer
 
 
@@ -79,9 +80,9 @@ def _unflatten(kinds: str, flat: list) -> list:
     return out
 
 
-# A torch.library.Library operator, not torch.library.custom_op: its dispatch costs ~4 us a call on
-# the host against ~13 us (measured on the CI machine's CPU), and a compiled graph without CUDA graphs
-# pays it per layer and step.
+# A torch.library.Library operator, not torch.library.custom_op: its dispatch costs ~5 us a call on
+# the host against ~14 us (`python -m moe_ep.bench.compile_host`), and a compiled graph without CUDA
+# graphs pays it per layer and step.
 _LIB = torch.library.Library("moe_ep", "DEF")
 _ARGS = ("int layer, Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor[] weights, str kinds, Tensor? b13, "
          "Tensor? b2, Tensor? w13_scale, Tensor? w2_scale")
@@ -99,7 +100,7 @@ def _forward(layer: int, x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: 
 
 def _forward_new(*args) -> torch.Tensor:
     y = _forward(*args)
-    # an operator's output may not alias its inputs (a backend may hand back x itself for T = 0)
+    # an operator's output must not alias an input: an empty result is copied (free) so it cannot
     return y.clone() if y.numel() == 0 else y
 
 
