@@ -156,28 +156,42 @@ def test_importing_moe_ep_does_not_import_transformers():
     assert p.returncode == 0, p.stderr[-2000:]
 
 
-@pytest.mark.gpu
-def test_qwen3_moe_block_on_the_h200():
-    """A Qwen3-30B-A3B-shaped experts block (H 2048, I 768, 128 experts, top-8) through
-    transformers' registry on sm90_bf16_cutedsl, against transformers' grouped_mm experts and
-    float64; 512 then 1000 tokens (the layer grows once)."""
+def _qwen3_experts_on_sm90(name: str) -> tuple:
+    """``(name, config, module)``: a Qwen3-30B-A3B-shaped experts module (H 2048, I 768, 128 experts,
+    top-8) on the GPU with random weights, its experts function moe_ep's registered as ``name`` on
+    sm90_bf16_cutedsl (capacity 512 tokens); skips without an SM90 GPU."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs an SM90 GPU")
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-    name = moe_ep_hf.register("moe_ep_sm90", backend="sm90_bf16_cutedsl", min_tokens=512)
+    name = moe_ep_hf.register(name, backend="sm90_bf16_cutedsl", min_tokens=512)
     cfg = Qwen3MoeConfig(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8)
     cfg._experts_implementation = name
     mod = Qwen3MoeExperts(cfg).to("cuda", torch.bfloat16)
     with torch.no_grad():
         mod.gate_up_proj.normal_(0, 2048 ** -0.5)
         mod.down_proj.normal_(0, 768 ** -0.5)
+    return name, cfg, mod
+
+
+def _qwen3_call(T: int, g: torch.Generator) -> tuple:
+    """A call's fresh ``(hidden_states [T, 2048] bf16, top_k_index [T, 8], top_k_weights [T, 8] bf16)``."""
+    x = torch.randn(T, 2048, device="cuda", generator=g).to(torch.bfloat16)
+    idx = torch.randn(T, 128, device="cuda", generator=g).topk(8, -1).indices
+    w = torch.softmax(torch.randn(T, 8, device="cuda", generator=g), -1).to(torch.bfloat16)
+    return x, idx, w
+
+
+@pytest.mark.gpu
+def test_qwen3_moe_block_on_the_h200():
+    """A Qwen3-30B-A3B-shaped experts block (H 2048, I 768, 128 experts, top-8) through
+    transformers' registry on sm90_bf16_cutedsl, against transformers' grouped_mm experts and
+    float64; 512 then 1000 tokens (the layer grows once)."""
+    name, cfg, mod = _qwen3_experts_on_sm90("moe_ep_sm90")
     g = torch.Generator(device="cuda").manual_seed(7)
     for T in (512, 1000):
-        x = torch.randn(T, 2048, device="cuda", generator=g).to(torch.bfloat16)
-        idx = torch.randn(T, 128, device="cuda", generator=g).topk(8, -1).indices
-        w = torch.softmax(torch.randn(T, 8, device="cuda", generator=g), -1).to(torch.bfloat16)
+        x, idx, w = _qwen3_call(T, g)
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             got = mod(x, idx, w)
@@ -199,26 +213,13 @@ def test_compiled_qwen3_moe_block_on_sm90():
     before any eager call (the operator builds the layer on the graph's first run): the graph run
     by Dynamo's FX interpreter and by inductor give the eager bits (the module is only the experts
     call), 256 then 300 tokens (dynamic), and match transformers' grouped_mm experts."""
-    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-        pytest.skip("needs an SM90 GPU")
-    from transformers import Qwen3MoeConfig
-    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
-
-    name = moe_ep_hf.register("moe_ep_sm90c", backend="sm90_bf16_cutedsl", min_tokens=512)
-    cfg = Qwen3MoeConfig(hidden_size=2048, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8)
-    cfg._experts_implementation = name
-    mod = Qwen3MoeExperts(cfg).to("cuda", torch.bfloat16)
-    with torch.no_grad():
-        mod.gate_up_proj.normal_(0, 2048 ** -0.5)
-        mod.down_proj.normal_(0, 768 ** -0.5)
+    name, cfg, mod = _qwen3_experts_on_sm90("moe_ep_sm90c")
     g = torch.Generator(device="cuda").manual_seed(8)
     torch._dynamo.reset()
     runs = {"fx": torch.compile(mod, backend=lambda gm, ex: gm.forward, fullgraph=True, dynamic=True),
             "inductor": torch.compile(mod, fullgraph=True, dynamic=True)}
     for T in (256, 300):
-        x = torch.randn(T, 2048, device="cuda", generator=g).to(torch.bfloat16)
-        idx = torch.randn(T, 128, device="cuda", generator=g).topk(8, -1).indices
-        w = torch.softmax(torch.randn(T, 8, device="cuda", generator=g), -1).to(torch.bfloat16)
+        x, idx, w = _qwen3_call(T, g)
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore")
             got = {k: c(x, idx, w).clone() for k, c in runs.items()}
