@@ -117,6 +117,23 @@ def main():
             e = rel_err(mine, full[sl])
             assert e < 2e-3, f"rank {r}: EP={W} vs EP=1 rel err {e} ({quant=})"
         dist.barrier()
+    if W == 2:  # torch.compile(fullgraph=True): the collective forward as one operator, the eager bits
+        E, H, I, K, T = 8, 64, 32, 2, 32
+        cfg = MoEConfig(num_experts=E, hidden=H, intermediate=I, top_k=K, max_tokens_per_rank=T)
+        x, ids, w, w13, w2 = make_problem(E, H, I, K, T, seed=4000)
+        El, sizes = E // W, split_tokens(T, W, "uneven")
+        lo = sum(sizes[:r])
+        sl, es = slice(lo, lo + sizes[r]), slice(r * El, (r + 1) * El)
+        mine_w13, mine_w2 = w13[es].contiguous(), w2[es].contiguous()
+        with MoELayer(cfg, group, backend="reference", device="cpu") as ep:
+            compiled = torch.compile(lambda x, ids, w: ep.forward(x, ids, w, mine_w13, mine_w2), backend="eager",
+                                     fullgraph=True)
+            args = (x[sl].contiguous(), ids[sl].contiguous(), w[sl].contiguous())
+            got = compiled(*args)
+            assert torch.equal(got, ep.forward(*args, mine_w13, mine_w2)), f"rank {r}: compiled != eager"
+            if sizes[r]:
+                assert rel_err(got, oracle_f64(x[sl], ids[sl], w[sl], w13, w2, "swiglu", I)) < 6e-3
+        dist.barrier()
     print(f"rank {r}/{W}: OK", flush=True)
     dist.destroy_process_group()
 
