@@ -136,6 +136,12 @@ def main():
         dist.barrier()
     print(f"rank {r}/{W}: OK", flush=True)
     dist.destroy_process_group()
+    if W == 2:
+        # A process that used torch.compile and a gloo group aborts at interpreter exit now and then
+        # ("terminate called without an active exception": 1 in 12 runs of a 9-line script with torch
+        # 2.13 and no moe_ep in it; 0 in 12 without the compile). Everything is checked and printed by
+        # now, so skip the interpreter's teardown.
+        os._exit(0)
 
 
 if __name__ == "__main__":
