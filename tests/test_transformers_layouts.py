@@ -598,6 +598,31 @@ def _fp8_call(mod, seed, T=96):
         return x, idx, w, mod(x, idx, w)
 
 
+def test_fp8_experts_compile_fullgraph_before_any_eager_call():
+    """torch.compile(fullgraph=True) of a FineGrainedFP8 experts module (UE8M0 scales, converted on
+    the first run) before any eager call: one ``torch.ops.moe_ep.hf_experts`` in the graph, the eager
+    bits, which match the quantised model in float64."""
+    mod = _fp8_experts("ue8m0", seed=3)
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(64, 256, generator=g).to(torch.bfloat16)
+    idx = torch.randn(64, 8, generator=g).topk(2, -1).indices
+    w = torch.softmax(torch.randn(64, 2, generator=g), -1)
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch._dynamo.reset()
+        got = torch.compile(mod, backend=capture, fullgraph=True)(x, idx, w)
+        eager = mod(x, idx, w)
+    assert [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"] == ["moe_ep.hf_experts"]
+    assert torch.equal(got, eager) and mod._moe_ep_layer.config.quant == "fp8_block128"
+    assert rel_err(got, _fp8_model_f64(mod, x, idx, w)) < 1e-2
+
+
 @pytest.mark.parametrize("scale_fmt", ["float", "ue8m0"])
 def test_fp8_experts_against_the_quantised_model_in_float64(scale_fmt):
     """A FineGrainedFP8 experts module through ``experts_implementation="moe_ep"``: a
