@@ -243,14 +243,14 @@ class MoELayer:
         ``torch.compile`` (``fullgraph=True`` too) a forward is one opaque operator,
         ``torch.ops.moe_ep.forward`` (:mod:`moe_ep.api.compiled`), which runs this eager forward.
         """
-        if torch.compiler.is_compiling():  # Dynamo is tracing: record one operator call instead
-            return self._traced_forward(x, topk_ids, topk_weights, w13, w2, out, b13, b2, w13_scale, w2_scale)
         self._alive()
-        cfg = self.config
         if _tracks_grad(x, topk_weights, w13, w2, b13, b2, w13_scale, w2_scale):
             x, topk_weights, w13, w2, b13, b2, w13_scale, w2_scale = _inference_only(
                 x=x, topk_weights=topk_weights, w13=w13, w2=w2, b13=b13, b2=b2, w13_scale=w13_scale,
                 w2_scale=w2_scale)
+        if torch.compiler.is_compiling():  # Dynamo is tracing: record one operator call instead
+            return self._traced_forward(x, topk_ids, topk_weights, w13, w2, out, b13, b2, w13_scale, w2_scale)
+        cfg = self.config
         # the common case passes one conjunction of checks; anything else (or check_values) runs the
         # checks that name the bad argument
         packed = None if self.check_values else self._check.args(x, topk_ids, topk_weights, w13, w2, out, b13, b2,
@@ -273,12 +273,8 @@ class MoELayer:
         """``forward`` while torch.compile traces it: one call of ``torch.ops.moe_ep.forward`` (or
         ``forward_out``), whose implementation is the eager forward. Arguments it cannot carry
         (not tensors, an unknown weight type) go to the eager forward behind a graph break, which
-        raises the same error an eager call does."""
-        self._alive()
-        if _tracks_grad(x, topk_weights, w13, w2, b13, b2, w13_scale, w2_scale):
-            x, topk_weights, w13, w2, b13, b2, w13_scale, w2_scale = _inference_only(
-                x=x, topk_weights=topk_weights, w13=w13, w2=w2, b13=b13, b2=b2, w13_scale=w13_scale,
-                w2_scale=w2_scale)
+        raises the same error an eager call does. (``forward`` has checked the layer and detached
+        the arguments, as for an eager call.)"""
         f13, f2 = _compiled.flatten_weight(w13), _compiled.flatten_weight(w2)
         tensors = all(isinstance(t, torch.Tensor) for t in (x, topk_ids, topk_weights)) and all(
             t is None or isinstance(t, torch.Tensor) for t in (out, b13, b2, w13_scale, w2_scale))
