@@ -63,7 +63,7 @@ from .sm90_megamoe_switches import (  # noqa: F401  (re-exported: the shim reads
 PKG = "sm90_megamoe"
 
 CONSTANTS = MirroredConstants("sm90/megamoe", {
-    "sm90_megamoe": {"DROP_VERSION": 113},
+    "sm90_megamoe": {"DROP_VERSION": 114},
     "sm90_megamoe.placing_producer": {"PLACE_SYNC_TAIL": 4},
     "sm90_megamoe.grouped_gemm_handoff": {"HANDOFF_SYNC_TAIL": 4},
     "sm90_megamoe.fp8_gemm": {"FP8_BLOCK": 128, "OVERLAP_MAX_K_TILES": 32, "OVERLAP_MAX_CHUNK": 16,

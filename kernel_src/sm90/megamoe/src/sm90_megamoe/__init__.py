@@ -1,6 +1,6 @@
 """sm90_megamoe: standalone CuTeDSL SM90 kernels for the moe_ep project (never imports moe_ep)."""
 
-DROP_VERSION = 113
+DROP_VERSION = 114
 
 from .constants import (  # noqa: E402
     ABI_VERSION,

@@ -283,6 +283,9 @@ class GroupedGemmSm90:
     jump_stages = False
     #: drop v112: "publish" (FC1) / "await" (FC2) of :mod:`.grouped_gemm_handoff`; None: the plain kernel
     handoff = None
+    #: drop v114: the producer warp claims the CTA's tiles and hands them to the consumers through a
+    #: shared-memory ring (the awaiting FC2 in single CTAs); False: every ``gdim``-th tile
+    dynamic_tiles = False
 
     def __init__(
         self,
@@ -722,6 +725,11 @@ class GroupedGemmSm90:
                     sCum[e + 1] = cnt
                 carry = cute.arch.shuffle_sync(cnt, 31)
 
+        # drop v114: the ring of claimed tile ids (initialised here; the CTA barrier below publishes it)
+        tile_ring = None
+        if cutlass.const_expr(self.dynamic_tiles):
+            tile_ring = self._tile_ring(storage)
+
         # ---- mainloop pipeline (its create() ends with a CTA barrier that also publishes sOff/sCum)
         a_smem_one = cute.slice_(a_smem_layout, (None, None, 0))
         b_smem_one = cute.slice_(b_smem_layout, (None, None, 0))
@@ -771,7 +779,14 @@ class GroupedGemmSm90:
                     tBsB = cute.group_modes(sB, 0, 2)
                     expert = cutlass.Int32(0)
                     tile_id = unit0
+                    if cutlass.const_expr(self.dynamic_tiles):  # drop v114: claim one tile ahead
+                        ring_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 2)
+                        next_id = cute.arch.shuffle_sync(
+                            self._claim_tile(handoff, lane, gdim, tile_id, total_tiles), 0)
                     while tile_id < total_tiles:
+                        if cutlass.const_expr(self.dynamic_tiles):
+                            ring_state = self._push_tile(tile_ring, ring_state, tile_id, next_id, lane)
+                            claimed = self._claim_tile(handoff, lane, gdim, next_id, total_tiles)
                         expert, row0, row_end, n_tile = self._locate(sOff, sCum, tile_id, expert)
                         tile_expert = expert
                         b_mask = None  # cluster_m: the CTAs that each of this CTA's B-half copies fills
@@ -813,8 +828,14 @@ class GroupedGemmSm90:
                                     self._copy_b(tma_atom_b, tBgBs_q, tBsB_q, k_tile, prod_state.index, bar, b_mask)
                             ab_pipeline.producer_commit(prod_state)
                             prod_state.advance()
-                        tile_id = tile_id + unit_step
+                        if cutlass.const_expr(self.dynamic_tiles):  # the atomic's latency hid behind the loads
+                            tile_id = next_id
+                            next_id = cute.arch.shuffle_sync(claimed, 0)
+                        else:
+                            tile_id = tile_id + unit_step
                     ab_pipeline.producer_tail(prod_state)
+                    if cutlass.const_expr(self.dynamic_tiles):
+                        self._close_tile_ring(tile_ring, ring_state, total_tiles, lane)
                     if cutlass.const_expr(self.handoff == "await"):
                         self._finish_await(handoff, lane, gdim)
 
@@ -896,6 +917,15 @@ class GroupedGemmSm90:
                     for _ in range(wg * k_tiles):
                         read_state.advance()
                         release_state.advance()
+            # drop v114: tile ids (and the CTA's next: the other warpgroup's in pingpong) from the ring;
+            # ``seq``: this tile's place in the CTA's sequence
+            next_id = total_tiles
+            seq = wg
+            if cutlass.const_expr(self.dynamic_tiles):
+                ring_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, 2)
+                if cutlass.const_expr(self.pingpong):
+                    ring_state.advance(wg)
+                tile_id, next_id, ring_state = self._pop_tile(tile_ring, ring_state)
             while tile_id < total_tiles:
                 expert, row0, row_end, n_tile = self._locate(sOff, sCum, tile_id, expert)
                 tile_expert = expert
@@ -909,16 +939,23 @@ class GroupedGemmSm90:
 
                 # ---------------- mainloop: keep one WGMMA batch in flight
                 if cutlass.const_expr(self.pingpong):
-                    if tile_id != unit0:  # all but warpgroup 0's first tile wait for their turn
-                        order_mine.arrive_and_wait()
+                    if cutlass.const_expr(self.dynamic_tiles):
+                        if seq != 0:  # all but the CTA's first tile wait for their turn
+                            order_mine.arrive_and_wait()
+                    else:
+                        if tile_id != unit0:  # all but warpgroup 0's first tile wait for their turn
+                            order_mine.arrive_and_wait()
                 if cutlass.const_expr(self.wide):
                     acc_wide.fill(0.0)
                 else:
                     for h in cutlass.range_constexpr(self.num_b):
                         accs[h].fill(0.0)
+                other_has_next = tile_id + unit_step < total_tiles
+                if cutlass.const_expr(self.dynamic_tiles):
+                    other_has_next = next_id < total_tiles
                 read_state, release_state, tiled_mma = self._mainloop(
                     ab_pipeline, read_state, release_state, tiled_mma, accs, acc_wide, tCrA, tCrB,
-                    num_k_blocks, k_tiles, order_next, tile_id + unit_step < total_tiles,
+                    num_k_blocks, k_tiles, order_next, other_has_next,
                 )
                 if cutlass.const_expr(self.wide):  # split into the gate and up accumulators
                     for i in cutlass.range_constexpr(n_elems):
@@ -951,7 +988,11 @@ class GroupedGemmSm90:
                 if cutlass.const_expr(self.handoff == "publish"):  # drop v112: the last tile is stored
                     if tile_id + tile_step >= total_tiles:
                         self._publish_last_done(handoff, tile_expert, row0, row_end, mma_tidx, epi_barrier)
-                tile_id = tile_id + tile_step
+                if cutlass.const_expr(self.dynamic_tiles):
+                    tile_id, next_id, ring_state = self._pop_tile(tile_ring, ring_state)
+                    seq = seq + (2 if self.pingpong else 1)
+                else:
+                    tile_id = tile_id + tile_step
             if cutlass.const_expr(self.handoff == "publish"):
                 if unit0 >= total_tiles:
                     self._publish_no_tile(handoff, mma_tidx)

@@ -20,6 +20,11 @@ Here FC2 waits only for the FC1 tiles of the m-tile it reads:
   spins until its m-tile's pending count is 0, then issues ``fence.proxy.async.global`` (its TMA
   reads what FC1 stored through the generic proxy). Its last statement is ``griddepcontrol.wait``,
   so FC2 still ends after FC1: the next kernel's wait on FC2 still covers every kernel before.
+* Drop v114, the awaiting FC2 in single CTAs: tiles are claimed, not dealt. A CTA's first tile is its
+  block index; its TMA warp claims each later one from a tile counter in the sync buffer (``gdim`` +
+  the counter's old value) and passes it to the consumer warps through a 2-entry shared-memory ring.
+  With every ``gdim``-th tile (v112; clusters still) the CTAs that start early still did only their
+  own share, and FC2 ended when it did (an H100, 61st session); claimed, the early CTAs take more.
 
 Why the early gate is correct without the grid wait: FC2's CTAs are placed only after every FC1
 CTA has passed its own ``griddepcontrol.wait`` (FC1 triggers right after it), so the layout
@@ -34,10 +39,11 @@ same in both GEMMs whatever their scheduler's numbering (pairs in clusters), dis
 m-tiles and below ``ceil(M_total / tile_m) + E``.
 
 The sync buffer ``mSync`` [S + 4] int32 (:func:`handoff_sync_len`, zero before the first launch):
-pending counts [0, S), then ``early_done``, ``finished``, a spare word and an error word (the last). It is
-tail-clean: every pending count returns to 0 (FC2 waits for each), and the last FC2 CTA to finish
-(``finished``) zeroes ``early_done`` and ``finished`` -- each FC2 CTA passed the gate first, so no
-FC1 increment is left. The error word is 1 + the slot of a wait that timed out (``S + 1`` for the
+pending counts [0, S), then ``early_done``, ``finished``, the tile counter (drop v114; unused by clusters)
+and an error word (the last). It is tail-clean: every pending count returns to 0 (FC2 waits for each),
+and the last FC2 CTA to finish (``finished``) zeroes ``early_done``, ``finished`` and the tile counter
+-- each FC2 CTA passed the gate first, so no FC1 increment is left, and made its last claim before its
+``finished`` increment. The error word is 1 + the slot of a wait that timed out (``S + 1`` for the
 gate), 0 otherwise; the kernels never clear it. After a timeout the buffer must be zeroed.
 
 Same WGMMAs, stages and epilogue as :class:`.grouped_gemm.GroupedGemmSm90`: the same bits.
@@ -52,12 +58,15 @@ import cuda.bindings.driver as cuda
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.pipeline as pipeline
 from cutlass import Int32, Int64
 
 from .grouped_gemm import GroupedGemmSm90
 
-#: slots after the S pending counts: early_done, finished, spare, error word (the buffer's last)
+#: slots after the S pending counts: early_done, finished, the tile counter (drop v114), error word (the last)
 HANDOFF_SYNC_TAIL = 4
+#: entries of the awaiting FC2's tile ring (drop v114): pingpong's warpgroups each read one of the two
+TILE_RING = 2
 #: how long a wait spins before it records an error and goes on (a legitimate wait is at most one
 #: FC1 tile: microseconds); once the error word is set every other wait stops at its next poll
 HANDOFF_TIMEOUT_NS = 1_000_000_000
@@ -85,7 +94,8 @@ class _HandoffSlots:
 
     @staticmethod
     def _sync(mSync: cute.Tensor):
-        """``(byte address of mSync, S)``: pending [0, S), early_done S, finished S + 1, error S + 3."""
+        """``(byte address of mSync, S)``: pending [0, S), early_done S, finished S + 1, the tile counter
+        S + 2, error S + 3."""
         return mSync.iterator.toint(), mSync.shape[0] - HANDOFF_SYNC_TAIL
 
     @staticmethod
@@ -167,6 +177,17 @@ class GroupedGemmAwaitSm90(_HandoffSlots, GroupedGemmSm90):
         super().__init__(activation, **kw)
         if self.gather_a:
             raise ValueError("the awaiting GEMM loads A by TMA (not gather_a)")
+        # drop v114: single CTAs claim their tiles (a cluster's CTAs would have to claim theirs together)
+        self.dynamic_tiles = self.ctas_per_cluster == 1
+
+    def _storage_fields(self, num_experts: int, a_smem_layout, b_smem_layout) -> dict:
+        """The plain kernel's fields, then (dynamic tiles) the ring's full and empty barriers and its
+        entries: ``(tile id, the CTA's next tile id)`` each."""
+        fields = super()._storage_fields(num_experts, a_smem_layout, b_smem_layout)
+        if self.dynamic_tiles:
+            fields["tile_mbar"] = cute.struct.MemRange[cutlass.Int64, 2 * TILE_RING]
+            fields["tile_ids"] = cute.struct.MemRange[cutlass.Int32, 2 * TILE_RING]
+        return fields
 
     @cute.jit
     def __call__(self, mA: cute.Tensor, mB: cute.Tensor, mC: cute.Tensor, mOffsets: cute.Tensor,
@@ -221,10 +242,81 @@ class GroupedGemmAwaitSm90(_HandoffSlots, GroupedGemmSm90):
 
     @cute.jit
     def _finish_await(self, handoff, lane: Int32, ctas: Int32):
-        """The TMA warp, after its last tile: the grid's last CTA zeroes ``early_done`` and ``finished``
-        (every CTA passed the gate, so FC1 adds nothing more)."""
+        """The TMA warp, after its last tile: the grid's last CTA zeroes ``early_done``, ``finished`` and
+        the tile counter (every CTA passed the gate, so FC1 adds nothing more, and every CTA's claims came
+        before its ``finished`` increment)."""
         base, slots = self._sync(handoff[0])
         if lane == 0:
             if cute.arch.atomic_add(self._word(base, slots + 1), Int32(1), sem="acq_rel", scope="gpu") == ctas - 1:
                 cute.arch.store(self._word(base, slots), Int32(0))
                 cute.arch.store(self._word(base, slots + 1), Int32(0))
+                if cutlass.const_expr(self.dynamic_tiles):
+                    cute.arch.store(self._word(base, slots + 2), Int32(0))
+
+    # ---------------------------------------------------------------- drop v114: dynamic tiles
+    # Why: with every gdim-th tile per CTA, the CTAs that start early (on the SMs FC1's last wave left
+    # idle) still do only their own share, so FC2 ends when it did (drop v112 on an H100: no gain). Here
+    # a CTA's first tile is its block index and each later one is claimed from the tile counter, so the
+    # early CTAs take more tiles. A tile's arithmetic does not depend on the CTA: the bits stay the same.
+    # The producer warp claims one tile ahead (the atomic's latency hides behind the current tile's
+    # loads) and passes ``(tile, next)`` through a 2-entry ring; pingpong's warpgroup w reads entry w
+    # of each pair, so ``next`` tells it whether the other warpgroup has a tile (the turn hand-off). A
+    # tile id >= the tile count ends a consumer's loop: two such entries in pingpong, one otherwise.
+
+    @cute.jit
+    def _tile_ring(self, storage):
+        """``(ring, sIds)``: the ring's pipeline (producer: the TMA warp's 32 threads; consumer: the
+        threads that own a tile) and its entries ``sIds`` [2 * TILE_RING] Int32."""
+        ring = pipeline.PipelineAsync.create(
+            barrier_storage=storage.tile_mbar.data_ptr(),
+            num_stages=TILE_RING,
+            producer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, 32),
+            consumer_group=pipeline.CooperativeGroup(pipeline.Agent.Thread, self.tile_threads),
+            defer_sync=True,  # the mainloop pipeline's create() fences and syncs the CTA after it
+        )
+        return ring, storage.tile_ids.get_tensor(cute.make_layout(2 * TILE_RING))
+
+    @cute.jit
+    def _claim_tile(self, handoff, lane: Int32, gdim: Int32, tile_id: Int32, total: Int32):
+        """Lane 0 of the TMA warp: the CTA's tile after ``tile_id`` (``gdim`` + the counter's old value:
+        tiles below ``gdim`` are the CTAs' first); ``total`` once ``tile_id`` is past the end and on the
+        other lanes (the caller broadcasts lane 0's value)."""
+        claimed = total
+        if tile_id < total:
+            if lane == 0:
+                base, slots = self._sync(handoff[0])
+                claimed = gdim + cute.arch.atomic_add(self._word(base, slots + 2), Int32(1), sem="relaxed",
+                                                      scope="gpu")
+        return claimed
+
+    @cute.jit
+    def _push_tile(self, tile_ring, state, tile_id: Int32, next_id: Int32, lane: Int32):
+        """The TMA warp: ``(tile_id, next_id)`` into the ring's next entry."""
+        ring, sIds = tile_ring
+        ring.producer_acquire(state)
+        if lane == 0:
+            sIds[2 * state.index] = tile_id
+            sIds[2 * state.index + 1] = next_id
+        ring.producer_commit(state)  # every lane arrives (release): lane 0's stores are ordered before
+        state.advance()
+        return state
+
+    @cute.jit
+    def _close_tile_ring(self, tile_ring, state, total: Int32, lane: Int32):
+        """The TMA warp, after its last tile: the end marker for each consumer, then wait until they
+        have read them (no barrier arrive left pending at exit)."""
+        for _ in cutlass.range_constexpr(2 if self.pingpong else 1):
+            state = self._push_tile(tile_ring, state, total, total, lane)
+        tile_ring[0].producer_tail(state)
+
+    @cute.jit
+    def _pop_tile(self, tile_ring, state):
+        """The threads that own a tile: ``(tile id, next tile id, state)`` from the ring; pingpong skips
+        the other warpgroup's entry."""
+        ring, sIds = tile_ring
+        ring.consumer_wait(state)
+        tile_id = sIds[2 * state.index]
+        next_id = sIds[2 * state.index + 1]
+        ring.consumer_release(state)
+        state.advance(2 if self.pingpong else 1)
+        return tile_id, next_id, state
