@@ -8,7 +8,8 @@ and acquires where they belong, and no spills; the plain kernels keep their wait
 shim's switch, key, kernel names and the backend's specs. GPU: the pair gives the plain pair's bits
 (FC1's and FC2's outputs, NaN-poisoned, three runs on one buffer) and leaves the buffer zero; an
 awaiting FC2 without a publisher records a timeout instead of hanging; the Qwen3 layer with the switch
-gives the default bits eager and under a CUDA graph."""
+gives the default bits eager and under a CUDA graph. Drop v114: an awaiting FC2 alone, its gate preset, claims
+every tile once at small grids (the plain FC2's bits, the counter back to zero)."""
 
 import re
 import time
@@ -282,6 +283,45 @@ def test_gpu_awaiting_fc2_without_publisher_records_a_timeout():
     assert time.time() - t0 < 30
     slots = sync.numel() - HANDOFF_SYNC_TAIL
     assert int(sync[-1]) == slots + 1  # the gate's word (early_done, slot S) timed out
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fc2_sched,fc2_tile", [("pingpong", 192), ("cooperative", None)])
+@pytest.mark.parametrize("routing,m_total,grid", [("skewed", 9000, 7), ("uniform", 30000, None), ("skewed", 3, 5)])
+def test_gpu_awaiting_fc2_claims_every_tile_once(fc2_sched, fc2_tile, routing, m_total, grid):
+    """Drop v114 alone: an awaiting FC2 whose gate is open before it starts (``early_done`` preset to
+    its publishers, nothing pending) claims its tiles from the counter -- hundreds of claims a CTA
+    at a grid of 7 -- and gives the plain FC2's bits at the full grid into a NaN-poisoned output,
+    twice on one buffer, which each run leaves zero (the counter included); y against float64."""
+    require_sm90()
+    from moe_oracle import bf16_gemm_problem
+    from sm90_megamoe.grouped_gemm_handoff import HANDOFF_SYNC_TAIL, handoff_sync_len
+    from sm90_megamoe.launch import get_grouped_gemm
+    from sm90_megamoe.reference import grouped_gemm_reference
+
+    H, I = 2048, 768
+    h, _, offs, rs, _ = bf16_gemm_problem(m_total, I, I, 16, routing, 900 + m_total, True)
+    w2 = (torch.randn(16, H, I, device="cuda", generator=torch.Generator(device="cuda").manual_seed(m_total))
+          / I ** 0.5).to(torch.bfloat16)
+    kw = dict(scale_rows=True, schedule=fc2_sched, tile_n=fc2_tile, raster_m=6)
+    plain = get_grouped_gemm("identity", H, I, 16, **kw)
+    fc2 = get_grouped_gemm("identity", H, I, 16, handoff="await", **kw)
+    assert fc2.kernel.dynamic_tiles
+    y0 = torch.full((m_total, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+    plain(h, w2, offs, out=y0, row_scale=rs)
+    assert not torch.isnan(y0).any()
+    sync = torch.zeros(handoff_sync_len(m_total, 16), dtype=torch.int32, device="cuda")
+    ctas = fc2.grid_ctas(grid, h.device)
+    for _ in range(2):
+        sync[sync.numel() - HANDOFF_SYNC_TAIL] = ctas  # the gate: every publisher is past its other tiles
+        y = torch.full((m_total + 64, H), float("nan"), dtype=torch.bfloat16, device="cuda")
+        fc2(h, w2, offs, out=y[:m_total], row_scale=rs, sync=sync, publishers=ctas, max_active_ctas=grid)
+        torch.cuda.synchronize()
+        assert torch.isnan(y[m_total:]).all(), "a store past the output"
+        assert torch.equal(y[:m_total], y0), "not the plain FC2's bits"
+        assert not sync.any(), sync.nonzero().flatten().tolist()
+    want = grouped_gemm_reference(h.double(), w2.double(), offs, "identity", rs.double())
+    assert float((y0.double() - want).norm() / want.norm().clamp_min(1e-30)) < 1e-2
 
 
 @pytest.mark.gpu
