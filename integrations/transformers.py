@@ -320,9 +320,25 @@ def _hf_experts(module: int, function: int, hidden_states, top_k_index, top_k_we
     ref = _MODULES.get(module)
     mod = ref() if ref is not None else None
     if mod is None:
+        mod = _find_module(module)
+    return _FUNCTIONS[function](mod, hidden_states, top_k_index, top_k_weights)
+
+
+def _find_module(key: int) -> Any:
+    """The live object whose ``id`` is ``key`` (the graph that names it guards on that id, so it is the
+    module being called), registered weakly with every other instance of its class: a model's experts
+    blocks share one, so a model costs one scan of the collector's objects, at its first compiled call."""
+    import gc
+
+    found = next((obj for obj in gc.get_objects() if id(obj) == key), None)
+    if found is None:
         raise RuntimeError("torch.ops.moe_ep.hf_experts: the experts module this compiled graph calls no longer "
                            "exists")
-    return _FUNCTIONS[function](mod, hidden_states, top_k_index, top_k_weights)
+    cls = type(found)
+    for obj in gc.get_objects():
+        if type(obj) is cls:
+            _MODULES[id(obj)] = weakref.ref(obj)
+    return found
 
 
 _OPS.impl("hf_experts", _hf_experts, "CompositeExplicitAutograd")
@@ -333,32 +349,20 @@ def _hf_experts_fake(module, function, hidden_states, top_k_index, top_k_weights
     return hidden_states.new_empty(hidden_states.shape)
 
 
-def _module_key(module: Any) -> int:
-    """The operator's name for an experts module, registered (weakly) before the graph first runs:
-    Dynamo runs it for real while it traces (``assume_constant_result``, applied in
-    :func:`_compile_friendly`), where a plain dict store would wait until the graph has run."""
-    key = id(module)
-    ref = _MODULES.get(key)
-    if ref is None or ref() is not module:  # (a dead module's id may be reused)
-        _MODULES[key] = weakref.ref(module)
-    return key
-
-
 def _compile_friendly(eager):
     """The registry's experts function: ``eager`` itself, or while Dynamo traces one
-    ``torch.ops.moe_ep.hf_experts`` call that runs ``eager`` when the graph runs."""
-    import torch._dynamo  # (here, not at import: transformers' registry has imported it already)
-
+    ``torch.ops.moe_ep.hf_experts`` call that runs ``eager`` when the graph runs. The call names its
+    module by ``id(self)``, which Dynamo folds to a constant and guards on (so a graph is never reused
+    for another module); the operator finds the module by that id (:func:`_find_module`)."""
     function = len(_FUNCTIONS)
     _FUNCTIONS.append(eager)
-    module_key = torch._dynamo.assume_constant_result(_module_key)
 
     def experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                         top_k_weights: torch.Tensor) -> torch.Tensor:
         if not torch.compiler.is_compiling():
             return eager(self, hidden_states, top_k_index, top_k_weights)
         _check_call(self, self.gate_up_proj if getattr(self, "has_gate", True) else self.up_proj, hidden_states)
-        return torch.ops.moe_ep.hf_experts(module_key(self), function, hidden_states, top_k_index, top_k_weights)
+        return torch.ops.moe_ep.hf_experts(id(self), function, hidden_states, top_k_index, top_k_weights)
 
     experts_forward.__name__ = experts_forward.__qualname__ = eager.__name__
     return experts_forward
