@@ -10,8 +10,20 @@
 #   bash bench/device_aot.sh slim     # .device/aotq instead: Qwen3 and Mixtral only, BF16 and FP8, at 128,
 #                                     # 256 and 8192 tokens (~5 MB): fits one carry with .device/b and
 #                                     # .device/fi (the full one does not: 43 + 14 + 9 MB > 64 MiB)
+#   bash bench/device_aot.sh pair     # .device/aotp: Qwen3 and Mixtral at 8192 tokens, BF16 and FP8 only (~2.3 MB):
+#                                     # the layers `h200_session.sh all` times, with room beside .device/b and
+#                                     # .device/fi for the tree (the slim one was refused with them in the 64th session)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = pair ]; then
+  out=.device/aotp
+  rm -rf "$out"
+  python -m moe_ep.aot build --arch sm_90a --max-tokens 8192 --out "$out" --model qwen3,mixtral | grep -v '^  '
+  python -m moe_ep.aot build --arch sm_90a --max-tokens 8192 --out "$out" --model qwen3,mixtral \
+    --quant fp8_block128 | grep -v '^  '
+  du -sh "$out"
+  exit 0
+fi
 if [ "${1:-}" = slim ]; then
   out=.device/aotq
   rm -rf "$out"
