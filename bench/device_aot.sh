@@ -10,40 +10,41 @@
 #   bash bench/device_aot.sh slim     # .device/aotq instead: Qwen3 and Mixtral only, BF16 and FP8, at 128,
 #                                     # 256 and 8192 tokens (~5 MB): fits one carry with .device/b and
 #                                     # .device/fi (the full one does not: 43 + 14 + 9 MB > 64 MiB)
-#   bash bench/device_aot.sh pair     # .device/aotp: Qwen3 and Mixtral at 8192 tokens, BF16 and FP8 only (~2.3 MB):
+#   bash bench/device_aot.sh pair     # .device/aotp: Qwen3 and Mixtral at 8192 tokens, BF16 and FP8 only (~2.1 MB):
 #                                     # the layers `h200_session.sh all` times, with room beside .device/b and
 #                                     # .device/fi for the tree (the slim one was refused with them in the 64th session)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+aot() {  # aot OUT TOKENS ARGS...: one `moe_ep.aot build` for sm_90a, its per-kernel lines left out
+  local out=$1 tokens=$2; shift 2
+  python -m moe_ep.aot build --arch sm_90a --max-tokens "$tokens" --out "$out" "$@" | grep -v '^  '
+}
+pair_layers() {  # pair_layers OUT: Qwen3's and Mixtral's default BF16 and FP8 layers at 8192 tokens
+  aot "$1" 8192 --model qwen3,mixtral
+  aot "$1" 8192 --model qwen3,mixtral --quant fp8_block128
+}
 if [ "${1:-}" = pair ]; then
   out=.device/aotp
   rm -rf "$out"
-  python -m moe_ep.aot build --arch sm_90a --max-tokens 8192 --out "$out" --model qwen3,mixtral | grep -v '^  '
-  python -m moe_ep.aot build --arch sm_90a --max-tokens 8192 --out "$out" --model qwen3,mixtral \
-    --quant fp8_block128 | grep -v '^  '
+  pair_layers "$out"
   du -sh "$out"
   exit 0
 fi
 if [ "${1:-}" = slim ]; then
   out=.device/aotq
   rm -rf "$out"
-  for t in 128 256 8192; do
-    python -m moe_ep.aot build --arch sm_90a --max-tokens "$t" --out "$out" --model qwen3,mixtral | grep -v '^  '
-  done
-  python -m moe_ep.aot build --arch sm_90a --max-tokens 8192 --out "$out" --model qwen3,mixtral \
-    --quant fp8_block128 | grep -v '^  '
+  pair_layers "$out"
+  for t in 128 256; do aot "$out" "$t" --model qwen3,mixtral; done
   # drop v112's FC2 inside FC1's last wave (MOE_EP_FC2_EARLY=1): Qwen3's and Mixtral's pair, the H200's
   # and the H100's picks
-  MOE_EP_FC2_EARLY=1 python -m moe_ep.aot build --arch sm_90a --max-tokens 8192 --out "$out" --model qwen3,mixtral \
-    --kernels fc1,fc2 | grep -v '^  '
-  MOE_EP_FC2_EARLY=1 python -m moe_ep.aot build --arch sm_90a --max-tokens 8192 --out "$out" --model qwen3,mixtral \
-    --kernels fc1,fc2 --gpu "NVIDIA H100 80GB HBM3" | grep -v '^  '
+  MOE_EP_FC2_EARLY=1 aot "$out" 8192 --model qwen3,mixtral --kernels fc1,fc2
+  MOE_EP_FC2_EARLY=1 aot "$out" 8192 --model qwen3,mixtral --kernels fc1,fc2 --gpu "NVIDIA H100 80GB HBM3"
   du -sh "$out"
   exit 0
 fi
 out=.device/aot
 rm -rf "$out"
-build() { python -m moe_ep.aot build --arch sm_90a --max-tokens 8192 --out "$out" "$@" | grep -v '^  '; }
+build() { aot "$out" 8192 "$@"; }
 build --model qwen3,mixtral,nemotron,dsv3_shard,gpt_oss,dsv4_shard,inkling2_shard,gemma4
 build --model qwen3,mixtral,dsv4_shard,inkling2_shard,dsv3_shard --quant fp8_block128
 # the queued switches (their GEMMs only; everything else is the defaults' above)

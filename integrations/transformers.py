@@ -330,12 +330,13 @@ def _find_module(key: int) -> Any:
     blocks share one, so a model costs one scan of the collector's objects, at its first compiled call."""
     import gc
 
-    found = next((obj for obj in gc.get_objects() if id(obj) == key), None)
+    objects = gc.get_objects()  # (one list for both passes: each call walks every tracked object)
+    found = next((obj for obj in objects if id(obj) == key), None)
     if found is None:
         raise RuntimeError("torch.ops.moe_ep.hf_experts: the experts module this compiled graph calls no longer "
                            "exists")
     cls = type(found)
-    for obj in gc.get_objects():
+    for obj in objects:
         if type(obj) is cls:
             _MODULES[id(obj)] = weakref.ref(obj)
     return found
