@@ -35,6 +35,12 @@
 #                then LigerCute at PEER_DECODE_TOKENS (1,8,32,128,256) -> $OUT/decode_liger.csv.
 #                Stage it here first: `bash ../shared/device/stage-liger.sh && cp ../shared/peers/liger_bench.py
 #                .device/liger/` (the stage script does not copy the benchmark script; without it every row fails).
+# grid:          every layer of MODELS in BF16 then FP8 (model by model), each with FlashInfer (its BF16 / FP8
+#                backend) right after it in its own process, then `bench gemm --model GEMM_MODELS` (qwen3,mixtral,
+#                dsv3_shard,gemma4); each part starts only with 100 s (the GEMMs: 60 s) of CALL_BUDGET (560 s) left,
+#                so one device call brings back whatever fits -> $OUT/bench_<model>_<bf16|fp8_block128>.{log,csv},
+#                $OUT/fi_*, $OUT/gemm.log; the summary prints a BF16 and an FP8 table. Carry .device/fi and a
+#                cache of the layers' kernels (`bash bench/device_aot.sh pair` -> .device/aotp, MOE_EP_CACHE_DIR).
 # sonic:         SonicMoE beside ours on one machine (carry .device/sonic only: with .device/b it passes the 64 MiB
 #                of one call, so run it right after a call that sourced .device/b/env.sh, whose install in /tmp/site
 #                and /tmp/proj this mode reuses; stage .device/sonic here with ../shared/peers/sonicmoe/stage.sh):
@@ -126,7 +132,7 @@
 #   different processes compare; untried on the H200 as of the twenty-fourth session).
 set -uo pipefail
 mode=${1:-all}
-modes="all|moe|fi|liger|sonic|extra|verify2|ncu|ncuab|gemmab|layers|envab|timeline|newab|power|sustained|sustab|defer|dropab|commitab|ceiling|decide|decode|suite|suite1|suite2|suite3"
+modes="all|moe|fi|grid|liger|sonic|extra|verify2|ncu|ncuab|gemmab|layers|envab|timeline|newab|power|sustained|sustab|defer|dropab|commitab|ceiling|decide|decode|suite|suite1|suite2|suite3"
 case "|$modes|" in *"|$mode|"*) ;; *) echo "usage: bash bench/h200_session.sh [$modes]" >&2; exit 2 ;; esac
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -244,6 +250,28 @@ if [ "$mode" = all ] || [ "$mode" = fi ]; then
     source .device/fi/pkg/setup.sh || { echo "h200_session: .device/fi/pkg/setup.sh failed" >&2; exit 3; }
     exec python3 -m moe_ep.bench "$@"' fi "${common[@]}" "${peer_args[@]}" --peer flashinfer \
       --peer-script-fi .device/fi/bench_fi.py --csv "$OUT/fi.csv"
+fi
+if [ "$mode" = grid ]; then
+  for m in ${MODELS//,/ }; do for q in "" fp8_block128; do
+    tag=${m}_${q:-bf16} left=$(( ${CALL_BUDGET:-560} - SECONDS ))
+    if [ "$left" -lt 100 ]; then status+=("layer $tag: skipped, ${left}s of CALL_BUDGET left"); continue; fi
+    layer=(--model "$m" --tokens "$TOKENS" --iters "$ITERS" --rounds "${BENCH_ROUNDS:-1}" ${q:+--quant "$q"})
+    # shellcheck disable=SC2086
+    STEP_TIMEOUT=$(( left - 10 )) step "moe_ep $tag" "$OUT/bench_$tag.log" -- "${bench[@]}" "${layer[@]}" --no-decode \
+        --csv "$OUT/bench_$tag.csv" ${BENCH_ARGS:-}
+    left=$(( ${CALL_BUDGET:-560} - SECONDS ))
+    if [ "$left" -lt 30 ]; then status+=("FlashInfer $tag: skipped, ${left}s of CALL_BUDGET left"); continue; fi
+    STEP_TIMEOUT=$(( left - 10 )) step "FlashInfer $tag" "$OUT/fi_$tag.log" -- bash -c '
+      source .device/fi/pkg/setup.sh || { echo "h200_session: .device/fi/pkg/setup.sh failed" >&2; exit 3; }
+      exec python3 -m moe_ep.bench "$@"' fi "${layer[@]}" "${peer_args[@]}" --peer flashinfer \
+        --peer-script-fi .device/fi/bench_fi.py --csv "$OUT/fi_$tag.csv"
+  done; done
+  left=$(( ${CALL_BUDGET:-560} - SECONDS ))
+  if [ "$left" -lt 60 ]; then status+=("grouped GEMMs: skipped, ${left}s of CALL_BUDGET left")
+  else
+    STEP_TIMEOUT=$(( left - 10 )) step "grouped GEMMs" "$OUT/gemm.log" -- python3 -m moe_ep.bench gemm \
+        --model "${GEMM_MODELS:-qwen3,mixtral,dsv3_shard,gemma4}"
+  fi
 fi
 if [ "$mode" = extra ]; then
   step "moe_ep start-up" "$OUT/startup.log" -- python3 -m moe_ep.bench startup --model "$MODELS"
@@ -592,6 +620,13 @@ printf '  %s\n' "${status[@]}"
 csvs=$(ls "$OUT"/bench.csv "$OUT"/fi.csv "$OUT"/liger.csv 2>/dev/null)
 # shellcheck disable=SC2086
 [ -n "$csvs" ] && python3 -m moe_ep.bench.report $csvs
+if [ "$mode" = grid ]; then  # one table per precision: FlashInfer's BF16 and FP8 rows carry the same name
+  for q in bf16 fp8_block128; do
+    csvs=$(ls "$OUT"/bench_*_$q.csv "$OUT"/fi_*_$q.csv 2>/dev/null)
+    # shellcheck disable=SC2086
+    [ -n "$csvs" ] && echo "----- $q" && python3 -m moe_ep.bench.report $csvs
+  done
+fi
 # the device returns only a handful of loose files (alphabetical): leave the archive alone in $OUT
 if tar czf "/tmp/session_$mode.tgz" -C "$OUT" . 2>/dev/null; then
   find "$OUT" -mindepth 1 -delete && mv "/tmp/session_$mode.tgz" "$OUT/"

@@ -269,6 +269,45 @@ def test_h200_session_sonic_mode_needs_its_staged_files(tmp_path):
     assert p.returncode == 2 and ".device/sonic is missing" in p.stderr, (p.stdout[-2000:], p.stderr[-2000:])
 
 
+def test_h200_session_grid_runs_each_layer_then_its_peer_then_the_gemms(tmp_path):
+    """`h200_session.sh grid`: model by model, BF16 then FP8, ours then FlashInfer with the same
+    precision (FP8 -> --quant, FlashInfer's FP8 backend), then the GEMMs; with too little CALL_BUDGET left
+    each part is skipped and named, and the run exits 1. `python3 -m ...` is recorded, not run."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "h200_session.sh"
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls.txt"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(
+        f'#!/bin/bash\nif [ "$1" = -m ]; then echo "$*" >> "{calls}"; exit 0; fi\nexec "{sys.executable}" "$@"\n')
+    (bin_dir / "python3").chmod(0o755)
+    fi_pkg = tmp_path / ".device" / "fi" / "pkg"
+    fi_pkg.mkdir(parents=True)
+    (fi_pkg / "setup.sh").write_text("true\n")
+    env = {**CPU_ENV, "PATH": f"{bin_dir}:{os.environ['PATH']}", "ALLOW_CLASSIC_LAUNCH": "1", "OUT": str(tmp_path / "out"),
+           "MODELS": "qwen3,mixtral", "GEMM_MODELS": "qwen3,gemma4"}
+    p = subprocess.run(["bash", str(script), "grid"], cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-2000:])
+    runs = [c for c in calls.read_text().splitlines() if "moe_ep.bench.report" not in c]
+    assert len(runs) == 9, runs
+    for i, (model, quant) in enumerate([("qwen3", None), ("qwen3", "fp8_block128"), ("mixtral", None),
+                                        ("mixtral", "fp8_block128")]):
+        ours, peer = runs[2 * i].split(), runs[2 * i + 1].split()
+        for argv in (ours, peer):
+            assert argv[argv.index("--model") + 1] == model
+            assert (argv[argv.index("--quant") + 1] if "--quant" in argv else None) == quant
+        assert "--peer" not in ours and "--no-decode" in ours and ours[ours.index("--csv") + 1].endswith(
+            f"bench_{model}_{quant or 'bf16'}.csv")
+        assert peer[peer.index("--peer") + 1] == "flashinfer"
+    assert runs[8].split()[:4] == ["-m", "moe_ep.bench", "gemm", "--model"] and runs[8].endswith("qwen3,gemma4")
+    shutil.rmtree(tmp_path / "out")
+    p = subprocess.run(["bash", str(script), "grid"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                       env={**env, "CALL_BUDGET": "0"})
+    assert p.returncode == 1 and p.stdout.count(": skipped, ") == 5 and "grouped GEMMs: skipped" in p.stdout
+
+
 def test_ceiling_fp8_operands_are_the_block_wise_scaled_mm_layout():
     """`bench ceiling`'s FP8 operands: what torch._scaled_mm computes from them (emulated here in
     float64: out[m, n] = sum_k a_q[m, k] sa[m, k/128] b_q[k, n] sb[k/128, n/128]) is a @ w.T up to
