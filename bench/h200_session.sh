@@ -37,8 +37,8 @@
 #                .device/liger/` (the stage script does not copy the benchmark script; without it every row fails).
 # grid:          every layer of MODELS in BF16 then FP8 (model by model), each with FlashInfer (its BF16 / FP8
 #                backend) right after it in its own process, then `bench gemm --model GEMM_MODELS` (qwen3,mixtral,
-#                dsv3_shard,gemma4); each part starts only with 100 s (the GEMMs: 60 s) of CALL_BUDGET (560 s) left,
-#                so one device call brings back whatever fits -> $OUT/bench_<model>_<bf16|fp8_block128>.{log,csv},
+#                dsv3_shard,gemma4); a layer starts only with 100 s of CALL_BUDGET (560 s) left, its FlashInfer run
+#                with 30 s, the GEMMs with 60 s, so one device call brings back whatever fits -> $OUT/bench_<model>_<bf16|fp8_block128>.{log,csv},
 #                $OUT/fi_*, $OUT/gemm.log; the summary prints a BF16 and an FP8 table. Carry .device/fi and a
 #                cache of the layers' kernels (`bash bench/device_aot.sh pair` -> .device/aotp, MOE_EP_CACHE_DIR).
 # sonic:         SonicMoE beside ours on one machine (carry .device/sonic only: with .device/b it passes the 64 MiB
