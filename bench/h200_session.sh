@@ -183,6 +183,13 @@ step() {  # step NAME LOG -- command...: run with a timeout, tee the log, rememb
   local rc=${PIPESTATUS[0]}
   status+=("$name: exit $rc$([ "$rc" = 124 ] && echo " (timed out after ${STEP_TIMEOUT}s)")")
 }
+flashinfer_step() {  # flashinfer_step NAME LOG ARGS...: `moe_ep.bench ARGS --peer flashinfer` as a step, in a
+  # process whose environment comes from .device/fi/pkg/setup.sh (so FlashInfer's does not leak into ours)
+  local name=$1 log=$2; shift 2
+  step "$name" "$log" -- bash -c '
+    source .device/fi/pkg/setup.sh || { echo "h200_session: .device/fi/pkg/setup.sh failed" >&2; exit 3; }
+    exec python3 -m moe_ep.bench "$@"' fi "$@" "${peer_args[@]}" --peer flashinfer --peer-script-fi .device/fi/bench_fi.py
+}
 run_groups() {  # run_groups SECONDS GROUP...: pytest -m gpu per group, all in parallel (compiling dominates
   # the GPU tests: 16 host cores), each cut at SECONDS; a group is its pytest arguments separated by ';'
   local limit=$1; shift
@@ -246,10 +253,7 @@ if [ "$mode" = all ] || [ "$mode" = moe ]; then
   step "moe_ep bench" "$OUT/bench.log" -- "${bench[@]}" "${common[@]}" --csv "$OUT/bench.csv" ${BENCH_ARGS:-}
 fi
 if [ "$mode" = all ] || [ "$mode" = fi ]; then
-  step "FlashInfer peer" "$OUT/fi.log" -- bash -c '
-    source .device/fi/pkg/setup.sh || { echo "h200_session: .device/fi/pkg/setup.sh failed" >&2; exit 3; }
-    exec python3 -m moe_ep.bench "$@"' fi "${common[@]}" "${peer_args[@]}" --peer flashinfer \
-      --peer-script-fi .device/fi/bench_fi.py --csv "$OUT/fi.csv"
+  flashinfer_step "FlashInfer peer" "$OUT/fi.log" "${common[@]}" --csv "$OUT/fi.csv"
 fi
 if [ "$mode" = grid ]; then
   for m in ${MODELS//,/ }; do for q in "" fp8_block128; do
@@ -261,10 +265,7 @@ if [ "$mode" = grid ]; then
         --csv "$OUT/bench_$tag.csv" ${BENCH_ARGS:-}
     left=$(( ${CALL_BUDGET:-560} - SECONDS ))
     if [ "$left" -lt 30 ]; then status+=("FlashInfer $tag: skipped, ${left}s of CALL_BUDGET left"); continue; fi
-    STEP_TIMEOUT=$(( left - 10 )) step "FlashInfer $tag" "$OUT/fi_$tag.log" -- bash -c '
-      source .device/fi/pkg/setup.sh || { echo "h200_session: .device/fi/pkg/setup.sh failed" >&2; exit 3; }
-      exec python3 -m moe_ep.bench "$@"' fi "${layer[@]}" "${peer_args[@]}" --peer flashinfer \
-        --peer-script-fi .device/fi/bench_fi.py --csv "$OUT/fi_$tag.csv"
+    STEP_TIMEOUT=$(( left - 10 )) flashinfer_step "FlashInfer $tag" "$OUT/fi_$tag.log" "${layer[@]}" --csv "$OUT/fi_$tag.csv"
   done; done
   left=$(( ${CALL_BUDGET:-560} - SECONDS ))
   if [ "$left" -lt 60 ]; then status+=("grouped GEMMs: skipped, ${left}s of CALL_BUDGET left")
@@ -279,11 +280,8 @@ if [ "$mode" = extra ]; then
   step "decode sweep" "$OUT/decode.log" -- python3 -m moe_ep.bench --model "$MODELS" --tokens 128 --iters "$ITERS" \
       --no-reference --decode-csv "$OUT/decode.csv" --plot "$OUT/decode.png"
   if [ -f .device/fi/pkg/setup.sh ]; then  # FlashInfer at decode token counts, one run each, its own env
-    step "FlashInfer decode" "$OUT/decode_fi.log" -- bash -c '
-      source .device/fi/pkg/setup.sh || exit 3
-      exec python3 -m moe_ep.bench "$@"' fi --model "$MODELS" --tokens 128 --iters "$ITERS" "${peer_args[@]}" \
-        --peer flashinfer --peer-script-fi .device/fi/bench_fi.py --peer-decode-tokens "${PEER_DECODE_TOKENS:-1,8,32,128,256}" \
-        --decode-csv "$OUT/decode_fi.csv"
+    flashinfer_step "FlashInfer decode" "$OUT/decode_fi.log" --model "$MODELS" --tokens 128 --iters "$ITERS" \
+        --peer-decode-tokens "${PEER_DECODE_TOKENS:-1,8,32,128,256}" --decode-csv "$OUT/decode_fi.csv"
     python3 -m moe_ep.bench.decode "$OUT/decode.csv" "$OUT/decode_fi.csv" "$OUT/decode_all.png" || true
   fi
 fi
@@ -302,10 +300,8 @@ if [ "$mode" = defer ]; then
   done
   fp8_layer_ab defer_fp8 "$MODELS" MOE_EP_FP8_DEFERRED_EPILOGUE=1
   if [ -f .device/fi/pkg/setup.sh ]; then  # FlashInfer's FP8 layer beside them (carry .device/fi)
-    step "FlashInfer peer fp8" "$OUT/defer_fi_fp8.log" -- bash -c '
-      source .device/fi/pkg/setup.sh || exit 3
-      exec python3 -m moe_ep.bench "$@"' fi "${common[@]}" --quant fp8_block128 "${peer_args[@]}" --peer flashinfer \
-        --peer-script-fi .device/fi/bench_fi.py --csv "$OUT/defer_fi_fp8.csv"
+    flashinfer_step "FlashInfer peer fp8" "$OUT/defer_fi_fp8.log" "${common[@]}" --quant fp8_block128 \
+        --csv "$OUT/defer_fi_fp8.csv"
   fi
   left=$(( ${CALL_BUDGET:-560} - SECONDS ))
   [ "$left" -gt 60 ] && run_groups "$left" "tests/test_fp8_deferred_epilogue.py" \
@@ -513,10 +509,8 @@ if [ "$mode" = layers ]; then
   done
   if [ -f .device/fi/pkg/setup.sh ]; then
     for q in "" fp8_block128; do
-      step "FlashInfer peer ${q:-bf16}" "$OUT/layers_fi_${q:-bf16}.log" -- bash -c '
-        source .device/fi/pkg/setup.sh || exit 3
-        exec python3 -m moe_ep.bench "$@"' fi "${unquantised[@]}" ${q:+--quant $q} "${peer_args[@]}" --peer flashinfer \
-          --peer-script-fi .device/fi/bench_fi.py --csv "$OUT/layers_fi_${q:-bf16}.csv"
+      flashinfer_step "FlashInfer peer ${q:-bf16}" "$OUT/layers_fi_${q:-bf16}.log" "${unquantised[@]}" ${q:+--quant $q} \
+          --csv "$OUT/layers_fi_${q:-bf16}.csv"
     done
   fi
   left=$(( ${CALL_BUDGET:-500} - SECONDS ))
@@ -561,11 +555,8 @@ if [ "$mode" = decode ]; then  # issue 11's sweep: ours and FlashInfer (carry .d
   step "decode sweep" "$OUT/decode.log" -- python3 -m moe_ep.bench --model "$MODELS" --tokens 128 --iters 50 \
       --no-reference --quiet --decode-tokens 1,8,32,128,256 --decode-csv "$OUT/decode.csv"
   if [ -f .device/fi/pkg/setup.sh ]; then
-    step "FlashInfer decode" "$OUT/decode_fi.log" -- bash -c '
-      source .device/fi/pkg/setup.sh || exit 3
-      exec python3 -m moe_ep.bench "$@"' fi --model "$MODELS" --tokens 128 --iters 50 "${peer_args[@]}" \
-        --peer flashinfer --peer-script-fi .device/fi/bench_fi.py --peer-decode-tokens "${PEER_DECODE_TOKENS:-1,8,32,128,256}" \
-        --decode-csv "$OUT/decode_fi.csv"
+    flashinfer_step "FlashInfer decode" "$OUT/decode_fi.log" --model "$MODELS" --tokens 128 --iters 50 \
+        --peer-decode-tokens "${PEER_DECODE_TOKENS:-1,8,32,128,256}" --decode-csv "$OUT/decode_fi.csv"
   fi
   left=$(( ${CALL_BUDGET:-480} - SECONDS ))  # what is left of the device call (less env.sh and the archive) goes to the virtual-rank file
   [ "$left" -gt 60 ] && STEP_TIMEOUT=$left step "GPU suite 3/3 (time left: ${left}s)" "$OUT/suite3.log" -- \
