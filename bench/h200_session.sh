@@ -260,6 +260,7 @@ if [ "$mode" = grid ]; then
     tag=${m}_${q:-bf16} left=$(( ${CALL_BUDGET:-560} - SECONDS ))
     if [ "$left" -lt 100 ]; then status+=("layer $tag: skipped, ${left}s of CALL_BUDGET left"); continue; fi
     layer=(--model "$m" --tokens "$TOKENS" --iters "$ITERS" --rounds "${BENCH_ROUNDS:-1}" ${q:+--quant "$q"})
+    [ "${NO_B2B:-0}" = 1 ] && layer+=(--no-b2b)  # as in common: ours and FlashInfer's alike
     # shellcheck disable=SC2086
     STEP_TIMEOUT=$(( left - 10 )) step "moe_ep $tag" "$OUT/bench_$tag.log" -- "${bench[@]}" "${layer[@]}" --no-decode \
         --csv "$OUT/bench_$tag.csv" ${BENCH_ARGS:-}

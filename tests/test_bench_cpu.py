@@ -306,6 +306,14 @@ def test_h200_session_grid_runs_each_layer_then_its_peer_then_the_gemms(tmp_path
     p = subprocess.run(["bash", str(script), "grid"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
                        env={**env, "CALL_BUDGET": "0"})
     assert p.returncode == 1 and p.stdout.count(": skipped, ") == 5 and "grouped GEMMs: skipped" in p.stdout
+    # NO_B2B=1 reaches every layer run, ours and FlashInfer's, and not the GEMMs (which have no such phase)
+    shutil.rmtree(tmp_path / "out")
+    calls.unlink()
+    p = subprocess.run(["bash", str(script), "grid"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                       env={**env, "NO_B2B": "1"})
+    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-2000:])
+    runs = [c.split() for c in calls.read_text().splitlines() if "moe_ep.bench.report" not in c]
+    assert len(runs) == 9 and all("--no-b2b" in argv for argv in runs[:8]) and "--no-b2b" not in runs[8]
 
 
 def test_ceiling_fp8_operands_are_the_block_wise_scaled_mm_layout():
