@@ -335,6 +335,8 @@ def _find_module(key: int) -> Any:
     if found is None:
         raise RuntimeError("torch.ops.moe_ep.hf_experts: the experts module this compiled graph calls no longer "
                            "exists")
+    for dead in [k for k, ref in _MODULES.items() if ref() is None]:  # modules freed since the last scan
+        del _MODULES[dead]
     cls = type(found)
     for obj in objects:
         if type(obj) is cls:

@@ -285,6 +285,35 @@ def test_other_moe_families(family):
     assert torch.isfinite(a).all() and rel_err(a, b) < 2e-2, rel_err(a, b)
 
 
+def test_the_compiled_operator_finds_its_module_by_id_and_forgets_freed_ones():
+    """``torch.ops.moe_ep.hf_experts`` names its experts module by ``id``: a registry miss scans the
+    collector once, registers every instance of the module's class and drops the entries of modules
+    freed since; an id that names no live object raises rather than calling something else."""
+    import gc
+
+    class Experts:  # any gc-tracked object stands in for an experts block
+        pass
+
+    class Other:
+        pass
+
+    moe_ep_hf._MODULES.clear()
+    blocks, other, freed = [Experts(), Experts()], Other(), Experts()  # all alive at once: distinct ids
+    freed_id = id(freed)
+    assert moe_ep_hf._find_module(freed_id) is freed and moe_ep_hf._MODULES[freed_id]() is freed
+    del freed
+    gc.collect()
+    assert moe_ep_hf._find_module(id(blocks[1])) is blocks[1]
+    assert moe_ep_hf._MODULES.keys() == {id(b) for b in blocks}  # the freed one's entry is gone
+    assert all(moe_ep_hf._MODULES[id(b)]() is b for b in blocks)
+    assert moe_ep_hf._find_module(id(other)) is other  # another class: registered on its own miss
+    del blocks, other
+    gc.collect()
+    with pytest.raises(RuntimeError, match="no longer exists"):
+        moe_ep_hf._find_module(-1)
+    moe_ep_hf._MODULES.clear()
+
+
 def test_compiled_model_calls_one_operator_per_experts_block():
     """torch.compile(model, fullgraph=True), before any eager call: every experts block is one
     ``torch.ops.moe_ep.hf_experts`` in the one graph, whose first run builds and warms up the
