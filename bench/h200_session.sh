@@ -163,8 +163,9 @@ if [ "$mode" != liger ] && [ "$mode" != fi ] && [ "${ALLOW_CLASSIC_LAUNCH:-0}" !
 fi
 echo "h200_session: mode=$mode models=$MODELS tokens=$TOKENS iters=$ITERS N=$N out=$OUT"
 nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total --format=csv,noheader 2>/dev/null | head -n "$N"
-common=(--model "$MODELS" --tokens "$TOKENS" --iters "$ITERS" --rounds "${BENCH_ROUNDS:-1}")
-[ "${NO_B2B:-0}" = 1 ] && common+=(--no-b2b)
+timing=(--tokens "$TOKENS" --iters "$ITERS" --rounds "${BENCH_ROUNDS:-1}")  # every layer run's, whatever its models
+[ "${NO_B2B:-0}" = 1 ] && timing+=(--no-b2b)
+common=(--model "$MODELS" "${timing[@]}")
 unquantised=("${common[@]}")  # the layers mode picks BF16 and FP8 itself (QUANT would make both FP8)
 # QUANT=fp8_block128: FP8 weights for moe_ep (pass BENCH_ARGS="--backend sm90_fp8_cutedsl ..." to pick
 # the experimental backend) and FlashInfer's FP8 backend (--backend fp8) beside it
@@ -259,8 +260,7 @@ if [ "$mode" = grid ]; then
   for m in ${MODELS//,/ }; do for q in "" fp8_block128; do
     tag=${m}_${q:-bf16} left=$(( ${CALL_BUDGET:-560} - SECONDS ))
     if [ "$left" -lt 100 ]; then status+=("layer $tag: skipped, ${left}s of CALL_BUDGET left"); continue; fi
-    layer=(--model "$m" --tokens "$TOKENS" --iters "$ITERS" --rounds "${BENCH_ROUNDS:-1}" ${q:+--quant "$q"})
-    [ "${NO_B2B:-0}" = 1 ] && layer+=(--no-b2b)  # as in common: ours and FlashInfer's alike
+    layer=(--model "$m" "${timing[@]}" ${q:+--quant "$q"})
     # shellcheck disable=SC2086
     STEP_TIMEOUT=$(( left - 10 )) step "moe_ep $tag" "$OUT/bench_$tag.log" -- "${bench[@]}" "${layer[@]}" --no-decode \
         --csv "$OUT/bench_$tag.csv" ${BENCH_ARGS:-}
