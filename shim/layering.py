@@ -10,7 +10,11 @@ moe_ep's layers import only downwards::
   (``moe_ep.shim.<submodule>`` is an internal);
 * ``api/`` (and downstream code in this repository: ``bench/``, ``aot/``) imports neither ``shim``
   nor drops; ``integrations/`` (adapters for other libraries) imports ``moe_ep.api`` only;
-* lower layers never import upper ones (shim -> backends/api, backends -> api).
+* lower layers never import upper ones (shim -> backends/api, backends -> api), nor the downstream
+  code (``bench/``, ``aot/``, ``integrations/``) from ``api/``, ``backends/``, ``shim/`` or a drop.
+
+An import by a literal string (``importlib.import_module("m")``, ``import_module("m")``,
+``__import__("m")``) counts as an import of ``m``.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ from typing import Iterator
 
 PKG = "moe_ep"
 LAYERS = ("api", "backends", "shim", "kernel_src", "bench", "aot", "integrations")
-SKIP_DIRS = {"__pycache__", ".git", ".device", ".whl", "build", "dist", "tests", ".ci", "docs"}
+SKIP_DIRS = {".git", ".device", ".whl", "build", "dist", "tests", ".ci", "docs"}  # top-level folders only
+DOWNSTREAM = ("bench", "aot", "integrations")  # this repository's users of moe_ep.api
 
 
 @dataclass(frozen=True)
@@ -92,6 +97,8 @@ def iter_imports(path: Path, rel: Path) -> Iterator[tuple[int, str, tuple[str, .
         if isinstance(node, ast.Import):
             for a in node.names:
                 yield node.lineno, a.name, ()
+        elif isinstance(node, ast.Call) and (mod := _string_import(node)) is not None:
+            yield node.lineno, mod, ()
         elif isinstance(node, ast.ImportFrom):
             names = tuple(a.name for a in node.names)
             if node.level:
@@ -106,10 +113,24 @@ def iter_imports(path: Path, rel: Path) -> Iterator[tuple[int, str, tuple[str, .
             yield node.lineno, mod, names
 
 
+def _string_import(call: ast.Call) -> str | None:
+    """The module of ``importlib.import_module("m")`` / ``import_module("m")`` / ``__import__("m")``
+    with a literal absolute name (a name built at run time cannot be checked here)."""
+    f = call.func
+    named = (isinstance(f, ast.Name) and f.id in ("import_module", "__import__")
+             or isinstance(f, ast.Attribute) and f.attr == "import_module")
+    if not named or not call.args:
+        return None
+    a0 = call.args[0]
+    if isinstance(a0, ast.Constant) and isinstance(a0.value, str) and a0.value and not a0.value.startswith("."):
+        return a0.value
+    return None
+
+
 def _files(root: Path) -> Iterator[Path]:
     for p in sorted(root.rglob("*.py")):
         rel = p.relative_to(root)
-        if any(part in SKIP_DIRS for part in rel.parts[:-1]) or rel.parts[0] in SKIP_DIRS:
+        if rel.parts[0] in SKIP_DIRS or "__pycache__" in rel.parts:
             continue
         yield p
 
@@ -170,6 +191,8 @@ def _check_target(layer, sub, mod, v, public, names=()):
                 bad = [n for n in names if n not in public]
                 if bad:
                     v("shim-internal", f"backends/ imports {bad} from moe_ep.shim, not in its __all__")
+    if target in DOWNSTREAM and layer in ("api", "backends", "shim", "kernel_src", "drop"):
+        v("upward-import", f"{layer}/ imports moe_ep.{target}, which is downstream code (a user of moe_ep.api)")
     if target in ("backends", "api") and layer in ("shim", "kernel_src"):
         v("upward-import", f"{layer}/ imports moe_ep.{target} (layers import only downwards)")
     if target == "backends" and layer == "integrations":

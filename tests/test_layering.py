@@ -78,3 +78,45 @@ def test_integrations_use_the_api_only(tmp_path):
     v = _violations(tmp_path, {"integrations/t.py": "from moe_ep.api import MoELayer\nfrom moe_ep.backends import get\n"
                                                      "from moe_ep import shim\n"})
     assert sorted((x.line, x.rule) for x in v) == [(2, "backends-from-integrations"), (3, "shim-from-integrations")]
+
+
+def test_kernel_src_only_from_shim(tmp_path):
+    v = _violations(tmp_path, {"backends/k.py": "from moe_ep import kernel_src\n",
+                               "api/k.py": "import moe_ep.kernel_src.sm90\n"})
+    assert sorted((x.file, x.rule) for x in v) == [("api/k.py", "kernel_src-outside-shim"),
+                                                   ("backends/k.py", "kernel_src-outside-shim")]
+
+
+def test_relative_imports_resolve_from_a_package_init(tmp_path):
+    """``from ..shim.cache import X`` in ``backends/__init__.py`` is ``moe_ep.shim.cache`` (an internal), but
+    the same line in ``backends/sub/__init__.py`` is ``moe_ep.backends.shim.cache`` (no rule applies)."""
+    v = _violations(tmp_path, {"backends/__init__.py": "from ..shim.cache import COMPILE_CACHE\n",
+                               "backends/sub/__init__.py": "from ..shim.cache import X\n"})
+    assert [(x.file, x.line, x.rule) for x in v] == [("backends/__init__.py", 1, "shim-internal")]
+
+
+def test_imports_by_a_literal_string(tmp_path):
+    v = _violations(tmp_path, {
+        "backends/s.py": "import importlib\nm = importlib.import_module('moe_ep.shim.cache')\n"
+                         "d = importlib.import_module('dropk.kernel')\nname = 'x'\nimportlib.import_module(name)\n",
+        "api/s.py": "s = __import__('moe_ep.shim')\n",
+        "shim/s.py": "from importlib import import_module\nimport_module('dropk')\nimport_module('moe_ep.api')\n"})
+    assert sorted((x.file, x.line, x.rule) for x in v) == [
+        ("api/s.py", 1, "shim-from-api"), ("backends/s.py", 2, "shim-internal"),
+        ("backends/s.py", 3, "drop-import-outside-shim"), ("shim/s.py", 3, "upward-import")]
+
+
+def test_nothing_imports_the_downstream_code(tmp_path):
+    v = _violations(tmp_path, {"shim/b.py": "from moe_ep import bench\n",
+                               "backends/i.py": "from moe_ep.integrations import transformers\n",
+                               "api/a.py": "from ..aot import build\n",
+                               "bench/ok.py": "from moe_ep.integrations import transformers\nfrom moe_ep.api import x\n"})
+    assert sorted((x.file, x.rule) for x in v) == [("api/a.py", "upward-import"), ("backends/i.py", "upward-import"),
+                                                   ("shim/b.py", "upward-import")]
+
+
+def test_nested_folders_named_like_skipped_ones_are_checked(tmp_path):
+    """Only the top-level build/, tests/, docs/ ... are skipped: ``backends/build/x.py`` is package code."""
+    v = _violations(tmp_path, {"backends/build/x.py": "import dropk\n", "tests/t.py": "import dropk\n",
+                               "backends/__pycache__/y.py": "import dropk\n"})
+    assert [(x.file, x.rule) for x in v] == [("backends/build/x.py", "drop-import-outside-shim")]
