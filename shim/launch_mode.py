@@ -33,7 +33,7 @@ def _have_tvm_ffi() -> bool:
 
 def _choice() -> tuple[bool, str]:
     """``(launch through TVM-FFI, the path's name)`` per ``MOE_EP_TVM_FFI`` and the installation."""
-    mode = os.environ.get("MOE_EP_TVM_FFI", "auto").strip().lower() or "auto"
+    mode = os.environ.get("MOE_EP_TVM_FFI") or "auto"  # unset or empty: auto; only the listed values (as every switch)
     if mode not in _CHOICES:
         raise ValueError(f"MOE_EP_TVM_FFI={mode!r}: expected one of {_CHOICES}")
     if mode == "0":

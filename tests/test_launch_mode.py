@@ -43,10 +43,14 @@ def test_required_but_missing_and_bad_values_raise(fresh):
     for f in (launch_mode.use_tvm_ffi, launch_mode.launch_path):
         with pytest.raises(RuntimeError, match="apache-tvm-ffi"):
             f()
-    fresh.setenv("MOE_EP_TVM_FFI", "yes")
-    for f in (launch_mode.use_tvm_ffi, launch_mode.launch_path):
-        with pytest.raises(ValueError, match="MOE_EP_TVM_FFI"):
-            f()
+    for bad in ("yes", "AUTO", " 0", "off"):  # the listed values only, as every MOE_EP_* switch
+        fresh.setenv("MOE_EP_TVM_FFI", bad)
+        for f in (launch_mode.use_tvm_ffi, launch_mode.launch_path):
+            with pytest.raises(ValueError, match=r"MOE_EP_TVM_FFI=.*expected one of"):
+                f()
+    fresh.setenv("MOE_EP_TVM_FFI", "")  # empty is the default, like unset
+    fresh.setattr(launch_mode, "_have_tvm_ffi", lambda: True)
+    assert launch_mode.launch_path() == "tvm-ffi"
 
 
 def test_real_install_and_public_names(fresh):
