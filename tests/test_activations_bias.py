@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from moe_oracle import fc1_f64, make_problem, oracle_f64, rel_err
+from moe_oracle import fc1_f64, gated_f64, gelu_tanh_f64, make_problem, oracle_f64, rel_err
 
 from moe_ep.api import ACTIVATIONS, EPGroup, MoEConfig, MoELayer
 from moe_ep.backends import BackendSpec, BackendWarning, UnsupportedBackendError, explain, register, registry, select
@@ -133,6 +133,34 @@ def test_activate_clamped_swiglu_elementwise():
     want = (uc + 1) * gc / (1 + torch.exp(-1.702 * gc))
     torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
     assert got[0, 6] == pytest.approx((-7.0 + 1) * 7.0 / (1 + math.exp(-1.702 * 7.0)), rel=1e-6)
+
+
+@pytest.mark.parametrize("act", ACTIVATIONS)
+def test_activate_is_each_formula_element_by_element(act):
+    """``activate`` against each activation's float64 formula (``gated_f64``, not torch's functions),
+    gates over [-8, 8] with the interval [-4, -2.8] sampled densely: there GELU's erf and tanh forms
+    differ by 5-80%, which the layer tests' norm-wise tolerance cannot see."""
+    from moe_ep.backends.reference import activate
+
+    gen = torch.Generator().manual_seed(7 + ACTIVATIONS.index(act))
+    g = torch.cat([torch.rand(300, generator=gen) * 16 - 8, torch.linspace(-4, -2.8, 100)]).double()
+    u = torch.randn(400, generator=gen, dtype=torch.float64) * 9  # past the clamp at 7 for some
+    cfg = _cfg(act=act)
+    c = {"swiglu_alpha": cfg.swiglu_alpha, "swiglu_limit": cfg.swiglu_limit, "swiglu_beta": cfg.swiglu_beta,
+         "swiglu_limit_after_act": cfg.swiglu_limit_after_act, "gate_softcap": cfg.gate_softcap,
+         "up_softcap": cfg.up_softcap}
+    if act == "squared_relu":
+        got, want = activate(g[None].float(), act, 400), torch.relu(g[None]) ** 2
+    else:
+        got = activate(torch.cat([g, u])[None].float(), act, 400, **c)
+        want = gated_f64(act, g[None], u[None], c)
+    # float32 math on float32-rounded inputs: a few ulp of the larger of the two factors
+    scale = (g.abs().clamp(min=1) * u.abs().clamp(min=1))[None]
+    assert ((got.double() - want).abs() <= 1e-5 * scale).all(), act
+    assert (want != 0).float().mean() > 0.3  # not a test on zeros (squared_relu: 36% nonzero)
+    if act == "gelu_glu":  # the check above tells the erf form from the tanh one
+        tanh_form = gelu_tanh_f64(g[None]) * u[None]
+        assert ((tanh_form - want).abs() > 1e-5 * scale).any()
 
 
 # ---- any shape: torch._grouped_mm only where it can take the strides, else the loop ----------

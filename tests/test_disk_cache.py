@@ -126,11 +126,20 @@ def test_disabled_cache_writes_nothing(tmp_path):
     assert p.returncode == 2 and "disabled" in p.stderr
     from moe_ep.shim import compile_cache_root, set_compile_cache_dir
 
+    from moe_ep.shim import disk_cache
+
+    built = []
     set_compile_cache_dir(None)
     try:
         assert compile_cache_root() is None
+        with pytest.MonkeyPatch.context() as mp:  # were the switch ignored, the entry would land here
+            mp.setenv("MOE_EP_CACHE_DIR", str(tmp_path))
+            fn = disk_cache.get_or_build("probe-ns", "probe", ("k", 1), lambda: built.append(1) or "kernel")
     finally:
         set_compile_cache_dir("env")
+    assert fn == "kernel" and built == [1] and list(tmp_path.iterdir()) == []
+    assert (disk_cache.EVENTS[-1].name, disk_cache.EVENTS[-1].action, disk_cache.EVENTS[-1].path) == \
+        ("probe", "compiled", None)
     assert compile_cache_root() == Path(os.environ["MOE_EP_CACHE_DIR"]).expanduser()
 
 

@@ -266,10 +266,14 @@ def test_prepared_route_passes_the_plain_arguments(gather):
         _same_calls(plain[k], prepared[k])
     # per call: the routing inputs are checked as route checks them, before any launch
     n = sum(len(r.calls) for r in recs.values())
-    for x, ids, w in ((torch.randn(33, 256).to(torch.bfloat16), torch.zeros(33, 4, dtype=torch.int32), torch.rand(33, 4)),
-                      (torch.randn(4, 256).to(torch.bfloat16), torch.zeros(4, 4, dtype=torch.int16), torch.rand(4, 4)),
-                      (torch.randn(4, 256).to(torch.bfloat16), torch.zeros(4, 4, dtype=torch.int32), torch.rand(4, 3))):
-        with pytest.raises(ValueError):
+    for x, ids, w, frag in (
+            (torch.randn(33, 256).to(torch.bfloat16), torch.zeros(33, 4, dtype=torch.int32), torch.rand(33, 4),
+             r"T=33 > T_max=32"),
+            (torch.randn(4, 256).to(torch.bfloat16), torch.zeros(4, 4, dtype=torch.int16), torch.rand(4, 4),
+             r"topk_ids must be int32/int64 \[4, 4\]"),
+            (torch.randn(4, 256).to(torch.bfloat16), torch.zeros(4, 4, dtype=torch.int32), torch.rand(4, 3),
+             r"topk_w must be float32 \[4, 4\]")):
+        with pytest.raises(ValueError, match=frag):
             run(x, ids, w)
     assert sum(len(r.calls) for r in recs.values()) == n
 

@@ -207,7 +207,13 @@ def test_dispatch_sends_only_valid_pairs():
         # every choice dropped: nothing sent, zero output
         recv_x, offs, handle = layer.dispatch(x, torch.full_like(ids, -1), w)
         assert recv_x.shape == (0, BH) and int(offs[-1]) == 0
-        assert (layer.combine(recv_x, handle) == 0).all()
+        poisoned = torch.full((BT, BH), float("nan"), dtype=x.dtype)
+        assert layer.combine(recv_x, handle, out=poisoned) is poisoned and (poisoned == 0).all()
+        with pytest.raises(RoutingValueError):
+            layer.check_errors()
+        poisoned.fill_(float("nan"))  # the forward too writes every element when nothing is routed
+        assert layer.forward(x, torch.full_like(ids, -1), w, w13, w2, out=poisoned) is poisoned
+        assert (poisoned == 0).all()
         with pytest.raises(RoutingValueError):
             layer.check_errors()
 

@@ -79,10 +79,10 @@ def test_compile_cache_hits_misses():
 
 def test_no_compile_during_capture(monkeypatch):
     monkeypatch.setattr(shim_cache, "is_capturing", lambda: True)
-    c = CompileCache()
+    c, compiled = CompileCache(), []
     with pytest.raises(CaptureError, match="warmup"):
-        c.get_or_compile(Key("fc2", 1), lambda: 1)
-    assert len(c) == 0
+        c.get_or_compile(Key("fc2", 1), lambda: compiled.append(1))
+    assert len(c) == 0 and compiled == []  # refused before compiling, not after
 
 
 def test_mirrored_constants_drift():
@@ -119,6 +119,7 @@ class FakeOps:
         self.log.append(("finalize",))
 
     def tensor(self, shape, dtype):
+        self.log.append(("tensor", tuple(shape)))
         return torch.zeros(shape, dtype=dtype)
 
     def free(self, t):
@@ -183,10 +184,13 @@ def test_nvshmem_refuses_foreign_runtime(clean_runtime):
 
 
 def test_nvshmem_no_alloc_during_capture(clean_runtime, monkeypatch):
-    rt = nvshmem_boot.acquire(ops=FakeOps(), group_info=(0, [0]), uid_exchange=lambda r, s: r)
+    ops = FakeOps()
+    rt = nvshmem_boot.acquire(ops=ops, group_info=(0, [0]), uid_exchange=lambda r, s: r)
     monkeypatch.setattr(shim_cache, "is_capturing", lambda: True)
-    with pytest.raises(CaptureError):
+    before = rt.allocated
+    with pytest.raises(CaptureError, match="symmetric-memory allocation"):
         rt.tensor((2,), torch.int32)
+    assert rt.allocated == before and not [e for e in ops.log if e[0] == "tensor"]  # refused before allocating
     monkeypatch.undo()
     rt.release()
 

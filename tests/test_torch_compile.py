@@ -8,7 +8,7 @@ import gc
 
 import pytest
 import torch
-from moe_oracle import make_problem, oracle_f64, rel_err
+from moe_oracle import gated_moe_f64, make_problem, oracle_f64, rel_err
 
 from moe_ep.api import EPGroup, MoEConfig, MoELayer
 from moe_ep.api.quant import quantize_fp8_block128
@@ -99,9 +99,9 @@ def test_bad_input_raises_the_eager_errors():
     behind a graph break), autograd, a destroyed layer."""
     layer, (x, ids, w, w13, w2) = _setup(seed=4)
     torch._dynamo.reset()
-    with pytest.raises(TypeError, match="x"):
+    with pytest.raises(TypeError, match=r"^x must have dtype torch\.bfloat16, got torch\.float32"):
         torch.compile(lambda x: layer.forward(x, ids, w, w13, w2), fullgraph=True)(x.float())
-    with pytest.raises(TypeError, match="w13"):
+    with pytest.raises(TypeError, match=r"^w13 must be a torch\.Tensor, got list"):
         torch.compile(lambda x: layer.forward(x, ids, w, w13.tolist()[:1], w2))(x)
     p13 = torch.nn.Parameter(w13)
     with pytest.raises(RuntimeError, match="no backward"):
@@ -199,5 +199,9 @@ def test_sm90_layer_compiles_fullgraph_and_under_cuda_graphs(quant):
             assert torch.equal(got, y + x), (mode, seed)
         if not quant:  # (the oracle on the host)
             assert rel_err(y.cpu(), oracle_f64(*(t.cpu() for t in (x, ids, w, w13, w2)), "swiglu", I)) < 1e-2
+        else:  # the quantised model (dequantised weights, rows quantised per 128 values) in float64
+            want = gated_moe_f64(x, ids, w, wq13, wq2, lambda h: h[:, :I] * torch.sigmoid(h[:, :I]) * h[:, I:],
+                                 fp8=True)
+            assert rel_err(y, want) < 1e-2
     layer.check_errors()
     layer.destroy()

@@ -39,7 +39,7 @@ BAD = [  # (argument index, mutate, exception, message fragment)
     (0, lambda t: t.unsqueeze(0), ValueError, "x must be 2-D"),
     (0, lambda t: t.tolist(), TypeError, "x must be a torch.Tensor"),
     (1, lambda t: t.float(), TypeError, "topk_ids must have one of dtypes"),
-    (1, lambda t: t[:, :1].contiguous(), ValueError, "top_k is 2"),
+    (1, lambda t: t[:, :1].contiguous(), ValueError, "topk_ids has 1 columns but the layer's top_k is 2"),
     (1, lambda t: t[:-1].contiguous(), ValueError, "topk_ids must have shape"),
     (2, lambda t: t.double(), TypeError, "topk_weights must have dtype"),
     (2, lambda t: torch.cat([t, t], 1), ValueError, "topk_weights has 4 columns"),
@@ -47,7 +47,8 @@ BAD = [  # (argument index, mutate, exception, message fragment)
     (3, lambda t: t[:, :I].contiguous(), ValueError, "w13 must have shape"),
     (3, lambda t: t.float(), TypeError, "w13 must have dtype"),
     (4, lambda t: t.transpose(1, 2).contiguous(), ValueError, "w2 must have shape"),
-    (4, lambda t: t.transpose(1, 2), ValueError, "w2 must"),
+    (3, lambda t: t.transpose(1, 2).contiguous().transpose(1, 2), ValueError, "w13 must be contiguous"),
+    (4, lambda t: t.transpose(1, 2).contiguous().transpose(1, 2), ValueError, "w2 must be contiguous"),
 ]
 
 
@@ -137,7 +138,7 @@ def test_combine_validation(setup):
         layer.combine(recv[:-1].contiguous(), h)
     with pytest.raises(TypeError, match="expert_out must have dtype"):
         layer.combine(recv.float(), h)
-    with pytest.raises(TypeError, match="DispatchHandle"):
+    with pytest.raises(TypeError, match="handle must be a DispatchHandle"):
         layer.combine(recv, object())
     other = MoELayer(layer.config, EPGroup.single(), backend="reference", device="cpu")
     with pytest.raises(ValueError, match="another MoELayer"):
@@ -148,7 +149,7 @@ def test_backend_errors():
     cfg = MoEConfig(num_experts=E, hidden=H, intermediate=I, top_k=K, max_tokens_per_rank=16)
     with pytest.raises(ValueError, match=r"unknown moe_ep backend 'nope'; available: \[.*'reference'"):
         MoELayer(cfg, EPGroup.single(), backend="nope", device="cpu")
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="backend must be"):
         MoELayer(cfg, EPGroup.single(), backend=3, device="cpu")
     with pytest.raises(TypeError, match="config must be a MoEConfig"):
         MoELayer({"num_experts": 8}, EPGroup.single())
@@ -166,7 +167,7 @@ def test_destroyed_layer_refuses(setup):
     (dict(num_experts=0), ValueError, "num_experts must be >= 1"),
     (dict(top_k=9), ValueError, "top_k (9) must be <= num_experts"),
     (dict(hidden=2.0), TypeError, "hidden must be an int"),
-    (dict(dtype=torch.float16), ValueError, "not supported"),
+    (dict(dtype=torch.float16), ValueError, "dtype torch.float16 is not supported"),
     (dict(dtype="bf16"), TypeError, "dtype must be a torch.dtype"),
     (dict(activation="relu"), ValueError, "activation 'relu'"),
     (dict(max_tokens_per_rank=True), TypeError, "max_tokens_per_rank must be an int"),

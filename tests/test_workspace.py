@@ -83,13 +83,21 @@ def test_quantised_rows_are_workspace_regions():
     assert ws.local_pool is None
 
 
-def test_views_fixed_regions_and_alignment():
+def test_views_fixed_regions_and_alignment(monkeypatch):
+    real_empty = torch.empty
+
+    def poisoned_empty(*a, **kw):  # new pools hold 0xA5, not the zeros the OS hands out on the CPU
+        return real_empty(*a, **kw).fill_(0xA5) if kw.get("dtype") is torch.uint8 else real_empty(*a, **kw)
+
+    monkeypatch.setattr(W.torch, "empty", poisoned_empty)
     ws = W.Workspace(("t",), torch.device("cpu"), 0, 2, Group(0, 2, "virtual"), nvshmem=False)
     a, b = W.Dims.of(cfg(T=100, K=2), 2), W.Dims.of(cfg(T=700), 2)
     ca, cb = Client(), Client()
     ws.register(ca, a)
     assert ws.reserve()
     va = ws.views(a)
+    assert all(int(va[name].abs().sum()) == 0 for name in ("flags", "recv_count", "ctrl", "err"))
+    assert int(va["h"].view(torch.uint8).min()) == 0xA5  # the poison reached the pools (h: local pool)
     ws.register(cb, b)
     ws.bind(ca)
     assert ws.reserve()  # grew
