@@ -107,8 +107,9 @@ def test_virtual_ep_bit_identical_with_delayed_rank(W):
     vep = make(cfg, W)
     args = split(Ts, W, E, x, ids, w, w13, w2)[:5]
     first = [o.clone() for o in vep.forward(*args)]
-    for i in range(100):
-        outs = vep.forward(*args, delay_rank=(i // 3) % W if i % 3 == 0 else None)
+    for i in range(100):  # each forward into NaN: rows a delay left unwritten would show
+        outs = vep.forward(*args, [torch.full_like(t, float("nan")) for t in args[0]],
+                           delay_rank=(i // 3) % W if i % 3 == 0 else None)
         if i % 10 == 9 or i % 3 == 0:
             torch.cuda.synchronize()
             assert all(torch.equal(a, b) for a, b in zip(first, outs)), f"repeat {i} differs"
@@ -135,12 +136,14 @@ def test_virtual_ep_layers_share_workspaces():
     for _ in range(2):
         for vep, Ts, p, cfg in ((a, [200, 256], pa, small), (b, [1000, 333], pb, big), (a, [200, 256], pa, small)):
             args = split(Ts, W, E, *p)
-            outs = vep.forward(*args[:5])
+            outs = vep.forward(*args[:5], [torch.full_like(t, float("nan")) for t in args[0]])
             torch.cuda.synchronize()
             want = reference(cfg, *p)
             for r in range(W):
                 assert rel(outs[r], want[args[5][r]]) < 1e-2
-    assert all(torch.equal(u, v) for u, v in zip(outa, a.forward(*split([200, 256], W, E, *pa)[:5])))
+    again = split([200, 256], W, E, *pa)[:5]
+    assert all(torch.equal(u, v) for u, v in zip(outa, a.forward(*again, [torch.full_like(t, float("nan"))
+                                                                          for t in again[0]])))
     a.check(), b.check()
     a.destroy(), b.destroy()
 
@@ -190,7 +193,7 @@ def test_virtual_ep_many_forwards_determinism_stall():
     args = split(Ts, W, E, x, ids, w, w13, w2)[:5]
     a = [o.clone() for o in vep.forward(*args)]
     for delayed in range(W):
-        b = vep.forward(*args, delay_rank=delayed)
+        b = vep.forward(*args, [torch.full_like(t, float("nan")) for t in args[0]], delay_rank=delayed)
         torch.cuda.synchronize()
         assert all(torch.equal(p, q) for p, q in zip(a, b)), f"not bit-identical with rank {delayed} delayed"
     # stall: rank 1 never runs its forward
@@ -199,7 +202,7 @@ def test_virtual_ep_many_forwards_determinism_stall():
     with pytest.raises(DeviceStallError, match="waiting for rank 1"):
         vep.ranks[0].check()
     vep.reset()
-    c = vep.forward(*args)
+    c = vep.forward(*args, [torch.full_like(t, float("nan")) for t in args[0]])  # recovered: writes it all
     torch.cuda.synchronize()
     vep.check()
     assert all(torch.equal(p, q) for p, q in zip(a, c))

@@ -206,6 +206,7 @@ def test_fp8_layer_sync_free_allocation_free_deterministic_graph():
     torch.cuda.set_sync_debug_mode("error")
     try:
         for i in range(10):
+            out.fill_(float("nan"))  # a kernel, no sync or allocation: each repeat must write it all again
             repeats[i].copy_(layer.forward(x, ids, w, w13, w2, out=out))
     finally:
         torch.cuda.set_sync_debug_mode(0)
@@ -647,15 +648,18 @@ def test_fp8_split_pair_matches_float64():
         t = (ids == e).nonzero(as_tuple=True)[0]
         got = recv[off[e]:off[e + 1]].float()
         assert torch.equal(torch.sort(got, 0).values, torch.sort(x[t].float(), 0).values), e
-    # engine experts: row r -> 0.5 * row r + 1 (bf16); combine sums them with the router weights
+    # engine experts: expert e maps a row to 0.5 * row + (e % 7 + 1) (bf16), so a row combined under
+    # another (token, k)'s expert or weight shows; combine sums them with the router weights
     y = torch.full_like(recv, float("nan"))  # rows past offsets[-1] must never be read
-    y[:T * K] = (recv[:T * K].float() * 0.5 + 1.0).to(torch.bfloat16)
+    for e in range(E):
+        y[off[e]:off[e + 1]] = (recv[off[e]:off[e + 1]].float() * 0.5 + (e % 7 + 1)).to(torch.bfloat16)
     got = layer.combine(y, handle)
-    yw = (x.double() * 0.5 + 1.0).to(torch.bfloat16).double()  # each token's row after the expert
-    want = yw * w.double().sum(-1, keepdim=True)
+    shift = (ids.long() % 7 + 1).double()[..., None]  # [T, K, 1]
+    rows = (x.double()[:, None, :] * 0.5 + shift).to(torch.bfloat16).double()  # each (token, k)'s row
+    want = (rows * w.double()[..., None]).sum(1)
     assert float((got.double() - want).norm() / want.norm()) < 1e-2
     layer.check_errors()
-    assert torch.equal(layer.forward(x, ids, w, w13, w2), first)
+    assert torch.equal(layer.forward(x, ids, w, w13, w2, out=torch.full_like(x, float("nan"))), first)
     layer.destroy()
 
 

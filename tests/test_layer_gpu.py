@@ -167,8 +167,10 @@ def test_bit_identical_repeats_and_cuda_graph():
     layer.warmup(progress=False)
     x, ids, w, w13, w2 = problem(1024, 1, skew=True)
     eager = layer.forward(x, ids, w, w13, w2).clone()
+    repeat = torch.empty_like(x)
     for _ in range(30):
-        assert torch.equal(layer.forward(x, ids, w, w13, w2), eager)
+        repeat.fill_(float("nan"))  # each repeat writes every element again
+        assert torch.equal(layer.forward(x, ids, w, w13, w2, out=repeat), eager)
     out = torch.empty_like(x)
     g = capture_graph(lambda: layer.forward(x, ids, w, w13, w2, out=out), warmup=True)
     for _ in range(3):
@@ -252,7 +254,7 @@ def test_one_workspace_for_48_layers():
     order = [(1, 0), (17, 1), (0, 3), (48, 2), (1, 1), (0, 3), (30, 0)]
     for li, pi in order:
         x, ids, w, w13, w2 = problems[pi]
-        got = ls[li].forward(x, ids, w, w13, w2)
+        got = ls[li].forward(x, ids, w, w13, w2, out=torch.full_like(x, float("nan")))
         assert rel(got, ref.forward(x, ids, w, w13, w2)) < 1e-2, f"layer {li} problem {pi}"
     for layer in ls:
         layer.check_errors()
@@ -483,12 +485,15 @@ def test_layout_chunks_do_not_change_the_bits(monkeypatch, T):
 
 
 @pytest.mark.parametrize("T", [0, 1, 37, 700])
-def test_token_grid_gives_the_full_grid_bits(T):
+def test_token_grid_gives_the_full_grid_bits(T, monkeypatch):
     """Dispatch and the combine on a grid sized from the call's tokens (MOE_EP_TOKEN_GRID=1) give
-    the bits of the full grid, with bad choices recorded the same way."""
+    the bits of the full grid, with bad choices recorded the same way. One rank's defaults (LocalRoute,
+    the one-launch combine) have neither kernel, so the test turns them off."""
     _sm90()
     from moe_ep.api import MoEConfig
 
+    monkeypatch.setenv("MOE_EP_LOCAL_ROUTE", "0")
+    monkeypatch.setenv("MOE_EP_LOCAL_COMBINE", "0")
     cfg = MoEConfig(max_tokens_per_rank=1024, **QWEN)
     x, ids, w, w13, w2 = problem(T, seed_of("token_grid", T))
     if T > 2:
@@ -506,6 +511,7 @@ def test_token_grid_gives_the_full_grid_bits(T):
             errs.append(str(e).split(" at forward")[0])
     assert torch.equal(outs[0], outs[1]) and errs[0] == errs[1], errs
     assert (errs[1] is not None) == (T > 2)
+    assert not layer._impl.local_route and not layer._impl.local_combine  # (bound now) the grid was read
     layer.destroy()
 
 

@@ -12,11 +12,16 @@ ints = st.integers(min_value=-3, max_value=300)
 
 @given(E=ints, H=ints, I=ints, K=ints, T=ints, act=st.sampled_from(ACTIVATIONS + ("relu", "")))
 def test_config_accepts_exactly_the_valid(E, H, I, K, T, act):
-    valid = min(E, H, I, K, T) >= 1 and K <= E and act in ACTIVATIONS
+    bad = {name for name, v in (("num_experts", E), ("hidden", H), ("intermediate", I), ("top_k", K),
+                                ("max_tokens_per_rank", T)) if v < 1}
+    bad |= {"top_k"} if K > E else set()
+    bad |= {"activation"} if act not in ACTIVATIONS else set()
+    valid = not bad
     try:
         cfg = MoEConfig(num_experts=E, hidden=H, intermediate=I, top_k=K, max_tokens_per_rank=T, activation=act)
-    except (ValueError, TypeError):
+    except (ValueError, TypeError) as e:
         assert not valid
+        assert any(f"MoEConfig.{name}" in str(e) for name in bad), (bad, str(e))  # names a bad argument
         return
     assert valid
     assert cfg.w13_rows == (2 * I if act != "squared_relu" else I)

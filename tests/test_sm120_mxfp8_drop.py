@@ -16,6 +16,8 @@ The drop is imported by its top-level name from its ``src`` folder (the shim int
 later); the drop itself never imports moe_ep.
 """
 
+import re
+
 import pytest
 import torch
 
@@ -227,7 +229,7 @@ def test_quantize_reference_bit_identical_every_bf16_amax():
 def test_can_implement_refuses(args, needle):
     reason = can_implement(*args)
     assert isinstance(reason, str) and needle in reason, reason
-    with pytest.raises(ValueError, match="must|need|one of"):
+    with pytest.raises(ValueError, match=re.escape(needle)):  # the compile refuses for the same reason
         compile_mxfp8_gemm(*args)
 
 
