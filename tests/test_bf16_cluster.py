@@ -262,7 +262,7 @@ def test_gpu_cluster_pairs_lone_m_tiles_across_experts(name, act, n, k, kw):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("T,pingpong_max_k", [(1, "0"), (333, "0"), (4096, "0"), (4096, None)])
+@pytest.mark.parametrize("T,pingpong_max_k", [(513, "0"), (777, "0"), (4096, "0"), (4096, None)])  # > 512: not the decode GEMMs
 def test_gpu_layer_with_clusters_is_bit_identical(monkeypatch, T, pingpong_max_k):
     """MOE_EP_BF16_CLUSTER=1 gives the layer's default bits, eager and replayed from a poisoned CUDA
     graph: FC1 and FC2 in clusters of 2 with FC2 kept cooperative (MOE_EP_PINGPONG_MAX_K=0), and

@@ -85,7 +85,7 @@ def test_stage_guard_is_bit_identical(act, n, k, experts, kw, m, routing):
     sr = act == "identity"
     fns = [kernel_once(CompiledFp8Gemm, act, n, k, experts, sr, raster_m=16, overlap_promotion=True,
                        stage_guard=guard, **kw) for guard in (False, True)]
-    fp8_variants_same_bits(fns, fp8_gemm_problem(m, n, k, experts, routing, 500 + m, sr))
+    fp8_variants_same_bits(fns, fp8_gemm_problem(m, n, k, experts, routing, 500 + m, sr), act)
 
 
 @pytest.mark.gpu

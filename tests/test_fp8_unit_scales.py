@@ -181,7 +181,7 @@ def test_unit_scales_bit_identical(act, n, k, experts, kw, m, routing):
     unit_kw = {key: v for key, v in kw.items() if key not in ("smem_scales", "scale_warp")}
     unit = kernel_once(CompiledFp8Gemm, act, n, k, experts, sr, raster_m=16, overlap_promotion=True,
                        unit_scales=True, **unit_kw)
-    fp8_variants_same_bits([base, unit], fp8_gemm_problem(m, n, k, experts, routing, 300 + m, sr))
+    fp8_variants_same_bits([base, unit], fp8_gemm_problem(m, n, k, experts, routing, 300 + m, sr), act)
 
 
 @pytest.mark.gpu

@@ -54,15 +54,21 @@ def test_the_other_gated_schedules_compile_it(schedule):
     128 x 96) and the swap-AB decode kernel."""
     n, k, e = GEMMA4_FC1
     if schedule == "swapab":
-        kern, compiled = _drop("swapab_runner").compile_swapab("gelu_tanh_glu", n, k, e, False, 16)
+        sr = _drop("swapab_runner")
+        kern, compiled = sr.compile_swapab("gelu_tanh_glu", n, k, e, False, 16)
         assert kern.activation == "gelu_tanh_glu"
-        ptx = compiled.__ptx__
+        ptx, base = compiled.__ptx__, sr.compile_swapab("swiglu", n, k, e, False, 16)[1].__ptx__
     else:
         cc = _drop("compile_check")
         kw = (dict(schedule="cooperative", gather_a=True) if schedule == "gather"
               else dict(schedule="pingpong", tile_n=96))
-        ptx = cc.compile_for_arch("gelu_tanh_glu", n, k, False, num_experts=e, raster_m=8, **kw).__ptx__
-    assert _clean(ptx) and "ex2.approx" in ptx and "rcp.approx" in ptx and "tanh.approx" not in ptx
+        ptx, base = (cc.compile_for_arch(act, n, k, False, num_experts=e, raster_m=8, **kw).__ptx__
+                     for act in ("gelu_tanh_glu", "swiglu"))
+    assert _clean(ptx) and "tanh.approx" not in ptx
+    # one ex2 + one rcp per output like the SwiGLU kernel of the same schedule, which it is not
+    assert ptx.count("ex2.approx") == base.count("ex2.approx") > 0
+    assert ptx.count("rcp.approx") == base.count("rcp.approx") > 0
+    assert ptx != base
 
 
 # ---- CPU: references, backends ----------------------------------------------------------------

@@ -10,6 +10,18 @@ pytest.importorskip("cutlass")
 from moe_ep.shim import SM90_MEGAMOE_CONSTANTS, ConstantDriftError, sm90_check_gemm_shapes, sm90_compile_gemm_ptx
 
 
+def _no_spills(ptx: str) -> None:
+    """No ``ld.local``/``st.local`` in the PTX (local arrays) and, where a ptxas is installed, none of
+    the spills only ptxas makes (PTX has virtual registers); a ptxas that rejects the PTX fails."""
+    assert "ld.local" not in ptx and "st.local" not in ptx, "local memory in the PTX"
+    lc = importlib.import_module("sm90_megamoe.layout_compile_check")
+    if lc._ptxas() is None:
+        return
+    info = lc.ptxas_info(ptx, "sm_90a")
+    assert info is not None, "ptxas is installed but rejected the PTX"
+    assert info[1] == 0, f"ptxas: {info[1]} bytes of spills ({info[0]} registers)"
+
+
 @pytest.mark.parametrize("act,n,k,scale,bias,needles", [
     ("swiglu", 1536, 2048, False, None, ("ex2.approx",)),        # Qwen3 FC1: w13 [E, 2·768, 2048]
     ("squared_relu", 768, 2048, False, None, ()),                # non-gated FC1
@@ -24,7 +36,7 @@ def test_compiles_with_wgmma_and_tma(act, n, k, scale, bias, needles, tmp_path, 
     assert "wgmma.mma_async" in ptx
     assert "cp.async.bulk.tensor" in ptx
     assert ".target sm_90a" in ptx
-    assert "ld.local" not in ptx and "st.local" not in ptx, "register spills"
+    _no_spills(ptx)
     # drop v16: launched with PDL, so the kernel waits for the previous grid, then lets the next launch
     assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
     for needle in needles:
@@ -49,7 +61,7 @@ def test_pingpong_schedule_compiles(act, n, k, scale, tile_n, tmp_path):
                                    extra_options=f"--dump-dir={tmp_path}")
     ptx = compiled.__ptx__
     assert "wgmma.mma_async" in ptx and "bar.arrive" in ptx
-    assert "ld.local" not in ptx and "st.local" not in ptx
+    _no_spills(ptx)  # 2 x 96 gated: at the 192-register limit
     with pytest.raises(ValueError, match="pingpong needs"):
         gg.GroupedGemmSm90("swiglu", tile_n=128, schedule="pingpong")
     with pytest.raises(ValueError, match="pingpong needs"):
@@ -96,6 +108,10 @@ def test_constant_drift_detected(monkeypatch):
     monkeypatch.setattr(consts, "ALIGN_K_ELEMS", 16)
     with pytest.raises(ConstantDriftError, match=r"ALIGN_K_ELEMS: shim mirrors 8, drop has 16"):
         SM90_MEGAMOE_CONSTANTS.check()
+    # and the shim asserts them at its first compile (before compiling anything)
+    monkeypatch.setattr(SM90_MEGAMOE_CONSTANTS, "_checked", False)
+    with pytest.raises(ConstantDriftError, match=r"ALIGN_K_ELEMS: shim mirrors 8, drop has 16"):
+        sm90_compile_gemm_ptx("identity", 2048, 768, True, arch="sm_90a")
 
 
 @pytest.mark.parametrize("act,n,k,e,frag", [
@@ -103,7 +119,7 @@ def test_constant_drift_detected(monkeypatch):
     ("swiglu", 2 * 100, 2048, 8, "I=100 must be a multiple of 8"),
     ("clamped_swiglu", 1537, 2048, 8, "even w13 row count"),
     ("identity", 2050, 768, 8, "N=2050 must be a multiple of 8"),
-    ("identity", 2048, 768, 5000, "at most 1024"),
+    ("identity", 2048, 768, 5000, "num_experts=5000 experts per launch, at most 1024"),
     ("silu", 2048, 768, 8, "activation 'silu'"),
 ])
 def test_shape_validation(act, n, k, e, frag):

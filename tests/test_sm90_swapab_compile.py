@@ -49,6 +49,7 @@ def test_swapab_compiles(act, n, k, e, scale, tile_t, tile_w, bias, tmp_path, mo
     assert kern.num_stages >= 4, "the weight pipeline should be deep"
     info = sr.ptxas_info(ptx, "sm_90a")
     if info is None:
+        assert sr._ptxas() is None, "ptxas is installed but rejected the PTX"
         pytest.skip("no ptxas installed: PTX checks only")
     regs, spill = info
     assert spill == 0, f"ptxas reports {spill} bytes of spill/stack ({regs} registers)"
@@ -96,13 +97,13 @@ def test_swapab_parameter_checks():
     k = SwapABGroupedGemmSm90("swiglu", tile_t=16)
     assert k.static_shapes(2 * I, H) == (I, I // 64)
     assert SwapABGroupedGemmSm90("identity", scale_rows=True).static_shapes(H, I) == (H, H // 128)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=r"tile_t must be a multiple of 8 in \[8, 128\], got 12"):
         SwapABGroupedGemmSm90("swiglu", tile_t=12)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="tile_w must be 64, 128 or 256, got 96"):
         SwapABGroupedGemmSm90("swiglu", tile_w=96)
-    with pytest.raises(ValueError):  # 2 x 2 x 128 / 2 = 256 accumulator registers
+    with pytest.raises(ValueError, match="accumulators need 256 fp32 registers"):  # 2 x 2 x 128 / 2
         SwapABGroupedGemmSm90("swiglu", tile_w=256, tile_t=128)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="activation must be one of .*got 'nope'"):
         SwapABGroupedGemmSm90("nope")
     assert pick_tile_t(8, 128) == 8 and pick_tile_t(1024, 128) == 16
     assert pick_tile_t(2048, 128) == 32 and pick_tile_t(256, 8) == 64

@@ -40,8 +40,9 @@ def test_wide_schedule_compiles_without_spills(act, n, k, experts, bias, raster,
     assert "cp.async.bulk.tensor" in ptx and "griddepcontrol.wait" in ptx
     assert "ld.local" not in ptx and "st.local" not in ptx
     info = ptxas_info(ptx)
-    if info is None or _ptxas() is None:
+    if _ptxas() is None:
         pytest.skip("no ptxas installed: spill check skipped")
+    assert info is not None, "ptxas is installed but rejected the PTX"
     assert info[1] == 0, info
     # ptxas does not serialise the WGMMAs (C7510 / C7514 would say so)
     exe = _ptxas()
