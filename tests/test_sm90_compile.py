@@ -119,7 +119,7 @@ def test_constant_drift_detected(monkeypatch):
     ("swiglu", 2 * 100, 2048, 8, "I=100 must be a multiple of 8"),
     ("clamped_swiglu", 1537, 2048, 8, "even w13 row count"),
     ("identity", 2050, 768, 8, "N=2050 must be a multiple of 8"),
-    ("identity", 2048, 768, 5000, "num_experts=5000 experts per launch, at most 1024"),
+    ("identity", 2048, 768, 5000, "num_experts=5000, at most 1024 experts per launch"),
     ("silu", 2048, 768, 8, "activation 'silu'"),
 ])
 def test_shape_validation(act, n, k, e, frag):

@@ -303,7 +303,7 @@ def check_gemm_shapes(activation: str, n: int, k: int, num_experts: int, tile_n:
     if k % _C["ALIGN_K_ELEMS"]:
         raise ValueError(f"sm90 grouped GEMM: K={k} must be a multiple of {_C['ALIGN_K_ELEMS']} (16-byte TMA rows)")
     if num_experts > _C["MAX_EXPERTS"]:
-        raise ValueError(f"sm90 grouped GEMM: num_experts={num_experts} experts per launch, at most {_C['MAX_EXPERTS']}")
+        raise ValueError(f"sm90 grouped GEMM: num_experts={num_experts}, at most {_C['MAX_EXPERTS']} experts per launch")
     if activation in GEMM_GATED:
         if n % 2:
             raise ValueError(f"sm90 grouped GEMM: {activation} needs an even w13 row count (2·I), got {n}")
