@@ -90,11 +90,15 @@ def test_bench_no_b2b_says_so_in_the_note():
     assert any("no back-to-back phase (--no-b2b)" in line for line in p.stdout.splitlines())
 
 
-@pytest.mark.parametrize("args", [["--model", "qwen4"], ["--peer", "sonic"], ["--peers-only"], ["--rounds", "0"],
-                                  ["gemm", "--raster-m", "8,x"], ["gemm", "--raster-m", "0"], ["--raster-m", "8"]])
-def test_bench_rejects_bad_arguments(args):
+@pytest.mark.parametrize("args,says", [
+    (["--model", "qwen4"], "unknown model 'qwen4'"), (["--peer", "sonic"], "unknown peer 'sonic'"),
+    (["--peers-only"], "--peers-only needs --peer"), (["--rounds", "0"], "--rounds: at least 1, got 0"),
+    (["gemm", "--raster-m", "8,x"], "--raster-m: comma-separated integers, got '8,x'"),
+    (["gemm", "--raster-m", "0"], "--raster-m: each in 1..64, got [0]"),
+    (["--raster-m", "8"], "--raster-m: only for the gemm job")])
+def test_bench_rejects_bad_arguments(args, says):
     p = _bench(*args, timeout=120)
-    assert p.returncode == 2 and "error:" in p.stderr
+    assert p.returncode == 2 and f"error: {says}" in p.stderr, p.stderr[-1000:]
 
 
 # ---- the table and CSV --------------------------------------------------------------------
