@@ -42,7 +42,7 @@ from typing import Any, Callable, Iterator
 
 ENV = "MOE_EP_CACHE_DIR"
 FORMAT = "v1"
-_OFF = ("", "0", "off", "none", "false")
+_OFF = ("0", "off", "none", "false")  # (empty is unset: the default directory, as for every variable)
 
 
 class CompileCacheWarning(UserWarning):
@@ -78,7 +78,7 @@ def cache_root() -> Path | None:
     if _root_override != "unset":
         return _root_override  # type: ignore[return-value]
     v = os.environ.get(ENV)
-    if v is not None:
+    if v:
         return None if v.strip().lower() in _OFF else Path(v).expanduser()
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "moe_ep"

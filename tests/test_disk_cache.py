@@ -120,6 +120,21 @@ def test_a_changed_source_byte_changes_the_namespace(tmp_path):
     assert source_fingerprint(copy) == fp
 
 
+def test_cache_dir_values(monkeypatch, tmp_path):
+    """MOE_EP_CACHE_DIR: a directory; 0 / off / none / false turn the cache off; unset or empty is the
+    default folder (``$XDG_CACHE_HOME/moe_ep``), as for every variable moe_ep reads."""
+    from moe_ep.shim import disk_cache
+
+    monkeypatch.setattr(disk_cache, "_root_override", "unset")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    for raw, want in ((str(tmp_path / "c"), tmp_path / "c"), ("", tmp_path / "xdg" / "moe_ep"),
+                      ("off", None), ("0", None), ("None", None), ("false", None)):
+        monkeypatch.setenv("MOE_EP_CACHE_DIR", raw)
+        assert disk_cache.cache_root() == want, raw
+    monkeypatch.delenv("MOE_EP_CACHE_DIR")
+    assert disk_cache.cache_root() == tmp_path / "xdg" / "moe_ep"
+
+
 def test_disabled_cache_writes_nothing(tmp_path):
     p = aot("build", *SMALL, "--kernels", "layout", env_extra={"MOE_EP_CACHE_DIR": "off"},
             cache=None)

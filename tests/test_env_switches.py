@@ -99,6 +99,13 @@ def test_switches_with_more_values(monkeypatch):
     assert f.use_fp8_cluster("identity", 4096, 14336) == 1
     monkeypatch.setenv("MOE_EP_FP8_CLUSTER", "")
     assert f.use_fp8_cluster("identity", 4096, 14336) == 2  # unset: K >= 4096 pairs up
+    for raw, want in (("", 1), ("3", 3)):  # the integer switch: empty is its default too
+        monkeypatch.setenv("MOE_EP_FP8_QUANT_ITEMS", raw)
+        assert f.use_fp8_quant_items() == want
+    for raw in ("0", "5", " 2"):
+        monkeypatch.setenv("MOE_EP_FP8_QUANT_ITEMS", raw)
+        with pytest.raises(ValueError, match=r"MOE_EP_FP8_QUANT_ITEMS must be an integer in 1 \.\.\. 4"):
+            f.use_fp8_quant_items()
 
 
 @pytest.mark.parametrize("var", sorted(env.REMOVED))

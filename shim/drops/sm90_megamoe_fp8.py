@@ -207,9 +207,9 @@ def compiled_key_overlap(activation: str, k: int) -> bool:
 
 
 def _env_int(var: str, default: int, top: int) -> int:
-    """The integer switch ``var`` in 1 ... ``top`` (``default`` when unset); anything else raises
-    naming the variable."""
-    raw = os.environ.get(var, str(default))
+    """The integer switch ``var`` in 1 ... ``top`` (``default`` when unset or empty, as every switch);
+    anything else raises naming the variable."""
+    raw = os.environ.get(var) or str(default)
     if raw not in tuple(str(d) for d in range(1, top + 1)):
         raise ValueError(f"{var} must be an integer in 1 ... {top}, got {raw!r}")
     return int(raw)
