@@ -1,4 +1,5 @@
-"""Shim for the SM90 drop ``kernel_src/sm90/megamoe`` (package ``sm90_megamoe``), drop version 36.
+"""Shim for the SM90 drop ``kernel_src/sm90/megamoe`` (package ``sm90_megamoe``; its version is the
+mirrored ``DROP_VERSION``).
 
 What moe_ep relies on, declared as data (:data:`CONTRACT`), plus thin wrappers:
 
