@@ -31,7 +31,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Iterable
 
-from .layering import iter_imports
+from .layering import iter_imports, literal_import
 
 
 @dataclass(frozen=True, order=True)
@@ -465,17 +465,7 @@ LOADERS = ("_load",)
 def load_call(node: ast.AST) -> tuple[str, str] | None:
     """``(via, module)`` when ``node`` is ``_load("m")`` / ``importlib.import_module("m")`` /
     ``import_module("m")`` with a literal string."""
-    if not isinstance(node, ast.Call) or not node.args:
-        return None
-    a0, f = node.args[0], node.func
-    if not (isinstance(a0, ast.Constant) and isinstance(a0.value, str)):
-        return None
-    if isinstance(f, ast.Name) and (f.id in LOADERS or f.id == "import_module"):
-        return f.id, a0.value
-    if isinstance(f, ast.Attribute) and f.attr == "import_module" and isinstance(f.value, ast.Name) \
-            and f.value.id == "importlib":
-        return "importlib.import_module", a0.value
-    return None
+    return literal_import(node, (*LOADERS, "import_module"))
 
 
 @dataclass(frozen=True)

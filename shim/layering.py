@@ -99,8 +99,8 @@ def iter_imports(path: Path, rel: Path, strings: bool = False) -> Iterator[tuple
         if isinstance(node, ast.Import):
             for a in node.names:
                 yield node.lineno, a.name, ()
-        elif strings and isinstance(node, ast.Call) and (mod := _string_import(node)) is not None:
-            yield node.lineno, mod, ()
+        elif strings and (hit := literal_import(node)) is not None and hit[1] and not hit[1].startswith("."):
+            yield node.lineno, hit[1], ()
         elif isinstance(node, ast.ImportFrom):
             names = tuple(a.name for a in node.names)
             if node.level:
@@ -115,17 +115,21 @@ def iter_imports(path: Path, rel: Path, strings: bool = False) -> Iterator[tuple
             yield node.lineno, mod, names
 
 
-def _string_import(call: ast.Call) -> str | None:
-    """The module of ``importlib.import_module("m")`` / ``import_module("m")`` / ``__import__("m")``
-    with a literal absolute name (a name built at run time cannot be checked here)."""
-    f = call.func
-    named = (isinstance(f, ast.Name) and f.id in ("import_module", "__import__")
-             or isinstance(f, ast.Attribute) and f.attr == "import_module")
-    if not named or not call.args:
+def literal_import(node: ast.AST, names: tuple[str, ...] = ("import_module", "__import__")
+                   ) -> tuple[str, str] | None:
+    """``(via, module)`` when ``node`` is ``importlib.import_module("m")`` or a call of a function named in
+    ``names`` with a literal string ``m`` (a name built at run time cannot be checked here). The layer
+    rules use the default names; the audit's seam scan passes its own (``_load``, ``import_module``)."""
+    if not isinstance(node, ast.Call) or not node.args:
         return None
-    a0 = call.args[0]
-    if isinstance(a0, ast.Constant) and isinstance(a0.value, str) and a0.value and not a0.value.startswith("."):
-        return a0.value
+    a0, f = node.args[0], node.func
+    if not (isinstance(a0, ast.Constant) and isinstance(a0.value, str)):
+        return None
+    if isinstance(f, ast.Name) and f.id in names:
+        return f.id, a0.value
+    if isinstance(f, ast.Attribute) and f.attr == "import_module" and isinstance(f.value, ast.Name) \
+            and f.value.id == "importlib":
+        return "importlib.import_module", a0.value
     return None
 
 
