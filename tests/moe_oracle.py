@@ -30,6 +30,24 @@ def sm90_drop_module(name: str):
     return importlib.import_module(f"sm90_megamoe.{name}")
 
 
+def record_outputs(modules) -> list:
+    """Forward hooks on ``modules`` that append each call's output (a float32 copy) to the returned list,
+    in call order (the transformers tests compare each experts module's output, not only the logits)."""
+    seen = []
+    for m in modules:
+        m.register_forward_hook(lambda mod, args, out: seen.append(out.detach().float().clone()))
+    return seen
+
+
+def no_ptxas_result() -> None:
+    """A drop's ``ptxas_info`` gave None: skip the calling test when no ptxas is installed; fail when one
+    is (it then rejected the PTX at every ISA version the drop's helper tries, which a skip would hide)."""
+    import pytest
+
+    assert sm90_drop_module("layout_compile_check")._ptxas() is None, "ptxas is installed but rejected the PTX"
+    pytest.skip("no ptxas installed: spill check skipped")
+
+
 def activation_problem(E, H, I, K, T, seed, device, x_scale, fp8=False) -> tuple:
     """One layer's inputs for an activation test: x [T, H] bf16 times ``x_scale`` (FC1's outputs are
     ~N(0, x_scale^2), so a clamp or cap at a few units bites), ids [T, K] int32, w [T, K] f32 softmax,
@@ -410,9 +428,8 @@ def fp8_variants_same_bits(fns, problem, act=None) -> None:
     baseline's output finite and every variant's run equal to it bit for bit. ``act`` (the launchers'
     activation): the baseline also within 1e-2 of the drop's dequantised math in float64 (on the GPU),
     so the common bits are right, not only equal."""
-    a, a_s, b, b_s, offs, rs = (t.cuda() if t is not None else None for t in problem)
-    if rs is None:
-        rs = torch.ones(1, device="cuda")
+    a, a_s, b, b_s, offs, row_scale = (t.cuda() if t is not None else None for t in problem)
+    rs = torch.ones(1, device="cuda") if row_scale is None else row_scale  # the launcher always takes one
     m = a.shape[0]
     outs = []
     for g in [fns[0]] + [f for f in fns[1:] for _ in range(2)]:
@@ -426,8 +443,7 @@ def fp8_variants_same_bits(fns, problem, act=None) -> None:
     if act is not None and m:
         from sm90_megamoe import fp8_reference as ref
 
-        want = ref.fp8_grouped_gemm_reference(a, a_s, b, b_s, offs, act, rs if problem[5] is not None else None,
-                                              dtype=torch.float64)
+        want = ref.fp8_grouped_gemm_reference(a, a_s, b, b_s, offs, act, row_scale, dtype=torch.float64)
         err = float((outs[0].double() - want).norm() / want.norm().clamp_min(1e-30))
         assert err < 1e-2, err
 

@@ -17,10 +17,15 @@ def rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
+def nan_like(xs) -> list:
+    """A NaN-poisoned output per rank, shaped like its tokens ``xs[r]``: rows a forward leaves unwritten show."""
+    return [torch.full_like(t, float("nan")) for t in xs]
+
+
 def forward_and_check(vep, Ts, want, sl, xs, *args):
     """One forward of every virtual rank into NaN-poisoned outputs; each rank with tokens must
     write every row and match ``want[sl[r]]`` to 1e-2 relative."""
-    outs = [torch.full_like(t, float("nan")) for t in xs]
+    outs = nan_like(xs)
     vep.forward(xs, *args, outs)
     torch.cuda.synchronize()
     vep.check()
@@ -108,7 +113,7 @@ def test_virtual_ep_bit_identical_with_delayed_rank(W):
     args = split(Ts, W, E, x, ids, w, w13, w2)[:5]
     first = [o.clone() for o in vep.forward(*args)]
     for i in range(100):  # each forward into NaN: rows a delay left unwritten would show
-        outs = vep.forward(*args, [torch.full_like(t, float("nan")) for t in args[0]],
+        outs = vep.forward(*args, nan_like(args[0]),
                            delay_rank=(i // 3) % W if i % 3 == 0 else None)
         if i % 10 == 9 or i % 3 == 0:
             torch.cuda.synchronize()
@@ -136,14 +141,13 @@ def test_virtual_ep_layers_share_workspaces():
     for _ in range(2):
         for vep, Ts, p, cfg in ((a, [200, 256], pa, small), (b, [1000, 333], pb, big), (a, [200, 256], pa, small)):
             args = split(Ts, W, E, *p)
-            outs = vep.forward(*args[:5], [torch.full_like(t, float("nan")) for t in args[0]])
+            outs = vep.forward(*args[:5], nan_like(args[0]))
             torch.cuda.synchronize()
             want = reference(cfg, *p)
             for r in range(W):
                 assert rel(outs[r], want[args[5][r]]) < 1e-2
     again = split([200, 256], W, E, *pa)[:5]
-    assert all(torch.equal(u, v) for u, v in zip(outa, a.forward(*again, [torch.full_like(t, float("nan"))
-                                                                          for t in again[0]])))
+    assert all(torch.equal(u, v) for u, v in zip(outa, a.forward(*again, nan_like(again[0]))))
     a.check(), b.check()
     a.destroy(), b.destroy()
 
@@ -193,7 +197,7 @@ def test_virtual_ep_many_forwards_determinism_stall():
     args = split(Ts, W, E, x, ids, w, w13, w2)[:5]
     a = [o.clone() for o in vep.forward(*args)]
     for delayed in range(W):
-        b = vep.forward(*args, [torch.full_like(t, float("nan")) for t in args[0]], delay_rank=delayed)
+        b = vep.forward(*args, nan_like(args[0]), delay_rank=delayed)
         torch.cuda.synchronize()
         assert all(torch.equal(p, q) for p, q in zip(a, b)), f"not bit-identical with rank {delayed} delayed"
     # stall: rank 1 never runs its forward
@@ -202,7 +206,7 @@ def test_virtual_ep_many_forwards_determinism_stall():
     with pytest.raises(DeviceStallError, match="waiting for rank 1"):
         vep.ranks[0].check()
     vep.reset()
-    c = vep.forward(*args, [torch.full_like(t, float("nan")) for t in args[0]])  # recovered: writes it all
+    c = vep.forward(*args, nan_like(args[0]))  # recovered: writes it all
     torch.cuda.synchronize()
     vep.check()
     assert all(torch.equal(p, q) for p, q in zip(a, c))
@@ -297,7 +301,7 @@ def test_virtual_ep_fp8_wire_is_bit_identical(W, Ts, monkeypatch):
         assert all(b.fp8_wire == (wire == "1") for b in vep.ranks)
         runs = []
         for _ in range(2):
-            outs = [torch.full_like(t, float("nan")) for t in xs]
+            outs = nan_like(xs)
             vep.forward(xs, idss, wss, w13s, w2s, outs)
             torch.cuda.synchronize()
             vep.check()

@@ -23,6 +23,7 @@ register_drop(_DROP_SRC)
 
 from sm90_megamoe import swapab_runner as sr  # noqa: E402
 from sm90_megamoe.swapab_gemm import SwapABGroupedGemmSm90, pick_tile_t  # noqa: E402
+from moe_oracle import no_ptxas_result  # noqa: E402
 
 H, I, E, TOPK = sr.MODELS["qwen3"]
 
@@ -49,8 +50,7 @@ def test_swapab_compiles(act, n, k, e, scale, tile_t, tile_w, bias, tmp_path, mo
     assert kern.num_stages >= 4, "the weight pipeline should be deep"
     info = sr.ptxas_info(ptx, "sm_90a")
     if info is None:
-        assert sr._ptxas() is None, "ptxas is installed but rejected the PTX"
-        pytest.skip("no ptxas installed: PTX checks only")
+        no_ptxas_result()
     regs, spill = info
     assert spill == 0, f"ptxas reports {spill} bytes of spill/stack ({regs} registers)"
     # 1 consumer warpgroup: 256 threads; 2: 384 threads under setmaxnreg (168 at launch)

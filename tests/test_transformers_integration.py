@@ -15,7 +15,7 @@ pytest.importorskip("transformers.integrations.moe")
 
 import moe_ep.integrations.transformers as moe_ep_hf  # noqa: E402
 
-from moe_oracle import oracle_f64, rel_err  # noqa: E402
+from moe_oracle import oracle_f64, record_outputs, rel_err  # noqa: E402
 
 NAME = moe_ep_hf.register()  # "moe_ep", backend "auto" (the reference backend on CPU)
 
@@ -283,10 +283,8 @@ def test_other_moe_families(family):
         warnings.simplefilter("ignore")
         ours, ref = build(NAME), build("eager")
         ref.load_state_dict(ours.state_dict())
-        got, want = [], []  # each experts module's output: the final norm hides most of a scale error
-        for model, seen in ((ours, got), (ref, want)):
-            for m in experts_modules(model):
-                m.register_forward_hook(lambda mod, args, out, seen=seen: seen.append(out.detach().float().clone()))
+        # each experts module's output: the final norm hides most of a scale error
+        got, want = record_outputs(experts_modules(ours)), record_outputs(experts_modules(ref))
         ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(1))
         with torch.no_grad():
             a, b = ours(ids).logits.float(), ref(ids).logits.float()

@@ -23,7 +23,7 @@ pytest.importorskip("transformers.integrations.moe")
 
 import moe_ep.integrations.transformers as moe_ep_hf  # noqa: E402
 
-from moe_oracle import rel_err  # noqa: E402
+from moe_oracle import record_outputs, rel_err  # noqa: E402
 
 NAME = moe_ep_hf.register()
 
@@ -181,20 +181,12 @@ def _experts(model):
     return [m for m in model.modules() if isinstance(getattr(m, "down_proj", None), torch.nn.Parameter)]
 
 
-def _experts_outputs(model):
-    """Hooks that record every experts module's output (float32), in call order."""
-    seen = []
-    for m in _experts(model):
-        m.register_forward_hook(lambda mod, args, out: seen.append(out.detach().float().clone()))
-    return seen
-
-
 def _same_logits(build, tol=2e-2, experts_tol=2e-2, **call):
     """The model with moe_ep's experts against transformers' eager experts: the logits and, since a
     final norm hides most of an error in the experts' scale, each experts module's own output."""
     ours, ref = build(NAME), build("eager")
     ref.load_state_dict(ours.state_dict())
-    got, want = _experts_outputs(ours), _experts_outputs(ref)
+    got, want = record_outputs(_experts(ours)), record_outputs(_experts(ref))
     ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(1))
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
