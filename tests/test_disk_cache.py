@@ -139,9 +139,7 @@ def test_disabled_cache_writes_nothing(tmp_path):
     p = aot("build", *SMALL, "--kernels", "layout", env_extra={"MOE_EP_CACHE_DIR": "off"},
             cache=None)
     assert p.returncode == 2 and "disabled" in p.stderr
-    from moe_ep.shim import compile_cache_root, set_compile_cache_dir
-
-    from moe_ep.shim import disk_cache
+    from moe_ep.shim import compile_cache_root, disk_cache, set_compile_cache_dir
 
     built = []
     set_compile_cache_dir(None)
