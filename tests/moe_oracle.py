@@ -240,6 +240,20 @@ def rel_err(a, b) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
+def worst_row_err(a, b) -> float:
+    """The largest per-token relative error of ``a`` [T, H] against ``b`` [T, H]: ``|a_t - b_t| /
+    |b_t|``, a row far below the median norm measured against a tenth of the median instead. Why:
+    :func:`rel_err` of thousands of rows hides a few wrong ones (one token missing one of its 8
+    experts moves it by ~0.005 at T = 4096), this does not."""
+    a, b = a.double().reshape(a.shape[0], -1), b.double().reshape(b.shape[0], -1)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    if a.shape[0] == 0:
+        return 0.0
+    norms = b.norm(dim=1)
+    floor = 0.1 * float(norms.median())
+    return float(((a - b).norm(dim=1) / norms.clamp_min(max(floor, 1e-30))).max())
+
+
 def capture_graph(fn, warmup: bool = False) -> "torch.cuda.CUDAGraph":
     """``fn`` captured in a CUDA graph (``warmup``: run it once on a side stream first, as torch
     recommends before a capture)."""
@@ -263,13 +277,44 @@ def replay_poisoned(graph, *outs) -> None:
     torch.cuda.synchronize()
 
 
+#: the workspace's activation buffers (float regions a forward rewrites before it reads them): the
+#: received tokens, the grouped rows, FC1's output, their quantised copies and scales, the combine's
+#: rows. Not the protocol state, the index buffers or the routing weights (garbage there is a
+#: different failure, or would be flagged as bad input).
+POISONED_BUFFERS = ("recv_x", "comb", "xs", "h", "xq", "xq_scale", "hq", "hq_scale", "xq_tok", "sx_tok",
+                    "xq_send", "sx_send")
+
+
+def poison_workspace(impl) -> list:
+    """NaN-fill ``impl``'s activation buffers in its workspace (:data:`POISONED_BUFFERS`; e4m3 as
+    its NaN byte 0x7f), so a forward that reads a row it did not write in this call shows NaN in its
+    output instead of the last call's value. Returns the names filled."""
+    views = impl.ws.views(impl.dims)
+    filled = []
+    for name in POISONED_BUFFERS:
+        t = views.get(name)
+        if t is None:
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            t.view(torch.uint8).fill_(0x7F)
+        elif t.dtype.is_floating_point:
+            t.fill_(float("nan"))
+        else:
+            raise AssertionError(f"poison_workspace: {name} is {t.dtype}, not a float buffer")
+        filled.append(name)
+    assert {"xs", "h"} <= set(filled), filled
+    return filled
+
+
 def layer_outputs_with_switch(monkeypatch, switch, cfg, backend, inputs, check_impl, values=("0", "1")) -> list:
     """One-rank layer outputs with environment ``switch`` = ``values[0]`` ("0"), then ``values[1]``
     ("1"): for each, a fresh layer
     (warmed up; ``check_impl(impl, on)`` asserts the switch took), an eager forward into a
     NaN-poisoned ``out``, then (with at least one token) the same forward captured in a CUDA graph
-    and replayed into a poisoned ``out`` -- asserted equal to the eager result. ``inputs``: (x,
-    ids, w, w13, w2)."""
+    and replayed into a poisoned ``out`` -- asserted equal to the eager result. Before each run the
+    workspace's activation buffers are NaN-poisoned too (:func:`poison_workspace`): otherwise the
+    replay would find the eager run's values there, and a row it failed to write would still pass.
+    ``inputs``: (x, ids, w, w13, w2)."""
     from moe_ep.api import EPGroup, MoELayer
 
     x, ids, w, w13, w2 = inputs
@@ -280,6 +325,7 @@ def layer_outputs_with_switch(monkeypatch, switch, cfg, backend, inputs, check_i
         layer.warmup(progress=False)
         check_impl(layer._impl, flag != values[0])
         out = torch.full((x.shape[0], cfg.hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
+        poison_workspace(layer._impl)
         outs.append(layer.forward(x, ids, w, w13, w2, out=out).clone())
         # the swap-AB decode GEMMs (few tokens) take none of the 128-row kernels' switches: both runs
         # would be the same kernels and the comparison could not fail
@@ -287,6 +333,7 @@ def layer_outputs_with_switch(monkeypatch, switch, cfg, backend, inputs, check_i
             f"{x.shape[0]} tokens run the decode GEMMs, which {switch} does not reach: test with more tokens"
         if x.shape[0]:
             graph = capture_graph(lambda: layer.forward(x, ids, w, w13, w2, out=out))
+            poison_workspace(layer._impl)
             replay_poisoned(graph, out)
             assert torch.equal(out, outs[-1])
         layer.check_errors()

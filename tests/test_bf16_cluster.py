@@ -302,7 +302,7 @@ def test_gpu_default_clusters_follow_the_gpu(monkeypatch):
     cooperative): FC1 and FC2 in clusters of 2 on an H100 or an H200, single elsewhere; either way the bits of
     ``MOE_EP_BF16_CLUSTER=0``, eager and graph-replayed from poison, within 1e-2 of float64."""
     require_sm90()
-    from moe_oracle import layer_outputs_with_switch, make_problem, rel_err, swiglu_moe_f64
+    from moe_oracle import layer_outputs_with_switch, make_problem, rel_err, swiglu_moe_f64, worst_row_err
 
     from moe_ep.api import MoEConfig
 
@@ -323,4 +323,4 @@ def test_gpu_default_clusters_follow_the_gpu(monkeypatch):
     assert torch.isfinite(outs[1].float()).all() and torch.equal(outs[0], outs[1])
     S = 96  # float64 on the GPU for the first 96 tokens (the weights are 268 + 134 MB in bf16)
     want = swiglu_moe_f64(inputs[0][:S], inputs[1][:S].long(), inputs[2][:S], inputs[3], inputs[4], I)
-    assert rel_err(outs[1][:S], want) < 1e-2
+    assert rel_err(outs[1][:S], want) < 1e-2 and worst_row_err(outs[1][:S], want) < 3e-2

@@ -9,7 +9,8 @@ import zlib
 
 import pytest
 import torch
-from moe_oracle import capture_graph, gpu_bytes_held, layer_outputs_with_switch, replay_poisoned, swiglu_moe_f64
+from moe_oracle import (capture_graph, gpu_bytes_held, layer_outputs_with_switch, replay_poisoned, swiglu_moe_f64,
+                        worst_row_err)
 
 pytestmark = pytest.mark.gpu
 
@@ -70,7 +71,7 @@ def test_layer_matches_reference(routing, T, ids_dtype):
     want = ref.forward(x, ids, w, w13, w2)
     fast.check_errors()
     assert got.data_ptr() == out.data_ptr() and torch.isfinite(got).all()
-    assert rel(got, want) < 1e-2
+    assert rel(got, want) < 1e-2 and worst_row_err(got, want) < 3e-2  # every token, not only the mean
     # the split pair: fixed-capacity recv_x, valid rows below offsets[-1]
     recv, offs, h = fast.dispatch(x, ids, w)
     assert recv.shape[0] == cfg.max_tokens_per_rank * cfg.top_k == h.num_recv_rows
@@ -78,7 +79,8 @@ def test_layer_matches_reference(routing, T, ids_dtype):
     assert R == T * cfg.top_k
     y = torch.full_like(recv, float("nan"))  # padding rows must never be read
     y[:R] = expert_mlp(recv[:R], offs, w13, w2, "swiglu", cfg.intermediate)
-    assert rel(fast.combine(y, h), want) < 1e-2
+    combined = fast.combine(y, h)
+    assert rel(combined, want) < 1e-2 and worst_row_err(combined, want) < 3e-2
     fast.destroy(), ref.destroy()
 
 
