@@ -74,7 +74,6 @@ def test_shim_builds_the_jumping_launcher(monkeypatch):
     from recorders import record_pingpong_switch_builds
 
     from moe_ep.shim import cache
-    from moe_ep.shim.drops import sm90_megamoe as s
 
     built, names = record_pingpong_switch_builds(monkeypatch, "MOE_EP_JUMP_STAGES")
     assert [kw.get("schedule") for kw in built[::2]] == ["pingpong", "pingpong", "cooperative"]

@@ -16,7 +16,7 @@ from nvshmem_fakes import ROOT_UID, FakeOps, lock_is_free
 
 from moe_ep.shim import BootstrapError, NvshmemOwnershipError, SymmetricHeapError, parse_size
 from moe_ep.shim import nvshmem_boot
-from moe_ep.shim.nvshmem_boot import BootVerdict, heap_cost, heap_size_for
+from moe_ep.shim.nvshmem_boot import heap_cost, heap_size_for
 
 HERE = Path(__file__).resolve().parent
 ENV = nvshmem_boot.SIZE_ENV

@@ -60,7 +60,7 @@ def _e4m3(*shape):
 # ------------------------------------------------------------------------------ FP8 GEMM
 @pytest.mark.parametrize("variant", ["plain", "cluster2", "fc2"])
 def test_fp8_gemm_prepared_passes_the_plain_arguments(variant):
-    E, n, k, M, T = 4, 512, 256, 96, 40
+    E, n, k, M = 4, 512, 256, 96
     act = "identity" if variant == "fc2" else "swiglu"
     kw = {"cluster2": dict(cluster_n=2)}.get(variant, {})
     recs = [Recorder(), Recorder()]

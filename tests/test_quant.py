@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from moe_ep.api import EPGroup, MoEConfig, MoELayer
-from moe_ep.api.quant import (FP8Block128Weight, MXFP8Tensor, NVFP4Weight, dequantize_fp8_block128,
+from moe_ep.api.quant import (MXFP8Tensor, NVFP4Weight, dequantize_fp8_block128,
                               dequantize_fp8_rows128, dequantize_mxfp8, dequantize_nvfp4, quantize_fp8_block128,
                               quantize_fp8_rows128, quantize_mxfp8, quantize_nvfp4)
 
