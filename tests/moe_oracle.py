@@ -269,10 +269,14 @@ def capture_graph(fn, warmup: bool = False) -> "torch.cuda.CUDAGraph":
     return graph
 
 
-def replay_poisoned(graph, *outs) -> None:
-    """NaN-fill ``outs`` (so a row the replay does not write shows), replay ``graph``, wait for it."""
+def replay_poisoned(graph, *outs, layer=None) -> None:
+    """NaN-fill ``outs`` (so a row the replay does not write shows) and, given the ``MoELayer`` the
+    graph runs, its workspace's activation buffers (:func:`poison_workspace`: so a row the replay
+    does not write there shows too, instead of the last run's value); replay ``graph``, wait for it."""
     for o in outs:
         o.fill_(float("nan"))
+    if layer is not None:
+        poison_workspace(layer._impl)
     graph.replay()
     torch.cuda.synchronize()
 
@@ -333,8 +337,7 @@ def layer_outputs_with_switch(monkeypatch, switch, cfg, backend, inputs, check_i
             f"{x.shape[0]} tokens run the decode GEMMs, which {switch} does not reach: test with more tokens"
         if x.shape[0]:
             graph = capture_graph(lambda: layer.forward(x, ids, w, w13, w2, out=out))
-            poison_workspace(layer._impl)
-            replay_poisoned(graph, out)
+            replay_poisoned(graph, out, layer=layer)
             assert torch.equal(out, outs[-1])
         layer.check_errors()
         layer.destroy()

@@ -216,7 +216,7 @@ def test_fp8_layer_sync_free_allocation_free_deterministic_graph():
 
     graph_out = torch.full_like(out, float("nan"))
     graph = capture_graph(lambda: layer.forward(x, ids, w, w13, w2, out=graph_out), warmup=True)
-    replay_poisoned(graph, graph_out)
+    replay_poisoned(graph, graph_out, layer=layer)
     assert torch.equal(graph_out, first)
     x2, ids2, w2_ = inputs()
     want = layer.forward(x2, ids2, w2_, w13, w2).clone()
@@ -294,7 +294,7 @@ def test_fused_gather_quant_is_bit_identical(monkeypatch, T):
     out = torch.full((T, H), float("nan"), dtype=torch.bfloat16, device="cuda")
     assert torch.equal(fused.forward(x, ids, w, w13, w2, out=out), want)
     graph = capture_graph(lambda: fused.forward(x, ids, w, w13, w2, out=out))
-    replay_poisoned(graph, out)
+    replay_poisoned(graph, out, layer=fused)
     assert torch.equal(out, want)
     fused.check_errors()
     fused.destroy()

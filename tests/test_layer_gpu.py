@@ -176,7 +176,7 @@ def test_bit_identical_repeats_and_cuda_graph():
     out = torch.empty_like(x)
     g = capture_graph(lambda: layer.forward(x, ids, w, w13, w2, out=out), warmup=True)
     for _ in range(3):
-        replay_poisoned(g, out)
+        replay_poisoned(g, out, layer=layer)
         assert torch.equal(out, eager)
     x2, ids2, w_2 = problem(1024, 2, weights=False)
     x.copy_(x2), ids.copy_(ids2), w.copy_(w_2)
@@ -460,7 +460,7 @@ def test_local_combine_is_bit_identical(monkeypatch, T):
     if T > 1:
         assert bool((want[3] == 0).all())
         graph = capture_graph(lambda: local.forward(x, ids, w, w13, w2, out=out))
-        replay_poisoned(graph, out)
+        replay_poisoned(graph, out, layer=local)
         assert torch.equal(out, want)
     local.destroy()
 
@@ -554,7 +554,7 @@ def test_local_route_is_bit_identical(monkeypatch, T, ids_dtype, bad):
         if T:
             out = torch.empty_like(first[0])
             graph = capture_graph(lambda: layer.forward(x, ids, w, w13, w2, out=out))
-            replay_poisoned(graph, out)
+            replay_poisoned(graph, out, layer=layer)
             assert torch.equal(out, first[0])
             xs, offsets, handle = layer.dispatch(x, ids, w)  # the split pair, router weights in combine
             y = torch.zeros(xs.shape[0], QWEN["hidden"], dtype=torch.bfloat16, device="cuda")
