@@ -693,3 +693,33 @@ def test_padfill_variants_check_the_real_rows_in_every_layout(monkeypatch):
             err = check()
             assert flops == (2.0 * M * H * 2 * I if gemm == "FC1" else 2.0 * M * I * H)
             assert (err > 0.1) if wrong else (err < 1e-2), (gemm, name, err)  # FC2 without its row scale: ~0.25
+
+
+def test_h200_session_suite_names_the_groups_to_run_again(tmp_path):
+    """`h200_session.sh suite` ends by naming the groups that failed or were cut as the next call's
+    ``SUITE_GROUPS``, and that value, passed back, runs exactly those groups (pytest recorded, not run:
+    a group whose arguments hold ``tests/b.py`` fails)."""
+    import re
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "h200_session.sh"
+    bin_dir, calls = tmp_path / "bin", tmp_path / "calls.txt"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(
+        f'#!/bin/bash\nif [ "$1 $2" = "-m pytest" ]; then echo "$*" >> "{calls}"; '
+        f'case "$*" in *tests/b.py*) exit 1;; esac; exit 0; fi\n'
+        f'if [ "$1" = -m ]; then exit 0; fi\nexec "{sys.executable}" "$@"\n')
+    (bin_dir / "python3").chmod(0o755)
+    env = {**CPU_ENV, "PATH": f"{bin_dir}:{os.environ['PATH']}", "ALLOW_CLASSIC_LAUNCH": "1", "OUT": str(tmp_path / "out"),
+           "SUITE_GROUPS": "tests/a.py|tests/b.py;-k;not (x or y)|tests/c.py;tests/d.py"}
+    p = subprocess.run(["bash", str(script), "suite"], cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    assert calls.read_text().count("-m pytest") == 3, calls.read_text()
+    m = re.search(r'next call: SUITE_GROUPS="([^"]*)" bash bench/h200_session.sh suite', p.stdout)
+    assert m and m.group(1) == "tests/b.py;-k;not (x or y)", (p.stdout[-2000:], p.stderr[-2000:])
+    calls.unlink()
+    p = subprocess.run(["bash", str(script), "suite"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                       env={**env, "OUT": str(tmp_path / "out2"), "SUITE_GROUPS": m.group(1)})
+    (run,) = calls.read_text().splitlines()
+    assert run.endswith("tests/b.py -k not (x or y)"), run
+    assert "next call: SUITE_GROUPS=\"tests/b.py;-k;not (x or y)\"" in p.stdout
