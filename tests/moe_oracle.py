@@ -245,10 +245,10 @@ def worst_row_err(a, b) -> float:
     |b_t|``, a row far below the median norm measured against a tenth of the median instead. Why:
     :func:`rel_err` of thousands of rows hides a few wrong ones (one token missing one of its 8
     experts moves it by ~0.005 at T = 4096), this does not."""
-    a, b = a.double().reshape(a.shape[0], -1), b.double().reshape(b.shape[0], -1)
-    assert a.shape == b.shape, (a.shape, b.shape)
-    if a.shape[0] == 0:
+    assert a.shape == b.shape and a.dim() == 2, (a.shape, b.shape)
+    if a.numel() == 0:
         return 0.0
+    a, b = a.double(), b.double()
     norms = b.norm(dim=1)
     floor = 0.1 * float(norms.median())
     return float(((a - b).norm(dim=1) / norms.clamp_min(max(floor, 1e-30))).max())
