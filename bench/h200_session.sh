@@ -119,7 +119,9 @@
 # suite:         the whole GPU suite: run_groups, thirteen pytest processes in parallel (compiling dominates;
 #                the eighth session ran 91 tests in 220 s this way), cut at CALL_BUDGET (540 s) -> $OUT/tests_*.log;
 #                it prints the groups that failed or were cut as the next call's SUITE_GROUPS (since the 69th
-#                session the suite takes two 600 s calls on an H100).
+#                session the suite takes two 600 s calls on an H100), and returns the kernels it compiled as
+#                $OUT/suite_kernels.tgz (<= 15 MiB): copy it to .device/suitecache/kernels.tgz and carry
+#                .device/suitecache, and the next suite call loads them instead of compiling (SUITE_CACHE: another path).
 #                SUITE_PICK="9" runs some of the thirteen groups; SUITE_GROUPS="f1.py|f2.py;-k;x" runs your own.
 # suite1/2/3:    pytest -m gpu in three parts that each fit one 600 s device call (the whole suite does not):
 #                1 = layer, FP8 backend, activations/bias; 2 = the other GPU files; 3 = the virtual-rank file.
@@ -141,6 +143,7 @@ OUT=${OUT:-/tmp/out}
 MODELS=${MODELS:-qwen3,mixtral} TOKENS=${TOKENS:-8192} ITERS=${ITERS:-30} N=${N:-1}
 STEP_TIMEOUT=${STEP_TIMEOUT:-420} PEER_TIMEOUT=${PEER_TIMEOUT:-240}
 mkdir -p "$OUT"
+rm -f /tmp/suite_kernels.tgz  # mode suite's kernel cache; only a suite call of this run may bring one back
 # a compile cache built on a CPU machine and carried along (python -m moe_ep.aot build ... --out .device/aot)
 # saves the first compile of each kernel on a fresh host; keys that miss simply compile
 if [ -z "${MOE_EP_CACHE_DIR:-}" ] && [ -d .device/aot ]; then export MOE_EP_CACHE_DIR=$PWD/.device/aot; fi
@@ -572,7 +575,21 @@ if [ "$mode" = decode ]; then  # issue 11's sweep: ours and FlashInfer (carry .d
       python3 -m pytest -m gpu -q -W ignore -p no:cacheprovider -rfE --tb=long tests/test_ep_virtual_gpu.py
 fi
 if [ "$mode" = suite ]; then  # the whole GPU suite in one call: thirteen groups in parallel, cut at CALL_BUDGET (540 s)
+  # compiling dominates the suite: seed the disk cache with the kernels an earlier suite call compiled
+  # (SUITE_CACHE, default .device/suitecache/kernels.tgz: that call's $OUT/suite_kernels.tgz, carried), and
+  # bring this call's cache back the same way (entries of another drop or cutlass-dsl sit in other folders)
+  kernel_cache=${MOE_EP_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/moe_ep}
+  case "${kernel_cache,,}" in 0|off|none|false) kernel_cache=/nonexistent;; esac  # the cache is off
+  seed=${SUITE_CACHE:-.device/suitecache/kernels.tgz}
+  if [ "$kernel_cache" != /nonexistent ] && [ -f "$seed" ] && mkdir -p "$kernel_cache" && tar xzf "$seed" -C "$kernel_cache"; then
+    echo "suite: seeded $kernel_cache from $seed ($(find "$kernel_cache" -name '*.o' | wc -l) kernels)"
+  fi
   run_groups $(( ${CALL_BUDGET:-540} - SECONDS )) "${suite_groups[@]}"
+  if [ -d "$kernel_cache" ] && tar czf /tmp/suite_kernels.tgz -C "$kernel_cache" . 2>/dev/null; then
+    if [ "$(stat -c %s /tmp/suite_kernels.tgz)" -gt $(( 15 * 1024 * 1024 )) ]; then  # the device returns <= 16 MiB a file
+      echo "suite: the kernel cache ($(du -h /tmp/suite_kernels.tgz | cut -f1)) is too large to bring back"; rm -f /tmp/suite_kernels.tgz
+    fi
+  fi
 fi
 suite_common=(python3 -m pytest -m gpu -q -W ignore -p no:cacheprovider -rfE --durations=15 --tb=long)
 if [ "$mode" = suite1 ]; then
@@ -630,6 +647,10 @@ fi
 # the device returns only a handful of loose files (alphabetical): leave the archive alone in $OUT
 if tar czf "/tmp/session_$mode.tgz" -C "$OUT" . 2>/dev/null; then
   find "$OUT" -mindepth 1 -delete && mv "/tmp/session_$mode.tgz" "$OUT/"
+fi
+# suite: its kernel cache beside the archive, not in it (an archive over 16 MiB would not come back at all)
+if [ -f /tmp/suite_kernels.tgz ]; then
+  mv /tmp/suite_kernels.tgz "$OUT/suite_kernels.tgz" && echo "suite: kernel cache -> $OUT/suite_kernels.tgz (next call: copy it to .device/suitecache/kernels.tgz and carry .device/suitecache)"
 fi
 for s in "${status[@]}"; do [[ $s == *": exit 0" ]] || exit 1; done
 exit 0

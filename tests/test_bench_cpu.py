@@ -723,3 +723,46 @@ def test_h200_session_suite_names_the_groups_to_run_again(tmp_path):
     (run,) = calls.read_text().splitlines()
     assert run.endswith("tests/b.py -k not (x or y)"), run
     assert "next call: SUITE_GROUPS=\"tests/b.py;-k;not (x or y)\"" in p.stdout
+
+
+def test_h200_session_suite_brings_its_kernel_cache_back_and_seeds_from_it(tmp_path):
+    """`h200_session.sh suite` returns the disk compile cache its groups filled as $OUT/suite_kernels.tgz,
+    beside the session archive (not in it), and a later call given that file (SUITE_CACHE) starts with
+    those kernels in the cache. pytest is faked: it writes one kernel per group, and with
+    NEED=<kernel> fails unless that kernel was already in the cache before it ran."""
+    import subprocess
+    import tarfile
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "h200_session.sh"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "python3").write_text(
+        '#!/bin/bash\nif [ "$1 $2" = "-m pytest" ]; then\n'
+        '  if [ -n "${NEED:-}" ] && [ ! -f "$MOE_EP_CACHE_DIR/v1/ns/$NEED.o" ]; then exit 1; fi\n'
+        '  mkdir -p "$MOE_EP_CACHE_DIR/v1/ns"; k=$(echo "${@: -1}" | tr -c "a-z0-9\\n" _)\n'
+        '  echo "kernel $k" > "$MOE_EP_CACHE_DIR/v1/ns/$k.o"; exit 0\nfi\n'
+        f'if [ "$1" = -m ]; then exit 0; fi\nexec "{sys.executable}" "$@"\n')
+    (bin_dir / "python3").chmod(0o755)
+    env = {**CPU_ENV, "PATH": f"{bin_dir}:{os.environ['PATH']}", "ALLOW_CLASSIC_LAUNCH": "1",
+           "OUT": str(tmp_path / "out"), "MOE_EP_CACHE_DIR": str(tmp_path / "cache1"),
+           "SUITE_GROUPS": "tests/a.py|tests/b.py"}
+    p = subprocess.run(["bash", str(script), "suite"], cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
+    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-2000:])
+    back = tmp_path / "out" / "suite_kernels.tgz"
+    assert sorted(f.name for f in (tmp_path / "out").iterdir()) == ["session_suite.tgz", "suite_kernels.tgz"]
+    with tarfile.open(back) as t:
+        assert sorted(Path(n).name for n in t.getnames() if n.endswith(".o")) == ["tests_a_py.o", "tests_b_py.o"]
+    with tarfile.open(tmp_path / "out" / "session_suite.tgz") as t:
+        assert not any("suite_kernels" in n for n in t.getnames())
+    # a fresh cache: without the seed the group that needs b's kernel fails, with it (SUITE_CACHE) it passes
+    seed = tmp_path / "seed.tgz"
+    back.rename(seed)
+    run2 = {**env, "MOE_EP_CACHE_DIR": str(tmp_path / "cache2"), "NEED": "tests_b_py", "SUITE_GROUPS": "tests/c.py"}
+    p = subprocess.run(["bash", str(script), "suite"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                       env={**run2, "OUT": str(tmp_path / "out2"), "SUITE_CACHE": str(tmp_path / "missing.tgz")})
+    assert p.returncode == 1 and "exit 1" in p.stdout, (p.stdout[-2000:], p.stderr[-2000:])
+    p = subprocess.run(["bash", str(script), "suite"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                       env={**run2, "MOE_EP_CACHE_DIR": str(tmp_path / "cache3"), "OUT": str(tmp_path / "out3"),
+                            "SUITE_CACHE": str(seed)})
+    assert p.returncode == 0 and "seeded" in p.stdout and "(2 kernels)" in p.stdout, (p.stdout[-2000:], p.stderr[-2000:])
