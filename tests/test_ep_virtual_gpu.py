@@ -147,7 +147,7 @@ def test_virtual_ep_layers_share_workspaces():
             torch.cuda.synchronize()
             want = reference(cfg, *p)
             for r in range(W):
-                assert rel(outs[r], want[args[5][r]]) < 1e-2
+                assert rel(outs[r], want[args[5][r]]) < 1e-2 and worst_row_err(outs[r], want[args[5][r]]) < 3e-2
     again = split([200, 256], W, E, *pa)[:5]
     assert all(torch.equal(u, v) for u, v in zip(outa, a.forward(*again, nan_like(again[0]))))
     a.check(), b.check()
@@ -168,7 +168,7 @@ def test_virtual_ep_mixtral():
     torch.cuda.synchronize()
     vep.check()
     for r in range(W):
-        assert rel(outs[r], want[sl[r]]) < 1e-2
+        assert rel(outs[r], want[sl[r]]) < 1e-2 and worst_row_err(outs[r], want[sl[r]]) < 3e-2
     vep.destroy()
 
 
@@ -193,6 +193,7 @@ def test_virtual_ep_many_forwards_determinism_stall():
         for r in range(W):
             if Ts[r]:
                 assert rel(outs[r], want[sl[r]]) < 1e-2, f"forward {i} rank {r}"
+                assert worst_row_err(outs[r], want[sl[r]]) < 3e-2, f"forward {i} rank {r}: worst token"
     vep.check()
     Ts = [200, 150]
     x, ids, w, _, _ = global_problem(E, H, I, K, Ts, seed=7, skew=True)
