@@ -714,7 +714,7 @@ def test_h200_session_suite_names_the_groups_to_run_again(tmp_path):
     env = {**CPU_ENV, "PATH": f"{bin_dir}:{os.environ['PATH']}", "ALLOW_CLASSIC_LAUNCH": "1", "OUT": str(tmp_path / "out"),
            "SUITE_GROUPS": "tests/a.py|tests/b.py;-k;not (x or y)|tests/c.py;tests/d.py"}
     p = subprocess.run(["bash", str(script), "suite"], cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env)
-    assert calls.read_text().count("-m pytest") == 3, calls.read_text()
+    assert p.returncode == 1 and calls.read_text().count("-m pytest") == 3, (p.stdout[-2000:], calls.read_text())
     m = re.search(r'next call: SUITE_GROUPS="([^"]*)" bash bench/h200_session.sh suite', p.stdout)
     assert m and m.group(1) == "tests/b.py;-k;not (x or y)", (p.stdout[-2000:], p.stderr[-2000:])
     calls.unlink()
