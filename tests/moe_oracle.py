@@ -270,13 +270,15 @@ def capture_graph(fn, warmup: bool = False) -> "torch.cuda.CUDAGraph":
 
 
 def replay_poisoned(graph, *outs, layer=None) -> None:
-    """NaN-fill ``outs`` (so a row the replay does not write shows) and, given the ``MoELayer`` the
-    graph runs, its workspace's activation buffers (:func:`poison_workspace`: so a row the replay
-    does not write there shows too, instead of the last run's value); replay ``graph``, wait for it."""
+    """NaN-fill ``outs`` (so a row the replay does not write shows) and, given the ``MoELayer`` or
+    the ``VirtualEP`` (every rank) the graph runs, its workspace's activation buffers
+    (:func:`poison_workspace`: so a row the replay does not write there shows too, instead of the
+    last run's value); replay ``graph``, wait for it."""
     for o in outs:
         o.fill_(float("nan"))
     if layer is not None:
-        poison_workspace(layer._impl)
+        for impl in getattr(layer, "ranks", None) or [layer._impl]:
+            poison_workspace(impl)
     graph.replay()
     torch.cuda.synchronize()
 

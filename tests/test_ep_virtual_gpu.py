@@ -3,7 +3,7 @@ between the virtual ranks' buffers) against the reference backend on the same gl
 
 import pytest
 import torch
-from moe_oracle import capture_graph, replay_poisoned, worst_row_err
+from moe_oracle import capture_graph, poison_workspace, replay_poisoned, worst_row_err
 
 pytestmark = pytest.mark.gpu
 
@@ -233,7 +233,7 @@ def test_virtual_ep_cuda_graph():
     torch.cuda.synchronize()
     g = capture_graph(lambda: vep.forward(xs, idss, wss, w13s, w2s, outs))
     for _ in range(5):
-        replay_poisoned(g, *outs)
+        replay_poisoned(g, *outs, layer=vep)
         assert all(torch.equal(o, e) for o, e in zip(outs, eager))
     x2, ids2, w_2, _, _ = global_problem(E, H, I, K, Ts, seed=6)
     n = split(Ts, W, E, x2, ids2, w_2, w13, w2)
@@ -305,6 +305,8 @@ def test_virtual_ep_fp8_wire_is_bit_identical(W, Ts, monkeypatch):
         runs = []
         for _ in range(2):
             outs = nan_like(xs)
+            for b in vep.ranks:  # the second run must not lean on the first one's buffers
+                poison_workspace(b)
             vep.forward(xs, idss, wss, w13s, w2s, outs)
             torch.cuda.synchronize()
             vep.check()
@@ -316,3 +318,4 @@ def test_virtual_ep_fp8_wire_is_bit_identical(W, Ts, monkeypatch):
         assert torch.equal(got["0"][r], got["1"][r]), f"rank {r}: FP8 wire changed the bits"
         if Ts[r]:
             assert torch.isfinite(got["1"][r]).all() and rel(got["1"][r], want[sl[r]]) < 1e-2
+            assert worst_row_err(got["1"][r], want[sl[r]]) < 6e-2  # FP8: the layer test's per-token bound
