@@ -203,7 +203,8 @@ run_groups() {  # run_groups SECONDS GROUP...: pytest -m gpu per group, all in p
   echo "===== GPU tests, ${#groups[@]} groups in parallel ($(date +%T), ${limit}s)"
   for g in "${!groups[@]}"; do
     IFS=';' read -r -a words <<< "${groups[$g]}"
-    timeout -k 10 "$limit" python3 -m pytest -m gpu -q -W ignore -p no:cacheprovider -rfE --tb=short "${words[@]}" \
+    # -v: one line per test as it ends, so a group cut at the limit shows which of its tests ran
+    timeout -k 10 "$limit" python3 -m pytest -m gpu -v -W ignore -p no:cacheprovider -rfE --tb=short "${words[@]}" \
         > "$OUT/tests_$g.log" 2>&1 &
     pids+=($!)
   done

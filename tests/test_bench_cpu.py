@@ -722,6 +722,7 @@ def test_h200_session_suite_names_the_groups_to_run_again(tmp_path):
                        env={**env, "OUT": str(tmp_path / "out2"), "SUITE_GROUPS": m.group(1)})
     (run,) = calls.read_text().splitlines()
     assert run.endswith("tests/b.py -k not (x or y)"), run
+    assert " -v " in run  # a line per test: a group cut at the limit shows which tests ran
     assert "next call: SUITE_GROUPS=\"tests/b.py;-k;not (x or y)\"" in p.stdout
 
 
