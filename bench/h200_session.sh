@@ -579,14 +579,13 @@ if [ "$mode" = suite ]; then  # the whole GPU suite in one call: thirteen groups
   # compiling dominates the suite: seed the disk cache with the kernels an earlier suite call compiled
   # (SUITE_CACHE, default .device/suitecache/kernels.tgz: that call's $OUT/suite_kernels.tgz, carried), and
   # bring this call's cache back the same way (entries of another drop or cutlass-dsl sit in other folders)
-  kernel_cache=${MOE_EP_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/moe_ep}
-  case "${kernel_cache,,}" in 0|off|none|false) kernel_cache=/nonexistent;; esac  # the cache is off
+  kernel_cache=$(python3 -c "from moe_ep.shim import compile_cache_root as r; print(r() or '')")  # empty: off
   seed=${SUITE_CACHE:-.device/suitecache/kernels.tgz}
-  if [ "$kernel_cache" != /nonexistent ] && [ -f "$seed" ] && mkdir -p "$kernel_cache" && tar xzf "$seed" -C "$kernel_cache"; then
+  if [ -n "$kernel_cache" ] && [ -f "$seed" ] && mkdir -p "$kernel_cache" && tar xzf "$seed" -C "$kernel_cache"; then
     echo "suite: seeded $kernel_cache from $seed ($(find "$kernel_cache" -name '*.o' | wc -l) kernels)"
   fi
   run_groups $(( ${CALL_BUDGET:-540} - SECONDS )) "${suite_groups[@]}"
-  if [ -d "$kernel_cache" ] && tar czf /tmp/suite_kernels.tgz -C "$kernel_cache" . 2>/dev/null; then
+  if [ -n "$kernel_cache" ] && [ -d "$kernel_cache" ] && tar czf /tmp/suite_kernels.tgz -C "$kernel_cache" . 2>/dev/null; then
     if [ "$(stat -c %s /tmp/suite_kernels.tgz)" -gt $(( 15 * 1024 * 1024 )) ]; then  # the device returns <= 16 MiB a file
       echo "suite: the kernel cache ($(du -h /tmp/suite_kernels.tgz | cut -f1)) is too large to bring back"; rm -f /tmp/suite_kernels.tgz
     fi

@@ -277,8 +277,7 @@ def replay_poisoned(graph, *outs, layer=None) -> None:
     for o in outs:
         o.fill_(float("nan"))
     if layer is not None:
-        for impl in getattr(layer, "ranks", None) or [layer._impl]:
-            poison_workspace(impl)
+        poison_layer(layer)
     graph.replay()
     torch.cuda.synchronize()
 
@@ -312,6 +311,12 @@ def poison_workspace(impl) -> list:
     return filled
 
 
+def poison_layer(layer) -> None:
+    """:func:`poison_workspace` of a ``MoELayer``'s backend, or of every rank of a ``VirtualEP``."""
+    for impl in getattr(layer, "ranks", None) or [layer._impl]:
+        poison_workspace(impl)
+
+
 def layer_outputs_with_switch(monkeypatch, switch, cfg, backend, inputs, check_impl, values=("0", "1")) -> list:
     """One-rank layer outputs with environment ``switch`` = ``values[0]`` ("0"), then ``values[1]``
     ("1"): for each, a fresh layer
@@ -331,7 +336,7 @@ def layer_outputs_with_switch(monkeypatch, switch, cfg, backend, inputs, check_i
         layer.warmup(progress=False)
         check_impl(layer._impl, flag != values[0])
         out = torch.full((x.shape[0], cfg.hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
-        poison_workspace(layer._impl)
+        poison_layer(layer)
         outs.append(layer.forward(x, ids, w, w13, w2, out=out).clone())
         # the swap-AB decode GEMMs (few tokens) take none of the 128-row kernels' switches: both runs
         # would be the same kernels and the comparison could not fail
