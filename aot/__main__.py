@@ -7,6 +7,8 @@
     python -m moe_ep.aot build --arch sm_120a --model qwen3 --out DIR      # MXFP8 layers (RTX PRO 6000)
     python -m moe_ep.aot list   [--dir DIR]
     python -m moe_ep.aot verify [--dir DIR]
+    python -m moe_ep.aot manifest [--dir DIR] [--merge F] --out FILE  # the keys of a cache's kernels, merged into FILE
+    python -m moe_ep.aot replay FILE [--out DIR] [--jobs N]  # compile the kernels a manifest lists
 
 ``build`` compiles every kernel a layer of that model needs (FC1, FC2, the EP and expert-layout
 kernels) for the given EP size and token capacity, on any machine (CPU only is fine), and stores
@@ -16,6 +18,12 @@ whose process points ``MOE_EP_CACHE_DIR`` at DIR (or calls
 kernel, ``loaded`` or ``compiled`` and how long it took. Kernels are keyed by everything they
 were compiled from, so a layer never loads a kernel built for other values; building twice is
 all hits; several processes building into one DIR at once compile each kernel once.
+
+``manifest`` writes the keys of every kernel in a cache (a GPU run's, say) to a JSON file, merged
+with what the file already lists; ``replay`` compiles every kernel a manifest lists into DIR on
+any machine, with this checkout's drops (see :mod:`moe_ep.shim.kernel_replay`). The GPU suite's
+manifest (``bench/suite_kernels.json``) rebuilds, on the CPU machine, the kernels the suite compiled
+on its last GPU run, so the next GPU machine loads them.
 """
 
 from __future__ import annotations
@@ -113,6 +121,62 @@ def verify(args) -> int:
     return 1 if bad else 0
 
 
+def manifest(args) -> int:
+    from pathlib import Path
+
+    from moe_ep.backends import cache_manifest, merge_cache_manifests, read_cache_manifest, write_cache_manifest
+
+    found, where = [], []
+    if args.dir or not args.merge:  # a cache's entries (the one in use unless --dir)
+        root = _root(args)
+        found, where = (cache_manifest(root) if root is not None else []), [str(root)]
+    try:
+        for f in args.merge or ():  # manifests written elsewhere (a GPU run's suite_kernels.json)
+            found, where = merge_cache_manifests(found, read_cache_manifest(f)), where + [f]
+        old = read_cache_manifest(args.out) if Path(args.out).exists() else []
+    except (OSError, ValueError) as e:
+        print(f"moe_ep.aot manifest: {e}", file=sys.stderr)
+        return 2
+    merged = merge_cache_manifests(old, found)
+    write_cache_manifest(args.out, merged)
+    print(f"{len(found)} kernels in {', '.join(where)}; {args.out}: {len(old)} -> {len(merged)} entries")
+    return 0
+
+
+def replay(args) -> int:
+    import os
+    import subprocess
+
+    from moe_ep.backends import compile_cache_root, read_cache_manifest, replay_cache_manifest
+
+    if args.out:
+        os.environ["MOE_EP_CACHE_DIR"] = args.out  # the child processes too
+    try:
+        entries = read_cache_manifest(args.manifest)
+    except (OSError, ValueError) as e:
+        print(f"moe_ep.aot replay: {e}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    if args.jobs > 1 and args.part is None:  # one child per job, each every jobs-th entry, one shared cache
+        cmd = [sys.executable, "-m", "moe_ep.aot", "replay", args.manifest]
+        kids = [subprocess.Popen(cmd + ["--part", f"{i}/{args.jobs}"]) for i in range(args.jobs)]
+        rcs = [k.wait() for k in kids]
+        print(f"replay: {len(entries)} entries in {args.jobs} processes, {time.perf_counter() - t0:.1f} s")
+        return max(rcs)
+    part = (0, 1)
+    if args.part is not None:
+        i, n = args.part.split("/")
+        part = (int(i), int(n))
+    try:
+        counts = replay_cache_manifest(entries, part, log=lambda line: print("  " + line, flush=True))
+    except ValueError as e:
+        print(f"moe_ep.aot replay: {e}", file=sys.stderr)
+        return 2
+    print(f"replay {part[0]}/{part[1]}: " + ", ".join(f"{v} {k}" for k, v in counts.items())
+          + f" in {time.perf_counter() - t0:.1f} s ({compile_cache_root()})", flush=True)
+    return 1 if counts["failed"] else 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m moe_ep.aot", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -132,8 +196,17 @@ def main(argv=None) -> int:
     for name in ("list", "verify"):
         s = sub.add_parser(name, help=f"{name} the entries of a cache")
         s.add_argument("--dir", default=None, help="cache directory (default: the one in use)")
+    m = sub.add_parser("manifest", help="write the keys of a cache's kernels to a JSON manifest")
+    m.add_argument("--dir", default=None, help="cache directory (default: the one in use, unless --merge is given)")
+    m.add_argument("--merge", action="append", help="a manifest file to merge in as well (repeatable)")
+    m.add_argument("--out", required=True, help="manifest file (merged with its entries when it exists)")
+    r = sub.add_parser("replay", help="compile every kernel a manifest lists into a cache (no GPU needed)")
+    r.add_argument("manifest")
+    r.add_argument("--out", default=None, help="cache directory (default: MOE_EP_CACHE_DIR or ~/.cache/moe_ep)")
+    r.add_argument("--jobs", type=int, default=1, help="processes compiling at once (default 1)")
+    r.add_argument("--part", default=None, help=argparse.SUPPRESS)  # i/n: a child's share
     args = p.parse_args(argv)
-    return {"build": build, "list": list_, "verify": verify}[args.cmd](args)
+    return {"build": build, "list": list_, "verify": verify, "manifest": manifest, "replay": replay}[args.cmd](args)
 
 
 if __name__ == "__main__":

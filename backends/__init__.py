@@ -10,7 +10,8 @@ backend can run a configuration and raises :class:`UnsupportedBackendError` with
 from moe_ep.shim import (BackendWarning, BootstrapError, CapacityError, CaptureError, CompileCacheWarning,
                          DeviceStallError, LaunchPathWarning, MoEError, RoutingValueError, ShimError,
                          StaleHandleError, SymmetricHeapError, COMPILE_EVENTS, compile_cache_root, launch_path,
-                         list_cache_entries, set_compile_cache_dir, verify_cache_entry)
+                         list_cache_entries, set_compile_cache_dir, verify_cache_entry, cache_manifest,
+                         merge_cache_manifests, read_cache_manifest, replay_cache_manifest, write_cache_manifest)
 
 from . import reference as _reference
 from .sm90 import bf16_cutedsl as _sm90_bf16
@@ -90,7 +91,9 @@ ERRORS = ("MoEError", "UnsupportedBackendError", "CapacityError", "RoutingValueE
 __all__ = [*ERRORS, "launch_path", "retain_runtime", "workspace_bytes", "BackendImpl", "BackendSpec",
            "UnsupportedBackendError", "Verdict",
            "available", "explain", "get", "register", "select", "unregister", "prebuild", "compile_cache_root",
-           "list_cache_entries", "set_compile_cache_dir", "verify_cache_entry", "PREBUILD_ARCHES", "COMPILE_EVENTS"]
+           "list_cache_entries", "set_compile_cache_dir", "verify_cache_entry", "PREBUILD_ARCHES", "COMPILE_EVENTS",
+           "cache_manifest", "merge_cache_manifests", "read_cache_manifest", "replay_cache_manifest",
+           "write_cache_manifest"]
 
 #: the GPU whose per-GPU picks ``prebuild(..., gpu=None)`` builds (``python -m moe_ep.aot build``
 #: without ``--gpu``)

@@ -10,6 +10,8 @@
 #   bash bench/device_aot.sh slim     # .device/aotq instead: Qwen3 and Mixtral only, BF16 and FP8, at 128,
 #                                     # 256 and 8192 tokens (~5 MB): fits one carry with .device/b and
 #                                     # .device/fi (the full one does not: 43 + 14 + 9 MB > 64 MiB)
+#   bash bench/device_aot.sh suite    # .device/suitecache/kernels.tgz: the kernels bench/suite_kernels.json lists (the GPU
+#                                     # suite's at its last GPU run), for `h200_session.sh suite` (carry .device/suitecache)
 #   bash bench/device_aot.sh pair     # .device/aotp: Qwen3 and Mixtral at 8192 tokens, BF16 and FP8 only (~2.1 MB):
 #                                     # the layers `h200_session.sh all` times, with room beside .device/b and
 #                                     # .device/fi for the tree (the slim one was refused with them in the 64th session)
@@ -23,6 +25,18 @@ pair_layers() {  # pair_layers OUT: Qwen3's and Mixtral's default BF16 and FP8 l
   aot "$1" 8192 --model qwen3,mixtral
   aot "$1" 8192 --model qwen3,mixtral --quant fp8_block128
 }
+if [ "${1:-}" = suite ]; then
+  # .device/suitecache/kernels.tgz: every kernel bench/suite_kernels.json lists (the GPU suite's cache at its last
+  # GPU run, keys only), compiled here with this checkout's drops; `h200_session.sh suite` seeds its cache from it
+  [ -f bench/suite_kernels.json ] || { echo "device_aot.sh suite: no bench/suite_kernels.json yet (a GPU suite run writes it)" >&2; exit 2; }
+  out=.device/suitecache
+  rm -rf "$out" && mkdir -p "$out/kernels"
+  rc=0
+  python -m moe_ep.aot replay bench/suite_kernels.json --out "$out/kernels" --jobs "${JOBS:-2}" | grep -v '^  ' || rc=$?
+  tar czf "$out/kernels.tgz" -C "$out/kernels" . && rm -rf "$out/kernels"
+  du -sh "$out/kernels.tgz"
+  exit $rc
+fi
 if [ "${1:-}" = pair ]; then
   out=.device/aotp
   rm -rf "$out"

@@ -122,6 +122,9 @@
 #                session the suite takes two 600 s calls on an H100), and returns the kernels it compiled as
 #                $OUT/suite_kernels.tgz (<= 15 MiB): copy it to .device/suitecache/kernels.tgz and carry
 #                .device/suitecache, and the next suite call loads them instead of compiling (SUITE_CACHE: another path).
+#                The archive holds suite_kernels.json, the keys of those kernels: merge it into bench/suite_kernels.json
+#                (`python -m moe_ep.aot manifest --merge F --out bench/suite_kernels.json`); a later session builds
+#                .device/suitecache/kernels.tgz from that on the CPU (`bash bench/device_aot.sh suite`) before its suite call.
 #                SUITE_PICK="9" runs some of the thirteen groups; SUITE_GROUPS="f1.py|f2.py;-k;x" runs your own.
 # suite1/2/3:    pytest -m gpu in three parts that each fit one 600 s device call (the whole suite does not):
 #                1 = layer, FP8 backend, activations/bias; 2 = the other GPU files; 3 = the virtual-rank file.
@@ -585,6 +588,10 @@ if [ "$mode" = suite ]; then  # the whole GPU suite in one call: thirteen groups
     echo "suite: seeded $kernel_cache from $seed ($(find "$kernel_cache" -name '*.o' | wc -l) kernels)"
   fi
   run_groups $(( ${CALL_BUDGET:-540} - SECONDS )) "${suite_groups[@]}"
+  # the keys of every kernel the suite has in its cache, in the archive: merged into bench/suite_kernels.json
+  # (SKILL.md), `bash bench/device_aot.sh suite` compiles them on the CPU machine for the next session's suite
+  [ -n "$kernel_cache" ] && [ -d "$kernel_cache" ] && python3 -m moe_ep.aot manifest --dir "$kernel_cache" \
+      --out "$OUT/suite_kernels.json" || true
   if [ -n "$kernel_cache" ] && [ -d "$kernel_cache" ] && tar czf /tmp/suite_kernels.tgz -C "$kernel_cache" . 2>/dev/null; then
     if [ "$(stat -c %s /tmp/suite_kernels.tgz)" -gt $(( 15 * 1024 * 1024 )) ]; then  # the device returns <= 16 MiB a file
       echo "suite: the kernel cache ($(du -h /tmp/suite_kernels.tgz | cut -f1)) is too large to bring back"; rm -f /tmp/suite_kernels.tgz

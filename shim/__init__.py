@@ -10,7 +10,8 @@ Public surface (``__all__``) used by :mod:`moe_ep.backends`:
   and the pre-launch counter contract
   (:class:`CounterContract`, :func:`zero_counter_regions`);
 * the disk compile cache (:func:`set_compile_cache_dir`, :data:`COMPILE_EVENTS`, ...; see
-  :mod:`moe_ep.shim.disk_cache`);
+  :mod:`moe_ep.shim.disk_cache`) and its manifests, replayed on any machine
+  (:func:`cache_manifest`, :func:`replay_cache_manifest`; :mod:`moe_ep.shim.kernel_replay`);
 * environment switches read by one rule (:func:`env_flag`; :mod:`moe_ep.shim.env`);
 * per-drop wrappers (``sm90_*``).
 """
@@ -23,6 +24,11 @@ from .disk_cache import cache_root as compile_cache_root
 from .disk_cache import list_entries as list_cache_entries
 from .disk_cache import set_cache_dir as set_compile_cache_dir
 from .disk_cache import verify_entry as verify_cache_entry
+from .kernel_replay import manifest as cache_manifest
+from .kernel_replay import merge as merge_cache_manifests
+from .kernel_replay import read_manifest as read_cache_manifest
+from .kernel_replay import replay as replay_cache_manifest
+from .kernel_replay import write_manifest as write_cache_manifest
 from .contract import AttributeUse, CallableUse, DropContract, ImportUse
 from .drops import drop_contracts
 from .drops.sm90_megamoe import CONSTANTS as SM90_MEGAMOE_CONSTANTS
@@ -91,7 +97,8 @@ __all__ = [
     "sm90_new_verr", "sm90_pick_raster_m", "sm90_place_sync_len", "sm90_handoff_sync_len", "sm90_use_fc2_early",
     "sm90_pick_schedule", "SM90_DECODE_MAX_ROWS_PER_EXPERT",
     "COMPILE_EVENTS", "CacheEvent", "CompileCacheWarning", "compile_cache_root", "list_cache_entries",
-    "set_compile_cache_dir", "verify_cache_entry", "sm90_cache_namespace", "sm90_compiled_grouped_gemm",
+    "set_compile_cache_dir", "verify_cache_entry", "cache_manifest", "merge_cache_manifests", "read_cache_manifest",
+    "replay_cache_manifest", "write_cache_manifest", "sm90_cache_namespace", "sm90_compiled_grouped_gemm",
     "sm90_prebuild_ep", "sm90_prebuild_layout", "SM90_EP_ARCHS", "sm90_check_fp8_gemm", "sm90_compiled_fp8_gemm",
     "sm90_compiled_fp8_quantize_rows", "sm90_fp8_gemm", "sm90_fp8_quantize_rows",
     "sm100_check_w4a16_gemm", "sm100_compile_w4a16_ptx", "sm100_compiled_w4a16_gemm", "sm100_w4a16_gemm",

@@ -2,6 +2,7 @@
 jobs' CPU paths (the peers' parsers: tests/test_bench_peers.py)."""
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -742,7 +743,9 @@ def test_h200_session_suite_brings_its_kernel_cache_back_and_seeds_from_it(tmp_p
         '#!/bin/bash\nif [ "$1 $2" = "-m pytest" ]; then\n'
         '  if [ -n "${NEED:-}" ] && [ ! -f "$MOE_EP_CACHE_DIR/v1/ns/$NEED.o" ]; then exit 1; fi\n'
         '  mkdir -p "$MOE_EP_CACHE_DIR/v1/ns"; k=$(echo "${@: -1}" | tr -c "a-z0-9\\n" _)\n'
-        '  echo "kernel $k" > "$MOE_EP_CACHE_DIR/v1/ns/$k.o"; exit 0\nfi\n'
+        '  echo "kernel $k" > "$MOE_EP_CACHE_DIR/v1/ns/$k.o"\n'
+        '  echo "{\\"namespace\\": \\"ns\\", \\"key\\": \\"Key($k)\\"}" > "$MOE_EP_CACHE_DIR/v1/ns/$k.json"; exit 0\nfi\n'
+        f'if [ "$1 $2" = "-m moe_ep.aot" ]; then exec "{sys.executable}" "$@"; fi\n'
         f'if [ "$1" = -m ]; then exit 0; fi\nexec "{sys.executable}" "$@"\n')
     (bin_dir / "python3").chmod(0o755)
     env = {**CPU_ENV, "PATH": f"{bin_dir}:{os.environ['PATH']}", "ALLOW_CLASSIC_LAUNCH": "1",
@@ -755,7 +758,10 @@ def test_h200_session_suite_brings_its_kernel_cache_back_and_seeds_from_it(tmp_p
     with tarfile.open(back) as t:
         assert sorted(Path(n).name for n in t.getnames() if n.endswith(".o")) == ["tests_a_py.o", "tests_b_py.o"]
     with tarfile.open(tmp_path / "out" / "session_suite.tgz") as t:
-        assert not any("suite_kernels" in n for n in t.getnames())
+        assert not any("suite_kernels.tgz" in n for n in t.getnames())
+        # the keys of those kernels, for bench/suite_kernels.json (`python -m moe_ep.aot manifest --merge`)
+        manifest = json.load(t.extractfile(next(m for m in t.getmembers() if m.name.endswith("suite_kernels.json"))))
+    assert manifest == [{"namespace": "ns", "name": f"tests_{g}_py", "key": f"Key(tests_{g}_py)"} for g in "ab"]
     # a fresh cache: without the seed the group that needs b's kernel fails, with it (SUITE_CACHE) it passes
     seed = tmp_path / "seed.tgz"
     back.rename(seed)

@@ -66,7 +66,7 @@ def test_shim_switch_and_key(monkeypatch):
     monkeypatch.setenv("MOE_EP_FP8_STAGE_GUARD", "1")
     assert fc2().stage_guard and s._gemm_options(fc2())["stage_guard"] is True
     monkeypatch.setattr(s.disk_cache, "get_or_build", lambda ns, name, key, build, **kw: name)
-    assert s._compiled_gemm(fc2()) == "fp8_gemm_identity_cluster2_sg"  # its own cache entry
+    assert s.compiled_gemm_of_key(fc2()) == "fp8_gemm_identity_cluster2_sg"  # its own cache entry
     assert not s._key("quantize", "", 0, 4608, 0, False).stage_guard
     monkeypatch.setenv("MOE_EP_FP8_STAGE_GUARD", "yes")
     with pytest.raises(ValueError, match="MOE_EP_FP8_STAGE_GUARD"):

@@ -566,6 +566,45 @@ def _bias_name(bias_dtype: Any) -> str | None:
     return name
 
 
+def build_grouped_gemm(key: GemmKey) -> Any:
+    """The compiled GEMM of ``key`` from the disk cache, else compiled (and stored): the compile
+    step of :func:`compiled_grouped_gemm`, and of a cache rebuilt from a manifest (``kernel_replay``)."""
+    launch = _load("sm90_megamoe.launch")
+    kw = dict(activation=key.activation, n=key.n, k=key.k, num_experts=key.num_experts, scale_rows=key.scale_rows,
+              tile_n=key.tile_n, bias_dtype=key.bias_dtype, raster_m=key.raster_m, schedule=key.schedule,
+              tvm_ffi=key.tvm_ffi)
+    if key.early_weights:
+        kw.update(early_weights=True)
+    if key.gather_a:
+        kw.update(gather_a=True)
+    if key.cluster_m > 1:
+        kw.update(cluster_m=key.cluster_m)
+    if key.cluster_n > 1:
+        kw.update(cluster_n=key.cluster_n)
+    if key.tanh_sigmoid:
+        kw.update(tanh_sigmoid=True)
+    if key.jump_stages:
+        kw.update(jump_stages=True)
+    if key.box_rows:
+        kw.update(box_rows=key.box_rows)
+    if key.handoff:
+        kw.update(handoff=key.handoff)
+    if key.activation == "clamped_swiglu":
+        kw.update(swiglu_alpha=key.swiglu_alpha, swiglu_limit=key.swiglu_limit, swiglu_beta=key.swiglu_beta)
+        if key.swiglu_limit_after_act:
+            kw.update(swiglu_limit_after_act=True)
+    if key.activation == "softcapped_swiglu":
+        kw.update(gate_softcap=key.gate_softcap, up_softcap=key.up_softcap)
+    name = (f"gemm_{key.activation}" + ("_gather" if key.gather_a else "")
+            + ("_cluster2" if key.cluster_m > 1 else "") + ("_clustern2" if key.cluster_n > 1 else "")
+            + ("_js" if key.jump_stages else "") + (f"_bt{key.box_rows}" if key.box_rows else "")
+            + ({"publish": "_hp", "await": "_ha"}.get(key.handoff, ""))
+            + ("_tanh" if key.tanh_sigmoid else ""))
+    fn = disk_cache.get_or_build(cache_namespace(), name, key,
+                                 lambda: launch.CompiledGroupedGemm(**kw).compiled, tvm_ffi=key.tvm_ffi)
+    return launch.CompiledGroupedGemm(**kw, compiled=fn)
+
+
 def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,
                           tile_n: int | None = None, bias_dtype: Any = None, raster_m: int | None = None,
                           swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
@@ -623,42 +662,7 @@ def compiled_grouped_gemm(activation: str, n: int, k: int, num_experts: int, sca
                   cluster_n, use_jump_stages(schedule), beta, after_act, *softcaps,
                   box_rows=box_rows, handoff=handoff)
 
-    def build():
-        launch = _load("sm90_megamoe.launch")
-        kw = dict(activation=activation, n=n, k=k, num_experts=num_experts, scale_rows=bool(scale_rows),
-                  tile_n=tile, bias_dtype=bias, raster_m=raster, schedule=schedule, tvm_ffi=ffi)
-        if early:
-            kw.update(early_weights=True)
-        if gather_a:
-            kw.update(gather_a=True)
-        if key.cluster_m > 1:
-            kw.update(cluster_m=key.cluster_m)
-        if key.cluster_n > 1:
-            kw.update(cluster_n=key.cluster_n)
-        if key.tanh_sigmoid:
-            kw.update(tanh_sigmoid=True)
-        if key.jump_stages:
-            kw.update(jump_stages=True)
-        if key.box_rows:
-            kw.update(box_rows=key.box_rows)
-        if key.handoff:
-            kw.update(handoff=key.handoff)
-        if activation == "clamped_swiglu":
-            kw.update(swiglu_alpha=alpha, swiglu_limit=limit, swiglu_beta=beta)
-            if after_act:
-                kw.update(swiglu_limit_after_act=True)
-        if activation == "softcapped_swiglu":
-            kw.update(gate_softcap=key.gate_softcap, up_softcap=key.up_softcap)
-        name = (f"gemm_{activation}" + ("_gather" if gather_a else "")
-                + ("_cluster2" if key.cluster_m > 1 else "") + ("_clustern2" if key.cluster_n > 1 else "")
-                + ("_js" if key.jump_stages else "") + (f"_bt{key.box_rows}" if key.box_rows else "")
-                + ({"publish": "_hp", "await": "_ha"}.get(key.handoff, ""))
-                + ("_tanh" if key.tanh_sigmoid else ""))
-        fn = disk_cache.get_or_build(cache_namespace(), name, key,
-                                     lambda: launch.CompiledGroupedGemm(**kw).compiled, tvm_ffi=ffi)
-        return launch.CompiledGroupedGemm(**kw, compiled=fn)
-
-    return COMPILE_CACHE.get_or_compile(key, build)
+    return COMPILE_CACHE.get_or_compile(key, lambda: build_grouped_gemm(key))
 
 
 def grouped_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False,

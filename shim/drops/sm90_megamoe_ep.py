@@ -106,16 +106,21 @@ def prebuild_ep(hidden: int, topk: int, world: int, max_tokens: int, num_experts
     key = EpKey(CONSTANTS.value(PKG, "DROP_VERSION"), _E["EP_ABI_VERSION"], _cutlass_version(), arch,
                 hidden, topk, world, max_tokens, num_experts, ffi, local_combine)
 
-    def build():
-        kernels = {}
-        for k in el.kinds_for(cfg, local_combine):
-            kernels[k] = disk_cache.get_or_build(
-                cache_namespace(arch), f"ep_{k}", (key, k),
-                lambda k=k: el.compile_kernel(kind=k, cfg=cfg, tvm_ffi=ffi, arch=arch), tvm_ffi=ffi)
-            el.put_kernel(kind=k, cfg=cfg, compiled=kernels[k], tvm_ffi=ffi, arch=arch)
-        return kernels
+    COMPILE_CACHE.get_or_compile(key, lambda: {k: build_ep_kernel(key, k) for k in el.kinds_for(cfg, local_combine)})
 
-    COMPILE_CACHE.get_or_compile(key, build)
+
+def build_ep_kernel(key: EpKey, kind: str) -> Any:
+    """EP kernel ``kind`` of ``key`` from the disk cache, else compiled and stored; either way put
+    where the drop's launches find it. The compile step of :func:`prebuild_ep` and of a cache rebuilt
+    from a manifest (``kernel_replay``)."""
+    el = _load("sm90_megamoe.ep_launch")
+    cfg = el.EpConfig(hidden=key.hidden, topk=key.topk, world=key.world, max_tokens=key.max_tokens,
+                      num_experts=key.num_experts)
+    compiled = disk_cache.get_or_build(
+        cache_namespace(key.arch), f"ep_{kind}", (key, kind),
+        lambda: el.compile_kernel(kind=kind, cfg=cfg, tvm_ffi=key.tvm_ffi, arch=key.arch), tvm_ffi=key.tvm_ffi)
+    el.put_kernel(kind=kind, cfg=cfg, compiled=compiled, tvm_ffi=key.tvm_ffi, arch=key.arch)
+    return compiled
 
 
 class EpSession:

@@ -419,7 +419,7 @@ def _key_constants(activation: str, swiglu: tuple) -> tuple:
     return clamped + caps
 
 
-def _compiled_gemm(key: Fp8Key) -> Any:
+def compiled_gemm_of_key(key: Fp8Key) -> Any:
     """The compiled GEMM of ``key``: the in-process cache, else the disk cache, else compile."""
     name = f"fp8_gemm_{key.activation}" + (f"_cluster{key.cluster_n}" if key.cluster_n > 1 else "") + \
         ("_defer" if key.deferred_epilogue else "") + ("_tanh" if key.tanh_sigmoid else "") + \
@@ -444,7 +444,7 @@ def compiled_fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_r
     the one-WGMMA gate+up schedule. ``place`` (drop v92): see :func:`fp8_gemm`; ``swiglu_*``:
     clamped_swiglu's constants (drop v100; ``swiglu_limit_after_act``: drop v102); ``*_softcap``:
     softcapped_swiglu's (drop v103)."""
-    return _compiled_gemm(_checked_gemm_key(activation, n, k, num_experts, scale_rows, place,
+    return compiled_gemm_of_key(_checked_gemm_key(activation, n, k, num_experts, scale_rows, place,
                                             _swiglu(activation, swiglu_alpha, swiglu_limit, swiglu_beta,
                                                     swiglu_limit_after_act, gate_softcap, up_softcap)))
 
@@ -463,7 +463,7 @@ def fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool
     key = _checked_gemm_key(activation, n, k, num_experts, scale_rows, place,
                             _swiglu(activation, swiglu_alpha, swiglu_limit, swiglu_beta, swiglu_limit_after_act,
                                     gate_softcap, up_softcap))
-    return _load("sm90_megamoe.fp8_launch").CompiledFp8Gemm(compiled=_compiled_gemm(key), **_gemm_options(key))
+    return _load("sm90_megamoe.fp8_launch").CompiledFp8Gemm(compiled=compiled_gemm_of_key(key), **_gemm_options(key))
 
 
 def compiled_fp8_quantize_rows(k: int, gather: bool = False, scatter_topk: int = 0) -> Any:
@@ -476,22 +476,29 @@ def compiled_fp8_quantize_rows(k: int, gather: bool = False, scatter_topk: int =
     if scatter_topk and gather:
         raise ValueError("sm90 FP8 row quantiser: gather and scatter_topk do not combine")
     if scatter_topk:  # the top-k is the key's n (unused by the quantisers otherwise)
-        key, name = _key("quantize_scatter", "", int(scatter_topk), k, 0, False), "fp8_scatter_quantize_rows"
-    elif gather:
-        key, name = _key("quantize_gather", "", 0, k, 0, False), "fp8_gather_quantize_rows"
+        key = _key("quantize_scatter", "", int(scatter_topk), k, 0, False)
     else:
-        key, name = _key("quantize_counted", "", 0, k, 0, False), "fp8_quantize_rows"
+        key = _key("quantize_gather" if gather else "quantize_counted", "", 0, k, 0, False)
+    return COMPILE_CACHE.get_or_compile(key, lambda: build_fp8_quantizer(key))
 
-    def build():
-        fq = _load("sm90_megamoe.fp8_quant")
-        return disk_cache.get_or_build(
-            cache_namespace(), name, key,
-            lambda: fq.compile_fp8_quantize_rows(k=k, arch="sm_90a", tvm_ffi=key.tvm_ffi, counted=not scatter_topk,
-                                                 gather=bool(gather), scatter_topk=int(scatter_topk),
-                                                 items=key.quant_items),
-            tvm_ffi=key.tvm_ffi)
 
-    return COMPILE_CACHE.get_or_compile(key, build)
+#: a quantiser key's kind -> its disk-cache name
+QUANTIZER_NAMES = {"quantize_scatter": "fp8_scatter_quantize_rows", "quantize_gather": "fp8_gather_quantize_rows",
+                    "quantize_counted": "fp8_quantize_rows"}
+
+
+def build_fp8_quantizer(key: Fp8Key) -> Any:
+    """The compiled row quantiser of ``key`` (a ``quantize_*`` kind) from the disk cache, else
+    compiled and stored: the compile step of :func:`compiled_fp8_quantize_rows` and of a cache
+    rebuilt from a manifest (``kernel_replay``)."""
+    fq = _load("sm90_megamoe.fp8_quant")
+    scatter_topk = key.n if key.kind == "quantize_scatter" else 0
+    return disk_cache.get_or_build(
+        cache_namespace(), QUANTIZER_NAMES[key.kind], key,
+        lambda: fq.compile_fp8_quantize_rows(k=key.k, arch="sm_90a", tvm_ffi=key.tvm_ffi, counted=not scatter_topk,
+                                             gather=key.kind == "quantize_gather", scatter_topk=scatter_topk,
+                                             items=key.quant_items),
+        tvm_ffi=key.tvm_ffi)
 
 
 def fp8_quantize_rows(k: int, gather: bool = False, scatter_topk: int = 0) -> Any:

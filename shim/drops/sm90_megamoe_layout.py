@@ -49,16 +49,22 @@ def prebuild_layout(hidden: int, topk: int, world: int, max_tokens: int, local_e
     key = LayoutKey(CONSTANTS.value(PKG, "DROP_VERSION"), _L["LAYOUT_ABI_VERSION"], _cutlass_version(),
                     arch, hidden, topk, world, max_tokens, local_experts, ffi, bool(route))
 
-    def build():
-        kernels = {}
-        for k in ll.kinds_for(cfg=cfg, route=route):
-            kernels[k] = disk_cache.get_or_build(  # the disk key leaves ``route`` out: a kind is a kind
-                cache_namespace(arch), f"layout_{k}", (dc_replace(key, route=False), k),
-                lambda k=k: ll.compile_kernel(kind=k, cfg=cfg, tvm_ffi=ffi, arch=arch), tvm_ffi=ffi)
-            ll.put_kernel(kind=k, cfg=cfg, compiled=kernels[k], tvm_ffi=ffi, arch=arch)
-        return kernels
+    COMPILE_CACHE.get_or_compile(key, lambda: {k: build_layout_kernel(key, k)
+                                               for k in ll.kinds_for(cfg=cfg, route=route)})
 
-    COMPILE_CACHE.get_or_compile(key, build)
+
+def build_layout_kernel(key: LayoutKey, kind: str) -> Any:
+    """Layout kernel ``kind`` of ``key`` from the disk cache, else compiled and stored; either way
+    put where the drop's launches find it. The compile step of :func:`prebuild_layout` and of a
+    cache rebuilt from a manifest (``kernel_replay``)."""
+    ll = _load("sm90_megamoe.layout_launch")
+    cfg = ll.LayoutConfig(hidden=key.hidden, topk=key.topk, world=key.world, max_tokens=key.max_tokens,
+                          local_experts=key.local_experts)
+    compiled = disk_cache.get_or_build(  # the disk key leaves ``route`` out: a kind is a kind
+        cache_namespace(key.arch), f"layout_{kind}", (dc_replace(key, route=False), kind),
+        lambda: ll.compile_kernel(kind=kind, cfg=cfg, tvm_ffi=key.tvm_ffi, arch=key.arch), tvm_ffi=key.tvm_ffi)
+    ll.put_kernel(kind=kind, cfg=cfg, compiled=compiled, tvm_ffi=key.tvm_ffi, arch=key.arch)
+    return compiled
 
 
 #: chunk counts a token-adaptive LayoutSession chooses from (and its full grid)
