@@ -14,8 +14,9 @@ the one a test asking the same question gets today. An entry whose key class has
 fields, or whose drop or launch mode this process cannot build, is skipped with the reason.
 
 Manifest entries (JSON objects): ``namespace`` (the cache folder it came from), ``name`` (the
-file label, e.g. ``gemm_swiglu``) and ``key`` (the key's ``repr``). Only the SM90 drop's kernels
-(BF16 and FP8 GEMMs, FP8 row quantisers, EP and layout kernels) are replayed.
+file label, e.g. ``gemm_swiglu``) and ``key`` (the key's ``repr``). Replayed: the SM90 drop's
+BF16 and FP8 GEMMs, FP8 row quantisers, EP and layout kernels; the SM100 drop's W4A16 GEMMs; the
+SM120 drop's MXFP8 GEMMs and row quantisers.
 """
 
 from __future__ import annotations
@@ -62,19 +63,30 @@ def read_manifest(path: str | Path) -> list[dict]:
     return entries
 
 
+#: the drops whose kernels are replayed: cache-folder prefix -> shim module (under ``.drops``)
+DROPS = {"sm90-megamoe-": "sm90_megamoe", "sm100-w4a16-": "sm100_w4a16", "sm120-mxfp8-": "sm120_mxfp8"}
+
+
 def _key_classes() -> dict:
     from .drops.sm90_megamoe import GemmKey
     from .drops.sm90_megamoe_ep import EpKey
     from .drops.sm90_megamoe_fp8 import Fp8Key
     from .drops.sm90_megamoe_layout import LayoutKey
+    from .drops.sm100_w4a16 import W4A16Key
+    from .drops.sm120_mxfp8 import Mxfp8Key
 
-    return {c.__name__: c for c in (GemmKey, EpKey, Fp8Key, LayoutKey)}
+    return {c.__name__: c for c in (GemmKey, EpKey, Fp8Key, LayoutKey, W4A16Key, Mxfp8Key)}
 
 
 def _literal(node: ast.AST) -> Any:
-    """A constant (numbers, strings, booleans, None, negative numbers), else ValueError."""
+    """A constant (numbers, strings, booleans, None, negative numbers) or a tuple of them (the
+    activation constants' (name, value) pairs), else ValueError."""
     value = ast.literal_eval(node)
-    if not isinstance(value, (int, float, str, bool, type(None))):
+
+    def plain(v):
+        return isinstance(v, (int, float, str, bool, type(None))) or (isinstance(v, tuple) and all(map(plain, v)))
+
+    if not plain(value):
         raise ValueError(f"not a plain constant: {ast.unparse(node)}")
     return value
 
@@ -107,13 +119,16 @@ def parse_key(text: str) -> tuple[Any, str | None]:
         raise ValueError(f"{cls.__name__} needs fields the recorded key lacks ({e})") from None
 
 
-def current_versions() -> dict:
-    """This checkout's value of each of :data:`VERSION_FIELDS`."""
-    from .drops.sm90_megamoe import CONSTANTS, PKG, _C, _E, _L, _cutlass_version
+def current_versions(drop: str) -> dict:
+    """This checkout's value of each of :data:`VERSION_FIELDS` for ``drop`` (a :data:`DROPS` value)."""
+    import importlib
 
-    return {"drop_version": CONSTANTS.value(PKG, "DROP_VERSION"), "abi_version": _C["ABI_VERSION"],
-            "ep_abi_version": _E["EP_ABI_VERSION"], "layout_abi_version": _L["LAYOUT_ABI_VERSION"],
-            "cutlass_version": _cutlass_version()}
+    m = importlib.import_module(f"{__package__}.drops.{drop}")
+    versions = {"drop_version": m.CONSTANTS.value(m.PKG, "DROP_VERSION"), "abi_version": m._C["ABI_VERSION"],
+                "cutlass_version": disk_cache.cutlass_version()}
+    if drop == "sm90_megamoe":  # its EP and layout kernels have ABI versions of their own
+        versions.update(ep_abi_version=m._E["EP_ABI_VERSION"], layout_abi_version=m._L["LAYOUT_ABI_VERSION"])
+    return versions
 
 
 def refreshed(key: Any, versions: dict) -> Any:
@@ -127,7 +142,13 @@ def _builder(key: Any, kind: str | None) -> Callable[[], Any]:
     from .drops.sm90_megamoe_ep import EpKey, build_ep_kernel
     from .drops.sm90_megamoe_fp8 import QUANTIZER_NAMES, Fp8Key, build_fp8_quantizer, compiled_gemm_of_key
     from .drops.sm90_megamoe_layout import LayoutKey, build_layout_kernel
+    from .drops.sm100_w4a16 import W4A16Key, build_w4a16_gemm
+    from .drops.sm120_mxfp8 import Mxfp8Key, build_mxfp8_kernel
 
+    if isinstance(key, W4A16Key) and kind is None:
+        return lambda: build_w4a16_gemm(key)
+    if isinstance(key, Mxfp8Key) and kind is None and key.kind in ("gemm", "quantize"):
+        return lambda: build_mxfp8_kernel(key)
     if isinstance(key, GemmKey) and kind is None:
         return lambda: build_grouped_gemm(key)
     if isinstance(key, Fp8Key) and kind is None and key.kind == "gemm":
@@ -149,17 +170,24 @@ def _pdl(namespace: str) -> bool:
 def replay_entry(entry: dict, versions: dict) -> tuple[str, str]:
     """Compile (or find) one manifest entry in the cache in use: (outcome, detail), outcome one
     of ``loaded`` (already there), ``compiled``, ``skipped`` (cannot be built here; detail says
-    why) or ``failed`` (the build raised; detail is the error)."""
+    why) or ``failed`` (the build raised; detail is the error). ``versions``: drop -> its
+    :func:`current_versions`, filled as drops are met."""
     from .drops.sm90_megamoe import pdl_launches
 
-    if not entry["namespace"].startswith("sm90-megamoe-"):
-        return "skipped", f"drop {entry['namespace'].split('/', 1)[0]} is not replayed (the SM90 drop only)"
-    if _pdl(entry["namespace"]) != pdl_launches():
+    drop = next((d for prefix, d in DROPS.items() if entry["namespace"].startswith(prefix)), None)
+    if drop is None:
+        return "skipped", (f"drop {entry['namespace'].split('/', 1)[0]} is not replayed (replayed: "
+                           f"{', '.join(p.rstrip('-') for p in DROPS)})")
+    if drop not in versions:
+        versions[drop] = current_versions(drop)
+    if drop == "sm90_megamoe" and _pdl(entry["namespace"]) != pdl_launches():
         want = "1" if _pdl(entry["namespace"]) else "0"
         return "skipped", f"compiled with PDL launches {'on' if want == '1' else 'off'}: replay with SM90_MEGAMOE_PDL={want}"
     try:
         key, kind = parse_key(entry["key"])
-        key = refreshed(key, versions)
+        if not type(key).__module__.rsplit(".", 1)[-1].startswith(drop):
+            raise ValueError(f"a {type(key).__name__} in drop {drop}'s folder")
+        key = refreshed(key, versions[drop])
         build = _builder(key, kind)
     except ValueError as e:
         return "skipped", str(e)
@@ -182,7 +210,7 @@ def replay(entries: list[dict], part: tuple[int, int] = (0, 1),
     i, n = part
     if not 0 <= i < n:
         raise ValueError(f"kernel replay: part {i}/{n} is not one of 0/{n} ... {n - 1}/{n}")
-    versions = current_versions()
+    versions: dict = {}
     counts = {"loaded": 0, "compiled": 0, "skipped": 0, "failed": 0}
     for entry in entries[i::n]:
         outcome, detail = replay_entry(entry, versions)

@@ -170,12 +170,18 @@ def compiled_w4a16_gemm(epilogue: str, n: int, k: int, num_experts: int, bias_dt
     consts = activation_constants(epilogue, **constants)
     key = W4A16Key(CONSTANTS.value(PKG, "DROP_VERSION"), _C["ABI_VERSION"], _cutlass_version(), ARCH,
                    epilogue, n, k, num_experts, gate_constants.key_items(consts), _bias_name(bias_dtype))
+    return COMPILE_CACHE.get_or_compile(key, lambda: build_w4a16_gemm(key))
 
-    def build():
-        return disk_cache.get_or_build(cache_namespace(), f"w4a16_{epilogue}", key,
-                                       lambda: _compile(epilogue, n, k, num_experts, bias_dtype, consts))
 
-    return COMPILE_CACHE.get_or_compile(key, build)
+def build_w4a16_gemm(key: W4A16Key) -> Any:
+    """The compiled GEMM of ``key`` from the disk cache, else compiled and stored: the compile step of
+    :func:`compiled_w4a16_gemm` and of a cache rebuilt from a manifest (``kernel_replay``)."""
+    import torch
+
+    bias = getattr(torch, key.bias_dtype) if key.bias_dtype else None
+    return disk_cache.get_or_build(cache_namespace(), f"w4a16_{key.epilogue}", key,
+                                   lambda: _compile(key.epilogue, key.n, key.k, key.num_experts, bias,
+                                                    dict(key.activation)))
 
 
 def w4a16_gemm(epilogue: str, n: int, k: int, num_experts: int, bias_dtype: Any = None, **constants: Any) -> Any:

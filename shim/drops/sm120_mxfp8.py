@@ -179,33 +179,33 @@ def compiled_mxfp8_gemm(epilogue: str, n: int, k: int, num_experts: int, tile_to
     check_gemm(epilogue, n, k, num_experts, tile_tokens, **constants)
     consts = activation_constants(epilogue, **constants)
     key = _key("gemm", epilogue, n, k, num_experts, tile_tokens, consts)
+    return COMPILE_CACHE.get_or_compile(key, lambda: build_mxfp8_kernel(key))
 
-    def build():
-        launch = _load("sm120_mxfp8.launch")
+
+def build_mxfp8_kernel(key: Mxfp8Key) -> Any:
+    """The compiled GEMM or row quantiser (``key.kind``) of ``key`` from the disk cache, else compiled
+    and stored: the compile step of :func:`compiled_mxfp8_gemm` / :func:`compiled_quantize_rows` and
+    of a cache rebuilt from a manifest (``kernel_replay``)."""
+    launch = _load("sm120_mxfp8.launch")
+    if key.kind == "quantize":
         return disk_cache.get_or_build(
-            cache_namespace(), f"mxfp8_{epilogue}", key,
-            lambda: launch.compile_mxfp8_gemm(epilogue=epilogue, n=n, k=k, num_experts=num_experts,
-                                              tile_tokens=tile_tokens, num_stages=None, arch=ARCH,
-                                              extra_options="", return_kernel=False, tvm_ffi=key.tvm_ffi,
-                                              **consts),
+            cache_namespace(), "mxfp8_quantize_rows", key,
+            lambda: launch.compile_quantize_rows(k=key.k, arch=ARCH, extra_options="", tvm_ffi=key.tvm_ffi),
             tvm_ffi=key.tvm_ffi)
-
-    return COMPILE_CACHE.get_or_compile(key, build)
+    return disk_cache.get_or_build(
+        cache_namespace(), f"mxfp8_{key.epilogue}", key,
+        lambda: launch.compile_mxfp8_gemm(epilogue=key.epilogue, n=key.n, k=key.k, num_experts=key.num_experts,
+                                          tile_tokens=key.tile_tokens, num_stages=None, arch=ARCH,
+                                          extra_options="", return_kernel=False, tvm_ffi=key.tvm_ffi,
+                                          **dict(key.activation)),
+        tvm_ffi=key.tvm_ffi)
 
 
 def compiled_quantize_rows(k: int) -> Any:
     """Compiled code of the BF16 -> MXFP8 row quantiser for rows of ``k`` values."""
     check_quantize(k)
     key = _key("quantize", "", 0, k, 0, 0)
-
-    def build():
-        launch = _load("sm120_mxfp8.launch")
-        return disk_cache.get_or_build(
-            cache_namespace(), "mxfp8_quantize_rows", key,
-            lambda: launch.compile_quantize_rows(k=k, arch=ARCH, extra_options="", tvm_ffi=key.tvm_ffi),
-            tvm_ffi=key.tvm_ffi)
-
-    return COMPILE_CACHE.get_or_compile(key, build)
+    return COMPILE_CACHE.get_or_compile(key, lambda: build_mxfp8_kernel(key))
 
 
 def mxfp8_gemm(epilogue: str, n: int, k: int, num_experts: int, tile_tokens: int = 16, **constants: Any) -> Any:
