@@ -445,8 +445,8 @@ def compiled_fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_r
     clamped_swiglu's constants (drop v100; ``swiglu_limit_after_act``: drop v102); ``*_softcap``:
     softcapped_swiglu's (drop v103)."""
     return compiled_gemm_of_key(_checked_gemm_key(activation, n, k, num_experts, scale_rows, place,
-                                            _swiglu(activation, swiglu_alpha, swiglu_limit, swiglu_beta,
-                                                    swiglu_limit_after_act, gate_softcap, up_softcap)))
+                                                  _swiglu(activation, swiglu_alpha, swiglu_limit, swiglu_beta,
+                                                          swiglu_limit_after_act, gate_softcap, up_softcap)))
 
 
 def fp8_gemm(activation: str, n: int, k: int, num_experts: int, scale_rows: bool = False, place: str = "",
