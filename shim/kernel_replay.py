@@ -29,20 +29,12 @@ from typing import Any, Callable
 
 from . import disk_cache
 
-#: the version fields a recorded key gets from this checkout (the rest say what the kernel computes)
-VERSION_FIELDS = ("drop_version", "abi_version", "ep_abi_version", "layout_abi_version", "cutlass_version")
-
-
 def manifest(root: str | Path | None = None) -> list[dict]:
     """The manifest of the cache at ``root`` (default: the one in use): one entry per committed
     kernel, sorted, without the object files' checksums or times."""
-    out = {}
-    for e in disk_cache.list_entries(root):
-        if "error" in e or not e.get("key") or not e.get("namespace"):
-            continue
-        name = Path(e["path"]).stem.rsplit("-", 1)[0]  # "<name>-<20 hex digits>.o"
-        out[(e["namespace"], name, e["key"])] = {"namespace": e["namespace"], "name": name, "key": e["key"]}
-    return [out[k] for k in sorted(out)]
+    return merge([{"namespace": e["namespace"], "name": Path(e["path"]).stem.rsplit("-", 1)[0],  # "<name>-<kid>.o"
+                   "key": e["key"]}
+                  for e in disk_cache.list_entries(root) if "error" not in e and e.get("key") and e.get("namespace")])
 
 
 def merge(*manifests: list[dict]) -> list[dict]:
@@ -120,7 +112,8 @@ def parse_key(text: str) -> tuple[Any, str | None]:
 
 
 def current_versions(drop: str) -> dict:
-    """This checkout's value of each of :data:`VERSION_FIELDS` for ``drop`` (a :data:`DROPS` value)."""
+    """This checkout's version fields (drop, ABI and cutlass-dsl versions) for ``drop`` (a :data:`DROPS`
+    value): what a recorded key's versions are replaced with."""
     import importlib
 
     m = importlib.import_module(f"{__package__}.drops.{drop}")
@@ -132,7 +125,7 @@ def current_versions(drop: str) -> dict:
 
 
 def refreshed(key: Any, versions: dict) -> Any:
-    """``key`` with this checkout's version fields (the fields it has of :data:`VERSION_FIELDS`)."""
+    """``key`` with this checkout's version fields (those of ``versions`` it has)."""
     names = {f.name for f in dataclasses.fields(key)}
     return dataclasses.replace(key, **{f: v for f, v in versions.items() if f in names})
 
