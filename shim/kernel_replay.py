@@ -87,7 +87,10 @@ def parse_key(text: str) -> tuple[Any, str | None]:
     """``repr`` of a recorded key -> (key, kind): ``Key(...)`` gives kind None, ``(Key(...), 'kind')``
     (the EP and layout kernels) gives the kind. Only the known key classes with constant fields
     are accepted (no code is evaluated); ValueError otherwise, naming what is wrong."""
-    node = ast.parse(text, mode="eval").body
+    try:
+        node = ast.parse(text, mode="eval").body
+    except SyntaxError as e:  # a truncated or hand-edited manifest: that entry is skipped, not the run
+        raise ValueError(f"not a key repr ({e.msg}): {text[:80]}") from None
     kind = None
     if isinstance(node, ast.Tuple):
         if len(node.elts) != 2:

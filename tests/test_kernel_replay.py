@@ -43,6 +43,7 @@ def test_parse_key_accepts_recorded_keys_only():
                       (repr(key).replace("route=False", "route=False, rows=4"), "no field"),
                       (repr(key).replace("hidden=2048", "hidden=len('ab')"), "malformed node"),
                       (repr((key, 3)), "kind must be a string"),
+                      (repr(key)[:-1], "not a key repr"),
                       (repr(key).replace("hidden=2048, ", "")[:-1] + ", hidden=2048)", None),
                       (repr(key).replace(", route=False", ""), None)]:
         if why is None:
